@@ -1,0 +1,583 @@
+"""The wasm host: the only module that imports wasmtime.
+
+`Core` is one compiled module (ABI 1) on one Engine; `Session` is one instance of it in a Store of its own, holding
+one conversation. What this module promises:
+
+- every call into the core runs under a deadline (epoch interruption with a catch-up ticker); a call that passes it
+  is stopped where it stands and ends its session (`DeadlineError`, then `HandleError`);
+- a trap is `PanicError` and poisons only its own session (`PoisonError` until closed); its Store is closed at once;
+- a session runs one call at a time, across threads, and refuses the next (`BusyError`) rather than queue it;
+- an answer the host cannot read ends the session (`HandleError`), because the core has already taken the event;
+- an event the core cannot lend memory for is `NullError` before the core is asked, and changes nothing.
+
+A step crosses the ABI with two calls (`dev_step`, `dev_free`) on wasmtime's unchecked call path: the input loan and
+the `out` slot are lent once per session and reused, and guest memory is read and written with bounds-checked
+`memmove`/`string_at`, never through `Func.__call__` (see shared/WASM-HOST.md: 17-42x faster).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.resources
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from ctypes import POINTER, addressof, c_size_t, c_uint64, c_void_p, memmove, string_at
+from pathlib import Path
+
+import wasmtime
+from wasmtime import _ffi as ffi
+
+from devd import ABI
+from devd.errors import (
+    STATUS,
+    STATUS_MESSAGES,
+    AbiError,
+    BusyError,
+    DeadlineError,
+    DevdError,
+    HandleError,
+    MalformedError,
+    NullError,
+    PanicError,
+    PoisonError,
+)
+from devd.protocol import Action, Config, Event, decode_actions, encode
+
+MEMORY_BYTES_DEFAULT = 64 << 20
+CALL_TIMEOUT_SECONDS_DEFAULT = 5.0
+TICK_SECONDS = 0.005
+OUT_BYTES = 12  # a dev_buf on wasm32: ptr, len, cap as three little-endian u32
+LOAN_BYTES_MIN = 4096
+INT32_MAX = 2**31 - 1
+
+# Private prototypes of the three hot C entry points: `argtypes = None` skips ctypes' per-call conversion, and a
+# copy of our own leaves wasmtime-py's prototypes untouched. Every argument is passed as a ctypes object.
+_call_unchecked = ffi.dll["wasmtime_func_call_unchecked"]
+_call_unchecked.restype = c_void_p
+_call_unchecked.argtypes = None
+_memory_data = ffi.dll["wasmtime_memory_data"]
+_memory_data.restype = c_void_p
+_memory_data.argtypes = None
+_memory_size = ffi.dll["wasmtime_memory_data_size"]
+_memory_size.restype = c_size_t
+_memory_size.argtypes = None
+_set_deadline = ffi.dll["wasmtime_context_set_epoch_deadline"]
+_set_deadline.restype = None
+_set_deadline.argtypes = None
+
+# The ABI's exports and their types: (params, results).
+_SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "dev_abi": ((), ("i32",)),
+    "dev_alloc": (("i32",), ("i32",)),
+    "dev_release": (("i32", "i32"), ()),
+    "dev_new": (("i32", "i32", "i32"), ("i32",)),
+    "dev_restore": (("i32", "i32", "i32"), ("i32",)),
+    "dev_step": (("i64", "i32", "i32", "i32"), ("i32",)),
+    "dev_snapshot": (("i64", "i32"), ("i32",)),
+    "dev_free": (("i32",), ()),
+}
+# dev_restore and dev_snapshot may be missing: such a core runs sessions but cannot carry them across instances.
+_REQUIRED = ("dev_abi", "dev_alloc", "dev_release", "dev_new", "dev_step", "dev_free")
+
+
+def packaged_module() -> bytes:
+    """The core built from core/ and shipped in the package."""
+    resource = importlib.resources.files("devd") / "core.wasm"
+    try:
+        return resource.read_bytes()
+    except FileNotFoundError:
+        raise AbiError(
+            "devd/core.wasm is missing: the core has not been built; run `make build` (or reinstall devd)"
+        ) from None
+
+
+class _Ticker:
+    """Advances an Engine's epoch every TICK_SECONDS, catching up when starved of the GIL.
+
+    A plain sleep-and-tick loop fires deadlines late under GIL contention (50 ms became 330 ms); bringing the epoch to
+    floor(elapsed / period) on each wake-up keeps it honest. Deadlines are computed from the wall clock minus the
+    epoch already reached, so a lagging epoch never makes a deadline fire early.
+    """
+
+    def __init__(self, engine: wasmtime.Engine) -> None:
+        self._engine = engine
+        self._t0 = time.monotonic()
+        self._epoch = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="devd-epoch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(TICK_SECONDS):
+            target = int((time.monotonic() - self._t0) / TICK_SECONDS)
+            while self._epoch < target:
+                self._engine.increment_epoch()
+                self._epoch += 1
+
+    def ticks_until(self, deadline: float) -> int:
+        """Epoch ticks from now until the monotonic time `deadline`, never fewer than one."""
+        due = int((deadline - self._t0) / TICK_SECONDS) + 1
+        return max(1, due - self._epoch)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _engine() -> wasmtime.Engine:
+    config = wasmtime.Config()
+    config.epoch_interruption = True
+    # Without signal handlers a guard-page trap cannot be misrouted to faulthandler (which kills the process when it
+    # was enabled after the Engine); explicit bounds checks cost 0-10% of a step.
+    config.signals_based_traps = False
+    return wasmtime.Engine(config)
+
+
+def _check_exports(module: wasmtime.Module) -> None:
+    if module.imports:
+        names = ", ".join(f"{i.module}.{i.name}" for i in module.imports)
+        raise AbiError(f"the core must import nothing, and this module imports {names}")
+    for export in module.exports:
+        expected = _SIGNATURES.get(export.name)
+        if expected is None:
+            continue
+        ty = export.type
+        if not isinstance(ty, wasmtime.FuncType):
+            raise AbiError(f"the module's {export.name} is not a function")
+        got = (tuple(str(p) for p in ty.params), tuple(str(r) for r in ty.results))
+        if got != expected:
+            raise AbiError(f"the module's {export.name} has type {got}, and ABI {ABI} wants {expected}")
+
+
+def _deadline(timeout: float) -> float:
+    return time.monotonic() + timeout
+
+
+class Core:
+    """One compiled module on one Engine. Safe to share between threads; open one per process."""
+
+    def __init__(
+        self,
+        engine: wasmtime.Engine,
+        module: wasmtime.Module,
+        ticker: _Ticker,
+        memory_bytes: int,
+        call_timeout: float,
+    ) -> None:
+        self._engine = engine
+        self._module = module
+        self._ticker = ticker
+        self._pre = wasmtime.Linker(engine).instantiate_pre(module)
+        self.memory_bytes = memory_bytes
+        self.call_timeout = call_timeout
+        self.has_snapshots = {e.name for e in module.exports} >= {"dev_restore", "dev_snapshot"}
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def open(
+        cls,
+        wasm: bytes | Path | None = None,
+        *,
+        timeout: float = CALL_TIMEOUT_SECONDS_DEFAULT,
+        memory_bytes: int = MEMORY_BYTES_DEFAULT,
+        call_timeout: float = CALL_TIMEOUT_SECONDS_DEFAULT,
+    ) -> Core:
+        """Compile the module (the packaged core by default), check that it speaks ABI 1, and return it.
+
+        `timeout` bounds the whole open, the module's own `dev_abi` included: a module that never answers raises
+        `DeadlineError` when it passes.
+        """
+        deadline = _deadline(timeout)
+        if wasm is None:
+            wasm = packaged_module()
+        elif isinstance(wasm, Path):
+            wasm = wasm.read_bytes()
+        engine = _engine()
+        try:
+            module = wasmtime.Module(engine, wasm)
+        except wasmtime.WasmtimeError as e:
+            raise AbiError(f"the module does not compile: {e}") from None
+        _check_exports(module)
+        ticker = _Ticker(engine)
+        try:
+            _probe_abi(engine, module, ticker, deadline, memory_bytes)
+            names = {e.name for e in module.exports}
+            missing = [n for n in ("memory", *_REQUIRED) if n not in names]
+            if missing:
+                raise AbiError(f"the module does not export {', '.join(missing)}, which ABI {ABI} needs")
+            return cls(engine, module, ticker, memory_bytes, call_timeout)
+        except BaseException:
+            ticker.stop()
+            raise
+
+    def new(self, config: Config | None = None, *, timeout: float | None = None) -> Session:
+        """Start a session in an instance of its own."""
+        return self._start("dev_new", encode(config or Config()), timeout)
+
+    def restore(self, state: bytes, *, timeout: float | None = None) -> Session:
+        """Rebuild a session from its snapshot; a damaged snapshot is `MalformedError`."""
+        if not self.has_snapshots:
+            raise NullError("this core exports no dev_restore, so it cannot restore a snapshot; use a core with all of ABI 1")
+        return self._start("dev_restore", state, timeout)
+
+    def close(self) -> None:
+        """End every session started from this Core (each answers `HandleError` after) and stop its ticker."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            sessions = list(self._sessions)
+        for session in sessions:
+            session._end_with_core()
+        self._ticker.stop()
+
+    def _start(self, export: str, data: bytes, timeout: float | None) -> Session:
+        deadline = _deadline(self.call_timeout if timeout is None else timeout)
+        with self._lock:
+            if self.closed:
+                raise HandleError("the core is closed and starts no session; open another Core")
+            store = wasmtime.Store(self._engine)
+        store.set_limits(memory_size=self.memory_bytes)
+        session = Session(self, store)
+        session._open(export, data, deadline)
+        with self._lock:
+            if self.closed:
+                session._end_with_core()
+            else:
+                self._sessions.add(session)
+        return session
+
+
+def _probe_abi(
+    engine: wasmtime.Engine, module: wasmtime.Module, ticker: _Ticker, deadline: float, memory_bytes: int
+) -> None:
+    """Ask a throwaway instance for its ABI version, under the caller's deadline."""
+    if deadline <= time.monotonic():
+        raise DeadlineError("opening the core ran out of time before dev_abi was asked")
+    store = wasmtime.Store(engine)
+    try:
+        store.set_limits(memory_size=memory_bytes)
+        store.set_epoch_deadline(ticker.ticks_until(deadline))
+        try:
+            instance = wasmtime.Instance(store, module, [])
+            dev_abi = instance.exports(store).get("dev_abi")
+            if not isinstance(dev_abi, wasmtime.Func):
+                raise AbiError("the module exports no dev_abi function")
+            abi = dev_abi(store)
+        except wasmtime.Trap as e:
+            if e.trap_code == wasmtime.TrapCode.INTERRUPT:
+                raise DeadlineError("the module's dev_abi did not answer before the deadline; it is not a usable core") from None
+            raise AbiError(f"the module trapped when asked its ABI: {e.message}") from None
+        if abi != ABI:
+            raise AbiError(f"the module speaks ABI {abi}, and devd speaks ABI {ABI}")
+    finally:
+        store.close()
+
+
+class _Export:
+    """One export on the unchecked call path: its func, and an argument array reused for every call."""
+
+    __slots__ = ("func", "ref", "args", "n")
+
+    def __init__(self, func: ffi.wasmtime_func_t, n: int) -> None:
+        self.func = func
+        self.ref = ctypes.pointer(func)
+        self.n = c_size_t(n)
+        self.args = (ffi.wasmtime_val_raw_t * max(n, 1))()
+
+
+class Session:
+    """One conversation in one instance. Calls are serialised: a second concurrent call answers `BusyError`."""
+
+    def __init__(self, core: Core, store: wasmtime.Store) -> None:
+        self._core = core
+        self._store: wasmtime.Store | None = store
+        self._ctx = store._context()
+        self._busy = threading.Lock()
+        self._gone: type[DevdError] | None = None
+        self._gone_why = ""
+        self._exports: dict[str, _Export] = {}
+        self._memory = ffi.wasmtime_memory_t()
+        self._trap = POINTER(ffi.wasm_trap_t)()
+        self._trap_at = c_void_p(addressof(self._trap))
+        self._handle = 0
+        self._out = 0
+        self._loan = 0
+        self._loan_bytes = 0
+
+    # -- public API ------------------------------------------------------------------------------------------------
+
+    def step(self, event: Event, *, timeout: float | None = None) -> list[Action]:
+        """Feed the core one event and return the actions it answers with, in order."""
+        actions: list[Action] = []
+
+        def read(answer: bytes) -> None:
+            actions.extend(decode_actions(answer))
+
+        self._step(encode(event), read, timeout)
+        return actions
+
+    def step_raw(self, event: bytes, *, timeout: float | None = None) -> bytes:
+        """`step` on encoded bytes: the event as JSON in, the core's answer (a JSON array of actions) out.
+
+        The answer is checked to be actions on one line before it is returned; one that is not ends the session.
+        """
+        answer = b""
+
+        def read(data: bytes) -> None:
+            nonlocal answer
+            if b"\n" in data:
+                raise ValueError("the answer spans several lines")
+            decode_actions(data)
+            answer = data
+
+        self._step(event, read, timeout)
+        return answer
+
+    def snapshot(self, *, timeout: float | None = None) -> bytes:
+        """The core's whole state, checksummed, for `Core.restore`."""
+        if not self._core.has_snapshots:
+            raise NullError("this core exports no dev_snapshot, so its sessions cannot be snapshotted")
+        deadline = self._enter(timeout)
+        try:
+            self._arm(deadline)
+            ex = self._exports["dev_snapshot"]
+            ex.args[0].i64 = self._handle
+            ex.args[1].i32 = self._out
+            self._status(self._invoke(ex))
+            return self._take()
+        finally:
+            self._busy.release()
+
+    def close(self) -> None:
+        """Close the instance and free all its memory. Later calls answer `HandleError`; a second close is a no-op."""
+        if not self._busy.acquire(blocking=False):
+            raise BusyError("the session is inside another call; close it when that call has answered")
+        try:
+            if self._store is not None:
+                self._end(HandleError, "the session was closed; start or restore another")
+        finally:
+            self._busy.release()
+
+    @property
+    def alive(self) -> bool:
+        return self._gone is None
+
+    def memory_bytes(self) -> int:
+        """The instance's linear memory size now (for tests and status)."""
+        if self._store is None:
+            return 0
+        return int(_memory_size(self._ctx, ctypes.byref(self._memory)))
+
+    # -- the ABI dance ---------------------------------------------------------------------------------------------
+
+    def _open(self, export: str, data: bytes, deadline: float) -> None:
+        self._busy.acquire()
+        try:
+            if deadline <= time.monotonic():
+                self._end(HandleError, "the session was never started: its deadline passed first")
+                raise DeadlineError("the deadline passed before the session started")
+            self._arm(deadline)
+            self._bind()
+            self._out = self._alloc(OUT_BYTES)
+            ptr = self._lend(data)
+            ex = self._exports[export]
+            ex.args[0].i32 = ptr
+            ex.args[1].i32 = len(data)
+            ex.args[2].i32 = self._out
+            self._status(self._invoke(ex))
+            base, size = self._bounds()
+            if self._out + 8 > size:
+                self._end(HandleError, "the core's out slot lies outside its memory")
+                raise HandleError("the core lent its out slot outside its memory; the core is broken")
+            self._handle = struct.unpack("<Q", string_at(base + self._out, 8))[0]
+        except BaseException:
+            if self._store is not None:
+                self._end(HandleError, "the session failed to start")
+            raise
+        finally:
+            self._busy.release()
+
+    def _bind(self) -> None:
+        """Find the exports in this instance: the memory and a call record per function."""
+        assert self._store is not None
+        instance = self._core._pre.instantiate(self._store)
+        item = ffi.wasmtime_extern_t()
+        for name, (params, results) in _SIGNATURES.items():
+            raw = name.encode()
+            if ffi.wasmtime_instance_export_get(
+                self._ctx, ctypes.byref(instance._instance), ctypes.create_string_buffer(raw, len(raw)), len(raw), ctypes.byref(item)
+            ):
+                self._exports[name] = _Export(ffi.wasmtime_func_t.from_buffer_copy(item.of.func), max(len(params), len(results)))
+        raw = b"memory"
+        if not ffi.wasmtime_instance_export_get(
+            self._ctx, ctypes.byref(instance._instance), ctypes.create_string_buffer(raw, len(raw)), len(raw), ctypes.byref(item)
+        ):
+            raise AbiError("the core exports no memory")
+        self._memory = ffi.wasmtime_memory_t.from_buffer_copy(item.of.memory)
+
+    def _step(self, data: bytes, use: Callable[[bytes], None], timeout: float | None) -> None:
+        deadline = self._enter(timeout)
+        try:
+            n = len(data)
+            if n > INT32_MAX or n > self._core.memory_bytes:
+                raise NullError(
+                    f"the event is {n} bytes and the session's memory is {self._core.memory_bytes} bytes; "
+                    "nothing changed, send a smaller event"
+                )
+            self._arm(deadline)
+            if n > self._loan_bytes:
+                self._grow_loan(n)
+            if n:
+                base, size = self._bounds()
+                if self._loan + n > size:
+                    self._end(HandleError, "the core lent its input buffer outside its memory")
+                    raise HandleError("the core lent memory outside itself; the session ended")
+                memmove(base + self._loan, data, n)
+            ex = self._exports["dev_step"]
+            args = ex.args
+            args[0].i64 = self._handle
+            args[1].i32 = self._loan if n else 0
+            args[2].i32 = n
+            args[3].i32 = self._out
+            self._status(self._invoke(ex))
+            answer = self._take()
+            try:
+                use(answer)
+            except Exception as e:
+                # The core has taken the event: what it asked for is lost to the host, so the session cannot go on.
+                self._end(HandleError, "the session ended when its answer was lost; restore its last snapshot")
+                raise HandleError(
+                    f"the core took the event and its answer was not taken ({e}); "
+                    "the session ended: restore its last snapshot and step the event again"
+                ) from e
+        finally:
+            self._busy.release()
+
+    def _enter(self, timeout: float | None) -> float:
+        """Hold the session for one call and return the call's deadline; refuse if busy or gone."""
+        if not self._busy.acquire(blocking=False):
+            raise BusyError("the session is inside another call; retry when that call has answered")
+        if self._gone is None and self._core.closed:
+            self._end(HandleError, "the core this session ran in was closed; restore it in another Core")
+        if self._gone is not None:
+            gone, why = self._gone, self._gone_why
+            self._busy.release()
+            raise gone(why)
+        deadline = _deadline(self._core.call_timeout if timeout is None else timeout)
+        if deadline <= time.monotonic():
+            self._end(HandleError, "the session ended when a call's deadline passed; recover or restore it")
+            self._busy.release()
+            raise DeadlineError("the call's deadline had already passed; the session ended, restore its last snapshot")
+        return deadline
+
+    def _arm(self, deadline: float) -> None:
+        _set_deadline(self._ctx, c_uint64(self._core._ticker.ticks_until(deadline)))
+
+    def _invoke(self, ex: _Export) -> int:
+        """One call on the unchecked path; a trap or an error ends the session here."""
+        err = _call_unchecked(self._ctx, ex.ref, ex.args, ex.n, self._trap_at)
+        if err:
+            error = wasmtime.WasmtimeError._from_ptr(ctypes.cast(err, POINTER(ffi.wasmtime_error_t)))
+            raise self._lose(str(error), interrupted=False)
+        if self._trap:
+            trap = wasmtime.Trap._from_ptr(self._trap)
+            self._trap = POINTER(ffi.wasm_trap_t)()
+            self._trap_at = c_void_p(addressof(self._trap))
+            interrupted = trap.trap_code == wasmtime.TrapCode.INTERRUPT
+            message = trap.message
+            del trap
+            raise self._lose(message, interrupted=interrupted)
+        return int(ex.args[0].i32)
+
+    def _lose(self, message: str, *, interrupted: bool) -> DevdError:
+        """Close the instance after a trap and say what every later call answers."""
+        if interrupted:
+            self._end(HandleError, "the session ended when a call ran past its deadline; recover or restore it")
+            return DeadlineError(
+                "the call ran past its deadline and was stopped; the session ended, restore its last snapshot"
+            )
+        near_cap = self.memory_bytes() + (1 << 20) >= self._core.memory_bytes
+        self._end(PoisonError, "a previous call on this session trapped; close it, then restore or recover it")
+        why = "it ran out of its memory cap" if near_cap else message.strip().splitlines()[-1].strip()
+        return PanicError(f"the call trapped inside the core ({why}); the session is poisoned, recover it")
+
+    def _status(self, rc: int) -> None:
+        if rc == 0:
+            return
+        kind = STATUS[-rc] if -len(STATUS) < rc < 0 else None
+        if kind is None:
+            self._end(HandleError, "the core answered a status ABI 1 does not have")
+            raise HandleError(f"the core answered status {rc}, which ABI {ABI} does not have; the session ended")
+        if kind in (PoisonError, PanicError, HandleError):
+            self._end(PoisonError if kind is not HandleError else HandleError, STATUS_MESSAGES[kind])
+        raise kind(STATUS_MESSAGES[kind])
+
+    def _bounds(self) -> tuple[int, int]:
+        # Memory may grow or move during any call: read base and size afresh every time.
+        ref = ctypes.byref(self._memory)
+        return int(_memory_data(self._ctx, ref) or 0), int(_memory_size(self._ctx, ref))
+
+    def _take(self) -> bytes:
+        """Copy out the dev_buf the last call wrote to `out`, then hand it back with dev_free."""
+        base, size = self._bounds()
+        ptr, n, cap = struct.unpack("<III", string_at(base + self._out, OUT_BYTES))
+        if n and (ptr == 0 or n > cap or ptr + n > size):
+            self._end(HandleError, "the core answered outside its memory")
+            raise HandleError(f"the core answered {n} bytes at {ptr:#x}, outside its memory; the session ended")
+        answer = string_at(base + ptr, n) if n else b""
+        ex = self._exports["dev_free"]
+        ex.args[0].i32 = self._out
+        self._invoke(ex)
+        return answer
+
+    def _alloc(self, n: int) -> int:
+        if n > INT32_MAX:
+            raise NullError(f"{n} bytes cannot be lent: the core's lengths are i32")
+        ex = self._exports["dev_alloc"]
+        ex.args[0].i32 = n
+        ptr = self._invoke(ex) & 0xFFFFFFFF
+        if ptr == 0:
+            raise NullError(f"the core lent nothing for {n} bytes; send a smaller event")
+        return ptr
+
+    def _lend(self, data: bytes) -> int:
+        """Copy data into the session's input loan, growing it first when too small; 0 for no data."""
+        if not data:
+            return 0
+        if len(data) > self._loan_bytes:
+            self._grow_loan(len(data))
+        base, size = self._bounds()
+        if self._loan + len(data) > size:
+            raise HandleError("the core lent memory outside itself")
+        memmove(base + self._loan, data, len(data))
+        return self._loan
+
+    def _grow_loan(self, n: int) -> None:
+        if self._loan:
+            ex = self._exports["dev_release"]
+            ex.args[0].i32 = self._loan
+            ex.args[1].i32 = self._loan_bytes
+            self._invoke(ex)
+            self._loan, self._loan_bytes = 0, 0
+        want = max(LOAN_BYTES_MIN, 1 << (n - 1).bit_length()) if n <= 1 << 20 else n
+        self._loan = self._alloc(want)
+        self._loan_bytes = want
+
+    def _end(self, gone: type[DevdError], why: str) -> None:
+        """Close the Store (freeing the instance and its memory) and fix what every later call answers."""
+        self._gone, self._gone_why = gone, why
+        store, self._store = self._store, None
+        self._exports = {}
+        if store is not None:
+            store.close()
+
+    def _end_with_core(self) -> None:
+        with self._busy:
+            if self._gone is None:
+                self._end(HandleError, "the core this session ran in was closed; restore it in another Core")

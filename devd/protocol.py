@@ -1,0 +1,188 @@
+"""The core's messages (ABI 1) as msgspec Structs: Config, Event, Call, Action, Op, Message.
+
+A union on the wire is an object with exactly one member, so each union here is a Struct whose members are all
+optional and whose `__post_init__` insists that exactly one is set. Optional members are omitted, never null, and
+`encode` writes members in the order the core does, so a Struct round-trips to the core's exact bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class _Wire(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Common options of every message."""
+
+
+class _OneOf(_Wire, frozen=True):
+    """A union: exactly one member is set."""
+
+    def __post_init__(self) -> None:
+        set_members = [f for f in self.__struct_fields__ if getattr(self, f) is not None]
+        if len(set_members) != 1:
+            raise ValueError(
+                f"{type(self).__name__} needs exactly one member of {', '.join(self.__struct_fields__)}; "
+                f"got {len(set_members)}"
+            )
+
+
+class Config(_Wire, frozen=True):
+    model: str | None = None
+
+
+class Exec(_Wire, frozen=True):
+    argv: list[str]
+
+
+class Read(_Wire, frozen=True):
+    path: str
+
+
+class Write(_Wire, frozen=True):
+    path: str
+    text: str
+
+
+class Git(_Wire, frozen=True):
+    argv: list[str]
+
+
+class Browse(_Wire, frozen=True):
+    url: str
+
+
+class Call(_OneOf, frozen=True):
+    Exec: Exec | None = None
+    Read: Read | None = None
+    Write: Write | None = None
+    Git: Git | None = None
+    Browse: Browse | None = None
+
+
+class Turn(_Wire, frozen=True):
+    id: int
+    prompt: str
+
+
+class Reply(_Wire, frozen=True):
+    text: str | None = None
+    calls: list[Call] | None = None
+
+
+class Answer(_Wire, frozen=True):
+    id: int
+    reply: Reply
+
+
+class Output(_Wire, frozen=True):
+    id: int
+    text: str
+    failed: bool = False
+
+
+class Cancel(_Wire, frozen=True):
+    turn: int
+
+
+class Event(_OneOf, frozen=True):
+    Turn: Turn | None = None
+    Model: Answer | None = None
+    Exec: Output | None = None
+    File: Output | None = None
+    Git: Output | None = None
+    Browse: Output | None = None
+    Cancel: Cancel | None = None
+    Timer: Literal[True] | None = None
+
+
+class Dispatch(_Wire, frozen=True):
+    id: int
+    call: Call
+
+
+class Agent(_Wire, frozen=True):
+    text: str | None = None
+    calls: list[Dispatch] | None = None
+
+
+class Tool(_Wire, frozen=True):
+    id: int
+    text: str
+    failed: bool = False
+
+
+class Message(_OneOf, frozen=True):
+    User: str | None = None
+    Agent: Agent | None = None
+    Tool: Tool | None = None
+
+
+class Ask(_Wire, frozen=True, kw_only=True):
+    model: str | None = None
+    messages: list[Message]
+
+
+class Outcome(_OneOf, frozen=True):
+    Complete: Literal[True] | None = None
+    Cancelled: Literal[True] | None = None
+
+
+class Done(_Wire, frozen=True):
+    turn: int
+    outcome: Outcome
+
+
+class Op(_OneOf, frozen=True):
+    Model: Ask | None = None
+    Exec: Exec | None = None
+    Read: Read | None = None
+    Write: Write | None = None
+    Git: Git | None = None
+    Browse: Browse | None = None
+    Emit: str | None = None
+    Save: Literal[True] | None = None
+    Done: Done | None = None
+
+
+class Action(_Wire, frozen=True):
+    id: int
+    op: Op
+
+
+_encoder = msgspec.json.Encoder()
+_actions = msgspec.json.Decoder(list[Action])
+_event = msgspec.json.Decoder(Event)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """The message as the core reads and writes it."""
+    return _encoder.encode(message)
+
+
+def decode_actions(data: bytes) -> list[Action]:
+    """A core's answer; raises msgspec.ValidationError or msgspec.DecodeError when it is not one."""
+    return _actions.decode(data)
+
+
+def decode_event(data: bytes) -> Event:
+    return _event.decode(data)
+
+
+# Constructors the tests and the demo read best with.
+def turn(id: int, prompt: str) -> Event:
+    return Event(Turn=Turn(id=id, prompt=prompt))
+
+
+def answer(id: int, text: str | None = None, calls: list[Call] | None = None) -> Event:
+    return Event(Model=Answer(id=id, reply=Reply(text=text, calls=calls)))
+
+
+def ask(*messages: Message, model: str | None = None) -> Op:
+    return Op(Model=Ask(messages=list(messages), model=model))
+
+
+def done(turn: int, *, cancelled: bool = False) -> Op:
+    outcome = Outcome(Cancelled=True) if cancelled else Outcome(Complete=True)
+    return Op(Done=Done(turn=turn, outcome=outcome))

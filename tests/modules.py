@@ -1,0 +1,60 @@
+"""Hand-written stand-ins for a core, in WAT, for the host's failure paths."""
+
+from __future__ import annotations
+
+import wasmtime
+
+# A module whose dev_abi never returns.
+SPIN_ABI = wasmtime.wat2wasm('(module (func (export "dev_abi") (result i32) (loop (br 0)) (i32.const 1)))')
+
+# A core built from types devd does not have: every step answers an action with a member Action lacks.
+AHEAD = wasmtime.wat2wasm(
+    r"""(module
+  (memory (export "memory") 1)
+  (data (i32.const 1024) "[{\"id\":1,\"op\":\"Save\",\"note\":null}]")
+  (func (export "dev_abi") (result i32) i32.const 1)
+  (func (export "dev_alloc") (param i32) (result i32) i32.const 2048)
+  (func (export "dev_release") (param i32 i32))
+  (func (export "dev_new") (param i32 i32 i32) (result i32) i32.const 0)
+  (func (export "dev_step") (param i64 i32 i32 i32) (result i32)
+    (i32.store (local.get 3) (i32.const 1024))
+    (i32.store offset=4 (local.get 3) (i32.const 34))
+    i32.const 0)
+  (func (export "dev_free") (param i32)))"""
+)
+
+
+def core_with(step_body: str, abi: int = 1, extra: str = "") -> bytes:
+    """A minimal ABI-1 core whose dev_step runs `step_body` (which must leave an i32 status)."""
+    return wasmtime.wat2wasm(
+        f"""(module
+  {extra}
+  (memory (export "memory") 1)
+  (data (i32.const 1024) "[]")
+  (func (export "dev_abi") (result i32) i32.const {abi})
+  (func (export "dev_alloc") (param i32) (result i32) i32.const 2048)
+  (func (export "dev_release") (param i32 i32))
+  (func (export "dev_new") (param i32 i32 i32) (result i32) i32.const 0)
+  (func (export "dev_step") (param i64 i32 i32 i32) (result i32)
+    (i32.store (local.get 3) (i32.const 1024))
+    (i32.store offset=4 (local.get 3) (i32.const 2))
+    (i32.store offset=8 (local.get 3) (i32.const 2))
+    {step_body})
+  (func (export "dev_free") (param i32)))"""
+    )
+
+
+# dev_step spins for ever: only a deadline stops it.
+SPIN_STEP = core_with("(loop (br 0)) i32.const 0")
+# dev_step answers [] at once.
+EMPTY_STEP = core_with("i32.const 0")
+# dev_step executes `unreachable`, as a Zig panic does.
+PANIC_STEP = core_with("unreachable")
+# A module that speaks another ABI.
+ABI_2 = core_with("i32.const 0", abi=2)
+# A module that imports something.
+IMPORTS = wasmtime.wat2wasm(
+    '(module (import "env" "clock" (func (result i64))) (func (export "dev_abi") (result i32) i32.const 1))'
+)
+# A module whose dev_step has the wrong type.
+WRONG_TYPE = wasmtime.wat2wasm('(module (func (export "dev_abi") (result i32) i32.const 1) (func (export "dev_step") (param i32)))')

@@ -1,0 +1,654 @@
+"""The core and its host, test by test as seed 000 (dev_test.go) states them, plus the rules it does not show."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from devd.errors import (
+    AbiError,
+    BusyError,
+    DeadlineError,
+    HandleError,
+    MalformedError,
+    NullError,
+    PanicError,
+    PoisonError,
+)
+from devd.host import Core, Session
+from devd.protocol import (
+    Action,
+    Agent,
+    Browse,
+    Call,
+    Cancel,
+    Config,
+    Dispatch,
+    Event,
+    Exec,
+    Git,
+    Message,
+    Op,
+    Output,
+    Read,
+    Tool,
+    Write,
+    answer,
+    ask,
+    done,
+    encode,
+    turn,
+)
+from tests import modules
+
+FIX = "fix the build"
+
+
+def user(text: str) -> Message:
+    return Message(User=text)
+
+
+def agent(text: str | None = None, calls: list[Dispatch] | None = None) -> Message:
+    return Message(Agent=Agent(text=text, calls=calls))
+
+
+def tool(id: int, text: str, failed: bool = False) -> Message:
+    return Message(Tool=Tool(id=id, text=text, failed=failed))
+
+
+def finish(first_id: int, turn_id: int, text: str) -> list[Action]:
+    return [
+        Action(id=first_id, op=Op(Emit=text)),
+        Action(id=first_id + 1, op=Op(Save=True)),
+        Action(id=first_id + 2, op=done(turn_id)),
+    ]
+
+
+def test_a_turn_runs_to_done(session: Session) -> None:
+    """The whole loop once: a prompt, a model that asks for two tools, their results, and an answer in words."""
+    assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
+    build, lib = Call(Exec=Exec(argv=["cargo", "build"])), Call(Read=Read(path="src/lib.rs"))
+    assert session.step(answer(1, "Let me look.", [build, lib])) == [
+        Action(id=2, op=Op(Exec=build.Exec)),
+        Action(id=3, op=Op(Read=lib.Read)),
+    ]
+    failed = "error[E0425]: cannot find value `x` in this scope"
+    assert session.step(Event(Exec=Output(id=2, text=failed, failed=True))) == []
+    assert session.step(Event(File=Output(id=3, text="pub fn f() -> u8 { x }"))) == [
+        Action(
+            id=4,
+            op=ask(
+                user(FIX),
+                agent("Let me look.", [Dispatch(id=2, call=build), Dispatch(id=3, call=lib)]),
+                tool(2, failed, failed=True),
+                tool(3, "pub fn f() -> u8 { x }"),
+            ),
+        )
+    ]
+    assert session.step(answer(4, "`x` was never declared.")) == finish(5, 1, "`x` was never declared.")
+
+
+def test_the_core_answers_in_the_exact_bytes_of_the_protocol(session: Session) -> None:
+    session.step(turn(1, FIX))
+    raw = session.step_raw(b'{"Model":{"id":1,"reply":{"text":"ok"}}}')
+    assert raw == (
+        b'[{"id":2,"op":{"Emit":"ok"}},{"id":3,"op":{"Save":true}},'
+        b'{"id":4,"op":{"Done":{"turn":1,"outcome":{"Complete":true}}}}]'
+    )
+
+
+def test_a_redelivered_turn_asks_for_nothing(session: Session) -> None:
+    session.step(turn(7, FIX))
+    assert [session.step(turn(id, FIX)) for id in (7, 6, 1)] == [[], [], []]
+    makefile = Call(Read=Read(path="Makefile"))
+    session.step(answer(1, calls=[makefile]))
+    assert session.step(Event(File=Output(id=2, text="all: build"))) == [
+        Action(id=3, op=ask(user(FIX), agent(calls=[Dispatch(id=2, call=makefile)]), tool(2, "all: build")))
+    ]
+
+
+def test_a_result_no_one_awaits_changes_nothing(session: Session) -> None:
+    session.step(turn(1, FIX))
+    build, file = Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="Makefile"))
+    session.step(answer(1, calls=[build, file]))
+    forged = [
+        Event(File=Output(id=2, text="forged")),
+        Event(Git=Output(id=2, text="forged")),
+        Event(Exec=Output(id=3, text="forged")),
+        Event(Browse=Output(id=3, text="forged")),
+        Event(Exec=Output(id=99, text="forged")),
+        answer(1, "forged"),
+        answer(2, "forged"),
+    ]
+    assert [session.step(e) for e in forged] == [[]] * len(forged)
+    assert session.step(Event(Exec=Output(id=2, text="made"))) == []
+    assert session.step(Event(File=Output(id=3, text="all: build"))) == [
+        Action(
+            id=4,
+            op=ask(
+                user(FIX),
+                agent(calls=[Dispatch(id=2, call=build), Dispatch(id=3, call=file)]),
+                tool(2, "made"),
+                tool(3, "all: build"),
+            ),
+        )
+    ]
+    assert session.step(Event(File=Output(id=3, text="all: build"))) == []
+
+
+def test_a_path_out_of_the_workspace_is_refused(session: Session) -> None:
+    session.step(turn(1, "read the password file"))
+    passwd, lib = Call(Read=Read(path="../../etc/passwd")), Call(Read=Read(path="src/lib.rs"))
+    assert session.step(answer(1, calls=[passwd, lib])) == [Action(id=3, op=Op(Read=lib.Read))]
+    told = [
+        user("read the password file"),
+        agent(calls=[Dispatch(id=2, call=passwd), Dispatch(id=3, call=lib)]),
+        tool(2, "refused: ../../etc/passwd is not inside the workspace", failed=True),
+        tool(3, "fn main() {}"),
+    ]
+    assert session.step(Event(File=Output(id=3, text="fn main() {}"))) == [Action(id=4, op=ask(*told))]
+
+    hosts = Call(Write=Write(path="/etc/hosts", text="127.0.0.1 hanzo.ai"))
+    told += [
+        agent(calls=[Dispatch(id=5, call=hosts)]),
+        tool(5, "refused: /etc/hosts is not inside the workspace", failed=True),
+    ]
+    assert session.step(answer(4, calls=[hosts])) == [Action(id=6, op=ask(*told))]
+
+
+@pytest.mark.parametrize(
+    ("path", "dispatched"),
+    [
+        ("a/../../x", False),
+        ("/abs", False),
+        ("..", False),
+        ("a/b/../../../x", False),
+        ("nul\x00byte", False),
+        ("./a", True),
+        ("a/..", True),
+        ("a/./b/../c", True),
+        ("src/lib.rs", True),
+    ],
+)
+def test_a_path_is_dispatched_only_inside_the_workspace(session: Session, path: str, dispatched: bool) -> None:
+    session.step(turn(1, FIX))
+    read = Call(Read=Read(path=path))
+    refused = [
+        Action(
+            id=3,
+            op=ask(
+                user(FIX),
+                agent(calls=[Dispatch(id=2, call=read)]),
+                tool(2, f"refused: {path} is not inside the workspace", failed=True),
+            ),
+        )
+    ]
+    assert session.step(answer(1, calls=[read])) == ([Action(id=2, op=Op(Read=read.Read))] if dispatched else refused)
+
+
+def test_exec_git_and_browse_calls_are_dispatched_in_order(session: Session) -> None:
+    session.step(turn(1, FIX))
+    calls = [
+        Call(Git=Git(argv=["status"])),
+        Call(Browse=Browse(url="https://example.com/../x")),
+        Call(Write=Write(path="notes/a.md", text="hi")),
+    ]
+    assert session.step(answer(1, calls=calls)) == [
+        Action(id=2, op=Op(Git=calls[0].Git)),
+        Action(id=3, op=Op(Browse=calls[1].Browse)),
+        Action(id=4, op=Op(Write=calls[2].Write)),
+    ]
+
+
+def test_a_turn_that_arrives_mid_turn_is_queued_and_starts_after_done(session: Session) -> None:
+    session.step(turn(1, FIX))
+    assert session.step(turn(2, "and the tests")) == [Action(id=2, op=Op(Save=True))]
+    assert session.step(answer(1, "fixed")) == [
+        *finish(3, 1, "fixed"),
+        Action(id=6, op=ask(user(FIX), agent("fixed"), user("and the tests"))),
+    ]
+
+
+def test_queued_turns_start_first_in_first_out(session: Session) -> None:
+    session.step(turn(1, "one"))
+    session.step(turn(3, "three"))
+    session.step(turn(5, "five"))
+    assert session.step(turn(4, "four")) == []
+    first = session.step(answer(1, "1"))
+    assert first[-1] == Action(id=7, op=ask(user("one"), agent("1"), user("three")))
+    assert session.step(answer(7, "3"))[-1] == Action(
+        id=11, op=ask(user("one"), agent("1"), user("three"), agent("3"), user("five"))
+    )
+
+
+def test_cancel_of_a_queued_turn_removes_it(session: Session) -> None:
+    session.step(turn(1, FIX))
+    session.step(turn(2, "and the tests"))
+    assert session.step(Event(Cancel=Cancel(turn=2))) == [
+        Action(id=3, op=Op(Save=True)),
+        Action(id=4, op=done(2, cancelled=True)),
+    ]
+    assert session.step(answer(1, "fixed")) == finish(5, 1, "fixed")
+
+
+def test_cancel_of_the_running_turn_closes_its_calls_and_starts_the_next(session: Session) -> None:
+    session.step(turn(1, FIX))
+    build, lib = Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="src/lib.rs"))
+    session.step(answer(1, calls=[build, lib]))
+    session.step(turn(2, "and the tests"))  # Save, id 4
+    assert session.step(Event(Exec=Output(id=2, text="made"))) == []
+    assert session.step(Event(Cancel=Cancel(turn=1))) == [
+        Action(id=5, op=Op(Save=True)),
+        Action(id=6, op=done(1, cancelled=True)),
+        Action(
+            id=7,
+            op=ask(
+                user(FIX),
+                agent(calls=[Dispatch(id=2, call=build), Dispatch(id=3, call=lib)]),
+                tool(2, "made"),
+                tool(3, "cancelled", failed=True),
+                user("and the tests"),
+            ),
+        ),
+    ]
+    assert session.step(Event(File=Output(id=3, text="late"))) == []
+    assert session.step(Event(Cancel=Cancel(turn=1))) == []
+
+
+def test_cancel_while_the_model_is_asked_ends_the_turn_and_its_answer_changes_nothing(session: Session) -> None:
+    session.step(turn(1, FIX))
+    assert session.step(Event(Cancel=Cancel(turn=1))) == [
+        Action(id=2, op=Op(Save=True)),
+        Action(id=3, op=done(1, cancelled=True)),
+    ]
+    assert session.step(answer(1, "too late")) == []
+    assert session.step(turn(2, "next")) == [Action(id=4, op=ask(user(FIX), user("next")))]
+
+
+def test_cancel_of_an_unknown_turn_and_a_timer_answer_nothing(session: Session) -> None:
+    assert session.step(Event(Cancel=Cancel(turn=9))) == []
+    assert session.step(Event(Timer=True)) == []
+    assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
+
+
+def test_the_configured_model_is_named_in_every_ask(core: Core) -> None:
+    s = core.new(Config(model="zen5"))
+    try:
+        assert s.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX), model="zen5"))]
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'{"Tick":true}',
+        b'{"Timer":true,"Turn":{"id":1,"prompt":"x"}}',
+        b'{"Turn":{"id":"one","prompt":"x"}}',
+        b'{"Turn":{"id":-1,"prompt":"x"}}',
+        b'{"Turn":{"id":1,"prompt":"x","extra":1}}',
+        b'{"Turn":{"id":1}}',
+        b'{"Turn":{"id":1,"prompt":"\xff"}}',
+        b'{"Timer":false}',
+        b"{}",
+        b"[]",
+        b'{"Timer":true} trailing',
+        b"",
+    ],
+)
+def test_an_event_the_core_cannot_read_is_malformed_and_changes_nothing(session: Session, event: bytes) -> None:
+    with pytest.raises(MalformedError):
+        session.step_raw(event)
+    assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
+
+
+def test_a_snapshot_restores_into_a_new_core(core: Core) -> None:
+    first = Core.open()
+    s = first.new(Config(model="zen5"))
+    test = Call(Exec=Exec(argv=["cargo", "test"]))
+    s.step(turn(1, "run the tests"))
+    assert s.step(answer(1, calls=[test])) == [Action(id=2, op=Op(Exec=test.Exec))]
+    state = s.snapshot()
+    s.close()
+    first.close()
+
+    restored = core.restore(state)
+    try:
+        assert restored.step(Event(Exec=Output(id=2, text="test result: ok"))) == [
+            Action(
+                id=3,
+                op=ask(
+                    user("run the tests"),
+                    agent(calls=[Dispatch(id=2, call=test)]),
+                    tool(2, "test result: ok"),
+                    model="zen5",
+                ),
+            )
+        ]
+        assert restored.step(answer(3, "green")) == finish(4, 1, "green")
+    finally:
+        restored.close()
+
+
+def test_a_damaged_snapshot_is_malformed(core: Core, session: Session) -> None:
+    """No truncation and no single flipped bit of a snapshot restores."""
+    session.step(turn(1, FIX))
+    state = session.snapshot()
+    restored_damaged = []
+    for cut in range(len(state)):
+        try:
+            core.restore(state[:cut]).close()
+            restored_damaged.append(f"first {cut} bytes")
+        except MalformedError:
+            pass
+    for i in range(len(state)):
+        for bit in range(8):
+            flipped = bytearray(state)
+            flipped[i] ^= 1 << bit
+            try:
+                core.restore(bytes(flipped)).close()
+                restored_damaged.append(f"bit {bit} of byte {i}")
+            except MalformedError:
+                pass
+    assert restored_damaged == []
+    restored = core.restore(state)
+    try:
+        assert restored.step(answer(1, "done")) == finish(2, 1, "done")
+    finally:
+        restored.close()
+
+
+def test_a_closed_session_answers_handle(core: Core) -> None:
+    s = core.new()
+    s.step(turn(1, FIX))
+    s.close()
+    assert s.memory_bytes() == 0
+    with pytest.raises(HandleError):
+        s.step(turn(2, FIX))
+    with pytest.raises(HandleError):
+        s.snapshot()
+    s.close()
+
+
+def test_a_closed_core_ends_its_sessions() -> None:
+    c = Core.open()
+    s = c.new()
+    s.step(turn(1, FIX))
+    state = s.snapshot()
+    c.close()
+    for _ in range(2):
+        with pytest.raises(HandleError):
+            s.step(turn(2, FIX))
+        with pytest.raises(HandleError):
+            s.snapshot()
+    s.close()
+    with pytest.raises(HandleError):
+        c.new()
+    with pytest.raises(HandleError):
+        c.restore(state)
+
+
+@pytest.mark.parametrize("timeout", [0.0, -3600.0])
+def test_a_step_whose_deadline_has_passed_ends_the_session(core: Core, timeout: float) -> None:
+    s = core.new()
+    s.step(turn(1, FIX))
+    state = s.snapshot()
+    with pytest.raises(DeadlineError) as ended:
+        s.step(answer(1, "done"), timeout=timeout)
+    assert isinstance(ended.value, HandleError) and isinstance(ended.value, TimeoutError)
+    with pytest.raises(HandleError):
+        s.step(answer(1, "done"))
+    with pytest.raises(HandleError):
+        s.snapshot()
+    with pytest.raises(DeadlineError):
+        core.new(timeout=timeout)
+    restored = core.restore(state)
+    try:
+        assert restored.step(answer(1, "done")) == finish(2, 1, "done")
+    finally:
+        restored.close()
+        s.close()
+
+
+def test_a_step_that_runs_past_its_deadline_is_stopped_there() -> None:
+    c = Core.open(modules.SPIN_STEP)
+    try:
+        s = c.new()
+        started = time.monotonic()
+        with pytest.raises(DeadlineError):
+            s.step(Event(Timer=True), timeout=0.05)
+        stopped_after = time.monotonic() - started
+        with pytest.raises(HandleError):
+            s.step(Event(Timer=True))
+        assert stopped_after < 1.0
+    finally:
+        c.close()
+
+
+def test_open_stops_a_module_that_never_answers() -> None:
+    started = time.monotonic()
+    with pytest.raises(DeadlineError):
+        Core.open(modules.SPIN_ABI, timeout=0.1)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [(modules.ABI_2, "ABI 2"), (modules.IMPORTS, "import nothing"), (modules.WRONG_TYPE, "dev_step has type")],
+)
+def test_open_refuses_a_module_that_does_not_speak_abi_1(module: bytes, why: str) -> None:
+    with pytest.raises(AbiError, match=why):
+        Core.open(module)
+
+
+def test_a_session_answers_one_call_at_a_time(session: Session) -> None:
+    session._busy.acquire()
+    with pytest.raises(BusyError):
+        session.step(turn(1, FIX))
+    with pytest.raises(BusyError):
+        session.snapshot()
+    with pytest.raises(BusyError):
+        session.close()
+    session._busy.release()
+    assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
+
+
+def test_a_gone_session_stepped_and_closed_at_once() -> None:
+    c = Core.open()
+    sessions = [c.new() for _ in range(16)]
+    c.close()
+    wrong: list[BaseException] = []
+    for s in sessions:
+        with pytest.raises(HandleError):
+            s.step(turn(1, FIX))
+        stepped = threading.Event()
+
+        def hammer(s: Session = s, stepped: threading.Event = stepped) -> None:
+            for i in range(200):
+                try:
+                    s.step(turn(1, FIX))
+                except (HandleError, BusyError):
+                    pass
+                except BaseException as e:
+                    wrong.append(e)
+                if i == 0:
+                    stepped.set()
+
+        t = threading.Thread(target=hammer)
+        t.start()
+        stepped.wait()
+        while True:
+            try:
+                s.close()
+                break
+            except BusyError:
+                continue
+        t.join()
+    assert wrong == []
+
+
+def converse(core: Core, i: int) -> None:
+    """Three turns on a session of its own, each reading a file named for it, checked against what it alone sees."""
+    model = f"model-{i}"
+    s = core.new(Config(model=model))
+    try:
+        transcript: list[Message] = []
+        next_id = 1
+        for n in range(3):
+            prompt = f"session {i}, turn {n}"
+            read = Call(Read=Read(path=f"session-{i}/turn-{n}.go"))
+            transcript.append(user(prompt))
+            assert s.step(turn(n + 1, prompt)) == [Action(id=next_id, op=ask(*transcript, model=model))]
+            transcript.append(agent(calls=[Dispatch(id=next_id + 1, call=read)]))
+            assert s.step(answer(next_id, calls=[read])) == [Action(id=next_id + 1, op=Op(Read=read.Read))]
+            transcript.append(tool(next_id + 1, read.Read.path))  # type: ignore[union-attr]
+            assert s.step(Event(File=Output(id=next_id + 1, text=read.Read.path))) == [  # type: ignore[union-attr]
+                Action(id=next_id + 2, op=ask(*transcript, model=model))
+            ]
+            transcript.append(agent(prompt))
+            assert s.step(answer(next_id + 2, prompt)) == finish(next_id + 3, n + 1, prompt)
+            next_id += 6
+    finally:
+        s.close()
+
+
+def test_sessions_stepped_at_once_stay_apart(core: Core) -> None:
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            converse(core, i)
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+def test_ten_thousand_steps_do_not_grow_memory(session: Session) -> None:
+    session.step(turn(1, "fix the build " * 64))
+    next_turn = 1
+
+    def pair() -> None:
+        nonlocal next_turn
+        next_turn += 1
+        k = next_turn
+        assert session.step(turn(k, "and the tests")) == [Action(id=3 * k - 4, op=Op(Save=True))]
+        assert session.step(Event(Cancel=Cancel(turn=k))) == [
+            Action(id=3 * k - 3, op=Op(Save=True)),
+            Action(id=3 * k - 2, op=done(k, cancelled=True)),
+        ]
+        session.snapshot()
+
+    for _ in range(100):
+        pair()
+    before = session.memory_bytes()
+    for _ in range(5000):
+        pair()
+    assert session.memory_bytes() == before
+
+
+def test_refused_calls_do_not_grow_memory(session: Session) -> None:
+    prompt = "fix the build " * 1024
+    session.step(turn(1, prompt))
+    unreadable = b'{"Turn":{"id":2,"prompt":"' + prompt.encode() + b'"}'
+    for _ in range(10):
+        with pytest.raises(MalformedError):
+            session.step_raw(unreadable)
+    before = session.memory_bytes()
+    for _ in range(1000):
+        with pytest.raises(MalformedError):
+            session.step_raw(unreadable)
+    assert session.memory_bytes() == before
+
+
+def test_an_answer_step_cannot_read_ends_the_session() -> None:
+    c = Core.open(modules.AHEAD)
+    try:
+        s = c.new()
+        with pytest.raises(HandleError) as lost:
+            s.step(turn(1, FIX))
+        assert not isinstance(lost.value, MalformedError)
+        for _ in range(2):
+            with pytest.raises(HandleError):
+                s.step(Event(Timer=True))
+    finally:
+        c.close()
+
+
+def test_an_answer_the_host_does_not_take_ends_the_session(core: Core, session: Session) -> None:
+    state = session.snapshot()
+    refused = RuntimeError("the host refuses the answer")
+
+    def refuse(_: bytes) -> None:
+        raise refused
+
+    with pytest.raises(HandleError) as lost:
+        session._step(encode(turn(1, FIX)), refuse, None)
+    assert lost.value.__cause__ is refused
+    with pytest.raises(HandleError):
+        session.step(turn(1, FIX))
+    restored = core.restore(state)
+    try:
+        assert restored.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
+    finally:
+        restored.close()
+
+
+def test_a_trap_poisons_only_its_session(core: Core) -> None:
+    s, beside = core.new(), core.new()
+    try:
+        beside.step(turn(1, FIX))
+        with pytest.raises(PanicError):
+            s.step(turn(1, "x" * (24 << 20)))
+        with pytest.raises(PoisonError):
+            s.step(turn(2, FIX))
+        with pytest.raises(PoisonError):
+            s.snapshot()
+        s.close()
+        assert beside.step(answer(1, "fixed")) == finish(2, 1, "fixed")
+    finally:
+        beside.close()
+
+
+def test_a_panic_in_the_core_is_panic_then_poison() -> None:
+    c = Core.open(modules.PANIC_STEP)
+    try:
+        s = c.new()
+        with pytest.raises(PanicError):
+            s.step(Event(Timer=True))
+        with pytest.raises(PoisonError):
+            s.step(Event(Timer=True))
+    finally:
+        c.close()
+
+
+def test_a_length_the_core_cannot_take_is_null(session: Session) -> None:
+    for n in (2**31, 2**32 + 16):
+        with pytest.raises(NullError):
+            session._alloc(n)
+    assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
+
+
+def test_an_event_too_large_to_lend_is_null(session: Session) -> None:
+    with pytest.raises(NullError):
+        session.step(turn(1, "x" * (65 << 20)))
+    assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
+
+
+def test_the_memory_cap_is_configurable() -> None:
+    c = Core.open(memory_bytes=8 << 20)
+    try:
+        s = c.new()
+        with pytest.raises(NullError):
+            s.step(turn(1, "x" * (9 << 20)))
+        with pytest.raises(PanicError):
+            s.step(turn(1, "x" * (3 << 20)))
+    finally:
+        c.close()
