@@ -215,9 +215,10 @@ class Core:
             ticker.stop()
             raise
 
-    def new(self, config: Config | None = None, *, timeout: float | None = None) -> Session:
-        """Start a session in an instance of its own."""
-        return self._start("dev_new", encode(config or Config()), timeout)
+    def new(self, config: Config | bytes | None = None, *, timeout: float | None = None) -> Session:
+        """Start a session in an instance of its own; config as a Struct or as the JSON the core reads."""
+        data = config if isinstance(config, bytes) else encode(config or Config())
+        return self._start("dev_new", data, timeout)
 
     def restore(self, state: bytes, *, timeout: float | None = None) -> Session:
         """Rebuild a session from its snapshot; a damaged snapshot is `MalformedError`."""
