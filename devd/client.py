@@ -97,7 +97,11 @@ class Client:
             sock.connect(address)
         client = cls(sock)
         if address.startswith("tcp://") or token is not None:
-            client.call("initialize", {"client": {"name": "devd.client"}, "token": token})
+            try:
+                client.call("initialize", {"client": {"name": "devd.client"}, "token": token})
+            except BaseException:
+                client.close()
+                raise
         return client
 
     def close(self) -> None:

@@ -1,0 +1,484 @@
+"""The daemon end to end: a real `devd serve` subprocess, real sockets, a real SQLite file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import wasmtime
+
+from devd import errors
+from devd.client import Client
+from devd.protocol import Action, Call, Cancel, Event, Exec, Op, Output, Read, answer, decode_actions, encode, turn
+from tests.daemon import Daemon, free_port
+from tests.test_host import FIX, agent, ask, finish, tool, user
+
+# dev_step spins until its deadline on a 14-byte event ({"Timer":true}) and answers [] to anything else.
+SPIN_ON_TIMER = wasmtime.wat2wasm(
+    """(module
+  (memory (export "memory") 1)
+  (data (i32.const 1024) "[]")
+  (func (export "dev_abi") (result i32) i32.const 1)
+  (func (export "dev_alloc") (param i32) (result i32) i32.const 2048)
+  (func (export "dev_release") (param i32 i32))
+  (func (export "dev_new") (param i32 i32 i32) (result i32) i32.const 0)
+  (func (export "dev_step") (param i64 i32 i32 i32) (result i32)
+    (if (i32.eq (local.get 2) (i32.const 14)) (then (loop (br 0))))
+    (i32.store (local.get 3) (i32.const 1024))
+    (i32.store offset=4 (local.get 3) (i32.const 2))
+    (i32.store offset=8 (local.get 3) (i32.const 2))
+    i32.const 0)
+  (func (export "dev_free") (param i32)))"""
+)
+TIMER = Event(Timer=True)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    with Daemon(tmp_path) as d:
+        yield d
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[Client]:
+    with daemon.client() as c:
+        yield c
+
+
+def raw_request(c: Client, line: bytes) -> dict:
+    c.send_line(line)
+    reply = c.read_reply()
+    return {"id": reply.id, "error": reply.error}
+
+
+# -- the seed's loop through the socket -----------------------------------------------------------------------------
+
+
+def test_a_turn_runs_to_done_through_the_socket(client: Client) -> None:
+    s = client.new()
+    build, lib = Call(Exec=Exec(argv=["cargo", "build"])), Call(Read=Read(path="src/lib.rs"))
+    assert client.step(s, turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
+    assert client.step(s, answer(1, "Let me look.", [build, lib])) == [
+        Action(id=2, op=Op(Exec=build.Exec)),
+        Action(id=3, op=Op(Read=lib.Read)),
+    ]
+    assert client.step(s, Event(Exec=Output(id=2, text="failed", failed=True))) == []
+    from devd.protocol import Dispatch
+
+    assert client.step(s, Event(File=Output(id=3, text="fn f() {}"))) == [
+        Action(
+            id=4,
+            op=ask(
+                user(FIX),
+                agent("Let me look.", [Dispatch(id=2, call=build), Dispatch(id=3, call=lib)]),
+                tool(2, "failed", failed=True),
+                tool(3, "fn f() {}"),
+            ),
+        )
+    ]
+    assert client.step(s, answer(4, "done")) == finish(5, 1, "done")
+
+
+def test_the_actions_cross_as_the_core_wrote_them(client: Client) -> None:
+    s = client.new(session="raw")
+    client.send_line(
+        b'{"jsonrpc":"2.0","id":7,"method":"session/step","params":{"session":"raw","event":{"Turn":{"id":1,"prompt":"hi"}}}}\n'
+    )
+    assert client._file.readline() == (
+        b'{"jsonrpc":"2.0","id":7,"result":{"actions":[{"id":1,"op":{"Model":{"messages":[{"User":"hi"}]}}}]}}\n'
+    )
+
+
+def test_a_malformed_event_is_refused_and_changes_nothing(client: Client) -> None:
+    s = client.new()
+    with pytest.raises(errors.MalformedError):
+        client.step(s, b'{"Turn":{"id":1}}')
+    assert client.step(s, turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
+
+
+# -- durability -----------------------------------------------------------------------------------------------------
+
+
+def test_sessions_survive_a_restart(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    with d.client() as c:
+        c.new(session="keep")
+        c.step("keep", turn(1, FIX))
+        c.step("keep", turn(2, "queued"))
+    assert d.stop() == 0
+    assert not d.socket.exists()
+    with d.start(), d.client() as c:
+        assert c.call("session/list") == {"sessions": [{"session": "keep", "state": "stored", "seq": 2}]}
+        assert c.step("keep", answer(1, "ok")) == [*finish(3, 1, "ok"), Action(id=6, op=ask(user(FIX), agent("ok"), user("queued")))]
+
+
+def test_sessions_survive_sigkill(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    with d.client() as c:
+        c.new(session="crash")
+        c.step("crash", turn(1, FIX))
+        c.step("crash", answer(1, "ok"))  # Save: a snapshot replaces the journal
+        c.step("crash", turn(2, "again"))
+    d.kill()
+    with d.start(), d.client() as c:
+        assert c.step("crash", turn(2, "again")) == []
+        assert c.step("crash", answer(5, "fine")) == finish(6, 2, "fine")
+
+
+def test_a_keyed_step_is_answered_once_across_restarts(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    with d.client() as c:
+        c.new(session="k")
+        first = c.step_result("k", turn(1, FIX), key="turn-1")
+    d.kill()
+    with d.start(), d.client() as c:
+        again = c.step_result("k", turn(1, FIX), key="turn-1")
+        assert again == {**first, "replayed": True}
+        with pytest.raises(errors.ConflictError):
+            c.step("k", turn(9, "another"), key="turn-1")
+        assert c.step("k", answer(1, "ok"), key="answer-1") == finish(2, 1, "ok")
+
+
+def test_a_closed_session_is_gone_after_a_restart(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    with d.client() as c:
+        c.new(session="bye")
+        assert c.call("session/close", {"session": "bye"}) == {}
+        with pytest.raises(errors.HandleError):
+            c.step("bye", TIMER)
+    d.stop()
+    with d.start(), d.client() as c:
+        assert c.call("session/list") == {"sessions": []}
+
+
+def test_a_snapshot_restores_under_a_new_name(client: Client) -> None:
+    client.new(session="orig")
+    client.step("orig", turn(1, FIX))
+    snap = client.call("session/snapshot", {"session": "orig"})["snapshot"]
+    assert client.call("session/restore", {"snapshot": snap, "session": "copy"}) == {"session": "copy"}
+    assert client.step("copy", answer(1, "ok")) == finish(2, 1, "ok")
+    with pytest.raises(errors.MalformedError):
+        client.call("session/restore", {"snapshot": snap[:-4] + "AAAA"})
+
+
+def test_a_state_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    state.chmod(0o777)
+    run = subprocess.run(
+        [sys.executable, "-m", "devd", "serve", "--socket", str(tmp_path / "s.sock"), "--state-dir", str(state)],
+        capture_output=True,
+        timeout=30,
+    )
+    assert (run.returncode, b"writable by group or others" in run.stderr) == (2, True)
+
+
+# -- one call at a time, deadlines, recovery -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def spinning(tmp_path: Path) -> Iterator[Daemon]:
+    core = tmp_path / "spin.wasm"
+    core.write_bytes(SPIN_ON_TIMER)
+    with Daemon(tmp_path / "d", "--core", str(core), "--call-timeout", "1") as d:
+        yield d
+
+
+def test_a_spinning_session_ends_at_its_deadline_and_holds_up_no_one(spinning: Daemon) -> None:
+    with spinning.client() as a, spinning.client() as b:
+        a.new(session="spin")
+        b.new(session="calm")
+        outcome: list[BaseException] = []
+
+        def spin() -> None:
+            try:
+                a.step("spin", TIMER, timeout_ms=1500)
+            except BaseException as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=spin)
+        t.start()
+        time.sleep(0.2)
+        worst = 0.0
+        while t.is_alive():
+            started = time.perf_counter()
+            b.step("calm", turn(1, "x"))
+            worst = max(worst, time.perf_counter() - started)
+        t.join()
+        assert [type(e) for e in outcome] == [errors.DeadlineError]
+        assert worst < 0.05
+
+
+def test_a_step_on_a_busy_session_answers_busy(spinning: Daemon) -> None:
+    with spinning.client() as a, spinning.client() as b:
+        a.new(session="spin")
+        t = threading.Thread(target=lambda: pytest.raises(errors.DeadlineError, a.step, "spin", TIMER, timeout_ms=800))
+        t.start()
+        time.sleep(0.2)
+        with pytest.raises(errors.BusyError):
+            b.step("spin", turn(1, "x"))
+        t.join()
+
+
+def test_an_ended_session_answers_handle_until_recovered(spinning: Daemon) -> None:
+    with spinning.client() as c:
+        c.new(session="spin")
+        c.step("spin", turn(1, "x"))
+        with pytest.raises(errors.DeadlineError):
+            c.step("spin", TIMER, timeout_ms=100)
+        with pytest.raises(errors.HandleError):
+            c.step("spin", turn(2, "x"))
+        assert [(s["session"], s["state"]) for s in c.call("session/list")["sessions"]] == [("spin", "ended")]
+        assert c.call("session/recover", {"session": "spin"}) == {"session": "spin"}
+        assert c.step("spin", turn(2, "x")) == []
+        assert c.call("daemon/status")["deadline_hits"] == 1
+
+
+# -- watchers -------------------------------------------------------------------------------------------------------
+
+
+def test_a_watcher_sees_every_step_whoever_makes_it(daemon: Daemon) -> None:
+    with daemon.client() as stepper, daemon.client() as watcher:
+        stepper.new(session="w")
+        assert watcher.call("session/watch", {"session": "w"}) == {}
+        actions = stepper.step_result("w", turn(1, FIX))["actions"]
+        notice = watcher.wait_notification()
+        assert (notice.method, notice.params) == (
+            "session/actions",
+            {"session": "w", "seq": 1, "event": msgspec.json.decode(encode(turn(1, FIX))), "actions": actions},
+        )
+
+
+def test_a_watcher_that_reconnects_misses_nothing(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.new(session="w")
+        c.step("w", turn(1, FIX))
+        c.step("w", answer(1, "ok"))
+        c.step("w", turn(2, "more"))
+    with daemon.client() as watcher:
+        watcher.call("session/watch", {"session": "w", "since": 1})
+        seqs = [watcher.wait_notification().params["seq"] for _ in range(2)]
+        assert seqs == [2, 3]
+
+
+def test_a_watcher_that_stops_reading_is_dropped_and_the_stepper_is_not_slowed(daemon: Daemon) -> None:
+    with daemon.client() as stepper:
+        stepper.new(session="w")
+        lazy = socket.socket(socket.AF_UNIX)
+        lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        lazy.connect(str(daemon.socket))
+        try:
+            lazy.sendall(b'{"jsonrpc":"2.0","id":1,"method":"session/watch","params":{"session":"w"}}\n')
+            big = "x" * 100_000
+            started = time.perf_counter()
+            turn_id = 0
+            for _ in range(40):
+                turn_id += 1
+                stepper.step("w", turn(turn_id, big))
+                stepper.step("w", Event(Cancel=Cancel(turn=turn_id)))
+            elapsed = time.perf_counter() - started
+            watchers = stepper.call("session/list")["sessions"][0].get("watchers", 0)
+            assert (watchers, elapsed < 10) == (0, True)
+        finally:
+            lazy.close()
+
+
+# -- limits and bad input -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        (b"{not json", -32700),
+        (b'{"jsonrpc":"2.0","id":1,"method":"daemon/status","x":"\xff"}', -32700),
+        (b"[1,2]", -32600),
+        (b"42", -32600),
+        (b'{"jsonrpc":"1.0","id":1,"method":"daemon/status"}', -32600),
+        (b'{"jsonrpc":"2.0","id":{"a":1},"method":"daemon/status"}', -32600),
+        (b'{"jsonrpc":"2.0","id":1,"method":7}', -32600),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/fly"}', -32601),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":5,"event":{}}}', -32602),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":[1]}', -32602),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"../etc"}}', -32602),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":".."}}', -32602),
+        (b'{"jsonrpc":"2.0","id":1,"method":"daemon/status","params":' + b"[" * 100_000 + b"]" * 100_000 + b"}", -32700),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"s","event":{"Timer":true},"key":"\\ud800"}}', -32700),
+    ],
+)
+def test_bad_input_gets_its_error_and_the_connection_stays_usable(client: Client, line: bytes, code: int) -> None:
+    client.send_line(line + b"\n")
+    reply = client.read_reply()
+    assert reply.error is not None and reply.error["code"] == code
+    assert client.call("daemon/status")["server"]["name"] == "devd"
+
+
+def test_a_notification_gets_no_answer(client: Client) -> None:
+    client.send_line(b'{"jsonrpc":"2.0","method":"daemon/status"}\n{"jsonrpc":"2.0","method":"nope"}\n')
+    assert client.call("session/list") == {"sessions": []}
+    assert client.notifications == []
+
+
+def test_a_line_over_the_limit_is_too_large_and_the_rest_is_discarded(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--max-line-bytes", "1024") as d, d.client() as c:
+        c.send_line(b'{"jsonrpc":"2.0","id":1,"method":"daemon/status","pad":"' + b"x" * 200_000 + b'"}\n')
+        reply = c.read_reply()
+        assert (reply.id, reply.error["data"]["kind"]) == (None, "TOO_LARGE")  # type: ignore[index]
+        assert c.call("session/list") == {"sessions": []}
+
+
+def test_too_many_sessions_is_full(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--max-sessions", "2") as d, d.client() as c:
+        c.new()
+        c.new()
+        with pytest.raises(errors.FullError):
+            c.new()
+
+
+def test_a_taken_name_is_exists(client: Client) -> None:
+    client.new(session="mine")
+    with pytest.raises(errors.ExistsError):
+        client.new(session="mine")
+
+
+def test_too_many_connections_are_refused_politely(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--max-connections", "1") as d, d.client() as first:
+        first.call("session/list")
+        with d.client() as second:
+            reply = second.read_reply()
+            assert reply.error["data"]["kind"] == "FULL"  # type: ignore[index]
+        assert first.call("session/list") == {"sessions": []}
+
+
+def test_a_client_that_disconnects_leaves_the_daemon_serving(daemon: Daemon) -> None:
+    for _ in range(20):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(daemon.socket))
+        s.sendall(b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{}}\n{"jsonrpc":')
+        s.close()
+    with daemon.client() as c:
+        assert c.call("daemon/status")["server"]["name"] == "devd"
+
+
+# -- who may connect ------------------------------------------------------------------------------------------------
+
+
+def test_the_socket_is_0600_in_a_0700_directory(daemon: Daemon) -> None:
+    assert (oct(daemon.socket.stat().st_mode & 0o777), oct(daemon.socket.parent.stat().st_mode & 0o777)) == (
+        "0o600",
+        "0o700",
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_a_peer_of_another_uid_is_refused_even_when_modes_allow_it() -> None:
+    root = Path(tempfile.mkdtemp(prefix="devd-peer-"))
+    try:
+        with Daemon(root) as daemon:
+            daemon.socket.chmod(0o666)
+            daemon.socket.parent.chmod(0o755)
+            root.chmod(0o755)
+            assert _as_nobody(daemon.socket) == (0, b"0")
+            with daemon.client() as c:
+                assert c.call("session/list") == {"sessions": []}
+    finally:
+        shutil.rmtree(root)
+
+
+def _as_nobody(path: Path) -> tuple[int, bytes]:
+    """Connect as uid 65534 (OpenSSH's agent-getpeereid test) and count the bytes the daemon answers."""
+    probe = (
+        "import socket,sys\ns=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
+        "s.sendall(b'{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"session/list\"}\\n');"
+        "s.settimeout(5)\ntry: print(len(s.recv(100)))\nexcept ConnectionResetError: print(0)"
+    )
+    run = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe, str(path)],
+        capture_output=True,
+        timeout=30,
+    )
+    assert run.stderr == b"", run.stderr
+    return run.returncode, run.stdout.strip()
+
+
+@pytest.fixture
+def tcp(tmp_path: Path) -> Iterator[tuple[Daemon, int]]:
+    port = free_port()
+    with Daemon(tmp_path, "--listen", f"tcp://127.0.0.1:{port}") as d:
+        yield d, port
+
+
+def _tcp_exchange(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_tcp_answers_nothing_before_the_token(tcp: tuple[Daemon, int]) -> None:
+    d, port = tcp
+    answer_ = _tcp_exchange(port, b'{"jsonrpc":"2.0","id":1,"method":"session/list"}\n')
+    assert msgspec.json.decode(answer_)["error"]["data"]["kind"] == "UNAUTHORIZED"
+
+
+@pytest.mark.parametrize("token", ["", "wrong", "x" * 5000, "é"])
+def test_tcp_refuses_a_wrong_token(tcp: tuple[Daemon, int], token: str) -> None:
+    d, port = tcp
+    with pytest.raises((errors.UnauthorizedError, ConnectionError)):
+        Client.connect(f"tcp://127.0.0.1:{port}", token=token)
+
+
+def test_tcp_serves_a_client_with_the_token(tcp: tuple[Daemon, int]) -> None:
+    d, port = tcp
+    token = (d.state / "token").read_text().strip()
+    assert oct((d.state / "token").stat().st_mode & 0o777) == "0o600"
+    with Client.connect(f"tcp://127.0.0.1:{port}", token=token) as c:
+        assert c.call("session/list") == {"sessions": []}
+
+
+def test_tcp_closes_an_http_request_without_acting(tcp: tuple[Daemon, int]) -> None:
+    d, port = tcp
+    body = b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"csrf"}}\n'
+    request = b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n\r\n" + body
+    assert _tcp_exchange(port, request) == b""
+    with d.client() as c:
+        assert c.call("session/list") == {"sessions": []}
+
+
+def test_sigterm_finishes_and_exits_zero(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    with d.client() as c:
+        c.new(session="s")
+        c.step("s", turn(1, FIX))
+    assert (d.stop(signal.SIGTERM), d.socket.exists()) == (0, False)
+
+
+def test_status_counts_what_it_served(client: Client) -> None:
+    s = client.new()
+    client.step(s, turn(1, FIX))
+    status = client.call("daemon/status")
+    assert (status["sessions"], status["steps"], status["connections"]) == (
+        {"live": 1, "stored": 0, "ended": 0, "poisoned": 0},
+        1,
+        1,
+    )
+
+
+def test_decode_actions_is_what_the_client_returns(client: Client) -> None:
+    s = client.new()
+    raw = client.call_raw("session/step", {"session": s, "event": msgspec.Raw(encode(turn(1, "x")))})
+    assert decode_actions(msgspec.json.encode(msgspec.json.decode(raw)["actions"])) == [
+        Action(id=1, op=ask(user("x")))
+    ]
