@@ -1,0 +1,242 @@
+//! The snapshot codec: a session's whole state as bytes, and back.
+//!
+//! Layout (all integers little-endian):
+//!
+//!     "DEVD"  u32 abi  u32 body_len  body[body_len]  u32 crc32
+//!
+//! where the CRC-32 (std.hash.Crc32, ISO-HDLC) covers every byte before it.
+//! The body is a deterministic binary encoding (`str` is u32 length + bytes):
+//!
+//!     u8 has_model [str model]
+//!     u64 counter  u64 max_turn
+//!     u8 running [u64 turn  u8 phase (0: u64 ask_id | 1: u32 n, n × slot)]
+//!         slot = u64 id  u8 family  u8 pending  u8 failed  str text
+//!     u32 queued, queued × (u64 turn  str prompt)
+//!     u32 messages, messages × str (one compact JSON Message each)
+//!
+//! Decoding checks the frame, the checksum, and then every field and every
+//! invariant of the state, so a snapshot that is damaged but happens to
+//! carry a matching checksum is still refused rather than trusted.
+const std = @import("std");
+const Allocator = std.mem.Allocator;
+const Writer = std.Io.Writer;
+const msg = @import("messages.zig");
+const oom = msg.oom;
+const session = @import("session.zig");
+const Session = session.Session;
+const Slot = session.Slot;
+
+pub const magic = "DEVD";
+pub const abi: u32 = 1;
+const header_len = 12;
+const trailer_len = 4;
+
+// ---------------------------------------------------------------- encoding
+
+const Enc = struct {
+    w: *Writer,
+
+    fn int(e: Enc, comptime T: type, v: T) void {
+        e.w.writeInt(T, v, .little) catch oom();
+    }
+
+    fn str(e: Enc, s: []const u8) void {
+        e.int(u32, std.math.cast(u32, s.len) orelse oom());
+        e.w.writeAll(s) catch oom();
+    }
+};
+
+/// The snapshot of `s`, in a buffer from `gpa` (its capacity may exceed its length).
+pub fn encode(gpa: Allocator, s: *const Session) Writer.Allocating {
+    // Sized up front (a close upper bound) so a large state is not built by
+    // repeated growth.
+    var need: usize = 256;
+    if (s.model) |m| need +|= m.len;
+    if (s.running) |r| switch (r.phase) {
+        .asking => {},
+        .calls => |slots| for (slots.items) |sl| {
+            need +|= sl.text.len + 16;
+        },
+    };
+    for (s.queue.items) |q| need +|= q.prompt.len + 12;
+    for (s.transcript.items) |f| need +|= f.len + 4;
+    var out = Writer.Allocating.initCapacity(gpa, need) catch oom();
+    const e: Enc = .{ .w = &out.writer };
+    e.w.writeAll(magic) catch oom();
+    e.int(u32, abi);
+    e.int(u32, 0); // body length, patched below
+
+    if (s.model) |m| {
+        e.int(u8, 1);
+        e.str(m);
+    } else e.int(u8, 0);
+    e.int(u64, s.counter);
+    e.int(u64, s.max_turn);
+    if (s.running) |r| {
+        e.int(u8, 1);
+        e.int(u64, r.turn);
+        switch (r.phase) {
+            .asking => |id| {
+                e.int(u8, 0);
+                e.int(u64, id);
+            },
+            .calls => |slots| {
+                e.int(u8, 1);
+                e.int(u32, std.math.cast(u32, slots.items.len) orelse oom());
+                for (slots.items) |sl| {
+                    e.int(u64, sl.id);
+                    e.int(u8, @backingInt(sl.family));
+                    e.int(u8, @intFromBool(sl.pending));
+                    e.int(u8, @intFromBool(sl.failed));
+                    e.str(sl.text);
+                }
+            },
+        }
+    } else e.int(u8, 0);
+    e.int(u32, std.math.cast(u32, s.queue.items.len) orelse oom());
+    for (s.queue.items) |q| {
+        e.int(u64, q.turn);
+        e.str(q.prompt);
+    }
+    e.int(u32, std.math.cast(u32, s.transcript.items.len) orelse oom());
+    for (s.transcript.items) |f| e.str(f);
+
+    const bytes = out.written();
+    const body_len = std.math.cast(u32, bytes.len - header_len) orelse oom();
+    std.mem.writeInt(u32, bytes[8..12], body_len, .little);
+    const crc = std.hash.Crc32.hash(bytes);
+    out.writer.writeInt(u32, crc, .little) catch oom();
+    return out;
+}
+
+// ---------------------------------------------------------------- decoding
+
+pub const Error = msg.Error;
+
+const Dec = struct {
+    b: []const u8,
+    i: usize = 0,
+
+    fn take(d: *Dec, n: usize) Error![]const u8 {
+        if (d.b.len - d.i < n) return error.Malformed;
+        defer d.i += n;
+        return d.b[d.i..][0..n];
+    }
+
+    fn int(d: *Dec, comptime T: type) Error!T {
+        const bytes = try d.take(@sizeOf(T));
+        return std.mem.readInt(T, bytes[0..@sizeOf(T)], .little);
+    }
+
+    fn flag(d: *Dec) Error!bool {
+        return switch (try d.int(u8)) {
+            0 => false,
+            1 => true,
+            else => error.Malformed,
+        };
+    }
+
+    /// A length-prefixed string, which must be valid UTF-8.
+    fn str(d: *Dec) Error![]const u8 {
+        const n = try d.int(u32);
+        const s = try d.take(n);
+        if (!std.unicode.utf8ValidateSlice(s)) return error.Malformed;
+        return s;
+    }
+};
+
+/// Rebuilds a session from a snapshot. The result owns its memory in `gpa`;
+/// `arena` is scratch. Any damage answers `error.Malformed`.
+pub fn decode(gpa: Allocator, arena: Allocator, bytes: []const u8) Error!Session {
+    if (bytes.len < header_len + trailer_len) return error.Malformed;
+    if (!std.mem.eql(u8, bytes[0..4], magic)) return error.Malformed;
+    if (std.mem.readInt(u32, bytes[4..8], .little) != abi) return error.Malformed;
+    const body_len = std.mem.readInt(u32, bytes[8..12], .little);
+    if (bytes.len - header_len - trailer_len != body_len) return error.Malformed;
+    const crc_at = bytes.len - trailer_len;
+    const crc = std.mem.readInt(u32, bytes[crc_at..][0..4], .little);
+    if (std.hash.Crc32.hash(bytes[0..crc_at]) != crc) return error.Malformed;
+
+    // Built in the arena, pointing into `bytes`, and copied into `gpa` only
+    // once every check has passed.
+    var d: Dec = .{ .b = bytes[header_len..crc_at] };
+    var s: Session = .{ .gpa = arena };
+    if (try d.flag()) s.model = @constCast(try d.str());
+    s.counter = try d.int(u64);
+    s.max_turn = try d.int(u64);
+
+    if (try d.flag()) {
+        const turn = try d.int(u64);
+        if (turn == 0 or turn > s.max_turn) return error.Malformed;
+        var r: session.Running = .{ .turn = turn, .phase = .{ .asking = 0 } };
+        switch (try d.int(u8)) {
+            0 => {
+                const id = try d.int(u64);
+                if (id == 0 or id > s.counter) return error.Malformed;
+                r.phase = .{ .asking = id };
+            },
+            1 => {
+                const n = try d.int(u32);
+                if (n == 0 or n > d.b.len) return error.Malformed;
+                var slots: std.ArrayList(Slot) = .empty;
+                var pending: usize = 0;
+                var last: u64 = 0;
+                for (0..n) |_| {
+                    const id = try d.int(u64);
+                    if (id <= last or id > s.counter) return error.Malformed;
+                    last = id;
+                    const family = std.enums.fromInt(msg.Family, try d.int(u8)) orelse return error.Malformed;
+                    const is_pending = try d.flag();
+                    const failed = try d.flag();
+                    const text = try d.str();
+                    if (is_pending) {
+                        if (failed or text.len != 0) return error.Malformed;
+                        pending += 1;
+                    }
+                    slots.append(arena, .{
+                        .id = id,
+                        .family = family,
+                        .pending = is_pending,
+                        .failed = failed,
+                        .text = @constCast(text),
+                    }) catch oom();
+                }
+                if (pending == 0) return error.Malformed;
+                r.phase = .{ .calls = slots };
+            },
+            else => return error.Malformed,
+        }
+        s.running = r;
+    } else if (try d.int(u32) == 0) {
+        // No turn is running, so none may be queued: the count must be 0
+        // (it is read here, and the loop below sees an empty queue).
+        return finishDecode(gpa, arena, &d, &s, 0);
+    } else return error.Malformed;
+
+    return finishDecode(gpa, arena, &d, &s, try d.int(u32));
+}
+
+fn finishDecode(gpa: Allocator, arena: Allocator, d: *Dec, s: *Session, queued: u32) Error!Session {
+    if (queued > d.b.len) return error.Malformed;
+    var last = if (s.running) |r| r.turn else 0;
+    for (0..queued) |_| {
+        const turn = try d.int(u64);
+        if (turn <= last or turn > s.max_turn) return error.Malformed;
+        last = turn;
+        s.queue.append(arena, .{ .turn = turn, .prompt = @constCast(try d.str()) }) catch oom();
+    }
+
+    const messages = try d.int(u32);
+    if (messages > d.b.len) return error.Malformed;
+    for (0..messages) |_| {
+        const f = try d.str();
+        // Only a Message exactly as this core writes it is taken back.
+        const m = try msg.parseMessage(arena, f);
+        var canon: Writer.Allocating = .init(arena);
+        msg.writeMessage(&canon.writer, m) catch oom();
+        if (!std.mem.eql(u8, canon.written(), f)) return error.Malformed;
+        s.transcript.append(arena, @constCast(f)) catch oom();
+    }
+    if (d.i != d.b.len) return error.Malformed;
+    return s.clone(gpa);
+}

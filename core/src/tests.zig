@@ -1,0 +1,69 @@
+//! Native unit tests of the target-independent logic (`zig build test`).
+const std = @import("std");
+const msg = @import("messages.zig");
+const session = @import("session.zig");
+const snapshot = @import("snapshot.zig");
+
+test "paths inside and outside the workspace" {
+    for ([_][]const u8{ "src/lib.rs", "./a", "a/..", "a/./b", "", "a//b" }) |p|
+        try std.testing.expect(msg.insideWorkspace(p));
+    for ([_][]const u8{ "/etc/hosts", "../x", "a/../../x", "../../etc/passwd", "a\x00b", ".." }) |p|
+        try std.testing.expect(!msg.insideWorkspace(p));
+}
+
+test "u64 parsing is strict" {
+    try std.testing.expectEqual(@as(u64, 18446744073709551615), try msg.parseU64("18446744073709551615"));
+    for ([_][]const u8{ "18446744073709551616", "-1", "1.0", "1e3", "", "-0" }) |s|
+        try std.testing.expectError(error.Malformed, msg.parseU64(s));
+}
+
+/// Steps `s` with `event` and checks the exact answer.
+fn expectStep(s: *session.Session, event: []const u8, want: []const u8) !void {
+    var arena: std.heap.ArenaAllocator = .init(std.testing.allocator);
+    defer arena.deinit();
+    const ev = try msg.parseEvent(arena.allocator(), event);
+    var buf: std.Io.Writer.Allocating = .init(std.testing.allocator);
+    defer buf.deinit();
+    var a: session.Answer = .init(&buf);
+    a.begin();
+    s.step(ev, &a);
+    a.finish();
+    try std.testing.expectEqualStrings(want, buf.written());
+}
+
+test "the example session, then a snapshot round trip, without leaks" {
+    const gpa = std.testing.allocator;
+    var s: session.Session = .init(gpa, .{});
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"fix the build\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"messages\":[{\"User\":\"fix the build\"}]}}}]");
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"text\":\"Let me look.\",\"calls\":[{\"Exec\":{\"argv\":[\"cargo\",\"build\"]}},{\"Read\":{\"path\":\"src/lib.rs\"}},{\"Read\":{\"path\":\"../x\"}}]}}}", "[{\"id\":2,\"op\":{\"Exec\":{\"argv\":[\"cargo\",\"build\"]}}},{\"id\":3,\"op\":{\"Read\":{\"path\":\"src/lib.rs\"}}}]");
+    try expectStep(&s, "{\"Exec\":{\"id\":2,\"text\":\"error\",\"failed\":true}}", "[]");
+    try expectStep(&s, "{\"Turn\":{\"id\":2,\"prompt\":\"next\"}}", "[{\"id\":5,\"op\":{\"Save\":true}}]");
+
+    var snap = snapshot.encode(gpa, &s);
+    defer snap.deinit();
+    var arena: std.heap.ArenaAllocator = .init(gpa);
+    defer arena.deinit();
+    var r = try snapshot.decode(gpa, arena.allocator(), snap.written());
+    defer r.deinit();
+    var again = snapshot.encode(gpa, &r);
+    defer again.deinit();
+    try std.testing.expectEqualSlices(u8, snap.written(), again.written());
+
+    const cancel = "{\"Cancel\":{\"turn\":1}}";
+    const want = "[{\"id\":6,\"op\":{\"Save\":true}},{\"id\":7,\"op\":{\"Done\":{\"turn\":1,\"outcome\":{\"Cancelled\":true}}}},{\"id\":8,\"op\":{\"Model\":{\"messages\":[{\"User\":\"fix the build\"},{\"Agent\":{\"text\":\"Let me look.\",\"calls\":[{\"id\":2,\"call\":{\"Exec\":{\"argv\":[\"cargo\",\"build\"]}}},{\"id\":3,\"call\":{\"Read\":{\"path\":\"src/lib.rs\"}}},{\"id\":4,\"call\":{\"Read\":{\"path\":\"../x\"}}}]}},{\"Tool\":{\"id\":2,\"text\":\"error\",\"failed\":true}},{\"Tool\":{\"id\":3,\"text\":\"cancelled\",\"failed\":true}},{\"Tool\":{\"id\":4,\"text\":\"refused: ../x is not inside the workspace\",\"failed\":true}},{\"User\":\"next\"}]}}}]";
+    try expectStep(&s, cancel, want);
+    try expectStep(&r, cancel, want);
+    try expectStep(&r, "{\"Model\":{\"id\":8,\"reply\":{\"text\":\"ok\"}}}", "[{\"id\":9,\"op\":{\"Emit\":\"ok\"}},{\"id\":10,\"op\":{\"Save\":true}},{\"id\":11,\"op\":{\"Done\":{\"turn\":2,\"outcome\":{\"Complete\":true}}}}]");
+}
+
+test "strict decoding" {
+    var arena: std.heap.ArenaAllocator = .init(std.testing.allocator);
+    defer arena.deinit();
+    const bad = [_][]const u8{
+        "{\"Timer\":false}",                              "{\"Turn\":{\"id\":\"2\",\"prompt\":\"p\"}}",
+        "{\"Turn\":{\"id\":2,\"prompt\":\"p\"},\"x\":1}", "{\"Turn\":{\"id\":2,\"id\":2,\"prompt\":\"p\"}}",
+        "{}",                                             "{\"Timer\":true} 1",
+    };
+    for (bad) |b| try std.testing.expectError(error.Malformed, msg.parseEvent(arena.allocator(), b));
+}
