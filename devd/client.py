@@ -94,7 +94,11 @@ class Client:
         else:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(timeout)
-            sock.connect(address)
+            try:
+                sock.connect(address)
+            except BaseException:
+                sock.close()
+                raise
         client = cls(sock)
         if address.startswith("tcp://") or token is not None:
             try:

@@ -1,0 +1,112 @@
+"""Nothing a client was answered is lost: clients step sessions while the daemon is SIGKILLed at random moments.
+
+Each client runs turns (turn, answer) on a session of its own, every step under an idempotency key, and keeps a
+model of what the core must answer next. After each kill the daemon restarts; a client whose step got no reply sends
+it again with the same key. Every answer, replayed or fresh, must be exactly what the model expects: the ids carry on
+where the last answer left them, and no answered turn runs again.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+
+from devd.protocol import Action, answer, decode_actions, turn
+from tests.daemon import Daemon
+from tests.test_host import agent, ask, finish, user
+
+KILLS = 25
+CLIENTS = 4
+
+
+class Conversation:
+    """One client's session and the model of what it must be answered."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.transcript: list = []
+        self.next_id = 1
+        self.turn = 0
+        self.asked = 0
+        self.pending: tuple[str, object, list[Action]] | None = None
+        self.acked = 0
+        self.replays = 0
+
+    def next_step(self) -> tuple[str, object, list[Action]]:
+        """The next (key, event, expected actions), advancing the model only once it is acknowledged."""
+        if self.pending is None:
+            if self.asked == 0:
+                t = self.turn + 1
+                prompt = f"{self.name} turn {t}"
+                expected = [Action(id=self.next_id, op=ask(*self.transcript, user(prompt)))]
+                self.pending = (f"turn-{t}", turn(t, prompt), expected)
+            else:
+                text = f"answer {self.turn}"
+                self.pending = (f"answer-{self.turn}", answer(self.asked, text), finish(self.next_id, self.turn, text))
+        return self.pending
+
+    def acknowledged(self) -> None:
+        key, event, expected = self.pending  # type: ignore[misc]
+        self.pending = None
+        self.acked += 1
+        if key.startswith("turn-"):
+            self.turn += 1
+            self.transcript.append(user(f"{self.name} turn {self.turn}"))
+            self.asked = self.next_id
+            self.next_id += 1
+        else:
+            self.transcript.append(agent(f"answer {self.turn}"))
+            self.asked = 0
+            self.next_id += 3
+
+
+def drive(daemon: Daemon, conv: Conversation, stop: threading.Event, wrong: list[str]) -> None:
+    while not stop.is_set():
+        try:
+            with daemon.client() as c:
+                while not stop.is_set():
+                    key, event, expected = conv.next_step()
+                    result = c.step_result(conv.name, event, key=key)  # type: ignore[arg-type]
+                    actions = decode_actions(msgspec.json.encode(result["actions"]))
+                    if actions != expected:
+                        wrong.append(f"{conv.name} {key}: got {actions}, want {expected}")
+                        stop.set()
+                        return
+                    conv.replays += bool(result.get("replayed"))
+                    conv.acknowledged()
+        except (OSError, ConnectionError):
+            time.sleep(0.02)
+
+
+def test_no_answered_step_is_lost_across_random_sigkills(tmp_path: Path) -> None:
+    rng = random.Random(1330)
+    daemon = Daemon(tmp_path).start()
+    names = [f"c{i}" for i in range(CLIENTS)]
+    with daemon.client() as c:
+        for name in names:
+            c.new(session=name)
+    conversations = [Conversation(n) for n in names]
+    wrong: list[str] = []
+    stop = threading.Event()
+    threads = [threading.Thread(target=drive, args=(daemon, conv, stop, wrong)) for conv in conversations]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(KILLS):
+            time.sleep(rng.uniform(0.05, 0.3))
+            daemon.kill()
+            daemon.start()
+            if wrong:
+                break
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        daemon.stop()
+    acked = sum(c.acked for c in conversations)
+    assert (wrong, acked > KILLS * 2) == ([], True)
