@@ -27,6 +27,7 @@ from collections.abc import Callable
 from ctypes import POINTER, addressof, c_size_t, c_uint64, c_void_p, memmove, string_at
 from pathlib import Path
 
+import msgspec
 import wasmtime
 from wasmtime import _ffi as ffi
 
@@ -50,6 +51,8 @@ MEMORY_BYTES_DEFAULT = 64 << 20
 CALL_TIMEOUT_SECONDS_DEFAULT = 5.0
 TICK_SECONDS = 0.005
 OUT_BYTES = 12  # a dev_buf on wasm32: ptr, len, cap as three little-endian u32
+_DEV_BUF = struct.Struct("<III")
+OUT_SLOT_BYTES = 16  # the out slot, padded so the input buffer after it stays aligned
 LOAN_BYTES_MIN = 4096
 INT32_MAX = 2**31 - 1
 
@@ -67,6 +70,18 @@ _memory_size.argtypes = None
 _set_deadline = ffi.dll["wasmtime_context_set_epoch_deadline"]
 _set_deadline.restype = None
 _set_deadline.argtypes = None
+
+_json_array = msgspec.json.Decoder(list[msgspec.Raw])
+
+def _one_line_array(into: list[bytes]) -> Callable[[bytes], None]:
+    def read(data: bytes) -> None:
+        if b"\n" in data:
+            raise ValueError("the answer spans several lines")
+        _json_array.decode(data)
+        into.append(data)
+
+    return read
+
 
 # The ABI's exports and their types: (params, results).
 _SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -175,6 +190,11 @@ class Core:
         self.call_timeout = call_timeout
         self.has_snapshots = {e.name for e in module.exports} >= {"dev_restore", "dev_snapshot"}
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        # Export names as C strings, made once: (buffer, length, argument slots).
+        self._export_names = {
+            name: (ctypes.create_string_buffer(name.encode(), len(name)), len(name), max(len(sig[0]), len(sig[1])))
+            for name, sig in {**_SIGNATURES, "memory": ((), ())}.items()
+        }
         self._lock = threading.Lock()
         self.closed = False
 
@@ -281,15 +301,14 @@ def _probe_abi(
 
 
 class _Export:
-    """One export on the unchecked call path: its func, and an argument array reused for every call."""
+    """One export on the unchecked call path: its func and how many argument slots it uses."""
 
-    __slots__ = ("func", "ref", "args", "n")
+    __slots__ = ("func", "ref", "n")
 
     def __init__(self, func: ffi.wasmtime_func_t, n: int) -> None:
         self.func = func
         self.ref = ctypes.pointer(func)
         self.n = c_size_t(n)
-        self.args = (ffi.wasmtime_val_raw_t * max(n, 1))()
 
 
 class Session:
@@ -303,6 +322,8 @@ class Session:
         self._gone: type[DevdError] | None = None
         self._gone_why = ""
         self._exports: dict[str, _Export] = {}
+        # One argument array for every call: a session runs one call at a time, and the widest export takes four.
+        self._args = (ffi.wasmtime_val_raw_t * 4)()
         self._memory = ffi.wasmtime_memory_t()
         self._trap = POINTER(ffi.wasm_trap_t)()
         self._trap_at = c_void_p(addressof(self._trap))
@@ -310,6 +331,8 @@ class Session:
         self._out = 0
         self._loan = 0
         self._loan_bytes = 0
+        self._loan_shared = False
+        self._instance: wasmtime.Instance | None = None
 
     # -- public API ------------------------------------------------------------------------------------------------
 
@@ -326,19 +349,12 @@ class Session:
     def step_raw(self, event: bytes, *, timeout: float | None = None) -> bytes:
         """`step` on encoded bytes: the event as JSON in, the core's answer (a JSON array of actions) out.
 
-        The answer is checked to be actions on one line before it is returned; one that is not ends the session.
+        The answer is checked to be a JSON array on one line (cheap, and what a client's framing depends on) before
+        it is returned; one that is not ends the session. `step` checks every action against the protocol.
         """
-        answer = b""
-
-        def read(data: bytes) -> None:
-            nonlocal answer
-            if b"\n" in data:
-                raise ValueError("the answer spans several lines")
-            decode_actions(data)
-            answer = data
-
-        self._step(event, read, timeout)
-        return answer
+        answer: list[bytes] = []
+        self._step(event, _one_line_array(answer), timeout)
+        return answer[0]
 
     def snapshot(self, *, timeout: float | None = None) -> bytes:
         """The core's whole state, checksummed, for `Core.restore`."""
@@ -347,9 +363,9 @@ class Session:
         deadline = self._enter(timeout)
         try:
             self._arm(deadline)
-            ex = self._exports["dev_snapshot"]
-            ex.args[0].i64 = self._handle
-            ex.args[1].i32 = self._out
+            ex = self._export("dev_snapshot")
+            self._args[0].i64 = self._handle
+            self._args[1].i32 = self._out
             self._status(self._invoke(ex))
             return self._take()
         finally:
@@ -384,13 +400,16 @@ class Session:
                 self._end(HandleError, "the session was never started: its deadline passed first")
                 raise DeadlineError("the deadline passed before the session started")
             self._arm(deadline)
-            self._bind()
-            self._out = self._alloc(OUT_BYTES)
+            self._bind(export)
+            # One loan holds the out slot and the first input buffer: one crossing fewer per session.
+            block = self._alloc(OUT_SLOT_BYTES + LOAN_BYTES_MIN)
+            self._out, self._loan, self._loan_bytes = block, block + OUT_SLOT_BYTES, LOAN_BYTES_MIN
+            self._loan_shared = True
             ptr = self._lend(data)
             ex = self._exports[export]
-            ex.args[0].i32 = ptr
-            ex.args[1].i32 = len(data)
-            ex.args[2].i32 = self._out
+            self._args[0].i32 = ptr
+            self._args[1].i32 = len(data)
+            self._args[2].i32 = self._out
             self._status(self._invoke(ex))
             base, size = self._bounds()
             if self._out + 8 > size:
@@ -404,25 +423,31 @@ class Session:
         finally:
             self._busy.release()
 
-    def _bind(self) -> None:
-        """Find the exports in this instance: the memory and a call record per function."""
+    def _bind(self, export: str) -> None:
+        """Instantiate, and find the memory and the exports every session uses; the rest are found on first use."""
         assert self._store is not None
-        instance = self._core._pre.instantiate(self._store)
+        self._instance = self._core._pre.instantiate(self._store)
+        for name in ("memory", "dev_alloc", "dev_step", "dev_free", export):
+            self._export(name)
+
+    def _export(self, name: str) -> _Export:
+        ex = self._exports.get(name)
+        if ex is not None:
+            return ex
+        if self._store is None:
+            raise HandleError(self._gone_why)
+        raw, n, slots = self._core._export_names[name]
         item = ffi.wasmtime_extern_t()
-        for name, (params, results) in _SIGNATURES.items():
-            raw = name.encode()
-            if ffi.wasmtime_instance_export_get(
-                self._ctx, ctypes.byref(instance._instance), ctypes.create_string_buffer(raw, len(raw)), len(raw), ctypes.byref(item)
-            ):
-                self._exports[name] = _Export(ffi.wasmtime_func_t.from_buffer_copy(item.of.func), max(len(params), len(results)))
-        raw = b"memory"
-        if not ffi.wasmtime_instance_export_get(
-            self._ctx, ctypes.byref(instance._instance), ctypes.create_string_buffer(raw, len(raw)), len(raw), ctypes.byref(item)
-        ):
-            raise AbiError("the core exports no memory")
-        self._memory = ffi.wasmtime_memory_t.from_buffer_copy(item.of.memory)
+        if not ffi.wasmtime_instance_export_get(self._ctx, ctypes.byref(self._instance._instance), raw, n, ctypes.byref(item)):
+            raise NullError(f"this core exports no {name}; use a core that speaks all of ABI {ABI}")
+        if name == "memory":
+            self._memory = ffi.wasmtime_memory_t.from_buffer_copy(item.of.memory)
+            return None  # type: ignore[return-value]
+        ex = self._exports[name] = _Export(ffi.wasmtime_func_t.from_buffer_copy(item.of.func), slots)
+        return ex
 
     def _step(self, data: bytes, use: Callable[[bytes], None], timeout: float | None) -> None:
+        # The hot path: every line here runs once per step, so it is written flat.
         deadline = self._enter(timeout)
         try:
             n = len(data)
@@ -431,22 +456,16 @@ class Session:
                     f"the event is {n} bytes and the session's memory is {self._core.memory_bytes} bytes; "
                     "nothing changed, send a smaller event"
                 )
-            self._arm(deadline)
-            if n > self._loan_bytes:
-                self._grow_loan(n)
-            if n:
-                base, size = self._bounds()
-                if self._loan + n > size:
-                    self._end(HandleError, "the core lent its input buffer outside its memory")
-                    raise HandleError("the core lent memory outside itself; the session ended")
-                memmove(base + self._loan, data, n)
-            ex = self._exports["dev_step"]
-            args = ex.args
+            _set_deadline(self._ctx, c_uint64(self._core._ticker.ticks_until(deadline)))
+            ptr = self._lend(data)
+            args = self._args
             args[0].i64 = self._handle
-            args[1].i32 = self._loan if n else 0
+            args[1].i32 = ptr
             args[2].i32 = n
             args[3].i32 = self._out
-            self._status(self._invoke(ex))
+            rc = self._invoke(self._exports["dev_step"])
+            if rc:
+                self._status(rc)
             answer = self._take()
             try:
                 use(answer)
@@ -482,7 +501,7 @@ class Session:
 
     def _invoke(self, ex: _Export) -> int:
         """One call on the unchecked path; a trap or an error ends the session here."""
-        err = _call_unchecked(self._ctx, ex.ref, ex.args, ex.n, self._trap_at)
+        err = _call_unchecked(self._ctx, ex.ref, self._args, ex.n, self._trap_at)
         if err:
             error = wasmtime.WasmtimeError._from_ptr(ctypes.cast(err, POINTER(ffi.wasmtime_error_t)))
             raise self._lose(str(error), interrupted=False)
@@ -494,7 +513,7 @@ class Session:
             message = trap.message
             del trap
             raise self._lose(message, interrupted=interrupted)
-        return int(ex.args[0].i32)
+        return int(self._args[0].i32)
 
     def _lose(self, message: str, *, interrupted: bool) -> DevdError:
         """Close the instance after a trap and say what every later call answers."""
@@ -527,21 +546,20 @@ class Session:
     def _take(self) -> bytes:
         """Copy out the dev_buf the last call wrote to `out`, then hand it back with dev_free."""
         base, size = self._bounds()
-        ptr, n, cap = struct.unpack("<III", string_at(base + self._out, OUT_BYTES))
+        ptr, n, cap = _DEV_BUF.unpack(string_at(base + self._out, OUT_BYTES))
         if n and (ptr == 0 or n > cap or ptr + n > size):
             self._end(HandleError, "the core answered outside its memory")
             raise HandleError(f"the core answered {n} bytes at {ptr:#x}, outside its memory; the session ended")
         answer = string_at(base + ptr, n) if n else b""
-        ex = self._exports["dev_free"]
-        ex.args[0].i32 = self._out
-        self._invoke(ex)
+        self._args[0].i32 = self._out
+        self._invoke(self._exports["dev_free"])
         return answer
 
     def _alloc(self, n: int) -> int:
         if n > INT32_MAX:
             raise NullError(f"{n} bytes cannot be lent: the core's lengths are i32")
         ex = self._exports["dev_alloc"]
-        ex.args[0].i32 = n
+        self._args[0].i32 = n
         ptr = self._invoke(ex) & 0xFFFFFFFF
         if ptr == 0:
             raise NullError(f"the core lent nothing for {n} bytes; send a smaller event")
@@ -555,26 +573,28 @@ class Session:
             self._grow_loan(len(data))
         base, size = self._bounds()
         if self._loan + len(data) > size:
-            raise HandleError("the core lent memory outside itself")
+            self._end(HandleError, "the core lent its input buffer outside its memory")
+            raise HandleError("the core lent memory outside itself; the session ended")
         memmove(base + self._loan, data, len(data))
         return self._loan
 
     def _grow_loan(self, n: int) -> None:
-        if self._loan:
-            ex = self._exports["dev_release"]
-            ex.args[0].i32 = self._loan
-            ex.args[1].i32 = self._loan_bytes
+        if self._loan and not self._loan_shared:
+            ex = self._export("dev_release")
+            self._args[0].i32 = self._loan
+            self._args[1].i32 = self._loan_bytes
             self._invoke(ex)
             self._loan, self._loan_bytes = 0, 0
         want = max(LOAN_BYTES_MIN, 1 << (n - 1).bit_length()) if n <= 1 << 20 else n
         self._loan = self._alloc(want)
-        self._loan_bytes = want
+        self._loan_bytes, self._loan_shared = want, False
 
     def _end(self, gone: type[DevdError], why: str) -> None:
         """Close the Store (freeing the instance and its memory) and fix what every later call answers."""
         self._gone, self._gone_why = gone, why
         store, self._store = self._store, None
         self._exports = {}
+        self._instance = None
         if store is not None:
             store.close()
 
