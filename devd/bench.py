@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import socket
 import statistics
@@ -21,6 +22,9 @@ from typing import Any
 import msgspec
 
 from devd.protocol import Call, Event, Exec, Output, Read, answer, encode, turn
+
+
+TURNS_PER_SESSION = 20
 
 
 def _seed_turn(turn_id: int, first_id: int) -> list[bytes]:
@@ -195,15 +199,19 @@ async def _load(address: str, clients: int, seconds: float, echo: bool) -> dict[
 
     async def one(i: int) -> None:
         async with AsyncClient.connect(address) as c:
-            name = await c.new(session=f"bench-{i}-{os.getpid()}")
-            t, next_id = 0, 1
-            while time.monotonic() < deadline:
-                t += 1
-                for event in _seed_turn(t, next_id):
-                    started = time.perf_counter()
-                    await c.call_raw("session/step", {"session": name, "event": msgspec.Raw(event)})
-                    latencies.append(time.perf_counter() - started)
-                next_id += 7  # ask, two calls, ask, emit, save, done
+            for n in itertools.count():
+                # A conversation of TURNS_PER_SESSION seed turns, then a new session, so the transcript (and the work
+                # per step) stays the size of a working session rather than growing for the whole run.
+                name = await c.new(session=f"bench-{i}-{n}-{os.getpid()}")
+                next_id = 1
+                for t in range(1, TURNS_PER_SESSION + 1):
+                    for event in _seed_turn(t, next_id):
+                        if time.monotonic() >= deadline:
+                            return
+                        started = time.perf_counter()
+                        await c.call_raw("session/step", {"session": name, "event": msgspec.Raw(event)})
+                        latencies.append(time.perf_counter() - started)
+                    next_id += 7  # ask, two calls, ask, emit, save, done
 
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
@@ -226,7 +234,7 @@ def _run_load(address: str, clients: int, seconds: float) -> dict[str, float]:
         check=True,
         timeout=seconds + 60,
     )
-    return msgspec.json.decode(out.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+    return msgspec.json.decode(out.stdout)  # type: ignore[no-any-return]
 
 
 def _wait_socket(path: Path, proc: subprocess.Popen[bytes]) -> None:
@@ -292,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         import anyio
 
         result = anyio.run(_load, args.address, args.clients, args.seconds, False)
+        sys.stdout.buffer.write(msgspec.json.encode(result) + b"\n")
+        return 0
     sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")
     return 0
 

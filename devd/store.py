@@ -23,6 +23,7 @@ import anyio.to_thread
 
 KEYS_KEPT = 1000
 STEPS_KEPT = 1000
+PRUNE_EVERY_STEPS = 256
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -70,7 +71,21 @@ class Keyed:
     actions: bytes
 
 
-Op = Callable[[sqlite3.Connection], None]
+@dataclass(frozen=True)
+class StepRow:
+    """One answered step; rows of a batch are written with one executemany, so the commit thread takes the GIL a
+    handful of times per batch rather than several times per step."""
+
+    name: str
+    seq: int
+    event: bytes
+    actions: bytes
+    key: str | None
+    digest: bytes | None
+    snapshot: bytes | None
+
+
+Op = Callable[[sqlite3.Connection], None] | StepRow
 
 
 @dataclass
@@ -100,6 +115,7 @@ class Store:
         self._wake = anyio.Event()
         self.commits = 0
         self.commit_seconds: list[float] = []
+        self._pruned: dict[str, int] = {}  # the seq each session was last pruned at (commit thread only)
 
     def close(self) -> None:
         self._writer.close()
@@ -136,14 +152,36 @@ class Store:
         db = self._writer
         try:
             db.execute("BEGIN IMMEDIATE")
+            rows: list[StepRow] = []
             for op in ops:
+                if isinstance(op, StepRow):
+                    rows.append(op)
+                    continue
+                self._write_steps(db, rows)
+                rows = []
                 op(db)
+            self._write_steps(db, rows)
             db.execute("COMMIT")
             return None
         except BaseException as e:  # every write in the batch fails; none is retried
             if db.in_transaction:
                 db.execute("ROLLBACK")
             return e
+
+    def _write_steps(self, db: sqlite3.Connection, rows: list[StepRow]) -> None:
+        if not rows:
+            return
+        db.executemany(
+            "INSERT INTO journal (session, seq, key, digest, event, actions) VALUES (?, ?, ?, ?, ?, ?)",
+            [(r.name, r.seq, r.key, r.digest, r.event, r.actions) for r in rows],
+        )
+        saved = [(r.snapshot, r.seq, r.name) for r in rows if r.snapshot is not None]
+        if saved:
+            db.executemany("UPDATE sessions SET snapshot = ?, snapshot_seq = ? WHERE name = ?", saved)
+        for _, seq, name in saved:
+            if seq - self._pruned.get(name, 0) >= PRUNE_EVERY_STEPS:  # pruning scans keys: not every time
+                _prune(db, name, seq)
+                self._pruned[name] = seq
 
     async def write(self, op: Op) -> None:
         """Apply op in the next commit and return once it is durable; raise if the commit failed."""
@@ -171,16 +209,7 @@ class Store:
     def step(
         name: str, seq: int, event: bytes, actions: bytes, key: str | None, digest: bytes | None, snapshot: bytes | None
     ) -> Op:
-        def op(db: sqlite3.Connection) -> None:
-            db.execute(
-                "INSERT INTO journal (session, seq, key, digest, event, actions) VALUES (?, ?, ?, ?, ?, ?)",
-                (name, seq, key, digest, event, actions),
-            )
-            if snapshot is not None:
-                db.execute("UPDATE sessions SET snapshot = ?, snapshot_seq = ? WHERE name = ?", (snapshot, seq, name))
-                _prune(db, name, seq)
-
-        return op
+        return StepRow(name, seq, event, actions, key, digest, snapshot)
 
     @staticmethod
     def set_state(name: str, state: str, reason: str | None) -> Op:

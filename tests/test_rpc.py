@@ -1,0 +1,107 @@
+"""JSON-RPC framing and request decoding, pure: bytes in, lines and errors out (no sockets)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from devd import errors
+from devd.rpc import (
+    TOO_LONG,
+    LineFramer,
+    StepParams,
+    decode_params,
+    decode_request,
+    RequestError,
+    error_response,
+    response,
+)
+
+
+def test_lines_split_across_reads_are_joined() -> None:
+    framer = LineFramer(100)
+    assert [*framer.feed(b'{"a":'), *framer.feed(b'1}\n{"b"'), *framer.feed(b":2}\n")] == [b'{"a":1}', b'{"b":2}']
+
+
+def test_a_line_over_the_limit_is_reported_once_and_the_rest_of_it_dropped() -> None:
+    framer = LineFramer(8)
+    got = [*framer.feed(b"0123456789"), *framer.feed(b"abcdef"), *framer.feed(b"tail\nok\n")]
+    assert got == [TOO_LONG, b"ok"]
+
+
+def test_a_whole_over_long_line_in_one_read_is_too_long_and_the_next_line_survives() -> None:
+    assert list(LineFramer(4).feed(b"0123456789\nabc\n")) == [TOO_LONG, b"abc"]
+
+
+def test_the_framer_never_holds_more_than_its_limit() -> None:
+    framer = LineFramer(1024)
+    for _ in range(1000):
+        list(framer.feed(b"x" * 4096))
+    assert framer.pending_bytes == 0
+
+
+def test_a_request_keeps_its_params_raw() -> None:
+    request = decode_request(b'{"jsonrpc":"2.0","id":3,"method":"session/step","params":{"session":"a","event":{"Timer":true}}}')
+    params = decode_params(request)
+    assert isinstance(params, StepParams)
+    assert (request.id, request.notification, bytes(params.event)) == (3, False, b'{"Timer":true}')
+
+
+def test_a_request_without_an_id_is_a_notification() -> None:
+    assert decode_request(b'{"jsonrpc":"2.0","method":"daemon/status"}').notification is True
+
+
+@pytest.mark.parametrize(
+    ("line", "kind", "id"),
+    [
+        (b"{", errors.ParseError, None),
+        (b'{"jsonrpc":"2.0","id":1,"method":"x","p":"\xc3\x28"}', errors.ParseError, None),
+        (b'{"jsonrpc":"2.0","id":1,"method":"x","params":' + b"[" * 50_000 + b"]" * 50_000 + b"}", errors.ParseError, None),
+        (b"[]", errors.InvalidRequestError, None),
+        (b'"hi"', errors.InvalidRequestError, None),
+        (b'{"jsonrpc":"2.0","id":1.5,"method":"x"}', errors.InvalidRequestError, None),
+        (b'{"jsonrpc":"2.1","id":"a","method":"x"}', errors.InvalidRequestError, "a"),
+        (b'{"id":4,"method":"x"}', errors.InvalidRequestError, 4),
+        (b'{"jsonrpc":"2.0","id":5}', errors.InvalidRequestError, 5),
+    ],
+)
+def test_a_bad_request_names_its_error_and_its_id(line: bytes, kind: type, id: object) -> None:
+    with pytest.raises(RequestError) as bad:
+        decode_request(line)
+    assert (type(bad.value.error), bad.value.id) == (kind, id)
+
+
+@pytest.mark.parametrize(
+    ("line", "kind"),
+    [
+        (b'{"jsonrpc":"2.0","id":1,"method":"nope"}', errors.MethodNotFoundError),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"a"}}', errors.InvalidParamsError),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":[]}', errors.InvalidParamsError),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"a/b"}}', errors.InvalidParamsError),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"' + b"a" * 65 + b'"}}', errors.InvalidParamsError),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"a","event":{},"timeout_ms":0}}', errors.InvalidParamsError),
+        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"a","event":{},"key":""}}', errors.InvalidParamsError),
+    ],
+)
+def test_unknown_methods_and_bad_params_stay_distinct(line: bytes, kind: type) -> None:
+    with pytest.raises(kind):
+        decode_params(decode_request(line))
+
+
+def test_params_may_be_absent_or_null() -> None:
+    assert decode_params(decode_request(b'{"jsonrpc":"2.0","id":1,"method":"session/list","params":null}')) is not None
+
+
+def test_answers_are_one_line_each() -> None:
+    assert response(1, {"ok": True}) == b'{"jsonrpc":"2.0","id":1,"result":{"ok":true}}\n'
+    assert error_response(None, errors.BusyError("busy")) == (
+        b'{"jsonrpc":"2.0","id":null,"error":{"code":-32006,"message":"busy","data":{"kind":"BUSY"}}}\n'
+    )
+
+
+def test_the_step_result_embeds_the_actions_unchanged() -> None:
+    from devd.rpc import StepResult
+
+    actions = b'[{"id":1,"op":{"Save":true}}]'
+    assert response(2, StepResult(msgspec.Raw(actions))) == b'{"jsonrpc":"2.0","id":2,"result":{"actions":' + actions + b"}}\n"
+
