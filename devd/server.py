@@ -1,7 +1,8 @@
 """The daemon's sockets: listeners, one task per connection, the methods, and graceful shutdown. The only socket code.
 
 What it promises:
-- the Unix socket is 0600 in a 0700 directory and refuses peers of another uid (SO_PEERCRED), whatever its mode;
+- the Unix socket is 0600 in a 0700 directory and refuses peers of another uid but root (SO_PEERCRED), whatever
+  its mode;
 - a TCP connection answers nothing until it has presented the state directory's token (compared in constant time),
   and a connection that opens like an HTTP request is closed without acting;
 - accepting survives running out of file descriptors (it backs off and retries);
@@ -303,7 +304,7 @@ class Daemon:
         client.setblocking(False)
         if transport == "unix":
             uid = peer_uid(client)
-            if uid != os.getuid():
+            if uid not in (os.getuid(), 0):  # root can read the state directory anyway
                 log.warning("connection.refused", reason="peer of another uid", uid=uid)
                 client.close()
                 return
