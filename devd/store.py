@@ -24,6 +24,7 @@ import anyio.to_thread
 KEYS_KEPT = 1000
 STEPS_KEPT = 1000
 PRUNE_EVERY_STEPS = 256
+ROWS_PER_STATEMENT = 500  # 6 variables a row, well under SQLite's 32,766
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -169,19 +170,28 @@ class Store:
             return e
 
     def _write_steps(self, db: sqlite3.Connection, rows: list[StepRow]) -> None:
-        if not rows:
-            return
-        db.executemany(
-            "INSERT INTO journal (session, seq, key, digest, event, actions) VALUES (?, ?, ?, ?, ?, ?)",
-            [(r.name, r.seq, r.key, r.digest, r.event, r.actions) for r in rows],
-        )
-        saved = [(r.snapshot, r.seq, r.name) for r in rows if r.snapshot is not None]
-        if saved:
-            db.executemany("UPDATE sessions SET snapshot = ?, snapshot_seq = ? WHERE name = ?", saved)
-        for _, seq, name in saved:
-            if seq - self._pruned.get(name, 0) >= PRUNE_EVERY_STEPS:  # pruning scans keys: not every time
-                _prune(db, name, seq)
-                self._pruned[name] = seq
+        """A batch of steps in two statements: sqlite3 releases the GIL around every row it steps, and each time
+        the commit thread has to win it back from the busy event loop, so many rows per statement is much faster."""
+        for start in range(0, len(rows), ROWS_PER_STATEMENT):
+            chunk = rows[start : start + ROWS_PER_STATEMENT]
+            db.execute(
+                "INSERT INTO journal (session, seq, key, digest, event, actions) VALUES "
+                + ",".join(["(?, ?, ?, ?, ?, ?)"] * len(chunk)),
+                [v for r in chunk for v in (r.name, r.seq, r.key, r.digest, r.event, r.actions)],
+            )
+            saved = [r for r in chunk if r.snapshot is not None]
+            if saved:
+                # Every session row exists already (created before its first step), so this only ever updates.
+                db.execute(
+                    "INSERT INTO sessions (name, config, snapshot, snapshot_seq) VALUES "
+                    + ",".join(["(?, x'', ?, ?)"] * len(saved))
+                    + " ON CONFLICT (name) DO UPDATE SET snapshot = excluded.snapshot, snapshot_seq = excluded.snapshot_seq",
+                    [v for r in saved for v in (r.name, r.snapshot, r.seq)],
+                )
+            for r in saved:
+                if r.seq - self._pruned.get(r.name, 0) >= PRUNE_EVERY_STEPS:  # pruning scans keys: not every time
+                    _prune(db, r.name, r.seq)
+                    self._pruned[r.name] = r.seq
 
     async def write(self, op: Op) -> None:
         """Apply op in the next commit and return once it is durable; raise if the commit failed."""
