@@ -11,7 +11,7 @@ setup: $(VENV)/.installed devd/core.wasm
 $(VENV)/.installed: pyproject.toml hatch_build.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q hatchling "ziglang==0.17.0"
+	$(PY) -m pip install -q hatchling editables "ziglang==0.17.0"
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	touch $@
 

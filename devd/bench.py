@@ -1,7 +1,7 @@
 """Benchmarks, each against a baseline measured in the same run (machines here are noisy: trust the ratios).
 
-    python -m devd.bench core      # devd's step vs the naive ABI dance, session creation, RSS per idle session
-    python -m devd.bench daemon    # N clients in another process: devd vs an echo server on the same transport
+python -m devd.bench core      # devd's step vs the naive ABI dance, session creation, RSS per idle session
+python -m devd.bench daemon    # N clients in another process: devd vs an echo server on the same transport
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import msgspec
 
 from devd.protocol import Call, Event, Exec, Output, Read, answer, encode, turn
 
-
 TURNS_PER_SESSION = 20
 
 
@@ -42,7 +41,6 @@ def _seed_turn(turn_id: int, first_id: int) -> list[bytes]:
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
 
 
 class _Naive:
@@ -257,8 +255,18 @@ def bench_daemon(clients: int, seconds: float, rounds: int) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="devd-bench-"))
     servers = {
         "echo": [sys.executable, "-m", "devd.bench", "_echo", str(root / "echo.sock")],
-        "devd": [sys.executable, "-m", "devd", "serve", "--socket", str(root / "devd.sock"),
-                 "--state-dir", str(root / "state"), "--log-level", "warning"],
+        "devd": [
+            sys.executable,
+            "-m",
+            "devd",
+            "serve",
+            "--socket",
+            str(root / "devd.sock"),
+            "--state-dir",
+            str(root / "state"),
+            "--log-level",
+            "warning",
+        ],
     }
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     for _ in range(rounds):

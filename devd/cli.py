@@ -155,7 +155,9 @@ def _run_client(args: argparse.Namespace) -> int:
                 client.call("session/watch", watch)
                 while True:
                     notice = client.wait_notification()
-                    sys.stdout.buffer.write(msgspec.json.encode({"method": notice.method, "params": notice.params}) + b"\n")
+                    sys.stdout.buffer.write(
+                        msgspec.json.encode({"method": notice.method, "params": notice.params}) + b"\n"
+                    )
                     sys.stdout.flush()
                     if notice.method == "session/unwatched":
                         return 1

@@ -68,7 +68,10 @@ def _request(id: int, method: str, params: Any) -> bytes:
 
 
 def _step_params(session: str, event: Event | bytes, timeout_ms: int | None, key: str | None) -> dict[str, Any]:
-    params: dict[str, Any] = {"session": session, "event": msgspec.Raw(event if isinstance(event, bytes) else encode(event))}
+    params: dict[str, Any] = {
+        "session": session,
+        "event": msgspec.Raw(event if isinstance(event, bytes) else encode(event)),
+    }
     if timeout_ms is not None:
         params["timeout_ms"] = timeout_ms
     if key is not None:
@@ -165,7 +168,9 @@ class Client:
         result = self.call_raw("session/step", _step_params(session, event, timeout_ms, key))
         return decode_actions(bytes(msgspec.json.decode(result, type=_StepResult).actions))
 
-    def step_result(self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None) -> dict[str, Any]:
+    def step_result(
+        self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
+    ) -> dict[str, Any]:
         return self.call("session/step", _step_params(session, event, timeout_ms, key))  # type: ignore[no-any-return]
 
 

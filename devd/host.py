@@ -40,7 +40,6 @@ from devd.errors import (
     DeadlineError,
     DevdError,
     HandleError,
-    MalformedError,
     NullError,
     PanicError,
     PoisonError,
@@ -72,6 +71,7 @@ _set_deadline.restype = None
 _set_deadline.argtypes = None
 
 _json_array = msgspec.json.Decoder(list[msgspec.Raw])
+
 
 def _one_line_array(into: list[bytes]) -> Callable[[bytes], None]:
     def read(data: bytes) -> None:
@@ -243,7 +243,9 @@ class Core:
     def restore(self, state: bytes, *, timeout: float | None = None) -> Session:
         """Rebuild a session from its snapshot; a damaged snapshot is `MalformedError`."""
         if not self.has_snapshots:
-            raise NullError("this core exports no dev_restore, so it cannot restore a snapshot; use a core with all of ABI 1")
+            raise NullError(
+                "this core exports no dev_restore, so it cannot restore a snapshot; use a core with all of ABI 1"
+            )
         return self._start("dev_restore", state, timeout)
 
     def close(self) -> None:
@@ -292,7 +294,9 @@ def _probe_abi(
             abi = dev_abi(store)
         except wasmtime.Trap as e:
             if e.trap_code == wasmtime.TrapCode.INTERRUPT:
-                raise DeadlineError("the module's dev_abi did not answer before the deadline; it is not a usable core") from None
+                raise DeadlineError(
+                    "the module's dev_abi did not answer before the deadline; it is not a usable core"
+                ) from None
             raise AbiError(f"the module trapped when asked its ABI: {e.message}") from None
         if abi != ABI:
             raise AbiError(f"the module speaks ABI {abi}, and devd speaks ABI {ABI}")
@@ -438,7 +442,9 @@ class Session:
             raise HandleError(self._gone_why)
         raw, n, slots = self._core._export_names[name]
         item = ffi.wasmtime_extern_t()
-        if not ffi.wasmtime_instance_export_get(self._ctx, ctypes.byref(self._instance._instance), raw, n, ctypes.byref(item)):
+        if not ffi.wasmtime_instance_export_get(
+            self._ctx, ctypes.byref(self._instance._instance), raw, n, ctypes.byref(item)
+        ):
             raise NullError(f"this core exports no {name}; use a core that speaks all of ABI {ABI}")
         if name == "memory":
             self._memory = ffi.wasmtime_memory_t.from_buffer_copy(item.of.memory)

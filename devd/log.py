@@ -23,7 +23,11 @@ def configure(fmt: str | None = None, level: str = "info") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if fmt == "json":
-        processors = [*shared, structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer(serializer=_json)]
+        processors = [
+            *shared,
+            structlog.processors.dict_tracebacks,
+            structlog.processors.JSONRenderer(serializer=_json),
+        ]
         factory: Any = structlog.BytesLoggerFactory(sys.stderr.buffer)
     else:
         processors = [*shared, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]

@@ -176,16 +176,24 @@ def decode_request(line: bytes) -> Request:
     try:
         line.decode()  # msgspec skips unknown members unchecked; every byte of a line must be UTF-8
     except UnicodeDecodeError as e:
-        raise RequestError(ParseError(f"the line is not UTF-8 ({e.reason} at byte {e.start}); send UTF-8 JSON"), None) from None
+        raise RequestError(
+            ParseError(f"the line is not UTF-8 ({e.reason} at byte {e.start}); send UTF-8 JSON"), None
+        ) from None
     try:
         env = _envelope.decode(line)
     except RecursionError:
         raise RequestError(ParseError("the request nests too deeply to parse; flatten it"), None) from None
     except msgspec.ValidationError:
-        what = "a batch (batches are not supported: send one request per line)" if line.lstrip()[:1] == b"[" else "not an object"
+        what = (
+            "a batch (batches are not supported: send one request per line)"
+            if line.lstrip()[:1] == b"["
+            else "not an object"
+        )
         raise RequestError(InvalidRequestError(f"the request is {what}"), None) from None
     except msgspec.DecodeError as e:
-        raise RequestError(ParseError(f"the line is not UTF-8 JSON ({e}); send one JSON object per line"), None) from None
+        raise RequestError(
+            ParseError(f"the line is not UTF-8 JSON ({e}); send one JSON object per line"), None
+        ) from None
     notification = env.id is UNSET
     id: Id = None
     if not notification:

@@ -220,9 +220,7 @@ class Daemon:
         self.core = core
         self.store = store
         self.token = token
-        self.sessions = Sessions(
-            core, store, sessions_max=settings.sessions_max, call_timeout=settings.call_timeout_s
-        )
+        self.sessions = Sessions(core, store, sessions_max=settings.sessions_max, call_timeout=settings.call_timeout_s)
         self.started = time.monotonic()
         self.connections = 0
         self.in_flight = 0
@@ -315,7 +313,11 @@ class Daemon:
         settings = self.settings
         async with stream:
             if self.connections >= settings.connections_max or self.draining:
-                reason = "the daemon is shutting down" if self.draining else f"it serves {settings.connections_max} connections, its limit"
+                reason = (
+                    "the daemon is shutting down"
+                    if self.draining
+                    else f"it serves {settings.connections_max} connections, its limit"
+                )
                 with anyio.move_on_after(1):
                     await stream.send(error_response(None, FullError(f"connection refused: {reason}; try again later")))
                 return
@@ -341,7 +343,9 @@ class Daemon:
             pass
         scope.cancel()
 
-    async def _receive_loop(self, conn: Connection, stream: anyio.abc.ByteReceiveStream, tg: anyio.abc.TaskGroup) -> None:
+    async def _receive_loop(
+        self, conn: Connection, stream: anyio.abc.ByteReceiveStream, tg: anyio.abc.TaskGroup
+    ) -> None:
         settings = self.settings
         limiter = anyio.Semaphore(REQUESTS_IN_FLIGHT_MAX)
         framer = LineFramer(settings.line_bytes_max if conn.authenticated else settings.auth_line_bytes_max)
@@ -385,7 +389,12 @@ class Daemon:
         except (RequestError, DevdError):
             params, request = None, None
         token = params.token if isinstance(params, InitializeParams) else None
-        if request is None or token is None or self.token is None or not hmac.compare_digest(token.encode(), self.token.encode()):
+        if (
+            request is None
+            or token is None
+            or self.token is None
+            or not hmac.compare_digest(token.encode(), self.token.encode())
+        ):
             log.warning("connection.unauthorized", transport=conn.transport)
             if request is not None and not request.notification:
                 await conn.outbox.put(
@@ -427,7 +436,9 @@ class Daemon:
         except Exception:
             outcome = "INTERNAL"
             log.exception("request.failed", method=request.method if request else None)
-            reply = error_response(request.id if request else None, InternalError("the daemon failed to answer; see its log"))
+            reply = error_response(
+                request.id if request else None, InternalError("the daemon failed to answer; see its log")
+            )
         finally:
             self.in_flight -= 1
             limiter.release()

@@ -40,7 +40,6 @@ from devd.errors import (
     PoisonError,
 )
 from devd.host import Core, Session
-from devd.protocol import encode
 from devd.rpc import SessionInfo, StepNotice, UnwatchedNotice, notification
 from devd.store import Store, Stored
 
@@ -332,9 +331,7 @@ class Sessions:
             self._deliver(entry, watcher, seq, event, actions)
 
     def _deliver(self, entry: Entry, watcher: Watcher, seq: int, event: bytes, actions: bytes) -> None:
-        notice = notification(
-            "session/actions", StepNotice(entry.name, seq, msgspec.Raw(event), msgspec.Raw(actions))
-        )
+        notice = notification("session/actions", StepNotice(entry.name, seq, msgspec.Raw(event), msgspec.Raw(actions)))
         if watcher.offer(notice):
             watcher.last_seq = seq
             return

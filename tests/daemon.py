@@ -36,8 +36,19 @@ class Daemon:
         self.socket.unlink(missing_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "devd", "serve", "--socket", str(self.socket), "--state-dir", str(self.state),
-                 "--log-format", "json", *self.args],
+                [
+                    sys.executable,
+                    "-m",
+                    "devd",
+                    "serve",
+                    "--socket",
+                    str(self.socket),
+                    "--state-dir",
+                    str(self.state),
+                    "--log-format",
+                    "json",
+                    *self.args,
+                ],
                 stdout=log,
                 stderr=log,
                 env={**os.environ, **self.env},

@@ -57,4 +57,6 @@ IMPORTS = wasmtime.wat2wasm(
     '(module (import "env" "clock" (func (result i64))) (func (export "dev_abi") (result i32) i32.const 1))'
 )
 # A module whose dev_step has the wrong type.
-WRONG_TYPE = wasmtime.wat2wasm('(module (func (export "dev_abi") (result i32) i32.const 1) (func (export "dev_step") (param i32)))')
+WRONG_TYPE = wasmtime.wat2wasm(
+    '(module (func (export "dev_abi") (result i32) i32.const 1) (func (export "dev_step") (param i32)))'
+)

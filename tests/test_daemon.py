@@ -120,7 +120,10 @@ def test_sessions_survive_a_restart(tmp_path: Path) -> None:
     assert not d.socket.exists()
     with d.start(), d.client() as c:
         assert c.call("session/list") == {"sessions": [{"session": "keep", "state": "stored", "seq": 2}]}
-        assert c.step("keep", answer(1, "ok")) == [*finish(3, 1, "ok"), Action(id=6, op=ask(user(FIX), agent("ok"), user("queued")))]
+        assert c.step("keep", answer(1, "ok")) == [
+            *finish(3, 1, "ok"),
+            Action(id=6, op=ask(user(FIX), agent("ok"), user("queued"))),
+        ]
 
 
 def test_sessions_survive_sigkill(tmp_path: Path) -> None:
@@ -312,8 +315,14 @@ def test_a_watcher_that_stops_reading_is_dropped_and_the_stepper_is_not_slowed(d
         (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":[1]}', -32602),
         (b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"../etc"}}', -32602),
         (b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":".."}}', -32602),
-        (b'{"jsonrpc":"2.0","id":1,"method":"daemon/status","params":' + b"[" * 100_000 + b"]" * 100_000 + b"}", -32700),
-        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"s","event":{"Timer":true},"key":"\\ud800"}}', -32700),
+        (
+            b'{"jsonrpc":"2.0","id":1,"method":"daemon/status","params":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            -32700,
+        ),
+        (
+            b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"s","event":{"Timer":true},"key":"\\ud800"}}',
+            -32700,
+        ),
     ],
 )
 def test_bad_input_gets_its_error_and_the_connection_stays_usable(client: Client, line: bytes, code: int) -> None:
@@ -399,7 +408,7 @@ def _as_nobody(path: Path) -> tuple[int, bytes]:
     """Connect as uid 65534 (OpenSSH's agent-getpeereid test) and count the bytes the daemon answers."""
     probe = (
         "import socket,sys\ns=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
-        "s.sendall(b'{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"session/list\"}\\n');"
+        's.sendall(b\'{"jsonrpc":"2.0","id":1,"method":"session/list"}\\n\');'
         "s.settimeout(5)\ntry: print(len(s.recv(100)))\nexcept ConnectionResetError: print(0)"
     )
     run = subprocess.run(
@@ -479,6 +488,4 @@ def test_status_counts_what_it_served(client: Client) -> None:
 def test_decode_actions_is_what_the_client_returns(client: Client) -> None:
     s = client.new()
     raw = client.call_raw("session/step", {"session": s, "event": msgspec.Raw(encode(turn(1, "x")))})
-    assert decode_actions(msgspec.json.encode(msgspec.json.decode(raw)["actions"])) == [
-        Action(id=1, op=ask(user("x")))
-    ]
+    assert decode_actions(msgspec.json.encode(msgspec.json.decode(raw)["actions"])) == [Action(id=1, op=ask(user("x")))]

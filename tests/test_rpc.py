@@ -9,10 +9,10 @@ from devd import errors
 from devd.rpc import (
     TOO_LONG,
     LineFramer,
+    RequestError,
     StepParams,
     decode_params,
     decode_request,
-    RequestError,
     error_response,
     response,
 )
@@ -41,7 +41,9 @@ def test_the_framer_never_holds_more_than_its_limit() -> None:
 
 
 def test_a_request_keeps_its_params_raw() -> None:
-    request = decode_request(b'{"jsonrpc":"2.0","id":3,"method":"session/step","params":{"session":"a","event":{"Timer":true}}}')
+    request = decode_request(
+        b'{"jsonrpc":"2.0","id":3,"method":"session/step","params":{"session":"a","event":{"Timer":true}}}'
+    )
     params = decode_params(request)
     assert isinstance(params, StepParams)
     assert (request.id, request.notification, bytes(params.event)) == (3, False, b'{"Timer":true}')
@@ -56,7 +58,11 @@ def test_a_request_without_an_id_is_a_notification() -> None:
     [
         (b"{", errors.ParseError, None),
         (b'{"jsonrpc":"2.0","id":1,"method":"x","p":"\xc3\x28"}', errors.ParseError, None),
-        (b'{"jsonrpc":"2.0","id":1,"method":"x","params":' + b"[" * 50_000 + b"]" * 50_000 + b"}", errors.ParseError, None),
+        (
+            b'{"jsonrpc":"2.0","id":1,"method":"x","params":' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+            errors.ParseError,
+            None,
+        ),
         (b"[]", errors.InvalidRequestError, None),
         (b'"hi"', errors.InvalidRequestError, None),
         (b'{"jsonrpc":"2.0","id":1.5,"method":"x"}', errors.InvalidRequestError, None),
@@ -78,9 +84,18 @@ def test_a_bad_request_names_its_error_and_its_id(line: bytes, kind: type, id: o
         (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"a"}}', errors.InvalidParamsError),
         (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":[]}', errors.InvalidParamsError),
         (b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"a/b"}}', errors.InvalidParamsError),
-        (b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"' + b"a" * 65 + b'"}}', errors.InvalidParamsError),
-        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"a","event":{},"timeout_ms":0}}', errors.InvalidParamsError),
-        (b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"a","event":{},"key":""}}', errors.InvalidParamsError),
+        (
+            b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"' + b"a" * 65 + b'"}}',
+            errors.InvalidParamsError,
+        ),
+        (
+            b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"a","event":{},"timeout_ms":0}}',
+            errors.InvalidParamsError,
+        ),
+        (
+            b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"a","event":{},"key":""}}',
+            errors.InvalidParamsError,
+        ),
     ],
 )
 def test_unknown_methods_and_bad_params_stay_distinct(line: bytes, kind: type) -> None:
@@ -103,5 +118,7 @@ def test_the_step_result_embeds_the_actions_unchanged() -> None:
     from devd.rpc import StepResult
 
     actions = b'[{"id":1,"op":{"Save":true}}]'
-    assert response(2, StepResult(msgspec.Raw(actions))) == b'{"jsonrpc":"2.0","id":2,"result":{"actions":' + actions + b"}}\n"
-
+    assert (
+        response(2, StepResult(msgspec.Raw(actions)))
+        == b'{"jsonrpc":"2.0","id":2,"result":{"actions":' + actions + b"}}\n"
+    )

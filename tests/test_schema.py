@@ -40,7 +40,12 @@ def test_the_schema_is_a_valid_2020_12_schema_and_devd_schema_prints_it() -> Non
     assert SCHEMA["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert json.loads(schema_json()) == SCHEMA
     printed = subprocess.run(
-        [sys.executable, "-m", "devd", "schema"], cwd=ROOT, env=daemon_env(), capture_output=True, timeout=30, check=True
+        [sys.executable, "-m", "devd", "schema"],
+        cwd=ROOT,
+        env=daemon_env(),
+        capture_output=True,
+        timeout=30,
+        check=True,
     )
     assert printed.stdout == schema_json() + b"\n"
 
@@ -80,7 +85,9 @@ def test_errors_list_every_kind_with_its_code() -> None:
     kinds = {
         cls.kind: cls.code
         for cls in vars(errors).values()
-        if isinstance(cls, type) and issubclass(cls, errors.DevdError) and cls not in (errors.DevdError, errors.AbiError)
+        if isinstance(cls, type)
+        and issubclass(cls, errors.DevdError)
+        and cls not in (errors.DevdError, errors.AbiError)
     }
     assert {kind: e["code"] for kind, e in SCHEMA["errors"].items()} == kinds
     assert SCHEMA["$defs"]["ErrorData"]["properties"]["kind"] == {"enum": list(SCHEMA["errors"])}
@@ -179,7 +186,9 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             assert client.new(session="demo") == "demo"
             watcher.call("session/watch", {"session": "demo"})
             client.step("demo", turn(1, "fix the build"))
-            calls = client.step("demo", answer(1, calls=[Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="build.log"))]))
+            calls = client.step(
+                "demo", answer(1, calls=[Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="build.log"))])
+            )
             assert [a.op.Exec or a.op.Read for a in calls] == [Exec(argv=["make"]), Read(path="build.log")]
             client.step("demo", b'{"Exec":' + msgspec.json.encode(Output(id=calls[0].id, text="error: x")) + b"}")
             client.step("demo", b'{"File":' + msgspec.json.encode(Output(id=calls[1].id, text="x is undefined")) + b"}")

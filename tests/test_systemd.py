@@ -65,14 +65,27 @@ def serve_args(tmp_path: Path, *extra: str) -> list[str]:
     state = tmp_path / "state"
     if not state.exists():
         state_dir(tmp_path)
-    return ["serve", "--socket", str(tmp_path / "run" / "devd.sock"), "--state-dir", str(state), "--log-format", "json", *extra]
+    return [
+        "serve",
+        "--socket",
+        str(tmp_path / "run" / "devd.sock"),
+        "--state-dir",
+        str(state),
+        "--log-format",
+        "json",
+        *extra,
+    ]
 
 
 @contextlib.contextmanager
-def running(argv: list[str], env: dict[str, str], log: Path, pass_fds: tuple[int, ...] = ()) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    argv: list[str], env: dict[str, str], log: Path, pass_fds: tuple[int, ...] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
     """The process, killed on the way out if the test left it running; its stderr (the JSON log) goes to log."""
     with open(log, "wb") as err:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err, pass_fds=pass_fds)
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err, pass_fds=pass_fds
+        )
     try:
         yield proc
     finally:
@@ -81,7 +94,9 @@ def running(argv: list[str], env: dict[str, str], log: Path, pass_fds: tuple[int
         proc.wait(EXIT_TIMEOUT_S)
 
 
-def devd(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+def devd(
+    tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     """`python -m devd serve` with its state and socket in tmp_path."""
     return running(
         [sys.executable, "-m", "devd", *serve_args(tmp_path, *extra)], env or daemon_env(), tmp_path / "devd.log"
