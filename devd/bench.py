@@ -282,7 +282,9 @@ def bench_daemon(clients: int, seconds: float, rounds: int) -> dict[str, Any]:
     for name, measured in runs.items():
         results[name] = {k: statistics.median(m[k] for m in measured) for k in measured[0]}
     results["ratio_devd_over_echo"] = results["devd"]["steps_per_s"] / results["echo"]["steps_per_s"]
-    results["ratios_per_round"] = [d["steps_per_s"] / e["steps_per_s"] for e, d in zip(runs["echo"], runs["devd"])]
+    results["ratios_per_round"] = [
+        d["steps_per_s"] / e["steps_per_s"] for e, d in zip(runs["echo"], runs["devd"], strict=True)
+    ]
     return results
 
 

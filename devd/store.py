@@ -185,7 +185,8 @@ class Store:
                 db.execute(
                     "INSERT INTO sessions (name, config, snapshot, snapshot_seq) VALUES "
                     + ",".join(["(?, x'', ?, ?)"] * len(saved))
-                    + " ON CONFLICT (name) DO UPDATE SET snapshot = excluded.snapshot, snapshot_seq = excluded.snapshot_seq",
+                    + " ON CONFLICT (name) DO UPDATE"
+                    " SET snapshot = excluded.snapshot, snapshot_seq = excluded.snapshot_seq",
                     [v for r in saved for v in (r.name, r.snapshot, r.seq)],
                 )
             for r in saved:

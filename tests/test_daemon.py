@@ -91,9 +91,10 @@ def test_a_turn_runs_to_done_through_the_socket(client: Client) -> None:
 
 
 def test_the_actions_cross_as_the_core_wrote_them(client: Client) -> None:
-    s = client.new(session="raw")
+    client.new(session="raw")
     client.send_line(
-        b'{"jsonrpc":"2.0","id":7,"method":"session/step","params":{"session":"raw","event":{"Turn":{"id":1,"prompt":"hi"}}}}\n'
+        b'{"jsonrpc":"2.0","id":7,"method":"session/step",'
+        b'"params":{"session":"raw","event":{"Turn":{"id":1,"prompt":"hi"}}}}\n'
     )
     assert client._file.readline() == (
         b'{"jsonrpc":"2.0","id":7,"result":{"actions":[{"id":1,"op":{"Model":{"messages":[{"User":"hi"}]}}}]}}\n'
