@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml hatch_build.py
 	touch $@
 
 # The editable install builds the core once; this keeps it current when core/ changes.
-devd/core.wasm: $(CORE_SRC) $(VENV)/.installed
+devd/core.wasm: $(CORE_SRC) | $(VENV)/.installed
 	$(PY) -c 'from pathlib import Path; from hatch_build import build_core; build_core(Path("."), Path("$@"))'
 
 build: devd/core.wasm
