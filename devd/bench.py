@@ -52,7 +52,7 @@ class _Naive:
         self.store = wasmtime.Store(engine)
         self.store.set_limits(memory_size=64 << 20)
         self.store.set_epoch_deadline(1 << 30)
-        ex = wasmtime.Instance(self.store, module, []).exports(self.store)
+        ex: Any = wasmtime.Instance(self.store, module, []).exports(self.store)
         self.memory = ex["memory"]
         self.alloc, self.release, self.new = ex["dev_alloc"], ex["dev_release"], ex["dev_new"]
         self.step_fn, self.free = ex["dev_step"], ex["dev_free"]

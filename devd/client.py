@@ -228,7 +228,7 @@ class AsyncClient:
 
     async def call_raw(self, method: str, params: Any = None) -> bytes:
         id = next(self._ids)
-        event, slot = anyio.Event(), []
+        event, slot = anyio.Event(), list[Reply]()
         self._waiting[id] = (event, slot)
         await self._stream.send(_request(id, method, params if params is not None else {}))
         await event.wait()

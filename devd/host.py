@@ -59,16 +59,16 @@ INT32_MAX = 2**31 - 1
 # copy of our own leaves wasmtime-py's prototypes untouched. Every argument is passed as a ctypes object.
 _call_unchecked = ffi.dll["wasmtime_func_call_unchecked"]
 _call_unchecked.restype = c_void_p
-_call_unchecked.argtypes = None
+_call_unchecked.argtypes = None  # type: ignore[assignment]
 _memory_data = ffi.dll["wasmtime_memory_data"]
 _memory_data.restype = c_void_p
-_memory_data.argtypes = None
+_memory_data.argtypes = None  # type: ignore[assignment]
 _memory_size = ffi.dll["wasmtime_memory_data_size"]
 _memory_size.restype = c_size_t
-_memory_size.argtypes = None
+_memory_size.argtypes = None  # type: ignore[assignment]
 _set_deadline = ffi.dll["wasmtime_context_set_epoch_deadline"]
 _set_deadline.restype = None
-_set_deadline.argtypes = None
+_set_deadline.argtypes = None  # type: ignore[assignment]
 
 _json_array = msgspec.json.Decoder(list[msgspec.Raw])
 
@@ -431,26 +431,27 @@ class Session:
         """Instantiate, and find the memory and the exports every session uses; the rest are found on first use."""
         assert self._store is not None
         self._instance = self._core._pre.instantiate(self._store)
-        for name in ("memory", "dev_alloc", "dev_step", "dev_free", export):
+        self._memory = ffi.wasmtime_memory_t.from_buffer_copy(self._lookup("memory").of.memory)
+        for name in ("dev_alloc", "dev_step", "dev_free", export):
             self._export(name)
 
     def _export(self, name: str) -> _Export:
         ex = self._exports.get(name)
-        if ex is not None:
-            return ex
-        if self._store is None:
+        if ex is None:
+            func = ffi.wasmtime_func_t.from_buffer_copy(self._lookup(name).of.func)
+            ex = self._exports[name] = _Export(func, self._core._export_names[name][2])
+        return ex
+
+    def _lookup(self, name: str) -> ffi.wasmtime_extern_t:
+        if self._instance is None:
             raise HandleError(self._gone_why)
-        raw, n, slots = self._core._export_names[name]
+        raw, n, _ = self._core._export_names[name]
         item = ffi.wasmtime_extern_t()
         if not ffi.wasmtime_instance_export_get(
             self._ctx, ctypes.byref(self._instance._instance), raw, n, ctypes.byref(item)
         ):
             raise NullError(f"this core exports no {name}; use a core that speaks all of ABI {ABI}")
-        if name == "memory":
-            self._memory = ffi.wasmtime_memory_t.from_buffer_copy(item.of.memory)
-            return None  # type: ignore[return-value]
-        ex = self._exports[name] = _Export(ffi.wasmtime_func_t.from_buffer_copy(item.of.func), slots)
-        return ex
+        return item
 
     def _step(self, data: bytes, use: Callable[[bytes], None], timeout: float | None) -> None:
         # The hot path: every line here runs once per step, so it is written flat.

@@ -201,16 +201,23 @@ def decode_request(line: bytes) -> Request:
             id = _id.decode(env.id)  # type: ignore[arg-type]
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise RequestError(InvalidRequestError("the id must be a string, an integer or null"), None) from None
-    if env.jsonrpc is UNSET or bytes(env.jsonrpc).strip() != b'"2.0"':  # type: ignore[arg-type]
+    if _text(env.jsonrpc) != "2.0":
         raise RequestError(InvalidRequestError('the request must say "jsonrpc": "2.0"'), id, notification)
-    try:
-        method = _str.decode(env.method) if env.method is not UNSET else None  # type: ignore[arg-type]
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        method = None
+    method = _text(env.method)
     if method is None:
         raise RequestError(InvalidRequestError("the request needs a method, as a string"), id, notification)
     params = env.params if env.params is not UNSET else Raw(b"{}")
-    return Request(method=method, params=params, id=id, notification=notification)  # type: ignore[arg-type]
+    return Request(method=method, params=params, id=id, notification=notification)
+
+
+def _text(member: Raw | UnsetType) -> str | None:
+    """A member that must be a JSON string, or None when it is absent or anything else."""
+    if isinstance(member, UnsetType):
+        return None
+    try:
+        return _str.decode(member)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
 
 
 def decode_params(request: Request) -> Any:
