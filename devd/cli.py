@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
             sessions_max=args.max_sessions,
             connections_max=args.max_connections,
             line_bytes_max=args.max_line_bytes,
+            line_timeout_s=args.line_timeout,
         )
         prepare_state_dir(settings.state_dir)
         core = Core.open(settings.core_path, call_timeout=settings.call_timeout_s)
@@ -212,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions", type=int, default=10_000)
     serve.add_argument("--max-connections", type=int, default=1024)
     serve.add_argument("--max-line-bytes", type=int, default=16 << 20)
+    serve.add_argument("--line-timeout", type=float, default=30.0, help="seconds a request line may take to arrive")
     serve.add_argument("--log-format", choices=["json", "console"])
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

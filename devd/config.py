@@ -26,6 +26,7 @@ class Settings:
     outbox_bytes_hard: int = 32 << 20  # a client that reads nothing stops being read from
     send_timeout_s: float = 30.0  # a client that takes no bytes for this long is disconnected
     auth_timeout_s: float = 5.0
+    line_timeout_s: float = 30.0  # a request line must arrive whole within this (slowloris); idle is fine
     auth_line_bytes_max: int = 4096
     shutdown_grace_s: float = 10.0
 

@@ -7,7 +7,8 @@ What it promises:
   and a connection that opens like an HTTP request is closed without acting;
 - accepting survives running out of file descriptors (it backs off and retries);
 - a bad line gets its JSON-RPC error and leaves the connection usable; an over-long line answers TOO_LARGE once;
-- a client that stops reading is cut off after `send_timeout_s`, and a watcher that falls behind is dropped, so
+- a line that does not arrive whole within `line_timeout_s` closes its connection (slowloris), and a client that
+  stops reading is cut off after `send_timeout_s`, and a watcher that falls behind is dropped, so
   neither can hold up anyone else;
 - SIGTERM/SIGINT: stop accepting, finish calls in flight, commit, remove the socket, exit 0.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import math
 import os
 import secrets
 import signal
@@ -350,15 +352,24 @@ class Daemon:
         limiter = anyio.Semaphore(REQUESTS_IN_FLIGHT_MAX)
         framer = LineFramer(settings.line_bytes_max if conn.authenticated else settings.auth_line_bytes_max)
         first = True
+        line_started = 0.0  # when the partial line in the framer began; a line must arrive whole within a bound
         while True:
+            if not conn.authenticated:
+                bound = settings.auth_timeout_s
+            elif framer.pending_bytes:
+                bound = line_started + settings.line_timeout_s - time.monotonic()
+            else:
+                bound = math.inf
             try:
-                if conn.authenticated:
+                with anyio.fail_after(bound):
                     data = await stream.receive(RECEIVE_BYTES)
-                else:
-                    with anyio.fail_after(settings.auth_timeout_s):
-                        data = await stream.receive(RECEIVE_BYTES)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, TimeoutError):
+            except TimeoutError:
+                log.warning("connection.dropped", reason="a line did not arrive whole in time")
                 return
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                return
+            if not framer.pending_bytes or b"\n" in data:
+                line_started = time.monotonic()  # whatever is left partial after this chunk began in it
             if first:
                 first = False
                 if data.lstrip().startswith(_HTTP_METHODS):

@@ -347,6 +347,17 @@ def test_a_line_over_the_limit_is_too_large_and_the_rest_is_discarded(tmp_path: 
         assert c.call("session/list") == {"sessions": []}
 
 
+def test_a_line_that_trickles_in_too_slowly_closes_its_connection(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--line-timeout", "0.5") as d, d.client() as slow, d.client() as idle:
+        slow.send_line(b'{"jsonrpc":"2.0",')
+        time.sleep(0.3)
+        slow.send_line(b'"id":1,')
+        time.sleep(0.4)
+        with pytest.raises(ConnectionError):
+            slow.read_reply()
+        assert idle.call("session/list") == {"sessions": []}
+
+
 def test_too_many_sessions_is_full(tmp_path: Path) -> None:
     with Daemon(tmp_path, "--max-sessions", "2") as d, d.client() as c:
         c.new()
