@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from devd.client import Client
 
@@ -95,3 +100,128 @@ class Daemon:
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
+
+
+# -- lower-level helpers: a daemon process with a given environment and inherited fds ----------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 20.0  # a cold start compiles the core: well under a second here, generous for a loaded CI
+EXIT_TIMEOUT_S = 10.0
+NOTIFY_TIMEOUT_S = 10.0
+
+# Exec'd in the child so that fd 3 and LISTEN_PID are right for the very process that becomes the daemon.
+_ACTIVATE = """\
+import os, sys
+fd = int(sys.argv[1])
+if fd != 3:
+    os.dup2(fd, 3)
+    os.close(fd)
+os.environ["LISTEN_PID"] = os.environ.get("TEST_LISTEN_PID") or str(os.getpid())
+os.environ.pop("TEST_LISTEN_PID", None)
+os.execv(sys.executable, [sys.executable, "-m", "devd", *sys.argv[2:]])
+"""
+
+
+def daemon_env(**extra: str) -> dict[str, str]:
+    """This environment without systemd's variables, with the repo importable, plus extra."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("LISTEN_", "WATCHDOG_")) and k not in ("NOTIFY_SOCKET", "PYTHONPATH")
+    }
+    env["PYTHONPATH"] = str(ROOT)
+    env.update(extra)
+    return env
+
+
+def state_dir(tmp_path: Path) -> Path:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    state.chmod(0o700)
+    return state
+
+
+def serve_args(tmp_path: Path, *extra: str) -> list[str]:
+    """`serve` with its state and socket in tmp_path (socket: tmp_path/run/devd.sock)."""
+    state = tmp_path / "state"
+    if not state.exists():
+        state_dir(tmp_path)
+    return [
+        "serve",
+        "--socket",
+        str(tmp_path / "run" / "devd.sock"),
+        "--state-dir",
+        str(state),
+        "--log-format",
+        "json",
+        *extra,
+    ]
+
+
+@contextlib.contextmanager
+def running(
+    argv: list[str], env: dict[str, str], log: Path, pass_fds: tuple[int, ...] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The process, killed on the way out if the test left it running; its stderr (the JSON log) goes to log."""
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err, pass_fds=pass_fds
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(EXIT_TIMEOUT_S)
+
+
+def devd(
+    tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """`python -m devd serve` with its state and socket in tmp_path."""
+    return running(
+        [sys.executable, "-m", "devd", *serve_args(tmp_path, *extra)], env or daemon_env(), tmp_path / "devd.log"
+    )
+
+
+def wait_connectable(address: str | Path, proc: subprocess.Popen[bytes], token: str | None = None) -> Client:
+    """A client of the daemon once it accepts; fails (with the daemon's log) if it exits or takes too long."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    address = str(address)
+    while True:
+        try:
+            # A probe of our own first: Client.connect does not close its socket when the connect fails.
+            if address.startswith("tcp://"):
+                host, port = address[len("tcp://") :].rsplit(":", 1)
+                socket.create_connection((host, int(port)), timeout=EXIT_TIMEOUT_S).close()
+            else:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                    probe.connect(address)
+            return Client.connect(address, token=token, timeout=EXIT_TIMEOUT_S)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if proc.poll() is not None:
+                pytest.fail(f"the daemon exited with {proc.returncode} before accepting")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the daemon did not accept on {address} within {START_TIMEOUT_S} s")
+            time.sleep(0.02)
+
+
+def wait_token(state: Path, proc: subprocess.Popen[bytes]) -> str:
+    """The TCP token, once the daemon has written it."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            if token := (state / "token").read_text().strip():
+                return token
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the daemon wrote no token in {state} (exit status {proc.poll()})")
+        time.sleep(0.02)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(EXIT_TIMEOUT_S)
+
+
+def log_events(log: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in log.read_bytes().splitlines() if line.startswith(b"{")]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_systemd import ROOT, devd, free_port, stop, wait_connectable, wait_token
+from tests.daemon import ROOT, devd, free_port, stop, wait_connectable, wait_token
 
 DOC = ROOT / "docs" / "protocol.md"
 LINE = re.compile(r"(\d*)([<>]) ?(.*)")

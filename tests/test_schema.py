@@ -18,7 +18,7 @@ from devd import errors, rpc
 from devd.client import Client, Reply
 from devd.protocol import Call, Exec, Output, Read, answer, turn
 from devd.schema import schema, schema_json
-from tests.test_systemd import ROOT, daemon_env, devd, stop, wait_connectable
+from tests.daemon import ROOT, daemon_env, devd, stop, wait_connectable
 
 SCHEMA = schema()
 
