@@ -145,7 +145,8 @@ STATUS: tuple[type[DevdError] | None, ...] = (
 
 STATUS_MESSAGES: dict[type[DevdError], str] = {
     HandleError: "the handle names no live session; restore or recover it",
-    MalformedError: "the event is not a message of protocol 1; nothing changed, fix the event and send it again",
+    MalformedError: "the core cannot read it (an event or config that is not protocol 1, or a damaged snapshot); "
+    "nothing changed, fix it and send it again",
     PoisonError: "a previous call on this session trapped; close it and restore or recover it",
     PanicError: "the call trapped inside the core; the session is poisoned, recover it from its last durable state",
     NullError: "the core could not lend memory for the call; send a smaller event",

@@ -156,6 +156,8 @@ def _check_exports(module: wasmtime.Module) -> None:
         names = ", ".join(f"{i.module}.{i.name}" for i in module.imports)
         raise AbiError(f"the core must import nothing, and this module imports {names}")
     for export in module.exports:
+        if export.name == "memory" and not isinstance(export.type, wasmtime.MemoryType):
+            raise AbiError("the module's memory export is not a memory")
         expected = _SIGNATURES.get(export.name)
         if expected is None:
             continue

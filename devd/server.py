@@ -172,6 +172,7 @@ class Outbox:
         self._hard = hard_bytes
         self._ready = anyio.Event()
         self._room = anyio.Event()
+        self._sending = False
 
     def offer(self, data: bytes) -> bool:
         if self._bytes + len(data) > self._soft:
@@ -186,9 +187,14 @@ class Outbox:
 
     async def put(self, data: bytes) -> None:
         while self._bytes > self._hard:
-            self._room = anyio.Event()
             await self._room.wait()
         self.force(data)
+
+    async def wait_sent(self, timeout_s: float) -> None:
+        """Return once everything queued has been handed to the socket (or timeout_s passed)."""
+        with anyio.move_on_after(timeout_s):
+            while self._items or self._sending:
+                await self._room.wait()
 
     async def drain_to(self, stream: anyio.abc.ByteSendStream, send_timeout_s: float) -> None:
         """Send for ever; a client that takes nothing for send_timeout_s raises TimeoutError."""
@@ -199,9 +205,14 @@ class Outbox:
             chunk = b"".join(self._items)
             self._items.clear()
             self._bytes = 0
-            self._room.set()
-            with anyio.fail_after(send_timeout_s):
-                await stream.send(chunk)
+            self._sending = True
+            try:
+                with anyio.fail_after(send_timeout_s):
+                    await stream.send(chunk)
+            finally:
+                self._sending = False
+                room, self._room = self._room, anyio.Event()
+                room.set()
 
 
 class Connection:
@@ -210,6 +221,7 @@ class Connection:
         self.outbox = outbox
         self.transport = transport
         self.authenticated = transport == "unix"
+        self.limiter = anyio.Semaphore(REQUESTS_IN_FLIGHT_MAX)
         self.watchers: dict[str, Watcher] = {}
 
 
@@ -228,6 +240,7 @@ class Daemon:
         self.in_flight = 0
         self.draining = False
         self._idle = anyio.Event()
+        self._outboxes: set[Outbox] = set()
         self._methods: dict[str, Callable[[Connection, Any], Awaitable[msgspec.Struct]]] = {
             "initialize": self._initialize,
             "session/new": self._new,
@@ -269,6 +282,8 @@ class Daemon:
                     while self.in_flight:
                         self._idle = anyio.Event()
                         await self._idle.wait()
+                    for outbox in list(self._outboxes):  # every answer given is also sent
+                        await outbox.wait_sent(self.settings.shutdown_grace_s)
                 accepting.cancel()
                 return
 
@@ -301,12 +316,22 @@ class Daemon:
             tg.start_soon(self._connection, client, transport)
 
     async def _connection(self, client: socket.socket, transport: str) -> None:
+        """One connection; whatever happens in it, the daemon goes on."""
+        try:
+            await self._serve_connection(client, transport)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # the peer went away
+        except Exception:
+            log.exception("connection.failed", transport=transport)
+        finally:
+            client.close()
+
+    async def _serve_connection(self, client: socket.socket, transport: str) -> None:
         client.setblocking(False)
         if transport == "unix":
             uid = peer_uid(client)
             if uid not in (os.getuid(), 0):  # root can read the state directory anyway
                 log.warning("connection.refused", reason="peer of another uid", uid=uid)
-                client.close()
                 return
             stream: anyio.abc.SocketStream = await anyio.abc.UNIXSocketStream.from_socket(client)
         else:
@@ -325,14 +350,21 @@ class Daemon:
                 return
             self.connections += 1
             outbox = Outbox(settings.outbox_bytes_soft, settings.outbox_bytes_hard)
+            self._outboxes.add(outbox)
             conn = Connection(self, outbox, transport)
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._send_loop, outbox, stream, tg.cancel_scope)
                     await self._receive_loop(conn, stream, tg)
+                    # The peer closed its side: answer what it asked before it did, then close ours.
+                    with anyio.move_on_after(settings.send_timeout_s):
+                        for _ in range(REQUESTS_IN_FLIGHT_MAX):
+                            await conn.limiter.acquire()
+                        await outbox.wait_sent(settings.send_timeout_s)
                     tg.cancel_scope.cancel()
             finally:
                 self.connections -= 1
+                self._outboxes.discard(outbox)
                 for name, watcher in conn.watchers.items():
                     self.sessions.unwatch(name, watcher)
 
@@ -349,7 +381,7 @@ class Daemon:
         self, conn: Connection, stream: anyio.abc.ByteReceiveStream, tg: anyio.abc.TaskGroup
     ) -> None:
         settings = self.settings
-        limiter = anyio.Semaphore(REQUESTS_IN_FLIGHT_MAX)
+        limiter = conn.limiter
         framer = LineFramer(settings.line_bytes_max if conn.authenticated else settings.auth_line_bytes_max)
         first = True
         line_started = 0.0  # when the partial line in the framer began; a line must arrive whole within a bound
@@ -422,7 +454,8 @@ class Daemon:
                         await anyio.sleep(0.01)
             return False
         conn.authenticated = True
-        await conn.outbox.put(response(request.id, self._initialize_result()))
+        if not request.notification:
+            await conn.outbox.put(response(request.id, self._initialize_result()))
         return True
 
     async def _dispatch(self, conn: Connection, line: bytes, limiter: anyio.Semaphore) -> None:
@@ -436,7 +469,10 @@ class Daemon:
             params = decode_params(request)
             if self.draining and request.method != "daemon/status":
                 raise BusyError("the daemon is shutting down; retry against the next one")
-            result = await self._methods[request.method](conn, params)
+            # A call runs to its end even if its client goes: it is bounded by its deadline and a commit, and
+            # stopping it between the core and the journal would leave the two apart.
+            with anyio.CancelScope(shield=True):
+                result = await self._methods[request.method](conn, params)
             reply = response(request.id, result)
         except RequestError as e:
             outcome = e.error.kind
@@ -450,16 +486,19 @@ class Daemon:
             reply = error_response(
                 request.id if request else None, InternalError("the daemon failed to answer; see its log")
             )
+        if outcome != "ok":
+            errors = self.sessions.stats.errors
+            errors[outcome] = errors.get(outcome, 0) + 1
+        try:
+            if reply and not (request is not None and request.notification):
+                await conn.outbox.put(reply)
         finally:
+            # Counted until the answer is queued, so that shutdown waits for it and a client that reads nothing
+            # holds its in-flight slots.
             self.in_flight -= 1
             limiter.release()
             if not self.in_flight:
                 self._idle.set()
-        if outcome != "ok":
-            errors = self.sessions.stats.errors
-            errors[outcome] = errors.get(outcome, 0) + 1
-        if reply and not (request is not None and request.notification):
-            await conn.outbox.put(reply)
         log.debug(
             "request",
             method=request.method if request else None,

@@ -109,7 +109,7 @@ class Sessions:
     async def new(self, name: str | None, config: bytes) -> str:
         name = self._claim(name)
         try:
-            session = self.core.new(config)
+            session = await self._off_loop_if_slow(lambda timeout: self.core.new(config, timeout=timeout))
         except BaseException:
             del self._entries[name]
             raise
@@ -123,12 +123,21 @@ class Sessions:
             raise InvalidParamsError("the snapshot must be base64, as session/snapshot gives it") from None
         name = self._claim(name)
         try:
-            session = self.core.restore(snapshot)
+            session = await self._off_loop_if_slow(lambda timeout: self.core.restore(snapshot, timeout=timeout))
         except BaseException:
             del self._entries[name]
             raise
         await self._create(name, session, b"{}", snapshot)
         return name
+
+    async def _off_loop_if_slow(self, start: Callable[[float], Session]) -> Session:
+        """Start a session inline under the short budget; past it, start it afresh on a worker thread."""
+        deadline = time.monotonic() + self.call_timeout
+        try:
+            return start(INLINE_SECONDS)
+        except DeadlineError:
+            self.stats.offloaded += 1
+            return await anyio.to_thread.run_sync(start, deadline - time.monotonic(), abandon_on_cancel=False)
 
     def _claim(self, name: str | None) -> str:
         if len(self._entries) >= self.sessions_max:
@@ -178,8 +187,21 @@ class Sessions:
             if entry.session is None:
                 await self._load(entry)
             assert entry.session is not None
+            deadline = time.monotonic() + self.call_timeout
             try:
-                state = entry.session.snapshot()
+                state = entry.session.snapshot(timeout=INLINE_SECONDS)
+            except DeadlineError:
+                # The instance is gone; what is durable is exactly its state, so rebuild it off the loop.
+                self.stats.offloaded += 1
+                entry.session = None
+                stored = self._stored(name)
+                try:
+                    entry.session, state = await anyio.to_thread.run_sync(
+                        _rebuild_and_snapshot, self.core, stored, deadline, self.call_timeout, abandon_on_cancel=False
+                    )
+                except DevdError as e:
+                    await self._lost(entry, e)
+                    raise
             except DevdError as e:
                 await self._lost(entry, e)
                 raise
@@ -331,6 +353,8 @@ class Sessions:
             self._deliver(entry, watcher, seq, event, actions)
 
     def _deliver(self, entry: Entry, watcher: Watcher, seq: int, event: bytes, actions: bytes) -> None:
+        if seq <= watcher.last_seq:
+            return  # already sent (read back from the journal while its step was still on its way here)
         notice = notification("session/actions", StepNotice(entry.name, seq, msgspec.Raw(event), msgspec.Raw(actions)))
         if watcher.offer(notice):
             watcher.last_seq = seq
@@ -382,6 +406,16 @@ def _rebuild(core: Core, stored: Stored, call_timeout: float) -> Session:
         session.close()
         raise
     return session
+
+
+def _rebuild_and_snapshot(core: Core, stored: Stored, deadline: float, call_timeout: float) -> tuple[Session, bytes]:
+    session = _rebuild(core, stored, call_timeout)
+    try:
+        return session, session.snapshot(timeout=deadline - time.monotonic())
+    except BaseException:
+        if session.alive:
+            session.close()
+        raise
 
 
 def _rebuild_and_step(

@@ -24,7 +24,7 @@ AHEAD = wasmtime.wat2wasm(
 )
 
 
-def core_with(step_body: str, abi: int = 1, extra: str = "") -> bytes:
+def core_with(step_body: str, abi: int = 1, extra: str = "", new_body: str = "i32.const 0") -> bytes:
     """A minimal ABI-1 core whose dev_step runs `step_body` (which must leave an i32 status)."""
     return wasmtime.wat2wasm(
         f"""(module
@@ -34,7 +34,7 @@ def core_with(step_body: str, abi: int = 1, extra: str = "") -> bytes:
   (func (export "dev_abi") (result i32) i32.const {abi})
   (func (export "dev_alloc") (param i32) (result i32) i32.const 2048)
   (func (export "dev_release") (param i32 i32))
-  (func (export "dev_new") (param i32 i32 i32) (result i32) i32.const 0)
+  (func (export "dev_new") (param i32 i32 i32) (result i32) {new_body})
   (func (export "dev_step") (param i64 i32 i32 i32) (result i32)
     (i32.store (local.get 3) (i32.const 1024))
     (i32.store offset=4 (local.get 3) (i32.const 2))
@@ -59,4 +59,10 @@ IMPORTS = wasmtime.wat2wasm(
 # A module whose dev_step has the wrong type.
 WRONG_TYPE = wasmtime.wat2wasm(
     '(module (func (export "dev_abi") (result i32) i32.const 1) (func (export "dev_step") (param i32)))'
+)
+# dev_new spins for ever: starting a session only ends at its deadline.
+SPIN_NEW = core_with("i32.const 0", new_body="(loop (br 0)) i32.const 0")
+# A module whose "memory" export is a function.
+MEMORY_NOT_MEMORY = wasmtime.wat2wasm(
+    '(module (func (export "dev_abi") (result i32) i32.const 1) (func (export "memory") (result i32) i32.const 0))'
 )

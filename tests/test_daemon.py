@@ -21,8 +21,9 @@ import wasmtime
 from devd import errors
 from devd.client import Client
 from devd.protocol import Action, Call, Cancel, Event, Exec, Op, Output, Read, answer, decode_actions, encode, turn
+from tests import modules
 from tests.daemon import Daemon, free_port
-from tests.test_host import FIX, agent, ask, finish, tool, user
+from tests.test_host import FIX, agent, ask, done, finish, tool, user
 
 # dev_step spins until its deadline on a 14-byte event ({"Timer":true}) and answers [] to anything else.
 SPIN_ON_TIMER = wasmtime.wat2wasm(
@@ -249,6 +250,64 @@ def test_an_ended_session_answers_handle_until_recovered(spinning: Daemon) -> No
         assert c.call("daemon/status")["deadline_hits"] == 1
 
 
+def test_a_spinning_session_start_holds_up_no_one(tmp_path: Path) -> None:
+    core = tmp_path / "spin-new.wasm"
+    core.write_bytes(modules.SPIN_NEW)
+    with Daemon(tmp_path / "d", "--core", str(core), "--call-timeout", "1") as d, d.client() as a, d.client() as b:
+        outcome: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                a.new()
+            except BaseException as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=start)
+        t.start()
+        time.sleep(0.2)
+        worst = 0.0
+        while t.is_alive():
+            started = time.perf_counter()
+            b.call("daemon/status")
+            worst = max(worst, time.perf_counter() - started)
+        t.join()
+        assert ([type(e) for e in outcome], worst < 0.05) == ([errors.DeadlineError], True)
+
+
+def test_a_step_in_flight_at_sigterm_is_answered(spinning: Daemon) -> None:
+    with spinning.client() as c:
+        c.new(session="spin")
+        c.send_line(
+            b'{"jsonrpc":"2.0","id":9,"method":"session/step","params":{"session":"spin","event":{"Timer":true},'
+            b'"timeout_ms":600}}\n'
+        )
+        time.sleep(0.2)
+        spinning.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        reply = c.read_reply()
+        assert (reply.id, reply.error["data"]["kind"], spinning.stop()) == (9, "DEADLINE", 0)  # type: ignore[index]
+
+
+def test_a_client_that_leaves_mid_step_leaves_its_session_consistent(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.new(session="left")
+    for t in range(1, 6):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(daemon.socket))
+        s.sendall(
+            b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"left","event":'
+            + encode(turn(t, "x"))
+            + b"}}\n"
+        )
+        s.close()
+        time.sleep(0.05)
+    with daemon.client() as c:
+        seq = c.call("session/list")["sessions"][0]["seq"]
+        assert (seq, c.step("left", Event(Cancel=Cancel(turn=5)))) == (
+            5,
+            [Action(id=6, op=Op(Save=True)), Action(id=7, op=done(5, cancelled=True))],
+        )
+
+
 # -- watchers -------------------------------------------------------------------------------------------------------
 
 
@@ -378,6 +437,11 @@ def test_too_many_connections_are_refused_politely(tmp_path: Path) -> None:
         with d.client() as second:
             reply = second.read_reply()
             assert reply.error["data"]["kind"] == "FULL"  # type: ignore[index]
+        for _ in range(20):  # refused peers that leave at once must not take the daemon with them
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(d.socket))
+            s.close()
+        time.sleep(0.2)
         assert first.call("session/list") == {"sessions": []}
 
 
@@ -459,6 +523,24 @@ def test_tcp_refuses_a_wrong_token(tcp: tuple[Daemon, int], token: str) -> None:
     d, port = tcp
     with pytest.raises((errors.UnauthorizedError, ConnectionError)):
         Client.connect(f"tcp://127.0.0.1:{port}", token=token)
+
+
+def test_tcp_initialize_as_a_notification_authenticates_without_an_answer(tcp: tuple[Daemon, int]) -> None:
+    d, port = tcp
+    token = (d.state / "token").read_text().strip()
+    hello = msgspec.json.encode({"jsonrpc": "2.0", "method": "initialize", "params": {"token": token}})
+    answer_ = _tcp_exchange_until_close(port, hello + b"\n" + b'{"jsonrpc":"2.0","id":2,"method":"session/list"}\n')
+    assert [msgspec.json.decode(line)["id"] for line in answer_.splitlines()] == [2]
+
+
+def _tcp_exchange_until_close(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 def test_tcp_serves_a_client_with_the_token(tcp: tuple[Daemon, int]) -> None:

@@ -436,7 +436,12 @@ def test_open_stops_a_module_that_never_answers() -> None:
 
 @pytest.mark.parametrize(
     ("module", "why"),
-    [(modules.ABI_2, "ABI 2"), (modules.IMPORTS, "import nothing"), (modules.WRONG_TYPE, "dev_step has type")],
+    [
+        (modules.ABI_2, "ABI 2"),
+        (modules.IMPORTS, "import nothing"),
+        (modules.WRONG_TYPE, "dev_step has type"),
+        (modules.MEMORY_NOT_MEMORY, "memory export is not a memory"),
+    ],
 )
 def test_open_refuses_a_module_that_does_not_speak_abi_1(module: bytes, why: str) -> None:
     with pytest.raises(AbiError, match=why):
