@@ -356,6 +356,7 @@ class Daemon:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._send_loop, outbox, stream, tg.cancel_scope)
                     await self._receive_loop(conn, stream, tg)
+                    self._unwatch_all(conn)
                     # The peer closed its side: answer what it asked before it did, then close ours.
                     with anyio.move_on_after(settings.send_timeout_s):
                         for _ in range(REQUESTS_IN_FLIGHT_MAX):
@@ -365,8 +366,12 @@ class Daemon:
             finally:
                 self.connections -= 1
                 self._outboxes.discard(outbox)
-                for name, watcher in conn.watchers.items():
-                    self.sessions.unwatch(name, watcher)
+                self._unwatch_all(conn)
+
+    def _unwatch_all(self, conn: Connection) -> None:
+        for name, watcher in conn.watchers.items():
+            self.sessions.unwatch(name, watcher)
+        conn.watchers.clear()
 
     async def _send_loop(self, outbox: Outbox, stream: anyio.abc.ByteSendStream, scope: anyio.CancelScope) -> None:
         try:

@@ -483,9 +483,13 @@ def test_a_peer_of_another_uid_is_refused_even_when_modes_allow_it() -> None:
 def _as_nobody(path: Path) -> tuple[int, bytes]:
     """Connect as uid 65534 (OpenSSH's agent-getpeereid test) and count the bytes the daemon answers."""
     probe = (
-        "import socket,sys\ns=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
-        's.sendall(b\'{"jsonrpc":"2.0","id":1,"method":"session/list"}\\n\');'
-        "s.settimeout(5)\ntry: print(len(s.recv(100)))\nexcept ConnectionResetError: print(0)"
+        "import socket,sys\n"
+        "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.settimeout(5)\n"
+        "try:\n"
+        '    s.sendall(b\'{"jsonrpc":"2.0","id":1,"method":"session/list"}\\n\')\n'
+        "    print(len(s.recv(100)))\n"
+        "except (BrokenPipeError, ConnectionResetError):\n"
+        "    print(0)\n"
     )
     run = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe, str(path)],
