@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -153,6 +154,31 @@ def test_a_keyed_step_is_answered_once_across_restarts(tmp_path: Path) -> None:
         with pytest.raises(errors.ConflictError):
             c.step("k", turn(9, "another"), key="turn-1")
         assert c.step("k", answer(1, "ok"), key="answer-1") == finish(2, 1, "ok")
+
+
+def test_keys_outlive_snapshots(client: Client) -> None:
+    client.new(session="k")
+    first = client.step_result("k", turn(1, FIX), key="first")
+    for t in range(2, 302):  # each queued turn and its cancel ask Save: 600 snapshots replace the journal
+        client.step("k", turn(t, "queued"), key=f"turn-{t}")
+        client.step("k", Event(Cancel=Cancel(turn=t)), key=f"cancel-{t}")
+    assert client.step_result("k", turn(1, FIX), key="first") == {**first, "replayed": True}
+
+
+def test_a_journal_that_replays_otherwise_is_reported_not_accepted(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    with d.client() as c:
+        c.new(session="j")
+        c.step("j", turn(1, FIX))
+    d.stop()
+    with sqlite3.connect(d.state / "devd.sqlite3") as db:
+        db.execute("UPDATE journal SET actions = ? WHERE session = 'j' AND seq = 1", (b"[]",))
+    with d.start(), d.client() as c:
+        with pytest.raises(errors.PoisonError, match="replaying step 1"):
+            c.step("j", answer(1, "ok"))
+        assert [(s["state"], "replaying step 1" in s["reason"]) for s in c.call("session/list")["sessions"]] == [
+            ("poisoned", True)
+        ]
 
 
 def test_a_closed_session_is_gone_after_a_restart(tmp_path: Path) -> None:
