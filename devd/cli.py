@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -75,6 +76,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         anyio.run(daemon.serve, listeners, ready, backend="asyncio", backend_options=_backend_options())
+        # Everything is committed: a late SIGTERM must not cut the last tidying short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     finally:
         daemon.sessions.close_all()
         store.close()

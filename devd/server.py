@@ -26,7 +26,7 @@ import stat
 import struct
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,34 +258,40 @@ class Daemon:
     # -- running ------------------------------------------------------------------------------------------------
 
     async def serve(self, listeners: list[tuple[socket.socket, str]], on_ready: Callable[[], None]) -> None:
-        """Serve until SIGTERM/SIGINT, then shut down gracefully."""
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self.store.run)
-            with anyio.CancelScope() as accepting:
-                async with anyio.create_task_group() as conns:
-                    for sock, transport in listeners:
-                        conns.start_soon(self._accept_loop, sock, transport, conns)
-                    conns.start_soon(self._until_signal, accepting)
-                    conns.start_soon(self._watchdog)
-                    on_ready()
-                    log.info("daemon.ready", sessions=len(self.sessions.list()), listeners=[t for _, t in listeners])
-            tg.cancel_scope.cancel()
-        await self.store.flush()
+        """Serve until SIGTERM/SIGINT, then shut down gracefully.
 
-    async def _until_signal(self, accepting: anyio.CancelScope) -> None:
+        The signal receiver stays open until everything is committed, so a second SIGTERM during the shutdown is
+        absorbed rather than killing the process half-way.
+        """
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("daemon.stopping", signal=signal.Signals(signum).name, in_flight=self.in_flight)
-                systemd.notify("STOPPING=1")
-                self.draining = True
-                with anyio.move_on_after(self.settings.shutdown_grace_s):
-                    while self.in_flight:
-                        self._idle = anyio.Event()
-                        await self._idle.wait()
-                    for outbox in list(self._outboxes):  # every answer given is also sent
-                        await outbox.wait_sent(self.settings.shutdown_grace_s)
-                accepting.cancel()
-                return
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.store.run)
+                with anyio.CancelScope() as accepting:
+                    async with anyio.create_task_group() as conns:
+                        for sock, transport in listeners:
+                            conns.start_soon(self._accept_loop, sock, transport, conns)
+                        conns.start_soon(self._until_signal, signals, accepting)
+                        conns.start_soon(self._watchdog)
+                        on_ready()
+                        log.info(
+                            "daemon.ready", sessions=len(self.sessions.list()), listeners=[t for _, t in listeners]
+                        )
+                tg.cancel_scope.cancel()
+            await self.store.flush()
+
+    async def _until_signal(self, signals: AsyncIterator[int], accepting: anyio.CancelScope) -> None:
+        async for signum in signals:
+            log.info("daemon.stopping", signal=signal.Signals(signum).name, in_flight=self.in_flight)
+            systemd.notify("STOPPING=1")
+            self.draining = True
+            with anyio.move_on_after(self.settings.shutdown_grace_s):
+                while self.in_flight:
+                    self._idle = anyio.Event()
+                    await self._idle.wait()
+                for outbox in list(self._outboxes):  # every answer given is also sent
+                    await outbox.wait_sent(self.settings.shutdown_grace_s)
+            accepting.cancel()
+            return
 
     async def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()

@@ -107,27 +107,33 @@ class Sessions:
     # -- lifecycle --------------------------------------------------------------------------------------------------
 
     async def new(self, name: str | None, config: bytes) -> str:
-        name = self._claim(name)
-        try:
-            session = await self._off_loop_if_slow(lambda timeout: self.core.new(config, timeout=timeout))
-        except BaseException:
-            del self._entries[name]
-            raise
-        await self._create(name, session, config, None)
-        return name
+        return await self._start(name, lambda timeout: self.core.new(config, timeout=timeout), config, None)
 
     async def restore(self, snapshot_b64: str, name: str | None) -> str:
         try:
             snapshot = base64.b64decode(snapshot_b64, validate=True)
         except (binascii.Error, ValueError):
             raise InvalidParamsError("the snapshot must be base64, as session/snapshot gives it") from None
+        return await self._start(name, lambda timeout: self.core.restore(snapshot, timeout=timeout), b"{}", snapshot)
+
+    async def _start(
+        self, name: str | None, start: Callable[[float], Session], config: bytes, snapshot: bytes | None
+    ) -> str:
+        """Claim the name, start the instance, and make the session durable before it is answered."""
         name = self._claim(name)
         try:
-            session = await self._off_loop_if_slow(lambda timeout: self.core.restore(snapshot, timeout=timeout))
+            session = await self._off_loop_if_slow(start)
         except BaseException:
             del self._entries[name]
             raise
-        await self._create(name, session, b"{}", snapshot)
+        try:
+            await self.store.write(Store.create(name, config, snapshot))
+        except BaseException:
+            session.close()
+            del self._entries[name]
+            raise
+        entry = self._entries[name]
+        entry.session, entry.busy = session, False
         return name
 
     async def _off_loop_if_slow(self, start: Callable[[float], Session]) -> Session:
@@ -148,16 +154,6 @@ class Sessions:
             raise ExistsError(f"a session named {name!r} exists; choose another name or close it first")
         self._entries[name] = Entry(name, "live", 0, busy=True)
         return name
-
-    async def _create(self, name: str, session: Session, config: bytes, snapshot: bytes | None) -> None:
-        entry = self._entries[name]
-        try:
-            await self.store.write(Store.create(name, config, snapshot))
-        except BaseException:
-            session.close()
-            del self._entries[name]
-            raise
-        entry.session, entry.busy = session, False
 
     async def close(self, name: str) -> None:
         entry = self._enter(name, any_state=True)

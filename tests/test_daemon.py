@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -226,29 +226,36 @@ def spinning(tmp_path: Path) -> Iterator[Daemon]:
         yield d
 
 
+def worst_round_trip_while(slow: Callable[[], object], probe: Callable[[], object]) -> tuple[list[type], float]:
+    """Run slow() in a thread; meanwhile run probe() again and again. What slow raised, and probe's worst time."""
+    raised: list[type] = []
+
+    def run() -> None:
+        try:
+            slow()
+        except BaseException as e:
+            raised.append(type(e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.2)
+    worst = 0.0
+    while t.is_alive():
+        started = time.perf_counter()
+        probe()
+        worst = max(worst, time.perf_counter() - started)
+    t.join()
+    return raised, worst
+
+
 def test_a_spinning_session_ends_at_its_deadline_and_holds_up_no_one(spinning: Daemon) -> None:
     with spinning.client() as a, spinning.client() as b:
         a.new(session="spin")
         b.new(session="calm")
-        outcome: list[BaseException] = []
-
-        def spin() -> None:
-            try:
-                a.step("spin", TIMER, timeout_ms=1500)
-            except BaseException as e:
-                outcome.append(e)
-
-        t = threading.Thread(target=spin)
-        t.start()
-        time.sleep(0.2)
-        worst = 0.0
-        while t.is_alive():
-            started = time.perf_counter()
-            b.step("calm", turn(1, "x"))
-            worst = max(worst, time.perf_counter() - started)
-        t.join()
-        assert [type(e) for e in outcome] == [errors.DeadlineError]
-        assert worst < 0.05
+        raised, worst = worst_round_trip_while(
+            lambda: a.step("spin", TIMER, timeout_ms=1500), lambda: b.step("calm", turn(1, "x"))
+        )
+        assert (raised, worst < 0.05) == ([errors.DeadlineError], True)
 
 
 def test_a_step_on_a_busy_session_answers_busy(spinning: Daemon) -> None:
@@ -280,24 +287,8 @@ def test_a_spinning_session_start_holds_up_no_one(tmp_path: Path) -> None:
     core = tmp_path / "spin-new.wasm"
     core.write_bytes(modules.SPIN_NEW)
     with Daemon(tmp_path / "d", "--core", str(core), "--call-timeout", "1") as d, d.client() as a, d.client() as b:
-        outcome: list[BaseException] = []
-
-        def start() -> None:
-            try:
-                a.new()
-            except BaseException as e:
-                outcome.append(e)
-
-        t = threading.Thread(target=start)
-        t.start()
-        time.sleep(0.2)
-        worst = 0.0
-        while t.is_alive():
-            started = time.perf_counter()
-            b.call("daemon/status")
-            worst = max(worst, time.perf_counter() - started)
-        t.join()
-        assert ([type(e) for e in outcome], worst < 0.05) == ([errors.DeadlineError], True)
+        raised, worst = worst_round_trip_while(a.new, lambda: b.call("daemon/status"))
+        assert (raised, worst < 0.05) == ([errors.DeadlineError], True)
 
 
 def test_a_step_in_flight_at_sigterm_is_answered(spinning: Daemon) -> None:
@@ -310,7 +301,7 @@ def test_a_step_in_flight_at_sigterm_is_answered(spinning: Daemon) -> None:
         time.sleep(0.2)
         spinning.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         reply = c.read_reply()
-        assert (reply.id, reply.error["data"]["kind"], spinning.stop()) == (9, "DEADLINE", 0)  # type: ignore[index]
+        assert (reply.id, reply.error["data"]["kind"], spinning.proc.wait(20)) == (9, "DEADLINE", 0)  # type: ignore[index,union-attr]
 
 
 def test_a_client_that_leaves_mid_step_leaves_its_session_consistent(daemon: Daemon) -> None:
@@ -588,6 +579,20 @@ def test_tcp_closes_an_http_request_without_acting(tcp: tuple[Daemon, int]) -> N
     assert _tcp_exchange(port, request) == b""
     with d.client() as c:
         assert c.call("session/list") == {"sessions": []}
+
+
+def test_a_second_sigterm_during_shutdown_changes_nothing(spinning: Daemon) -> None:
+    with spinning.client() as c:
+        c.new(session="spin")
+        c.send_line(
+            b'{"jsonrpc":"2.0","id":3,"method":"session/step","params":{"session":"spin","event":{"Timer":true},'
+            b'"timeout_ms":500}}\n'
+        )
+        time.sleep(0.1)
+        for _ in range(3):
+            spinning.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            time.sleep(0.05)
+        assert (c.read_reply().id, spinning.proc.wait(20)) == (3, 0)  # type: ignore[union-attr]
 
 
 def test_sigterm_finishes_and_exits_zero(tmp_path: Path) -> None:
