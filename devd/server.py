@@ -116,13 +116,18 @@ def read_token(state_dir: Path) -> str:
 def bind_unix(path: Path) -> socket.socket:
     """A listening Unix socket at path: its directory made 0700 before binding, the socket 0600 from birth."""
     parent = path.parent
-    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # made 0700 before binding when it is ours to make
     st = parent.stat()
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o002 and not mode & stat.S_ISVTX:
+        # Anyone could replace the socket with their own: refuse, as git's credential-cache daemon does.
         raise StartupError(
-            f"the socket directory {parent} must be owned by this user and mode 0700 "
-            f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); fix it or pass --socket elsewhere"
+            f"the socket directory {parent} is writable by anyone (mode {mode:04o}); "
+            "pass a --socket in a directory of your own (0700 is best)"
         )
+    if st.st_uid != os.getuid() or mode & 0o077:
+        # The socket is 0600 and peers are checked by uid, so this is safe, but not what was asked for.
+        log.warning("socket.directory_open", directory=str(parent), mode=f"{mode:04o}", owner=st.st_uid)
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

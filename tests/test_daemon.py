@@ -203,6 +203,19 @@ def test_a_snapshot_restores_under_a_new_name(client: Client) -> None:
         client.call("session/restore", {"snapshot": snap[:-4] + "AAAA"})
 
 
+def test_a_socket_in_a_directory_anyone_can_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    state = tmp_path / "state"
+    run = subprocess.run(
+        [sys.executable, "-m", "devd", "serve", "--socket", str(shared / "s.sock"), "--state-dir", str(state)],
+        capture_output=True,
+        timeout=30,
+    )
+    assert (run.returncode, b"writable by anyone" in run.stderr) == (2, True)
+
+
 def test_a_state_directory_others_can_write_is_refused(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
