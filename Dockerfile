@@ -31,7 +31,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install /wheels/devd-*.whl
-# The daemon refuses a state or socket directory that is not its own and 0700.
+# The daemon refuses a state directory others can write; both are made 0700 and its own.
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/devd --no-create-home --shell /usr/sbin/nologin devd \
  && install -d -m 0700 -o devd -g devd /var/lib/devd /run/devd
 USER 10001:10001
