@@ -1,12 +1,14 @@
 """Durable session state: the only module that touches SQLite.
 
-Each session has a row (its config, its latest snapshot and the step it was taken at, its state) and a journal of
-the steps it answered (event, actions, idempotency key). What the core needs to rebuild a session is its snapshot
-plus the journal after it; rows before the snapshot are kept only as history for watchers and keys, up to
+Each session has a row (its config and its state) and a journal of the steps it answered (event, actions,
+idempotency key), in which a step the core asked to `Save` after also carries the snapshot taken then (a restored
+session starts with a row 0 that holds only its snapshot). What the core needs to rebuild a session is its latest
+snapshot plus the journal after it; rows before it are kept only as history for watchers and keys, up to
 `STEPS_KEPT` unkeyed and `KEYS_KEPT` keyed steps per session.
 
 Writes go through one group-commit task: every write waits until the transaction holding it has committed with
 `synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive while a commit runs share the next one.
+A batch of steps alone is one INSERT statement, so one transaction and one crossing of the GIL for the commit thread.
 A failed commit fails every write in it; nothing is retried, so nothing is acknowledged that is not on disk.
 """
 
@@ -20,18 +22,19 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
+import structlog
+
+log = structlog.get_logger("devd.store")
 
 KEYS_KEPT = 1000
 STEPS_KEPT = 1000
 PRUNE_EVERY_STEPS = 256
-ROWS_PER_STATEMENT = 500  # 6 variables a row, well under SQLite's 32,766
+ROWS_PER_STATEMENT = 500  # 7 variables a row, well under SQLite's 32,766
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     name TEXT PRIMARY KEY,
     config BLOB NOT NULL,
-    snapshot BLOB,
-    snapshot_seq INTEGER NOT NULL DEFAULT 0,
     state TEXT NOT NULL DEFAULT 'ok',
     reason TEXT
 ) WITHOUT ROWID;
@@ -42,6 +45,7 @@ CREATE TABLE IF NOT EXISTS journal (
     digest BLOB,
     event BLOB NOT NULL,
     actions BLOB NOT NULL,
+    snapshot BLOB,
     PRIMARY KEY (session, seq)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS journal_key ON journal (session, key) WHERE key IS NOT NULL;
@@ -151,48 +155,35 @@ class Store:
 
     def _apply(self, ops: list[Op]) -> BaseException | None:
         db = self._writer
+        rows = [op for op in ops if isinstance(op, StepRow)]
         try:
-            db.execute("BEGIN IMMEDIATE")
-            rows: list[StepRow] = []
-            for op in ops:
-                if isinstance(op, StepRow):
-                    rows.append(op)
-                    continue
-                self._write_steps(db, rows)
-                rows = []
-                op(db)
-            self._write_steps(db, rows)
-            db.execute("COMMIT")
-            return None
+            if len(rows) == len(ops) and len(rows) <= ROWS_PER_STATEMENT:
+                _insert_steps(db, rows)  # one statement: its own transaction
+            else:
+                db.execute("BEGIN IMMEDIATE")
+                for op in ops:
+                    if isinstance(op, StepRow):
+                        _insert_steps(db, [op])
+                    else:
+                        op(db)
+                db.execute("COMMIT")
         except BaseException as e:  # every write in the batch fails; none is retried
             if db.in_transaction:
                 db.execute("ROLLBACK")
             return e
+        self._prune_some(db, rows)
+        return None
 
-    def _write_steps(self, db: sqlite3.Connection, rows: list[StepRow]) -> None:
-        """A batch of steps in two statements: sqlite3 releases the GIL around every row it steps, and each time
-        the commit thread has to win it back from the busy event loop, so many rows per statement is much faster."""
-        for start in range(0, len(rows), ROWS_PER_STATEMENT):
-            chunk = rows[start : start + ROWS_PER_STATEMENT]
-            db.execute(
-                "INSERT INTO journal (session, seq, key, digest, event, actions) VALUES "
-                + ",".join(["(?, ?, ?, ?, ?, ?)"] * len(chunk)),
-                [v for r in chunk for v in (r.name, r.seq, r.key, r.digest, r.event, r.actions)],
-            )
-            saved = [r for r in chunk if r.snapshot is not None]
-            if saved:
-                # Every session row exists already (created before its first step), so this only ever updates.
-                db.execute(
-                    "INSERT INTO sessions (name, config, snapshot, snapshot_seq) VALUES "
-                    + ",".join(["(?, x'', ?, ?)"] * len(saved))
-                    + " ON CONFLICT (name) DO UPDATE"
-                    " SET snapshot = excluded.snapshot, snapshot_seq = excluded.snapshot_seq",
-                    [v for r in saved for v in (r.name, r.snapshot, r.seq)],
-                )
-            for r in saved:
-                if r.seq - self._pruned.get(r.name, 0) >= PRUNE_EVERY_STEPS:  # pruning scans keys: not every time
-                    _prune(db, r.name, r.seq)
-                    self._pruned[r.name] = r.seq
+    def _prune_some(self, db: sqlite3.Connection, rows: list[StepRow]) -> None:
+        """Maintenance after a commit: what it drops was already replaced by a later snapshot."""
+        for r in rows:
+            if r.snapshot is not None and r.seq - self._pruned.get(r.name, 0) >= PRUNE_EVERY_STEPS:
+                try:
+                    with db:
+                        _prune(db, r.name, r.seq)
+                except sqlite3.Error as e:
+                    log.warning("store.prune_failed", session=r.name, error=str(e))
+                self._pruned[r.name] = r.seq
 
     async def write(self, op: Op) -> None:
         """Apply op in the next commit and return once it is durable; raise if the commit failed."""
@@ -209,10 +200,9 @@ class Store:
     def create(name: str, config: bytes, snapshot: bytes | None = None) -> Op:
         def op(db: sqlite3.Connection) -> None:
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
-            db.execute(
-                "INSERT OR REPLACE INTO sessions (name, config, snapshot, snapshot_seq) VALUES (?, ?, ?, 0)",
-                (name, config, snapshot),
-            )
+            db.execute("INSERT OR REPLACE INTO sessions (name, config) VALUES (?, ?)", (name, config))
+            if snapshot is not None:
+                _insert_steps(db, [StepRow(name, 0, b"", b"", None, None, snapshot)])
 
         return op
 
@@ -244,18 +234,21 @@ class Store:
         return [
             (name, state, reason, seq)
             for name, state, reason, seq in self._reader.execute(
-                "SELECT s.name, s.state, s.reason, MAX(s.snapshot_seq, COALESCE(MAX(j.seq), 0)) "
+                "SELECT s.name, s.state, s.reason, COALESCE(MAX(j.seq), 0) "
                 "FROM sessions s LEFT JOIN journal j ON j.session = s.name GROUP BY s.name ORDER BY s.name"
             )
         ]
 
     def load(self, name: str) -> Stored | None:
-        row = self._reader.execute(
-            "SELECT config, snapshot, snapshot_seq, state, reason FROM sessions WHERE name = ?", (name,)
-        ).fetchone()
+        row = self._reader.execute("SELECT config, state, reason FROM sessions WHERE name = ?", (name,)).fetchone()
         if row is None:
             return None
-        config, snapshot, snapshot_seq, state, reason = row
+        config, state, reason = row
+        saved = self._reader.execute(
+            "SELECT seq, snapshot FROM journal WHERE session = ? AND snapshot IS NOT NULL ORDER BY seq DESC LIMIT 1",
+            (name,),
+        ).fetchone()
+        snapshot_seq, snapshot = saved if saved else (0, None)
         journal = self._reader.execute(
             "SELECT seq, event, actions FROM journal WHERE session = ? AND seq > ? ORDER BY seq", (name, snapshot_seq)
         ).fetchall()
@@ -273,14 +266,28 @@ class Store:
         ).fetchall()
 
 
-def _prune(db: sqlite3.Connection, name: str, snapshot_seq: int) -> None:
-    """Drop history behind the snapshot beyond what watchers and keys are promised."""
+def _insert_steps(db: sqlite3.Connection, rows: list[StepRow]) -> None:
+    """Rows in one statement: sqlite3 releases the GIL around every statement it steps, and the commit thread has to
+    win it back from the busy event loop each time, so one statement for a batch is much faster than one a row."""
     db.execute(
-        "DELETE FROM journal WHERE session = ? AND key IS NULL AND seq <= ? AND seq <= ?",
+        "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot) VALUES "
+        + ",".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(rows)),
+        [v for r in rows for v in (r.name, r.seq, r.key, r.digest, r.event, r.actions, r.snapshot)],
+    )
+
+
+def _prune(db: sqlite3.Connection, name: str, snapshot_seq: int) -> None:
+    """Drop history behind the snapshot at snapshot_seq beyond what watchers and keys are promised."""
+    db.execute(
+        "UPDATE journal SET snapshot = NULL WHERE session = ? AND seq < ? AND snapshot IS NOT NULL",
+        (name, snapshot_seq),
+    )
+    db.execute(
+        "DELETE FROM journal WHERE session = ? AND key IS NULL AND seq < ? AND seq <= ?",
         (name, snapshot_seq, snapshot_seq - STEPS_KEPT),
     )
     db.execute(
-        "DELETE FROM journal WHERE session = ? AND key IS NOT NULL AND seq <= ? AND seq < ("
+        "DELETE FROM journal WHERE session = ? AND key IS NOT NULL AND seq < ? AND seq < ("
         " SELECT seq FROM journal WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)",
         (name, snapshot_seq, name, KEYS_KEPT - 1),
     )
