@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,25 +87,23 @@ def bench_core(rounds: int, sessions: int) -> dict[str, float]:
     # Each round: a fresh session runs the seed's turn once to warm its memory, then the same turn again, measured.
     warm, turn_events = _seed_turn(1, 1), _seed_turn(2, 8)
 
-    def devd_turn() -> float:
-        s = core.new()
+    def timed_turn(step: Callable[[bytes], bytes]) -> float:
         for e in warm:
-            s.step_raw(e)
+            step(e)
         started = time.perf_counter()
         for e in turn_events:
-            s.step_raw(e)
-        elapsed = time.perf_counter() - started
+            step(e)
+        return time.perf_counter() - started
+
+    def devd_turn() -> float:
+        s = core.new()
+        elapsed = timed_turn(s.step_raw)
         s.close()
         return elapsed
 
     def naive_turn() -> float:
         n = _Naive(core._engine, core._module)
-        for e in warm:
-            n.step(e)
-        started = time.perf_counter()
-        for e in turn_events:
-            n.step(e)
-        elapsed = time.perf_counter() - started
+        elapsed = timed_turn(n.step)
         n.store.close()
         return elapsed
 

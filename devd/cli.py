@@ -193,6 +193,8 @@ def prometheus(status: dict[str, Any]) -> str:
         f"devd_durable_commits_total {status['durable_writes']}",
         "# TYPE devd_deadline_hits_total counter",
         f"devd_deadline_hits_total {status['deadline_hits']}",
+        "# TYPE devd_offloaded_total counter",
+        f"devd_offloaded_total {status['offloaded']}",
         "# TYPE devd_errors_total counter",
         *(f'devd_errors_total{{kind="{kind}"}} {n}' for kind, n in sorted(status["errors"].items())),
         "# TYPE devd_commit_latency_ms gauge",

@@ -153,7 +153,6 @@ class Action(_Wire, frozen=True):
 
 _encoder = msgspec.json.Encoder()
 _actions = msgspec.json.Decoder(list[Action])
-_event = msgspec.json.Decoder(Event)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -164,10 +163,6 @@ def encode(message: msgspec.Struct) -> bytes:
 def decode_actions(data: bytes) -> list[Action]:
     """A core's answer; raises msgspec.ValidationError or msgspec.DecodeError when it is not one."""
     return _actions.decode(data)
-
-
-def decode_event(data: bytes) -> Event:
-    return _event.decode(data)
 
 
 # Constructors the tests and the demo read best with.

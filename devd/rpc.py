@@ -391,6 +391,7 @@ class StatusResult(msgspec.Struct, frozen=True):
     durable_writes: int
     errors: dict[str, int]
     deadline_hits: int
+    offloaded: int  # calls that passed their inline budget and ran on a worker thread
     commit_ms_p50: float
     commit_ms_p99: float
     memory_rss_bytes: int

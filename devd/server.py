@@ -605,6 +605,7 @@ class Daemon:
             durable_writes=self.store.commits,
             errors=dict(stats.errors),
             deadline_hits=stats.deadline_hits,
+            offloaded=stats.offloaded,
             commit_ms_p50=round(commits[len(commits) // 2] * 1000, 3),
             commit_ms_p99=round(commits[min(len(commits) - 1, int(len(commits) * 0.99))] * 1000, 3),
             memory_rss_bytes=_rss_bytes(),

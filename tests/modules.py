@@ -46,8 +46,6 @@ def core_with(step_body: str, abi: int = 1, extra: str = "", new_body: str = "i3
 
 # dev_step spins for ever: only a deadline stops it.
 SPIN_STEP = core_with("(loop (br 0)) i32.const 0")
-# dev_step answers [] at once.
-EMPTY_STEP = core_with("i32.const 0")
 # dev_step executes `unreachable`, as a Zig panic does.
 PANIC_STEP = core_with("unreachable")
 # A module that speaks another ABI.
