@@ -69,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
         logger.info(
             "daemon.listening",
             socket=str(bound_socket) if bound_socket else None,
-            tcp=f"{settings.tcp[0]}:{settings.tcp[1]}" if settings.tcp and bound_socket else None,
+            tcp=[f"{a[0]}:{a[1]}" for s, t in listeners if t == "tcp" for a in [s.getsockname()]] or None,
             activated=activated or None,
             state_dir=str(settings.state_dir),
             version=__version__,
