@@ -44,6 +44,8 @@ def core_with(step_body: str, abi: int = 1, extra: str = "", new_body: str = "i3
     )
 
 
+# dev_step spins until its deadline on a 14-byte event ({"Timer":true}) and answers [] to anything else.
+SPIN_ON_TIMER = core_with("(if (i32.eq (local.get 2) (i32.const 14)) (then (loop (br 0)))) i32.const 0")
 # dev_step spins for ever: only a deadline stops it.
 SPIN_STEP = core_with("(loop (br 0)) i32.const 0")
 # dev_step executes `unreachable`, as a Zig panic does.

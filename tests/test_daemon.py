@@ -17,7 +17,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import wasmtime
 
 from devd import errors
 from devd.client import Client
@@ -26,23 +25,6 @@ from tests import modules
 from tests.daemon import Daemon, free_port
 from tests.test_host import FIX, agent, ask, done, finish, tool, user
 
-# dev_step spins until its deadline on a 14-byte event ({"Timer":true}) and answers [] to anything else.
-SPIN_ON_TIMER = wasmtime.wat2wasm(
-    """(module
-  (memory (export "memory") 1)
-  (data (i32.const 1024) "[]")
-  (func (export "dev_abi") (result i32) i32.const 1)
-  (func (export "dev_alloc") (param i32) (result i32) i32.const 2048)
-  (func (export "dev_release") (param i32 i32))
-  (func (export "dev_new") (param i32 i32 i32) (result i32) i32.const 0)
-  (func (export "dev_step") (param i64 i32 i32 i32) (result i32)
-    (if (i32.eq (local.get 2) (i32.const 14)) (then (loop (br 0))))
-    (i32.store (local.get 3) (i32.const 1024))
-    (i32.store offset=4 (local.get 3) (i32.const 2))
-    (i32.store offset=8 (local.get 3) (i32.const 2))
-    i32.const 0)
-  (func (export "dev_free") (param i32)))"""
-)
 TIMER = Event(Timer=True)
 
 
@@ -234,7 +216,7 @@ def test_a_state_directory_others_can_write_is_refused(tmp_path: Path) -> None:
 @pytest.fixture
 def spinning(tmp_path: Path) -> Iterator[Daemon]:
     core = tmp_path / "spin.wasm"
-    core.write_bytes(SPIN_ON_TIMER)
+    core.write_bytes(modules.SPIN_ON_TIMER)
     with Daemon(tmp_path / "d", "--core", str(core), "--call-timeout", "1") as d:
         yield d
 
@@ -542,8 +524,10 @@ def tcp(tmp_path: Path) -> Iterator[tuple[Daemon, int]]:
 
 
 def _tcp_exchange(port: int, data: bytes) -> bytes:
+    """Send data, close our side, and return everything the daemon sends until it closes its own."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
         chunks = []
         while chunk := s.recv(65536):
             chunks.append(chunk)
@@ -567,18 +551,8 @@ def test_tcp_initialize_as_a_notification_authenticates_without_an_answer(tcp: t
     d, port = tcp
     token = (d.state / "token").read_text().strip()
     hello = msgspec.json.encode({"jsonrpc": "2.0", "method": "initialize", "params": {"token": token}})
-    answer_ = _tcp_exchange_until_close(port, hello + b"\n" + b'{"jsonrpc":"2.0","id":2,"method":"session/list"}\n')
+    answer_ = _tcp_exchange(port, hello + b"\n" + b'{"jsonrpc":"2.0","id":2,"method":"session/list"}\n')
     assert [msgspec.json.decode(line)["id"] for line in answer_.splitlines()] == [2]
-
-
-def _tcp_exchange_until_close(port: int, data: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(data)
-        s.shutdown(socket.SHUT_WR)
-        chunks = []
-        while chunk := s.recv(65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
 
 
 def test_tcp_serves_a_client_with_the_token(tcp: tuple[Daemon, int]) -> None:
