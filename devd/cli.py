@@ -21,14 +21,14 @@ def _serve(args: argparse.Namespace) -> int:
     import anyio
     import structlog
 
+    from devd.daemon import Daemon, build
     from devd.host import Core
-    from devd.server import Daemon, StartupError, bind_tcp, bind_unix, prepare_state_dir, read_token
-    from devd.store import Store
+    from devd.listeners import StartupError, bind_tcp, bind_unix, prepare_state_dir, read_token
+    from devd.sqlite_store import SQLiteStore
 
     os.umask(0o077)  # state files, the token and the socket: this user's alone
     # The commit thread and the epoch ticker need the GIL promptly; the default 5 ms switch interval makes them
-    # wait behind the event loop (a convoy that stretched commits to ~4 ms here). At 16 clients, 0.1 ms gave about
-    # 2,800 durable steps/s against about 2,450 at 0.5 ms (three runs against five, python -m devd.bench daemon).
+    # wait behind the event loop (a convoy that stretched commits to ~4 ms here).
     sys.setswitchinterval(0.0001)
     log.configure(args.log_format, args.log_level)
     logger = structlog.get_logger("devd")
@@ -43,10 +43,21 @@ def _serve(args: argparse.Namespace) -> int:
             connections_max=args.max_connections,
             line_bytes_max=args.max_line_bytes,
             line_timeout_s=args.line_timeout,
+            log_format=args.log_format,
+            log_level=args.log_level,
         )
         prepare_state_dir(settings.state_dir)
-        core = Core.open(settings.core_path, call_timeout=settings.call_timeout_s)
-        store = Store(settings.state_dir / "devd.sqlite3")
+        core = Core.open(
+            settings.core_path,
+            call_timeout=settings.call_timeout_s,
+            memory_bytes=settings.memory_bytes_per_session,
+        )
+        store = SQLiteStore(
+            settings.state_dir / "devd.sqlite3",
+            keys_kept=settings.keys_kept_per_session,
+            steps_kept=settings.steps_kept_per_session,
+            prune_every_steps=settings.prune_every_steps,
+        )
         listeners = systemd.listen_sockets()
         activated = [t for _, t in listeners]
         listeners = [(s, "unix" if s.family == socket.AF_UNIX else "tcp") for s, _ in listeners]
@@ -62,10 +73,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"devd: cannot start: {e}", file=sys.stderr)
         return 2
 
-    daemon = Daemon(settings, core, store, token)
+    registry, dispatcher = build(settings, core, store)
+    daemon = Daemon(settings, dispatcher, token)
 
     def ready() -> None:
-        systemd.notify(f"READY=1\nSTATUS=serving {sum(daemon.sessions.counts().values())} sessions")
+        systemd.notify(f"READY=1\nSTATUS=serving {sum(registry.counts().values())} sessions")
         logger.info(
             "daemon.listening",
             socket=str(bound_socket) if bound_socket else None,
@@ -81,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     finally:
-        daemon.sessions.close_all()
+        registry.close_all()
         store.close()
         core.close()
         for sock, _ in listeners:
@@ -206,6 +218,11 @@ def prometheus(status: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _default(name: str) -> Any:
+    """A setting's default: argparse shows it, Settings owns it."""
+    return Settings.__dataclass_fields__[name].default
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="devd", description="A session daemon for agent tools.")
     p.add_argument("--version", action="version", version=f"devd {__version__}")
@@ -216,13 +233,20 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", help="also listen on tcp://HOST:PORT (clients must present the token)")
     serve.add_argument("--state-dir", help="where sessions are kept (default $STATE_DIRECTORY or $XDG_STATE_HOME/devd)")
     serve.add_argument("--core", help="load this wasm module (ABI 1) instead of the packaged core")
-    serve.add_argument("--call-timeout", type=float, default=5.0, help="default deadline of a call, in seconds")
-    serve.add_argument("--max-sessions", type=int, default=10_000)
-    serve.add_argument("--max-connections", type=int, default=1024)
-    serve.add_argument("--max-line-bytes", type=int, default=16 << 20)
-    serve.add_argument("--line-timeout", type=float, default=30.0, help="seconds a request line may take to arrive")
+    serve.add_argument(
+        "--call-timeout", type=float, default=_default("call_timeout_s"), help="default deadline of a call, in seconds"
+    )
+    serve.add_argument("--max-sessions", type=int, default=_default("sessions_max"))
+    serve.add_argument("--max-connections", type=int, default=_default("connections_max"))
+    serve.add_argument("--max-line-bytes", type=int, default=_default("line_bytes_max"))
+    serve.add_argument(
+        "--line-timeout",
+        type=float,
+        default=_default("line_timeout_s"),
+        help="seconds a request line may take to arrive",
+    )
     serve.add_argument("--log-format", choices=["json", "console"])
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default=_default("log_level"), choices=["debug", "info", "warning", "error"])
 
     sub.add_parser("schema", help="print the JSON Schema of every message of the protocol")
 

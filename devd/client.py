@@ -19,7 +19,7 @@ import msgspec
 
 from devd import errors
 from devd.config import parse_tcp
-from devd.protocol import Action, Config, Event, decode_actions, encode
+from devd.messages import Action, Config, Event, decode_actions, encode
 
 _KINDS: dict[str, type[errors.DevdError]] = {
     cls.kind: cls

@@ -1,12 +1,14 @@
-"""The daemon's settings: one frozen value, every limit named with its unit, and where state and sockets live."""
+"""The daemon's settings: the one source of every default and limit, each named with its unit.
+
+argparse, `Core`, the registry, the store and the transport all receive their values from a `Settings`; none of
+them keeps a default of its own. Also here: where state and sockets live by default, and the `tcp://` syntax.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-from devd.rpc import LINE_BYTES_MAX_DEFAULT
 
 
 @dataclass(frozen=True)
@@ -15,20 +17,30 @@ class Settings:
     socket_path: Path | None
     tcp: tuple[str, int] | None = None
     core_path: Path | None = None
-    call_timeout_s: float = 5.0
-    sessions_max: int = 10_000
-    connections_max: int = 1024
-    line_bytes_max: int = LINE_BYTES_MAX_DEFAULT
+    # calls
+    call_timeout_s: float = 5.0  # a call's deadline unless the client asks for another
+    inline_budget_s: float = 0.002  # a call runs inline this long, then moves to a worker thread
+    call_threads_max: int = 32  # worker threads for calls moved off the loop (commits have a thread of their own)
     memory_bytes_per_session: int = 64 << 20
-    log_format: str | None = None  # json | console; None picks by whether stderr is a terminal
-    log_level: str = "info"
-    outbox_bytes_soft: int = 1 << 20  # a watcher behind by more than this is dropped
-    outbox_bytes_hard: int = 32 << 20  # a client that reads nothing stops being read from
-    send_timeout_s: float = 30.0  # a client that takes no bytes for this long is disconnected
+    # sessions and history
+    sessions_max: int = 10_000
+    keys_kept_per_session: int = 1000
+    steps_kept_per_session: int = 1000  # unkeyed history kept behind the latest snapshot, for watchers' `since`
+    prune_every_steps: int = 256
+    # connections
+    connections_max: int = 1024
+    requests_in_flight_max: int = 64  # per connection; past it, the connection is not read until one answers
+    line_bytes_max: int = 16 << 20
+    auth_line_bytes_max: int = 4096
     auth_timeout_s: float = 5.0
     line_timeout_s: float = 30.0  # a request line must arrive whole within this (slowloris); idle is fine
-    auth_line_bytes_max: int = 4096
+    send_timeout_s: float = 30.0  # a client that takes no bytes for this long is disconnected
+    outbox_bytes_soft: int = 1 << 20  # a watcher behind by more than this is dropped
+    outbox_bytes_hard: int = 32 << 20  # a client that reads nothing stops being read from
     shutdown_grace_s: float = 10.0
+    # logging
+    log_format: str | None = None  # json | console; None picks by whether stderr is a terminal
+    log_level: str = "info"
 
 
 def default_state_dir() -> Path:

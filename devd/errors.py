@@ -131,6 +131,10 @@ class InternalError(DevdError):
     code = -32603
 
 
+class StoreError(InternalError):
+    """The store could not read or write; what was asked was not done, and nothing of it was half-applied."""
+
+
 # dev.h's status table, indexed by the negated status code.
 STATUS: tuple[type[DevdError] | None, ...] = (
     None,

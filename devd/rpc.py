@@ -1,4 +1,4 @@
-"""JSON-RPC 2.0 over newline-delimited JSON: framing, request decoding, method params and error mapping. No I/O.
+"""JSON-RPC 2.0 over newline-delimited JSON: framing, request decoding, answers and notifications. No I/O.
 
 `LineFramer` turns received bytes into lines, answering an over-long line once as too large and discarding the
 rest of it, so the stream stays in step. `decode_request` turns a line into a `Request` (or a `DevdError` that
@@ -8,26 +8,14 @@ actions cross as `msgspec.Raw`: what the core validates is never decoded and re-
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from devd.errors import (
-    DevdError,
-    InvalidParamsError,
-    InvalidRequestError,
-    MethodNotFoundError,
-    ParseError,
-    TooLargeError,
-)
-from devd.protocol import Config
-
-LINE_BYTES_MAX_DEFAULT = 16 << 20
-KEY_BYTES_MAX = 256
-SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+from devd.errors import DevdError, InvalidRequestError, ParseError, TooLargeError
+from devd.watchers import Notice, Stepped
 
 Id = int | str | None
 
@@ -45,7 +33,7 @@ TOO_LONG = TooLong()
 class LineFramer:
     """Splits a byte stream at b"\\n" with a bound on line length; never holds more than the bound."""
 
-    def __init__(self, line_bytes_max: int = LINE_BYTES_MAX_DEFAULT) -> None:
+    def __init__(self, line_bytes_max: int) -> None:
         self.line_bytes_max = line_bytes_max
         self._buffer = bytearray()
         self._discarding = False
@@ -101,61 +89,6 @@ class Request(msgspec.Struct, frozen=True):
     notification: bool
 
 
-class Client(msgspec.Struct, frozen=True):
-    name: str
-    version: str | None = None
-
-
-class InitializeParams(msgspec.Struct, frozen=True):
-    client: Client | None = None
-    token: str | None = None
-
-
-class NewParams(msgspec.Struct, frozen=True):
-    config: Config | None = None
-    session: str | None = None
-
-
-class StepParams(msgspec.Struct, frozen=True):
-    session: str
-    event: Raw
-    timeout_ms: int | None = None
-    key: str | None = None
-
-
-class SessionParams(msgspec.Struct, frozen=True):
-    session: str
-
-
-class RestoreParams(msgspec.Struct, frozen=True):
-    snapshot: str
-    session: str | None = None
-
-
-class WatchParams(msgspec.Struct, frozen=True):
-    session: str
-    since: int | None = None
-
-
-class NoParams(msgspec.Struct, frozen=True):
-    pass
-
-
-PARAMS: dict[str, type[msgspec.Struct]] = {
-    "initialize": InitializeParams,
-    "session/new": NewParams,
-    "session/step": StepParams,
-    "session/snapshot": SessionParams,
-    "session/restore": RestoreParams,
-    "session/recover": SessionParams,
-    "session/close": SessionParams,
-    "session/list": NoParams,
-    "session/watch": WatchParams,
-    "session/unwatch": SessionParams,
-    "daemon/status": NoParams,
-}
-
-_DECODERS = {method: msgspec.json.Decoder(t) for method, t in PARAMS.items()}
 _envelope = msgspec.json.Decoder(_Envelope)
 _id = msgspec.json.Decoder(int | str | None)
 _str = msgspec.json.Decoder(str)
@@ -220,46 +153,6 @@ def _text(member: Raw | UnsetType) -> str | None:
         return None
 
 
-def decode_params(request: Request) -> Any:
-    """The method's own params, or MethodNotFoundError / InvalidParamsError."""
-    decoder = _DECODERS.get(request.method)
-    if decoder is None:
-        raise MethodNotFoundError(f"there is no method {request.method!r}; see `devd schema` for the methods")
-    raw = bytes(request.params)
-    if raw.strip() == b"null":
-        raw = b"{}"
-    try:
-        params = decoder.decode(raw)
-    except msgspec.ValidationError as e:
-        raise InvalidParamsError(f"bad params for {request.method}: {e}") from None
-    except (msgspec.DecodeError, RecursionError) as e:
-        raise InvalidParamsError(f"the params of {request.method} cannot be read: {e}") from None
-    check_params(params)
-    return params
-
-
-def check_params(params: Any) -> None:
-    """Rules msgspec's types cannot state."""
-    for field in ("session",):
-        name = getattr(params, field, None)
-        if name is not None and (not SESSION_NAME.fullmatch(name) or name in (".", "..")):
-            raise InvalidParamsError(
-                f"session names are 1-64 of A-Z a-z 0-9 . _ - and not . or ..; {name[:80]!r} is not one"
-            )
-    if isinstance(params, StepParams):
-        if params.timeout_ms is not None and params.timeout_ms <= 0:
-            raise InvalidParamsError("timeout_ms must be a positive number of milliseconds")
-        if params.key is not None:
-            try:
-                encoded = params.key.encode()
-            except UnicodeEncodeError:
-                raise InvalidParamsError("the key must be valid Unicode text") from None
-            if not 0 < len(encoded) <= KEY_BYTES_MAX:
-                raise InvalidParamsError(f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8")
-    if isinstance(params, WatchParams) and params.since is not None and params.since < 0:
-        raise InvalidParamsError("since must be a step number, 0 or more")
-
-
 # -- answers ------------------------------------------------------------------------------------------------------
 
 
@@ -312,57 +205,7 @@ def too_large(line_bytes_max: int) -> bytes:
     )
 
 
-# -- results ------------------------------------------------------------------------------------------------------
-
-
-class Server(msgspec.Struct, frozen=True):
-    name: str
-    version: str
-
-
-class Limits(msgspec.Struct, frozen=True):
-    line_bytes_max: int
-    sessions_max: int
-    connections_max: int
-    call_timeout_ms: int
-    memory_bytes_per_session: int
-    keys_kept_per_session: int
-
-
-class InitializeResult(msgspec.Struct, frozen=True):
-    server: Server
-    protocol: int
-    abi: int
-    limits: Limits
-
-
-class SessionResult(msgspec.Struct, frozen=True):
-    session: str
-
-
-class StepResult(msgspec.Struct, frozen=True, omit_defaults=True):
-    actions: Raw
-    replayed: bool = False
-
-
-class SnapshotResult(msgspec.Struct, frozen=True):
-    snapshot: str
-
-
-class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    session: str
-    state: Literal["live", "stored", "ended", "poisoned"]
-    seq: int
-    watchers: int = 0
-    reason: str | None = None
-
-
-class ListResult(msgspec.Struct, frozen=True):
-    sessions: list[SessionInfo]
-
-
-class Empty(msgspec.Struct, frozen=True):
-    pass
+# -- notifications -------------------------------------------------------------------------------------------------
 
 
 class StepNotice(msgspec.Struct, frozen=True):
@@ -375,23 +218,23 @@ class StepNotice(msgspec.Struct, frozen=True):
 
 
 class UnwatchedNotice(msgspec.Struct, frozen=True):
-    """`session/unwatched`: the watcher fell too far behind and was dropped after `seq`."""
+    """`session/unwatched`: the subscription ended after step `seq` ("closed", or "fell too far behind")."""
 
     session: str
     seq: int
     reason: str
 
 
-class StatusResult(msgspec.Struct, frozen=True):
-    server: Server
-    uptime_s: float
-    sessions: dict[str, int]
-    connections: int
-    steps: int
-    durable_writes: int
-    errors: dict[str, int]
-    deadline_hits: int
-    offloaded: int  # calls that passed their inline budget and ran on a worker thread
-    commit_ms_p50: float
-    commit_ms_p99: float
-    memory_rss_bytes: int
+NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
+    "session/actions": StepNotice,
+    "session/unwatched": UnwatchedNotice,
+}
+
+
+def encode_notice(notice: Notice) -> bytes:
+    """A watcher's domain event as its notification line."""
+    if isinstance(notice, Stepped):
+        return notification(
+            "session/actions", StepNotice(notice.session, notice.seq, Raw(notice.event), Raw(notice.actions))
+        )
+    return notification("session/unwatched", UnwatchedNotice(notice.session, notice.seq, notice.reason))

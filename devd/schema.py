@@ -34,29 +34,11 @@ from typing import Any
 
 import msgspec
 
-from devd import errors, protocol, rpc
+from devd import errors, messages, rpc
+from devd.methods import METHODS
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 PROTOCOL = 1
-
-RESULTS: dict[str, type[msgspec.Struct]] = {
-    "initialize": rpc.InitializeResult,
-    "session/new": rpc.SessionResult,
-    "session/step": rpc.StepResult,
-    "session/snapshot": rpc.SnapshotResult,
-    "session/restore": rpc.SessionResult,
-    "session/recover": rpc.SessionResult,
-    "session/close": rpc.Empty,
-    "session/list": rpc.ListResult,
-    "session/watch": rpc.Empty,
-    "session/unwatch": rpc.Empty,
-    "daemon/status": rpc.StatusResult,
-}
-
-NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
-    "session/actions": rpc.StepNotice,
-    "session/unwatched": rpc.UnwatchedNotice,
-}
 
 # Raw members, and what they hold on the wire.
 _EVENT = {"$ref": "#/$defs/Event"}
@@ -64,6 +46,7 @@ _ACTIONS = {"type": "array", "items": {"$ref": "#/$defs/Action"}}
 _RAW_MEMBERS: dict[tuple[str, str], dict[str, Any]] = {
     ("StepParams", "event"): _EVENT,
     ("StepResult", "actions"): _ACTIONS,
+    ("PendingResult", "actions"): _ACTIONS,
     ("StepNotice", "event"): _EVENT,
     ("StepNotice", "actions"): _ACTIONS,
 }
@@ -93,21 +76,20 @@ def error_kinds() -> dict[str, type[errors.DevdError]]:
 
 def schema() -> dict[str, Any]:
     """The schema document as a dict (see the module docstring for its shape)."""
-    params_types = list(rpc.PARAMS.values())
     types = [
-        *params_types,
-        *RESULTS.values(),
-        *NOTIFICATIONS.values(),
+        *(m.params for m in METHODS.values()),
+        *(m.result for m in METHODS.values()),
+        *rpc.NOTIFICATIONS.values(),
         rpc.Error,
-        protocol.Event,
-        protocol.Action,
-        protocol.Config,
+        messages.Event,
+        messages.Action,
+        messages.Config,
     ]
     _, defs = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
     for name, definition in defs.items():
-        cls = getattr(protocol, name, None)
-        if isinstance(cls, type) and issubclass(cls, protocol._Wire):
-            _never_null(definition, one_of=issubclass(cls, protocol._OneOf))
+        cls = getattr(messages, name, None)
+        if isinstance(cls, type) and issubclass(cls, messages._Wire):
+            _never_null(definition, one_of=issubclass(cls, messages._OneOf))
     for (struct, member), replacement in _RAW_MEMBERS.items():
         properties = defs[struct]["properties"]
         assert properties[member] == {}, f"{struct}.{member} is no longer Raw; update devd/schema.py"
@@ -123,17 +105,18 @@ def schema() -> dict[str, Any]:
         "title": "devd protocol 1: JSON-RPC 2.0 over newline-delimited JSON",
         "protocol": PROTOCOL,
         "methods": {
-            method: {"params": ref(rpc.PARAMS[method]), "result": ref(RESULTS[method])} for method in rpc.PARAMS
+            name: {"description": m.doc, "params": ref(m.params), "result": ref(m.result)}
+            for name, m in METHODS.items()
         },
-        "notifications": {method: {"params": ref(cls)} for method, cls in NOTIFICATIONS.items()},
+        "notifications": {method: {"params": ref(cls)} for method, cls in rpc.NOTIFICATIONS.items()},
         "error": ref(rpc.Error),
         "errors": {
             kind: {"code": cls.code, "description": " ".join((cls.__doc__ or _JSONRPC_ERRORS[kind]).split())}
             for kind, cls in kinds.items()
         },
-        "event": ref(protocol.Event),
-        "action": ref(protocol.Action),
-        "config": ref(protocol.Config),
+        "event": ref(messages.Event),
+        "action": ref(messages.Action),
+        "config": ref(messages.Config),
         "$defs": dict(sorted(defs.items())),
     }
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from devd.host import Core, Session
-from devd.protocol import Config
+from devd.host import Core, Instance
+from devd.messages import Config
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,7 @@ def core() -> Iterator[Core]:
 
 
 @pytest.fixture
-def session(core: Core) -> Iterator[Session]:
+def session(core: Core) -> Iterator[Instance]:
     s = core.new(Config())
     yield s
     try:

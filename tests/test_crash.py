@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from devd.protocol import Action, answer, decode_actions, turn
+from devd.messages import Action, answer, decode_actions, turn
 from tests.daemon import Daemon
 from tests.test_host import agent, ask, finish, user
 

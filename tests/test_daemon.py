@@ -20,7 +20,7 @@ import pytest
 
 from devd import errors
 from devd.client import Client
-from devd.protocol import Action, Call, Cancel, Event, Exec, Op, Output, Read, answer, decode_actions, encode, turn
+from devd.messages import Action, Call, Cancel, Event, Exec, Op, Output, Read, answer, decode_actions, encode, turn
 from tests import modules
 from tests.daemon import Daemon, free_port
 from tests.test_host import FIX, agent, ask, done, finish, tool, user
@@ -58,7 +58,7 @@ def test_a_turn_runs_to_done_through_the_socket(client: Client) -> None:
         Action(id=3, op=Op(Read=lib.Read)),
     ]
     assert client.step(s, Event(Exec=Output(id=2, text="failed", failed=True))) == []
-    from devd.protocol import Dispatch
+    from devd.messages import Dispatch
 
     assert client.step(s, Event(File=Output(id=3, text="fn f() {}"))) == [
         Action(

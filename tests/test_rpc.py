@@ -6,16 +6,12 @@ import msgspec
 import pytest
 
 from devd import errors
-from devd.rpc import (
-    TOO_LONG,
-    LineFramer,
-    RequestError,
-    StepParams,
-    decode_params,
-    decode_request,
-    error_response,
-    response,
-)
+from devd.methods import METHODS, StepParams, StepResult, resolve
+from devd.rpc import TOO_LONG, LineFramer, RequestError, decode_request, error_response, response
+
+
+def decode_params(request: object) -> object:
+    return resolve(METHODS, request)[1]  # type: ignore[arg-type]
 
 
 def test_lines_split_across_reads_are_joined() -> None:
@@ -115,8 +111,6 @@ def test_answers_are_one_line_each() -> None:
 
 
 def test_the_step_result_embeds_the_actions_unchanged() -> None:
-    from devd.rpc import StepResult
-
     actions = b'[{"id":1,"op":{"Save":true}}]'
     assert (
         response(2, StepResult(msgspec.Raw(actions)))

@@ -16,7 +16,8 @@ import pytest
 
 from devd import errors, rpc
 from devd.client import Client, Reply
-from devd.protocol import Call, Exec, Output, Read, answer, turn
+from devd.messages import Call, Exec, Output, Read, answer, turn
+from devd.methods import METHODS
 from devd.schema import schema, schema_json
 from tests.daemon import ROOT, daemon_env, devd, stop, wait_connectable
 
@@ -51,7 +52,7 @@ def test_the_schema_is_a_valid_2020_12_schema_and_devd_schema_prints_it() -> Non
 
 
 def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
-    assert list(SCHEMA["methods"]) == list(rpc.PARAMS)
+    assert list(SCHEMA["methods"]) == list(METHODS)
     assert list(SCHEMA["notifications"]) == ["session/actions", "session/unwatched"]
     refs: list[str] = []
 
@@ -67,8 +68,8 @@ def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
 
     walk(SCHEMA)
     assert refs and all(r.startswith("#/$defs/") and r[len("#/$defs/") :] in SCHEMA["$defs"] for r in refs)
-    for method in rpc.PARAMS:
-        assert set(SCHEMA["methods"][method]) == {"params", "result"}
+    for method in METHODS:
+        assert set(SCHEMA["methods"][method]) == {"description", "params", "result"}
 
 
 def test_raw_members_say_what_they_hold() -> None:

@@ -1,0 +1,103 @@
+"""One request line in, one reply line out: method lookup, params, the handler, and every error mapped to JSON-RPC.
+
+This is the seam between connections and the daemon's methods: a connection hands each request line to
+`Dispatcher.answer` and sends what comes back (nothing, for a notification). Errors become JSON-RPC errors here and
+only here; an exception that is not a `DevdError` is logged (method and session, never the payload) and answered
+INTERNAL. A call runs to its end even if its client goes: it is bounded by its deadline and a commit, and stopping
+it between the core and the journal would leave the two apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import structlog
+
+from devd.errors import BusyError, DevdError, InternalError
+from devd.methods import App, Call, Method, Peer, resolve
+from devd.rpc import Request, RequestError, decode_request, error_response, response
+
+log = structlog.get_logger("devd.dispatch")
+
+
+class Dispatcher:
+    def __init__(self, methods: Mapping[str, Method], app: App) -> None:
+        self.methods = methods
+        self.app = app
+        self.draining = False  # set at shutdown: new calls are refused BUSY, status still answers
+        self.in_flight = 0
+        self._idle = anyio.Event()
+
+    async def serve(self, peer: Peer, line: bytes, send: Callable[[bytes], Awaitable[None]]) -> None:
+        """Answer one request line and hand the answer to send. Counted in flight until the answer is handed over,
+        so that shutdown waits for it and a client that reads nothing holds its in-flight slots."""
+        self.in_flight += 1
+        try:
+            reply = await self.answer(peer, line)
+            if reply:
+                await send(reply)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def answer(self, peer: Peer, line: bytes) -> bytes:
+        """The reply to one request line: a JSON-RPC response, an error, or b"" for a notification."""
+        started = time.perf_counter()
+        request: Request | None = None
+        params: Any = None
+        try:
+            request = decode_request(line)
+            m, params = resolve(self.methods, request)
+            if self.draining and not m.during_shutdown:
+                raise BusyError("the daemon is shutting down; retry against the next one")
+            with anyio.CancelScope(shield=True):
+                result = await m.handler(Call(self.app, peer), params)
+            reply = b"" if request.notification else response(request.id, result)
+        except RequestError as e:
+            reply = b"" if e.notification else error_response(e.id, e.error)
+            self._count(e.error.kind)
+        except DevdError as e:
+            reply = b"" if request is not None and request.notification else error_response(_id(request), e)
+            self._count(e.kind)
+            if e.kind == "INTERNAL":
+                log.error("request.failed", method=_method(request), session=getattr(params, "session", None), error=str(e))
+        except Exception as e:
+            self._count("INTERNAL")
+            log.error(
+                "request.failed",
+                method=_method(request),
+                session=getattr(params, "session", None),
+                error=f"{type(e).__name__}: {e}"[:500],
+            )
+            reply = b"" if request is not None and request.notification else error_response(
+                _id(request), InternalError("the daemon failed to answer; see its log")
+            )
+        log.debug(
+            "request",
+            method=_method(request),
+            session=getattr(params, "session", None),
+            duration_ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+        return reply
+
+    def _count(self, kind: str) -> None:
+        errors = self.app.errors
+        errors[kind] = errors.get(kind, 0) + 1
+
+    async def idle(self) -> None:
+        """Return once no call is in flight."""
+        while self.in_flight:
+            self._idle = anyio.Event()
+            await self._idle.wait()
+
+
+def _id(request: Request | None) -> Any:
+    return request.id if request is not None else None
+
+
+def _method(request: Request | None) -> str | None:
+    return request.method if request is not None else None

@@ -1,0 +1,125 @@
+"""A store held in memory, for tests and benchmarks: the `devd.store.Store` contract without a disk.
+
+"Durable" here means "visible to every later read of this object"; nothing survives the process. It keeps all
+history (it never prunes) and counts each write as one commit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import anyio
+
+from devd.store import Health, Keyed, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+
+
+@dataclass
+class _Session:
+    config: bytes
+    health: Health = Health.OK
+    reason: str | None = None
+    journal: dict[int, Step] = field(default_factory=dict)
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._sessions: dict[str, _Session] = {}
+        self._commits = 0
+        self._commit_seconds: list[float] = []
+        self.fail_writes: str | None = None  # tests: make every write fail with this message
+
+    async def run(self) -> None:
+        await anyio.sleep_forever()
+
+    async def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def statistics(self) -> StoreStats:
+        s = self._commit_seconds
+        return StoreStats(self._commits, percentile_ms(s, 0.5), percentile_ms(s, 0.99))
+
+    def _committed(self, started: float) -> None:
+        if self.fail_writes is not None:
+            raise StoreError(f"the state could not be made durable: {self.fail_writes}")
+        self._commits += 1
+        self._commit_seconds.append(time.perf_counter() - started)
+        del self._commit_seconds[:-1024]
+
+    async def create(self, name: str, config: bytes, snapshot: bytes | None = None) -> None:
+        self._committed(time.perf_counter())
+        session = self._sessions[name] = _Session(config)
+        if snapshot is not None:
+            session.journal[0] = Step(name, 0, b"", b"", snapshot=snapshot)
+
+    async def append(self, step: Step) -> None:
+        self._committed(time.perf_counter())
+        session = self._sessions.get(step.session)
+        if session is None or step.seq in session.journal:
+            raise StoreError(f"step {step.seq} of {step.session!r} cannot be journalled: no such session or seq")
+        session.journal[step.seq] = step
+
+    async def set_health(self, name: str, health: Health, reason: str | None) -> None:
+        self._committed(time.perf_counter())
+        if session := self._sessions.get(name):
+            session.health, session.reason = health, reason
+
+    async def delete(self, name: str) -> None:
+        self._committed(time.perf_counter())
+        self._sessions.pop(name, None)
+
+    async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
+        self._committed(time.perf_counter())
+        src = self._sessions[source]
+        copy = _Session(src.config)
+        for seq, step in src.journal.items():
+            if seq <= at:
+                copy.journal[seq] = Step(name, seq, step.event, step.actions, step.key, step.digest)
+        if snapshot is not None:
+            kept = copy.journal.get(at) or Step(name, at, b"", b"")
+            copy.journal[at] = Step(name, at, kept.event, kept.actions, kept.key, kept.digest, snapshot)
+        self._sessions[name] = copy
+
+    async def sessions(self) -> list[SessionRow]:
+        return [
+            SessionRow(name, s.health, s.reason, max(s.journal, default=0))
+            for name, s in sorted(self._sessions.items())
+        ]
+
+    async def load(self, name: str) -> Stored | None:
+        return self._load(name, None)
+
+    async def load_at(self, name: str, at: int) -> Stored | None:
+        return self._load(name, at)
+
+    def _load(self, name: str, at: int | None) -> Stored | None:
+        session = self._sessions.get(name)
+        if session is None:
+            return None
+        upto = max(session.journal, default=0) if at is None else at
+        saved = [s for seq, s in session.journal.items() if s.snapshot is not None and seq <= upto]
+        base = max(saved, key=lambda s: s.seq) if saved else None
+        base_seq = base.seq if base else 0
+        journal = [
+            (seq, s.event, s.actions) for seq, s in sorted(session.journal.items()) if base_seq < seq <= upto
+        ]
+        if [seq for seq, _, _ in journal] != list(range(base_seq + 1, upto + 1)):
+            return None
+        snapshot = base.snapshot if base else None
+        return Stored(name, session.config, snapshot, base_seq, session.health, session.reason, journal)
+
+    async def keyed(self, name: str, key: str) -> Keyed | None:
+        session = self._sessions.get(name)
+        for step in session.journal.values() if session else ():
+            if step.key == key:
+                assert step.digest is not None
+                return Keyed(step.seq, step.digest, step.actions)
+        return None
+
+    async def steps_since(self, name: str, since: int, limit: int) -> list[tuple[int, bytes, bytes]]:
+        session = self._sessions.get(name)
+        steps = sorted(session.journal.items()) if session else []
+        return [(seq, s.event, s.actions) for seq, s in steps if seq > since][:limit]

@@ -1,0 +1,447 @@
+"""Every JSON-RPC method of the daemon, each registered once: its params, its result, its handler and its doc.
+
+Dispatch (`devd.dispatch`), `devd schema` and the client are derived from `METHODS`; adding a method is adding one
+`@method` here. Params refuse unknown members and state their constraints as msgspec `Meta`, so the schema shows
+them; what a type cannot state (a key's length in bytes) is checked by `check`. Handlers take a `Call` (the daemon's
+services and the calling connection) and return a result Struct; they raise `devd.errors` classes, which the
+dispatcher turns into JSON-RPC errors in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Raw
+
+from devd import ABI, __version__
+from devd.config import Settings
+from devd.errors import InvalidParamsError, MethodNotFoundError
+from devd.messages import Config, encode
+from devd.registry import Registry
+from devd.rpc import Request
+from devd.store import Store
+from devd.watchers import Sink, Subscription
+
+SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
+KEY_BYTES_MAX = 256
+SEQ_MAX = (1 << 63) - 1  # what SQLite's INTEGER (and PostgreSQL's bigint) holds
+
+SessionName = Annotated[
+    str, Meta(pattern=SESSION_NAME_PATTERN, description="1-64 of A-Z a-z 0-9 . _ -, and not . or ..")
+]
+Seq = Annotated[int, Meta(ge=0, le=SEQ_MAX, description="a step number: the seq of a session's nth answered step")]
+
+# Messages for the constraints above, as the daemon has always worded them (the protocol document shows them).
+_RULES: dict[str, Callable[[Any], str]] = {
+    "session": lambda v: f"session names are 1-64 of A-Z a-z 0-9 . _ - and not . or ..; {v[:80]!r} is not one",
+    "as": lambda v: f"session names are 1-64 of A-Z a-z 0-9 . _ - and not . or ..; {v[:80]!r} is not one",
+    "timeout_ms": lambda v: "timeout_ms must be a positive number of milliseconds",
+    "key": lambda v: f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8",
+    "since": lambda v: f"since must be a step number, 0 to {SEQ_MAX}",
+    "at": lambda v: f"at must be a step number, 0 to {SEQ_MAX}",
+}
+
+
+class _Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+# -- the services a handler sees ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Peer:
+    """The calling connection: how it came in, where its notifications go, what it watches."""
+
+    transport: str
+    sink: Sink
+    watches: dict[str, Subscription] = field(default_factory=dict)
+
+
+@dataclass
+class App:
+    """The daemon's services, as handlers use them."""
+
+    settings: Settings
+    registry: Registry
+    store: Store
+    connections: Callable[[], int]
+    started: float = field(default_factory=time.monotonic)
+    errors: dict[str, int] = field(default_factory=dict)  # answers by error kind
+
+
+@dataclass(frozen=True)
+class Call:
+    app: App
+    peer: Peer
+
+
+Handler = Callable[[Call, Any], Awaitable[msgspec.Struct]]
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    params: type[msgspec.Struct]
+    result: type[msgspec.Struct]
+    handler: Handler
+    doc: str
+    during_shutdown: bool  # answered while the daemon drains (status), or refused as BUSY
+    decoder: msgspec.json.Decoder[Any]
+
+
+METHODS: dict[str, Method] = {}
+
+
+def method(
+    name: str, params: type[msgspec.Struct], result: type[msgspec.Struct], *, during_shutdown: bool = False
+) -> Callable[[Handler], Handler]:
+    def register(handler: Handler) -> Handler:
+        assert name not in METHODS, name
+        doc = " ".join((handler.__doc__ or "").split())
+        METHODS[name] = Method(name, params, result, handler, doc, during_shutdown, msgspec.json.Decoder(params))
+        return handler
+
+    return register
+
+
+def resolve(methods: Mapping[str, Method], request: Request) -> tuple[Method, Any]:
+    """The request's method and its decoded params, or MethodNotFoundError / InvalidParamsError."""
+    m = methods.get(request.method)
+    if m is None:
+        raise MethodNotFoundError(f"there is no method {request.method!r}; see `devd schema` for the methods")
+    return m, decode_params(m, bytes(request.params))
+
+
+def decode_params(m: Method, raw: bytes) -> Any:
+    """The method's params, or InvalidParamsError naming what is wrong."""
+    if raw.strip() == b"null":
+        raw = b"{}"
+    try:
+        params = m.decoder.decode(raw)
+    except msgspec.ValidationError as e:
+        raise InvalidParamsError(_explain(m.name, raw, e)) from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise InvalidParamsError(f"the params of {m.name} cannot be read: {e}") from None
+    check(params)
+    return params
+
+
+def _explain(name: str, raw: bytes, error: msgspec.ValidationError) -> str:
+    """A constraint broken (not a wrong type) is said in the rule's own words."""
+    message = str(error)
+    for member, explain in _RULES.items():
+        if message.endswith(f"- at `$.{member}`") and ", got `" not in message:
+            return explain(msgspec.json.decode(raw).get(member))
+    return f"bad params for {name}: {message}"
+
+
+def check(params: Any) -> None:
+    """Rules msgspec's types cannot state."""
+    key = getattr(params, "key", None)
+    if key is not None:
+        try:
+            encoded = key.encode()
+        except UnicodeEncodeError:
+            raise InvalidParamsError("the key must be valid Unicode text") from None
+        if not 0 < len(encoded) <= KEY_BYTES_MAX:
+            raise InvalidParamsError(f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8")
+
+
+# -- shared results -----------------------------------------------------------------------------------------------
+
+
+class Empty(msgspec.Struct, frozen=True):
+    """Nothing to report: the call did what it says."""
+
+
+class SessionResult(msgspec.Struct, frozen=True):
+    """The session the call started or brought back."""
+
+    session: str
+
+
+class SessionParams(_Params, frozen=True):
+    """The session to act on."""
+
+    session: SessionName
+
+
+# -- initialize and status ----------------------------------------------------------------------------------------
+
+
+class Client(msgspec.Struct, frozen=True):
+    """Who is calling, for the daemon's log."""
+
+    name: str
+    version: str | None = None
+
+
+class InitializeParams(_Params, frozen=True):
+    """The first call of a connection; on TCP it must carry the token from the daemon's state directory."""
+
+    client: Client | None = None
+    token: str | None = None
+
+
+class Server(msgspec.Struct, frozen=True):
+    """The daemon's name and version."""
+
+    name: str
+    version: str
+
+
+class Limits(msgspec.Struct, frozen=True):
+    """The limits this daemon enforces."""
+
+    line_bytes_max: int
+    sessions_max: int
+    connections_max: int
+    call_timeout_ms: int
+    memory_bytes_per_session: int
+    keys_kept_per_session: int
+
+
+class InitializeResult(msgspec.Struct, frozen=True):
+    """Who the daemon is, the protocol and core ABI it speaks, and its limits."""
+
+    server: Server
+    protocol: int
+    abi: int
+    limits: Limits
+
+
+def initialize_result(settings: Settings) -> InitializeResult:
+    s = settings
+    return InitializeResult(
+        server=Server("devd", __version__),
+        protocol=1,
+        abi=ABI,
+        limits=Limits(
+            line_bytes_max=s.line_bytes_max,
+            sessions_max=s.sessions_max,
+            connections_max=s.connections_max,
+            call_timeout_ms=int(s.call_timeout_s * 1000),
+            memory_bytes_per_session=s.memory_bytes_per_session,
+            keys_kept_per_session=s.keys_kept_per_session,
+        ),
+    )
+
+
+@method("initialize", InitializeParams, InitializeResult)
+async def initialize(call: Call, params: InitializeParams) -> InitializeResult:
+    """Say hello; optional on the Unix socket, required first (with the token) on TCP."""
+    return initialize_result(call.app.settings)
+
+
+class NoParams(_Params, frozen=True):
+    """This method takes no params."""
+
+
+class StatusResult(msgspec.Struct, frozen=True):
+    """The daemon's health and counters."""
+
+    server: Server
+    uptime_s: float
+    sessions: dict[str, int]
+    connections: int
+    steps: int
+    durable_writes: int
+    errors: dict[str, int]
+    deadline_hits: int
+    offloaded: int  # calls that passed their inline budget and ran on a worker thread
+    commit_ms_p50: float
+    commit_ms_p99: float
+    memory_rss_bytes: int
+
+
+def status(app: App) -> StatusResult:
+    stats, store = app.registry.stats, app.store.statistics()
+    return StatusResult(
+        server=Server("devd", __version__),
+        uptime_s=round(time.monotonic() - app.started, 3),
+        sessions=app.registry.counts(),
+        connections=app.connections(),
+        steps=stats.steps,
+        durable_writes=store.commits,
+        errors=dict(app.errors),
+        deadline_hits=stats.deadline_hits,
+        offloaded=app.registry.runner.offloaded,
+        commit_ms_p50=store.commit_ms_p50,
+        commit_ms_p99=store.commit_ms_p99,
+        memory_rss_bytes=_rss_bytes(),
+    )
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@method("daemon/status", NoParams, StatusResult, during_shutdown=True)
+async def daemon_status(call: Call, params: NoParams) -> StatusResult:
+    """The daemon's counters: sessions by state, steps, errors by kind, commit latency, memory."""
+    return status(call.app)
+
+
+# -- sessions -----------------------------------------------------------------------------------------------------
+
+
+class NewParams(_Params, frozen=True):
+    """A new session, from a config (default `{}`), under a name (default: chosen by the daemon)."""
+
+    config: Config | None = None
+    session: SessionName | None = None
+
+
+@method("session/new", NewParams, SessionResult)
+async def session_new(call: Call, params: NewParams) -> SessionResult:
+    """Start a session; it is durable before this answers."""
+    return SessionResult(await call.app.registry.new(params.session, encode(params.config or Config())))
+
+
+class StepParams(_Params, frozen=True):
+    """One event for a session, with an optional deadline and idempotency key."""
+
+    session: SessionName
+    event: Raw
+    timeout_ms: Annotated[int, Meta(gt=0, description="the call's deadline in milliseconds")] | None = None
+    key: Annotated[str, Meta(min_length=1, max_length=KEY_BYTES_MAX, description="1-256 bytes of UTF-8")] | None = None
+
+
+class StepResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The actions the core answered; `replayed` when a keyed step was answered before and is answered again."""
+
+    actions: Raw
+    replayed: bool = False
+
+
+@method("session/step", StepParams, StepResult)
+async def session_step(call: Call, params: StepParams) -> StepResult:
+    """Step a session with one event; answered once the step is durable."""
+    actions, replayed = await call.app.registry.step(params.session, bytes(params.event), params.timeout_ms, params.key)
+    return StepResult(Raw(actions), replayed)
+
+
+class SnapshotResult(msgspec.Struct, frozen=True):
+    """The session's state, base64, for `session/restore`."""
+
+    snapshot: str
+
+
+@method("session/snapshot", SessionParams, SnapshotResult)
+async def session_snapshot(call: Call, params: SessionParams) -> SnapshotResult:
+    """The session's state as the core encodes it."""
+    return SnapshotResult(await call.app.registry.snapshot(params.session))
+
+
+class RestoreParams(_Params, frozen=True):
+    """A snapshot from `session/snapshot`, and the name of the session it starts (default: chosen)."""
+
+    snapshot: str
+    session: SessionName | None = None
+
+
+@method("session/restore", RestoreParams, SessionResult)
+async def session_restore(call: Call, params: RestoreParams) -> SessionResult:
+    """Start a session from a snapshot; it is durable before this answers."""
+    return SessionResult(await call.app.registry.restore(params.snapshot, params.session))
+
+
+class ForkParams(_Params, frozen=True):
+    """The session to fork, the step to fork at (default: its latest) and the fork's name (default: chosen)."""
+
+    session: SessionName
+    at: Seq | None = None
+    as_: SessionName | None = msgspec.field(default=None, name="as")
+
+
+@method("session/fork", ForkParams, SessionResult)
+async def session_fork(call: Call, params: ForkParams) -> SessionResult:
+    """Start a session whose history is the source's up to step `at`, with its own name, journal and keys; the
+    source is untouched."""
+    return SessionResult(await call.app.registry.fork(params.session, params.at, params.as_))
+
+
+class PendingResult(msgspec.Struct, frozen=True):
+    """The actions the core dispatched and still waits for (a model ask, or calls without a result), in id order,
+    exactly as they were answered."""
+
+    actions: Raw
+
+
+@method("session/pending", SessionParams, PendingResult)
+async def session_pending(call: Call, params: SessionParams) -> PendingResult:
+    """What the session still waits for, from the core itself: what a client that reconnects still owes."""
+    return PendingResult(Raw(await call.app.registry.pending(params.session)))
+
+
+@method("session/recover", SessionParams, SessionResult)
+async def session_recover(call: Call, params: SessionParams) -> SessionResult:
+    """Bring an ended or poisoned session back from its durable state."""
+    await call.app.registry.recover(params.session)
+    return SessionResult(params.session)
+
+
+@method("session/close", SessionParams, Empty)
+async def session_close(call: Call, params: SessionParams) -> Empty:
+    """End a session and delete its state; its watchers get `session/unwatched` with reason "closed"."""
+    await call.app.registry.close(params.session)
+    call.peer.watches.pop(params.session, None)
+    return Empty()
+
+
+class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One session: its state, its last step, how many connections watch it, and why it ended."""
+
+    session: str
+    state: Literal["live", "stored", "ended", "poisoned"]
+    seq: int
+    watchers: int = 0
+    reason: str | None = None
+
+
+class ListResult(msgspec.Struct, frozen=True):
+    """Every session, by name."""
+
+    sessions: list[SessionInfo]
+
+
+@method("session/list", NoParams, ListResult)
+async def session_list(call: Call, params: NoParams) -> ListResult:
+    """Every session the daemon holds, by name."""
+    return ListResult(
+        [SessionInfo(i.name, i.state.value, i.seq, i.watchers, i.reason) for i in call.app.registry.list()]  # type: ignore[arg-type]
+    )
+
+
+class WatchParams(_Params, frozen=True):
+    """The session to watch, and the step after which to start (default: from now on)."""
+
+    session: SessionName
+    since: Seq | None = None
+
+
+@method("session/watch", WatchParams, Empty)
+async def session_watch(call: Call, params: WatchParams) -> Empty:
+    """Receive `session/actions` for every step of the session after `since` (or from now) on this connection."""
+    peer, registry = call.peer, call.app.registry
+    old = peer.watches.pop(params.session, None)
+    if old is not None:
+        registry.unwatch(old)
+    peer.watches[params.session] = await registry.watch(params.session, peer.sink, params.since)
+    return Empty()
+
+
+@method("session/unwatch", SessionParams, Empty)
+async def session_unwatch(call: Call, params: SessionParams) -> Empty:
+    """Stop receiving the session's steps on this connection."""
+    sub = call.peer.watches.pop(params.session, None)
+    if sub is not None:
+        call.app.registry.unwatch(sub)
+    return Empty()

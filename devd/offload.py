@@ -1,0 +1,89 @@
+"""Where a call runs: inline on the event loop under a short budget, or on a worker thread under its deadline.
+
+Small calls cost microseconds, so they run inline. When one passes the inline budget, wasmtime stops it where it
+stood and its instance is gone; what is durable is exactly the state before the call, so the session is rebuilt
+from it (its snapshot, then its journal, checked step by step) and the call runs again on a worker thread, where it
+cannot hold up the loop. Worker threads for calls are bounded by a limiter of their own, so they never starve the
+store's commits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+
+from devd.errors import DeadlineError, HandleError
+from devd.host import Core, Instance
+from devd.store import Stored
+
+T = TypeVar("T")
+_SAVE = b'{"Save":true}'  # the core writes compact JSON, so this cannot occur inside a string
+
+
+class Runner:
+    def __init__(self, core: Core, *, inline_budget_s: float, threads_max: int) -> None:
+        self.core = core
+        self.inline_budget_s = inline_budget_s
+        self.limiter = anyio.CapacityLimiter(threads_max)
+        self.offloaded = 0  # calls that passed their inline budget and ran on a worker thread
+
+    async def start(self, start: Callable[[float], Instance], deadline: float) -> Instance:
+        """A new instance, started inline under the budget; past it, started afresh on a worker thread."""
+        try:
+            return start(self.inline_budget_s)
+        except DeadlineError:
+            if deadline - time.monotonic() <= self.inline_budget_s:
+                raise
+        self.offloaded += 1
+        return await self.off_loop(lambda: start(deadline - time.monotonic()))
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=False, limiter=self.limiter)
+
+    def inline_timeout(self, deadline: float) -> tuple[float, bool]:
+        """The timeout for an inline attempt, and whether it is the call's last chance (no time left to offload)."""
+        remaining = deadline - time.monotonic()
+        final = remaining <= self.inline_budget_s * 2
+        return (remaining if final else self.inline_budget_s), final
+
+
+def step_and_save(instance: Instance, event: bytes, timeout: float) -> tuple[bytes, bytes | None]:
+    """One step, and the snapshot the core asked for with Save, both under `timeout` from now."""
+    deadline = time.monotonic() + timeout
+    actions = instance.step_raw(event, timeout=timeout)
+    snapshot = instance.snapshot(timeout=deadline - time.monotonic()) if _SAVE in actions else None
+    return actions, snapshot
+
+
+def rebuild(core: Core, stored: Stored, call_timeout_s: float) -> Instance:
+    """The session as it is on disk: its snapshot (or its config) and then its journal, checked step by step."""
+    instance = core.restore(stored.snapshot) if stored.snapshot is not None else core.new(stored.config)
+    try:
+        for seq, event, recorded in stored.journal:
+            replayed = instance.step_raw(event, timeout=call_timeout_s)
+            if replayed != recorded:
+                raise HandleError(
+                    f"replaying step {seq} gave other actions than were answered; the core is not the one that "
+                    "wrote this journal"
+                )
+    except BaseException:
+        instance.close()
+        raise
+    return instance
+
+
+def rebuild_and(
+    core: Core, stored: Stored, call_timeout_s: float, deadline: float, then: Callable[[Instance, float], T]
+) -> tuple[Instance, T]:
+    """Rebuild, then run `then(instance, timeout)` under what is left of the deadline."""
+    instance = rebuild(core, stored, call_timeout_s)
+    try:
+        return instance, then(instance, deadline - time.monotonic())
+    except BaseException:
+        if instance.alive:
+            instance.close()
+        raise

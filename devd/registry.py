@@ -1,0 +1,405 @@
+"""The session registry: names, states, one call at a time, durability before answers, idempotent keys, watchers.
+
+What it promises:
+- a step's answer is returned only after the step (and the snapshot the core asked for with `Save`) is durable;
+- a call on a session that is inside another call answers BUSY (nothing is queued);
+- a keyed step already answered is replayed from the journal, byte for byte, and never executed twice; the same key
+  with another event is CONFLICT;
+- one slow session never holds up the others (see `devd.offload`);
+- a session that ended (deadline, lost answer) or trapped keeps that state on disk until `recover`;
+- a fork is built from the source's durable state and never touches the source.
+
+States change only through `_move`, by the table in `devd.state`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import msgspec
+import structlog
+
+from devd.errors import (
+    BusyError,
+    ConflictError,
+    DeadlineError,
+    DevdError,
+    ExistsError,
+    FullError,
+    HandleError,
+    InvalidParamsError,
+    PanicError,
+    PoisonError,
+    StoreError,
+)
+from devd.host import Core, Instance
+from devd.offload import Runner, rebuild, rebuild_and, step_and_save
+from devd.state import CALLABLE, Input, State, next_state
+from devd.store import Health, Step, Store, Stored
+from devd.watchers import Fanout, Sink, Stepped, Subscription
+
+log = structlog.get_logger("devd.registry")
+T = TypeVar("T")
+CATCH_UP_ROWS = 256  # journal rows read at a time when a watcher asks for history
+
+
+@dataclass
+class Entry:
+    name: str
+    state: State
+    seq: int
+    reason: str | None = None
+    instance: Instance | None = None
+    busy: bool = False
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    replayed: int = 0
+    deadline_hits: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Info:
+    name: str
+    state: State
+    seq: int
+    watchers: int
+    reason: str | None
+
+
+_HEALTH = {State.ENDED: Health.ENDED, State.POISONED: Health.POISONED}
+_FROM_HEALTH = {Health.OK: State.STORED, Health.ENDED: State.ENDED, Health.POISONED: State.POISONED}
+
+
+def digest(event: bytes) -> bytes:
+    """The event's identity for key conflicts: its JSON with members sorted, so whitespace does not matter."""
+    try:
+        canonical = msgspec.json.encode(msgspec.json.decode(event), order="sorted")
+    except (msgspec.DecodeError, RecursionError):
+        canonical = event
+    return hashlib.sha256(canonical).digest()
+
+
+def _no_such(name: str) -> HandleError:
+    return HandleError(f"no session is named {name!r}; `session/list` shows the sessions there are")
+
+
+class Registry:
+    def __init__(
+        self, core: Core, store: Store, fanout: Fanout, *, sessions_max: int, call_timeout_s: float, runner: Runner
+    ) -> None:
+        self.core = core
+        self.store = store
+        self.fanout = fanout
+        self.sessions_max = sessions_max
+        self.call_timeout_s = call_timeout_s
+        self.runner = runner
+        self.stats = Stats()
+        self._entries: dict[str, Entry] = {}
+
+    async def load(self) -> None:
+        """Know every stored session (their instances are built on first use)."""
+        for row in await self.store.sessions():
+            self._entries[row.name] = Entry(row.name, _FROM_HEALTH[row.health], row.seq, row.reason)
+
+    # -- starting sessions ------------------------------------------------------------------------------------------
+
+    async def new(self, name: str | None, config: bytes) -> str:
+        deadline = time.monotonic() + self.call_timeout_s
+        return await self._start(
+            name, lambda: self.runner.start(lambda t: self.core.new(config, timeout=t), deadline), config, None
+        )
+
+    async def restore(self, snapshot_b64: str, name: str | None) -> str:
+        try:
+            snapshot = base64.b64decode(snapshot_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidParamsError("the snapshot must be base64, as session/snapshot gives it") from None
+        deadline = time.monotonic() + self.call_timeout_s
+        return await self._start(
+            name, lambda: self.runner.start(lambda t: self.core.restore(snapshot, timeout=t), deadline), b"{}", snapshot
+        )
+
+    async def fork(self, source: str, at: int | None, name: str | None) -> str:
+        """A new session whose history is source's up to step `at` (default: its latest)."""
+        src = self._entries.get(source)
+        if src is None:
+            raise _no_such(source)
+        at = src.seq if at is None else at
+        if at > src.seq:
+            raise InvalidParamsError(f"session {source!r} has answered {src.seq} steps; fork at {src.seq} or earlier")
+        stored = await self.store.load_at(source, at)
+        if stored is None:
+            kept = await self.store.load(source)
+            oldest = kept.snapshot_seq if kept is not None else src.seq
+            raise InvalidParamsError(
+                f"the history of {source!r} at step {at} is no longer kept; fork at step {oldest} or later"
+            )
+        deadline = time.monotonic() + self.call_timeout_s
+        snapshot_needed = stored.snapshot is not None or (at > 0 and self.core.has_snapshots)
+
+        def build() -> tuple[Instance, bytes | None]:
+            take = (lambda i, t: i.snapshot(timeout=t)) if snapshot_needed else (lambda i, t: None)
+            return rebuild_and(self.core, stored, self.call_timeout_s, deadline, take)
+
+        name = self._claim(name)
+        instance: Instance | None = None
+        try:
+            instance, snapshot = await self.runner.off_loop(build)
+            await self.store.fork(source, at, name, snapshot)
+        except BaseException:
+            if instance is not None:
+                instance.close()
+            del self._entries[name]
+            raise
+        entry = self._entries[name]
+        entry.instance, entry.seq, entry.busy = instance, at, False
+        return name
+
+    async def _start(
+        self, name: str | None, start: Callable[[], Awaitable[Instance]], config: bytes, snapshot: bytes | None
+    ) -> str:
+        """Claim the name, start the instance, and make the session durable before it is answered."""
+        name = self._claim(name)
+        try:
+            instance = await start()
+        except BaseException:
+            del self._entries[name]
+            raise
+        try:
+            await self.store.create(name, config, snapshot)
+        except BaseException:
+            instance.close()
+            del self._entries[name]
+            raise
+        entry = self._entries[name]
+        entry.instance, entry.busy = instance, False
+        return name
+
+    def _claim(self, name: str | None) -> str:
+        if len(self._entries) >= self.sessions_max:
+            raise FullError(f"the daemon holds {self.sessions_max} sessions, its limit; close one first")
+        if name is None:
+            name = secrets.token_urlsafe(16)
+        if name in self._entries:
+            raise ExistsError(f"a session named {name!r} exists; choose another name or close it first")
+        self._entries[name] = Entry(name, State.LIVE, 0, busy=True)
+        return name
+
+    # -- calls on a session -----------------------------------------------------------------------------------------
+
+    async def step(self, name: str, event: bytes, timeout_ms: int | None, key: str | None) -> tuple[bytes, bool]:
+        started = time.monotonic()
+        entry = self._enter(name)
+        try:
+            event_digest = None
+            if key is not None:
+                event_digest = digest(event)
+                kept = await self.store.keyed(name, key)
+                if kept is not None:
+                    if kept.digest != event_digest:
+                        raise ConflictError(
+                            f"key {key!r} was used for another event (step {kept.seq}); use a new key for a new event"
+                        )
+                    self.stats.replayed += 1
+                    return kept.actions, True
+            deadline = started + (self.call_timeout_s if timeout_ms is None else timeout_ms / 1000)
+            actions, snapshot = await self._call(entry, deadline, lambda i, t: step_and_save(i, event, t))
+            seq = entry.seq + 1
+            try:
+                await self.store.append(Step(name, seq, event, actions, key, event_digest, snapshot))
+            except StoreError as e:
+                # The instance is ahead of the disk: drop it, so the next use rebuilds from what is durable.
+                self._drop_instance(entry)
+                self._move(entry, Input.DROP)
+                raise StoreError(f"the step could not be made durable and was not applied: {e}") from None
+            entry.seq = seq
+            self.stats.steps += 1
+            self.fanout.publish(Stepped(name, seq, event, actions))
+            return actions, False
+        finally:
+            entry.busy = False
+
+    async def snapshot(self, name: str) -> str:
+        entry = self._enter(name)
+        try:
+            state = await self._call(entry, time.monotonic() + self.call_timeout_s, lambda i, t: i.snapshot(timeout=t))
+            return base64.b64encode(state).decode()
+        finally:
+            entry.busy = False
+
+    async def pending(self, name: str) -> bytes:
+        entry = self._enter(name)
+        try:
+            return await self._call(entry, time.monotonic() + self.call_timeout_s, lambda i, t: i.pending(timeout=t))
+        finally:
+            entry.busy = False
+
+    async def recover(self, name: str) -> None:
+        entry = self._enter(name, any_state=True)
+        try:
+            if entry.state in (State.ENDED, State.POISONED):
+                await self._load(entry, Input.RECOVER)
+                await self.store.set_health(name, Health.OK, None)
+            elif entry.instance is None:
+                await self._load(entry, Input.RECOVER)
+        finally:
+            entry.busy = False
+
+    async def close(self, name: str) -> None:
+        entry = self._enter(name, any_state=True)
+        try:
+            await self.store.delete(name)
+            self._drop_instance(entry)
+            self._move(entry, Input.CLOSE)
+            self.fanout.end(name, "closed")
+            del self._entries[name]
+        finally:
+            entry.busy = False
+
+    async def _call(self, entry: Entry, deadline: float, call: Callable[[Instance, float], T]) -> T:
+        """Run call(instance, timeout) inline under the budget; past it, rebuild from disk and run it on a worker."""
+        if entry.instance is None:
+            await self._load(entry, Input.LOAD)
+        assert entry.instance is not None
+        timeout, final = self.runner.inline_timeout(deadline)
+        try:
+            return call(entry.instance, timeout)
+        except DeadlineError as e:
+            if final:
+                await self._lost(entry, e)
+                raise
+        except DevdError as e:
+            await self._lost(entry, e)
+            raise
+        # The inline attempt was stopped mid-call; its instance is gone. What is durable is exactly the state
+        # before this call, so rebuild from it and run the call where it cannot hold up the event loop.
+        self.runner.offloaded += 1
+        entry.instance = None
+        self._move(entry, Input.DROP)
+        stored = await self._stored(entry.name)
+        try:
+            instance, result = await self.runner.off_loop(
+                lambda: rebuild_and(self.core, stored, self.call_timeout_s, deadline, call)
+            )
+        except DevdError as e:
+            await self._lost(entry, e)
+            raise
+        entry.instance = instance
+        self._move(entry, Input.LOAD)
+        return result
+
+    async def _load(self, entry: Entry, how: Input) -> None:
+        """Bring a stored session back: restore its snapshot and replay its journal, on a worker thread."""
+        stored = await self._stored(entry.name)
+        try:
+            entry.instance = await self.runner.off_loop(lambda: rebuild(self.core, stored, self.call_timeout_s))
+        except DevdError as e:
+            reason = f"rebuilding it failed: {e}"
+            log.error("session.rebuild_failed", session=entry.name, error=str(e))
+            self._move(entry, Input.POISON, reason)
+            await self.store.set_health(entry.name, Health.POISONED, reason)
+            raise PoisonError(
+                f"session {entry.name!r} could not be rebuilt from its durable state ({e}); "
+                "its snapshot and journal are kept, see the daemon's log"
+            ) from None
+        self._move(entry, how)
+        entry.seq = stored.seq
+
+    async def _stored(self, name: str) -> Stored:
+        stored = await self.store.load(name)
+        if stored is None:
+            raise _no_such(name)
+        return stored
+
+    async def _lost(self, entry: Entry, error: DevdError) -> None:
+        """The instance is gone after a deadline, a trap or a lost answer: record why, durably."""
+        if isinstance(error, DeadlineError):
+            self.stats.deadline_hits += 1
+        if isinstance(error, DeadlineError | PanicError | PoisonError) or (
+            isinstance(error, HandleError) and (entry.instance is None or not entry.instance.alive)
+        ):
+            how = Input.POISON if isinstance(error, PanicError | PoisonError) else Input.END
+            self._drop_instance(entry)
+            self._move(entry, how, str(error))
+            await self.store.set_health(entry.name, _HEALTH[entry.state], entry.reason)
+
+    def _move(self, entry: Entry, input: Input, reason: str | None = None) -> None:
+        entry.state = next_state(entry.state, input)
+        entry.reason = reason
+
+    def _drop_instance(self, entry: Entry) -> None:
+        instance, entry.instance = entry.instance, None
+        if instance is not None:
+            try:
+                instance.close()
+            except BusyError:  # pragma: no cover - the entry's busy flag orders every call
+                pass
+
+    def _enter(self, name: str, *, any_state: bool = False) -> Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise _no_such(name)
+        if entry.busy:
+            raise BusyError(f"session {name!r} is inside another call; retry when that call has answered")
+        if not any_state and entry.state not in CALLABLE:
+            kind = PoisonError if entry.state is State.POISONED else HandleError
+            raise kind(f"session {name!r} {entry.state.value} ({entry.reason}); `session/recover` brings it back")
+        entry.busy = True
+        return entry
+
+    # -- watchers ---------------------------------------------------------------------------------------------------
+
+    async def watch(self, name: str, sink: Sink, since: int | None) -> Subscription:
+        """Subscribe sink to name's steps: from now on, or first every journalled step after `since`."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise _no_such(name)
+        if since is None:
+            return self.fanout.subscribe(name, sink, entry.seq, catching_up=False)
+        sub = self.fanout.subscribe(name, sink, since, catching_up=True)
+        try:
+            while sub.active:
+                rows = await self.store.steps_since(name, sub.last_seq, CATCH_UP_ROWS)
+                for seq, event, actions in rows:
+                    if not self.fanout.deliver(sub, seq, self.fanout.encode(Stepped(name, seq, event, actions))):
+                        return sub
+                if len(rows) < CATCH_UP_ROWS and sub.last_seq >= entry.seq:
+                    break  # no await since the check: no step can slip between history and live
+                if not rows:
+                    break  # history was pruned past what is durable; nothing more to read
+        except BaseException:
+            self.fanout.unsubscribe(sub)
+            raise
+        sub.catching_up = False
+        return sub
+
+    def unwatch(self, sub: Subscription) -> None:
+        self.fanout.unsubscribe(sub)
+
+    # -- status -----------------------------------------------------------------------------------------------------
+
+    def list(self) -> list[Info]:
+        return [
+            Info(e.name, e.state, e.seq, self.fanout.count(e.name), e.reason)
+            for e in sorted(self._entries.values(), key=lambda e: e.name)
+        ]
+
+    def counts(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in State if s is not State.CLOSED}
+        for e in self._entries.values():
+            counts[e.state.value] += 1
+        return counts
+
+    def close_all(self) -> None:
+        for entry in self._entries.values():
+            self._drop_instance(entry)

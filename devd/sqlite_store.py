@@ -1,0 +1,306 @@
+"""The embedded store: one SQLite file per daemon. The only module that touches SQLite.
+
+Writes go through one group-commit task: every write waits until the transaction holding it has committed with
+`synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive while a commit runs share the next one.
+A batch of steps alone is one INSERT statement, so one transaction and one crossing of the GIL for the commit
+thread. A failed commit fails every write in it with `StoreError`; nothing is retried, so nothing is acknowledged
+that is not on disk. Commits and reads of unbounded size run on threads of their own (a `CapacityLimiter` each), so
+they never wait behind calls moved off the event loop; a keyed lookup (one indexed row) runs inline.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from devd.store import Health, Keyed, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+
+log = structlog.get_logger("devd.store")
+
+ROWS_PER_STATEMENT = 500  # 7 variables a row, well under SQLite's 32,766
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    name TEXT PRIMARY KEY,
+    config BLOB NOT NULL,
+    state TEXT NOT NULL DEFAULT 'ok',
+    reason TEXT
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS journal (
+    session TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    key TEXT,
+    digest BLOB,
+    event BLOB NOT NULL,
+    actions BLOB NOT NULL,
+    snapshot BLOB,
+    PRIMARY KEY (session, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS journal_key ON journal (session, key) WHERE key IS NOT NULL;
+"""
+
+Op = Callable[[sqlite3.Connection], None] | Step
+
+
+@dataclass
+class _Pending:
+    op: Op
+    done: anyio.Event = field(default_factory=anyio.Event)
+    error: BaseException | None = None
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("PRAGMA busy_timeout=5000")
+    return db
+
+
+class SQLiteStore:
+    """The SQLite file of one daemon (see `devd.store.Store` for the contract)."""
+
+    def __init__(self, path: Path, *, keys_kept: int, steps_kept: int, prune_every_steps: int) -> None:
+        self.path = path
+        self.keys_kept = keys_kept
+        self.steps_kept = steps_kept
+        self.prune_every_steps = prune_every_steps
+        try:
+            self._writer = _connect(path)
+            self._writer.executescript(_SCHEMA)
+            self._reader = _connect(path)  # worker threads' reads, one at a time
+            self._point = _connect(path)  # the event loop's point lookups
+        except sqlite3.Error as e:
+            raise StoreError(f"the database {path} cannot be opened: {e}; it was left as it is") from None
+        self._commit_limiter = anyio.CapacityLimiter(1)
+        self._read_limiter = anyio.CapacityLimiter(1)
+        self._pending: list[_Pending] = []
+        self._wake = anyio.Event()
+        self._commits = 0
+        self._commit_seconds: list[float] = []
+        self._pruned: dict[str, int] = {}  # the seq each session was last pruned at (commit thread only)
+
+    def close(self) -> None:
+        self._writer.close()
+        self._reader.close()
+        self._point.close()
+
+    def statistics(self) -> StoreStats:
+        s = self._commit_seconds
+        return StoreStats(self._commits, percentile_ms(s, 0.5), percentile_ms(s, 0.99))
+
+    # -- writes ---------------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            batch, self._pending = self._pending, []
+            if batch:
+                await self._commit(batch)
+
+    async def flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            await self._commit(batch)
+
+    async def _commit(self, batch: list[_Pending]) -> None:
+        started = time.perf_counter()
+        error = await anyio.to_thread.run_sync(
+            self._apply, [p.op for p in batch], abandon_on_cancel=False, limiter=self._commit_limiter
+        )
+        self._commits += 1
+        self._commit_seconds.append(time.perf_counter() - started)
+        del self._commit_seconds[:-1024]
+        for p in batch:
+            p.error = error
+            p.done.set()
+
+    def _apply(self, ops: list[Op]) -> BaseException | None:
+        db = self._writer
+        steps = [op for op in ops if isinstance(op, Step)]
+        try:
+            if len(steps) == len(ops) and len(steps) <= ROWS_PER_STATEMENT:
+                _insert_steps(db, steps)  # one statement: its own transaction
+            else:
+                db.execute("BEGIN IMMEDIATE")
+                for op in ops:
+                    if isinstance(op, Step):
+                        _insert_steps(db, [op])
+                    else:
+                        op(db)
+                db.execute("COMMIT")
+        except BaseException as e:  # every write in the batch fails; none is retried
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            return e
+        self._prune_some(db, steps)
+        return None
+
+    def _prune_some(self, db: sqlite3.Connection, steps: list[Step]) -> None:
+        """Maintenance after a commit: what it drops was already replaced by a later snapshot."""
+        for s in steps:
+            if s.snapshot is not None and s.seq - self._pruned.get(s.session, 0) >= self.prune_every_steps:
+                try:
+                    with db:
+                        self._prune(db, s.session, s.seq)
+                except sqlite3.Error as e:
+                    log.warning("store.prune_failed", session=s.session, error=str(e))
+                self._pruned[s.session] = s.seq
+
+    def _prune(self, db: sqlite3.Connection, name: str, snapshot_seq: int) -> None:
+        """Drop history behind the snapshot at snapshot_seq beyond what watchers and keys are promised."""
+        db.execute(
+            "UPDATE journal SET snapshot = NULL WHERE session = ? AND seq < ? AND snapshot IS NOT NULL",
+            (name, snapshot_seq),
+        )
+        db.execute(
+            "DELETE FROM journal WHERE session = ? AND key IS NULL AND seq < ? AND seq <= ?",
+            (name, snapshot_seq, snapshot_seq - self.steps_kept),
+        )
+        db.execute(
+            "DELETE FROM journal WHERE session = ? AND key IS NOT NULL AND seq < ? AND seq < ("
+            " SELECT seq FROM journal WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+            (name, snapshot_seq, name, self.keys_kept - 1),
+        )
+
+    async def _write(self, op: Op) -> None:
+        pending = _Pending(op)
+        self._pending.append(pending)
+        self._wake.set()
+        await pending.done.wait()
+        if pending.error is not None:
+            raise StoreError(f"the state could not be made durable: {pending.error}") from pending.error
+
+    async def create(self, name: str, config: bytes, snapshot: bytes | None = None) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            db.execute("INSERT OR REPLACE INTO sessions (name, config) VALUES (?, ?)", (name, config))
+            if snapshot is not None:
+                _insert_steps(db, [Step(name, 0, b"", b"", snapshot=snapshot)])
+
+        await self._write(op)
+
+    async def append(self, step: Step) -> None:
+        await self._write(step)
+
+    async def set_health(self, name: str, health: Health, reason: str | None) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE sessions SET state = ?, reason = ? WHERE name = ?", (health.value, reason, name))
+
+        await self._write(op)
+
+    async def delete(self, name: str) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            db.execute("DELETE FROM sessions WHERE name = ?", (name,))
+
+        await self._write(op)
+
+    async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            db.execute(
+                "INSERT OR REPLACE INTO sessions (name, config) SELECT ?, config FROM sessions WHERE name = ?",
+                (name, source),
+            )
+            db.execute(
+                "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot) "
+                "SELECT ?, seq, key, digest, event, actions, NULL FROM journal WHERE session = ? AND seq <= ?",
+                (name, source, at),
+            )
+            if snapshot is not None:
+                db.execute(
+                    "INSERT INTO journal (session, seq, event, actions, snapshot) VALUES (?, ?, x'', x'', ?) "
+                    "ON CONFLICT (session, seq) DO UPDATE SET snapshot = excluded.snapshot",
+                    (name, at, snapshot),
+                )
+
+        await self._write(op)
+
+    # -- reads ----------------------------------------------------------------------------------------------------
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def run() -> T:
+            try:
+                return fn(self._reader)
+            except sqlite3.Error as e:
+                raise StoreError(f"reading the database failed: {e}") from None
+
+        return await anyio.to_thread.run_sync(run, limiter=self._read_limiter)
+
+    async def sessions(self) -> list[SessionRow]:
+        def read(db: sqlite3.Connection) -> list[SessionRow]:
+            return [
+                SessionRow(name, Health(state), reason, seq)
+                for name, state, reason, seq in db.execute(
+                    "SELECT s.name, s.state, s.reason, COALESCE(MAX(j.seq), 0) "
+                    "FROM sessions s LEFT JOIN journal j ON j.session = s.name GROUP BY s.name ORDER BY s.name"
+                )
+            ]
+
+        return await self._read(read)
+
+    async def load(self, name: str) -> Stored | None:
+        return await self._read(lambda db: _load(db, name, None))
+
+    async def load_at(self, name: str, at: int) -> Stored | None:
+        return await self._read(lambda db: _load(db, name, at))
+
+    async def keyed(self, name: str, key: str) -> Keyed | None:
+        try:
+            row = self._point.execute(
+                "SELECT seq, digest, actions FROM journal WHERE session = ? AND key = ?", (name, key)
+            ).fetchone()
+        except sqlite3.Error as e:
+            raise StoreError(f"reading the database failed: {e}") from None
+        return Keyed(*row) if row else None
+
+    async def steps_since(self, name: str, since: int, limit: int) -> list[tuple[int, bytes, bytes]]:
+        return await self._read(
+            lambda db: db.execute(
+                "SELECT seq, event, actions FROM journal WHERE session = ? AND seq > ? ORDER BY seq LIMIT ?",
+                (name, since, limit),
+            ).fetchall()
+        )
+
+
+def _load(db: sqlite3.Connection, name: str, at: int | None) -> Stored | None:
+    """The session now (at None) or as it was at step `at`; None if there is no such session or history."""
+    row = db.execute("SELECT config, state, reason FROM sessions WHERE name = ?", (name,)).fetchone()
+    if row is None:
+        return None
+    config, state, reason = row
+    upto = (1 << 63) - 1 if at is None else at
+    saved = db.execute(
+        "SELECT seq, snapshot FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? "
+        "ORDER BY seq DESC LIMIT 1",
+        (name, upto),
+    ).fetchone()
+    snapshot_seq, snapshot = saved if saved else (0, None)
+    journal = db.execute(
+        "SELECT seq, event, actions FROM journal WHERE session = ? AND seq > ? AND seq <= ? ORDER BY seq",
+        (name, snapshot_seq, upto),
+    ).fetchall()
+    if at is not None and [seq for seq, _, _ in journal] != list(range(snapshot_seq + 1, at + 1)):
+        return None  # pruned (or not yet written): that point cannot be rebuilt
+    return Stored(name, config, snapshot, snapshot_seq, Health(state), reason, journal)
+
+
+def _insert_steps(db: sqlite3.Connection, steps: list[Step]) -> None:
+    """Rows in one statement: sqlite3 releases the GIL around every statement it steps, and the commit thread has to
+    win it back from the busy event loop each time, so one statement for a batch is much faster than one a row."""
+    db.execute(
+        "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot) VALUES "
+        + ",".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(steps)),
+        [v for s in steps for v in (s.session, s.seq, s.key, s.digest, s.event, s.actions, s.snapshot)],
+    )

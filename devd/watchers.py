@@ -1,0 +1,100 @@
+"""Watcher fan-out: who watches which session, and delivering each answered step to them without waiting.
+
+The registry publishes domain events (`Stepped`, `Unwatched`); the wire layer hands in `encode`, so each event is
+encoded once, however many watch it, and this module never sees the wire format. A sink's `offer` must not block:
+the stepping client never waits for a watcher. A watcher that cannot take a notice is dropped with exactly one
+`Unwatched` (forced through), and gets nothing more on that subscription.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Stepped:
+    session: str
+    seq: int
+    event: bytes
+    actions: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Unwatched:
+    session: str
+    seq: int  # the last step the watcher was sent
+    reason: str
+
+
+Notice = Stepped | Unwatched
+
+
+class Sink(Protocol):
+    def offer(self, data: bytes) -> bool:
+        """Queue data if there is room for it; never blocks."""
+
+    def force(self, data: bytes) -> None:
+        """Queue data whatever the room (for the one notice that ends a subscription)."""
+
+
+@dataclass(eq=False)
+class Subscription:
+    session: str
+    sink: Sink
+    last_seq: int
+    catching_up: bool = False  # history is still being sent from the journal: live steps wait their turn
+    active: bool = True
+
+
+@dataclass
+class Fanout:
+    encode: Callable[[Notice], bytes]
+    _by_session: dict[str, set[Subscription]] = field(default_factory=dict)
+
+    def subscribe(self, session: str, sink: Sink, last_seq: int, *, catching_up: bool) -> Subscription:
+        sub = Subscription(session, sink, last_seq, catching_up)
+        self._by_session.setdefault(session, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        sub.active = False
+        subs = self._by_session.get(sub.session)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._by_session[sub.session]
+
+    def count(self, session: str) -> int:
+        return len(self._by_session.get(session, ()))
+
+    def publish(self, stepped: Stepped) -> None:
+        subs = self._by_session.get(stepped.session)
+        if not subs:
+            return
+        data = self.encode(stepped)
+        for sub in list(subs):
+            if not sub.catching_up:
+                self.deliver(sub, stepped.seq, data)
+
+    def deliver(self, sub: Subscription, seq: int, data: bytes) -> bool:
+        """Send one step's notice (already encoded) unless it was sent; False once the subscription has ended."""
+        if not sub.active:
+            return False
+        if seq <= sub.last_seq:
+            return True
+        if sub.sink.offer(data):
+            sub.last_seq = seq
+            return True
+        self.end_one(sub, "fell too far behind")
+        return False
+
+    def end_one(self, sub: Subscription, reason: str) -> None:
+        self.unsubscribe(sub)
+        sub.sink.force(self.encode(Unwatched(sub.session, sub.last_seq, reason)))
+
+    def end(self, session: str, reason: str) -> None:
+        """Every subscription to session ends (it was closed)."""
+        for sub in list(self._by_session.get(session, ())):
+            self.end_one(sub, reason)
