@@ -12,6 +12,7 @@ const exports = [_][]const u8{
     "dev_step",
     "dev_snapshot",
     "dev_free",
+    "dev_pending",
 };
 
 pub fn build(b: *std.Build) void {

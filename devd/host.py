@@ -1,6 +1,6 @@
 """The wasm host: the only module that imports wasmtime.
 
-`Core` is one compiled module (ABI 1) on one Engine; `Session` is one instance of it in a Store of its own, holding
+`Core` is one compiled module (ABI 1) on one Engine; `Instance` is one instance of it in a Store of its own, holding
 one conversation. What this module promises:
 
 - every call into the core runs under a deadline (epoch interruption with a catch-up ticker); a call that passes it
@@ -40,11 +40,12 @@ from devd.errors import (
     DeadlineError,
     DevdError,
     HandleError,
+    MethodNotFoundError,
     NullError,
     PanicError,
     PoisonError,
 )
-from devd.protocol import Action, Config, Event, decode_actions, encode
+from devd.messages import Action, Config, Event, decode_actions, encode
 
 MEMORY_BYTES_DEFAULT = 64 << 20
 CALL_TIMEOUT_SECONDS_DEFAULT = 5.0
@@ -93,8 +94,10 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dev_step": (("i64", "i32", "i32", "i32"), ("i32",)),
     "dev_snapshot": (("i64", "i32"), ("i32",)),
     "dev_free": (("i32",), ()),
+    "dev_pending": (("i64", "i32"), ("i32",)),
 }
 # dev_restore and dev_snapshot may be missing: such a core runs sessions but cannot carry them across instances.
+# dev_pending may be missing too: such a core runs sessions but cannot say what it still waits for.
 _REQUIRED = ("dev_abi", "dev_alloc", "dev_release", "dev_new", "dev_step", "dev_free")
 
 
@@ -191,7 +194,8 @@ class Core:
         self.memory_bytes = memory_bytes
         self.call_timeout = call_timeout
         self.has_snapshots = {e.name for e in module.exports} >= {"dev_restore", "dev_snapshot"}
-        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        self.has_pending = "dev_pending" in {e.name for e in module.exports}
+        self._sessions: weakref.WeakSet[Instance] = weakref.WeakSet()
         # Export names as C strings, made once: (buffer, length, argument slots).
         self._export_names = {
             name: (ctypes.create_string_buffer(name.encode(), len(name)), len(name), max(len(sig[0]), len(sig[1])))
@@ -237,12 +241,12 @@ class Core:
             ticker.stop()
             raise
 
-    def new(self, config: Config | bytes | None = None, *, timeout: float | None = None) -> Session:
+    def new(self, config: Config | bytes | None = None, *, timeout: float | None = None) -> Instance:
         """Start a session in an instance of its own; config as a Struct or as the JSON the core reads."""
         data = config if isinstance(config, bytes) else encode(config or Config())
         return self._start("dev_new", data, timeout)
 
-    def restore(self, state: bytes, *, timeout: float | None = None) -> Session:
+    def restore(self, state: bytes, *, timeout: float | None = None) -> Instance:
         """Rebuild a session from its snapshot; a damaged snapshot is `MalformedError`."""
         if not self.has_snapshots:
             raise NullError(
@@ -261,14 +265,14 @@ class Core:
             session._end_with_core()
         self._ticker.stop()
 
-    def _start(self, export: str, data: bytes, timeout: float | None) -> Session:
+    def _start(self, export: str, data: bytes, timeout: float | None) -> Instance:
         deadline = _deadline(self.call_timeout if timeout is None else timeout)
         with self._lock:
             if self.closed:
                 raise HandleError("the core is closed and starts no session; open another Core")
             store = wasmtime.Store(self._engine)
         store.set_limits(memory_size=self.memory_bytes)
-        session = Session(self, store)
+        session = Instance(self, store)
         session._open(export, data, deadline)
         with self._lock:
             if self.closed:
@@ -317,7 +321,7 @@ class _Export:
         self.n = c_size_t(n)
 
 
-class Session:
+class Instance:
     """One conversation in one instance. Calls are serialised: a second concurrent call answers `BusyError`."""
 
     def __init__(self, core: Core, store: wasmtime.Store) -> None:
@@ -370,6 +374,27 @@ class Session:
         try:
             self._arm(deadline)
             ex = self._export("dev_snapshot")
+            self._args[0].i64 = self._handle
+            self._args[1].i32 = self._out
+            self._status(self._invoke(ex))
+            return self._take()
+        finally:
+            self._busy.release()
+
+    def pending(self, *, timeout: float | None = None) -> bytes:
+        """What the core has dispatched and still waits for: a JSON array of actions, in the bytes `step_raw` gave.
+
+        That is the running turn's Model ask, or its calls still without a result in id order; `[]` when no turn runs.
+        """
+        if not self._core.has_pending:
+            raise MethodNotFoundError(
+                "this core does not report pending actions (no dev_pending export); "
+                "use a core built from this repo's core/"
+            )
+        deadline = self._enter(timeout)
+        try:
+            self._arm(deadline)
+            ex = self._export("dev_pending")
             self._args[0].i64 = self._handle
             self._args[1].i32 = self._out
             self._status(self._invoke(ex))

@@ -13,12 +13,13 @@ from devd.errors import (
     DeadlineError,
     HandleError,
     MalformedError,
+    MethodNotFoundError,
     NullError,
     PanicError,
     PoisonError,
 )
-from devd.host import Core, Session
-from devd.protocol import (
+from devd.host import Core, Instance
+from devd.messages import (
     Action,
     Agent,
     Browse,
@@ -66,7 +67,7 @@ def finish(first_id: int, turn_id: int, text: str) -> list[Action]:
     ]
 
 
-def test_a_turn_runs_to_done(session: Session) -> None:
+def test_a_turn_runs_to_done(session: Instance) -> None:
     """The whole loop once: a prompt, a model that asks for two tools, their results, and an answer in words."""
     assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
     build, lib = Call(Exec=Exec(argv=["cargo", "build"])), Call(Read=Read(path="src/lib.rs"))
@@ -90,7 +91,7 @@ def test_a_turn_runs_to_done(session: Session) -> None:
     assert session.step(answer(4, "`x` was never declared.")) == finish(5, 1, "`x` was never declared.")
 
 
-def test_the_core_answers_in_the_exact_bytes_of_the_protocol(session: Session) -> None:
+def test_the_core_answers_in_the_exact_bytes_of_the_protocol(session: Instance) -> None:
     session.step(turn(1, FIX))
     raw = session.step_raw(b'{"Model":{"id":1,"reply":{"text":"ok"}}}')
     assert raw == (
@@ -99,7 +100,7 @@ def test_the_core_answers_in_the_exact_bytes_of_the_protocol(session: Session) -
     )
 
 
-def test_a_redelivered_turn_asks_for_nothing(session: Session) -> None:
+def test_a_redelivered_turn_asks_for_nothing(session: Instance) -> None:
     session.step(turn(7, FIX))
     assert [session.step(turn(id, FIX)) for id in (7, 6, 1)] == [[], [], []]
     makefile = Call(Read=Read(path="Makefile"))
@@ -109,7 +110,7 @@ def test_a_redelivered_turn_asks_for_nothing(session: Session) -> None:
     ]
 
 
-def test_a_result_no_one_awaits_changes_nothing(session: Session) -> None:
+def test_a_result_no_one_awaits_changes_nothing(session: Instance) -> None:
     session.step(turn(1, FIX))
     build, file = Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="Makefile"))
     session.step(answer(1, calls=[build, file]))
@@ -138,7 +139,7 @@ def test_a_result_no_one_awaits_changes_nothing(session: Session) -> None:
     assert session.step(Event(File=Output(id=3, text="all: build"))) == []
 
 
-def test_a_path_out_of_the_workspace_is_refused(session: Session) -> None:
+def test_a_path_out_of_the_workspace_is_refused(session: Instance) -> None:
     session.step(turn(1, "read the password file"))
     passwd, lib = Call(Read=Read(path="../../etc/passwd")), Call(Read=Read(path="src/lib.rs"))
     assert session.step(answer(1, calls=[passwd, lib])) == [Action(id=3, op=Op(Read=lib.Read))]
@@ -172,7 +173,7 @@ def test_a_path_out_of_the_workspace_is_refused(session: Session) -> None:
         ("src/lib.rs", True),
     ],
 )
-def test_a_path_is_dispatched_only_inside_the_workspace(session: Session, path: str, dispatched: bool) -> None:
+def test_a_path_is_dispatched_only_inside_the_workspace(session: Instance, path: str, dispatched: bool) -> None:
     session.step(turn(1, FIX))
     read = Call(Read=Read(path=path))
     refused = [
@@ -188,7 +189,7 @@ def test_a_path_is_dispatched_only_inside_the_workspace(session: Session, path: 
     assert session.step(answer(1, calls=[read])) == ([Action(id=2, op=Op(Read=read.Read))] if dispatched else refused)
 
 
-def test_exec_git_and_browse_calls_are_dispatched_in_order(session: Session) -> None:
+def test_exec_git_and_browse_calls_are_dispatched_in_order(session: Instance) -> None:
     session.step(turn(1, FIX))
     calls = [
         Call(Git=Git(argv=["status"])),
@@ -202,7 +203,7 @@ def test_exec_git_and_browse_calls_are_dispatched_in_order(session: Session) -> 
     ]
 
 
-def test_a_turn_that_arrives_mid_turn_is_queued_and_starts_after_done(session: Session) -> None:
+def test_a_turn_that_arrives_mid_turn_is_queued_and_starts_after_done(session: Instance) -> None:
     session.step(turn(1, FIX))
     assert session.step(turn(2, "and the tests")) == [Action(id=2, op=Op(Save=True))]
     assert session.step(answer(1, "fixed")) == [
@@ -211,7 +212,7 @@ def test_a_turn_that_arrives_mid_turn_is_queued_and_starts_after_done(session: S
     ]
 
 
-def test_queued_turns_start_first_in_first_out(session: Session) -> None:
+def test_queued_turns_start_first_in_first_out(session: Instance) -> None:
     session.step(turn(1, "one"))
     session.step(turn(3, "three"))
     session.step(turn(5, "five"))
@@ -223,7 +224,7 @@ def test_queued_turns_start_first_in_first_out(session: Session) -> None:
     )
 
 
-def test_cancel_of_a_queued_turn_removes_it(session: Session) -> None:
+def test_cancel_of_a_queued_turn_removes_it(session: Instance) -> None:
     session.step(turn(1, FIX))
     session.step(turn(2, "and the tests"))
     assert session.step(Event(Cancel=Cancel(turn=2))) == [
@@ -233,7 +234,7 @@ def test_cancel_of_a_queued_turn_removes_it(session: Session) -> None:
     assert session.step(answer(1, "fixed")) == finish(5, 1, "fixed")
 
 
-def test_cancel_of_the_running_turn_closes_its_calls_and_starts_the_next(session: Session) -> None:
+def test_cancel_of_the_running_turn_closes_its_calls_and_starts_the_next(session: Instance) -> None:
     session.step(turn(1, FIX))
     build, lib = Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="src/lib.rs"))
     session.step(answer(1, calls=[build, lib]))
@@ -257,7 +258,7 @@ def test_cancel_of_the_running_turn_closes_its_calls_and_starts_the_next(session
     assert session.step(Event(Cancel=Cancel(turn=1))) == []
 
 
-def test_cancel_while_the_model_is_asked_ends_the_turn_and_its_answer_changes_nothing(session: Session) -> None:
+def test_cancel_while_the_model_is_asked_ends_the_turn_and_its_answer_changes_nothing(session: Instance) -> None:
     session.step(turn(1, FIX))
     assert session.step(Event(Cancel=Cancel(turn=1))) == [
         Action(id=2, op=Op(Save=True)),
@@ -267,7 +268,7 @@ def test_cancel_while_the_model_is_asked_ends_the_turn_and_its_answer_changes_no
     assert session.step(turn(2, "next")) == [Action(id=4, op=ask(user(FIX), user("next")))]
 
 
-def test_cancel_of_an_unknown_turn_and_a_timer_answer_nothing(session: Session) -> None:
+def test_cancel_of_an_unknown_turn_and_a_timer_answer_nothing(session: Instance) -> None:
     assert session.step(Event(Cancel=Cancel(turn=9))) == []
     assert session.step(Event(Timer=True)) == []
     assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
@@ -298,7 +299,7 @@ def test_the_configured_model_is_named_in_every_ask(core: Core) -> None:
         b"",
     ],
 )
-def test_an_event_the_core_cannot_read_is_malformed_and_changes_nothing(session: Session, event: bytes) -> None:
+def test_an_event_the_core_cannot_read_is_malformed_and_changes_nothing(session: Instance, event: bytes) -> None:
     with pytest.raises(MalformedError):
         session.step_raw(event)
     assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
@@ -332,7 +333,7 @@ def test_a_snapshot_restores_into_a_new_core(core: Core) -> None:
         restored.close()
 
 
-def test_a_damaged_snapshot_is_malformed(core: Core, session: Session) -> None:
+def test_a_damaged_snapshot_is_malformed(core: Core, session: Instance) -> None:
     """No truncation and no single flipped bit of a snapshot restores."""
     session.step(turn(1, FIX))
     state = session.snapshot()
@@ -448,7 +449,7 @@ def test_open_refuses_a_module_that_does_not_speak_abi_1(module: bytes, why: str
         Core.open(module)
 
 
-def test_a_session_answers_one_call_at_a_time(session: Session) -> None:
+def test_a_session_answers_one_call_at_a_time(session: Instance) -> None:
     session._busy.acquire()
     with pytest.raises(BusyError):
         session.step(turn(1, FIX))
@@ -470,7 +471,7 @@ def test_a_gone_session_stepped_and_closed_at_once() -> None:
             s.step(turn(1, FIX))
         stepped = threading.Event()
 
-        def hammer(s: Session = s, stepped: threading.Event = stepped) -> None:
+        def hammer(s: Instance = s, stepped: threading.Event = stepped) -> None:
             for i in range(200):
                 try:
                     s.step(turn(1, FIX))
@@ -536,7 +537,7 @@ def test_sessions_stepped_at_once_stay_apart(core: Core) -> None:
     assert failures == []
 
 
-def test_ten_thousand_steps_do_not_grow_memory(session: Session) -> None:
+def test_ten_thousand_steps_do_not_grow_memory(session: Instance) -> None:
     session.step(turn(1, "fix the build " * 64))
     next_turn = 1
 
@@ -559,7 +560,7 @@ def test_ten_thousand_steps_do_not_grow_memory(session: Session) -> None:
     assert session.memory_bytes() == before
 
 
-def test_refused_calls_do_not_grow_memory(session: Session) -> None:
+def test_refused_calls_do_not_grow_memory(session: Instance) -> None:
     prompt = "fix the build " * 1024
     session.step(turn(1, prompt))
     unreadable = b'{"Turn":{"id":2,"prompt":"' + prompt.encode() + b'"}'
@@ -587,7 +588,7 @@ def test_an_answer_step_cannot_read_ends_the_session() -> None:
         c.close()
 
 
-def test_an_answer_the_host_does_not_take_ends_the_session(core: Core, session: Session) -> None:
+def test_an_answer_the_host_does_not_take_ends_the_session(core: Core, session: Instance) -> None:
     state = session.snapshot()
     refused = RuntimeError("the host refuses the answer")
 
@@ -634,14 +635,14 @@ def test_a_panic_in_the_core_is_panic_then_poison() -> None:
         c.close()
 
 
-def test_a_length_the_core_cannot_take_is_null(session: Session) -> None:
+def test_a_length_the_core_cannot_take_is_null(session: Instance) -> None:
     for n in (2**31, 2**32 + 16):
         with pytest.raises(NullError):
             session._alloc(n)
     assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
 
 
-def test_an_event_too_large_to_lend_is_null(session: Session) -> None:
+def test_an_event_too_large_to_lend_is_null(session: Instance) -> None:
     with pytest.raises(NullError):
         session.step(turn(1, "x" * (65 << 20)))
     assert session.step(turn(1, FIX)) == [Action(id=1, op=ask(user(FIX)))]
@@ -655,5 +656,109 @@ def test_the_memory_cap_is_configurable() -> None:
             s.step(turn(1, "x" * (9 << 20)))
         with pytest.raises(PanicError):
             s.step(turn(1, "x" * (3 << 20)))
+    finally:
+        c.close()
+
+
+BUILD, LIB = Call(Exec=Exec(argv=["cargo", "build"])), Call(Read=Read(path="src/lib.rs"))
+LIB_PENDING = b'[{"id":3,"op":{"Read":{"path":"src/lib.rs"}}}]'
+
+
+def test_nothing_is_pending_on_a_fresh_session(session: Instance) -> None:
+    assert session.pending() == b"[]"
+
+
+def test_pending_while_the_model_is_asked_is_the_ask_in_the_bytes_it_was_dispatched(session: Instance) -> None:
+    asked = session.step_raw(encode(turn(1, FIX)))
+    assert session.pending() == asked
+
+
+def test_pending_while_calls_run_is_every_call_in_the_bytes_it_was_dispatched(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    dispatched = session.step_raw(encode(answer(1, "Let me look.", [BUILD, LIB])))
+    assert session.pending() == dispatched
+
+
+def test_pending_after_one_result_is_the_other_call(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    session.step(answer(1, "Let me look.", [BUILD, LIB]))
+    session.step(Event(Exec=Output(id=2, text="error", failed=True)))
+    assert session.pending() == LIB_PENDING
+
+
+def test_pending_after_every_result_is_the_new_ask(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    session.step(answer(1, "Let me look.", [BUILD, LIB]))
+    session.step(Event(Exec=Output(id=2, text="error", failed=True)))
+    asked = session.step_raw(encode(Event(File=Output(id=3, text="pub fn f() -> u8 { x }"))))
+    assert session.pending() == asked
+
+
+def test_a_refused_call_is_never_pending(session: Instance) -> None:
+    session.step(turn(1, "read the password file"))
+    session.step(answer(1, calls=[Call(Read=Read(path="../../etc/passwd")), LIB]))
+    assert session.pending() == LIB_PENDING
+
+
+def test_nothing_is_pending_after_the_running_turn_is_cancelled(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    session.step(answer(1, calls=[BUILD, LIB]))
+    session.step(Event(Cancel=Cancel(turn=1)))
+    assert session.pending() == b"[]"
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        [],
+        [turn(1, FIX), turn(2, "and the tests")],
+        [turn(1, FIX), answer(1, "Let me look.", [BUILD, Call(Read=Read(path="/etc/hosts")), LIB])],
+        [turn(1, FIX), answer(1, calls=[BUILD, LIB]), Event(File=Output(id=3, text="fn main() {}"))],
+    ],
+    ids=["idle", "asking", "calls", "one-result"],
+)
+def test_pending_is_the_same_after_a_snapshot_restores(core: Core, session: Instance, events: list[Event]) -> None:
+    for event in events:
+        session.step(event)
+    restored = core.restore(session.snapshot())
+    try:
+        assert restored.pending() == session.pending()
+    finally:
+        restored.close()
+
+
+# Written by the core before dev_pending existed: turn 1 waits for Read src/lib.rs (id 4), its Exec (id 2) answered
+# and its Read ../x (id 3) refused.
+SNAPSHOT_BEFORE_PENDING = bytes.fromhex(
+    "4445564401000000430100000004000000000000000100000000000000010100000000000000010300000002000000000000000000010500"
+    "00006572726f72030000000000000001000129000000726566757365643a202e2e2f78206973206e6f7420696e736964652074686520776f"
+    "726b73706163650400000000000000010100000000000000000002000000180000007b2255736572223a2266697820746865206275696c64"
+    "227da10000007b224167656e74223a7b2263616c6c73223a5b7b226964223a322c2263616c6c223a7b2245786563223a7b2261726776223a"
+    "5b22636172676f222c226275696c64225d7d7d7d2c7b226964223a332c2263616c6c223a7b2252656164223a7b2270617468223a222e2e2f"
+    "78227d7d7d2c7b226964223a342c2263616c6c223a7b2252656164223a7b2270617468223a227372632f6c69622e7273227d7d7d5d7d7db1"
+    "c6cf27"
+)
+
+
+def test_a_snapshot_from_before_dev_pending_reports_its_pending_call(core: Core) -> None:
+    restored = core.restore(SNAPSHOT_BEFORE_PENDING)
+    try:
+        assert restored.pending() == b'[{"id":4,"op":{"Read":{"path":"src/lib.rs"}}}]'
+    finally:
+        restored.close()
+
+
+def test_pending_on_a_closed_session_answers_handle(core: Core) -> None:
+    s = core.new()
+    s.close()
+    with pytest.raises(HandleError):
+        s.pending()
+
+
+def test_a_core_without_dev_pending_says_it_does_not_report_pending_actions() -> None:
+    c = Core.open(modules.core_with("i32.const 0"))
+    try:
+        with pytest.raises(MethodNotFoundError, match=r"does not report pending actions \(no dev_pending export\)"):
+            c.new().pending()
     finally:
         c.close()

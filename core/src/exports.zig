@@ -202,6 +202,29 @@ export fn dev_step(handle: i64, ptr: i32, len: i32, out: i32) i32 {
     return OK;
 }
 
+/// Writes the actions the session has dispatched and still waits for, a JSON
+/// array in the bytes dev_step wrote them, as a dev_buf at `out`: the running
+/// turn's Model ask, or its calls without a result in id order; `[]` when no
+/// turn runs. Optional in ABI 1: a host must not count on it.
+export fn dev_pending(handle: i64, out: i32) i32 {
+    if (in_call) return POISON;
+    in_call = true;
+    defer in_call = false;
+    const o = outBytes(out) orelse return NULL;
+    @memset(o, 0);
+    const s = live(handle) orelse return HANDLE;
+
+    var arena = arena_state.promote(gpa);
+    defer resetArena(&arena);
+    var buf = Writer.Allocating.initCapacity(gpa, 256) catch oom();
+    var answer: session.Answer = .init(&buf);
+    answer.begin();
+    s.writePending(arena.allocator(), &answer);
+    answer.finish();
+    handOver(o, &buf);
+    return OK;
+}
+
 /// Writes the session's snapshot as a dev_buf at `out`.
 export fn dev_snapshot(handle: i64, out: i32) i32 {
     if (in_call) return POISON;

@@ -104,6 +104,19 @@ pub const Answer = struct {
     }
 };
 
+/// The Dispatch entries of the transcript's last message, or null when it is
+/// not an Agent message. While calls are waited for, that message is the one
+/// `dispatch` pushed, with one entry per slot. Strings in the entries point
+/// into the transcript or into `arena`.
+pub fn dispatched(arena: Allocator, transcript: []const []const u8) ?[]const msg.Dispatch {
+    if (transcript.len == 0) return null;
+    const m = msg.parseMessage(arena, transcript[transcript.len - 1]) catch return null;
+    return switch (m) {
+        .agent => |ag| ag.calls,
+        else => null,
+    };
+}
+
 pub const Session = struct {
     gpa: Allocator,
     /// The config's model, named in every ask when present.
@@ -188,6 +201,13 @@ pub const Session = struct {
         const r = &s.running.?;
         const id = s.nextId();
         r.phase = .{ .asking = id };
+        s.writeAsk(id, a);
+    }
+
+    /// The Model action with id `id`: the model and the whole transcript. While
+    /// the ask is pending nothing is added to the transcript, so writing it again
+    /// gives the bytes it was dispatched with.
+    fn writeAsk(s: *const Session, id: u64, a: *Answer) void {
         var need: usize = 128;
         if (s.model) |m| need +|= m.len *| 6;
         for (s.transcript.items) |f| need +|= f.len + 1;
@@ -206,6 +226,35 @@ pub const Session = struct {
         }
         w.writeAll("]}}") catch oom();
         a.close();
+    }
+
+    /// The actions dispatched and still waited for, in the bytes `step` wrote
+    /// them: the running turn's ask, or its calls without a result in id order.
+    /// Nothing when no turn runs. `arena` is scratch.
+    ///
+    /// A call's bytes are not kept: they are re-derived from the Dispatch
+    /// entries of the last transcript message, the Agent message `dispatch`
+    /// pushed (nothing is pushed while calls are waited for, and the snapshot
+    /// decoder checks that this message matches the slots). Its calls were
+    /// written from the same decoded Call as the dispatched action, and the
+    /// encoding is canonical, so they read back to the same bytes.
+    pub fn writePending(s: *const Session, arena: Allocator, a: *Answer) void {
+        const r = s.running orelse return;
+        switch (r.phase) {
+            .asking => |id| s.writeAsk(id, a),
+            .calls => |slots| {
+                const ds = dispatched(arena, s.transcript.items) orelse @panic("calls are waited for and the last message is not their dispatch");
+                for (slots.items) |sl| {
+                    if (!sl.pending) continue;
+                    for (ds) |d| {
+                        if (d.id == sl.id) {
+                            a.call(d.id, d.call);
+                            break;
+                        }
+                    } else @panic("a pending call is not in the transcript");
+                }
+            },
+        }
     }
 
     fn start(s: *Session, turn: u64, prompt: []const u8, a: *Answer) void {

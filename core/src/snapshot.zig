@@ -16,7 +16,11 @@
 //!
 //! Decoding checks the frame, the checksum, and then every field and every
 //! invariant of the state, so a snapshot that is damaged but happens to
-//! carry a matching checksum is still refused rather than trusted.
+//! carry a matching checksum is still refused rather than trusted. One such
+//! invariant: while calls are waited for, the last message is the Agent
+//! message that dispatched them, one Dispatch per slot with the same ids and
+//! families: dev_pending re-derives the pending calls' actions from it, so
+//! the layout does not carry them.
 const std = @import("std");
 const Allocator = std.mem.Allocator;
 const Writer = std.Io.Writer;
@@ -238,5 +242,17 @@ fn finishDecode(gpa: Allocator, arena: Allocator, d: *Dec, s: *Session, queued: 
         s.transcript.append(arena, @constCast(f)) catch oom();
     }
     if (d.i != d.b.len) return error.Malformed;
+    if (s.running) |r| switch (r.phase) {
+        .asking => {},
+        // The calls waited for are those the last message dispatched, one
+        // slot each, in order: dev_pending re-derives their actions from it.
+        .calls => |slots| {
+            const ds = session.dispatched(arena, s.transcript.items) orelse return error.Malformed;
+            if (ds.len != slots.items.len) return error.Malformed;
+            for (slots.items, ds) |sl, x| {
+                if (sl.id != x.id or sl.family != x.call.family()) return error.Malformed;
+            }
+        },
+    };
     return s.clone(gpa);
 }

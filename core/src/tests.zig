@@ -67,3 +67,89 @@ test "strict decoding" {
     };
     for (bad) |b| try std.testing.expectError(error.Malformed, msg.parseEvent(arena.allocator(), b));
 }
+
+/// Checks what `s` reports pending (dev_pending's answer).
+fn expectPending(s: *const session.Session, want: []const u8) !void {
+    var arena: std.heap.ArenaAllocator = .init(std.testing.allocator);
+    defer arena.deinit();
+    var buf: std.Io.Writer.Allocating = .init(std.testing.allocator);
+    defer buf.deinit();
+    var a: session.Answer = .init(&buf);
+    a.begin();
+    s.writePending(arena.allocator(), &a);
+    a.finish();
+    try std.testing.expectEqualStrings(want, buf.written());
+}
+
+/// Encodes `s`, decodes it, and checks the copy reports `want` pending too.
+fn expectPendingRestored(s: *const session.Session, want: []const u8) !void {
+    const gpa = std.testing.allocator;
+    var snap = snapshot.encode(gpa, s);
+    defer snap.deinit();
+    var arena: std.heap.ArenaAllocator = .init(gpa);
+    defer arena.deinit();
+    var r = try snapshot.decode(gpa, arena.allocator(), snap.written());
+    defer r.deinit();
+    try expectPending(&r, want);
+}
+
+test "pending is what was dispatched and is still waited for, in its bytes, across a snapshot" {
+    var s: session.Session = .init(std.testing.allocator, .{ .model = "zen5" });
+    defer s.deinit();
+    try expectPending(&s, "[]");
+
+    const ask = "[{\"id\":1,\"op\":{\"Model\":{\"model\":\"zen5\",\"messages\":[{\"User\":\"fix \\\"it\\\" \u{e9}\"}]}}}]";
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"fix \\\"it\\\" \\u00e9\"}}", ask);
+    try expectStep(&s, "{\"Turn\":{\"id\":2,\"prompt\":\"next\"}}", "[{\"id\":2,\"op\":{\"Save\":true}}]");
+    try expectPending(&s, ask);
+    try expectPendingRestored(&s, ask);
+
+    // Escapes in the model's calls come back in the bytes they were dispatched in.
+    const calls = "[{\"id\":3,\"op\":{\"Exec\":{\"argv\":[\"echo\",\"a\\nb\",\"\u{e9}\"]}}},{\"id\":5,\"op\":{\"Write\":{\"path\":\"src/\u{e9}.rs\",\"text\":\"\\\"q\\\"\\t\"}}}]";
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Exec\":{\"argv\":[\"echo\",\"a\\nb\",\"\\u00e9\"]}},{\"Read\":{\"path\":\"/etc/passwd\"}},{\"Write\":{\"path\":\"src/\\u00e9.rs\",\"text\":\"\\\"q\\\"\\t\"}}]}}}", calls);
+    try expectPending(&s, calls);
+    try expectPendingRestored(&s, calls);
+
+    const write = "[{\"id\":5,\"op\":{\"Write\":{\"path\":\"src/\u{e9}.rs\",\"text\":\"\\\"q\\\"\\t\"}}}]";
+    try expectStep(&s, "{\"Exec\":{\"id\":3,\"text\":\"a\"}}", "[]");
+    try expectPending(&s, write);
+    try expectPendingRestored(&s, write);
+
+    // Cancelling the running turn starts the queued one: its ask is what is pending.
+    const next = "[{\"id\":8,\"op\":{\"Model\":{\"model\":\"zen5\",\"messages\":[{\"User\":\"fix \\\"it\\\" \u{e9}\"},{\"Agent\":{\"calls\":[{\"id\":3,\"call\":{\"Exec\":{\"argv\":[\"echo\",\"a\\nb\",\"\u{e9}\"]}}},{\"id\":4,\"call\":{\"Read\":{\"path\":\"/etc/passwd\"}}},{\"id\":5,\"call\":{\"Write\":{\"path\":\"src/\u{e9}.rs\",\"text\":\"\\\"q\\\"\\t\"}}}]}},{\"Tool\":{\"id\":3,\"text\":\"a\"}},{\"Tool\":{\"id\":4,\"text\":\"refused: /etc/passwd is not inside the workspace\",\"failed\":true}},{\"Tool\":{\"id\":5,\"text\":\"cancelled\",\"failed\":true}},{\"User\":\"next\"}]}}}]";
+    try expectStep(&s, "{\"Cancel\":{\"turn\":1}}", "[{\"id\":6,\"op\":{\"Save\":true}},{\"id\":7,\"op\":{\"Done\":{\"turn\":1,\"outcome\":{\"Cancelled\":true}}}}," ++ next[1..]);
+    try expectPending(&s, next);
+    try expectStep(&s, "{\"Cancel\":{\"turn\":2}}", "[{\"id\":9,\"op\":{\"Save\":true}},{\"id\":10,\"op\":{\"Done\":{\"turn\":2,\"outcome\":{\"Cancelled\":true}}}}]");
+    try expectPending(&s, "[]");
+    try expectPendingRestored(&s, "[]");
+}
+
+test "a snapshot whose waited-for calls are not the last message's is malformed" {
+    const gpa = std.testing.allocator;
+    var s: session.Session = .init(gpa, .{});
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"messages\":[{\"User\":\"p\"}]}}}]");
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Read\":{\"path\":\"a\"}},{\"Read\":{\"path\":\"b\"}}]}}}", "[{\"id\":2,\"op\":{\"Read\":{\"path\":\"a\"}}},{\"id\":3,\"op\":{\"Read\":{\"path\":\"b\"}}}]");
+
+    const Damage = enum { family, id, count, last_message };
+    for (std.enums.values(Damage)) |damage| {
+        var bad = s.clone(gpa);
+        defer bad.deinit();
+        const slots = &bad.running.?.phase.calls;
+        switch (damage) {
+            .family => slots.items[1].family = .exec,
+            .id => slots.items[1].id = 4,
+            .count => gpa.free(slots.pop().?.text),
+            .last_message => {
+                try bad.transcript.ensureUnusedCapacity(gpa, 1);
+                bad.transcript.appendAssumeCapacity(try gpa.dupe(u8, "{\"User\":\"x\"}"));
+            },
+        }
+        if (damage == .id) bad.counter = 4;
+        var snap = snapshot.encode(gpa, &bad);
+        defer snap.deinit();
+        var arena: std.heap.ArenaAllocator = .init(gpa);
+        defer arena.deinit();
+        try std.testing.expectError(error.Malformed, snapshot.decode(gpa, arena.allocator(), snap.written()));
+    }
+}
