@@ -162,6 +162,10 @@ def _run_client(args: argparse.Namespace) -> int:
                 if args.session:
                     restore["session"] = args.session
                 print(client.call("session/restore", restore)["session"])
+            elif args.command == "fork":
+                print(client.fork(args.session, at=args.at, name=args.name))
+            elif args.command == "pending":
+                _print(client.call("session/pending", {"session": args.session}))
             elif args.command == "recover":
                 print(client.call("session/recover", {"session": args.session})["session"])
             elif args.command == "close":
@@ -274,6 +278,11 @@ def parser() -> argparse.ArgumentParser:
     restore = client("restore", "start a session from a snapshot (base64, or - for stdin)")
     restore.add_argument("snapshot")
     restore.add_argument("--session")
+    fork = client("fork", "start a session from another's history (up to step --at) and print its name")
+    fork.add_argument("session")
+    fork.add_argument("--at", type=int, help="the step to fork at (default: the session's latest)")
+    fork.add_argument("--as", dest="name", help="name the fork (default: chosen by the daemon)")
+    client("pending", "print the actions a session still waits for (JSON)").add_argument("session")
     client("recover", "bring an ended or poisoned session back from its durable state").add_argument("session")
     client("close", "end a session and delete its state").add_argument("session")
     return p

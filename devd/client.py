@@ -20,6 +20,7 @@ import msgspec
 from devd import errors
 from devd.config import parse_tcp
 from devd.messages import Action, Config, Event, decode_actions, encode
+from devd.methods import METHODS, ForkParams, PendingResult, SessionParams, SessionResult
 
 _KINDS: dict[str, type[errors.DevdError]] = {
     cls.kind: cls
@@ -146,6 +147,20 @@ class Client:
     def call(self, method: str, params: Any = None) -> Any:
         return msgspec.json.decode(self.call_raw(method, params))
 
+    def request(self, method: str, params: msgspec.Struct) -> Any:
+        """Call method with its params Struct; the result comes back as the method's result Struct."""
+        return msgspec.json.decode(self.call_raw(method, params), type=METHODS[method].result)
+
+    def fork(self, session: str, *, at: int | None = None, name: str | None = None) -> str:
+        """A new session whose history is session's up to step `at` (default: its latest); its name."""
+        result: SessionResult = self.request("session/fork", ForkParams(session, at, name))
+        return result.session
+
+    def pending(self, session: str) -> list[Action]:
+        """The actions session's core dispatched and still waits for."""
+        result: PendingResult = self.request("session/pending", SessionParams(session))
+        return decode_actions(bytes(result.actions))
+
     def wait_notification(self) -> Reply:
         if self.notifications:
             return self.notifications.pop(0)
@@ -241,6 +256,20 @@ class AsyncClient:
 
     async def call(self, method: str, params: Any = None) -> Any:
         return msgspec.json.decode(await self.call_raw(method, params))
+
+    async def request(self, method: str, params: msgspec.Struct) -> Any:
+        """Call method with its params Struct; the result comes back as the method's result Struct."""
+        return msgspec.json.decode(await self.call_raw(method, params), type=METHODS[method].result)
+
+    async def fork(self, session: str, *, at: int | None = None, name: str | None = None) -> str:
+        """A new session whose history is session's up to step `at` (default: its latest); its name."""
+        result: SessionResult = await self.request("session/fork", ForkParams(session, at, name))
+        return result.session
+
+    async def pending(self, session: str) -> list[Action]:
+        """The actions session's core dispatched and still waits for."""
+        result: PendingResult = await self.request("session/pending", SessionParams(session))
+        return decode_actions(bytes(result.actions))
 
     async def new(self, config: Config | None = None, session: str | None = None) -> str:
         params: dict[str, Any] = {}

@@ -117,12 +117,15 @@ class Rules:
                 token = _initialize.decode(b"{}" if raw.strip() == b"null" else raw).token
             except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
                 token = None
-        if token is not None and self._token is not None and hmac.compare_digest(token.encode("utf-8", "surrogatepass"), self._token):
+        if (
+            token is not None
+            and self._token is not None
+            and hmac.compare_digest(token.encode("utf-8", "surrogatepass"), self._token)
+        ):
             return None
         if request.notification:
             return Close("unauthorized")
         error = UnauthorizedError(
-            "this connection must first call initialize with the token from the daemon's state directory "
-            "(file `token`)"
+            "this connection must first call initialize with the token from the daemon's state directory (file `token`)"
         )
         return Close("unauthorized", error_response(request.id, error))

@@ -64,7 +64,9 @@ class Dispatcher:
             reply = b"" if request is not None and request.notification else error_response(_id(request), e)
             self._count(e.kind)
             if e.kind == "INTERNAL":
-                log.error("request.failed", method=_method(request), session=getattr(params, "session", None), error=str(e))
+                log.error(
+                    "request.failed", method=_method(request), session=getattr(params, "session", None), error=str(e)
+                )
         except Exception as e:
             self._count("INTERNAL")
             log.error(
@@ -73,8 +75,10 @@ class Dispatcher:
                 session=getattr(params, "session", None),
                 error=f"{type(e).__name__}: {e}"[:500],
             )
-            reply = b"" if request is not None and request.notification else error_response(
-                _id(request), InternalError("the daemon failed to answer; see its log")
+            reply = (
+                b""
+                if request is not None and request.notification
+                else error_response(_id(request), InternalError("the daemon failed to answer; see its log"))
             )
         log.debug(
             "request",

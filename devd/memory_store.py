@@ -103,9 +103,7 @@ class MemoryStore:
         saved = [s for seq, s in session.journal.items() if s.snapshot is not None and seq <= upto]
         base = max(saved, key=lambda s: s.seq) if saved else None
         base_seq = base.seq if base else 0
-        journal = [
-            (seq, s.event, s.actions) for seq, s in sorted(session.journal.items()) if base_seq < seq <= upto
-        ]
+        journal = [(seq, s.event, s.actions) for seq, s in sorted(session.journal.items()) if base_seq < seq <= upto]
         if [seq for seq, _, _ in journal] != list(range(base_seq + 1, upto + 1)):
             return None
         snapshot = base.snapshot if base else None

@@ -47,7 +47,7 @@ _RULES: dict[str, Callable[[Any], str]] = {
 }
 
 
-class _Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class _Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     pass
 
 

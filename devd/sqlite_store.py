@@ -1,16 +1,20 @@
 """The embedded store: one SQLite file per daemon. The only module that touches SQLite.
 
-Writes go through one group-commit task: every write waits until the transaction holding it has committed with
-`synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive while a commit runs share the next one.
-A batch of steps alone is one INSERT statement, so one transaction and one crossing of the GIL for the commit
-thread. A failed commit fails every write in it with `StoreError`; nothing is retried, so nothing is acknowledged
-that is not on disk. Commits and reads of unbounded size run on threads of their own (a `CapacityLimiter` each), so
-they never wait behind calls moved off the event loop; a keyed lookup (one indexed row) runs inline.
+Writes go through one commit thread (group commit): every write waits until the transaction holding it has
+committed with `synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive while a commit runs share
+the next one. A batch of steps alone is one INSERT statement, so one transaction and one crossing of the GIL for the
+commit thread. A failed commit fails every write in it with `StoreError`; nothing is retried, so nothing is
+acknowledged that is not on disk. SQLite's own checkpoints run after a commit, on the commit thread. Reads of
+unbounded size run on a worker thread under a limiter of their own, so they never wait behind calls moved off the
+event loop; a keyed lookup (one indexed row) runs inline.
 """
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,18 +85,18 @@ class SQLiteStore:
             self._point = _connect(path)  # the event loop's point lookups
         except sqlite3.Error as e:
             raise StoreError(f"the database {path} cannot be opened: {e}; it was left as it is") from None
-        self._commit_limiter = anyio.CapacityLimiter(1)
         self._read_limiter = anyio.CapacityLimiter(1)
-        self._pending: list[_Pending] = []
-        self._wake = anyio.Event()
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outstanding = 0
+        self._settled = anyio.Event()
         self._commits = 0
         self._commit_seconds: list[float] = []
         self._pruned: dict[str, int] = {}  # the seq each session was last pruned at (commit thread only)
 
     def close(self) -> None:
-        self._writer.close()
-        self._reader.close()
-        self._point.close()
+        for db in (self._writer, self._reader, self._point):
+            db.close()
 
     def statistics(self) -> StoreStats:
         s = self._commit_seconds
@@ -101,29 +105,54 @@ class SQLiteStore:
     # -- writes ---------------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            batch, self._pending = self._pending, []
-            if batch:
-                await self._commit(batch)
+        """Commit on a thread of its own for as long as this runs: a commit never waits for a worker thread, and a
+        write reaches it without a turn of the event loop. Writes queued while a commit runs share the next one."""
+        self._loop = asyncio.get_running_loop()
+        thread = threading.Thread(target=self._commit_loop, name="devd-commit", daemon=True)
+        thread.start()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self._queue.put(None)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(thread.join)
 
     async def flush(self) -> None:
-        batch, self._pending = self._pending, []
-        if batch:
-            await self._commit(batch)
+        while self._outstanding:
+            self._settled = anyio.Event()
+            await self._settled.wait()
 
-    async def _commit(self, batch: list[_Pending]) -> None:
-        started = time.perf_counter()
-        error = await anyio.to_thread.run_sync(
-            self._apply, [p.op for p in batch], abandon_on_cancel=False, limiter=self._commit_limiter
-        )
+    def _commit_loop(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch = [first]
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            started = time.perf_counter()
+            error = self._apply([p.op for p in batch])
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._committed, batch, error, time.perf_counter() - started)
+
+    def _committed(self, batch: list[_Pending], error: BaseException | None, seconds: float) -> None:
         self._commits += 1
-        self._commit_seconds.append(time.perf_counter() - started)
+        self._commit_seconds.append(seconds)
         del self._commit_seconds[:-1024]
         for p in batch:
             p.error = error
             p.done.set()
+        self._outstanding -= len(batch)
+        if not self._outstanding:
+            self._settled.set()
 
     def _apply(self, ops: list[Op]) -> BaseException | None:
         db = self._writer
@@ -175,14 +204,15 @@ class SQLiteStore:
 
     async def _write(self, op: Op) -> None:
         pending = _Pending(op)
-        self._pending.append(pending)
-        self._wake.set()
+        self._outstanding += 1
+        self._queue.put(pending)
         await pending.done.wait()
         if pending.error is not None:
             raise StoreError(f"the state could not be made durable: {pending.error}") from pending.error
 
     async def create(self, name: str, config: bytes, snapshot: bytes | None = None) -> None:
         def op(db: sqlite3.Connection) -> None:
+            self._pruned.pop(name, None)  # a new history: pruned by its own seqs, not the old one's
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute("INSERT OR REPLACE INTO sessions (name, config) VALUES (?, ?)", (name, config))
             if snapshot is not None:
@@ -201,6 +231,7 @@ class SQLiteStore:
 
     async def delete(self, name: str) -> None:
         def op(db: sqlite3.Connection) -> None:
+            self._pruned.pop(name, None)
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute("DELETE FROM sessions WHERE name = ?", (name,))
 
@@ -208,6 +239,7 @@ class SQLiteStore:
 
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
         def op(db: sqlite3.Connection) -> None:
+            self._pruned.pop(name, None)
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config) SELECT ?, config FROM sessions WHERE name = ?",

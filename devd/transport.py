@@ -1,169 +1,246 @@
-"""One connection's I/O: reading bytes into `Rules`, running each request through the dispatcher, sending answers.
+"""One connection's I/O, on asyncio's protocol layer: bytes into `Rules`, requests to the dispatcher, answers out.
+
+The request path is the daemon's hot path, so it is written on `asyncio.Protocol` (uvloop's when present) rather
+than on stream objects: bytes arrive by callback, answers are written straight to the transport, and each request
+costs one task in the daemon's `calls` task group and nothing else. Everything above this module is anyio.
 
 What it promises:
 - requests on one connection run concurrently, up to `requests_in_flight_max`; past that, the connection is not
   read until one answers;
-- answers and notifications go out through one outbox per connection; a client that takes no bytes for
-  `send_timeout_s` is cut off, and a watcher whose outbox holds more than `outbox_bytes_soft` is dropped (one notice
-  of any size still goes through to an empty outbox);
-- at the peer's EOF, what it asked before is still answered, then the connection closes.
+- a client whose unsent bytes pass `outbox_bytes_soft` is not read from until it takes them, and is cut off if it
+  takes nothing for `send_timeout_s`; a watcher is dropped rather than queue a notice past that bound (a notice of
+  any size still goes to a connection with nothing queued);
+- a call runs to its end even if its client goes (stopping it between the core and the journal would leave the two
+  apart); at the peer's EOF, or when a rule closes the connection, what it asked before is still answered, then
+  the connection closes.
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
+import os
+import socket
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import cast
 
-import anyio
 import anyio.abc
 import structlog
 
 from devd.config import Settings
 from devd.connection import Close, Line, Rules, Send
 from devd.dispatch import Dispatcher
+from devd.errors import FullError
+from devd.listeners import peer_uid
 from devd.methods import Peer
+from devd.rpc import error_response
 
 log = structlog.get_logger("devd.transport")
 
-RECEIVE_BYTES = 65536
+
+@dataclass
+class Hub:
+    """What every connection of a daemon shares."""
+
+    settings: Settings
+    dispatcher: Dispatcher
+    token: str | None
+    calls: anyio.abc.TaskGroup
+    connections: set[Connection] = field(default_factory=set)
 
 
-class Outbox:
-    """What a connection has yet to send. Answers wait for room; notifications are refused when it is full."""
+class Connection(asyncio.Protocol):
+    def __init__(self, hub: Hub, kind: str) -> None:
+        self.hub = hub
+        self.kind = kind
+        self.settings = hub.settings
+        self.transport: asyncio.Transport | None = None
+        self.rules: Rules | None = None
+        self.peer = Peer(kind, self)
+        self.in_flight = 0
+        self.closing = False  # no more requests are read; close once every answer is written
+        self.lost = False
+        self._paused = {"in_flight": False, "writing": False}
+        self._deadline: asyncio.TimerHandle | None = None
+        self._deadline_at = float("inf")
+        self._send_timer: asyncio.TimerHandle | None = None
 
-    def __init__(self, soft_bytes: int, hard_bytes: int) -> None:
-        self._items: deque[bytes] = deque()
-        self._bytes = 0
-        self._soft = soft_bytes
-        self._hard = hard_bytes
-        self._ready = anyio.Event()
-        self._room = anyio.Event()
-        self._sending = False
+    # -- asyncio's callbacks ----------------------------------------------------------------------------------------
 
-    def offer(self, data: bytes) -> bool:
-        if self._bytes and self._bytes + len(data) > self._soft:
-            return False
-        self.force(data)
-        return True
-
-    def force(self, data: bytes) -> None:
-        self._items.append(data)
-        self._bytes += len(data)
-        self._ready.set()
-
-    async def put(self, data: bytes) -> None:
-        while self._bytes > self._hard:
-            await self._room.wait()
-        self.force(data)
-
-    @property
-    def empty(self) -> bool:
-        return not self._items and not self._sending
-
-    async def wait_sent(self, timeout_s: float) -> None:
-        """Return once everything queued has been handed to the socket (or timeout_s passed)."""
-        with anyio.move_on_after(timeout_s):
-            while not self.empty:
-                await self._room.wait()
-
-    async def drain_to(self, stream: anyio.abc.ByteSendStream, send_timeout_s: float) -> None:
-        """Send for ever; a client that takes nothing for send_timeout_s raises TimeoutError."""
-        while True:
-            if not self._items:
-                self._ready = anyio.Event()
-                await self._ready.wait()
-            chunk = b"".join(self._items)
-            self._items.clear()
-            self._bytes = 0
-            self._sending = True
-            try:
-                with anyio.fail_after(send_timeout_s):
-                    await stream.send(chunk)
-            finally:
-                self._sending = False
-                room, self._room = self._room, anyio.Event()
-                room.set()
-
-
-async def serve_stream(
-    stream: anyio.abc.ByteStream,
-    rules: Rules,
-    dispatcher: Dispatcher,
-    peer: Peer,
-    outbox: Outbox,
-    *,
-    on_eof: Callable[[], None],
-) -> None:
-    """Serve one connection until the peer closes it, breaks a rule, or stops reading."""
-    settings = dispatcher.app.settings
-    limiter = anyio.Semaphore(settings.requests_in_flight_max)
-
-    async def run(line: bytes) -> None:
-        try:
-            await dispatcher.serve(peer, line, outbox.put)
-        finally:
-            limiter.release()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_send_loop, outbox, stream, settings, tg.cancel_scope)
-        await _receive_loop(stream, rules, outbox, limiter, tg, run)
-        on_eof()
-        # The peer closed its side (or broke a rule): answer what it asked before, then close ours.
-        with anyio.move_on_after(settings.send_timeout_s):
-            for _ in range(settings.requests_in_flight_max):
-                await limiter.acquire()
-            await outbox.wait_sent(settings.send_timeout_s)
-        tg.cancel_scope.cancel()
-
-
-async def _receive_loop(
-    stream: anyio.abc.ByteReceiveStream,
-    rules: Rules,
-    outbox: Outbox,
-    limiter: anyio.Semaphore,
-    tg: anyio.abc.TaskGroup,
-    run: Callable[[bytes], Awaitable[None]],
-) -> None:
-    while True:
-        deadline = rules.deadline()
-        try:
-            if deadline == math.inf:  # idle between lines: no timer to arm (a cancel scope per read costs ~5%)
-                data = await stream.receive(RECEIVE_BYTES)
-            else:
-                with anyio.fail_after(max(deadline - time.monotonic(), 0)):
-                    data = await stream.receive(RECEIVE_BYTES)
-        except TimeoutError:
-            log.warning("connection.dropped", reason=rules.timed_out().reason)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
+        sock: socket.socket = transport.get_extra_info("socket")
+        transport = self.transport
+        hub, settings = self.hub, self.settings
+        if self.kind == "unix":
+            uid = peer_uid(sock)
+            if uid not in (os.getuid(), 0):  # root can read the state directory anyway
+                log.warning("connection.refused", reason="peer of another uid", uid=uid)
+                self.lost = True
+                transport.abort()
+                return
+        else:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if len(hub.connections) >= settings.connections_max or hub.dispatcher.draining:
+            reason = (
+                "the daemon is shutting down"
+                if hub.dispatcher.draining
+                else f"it serves {settings.connections_max} connections, its limit"
+            )
+            transport.write(error_response(None, FullError(f"connection refused: {reason}; try again later")))
+            self.lost = True
+            transport.close()
             return
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        hub.connections.add(self)
+        transport.set_write_buffer_limits(high=settings.outbox_bytes_soft, low=settings.outbox_bytes_soft // 4)
+        self.rules = Rules(settings, authenticated=self.kind == "unix", token=hub.token, now=time.monotonic())
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        rules = self.rules
+        if rules is None or self.closing:
             return
         for event in rules.receive(data, time.monotonic()):
             if isinstance(event, Line):
-                await limiter.acquire()
-                tg.start_soon(run, event.data)
+                self._start(event.data)
             elif isinstance(event, Send):
-                await outbox.put(event.data)
+                self.write(event.data)
             else:
-                await _close(event, outbox)
+                self._refuse(event)
                 return
+        self._arm()
 
+    def eof_received(self) -> bool:
+        self._close_when_answered()
+        return True  # keep our side open: answers to what was asked before the EOF are still owed
 
-async def _close(event: Close, outbox: Outbox) -> None:
-    log.warning("connection.refused", reason=event.reason)
-    if event.data:
-        outbox.force(event.data)
-        await outbox.wait_sent(1.0)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.closing = True
+        for timer in (self._deadline, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self.hub.connections.discard(self)
+        self._unwatch_all()
 
+    def pause_writing(self) -> None:
+        self._pause("writing")
+        self._send_timer = asyncio.get_running_loop().call_later(self.settings.send_timeout_s, self._too_slow)
 
-async def _send_loop(
-    outbox: Outbox, stream: anyio.abc.ByteSendStream, settings: Settings, scope: anyio.CancelScope
-) -> None:
-    try:
-        await outbox.drain_to(stream, settings.send_timeout_s)
-    except TimeoutError:
+    def resume_writing(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        self._resume("writing")
+
+    # -- requests ---------------------------------------------------------------------------------------------------
+
+    def _start(self, line: bytes) -> None:
+        self.in_flight += 1
+        if self.in_flight >= self.settings.requests_in_flight_max:
+            self._pause("in_flight")
+        self.hub.calls.start_soon(self._call, line)
+
+    async def _call(self, line: bytes) -> None:
+        try:
+            await self.hub.dispatcher.serve(self.peer, line, self._send)
+        finally:
+            self.in_flight -= 1
+            self._resume("in_flight")
+            if self.closing and not self.in_flight and not self.lost:
+                assert self.transport is not None
+                self.transport.close()  # asyncio sends what is buffered first
+
+    async def _send(self, data: bytes) -> None:
+        self.write(data)
+
+    # -- the Sink a watcher writes to ---------------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        if not self.lost:
+            assert self.transport is not None
+            self.transport.write(data)
+
+    def offer(self, data: bytes) -> bool:
+        if self.lost:
+            return True  # the subscription ends with the connection
+        assert self.transport is not None
+        queued = self.transport.get_write_buffer_size()
+        if queued and queued + len(data) > self.settings.outbox_bytes_soft:
+            return False
+        self.transport.write(data)
+        return True
+
+    def force(self, data: bytes) -> None:
+        self.write(data)
+
+    @property
+    def unsent_bytes(self) -> int:
+        return 0 if self.lost or self.transport is None else self.transport.get_write_buffer_size()
+
+    # -- closing ----------------------------------------------------------------------------------------------------
+
+    def _refuse(self, event: Close) -> None:
+        log.warning("connection.refused", reason=event.reason)
+        if event.data:
+            self.write(event.data)
+        self._close_when_answered()
+
+    def _close_when_answered(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        self._unwatch_all()
+        if self._deadline is not None:
+            self._deadline.cancel()
+        assert self.transport is not None
+        if self.transport.is_reading():
+            self.transport.pause_reading()
+        if not self.in_flight:
+            self.transport.close()
+
+    def _too_slow(self) -> None:
         log.warning("connection.dropped", reason="the client stopped reading")
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-        pass
-    scope.cancel()
+        assert self.transport is not None
+        self.transport.abort()
+
+    def _arm(self) -> None:
+        """A timer for the rules' deadline (none while idle between lines: a timer per read would cost ~5%)."""
+        assert self.rules is not None
+        deadline = self.rules.deadline()
+        if deadline == self._deadline_at:
+            return
+        self._deadline_at = deadline
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if deadline != float("inf"):
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.call_at(loop.time() + deadline - time.monotonic(), self._on_deadline, deadline)
+
+    def _on_deadline(self, deadline: float) -> None:
+        self._deadline = None
+        if self.closing or self.rules is None or self.rules.deadline() != deadline:
+            return
+        log.warning("connection.dropped", reason=self.rules.timed_out().reason)
+        self._close_when_answered()
+
+    def _unwatch_all(self) -> None:
+        registry = self.hub.dispatcher.app.registry
+        for sub in self.peer.watches.values():
+            registry.unwatch(sub)
+        self.peer.watches.clear()
+
+    def _pause(self, why: str) -> None:
+        if not self._paused[why] and not self.lost:
+            self._paused[why] = True
+            assert self.transport is not None
+            if self.transport.is_reading():
+                self.transport.pause_reading()
+
+    def _resume(self, why: str) -> None:
+        if self._paused[why]:
+            self._paused[why] = False
+            if not any(self._paused.values()) and not self.closing and not self.lost:
+                assert self.transport is not None
+                self.transport.resume_reading()

@@ -199,6 +199,10 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             snapshot = client.call("session/snapshot", {"session": "demo"})["snapshot"]
             assert client.call("session/restore", {"snapshot": snapshot, "session": "copy"}) == {"session": "copy"}
             assert client.call("session/recover", {"session": "copy"}) == {"session": "copy"}
+            assert client.call("session/pending", {"session": "demo"}) == {"actions": []}
+            assert client.call("session/fork", {"session": "demo", "at": 2, "as": "fork"}) == {"session": "fork"}
+            assert len(client.call("session/pending", {"session": "fork"})["actions"]) == 2
+            client.call("session/close", {"session": "fork"})
             assert [s["session"] for s in client.call("session/list")["sessions"]] == ["copy", "demo"]
             assert client.call("daemon/status")["steps"] == 5
             with pytest.raises(errors.MalformedError):
