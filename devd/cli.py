@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from devd import __version__, log, systemd
-from devd.config import Settings, default_socket_path, default_state_dir, parse_tcp
+from devd.config import Settings, default, default_socket_path, default_state_dir, parse_tcp
 from devd.errors import DevdError
 
 
@@ -222,11 +222,6 @@ def prometheus(status: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _default(name: str) -> Any:
-    """A setting's default: argparse shows it, Settings owns it."""
-    return Settings.__dataclass_fields__[name].default
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="devd", description="A session daemon for agent tools.")
     p.add_argument("--version", action="version", version=f"devd {__version__}")
@@ -238,19 +233,19 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--state-dir", help="where sessions are kept (default $STATE_DIRECTORY or $XDG_STATE_HOME/devd)")
     serve.add_argument("--core", help="load this wasm module (ABI 1) instead of the packaged core")
     serve.add_argument(
-        "--call-timeout", type=float, default=_default("call_timeout_s"), help="default deadline of a call, in seconds"
+        "--call-timeout", type=float, default=default("call_timeout_s"), help="default deadline of a call, in seconds"
     )
-    serve.add_argument("--max-sessions", type=int, default=_default("sessions_max"))
-    serve.add_argument("--max-connections", type=int, default=_default("connections_max"))
-    serve.add_argument("--max-line-bytes", type=int, default=_default("line_bytes_max"))
+    serve.add_argument("--max-sessions", type=int, default=default("sessions_max"))
+    serve.add_argument("--max-connections", type=int, default=default("connections_max"))
+    serve.add_argument("--max-line-bytes", type=int, default=default("line_bytes_max"))
     serve.add_argument(
         "--line-timeout",
         type=float,
-        default=_default("line_timeout_s"),
+        default=default("line_timeout_s"),
         help="seconds a request line may take to arrive",
     )
     serve.add_argument("--log-format", choices=["json", "console"])
-    serve.add_argument("--log-level", default=_default("log_level"), choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default=default("log_level"), choices=["debug", "info", "warning", "error"])
 
     sub.add_parser("schema", help="print the JSON Schema of every message of the protocol")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class Settings:
     # logging
     log_format: str | None = None  # json | console; None picks by whether stderr is a terminal
     log_level: str = "info"
+
+
+def default(name: str) -> Any:
+    """The default of the setting `name`: argparse shows it and `Core` takes it, Settings owns it."""
+    return Settings.__dataclass_fields__[name].default
 
 
 def default_state_dir() -> Path:

@@ -69,14 +69,13 @@ class Daemon:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app.store.run)
-                async with anyio.create_task_group() as calls:
-                    self.hub = Hub(self.settings, self.dispatcher, self.token, calls)
-                    servers = [await _listen(self.hub, sock, kind) for sock, kind in listeners]
-                    calls.start_soon(self._watchdog, servers)
-                    on_ready()
-                    log.info("daemon.ready", sessions=len(app.registry.list()), listeners=[t for _, t in listeners])
-                    await self._until_signal(signals, servers)
-                    calls.cancel_scope.cancel()  # only the watchdog is left: every call has answered
+                tg.start_soon(self._watchdog)
+                self.hub = Hub(self.settings, self.dispatcher, self.token)
+                servers = [await _listen(self.hub, sock, kind) for sock, kind in listeners]
+                on_ready()
+                log.info("daemon.ready", sessions=len(app.registry.list()), listeners=[t for _, t in listeners])
+                await self._until_signal(signals, servers)
+                await self.hub.drain()  # a call past the grace still ends, at its deadline
                 tg.cancel_scope.cancel()
             await app.store.flush()
 
@@ -97,7 +96,7 @@ class Daemon:
                     conn.transport.close()
             return
 
-    async def _watchdog(self, servers: list[asyncio.Server]) -> None:
+    async def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()
         registry = self.dispatcher.app.registry
         while True:

@@ -3,8 +3,8 @@
 This is the seam between connections and the daemon's methods: a connection hands each request line to
 `Dispatcher.answer` and sends what comes back (nothing, for a notification). Errors become JSON-RPC errors here and
 only here; an exception that is not a `DevdError` is logged (method and session, never the payload) and answered
-INTERNAL. A call runs to its end even if its client goes: it is bounded by its deadline and a commit, and stopping
-it between the core and the journal would leave the two apart.
+INTERNAL. Callers must let `serve` run to its end even if the client goes (the transport never cancels it): a call is
+bounded by its deadline and a commit, and stopping it between the core and the journal would leave the two apart.
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ class Dispatcher:
             m, params = resolve(self.methods, request)
             if self.draining and not m.during_shutdown:
                 raise BusyError("the daemon is shutting down; retry against the next one")
-            with anyio.CancelScope(shield=True):
-                result = await m.handler(Call(self.app, peer), params)
+            result = await m.handler(Call(self.app, peer), params)
             reply = b"" if request.notification else response(request.id, result)
         except RequestError as e:
             reply = b"" if e.notification else error_response(e.id, e.error)

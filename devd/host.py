@@ -32,6 +32,7 @@ import wasmtime
 from wasmtime import _ffi as ffi
 
 from devd import ABI
+from devd.config import default
 from devd.errors import (
     STATUS,
     STATUS_MESSAGES,
@@ -47,8 +48,8 @@ from devd.errors import (
 )
 from devd.messages import Action, Config, Event, decode_actions, encode
 
-MEMORY_BYTES_DEFAULT = 64 << 20
-CALL_TIMEOUT_SECONDS_DEFAULT = 5.0
+MEMORY_BYTES_DEFAULT: int = default("memory_bytes_per_session")
+CALL_TIMEOUT_SECONDS_DEFAULT: float = default("call_timeout_s")
 TICK_SECONDS = 0.005
 OUT_BYTES = 12  # a dev_buf on wasm32: ptr, len, cap as three little-endian u32
 _DEV_BUF = struct.Struct("<III")

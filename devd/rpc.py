@@ -82,6 +82,15 @@ class _Envelope(msgspec.Struct):
     id: Raw | UnsetType = UNSET
 
 
+class _WellFormed(msgspec.Struct):
+    """A request as almost every line is: decoded in one pass (the envelope above is for naming what is wrong)."""
+
+    jsonrpc: Literal["2.0"]
+    method: str
+    params: Raw | UnsetType = UNSET
+    id: int | str | None | UnsetType = UNSET
+
+
 class Request(msgspec.Struct, frozen=True):
     method: str
     params: Raw
@@ -90,6 +99,7 @@ class Request(msgspec.Struct, frozen=True):
 
 
 _envelope = msgspec.json.Decoder(_Envelope)
+_request = msgspec.json.Decoder(_WellFormed)
 _id = msgspec.json.Decoder(int | str | None)
 _str = msgspec.json.Decoder(str)
 
@@ -112,6 +122,15 @@ def decode_request(line: bytes) -> Request:
         raise RequestError(
             ParseError(f"the line is not UTF-8 ({e.reason} at byte {e.start}); send UTF-8 JSON"), None
         ) from None
+    try:
+        fast = _request.decode(line)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        pass  # not a well-formed request: the slow path below names what is wrong
+    else:
+        params = Raw(b"{}") if fast.params is UNSET else fast.params
+        if fast.id is UNSET:
+            return Request(fast.method, params, None, True)
+        return Request(fast.method, params, fast.id, False)
     try:
         env = _envelope.decode(line)
     except RecursionError:
