@@ -22,8 +22,17 @@ def _serve(args: argparse.Namespace) -> int:
     import structlog
 
     from devd.daemon import Daemon, build
+    from devd.errors import StoreError
     from devd.host import Core
-    from devd.listeners import StartupError, bind_tcp, bind_unix, prepare_state_dir, read_token
+    from devd.listeners import (
+        StartupError,
+        bind_tcp,
+        bind_unix,
+        lock_state_dir,
+        prepare_state_dir,
+        read_token,
+        unlink_socket,
+    )
     from devd.sqlite_store import SQLiteStore
 
     os.umask(0o077)  # state files, the token and the socket: this user's alone
@@ -43,10 +52,12 @@ def _serve(args: argparse.Namespace) -> int:
             connections_max=args.max_connections,
             line_bytes_max=args.max_line_bytes,
             line_timeout_s=args.line_timeout,
+            max_call_timeout_s=args.max_call_timeout,
             log_format=args.log_format,
             log_level=args.log_level,
         )
         prepare_state_dir(settings.state_dir)
+        lock_state_dir(settings.state_dir, settings.socket_path)  # held (by its open descriptor) until exit
         core = Core.open(
             settings.core_path,
             call_timeout=settings.call_timeout_s,
@@ -61,11 +72,12 @@ def _serve(args: argparse.Namespace) -> int:
         listeners = systemd.listen_sockets()
         activated = [t for _, t in listeners]
         listeners = [(s, "unix" if s.family == socket.AF_UNIX else "tcp") for s, _ in listeners]
-        bound_socket: Path | None = None
+        bound_socket: tuple[Path, int] | None = None
         if not listeners:
             assert settings.socket_path is not None
-            listeners.append((bind_unix(settings.socket_path), "unix"))
-            bound_socket = settings.socket_path
+            unix, inode = bind_unix(settings.socket_path)
+            listeners.append((unix, "unix"))
+            bound_socket = settings.socket_path, inode
             if settings.tcp:
                 listeners.append((bind_tcp(*settings.tcp), "tcp"))
         token = read_token(settings.state_dir) if any(t == "tcp" for _, t in listeners) else None
@@ -80,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         systemd.notify(f"READY=1\nSTATUS=serving {sum(registry.counts().values())} sessions")
         logger.info(
             "daemon.listening",
-            socket=str(bound_socket) if bound_socket else None,
+            socket=str(bound_socket[0]) if bound_socket else None,
             tcp=[f"{a[0]}:{a[1]}" for s, t in listeners if t == "tcp" for a in [s.getsockname()]] or None,
             activated=activated or None,
             state_dir=str(settings.state_dir),
@@ -92,6 +104,10 @@ def _serve(args: argparse.Namespace) -> int:
         # Everything is committed: a late SIGTERM must not cut the last tidying short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except StoreError as e:
+        logger.error("daemon.store_failed", error=str(e))
+        print(f"devd: stopped: {e}; the database was left as it is", file=sys.stderr)
+        return 2
     finally:
         registry.close_all()
         store.close()
@@ -99,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
         for sock, _ in listeners:
             sock.close()
         if bound_socket is not None:
-            bound_socket.unlink(missing_ok=True)
+            unlink_socket(*bound_socket)
     logger.info("daemon.stopped")
     return 0
 
@@ -234,6 +250,12 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--core", help="load this wasm module (ABI 1) instead of the packaged core")
     serve.add_argument(
         "--call-timeout", type=float, default=default("call_timeout_s"), help="default deadline of a call, in seconds"
+    )
+    serve.add_argument(
+        "--max-call-timeout",
+        type=float,
+        default=default("max_call_timeout_s"),
+        help="the longest deadline a client may ask for, in seconds (longer ones are cut to it)",
     )
     serve.add_argument("--max-sessions", type=int, default=default("sessions_max"))
     serve.add_argument("--max-connections", type=int, default=default("connections_max"))

@@ -7,6 +7,7 @@ Both speak the daemon's JSON-RPC over a Unix socket path or `tcp://HOST:PORT` (w
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ import msgspec
 
 from devd import errors
 from devd.config import parse_tcp
+from devd.listeners import peer_uid
 from devd.messages import Action, Config, Event, decode_actions, encode
 from devd.methods import METHODS, ForkParams, PendingResult, SessionParams, SessionResult
 
@@ -80,6 +82,17 @@ def _step_params(session: str, event: Event | bytes, timeout_ms: int | None, key
     return params
 
 
+def check_peer(sock: socket.socket, address: str) -> None:
+    """Refuse a Unix socket served by anyone but this user or root: whoever could create the socket's directory first
+    could otherwise stand in for the daemon, and take our events and hand us their actions (Exec included)."""
+    uid = peer_uid(sock)
+    if uid not in (os.getuid(), 0):
+        raise PermissionError(
+            f"the socket {address} is served by uid {uid}, not by this user (uid {os.getuid()}) or root, so it is not "
+            "your daemon; nothing was sent. Check who owns its directory, or use --connect with your own socket"
+        )
+
+
 class Client:
     """A blocking client: one request at a time; notifications received meanwhile are kept in `notifications`."""
 
@@ -100,6 +113,7 @@ class Client:
             sock.settimeout(timeout)
             try:
                 sock.connect(address)
+                check_peer(sock, address)
             except BaseException:
                 sock.close()
                 raise
@@ -213,6 +227,11 @@ class AsyncClient:
             stream = await anyio.connect_tcp(host, port)
         else:
             stream = await anyio.connect_unix(address)
+            try:
+                check_peer(stream.extra(anyio.abc.SocketAttribute.raw_socket), address)
+            except BaseException:
+                await stream.aclose()
+                raise
         async with stream, anyio.create_task_group() as tg:
             client = cls(stream)
             tg.start_soon(client._read)

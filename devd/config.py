@@ -20,6 +20,7 @@ class Settings:
     core_path: Path | None = None
     # calls
     call_timeout_s: float = 5.0  # a call's deadline unless the client asks for another
+    max_call_timeout_s: float = 60.0  # the longest deadline a client may ask for; longer ones are cut to it
     inline_budget_s: float = 0.002  # a call runs inline this long, then moves to a worker thread
     call_threads_max: int = 32  # worker threads for calls moved off the loop (commits have a thread of their own)
     memory_bytes_per_session: int = 64 << 20
@@ -29,7 +30,8 @@ class Settings:
     steps_kept_per_session: int = 1000  # unkeyed history kept behind the latest snapshot, for watchers' `since`
     prune_every_steps: int = 256
     # connections
-    connections_max: int = 1024
+    connections_max: int = 1024  # for each of Unix and TCP
+    unauthenticated_connections_max: int = 64  # TCP connections that have not presented the token yet
     requests_in_flight_max: int = 64  # per connection; past it, the connection is not read until one answers
     line_bytes_max: int = 16 << 20
     auth_line_bytes_max: int = 4096

@@ -3,9 +3,11 @@
 What it promises:
 - accepting survives running out of file descriptors (asyncio's accept loop backs off and retries);
 - no connection can end the daemon: whatever happens in one is logged and the others go on;
-- past `connections_max`, a new connection is answered FULL and closed;
-- SIGTERM/SIGINT: stop taking calls (status still answers), finish calls in flight, send every answer given,
-  commit, and return; a second signal meanwhile is absorbed.
+- past `connections_max` (counted for Unix and TCP apart, so TCP can never starve the Unix socket), a new connection
+  is answered FULL and closed;
+- SIGTERM/SIGINT: stop taking calls (status still answers), let calls in flight finish for `shutdown_grace_s`, then
+  stop the rest where they stand (they end as DEADLINE, durably), send every answer given, commit, and return; a
+  second signal meanwhile is absorbed.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def build(
         Fanout(encode_notice),
         sessions_max=settings.sessions_max,
         call_timeout_s=settings.call_timeout_s,
+        max_call_timeout_s=settings.max_call_timeout_s,
         runner=runner,
     )
     app = App(settings, registry, store, connections=lambda: 0)
@@ -75,26 +78,36 @@ class Daemon:
                 on_ready()
                 log.info("daemon.ready", sessions=len(app.registry.list()), listeners=[t for _, t in listeners])
                 await self._until_signal(signals, servers)
-                await self.hub.drain()  # a call past the grace still ends, at its deadline
+                if self.hub.tasks:
+                    # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
+                    log.warning("daemon.interrupting", calls=len(self.hub.tasks))
+                    app.registry.core.interrupt_all(max(self.settings.max_call_timeout_s, self.settings.call_timeout_s))
+                await self.hub.drain()
+                await self._close_connections()
                 tg.cancel_scope.cancel()
             await app.store.flush()
 
     async def _until_signal(self, signals: AsyncIterator[int], servers: list[asyncio.Server]) -> None:
+        """Wait for SIGTERM/SIGINT; then stop accepting and give calls in flight the grace to finish."""
         async for signum in signals:
             log.info("daemon.stopping", signal=signal.Signals(signum).name, in_flight=self.dispatcher.in_flight)
             systemd.notify("STOPPING=1")
             self.dispatcher.draining = True
             for server in servers:
                 server.close()
-            assert self.hub is not None
             with anyio.move_on_after(self.settings.shutdown_grace_s):
                 await self.dispatcher.idle()
-                while any(c.unsent_bytes for c in self.hub.connections):  # every answer given is also sent
-                    await anyio.sleep(0.01)
-            for conn in list(self.hub.connections):
-                if conn.transport is not None:
-                    conn.transport.close()
             return
+
+    async def _close_connections(self) -> None:
+        """Send every answer given (for as long as the grace allows), then close every connection."""
+        assert self.hub is not None
+        with anyio.move_on_after(self.settings.shutdown_grace_s):
+            while any(c.unsent_bytes for c in self.hub.connections):
+                await anyio.sleep(0.01)
+        for conn in list(self.hub.connections):
+            if conn.transport is not None:
+                conn.transport.close()
 
     async def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()

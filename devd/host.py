@@ -141,6 +141,13 @@ class _Ticker:
         due = int((deadline - self._t0) / TICK_SECONDS) + 1
         return max(1, due - self._epoch)
 
+    def expire(self, seconds: float) -> None:
+        """Advance the epoch past every deadline due within `seconds`: each call running now traps (DEADLINE), and
+        every later call expires at once. For the end of a shutdown's grace."""
+        for _ in range(int(seconds / TICK_SECONDS) + 2):
+            self._engine.increment_epoch()
+        self._epoch += int(seconds / TICK_SECONDS) + 2
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
@@ -254,6 +261,11 @@ class Core:
                 "this core exports no dev_restore, so it cannot restore a snapshot; use a core with all of ABI 1"
             )
         return self._start("dev_restore", state, timeout)
+
+    def interrupt_all(self, within_s: float) -> None:
+        """Stop every call running in this Core's instances whose deadline falls within `within_s` from now: each
+        ends as DEADLINE, as if its deadline had passed, and so does every later call. For shutdown only."""
+        self._ticker.expire(within_s)
 
     def close(self) -> None:
         """End every session started from this Core (each answers `HandleError` after) and stop its ticker."""

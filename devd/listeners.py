@@ -1,12 +1,15 @@
 """Where the daemon listens and keeps its state: the state directory, the TCP token, the Unix and TCP sockets.
 
-What it promises: the state directory is refused when others can write it; the token file is created 0600 and
-refused when others can read it; the Unix socket is 0600 in a 0700 directory it made (or one the user chose, unless
-anyone could swap the socket), and a live daemon's socket is never taken over; peers are identified by uid.
+What it promises: the state directory is refused when it is not this user's or others can write it, and one daemon at
+a time holds it; the token file is created 0600 atomically and refused when others can read it or it is too short;
+the Unix socket is 0600 in a directory of this user's that no one else can swap it in, a live daemon's socket is never
+taken over, and a path that is not a socket is never removed; peers are identified by uid.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
 import socket
@@ -24,51 +27,115 @@ class StartupError(Exception):
 
 
 def prepare_state_dir(path: Path) -> None:
+    """Make the state directory 0700, or refuse one that is not this user's or that others can write."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    mode = path.stat().st_mode
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        # Whoever owns it can plant a token or a database there: refuse, as OpenSSH refuses files owned by others.
+        raise StartupError(
+            f"the state directory {path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
+            "pass a --state-dir of your own"
+        )
+    mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
         raise StartupError(
-            f"the state directory {path} is writable by group or others (mode {stat.S_IMODE(mode):04o}); "
+            f"the state directory {path} is writable by group or others (mode {mode:04o}); "
             f"run `chmod go-w {path}` (0700 is best) and start again"
         )
 
 
+def lock_state_dir(path: Path, socket_path: Path | None) -> int:
+    """Hold STATE_DIR/lock for the daemon's life (the kernel lets go when it dies, SIGKILL included), so that a
+    second daemon on the same state directory refuses to start instead of serving the same sessions."""
+    lock = path / "lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StartupError(
+            f"another daemon holds the state directory {path} ({holder}); stop it, or pass another --state-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}, socket {socket_path}\n".encode(), 0)
+    return fd
+
+
+TOKEN_CHARS_MIN = 32
+
+
 def read_token(state_dir: Path) -> str:
-    """The TCP token, created 0600 on first use; a token file others can read is refused."""
+    """The TCP token: created on first use, atomically (a crash leaves no token or a whole one); a token file that
+    others can read, that is not this user's, or that is too short to be secret is refused."""
     path = state_dir / "token"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if mode & 0o077:
-            raise StartupError(
-                f"the token file {path} is readable by others (mode {mode:04o}); run `chmod 600 {path}` or delete it"
-            ) from None
-        return path.read_text().strip()
-    token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+        st = path.stat()
+    except FileNotFoundError:
+        return _write_token(path)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077 or st.st_uid != os.getuid():
+        raise StartupError(
+            f"the token file {path} is readable by others or not this user's (mode {mode:04o}, uid {st.st_uid}); "
+            f"run `chmod 600 {path}`, or delete it to make a new token"
+        )
+    token = path.read_text().strip()
+    if len(token) < TOKEN_CHARS_MIN or any(c.isspace() for c in token):
+        raise StartupError(
+            f"the token file {path} holds no usable token (at least {TOKEN_CHARS_MIN} characters, no spaces); "
+            "delete it and start again to make a new one"
+        )
     return token
 
 
-def bind_unix(path: Path) -> socket.socket:
-    """A listening Unix socket at path: its directory made 0700 before binding, the socket 0600 from birth."""
+def _write_token(path: Path) -> str:
+    token = secrets.token_urlsafe(32)
+    tmp = path.with_name(f".token.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, (token + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return token
+
+
+def bind_unix(path: Path) -> tuple[socket.socket, int]:
+    """A listening Unix socket at path, and its inode: the directory made 0700 before binding (and refused when it is
+    not this user's or anyone may write it), the socket 0600 from birth. An existing socket is taken over only when
+    no daemon answers on it; an existing path that is not a socket is never removed."""
     parent = path.parent
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # made 0700 before binding when it is ours to make
     st = parent.stat()
     mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.getuid():
+        # Its owner could replace our socket with theirs: refuse, as OpenSSH refuses files owned by others.
+        raise StartupError(
+            f"the socket directory {parent} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
+            "pass a --socket in a directory of your own (0700 is best)"
+        )
     if mode & 0o002 and not mode & stat.S_ISVTX:
         # Anyone could replace the socket with their own: refuse, as git's credential-cache daemon does.
         raise StartupError(
             f"the socket directory {parent} is writable by anyone (mode {mode:04o}); "
             "pass a --socket in a directory of your own (0700 is best)"
         )
-    if st.st_uid != os.getuid() or mode & 0o077:
+    if mode & 0o077:
         # The socket is 0600 and peers are checked by uid, so this is safe, but not what was asked for.
-        log.warning("socket.directory_open", directory=str(parent), mode=f"{mode:04o}", owner=st.st_uid)
-    if path.exists() or path.is_symlink():
+        log.warning("socket.directory_open", directory=str(parent), mode=f"{mode:04o}")
+    try:
+        existing = os.lstat(path)
+    except FileNotFoundError:
+        existing = None
+    if existing is not None:
+        if not stat.S_ISSOCK(existing.st_mode):
+            raise StartupError(f"{path} exists and is not a socket; remove it yourself or pass another --socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))
@@ -86,10 +153,24 @@ def bind_unix(path: Path) -> socket.socket:
     os.chmod(path, 0o600)
     sock.listen(512)
     sock.setblocking(False)
-    return sock
+    return sock, os.lstat(path).st_ino
+
+
+def unlink_socket(path: Path, inode: int) -> None:
+    """Remove the socket this daemon bound, unless someone has put something else there since."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISSOCK(st.st_mode) and st.st_ino == inode:
+            path.unlink()
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
+    if host in ("0.0.0.0", "::", ""):
+        log.warning(
+            "tcp.exposed",
+            address=f"{host}:{port}",
+            note="the token crosses in clear text: listen on loopback and tunnel (ssh -L), or put TLS in front",
+        )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -95,13 +95,22 @@ def _no_such(name: str) -> HandleError:
 
 class Registry:
     def __init__(
-        self, core: Core, store: Store, fanout: Fanout, *, sessions_max: int, call_timeout_s: float, runner: Runner
+        self,
+        core: Core,
+        store: Store,
+        fanout: Fanout,
+        *,
+        sessions_max: int,
+        call_timeout_s: float,
+        max_call_timeout_s: float,
+        runner: Runner,
     ) -> None:
         self.core = core
         self.store = store
         self.fanout = fanout
         self.sessions_max = sessions_max
         self.call_timeout_s = call_timeout_s
+        self.max_call_timeout_s = max_call_timeout_s
         self.runner = runner
         self.stats = Stats()
         self._entries: dict[str, Entry] = {}
@@ -212,7 +221,8 @@ class Registry:
                         )
                     self.stats.replayed += 1
                     return kept.actions, True
-            deadline = started + (self.call_timeout_s if timeout_ms is None else timeout_ms / 1000)
+            timeout_s = self.call_timeout_s if timeout_ms is None else min(timeout_ms / 1000, self.max_call_timeout_s)
+            deadline = started + timeout_s
             actions, snapshot = await self._call(entry, deadline, lambda i, t: step_and_save(i, event, t))
             seq = entry.seq + 1
             try:

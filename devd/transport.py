@@ -53,6 +53,19 @@ class Hub:
     connections: set[Connection] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
+    def refusal(self, kind: str) -> str | None:
+        """Why a new connection of this kind is refused, or None. Unix and TCP are counted apart, and TCP peers that
+        have not authenticated yet have a smaller budget of their own, so no TCP peer can lock the Unix socket out."""
+        s = self.settings
+        if self.dispatcher.draining:
+            return "the daemon is shutting down"
+        same = [c for c in self.connections if c.kind == kind]
+        if len(same) >= s.connections_max:
+            return f"it serves {s.connections_max} {kind} connections, its limit"
+        if kind == "tcp" and sum(1 for c in same if not c.authenticated) >= s.unauthenticated_connections_max:
+            return f"{s.unauthenticated_connections_max} TCP connections have yet to present the token"
+        return None
+
     def start(self, call: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(call)
         self.tasks.add(task)
@@ -101,12 +114,8 @@ class Connection(asyncio.Protocol):
                 return
         else:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if len(hub.connections) >= settings.connections_max or hub.dispatcher.draining:
-            reason = (
-                "the daemon is shutting down"
-                if hub.dispatcher.draining
-                else f"it serves {settings.connections_max} connections, its limit"
-            )
+        reason = hub.refusal(self.kind)
+        if reason is not None:
             transport.write(error_response(None, FullError(f"connection refused: {reason}; try again later")))
             self.lost = True
             transport.close()
@@ -193,6 +202,10 @@ class Connection(asyncio.Protocol):
 
     def force(self, data: bytes) -> None:
         self.write(data)
+
+    @property
+    def authenticated(self) -> bool:
+        return self.rules is not None and self.rules.authenticated
 
     @property
     def unsent_bytes(self) -> int:

@@ -1,0 +1,259 @@
+"""Security and denial-of-service fixes, each with the attack that found it, against the real daemon."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from devd import errors
+from devd.client import Client
+from devd.listeners import TOKEN_CHARS_MIN
+from tests.daemon import Daemon, free_port
+
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="making files of another uid needs root (CI runs as root)")
+NOBODY = 65534
+
+
+def serve(tmp_path: Path, *args: str, state: Path | None = None, sock: Path | None = None) -> tuple[int, str]:
+    """`devd serve` that is expected to refuse to start: its exit status and what it said."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "devd",
+            "serve",
+            "--socket",
+            str(sock or tmp_path / "run" / "devd.sock"),
+            "--state-dir",
+            str(state or tmp_path / "state"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return run.returncode, run.stderr
+
+
+# -- the token ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", ["", "short", "x" * (TOKEN_CHARS_MIN - 1), "a" * 20 + " " + "b" * 20])
+def test_a_token_file_without_a_usable_token_refuses_to_start(tmp_path: Path, token: str) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "token").write_text(token)
+    (state / "token").chmod(0o600)
+    status, said = serve(tmp_path, "--listen", f"tcp://127.0.0.1:{free_port()}")
+    assert (status, "holds no usable token" in said) == (2, True)
+
+
+def test_a_new_token_is_written_whole_and_private(tmp_path: Path) -> None:
+    port = free_port()
+    with Daemon(tmp_path, "--listen", f"tcp://127.0.0.1:{port}") as d:
+        token = d.state / "token"
+        assert (oct(token.stat().st_mode & 0o777), len(token.read_text().strip()) >= TOKEN_CHARS_MIN) == (
+            "0o600",
+            True,
+        )
+        assert sorted(p.name for p in d.state.iterdir() if p.name.startswith(".token")) == []
+
+
+@needs_root
+def test_a_token_file_of_another_user_refuses_to_start(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "token").write_text("t" * 43)
+    (state / "token").chmod(0o600)
+    os.chown(state / "token", NOBODY, NOBODY)
+    status, said = serve(tmp_path, "--listen", f"tcp://127.0.0.1:{free_port()}")
+    assert (status, "not this user's" in said) == (2, True)
+
+
+# -- directories of other users ------------------------------------------------------------------------------------
+
+
+@needs_root
+def test_a_state_directory_of_another_user_refuses_to_start(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    os.chown(state, NOBODY, NOBODY)
+    status, said = serve(tmp_path, state=state)
+    assert (status, f"belongs to uid {NOBODY}" in said) == (2, True)
+
+
+@needs_root
+def test_a_socket_directory_of_another_user_refuses_to_start(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    os.chown(run, NOBODY, NOBODY)
+    status, said = serve(tmp_path)
+    assert (status, f"the socket directory {run} belongs to uid {NOBODY}" in said) == (2, True)
+
+
+def test_a_socket_path_that_is_a_regular_file_is_kept_and_refused(tmp_path: Path) -> None:
+    precious = tmp_path / "run" / "devd.sock"
+    precious.parent.mkdir(mode=0o700)
+    precious.write_text("my notes")
+    status, said = serve(tmp_path)
+    assert (status, "is not a socket" in said, precious.read_text()) == (2, True, "my notes")
+
+
+def test_a_socket_replaced_while_running_is_left_alone_at_shutdown(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        d.socket.unlink()
+        d.socket.write_text("someone else's")
+        assert d.stop() == 0
+    assert d.socket.read_text() == "someone else's"
+
+
+@needs_root
+def test_the_client_refuses_a_socket_served_by_another_user(tmp_path: Path) -> None:
+    """A planted daemon: another uid listens where ours should; the client sends it nothing."""
+    root = Path(tempfile.mkdtemp(prefix="devd-planted-"))
+    root.chmod(0o755)
+    sock = root / "devd.sock"
+    listener = (
+        "import socket,sys,time\n"
+        "s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); print('up', flush=True)\n"
+        "c,_=s.accept(); c.settimeout(3)\n"
+        "try:\n"
+        "    print(len(c.recv(100)), flush=True)\n"
+        "except OSError:\n"
+        "    print(0, flush=True)\n"
+    )
+    os.chown(root, NOBODY, NOBODY)
+    planted = subprocess.Popen(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            listener,
+            str(sock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert planted.stdout is not None and planted.stdout.readline() == "up\n"
+        with pytest.raises(PermissionError, match=f"served by uid {NOBODY}"):
+            Client.connect(sock)
+        assert planted.stdout.readline() == "0\n"  # it received nothing
+    finally:
+        planted.kill()
+        planted.wait()
+        assert planted.stdout is not None
+        planted.stdout.close()
+        shutil.rmtree(root)
+
+
+# -- one daemon per state directory --------------------------------------------------------------------------------
+
+
+def test_a_second_daemon_on_the_same_state_directory_refuses_to_start(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        status, said = serve(tmp_path / "other", state=d.state)
+        assert (status, f"another daemon holds the state directory {d.state} (pid {d.proc.pid}" in said) == (2, True)
+
+
+def test_the_state_directory_is_free_again_after_sigkill(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    with d.client() as c:
+        c.new(session="kept")
+    d.kill()
+    d.start()
+    with d.client() as c:
+        assert [s["session"] for s in c.call("session/list")["sessions"]] == ["kept"]
+    d.kill()
+
+
+# -- TCP exposure ---------------------------------------------------------------------------------------------------
+
+
+def test_listening_on_every_address_warns_that_the_token_crosses_in_clear(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--listen", f"tcp://0.0.0.0:{free_port()}") as d:
+        events = [msgspec.json.decode(line) for line in d.log.read_bytes().splitlines() if line.startswith(b"{")]
+        assert [e["event"] for e in events if e["level"] == "warning"] == ["tcp.exposed"]
+
+
+@pytest.fixture
+def tcp(tmp_path: Path) -> Iterator[tuple[Daemon, int]]:
+    port = free_port()
+    with Daemon(tmp_path, "--listen", f"tcp://127.0.0.1:{port}") as d:
+        yield d, port
+
+
+def test_an_unauthenticated_peer_that_dribbles_bytes_is_closed_at_the_auth_deadline(tcp: tuple[Daemon, int]) -> None:
+    _, port = tcp
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+        started = time.monotonic()
+        closed_after = None
+        for _ in range(20):  # a byte every second, never a whole line: each read alone would be in time
+            try:
+                s.sendall(b"{")
+            except (BrokenPipeError, ConnectionResetError):
+                closed_after = time.monotonic() - started
+                break
+            time.sleep(1)
+        assert closed_after is not None and closed_after < 8
+
+
+def test_tcp_peers_without_a_token_cannot_lock_out_the_unix_socket(tcp: tuple[Daemon, int]) -> None:
+    d, port = tcp
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(70)]
+    try:
+        with d.client() as c:
+            assert c.call("session/list") == {"sessions": []}
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_client_deadline_is_cut_to_the_daemons_maximum(tmp_path: Path) -> None:
+    from tests import modules
+
+    core = tmp_path / "spin.wasm"
+    core.write_bytes(modules.SPIN_ON_TIMER)
+    with Daemon(tmp_path, "--core", str(core), "--max-call-timeout", "0.5") as d, d.client() as c:
+        c.new(session="s")
+        started = time.monotonic()
+        with pytest.raises(errors.DeadlineError):
+            c.call("session/step", {"session": "s", "event": {"Timer": True}, "timeout_ms": 3_600_000})
+        assert time.monotonic() - started < 3
+
+
+def test_sigterm_ends_a_call_that_outlives_the_grace_as_deadline(tmp_path: Path) -> None:
+    from tests import modules
+
+    core = tmp_path / "spin.wasm"
+    core.write_bytes(modules.SPIN_ON_TIMER)
+    with Daemon(tmp_path, "--core", str(core), "--max-call-timeout", "600") as d:
+        c = d.client()
+        c.new(session="s")
+        c.send_line(
+            b'{"jsonrpc":"2.0","id":9,"method":"session/step","params":'
+            b'{"session":"s","event":{"Timer":true},"timeout_ms":600000}}\n'
+        )
+        time.sleep(0.5)
+        started = time.monotonic()
+        d.proc.send_signal(15)
+        reply = c.read_reply()
+        assert (reply.error or {}).get("data") == {"kind": "DEADLINE"}
+        assert d.proc.wait(30) == 0 and time.monotonic() - started < 20
+        c.close()
+        d.start()
+        with d.client() as again:
+            assert [(s["session"], s["state"]) for s in again.call("session/list")["sessions"]] == [("s", "ended")]
