@@ -33,15 +33,15 @@ class Input(enum.Enum):
     CLOSE = "close"
 
 
-S, I = State, Input
+S, In = State, Input
 TRANSITIONS: dict[tuple[State, Input], State] = {
-    (S.STORED, I.LOAD): S.LIVE,
-    (S.LIVE, I.DROP): S.STORED,
-    (S.LIVE, I.END): S.ENDED,
-    (S.STORED, I.END): S.ENDED,
-    **{(s, I.POISON): S.POISONED for s in (S.LIVE, S.STORED, S.ENDED, S.POISONED)},
-    **{(s, I.RECOVER): S.LIVE for s in (S.LIVE, S.STORED, S.ENDED, S.POISONED)},
-    **{(s, I.CLOSE): S.CLOSED for s in (S.LIVE, S.STORED, S.ENDED, S.POISONED)},
+    (S.STORED, In.LOAD): S.LIVE,
+    (S.LIVE, In.DROP): S.STORED,
+    (S.LIVE, In.END): S.ENDED,
+    (S.STORED, In.END): S.ENDED,
+    **{(s, In.POISON): S.POISONED for s in (S.LIVE, S.STORED, S.ENDED, S.POISONED)},
+    **{(s, In.RECOVER): S.LIVE for s in (S.LIVE, S.STORED, S.ENDED, S.POISONED)},
+    **{(s, In.CLOSE): S.CLOSED for s in (S.LIVE, S.STORED, S.ENDED, S.POISONED)},
 }
 
 CALLABLE = frozenset({S.LIVE, S.STORED})  # states in which a session takes steps, snapshots, pending and forks
