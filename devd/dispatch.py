@@ -9,7 +9,6 @@ bounded by its deadline and a commit, and stopping it between the core and the j
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -46,7 +45,6 @@ class Dispatcher:
 
     async def answer(self, peer: Peer, line: bytes) -> bytes:
         """The reply to one request line: a JSON-RPC response, an error, or b"" for a notification."""
-        started = time.perf_counter()
         request: Request | None = None
         params: Any = None
         try:
@@ -79,12 +77,6 @@ class Dispatcher:
                 if request is not None and request.notification
                 else error_response(_id(request), InternalError("the daemon failed to answer; see its log"))
             )
-        log.debug(
-            "request",
-            method=_method(request),
-            session=getattr(params, "session", None),
-            duration_ms=round((time.perf_counter() - started) * 1000, 3),
-        )
         return reply
 
     def _count(self, kind: str) -> None:

@@ -39,6 +39,13 @@ class LineFramer:
         self._discarding = False
 
     def feed(self, data: bytes) -> Iterator[bytes | TooLong]:
+        if not self._buffer and not self._discarding and data.find(b"\n") == len(data) - 1:
+            # One whole line in one read, the usual case: no buffering, no scanning twice.
+            if len(data) - 1 > self.line_bytes_max:
+                yield TOO_LONG
+            else:
+                yield data[:-1]
+            return
         start = 0
         while True:
             end = data.find(b"\n", start)
@@ -207,7 +214,10 @@ _encoder = msgspec.json.Encoder()
 
 
 def response(id: Id, result: Any) -> bytes:
-    return _encoder.encode(Response("2.0", id, result)) + b"\n"
+    line = bytearray()  # encoded in place and the newline appended: a large answer is not copied twice
+    _encoder.encode_into(Response("2.0", id, result), line)
+    line += b"\n"
+    return line  # type: ignore[return-value]  # bytes-like, as every caller needs
 
 
 def error_response(id: Id, error: DevdError) -> bytes:
