@@ -12,7 +12,10 @@ event loop; a keyed lookup (one indexed row) runs inline.
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import queue
+import secrets
 import sqlite3
 import threading
 import time
@@ -25,6 +28,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from devd import failpoints
 from devd.store import Health, Keyed, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 log = structlog.get_logger("devd.store")
@@ -50,7 +54,9 @@ CREATE TABLE IF NOT EXISTS journal (
     PRIMARY KEY (session, seq)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS journal_key ON journal (session, key) WHERE key IS NOT NULL;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
+SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
 
 Op = Callable[[sqlite3.Connection], None] | Step
 
@@ -79,15 +85,21 @@ class SQLiteStore:
         self.steps_kept = steps_kept
         self.prune_every_steps = prune_every_steps
         try:
+            _check_wal(path)
             self._writer = _connect(path)
             self._writer.executescript(_SCHEMA)
+            self.id = _identify(self._writer, path)
             self._reader = _connect(path)  # worker threads' reads, one at a time
             self._point = _connect(path)  # the event loop's point lookups
         except sqlite3.Error as e:
             raise StoreError(f"the database {path} cannot be opened: {e}; it was left as it is") from None
+        st = os.stat(path)
+        self._inode = (st.st_dev, st.st_ino)
+        self._broken: str | None = None  # once set, nothing more is acknowledged until the daemon restarts
         self._read_limiter = anyio.CapacityLimiter(1)
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._outstanding = 0
         self._settled = anyio.Event()
         self._commits = 0
@@ -108,7 +120,7 @@ class SQLiteStore:
         """Commit on a thread of its own for as long as this runs: a commit never waits for a worker thread, and a
         write reaches it without a turn of the event loop. Writes queued while a commit runs share the next one."""
         self._loop = asyncio.get_running_loop()
-        thread = threading.Thread(target=self._commit_loop, name="devd-commit", daemon=True)
+        self._thread = thread = threading.Thread(target=self._commit_loop, name="devd-commit", daemon=True)
         thread.start()
         try:
             await anyio.sleep_forever()
@@ -118,6 +130,11 @@ class SQLiteStore:
                 await anyio.to_thread.run_sync(thread.join)
 
     async def flush(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            # No commit thread (`run` ended, or never ran): commit what is queued here, or its writers wait for ever.
+            self._loop = asyncio.get_running_loop()
+            self._queue.put(None)
+            await anyio.to_thread.run_sync(self._commit_loop, abandon_on_cancel=False)
         while self._outstanding:
             self._settled = anyio.Event()
             await self._settled.wait()
@@ -157,7 +174,13 @@ class SQLiteStore:
     def _apply(self, ops: list[Op]) -> BaseException | None:
         db = self._writer
         steps = [op for op in ops if isinstance(op, Step)]
+        if self._broken is not None:
+            return StoreError(self._broken)
         try:
+            self._check_file()
+            failpoints.hit("commit.before")
+            if any(s.snapshot is not None for s in steps):
+                failpoints.hit("commit.snapshot")
             if len(steps) == len(ops) and len(steps) <= ROWS_PER_STATEMENT:
                 _insert_steps(db, steps)  # one statement: its own transaction
             else:
@@ -171,18 +194,43 @@ class SQLiteStore:
         except BaseException as e:  # every write in the batch fails; none is retried
             if db.in_transaction:
                 db.execute("ROLLBACK")
+            if _is_io_error(e):
+                # After a failed fsync the kernel may have dropped the dirty pages and will not say so again
+                # (PostgreSQL's fsyncgate): nothing after it can be trusted to be durable until the store is reopened.
+                self._break(f"writing the database failed ({e})")
             return e
+        failpoints.hit("commit.after")
         self._prune_some(db, steps)
         return None
+
+    def _check_file(self) -> None:
+        """The database file must still be the one opened: steps written to a deleted or replaced file are lost."""
+        try:
+            st = os.stat(self.path)
+            same = (st.st_dev, st.st_ino) == self._inode
+        except FileNotFoundError:
+            same = False
+        if not same:
+            self._break(f"the database file {self.path} was deleted or replaced while the daemon ran")
+            raise StoreError(self._broken or "")
+
+    def _break(self, why: str) -> None:
+        if self._broken is None:
+            self._broken = (
+                f"{why}; the daemon acknowledges no more writes until it is restarted (what was acknowledged "
+                "before is on disk)"
+            )
+            log.error("store.broken", error=self._broken)
 
     def _prune_some(self, db: sqlite3.Connection, steps: list[Step]) -> None:
         """Maintenance after a commit: what it drops was already replaced by a later snapshot."""
         for s in steps:
             if s.snapshot is not None and s.seq - self._pruned.get(s.session, 0) >= self.prune_every_steps:
                 try:
+                    failpoints.hit("prune")
                     with db:
                         self._prune(db, s.session, s.seq)
-                except sqlite3.Error as e:
+                except (sqlite3.Error, OSError) as e:
                     log.warning("store.prune_failed", session=s.session, error=str(e))
                 self._pruned[s.session] = s.seq
 
@@ -264,8 +312,13 @@ class SQLiteStore:
     async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         def run() -> T:
             try:
-                return fn(self._reader)
-            except sqlite3.Error as e:
+                failpoints.hit("read")
+                self._reader.execute("BEGIN")  # one snapshot of the database for the whole read
+                try:
+                    return fn(self._reader)
+                finally:
+                    self._reader.execute("COMMIT")
+            except (sqlite3.Error, OSError) as e:
                 raise StoreError(f"reading the database failed: {e}") from None
 
         return await anyio.to_thread.run_sync(run, limiter=self._read_limiter)
@@ -304,6 +357,74 @@ class SQLiteStore:
                 (name, since, limit),
             ).fetchall()
         )
+
+
+def _is_io_error(e: BaseException) -> bool:
+    if isinstance(e, sqlite3.Error):
+        return (getattr(e, "sqlite_errorcode", 0) & 0xFF) == SQLITE_IOERR
+    return isinstance(e, OSError) and e.errno == errno.EIO
+
+
+def _check_wal(path: Path) -> None:
+    """A write-ahead log beside the database is replayed into it on open: refuse one that is not this database's
+    (a stray `-wal` from another state directory would silently replace its sessions). Read through a read-only
+    connection, which never checkpoints, so a refused log changes nothing."""
+    wal, id_file = Path(f"{path}-wal"), _id_path(path)
+    if not wal.exists() or not id_file.exists():
+        return
+    ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        row = ro.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
+    except sqlite3.Error:
+        row = None
+    finally:
+        ro.close()
+    expected = id_file.read_text().strip()
+    if row is None or row[0] != expected:
+        raise StoreError(
+            f"the write-ahead log {wal} belongs to another database (its id is {row[0] if row else 'missing'}, "
+            f"{path.name} is {expected}); move {wal.name} away (it was left as it is) and start again"
+        )
+
+
+def _id_path(path: Path) -> Path:
+    return path.with_name(path.name + ".id")
+
+
+def _identify(db: sqlite3.Connection, path: Path) -> str:
+    """The database's random id, checked against the file beside it (made on first open)."""
+    row = db.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
+    id_file = _id_path(path)
+    expected = id_file.read_text().strip() if id_file.exists() else None
+    if row is None and expected is None:
+        new = secrets.token_hex(16)
+        db.execute("INSERT INTO meta (key, value) VALUES ('id', ?)", (new,))
+        _write_atomically(id_file, new)
+        return new
+    if row is None or (expected is not None and row[0] != expected):
+        raise StoreError(
+            f"{path} is not the database this state directory was made with (its id is "
+            f"{row[0] if row else 'missing'}, {id_file.name} says {expected}); it was left as it is: put the right "
+            "file back, or move both away to start afresh"
+        )
+    if expected is None:
+        log.warning("store.id_restored", file=str(id_file))
+        _write_atomically(id_file, row[0])
+    return str(row[0])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _load(db: sqlite3.Connection, name: str, at: int | None) -> Stored | None:

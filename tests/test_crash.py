@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from devd.messages import Action, answer, decode_actions, turn
 from tests.daemon import Daemon
@@ -110,3 +111,41 @@ def test_no_answered_step_is_lost_across_random_sigkills(tmp_path: Path) -> None
         daemon.stop()
     acked = sum(c.acked for c in conversations)
     assert (wrong, acked > KILLS * 2) == ([], True)
+
+
+def step_until_killed(daemon: Daemon, conv: Conversation, steps: int) -> bool:
+    """Step conv with keyed steps until it has `steps` acknowledged or the daemon dies; whether it died."""
+    try:
+        with daemon.client() as c:
+            while conv.acked < steps:
+                key, event, expected = conv.next_step()
+                result = c.step_result(conv.name, event, key=key)  # type: ignore[arg-type]
+                assert decode_actions(msgspec.json.encode(result["actions"])) == expected
+                conv.acknowledged()
+    except (OSError, ConnectionError):
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("point", "nth"),
+    [("commit.before", 7), ("commit.snapshot", 3), ("commit.after", 7), ("commit.after", 8), ("prune", 1)],
+)
+def test_a_kill_at_every_named_point_loses_no_answered_step_and_half_applies_none(
+    tmp_path: Path, point: str, nth: int
+) -> None:
+    """SIGKILL exactly at a named point (devd.failpoints); after a restart, the step that got no answer is either
+    wholly there (its keyed retry is replayed) or not at all (it runs fresh), and everything answered is there."""
+    daemon = Daemon(tmp_path, env={"DEVD_FAILPOINTS": f"{point}=kill@{nth}"}).start()
+    with daemon.client() as c:
+        c.new(session="s")
+    conv = Conversation("s")
+    died = step_until_killed(daemon, conv, 600)
+    assert daemon.proc is not None and daemon.proc.wait(10) == -9 and died
+    daemon.env = {}
+    daemon.start()
+    acked_before = conv.acked
+    assert step_until_killed(daemon, conv, acked_before + 4) is False
+    with daemon.client() as c:
+        assert c.call("session/list")["sessions"][0]["seq"] == conv.acked
+    daemon.stop()

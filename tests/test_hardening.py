@@ -257,3 +257,55 @@ def test_sigterm_ends_a_call_that_outlives_the_grace_as_deadline(tmp_path: Path)
         d.start()
         with d.client() as again:
             assert [(s["session"], s["state"]) for s in again.call("session/list")["sessions"]] == [("s", "ended")]
+
+
+# -- data loss -------------------------------------------------------------------------------------------------------
+
+
+def test_a_database_deleted_while_running_stops_acknowledging(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d, d.client() as c:
+        c.new(session="s")
+        (d.state / "devd.sqlite3").unlink()
+        with pytest.raises(errors.InternalError, match="deleted or replaced while the daemon ran"):
+            c.new(session="t")
+        with pytest.raises(errors.InternalError, match="acknowledges no more writes until it is restarted"):
+            c.new(session="u")
+
+
+def test_a_stray_write_ahead_log_from_another_state_directory_is_refused(tmp_path: Path) -> None:
+    mine, theirs = Daemon(tmp_path / "mine").start(), Daemon(tmp_path / "theirs").start()
+    with mine.client() as c:
+        c.new(session="mine")
+    with theirs.client() as c:
+        c.new(session="theirs")
+    mine.stop()
+    theirs.kill()  # its log is left un-checkpointed
+    shutil.copy(theirs.state / "devd.sqlite3-wal", mine.state / "devd.sqlite3-wal")
+    status, said = serve(tmp_path / "mine", state=mine.state)
+    assert (status, "belongs to another database" in said) == (2, True)
+    (mine.state / "devd.sqlite3-wal").unlink()
+    with mine.start() as d, d.client() as c:
+        assert [s["session"] for s in c.call("session/list")["sessions"]] == ["mine"]
+
+
+def test_a_damaged_database_refuses_to_start_with_what_to_do(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "devd.sqlite3").write_bytes(b"this is not a database" * 100)
+    status, said = serve(tmp_path)
+    assert (status, said.startswith("devd: cannot start: the database"), "left as it is" in said) == (2, True, True)
+
+
+def test_after_a_failed_fsync_nothing_more_is_acknowledged_until_a_restart(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.before=eio@3"}).start()
+    with d.client() as c:
+        c.new(session="a")  # commit 1
+        c.new(session="b")  # commit 2
+        with pytest.raises(errors.InternalError, match="Input/output error"):
+            c.new(session="c")  # commit 3 fails like a failed fsync
+        with pytest.raises(errors.InternalError, match="acknowledges no more writes"):
+            c.new(session="d")  # and so does every later one
+    d.env = {}
+    d.stop()
+    with d.start(), d.client() as c:
+        assert [s["session"] for s in c.call("session/list")["sessions"]] == ["a", "b"]
