@@ -39,7 +39,7 @@ class Settings:
     line_timeout_s: float = 30.0  # a request line must arrive whole within this (slowloris); idle is fine
     send_timeout_s: float = 30.0  # a client that takes no bytes for this long is disconnected
     outbox_bytes_soft: int = 1 << 20  # a watcher behind by more than this is dropped
-    outbox_bytes_hard: int = 32 << 20  # a client that reads nothing stops being read from
+    outboxes_bytes_max: int = 256 << 20  # every connection's unsent bytes together: past it, watchers are dropped
     shutdown_grace_s: float = 10.0
     # logging
     log_format: str | None = None  # json | console; None picks by whether stderr is a terminal

@@ -8,8 +8,9 @@ What it promises:
 - requests on one connection run concurrently, up to `requests_in_flight_max`; past that, the connection is not
   read until one answers;
 - a client whose unsent bytes pass `outbox_bytes_soft` is not read from until it takes them, and is cut off if it
-  takes nothing for `send_timeout_s`; a watcher is dropped rather than queue a notice past that bound (a notice of
-  any size still goes to a connection with nothing queued);
+  takes nothing for `send_timeout_s`; a watcher is dropped rather than queue a notice past that bound, or past
+  `outboxes_bytes_max` for every connection together (a notice of any size still goes to a connection with nothing
+  queued);
 - a call runs to its end even if its client goes (stopping it between the core and the journal would leave the two
   apart); at the peer's EOF, or when a rule closes the connection, what it asked before is still answered, then
   the connection closes.
@@ -52,6 +53,20 @@ class Hub:
     token: str | None
     connections: set[Connection] = field(default_factory=set)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _unsent: int = 0
+    _unsent_at: float = 0.0
+
+    def unsent_bytes(self) -> int:
+        """Bytes queued on every connection together: summed at most once a millisecond (it is O(connections)),
+        and counted up by what is queued meanwhile."""
+        now = time.monotonic()
+        if now - self._unsent_at > 0.001:
+            self._unsent = sum(c.unsent_bytes for c in self.connections)
+            self._unsent_at = now
+        return self._unsent
+
+    def queued(self, n: int) -> None:
+        self._unsent += n
 
     def refusal(self, kind: str) -> str | None:
         """Why a new connection of this kind is refused, or None. Unix and TCP are counted apart, and TCP peers that
@@ -195,9 +210,13 @@ class Connection(asyncio.Protocol):
             return True  # the subscription ends with the connection
         assert self.transport is not None
         queued = self.transport.get_write_buffer_size()
-        if queued and queued + len(data) > self.settings.outbox_bytes_soft:
+        if queued and (
+            queued + len(data) > self.settings.outbox_bytes_soft
+            or self.hub.unsent_bytes() + len(data) > self.settings.outboxes_bytes_max
+        ):
             return False
         self.transport.write(data)
+        self.hub.queued(len(data))
         return True
 
     def force(self, data: bytes) -> None:

@@ -309,3 +309,66 @@ def test_after_a_failed_fsync_nothing_more_is_acknowledged_until_a_restart(tmp_p
     d.stop()
     with d.start(), d.client() as c:
         assert [s["session"] for s in c.call("session/list")["sessions"]] == ["a", "b"]
+
+
+# -- watchers -------------------------------------------------------------------------------------------------------
+
+
+def _read_for(sock: socket.socket, seconds: float) -> list[dict]:
+    """Every JSON line sock receives within `seconds`."""
+    sock.settimeout(0.2)
+    data, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(1 << 20)
+        except TimeoutError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return [msgspec.json.decode(line) for line in data.splitlines()]
+
+
+def test_a_step_notice_larger_than_the_outbox_bound_still_reaches_a_watcher(tmp_path: Path) -> None:
+    from devd.messages import turn
+
+    with Daemon(tmp_path) as d, d.client() as stepper, d.client() as watcher:
+        stepper.new(session="big")
+        watcher.call("session/watch", {"session": "big"})
+        stepper.step("big", turn(1, "x" * (1 << 20)))
+        notice = watcher.wait_notification()
+        assert (notice.method, notice.params["seq"]) == ("session/actions", 1)
+
+
+def test_catching_up_past_the_outbox_bound_ends_with_exactly_one_unwatched(tmp_path: Path) -> None:
+    from devd.messages import turn
+
+    with Daemon(tmp_path) as d, d.client() as stepper:
+        stepper.new(session="long")
+        for t in range(1, 13):  # 12 steps of about 300 KB each: a backlog far past the 1 MiB bound
+            stepper.step("long", turn(t, str(t) * 300_000))
+        with socket.socket(socket.AF_UNIX) as watcher:
+            watcher.connect(str(d.socket))
+            watcher.sendall(
+                b'{"jsonrpc":"2.0","id":1,"method":"session/watch","params":{"session":"long","since":0}}\n'
+            )
+            time.sleep(1.0)  # not reading while the daemon catches up
+            for t in range(13, 16):
+                stepper.step("long", turn(t, "later"))
+            lines = _read_for(watcher, 3.0)
+    notices = [(m["method"], m["params"]["seq"]) for m in lines if "method" in m]
+    delivered = [seq for method, seq in notices if method == "session/actions"]
+    assert delivered == list(range(1, len(delivered) + 1)) and len(delivered) < 12
+    assert notices[len(delivered) :] == [("session/unwatched", len(delivered))]
+
+
+def test_an_internal_error_is_logged_without_the_request_payload(tmp_path: Path) -> None:
+    from devd.messages import turn
+
+    secret = "hunter2-the-prompt-nobody-should-read"
+    with Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.before=enospc@2"}) as d, d.client() as c:
+        c.new(session="s")
+        with pytest.raises(errors.InternalError):
+            c.step("s", turn(1, secret))
+        logged = d.log.read_text()
+    assert ("request.failed" in logged, secret in logged) == (True, False)

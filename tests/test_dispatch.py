@@ -1,0 +1,163 @@
+"""Request lines in, reply lines out (devd.dispatch): the dispatcher as the daemon builds it, with no connection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from structlog.testing import capture_logs
+
+from devd import __version__
+from devd.config import Settings
+from devd.daemon import build
+from devd.dispatch import Dispatcher
+from devd.host import Core
+from devd.memory_store import MemoryStore
+from devd.methods import METHODS, Call, Empty, Method, Peer, SessionParams
+from tests.test_registry import Sink
+
+PEER = Peer("unix", Sink())
+STATUS = b'{"jsonrpc":"2.0","id":9,"method":"daemon/status"}'
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def dispatcher(tmp_path: Path, core: Core) -> Iterator[Dispatcher]:
+    registry, d = build(Settings(state_dir=tmp_path, socket_path=None), core, MemoryStore())
+    yield d
+    registry.close_all()
+
+
+async def boom(call: Call, params: SessionParams) -> Empty:
+    raise RuntimeError("a bug in a handler")
+
+
+BOOM = Method("boom", SessionParams, Empty, boom, "Fail as a bug would.", False, msgspec.json.Decoder(SessionParams))
+
+
+def error(id: bytes, code: int, message: bytes, kind: bytes) -> bytes:
+    """An error reply line, as the protocol document shows them."""
+    return b'{"jsonrpc":"2.0","id":%s,"error":{"code":%d,"message":"%s","data":{"kind":"%s"}}}\n' % (
+        id,
+        code,
+        message,
+        kind,
+    )
+
+
+async def test_daemon_status_answers_with_the_counters(dispatcher: Dispatcher) -> None:
+    await dispatcher.answer(PEER, b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"s"}}')
+    await dispatcher.answer(
+        PEER, b'{"jsonrpc":"2.0","id":2,"method":"session/step","params":{"session":"s","event":{"Timer":true}}}'
+    )
+    reply = msgspec.json.decode(await dispatcher.answer(PEER, STATUS))
+    moving = ("uptime_s", "memory_rss_bytes", "commit_ms_p50", "commit_ms_p99")
+    assert {**reply, "result": {k: v for k, v in reply["result"].items() if k not in moving}} == {
+        "jsonrpc": "2.0",
+        "id": 9,
+        "result": {
+            "server": {"name": "devd", "version": __version__},
+            "sessions": {"live": 1, "stored": 0, "ended": 0, "poisoned": 0},
+            "connections": 0,
+            "steps": 1,
+            "durable_writes": 2,
+            "errors": {},
+            "deadline_hits": 0,
+            "offloaded": 0,
+        },
+    }
+
+
+async def test_an_unknown_method_is_method_not_found_naming_it(dispatcher: Dispatcher) -> None:
+    assert await dispatcher.answer(PEER, b'{"jsonrpc":"2.0","id":1,"method":"session/nope"}') == error(
+        b"1", -32601, b"there is no method 'session/nope'; see `devd schema` for the methods", b"METHOD_NOT_FOUND"
+    )
+
+
+async def test_an_unknown_params_member_is_invalid_params_naming_it(dispatcher: Dispatcher) -> None:
+    line = b'{"jsonrpc":"2.0","id":"s1","method":"session/step","params":{"sesion":"a","event":{}}}'
+    assert await dispatcher.answer(PEER, line) == error(
+        b'"s1"', -32602, b"bad params for session/step: Object contains unknown field `sesion`", b"INVALID_PARAMS"
+    )
+
+
+async def test_a_bad_session_name_is_answered_as_the_protocol_document_shows(dispatcher: Dispatcher) -> None:
+    line = b'{"jsonrpc":"2.0","id":2,"method":"session/new","params":{"session":"no/slashes"}}'
+    assert await dispatcher.answer(PEER, line) == (
+        b'{"jsonrpc":"2.0","id":2,"error":{"code":-32602,"message":"session names are 1-64 of A-Z a-z 0-9 . _ - and '
+        b'not . or ..; \'no/slashes\' is not one","data":{"kind":"INVALID_PARAMS"}}}\n'
+    )
+
+
+async def test_a_notification_is_carried_out_and_answered_with_nothing(dispatcher: Dispatcher) -> None:
+    silent = await dispatcher.answer(PEER, b'{"jsonrpc":"2.0","method":"session/new","params":{"session":"n"}}')
+    listed = await dispatcher.answer(PEER, b'{"jsonrpc":"2.0","id":1,"method":"session/list"}')
+    assert (silent, listed) == (
+        b"",
+        b'{"jsonrpc":"2.0","id":1,"result":{"sessions":[{"session":"n","state":"live","seq":0}]}}\n',
+    )
+
+
+async def test_a_failing_notification_is_answered_with_nothing(dispatcher: Dispatcher) -> None:
+    assert [
+        await dispatcher.answer(PEER, b'{"jsonrpc":"2.0","method":"session/nope"}'),
+        await dispatcher.answer(PEER, b'{"jsonrpc":"2.0","method":"session/step","params":{"session":"x"}}'),
+    ] == [b"", b""]
+
+
+async def test_while_draining_steps_are_busy_and_status_still_answers(dispatcher: Dispatcher) -> None:
+    await dispatcher.answer(PEER, b'{"jsonrpc":"2.0","id":1,"method":"session/new","params":{"session":"s"}}')
+    dispatcher.draining = True
+    step = b'{"jsonrpc":"2.0","id":2,"method":"session/step","params":{"session":"s","event":{"Timer":true}}}'
+    refused = await dispatcher.answer(PEER, step)
+    status = msgspec.json.decode(await dispatcher.answer(PEER, STATUS))
+    assert (refused, status["result"]["steps"]) == (
+        error(b"2", -32006, b"the daemon is shutting down; retry against the next one", b"BUSY"),
+        0,
+    )
+
+
+async def test_an_exception_that_is_no_devd_error_is_answered_internal_and_logged(dispatcher: Dispatcher) -> None:
+    failing = Dispatcher({"boom": BOOM}, dispatcher.app)
+    with capture_logs() as logs:
+        reply = await failing.answer(PEER, b'{"jsonrpc":"2.0","id":5,"method":"boom","params":{"session":"s"}}')
+    assert (reply, [entry for entry in logs if entry["log_level"] == "error"]) == (
+        error(b"5", -32603, b"the daemon failed to answer; see its log", b"INTERNAL"),
+        [
+            {
+                "event": "request.failed",
+                "log_level": "error",
+                "method": "boom",
+                "session": "s",
+                "error": "RuntimeError: a bug in a handler",
+            }
+        ],
+    )
+
+
+async def test_errors_are_counted_by_kind(dispatcher: Dispatcher) -> None:
+    both = Dispatcher({**METHODS, "boom": BOOM}, dispatcher.app)
+    for line in (
+        b'{"jsonrpc":"2.0","id":1,"method":"session/nope"}',
+        b'{"jsonrpc":"2.0","method":"session/nope"}',
+        b'{"jsonrpc":"2.0","id":2,"method":"session/new","params":{"session":".."}}',
+        b'{"jsonrpc":"2.0","id":3,"method":"session/step","params":{"session":"gone","event":{}}}',
+        b'{"jsonrpc":"2.0","id":4,"method":"boom","params":{"session":"s"}}',
+        b'{"jsonrpc":"2.0","id":5,"method":"boom","params":{"session":"s"}}',
+        b"{not json",
+        b'{"jsonrpc":"2.0","id":6,"method":"daemon/status"}',
+    ):
+        await both.answer(PEER, line)
+    assert dispatcher.app.errors == {
+        "METHOD_NOT_FOUND": 2,
+        "INVALID_PARAMS": 1,
+        "HANDLE": 1,
+        "INTERNAL": 2,
+        "PARSE": 1,
+    }

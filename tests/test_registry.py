@@ -1,0 +1,398 @@
+"""The session registry (devd.registry) in process, wired as the daemon wires it, over every store and the real core."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from devd.bench import _seed_turn
+from devd.config import Settings
+from devd.daemon import build
+from devd.errors import (
+    BusyError,
+    ConflictError,
+    DeadlineError,
+    DevdError,
+    HandleError,
+    InvalidParamsError,
+    MalformedError,
+    StoreError,
+)
+from devd.host import Core
+from devd.memory_store import MemoryStore
+from devd.messages import encode, turn
+from devd.registry import Info, Registry
+from devd.rpc import encode_notice
+from devd.sqlite_store import SQLiteStore
+from devd.state import State
+from devd.store import Health, SessionRow, Store
+from devd.watchers import Stepped
+from tests import modules
+from tests.test_store import running
+
+SEED = _seed_turn(1, 1)  # a prompt, an answer with Exec and Read, their two results, a text answer (with Save)
+USER = b'{"User":"fix the build"}'
+CALLS = (
+    b'{"Agent":{"text":"Let me look.","calls":[{"id":2,"call":{"Exec":{"argv":["cargo","build"]}}},'
+    b'{"id":3,"call":{"Read":{"path":"src/lib.rs"}}}]}}'
+)
+RESULTS = b'{"Tool":{"id":2,"text":"error[E0425]","failed":true}},{"Tool":{"id":3,"text":"pub fn f() -> u8 { x }"}}'
+SEED_ACTIONS = [
+    b'[{"id":1,"op":{"Model":{"messages":[' + USER + b"]}}}]",
+    b'[{"id":2,"op":{"Exec":{"argv":["cargo","build"]}}},{"id":3,"op":{"Read":{"path":"src/lib.rs"}}}]',
+    b"[]",
+    b'[{"id":4,"op":{"Model":{"messages":[' + USER + b"," + CALLS + b"," + RESULTS + b"]}}}]",
+    b'[{"id":5,"op":{"Emit":"`x` was never declared."}},{"id":6,"op":{"Save":true}},'
+    b'{"id":7,"op":{"Done":{"turn":1,"outcome":{"Complete":true}}}}]',
+]
+AGAIN = encode(turn(2, "again"))
+AGAIN_ACTIONS = (
+    b'[{"id":8,"op":{"Model":{"messages":[' + USER + b"," + CALLS + b"," + RESULTS + b","
+    b'{"Agent":{"text":"`x` was never declared."}},{"User":"again"}]}}}]'
+)
+TIMER = b'{"Timer":true}'  # SPIN_ON_TIMER spins on this (14 bytes) until its deadline
+CALM = b'{"Timer":false}'  # and answers [] to anything else
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Sink:
+    """A watcher's connection that records every line it takes; one that refuses takes only what is forced on it."""
+
+    def __init__(self, *, refuses: bool = False) -> None:
+        self.lines: list[bytes] = []
+        self.refuses = refuses
+
+    def offer(self, data: bytes) -> bool:
+        if self.refuses:
+            return False
+        self.lines.append(data)
+        return True
+
+    def force(self, data: bytes) -> None:
+        self.lines.append(data)
+
+
+def unwatched(session: bytes, seq: int, reason: bytes) -> bytes:
+    return b'{"jsonrpc":"2.0","method":"session/unwatched","params":{"session":"%s","seq":%d,"reason":"%s"}}\n' % (
+        session,
+        seq,
+        reason,
+    )
+
+
+def open_store(kind: str, tmp_path: Path, settings: Settings) -> Store:
+    if kind == "memory":
+        return MemoryStore()
+    return SQLiteStore(
+        tmp_path / "devd.sqlite3",
+        keys_kept=settings.keys_kept_per_session,
+        steps_kept=settings.steps_kept_per_session,
+        prune_every_steps=settings.prune_every_steps,
+    )
+
+
+@asynccontextmanager
+async def opened(kind: str, tmp_path: Path, core: Core, **limits: Any) -> AsyncIterator[Registry]:
+    """A registry as `devd.daemon.build` wires it, over a running store of that kind in tmp_path."""
+    settings = Settings(state_dir=tmp_path, socket_path=None, **limits)
+    async with running(open_store(kind, tmp_path, settings)) as store:
+        registry, _ = build(settings, core, store)
+        try:
+            yield registry
+        finally:
+            registry.close_all()
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def registry(kind: str, tmp_path: Path, core: Core) -> AsyncIterator[Registry]:
+    async with opened(kind, tmp_path, core) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def spin_core() -> Iterator[Core]:
+    c = Core.open(modules.SPIN_ON_TIMER)
+    yield c
+    c.close()
+
+
+async def steps(registry: Registry, name: str, events: list[bytes]) -> list[bytes]:
+    return [(await registry.step(name, e, None, None))[0] for e in events]
+
+
+async def seeded(registry: Registry, name: str = "src") -> None:
+    """A session that ran the seed's whole turn: five steps, the last of which saved a snapshot."""
+    await registry.new(name, b"{}")
+    await steps(registry, name, SEED)
+
+
+def states(registry: Registry) -> list[tuple[str, State, int]]:
+    return [(i.name, i.state, i.seq) for i in registry.list()]
+
+
+# -- steps ----------------------------------------------------------------------------------------------------------
+
+
+async def test_the_seed_turn_answers_the_exact_actions(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    assert await steps(registry, "s", SEED) == SEED_ACTIONS
+
+
+async def test_a_keyed_retry_is_replayed_byte_for_byte_and_not_stepped_again(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    first = await registry.step("s", SEED[0], None, "turn-1")
+    again = await registry.step("s", SEED[0], None, "turn-1")
+    assert (first, again, states(registry)) == (
+        (SEED_ACTIONS[0], False),
+        (SEED_ACTIONS[0], True),
+        [("s", State.LIVE, 1)],
+    )
+
+
+async def test_a_keyed_retry_that_differs_only_in_layout_is_replayed(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    await registry.step("s", b'{"Turn":{"id":1,"prompt":"fix the build"}}', None, "turn-1")
+    assert await registry.step("s", b'{ "Turn" : { "prompt":"fix the build", "id":1 } }', None, "turn-1") == (
+        SEED_ACTIONS[0],
+        True,
+    )
+
+
+async def test_a_key_reused_with_another_event_is_a_conflict(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    await registry.step("s", SEED[0], None, "turn-1")
+    with pytest.raises(ConflictError):
+        await registry.step("s", AGAIN, None, "turn-1")
+
+
+async def test_a_malformed_event_is_refused_and_the_session_goes_on(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    with pytest.raises(MalformedError):
+        await registry.step("s", b'{"Turn":{"id":1}}', None, None)
+    assert (await steps(registry, "s", SEED[:1]), states(registry)) == (SEED_ACTIONS[:1], [("s", State.LIVE, 1)])
+
+
+async def test_a_call_on_a_session_inside_another_call_is_busy(kind: str, tmp_path: Path, spin_core: Core) -> None:
+    async with opened(kind, tmp_path, spin_core) as registry:
+        await registry.new("spin", b"{}")
+        raised: list[type[DevdError]] = []
+
+        async def call(event: bytes, timeout_ms: int | None) -> None:
+            try:
+                await registry.step("spin", event, timeout_ms, None)
+            except DevdError as e:
+                raised.append(type(e))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, TIMER, 400)  # past its inline budget it spins on a worker thread until its deadline
+            await anyio.sleep(0.1)
+            await call(CALM, None)
+        assert raised == [BusyError, DeadlineError]
+
+
+async def test_a_deadline_ends_the_session_until_it_is_recovered(kind: str, tmp_path: Path, spin_core: Core) -> None:
+    async with opened(kind, tmp_path, spin_core) as registry:
+        await registry.new("spin", b"{}")
+        await registry.step("spin", CALM, None, None)
+        with pytest.raises(DeadlineError):
+            await registry.step("spin", TIMER, 50, None)
+        ended = (states(registry), await registry.store.sessions())
+        with pytest.raises(HandleError) as refused:
+            await registry.step("spin", CALM, None, None)
+        await registry.recover("spin")
+        recovered = (await registry.step("spin", CALM, None, None), states(registry), await registry.store.sessions())
+        assert (ended[0], ended[1][0].health, type(refused.value), recovered) == (
+            [("spin", State.ENDED, 1)],
+            Health.ENDED,
+            HandleError,
+            ((b"[]", False), [("spin", State.LIVE, 2)], [SessionRow("spin", Health.OK, None, 2)]),
+        )
+
+
+async def test_a_deadline_a_client_asks_for_is_cut_to_the_longest_allowed(
+    kind: str, tmp_path: Path, spin_core: Core
+) -> None:
+    async with opened(kind, tmp_path, spin_core, max_call_timeout_s=0.2) as registry:
+        await registry.new("spin", b"{}")
+        started = time.monotonic()
+        with pytest.raises(DeadlineError):
+            await registry.step("spin", TIMER, 60_000, None)
+        assert time.monotonic() - started < 2
+
+
+async def test_a_step_the_store_cannot_keep_fails_and_the_next_continues_from_disk(tmp_path: Path, core: Core) -> None:
+    store = MemoryStore()
+    async with running(store):
+        registry, _ = build(Settings(state_dir=tmp_path, socket_path=None), core, store)
+        await registry.new("s", b"{}")
+        await registry.step("s", SEED[0], None, None)
+        store.fail_writes = "disk full"
+        with pytest.raises(StoreError, match="disk full"):
+            await registry.step("s", SEED[1], None, None)
+        after_failure = states(registry)
+        store.fail_writes = None
+        assert (after_failure, await registry.step("s", SEED[1], None, None), states(registry)) == (
+            [("s", State.STORED, 1)],
+            (SEED_ACTIONS[1], False),
+            [("s", State.LIVE, 2)],
+        )
+        registry.close_all()
+
+
+# -- close and watchers ---------------------------------------------------------------------------------------------
+
+
+async def test_close_tells_each_watcher_once_and_frees_the_name(registry: Registry) -> None:
+    sink = Sink()
+    await registry.new("s", b"{}")
+    await registry.watch("s", sink, None)
+    await registry.step("s", SEED[0], None, None)
+    await registry.close("s")
+    await registry.new("s", b"{}")
+    await registry.step("s", SEED[0], None, None)
+    assert (sink.lines, states(registry)) == (
+        [encode_notice(Stepped("s", 1, SEED[0], SEED_ACTIONS[0])), unwatched(b"s", 1, b"closed")],
+        [("s", State.LIVE, 1)],
+    )
+
+
+async def test_watch_since_sends_the_journal_then_live_steps_in_order(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    await steps(registry, "s", SEED[:3])
+    sink = Sink()
+    await registry.watch("s", sink, 1)
+    await registry.step("s", SEED[3], None, None)
+    assert sink.lines == [encode_notice(Stepped("s", n + 1, SEED[n], SEED_ACTIONS[n])) for n in (1, 2, 3)]
+
+
+async def test_a_watcher_catching_up_while_steps_are_taken_misses_none_and_gets_none_twice(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    await steps(registry, "s", [b'{"Timer":true}'] * 5)
+    sink = Sink()
+
+    async def more() -> None:
+        await steps(registry, "s", [b'{"Timer":true}'] * 20)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(more)
+        await registry.watch("s", sink, 0)
+    assert [msgspec.json.decode(line)["params"]["seq"] for line in sink.lines] == list(range(1, 26))
+
+
+async def test_a_watcher_that_refuses_a_notice_gets_one_unwatched_and_nothing_after(registry: Registry) -> None:
+    sink = Sink(refuses=True)
+    await registry.new("s", b"{}")
+    await registry.watch("s", sink, None)
+    await steps(registry, "s", SEED[:3])
+    assert (sink.lines, [i.watchers for i in registry.list()]) == (
+        [unwatched(b"s", 0, b"fell too far behind")],
+        [0],
+    )
+
+
+# -- forks ------------------------------------------------------------------------------------------------------------
+
+
+async def test_a_fork_at_the_latest_step_continues_exactly_as_its_source(registry: Registry) -> None:
+    await seeded(registry)
+    await registry.fork("src", None, "f")
+    assert [await steps(registry, name, [AGAIN]) for name in ("src", "f")] == [[AGAIN_ACTIONS], [AGAIN_ACTIONS]]
+
+
+async def test_a_fork_at_an_earlier_step_replays_from_there(registry: Registry) -> None:
+    await seeded(registry)
+    await registry.fork("src", 3, "early")
+    assert await steps(registry, "early", SEED[3:]) == SEED_ACTIONS[3:]
+
+
+async def test_a_fork_leaves_its_source_where_it_was(registry: Registry) -> None:
+    await seeded(registry)
+    await registry.fork("src", 3, "early")
+    stored = await registry.store.load("src")
+    assert (states(registry), stored.seq if stored else None, await steps(registry, "src", [AGAIN])) == (
+        [("early", State.LIVE, 3), ("src", State.LIVE, 5)],
+        5,
+        [AGAIN_ACTIONS],
+    )
+
+
+async def test_a_fork_answers_the_source_keys_up_to_its_step_as_replays(registry: Registry) -> None:
+    await registry.new("src", b"{}")
+    await registry.step("src", SEED[0], None, "turn-1")
+    await registry.step("src", SEED[1], None, "answer-1")
+    await registry.fork("src", 1, "f")
+    assert [await registry.step("f", SEED[0], None, "turn-1"), await registry.step("f", SEED[1], None, "answer-1")] == [
+        (SEED_ACTIONS[0], True),
+        (SEED_ACTIONS[1], False),
+    ]
+
+
+async def test_a_fork_of_an_unknown_session_is_a_handle_error(registry: Registry) -> None:
+    with pytest.raises(HandleError) as refused:
+        await registry.fork("nobody", None, "f")
+    assert (type(refused.value), states(registry)) == (HandleError, [])
+
+
+async def test_a_fork_past_the_last_step_is_invalid_params(registry: Registry) -> None:
+    await seeded(registry)
+    with pytest.raises(InvalidParamsError) as refused:
+        await registry.fork("src", 6, "f")
+    assert (str(refused.value), states(registry)) == (
+        "session 'src' has answered 5 steps; fork at 5 or earlier",
+        [("src", State.LIVE, 5)],
+    )
+
+
+# -- rebuilding from durable state ----------------------------------------------------------------------------------
+
+
+async def test_a_registry_rebuilt_over_the_same_file_lists_its_sessions_and_continues_them(
+    tmp_path: Path, core: Core
+) -> None:
+    async with opened("sqlite", tmp_path, core) as before:
+        await seeded(before, "saved")  # rebuilt from its snapshot
+        await before.new("journalled", b"{}")  # rebuilt from its config and journal
+        await before.step("journalled", SEED[0], None, "turn-1")
+        await steps(before, "journalled", SEED[1:3])
+    async with opened("sqlite", tmp_path, core) as after:
+        await after.load()
+        listed = after.list()
+        assert (
+            listed,
+            await steps(after, "saved", [AGAIN]),
+            await steps(after, "journalled", [SEED[3]]),
+            await after.step("journalled", SEED[0], None, "turn-1"),
+        ) == (
+            [Info("journalled", State.STORED, 3, 0, None), Info("saved", State.STORED, 5, 0, None)],
+            [AGAIN_ACTIONS],
+            [SEED_ACTIONS[3]],
+            (SEED_ACTIONS[0], True),
+        )
+
+
+async def test_an_ended_session_is_still_ended_after_a_rebuild(tmp_path: Path, spin_core: Core) -> None:
+    async with opened("sqlite", tmp_path, spin_core) as before:
+        await before.new("spin", b"{}")
+        with pytest.raises(DeadlineError):
+            await before.step("spin", TIMER, 30, None)
+    async with opened("sqlite", tmp_path, spin_core) as after:
+        await after.load()
+        listed = states(after)
+        await after.recover("spin")
+        assert (listed, await after.step("spin", CALM, None, None)) == ([("spin", State.ENDED, 0)], (b"[]", False))

@@ -1,0 +1,314 @@
+"""The store contract (devd.store), checked against every implementation: SQLite and memory alike."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import pytest
+
+from devd.errors import StoreError
+from devd.memory_store import MemoryStore
+from devd.sqlite_store import SQLiteStore
+from devd.store import Health, Keyed, SessionRow, Step, Store, Stored
+
+S = TypeVar("S", bound=Store)
+CONFIG = b'{"model":"m"}'
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def running(store: S) -> AsyncIterator[S]:
+    """The store with its group-commit task running (writes complete only then); closed at the end."""
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.run)
+            yield store
+            tg.cancel_scope.cancel()
+    finally:
+        store.close()
+
+
+def sqlite_at(
+    path: Path, *, keys_kept: int = 1000, steps_kept: int = 1000, prune_every_steps: int = 256
+) -> SQLiteStore:
+    return SQLiteStore(path, keys_kept=keys_kept, steps_kept=steps_kept, prune_every_steps=prune_every_steps)
+
+
+@pytest.fixture(params=["sqlite", "memory"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def store(kind: str, tmp_path: Path) -> AsyncIterator[Store]:
+    opened: Store = sqlite_at(tmp_path / "db.sqlite3") if kind == "sqlite" else MemoryStore()
+    async with running(opened):
+        yield opened
+
+
+def step(seq: int, *, key: str | None = None, snapshot: bytes | None = None, session: str = "a") -> Step:
+    """Step `seq` of a session, with bytes that name it (the store never reads them)."""
+    digest = f"d{seq}".encode() if key is not None else None
+    return Step(session, seq, f"e{seq}".encode(), f"a{seq}".encode(), key, digest, snapshot)
+
+
+def row(seq: int) -> tuple[int, bytes, bytes]:
+    """Step `seq` as the journal gives it back."""
+    return (seq, f"e{seq}".encode(), f"a{seq}".encode())
+
+
+async def append_all(store: Store, *steps: Step) -> None:
+    for s in steps:
+        await store.append(s)
+
+
+# -- the contract, for every implementation --------------------------------------------------------------------------
+
+
+async def test_a_new_session_loads_as_its_config_with_no_snapshot_at_seq_0(store: Store) -> None:
+    await store.create("a", CONFIG)
+    assert await store.load("a") == Stored("a", CONFIG, None, 0, Health.OK, None, [])
+
+
+async def test_a_session_created_from_a_snapshot_loads_that_snapshot_at_seq_0(store: Store) -> None:
+    await store.create("a", CONFIG, b"SNAP")
+    assert await store.load("a") == Stored("a", CONFIG, b"SNAP", 0, Health.OK, None, [])
+
+
+async def test_appended_steps_load_back_in_order(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1), step(2), step(3))
+    assert await store.load("a") == Stored("a", CONFIG, None, 0, Health.OK, None, [row(1), row(2), row(3)])
+
+
+async def test_a_load_is_the_latest_snapshot_and_only_the_journal_after_it(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1), step(2, snapshot=b"S2"), step(3), step(4, snapshot=b"S4"), step(5), step(6))
+    assert await store.load("a") == Stored("a", CONFIG, b"S4", 4, Health.OK, None, [row(5), row(6)])
+
+
+async def test_a_keyed_step_is_found_by_its_key_and_an_unknown_key_is_none(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1, key="k1"), step(2), step(3, key="k3"))
+    assert (await store.keyed("a", "k3"), await store.keyed("a", "k2"), await store.keyed("b", "k1")) == (
+        Keyed(3, b"d3", b"a3"),
+        None,
+        None,
+    )
+
+
+async def test_steps_since_gives_at_most_limit_steps_after_since(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, *(step(n) for n in range(1, 6)))
+    assert [await store.steps_since("a", since, limit) for since, limit in ((1, 2), (3, 10), (5, 10))] == [
+        [row(2), row(3)],
+        [row(4), row(5)],
+        [],
+    ]
+
+
+async def test_health_round_trips_through_the_session_list(store: Store) -> None:
+    await store.create("b", CONFIG)
+    await store.create("a", CONFIG)
+    await store.append(step(1))
+    await store.set_health("a", Health.ENDED, "its deadline passed")
+    await store.set_health("b", Health.POISONED, "it trapped")
+    await store.set_health("b", Health.OK, None)
+    assert await store.sessions() == [
+        SessionRow("a", Health.ENDED, "its deadline passed", 1),
+        SessionRow("b", Health.OK, None, 0),
+    ]
+
+
+async def test_delete_removes_the_session_and_all_its_history(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1, key="k1"), step(2, snapshot=b"S2"))
+    await store.delete("a")
+    gone = (await store.load("a"), await store.keyed("a", "k1"), await store.steps_since("a", 0, 10))
+    assert gone == (None, None, [])
+
+
+async def test_creating_an_existing_name_replaces_its_history_and_health(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1, key="k1"), step(2, snapshot=b"S2"))
+    await store.set_health("a", Health.POISONED, "it trapped")
+    await store.create("a", b"{}")
+    assert (await store.load("a"), await store.keyed("a", "k1")) == (
+        Stored("a", b"{}", None, 0, Health.OK, None, []),
+        None,
+    )
+
+
+async def forked(store: Store) -> None:
+    """Source "a": keys at 1 and 4, a snapshot at 3; "f" forked from it at step 2 with snapshot F2."""
+    await store.create("a", CONFIG)
+    await append_all(store, step(1, key="k1"), step(2), step(3, snapshot=b"S3"), step(4, key="k4"))
+    await store.fork("a", 2, "f", b"F2")
+
+
+async def test_a_fork_has_the_source_journal_and_keys_up_to_its_step(store: Store) -> None:
+    await forked(store)
+    assert (await store.steps_since("f", 0, 10), await store.keyed("f", "k1"), await store.keyed("f", "k4")) == (
+        [row(1), row(2)],
+        Keyed(1, b"d1", b"a1"),
+        None,
+    )
+
+
+async def test_a_fork_loads_as_its_snapshot_at_its_step_with_nothing_to_replay(store: Store) -> None:
+    await forked(store)
+    assert await store.load("f") == Stored("f", CONFIG, b"F2", 2, Health.OK, None, [])
+
+
+async def test_a_fork_leaves_its_source_as_it_was(store: Store) -> None:
+    await forked(store)
+    assert (await store.load("a"), await store.keyed("a", "k4")) == (
+        Stored("a", CONFIG, b"S3", 3, Health.OK, None, [row(4)]),
+        Keyed(4, b"d4", b"a4"),
+    )
+
+
+async def test_a_fork_at_0_without_a_snapshot_loads_from_the_config(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1), step(2, snapshot=b"S2"))
+    await store.fork("a", 0, "f", None)
+    assert await store.load("f") == Stored("f", CONFIG, None, 0, Health.OK, None, [])
+
+
+async def test_load_at_gives_the_state_as_of_an_earlier_step(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1), step(2, snapshot=b"S2"), step(3), step(4, snapshot=b"S4"), step(5))
+    assert [await store.load_at("a", at) for at in (1, 3, 4, 5, 6)] == [
+        Stored("a", CONFIG, None, 0, Health.OK, None, [row(1)]),
+        Stored("a", CONFIG, b"S2", 2, Health.OK, None, [row(3)]),
+        Stored("a", CONFIG, b"S4", 4, Health.OK, None, []),
+        Stored("a", CONFIG, b"S4", 4, Health.OK, None, [row(5)]),
+        None,
+    ]
+
+
+async def test_a_duplicate_step_is_a_store_error_and_nothing_of_it_is_visible(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await store.append(step(1))
+    with pytest.raises(StoreError):
+        await store.append(Step("a", 1, b"other", b"other", "dup", b"dd", b"SNAP"))
+    assert (await store.load("a"), await store.keyed("a", "dup")) == (
+        Stored("a", CONFIG, None, 0, Health.OK, None, [row(1)]),
+        None,
+    )
+
+
+async def test_statistics_count_the_commits(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1), step(2))
+    assert store.statistics().commits == 3
+
+
+async def test_flush_commits_what_is_pending_when_run_is_not_running(tmp_path: Path, kind: str) -> None:
+    store = sqlite_at(tmp_path / "db.sqlite3") if kind == "sqlite" else MemoryStore()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.create, "a", CONFIG)  # queued: no `run` commits it (as at shutdown, after run ends)
+            await anyio.wait_all_tasks_blocked()
+            with anyio.fail_after(5):
+                await store.flush()
+        assert await store.load("a") == Stored("a", CONFIG, None, 0, Health.OK, None, [])
+    finally:
+        store.close()
+
+
+# -- SQLite only -----------------------------------------------------------------------------------------------------
+
+
+async def test_sqlite_data_survives_closing_and_reopening_the_file(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as before:
+        await before.create("a", CONFIG)
+        await append_all(before, step(1, key="k1"), step(2, snapshot=b"S2"), step(3))
+        await before.set_health("a", Health.ENDED, "its deadline passed")
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as after:
+        assert (await after.load("a"), await after.keyed("a", "k1"), await after.sessions()) == (
+            Stored("a", CONFIG, b"S2", 2, Health.ENDED, "its deadline passed", [row(3)]),
+            Keyed(1, b"d1", b"a1"),
+            [SessionRow("a", Health.ENDED, "its deadline passed", 3)],
+        )
+
+
+async def test_sqlite_a_failed_commit_is_a_store_error_not_a_sqlite3_one(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        await store.create("a", CONFIG)
+        await store.append(step(1))
+        with pytest.raises(StoreError) as failed:
+            await store.append(step(1))
+    assert str(failed.value) == (
+        "the state could not be made durable: UNIQUE constraint failed: journal.session, journal.seq"
+    )
+
+
+async def test_sqlite_a_failed_commit_fails_every_write_in_its_batch(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        await store.create("a", CONFIG)
+        await store.append(step(1))
+    store = sqlite_at(tmp_path / "db.sqlite3")
+    failed: list[type[BaseException]] = []
+
+    async def write(op: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await op()
+        except StoreError as e:
+            failed.append(type(e))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            async with anyio.create_task_group() as writers:
+                writers.start_soon(write, lambda: store.create("b", CONFIG))
+                writers.start_soon(write, lambda: store.append(step(1)))
+                await anyio.wait_all_tasks_blocked()  # both wait, queued: nothing commits before `run`
+                tg.start_soon(store.run)  # so its first commit holds both, and the duplicate fails it
+            outcome = (failed, await store.load("b"), store.statistics().commits)
+            tg.cancel_scope.cancel()
+    finally:
+        store.close()
+    assert outcome == ([StoreError, StoreError], None, 1)
+
+
+async def test_sqlite_pruning_keeps_the_newest_keys_and_the_steps_behind_the_latest_snapshot(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3", keys_kept=2, steps_kept=2, prune_every_steps=1)) as store:
+        await store.create("a", CONFIG)
+        await append_all(
+            store,
+            step(1, key="k1"),
+            step(2, key="k2"),
+            step(3),
+            step(4, snapshot=b"S4"),
+            step(5, key="k5"),
+            step(6),
+            step(7),
+            step(8, snapshot=b"S8"),
+            step(9),
+        )
+        kept = [seq for seq, _, _ in await store.steps_since("a", 0, 100)]
+        keys = [await store.keyed("a", k) is not None for k in ("k1", "k2", "k5")]
+        assert (kept, keys, await store.load("a"), await store.load_at("a", 7)) == (
+            [2, 5, 7, 8, 9],
+            [False, True, True],
+            Stored("a", CONFIG, b"S8", 8, Health.OK, None, [row(9)]),
+            None,
+        )
+
+
+async def test_sqlite_a_name_created_again_is_pruned_as_a_new_session(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3", keys_kept=1, steps_kept=1, prune_every_steps=4)) as store:
+        await store.create("a", CONFIG)
+        await append_all(store, *(step(n) for n in range(1, 8)), step(8, snapshot=b"S8"))
+        await store.delete("a")
+        await store.create("a", CONFIG)
+        await append_all(store, step(1), step(2), step(3), step(4, snapshot=b"S4"), step(5))
+        assert await store.steps_since("a", 0, 100) == [row(4), row(5)]
