@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import socket
@@ -36,6 +37,10 @@ def _serve(args: argparse.Namespace) -> int:
     from devd.sqlite_store import SQLiteStore
 
     os.umask(0o077)  # state files, the token and the socket: this user's alone
+    # A fault SQLite's shared-memory mapping can raise (SIGBUS on a failed write or a read-only remount) kills the
+    # process; this leaves a traceback in the log rather than nothing. Enabled before the wasm engine exists, and
+    # wasmtime runs without signal-based traps, so the two handlers do not meet (see shared/WASM-HOST.md).
+    faulthandler.enable()
     # The commit thread and the epoch ticker need the GIL promptly; the default 5 ms switch interval makes them
     # wait behind the event loop (a convoy that stretched commits to ~4 ms here).
     sys.setswitchinterval(0.0001)

@@ -73,7 +73,9 @@ class MemoryStore:
 
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
         self._committed(time.perf_counter())
-        src = self._sessions[source]
+        src = self._sessions.get(source)
+        if src is None:
+            raise StoreError(f"there is no session {source!r} to fork")
         copy = _Session(src.config)
         for seq, step in src.journal.items():
             if seq <= at:
