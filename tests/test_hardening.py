@@ -372,3 +372,11 @@ def test_an_internal_error_is_logged_without_the_request_payload(tmp_path: Path)
             c.step("s", turn(1, secret))
         logged = d.log.read_text()
     assert ("request.failed" in logged, secret in logged) == (True, False)
+
+
+def test_a_since_past_what_a_step_number_holds_is_invalid_params(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d, d.client() as c:
+        c.new(session="s")
+        with pytest.raises(errors.InvalidParamsError, match="since must be a step number"):
+            c.call("session/watch", {"session": "s", "since": 1 << 63})
+        assert c.call("session/watch", {"session": "s", "since": (1 << 63) - 1}) == {}
