@@ -4,9 +4,9 @@ Writes go through one commit thread (group commit): every write waits until the 
 committed with `synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive while a commit runs share
 the next one. A batch of steps alone is one INSERT statement, so one transaction and one crossing of the GIL for the
 commit thread. A failed commit fails every write in it with `StoreError`; nothing is retried, so nothing is
-acknowledged that is not on disk. SQLite's own checkpoints run after a commit, on the commit thread. Reads of
-unbounded size run on a worker thread under a limiter of their own, so they never wait behind calls moved off the
-event loop; a keyed lookup (one indexed row) runs inline.
+acknowledged that is not on disk. SQLite's own checkpoints run after a commit, on the commit thread. The file is
+opened in exclusive locking mode, through one connection that commits and reads take turns on; reads run on a worker
+thread under a limiter of their own, never on the event loop and never behind calls moved off it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -70,6 +70,10 @@ class _Pending:
 
 def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    # Exclusive before anything reads the file: the WAL index then lives in this process's heap, not in a mapped
+    # `-shm` file whose failed write would kill the process with SIGBUS. Only this connection may use the file, which
+    # the state directory's lock (devd.listeners.lock_state_dir) makes true anyway.
+    db.execute("PRAGMA locking_mode=EXCLUSIVE")
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
     db.execute("PRAGMA busy_timeout=5000")
@@ -86,17 +90,17 @@ class SQLiteStore:
         self.prune_every_steps = prune_every_steps
         try:
             _check_wal(path)
-            self._writer = _connect(path)
-            self._writer.executescript(_SCHEMA)
-            self.id = _identify(self._writer, path)
-            self._reader = _connect(path)  # worker threads' reads, one at a time
-            self._point = _connect(path)  # the event loop's point lookups
+            self._db = _connect(path)
+            self._db.executescript(_SCHEMA)
+            self.id = _identify(self._db, path)
         except sqlite3.Error as e:
-            raise StoreError(f"the database {path} cannot be opened: {e}; it was left as it is") from None
+            hint = " (another process has it open: close it)" if "locked" in str(e) else ""
+            raise StoreError(f"the database {path} cannot be opened: {e}{hint}; it was left as it is") from None
         st = os.stat(path)
         self._inode = (st.st_dev, st.st_ino)
         self._broken: str | None = None  # once set, nothing more is acknowledged until the daemon restarts
         self._read_limiter = anyio.CapacityLimiter(1)
+        self._lock = threading.Lock()  # one connection: the commit thread and readers take turns
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -107,8 +111,8 @@ class SQLiteStore:
         self._pruned: dict[str, int] = {}  # the seq each session was last pruned at (commit thread only)
 
     def close(self) -> None:
-        for db in (self._writer, self._reader, self._point):
-            db.close()
+        with self._lock:
+            self._db.close()
 
     def statistics(self) -> StoreStats:
         s = self._commit_seconds
@@ -156,7 +160,8 @@ class SQLiteStore:
                     break
                 batch.append(item)
             started = time.perf_counter()
-            error = self._apply([p.op for p in batch])
+            with self._lock:
+                error = self._apply([p.op for p in batch])
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._committed, batch, error, time.perf_counter() - started)
 
@@ -172,7 +177,7 @@ class SQLiteStore:
             self._settled.set()
 
     def _apply(self, ops: list[Op]) -> BaseException | None:
-        db = self._writer
+        db = self._db
         steps = [op for op in ops if isinstance(op, Step)]
         if self._broken is not None:
             return StoreError(self._broken)
@@ -313,11 +318,8 @@ class SQLiteStore:
         def run() -> T:
             try:
                 failpoints.hit("read")
-                self._reader.execute("BEGIN")  # one snapshot of the database for the whole read
-                try:
-                    return fn(self._reader)
-                finally:
-                    self._reader.execute("COMMIT")
+                with self._lock:  # no commit in between: the whole read sees one state of the database
+                    return fn(self._db)
             except (sqlite3.Error, OSError) as e:
                 raise StoreError(f"reading the database failed: {e}") from None
 
@@ -342,12 +344,22 @@ class SQLiteStore:
         return await self._read(lambda db: _load(db, name, at))
 
     async def keyed(self, name: str, key: str) -> Keyed | None:
-        try:
-            row = self._point.execute(
+        def read(db: sqlite3.Connection) -> Any:
+            return db.execute(
                 "SELECT seq, digest, actions FROM journal WHERE session = ? AND key = ?", (name, key)
             ).fetchone()
-        except sqlite3.Error as e:
-            raise StoreError(f"reading the database failed: {e}") from None
+
+        # One indexed row: read here when the connection is free (most of the time, it is), rather than pay a
+        # thread's round trip; while a commit holds it, wait for it on a worker thread, never on the event loop.
+        if self._lock.acquire(blocking=False):
+            try:
+                row = read(self._db)
+            except sqlite3.Error as e:
+                raise StoreError(f"reading the database failed: {e}") from None
+            finally:
+                self._lock.release()
+        else:
+            row = await self._read(read)
         return Keyed(*row) if row else None
 
     async def steps_since(self, name: str, since: int, limit: int) -> list[tuple[int, bytes, bytes]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -153,7 +154,7 @@ def test_a_journal_that_replays_otherwise_is_reported_not_accepted(tmp_path: Pat
         c.new(session="j")
         c.step("j", turn(1, FIX))
     d.stop()
-    with sqlite3.connect(d.state / "devd.sqlite3") as db:
+    with contextlib.closing(sqlite3.connect(d.state / "devd.sqlite3")) as db, db:
         db.execute("UPDATE journal SET actions = ? WHERE session = 'j' AND seq = 1", (b"[]",))
     with d.start(), d.client() as c:
         with pytest.raises(errors.PoisonError, match="replaying step 1"):

@@ -380,3 +380,13 @@ def test_a_since_past_what_a_step_number_holds_is_invalid_params(tmp_path: Path)
         with pytest.raises(errors.InvalidParamsError, match="since must be a step number"):
             c.call("session/watch", {"session": "s", "since": 1 << 63})
         assert c.call("session/watch", {"session": "s", "since": (1 << 63) - 1}) == {}
+
+
+def test_the_database_keeps_no_shared_memory_file_whose_fault_would_kill_the_daemon(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d, d.client() as c:
+        c.new(session="s")
+        assert sorted(p.name for p in d.state.iterdir() if p.name.startswith("devd.sqlite3")) == [
+            "devd.sqlite3",
+            "devd.sqlite3-wal",
+            "devd.sqlite3.id",
+        ]
