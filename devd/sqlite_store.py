@@ -36,26 +36,35 @@ log = structlog.get_logger("devd.store")
 ROWS_PER_STATEMENT = 500  # 7 variables a row, well under SQLite's 32,766
 T = TypeVar("T")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    name TEXT PRIMARY KEY,
-    config BLOB NOT NULL,
-    state TEXT NOT NULL DEFAULT 'ok',
-    reason TEXT
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS journal (
-    session TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    key TEXT,
-    digest BLOB,
-    event BLOB NOT NULL,
-    actions BLOB NOT NULL,
-    snapshot BLOB,
-    PRIMARY KEY (session, seq)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS journal_key ON journal (session, key) WHERE key IS NOT NULL;
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-"""
+# The on-disk format, one migration per version (`PRAGMA user_version` counts those applied). Each runs once, in a
+# transaction of its own, at start; a database from a newer devd (a version past this list) is refused. Never edit a
+# migration that has shipped: add the next one.
+MIGRATIONS: tuple[str, ...] = (
+    # 1: sessions and their journal (the first release, which did not set user_version)
+    """
+    CREATE TABLE IF NOT EXISTS sessions (
+        name TEXT PRIMARY KEY,
+        config BLOB NOT NULL,
+        state TEXT NOT NULL DEFAULT 'ok',
+        reason TEXT
+    ) WITHOUT ROWID;
+    CREATE TABLE IF NOT EXISTS journal (
+        session TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        key TEXT,
+        digest BLOB,
+        event BLOB NOT NULL,
+        actions BLOB NOT NULL,
+        snapshot BLOB,
+        PRIMARY KEY (session, seq)
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS journal_key ON journal (session, key) WHERE key IS NOT NULL;
+    """,
+    # 2: the database's identity, checked against the file beside it
+    """
+    CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+    """,
+)
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
 
 Op = Callable[[sqlite3.Connection], None] | Step
@@ -91,7 +100,7 @@ class SQLiteStore:
         try:
             _check_wal(path)
             self._db = _connect(path)
-            self._db.executescript(_SCHEMA)
+            migrate(self._db, path)
             self.id = _identify(self._db, path)
         except sqlite3.Error as e:
             hint = " (another process has it open: close it)" if "locked" in str(e) else ""
@@ -369,6 +378,19 @@ class SQLiteStore:
                 (name, since, limit),
             ).fetchall()
         )
+
+
+def migrate(db: sqlite3.Connection, path: Path) -> None:
+    """Bring the database to the format this devd writes, one migration at a time."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > len(MIGRATIONS):
+        raise StoreError(
+            f"{path} was written by a newer devd (format {version}; this one knows up to {len(MIGRATIONS)}); run that "
+            "devd or a newer one; the database was left as it is"
+        )
+    for n in range(version, len(MIGRATIONS)):
+        db.executescript(f"BEGIN IMMEDIATE; {MIGRATIONS[n]} PRAGMA user_version = {n + 1}; COMMIT;")
+        log.info("store.migrated", database=str(path), version=n + 1)
 
 
 def _is_io_error(e: BaseException) -> bool:
