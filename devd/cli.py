@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from devd import __version__, log, systemd
-from devd.config import Settings, default, default_socket_path, default_state_dir, parse_tcp
+from devd.config import Settings, default, default_socket_path, default_state_dir, parse_duration, parse_tcp
 from devd.errors import DevdError
 
 
@@ -54,6 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
             core_path=Path(args.core) if args.core else None,
             call_timeout_s=args.call_timeout,
             sessions_max=args.max_sessions,
+            max_live=args.max_live,
+            expire_after_s=parse_duration(args.expire_after) if args.expire_after else None,
             connections_max=args.max_connections,
             line_bytes_max=args.max_line_bytes,
             line_timeout_s=args.line_timeout,
@@ -262,7 +264,20 @@ def parser() -> argparse.ArgumentParser:
         default=default("max_call_timeout_s"),
         help="the longest deadline a client may ask for, in seconds (longer ones are cut to it)",
     )
-    serve.add_argument("--max-sessions", type=int, default=default("sessions_max"))
+    serve.add_argument(
+        "--max-sessions", type=int, default=default("sessions_max"), help="sessions kept, live or stored"
+    )
+    serve.add_argument(
+        "--max-live",
+        type=int,
+        default=default("max_live"),
+        help="sessions held in memory; past it the least recently used idle one hibernates (to disk)",
+    )
+    serve.add_argument(
+        "--expire-after",
+        metavar="DURATION",
+        help="delete sessions no call has used for this long (e.g. 30d, 12h); default: keep them",
+    )
     serve.add_argument("--max-connections", type=int, default=default("connections_max"))
     serve.add_argument("--max-line-bytes", type=int, default=default("line_bytes_max"))
     serve.add_argument(

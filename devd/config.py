@@ -25,7 +25,9 @@ class Settings:
     call_threads_max: int = 32  # worker threads for calls moved off the loop (commits have a thread of their own)
     memory_bytes_per_session: int = 64 << 20
     # sessions and history
-    sessions_max: int = 10_000
+    sessions_max: int = 1_000_000  # sessions kept, live or stored
+    max_live: int = 1000  # sessions with an instance in memory; past it, the least recently used idle one hibernates
+    expire_after_s: float | None = None  # sessions unused this long are deleted; None keeps them for ever
     keys_kept_per_session: int = 1000
     steps_kept_per_session: int = 1000  # unkeyed history kept behind the latest snapshot, for watchers' `since`
     prune_every_steps: int = 256
@@ -64,6 +66,21 @@ def default_socket_path() -> Path:
     if d := os.environ.get("XDG_RUNTIME_DIR"):
         return Path(d) / "devd" / "devd.sock"
     return Path(f"/tmp/devd-{os.getuid()}") / "devd.sock"
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """`90`, `90s`, `30m`, `12h` or `7d` as seconds."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "s")
+    try:
+        seconds = float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"a duration is a number with s, m, h or d after it (30d, 12h), not {text!r}") from None
+    if seconds <= 0:
+        raise ValueError(f"a duration must be more than zero, not {text!r}")
+    return seconds
 
 
 def parse_tcp(url: str) -> tuple[str, int]:

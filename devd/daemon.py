@@ -45,6 +45,7 @@ def build(
         store,
         Fanout(encode_notice),
         sessions_max=settings.sessions_max,
+        max_live=settings.max_live,
         call_timeout_s=settings.call_timeout_s,
         max_call_timeout_s=settings.max_call_timeout_s,
         runner=runner,
@@ -73,10 +74,13 @@ class Daemon:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app.store.run)
                 tg.start_soon(self._watchdog)
+                if self.settings.expire_after_s is not None:
+                    tg.start_soon(self._expire, self.settings.expire_after_s)
                 self.hub = Hub(self.settings, self.dispatcher, self.token)
                 servers = [await _listen(self.hub, sock, kind) for sock, kind in listeners]
                 on_ready()
-                log.info("daemon.ready", sessions=len(app.registry.list()), listeners=[t for _, t in listeners])
+                sessions = sum(app.registry.counts().values())
+                log.info("daemon.ready", sessions=sessions, listeners=[t for _, t in listeners])
                 await self._until_signal(signals, servers)
                 if self.hub.tasks:
                     # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
@@ -108,6 +112,14 @@ class Daemon:
         for conn in list(self.hub.connections):
             if conn.transport is not None:
                 conn.transport.close()
+
+    async def _expire(self, unused_for_s: float) -> None:
+        """Delete sessions unused for longer than the daemon keeps them, checking a few times per that period."""
+        registry = self.dispatcher.app.registry
+        while True:
+            await anyio.sleep(min(max(unused_for_s / 10, 0.1), 60.0))
+            if not self.dispatcher.draining:
+                await registry.expire(unused_for_s)
 
     async def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()

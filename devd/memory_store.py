@@ -20,6 +20,8 @@ class _Session:
     health: Health = Health.OK
     reason: str | None = None
     journal: dict[int, Step] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
 
 
 class MemoryStore:
@@ -61,6 +63,7 @@ class MemoryStore:
         if session is None or step.seq in session.journal:
             raise StoreError(f"step {step.seq} of {step.session!r} cannot be journalled: no such session or seq")
         session.journal[step.seq] = step
+        session.last_used = time.time()
 
     async def set_health(self, name: str, health: Health, reason: str | None) -> None:
         self._committed(time.perf_counter())
@@ -87,7 +90,7 @@ class MemoryStore:
 
     async def sessions(self) -> list[SessionRow]:
         return [
-            SessionRow(name, s.health, s.reason, max(s.journal, default=0))
+            SessionRow(name, s.health, s.reason, max(s.journal, default=0), s.created, s.last_used)
             for name, s in sorted(self._sessions.items())
         ]
 

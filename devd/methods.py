@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -255,6 +256,8 @@ class StatusResult(msgspec.Struct, frozen=True):
     errors: dict[str, int]
     deadline_hits: int
     offloaded: int  # calls that passed their inline budget and ran on a worker thread
+    hibernated: int  # idle sessions whose instance was dropped to stay within --max-live
+    expired: int  # sessions deleted by --expire-after
     commit_ms_p50: float
     commit_ms_p99: float
     memory_rss_bytes: int
@@ -272,6 +275,8 @@ def status(app: App) -> StatusResult:
         errors=dict(app.errors),
         deadline_hits=stats.deadline_hits,
         offloaded=app.registry.runner.offloaded,
+        hibernated=stats.hibernated,
+        expired=stats.expired,
         commit_ms_p50=store.commit_ms_p50,
         commit_ms_p99=store.commit_ms_p99,
         memory_rss_bytes=_rss_bytes(),
@@ -396,27 +401,56 @@ async def session_close(call: Call, params: SessionParams) -> Empty:
     return Empty()
 
 
+class ListParams(_Params, frozen=True):
+    """A page of the sessions: at most `limit` (default: all of them) whose names sort after `cursor`."""
+
+    limit: Annotated[int, Meta(ge=1, le=100_000, description="at most this many sessions")] | None = None
+    cursor: Annotated[str, Meta(description="the `next` of the page before")] | None = None
+
+
 class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One session: its state, its last step, how many connections watch it, and why it ended."""
+    """One session: its state, its last step, when it was made and last used (RFC 3339, UTC), how many
+    connections watch it, and why it ended."""
 
     session: str
     state: Literal["live", "stored", "ended", "poisoned"]
     seq: int
+    created: str
+    last_used: str
     watchers: int = 0
     reason: str | None = None
 
 
-class ListResult(msgspec.Struct, frozen=True):
-    """Every session, by name."""
+class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Sessions by name; `next` is the cursor for the following page, when there is one."""
 
     sessions: list[SessionInfo]
+    next: str | None = None
 
 
-@method("session/list", NoParams, ListResult)
-async def session_list(call: Call, params: NoParams) -> ListResult:
-    """Every session the daemon holds, by name."""
+def rfc3339(seconds: float) -> str:
+    """Wall-clock seconds as RFC 3339 in UTC, to the millisecond."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@method("session/list", ListParams, ListResult)
+async def session_list(call: Call, params: ListParams) -> ListResult:
+    """The sessions the daemon holds, by name, a page at a time when `limit` is given."""
+    infos, after = call.app.registry.page(params.limit, params.cursor)
     return ListResult(
-        [SessionInfo(i.name, i.state.value, i.seq, i.watchers, i.reason) for i in call.app.registry.list()]  # type: ignore[arg-type]
+        [
+            SessionInfo(
+                i.name,
+                i.state.value,  # type: ignore[arg-type]
+                i.seq,
+                rfc3339(i.created),
+                rfc3339(i.last_used),
+                i.watchers,
+                i.reason,
+            )
+            for i in infos
+        ],
+        after,
     )
 
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import hashlib
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -58,6 +60,8 @@ class Entry:
     reason: str | None = None
     instance: Instance | None = None
     busy: bool = False
+    created: float = 0.0  # wall-clock seconds
+    last_used: float = 0.0  # wall-clock seconds of the last call on it
 
 
 @dataclass
@@ -65,6 +69,8 @@ class Stats:
     steps: int = 0
     replayed: int = 0
     deadline_hits: int = 0
+    hibernated: int = 0  # idle instances dropped to make room (their sessions stay, stored)
+    expired: int = 0  # sessions deleted for going unused longer than the daemon keeps them
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,8 @@ class Info:
     seq: int
     watchers: int
     reason: str | None
+    created: float
+    last_used: float
 
 
 _HEALTH = {State.ENDED: Health.ENDED, State.POISONED: Health.POISONED}
@@ -101,6 +109,7 @@ class Registry:
         fanout: Fanout,
         *,
         sessions_max: int,
+        max_live: int,
         call_timeout_s: float,
         max_call_timeout_s: float,
         runner: Runner,
@@ -109,16 +118,23 @@ class Registry:
         self.store = store
         self.fanout = fanout
         self.sessions_max = sessions_max
+        self.max_live = max_live
         self.call_timeout_s = call_timeout_s
         self.max_call_timeout_s = max_call_timeout_s
         self.runner = runner
         self.stats = Stats()
         self._entries: dict[str, Entry] = {}
+        self._names: list[str] = []  # every name, sorted: list pages are a bisect and a slice
+        self._live: OrderedDict[str, None] = OrderedDict()  # names with an instance, least recently used first
 
     async def load(self) -> None:
         """Know every stored session (their instances are built on first use)."""
         for row in await self.store.sessions():
-            self._entries[row.name] = Entry(row.name, _FROM_HEALTH[row.health], row.seq, row.reason)
+            entry = Entry(row.name, _FROM_HEALTH[row.health], row.seq, row.reason)
+            entry.created = row.created
+            entry.last_used = row.last_used
+            self._entries[row.name] = entry
+        self._names = sorted(self._entries)
 
     # -- starting sessions ------------------------------------------------------------------------------------------
 
@@ -168,10 +184,12 @@ class Registry:
         except BaseException:
             if instance is not None:
                 instance.close()
-            del self._entries[name]
+            self._forget(name)
             raise
         entry = self._entries[name]
-        entry.instance, entry.seq, entry.busy = instance, at, False
+        assert instance is not None
+        self._attach(entry, instance)
+        entry.seq, entry.busy = at, False
         return name
 
     async def _start(
@@ -182,16 +200,17 @@ class Registry:
         try:
             instance = await start()
         except BaseException:
-            del self._entries[name]
+            self._forget(name)
             raise
         try:
             await self.store.create(name, config, snapshot)
         except BaseException:
             instance.close()
-            del self._entries[name]
+            self._forget(name)
             raise
         entry = self._entries[name]
-        entry.instance, entry.busy = instance, False
+        self._attach(entry, instance)
+        entry.busy = False
         return name
 
     def _claim(self, name: str | None) -> str:
@@ -201,8 +220,17 @@ class Registry:
             name = secrets.token_urlsafe(16)
         if name in self._entries:
             raise ExistsError(f"a session named {name!r} exists; choose another name or close it first")
-        self._entries[name] = Entry(name, State.LIVE, 0, busy=True)
+        now = time.time()
+        self._entries[name] = Entry(name, State.LIVE, 0, busy=True, created=now, last_used=now)
+        bisect.insort(self._names, name)
         return name
+
+    def _forget(self, name: str) -> None:
+        del self._entries[name]
+        self._live.pop(name, None)
+        i = bisect.bisect_left(self._names, name)
+        if i < len(self._names) and self._names[i] == name:
+            del self._names[i]
 
     # -- calls on a session -----------------------------------------------------------------------------------------
 
@@ -229,7 +257,7 @@ class Registry:
                 await self.store.append(Step(name, seq, event, actions, key, event_digest, snapshot))
             except StoreError as e:
                 # The instance is ahead of the disk: drop it, so the next use rebuilds from what is durable.
-                self._drop_instance(entry)
+                self._detach(entry)
                 self._move(entry, Input.DROP)
                 raise StoreError(f"the step could not be made durable and was not applied: {e}") from None
             entry.seq = seq
@@ -269,10 +297,10 @@ class Registry:
         entry = self._enter(name, any_state=True)
         try:
             await self.store.delete(name)
-            self._drop_instance(entry)
+            self._detach(entry)
             self._move(entry, Input.CLOSE)
             self.fanout.end(name, "closed")
-            del self._entries[name]
+            self._forget(name)
         finally:
             entry.busy = False
 
@@ -294,7 +322,7 @@ class Registry:
         # The inline attempt was stopped mid-call; its instance is gone. What is durable is exactly the state
         # before this call, so rebuild from it and run the call where it cannot hold up the event loop.
         self.runner.offloaded += 1
-        entry.instance = None
+        self._detach(entry)
         self._move(entry, Input.DROP)
         stored = await self._stored(entry.name)
         try:
@@ -304,7 +332,7 @@ class Registry:
         except DevdError as e:
             await self._lost(entry, e)
             raise
-        entry.instance = instance
+        self._attach(entry, instance)
         self._move(entry, Input.LOAD)
         return result
 
@@ -312,7 +340,7 @@ class Registry:
         """Bring a stored session back: restore its snapshot and replay its journal, on a worker thread."""
         stored = await self._stored(entry.name)
         try:
-            entry.instance = await self.runner.off_loop(lambda: rebuild(self.core, stored, self.call_timeout_s))
+            instance = await self.runner.off_loop(lambda: rebuild(self.core, stored, self.call_timeout_s))
         except DevdError as e:
             reason = f"rebuilding it failed: {e}"
             log.error("session.rebuild_failed", session=entry.name, error=str(e))
@@ -322,6 +350,7 @@ class Registry:
                 f"session {entry.name!r} could not be rebuilt from its durable state ({e}); "
                 "its snapshot and journal are kept, see the daemon's log"
             ) from None
+        self._attach(entry, instance)
         self._move(entry, how)
         entry.seq = stored.seq
 
@@ -339,7 +368,7 @@ class Registry:
             isinstance(error, HandleError) and (entry.instance is None or not entry.instance.alive)
         ):
             how = Input.POISON if isinstance(error, PanicError | PoisonError) else Input.END
-            self._drop_instance(entry)
+            self._detach(entry)
             self._move(entry, how, str(error))
             await self.store.set_health(entry.name, _HEALTH[entry.state], entry.reason)
 
@@ -347,7 +376,28 @@ class Registry:
         entry.state = next_state(entry.state, input)
         entry.reason = reason
 
-    def _drop_instance(self, entry: Entry) -> None:
+    def _attach(self, entry: Entry, instance: Instance) -> None:
+        """Give entry its instance, first hibernating the least recently used idle sessions past `max_live`."""
+        while len(self._live) >= self.max_live and self._hibernate_one():
+            pass
+        entry.instance = instance
+        self._live[entry.name] = None
+
+    def _hibernate_one(self) -> bool:
+        """Drop the instance of the least recently used session not inside a call: its durable state is complete,
+        so this writes nothing, and its next call rebuilds it. False if every live session is inside a call."""
+        for name in self._live:
+            entry = self._entries[name]
+            if not entry.busy:
+                self._detach(entry)
+                self._move(entry, Input.DROP)
+                self.stats.hibernated += 1
+                log.info("session.hibernated", session=name)
+                return True
+        return False
+
+    def _detach(self, entry: Entry) -> None:
+        self._live.pop(entry.name, None)
         instance, entry.instance = entry.instance, None
         if instance is not None:
             try:
@@ -365,6 +415,9 @@ class Registry:
             kind = PoisonError if entry.state is State.POISONED else HandleError
             raise kind(f"session {name!r} {entry.state.value} ({entry.reason}); `session/recover` brings it back")
         entry.busy = True
+        entry.last_used = time.time()
+        if name in self._live:
+            self._live.move_to_end(name)
         return entry
 
     # -- watchers ---------------------------------------------------------------------------------------------------
@@ -398,11 +451,36 @@ class Registry:
 
     # -- status -----------------------------------------------------------------------------------------------------
 
-    def list(self) -> list[Info]:
-        return [
-            Info(e.name, e.state, e.seq, self.fanout.count(e.name), e.reason)
-            for e in sorted(self._entries.values(), key=lambda e: e.name)
-        ]
+    def page(self, limit: int | None = None, after: str | None = None) -> tuple[list[Info], str | None]:
+        """Sessions by name: up to `limit` of them (all if None) after the name `after`; and the name to continue
+        after, if there are more."""
+        start = 0 if after is None else bisect.bisect_right(self._names, after)
+        names = self._names[start:] if limit is None else self._names[start : start + limit]
+        infos = [self._info(self._entries[n]) for n in names]
+        more = limit is not None and start + limit < len(self._names)
+        return infos, (names[-1] if more and names else None)
+
+    def _info(self, e: Entry) -> Info:
+        return Info(e.name, e.state, e.seq, self.fanout.count(e.name), e.reason, e.created, e.last_used)
+
+    async def expire(self, unused_for_s: float) -> list[str]:
+        """Delete the sessions no call has used for `unused_for_s` (none inside a call); their names."""
+        cutoff = time.time() - unused_for_s
+        expired = []
+        for entry in [e for e in self._entries.values() if e.last_used < cutoff and not e.busy]:
+            entry.busy = True
+            try:
+                await self.store.delete(entry.name)
+            finally:
+                entry.busy = False
+            self._detach(entry)
+            self._move(entry, Input.CLOSE)
+            self.fanout.end(entry.name, "expired")
+            self._forget(entry.name)
+            self.stats.expired += 1
+            log.info("session.expired", session=entry.name, unused_s=round(time.time() - entry.last_used))
+            expired.append(entry.name)
+        return expired
 
     def counts(self) -> dict[str, int]:
         counts = {s.value: 0 for s in State if s is not State.CLOSED}
@@ -412,4 +490,4 @@ class Registry:
 
     def close_all(self) -> None:
         for entry in self._entries.values():
-            self._drop_instance(entry)
+            self._detach(entry)

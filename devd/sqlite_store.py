@@ -33,7 +33,7 @@ from devd.store import Health, Keyed, SessionRow, Step, Stored, StoreError, Stor
 
 log = structlog.get_logger("devd.store")
 
-ROWS_PER_STATEMENT = 500  # 7 variables a row, well under SQLite's 32,766
+ROWS_PER_STATEMENT = 500  # 8 variables a row, well under SQLite's 32,766
 T = TypeVar("T")
 
 # The on-disk format, one migration per version (`PRAGMA user_version` counts those applied). Each runs once, in a
@@ -63,6 +63,13 @@ MIGRATIONS: tuple[str, ...] = (
     # 2: the database's identity, checked against the file beside it
     """
     CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+    """,
+    # 3: when a session was made and when each step was journalled (wall-clock seconds), for lists and expiry;
+    # sessions from before it count as made when it ran
+    """
+    ALTER TABLE sessions ADD COLUMN created REAL;
+    ALTER TABLE journal ADD COLUMN at REAL;
+    UPDATE sessions SET created = (julianday('now') - 2440587.5) * 86400.0;
     """,
 )
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
@@ -276,7 +283,9 @@ class SQLiteStore:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)  # a new history: pruned by its own seqs, not the old one's
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
-            db.execute("INSERT OR REPLACE INTO sessions (name, config) VALUES (?, ?)", (name, config))
+            db.execute(
+                "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
+            )
             if snapshot is not None:
                 _insert_steps(db, [Step(name, 0, b"", b"", snapshot=snapshot)])
 
@@ -304,8 +313,9 @@ class SQLiteStore:
             self._pruned.pop(name, None)
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute(
-                "INSERT OR REPLACE INTO sessions (name, config) SELECT ?, config FROM sessions WHERE name = ?",
-                (name, source),
+                "INSERT OR REPLACE INTO sessions (name, config, created) SELECT ?, config, ? FROM sessions "
+                "WHERE name = ?",
+                (name, time.time(), source),
             )
             db.execute(
                 "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot) "
@@ -337,9 +347,10 @@ class SQLiteStore:
     async def sessions(self) -> list[SessionRow]:
         def read(db: sqlite3.Connection) -> list[SessionRow]:
             return [
-                SessionRow(name, Health(state), reason, seq)
-                for name, state, reason, seq in db.execute(
-                    "SELECT s.name, s.state, s.reason, COALESCE(MAX(j.seq), 0) "
+                SessionRow(name, Health(state), reason, seq, created, last_used)
+                for name, state, reason, seq, created, last_used in db.execute(
+                    "SELECT s.name, s.state, s.reason, COALESCE(MAX(j.seq), 0), s.created, "
+                    "COALESCE(MAX(j.at), s.created) "
                     "FROM sessions s LEFT JOIN journal j ON j.session = s.name GROUP BY s.name ORDER BY s.name"
                 )
             ]
@@ -486,8 +497,9 @@ def _load(db: sqlite3.Connection, name: str, at: int | None) -> Stored | None:
 def _insert_steps(db: sqlite3.Connection, steps: list[Step]) -> None:
     """Rows in one statement: sqlite3 releases the GIL around every statement it steps, and the commit thread has to
     win it back from the busy event loop each time, so one statement for a batch is much faster than one a row."""
+    at = time.time()
     db.execute(
-        "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot) VALUES "
-        + ",".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(steps)),
-        [v for s in steps for v in (s.session, s.seq, s.key, s.digest, s.event, s.actions, s.snapshot)],
+        "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, at) VALUES "
+        + ",".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps)),
+        [v for s in steps for v in (s.session, s.seq, s.key, s.digest, s.event, s.actions, s.snapshot, at)],
     )

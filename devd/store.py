@@ -74,12 +74,14 @@ class Keyed:
 
 @dataclass(frozen=True, slots=True)
 class SessionRow:
-    """A session as listed at start: its name, health and last step."""
+    """A session as listed at start: its name, health, last step, when it was made and when it last stepped."""
 
     name: str
     health: Health
     reason: str | None
     seq: int
+    created: float  # wall-clock seconds
+    last_used: float  # of its last step (its creation if none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +71,8 @@ async def test_daemon_status_answers_with_the_counters(dispatcher: Dispatcher) -
             "errors": {},
             "deadline_hits": 0,
             "offloaded": 0,
+            "hibernated": 0,
+            "expired": 0,
         },
     }
 
@@ -98,9 +101,11 @@ async def test_a_bad_session_name_is_answered_as_the_protocol_document_shows(dis
 async def test_a_notification_is_carried_out_and_answered_with_nothing(dispatcher: Dispatcher) -> None:
     silent = await dispatcher.answer(PEER, b'{"jsonrpc":"2.0","method":"session/new","params":{"session":"n"}}')
     listed = await dispatcher.answer(PEER, b'{"jsonrpc":"2.0","id":1,"method":"session/list"}')
+    listed = re.sub(rb'"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"', b'"$TIME"', listed)
     assert (silent, listed) == (
         b"",
-        b'{"jsonrpc":"2.0","id":1,"result":{"sessions":[{"session":"n","state":"live","seq":0}]}}\n',
+        b'{"jsonrpc":"2.0","id":1,"result":{"sessions":[{"session":"n","state":"live","seq":0,'
+        b'"created":"$TIME","last_used":"$TIME"}]}}\n',
     )
 
 

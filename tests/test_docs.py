@@ -84,6 +84,9 @@ class Connection:
         self.sock.close()
 
 
+TIME = re.compile(r'"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"')  # `$TIME` in a daemon line stands for one
+
+
 def replay(block: Block, address: str | Path, token: str) -> list[tuple[str, str, str]]:
     """The block as it happens: client lines as sent, daemon lines as received."""
     connections: dict[str, Connection] = {}
@@ -97,7 +100,7 @@ def replay(block: Block, address: str | Path, token: str) -> list[tuple[str, str
                 conn.sock.sendall(text.replace("$TOKEN", token).encode() + b"\n")
                 happened.append((name, arrow, text))
             else:
-                happened.append((name, arrow, conn.readline()))
+                happened.append((name, arrow, TIME.sub('"$TIME"', conn.readline())))
         for name, conn in connections.items():
             if extra := conn.rest():
                 happened.append((name, "<", extra.decode(errors="replace").rstrip("\n")))

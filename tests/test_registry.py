@@ -28,11 +28,11 @@ from devd.errors import (
 from devd.host import Core
 from devd.memory_store import MemoryStore
 from devd.messages import encode, turn
-from devd.registry import Info, Registry
+from devd.registry import Registry
 from devd.rpc import encode_notice
 from devd.sqlite_store import SQLiteStore
 from devd.state import State
-from devd.store import Health, SessionRow, Store
+from devd.store import Health, Store
 from devd.watchers import Stepped
 from tests import modules
 from tests.test_store import running
@@ -143,7 +143,7 @@ async def seeded(registry: Registry, name: str = "src") -> None:
 
 
 def states(registry: Registry) -> list[tuple[str, State, int]]:
-    return [(i.name, i.state, i.seq) for i in registry.list()]
+    return [(i.name, i.state, i.seq) for i in registry.page()[0]]
 
 
 # -- steps ----------------------------------------------------------------------------------------------------------
@@ -216,12 +216,14 @@ async def test_a_deadline_ends_the_session_until_it_is_recovered(kind: str, tmp_
         with pytest.raises(HandleError) as refused:
             await registry.step("spin", CALM, None, None)
         await registry.recover("spin")
-        recovered = (await registry.step("spin", CALM, None, None), states(registry), await registry.store.sessions())
+        stepped = await registry.step("spin", CALM, None, None)
+        rows = [(r.name, r.health, r.reason, r.seq) for r in await registry.store.sessions()]
+        recovered = (stepped, states(registry), rows)
         assert (ended[0], ended[1][0].health, type(refused.value), recovered) == (
             [("spin", State.ENDED, 1)],
             Health.ENDED,
             HandleError,
-            ((b"[]", False), [("spin", State.LIVE, 2)], [SessionRow("spin", Health.OK, None, 2)]),
+            ((b"[]", False), [("spin", State.LIVE, 2)], [("spin", Health.OK, None, 2)]),
         )
 
 
@@ -300,7 +302,7 @@ async def test_a_watcher_that_refuses_a_notice_gets_one_unwatched_and_nothing_af
     await registry.new("s", b"{}")
     await registry.watch("s", sink, None)
     await steps(registry, "s", SEED[:3])
-    assert (sink.lines, [i.watchers for i in registry.list()]) == (
+    assert (sink.lines, [i.watchers for i in registry.page()[0]]) == (
         [unwatched(b"s", 0, b"fell too far behind")],
         [0],
     )
@@ -372,14 +374,14 @@ async def test_a_registry_rebuilt_over_the_same_file_lists_its_sessions_and_cont
         await steps(before, "journalled", SEED[1:3])
     async with opened("sqlite", tmp_path, core) as after:
         await after.load()
-        listed = after.list()
+        listed = [(i.name, i.state, i.seq, i.watchers, i.reason) for i in after.page()[0]]
         assert (
             listed,
             await steps(after, "saved", [AGAIN]),
             await steps(after, "journalled", [SEED[3]]),
             await after.step("journalled", SEED[0], None, "turn-1"),
         ) == (
-            [Info("journalled", State.STORED, 3, 0, None), Info("saved", State.STORED, 5, 0, None)],
+            [("journalled", State.STORED, 3, 0, None), ("saved", State.STORED, 5, 0, None)],
             [AGAIN_ACTIONS],
             [SEED_ACTIONS[3]],
             (SEED_ACTIONS[0], True),

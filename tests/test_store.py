@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from devd.errors import StoreError
 from devd.memory_store import MemoryStore
 from devd.sqlite_store import SQLiteStore
-from devd.store import Health, Keyed, SessionRow, Step, Store, Stored
+from devd.store import Health, Keyed, Step, Store, Stored
 
 S = TypeVar("S", bound=Store)
 CONFIG = b'{"model":"m"}'
@@ -122,10 +123,19 @@ async def test_health_round_trips_through_the_session_list(store: Store) -> None
     await store.set_health("a", Health.ENDED, "its deadline passed")
     await store.set_health("b", Health.POISONED, "it trapped")
     await store.set_health("b", Health.OK, None)
-    assert await store.sessions() == [
-        SessionRow("a", Health.ENDED, "its deadline passed", 1),
-        SessionRow("b", Health.OK, None, 0),
+    assert [(r.name, r.health, r.reason, r.seq) for r in await store.sessions()] == [
+        ("a", Health.ENDED, "its deadline passed", 1),
+        ("b", Health.OK, None, 0),
     ]
+
+
+async def test_a_session_lists_when_it_was_made_and_last_stepped(store: Store) -> None:
+    before = time.time()
+    await store.create("a", CONFIG)
+    made = time.time()
+    await append_all(store, step(1))
+    (row,) = await store.sessions()
+    assert before <= row.created <= made <= row.last_used <= time.time()
 
 
 async def test_delete_removes_the_session_and_all_its_history(store: Store) -> None:
@@ -234,10 +244,11 @@ async def test_sqlite_data_survives_closing_and_reopening_the_file(tmp_path: Pat
         await append_all(before, step(1, key="k1"), step(2, snapshot=b"S2"), step(3))
         await before.set_health("a", Health.ENDED, "its deadline passed")
     async with running(sqlite_at(tmp_path / "db.sqlite3")) as after:
-        assert (await after.load("a"), await after.keyed("a", "k1"), await after.sessions()) == (
+        listed = [(r.name, r.health, r.reason, r.seq) for r in await after.sessions()]
+        assert (await after.load("a"), await after.keyed("a", "k1"), listed) == (
             Stored("a", CONFIG, b"S2", 2, Health.ENDED, "its deadline passed", [row(3)]),
             Keyed(1, b"d1", b"a1"),
-            [SessionRow("a", Health.ENDED, "its deadline passed", 3)],
+            [("a", Health.ENDED, "its deadline passed", 3)],
         )
 
 

@@ -1,0 +1,168 @@
+"""A daemon that runs for months: idle sessions hibernate, unused ones expire, and lists come a page at a time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from devd import errors
+from devd.client import Client
+from devd.config import Settings
+from devd.daemon import build
+from devd.host import Core
+from devd.messages import Call, Event, Exec, Output, answer, encode, turn
+from devd.registry import Registry
+from devd.sqlite_store import SQLiteStore
+from tests.daemon import Daemon
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def listed(c: Client) -> list[tuple[str, str, int]]:
+    return [(s["session"], s["state"], s["seq"]) for s in c.call("session/list")["sessions"]]
+
+
+def test_past_max_live_the_least_recently_used_session_hibernates(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--max-live", "2") as d, d.client() as c:
+        for name in ("a", "b", "c"):
+            c.new(session=name)
+            c.step(name, turn(1, name))
+        assert (listed(c), c.call("daemon/status")["hibernated"]) == (
+            [("a", "stored", 1), ("b", "live", 1), ("c", "live", 1)],
+            1,
+        )
+
+
+def test_a_hibernated_session_wakes_and_continues_exactly(tmp_path: Path, core: Core) -> None:
+    reference = core.new()
+    expected = [reference.step(e) for e in (turn(1, "a"), answer(1, "done"))]
+    reference.close()
+    with Daemon(tmp_path, "--max-live", "1") as d, d.client() as c:
+        c.new(session="a")
+        first = c.step("a", turn(1, "a"))
+        c.new(session="b")  # a hibernates
+        assert ([first, c.step("a", answer(1, "done"))], listed(c)) == (
+            expected,
+            [("a", "live", 2), ("b", "stored", 0)],
+        )
+
+
+def test_keys_outlive_hibernation(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--max-live", "1") as d, d.client() as c:
+        c.new(session="a")
+        first = c.step("a", turn(1, "a"), key="turn-1")
+        c.new(session="b")
+        again = c.step_result("a", turn(1, "a"), key="turn-1")
+        assert (again["replayed"], [a["id"] for a in again["actions"]]) == (True, [a.id for a in first])
+
+
+def test_a_watcher_keeps_watching_across_hibernation(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--max-live", "1") as d, d.client() as c, d.client() as watcher:
+        c.new(session="a")
+        watcher.call("session/watch", {"session": "a"})
+        c.new(session="b")  # a hibernates
+        c.step("a", turn(1, "wake up"))
+        notice = watcher.wait_notification()
+        assert (notice.method, notice.params["session"], notice.params["seq"]) == ("session/actions", "a", 1)
+
+
+def test_a_session_unused_past_expire_after_is_deleted_logged_and_counted(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--expire-after", "1s") as d, d.client() as c:
+        c.new(session="idle")
+        c.new(session="busy")
+        for _ in range(10):  # busy is used every 0.3 s, idle never
+            time.sleep(0.3)
+            c.call("session/pending", {"session": "busy"})
+        assert (listed(c), c.call("daemon/status")["expired"], '"session.expired"' in d.log.read_text()) == (
+            [("busy", "live", 0)],
+            1,
+            True,
+        )
+
+
+def test_a_list_comes_a_page_at_a_time_and_every_session_once(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d, d.client() as c:
+        for name in ("e", "a", "d", "b", "c"):
+            c.new(session=name)
+        pages, cursor = [], None
+        while True:
+            params = {"limit": 2} if cursor is None else {"limit": 2, "cursor": cursor}
+            page = c.call("session/list", params)
+            pages.append([s["session"] for s in page["sessions"]])
+            cursor = page.get("next")
+            if cursor is None:
+                break
+        assert pages == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_a_list_limit_of_zero_is_invalid_params(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d, d.client() as c, pytest.raises(errors.InvalidParamsError):
+        c.call("session/list", {"limit": 0})
+
+
+def test_list_entries_say_when_a_session_was_made_and_last_used(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d, d.client() as c:
+        c.new(session="s")
+        time.sleep(0.05)
+        c.step("s", turn(1, "x"))
+        (entry,) = c.call("session/list")["sessions"]
+        assert entry["created"].endswith("Z") and entry["created"] < entry["last_used"]
+
+
+# -- in process: a wake racing a step racing a close ------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def registry_over(tmp_path: Path, core: Core, max_live: int) -> AsyncIterator[Registry]:
+    settings = Settings(state_dir=tmp_path, socket_path=None, max_live=max_live)
+    store = SQLiteStore(tmp_path / "db.sqlite3", keys_kept=1000, steps_kept=1000, prune_every_steps=256)
+    registry, _ = build(settings, core, store)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.run)
+        try:
+            yield registry
+        finally:
+            tg.cancel_scope.cancel()
+    registry.close_all()
+    store.close()
+
+
+async def test_a_wake_racing_a_step_racing_a_close_leaves_every_session_whole(tmp_path: Path, core: Core) -> None:
+    calls = [Call(Exec=Exec(argv=["make"]))]
+    async with registry_over(tmp_path, core, max_live=1) as registry:
+        await registry.new("x", b"{}")
+        await registry.step("x", encode(turn(1, "x")), None, None)
+        await registry.new("y", b"{}")  # x hibernates
+        outcomes: list[object] = []
+
+        async def run(name: str, call: object) -> None:
+            try:
+                outcomes.append((name, await call))  # type: ignore[misc]
+            except errors.DevdError as e:
+                outcomes.append((name, type(e)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "wake x", registry.step("x", encode(answer(1, calls=calls)), None, None))
+            tg.start_soon(run, "step y", registry.step("y", encode(turn(1, "y")), None, None))
+            tg.start_soon(run, "close x", registry.close("x"))
+        got = dict(outcomes)
+        result = await registry.step("x", encode(Event(Exec=Output(id=2, text="ok"))), None, None)
+        assert (got["close x"], got["wake x"][1], got["step y"][1], result) == (  # type: ignore[index]
+            errors.BusyError,
+            False,
+            False,
+            (
+                b'[{"id":3,"op":{"Model":{"messages":[{"User":"x"},{"Agent":{"calls":[{"id":2,"call":{"Exec":'
+                b'{"argv":["make"]}}}]}},{"Tool":{"id":2,"text":"ok"}}]}}}]',
+                False,
+            ),
+        )
+        assert sorted((i.name, i.seq) for i in registry.page()[0]) == [("x", 3), ("y", 1)]
