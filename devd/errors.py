@@ -44,6 +44,10 @@ class PanicError(DevdError):
     code = -32004
 
 
+class OutOfMemoryError(PanicError):
+    """This call trapped because the session ran out of its memory cap: what the call asked for does not fit."""
+
+
 class NullError(DevdError):
     """Something the call needs could not be lent (too large for the session's memory, or missing)."""
 

@@ -43,6 +43,7 @@ from devd.errors import (
     HandleError,
     MethodNotFoundError,
     NullError,
+    OutOfMemoryError,
     PanicError,
     PoisonError,
 )
@@ -342,6 +343,7 @@ class Instance:
         self._store: wasmtime.Store | None = store
         self._ctx = store._context()
         self._busy = threading.Lock()
+        self._largest = 0  # bytes of the largest event or answer this instance has handled
         self._gone: type[DevdError] | None = None
         self._gone_why = ""
         self._exports: dict[str, _Export] = {}
@@ -504,6 +506,8 @@ class Instance:
                     "nothing changed, send a smaller event"
                 )
             _set_deadline(self._ctx, c_uint64(self._core._ticker.ticks_until(deadline)))
+            if n > self._largest:
+                self._largest = n
             ptr = self._lend(data)
             args = self._args
             args[0].i64 = self._handle
@@ -514,6 +518,8 @@ class Instance:
             if rc:
                 self._status(rc)
             answer = self._take()
+            if len(answer) > self._largest:
+                self._largest = len(answer)
             try:
                 use(answer)
             except Exception as e:
@@ -569,9 +575,15 @@ class Instance:
             return DeadlineError(
                 "the call ran past its deadline and was stopped; the session ended, restore its last snapshot"
             )
-        near_cap = self.memory_bytes() + (1 << 20) >= self._core.memory_bytes
+        # The core traps when the memory it asks for is refused; the refused growth is about as large as the largest
+        # message it has handled (an event copied in, or an ask that carries the whole transcript).
+        near_cap = self.memory_bytes() + 2 * self._largest + (1 << 20) >= self._core.memory_bytes
         self._end(PoisonError, "a previous call on this session trapped; close it, then restore or recover it")
-        why = "it ran out of its memory cap" if near_cap else message.strip().splitlines()[-1].strip()
+        if near_cap:
+            return OutOfMemoryError(
+                "the call trapped inside the core (it ran out of its memory cap); the session is poisoned, recover it"
+            )
+        why = message.strip().splitlines()[-1].strip()
         return PanicError(f"the call trapped inside the core ({why}); the session is poisoned, recover it")
 
     def _status(self, rc: int) -> None:

@@ -37,6 +37,8 @@ from devd.errors import (
     FullError,
     HandleError,
     InvalidParamsError,
+    NullError,
+    OutOfMemoryError,
     PanicError,
     PoisonError,
     StoreError,
@@ -312,6 +314,10 @@ class Registry:
         timeout, final = self.runner.inline_timeout(deadline)
         try:
             return call(entry.instance, timeout)
+        except OutOfMemoryError:
+            self._detach(entry)
+            self._move(entry, Input.DROP)
+            raise self._does_not_fit(entry) from None
         except DeadlineError as e:
             if final:
                 await self._lost(entry, e)
@@ -329,12 +335,22 @@ class Registry:
             instance, result = await self.runner.off_loop(
                 lambda: rebuild_and(self.core, stored, self.call_timeout_s, deadline, call)
             )
+        except OutOfMemoryError:
+            raise self._does_not_fit(entry) from None
         except DevdError as e:
             await self._lost(entry, e)
             raise
         self._attach(entry, instance)
         self._move(entry, Input.LOAD)
         return result
+
+    def _does_not_fit(self, entry: Entry) -> NullError:
+        """The call ran out of the session's memory cap: its instance is gone, but nothing durable changed, so the
+        session goes on from its last step (rebuilt on its next call) rather than being poisoned."""
+        return NullError(
+            f"the call does not fit in session {entry.name!r}'s memory ({self.core.memory_bytes >> 20} MiB); nothing "
+            f"changed, the session continues from step {entry.seq}: send a smaller event, or fork or close it"
+        )
 
     async def _load(self, entry: Entry, how: Input) -> None:
         """Bring a stored session back: restore its snapshot and replay its journal, on a worker thread."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 
 import pytest
 
@@ -762,3 +763,18 @@ def test_a_core_without_dev_pending_says_it_does_not_report_pending_actions() ->
             c.new().pending()
     finally:
         c.close()
+
+
+def _with_counter(snapshot: bytes, counter: int) -> bytes:
+    """The snapshot of a session without a model, its id counter set to `counter`, checksummed again."""
+    body = snapshot[:13] + counter.to_bytes(8, "little") + snapshot[21:-4]
+    return body + zlib.crc32(body).to_bytes(4, "little")
+
+
+def test_a_snapshot_whose_id_counter_no_session_can_reach_is_malformed(core: Core, session: Instance) -> None:
+    session.step(turn(1, "x"))
+    snapshot = session.snapshot()
+    restored = core.restore(_with_counter(snapshot, 1 << 53))
+    restored.close()
+    with pytest.raises(MalformedError):
+        core.restore(_with_counter(snapshot, (1 << 53) + 1))

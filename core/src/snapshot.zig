@@ -33,6 +33,8 @@ const Slot = session.Slot;
 pub const magic = "DEVD";
 pub const abi: u32 = 1;
 const header_len = 12;
+/// The highest id counter a snapshot may carry.
+pub const max_counter: u64 = 1 << 53;
 const trailer_len = 4;
 
 // ---------------------------------------------------------------- encoding
@@ -167,6 +169,9 @@ pub fn decode(gpa: Allocator, arena: Allocator, bytes: []const u8) Error!Session
     var s: Session = .{ .gpa = arena };
     if (try d.flag()) s.model = @constCast(try d.str());
     s.counter = try d.int(u64);
+    // A counter no session can reach honestly: refused here, rather than restored into a session whose every
+    // later step would run out of ids and trap. 2^53 is also the last id a JavaScript client reads exactly.
+    if (s.counter > max_counter) return error.Malformed;
     s.max_turn = try d.int(u64);
 
     if (try d.flag()) {
