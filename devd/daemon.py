@@ -118,8 +118,12 @@ class Daemon:
         registry = self.dispatcher.app.registry
         while True:
             await anyio.sleep(min(max(unused_for_s / 10, 0.1), 60.0))
-            if not self.dispatcher.draining:
+            if self.dispatcher.draining:
+                continue
+            try:
                 await registry.expire(unused_for_s)
+            except Exception as e:  # a failed round (the store refused a delete) must not end the daemon
+                log.error("sessions.expiry_failed", error=f"{type(e).__name__}: {e}"[:500])
 
     async def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()

@@ -46,7 +46,7 @@ class MemoryStore:
 
     def _committed(self, started: float) -> None:
         if self.fail_writes is not None:
-            raise StoreError(f"the state could not be made durable: {self.fail_writes}")
+            raise StoreError(f"the state could not be made durable and nothing of it was applied: {self.fail_writes}")
         self._commits += 1
         self._commit_seconds.append(time.perf_counter() - started)
         del self._commit_seconds[:-1024]

@@ -62,6 +62,7 @@ class Peer:
     transport: str
     sink: Sink
     watches: dict[str, Subscription] = field(default_factory=dict)
+    closed: bool = False  # its subscriptions have been ended: a watch that finishes now must not outlive it
 
 
 @dataclass
@@ -465,10 +466,16 @@ class WatchParams(_Params, frozen=True):
 async def session_watch(call: Call, params: WatchParams) -> Empty:
     """Receive `session/actions` for every step of the session after `since` (or from now) on this connection."""
     peer, registry = call.peer, call.app.registry
+    sub = await registry.watch(params.session, peer.sink, params.since)
+    # Whatever the connection did while the history was being sent (closed, or watched the same session again)
+    # is settled now, after the await: one subscription per session and connection, none after it closes.
+    if peer.closed:
+        registry.unwatch(sub)
+        return Empty()
     old = peer.watches.pop(params.session, None)
     if old is not None:
         registry.unwatch(old)
-    peer.watches[params.session] = await registry.watch(params.session, peer.sink, params.since)
+    peer.watches[params.session] = sub
     return Empty()
 
 

@@ -77,12 +77,12 @@ def rebuild(core: Core, stored: Stored, call_timeout_s: float) -> Instance:
 
 
 def rebuild_and(
-    core: Core, stored: Stored, call_timeout_s: float, deadline: float, then: Callable[[Instance, float], T]
+    core: Core, stored: Stored, call_timeout_s: float, timeout_s: float, then: Callable[[Instance, float], T]
 ) -> tuple[Instance, T]:
-    """Rebuild, then run `then(instance, timeout)` under what is left of the deadline."""
+    """Rebuild, then run `then(instance, timeout_s)`: the rebuild is not charged to the call that needed it."""
     instance = rebuild(core, stored, call_timeout_s)
     try:
-        return instance, then(instance, deadline - time.monotonic())
+        return instance, then(instance, timeout_s)
     except BaseException:
         if instance.alive:
             instance.close()

@@ -45,7 +45,7 @@ from devd.errors import (
 )
 from devd.host import Core, Instance
 from devd.offload import Runner, rebuild, rebuild_and, step_and_save
-from devd.state import CALLABLE, Input, State, next_state
+from devd.state import CALLABLE, TRANSITIONS, Input, State, next_state
 from devd.store import Health, Step, Store, Stored
 from devd.watchers import Fanout, Sink, Stepped, Subscription
 
@@ -157,10 +157,17 @@ class Registry:
         )
 
     async def fork(self, source: str, at: int | None, name: str | None) -> str:
-        """A new session whose history is source's up to step `at` (default: its latest)."""
-        src = self._entries.get(source)
-        if src is None:
-            raise _no_such(source)
+        """A new session whose history is source's up to step `at` (default: its latest). The source is held (BUSY
+        to other calls) while its history is read and copied, so it cannot be closed or stepped meanwhile; its state
+        does not matter (an ended or poisoned session's history can be forked)."""
+        src = self._enter(source, any_state=True)
+        try:
+            return await self._fork(src, at, name)
+        finally:
+            src.busy = False
+
+    async def _fork(self, src: Entry, at: int | None, name: str | None) -> str:
+        source = src.name
         at = src.seq if at is None else at
         if at > src.seq:
             raise InvalidParamsError(f"session {source!r} has answered {src.seq} steps; fork at {src.seq} or earlier")
@@ -171,12 +178,11 @@ class Registry:
             raise InvalidParamsError(
                 f"the history of {source!r} at step {at} is no longer kept; fork at step {oldest} or later"
             )
-        deadline = time.monotonic() + self.call_timeout_s
         snapshot_needed = stored.snapshot is not None or (at > 0 and self.core.has_snapshots)
 
         def build() -> tuple[Instance, bytes | None]:
             take = (lambda i, t: i.snapshot(timeout=t)) if snapshot_needed else (lambda i, t: None)
-            return rebuild_and(self.core, stored, self.call_timeout_s, deadline, take)
+            return rebuild_and(self.core, stored, self.call_timeout_s, self.call_timeout_s, take)
 
         name = self._claim(name)
         instance: Instance | None = None
@@ -237,7 +243,6 @@ class Registry:
     # -- calls on a session -----------------------------------------------------------------------------------------
 
     async def step(self, name: str, event: bytes, timeout_ms: int | None, key: str | None) -> tuple[bytes, bool]:
-        started = time.monotonic()
         entry = self._enter(name)
         try:
             event_digest = None
@@ -252,8 +257,7 @@ class Registry:
                     self.stats.replayed += 1
                     return kept.actions, True
             timeout_s = self.call_timeout_s if timeout_ms is None else min(timeout_ms / 1000, self.max_call_timeout_s)
-            deadline = started + timeout_s
-            actions, snapshot = await self._call(entry, deadline, lambda i, t: step_and_save(i, event, t))
+            actions, snapshot = await self._call(entry, timeout_s, lambda i, t: step_and_save(i, event, t))
             seq = entry.seq + 1
             try:
                 await self.store.append(Step(name, seq, event, actions, key, event_digest, snapshot))
@@ -261,7 +265,7 @@ class Registry:
                 # The instance is ahead of the disk: drop it, so the next use rebuilds from what is durable.
                 self._detach(entry)
                 self._move(entry, Input.DROP)
-                raise StoreError(f"the step could not be made durable and was not applied: {e}") from None
+                raise StoreError(f"the step was not acknowledged: {e}") from None
             entry.seq = seq
             self.stats.steps += 1
             self.fanout.publish(Stepped(name, seq, event, actions))
@@ -272,7 +276,7 @@ class Registry:
     async def snapshot(self, name: str) -> str:
         entry = self._enter(name)
         try:
-            state = await self._call(entry, time.monotonic() + self.call_timeout_s, lambda i, t: i.snapshot(timeout=t))
+            state = await self._call(entry, self.call_timeout_s, lambda i, t: i.snapshot(timeout=t))
             return base64.b64encode(state).decode()
         finally:
             entry.busy = False
@@ -280,7 +284,7 @@ class Registry:
     async def pending(self, name: str) -> bytes:
         entry = self._enter(name)
         try:
-            return await self._call(entry, time.monotonic() + self.call_timeout_s, lambda i, t: i.pending(timeout=t))
+            return await self._call(entry, self.call_timeout_s, lambda i, t: i.pending(timeout=t))
         finally:
             entry.busy = False
 
@@ -306,11 +310,13 @@ class Registry:
         finally:
             entry.busy = False
 
-    async def _call(self, entry: Entry, deadline: float, call: Callable[[Instance, float], T]) -> T:
-        """Run call(instance, timeout) inline under the budget; past it, rebuild from disk and run it on a worker."""
+    async def _call(self, entry: Entry, timeout_s: float, call: Callable[[Instance, float], T]) -> T:
+        """Run call(instance, timeout) inline under the budget; past it, rebuild from disk and run it on a worker.
+        The call has `timeout_s` of its own: a rebuild it needed first is not charged to it."""
         if entry.instance is None:
             await self._load(entry, Input.LOAD)
         assert entry.instance is not None
+        deadline = time.monotonic() + timeout_s
         timeout, final = self.runner.inline_timeout(deadline)
         try:
             return call(entry.instance, timeout)
@@ -333,7 +339,7 @@ class Registry:
         stored = await self._stored(entry.name)
         try:
             instance, result = await self.runner.off_loop(
-                lambda: rebuild_and(self.core, stored, self.call_timeout_s, deadline, call)
+                lambda: rebuild_and(self.core, stored, self.call_timeout_s, deadline - time.monotonic(), call)
             )
         except OutOfMemoryError:
             raise self._does_not_fit(entry) from None
@@ -357,6 +363,13 @@ class Registry:
         stored = await self._stored(entry.name)
         try:
             instance = await self.runner.off_loop(lambda: rebuild(self.core, stored, self.call_timeout_s))
+        except DeadlineError as e:
+            # Stopped, not broken: a replayed step ran past its deadline (or the shutdown's grace ended).
+            self.stats.deadline_hits += 1
+            if (entry.state, Input.END) in TRANSITIONS:
+                self._move(entry, Input.END, f"rebuilding it ran past its deadline: {e}")
+                await self.store.set_health(entry.name, Health.ENDED, entry.reason)
+            raise
         except DevdError as e:
             reason = f"rebuilding it failed: {e}"
             log.error("session.rebuild_failed", session=entry.name, error=str(e))
@@ -445,11 +458,23 @@ class Registry:
             raise _no_such(name)
         if since is None:
             return self.fanout.subscribe(name, sink, entry.seq, catching_up=False)
+        if since > entry.seq:
+            raise InvalidParamsError(
+                f"session {name!r} has answered {entry.seq} steps; watch since {entry.seq} or earlier"
+            )
         sub = self.fanout.subscribe(name, sink, since, catching_up=True)
         try:
             while sub.active:
                 rows = await self.store.steps_since(name, sub.last_seq, CATCH_UP_ROWS)
                 for seq, event, actions in rows:
+                    if seq != sub.last_seq + 1:  # pruned: a watcher is promised every step after since, or nothing
+                        if sub.last_seq == since:
+                            raise InvalidParamsError(
+                                f"the history of {name!r} before step {seq} is no longer kept; watch since {seq - 1} "
+                                "or later"
+                            )
+                        self.fanout.end_one(sub, f"the history before step {seq} is no longer kept")
+                        return sub
                     if not self.fanout.deliver(sub, seq, self.fanout.encode(Stepped(name, seq, event, actions))):
                         return sub
                 if len(rows) < CATCH_UP_ROWS and sub.last_seq >= entry.seq:
@@ -483,19 +508,24 @@ class Registry:
         """Delete the sessions no call has used for `unused_for_s` (none inside a call); their names."""
         cutoff = time.time() - unused_for_s
         expired = []
-        for entry in [e for e in self._entries.values() if e.last_used < cutoff and not e.busy]:
-            entry.busy = True
+        for name in [e.name for e in self._entries.values() if e.last_used < cutoff]:
+            entry = self._entries.get(name)
+            # Checked again at its turn: an earlier delete awaited, and meanwhile a call may have used or closed it.
+            if entry is None or entry.busy or entry.last_used >= cutoff:
+                continue
+            entry.busy = True  # held to the end: nothing may enter it while it is deleted and forgotten
             try:
-                await self.store.delete(entry.name)
-            finally:
+                await self.store.delete(name)
+            except BaseException:
                 entry.busy = False
+                raise
             self._detach(entry)
             self._move(entry, Input.CLOSE)
-            self.fanout.end(entry.name, "expired")
-            self._forget(entry.name)
+            self.fanout.end(name, "expired")
+            self._forget(name)
             self.stats.expired += 1
-            log.info("session.expired", session=entry.name, unused_s=round(time.time() - entry.last_used))
-            expired.append(entry.name)
+            log.info("session.expired", session=name, unused_s=round(time.time() - entry.last_used))
+            expired.append(name)
         return expired
 
     def counts(self) -> dict[str, int]:

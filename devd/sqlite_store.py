@@ -249,9 +249,14 @@ class SQLiteStore:
             if s.snapshot is not None and s.seq - self._pruned.get(s.session, 0) >= self.prune_every_steps:
                 try:
                     failpoints.hit("prune")
-                    with db:
-                        self._prune(db, s.session, s.seq)
+                    db.execute("BEGIN IMMEDIATE")  # one transaction, one fsync, for the three statements
+                    self._prune(db, s.session, s.seq)
+                    db.execute("COMMIT")
                 except (sqlite3.Error, OSError) as e:
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    if _is_io_error(e):
+                        self._break(f"pruning the database failed ({e})")
                     log.warning("store.prune_failed", session=s.session, error=str(e))
                 self._pruned[s.session] = s.seq
 
@@ -276,8 +281,16 @@ class SQLiteStore:
         self._outstanding += 1
         self._queue.put(pending)
         await pending.done.wait()
-        if pending.error is not None:
-            raise StoreError(f"the state could not be made durable: {pending.error}") from pending.error
+        error = pending.error
+        if error is None:
+            return
+        if _is_io_error(error):
+            # The log may hold the write even though its fsync failed: whether it survives is known after a restart.
+            raise StoreError(
+                f"the write may or may not be on disk ({error}); after the daemon restarts, send it again (a step with "
+                "the same key answers replayed if it was kept)"
+            ) from error
+        raise StoreError(f"the state could not be made durable and nothing of it was applied: {error}") from error
 
     async def create(self, name: str, config: bytes, snapshot: bytes | None = None) -> None:
         def op(db: sqlite3.Connection) -> None:
@@ -312,11 +325,13 @@ class SQLiteStore:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
-            db.execute(
+            made = db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) SELECT ?, config, ? FROM sessions "
                 "WHERE name = ?",
                 (name, time.time(), source),
             )
+            if made.rowcount != 1:
+                raise StoreError(f"there is no session {source!r} to fork")
             db.execute(
                 "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot) "
                 "SELECT ?, seq, key, digest, event, actions, NULL FROM journal WHERE session = ? AND seq <= ?",

@@ -44,7 +44,7 @@ TRANSITIONS: dict[tuple[State, Input], State] = {
     **{(s, In.CLOSE): S.CLOSED for s in (S.LIVE, S.STORED, S.ENDED, S.POISONED)},
 }
 
-CALLABLE = frozenset({S.LIVE, S.STORED})  # states in which a session takes steps, snapshots, pending and forks
+CALLABLE = frozenset({S.LIVE, S.STORED})  # states in which a session takes steps, snapshots and pending
 
 
 def next_state(state: State, input: Input) -> State:

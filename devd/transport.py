@@ -278,6 +278,7 @@ class Connection(asyncio.Protocol):
         self._close_when_answered()
 
     def _unwatch_all(self) -> None:
+        self.peer.closed = True
         registry = self.hub.dispatcher.app.registry
         for sub in self.peer.watches.values():
             registry.unwatch(sub)

@@ -259,7 +259,8 @@ async def test_sqlite_a_failed_commit_is_a_store_error_not_a_sqlite3_one(tmp_pat
         with pytest.raises(StoreError) as failed:
             await store.append(step(1))
     assert str(failed.value) == (
-        "the state could not be made durable: UNIQUE constraint failed: journal.session, journal.seq"
+        "the state could not be made durable and nothing of it was applied: UNIQUE constraint failed: "
+        "journal.session, journal.seq"
     )
 
 
