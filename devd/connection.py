@@ -54,7 +54,7 @@ class Rules:
         self.closed = False
         self._token = token.encode() if token is not None else None
         self._framer = LineFramer(settings.line_bytes_max if authenticated else settings.auth_line_bytes_max)
-        self._first = True
+        self._head: bytes | None = b""  # the first bytes, until there are enough to tell an HTTP request
         self._auth_deadline = now + settings.auth_timeout_s
         self._line_started = now
 
@@ -73,11 +73,16 @@ class Rules:
     def receive(self, data: bytes, now: float) -> list[Event]:
         if self.closed:
             return []
-        if self._first:
-            self._first = False
-            if data.lstrip().startswith(_HTTP_METHODS):
+        if self._head is not None:
+            data, self._head = self._head + data, None
+            head = data.lstrip()
+            if head.startswith(_HTTP_METHODS):
                 self.closed = True
                 return [Close("an HTTP request on the JSON-RPC socket")]
+            # Undecided while what arrived could still begin a method ("G", "POS"): kept, not yet framed.
+            if any(m.startswith(head) for m in _HTTP_METHODS) and b"\n" not in head:
+                self._head = data
+                return []
         framer = self._framer
         if not framer.pending_bytes or b"\n" in data:
             self._line_started = now  # whatever is left partial after this chunk began in it

@@ -38,9 +38,10 @@ SessionName = Annotated[
 Seq = Annotated[int, Meta(ge=0, le=SEQ_MAX, description="a step number: the seq of a session's nth answered step")]
 
 # Messages for the constraints above, as the daemon has always worded them (the protocol document shows them).
-_RULES: dict[str, Callable[[Any], str]] = {
-    "session": lambda v: f"session names are 1-64 of A-Z a-z 0-9 . _ - and not . or ..; {v[:80]!r} is not one",
-    "as": lambda v: f"session names are 1-64 of A-Z a-z 0-9 . _ - and not . or ..; {v[:80]!r} is not one",
+_NAME_RULE = "session names are 1-64 of A-Z a-z 0-9 . _ - and not . or .."
+_RULES: dict[str, Callable[[str | None], str]] = {
+    "session": lambda v: f"{_NAME_RULE}; {v[:80]!r} is not one" if v is not None else _NAME_RULE,
+    "as": lambda v: f"{_NAME_RULE}; {v[:80]!r} is not one" if v is not None else _NAME_RULE,
     "timeout_ms": lambda v: "timeout_ms must be a positive number of milliseconds",
     "key": lambda v: f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8",
     "since": lambda v: f"since must be a step number, 0 to {SEQ_MAX}",
@@ -137,10 +138,29 @@ def decode_params(m: Method, raw: bytes) -> Any:
 def _explain(name: str, raw: bytes, error: msgspec.ValidationError) -> str:
     """A constraint broken (not a wrong type) is said in the rule's own words."""
     message = str(error)
+    # msgspec words a broken constraint "Expected `str` matching regex ... - at `$.session`"; a wrong type says
+    # ", got `...`", and an unknown member "Object contains unknown field ...": those keep msgspec's words.
     for member, explain in _RULES.items():
-        if message.endswith(f"- at `$.{member}`") and ", got `" not in message:
-            return explain(msgspec.json.decode(raw).get(member))
+        if message.startswith("Expected `") and message.endswith(f" - at `$.{member}`") and ", got `" not in message:
+            return explain(_string_member(raw, member))
     return f"bad params for {name}: {message}"
+
+
+class _Named(msgspec.Struct):
+    session: str | None = None
+    as_: str | None = msgspec.field(default=None, name="as")
+
+
+_named = msgspec.json.Decoder(_Named)
+
+
+def _string_member(raw: bytes, member: str) -> str | None:
+    """The string value of a session-name member, for the message; None if it cannot be read as one."""
+    try:
+        named = _named.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return named.as_ if member == "as" else named.session
 
 
 def check(params: Any) -> None:

@@ -39,7 +39,7 @@ class LineFramer:
         self._discarding = False
 
     def feed(self, data: bytes) -> Iterator[bytes | TooLong]:
-        if not self._buffer and not self._discarding and data.find(b"\n") == len(data) - 1:
+        if data[-1:] == b"\n" and not self._buffer and not self._discarding and data.find(b"\n") == len(data) - 1:
             # One whole line in one read, the usual case: no buffering, no scanning twice.
             if len(data) - 1 > self.line_bytes_max:
                 yield TOO_LONG
