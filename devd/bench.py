@@ -3,6 +3,8 @@
 python -m devd.bench core      # devd's step vs the naive ABI dance, session creation, RSS per idle session
 python -m devd.bench daemon    # N clients in another process: devd vs devd's dispatch with stub handlers vs a floor
                                # (a minimal anyio echo), each server its own process, rounds alternated
+python -m devd.bench soak --minutes N  # the daemon for N minutes under mixed clients and watchers, restarted every
+                                       # minute (SIGTERM, SIGKILL by turns): its resources' curve and lost answers
 """
 
 from __future__ import annotations
@@ -10,15 +12,21 @@ from __future__ import annotations
 import argparse
 import array
 import asyncio
+import collections
+import dataclasses
 import gc
+import io
 import itertools
 import os
+import random
 import resource
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -649,6 +657,1202 @@ def bench_daemon(
     return results
 
 
+# -- the soak: a daemon's long life in minutes -------------------------------------------------------------------------
+#
+# `soak` runs the real daemon for N minutes under mixed clients and watchers (in a load process of their own, so the
+# daemon's figures are the daemon's), restarts it about every minute (SIGTERM and SIGKILL by turns), samples its
+# resources, and checks the promises the restarts put at risk: nothing answered is lost, nothing keyed runs twice,
+# watchers see every step once and in order.
+
+SOAK_RESTART_EVERY_S = 60.0
+SOAK_TIMEOUT_S = 30.0  # a request unanswered this long on an open connection means the daemon hung: an anomaly
+SOAK_GRACE_S = 60.0  # past its window, a load process may take this long to settle what it has in flight
+SOAK_STOP_S = 30.0  # a SIGTERM'd daemon must be gone by then (its grace for calls in flight is 10 s)
+SOAK_BACKOFF_S = (0.05, 1.0)  # reconnect backoff: the first delay and the ceiling; doubled each time, with jitter
+SOAK_LINE_LIMIT = 64 << 20  # StreamReader's default (64 KiB) is less than a long session's Model ask
+SOAK_LEFT_OPEN_MAX = 250  # sessions each client leaves open; past it, it closes its oldest (sessions_max is 10,000)
+SOAK_RESUME_P = 0.25  # a client takes up a session it left (a stored one, after a restart) instead of a new one
+SOAK_LEAVE_P = 0.4  # a client leaves a session open rather than close it after its turns
+SOAK_KEYED_P = 0.5  # a session's steps all carry idempotency keys
+SOAK_DUPLICATE_P = 0.05  # a keyed step answered is sent again at once: it must be answered `replayed`, same bytes
+SOAK_REPLAY_AFTER_RESTART_P = 0.5  # after a reconnect, the last keyed step answered is sent again, as above
+SOAK_WATCHED = 6  # sessions each watcher connection watches at a time
+SOAK_WATCH_TICK_S = 0.1  # how often a watcher trades sessions gone idle for busy ones: a client's visit is short
+SOAK_NEVER_READ_S = 45.0  # longer than the daemon's send_timeout_s (30 s), so that it cuts the never-reader off
+# A watcher's StreamReader buffers up to twice its limit before it stops reading the socket: kept small, so that a
+# slow or absent reader is felt by the daemon at once (watchers read with read(), so lines may be longer).
+SOAK_WATCHER_BUFFER = 1 << 16
+SOAK_SLOW_READ = (2048, 0.05)  # a slow watcher reads this many bytes, then pauses this long (about 40 KB/s)
+SOAK_WATCHER_KINDS = ("since", "slow", "never", "live")
+# The plateau rule, per metric: PASS if the mean of the last third of the samples is at most the mean of the middle
+# third times (1 + relative) plus the absolute slack. The first third is left out: it holds the warm-up.
+SOAK_PLATEAU = {"rss_mib": (0.10, 4.0), "fds": (0.10, 4.0), "threads": (0.10, 2.0)}
+_SOAK_LOAD_ENTRY = "import sys; from devd.bench import _soak_load_main; sys.exit(_soak_load_main(sys.argv[1]))"
+
+
+class SoakLoadConfig(msgspec.Struct):
+    """What the orchestrator tells a load process (as JSON on its command line)."""
+
+    socket: str
+    clients: int
+    watchers: int
+    seconds: float
+    think_ms: float
+    progress: str  # a file the load process rewrites every second: steps answered so far
+    seed: int
+
+
+class SoakLoadResult(msgspec.Struct):
+    """What a load process found; `sessions` (name: [seq, 1 if one more step may have happened]) and `closed` are
+    checked once more against the daemon after a last restart."""
+
+    counts: dict[str, int]
+    anomalies: dict[str, int]
+    examples: list[str]
+    sessions: dict[str, tuple[int, int]]
+    closed: list[str]
+
+
+class _SoakAway(Exception):
+    """The daemon is not there: refused, reset, closed, or turning new calls away while it shuts down."""
+
+
+class _SoakReply(msgspec.Struct):
+    id: Any = None
+    result: msgspec.Raw = msgspec.Raw(b"null")
+    error: dict[str, Any] | None = None
+    method: str | None = None
+    params: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class _SoakStepResult(msgspec.Struct):
+    actions: msgspec.Raw
+    replayed: bool = False
+
+
+class _SoakListed(msgspec.Struct):
+    session: str
+    state: str
+    seq: int
+
+
+class _SoakList(msgspec.Struct):
+    sessions: list[_SoakListed]
+
+
+class _SoakNotice(msgspec.Struct):
+    session: str
+    seq: int
+    reason: str | None = None
+
+
+_soak_reply = msgspec.json.Decoder(_SoakReply)
+_soak_encoder = msgspec.json.Encoder()
+
+
+def _error_kind(error: dict[str, Any]) -> str:
+    return str((error.get("data") or {}).get("kind", "?"))
+
+
+@dataclasses.dataclass
+class _SoakTally:
+    counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    anomalies: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    examples: list[str] = dataclasses.field(default_factory=list)
+
+    def anomaly(self, kind: str, text: str) -> None:
+        self.anomalies[kind] += 1
+        if len(self.examples) < 60:
+            self.examples.append(f"{kind}: {text}")
+
+
+class _SoakConn:
+    """One connection, one request at a time (the clients never watch, so every line is a reply)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tally: _SoakTally) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.tally = tally
+        self.next_id = 0
+
+    @classmethod
+    async def open(cls, path: str, tally: _SoakTally) -> _SoakConn:
+        try:
+            reader, writer = await asyncio.open_unix_connection(path, limit=SOAK_LINE_LIMIT)
+        except OSError as e:  # no socket yet, or nobody listening on it
+            raise _SoakAway(str(e)) from None
+        return cls(reader, writer, tally)
+
+    def close(self) -> None:
+        self.writer.close()
+
+    async def call(self, method: str, params: dict[str, Any]) -> _SoakReply:
+        self.next_id += 1
+        request = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params}
+        try:
+            self.writer.write(_soak_encoder.encode(request) + b"\n")
+            async with asyncio.timeout(SOAK_TIMEOUT_S):
+                await self.writer.drain()
+                while True:
+                    line = await self.reader.readline()
+                    if not line.endswith(b"\n"):
+                        raise _SoakAway("the daemon closed the connection")
+                    reply = _soak_reply.decode(line)
+                    if reply.id == self.next_id:
+                        return reply
+                    if reply.id is None and reply.error is not None:  # refused at connect: FULL while draining
+                        raise _SoakAway(f"refused: {reply.error.get('message')}")
+        except TimeoutError:
+            self.tally.anomaly("unanswered", f"{method} had no answer within {SOAK_TIMEOUT_S:.0f} s")
+            raise _SoakAway("no answer") from None
+        except (OSError, ValueError, RuntimeError) as e:  # reset, a line past the limit, uvloop's closed transport
+            raise _SoakAway(str(e)) from None
+
+
+@dataclasses.dataclass(eq=False)
+class _SoakConv:
+    """A client's session and what it was answered: `seq` is exactly what session/list must show for it."""
+
+    name: str
+    keyed: bool
+    seq: int = 0
+    turn: int = 0  # turns begun
+    position: int = 5  # the next event's index in the current turn's five; 5: the turn is over
+    turns_left: int = 0  # turns still to run on this visit
+    last_keyed: tuple[str, bytes, bytes] | None = None  # key, event, the answer's actions: for replay checks
+
+    def next_event(self) -> tuple[bytes, str | None]:
+        turn, position = (self.turn + 1, 0) if self.position >= 5 else (self.turn, self.position)
+        event = _seed_turn(turn, 7 * (turn - 1) + 1)[position]  # ids go on as a real session's: 7 actions a turn
+        return event, (f"t{turn}.{position}" if self.keyed else None)
+
+    def advance(self) -> None:
+        if self.position >= 5:
+            self.turn += 1
+            self.position = 0
+            self.turns_left -= 1
+        self.position += 1
+        self.seq += 1
+
+    @property
+    def visit_over(self) -> bool:
+        return self.position >= 5 and self.turns_left <= 0
+
+
+@dataclasses.dataclass(eq=False)
+class _SoakOp:
+    kind: str  # new | step | duplicate | close
+    conv: _SoakConv
+    event: bytes = b""
+    key: str | None = None
+    lost: bool = False  # its answer went with the connection; settled against session/list after the reconnect
+    resent: bool = False
+    expect_replayed: bool | None = None  # for a keyed step resent after a loss: what session/list says it must be
+
+
+class _SoakLoad:
+    """What a load process's clients and watchers share."""
+
+    def __init__(self, config: SoakLoadConfig) -> None:
+        self.config = config
+        self.tally = _SoakTally()
+        self.end = time.monotonic() + config.seconds
+        self.hard_end = self.end + SOAK_GRACE_S
+        self.clients: list[_SoakClient] = []
+
+    def busy_sessions(self) -> list[_SoakConv]:
+        """The sessions clients are stepping now: what watchers watch, so they have something to fall behind on."""
+        return [c.current for c in self.clients if c.current is not None and c.current.name in c.sessions]
+
+    def left_sessions(self) -> list[_SoakConv]:
+        return [conv for c in self.clients for conv in c.left.values()]
+
+    async def report_progress(self) -> None:
+        """Steps answered so far, for the orchestrator's samples; replaced whole, so it never reads half a file."""
+        path = Path(self.config.progress)
+        while True:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(msgspec.json.encode({"steps": self.tally.counts["steps answered"]}))
+            os.replace(tmp, path)
+            await asyncio.sleep(1.0)
+
+
+class _SoakClient:
+    """A client of many sessions: creates them, steps seed turns (keyed or not), closes some and leaves others, takes
+    left ones up again, and rides out restarts: reconnect with backoff, check session/list against what it was
+    answered, settle the request whose answer was lost, and go on."""
+
+    def __init__(self, load: _SoakLoad, index: int) -> None:
+        self.load = load
+        self.tally = load.tally
+        self.index = index
+        self.rng = random.Random(load.config.seed * 1000 + index)
+        self.think_s = load.config.think_ms / 1000
+        self.conn: _SoakConn | None = None
+        self.sessions: dict[str, _SoakConv] = {}  # answered `new`, not closed, not given up on
+        self.current: _SoakConv | None = None
+        self.left: dict[str, _SoakConv] = {}  # left open, oldest first
+        self.closed: list[str] = []
+        self.pending: _SoakOp | None = None
+        self.made = 0
+        self.connected_once = False
+        self.away_since: float | None = None
+
+    async def run(self) -> None:
+        while True:
+            now = time.monotonic()
+            if now >= self.load.hard_end:
+                if self.pending is not None:
+                    self.tally.counts["client requests unsettled at the end"] += 1
+                break
+            if now >= self.load.end and self.pending is None:
+                break
+            try:
+                if self.conn is None:
+                    await self._reconnect()
+                if self.pending is not None:
+                    await self._perform(self.pending)
+                else:
+                    await self._next()
+            except _SoakAway:
+                if self.conn is not None:
+                    self.conn.close()
+                    self.conn = None
+                if self.pending is not None:
+                    self.pending.lost = True
+                if self.away_since is None:
+                    self.away_since = time.monotonic()
+        if self.conn is not None:
+            self.conn.close()
+
+    async def _reconnect(self) -> None:
+        delay = SOAK_BACKOFF_S[0]
+        while True:
+            if time.monotonic() >= self.load.hard_end:
+                raise _SoakAway("out of time")
+            conn = None
+            try:
+                conn = await _SoakConn.open(self.load.config.socket, self.tally)
+                reply = await conn.call("session/list", {})
+                if reply.error is not None:  # BUSY: the daemon is draining; the next one will answer
+                    raise _SoakAway(_error_kind(reply.error))
+                break
+            except _SoakAway:
+                if conn is not None:
+                    conn.close()
+                self.tally.counts["client connect attempts refused"] += 1
+                await asyncio.sleep(delay * self.rng.uniform(0.5, 1.5))
+                delay = min(delay * 2, SOAK_BACKOFF_S[1])
+        self.conn = conn
+        if self.away_since is not None:
+            away = time.monotonic() - self.away_since
+            self.tally.counts["client reconnects"] += 1
+            longest = self.tally.counts["client longest away ms"]
+            self.tally.counts["client longest away ms"] = max(longest, int(away * 1e3))
+            self.away_since = None
+        listing = {s.session: s for s in msgspec.json.decode(reply.result, type=_SoakList).sessions}
+        if self.connected_once:
+            self._verify(listing)
+            self._settle(listing)
+        self.connected_once = True
+
+    def _give_up(self, conv: _SoakConv) -> None:
+        """Stop checking a session whose state an anomaly made unknown, so that one fault is counted once."""
+        self.sessions.pop(conv.name, None)
+        self.left.pop(conv.name, None)
+        if self.current is conv:
+            self.current = None
+        if self.pending is not None and self.pending.conv is conv:
+            self.pending = None
+
+    def _verify(self, listing: dict[str, _SoakListed]) -> None:
+        """After a restart every session must be at exactly the step this client was answered for it (one more
+        where the answer to a step was lost); every session whose close was answered must be gone."""
+        lost = self.pending if self.pending is not None and self.pending.lost else None
+        for conv in list(self.sessions.values()):
+            row = listing.get(conv.name)
+            may_be_ahead = lost is not None and lost.conv is conv and lost.kind == "step"
+            if row is None:
+                if not (lost is not None and lost.conv is conv and lost.kind == "close"):
+                    self.tally.anomaly("lost_ack", f"{conv.name}: answered {conv.seq} steps, missing after a restart")
+                    self._give_up(conv)
+            elif row.seq < conv.seq:
+                self.tally.anomaly("lost_ack", f"{conv.name}: session/list says seq {row.seq}, answered {conv.seq}")
+                self._give_up(conv)
+            elif row.seq > conv.seq + may_be_ahead:
+                self.tally.anomaly("extra_step", f"{conv.name}: session/list says seq {row.seq}, answered {conv.seq}")
+                self._give_up(conv)
+            elif row.state not in ("live", "stored"):
+                self.tally.anomaly("session_state", f"{conv.name} is {row.state} after a restart")
+                self._give_up(conv)
+        for name in self.closed:
+            if name in listing:
+                self.tally.anomaly("closed_back", f"{name} was closed (answered) and is listed after a restart")
+        self.tally.counts["sessions checked after restarts"] += len(self.sessions)
+
+    def _settle(self, listing: dict[str, _SoakListed]) -> None:
+        """Decide what became of the request whose answer was lost: acknowledge it, or send it again."""
+        op = self.pending
+        if op is None:
+            conv = self.current
+            if conv is not None and conv.last_keyed is not None and self.rng.random() < SOAK_REPLAY_AFTER_RESTART_P:
+                key, event, _ = conv.last_keyed
+                self.pending = _SoakOp("duplicate", conv, event, key)  # answered before the restart: must replay
+            return
+        if not op.lost:
+            return
+        op.lost, op.resent = False, True
+        row = listing.get(op.conv.name)
+        if op.kind == "new":
+            if row is not None:  # it was made; the answer was lost
+                self.pending = None
+                self._made(op.conv)
+        elif op.kind == "close":
+            if row is None:
+                self.pending = None
+                self._closed(op.conv)
+        elif op.kind == "step":
+            if row is None:
+                return  # _verify counted it
+            if op.key is None:
+                if row.seq == op.conv.seq + 1:  # it ran and is durable; only the answer was lost
+                    self.pending = None
+                    self.tally.counts["unkeyed steps whose lost answer was applied"] += 1
+                    op.conv.advance()
+            else:
+                op.expect_replayed = row.seq == op.conv.seq + 1
+                self.tally.counts["keyed steps resent after a lost answer"] += 1
+
+    async def _next(self) -> None:
+        conv = self.current
+        if conv is None:
+            if len(self.left) > SOAK_LEFT_OPEN_MAX:
+                op = _SoakOp("close", next(iter(self.left.values())))
+            elif self.left and self.rng.random() < SOAK_RESUME_P:
+                conv = self.left.pop(self.rng.choice(list(self.left)))
+                conv.turns_left = self.rng.randint(1, 3)
+                self.current = conv
+                self.tally.counts["sessions taken up again"] += 1
+                return
+            else:
+                self.made += 1
+                name = f"soak-{os.getpid()}-{self.index}-{self.made}"
+                op = _SoakOp("new", _SoakConv(name, keyed=self.rng.random() < SOAK_KEYED_P))
+        elif conv.visit_over:
+            if self.rng.random() < SOAK_LEAVE_P:
+                self.left[conv.name] = conv
+                self.current = None
+                self.tally.counts["sessions left open"] += 1
+                return
+            op = _SoakOp("close", conv)
+        else:
+            event, key = conv.next_event()
+            op = _SoakOp("step", conv, event, key)
+        self.pending = op
+        await self._perform(op)
+        await asyncio.sleep(self.rng.expovariate(1 / self.think_s) if self.think_s > 0 else 0)
+
+    async def _perform(self, op: _SoakOp) -> None:
+        assert self.conn is not None
+        conv = op.conv
+        params: dict[str, Any] = {"session": conv.name}
+        method = {"new": "session/new", "close": "session/close"}.get(op.kind, "session/step")
+        if method == "session/step":
+            params["event"] = msgspec.Raw(op.event)
+            if op.key is not None:
+                params["key"] = op.key
+        busy_since = time.monotonic()
+        while True:
+            reply = await self.conn.call(method, params)
+            if reply.error is None:
+                break
+            kind = _error_kind(reply.error)
+            if kind == "BUSY" and time.monotonic() - busy_since < SOAK_TIMEOUT_S:
+                self.tally.counts["client BUSY answers (retried)"] += 1  # the daemon drains; it will close soon
+                await asyncio.sleep(0.05)
+                continue
+            message = str(reply.error.get("message", ""))[:200]
+            if kind == "CONFLICT":
+                self.tally.anomaly("conflict", f"{conv.name} key {op.key} ({op.kind}, resent {op.resent}): {message}")
+            else:
+                self.tally.anomaly("unexpected_error", f"{method} on {conv.name} answered {kind}: {message}")
+            self._give_up(conv)
+            return
+        self.pending = None
+        if op.kind == "new":
+            self._made(conv)
+        elif op.kind == "close":
+            self._closed(conv)
+        else:
+            self._stepped(op, msgspec.json.decode(reply.result, type=_SoakStepResult))
+
+    def _made(self, conv: _SoakConv) -> None:
+        self.sessions[conv.name] = conv
+        conv.turns_left = self.rng.randint(1, 4)
+        self.current = conv
+        self.tally.counts["sessions made"] += 1
+
+    def _closed(self, conv: _SoakConv) -> None:
+        self.sessions.pop(conv.name, None)
+        self.left.pop(conv.name, None)
+        if self.current is conv:
+            self.current = None
+        self.closed.append(conv.name)
+        self.tally.counts["sessions closed"] += 1
+
+    def _stepped(self, op: _SoakOp, result: _SoakStepResult) -> None:
+        conv, tally = op.conv, self.tally
+        tally.counts["steps answered"] += 1
+        if op.kind == "duplicate":
+            tally.counts["keyed steps sent twice on purpose"] += 1
+            assert conv.last_keyed is not None
+            if not result.replayed:
+                tally.anomaly("ran_twice", f"{conv.name} key {op.key} was answered before, and ran again")
+                self._give_up(conv)
+            elif bytes(result.actions) != conv.last_keyed[2]:
+                tally.anomaly("replay_differs", f"{conv.name} key {op.key}: the replay is not the first answer")
+            return
+        if op.resent and op.key is not None:
+            if op.expect_replayed is not None and result.replayed != op.expect_replayed:
+                durable = "was durable" if op.expect_replayed else "was not durable"
+                tally.anomaly(
+                    "ran_twice" if op.expect_replayed else "replay_of_nothing",
+                    f"{conv.name} key {op.key}: session/list said the step {durable}; "
+                    f"answered replayed={result.replayed}",
+                )
+            tally.counts["resent keyed steps answered replayed" if result.replayed else "resent keyed steps run"] += 1
+        elif result.replayed:
+            tally.anomaly("replay_of_nothing", f"{conv.name}: key {op.key}, never sent before, answered replayed")
+        conv.advance()
+        if op.key is not None:
+            conv.last_keyed = (op.key, op.event, bytes(result.actions))
+            if self.rng.random() < SOAK_DUPLICATE_P:
+                self.pending = _SoakOp("duplicate", conv, op.event, op.key)
+
+
+class _SoakWatcher:
+    """A watcher connection. "live" watches busy sessions from now on; "since" catches up on them from a few steps back
+    (and on left ones from the start); "slow" reads a trickle, so it falls behind and is unwatched, then watches again
+    from the last step it saw; "never" watches and reads nothing, so the daemon must drop it. Every kind reconnects
+    after a restart and watches again from the last step seen. Seen steps must come one by one, none twice."""
+
+    def __init__(self, load: _SoakLoad, index: int, kind: str) -> None:
+        self.load = load
+        self.tally = load.tally
+        self.kind = kind
+        self.rng = random.Random(load.config.seed * 1000 + 500 + index)
+        self.watching: dict[str, int | None] = {}  # session: the last step seen (None: none yet, watched from now)
+        self.catching_up: set[str] = set()  # watched with `since`, not answered yet: not to be unwatched before
+        self.ending: set[str] = set()  # unwatch sent, not answered: notices sent before it may still come
+        self.requests: dict[int, tuple[str, str]] = {}  # request id: (method, session)
+        self.next_id = 0
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def run(self) -> None:
+        delay = SOAK_BACKOFF_S[0]
+        while time.monotonic() < self.load.end:
+            try:
+                reader, writer = await asyncio.open_unix_connection(self.load.config.socket, limit=SOAK_WATCHER_BUFFER)
+            except OSError:
+                await asyncio.sleep(delay * self.rng.uniform(0.5, 1.5))
+                delay = min(delay * 2, SOAK_BACKOFF_S[1])
+                continue
+            delay = SOAK_BACKOFF_S[0]
+            self.tally.counts[f"watcher connections ({self.kind})"] += 1
+            try:
+                if self.kind == "never":
+                    await self._never(reader, writer)
+                else:
+                    await self._serve(reader, writer)
+            finally:
+                writer.close()
+
+    def _send(self, method: str, params: dict[str, Any]) -> bool:
+        """Write a request; False when the connection is gone (uvloop raises RuntimeError on a closed transport)."""
+        if self.writer is None or self.writer.is_closing():
+            return False
+        self.next_id += 1
+        request = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params}
+        try:
+            self.writer.write(_soak_encoder.encode(request) + b"\n")
+        except (OSError, RuntimeError):
+            return False
+        self.requests[self.next_id] = (method, params["session"])
+        return True
+
+    def _watch(self, name: str, since: int | None) -> None:
+        params: dict[str, Any] = {"session": name} if since is None else {"session": name, "since": since}
+        if not self._send("session/watch", params):
+            return  # the next connection watches it again, from the last step seen
+        self.watching[name] = since
+        if since is not None:
+            self.catching_up.add(name)
+        self.tally.counts["watches sent" if since is None else "watches sent with since"] += 1
+
+    def _candidates(self) -> list[tuple[str, int | None]]:
+        busy = self.load.busy_sessions()
+        if self.kind == "since":
+            picks: list[tuple[str, int | None]] = [(c.name, max(0, c.seq - 3)) for c in busy]
+            left = self.load.left_sessions()
+            if left and self.rng.random() < 0.1:  # about one whole history a second, caught up then unwatched
+                picks.append((self.rng.choice(left).name, 0))
+            return picks
+        return [(c.name, None) for c in busy]
+
+    def _unwatch(self, name: str) -> None:
+        if not self._send("session/unwatch", {"session": name}):
+            return
+        self.watching.pop(name, None)
+        self.ending.add(name)
+        self.tally.counts["unwatches sent"] += 1
+
+    def _top_up(self) -> None:
+        """Unwatch what is idle (once its catch-up is over), then watch busy sessions up to SOAK_WATCHED. A slow
+        watcher reads its answers late; it must still trade idle sessions for busy ones, or it never falls behind."""
+        busy = {c.name for c in self.load.busy_sessions()}
+        for name in [n for n in self.watching if n not in busy and n not in self.catching_up]:
+            self._unwatch(name)
+        candidates = [c for c in self._candidates() if c[0] not in self.watching and c[0] not in self.ending]
+        self.rng.shuffle(candidates)
+        for name, since in candidates[: max(0, SOAK_WATCHED - len(self.watching))]:
+            self._watch(name, since)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.requests.clear()
+        self.catching_up.clear()
+        self.ending.clear()
+        for name, last in list(self.watching.items()):
+            self._watch(name, last)  # from the last step seen: nothing missed while the daemon was away
+        reading = asyncio.ensure_future(self._read(reader))
+        try:
+            while time.monotonic() < self.load.end and not reading.done():
+                self._top_up()
+                await asyncio.wait({reading}, timeout=SOAK_WATCH_TICK_S)
+        finally:
+            reading.cancel()
+            self.writer = None
+        if reading.done() and not reading.cancelled():
+            self.tally.counts[f"watcher connections lost ({self.kind})"] += 1
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        buffer = b""
+        size, pause = SOAK_SLOW_READ if self.kind == "slow" else (1 << 16, 0.0)
+        try:
+            while True:
+                chunk = await reader.read(size)
+                if not chunk:
+                    return
+                *lines, buffer = (buffer + chunk).split(b"\n")
+                for line in lines:
+                    self._line(line)
+                if pause:
+                    await asyncio.sleep(pause)
+        except OSError:
+            return
+
+    def _line(self, line: bytes) -> None:
+        tally = self.tally
+        message = _soak_reply.decode(line)
+        if message.method == "session/actions":
+            notice = msgspec.json.decode(message.params, type=_SoakNotice)
+            tally.counts["watch notices"] += 1
+            tally.counts["watch notice bytes"] += len(line) + 1
+            if notice.session in self.ending:
+                return  # sent before the daemon had our unwatch
+            if notice.session not in self.watching:
+                tally.anomaly("watch_stray", f"a notice for {notice.session}, which this connection does not watch")
+                return
+            last = self.watching[notice.session]
+            if last is not None and notice.seq != last + 1:
+                kind = "watch_gap" if notice.seq > last + 1 else "watch_repeat"
+                tally.anomaly(kind, f"{notice.session}: step {notice.seq} after step {last} ({self.kind} watcher)")
+            self.watching[notice.session] = notice.seq
+        elif message.method == "session/unwatched":
+            notice = msgspec.json.decode(message.params, type=_SoakNotice)
+            tally.counts[f"unwatched: {notice.reason} ({self.kind})"] += 1
+            if notice.session in self.ending:
+                return
+            last = self.watching.get(notice.session)
+            if last is not None and notice.seq != last:
+                tally.anomaly("watch_gap", f"{notice.session}: unwatched after step {notice.seq}, last seen {last}")
+            if notice.reason == "closed":
+                self.watching.pop(notice.session, None)
+            elif self.writer is not None:
+                self._watch(notice.session, notice.seq)  # catch up from the journal, as the protocol says
+        elif isinstance(message.id, int) and message.id in self.requests:
+            method, name = self.requests.pop(message.id)
+            self.catching_up.discard(name)  # a watch's catch-up is sent before its answer
+            if method == "session/unwatch":
+                self.ending.discard(name)
+                if message.error is not None and _error_kind(message.error) != "BUSY":
+                    tally.anomaly("unexpected_error", f"session/unwatch {name} answered {message.error}")
+                return
+            if message.error is None:
+                tally.counts["watches answered"] += 1
+                return
+            kind = _error_kind(message.error)
+            if kind == "HANDLE":  # closed meanwhile
+                self.watching.pop(name, None)
+                tally.counts["watches of sessions gone"] += 1
+            elif kind == "BUSY":
+                tally.counts["watches answered BUSY (draining)"] += 1  # watched again on the next connection
+            else:
+                tally.anomaly("unexpected_error", f"session/watch {name} answered {kind}: {message.error}")
+                self.watching.pop(name, None)
+
+    async def _never(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Keep watching the busy sessions (and left ones from the start) and read nothing, for longer than the
+        daemon's send timeout; then see whether the daemon unwatched it and cut the connection off."""
+        self.writer = writer
+        self.watching.clear()
+        self.requests.clear()
+        left = self.load.left_sessions()
+        for conv in self.rng.sample(left, min(SOAK_WATCHED, len(left))):
+            self._watch(conv.name, 0)
+        until = min(time.monotonic() + SOAK_NEVER_READ_S, self.load.end)
+        while time.monotonic() < until and not writer.is_closing():
+            # Writing does not need reading: the watches go on piling notices up until the daemon stops reading us.
+            for conv in self.load.busy_sessions():
+                if conv.name not in self.watching and len(self.watching) < 50 * SOAK_WATCHED:
+                    self._watch(conv.name, None)
+            await asyncio.sleep(SOAK_WATCH_TICK_S)
+        self.writer = None
+        unread, dropped, cut_off = 0, 0, False
+        try:
+            while True:
+                chunk = await asyncio.wait_for(reader.read(1 << 20), 0.5)
+                if not chunk:
+                    cut_off = True
+                    break
+                unread += len(chunk)
+                dropped += chunk.count(b'"reason":"fell too far behind"')
+        except TimeoutError:
+            pass
+        except OSError:
+            cut_off = True
+        tally = self.tally
+        tally.counts["never-reader holds"] += 1
+        tally.counts["never-reader holds cut off (restart or send timeout)"] += cut_off
+        tally.counts["never-reader KiB left unread"] += unread // 1024
+        tally.counts["never-reader unwatched (fell too far behind), read after its hold"] += dropped
+
+
+async def _soak_load(config: SoakLoadConfig) -> SoakLoadResult:
+    load = _SoakLoad(config)
+    load.clients = [_SoakClient(load, i) for i in range(config.clients)]
+    watchers = [_SoakWatcher(load, i, SOAK_WATCHER_KINDS[i % len(SOAK_WATCHER_KINDS)]) for i in range(config.watchers)]
+    progress = asyncio.ensure_future(load.report_progress())
+    runs = [c.run() for c in load.clients] + [w.run() for w in watchers]
+    try:
+        # Bounded whatever the daemon does: past the grace, whatever still runs is cancelled and counted.
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*runs, return_exceptions=True), config.seconds + SOAK_GRACE_S + 30
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):  # a fault of the load's own: counted, so it cannot pass unseen
+                load.tally.anomaly("load_error", f"{type(outcome).__name__}: {outcome}"[:300])
+    except TimeoutError:
+        load.tally.anomaly("load_stuck", "the load did not finish within its grace")
+    finally:
+        progress.cancel()
+    sessions: dict[str, tuple[int, int]] = {}
+    for c in load.clients:
+        for conv in c.sessions.values():
+            ahead = c.pending is not None and c.pending.conv is conv and c.pending.kind == "step"
+            sessions[conv.name] = (conv.seq, int(ahead))
+    closed = [name for c in load.clients for name in c.closed]
+    tally = load.tally
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    tally.counts["load process cpu ms"] = int((usage.ru_utime + usage.ru_stime) * 1000)
+    return SoakLoadResult(dict(tally.counts), dict(tally.anomalies), tally.examples, sessions, closed)
+
+
+def _soak_load_main(config_json: str) -> int:
+    """The load process: runs for its window (plus a bounded grace), writes its result as JSON on stdout, exits."""
+    config = msgspec.json.decode(config_json, type=SoakLoadConfig)
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
+        result = runner.run(_soak_load(config))
+    _write_stdout(msgspec.json.encode(result) + b"\n")
+    return 0
+
+
+# -- the soak's orchestrator: the daemon's lives, samples, restarts, verdicts -----------------------------------------
+
+
+class _SoakStartError(Exception):
+    """A life of the daemon did not come up: the soak cannot go on, and says why."""
+
+
+class _SoakDaemon:
+    """The daemon as a subprocess, run from a frozen copy of the package: restarts must not pick up files being
+    edited meanwhile, and every life must run the same code."""
+
+    def __init__(self, root: Path, code: Path) -> None:
+        self.root = root
+        self.code = code
+        self.socket = root / "run" / "devd.sock"
+        self.state = root / "state"
+        self.env = {**os.environ, "PYTHONPATH": str(code)}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lives = 0
+        self.started_at = 0.0
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> float:
+        """Start a new life; the seconds until it listens."""
+        self.lives += 1
+        argv = [sys.executable, "-m", "devd", "serve", "--socket", str(self.socket), "--state-dir", str(self.state)]
+        started = time.monotonic()
+        with open(self.root / f"daemon-{self.lives}.log", "wb") as out:
+            self.proc = subprocess.Popen(
+                argv + ["--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, cwd=self.code, env=self.env
+            )
+        try:
+            _wait_socket(self.socket, self.proc)
+        except (RuntimeError, TimeoutError) as e:
+            tail = (self.root / f"daemon-{self.lives}.log").read_bytes()[-1500:].decode(errors="replace").strip()
+            raise _SoakStartError(f"life {self.lives} did not start: {e}; its log ends: {tail}") from None
+        self.started_at = time.monotonic()
+        return self.started_at - started
+
+    def stop(self, how: str) -> dict[str, Any]:
+        """SIGTERM (graceful: it must exit 0 within SOAK_STOP_S) or SIGKILL; what happened."""
+        assert self.proc is not None
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
+        try:
+            code = self.proc.wait(SOAK_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+            how += " (hung; killed)"
+        return {"how": how, "life": self.lives, "exit": code, "stop_s": round(time.monotonic() - started, 2)}
+
+    def call(self, method: str) -> Any:
+        """One request on a connection of its own; by hand, so that nothing is imported from a tree being edited."""
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(10)
+            sock.connect(str(self.socket))
+            sock.sendall(_soak_encoder.encode({"jsonrpc": "2.0", "id": 1, "method": method, "params": {}}) + b"\n")
+            with sock.makefile("rb") as f:
+                reply = _soak_reply.decode(f.readline(SOAK_LINE_LIMIT))
+        if reply.error is not None:
+            raise ValueError(f"{method} answered {reply.error}")
+        return msgspec.json.decode(reply.result)
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "Threads"):
+                fields[name] = int(value.split()[0])
+    return fields
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(directory, name)).st_size
+            except FileNotFoundError:  # the WAL or a temporary file went meanwhile
+                pass
+    return total
+
+
+def _soak_sample(daemon: _SoakDaemon, t0: float, progress: Path, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The daemon's resources now (read from /proc before the status connection, which would count as an fd)."""
+    now = time.monotonic()
+    status = _proc_status(daemon.pid)
+    fds = len(os.listdir(f"/proc/{daemon.pid}/fd"))
+    cpu = _cpu_seconds(daemon.pid)
+    # CPU in cores since the previous sample, or since this life began: the load the daemon was under.
+    if previous is not None and previous["life"] == daemon.lives:
+        cpu_share = (cpu - previous["cpu_s"]) / (now - t0 - previous["t_s"])
+    else:
+        cpu_share = cpu / max(now - daemon.started_at, 1e-3)
+    sample: dict[str, Any] = {
+        "cpu_s": cpu,
+        "cpu": round(cpu_share, 2),
+        "t_s": round(now - t0, 1),
+        "life": daemon.lives,
+        "uptime_s": round(now - daemon.started_at, 1),
+        "rss_mib": round(status["VmRSS"] / 1024, 1),
+        "fds": fds,
+        "threads": status["Threads"],
+        "state_mib": round(_tree_bytes(daemon.state) / (1 << 20), 2),
+    }
+    try:
+        sample["steps"] = int(msgspec.json.decode(progress.read_bytes())["steps"])
+    except (OSError, msgspec.DecodeError, KeyError):
+        sample["steps"] = None
+    try:
+        st = daemon.call("daemon/status")
+        sample["sessions"] = sum(st["sessions"].values())
+        sample["live"] = st["sessions"].get("live")  # sessions whose instance is in memory
+        sample["connections"] = st["connections"]
+        sample["daemon_errors"] = st["errors"]
+    except Exception as e:  # a sample must not end the soak; the table shows the gap
+        sample["sessions"] = sample["live"] = sample["connections"] = None
+        sample["status_error"] = f"{type(e).__name__}: {e}"[:200]
+    return sample
+
+
+def _soak_verdicts(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    n = len(samples)
+    verdicts: dict[str, Any] = {}
+    if n < 6:
+        return {"error": f"{n} samples; the plateau needs at least 6 (two per third)"}
+    middle, last = samples[n // 3 : 2 * n // 3], samples[2 * n // 3 :]
+    for metric, (relative, slack) in SOAK_PLATEAU.items():
+        m = statistics.fmean(s[metric] for s in middle)
+        la = statistics.fmean(s[metric] for s in last)
+        limit = m * (1 + relative) + slack
+        verdicts[metric] = {
+            "middle_mean": round(m, 2),
+            "last_mean": round(la, 2),
+            "limit": round(limit, 2),
+            "verdict": "PASS" if la <= limit else "FAIL",
+        }
+
+    def growth(part: list[dict[str, Any]]) -> float | None:
+        """KiB of state directory per 1,000 steps answered, from the part's first sample to its last."""
+        first, end = part[0], part[-1]
+        if first["steps"] is None or end["steps"] is None or end["steps"] <= first["steps"]:
+            return None
+        kib = (float(end["state_mib"]) - float(first["state_mib"])) * 1024
+        return round(kib / (int(end["steps"]) - int(first["steps"])) * 1000, 1)
+
+    verdicts["state_mib"] = {
+        "kib_per_1000_steps": growth(samples),
+        "middle_third": growth(middle),
+        "last_third": growth(last),
+        "verdict": "INFO",
+    }
+    verdicts["thirds"] = {"samples": n, "middle": [n // 3 + 1, 2 * n // 3], "last": [2 * n // 3 + 1, n]}
+    return verdicts
+
+
+def _soak_final_check(daemon: _SoakDaemon, result: SoakLoadResult, tally: _SoakTally) -> None:
+    """After the load is over and one more restart: what the clients were answered is what the daemon holds."""
+    listing = {s["session"]: s for s in daemon.call("session/list")["sessions"]}
+    for name, (seq, may_be_ahead) in result.sessions.items():
+        row = listing.get(name)
+        if row is None:
+            tally.anomaly("lost_ack", f"{name}: answered {seq} steps, missing at the end")
+        elif row["seq"] < seq:
+            tally.anomaly("lost_ack", f"{name}: session/list says seq {row['seq']} at the end, answered {seq}")
+        elif row["seq"] > seq + may_be_ahead:
+            tally.anomaly("extra_step", f"{name}: session/list says seq {row['seq']} at the end, answered {seq}")
+        elif row["state"] not in ("live", "stored"):
+            tally.anomaly("session_state", f"{name} is {row['state']} at the end: {row.get('reason')}")
+    for name in result.closed:
+        if name in listing:
+            tally.anomaly("closed_back", f"{name} was closed (answered) and is listed at the end")
+    tally.counts["sessions checked at the end"] = len(result.sessions)
+    tally.counts["closed sessions checked at the end"] = len(result.closed)
+
+
+def _soak_logs(root: Path) -> list[dict[str, Any]]:
+    """The daemon's warnings and errors over all its lives, grouped by event, with one example of each."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted(root.glob("daemon-*.log"), key=lambda p: int(p.stem.split("-")[1])):
+        for raw in path.read_bytes().splitlines():
+            try:
+                entry = msgspec.json.decode(raw)
+                key = (str(entry.get("level", "?")), str(entry.get("event", "?")) + _soak_log_reason(entry))
+            except (msgspec.DecodeError, AttributeError):
+                key = ("text", raw.decode(errors="replace")[:100])
+            group = groups.setdefault(key, {"level": key[0], "event": key[1], "count": 0, "example": raw[:400]})
+            group["count"] += 1
+            group["lives"] = sorted({*group.get("lives", []), int(path.stem.split("-")[1])})
+    rows = sorted(groups.values(), key=lambda g: -int(g["count"]))
+    for g in rows:
+        g["example"] = g["example"].decode(errors="replace")
+    return rows
+
+
+def _soak_log_reason(entry: dict[str, Any]) -> str:
+    reason = entry.get("reason")
+    return f" ({reason})" if isinstance(reason, str) else ""
+
+
+def _soak_freeze(code: Path, git_rev: str | None) -> str:
+    """Copy the package the daemon and the load run from, and say what it is. The working tree by default; with
+    `git_rev`, that commit's devd/ (plus core.wasm, which git does not track, and this bench.py for the load)."""
+    here = Path(__file__).parent
+    repo = here.parent
+
+    def git(*argv: str) -> bytes:
+        return subprocess.run(["git", "-C", str(repo), *argv], capture_output=True, check=True).stdout
+
+    try:
+        head = git("rev-parse", "--short", "HEAD").decode().strip()
+    except (OSError, subprocess.CalledProcessError):
+        head = "?"
+    if git_rev is None:
+        shutil.copytree(here, code / "devd", ignore=shutil.ignore_patterns("__pycache__"))
+        try:
+            changed = git("status", "--short", "--", str(here)).decode().split("\n")
+        except (OSError, subprocess.CalledProcessError):
+            changed = []
+        changed = [c.strip() for c in changed if c.strip()]
+        return f"working tree at {head}" + (f", uncommitted: {', '.join(changed)}" if changed else "")
+    code.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(git("archive", git_rev, "devd"))) as tar:
+        tar.extractall(code, filter="data")
+    shutil.copy2(here / "core.wasm", code / "devd" / "core.wasm")
+    shutil.copy2(here / "bench.py", code / "devd" / "bench.py")
+    rev = git("rev-parse", "--short", git_rev).decode().strip()
+    return f"git {rev} (devd/ as committed; core.wasm and bench.py from the working tree)"
+
+
+def bench_soak(
+    minutes: float,
+    clients: int,
+    watchers: int,
+    interval_s: float,
+    think_ms: float = 10.0,
+    restart_every_s: float = SOAK_RESTART_EVERY_S,
+    seed: int = 1,
+    keep: bool = False,
+    git_rev: str | None = None,
+) -> dict[str, Any]:
+    """The daemon for `minutes` under clients and watchers, restarted every `restart_every_s` (SIGTERM, SIGKILL by
+    turns; 0: never), sampled every `interval_s`; the curve, the restarts, what the load counted, and the anomalies."""
+    root = Path(tempfile.mkdtemp(prefix="devd-soak-"))
+    code = root / "code"
+    provenance = _soak_freeze(code, git_rev)
+    daemon = _SoakDaemon(root, code)
+    run = _SoakRun(daemon, root, minutes * 60, interval_s, restart_every_s)
+    config = SoakLoadConfig(str(daemon.socket), clients, watchers, run.seconds, think_ms, str(run.progress), seed)
+    error: str | None = None
+    try:
+        run.run(config)
+    except _SoakStartError as e:  # nothing more can be measured; what was is reported, and the run fails
+        error = str(e)
+        run.tally.anomaly("daemon_start", error)
+    finally:
+        run.end()
+    tally, result = run.tally, run.result
+    for r in run.restarts:
+        if r["how"].startswith("SIGTERM") and r["exit"] != 0:
+            tally.anomaly("graceful_stop", f"life {r['life']}: SIGTERM gave exit {r['exit']} after {r['stop_s']} s")
+    anomalies = collections.Counter(tally.anomalies)
+    examples = list(tally.examples)
+    counts: dict[str, int] = dict(tally.counts)
+    if result is not None:
+        anomalies.update(result.anomalies)
+        examples = result.examples + examples
+        counts = {**result.counts, **counts}
+    logs = _soak_logs(root)
+    kept = keep or bool(anomalies)
+    if not kept:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "minutes": minutes,
+        "clients": clients,
+        "watchers": watchers,
+        "interval_s": interval_s,
+        "think_ms": think_ms,
+        "restart_every_s": restart_every_s,
+        "cpus": os.cpu_count(),
+        "code": provenance,
+        "error": error,
+        "samples": run.samples,
+        "restarts": run.restarts,
+        "verdicts": _soak_verdicts(run.samples),
+        "counts": counts,
+        "anomalies": dict(anomalies),
+        "anomaly_examples": examples[:60],
+        "daemon_log": logs,
+        "kept": str(root) if kept else None,
+    }
+
+
+class _SoakRun:
+    """The orchestrator's loop: one clock for samples and restarts, so a sample never lands on a restart."""
+
+    def __init__(self, daemon: _SoakDaemon, root: Path, seconds: float, interval_s: float, restart_s: float) -> None:
+        self.daemon = daemon
+        self.root = root
+        self.seconds = seconds
+        self.interval_s = interval_s
+        self.restart_s = restart_s
+        self.progress = root / "progress.json"
+        self.tally = _SoakTally()
+        self.samples: list[dict[str, Any]] = []
+        self.restarts: list[dict[str, Any]] = []
+        self.result: SoakLoadResult | None = None
+        self.load: subprocess.Popen[bytes] | None = None
+        self.kinds = itertools.cycle(("SIGTERM", "SIGKILL"))
+        self.t0 = time.monotonic()
+
+    def restart(self, how: str, **extra: Any) -> None:
+        self.restarts.append({"t_s": round(time.monotonic() - self.t0, 1), **extra, **self.daemon.stop(how)})
+        self.restarts[-1]["ready_s"] = round(self.daemon.start(), 2)
+
+    def run(self, config: SoakLoadConfig) -> None:
+        daemon = self.daemon
+        daemon.start()
+        with open(self.root / "load.err", "wb") as err:
+            argv = [sys.executable, "-c", _SOAK_LOAD_ENTRY, msgspec.json.encode(config).decode()]
+            self.load = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, cwd=daemon.code, env=daemon.env)
+        self.t0 = t0 = time.monotonic()
+        next_sample = t0 + self.interval_s
+        # Restarts fall half-way between samples, so that no sample is of a daemon a moment old.
+        no_restarts = self.restart_s <= 0  # a run without them shows what one long life accumulates
+        next_restart = float("inf") if no_restarts else t0 + self.restart_s + self.interval_s / 2
+        while time.monotonic() < t0 + self.seconds and self.load.poll() is None:
+            _sleep_until(min(next_sample, next_restart, t0 + self.seconds))
+            assert daemon.proc is not None
+            if daemon.proc.poll() is not None:
+                self.tally.anomaly("daemon_died", f"life {daemon.lives} exited by itself with {daemon.proc.returncode}")
+                self.restarts.append({"how": "died", "life": daemon.lives, "exit": daemon.proc.returncode, "stop_s": 0})
+                self.restarts[-1]["ready_s"] = round(daemon.start(), 2)
+            if time.monotonic() >= next_restart:
+                self.restart(next(self.kinds))
+                next_restart += self.restart_s
+            if time.monotonic() >= next_sample:
+                # Not of a daemon a moment old: its clients are still reconnecting, and its fds would read low.
+                _sleep_until(daemon.started_at + min(3.0, self.interval_s / 2))
+                self.samples.append(_soak_sample(daemon, t0, self.progress, self.samples[-1] if self.samples else None))
+                s = self.samples[-1]
+                print(
+                    f"soak: {s['t_s']:.0f}/{self.seconds:.0f} s, life {s['life']}, rss {s['rss_mib']} MiB, "
+                    f"fds {s['fds']}, threads {s['threads']}, state {s['state_mib']} MiB, steps {s['steps']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                next_sample += self.interval_s
+        try:
+            out, _ = self.load.communicate(timeout=SOAK_GRACE_S + 90)
+        except subprocess.TimeoutExpired:
+            self.load.kill()
+            out, _ = self.load.communicate()
+            self.tally.anomaly("load_stuck", "the load process overran its bound and was killed")
+        if self.load.returncode == 0:
+            self.result = msgspec.json.decode(out, type=SoakLoadResult)
+            # One more restart, the kind that comes next, then every session against what its client was answered.
+            self.restart(next(self.kinds), final=True)
+            try:
+                _soak_final_check(daemon, self.result, self.tally)
+            except (OSError, ConnectionError, ValueError) as e:  # the daemon did not answer session/list
+                self.tally.anomaly("final_check", f"session/list after the last restart failed: {e}")
+        else:
+            tail = (self.root / "load.err").read_bytes()[-2000:].decode(errors="replace")
+            self.tally.anomaly("load_failed", f"the load process exited {self.load.returncode}: {tail}")
+        self.restarts.append({"t_s": round(time.monotonic() - t0, 1), "final": True, **daemon.stop("SIGTERM")})
+
+    def end(self) -> None:
+        """Whatever happened, no process of the soak outlives it."""
+        for proc in (self.load, self.daemon.proc):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _soak_report(r: dict[str, Any]) -> str:
+    """The curve as a table, the restarts, what the load counted, the verdicts with their rule, and the anomalies."""
+    out: list[str] = []
+    cols = [("t_s", 7), ("life", 5), ("uptime_s", 9), ("cpu", 5), ("rss_mib", 8), ("fds", 5), ("threads", 8)]
+    cols += [("state_mib", 10), ("steps", 9), ("sessions", 9), ("live", 6), ("connections", 12)]
+    out.append(
+        f"soak: {r['minutes']} min, {r['clients']} clients, {r['watchers']} watchers, samples every "
+        f"{r['interval_s']} s, restarts every {r['restart_every_s']} s, think {r['think_ms']} ms, "
+        f"{r['cpus']} cpus"
+    )
+    out.append(f"code: {r['code']}")
+    if r.get("error"):
+        out.append(f"stopped early: {r['error']}")
+    out.append("")
+    out.append("".join(f"{name:>{w}}" for name, w in cols))
+    for s in r["samples"]:
+        out.append("".join(f"{'-' if s.get(name) is None else s[name]:>{w}}" for name, w in cols))
+    out.append("")
+    out.append("restarts:")
+    for x in r["restarts"]:
+        final = " (final)" if x.get("final") else ""
+        at = f"t={x['t_s']:>6} s  " if "t_s" in x else ""
+        ready = f", next life listening after {x['ready_s']} s" if "ready_s" in x else ""
+        out.append(f"  {at}life {x['life']:>2}: {x['how']}{final}, exit {x['exit']} after {x['stop_s']} s{ready}")
+    out.append("")
+    out.append("load:")
+    width = max((len(name) for name in r["counts"]), default=0)
+    for name, value in sorted(r["counts"].items()):
+        out.append(f"  {name:<{width}} {value:>12,}")
+    out.append("")
+    v = r["verdicts"]
+    if "error" in v:
+        out.append(f"plateau: no verdict ({v['error']})")
+    else:
+        t = v["thirds"]
+        out.append(
+            f"plateau (rule, per metric: PASS if mean(last third) <= mean(middle third) x (1 + relative) + slack; "
+            f"samples {t['middle'][0]}-{t['middle'][1]} vs {t['last'][0]}-{t['last'][1]} of {t['samples']}):"
+        )
+        for metric, (relative, slack) in SOAK_PLATEAU.items():
+            m = v[metric]
+            out.append(
+                f"  {metric:<9} middle {m['middle_mean']:>9}  last {m['last_mean']:>9}  limit {m['limit']:>9} "
+                f"(x{1 + relative:.2f} + {slack:g})  {m['verdict']}"
+            )
+        st = v["state_mib"]
+        out.append(
+            f"  state_mib grows {st['kib_per_1000_steps']} KiB per 1,000 steps answered over the run (middle third "
+            f"{st['middle_third']}, last third {st['last_third']}); it holds the sessions left open, so no plateau "
+            "is expected: INFO"
+        )
+    out.append("")
+    if r["daemon_log"]:
+        out.append("daemon log (warnings and errors, all lives):")
+        for g in r["daemon_log"][:12]:
+            out.append(f"  {g['count']:>6} {g['level']:<8} {g['event']}  lives {g['lives'][:8]}")
+        out.append("")
+    if r["anomalies"]:
+        kinds = ", ".join(f"{k} {n}" for k, n in r["anomalies"].items())
+        out.append(f"anomalies: {sum(r['anomalies'].values())} ({kinds})")
+        for e in r["anomaly_examples"][:20]:
+            out.append(f"  {e}")
+    else:
+        out.append(
+            "anomalies: none (no lost acknowledged step, no extra step, no CONFLICT on a retry, no unexpected "
+            "error kind, no watcher gap or repeat, every SIGTERM exited 0)"
+        )
+    if r["kept"]:
+        out.append(f"kept: {r['kept']}")
+    return "\n".join(out)
+
+
+def _soak_command(args: argparse.Namespace) -> int:
+    """Exit 1 on any anomaly, 2 if there is none but a plateau verdict is FAIL, else 0."""
+    result = bench_soak(
+        args.minutes,
+        args.clients,
+        args.watchers,
+        args.interval_s,
+        args.think_ms,
+        args.restart_every_s,
+        args.seed,
+        args.keep,
+        args.git_rev,
+    )
+    print(_soak_report(result), flush=True)
+    if args.json:
+        Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")
+    if result["anomalies"]:
+        return 1
+    verdicts = result["verdicts"]
+    return 2 if any(isinstance(m, dict) and m.get("verdict") == "FAIL" for m in verdicts.values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m devd.bench")
     sub = p.add_subparsers(dest="what", required=True)
@@ -672,7 +1876,20 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--first-client", type=int, default=0)
     load.add_argument("--seconds", type=float, default=5.0)
     load.add_argument("--start-at", type=float, help="time.monotonic() at which the window opens (all generators)")
+    soak = sub.add_parser("soak", help="exit 1 on an anomaly, 2 if none but a plateau verdict is FAIL")
+    soak.add_argument("--minutes", type=float, required=True)
+    soak.add_argument("--clients", type=int, default=8)
+    soak.add_argument("--watchers", type=int, default=4, help=f"connections, by turns {', '.join(SOAK_WATCHER_KINDS)}")
+    soak.add_argument("--interval-s", type=float, default=10.0, help="seconds between samples")
+    soak.add_argument("--think-ms", type=float, default=10.0, help="each client's mean pause after a request")
+    soak.add_argument("--restart-every-s", type=float, default=SOAK_RESTART_EVERY_S, help="0: no restarts")
+    soak.add_argument("--seed", type=int, default=1)
+    soak.add_argument("--json", help="write the samples, restarts, counts and verdicts here")
+    soak.add_argument("--keep", action="store_true", help="keep the state, logs and code copy (kept on anomalies)")
+    soak.add_argument("--git-rev", help="run the daemon from this commit's devd/ rather than the working tree")
     args = p.parse_args(argv)
+    if args.what == "soak":
+        return _soak_command(args)
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
     elif args.what == "daemon":

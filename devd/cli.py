@@ -59,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
             connections_max=args.max_connections,
             line_bytes_max=args.max_line_bytes,
             line_timeout_s=args.line_timeout,
+            send_timeout_s=args.send_timeout,
             max_call_timeout_s=args.max_call_timeout,
             log_format=args.log_format,
             log_level=args.log_level,
@@ -285,6 +286,12 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=default("line_timeout_s"),
         help="seconds a request line may take to arrive",
+    )
+    serve.add_argument(
+        "--send-timeout",
+        type=float,
+        default=default("send_timeout_s"),
+        help="seconds a client may take no bytes while the daemon has some for it, before it is disconnected",
     )
     serve.add_argument("--log-format", choices=["json", "console"])
     serve.add_argument("--log-level", default=default("log_level"), choices=["debug", "info", "warning", "error"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio
@@ -82,7 +83,7 @@ class Daemon:
                 sessions = sum(app.registry.counts().values())
                 log.info("daemon.ready", sessions=sessions, listeners=[t for _, t in listeners])
                 await self._until_signal(signals, servers)
-                if self.hub.tasks:
+                if any(not t.done() for t in self.hub.tasks):
                     # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
                     log.warning("daemon.interrupting", calls=len(self.hub.tasks))
                     app.registry.core.interrupt_all(max(self.settings.max_call_timeout_s, self.settings.call_timeout_s))
@@ -104,11 +105,22 @@ class Daemon:
             return
 
     async def _close_connections(self) -> None:
-        """Send every answer given (for as long as the grace allows), then close every connection."""
+        """Send every answer given, then close every connection: wait while some connection still has bytes to send
+        and is taking them (a client that has taken nothing for a second is not waited for: it may be a watcher that
+        never reads), for as long as the grace allows."""
         assert self.hub is not None
+        stalled_after_s = 1.0
+        progress = {c: (c.unsent_bytes, time.monotonic()) for c in self.hub.connections}
         with anyio.move_on_after(self.settings.shutdown_grace_s):
-            while any(c.unsent_bytes for c in self.hub.connections):
+            while progress:
                 await anyio.sleep(0.01)
+                now = time.monotonic()
+                for conn, (before, since) in list(progress.items()):
+                    unsent = conn.unsent_bytes
+                    if not unsent or (unsent >= before and now - since > stalled_after_s):
+                        del progress[conn]
+                    elif unsent < before:
+                        progress[conn] = (unsent, now)
         for conn in list(self.hub.connections):
             if conn.transport is not None:
                 conn.transport.close()

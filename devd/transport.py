@@ -136,7 +136,9 @@ class Connection(asyncio.Protocol):
             transport.close()
             return
         hub.connections.add(self)
-        transport.set_write_buffer_limits(high=settings.outbox_bytes_soft, low=settings.outbox_bytes_soft // 4)
+        # Past half the watcher bound, stop reading and start the send timer: a client that takes nothing for
+        # send_timeout_s is cut off, a watch-only one included (its notices stop at the bound, but it stays paused).
+        transport.set_write_buffer_limits(high=settings.outbox_bytes_soft // 2, low=settings.outbox_bytes_soft // 8)
         self.rules = Rules(settings, authenticated=self.kind == "unix", token=hub.token, now=time.monotonic())
         self._arm()
 

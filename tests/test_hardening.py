@@ -413,3 +413,43 @@ def test_two_watches_of_one_session_pipelined_on_one_connection_leave_one_subscr
             watching = stepper.call("session/list")["sessions"][0]["watchers"]
         time.sleep(0.3)
         assert (live, watching, stepper.call("session/list")["sessions"][0].get("watchers", 0)) == ([4], 1, 0)
+
+
+def _watch_and_never_read(d: Daemon, stepper: Client) -> socket.socket:
+    """A connection that watches a session with large steps and then reads nothing."""
+    from devd.messages import turn
+
+    lazy = socket.socket(socket.AF_UNIX)
+    lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    lazy.connect(str(d.socket))
+    lazy.sendall(b'{"jsonrpc":"2.0","id":1,"method":"session/watch","params":{"session":"w"}}\n')
+    time.sleep(0.2)
+    for t in range(1, 9):
+        stepper.step("w", turn(t, "x" * 300_000))
+    return lazy
+
+
+def test_a_watcher_that_never_reads_is_disconnected_after_the_send_timeout(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--send-timeout", "1") as d, d.client() as stepper:
+        stepper.new(session="w")
+        lazy = _watch_and_never_read(d, stepper)
+        try:
+            time.sleep(2.5)
+            assert stepper.call("daemon/status")["connections"] == 1  # the stepper alone
+        finally:
+            lazy.close()
+
+
+def test_a_watcher_that_never_reads_does_not_hold_up_a_graceful_stop(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        with d.client() as stepper:
+            stepper.new(session="w")
+            lazy = _watch_and_never_read(d, stepper)
+        try:
+            started = time.monotonic()
+            status = d.stop()
+            took = time.monotonic() - started
+        finally:
+            lazy.close()
+        logged = d.log.read_text()
+    assert (status, took < 4, "daemon.interrupting" in logged) == (0, True, False)

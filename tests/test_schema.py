@@ -14,7 +14,7 @@ import jsonschema
 import msgspec
 import pytest
 
-from devd import errors, rpc
+from devd import errors
 from devd.client import Client, Reply
 from devd.messages import Call, Exec, Output, Read, answer, turn
 from devd.methods import METHODS
