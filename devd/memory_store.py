@@ -82,7 +82,7 @@ class MemoryStore:
         copy = _Session(src.config)
         for seq, step in src.journal.items():
             if seq <= at:
-                copy.journal[seq] = Step(name, seq, step.event, step.actions, step.key, step.digest)
+                copy.journal[seq] = Step(name, seq, step.event, step.actions, step.key, step.digest, step.snapshot)
         if snapshot is not None:
             kept = copy.journal.get(at) or Step(name, at, b"", b"")
             copy.journal[at] = Step(name, at, kept.event, kept.actions, kept.key, kept.digest, snapshot)
@@ -106,6 +106,8 @@ class MemoryStore:
             return None
         upto = max(session.journal, default=0) if at is None else at
         saved = [s for seq, s in session.journal.items() if s.snapshot is not None and seq <= upto]
+        if not saved and 0 in session.journal:
+            return None  # restored from a snapshot no longer kept: its history cannot be rebuilt from the config
         base = max(saved, key=lambda s: s.seq) if saved else None
         base_seq = base.seq if base else 0
         journal = [(seq, s.event, s.actions) for seq, s in sorted(session.journal.items()) if base_seq < seq <= upto]

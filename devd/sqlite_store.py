@@ -334,7 +334,7 @@ class SQLiteStore:
                 raise StoreError(f"there is no session {source!r} to fork")
             db.execute(
                 "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot) "
-                "SELECT ?, seq, key, digest, event, actions, NULL FROM journal WHERE session = ? AND seq <= ?",
+                "SELECT ?, seq, key, digest, event, actions, snapshot FROM journal WHERE session = ? AND seq <= ?",
                 (name, source, at),
             )
             if snapshot is not None:
@@ -499,6 +499,8 @@ def _load(db: sqlite3.Connection, name: str, at: int | None) -> Stored | None:
         "ORDER BY seq DESC LIMIT 1",
         (name, upto),
     ).fetchone()
+    if saved is None and db.execute("SELECT 1 FROM journal WHERE session = ? AND seq = 0", (name,)).fetchone():
+        return None  # restored from a snapshot no longer kept: its history cannot be rebuilt from the config
     snapshot_seq, snapshot = saved if saved else (0, None)
     journal = db.execute(
         "SELECT seq, event, actions FROM journal WHERE session = ? AND seq > ? AND seq <= ? ORDER BY seq",

@@ -113,8 +113,9 @@ class Store(Protocol):
         """The session and all its history, gone."""
 
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
-        """A new session `name` whose journal (keys included) is the source's up to step `at`, with `snapshot`
-        (the source's state at `at`; None only when at is 0) as its starting point; the source is untouched."""
+        """A new session `name` whose journal (keys and snapshots included) is the source's up to step `at`, with
+        `snapshot` (the source's state at `at`; None when the state at `at` is the config's) as its starting point;
+        the source is untouched."""
 
     async def sessions(self) -> list[SessionRow]:
         """Every stored session, by name."""
