@@ -385,16 +385,7 @@ class Instance:
         """The core's whole state, checksummed, for `Core.restore`."""
         if not self._core.has_snapshots:
             raise NullError("this core exports no dev_snapshot, so its sessions cannot be snapshotted")
-        deadline = self._enter(timeout)
-        try:
-            self._arm(deadline)
-            ex = self._export("dev_snapshot")
-            self._args[0].i64 = self._handle
-            self._args[1].i32 = self._out
-            self._status(self._invoke(ex))
-            return self._take()
-        finally:
-            self._busy.release()
+        return self._answer_of("dev_snapshot", timeout)
 
     def pending(self, *, timeout: float | None = None) -> bytes:
         """What the core has dispatched and still waits for: a JSON array of actions, in the bytes `step_raw` gave.
@@ -406,10 +397,14 @@ class Instance:
                 "this core does not report pending actions (no dev_pending export); "
                 "use a core built from this repo's core/"
             )
+        return self._answer_of("dev_pending", timeout)
+
+    def _answer_of(self, export: str, timeout: float | None) -> bytes:
+        """Call an export that takes (handle, out) and answers a dev_buf, and take the answer."""
         deadline = self._enter(timeout)
         try:
             self._arm(deadline)
-            ex = self._export("dev_pending")
+            ex = self._export(export)
             self._args[0].i64 = self._handle
             self._args[1].i32 = self._out
             self._status(self._invoke(ex))

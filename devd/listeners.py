@@ -19,6 +19,8 @@ from pathlib import Path
 
 import structlog
 
+from devd.files import write_atomically
+
 log = structlog.get_logger("devd.listeners")
 
 
@@ -90,19 +92,7 @@ def read_token(state_dir: Path) -> str:
 
 def _write_token(path: Path) -> str:
     token = secrets.token_urlsafe(32)
-    tmp = path.with_name(f".token.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, (token + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomically(path, token)
     return token
 
 

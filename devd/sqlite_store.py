@@ -29,6 +29,7 @@ import anyio.to_thread
 import structlog
 
 from devd import failpoints
+from devd.files import write_atomically
 from devd.store import Health, Keyed, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 log = structlog.get_logger("devd.store")
@@ -459,7 +460,7 @@ def _identify(db: sqlite3.Connection, path: Path) -> str:
     if row is None and expected is None:
         new = secrets.token_hex(16)
         db.execute("INSERT INTO meta (key, value) VALUES ('id', ?)", (new,))
-        _write_atomically(id_file, new)
+        write_atomically(id_file, new)
         return new
     if row is None or (expected is not None and row[0] != expected):
         raise StoreError(
@@ -469,22 +470,8 @@ def _identify(db: sqlite3.Connection, path: Path) -> str:
         )
     if expected is None:
         log.warning("store.id_restored", file=str(id_file))
-        _write_atomically(id_file, row[0])
+        write_atomically(id_file, row[0])
     return str(row[0])
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _load(db: sqlite3.Connection, name: str, at: int | None) -> Stored | None:

@@ -1,13 +1,17 @@
-"""Fixtures shared by the tests: one Core for every test that does not close its own (a compile costs ~0.1 s)."""
+"""Fixtures shared by the tests: one Core for every test that does not close its own (a compile costs ~0.1 s), and a
+real daemon with a client of it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from devd.client import Client
 from devd.host import Core, Instance
 from devd.messages import Config
+from tests.daemon import Daemon
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +29,16 @@ def session(core: Core) -> Iterator[Instance]:
         s.close()
     except Exception:
         pass
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """The real daemon, a subprocess on a socket and state directory in tmp_path."""
+    with Daemon(tmp_path) as d:
+        yield d
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[Client]:
+    with daemon.client() as c:
+        yield c

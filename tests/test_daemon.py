@@ -29,18 +29,6 @@ from tests.test_host import FIX, agent, ask, done, finish, tool, user
 TIMER = Event(Timer=True)
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    with Daemon(tmp_path) as d:
-        yield d
-
-
-@pytest.fixture
-def client(daemon: Daemon) -> Iterator[Client]:
-    with daemon.client() as c:
-        yield c
-
-
 def raw_request(c: Client, line: bytes) -> dict:
     c.send_line(line)
     reply = c.read_reply()

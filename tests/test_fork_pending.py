@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -21,18 +19,6 @@ class PendingActions(msgspec.Struct):
 
 
 CALLS = [Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="build.log"))]
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    with Daemon(tmp_path) as d:
-        yield d
-
-
-@pytest.fixture
-def client(daemon: Daemon) -> Iterator[Client]:
-    with daemon.client() as c:
-        yield c
 
 
 def waiting_for_calls(client: Client, name: str) -> list[Action]:
