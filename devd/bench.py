@@ -1853,6 +1853,102 @@ def _soak_command(args: argparse.Namespace) -> int:
     return 2 if any(isinstance(m, dict) and m.get("verdict") == "FAIL" for m in verdicts.values()) else 0
 
 
+# -- many sessions: hibernation at scale ----------------------------------------------------------------------------
+
+
+def _proc_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+async def _fill(address: str, sessions: int, clients: int) -> float:
+    """Create `sessions` sessions of one seed turn's first two steps each, from `clients` connections; seconds."""
+    import anyio
+
+    from devd.client import AsyncClient
+
+    turn_events = _seed_turn(1, 1)[:2]
+    started = time.monotonic()
+
+    async def one(first: int) -> None:
+        async with AsyncClient.connect(address) as c:
+            for n in range(first, sessions, clients):
+                name = await c.new(session=f"m{n:07}")
+                for event in turn_events:
+                    await c.call_raw("session/step", {"session": name, "event": msgspec.Raw(event)})
+
+    async with anyio.create_task_group() as tg:
+        for i in range(clients):
+            tg.start_soon(one, i)
+    return time.monotonic() - started
+
+
+def bench_many(sessions: int, clients: int, max_live: int, wakes: int) -> dict[str, Any]:
+    """`sessions` stored sessions under `--max-live max_live`: the fill, then a restart: time to ready, RSS, the
+    latency of waking a stored session (a step on it), and of a `session/list` page of 1,000."""
+    import anyio
+
+    from devd.client import Client
+
+    root = Path(tempfile.mkdtemp(prefix="devd-many-"))
+    root.chmod(0o700)
+    sock, state = root / "d.sock", root / "state"
+    argv = [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)]
+    argv += ["--log-level", "warning", "--max-live", str(max_live)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_socket(sock, proc)
+        fill_s = anyio.run(_fill, str(sock), sessions, clients)
+        rss_filled = _proc_rss_mib(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_socket(sock, proc)
+        with Client.connect(sock) as c:
+            c.call("daemon/status")
+            ready_s = time.monotonic() - started
+            rss_ready = _proc_rss_mib(proc.pid)
+            rng = random.Random(1)
+            wake = []
+            for n in rng.sample(range(sessions), min(wakes, sessions)):
+                t = time.perf_counter()
+                c.call_raw("session/step", {"session": f"m{n:07}", "event": msgspec.Raw(b'{"Timer":true}')})
+                wake.append(time.perf_counter() - t)
+            pages, cursor = [], None
+            for _ in range(20):
+                params: dict[str, Any] = {"limit": 1000} if cursor is None else {"limit": 1000, "cursor": cursor}
+                t = time.perf_counter()
+                page = c.call("session/list", params)
+                pages.append(time.perf_counter() - t)
+                cursor = page.get("next")
+            status = c.call("daemon/status")
+            rss_woken = _proc_rss_mib(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    wake.sort()
+    pages.sort()
+    return {
+        "sessions": sessions,
+        "max_live": max_live,
+        "fill_s": round(fill_s, 1),
+        "fill_sessions_per_s": round(sessions / fill_s),
+        "rss_mib_filled": round(rss_filled, 1),
+        "restart_ready_s": round(ready_s, 3),
+        "rss_mib_ready": round(rss_ready, 1),
+        "wake_step_p50_ms": round(wake[len(wake) // 2] * 1000, 3),
+        "wake_step_p99_ms": round(wake[int(len(wake) * 0.99)] * 1000, 3),
+        "list_page_1000_p50_ms": round(pages[len(pages) // 2] * 1000, 3),
+        "rss_mib_after_wakes": round(rss_woken, 1),
+        "live_after_wakes": status["sessions"]["live"],
+        "hibernated": status["hibernated"],
+        "state_dir_mib": round(sum(f.stat().st_size for f in state.iterdir()) / (1 << 20), 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m devd.bench")
     sub = p.add_subparsers(dest="what", required=True)
@@ -1876,6 +1972,11 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--first-client", type=int, default=0)
     load.add_argument("--seconds", type=float, default=5.0)
     load.add_argument("--start-at", type=float, help="time.monotonic() at which the window opens (all generators)")
+    many = sub.add_parser("many", help="stored sessions at scale: restart, RSS, waking, list pages")
+    many.add_argument("--sessions", type=int, default=100_000)
+    many.add_argument("--clients", type=int, default=16)
+    many.add_argument("--max-live", type=int, default=1000)
+    many.add_argument("--wakes", type=int, default=2000)
     soak = sub.add_parser("soak", help="exit 1 on an anomaly, 2 if none but a plateau verdict is FAIL")
     soak.add_argument("--minutes", type=float, required=True)
     soak.add_argument("--clients", type=int, default=8)
@@ -1892,6 +1993,8 @@ def main(argv: list[str] | None = None) -> int:
         return _soak_command(args)
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
+    elif args.what == "many":
+        result = bench_many(args.sessions, args.clients, args.max_live, args.wakes)
     elif args.what == "daemon":
         servers = tuple(s for s in args.servers.split(",") if s)
         unknown = set(servers) - set(SERVERS)
