@@ -154,6 +154,8 @@ def _print(value: Any) -> None:
 
 
 def _run_client(args: argparse.Namespace) -> int:
+    from devd.client import NotRunningError
+
     try:
         with _client(args) as client:
             if args.command == "status":
@@ -173,9 +175,9 @@ def _run_client(args: argparse.Namespace) -> int:
                 print(client.call("session/new", params)["session"])
             elif args.command == "step":
                 step: dict[str, Any] = {"session": args.session, "event": msgspec.Raw(args.event.encode())}
-                if args.key:
+                if args.key is not None:  # an empty key is the daemon's to refuse, not ours to drop
                     step["key"] = args.key
-                if args.timeout_ms:
+                if args.timeout_ms is not None:
                     step["timeout_ms"] = args.timeout_ms
                 _print(client.call("session/step", step))
             elif args.command == "snapshot":
@@ -206,10 +208,15 @@ def _run_client(args: argparse.Namespace) -> int:
                     )
                     sys.stdout.flush()
                     if notice.method == "session/unwatched":
-                        return 1
+                        # The session closed (or expired): the watch is over, normally. Dropped for falling
+                        # behind: exit 1, and watch again with --since to catch up.
+                        return 0 if notice.params.get("reason") in ("closed", "expired") else 1
     except DevdError as e:
         print(f"devd: {e.kind}: {e}", file=sys.stderr)
         return 1
+    except NotRunningError as e:
+        print(f"devd: {e.strerror}", file=sys.stderr)
+        return 3
     except (OSError, ConnectionError) as e:
         print(f"devd: cannot reach the daemon at {_address(args)}: {e}", file=sys.stderr)
         return 3

@@ -82,6 +82,17 @@ def _step_params(session: str, event: Event | bytes, timeout_ms: int | None, key
     return params
 
 
+class NotRunningError(ConnectionRefusedError):
+    """No daemon listens at the address: says so, and how to start one."""
+
+    def __init__(self, address: str, cause: OSError) -> None:
+        super().__init__(
+            cause.errno,
+            f"no daemon is listening at {address} ({cause.strerror}); start one with `devd serve` (or `make run` in "
+            "a checkout), or point at yours with --connect or DEVD_SOCKET",
+        )
+
+
 def check_peer(sock: socket.socket, address: str) -> None:
     """Refuse a Unix socket served by anyone but this user or root: whoever could create the socket's directory first
     could otherwise stand in for the daemon, and take our events and hand us their actions (Exec included)."""
@@ -114,6 +125,9 @@ class Client:
             try:
                 sock.connect(address)
                 check_peer(sock, address)
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                sock.close()
+                raise NotRunningError(address, e) from e
             except BaseException:
                 sock.close()
                 raise
@@ -175,10 +189,17 @@ class Client:
         result: PendingResult = self.request("session/pending", SessionParams(session))
         return decode_actions(bytes(result.actions))
 
-    def wait_notification(self) -> Reply:
+    def wait_notification(self, timeout: float | None = None) -> Reply:
+        """The next notification, waiting up to `timeout` seconds for it (None: for as long as it takes; the
+        connection's own timeout is for answers, not for a session that is quiet)."""
         if self.notifications:
             return self.notifications.pop(0)
-        reply = self.read_reply()
+        previous = self._sock.gettimeout()
+        self._sock.settimeout(timeout)
+        try:
+            reply = self.read_reply()
+        finally:
+            self._sock.settimeout(previous)
         assert reply.method is not None, reply
         return reply
 
@@ -226,7 +247,10 @@ class AsyncClient:
             host, port = parse_tcp(address)
             stream = await anyio.connect_tcp(host, port)
         else:
-            stream = await anyio.connect_unix(address)
+            try:
+                stream = await anyio.connect_unix(address)
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                raise NotRunningError(address, e) from e
             try:
                 check_peer(stream.extra(anyio.abc.SocketAttribute.raw_socket), address)
             except BaseException:
