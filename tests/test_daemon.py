@@ -211,6 +211,12 @@ def spinning(tmp_path: Path) -> Iterator[Daemon]:
         yield d
 
 
+# A slow call that held up the event loop would hold every other client for its whole second or more; a bound well
+# under that, and well over what two busy cores can add to one round trip (tens of ms seen under load), tells the two
+# apart without failing on scheduler noise.
+HELD_UP_S = 0.25
+
+
 def worst_round_trip_while(slow: Callable[[], object], probe: Callable[[], object]) -> tuple[list[type], float]:
     """Run slow() in a thread; meanwhile run probe() again and again. What slow raised, and probe's worst time."""
     raised: list[type] = []
@@ -240,7 +246,7 @@ def test_a_spinning_session_ends_at_its_deadline_and_holds_up_no_one(spinning: D
         raised, worst = worst_round_trip_while(
             lambda: a.step("spin", TIMER, timeout_ms=1500), lambda: b.step("calm", turn(1, "x"))
         )
-        assert (raised, worst < 0.05) == ([errors.DeadlineError], True)
+        assert (raised, worst < HELD_UP_S) == ([errors.DeadlineError], True)
 
 
 def test_a_step_on_a_busy_session_answers_busy(spinning: Daemon) -> None:
@@ -274,7 +280,7 @@ def test_a_spinning_session_start_holds_up_no_one(tmp_path: Path) -> None:
     core.write_bytes(modules.SPIN_NEW)
     with Daemon(tmp_path / "d", "--core", str(core), "--call-timeout", "1") as d, d.client() as a, d.client() as b:
         raised, worst = worst_round_trip_while(a.new, lambda: b.call("daemon/status"))
-        assert (raised, worst < 0.05) == ([errors.DeadlineError], True)
+        assert (raised, worst < HELD_UP_S) == ([errors.DeadlineError], True)
 
 
 def send_spinning_step(c: Client, id: int, timeout_ms: int) -> None:

@@ -121,6 +121,12 @@ class _Tap:
     def close(self) -> None:
         self._sock.close()
 
+    def gettimeout(self) -> float | None:
+        return self._sock.gettimeout()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._sock.settimeout(timeout)
+
 
 class Recording(Client):
     """A devd Client that keeps every line it sends and receives."""
