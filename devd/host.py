@@ -41,13 +41,14 @@ from devd.errors import (
     DeadlineError,
     DevdError,
     HandleError,
+    MalformedError,
     MethodNotFoundError,
     NullError,
     OutOfMemoryError,
     PanicError,
     PoisonError,
 )
-from devd.messages import Action, Config, Event, decode_actions, encode
+from devd.messages import Action, Config, Event, decode_actions, encode, event_error
 
 MEMORY_BYTES_DEFAULT: int = default("memory_bytes_per_session")
 CALL_TIMEOUT_SECONDS_DEFAULT: float = default("call_timeout_s")
@@ -511,7 +512,7 @@ class Instance:
             args[3].i32 = self._out
             rc = self._invoke(self._exports["dev_step"])
             if rc:
-                self._status(rc)
+                self._status(rc, data)
             answer = self._take()
             if len(answer) > self._largest:
                 self._largest = len(answer)
@@ -581,9 +582,14 @@ class Instance:
         why = message.strip().splitlines()[-1].strip()
         return PanicError(f"the call trapped inside the core ({why}); the session is poisoned, recover it")
 
-    def _status(self, rc: int) -> None:
+    def _status(self, rc: int, event: bytes | None = None) -> None:
         if rc == 0:
             return
+        if rc == -2 and event is not None and (why := event_error(event)) is not None:
+            # The core says only that it cannot read the event; the host's types say where and why.
+            raise MalformedError(
+                f"the event is not a message of protocol 1: {why}; nothing changed, fix it and send it again"
+            )
         kind = STATUS[-rc] if -len(STATUS) < rc < 0 else None
         if kind is None:
             self._end(HandleError, "the core answered a status ABI 1 does not have")

@@ -165,6 +165,21 @@ def decode_actions(data: bytes) -> list[Action]:
     return _actions.decode(data)
 
 
+_event = msgspec.json.Decoder(Event)
+
+
+def event_error(data: bytes) -> str | None:
+    """What is wrong with an event, in msgspec's words ("Expected `int`, got `str` - at `$.Turn.id`"), or None
+    when these types accept it (and only the core's stricter decoder does not)."""
+    try:
+        _event.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        return str(e)
+    except RecursionError:
+        return "it nests too deeply"
+    return None
+
+
 # Constructors the tests and the demo read best with.
 def turn(id: int, prompt: str) -> Event:
     return Event(Turn=Turn(id=id, prompt=prompt))

@@ -778,3 +778,22 @@ def test_a_snapshot_whose_id_counter_no_session_can_reach_is_malformed(core: Cor
     restored.close()
     with pytest.raises(MalformedError):
         core.restore(_with_counter(snapshot, (1 << 53) + 1))
+
+
+@pytest.mark.parametrize(
+    ("event", "why"),
+    [
+        (b'{"Turn":{"id":"1","prompt":"x"}}', "Expected `int`, got `str` - at `$.Turn.id`"),
+        (b'{"turn":{"id":1,"prompt":"x"}}', "Object contains unknown field `turn`"),
+        (b'{"Turn":{"prompt":"x"}}', "Object missing required field `id` - at `$.Turn`"),
+        (b'{"Exec":{"id":1,"text":"x","failed":null}}', "Expected `bool`, got `null` - at `$.Exec.failed`"),
+    ],
+)
+def test_a_malformed_event_is_answered_with_the_member_at_fault_and_why(
+    session: Instance, event: bytes, why: str
+) -> None:
+    with pytest.raises(MalformedError) as refused:
+        session.step_raw(event)
+    assert str(refused.value) == (
+        f"the event is not a message of protocol 1: {why}; nothing changed, fix it and send it again"
+    )
