@@ -83,9 +83,9 @@ class Daemon:
                 sessions = sum(app.registry.counts().values())
                 log.info("daemon.ready", sessions=sessions, listeners=[t for _, t in listeners])
                 await self._until_signal(signals, servers)
-                if any(not t.done() for t in self.hub.tasks):
+                if running := self.hub.running:
                     # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
-                    log.warning("daemon.interrupting", calls=len(self.hub.tasks))
+                    log.warning("daemon.interrupting", calls=len(running))
                     app.registry.core.interrupt_all(max(self.settings.max_call_timeout_s, self.settings.call_timeout_s))
                 await self.hub.drain()
                 await self._close_connections()
@@ -95,13 +95,14 @@ class Daemon:
     async def _until_signal(self, signals: AsyncIterator[int], servers: list[asyncio.Server]) -> None:
         """Wait for SIGTERM/SIGINT; then stop accepting and give calls in flight the grace to finish."""
         async for signum in signals:
-            log.info("daemon.stopping", signal=signal.Signals(signum).name, in_flight=self.dispatcher.in_flight)
+            assert self.hub is not None
+            log.info("daemon.stopping", signal=signal.Signals(signum).name, in_flight=len(self.hub.running))
             systemd.notify("STOPPING=1")
             self.dispatcher.draining = True
             for server in servers:
                 server.close()
             with anyio.move_on_after(self.settings.shutdown_grace_s):
-                await self.dispatcher.idle()
+                await self.hub.drain()
             return
 
     async def _close_connections(self) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import anyio
 import structlog
 
 from devd.errors import BusyError, DevdError, InternalError
@@ -27,21 +26,12 @@ class Dispatcher:
         self.methods = methods
         self.app = app
         self.draining = False  # set at shutdown: new calls are refused BUSY, status still answers
-        self.in_flight = 0
-        self._idle = anyio.Event()
 
     async def serve(self, peer: Peer, line: bytes, send: Callable[[bytes], Awaitable[None]]) -> None:
-        """Answer one request line and hand the answer to send. Counted in flight until the answer is handed over,
-        so that shutdown waits for it and a client that reads nothing holds its in-flight slots."""
-        self.in_flight += 1
-        try:
-            reply = await self.answer(peer, line)
-            if reply:
-                await send(reply)
-        finally:
-            self.in_flight -= 1
-            if not self.in_flight:
-                self._idle.set()
+        """Answer one request line and hand the answer to send (nothing, for a notification)."""
+        reply = await self.answer(peer, line)
+        if reply:
+            await send(reply)
 
     async def answer(self, peer: Peer, line: bytes) -> bytes:
         """The reply to one request line: a JSON-RPC response, an error, or b"" for a notification."""
@@ -82,12 +72,6 @@ class Dispatcher:
     def _count(self, kind: str) -> None:
         errors = self.app.errors
         errors[kind] = errors.get(kind, 0) + 1
-
-    async def idle(self) -> None:
-        """Return once no call is in flight."""
-        while self.in_flight:
-            self._idle = anyio.Event()
-            await self._idle.wait()
 
 
 def _id(request: Request | None) -> Any:

@@ -300,15 +300,18 @@ class Registry:
             entry.busy = False
 
     async def close(self, name: str) -> None:
-        entry = self._enter(name, any_state=True)
+        await self._delete(self._enter(name, any_state=True), "closed")
+
+    async def _delete(self, entry: Entry, reason: str) -> None:
+        """Delete an entered session: durably first, then its instance, its watchers (told `reason`) and its name."""
         try:
-            await self.store.delete(name)
-            self._detach(entry)
-            self._move(entry, Input.CLOSE)
-            self.fanout.end(name, "closed")
-            self._forget(name)
+            await self.store.delete(entry.name)
         finally:
             entry.busy = False
+        self._detach(entry)
+        self._move(entry, Input.CLOSE)
+        self.fanout.end(entry.name, reason)
+        self._forget(entry.name)
 
     async def _call(self, entry: Entry, timeout_s: float, call: Callable[[Instance, float], T]) -> T:
         """Run call(instance, timeout) inline under the budget; past it, rebuild from disk and run it on a worker.
@@ -513,16 +516,8 @@ class Registry:
             # Checked again at its turn: an earlier delete awaited, and meanwhile a call may have used or closed it.
             if entry is None or entry.busy or entry.last_used >= cutoff:
                 continue
-            entry.busy = True  # held to the end: nothing may enter it while it is deleted and forgotten
-            try:
-                await self.store.delete(name)
-            except BaseException:
-                entry.busy = False
-                raise
-            self._detach(entry)
-            self._move(entry, Input.CLOSE)
-            self.fanout.end(name, "expired")
-            self._forget(name)
+            entry.busy = True  # nothing may enter it while it is deleted
+            await self._delete(entry, "expired")
             self.stats.expired += 1
             log.info("session.expired", session=name, unused_s=round(time.time() - entry.last_used))
             expired.append(name)

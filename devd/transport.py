@@ -91,10 +91,15 @@ class Hub:
         if not task.cancelled() and (e := task.exception()) is not None:
             log.error("call.failed", error=f"{type(e).__name__}: {e}"[:500])
 
+    @property
+    def running(self) -> list[asyncio.Task[None]]:
+        """The calls not yet ended (an ended one leaves `tasks` a turn of the loop later)."""
+        return [t for t in self.tasks if not t.done()]
+
     async def drain(self) -> None:
-        """Return once every call has ended."""
-        while self.tasks:
-            await asyncio.wait(list(self.tasks))
+        """Return once every call has ended and its answer been handed to its connection."""
+        while running := self.running:
+            await asyncio.wait(running)
 
 
 class Connection(asyncio.Protocol):
