@@ -55,6 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
             call_timeout_s=args.call_timeout,
             sessions_max=args.max_sessions,
             max_live=args.max_live,
+            snapshot_floor_bytes=args.snapshot_floor,
             expire_after_s=parse_duration(args.expire_after) if args.expire_after else None,
             connections_max=args.max_connections,
             line_bytes_max=args.max_line_bytes,
@@ -280,6 +281,14 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=default("max_live"),
         help="sessions held in memory; past it the least recently used idle one hibernates (to disk)",
+    )
+    serve.add_argument(
+        "--snapshot-floor",
+        type=int,
+        metavar="BYTES",
+        default=default("snapshot_floor_bytes"),
+        help="journal bytes since a session's last snapshot below which no new one is taken (a replay of that "
+        "much is cheap); past it, one is taken once the journal outgrows half the last snapshot",
     )
     serve.add_argument(
         "--expire-after",

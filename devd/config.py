@@ -31,6 +31,7 @@ class Settings:
     keys_kept_per_session: int = 1000
     steps_kept_per_session: int = 1000  # unkeyed history kept behind the latest snapshot, for watchers' `since`
     prune_every_steps: int = 256
+    snapshot_floor_bytes: int = 64 << 10  # journal since the last snapshot below which none is taken (cheap to replay)
     # connections
     connections_max: int = 1024  # for each of Unix and TCP
     unauthenticated_connections_max: int = 64  # TCP connections that have not presented the token yet

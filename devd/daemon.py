@@ -50,6 +50,7 @@ def build(
         call_timeout_s=settings.call_timeout_s,
         max_call_timeout_s=settings.max_call_timeout_s,
         runner=runner,
+        snapshot_floor_bytes=settings.snapshot_floor_bytes,
     )
     app = App(settings, registry, store, connections=lambda: 0)
     return registry, Dispatcher(methods, app)

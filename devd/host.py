@@ -98,9 +98,11 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dev_snapshot": (("i64", "i32"), ("i32",)),
     "dev_free": (("i32",), ()),
     "dev_pending": (("i64", "i32"), ("i32",)),
+    "dev_apply": (("i64", "i32", "i32"), ("i32",)),
 }
 # dev_restore and dev_snapshot may be missing: such a core runs sessions but cannot carry them across instances.
-# dev_pending may be missing too: such a core runs sessions but cannot say what it still waits for.
+# dev_pending may be missing too: such a core runs sessions but cannot say what it still waits for. Without dev_apply
+# a replay steps every event in full (and pays for every Model ask's transcript again).
 _REQUIRED = ("dev_abi", "dev_alloc", "dev_release", "dev_new", "dev_step", "dev_free")
 
 
@@ -205,6 +207,7 @@ class Core:
         self.call_timeout = call_timeout
         self.has_snapshots = {e.name for e in module.exports} >= {"dev_restore", "dev_snapshot"}
         self.has_pending = "dev_pending" in {e.name for e in module.exports}
+        self.has_apply = "dev_apply" in {e.name for e in module.exports}
         self._sessions: weakref.WeakSet[Instance] = weakref.WeakSet()
         # Export names as C strings, made once: (buffer, length, argument slots).
         self._export_names = {
@@ -381,6 +384,28 @@ class Instance:
         answer: list[bytes] = []
         self._step(event, _one_line_array(answer), timeout)
         return answer[0]
+
+    def apply(self, event: bytes, *, timeout: float | None = None) -> None:
+        """`step_raw` for a replay, which already has the answer: the core takes the event and writes no answer, so
+        a replay costs what its events cost, not what their answers (a Model ask is the whole transcript) cost."""
+        if not self._core.has_apply:
+            self.step_raw(event, timeout=timeout)
+            return
+        deadline = self._enter(timeout)
+        try:
+            n = len(event)
+            if n > INT32_MAX or n > self._core.memory_bytes:
+                raise NullError(f"the event is {n} bytes, more than the session's memory")
+            self._arm(deadline)
+            self._largest = max(self._largest, n)
+            self._args[1].i32 = self._lend(event)  # before the handle: lending may call into the core
+            self._args[0].i64 = self._handle
+            self._args[2].i32 = n
+            rc = self._invoke(self._export("dev_apply"))
+            if rc:
+                self._status(rc, event)
+        finally:
+            self._busy.release()
 
     def snapshot(self, *, timeout: float | None = None) -> bytes:
         """The core's whole state, checksummed, for `Core.restore`."""

@@ -6,12 +6,13 @@ history (it never prunes) and counts each write as one commit.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import anyio
 
-from devd.store import Health, Keyed, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 
 @dataclass
@@ -55,7 +56,7 @@ class MemoryStore:
         self._committed(time.perf_counter())
         session = self._sessions[name] = _Session(config)
         if snapshot is not None:
-            session.journal[0] = Step(name, 0, b"", b"", snapshot=snapshot)
+            session.journal[0] = Step(name, 0, b"", None, snapshot=snapshot)
 
     async def append(self, step: Step) -> None:
         self._committed(time.perf_counter())
@@ -82,10 +83,10 @@ class MemoryStore:
         copy = _Session(src.config)
         for seq, step in src.journal.items():
             if seq <= at:
-                copy.journal[seq] = Step(name, seq, step.event, step.actions, step.key, step.digest, step.snapshot)
+                copy.journal[seq] = dataclasses.replace(step, session=name)
         if snapshot is not None:
-            kept = copy.journal.get(at) or Step(name, at, b"", b"")
-            copy.journal[at] = Step(name, at, kept.event, kept.actions, kept.key, kept.digest, snapshot)
+            kept = copy.journal.get(at) or Step(name, at, b"", None)
+            copy.journal[at] = dataclasses.replace(kept, snapshot=snapshot)
         self._sessions[name] = copy
 
     async def sessions(self) -> list[SessionRow]:
@@ -110,8 +111,8 @@ class MemoryStore:
             return None  # restored from a snapshot no longer kept: its history cannot be rebuilt from the config
         base = max(saved, key=lambda s: s.seq) if saved else None
         base_seq = base.seq if base else 0
-        journal = [(seq, s.event, s.actions) for seq, s in sorted(session.journal.items()) if base_seq < seq <= upto]
-        if [seq for seq, _, _ in journal] != list(range(base_seq + 1, upto + 1)):
+        journal = [_row(s) for seq, s in sorted(session.journal.items()) if base_seq < seq <= upto]
+        if [row.seq for row in journal] != list(range(base_seq + 1, upto + 1)):
             return None
         snapshot = base.snapshot if base else None
         return Stored(name, session.config, snapshot, base_seq, session.health, session.reason, journal)
@@ -121,10 +122,14 @@ class MemoryStore:
         for step in session.journal.values() if session else ():
             if step.key == key:
                 assert step.digest is not None
-                return Keyed(step.seq, step.digest, step.actions)
+                return Keyed(step.seq, step.digest, step.actions, step.answer)
         return None
 
-    async def steps_since(self, name: str, since: int, limit: int) -> list[tuple[int, bytes, bytes]]:
+    async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
         session = self._sessions.get(name)
         steps = sorted(session.journal.items()) if session else []
-        return [(seq, s.event, s.actions) for seq, s in steps if seq > since][:limit]
+        return [_row(s) for seq, s in steps if seq > since][:limit]
+
+
+def _row(step: Step) -> Row:
+    return Row(step.seq, step.event, step.actions, step.answer)

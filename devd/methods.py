@@ -276,7 +276,8 @@ class StatusResult(msgspec.Struct, frozen=True):
     durable_writes: int
     errors: dict[str, int]
     deadline_hits: int
-    offloaded: int  # calls that passed their inline budget and ran on a worker thread
+    offloaded: int  # calls run on a worker thread: past their inline budget, or of a session whose calls grew past it
+    rebuilt: int  # sessions rebuilt from their snapshot and journal: woken, recovered, or after an inline call stopped
     hibernated: int  # idle sessions whose instance was dropped to stay within --max-live
     expired: int  # sessions deleted by --expire-after
     commit_ms_p50: float
@@ -296,6 +297,7 @@ def status(app: App) -> StatusResult:
         errors=dict(app.errors),
         deadline_hits=stats.deadline_hits,
         offloaded=app.registry.runner.offloaded,
+        rebuilt=stats.rebuilt,
         hibernated=stats.hibernated,
         expired=stats.expired,
         commit_ms_p50=store.commit_ms_p50,

@@ -2,9 +2,13 @@
 
 Small calls cost microseconds, so they run inline. When one passes the inline budget, wasmtime stops it where it
 stood and its instance is gone; what is durable is exactly the state before the call, so the session is rebuilt
-from it (its snapshot, then its journal, checked step by step) and the call runs again on a worker thread, where it
-cannot hold up the loop. Worker threads for calls are bounded by a limiter of their own, so they never starve the
-store's commits.
+from it (its snapshot, then its journal) and the call runs again on a worker thread, where it cannot hold up the
+loop. A session whose calls have grown past the budget (a long transcript makes every Model ask slow) then runs its
+calls on a worker from the start: it pays for the rebuild once, not at every call. Worker threads for calls are
+bounded by a limiter of their own, so they never starve the store's commits.
+
+A rebuild costs what the journal since the snapshot costs: every step but the last is applied without writing its
+answer (`Instance.apply`), and the last is answered and checked against what was journalled.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import anyio.to_thread
 
 from devd.errors import DeadlineError, HandleError
 from devd.host import Core, Instance
-from devd.store import Stored
+from devd.store import Row, Stored, answer_digest
 
 T = TypeVar("T")
 _SAVE = b'{"Save":true}'  # the core writes compact JSON, so this cannot occur inside a string
@@ -51,29 +55,49 @@ class Runner:
         return (remaining if final else self.inline_budget_s), final
 
 
-def step_and_save(instance: Instance, event: bytes, timeout: float) -> tuple[bytes, bytes | None]:
-    """One step, and the snapshot the core asked for with Save, both under `timeout` from now."""
+def step_and_save(
+    instance: Instance, event: bytes, timeout: float, snapshot_due: Callable[[bytes], bool]
+) -> tuple[bytes, bytes | None]:
+    """One step, and a snapshot after it when `snapshot_due(actions)` says so, both under `timeout` from now."""
     deadline = time.monotonic() + timeout
     actions = instance.step_raw(event, timeout=timeout)
-    snapshot = instance.snapshot(timeout=deadline - time.monotonic()) if _SAVE in actions else None
+    snapshot = instance.snapshot(timeout=deadline - time.monotonic()) if snapshot_due(actions) else None
     return actions, snapshot
 
 
+def saved(actions: bytes) -> bool:
+    """Whether the core asked to Save: the end of a turn, the point where a snapshot is cheapest to take."""
+    return _SAVE in actions
+
+
 def rebuild(core: Core, stored: Stored, call_timeout_s: float) -> Instance:
-    """The session as it is on disk: its snapshot (or its config) and then its journal, checked step by step."""
+    """The session as it is on disk: its snapshot (or its config), then its journal; the last step is checked."""
     instance = core.restore(stored.snapshot) if stored.snapshot is not None else core.new(stored.config)
     try:
-        for seq, event, recorded in stored.journal:
-            replayed = instance.step_raw(event, timeout=call_timeout_s)
-            if replayed != recorded:
-                raise HandleError(
-                    f"replaying step {seq} gave other actions than were answered; the core is not the one that "
-                    "wrote this journal"
-                )
+        for row in stored.journal[:-1]:
+            instance.apply(row.event, timeout=call_timeout_s)
+        if stored.journal:
+            replay(instance, stored.journal[-1], call_timeout_s)
     except BaseException:
         instance.close()
         raise
     return instance
+
+
+def replay(instance: Instance, row: Row, timeout_s: float) -> bytes:
+    """Step a journalled row again and return its answer, checked against the journal's (whole or digest)."""
+    actions = instance.step_raw(row.event, timeout=timeout_s)
+    if (
+        row.actions is not None
+        and actions != row.actions
+        or row.answer is not None
+        and answer_digest(actions) != row.answer
+    ):
+        raise HandleError(
+            f"replaying step {row.seq} gave other actions than were answered; the core is not the one that wrote "
+            "this journal"
+        )
+    return actions
 
 
 def rebuild_and(

@@ -1,7 +1,11 @@
 """The session registry: names, states, one call at a time, durability before answers, idempotent keys, watchers.
 
 What it promises:
-- a step's answer is returned only after the step (and the snapshot the core asked for with `Save`) is durable;
+- a step's answer is returned only after the step is durable;
+- what a step writes is a function of the step, not of the session's history: an answer as large as the transcript
+  is journalled as its digest and derived again when asked for, and snapshots follow the log-compaction rule (one is
+  taken when the events since the last have grown past a fraction of its size, preferably where the core asked to
+  `Save`), so a rebuild replays at most that much;
 - a call on a session that is inside another call answers BUSY (nothing is queued);
 - a keyed step already answered is replayed from the journal, byte for byte, and never executed twice; the same key
   with another event is CONFLICT;
@@ -28,6 +32,7 @@ from typing import TypeVar
 import msgspec
 import structlog
 
+from devd import failpoints
 from devd.errors import (
     BusyError,
     ConflictError,
@@ -44,14 +49,29 @@ from devd.errors import (
     StoreError,
 )
 from devd.host import Core, Instance
-from devd.offload import Runner, rebuild, rebuild_and, step_and_save
+from devd.offload import Runner, rebuild, rebuild_and, replay, saved, step_and_save
 from devd.state import CALLABLE, TRANSITIONS, Input, State, next_state
-from devd.store import Health, Step, Store, Stored
+from devd.store import Health, Row, Step, Store, Stored, answer_digest
 from devd.watchers import Fanout, Sink, Stepped, Subscription
 
 log = structlog.get_logger("devd.registry")
 T = TypeVar("T")
 CATCH_UP_ROWS = 256  # journal rows read at a time when a watcher asks for history
+STEP_BYTES = 64  # what a step costs a replay beyond its event's bytes, in bytes of events
+
+
+def kept_answer(event: bytes, actions: bytes) -> bytes | None:
+    """The answer as journalled: whole when it is about as large as its event (calls, text, Save, Done), else None,
+    for a digest alone (a Model ask: the whole transcript, which the events already hold)."""
+    return actions if len(actions) <= 4 * len(event) + 256 else None
+
+
+def snapshot_due(since_bytes: int, snapshot_bytes: int, floor_bytes: int, actions: bytes) -> bool:
+    """Log compaction: a snapshot once the journal since the last one has grown past half its size (and past the
+    floor, below which a replay is cheap anyway), at a Save (the end of a turn); past twice that, at any step (so
+    one long turn is not one long replay)."""
+    threshold = max(floor_bytes, snapshot_bytes // 2)
+    return since_bytes >= 2 * threshold or (since_bytes >= threshold and saved(actions))
 
 
 @dataclass
@@ -64,6 +84,14 @@ class Entry:
     busy: bool = False
     created: float = 0.0  # wall-clock seconds
     last_used: float = 0.0  # wall-clock seconds of the last call on it
+    heavy: bool = False  # its last call did not fit the inline budget: run the next on a worker from the start
+    snapshot_bytes: int = 0  # of its latest durable snapshot (0: its config is the start)
+    since_bytes: int = 0  # of the journal since that snapshot, as a replay costs it (events, and a bit a step)
+
+    def rebased(self, stored: Stored) -> None:
+        """Count the replay cost from what is on disk."""
+        self.snapshot_bytes = len(stored.snapshot or b"")
+        self.since_bytes = sum(len(row.event) + STEP_BYTES for row in stored.journal)
 
 
 @dataclass
@@ -71,6 +99,7 @@ class Stats:
     steps: int = 0
     replayed: int = 0
     deadline_hits: int = 0
+    rebuilt: int = 0  # instances rebuilt from disk (woken, recovered, or after an inline call was stopped)
     hibernated: int = 0  # idle instances dropped to make room (their sessions stay, stored)
     expired: int = 0  # sessions deleted for going unused longer than the daemon keeps them
 
@@ -103,6 +132,53 @@ def _no_such(name: str) -> HandleError:
     return HandleError(f"no session is named {name!r}; `session/list` shows the sessions there are")
 
 
+class _Deriver:
+    """The answers of journalled steps, in order, for a watcher catching up: those kept as digests are derived by one
+    instance rebuilt from the state before the first of them and stepped along from there, on a worker thread."""
+
+    def __init__(self, registry: Registry, name: str) -> None:
+        self.registry = registry
+        self.name = name
+        self.instance: Instance | None = None
+        self.seq = 0  # the step the instance stands at
+
+    async def answers(self, rows: list[Row]) -> list[bytes] | None:
+        """Each row's answer; None when what derives the first one needed is no longer kept."""
+        first = next((r for r in rows if r.actions is None), None) if self.instance is None else None
+        if first is not None:
+            before = await self.registry.store.load_at(self.name, first.seq - 1)
+            if before is None:
+                return None
+            self.instance = await self.registry.runner.off_loop(
+                lambda: rebuild(self.registry.core, before, self.registry.call_timeout_s)
+            )
+            self.seq = first.seq - 1
+        if self.instance is None:
+            return [r.actions for r in rows if r.actions is not None]
+        return await self.registry.runner.off_loop(lambda: self._step(rows))
+
+    def _step(self, rows: list[Row]) -> list[bytes]:
+        assert self.instance is not None
+        timeout = self.registry.call_timeout_s
+        answers = []
+        for row in rows:
+            if row.seq > self.seq:
+                if row.actions is None:
+                    answers.append(replay(self.instance, row, timeout))
+                else:
+                    self.instance.apply(row.event, timeout=timeout)
+                    answers.append(row.actions)
+                self.seq = row.seq
+            else:
+                assert row.actions is not None
+                answers.append(row.actions)
+        return answers
+
+    def close(self) -> None:
+        if self.instance is not None:
+            self.instance.close()
+
+
 class Registry:
     def __init__(
         self,
@@ -115,6 +191,7 @@ class Registry:
         call_timeout_s: float,
         max_call_timeout_s: float,
         runner: Runner,
+        snapshot_floor_bytes: int = 64 << 10,
     ) -> None:
         self.core = core
         self.store = store
@@ -124,6 +201,7 @@ class Registry:
         self.call_timeout_s = call_timeout_s
         self.max_call_timeout_s = max_call_timeout_s
         self.runner = runner
+        self.snapshot_floor_bytes = snapshot_floor_bytes
         self.stats = Stats()
         self._entries: dict[str, Entry] = {}
         self._names: list[str] = []  # every name, sorted: list pages are a bisect and a slice
@@ -197,6 +275,10 @@ class Registry:
         entry = self._entries[name]
         assert instance is not None
         self._attach(entry, instance)
+        if snapshot is None:
+            entry.rebased(stored)
+        else:
+            entry.snapshot_bytes = len(snapshot)
         entry.seq, entry.busy = at, False
         return name
 
@@ -218,6 +300,7 @@ class Registry:
             raise
         entry = self._entries[name]
         self._attach(entry, instance)
+        entry.snapshot_bytes = len(snapshot or b"")
         entry.busy = False
         return name
 
@@ -254,24 +337,59 @@ class Registry:
                         raise ConflictError(
                             f"key {key!r} was used for another event (step {kept.seq}); use a new key for a new event"
                         )
+                    answer = kept.actions
+                    if answer is None:
+                        answer = await self._derive(name, Row(kept.seq, event, None, kept.answer), key)
                     self.stats.replayed += 1
-                    return kept.actions, True
+                    return answer, True
             timeout_s = self.call_timeout_s if timeout_ms is None else min(timeout_ms / 1000, self.max_call_timeout_s)
-            actions, snapshot = await self._call(entry, timeout_s, lambda i, t: step_and_save(i, event, t))
+            since = entry.since_bytes + len(event) + STEP_BYTES
+
+            def due(actions: bytes) -> bool:
+                return self.core.has_snapshots and snapshot_due(
+                    since, entry.snapshot_bytes, self.snapshot_floor_bytes, actions
+                )
+
+            actions, snapshot = await self._call(entry, timeout_s, lambda i, t: step_and_save(i, event, t, due))
             seq = entry.seq + 1
+            kept_actions = kept_answer(event, actions)
             try:
-                await self.store.append(Step(name, seq, event, actions, key, event_digest, snapshot))
+                await self.store.append(
+                    Step(name, seq, event, kept_actions, key, event_digest, snapshot, answer_digest(actions))
+                )
             except StoreError as e:
                 # The instance is ahead of the disk: drop it, so the next use rebuilds from what is durable.
                 self._detach(entry)
                 self._move(entry, Input.DROP)
                 raise StoreError(f"the step was not acknowledged: {e}") from None
             entry.seq = seq
+            if snapshot is None:
+                entry.since_bytes = since
+            else:
+                entry.snapshot_bytes, entry.since_bytes = len(snapshot), 0
             self.stats.steps += 1
             self.fanout.publish(Stepped(name, seq, event, actions))
             return actions, False
         finally:
             entry.busy = False
+
+    async def _derive(self, name: str, row: Row, key: str) -> bytes:
+        """The answer to a journalled step whose answer was kept as a digest: rebuilt from the state before it."""
+        before = await self.store.load_at(name, row.seq - 1)
+        if before is None:
+            raise ConflictError(
+                f"key {key!r} was answered at step {row.seq}, and that answer is no longer kept (only recent history "
+                "is); the step is not run twice: `session/pending` shows what the session waits for"
+            )
+
+        def derive() -> bytes:
+            instance = rebuild(self.core, before, self.call_timeout_s)
+            try:
+                return replay(instance, row, self.call_timeout_s)
+            finally:
+                instance.close()
+
+        return await self.runner.off_loop(derive)
 
     async def snapshot(self, name: str) -> str:
         entry = self._enter(name)
@@ -315,14 +433,20 @@ class Registry:
 
     async def _call(self, entry: Entry, timeout_s: float, call: Callable[[Instance, float], T]) -> T:
         """Run call(instance, timeout) inline under the budget; past it, rebuild from disk and run it on a worker.
-        The call has `timeout_s` of its own: a rebuild it needed first is not charged to it."""
+        A session whose last call passed the budget runs this one on a worker from the start. The call has
+        `timeout_s` of its own: a rebuild it needed first is not charged to it."""
         if entry.instance is None:
             await self._load(entry, Input.LOAD)
         assert entry.instance is not None
         deadline = time.monotonic() + timeout_s
+        if entry.heavy:
+            return await self._call_off_loop(entry, entry.instance, deadline, call)
         timeout, final = self.runner.inline_timeout(deadline)
+        started = time.perf_counter()
         try:
-            return call(entry.instance, timeout)
+            result = call(entry.instance, timeout)
+            entry.heavy = time.perf_counter() - started > self.runner.inline_budget_s / 2
+            return result
         except OutOfMemoryError:
             self._detach(entry)
             self._move(entry, Input.DROP)
@@ -337,6 +461,8 @@ class Registry:
         # The inline attempt was stopped mid-call; its instance is gone. What is durable is exactly the state
         # before this call, so rebuild from it and run the call where it cannot hold up the event loop.
         self.runner.offloaded += 1
+        self.stats.rebuilt += 1
+        entry.heavy = True
         self._detach(entry)
         self._move(entry, Input.DROP)
         stored = await self._stored(entry.name)
@@ -351,6 +477,29 @@ class Registry:
             raise
         self._attach(entry, instance)
         self._move(entry, Input.LOAD)
+        entry.rebased(stored)
+        return result
+
+    async def _call_off_loop(
+        self, entry: Entry, instance: Instance, deadline: float, call: Callable[[Instance, float], T]
+    ) -> T:
+        """Run the call on a worker thread under its whole deadline; a quick one brings the session back inline."""
+        self.runner.offloaded += 1
+
+        def timed() -> tuple[T, float]:
+            started = time.perf_counter()
+            return call(instance, deadline - time.monotonic()), time.perf_counter() - started
+
+        try:
+            result, seconds = await self.runner.off_loop(timed)
+        except OutOfMemoryError:
+            self._detach(entry)
+            self._move(entry, Input.DROP)
+            raise self._does_not_fit(entry) from None
+        except DevdError as e:
+            await self._lost(entry, e)
+            raise
+        entry.heavy = seconds > self.runner.inline_budget_s / 4
         return result
 
     def _does_not_fit(self, entry: Entry) -> NullError:
@@ -364,6 +513,7 @@ class Registry:
     async def _load(self, entry: Entry, how: Input) -> None:
         """Bring a stored session back: restore its snapshot and replay its journal, on a worker thread."""
         stored = await self._stored(entry.name)
+        self.stats.rebuilt += 1
         try:
             instance = await self.runner.off_loop(lambda: rebuild(self.core, stored, self.call_timeout_s))
         except DeadlineError as e:
@@ -385,6 +535,7 @@ class Registry:
         self._attach(entry, instance)
         self._move(entry, how)
         entry.seq = stored.seq
+        entry.rebased(stored)
 
     async def _stored(self, name: str) -> Stored:
         stored = await self.store.load(name)
@@ -421,6 +572,7 @@ class Registry:
         for name in self._live:
             entry = self._entries[name]
             if not entry.busy:
+                failpoints.hit("hibernate")
                 self._detach(entry)
                 self._move(entry, Input.DROP)
                 self.stats.hibernated += 1
@@ -466,20 +618,31 @@ class Registry:
                 f"session {name!r} has answered {entry.seq} steps; watch since {entry.seq} or earlier"
             )
         sub = self.fanout.subscribe(name, sink, since, catching_up=True)
+        deriver = _Deriver(self, name)
         try:
             while sub.active:
                 rows = await self.store.steps_since(name, sub.last_seq, CATCH_UP_ROWS)
-                for seq, event, actions in rows:
-                    if seq != sub.last_seq + 1:  # pruned: a watcher is promised every step after since, or nothing
-                        if sub.last_seq == since:
-                            raise InvalidParamsError(
-                                f"the history of {name!r} before step {seq} is no longer kept; watch since {seq - 1} "
-                                "or later"
-                            )
-                        self.fanout.end_one(sub, f"the history before step {seq} is no longer kept")
+                whole = [r.seq for r in rows] == list(range(sub.last_seq + 1, sub.last_seq + 1 + len(rows)))
+                cut = len(rows) if whole else next(i for i, r in enumerate(rows) if r.seq != sub.last_seq + 1 + i)
+                gap = None if whole else rows[cut].seq
+                rows = rows[:cut]
+                answers = await deriver.answers(rows)
+                if answers is None:  # what derives these answers is pruned; the latest snapshot derives what follows
+                    kept = await self.store.load(name)
+                    gap = (kept.snapshot_seq if kept is not None else entry.seq) + 1
+                for row, actions in zip(rows, answers or (), strict=False):
+                    if not self.fanout.deliver(
+                        sub, row.seq, self.fanout.encode(Stepped(name, row.seq, row.event, actions))
+                    ):
                         return sub
-                    if not self.fanout.deliver(sub, seq, self.fanout.encode(Stepped(name, seq, event, actions))):
-                        return sub
+                if gap is not None:  # pruned: a watcher is promised every step after since, or nothing
+                    if sub.last_seq == since:
+                        raise InvalidParamsError(
+                            f"the history of {name!r} before step {gap} is no longer kept; watch since {gap - 1} "
+                            "or later"
+                        )
+                    self.fanout.end_one(sub, f"the history before step {gap} is no longer kept")
+                    return sub
                 if len(rows) < CATCH_UP_ROWS and sub.last_seq >= entry.seq:
                     break  # no await since the check: no step can slip between history and live
                 if not rows:
@@ -487,6 +650,8 @@ class Registry:
         except BaseException:
             self.fanout.unsubscribe(sub)
             raise
+        finally:
+            deriver.close()
         sub.catching_up = False
         return sub
 

@@ -30,11 +30,13 @@ import structlog
 
 from devd import failpoints
 from devd.files import write_atomically
-from devd.store import Health, Keyed, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 log = structlog.get_logger("devd.store")
 
-ROWS_PER_STATEMENT = 500  # 8 variables a row, well under SQLite's 32,766
+ROWS_PER_STATEMENT = 500  # 9 variables a row, well under SQLite's 32,766
+WAL_BYTES_KEPT = 16 << 20  # the log is cut back to this after a checkpoint, so a burst does not keep its size
+ROW = "seq, event, actions, answer"  # the columns of a `Row`
 T = TypeVar("T")
 
 # The on-disk format, one migration per version (`PRAGMA user_version` counts those applied). Each runs once, in a
@@ -72,6 +74,11 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE journal ADD COLUMN at REAL;
     UPDATE sessions SET created = (julianday('now') - 2440587.5) * 86400.0;
     """,
+    # 4: an answer may be kept as its digest alone (`actions` is then empty: no answer is an empty array), derived
+    # again from the events when asked for; rows from before keep their actions whole and no digest
+    """
+    ALTER TABLE journal ADD COLUMN answer BLOB;
+    """,
 )
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
 
@@ -94,6 +101,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
     db.execute("PRAGMA busy_timeout=5000")
+    db.execute(f"PRAGMA journal_size_limit={WAL_BYTES_KEPT}")
     return db
 
 
@@ -262,19 +270,25 @@ class SQLiteStore:
                 self._pruned[s.session] = s.seq
 
     def _prune(self, db: sqlite3.Connection, name: str, snapshot_seq: int) -> None:
-        """Drop history behind the snapshot at snapshot_seq beyond what watchers and keys are promised."""
+        """Drop history beyond what watchers and keys are promised, keeping what derives what is kept: from the
+        newest snapshot before the oldest step promised (the anchor) on, every row and snapshot stays."""
+        anchor = db.execute(
+            "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER BY seq DESC LIMIT 1",
+            (name, snapshot_seq - self.steps_kept + 1),
+        ).fetchone()
+        if anchor is None:
+            return  # everything kept is still derived from the config or the first snapshot
         db.execute(
             "UPDATE journal SET snapshot = NULL WHERE session = ? AND seq < ? AND snapshot IS NOT NULL",
-            (name, snapshot_seq),
+            (name, anchor[0]),
         )
-        db.execute(
-            "DELETE FROM journal WHERE session = ? AND key IS NULL AND seq < ? AND seq <= ?",
-            (name, snapshot_seq, snapshot_seq - self.steps_kept),
-        )
+        db.execute("DELETE FROM journal WHERE session = ? AND key IS NULL AND seq < ?", (name, anchor[0]))
+        # Keys older than the anchor keep their row (what a retry is answered, or at least that it was answered)
+        # up to the number promised; an answer not kept among them can no longer be derived.
         db.execute(
             "DELETE FROM journal WHERE session = ? AND key IS NOT NULL AND seq < ? AND seq < ("
             " SELECT seq FROM journal WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)",
-            (name, snapshot_seq, name, self.keys_kept - 1),
+            (name, anchor[0], name, self.keys_kept - 1),
         )
 
     async def _write(self, op: Op) -> None:
@@ -301,7 +315,7 @@ class SQLiteStore:
                 "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
             )
             if snapshot is not None:
-                _insert_steps(db, [Step(name, 0, b"", b"", snapshot=snapshot)])
+                _insert_steps(db, [Step(name, 0, b"", None, snapshot=snapshot)])
 
         await self._write(op)
 
@@ -334,8 +348,9 @@ class SQLiteStore:
             if made.rowcount != 1:
                 raise StoreError(f"there is no session {source!r} to fork")
             db.execute(
-                "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot) "
-                "SELECT ?, seq, key, digest, event, actions, snapshot FROM journal WHERE session = ? AND seq <= ?",
+                "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at) "
+                "SELECT ?, seq, key, digest, event, actions, snapshot, answer, at FROM journal "
+                "WHERE session = ? AND seq <= ?",
                 (name, source, at),
             )
             if snapshot is not None:
@@ -382,7 +397,7 @@ class SQLiteStore:
     async def keyed(self, name: str, key: str) -> Keyed | None:
         def read(db: sqlite3.Connection) -> Any:
             return db.execute(
-                "SELECT seq, digest, actions FROM journal WHERE session = ? AND key = ?", (name, key)
+                "SELECT seq, digest, actions, answer FROM journal WHERE session = ? AND key = ?", (name, key)
             ).fetchone()
 
         # One indexed row: read here when the connection is free (most of the time, it is), rather than pay a
@@ -396,14 +411,19 @@ class SQLiteStore:
                 self._lock.release()
         else:
             row = await self._read(read)
-        return Keyed(*row) if row else None
+        if row is None:
+            return None
+        seq, digest, actions, answer = row
+        return Keyed(seq, digest, actions or None, answer)
 
-    async def steps_since(self, name: str, since: int, limit: int) -> list[tuple[int, bytes, bytes]]:
+    async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
         return await self._read(
-            lambda db: db.execute(
-                "SELECT seq, event, actions FROM journal WHERE session = ? AND seq > ? ORDER BY seq LIMIT ?",
-                (name, since, limit),
-            ).fetchall()
+            lambda db: _rows(
+                db.execute(
+                    f"SELECT {ROW} FROM journal WHERE session = ? AND seq > ? ORDER BY seq LIMIT ?",
+                    (name, since, limit),
+                )
+            )
         )
 
 
@@ -489,13 +509,19 @@ def _load(db: sqlite3.Connection, name: str, at: int | None) -> Stored | None:
     if saved is None and db.execute("SELECT 1 FROM journal WHERE session = ? AND seq = 0", (name,)).fetchone():
         return None  # restored from a snapshot no longer kept: its history cannot be rebuilt from the config
     snapshot_seq, snapshot = saved if saved else (0, None)
-    journal = db.execute(
-        "SELECT seq, event, actions FROM journal WHERE session = ? AND seq > ? AND seq <= ? ORDER BY seq",
-        (name, snapshot_seq, upto),
-    ).fetchall()
-    if at is not None and [seq for seq, _, _ in journal] != list(range(snapshot_seq + 1, at + 1)):
+    journal = _rows(
+        db.execute(
+            f"SELECT {ROW} FROM journal WHERE session = ? AND seq > ? AND seq <= ? ORDER BY seq",
+            (name, snapshot_seq, upto),
+        )
+    )
+    if at is not None and [row.seq for row in journal] != list(range(snapshot_seq + 1, at + 1)):
         return None  # pruned (or not yet written): that point cannot be rebuilt
     return Stored(name, config, snapshot, snapshot_seq, Health(state), reason, journal)
+
+
+def _rows(cursor: sqlite3.Cursor) -> list[Row]:
+    return [Row(seq, event, actions or None, answer) for seq, event, actions, answer in cursor]
 
 
 def _insert_steps(db: sqlite3.Connection, steps: list[Step]) -> None:
@@ -503,7 +529,11 @@ def _insert_steps(db: sqlite3.Connection, steps: list[Step]) -> None:
     win it back from the busy event loop each time, so one statement for a batch is much faster than one a row."""
     at = time.time()
     db.execute(
-        "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, at) VALUES "
-        + ",".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps)),
-        [v for s in steps for v in (s.session, s.seq, s.key, s.digest, s.event, s.actions, s.snapshot, at)],
+        "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at) VALUES "
+        + ",".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps)),
+        [
+            v
+            for s in steps
+            for v in (s.session, s.seq, s.key, s.digest, s.event, s.actions or b"", s.snapshot, s.answer, at)
+        ],
     )

@@ -1,9 +1,12 @@
 """What devd needs from durable storage, as one interface, and the records that cross it.
 
-A store keeps, per session, a row (its config and health) and a journal of the steps it answered (event, actions,
-idempotency key and digest), in which a step the core asked to `Save` after also carries the snapshot taken then.
-What rebuilds a session is its latest snapshot plus the journal after it; rows before that are history for watchers
-and keys, kept up to the limits the store was opened with.
+A store keeps, per session, a row (its config and health) and a journal of the steps it answered: the event, the
+actions or only their digest (a `Model` ask carries the whole transcript, so keeping every answer would make a
+session's bytes grow with the square of its length; the core is deterministic, so an answer not kept is derived again
+from the events), the idempotency key and the event's digest; now and then a step also carries the snapshot taken
+after it. What rebuilds a session is its latest snapshot plus the journal after it; rows before that are history for
+watchers and keys, kept up to the limits the store was opened with, together with the snapshot they are derived from
+(every kept row can be rebuilt with `load_at`).
 
 What every implementation promises (tests/test_store.py checks each of them against every implementation):
 - a write returns only once it is durable; a write that cannot be made durable raises `StoreError`, and nothing in
@@ -17,12 +20,24 @@ What every implementation promises (tests/test_store.py checks each of them agai
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from devd.errors import StoreError
 
-__all__ = ["Health", "Keyed", "SessionRow", "Step", "Store", "StoreError", "StoreStats", "Stored"]
+__all__ = [
+    "Health",
+    "Keyed",
+    "Row",
+    "SessionRow",
+    "Step",
+    "Store",
+    "StoreError",
+    "StoreStats",
+    "Stored",
+    "answer_digest",
+]
 
 
 class Health(enum.Enum):
@@ -33,6 +48,11 @@ class Health(enum.Enum):
     POISONED = "poisoned"  # it trapped, or rebuilding it failed; `recover` brings it back
 
 
+def answer_digest(actions: bytes) -> bytes:
+    """What a journal keeps of an answer it does not keep whole: enough to check the answer derived again."""
+    return hashlib.sha256(actions).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
     """One answered step, as journalled."""
@@ -40,10 +60,20 @@ class Step:
     session: str
     seq: int
     event: bytes
-    actions: bytes
+    actions: bytes | None  # None: not kept, derived again from the events when asked for
     key: str | None = None
-    digest: bytes | None = None
-    snapshot: bytes | None = None  # the core's state after this step, when it asked to Save
+    digest: bytes | None = None  # of the event, for keys: see `devd.registry.digest`
+    snapshot: bytes | None = None  # the core's state after this step, when one was taken
+    answer: bytes | None = None  # `answer_digest(actions)`; always set when the actions are not kept
+
+
+class Row(NamedTuple):
+    """A journalled step as read back."""
+
+    seq: int
+    event: bytes
+    actions: bytes | None  # None: not kept; derive it from the snapshot before it and the events since
+    answer: bytes | None  # the answer's digest; None only in rows from before digests were kept (format 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +86,7 @@ class Stored:
     snapshot_seq: int
     health: Health
     reason: str | None
-    journal: list[tuple[int, bytes, bytes]]  # (seq, event, actions) after the snapshot, in order
+    journal: list[Row]  # after the snapshot, in order
 
     @property
     def seq(self) -> int:
@@ -69,7 +99,8 @@ class Keyed:
 
     seq: int
     digest: bytes
-    actions: bytes
+    actions: bytes | None  # None: not kept; derived again (`load_at(seq)` rebuilds it)
+    answer: bytes | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +160,8 @@ class Store(Protocol):
 
     async def keyed(self, name: str, key: str) -> Keyed | None: ...
 
-    async def steps_since(self, name: str, since: int, limit: int) -> list[tuple[int, bytes, bytes]]:
-        """Up to `limit` journalled steps after `since`, in order: (seq, event, actions)."""
+    async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
+        """Up to `limit` journalled steps after `since`, in order."""
 
     def statistics(self) -> StoreStats: ...
 

@@ -85,7 +85,8 @@ def drive(daemon: Daemon, conv: Conversation, stop: threading.Event, wrong: list
 
 def test_no_answered_step_is_lost_across_random_sigkills(tmp_path: Path) -> None:
     rng = random.Random(1330)
-    daemon = Daemon(tmp_path).start()
+    # Fewer live instances than clients, and no snapshot floor: kills land in hibernations and snapshot writes too.
+    daemon = Daemon(tmp_path, "--max-live", "2", "--snapshot-floor", "0").start()
     names = [f"c{i}" for i in range(CLIENTS)]
     with daemon.client() as c:
         for name in names:
@@ -136,7 +137,8 @@ def test_a_kill_at_every_named_point_loses_no_answered_step_and_half_applies_non
 ) -> None:
     """SIGKILL exactly at a named point (devd.failpoints); after a restart, the step that got no answer is either
     wholly there (its keyed retry is replayed) or not at all (it runs fresh), and everything answered is there."""
-    daemon = Daemon(tmp_path, env={"DEVD_FAILPOINTS": f"{point}=kill@{nth}"}).start()
+    # No floor: snapshots (and so pruning) as often as the log-compaction rule allows, for the points inside them.
+    daemon = Daemon(tmp_path, "--snapshot-floor", "0", env={"DEVD_FAILPOINTS": f"{point}=kill@{nth}"}).start()
     with daemon.client() as c:
         c.new(session="s")
     conv = Conversation("s")

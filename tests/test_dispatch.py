@@ -71,6 +71,7 @@ async def test_daemon_status_answers_with_the_counters(dispatcher: Dispatcher) -
             "errors": {},
             "deadline_hits": 0,
             "offloaded": 0,
+            "rebuilt": 0,
             "hibernated": 0,
             "expired": 0,
         },

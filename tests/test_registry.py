@@ -28,7 +28,7 @@ from devd.errors import (
 from devd.host import Core
 from devd.memory_store import MemoryStore
 from devd.messages import encode, turn
-from devd.registry import Registry
+from devd.registry import Registry, snapshot_due
 from devd.rpc import encode_notice
 from devd.sqlite_store import SQLiteStore
 from devd.state import State
@@ -398,3 +398,83 @@ async def test_an_ended_session_is_still_ended_after_a_rebuild(tmp_path: Path, s
         listed = states(after)
         await after.recover("spin")
         assert (listed, await after.step("spin", CALM, None, None)) == ([("spin", State.ENDED, 0)], (b"[]", False))
+
+
+# -- long sessions: what a step writes, and what a rebuild replays -------------------------------------------------
+
+LONG = encode(turn(1, "p" * 2000))  # a turn cancelled at once: the transcript is now longer than any event after it
+CANCEL = b'{"Cancel":{"turn":1}}'
+SEED_2 = _seed_turn(2, 4)  # the seed's turn again, after LONG's ask (1), Save (2) and Done (3)
+
+
+async def test_an_answer_as_large_as_the_transcript_is_journalled_as_its_digest(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    await steps(registry, "s", [LONG, CANCEL, *SEED_2])
+    rows = await registry.store.steps_since("s", 0, 100)
+    assert [r.actions is None for r in rows] == [False, False, True, False, False, True, False]
+
+
+async def test_a_watcher_since_0_gets_every_answer_as_given_even_those_kept_as_digests(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    events = [LONG, CANCEL, *SEED_2]
+    answers = await steps(registry, "s", events)
+    sink = Sink()
+    await registry.watch("s", sink, 0)
+    assert sink.lines == [encode_notice(Stepped("s", n + 1, events[n], answers[n])) for n in range(len(events))]
+
+
+async def test_a_keyed_retry_of_a_step_kept_as_a_digest_answers_the_same_bytes(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    await steps(registry, "s", [LONG, CANCEL])
+    asked = await registry.step("s", SEED_2[0], None, "turn-2")
+    await steps(registry, "s", SEED_2[1:])
+    assert await registry.step("s", SEED_2[0], None, "turn-2") == (asked[0], True)
+
+
+async def test_a_session_rebuilt_from_digests_answers_as_if_it_never_stopped(
+    kind: str, tmp_path: Path, core: Core
+) -> None:
+    events = [LONG, CANCEL, *SEED_2]
+    # No inline budget to pass (a busy machine could make a call pass 2 ms): the one rebuild is the wake.
+    async with opened(kind, tmp_path, core, max_live=1, inline_budget_s=60.0) as registry:
+        await registry.new("s", b"{}")
+        await steps(registry, "s", events[:-2])
+        await registry.new("twin", b"{}")  # s hibernates: its next call rebuilds it from the journal
+        twin = await steps(registry, "twin", events)
+        assert (await steps(registry, "s", events[-2:]), registry.stats.rebuilt) == (twin[-2:], 1)
+
+
+async def test_a_session_whose_call_passed_the_budget_runs_the_next_on_a_worker_without_a_rebuild(
+    tmp_path: Path, core: Core
+) -> None:
+    async with opened("memory", tmp_path, core, inline_budget_s=1e-9) as registry:
+        await registry.new("s", b"{}")
+        # Offloaded: the start, the first step (stopped inline, then rebuilt), the second (on a worker at once).
+        await steps(registry, "s", SEED[:2])
+        assert (registry.runner.offloaded, registry.stats.rebuilt) == (3, 1)
+
+
+@pytest.mark.parametrize(
+    ("since", "snapshot", "actions", "due"),
+    [
+        (64 << 10, 0, b'[{"id":6,"op":{"Save":true}}]', True),  # the floor reached, at a Save
+        (64 << 10, 0, b"[]", False),  # the floor reached, mid-turn: wait for a Save
+        (128 << 10, 0, b"[]", True),  # twice the floor, mid-turn: now
+        (1 << 20, 4 << 20, b'[{"id":6,"op":{"Save":true}}]', False),  # a quarter of a 4 MiB snapshot: replay is cheap
+        (2 << 20, 4 << 20, b'[{"id":6,"op":{"Save":true}}]', True),  # half of it, at a Save
+    ],
+)
+def test_a_snapshot_is_due_when_the_journal_since_the_last_outgrows_a_fraction_of_it(
+    since: int, snapshot: int, actions: bytes, due: bool
+) -> None:
+    assert snapshot_due(since, snapshot, 64 << 10, actions) is due
+
+
+async def test_a_core_that_cannot_snapshot_steps_on_past_any_snapshot_threshold(tmp_path: Path) -> None:
+    core = Core.open(modules.SPIN_ON_TIMER)
+    try:
+        async with opened("memory", tmp_path, core, snapshot_floor_bytes=0) as registry:
+            await registry.new("s", b"{}")
+            assert await steps(registry, "s", [CALM] * 3) == [b"[]"] * 3
+    finally:
+        core.close()

@@ -78,10 +78,10 @@ from devd.messages import (
     encode,
     turn,
 )
-from devd.registry import Info, Registry
+from devd.registry import Info, Registry, kept_answer
 from devd.sqlite_store import SQLiteStore
 from devd.state import State
-from devd.store import Health, Store
+from devd.store import Health, Row, Store, answer_digest
 from tests.test_store import running
 
 T = TypeVar("T")
@@ -666,11 +666,19 @@ class RegistryMachine(RuleBasedStateMachine):
             (n, health[m.callable], m.reason, m.seq) for n, m in model
         ]
         assert journals == {
-            n: [(i + 1, e, a) for i, (e, a) in enumerate(zip(m.events, m.answers, strict=True))] for n, m in model
+            n: [
+                Row(i + 1, e, kept_answer(e, a), answer_digest(a))
+                for i, (e, a) in enumerate(zip(m.events, m.answers, strict=True))
+            ]
+            for n, m in model
         }
         for (n, k), row in kept.items():
             want = self.model[n].keys[k]
-            assert row is not None and (row.seq, row.actions) == (want.seq, want.actions), f"key {k!r} of {n!r}"
+            assert row is not None and (row.seq, row.actions, row.answer) == (
+                want.seq,
+                kept_answer(want.event, want.actions),
+                answer_digest(want.actions),
+            ), f"key {k!r} of {n!r}"
         assert pendings == {n: self.model[n].instance.pending() for n in pendings}
 
 

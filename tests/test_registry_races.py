@@ -139,10 +139,9 @@ async def test_a_failed_fsync_while_pruning_stops_every_later_acknowledgement(
     tmp_path: Path, core: Core, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(failpoints._POINTS, "prune", ("eio", 1))
-    async with opened("sqlite", tmp_path, core, prune_every_steps=1) as registry:
+    async with opened("sqlite", tmp_path, core, prune_every_steps=1, snapshot_floor_bytes=0) as registry:
         await registry.new("s", b"{}")
-        await registry.step("s", encode(turn(1, "x")), None, None)
-        await registry.step("s", encode({"Cancel": {"turn": 1}}), None, None)  # type: ignore[arg-type]  # Save: prune
+        await registry.step("s", encode(turn(1, "x")), None, None)  # its snapshot (no floor) prunes, which fails
         with pytest.raises(errors.StoreError, match="acknowledges no more writes until it is restarted"):
             await registry.new("t", b"{}")
 
@@ -150,16 +149,19 @@ async def test_a_failed_fsync_while_pruning_stops_every_later_acknowledgement(
 async def test_watching_since_a_step_no_longer_kept_is_invalid_params_naming_the_oldest(
     tmp_path: Path, core: Core
 ) -> None:
-    async with opened("sqlite", tmp_path, core, steps_kept_per_session=2, prune_every_steps=1) as registry:
+    async with opened(
+        "sqlite", tmp_path, core, steps_kept_per_session=2, prune_every_steps=1, snapshot_floor_bytes=0
+    ) as registry:
         await registry.new("s", b"{}")
         for t in range(1, 4):
             await registry.step("s", encode(turn(t, "x")), None, None)
             await registry.step("s", encode({"Cancel": {"turn": t}}), None, None)  # type: ignore[arg-type]
-        with pytest.raises(errors.InvalidParamsError, match="before step 5 is no longer kept; watch since 4 or later"):
+        # Two steps are promised behind the latest snapshot (at 6); the snapshot at 4 derives them, and stays.
+        with pytest.raises(errors.InvalidParamsError, match="before step 4 is no longer kept; watch since 3 or later"):
             await registry.watch("s", Sink(), 0)
         sink = Sink()
-        await registry.watch("s", sink, 4)
-        assert len(sink.lines) == 2
+        await registry.watch("s", sink, 3)
+        assert len(sink.lines) == 3
 
 
 async def test_watching_since_a_step_not_yet_taken_is_invalid_params(tmp_path: Path, core: Core) -> None:

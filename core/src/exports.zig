@@ -202,6 +202,29 @@ export fn dev_step(handle: i64, ptr: i32, len: i32, out: i32) i32 {
     return OK;
 }
 
+/// Steps the session with one Event as dev_step does, and writes no answer:
+/// a host replaying its journal already has the answers, and writing each
+/// Model ask again (the whole transcript) would make a replay cost the square
+/// of its length. Optional in ABI 1: a host must not count on it.
+export fn dev_apply(handle: i64, ptr: i32, len: i32) i32 {
+    if (in_call) return POISON;
+    in_call = true;
+    defer in_call = false;
+    const s = live(handle) orelse return HANDLE;
+    const input = hostBytes(ptr, len) orelse return NULL;
+
+    var arena = arena_state.promote(gpa);
+    defer resetArena(&arena);
+    const ev = msg.parseEvent(arena.allocator(), input) catch return MALFORMED;
+
+    // The other actions are as small as the event and are dropped with the arena.
+    var buf: Writer.Allocating = .init(arena.allocator());
+    var answer: session.Answer = .init(&buf);
+    answer.quiet = true;
+    s.step(ev, &answer);
+    return OK;
+}
+
 /// Writes the actions the session has dispatched and still waits for, a JSON
 /// array in the bytes dev_step wrote them, as a dev_buf at `out`: the running
 /// turn's Model ask, or its calls without a result in id order; `[]` when no

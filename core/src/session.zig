@@ -37,6 +37,9 @@ pub const Answer = struct {
     buf: *Writer.Allocating,
     w: *Writer,
     count: usize = 0,
+    /// A replay of a step whose answer the host already has: the Model ask,
+    /// the one action whose size grows with the session, is not written.
+    quiet: bool = false,
 
     pub fn init(buf: *Writer.Allocating) Answer {
         return .{ .buf = buf, .w = &buf.writer };
@@ -201,7 +204,7 @@ pub const Session = struct {
         const r = &s.running.?;
         const id = s.nextId();
         r.phase = .{ .asking = id };
-        s.writeAsk(id, a);
+        if (!a.quiet) s.writeAsk(id, a);
     }
 
     /// The Model action with id `id`: the model and the whole transcript. While
