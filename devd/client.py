@@ -1,15 +1,31 @@
-"""Clients of the daemon: `AsyncClient` (anyio) and `Client`, a small blocking wrapper for scripts and the CLI.
+"""Clients of the daemon: `AsyncClient` (anyio) and `Client`, a small blocking twin for scripts and the CLI.
 
-Both speak the daemon's JSON-RPC over a Unix socket path or `tcp://HOST:PORT` (with the token), raise the
-`devd.errors` class whose kind the daemon answered, and take and return the protocol Structs.
+What they promise:
+
+- Every method of the daemon's method table (`devd.methods.METHODS`) has a typed method on both clients
+  (`METHOD_NAMES` maps one to the other): keyword arguments in, with messages as Structs (`Event`, `Config`), and
+  Structs out. A method answers its result Struct from `devd.methods` (`ListResult`, `StatusResult`, ...), or the
+  one member that is all the result holds (a session's name, a snapshot, a list of `Action`s), or None for `{}`.
+  `request(method, params)` takes any method's params Struct and answers its result Struct.
+- `step()` answers the actions; `step_answer()` answers a `StepAnswer`, which keeps `replayed` (a keyed step that
+  was answered before, answered again from the journal: nothing ran).
+- Watching is iterating: `for notice in client.watch(session, since=0)` (`async for` on `AsyncClient`) yields an
+  `ActionsNotice` for each step and, last, the `UnwatchedNotice` that ends the subscription (the session was closed
+  or expired, or this client fell behind). The subscription is made when the iteration starts; leaving the loop
+  early unsubscribes.
+- The address defaults to the daemon's own rule (`default_address()`). A Unix socket served by another user is
+  refused before anything is sent. When no daemon listens, `NotRunningError` says how to start one.
+- Errors the daemon answers are raised as the `devd.errors` class of their kind; a lost connection is a
+  `ConnectionError`. `AsyncClient.reconnect()` opens a new connection to the same address (after a daemon restart).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Generator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -17,43 +33,119 @@ from typing import Any
 import anyio
 import anyio.abc
 import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
-from devd.config import parse_tcp
+from devd.config import default_socket_path, parse_tcp
 from devd.listeners import peer_uid
 from devd.messages import Action, Config, Event, decode_actions, encode
-from devd.methods import METHODS, ForkParams, PendingResult, SessionParams, SessionResult
+from devd.methods import (
+    METHODS,
+    ForkParams,
+    InitializeParams,
+    InitializeResult,
+    ListParams,
+    ListResult,
+    NewParams,
+    NoParams,
+    PendingResult,
+    RestoreParams,
+    SessionParams,
+    SessionResult,
+    SnapshotResult,
+    StatusResult,
+    StepParams,
+    StepResult,
+    WatchParams,
+)
+from devd.methods import Client as ClientInfo
+from devd.rpc import UnwatchedNotice
 
-_KINDS: dict[str, type[errors.DevdError]] = {
-    cls.kind: cls
-    for cls in (
-        errors.HandleError,
-        errors.MalformedError,
-        errors.PoisonError,
-        errors.PanicError,
-        errors.NullError,
-        errors.BusyError,
-        errors.FullError,
-        errors.DeadlineError,
-        errors.TooLargeError,
-        errors.UnauthorizedError,
-        errors.ExistsError,
-        errors.ConflictError,
-        errors.ParseError,
-        errors.InvalidRequestError,
-        errors.MethodNotFoundError,
-        errors.InvalidParamsError,
-        errors.InternalError,
-    )
+
+def _classes_by_kind() -> dict[str, type[errors.DevdError]]:
+    """Each error kind, and the most general `devd.errors` class of that kind (PanicError for PANIC, not its
+    OutOfMemoryError; InternalError for INTERNAL, not StoreError): a kind added there is raised as its class here."""
+    found: dict[str, type[errors.DevdError]] = {}
+    for cls in vars(errors).values():
+        if isinstance(cls, type) and issubclass(cls, errors.DevdError) and cls is not errors.DevdError:
+            known = found.get(cls.kind)
+            if known is None or len(cls.__mro__) < len(known.__mro__):
+                found[cls.kind] = cls
+    return found
+
+
+_KINDS = _classes_by_kind()
+
+# Each method of the table, and the client method that calls it (the same name on both clients).
+METHOD_NAMES: dict[str, str] = {
+    "initialize": "initialize",
+    "daemon/status": "status",
+    "session/new": "new",
+    "session/step": "step_answer",
+    "session/snapshot": "snapshot",
+    "session/restore": "restore",
+    "session/fork": "fork",
+    "session/pending": "pending",
+    "session/recover": "recover",
+    "session/close": "close_session",  # `close` closes the connection
+    "session/list": "list",
+    "session/watch": "watch",
+    "session/unwatch": "unwatch",
 }
+
+NOTICES_BUFFERED = 1 << 16  # notices of no watch() kept for `notifications`; past it, reading waits for a reader
+WATCH_BUFFERED = 1024  # notices kept for one watch() loop; past it, reading waits for the loop
+
+
+def default_address() -> str:
+    """Where a client looks for the daemon: `$DEVD_SOCKET` when it is set, else where `devd serve` puts its socket
+    by default (`$RUNTIME_DIRECTORY/devd.sock`, else `$XDG_RUNTIME_DIR/devd/devd.sock`, else
+    `/tmp/devd-UID/devd.sock`: `devd.config.default_socket_path`)."""
+    return os.environ.get("DEVD_SOCKET") or str(default_socket_path())
 
 
 class Reply(msgspec.Struct):
+    """One line from the daemon: an answer (`id` and `result` or `error`) or a notification (`method`, `params`)."""
+
     id: Any = None
     result: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b""))
     error: dict[str, Any] | None = None
     method: str | None = None
     params: Any = None
+
+
+class StepAnswer(msgspec.Struct, frozen=True):
+    """A step's answer: the actions to carry out, and whether it was `replayed` (the key was answered before, and
+    this is that answer again from the journal: nothing ran)."""
+
+    actions: list[Action]
+    replayed: bool = False
+
+
+class ActionsNotice(msgspec.Struct, frozen=True):
+    """`session/actions`: step `seq` of a watched session, its event and the actions it was answered."""
+
+    session: str
+    seq: int
+    event: Event
+    actions: list[Action]
+
+
+Notice = ActionsNotice | UnwatchedNotice
+
+# Each notification the daemon sends, and its type here.
+NOTICES: dict[str, type[ActionsNotice] | type[UnwatchedNotice]] = {
+    "session/actions": ActionsNotice,
+    "session/unwatched": UnwatchedNotice,
+}
+
+
+def notice_of(reply: Reply) -> Notice:
+    """A notification line as its typed notice; InternalError for a notification this client does not know."""
+    kind = NOTICES.get(reply.method or "")
+    if kind is None:
+        raise errors.InternalError(f"the daemon sent {reply.method!r}, a notification this client does not know")
+    return msgspec.convert(reply.params, kind)
 
 
 _reply = msgspec.json.Decoder(Reply)
@@ -66,20 +158,30 @@ def _raise(error: dict[str, Any]) -> None:
     raise cls(error.get("message", ""))
 
 
-def _request(id: int, method: str, params: Any) -> bytes:
+def _request(id: int | None, method: str, params: Any) -> bytes:
+    if id is None:  # a JSON-RPC notification: carried out, never answered
+        return _encoder.encode({"jsonrpc": "2.0", "method": method, "params": params}) + b"\n"
     return _encoder.encode({"jsonrpc": "2.0", "id": id, "method": method, "params": params}) + b"\n"
 
 
-def _step_params(session: str, event: Event | bytes, timeout_ms: int | None, key: str | None) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "session": session,
-        "event": msgspec.Raw(event if isinstance(event, bytes) else encode(event)),
-    }
-    if timeout_ms is not None:
-        params["timeout_ms"] = timeout_ms
-    if key is not None:
-        params["key"] = key
-    return params
+# -- params and results, shared by both clients ---------------------------------------------------------------------
+
+
+def _hello(token: str | None) -> InitializeParams:
+    return InitializeParams(ClientInfo("devd.client"), token)
+
+
+def _step(session: str, event: Event | bytes, timeout_ms: int | None, key: str | None) -> StepParams:
+    return StepParams(session, msgspec.Raw(event if isinstance(event, bytes) else encode(event)), timeout_ms, key)
+
+
+def _answer(result: StepResult) -> StepAnswer:
+    return StepAnswer(decode_actions(bytes(result.actions)), result.replayed)
+
+
+def _greets(address: str, token: str | None) -> bool:
+    """TCP connections must begin with `initialize` and the token; a Unix one does when a token is given."""
+    return address.startswith("tcp://") or token is not None
 
 
 class NotRunningError(ConnectionRefusedError):
@@ -104,6 +206,59 @@ def check_peer(sock: socket.socket, address: str) -> None:
         )
 
 
+def _refused(address: str, error: OSError) -> NotRunningError | None:
+    """The NotRunningError an OSError of connecting means, if it means one (anyio wraps TCP's refusal)."""
+    if isinstance(error, FileNotFoundError | ConnectionRefusedError):
+        return NotRunningError(address, error)
+    if isinstance(error.__cause__, ConnectionRefusedError):
+        return NotRunningError(address, error.__cause__)
+    return None
+
+
+def _open_socket(address: str, timeout: float | None) -> socket.socket:
+    if address.startswith("tcp://"):
+        host, port = parse_tcp(address)
+        try:
+            return socket.create_connection((host, port), timeout=timeout)
+        except ConnectionRefusedError as e:
+            raise NotRunningError(address, e) from e
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(address)
+        check_peer(sock, address)
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        sock.close()
+        raise NotRunningError(address, e) from e
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _open_stream(address: str) -> anyio.abc.ByteStream:
+    stream: anyio.abc.SocketStream
+    try:
+        if address.startswith("tcp://"):
+            host, port = parse_tcp(address)
+            return await anyio.connect_tcp(host, port)
+        stream = await anyio.connect_unix(address)
+    except OSError as e:
+        refused = _refused(address, e)
+        if refused is None:
+            raise
+        raise refused from e
+    try:
+        check_peer(stream.extra(anyio.abc.SocketAttribute.raw_socket), address)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream
+
+
+# -- the blocking client --------------------------------------------------------------------------------------------
+
+
 class Client:
     """A blocking client: one request at a time; notifications received meanwhile are kept in `notifications`."""
 
@@ -112,35 +267,26 @@ class Client:
         self._file = sock.makefile("rb")
         self._ids = itertools.count(1)
         self.notifications: list[Reply] = []
+        self._watching: set[str] = set()  # sessions a watch() loop follows; unwatch() ends their loop
 
     @classmethod
-    def connect(cls, address: str | Path, *, token: str | None = None, timeout: float | None = 30.0) -> Client:
-        address = str(address)
-        if address.startswith("tcp://"):
-            host, port = parse_tcp(address)
-            sock = socket.create_connection((host, port), timeout=timeout)
-        else:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
+    def connect(
+        cls, address: str | Path | None = None, *, token: str | None = None, timeout: float | None = 30.0
+    ) -> Client:
+        """A client of the daemon at address (default: `default_address()`); `timeout` bounds each answer.
+        Raises NotRunningError when no daemon listens there, PermissionError when another user serves the socket."""
+        address = default_address() if address is None else str(address)
+        client = cls(_open_socket(address, timeout))
+        if _greets(address, token):
             try:
-                sock.connect(address)
-                check_peer(sock, address)
-            except (FileNotFoundError, ConnectionRefusedError) as e:
-                sock.close()
-                raise NotRunningError(address, e) from e
-            except BaseException:
-                sock.close()
-                raise
-        client = cls(sock)
-        if address.startswith("tcp://") or token is not None:
-            try:
-                client.call("initialize", {"client": {"name": "devd.client"}, "token": token})
+                client.initialize(token=token)
             except BaseException:
                 client.close()
                 raise
         return client
 
     def close(self) -> None:
+        """Close the connection (`close_session` closes a session)."""
         self._file.close()
         self._sock.close()
 
@@ -179,6 +325,69 @@ class Client:
         """Call method with its params Struct; the result comes back as the method's result Struct."""
         return msgspec.json.decode(self.call_raw(method, params), type=METHODS[method].result)
 
+    def wait_notification(self, timeout: float | None = None) -> Reply:
+        """The next notification, waiting up to `timeout` seconds for it (None: for as long as it takes; the
+        connection's own timeout is for answers, not for a session that is quiet)."""
+        if self.notifications:
+            return self.notifications.pop(0)
+        return self._receive_notice(timeout)
+
+    def _receive_notice(self, timeout: float | None) -> Reply:
+        previous = self._sock.gettimeout()
+        self._sock.settimeout(timeout)
+        try:
+            reply = self.read_reply()
+        finally:
+            self._sock.settimeout(previous)
+        assert reply.method is not None, reply  # one request at a time: nothing else arrives between calls
+        return reply
+
+    # -- the method table, typed
+
+    def initialize(self, *, token: str | None = None) -> InitializeResult:
+        """Say hello (with the token, on TCP); the daemon's version, protocol, ABI and limits."""
+        result: InitializeResult = self.request("initialize", _hello(token))
+        return result
+
+    def status(self) -> StatusResult:
+        """The daemon's counters."""
+        result: StatusResult = self.request("daemon/status", NoParams())
+        return result
+
+    def new(self, config: Config | None = None, session: str | None = None) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name."""
+        result: SessionResult = self.request("session/new", NewParams(config, session))
+        return result.session
+
+    def step(
+        self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
+    ) -> list[Action]:
+        """Step session with event (a Struct, or its JSON); the actions it was answered."""
+        return self.step_answer(session, event, timeout_ms=timeout_ms, key=key).actions
+
+    def step_answer(
+        self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
+    ) -> StepAnswer:
+        """Step session with event; the actions, and whether the key's answer was replayed."""
+        result: StepResult = self.request("session/step", _step(session, event, timeout_ms, key))
+        return _answer(result)
+
+    def step_result(
+        self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
+    ) -> dict[str, Any]:
+        """The step's result as the daemon wrote it, decoded as plain JSON (`step_answer` is the typed one)."""
+        return self.call("session/step", _step(session, event, timeout_ms, key))  # type: ignore[no-any-return]
+
+    def snapshot(self, session: str) -> str:
+        """The session's state, base64, for `restore`."""
+        result: SnapshotResult = self.request("session/snapshot", SessionParams(session))
+        return result.snapshot
+
+    def restore(self, snapshot: str, session: str | None = None) -> str:
+        """A new session from a snapshot (named `session`, else the daemon chooses); its name."""
+        result: SessionResult = self.request("session/restore", RestoreParams(snapshot, session))
+        return result.session
+
     def fork(self, session: str, *, at: int | None = None, name: str | None = None) -> str:
         """A new session whose history is session's up to step `at` (default: its latest); its name."""
         result: SessionResult = self.request("session/fork", ForkParams(session, at, name))
@@ -189,107 +398,184 @@ class Client:
         result: PendingResult = self.request("session/pending", SessionParams(session))
         return decode_actions(bytes(result.actions))
 
-    def wait_notification(self, timeout: float | None = None) -> Reply:
-        """The next notification, waiting up to `timeout` seconds for it (None: for as long as it takes; the
-        connection's own timeout is for answers, not for a session that is quiet)."""
-        if self.notifications:
-            return self.notifications.pop(0)
-        previous = self._sock.gettimeout()
-        self._sock.settimeout(timeout)
+    def recover(self, session: str) -> str:
+        """Bring an ended or poisoned session back from its durable state; its name."""
+        result: SessionResult = self.request("session/recover", SessionParams(session))
+        return result.session
+
+    def close_session(self, session: str) -> None:
+        """End the session and delete its state."""
+        self.request("session/close", SessionParams(session))
+
+    def list(self, limit: int | None = None, cursor: str | None = None) -> ListResult:
+        """Sessions by name: all of them, or a page of `limit` after `cursor` (the `next` of the page before)."""
+        result: ListResult = self.request("session/list", ListParams(limit, cursor))
+        return result
+
+    def watch(
+        self, session: str, since: int | None = None, *, timeout: float | None = None
+    ) -> Generator[Notice, None, None]:
+        """Every step of session after `since` (default: from when the iteration starts), then the notice that ends
+        the subscription. `timeout` bounds the wait for each notice (TimeoutError); None waits for as long as the
+        session is quiet. Leaving the loop early unsubscribes."""
+        self.request("session/watch", WatchParams(session, since))
+        self._watching.add(session)
+        ended = False
         try:
-            reply = self.read_reply()
+            while not ended and session in self._watching:
+                notice = notice_of(self._next_notice(session, timeout))
+                ended = isinstance(notice, UnwatchedNotice)
+                yield notice
         finally:
-            self._sock.settimeout(previous)
-        assert reply.method is not None, reply
-        return reply
+            if not ended and session in self._watching and not self._file.closed:
+                # A connection that is gone took its subscription with it.
+                with contextlib.suppress(ConnectionError):
+                    self.unwatch(session)
+            self._watching.discard(session)
 
-    # typed methods
-    def new(self, config: Config | None = None, session: str | None = None) -> str:
-        params: dict[str, Any] = {}
-        if config is not None:
-            params["config"] = config
-        if session is not None:
-            params["session"] = session
-        return str(self.call("session/new", params)["session"])
+    def _next_notice(self, session: str, timeout: float | None) -> Reply:
+        """The next notice of session: one that arrived during a call, else the next one read (others are kept)."""
+        for i, reply in enumerate(self.notifications):
+            if isinstance(reply.params, dict) and reply.params.get("session") == session:
+                return self.notifications.pop(i)
+        while True:
+            reply = self._receive_notice(timeout)
+            if isinstance(reply.params, dict) and reply.params.get("session") == session:
+                return reply
+            self.notifications.append(reply)
 
-    def step(
-        self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
-    ) -> list[Action]:
-        result = self.call_raw("session/step", _step_params(session, event, timeout_ms, key))
-        return decode_actions(bytes(msgspec.json.decode(result, type=_StepResult).actions))
-
-    def step_result(
-        self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
-    ) -> dict[str, Any]:
-        return self.call("session/step", _step_params(session, event, timeout_ms, key))  # type: ignore[no-any-return]
+    def unwatch(self, session: str) -> None:
+        """Stop receiving session's steps on this connection; a `watch()` loop of it ends."""
+        self._watching.discard(session)
+        self.request("session/unwatch", SessionParams(session))
 
 
-class _StepResult(msgspec.Struct):
-    actions: msgspec.Raw
-    replayed: bool = False
+# -- the async client -----------------------------------------------------------------------------------------------
+
+
+class _Connection:
+    """One connection of an AsyncClient: its stream, the calls waiting for answers, where its notices go."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, unrouted: MemoryObjectSendStream[Reply]) -> None:
+        self.stream = stream
+        self.waiting: dict[int, tuple[anyio.Event, list[Reply]]] = {}
+        self.watches: dict[str, MemoryObjectSendStream[Notice]] = {}
+        self.left: set[str] = set()  # sessions whose watch() was left early: their notices in flight are dropped
+        self.unrouted = unrouted
+        self.lost = False
+
+    def lose(self) -> None:
+        """The connection is gone: every call waiting fails, every watch loop ends."""
+        self.lost = True
+        for event, _ in self.waiting.values():
+            event.set()
+        self.waiting.clear()
+        for route in self.watches.values():
+            route.close()
+
+    async def deliver(self, reply: Reply) -> None:
+        if reply.method is None:
+            waiter = self.waiting.pop(reply.id, None) if isinstance(reply.id, int) else None
+            if waiter is not None:
+                event, slot = waiter
+                slot.append(reply)
+                event.set()
+            return
+        session = reply.params.get("session") if isinstance(reply.params, dict) else None
+        route = self.watches.get(session) if isinstance(session, str) else None
+        if route is not None:
+            with contextlib.suppress(anyio.BrokenResourceError):  # its loop has just ended
+                await route.send(notice_of(reply))
+        elif session not in self.left:
+            with contextlib.suppress(anyio.BrokenResourceError):  # no one reads `notifications` any more
+                await self.unrouted.send(reply)
 
 
 class AsyncClient:
-    """An anyio client: many requests in flight, replies matched by id, notifications on `notifications`."""
+    """An anyio client: many requests in flight, replies matched by id, notices routed to their `watch()` loop. The
+    rest go to `notifications` (kept across reconnects, closed with the client), so a notice no loop takes waits
+    there, up to NOTICES_BUFFERED of them, for whoever reads it."""
 
-    def __init__(self, stream: anyio.abc.ByteStream) -> None:
-        self._stream = stream
+    def __init__(
+        self,
+        stream: anyio.abc.ByteStream,
+        *,
+        address: str | None = None,
+        token: str | None = None,
+        tasks: anyio.abc.TaskGroup | None = None,
+    ) -> None:
+        self._unrouted, self.notifications = anyio.create_memory_object_stream[Reply](NOTICES_BUFFERED)
+        self._conn = _Connection(stream, self._unrouted)
         self._ids = itertools.count(1)
-        self._waiting: dict[int, tuple[anyio.Event, list[Reply]]] = {}
-        self._send_notice, self.notifications = anyio.create_memory_object_stream[Reply](1 << 16)
+        self._address = address
+        self._token = token
+        self._tasks = tasks
 
     @classmethod
     @asynccontextmanager
-    async def connect(cls, address: str | Path, *, token: str | None = None) -> AsyncIterator[AsyncClient]:
-        address = str(address)
-        stream: anyio.abc.ByteStream
-        if address.startswith("tcp://"):
-            host, port = parse_tcp(address)
-            stream = await anyio.connect_tcp(host, port)
-        else:
+    async def connect(
+        cls, address: str | Path | None = None, *, token: str | None = None
+    ) -> AsyncIterator[AsyncClient]:
+        """A client of the daemon at address (default: `default_address()`) for the life of the context.
+        Raises NotRunningError when no daemon listens there, PermissionError when another user serves the socket."""
+        address = default_address() if address is None else str(address)
+        stream = await _open_stream(address)
+        async with anyio.create_task_group() as tg:
+            client = cls(stream, address=address, token=token, tasks=tg)
+            tg.start_soon(client._read, client._conn)
             try:
-                stream = await anyio.connect_unix(address)
-            except (FileNotFoundError, ConnectionRefusedError) as e:
-                raise NotRunningError(address, e) from e
-            try:
-                check_peer(stream.extra(anyio.abc.SocketAttribute.raw_socket), address)
-            except BaseException:
-                await stream.aclose()
-                raise
-        async with stream, anyio.create_task_group() as tg:
-            client = cls(stream)
-            tg.start_soon(client._read)
-            if address.startswith("tcp://") or token is not None:
-                await client.call("initialize", {"client": {"name": "devd.client"}, "token": token})
-            yield client
-            tg.cancel_scope.cancel()
+                if _greets(address, token):
+                    await client.initialize(token=token)
+                yield client
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await client._conn.stream.aclose()
+                client._conn.lose()
+                client._unrouted.close()
+                client.notifications.close()
+                tg.cancel_scope.cancel()
 
-    async def _read(self) -> None:
+    async def reconnect(self) -> None:
+        """Drop this connection and open a new one to the same address (after the daemon restarted, say). Calls and
+        watch loops of the old one have failed with ConnectionError; subscriptions are not carried over. Raises
+        NotRunningError while no daemon listens there."""
+        if self._address is None or self._tasks is None:
+            raise RuntimeError("only a client made by AsyncClient.connect() knows where to reconnect")
+        stream = await _open_stream(self._address)
+        old, self._conn = self._conn, _Connection(stream, self._unrouted)
+        old.lose()
+        with anyio.CancelScope(shield=True):
+            await old.stream.aclose()
+        self._tasks.start_soon(self._read, self._conn)
+        if _greets(self._address, self._token):
+            await self.initialize(token=self._token)
+
+    async def _read(self, conn: _Connection) -> None:
         buffer = b""
         try:
             while True:
-                buffer += await self._stream.receive(65536)
+                buffer += await conn.stream.receive(65536)
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
-                    reply = _reply.decode(line)
-                    if reply.method is not None:
-                        await self._send_notice.send(reply)
-                    elif isinstance(reply.id, int) and reply.id in self._waiting:
-                        event, slot = self._waiting.pop(reply.id)
-                        slot.append(reply)
-                        event.set()
+                    await conn.deliver(_reply.decode(line))
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            for event, _ in self._waiting.values():
-                event.set()
-            self._waiting.clear()
-            self._send_notice.close()
+            conn.lose()
 
     async def call_raw(self, method: str, params: Any = None) -> bytes:
+        """The result's raw JSON; raises the error the daemon answered, or ConnectionError if the connection is lost."""
+        conn = self._conn
+        if conn.lost:
+            raise ConnectionError("the connection to the daemon is lost; reconnect() opens a new one")
         id = next(self._ids)
         event, slot = anyio.Event(), list[Reply]()
-        self._waiting[id] = (event, slot)
-        await self._stream.send(_request(id, method, params if params is not None else {}))
-        await event.wait()
+        conn.waiting[id] = (event, slot)
+        try:
+            await conn.stream.send(_request(id, method, params if params is not None else {}))
+            await event.wait()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as e:
+            raise ConnectionError(f"the connection to the daemon is lost ({type(e).__name__})") from e
+        finally:
+            conn.waiting.pop(id, None)
         if not slot:
             raise ConnectionError("the daemon closed the connection")
         reply = slot[0]
@@ -304,6 +590,46 @@ class AsyncClient:
         """Call method with its params Struct; the result comes back as the method's result Struct."""
         return msgspec.json.decode(await self.call_raw(method, params), type=METHODS[method].result)
 
+    # -- the method table, typed
+
+    async def initialize(self, *, token: str | None = None) -> InitializeResult:
+        """Say hello (with the token, on TCP); the daemon's version, protocol, ABI and limits."""
+        result: InitializeResult = await self.request("initialize", _hello(token))
+        return result
+
+    async def status(self) -> StatusResult:
+        """The daemon's counters."""
+        result: StatusResult = await self.request("daemon/status", NoParams())
+        return result
+
+    async def new(self, config: Config | None = None, session: str | None = None) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name."""
+        result: SessionResult = await self.request("session/new", NewParams(config, session))
+        return result.session
+
+    async def step(
+        self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
+    ) -> list[Action]:
+        """Step session with event (a Struct, or its JSON); the actions it was answered."""
+        return (await self.step_answer(session, event, timeout_ms=timeout_ms, key=key)).actions
+
+    async def step_answer(
+        self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
+    ) -> StepAnswer:
+        """Step session with event; the actions, and whether the key's answer was replayed."""
+        result: StepResult = await self.request("session/step", _step(session, event, timeout_ms, key))
+        return _answer(result)
+
+    async def snapshot(self, session: str) -> str:
+        """The session's state, base64, for `restore`."""
+        result: SnapshotResult = await self.request("session/snapshot", SessionParams(session))
+        return result.snapshot
+
+    async def restore(self, snapshot: str, session: str | None = None) -> str:
+        """A new session from a snapshot (named `session`, else the daemon chooses); its name."""
+        result: SessionResult = await self.request("session/restore", RestoreParams(snapshot, session))
+        return result.session
+
     async def fork(self, session: str, *, at: int | None = None, name: str | None = None) -> str:
         """A new session whose history is session's up to step `at` (default: its latest); its name."""
         result: SessionResult = await self.request("session/fork", ForkParams(session, at, name))
@@ -314,16 +640,79 @@ class AsyncClient:
         result: PendingResult = await self.request("session/pending", SessionParams(session))
         return decode_actions(bytes(result.actions))
 
-    async def new(self, config: Config | None = None, session: str | None = None) -> str:
-        params: dict[str, Any] = {}
-        if config is not None:
-            params["config"] = config
-        if session is not None:
-            params["session"] = session
-        return str((await self.call("session/new", params))["session"])
+    async def recover(self, session: str) -> str:
+        """Bring an ended or poisoned session back from its durable state; its name."""
+        result: SessionResult = await self.request("session/recover", SessionParams(session))
+        return result.session
 
-    async def step(
-        self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
-    ) -> list[Action]:
-        result = await self.call_raw("session/step", _step_params(session, event, timeout_ms, key))
-        return decode_actions(bytes(msgspec.json.decode(result, type=_StepResult).actions))
+    async def close_session(self, session: str) -> None:
+        """End the session and delete its state."""
+        await self.request("session/close", SessionParams(session))
+
+    async def list(self, limit: int | None = None, cursor: str | None = None) -> ListResult:
+        """Sessions by name: all of them, or a page of `limit` after `cursor` (the `next` of the page before)."""
+        result: ListResult = await self.request("session/list", ListParams(limit, cursor))
+        return result
+
+    async def watch(self, session: str, since: int | None = None) -> AsyncGenerator[Notice, None]:
+        """Every step of session after `since` (default: from when the iteration starts), then the notice that ends
+        the subscription. Raises ConnectionError if the connection is lost first; leaving the loop early
+        unsubscribes. One loop per session and connection (a second one is refused: RuntimeError)."""
+        conn = self._conn
+        if session in conn.watches:
+            raise RuntimeError(f"session {session!r} is already watched by a loop on this connection")
+        send, receive = anyio.create_memory_object_stream[Notice](WATCH_BUFFERED)
+        conn.watches[session] = send  # before the request: history may arrive ahead of its answer
+        conn.left.discard(session)
+        ended = False
+        try:
+            await self.request("session/watch", WatchParams(session, since))
+            while not ended:
+                try:
+                    notice = await receive.receive()
+                except anyio.EndOfStream:
+                    if conn.lost:
+                        raise ConnectionError(f"the connection was lost while watching session {session!r}") from None
+                    return  # unwatch() ended it
+                ended = isinstance(notice, UnwatchedNotice)
+                yield notice
+        finally:
+            mine = conn.watches.get(session) is send  # else unwatch() ended this loop, and unsubscribed
+            if mine:
+                del conn.watches[session]
+            send.close()
+            receive.close()
+            if mine and not ended and not conn.lost:
+                conn.left.add(session)
+                # Sent as a JSON-RPC notification, not a call: a loop being closed must not wait on an answer.
+                with (
+                    anyio.CancelScope(shield=True),
+                    contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError),
+                ):
+                    await conn.stream.send(_request(None, "session/unwatch", SessionParams(session)))
+
+    async def unwatch(self, session: str) -> None:
+        """Stop receiving session's steps on this connection; a `watch()` loop of it ends."""
+        conn = self._conn
+        conn.left.add(session)  # notices already on their way are dropped
+        route = conn.watches.pop(session, None)
+        if route is not None:
+            route.close()
+        await self.request("session/unwatch", SessionParams(session))
+
+
+__all__ = [
+    "METHOD_NAMES",
+    "NOTICES",
+    "ActionsNotice",
+    "AsyncClient",
+    "Client",
+    "NotRunningError",
+    "Notice",
+    "Reply",
+    "StepAnswer",
+    "UnwatchedNotice",
+    "check_peer",
+    "default_address",
+    "notice_of",
+]

@@ -1,0 +1,278 @@
+"""The loop every UI needs: carry out a turn's actions through handlers until the turn is done, whatever a dropped
+connection or a restarting daemon does meanwhile.
+
+`await run_turn(client, session, prompt, handlers)` starts a turn and returns its `Done`. It promises:
+
+- Each action is carried out by the handler of its kind (`Handlers`: model, exec, read, write, git, browse; `emit`
+  for text; `Save` needs nothing), and each result is reported in a step of its own, in the order the actions came.
+- No step runs twice. Each step carries a key derived from the session and what it answers (`turn_key`,
+  `result_key`), so a step sent again after a lost connection is answered from the journal (`replayed`) instead.
+- `BUSY` is retried with bounded exponential backoff (`Retry`). A lost connection (a daemon restart, say) is
+  reconnected with the same bounded backoff; the step in flight is sent again under its key, and the work left is
+  what the core itself still waits for (`session/pending`), plus the text and `Done` of the answer that was lost.
+- A session in the middle of another turn (a UI that stopped half-way) is carried along: the new turn waits behind
+  that one in the core, so run_turn carries out the earlier turn's actions too, then its own.
+
+A handler that raises stops the loop with its exception; the session still waits for that action, and the next
+run_turn on it carries it out. `run_turn_blocking` is the same loop for callers without an event loop.
+
+A function rather than a `Driver` class: everything a turn needs in order to resume lives in the daemon (the
+journal, the keys, `session/pending`), so there is no state to keep between turns, and none to go stale across a
+reconnect; the handlers and the retry policy are plain values passed in.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeAlias, TypeVar
+
+import anyio
+import msgspec
+
+from devd import errors
+from devd.client import AsyncClient
+from devd.messages import Action, Answer, Ask, Browse, Done, Event, Exec, Git, Output, Read, Reply, Turn, Write
+
+T = TypeVar("T")
+C = TypeVar("C")
+
+NAME_CHARS_MAX = 64  # a session name's length limit (devd.methods.SESSION_NAME_PATTERN)
+
+
+class ToolOutput(msgspec.Struct, frozen=True):
+    """What a tool handler answers: the text the model will see, and whether the call failed."""
+
+    text: str
+    failed: bool = False
+
+
+ToolResult: TypeAlias = ToolOutput | str  # a str is output that did not fail
+ToolHandler: TypeAlias = Callable[[C], ToolResult | Awaitable[ToolResult]]
+
+
+@dataclass(frozen=True)
+class Handlers:
+    """One callable per kind of action, each a plain function or a coroutine function.
+
+    `model` answers the core's ask (the whole conversation) with a reply: text, calls, or both. A tool handler gets
+    the action's op (`Exec`, `Read`, ...) and answers a `ToolOutput` or a str. A kind without a handler is answered
+    as a failed call ("this client cannot browse the web"), so the model learns it and the turn goes on. `emit`
+    receives text for the user.
+    """
+
+    model: Callable[[Ask], Reply | Awaitable[Reply]]
+    exec: ToolHandler[Exec] | None = None
+    read: ToolHandler[Read] | None = None
+    write: ToolHandler[Write] | None = None
+    git: ToolHandler[Git] | None = None
+    browse: ToolHandler[Browse] | None = None
+    emit: Callable[[str], object] | None = None
+
+
+class Retry(msgspec.Struct, frozen=True):
+    """How long to keep trying: up to `attempts` tries of a call answered `BUSY`, and of each reconnect, waiting
+    `first_delay_s` after the first, then twice as long each time, up to `max_delay_s`. The defaults wait about 13 s
+    in all: enough for a daemon to restart."""
+
+    attempts: int = 12
+    first_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+
+    def delays(self) -> list[float]:
+        """The waits between tries, in seconds: one fewer than the tries."""
+        return [min(self.first_delay_s * 2**i, self.max_delay_s) for i in range(self.attempts - 1)]
+
+    async def call(
+        self, attempt: Callable[[], Awaitable[T]], reconnect: Callable[[], Awaitable[None]]
+    ) -> tuple[T, bool]:
+        """attempt()'s answer, and whether the connection was replaced on the way. BUSY is tried again after each
+        delay; a lost connection is reconnected (`reconnect_with`), at most `attempts` times. Raises the last
+        BusyError, or the NotRunningError of the last reconnect, when the tries run out."""
+        busy = iter(self.delays())
+        reconnects = 0
+        while True:
+            try:
+                return await attempt(), reconnects > 0
+            except errors.BusyError:
+                delay = next(busy, None)
+                if delay is None:
+                    raise
+                await anyio.sleep(delay)
+            except ConnectionError:
+                reconnects += 1
+                if reconnects > self.attempts:
+                    raise
+                await self.reconnect_with(reconnect)
+
+    async def reconnect_with(self, reconnect: Callable[[], Awaitable[None]]) -> None:
+        """reconnect() until it succeeds, waiting each delay after a refusal; the last refusal is raised."""
+        for delay in self.delays():
+            try:
+                await reconnect()
+                return
+            except ConnectionError:  # NotRunningError included: the daemon is not back yet
+                await anyio.sleep(delay)
+        await reconnect()
+
+
+class TurnError(errors.DevdError):
+    """The turn cannot go on as asked: its id was ignored, or it ended without its `Done` reaching this client."""
+
+    kind = "TURN"
+
+
+def turn_key(session: str, turn: int) -> str:
+    """The key of the step that starts turn `turn`. Keys name the session too: a fork inherits its source's keys,
+    and must not take the source's answers for its own."""
+    return f"devd.driver:{session}:turn:{turn}"
+
+
+def result_key(session: str, action: int) -> str:
+    """The key of the step that reports action `action`'s result (action ids never repeat within a session)."""
+    return f"devd.driver:{session}:result:{action}"
+
+
+async def run_turn(
+    client: AsyncClient,
+    session: str,
+    prompt: str,
+    handlers: Handlers,
+    *,
+    turn: int | None = None,
+    retry: Retry | None = None,
+) -> Done:
+    """Start a turn of session with prompt, carry out its actions through handlers, and return its `Done`.
+
+    `turn` defaults to the session's last step number plus one: each turn takes at least one step, so turns
+    numbered this way always rise (a turn id not above one the session has had is ignored by the core). Raises
+    TurnError when the turn is ignored or ends elsewhere, the `devd.errors` class of any other refusal, what a
+    handler raises, and BusyError or NotRunningError once `retry` runs out."""
+    retry = retry or Retry()
+    if turn is None:
+        turn = await _next_turn(client, session, retry)
+    start = Event(Turn=Turn(id=turn, prompt=prompt))
+    queue = await _report(client, session, start, turn_key(session, turn), deque(), retry)
+    if not queue:
+        raise TurnError(
+            f"turn {turn} was ignored: session {session!r} has had a turn id at least as high; pass a higher turn="
+        )
+    return await _carry_out(client, session, turn, queue, handlers, retry)
+
+
+def run_turn_blocking(
+    session: str,
+    prompt: str,
+    handlers: Handlers,
+    *,
+    address: str | Path | None = None,
+    token: str | None = None,
+    turn: int | None = None,
+    retry: Retry | None = None,
+) -> Done:
+    """run_turn on a connection of its own (to `address`, default `devd.client.default_address()`), for callers
+    without an event loop; the handlers may still be coroutine functions."""
+
+    async def main() -> Done:
+        async with AsyncClient.connect(address, token=token) as client:
+            return await run_turn(client, session, prompt, handlers, turn=turn, retry=retry)
+
+    return anyio.run(main)
+
+
+async def _next_turn(client: AsyncClient, session: str, retry: Retry) -> int:
+    page, _ = await retry.call(functools.partial(client.list, 1, _just_before(session)), client.reconnect)
+    if not page.sessions or page.sessions[0].session != session:
+        raise errors.HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
+    return page.sessions[0].seq + 1
+
+
+def _just_before(name: str) -> str:
+    """A cursor whose `session/list` page starts at `name`. Pages start after their cursor, and names are at most 64
+    of A-Z a-z 0-9 . _ - ('z' the greatest), so no name lies between this string and `name`: name with its last
+    character lowered by one, then 'z' up to 64 characters."""
+    return name[:-1] + chr(ord(name[-1]) - 1) + "z" * (NAME_CHARS_MAX - len(name))
+
+
+async def _report(
+    client: AsyncClient, session: str, event: Event, key: str, queue: deque[Action], retry: Retry
+) -> deque[Action]:
+    """Step event under key; the work left after it: the queue, then the answer. After a reconnect, the queue is
+    stale (the step may or may not have run before the connection went), so the work left is the answer's own text
+    and Done (its asks and calls are waited for, so pending has them), then what the core waits for now."""
+    step = functools.partial(client.step_answer, session, event, key=key)
+    answer, reconnected = await retry.call(step, client.reconnect)
+    if not reconnected:
+        queue.extend(answer.actions)
+        return queue
+    pending, _ = await retry.call(functools.partial(client.pending, session), client.reconnect)
+    return deque([a for a in answer.actions if not _awaited(a)] + pending)
+
+
+async def _carry_out(
+    client: AsyncClient, session: str, turn: int, queue: deque[Action], handlers: Handlers, retry: Retry
+) -> Done:
+    while True:
+        if not queue:
+            # Answers ran out before this turn's Done: another client stepped the session (or a turn this one waited
+            # behind is owed actions); what the core waits for now is the truth.
+            pending, _ = await retry.call(functools.partial(client.pending, session), client.reconnect)
+            if not pending:
+                raise TurnError(
+                    f"turn {turn} of session {session!r} ended without its Done reaching this client: another "
+                    "client stepped the session (a Cancel, say)"
+                )
+            queue.extend(pending)
+        action = queue.popleft()
+        op = action.op
+        if op.Done is not None:
+            if op.Done.turn == turn:
+                return op.Done
+            continue  # the end of a turn this one waited behind
+        if op.Emit is not None:
+            shown = handlers.emit(op.Emit) if handlers.emit is not None else None
+            if isinstance(shown, Awaitable):
+                await shown
+            continue
+        result = await _carry(handlers, action)
+        if result is not None:
+            queue = await _report(client, session, result, result_key(session, action.id), queue, retry)
+
+
+def _awaited(action: Action) -> bool:
+    """Whether the core waits for this action's result (as opposed to Emit, Save and Done)."""
+    op = action.op
+    return op.Emit is None and op.Save is None and op.Done is None
+
+
+async def _carry(handlers: Handlers, action: Action) -> Event | None:
+    """Carry out one action through its handler; the event that reports its result (None: nothing to report)."""
+    op, id = action.op, action.id
+    if op.Model is not None:
+        reply = handlers.model(op.Model)
+        return Event(Model=Answer(id=id, reply=await reply if isinstance(reply, Awaitable) else reply))
+    if op.Exec is not None:
+        return Event(Exec=await _tool(handlers.exec, op.Exec, id, "run commands"))
+    if op.Read is not None:
+        return Event(File=await _tool(handlers.read, op.Read, id, "read files"))
+    if op.Write is not None:
+        return Event(File=await _tool(handlers.write, op.Write, id, "write files"))
+    if op.Git is not None:
+        return Event(Git=await _tool(handlers.git, op.Git, id, "run git"))
+    if op.Browse is not None:
+        return Event(Browse=await _tool(handlers.browse, op.Browse, id, "browse the web"))
+    return None  # Save: the daemon has saved the session already
+
+
+async def _tool(handler: ToolHandler[C] | None, call: C, id: int, what: str) -> Output:
+    if handler is None:
+        return Output(id=id, text=f"this client cannot {what}", failed=True)
+    result = handler(call)
+    if isinstance(result, Awaitable):
+        result = await result
+    if isinstance(result, str):
+        return Output(id=id, text=result)
+    return Output(id=id, text=result.text, failed=result.failed)

@@ -1,0 +1,321 @@
+"""devd.client against the real daemon: every method of the table typed on both clients, watching as iteration,
+the default address, reconnecting, and what a client says when no daemon is there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from devd import errors, rpc
+from devd.client import (
+    METHOD_NAMES,
+    NOTICES,
+    ActionsNotice,
+    AsyncClient,
+    Client,
+    NotRunningError,
+    StepAnswer,
+    UnwatchedNotice,
+    default_address,
+)
+from devd.config import default_socket_path
+from devd.messages import Action, Config, Event, answer, ask, turn
+from devd.methods import METHODS, InitializeResult, Limits, Server, StatusResult
+from tests.daemon import Daemon
+from tests.test_host import FIX, finish, user
+
+ASKED = [Action(id=1, op=ask(user(FIX)))]  # what a fresh session answers the turn "fix the build"
+TIMER = Event(Timer=True)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# -- the method table ------------------------------------------------------------------------------------------------
+
+
+def test_every_method_of_the_table_has_a_typed_method_on_both_clients() -> None:
+    missing = [
+        (cls.__name__, name)
+        for cls in (Client, AsyncClient)
+        for name in (METHOD_NAMES[m] for m in METHODS)
+        if not callable(getattr(cls, name, None))
+    ]
+    assert (set(METHOD_NAMES) == set(METHODS), missing) == (True, [])
+
+
+def test_every_notification_of_the_daemon_has_a_typed_notice() -> None:
+    assert set(NOTICES) == set(rpc.NOTIFICATIONS)
+
+
+def test_each_error_kind_the_daemon_answers_is_raised_as_its_most_general_class() -> None:
+    from devd.client import _KINDS
+
+    expected = {
+        cls.kind: cls
+        for cls in (
+            errors.HandleError,
+            errors.MalformedError,
+            errors.PoisonError,
+            errors.PanicError,
+            errors.NullError,
+            errors.BusyError,
+            errors.FullError,
+            errors.DeadlineError,
+            errors.TooLargeError,
+            errors.UnauthorizedError,
+            errors.ExistsError,
+            errors.ConflictError,
+            errors.ParseError,
+            errors.InvalidRequestError,
+            errors.MethodNotFoundError,
+            errors.InvalidParamsError,
+            errors.InternalError,
+        )
+    }
+    assert {kind: _KINDS[kind] for kind in expected} == expected
+
+
+# -- the default address ---------------------------------------------------------------------------------------------
+
+
+def test_the_default_address_is_devd_socket_when_it_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEVD_SOCKET", "/somewhere/d.sock")
+    assert default_address() == "/somewhere/d.sock"
+
+
+def test_the_default_address_is_the_daemons_own_default_socket_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DEVD_SOCKET", raising=False)
+    assert default_address() == str(default_socket_path())
+
+
+def test_connect_without_an_address_reaches_the_daemon_at_the_default_address(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DEVD_SOCKET", str(daemon.socket))
+    with Client.connect() as c:
+        assert c.new(session="here") == "here"
+
+
+async def test_without_a_daemon_the_async_client_says_how_to_start_one(tmp_path: Path) -> None:
+    with pytest.raises(NotRunningError, match="start one with `devd serve`"):
+        async with AsyncClient.connect(tmp_path / "none.sock"):
+            pass
+
+
+# -- the blocking client, method by method ---------------------------------------------------------------------------
+
+
+def test_initialize_answers_the_daemons_limits(client: Client) -> None:
+    assert client.initialize() == InitializeResult(
+        server=Server("devd", "0.1.0"),
+        protocol=1,
+        abi=1,
+        limits=Limits(16777216, 1000000, 1024, 5000, 67108864, 1000),
+    )
+
+
+def test_status_answers_a_status_result_counting_the_steps(client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    status = client.status()
+    assert (type(status), status.server.name, status.steps, status.sessions["live"]) == (StatusResult, "devd", 1, 1)
+
+
+def test_new_answers_the_sessions_name(client: Client) -> None:
+    assert client.new(Config(model="small"), session="named") == "named"
+
+
+def test_step_still_answers_the_list_of_actions(client: Client) -> None:
+    client.new(session="s")
+    assert client.step("s", turn(1, FIX)) == ASKED
+
+
+def test_step_answer_keeps_replayed_for_a_keyed_step_sent_again(client: Client) -> None:
+    client.new(session="s")
+    first = client.step_answer("s", turn(1, FIX), key="k")
+    again = client.step_answer("s", turn(1, FIX), key="k")
+    assert (first, again) == (StepAnswer(ASKED, replayed=False), StepAnswer(ASKED, replayed=True))
+
+
+def test_snapshot_and_restore_answer_a_snapshot_and_the_new_sessions_name(client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    restored = client.restore(client.snapshot("s"), session="copy")
+    assert (restored, client.pending("copy")) == ("copy", ASKED)
+
+
+def test_fork_answers_the_forks_name_and_pending_its_actions(client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    client.step("s", answer(1, "done"))
+    assert (client.fork("s", at=1, name="b"), client.pending("b")) == ("b", ASKED)
+
+
+def test_recover_answers_the_sessions_name(client: Client) -> None:
+    client.new(session="s")
+    assert client.recover("s") == "s"
+
+
+def test_close_session_deletes_the_session(client: Client) -> None:
+    client.new(session="s")
+    client.close_session("s")
+    assert client.list().sessions == []
+
+
+def test_list_answers_pages_of_sessions_after_a_cursor(client: Client) -> None:
+    for name in ("a", "b", "c"):
+        client.new(session=name)
+    first = client.list(limit=2)
+    second = client.list(limit=2, cursor=first.next)
+    pages = [([s.session for s in page.sessions], page.next) for page in (first, second)]
+    assert pages == [(["a", "b"], "b"), (["c"], None)]
+
+
+def test_watch_yields_typed_notices_and_ends_when_the_session_is_closed(daemon: Daemon, client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    client.step("s", answer(1, "done"))
+    with daemon.client() as watcher:
+        notices = watcher.watch("s", since=0, timeout=10)
+        first = next(notices)
+        client.close_session("s")
+        assert [first, *notices] == [
+            ActionsNotice("s", 1, turn(1, FIX), ASKED),
+            ActionsNotice("s", 2, answer(1, "done"), finish(2, 1, "done")),
+            UnwatchedNotice("s", 2, "closed"),
+        ]
+
+
+def test_unwatch_ends_the_watch_loop_and_the_subscription(daemon: Daemon, client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    with daemon.client() as watcher:
+        seen = []
+        for notice in watcher.watch("s", since=0, timeout=10):
+            seen.append(notice.seq)
+            watcher.unwatch("s")
+        assert (seen, client.list().sessions[0].watchers) == ([1], 0)
+
+
+def test_leaving_a_watch_loop_early_unsubscribes(daemon: Daemon, client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    with daemon.client() as watcher:
+        notices = watcher.watch("s", since=0, timeout=10)
+        next(notices)
+        watching = client.list().sessions[0].watchers
+        notices.close()
+        assert (watching, client.list().sessions[0].watchers) == (1, 0)
+
+
+# -- the async client ------------------------------------------------------------------------------------------------
+
+
+async def test_the_async_client_answers_each_method_typed(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        results: list[object] = [
+            await c.new(session="s"),
+            await c.step("s", turn(1, FIX)),
+            await c.step_answer("s", turn(1, FIX), key="k"),
+            await c.step_answer("s", turn(1, FIX), key="k"),
+            await c.pending("s"),
+            await c.fork("s", at=1, name="b"),
+            await c.restore(await c.snapshot("s"), session="copy"),
+            await c.recover("copy"),
+            [s.session for s in (await c.list()).sessions],
+        ]
+        await c.close_session("copy")
+        results += [
+            [s.session for s in (await c.list()).sessions],
+            [s.session for s in (await c.list(limit=1, cursor="a")).sessions],
+            (await c.status()).steps,
+            (await c.initialize()).protocol,
+        ]
+    assert results == [
+        "s",
+        ASKED,
+        StepAnswer([], replayed=False),  # turn 1 again, its id not above the highest: ignored
+        StepAnswer([], replayed=True),
+        ASKED,
+        "b",
+        "copy",
+        "copy",
+        ["b", "copy", "s"],
+        ["b", "s"],
+        ["b"],
+        2,
+        1,
+    ]
+
+
+async def test_async_watch_yields_typed_notices_and_ends_when_the_session_is_closed(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c, AsyncClient.connect(daemon.socket) as watcher:
+        await c.new(session="s")
+        await c.step("s", turn(1, FIX))
+        seen = []
+        async for notice in watcher.watch("s", since=0):
+            seen.append(notice)
+            if len(seen) == 1:
+                await c.close_session("s")
+    assert seen == [ActionsNotice("s", 1, turn(1, FIX), ASKED), UnwatchedNotice("s", 1, "closed")]
+
+
+async def test_async_watch_follows_live_steps_made_by_the_same_client_inside_the_loop(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        await c.new(session="s")
+        await c.step("s", TIMER)
+        seen = []
+        async for notice in c.watch("s", since=0):
+            seen.append(notice.seq)
+            if len(seen) == 3:
+                break
+            await c.step("s", TIMER)
+    assert seen == [1, 2, 3]
+
+
+async def test_async_unwatch_ends_the_watch_loop_and_the_subscription(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        await c.new(session="s")
+        await c.step("s", TIMER)
+        seen = []
+        async for notice in c.watch("s", since=0):
+            seen.append(notice.seq)
+            await c.unwatch("s")
+        assert (seen, (await c.list()).sessions[0].watchers) == ([1], 0)
+
+
+async def test_leaving_an_async_watch_loop_early_unsubscribes(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c, AsyncClient.connect(daemon.socket) as watcher:
+        await c.new(session="s")
+        await c.step("s", turn(1, FIX))
+        notices = watcher.watch("s", since=0)
+        await anext(notices)
+        watching = (await c.list()).sessions[0].watchers
+        await notices.aclose()
+        with anyio.fail_after(10):
+            while (await c.list()).sessions[0].watchers:  # the unwatch is a notification: nothing answers it
+                await anyio.sleep(0.01)
+        assert watching == 1
+
+
+async def test_a_call_after_a_restart_raises_connection_error_until_reconnect(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        await c.new(session="s")
+        assert daemon.stop() == 0
+        daemon.start()
+        with pytest.raises(ConnectionError):
+            await c.list()
+        await c.reconnect()
+        assert [s.session for s in (await c.list()).sessions] == ["s"]
+
+
+def test_a_watch_subscribes_when_its_iteration_starts(client: Client) -> None:
+    client.new(session="s")
+    notices = client.watch("s")
+    assert client.list().sessions[0].watchers == 0
+    notices.close()

@@ -1,0 +1,327 @@
+"""devd.driver against the real daemon: a turn carried out through handlers, one keyed step per result, a turn that
+outlives a daemon restart and a lost answer, and the worked example; the retry policy with small fakes."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from devd import errors
+from devd.client import ActionsNotice, AsyncClient, Client
+from devd.driver import Handlers, Retry, ToolOutput, TurnError, result_key, run_turn, run_turn_blocking
+from devd.messages import (
+    Ask,
+    Browse,
+    Call,
+    Dispatch,
+    Done,
+    Event,
+    Exec,
+    Message,
+    Outcome,
+    Output,
+    Read,
+    Reply,
+    answer,
+    turn,
+)
+from tests.daemon import ROOT, Daemon, daemon_env
+from tests.test_host import FIX, agent, tool, user
+
+CALLS = [Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="build.log"))]
+SEED = [Reply(calls=CALLS), Reply(text="Declare x.")]  # the seed turn's model: two calls, then its answer
+COMPLETE = Done(turn=1, outcome=Outcome(Complete=True))
+QUICK = Retry(attempts=4, first_delay_s=0.001)
+PATIENT = Retry(attempts=30, max_delay_s=1.0)  # about 25 s for a daemon to come back, on a loaded machine
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Script:
+    """Handlers that record each call in order, and a model that answers from a script: after n answers, the
+    (n+1)th, whichever connection or retry asks."""
+
+    def __init__(self, replies: list[Reply], on_read: Callable[[], None] = lambda: None) -> None:
+        self.replies = replies
+        self.on_read = on_read
+        self.calls: list[tuple[str, object]] = []
+
+    def model(self, ask: Ask) -> Reply:
+        self.calls.append(("model", ask.messages))
+        return self.replies[sum(m.Agent is not None for m in ask.messages)]
+
+    def exec(self, op: Exec) -> ToolOutput:
+        self.calls.append(("exec", op.argv))
+        return ToolOutput("main.c:3: error: x undeclared", failed=True)
+
+    def read(self, op: Read) -> str:
+        self.calls.append(("read", op.path))
+        self.on_read()
+        return "cc -c main.c"
+
+    def emit(self, text: str) -> None:
+        self.calls.append(("emit", text))
+
+    def handlers(self) -> Handlers:
+        return Handlers(model=self.model, exec=self.exec, read=self.read, emit=self.emit)
+
+
+# What the seed turn's handlers see, in order.
+SEED_CALLS: list[tuple[str, object]] = [
+    ("model", [user(FIX)]),
+    ("exec", ["make"]),
+    ("read", "build.log"),
+    (
+        "model",
+        [
+            user(FIX),
+            agent(calls=[Dispatch(id=2, call=CALLS[0]), Dispatch(id=3, call=CALLS[1])]),
+            tool(2, "main.c:3: error: x undeclared", True),
+            tool(3, "cc -c main.c"),
+        ],
+    ),
+    ("emit", "Declare x."),
+]
+
+# The seed turn's steps, as the journal keeps them.
+SEED_JOURNAL = [
+    (1, turn(1, FIX)),
+    (2, answer(1, calls=CALLS)),
+    (3, Event(Exec=Output(id=2, text="main.c:3: error: x undeclared", failed=True))),
+    (4, Event(File=Output(id=3, text="cc -c main.c"))),
+    (5, answer(4, "Declare x.")),
+]
+
+
+def journal(c: Client, session: str) -> tuple[list[tuple[int, Event]], int]:
+    """Every step of session (from `watch` since 0), and its last step number (from `session/list`)."""
+    notices = itertools.islice(c.watch(session, since=0, timeout=10), 5)
+    steps = [(n.seq, n.event) for n in notices if isinstance(n, ActionsNotice)]
+    return steps, c.list().sessions[0].seq
+
+
+# -- a turn, through its handlers ------------------------------------------------------------------------------------
+
+
+async def test_run_turn_carries_out_the_seed_turn_through_each_handler_in_order(daemon: Daemon) -> None:
+    script = Script(SEED)
+    async with AsyncClient.connect(daemon.socket) as c:
+        done = await run_turn(c, await c.new(session="s"), FIX, script.handlers())
+    assert (done, script.calls) == (COMPLETE, SEED_CALLS)
+
+
+async def test_run_turn_reports_each_result_in_a_step_of_its_own(daemon: Daemon, client: Client) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        await run_turn(c, await c.new(session="s"), FIX, Script(SEED).handlers())
+    assert journal(client, "s") == (SEED_JOURNAL, 5)
+
+
+async def test_a_result_sent_again_under_its_derived_key_is_replayed_not_stepped(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        await run_turn(c, await c.new(session="s"), FIX, Script(SEED).handlers())
+        again = await c.step_answer("s", SEED_JOURNAL[2][1], key=result_key("s", 2))
+    assert again.replayed is True
+
+
+async def test_turn_ids_default_to_the_sessions_last_step_plus_one(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        session = await c.new(session="s")
+        first = await run_turn(c, session, FIX, Script(SEED).handlers())
+        second = await run_turn(c, session, "again", Script([Reply(text="ok")] * 3).handlers())
+    assert (first.turn, second.turn) == (1, 6)
+
+
+async def test_the_default_turn_id_is_read_from_the_named_session_not_its_neighbours(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        for name in ("r", "rzz", "s", "s-", "sa"):
+            await c.new(session=name)
+        for _ in range(3):
+            await c.step("rzz", Event(Timer=True))
+        done = await run_turn(c, "s", FIX, Script(SEED).handlers())
+    assert done.turn == 1
+
+
+async def test_a_turn_left_running_is_carried_out_before_the_new_one(daemon: Daemon) -> None:
+    script = Script([Reply(text="one"), Reply(text="two")])
+    async with AsyncClient.connect(daemon.socket) as c:
+        await c.new(session="s")
+        await c.step("s", turn(1, "first"))  # a UI that stopped here
+        done = await run_turn(c, "s", "second", script.handlers())
+    kinds = [(kind, value if kind == "emit" else len(value)) for kind, value in script.calls]  # type: ignore[arg-type]
+    assert (done.turn, kinds) == (2, [("model", 1), ("emit", "one"), ("model", 3), ("emit", "two")])
+
+
+async def test_a_turn_id_not_above_the_sessions_highest_raises_turn_error(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        await c.new(session="s")
+        await c.step("s", turn(5, "first"))
+        with pytest.raises(TurnError, match="turn 3 was ignored"):
+            await run_turn(c, "s", "second", Script(SEED).handlers(), turn=3)
+
+
+async def test_a_call_of_a_kind_without_a_handler_is_answered_as_failed(daemon: Daemon) -> None:
+    script = Script([Reply(calls=[Call(Browse=Browse(url="https://example.com"))]), Reply(text="ok")])
+    async with AsyncClient.connect(daemon.socket) as c:
+        await run_turn(c, await c.new(session="s"), FIX, script.handlers())
+    last_ask: list[Message] = script.calls[1][1]  # type: ignore[assignment]
+    assert last_ask[-1] == tool(2, "this client cannot browse the web", True)
+
+
+async def test_coroutine_handlers_are_awaited(daemon: Daemon) -> None:
+    async def model(ask: Ask) -> Reply:
+        await anyio.sleep(0)
+        return Reply(text="awaited")
+
+    shown: list[str] = []
+
+    async def emit(text: str) -> None:
+        shown.append(text)
+
+    async with AsyncClient.connect(daemon.socket) as c:
+        await run_turn(c, await c.new(session="s"), FIX, Handlers(model=model, emit=emit))
+    assert shown == ["awaited"]
+
+
+def test_run_turn_blocking_runs_a_turn_without_an_event_loop(daemon: Daemon, client: Client) -> None:
+    session = client.new(session="s")
+    assert run_turn_blocking(session, FIX, Script(SEED).handlers(), address=daemon.socket) == COMPLETE
+
+
+# -- a turn that outlives its daemon ---------------------------------------------------------------------------------
+
+
+async def test_run_turn_survives_a_daemon_restart_mid_turn_and_steps_each_result_once(daemon: Daemon) -> None:
+    """SIGTERM after the first tool result, the daemon back 0.5 s later on the same state directory."""
+    restart = threading.Timer(0.5, daemon.start)
+    exits: list[int] = []
+
+    def stop_and_restart() -> None:
+        if not exits:
+            exits.append(daemon.stop())
+            restart.start()
+
+    script = Script(SEED, on_read=stop_and_restart)
+    async with AsyncClient.connect(daemon.socket) as c:
+        done = await run_turn(c, await c.new(session="s"), FIX, script.handlers(), retry=PATIENT)
+    restart.join()
+    with daemon.client() as c2:
+        steps = journal(c2, "s")
+    assert (done, exits, script.calls, steps) == (COMPLETE, [0], SEED_CALLS, (SEED_JOURNAL, 5))
+
+
+async def test_a_result_whose_answer_died_with_the_daemon_is_replayed_not_stepped_twice(tmp_path: Path) -> None:
+    """SIGKILL after the Exec result is durable and before it is answered (the daemon's 4th commit); the driver
+    reconnects, sends it again under its key, and goes on from `session/pending`."""
+    d = Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.after=kill@4"})
+    script = Script(SEED)
+    killed: list[tuple[int, int]] = []  # the daemon's exit status, and how many handler calls came before
+
+    def restart_when_killed() -> None:
+        assert d.proc is not None
+        killed.append((d.proc.wait(60), len(script.calls)))
+        d.env = {}
+        d.start()
+
+    with d:
+        restart = threading.Thread(target=restart_when_killed)
+        restart.start()
+        async with AsyncClient.connect(d.socket) as c:
+            done = await run_turn(c, await c.new(session="s"), FIX, script.handlers(), retry=PATIENT)
+        restart.join()
+        with d.client() as c2:
+            steps = journal(c2, "s")
+    assert (killed, done, script.calls, steps) == ([(-9, 2)], COMPLETE, SEED_CALLS, (SEED_JOURNAL, 5))
+
+
+# -- the retry policy, with fakes: a real BUSY cannot be had on cue --------------------------------------------------
+
+
+def answers(*outcomes: object) -> tuple[Callable[[], Awaitable[object]], list[object]]:
+    """An attempt that raises or answers each outcome in turn, and the list of the tries made."""
+    tries: list[object] = []
+    left = iter(outcomes)
+
+    async def attempt() -> object:
+        outcome = next(left)
+        tries.append(outcome)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    return attempt, tries
+
+
+async def no_reconnect() -> None:
+    raise AssertionError("nothing should reconnect")
+
+
+def test_retry_waits_twice_as_long_each_time_up_to_its_bound() -> None:
+    assert Retry(attempts=5, first_delay_s=0.1, max_delay_s=0.3).delays() == [0.1, 0.2, 0.3, 0.3]
+
+
+async def test_retry_tries_a_busy_call_again_until_it_answers() -> None:
+    attempt, tries = answers(errors.BusyError("busy"), errors.BusyError("busy"), "answered")
+    assert (await QUICK.call(attempt, no_reconnect), len(tries)) == (("answered", False), 3)
+
+
+async def test_retry_gives_up_on_busy_after_its_attempts_with_the_busy_error() -> None:
+    attempt, tries = answers(*[errors.BusyError("busy")] * 5)
+    with pytest.raises(errors.BusyError):
+        await QUICK.call(attempt, no_reconnect)
+    assert len(tries) == 4
+
+
+async def test_retry_reconnects_a_lost_connection_until_the_daemon_is_back_and_says_so() -> None:
+    attempt, _ = answers(ConnectionError("lost"), "answered")
+    reconnect, reconnects = answers(ConnectionRefusedError("not yet"), None)
+    assert (await QUICK.call(attempt, reconnect), len(reconnects)) == (("answered", True), 2)  # type: ignore[arg-type]
+
+
+async def test_retry_gives_up_reconnecting_after_its_attempts_with_the_refusal() -> None:
+    attempt, _ = answers(ConnectionError("lost"))
+    reconnect, reconnects = answers(*[ConnectionRefusedError("not yet")] * 5)
+    with pytest.raises(ConnectionRefusedError):
+        await QUICK.call(attempt, reconnect)  # type: ignore[arg-type]
+    assert len(reconnects) == 4
+
+
+# -- the worked example ----------------------------------------------------------------------------------------------
+
+EXAMPLE = ROOT / "examples" / "agent_loop.py"
+
+
+def test_the_example_agent_loop_is_under_40_lines() -> None:
+    assert len(EXAMPLE.read_text().splitlines()) < 40
+
+
+def test_the_readme_shows_the_example_agent_loop_as_it_is() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert f"```python\n{EXAMPLE.read_text()}```\n" in readme
+
+
+def test_the_example_agent_loop_runs_a_turn_in_its_workspace(daemon: Daemon, tmp_path: Path) -> None:
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), str(workspace)],
+        env=daemon_env(DEVD_SOCKET=str(daemon.socket)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (run.returncode, run.stdout, run.stderr, (workspace / "todo.txt").read_text()) == (
+        0,
+        "exec wc -l todo.txt -> 2 todo.txt\ntodo.txt has 2 lines: buy milk, call mom.\nturn 1 complete\n",
+        "",
+        "buy milk\ncall mom\n",
+    )
