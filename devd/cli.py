@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from devd import __version__, log, systemd
-from devd.config import Settings, default, default_socket_path, default_state_dir, parse_duration, parse_tcp
+from devd.config import Settings, default, default_socket_path, default_state_dir, parse_duration, parse_size, parse_tcp
 from devd.errors import DevdError
 
 
@@ -56,6 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
             sessions_max=args.max_sessions,
             max_live=args.max_live,
             snapshot_floor_bytes=args.snapshot_floor,
+            live_memory_bytes=parse_size(args.live_memory) if args.live_memory else None,
             expire_after_s=parse_duration(args.expire_after) if args.expire_after else None,
             connections_max=args.max_connections,
             line_bytes_max=args.max_line_bytes,
@@ -281,6 +282,12 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=default("max_live"),
         help="sessions held in memory; past it the least recently used idle one hibernates (to disk)",
+    )
+    serve.add_argument(
+        "--live-memory",
+        metavar="SIZE",
+        help="the sessions in memory together may use this much (e.g. 4G); past it the least recently used idle "
+        "ones hibernate. Default: no cap but --max-live (each session's own cap is 64 MiB)",
     )
     serve.add_argument(
         "--snapshot-floor",

@@ -27,6 +27,7 @@ class Settings:
     # sessions and history
     sessions_max: int = 1_000_000  # sessions kept, live or stored
     max_live: int = 1000  # sessions with an instance in memory; past it, the least recently used idle one hibernates
+    live_memory_bytes: int | None = None  # the instances' memory together; past it, idle ones hibernate (None: no cap)
     expire_after_s: float | None = None  # sessions unused this long are deleted; None keeps them for ever
     keys_kept_per_session: int = 1000
     steps_kept_per_session: int = 1000  # unkeyed history kept behind the latest snapshot, for watchers' `since`
@@ -82,6 +83,22 @@ def parse_duration(text: str) -> float:
     if seconds <= 0:
         raise ValueError(f"a duration must be more than zero, not {text!r}")
     return seconds
+
+
+_SIZES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """`1048576`, `512M`, `4G` (or `4GiB`, `4GB`: powers of two either way) as bytes."""
+    number = text.upper().removesuffix("IB").removesuffix("B")
+    unit = number[-1:] if number[-1:] in _SIZES else ""
+    try:
+        size = int(float(number[: len(number) - len(unit)]) * _SIZES[unit])
+    except ValueError:
+        raise ValueError(f"a size is a number of bytes, with K, M, G or T after it (512M, 4G), not {text!r}") from None
+    if size <= 0:
+        raise ValueError(f"a size must be more than zero, not {text!r}")
+    return size
 
 
 def parse_tcp(url: str) -> tuple[str, int]:

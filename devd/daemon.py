@@ -51,6 +51,7 @@ def build(
         max_call_timeout_s=settings.max_call_timeout_s,
         runner=runner,
         snapshot_floor_bytes=settings.snapshot_floor_bytes,
+        live_memory_bytes=settings.live_memory_bytes,
     )
     app = App(settings, registry, store, connections=lambda: 0)
     return registry, Dispatcher(methods, app)

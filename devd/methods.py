@@ -278,7 +278,8 @@ class StatusResult(msgspec.Struct, frozen=True):
     deadline_hits: int
     offloaded: int  # calls run on a worker thread: past their inline budget, or of a session whose calls grew past it
     rebuilt: int  # sessions rebuilt from their snapshot and journal: woken, recovered, or after an inline call stopped
-    hibernated: int  # idle sessions whose instance was dropped to stay within --max-live
+    hibernated: int  # idle sessions whose instance was dropped to stay within --max-live or --live-memory
+    live_memory_bytes: int  # the memory of the sessions' instances together
     expired: int  # sessions deleted by --expire-after
     commit_ms_p50: float
     commit_ms_p99: float
@@ -299,6 +300,7 @@ def status(app: App) -> StatusResult:
         offloaded=app.registry.runner.offloaded,
         rebuilt=stats.rebuilt,
         hibernated=stats.hibernated,
+        live_memory_bytes=app.registry.memory,
         expired=stats.expired,
         commit_ms_p50=store.commit_ms_p50,
         commit_ms_p99=store.commit_ms_p99,

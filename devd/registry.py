@@ -84,6 +84,7 @@ class Entry:
     busy: bool = False
     created: float = 0.0  # wall-clock seconds
     last_used: float = 0.0  # wall-clock seconds of the last call on it
+    memory: int = 0  # bytes of its instance's memory when last measured (0: no instance)
     heavy: bool = False  # its last call did not fit the inline budget: run the next on a worker from the start
     snapshot_bytes: int = 0  # of its latest durable snapshot (0: its config is the start)
     since_bytes: int = 0  # of the journal since that snapshot, as a replay costs it (events, and a bit a step)
@@ -192,6 +193,7 @@ class Registry:
         max_call_timeout_s: float,
         runner: Runner,
         snapshot_floor_bytes: int = 64 << 10,
+        live_memory_bytes: int | None = None,
     ) -> None:
         self.core = core
         self.store = store
@@ -202,6 +204,8 @@ class Registry:
         self.max_call_timeout_s = max_call_timeout_s
         self.runner = runner
         self.snapshot_floor_bytes = snapshot_floor_bytes
+        self.live_memory_bytes = live_memory_bytes
+        self.memory = 0  # the live instances' memory together, as last measured
         self.stats = Stats()
         self._entries: dict[str, Entry] = {}
         self._names: list[str] = []  # every name, sorted: list pages are a bisect and a slice
@@ -446,6 +450,7 @@ class Registry:
         try:
             result = call(entry.instance, timeout)
             entry.heavy = time.perf_counter() - started > self.runner.inline_budget_s / 2
+            self._measure(entry)
             return result
         except OutOfMemoryError:
             self._detach(entry)
@@ -500,6 +505,7 @@ class Registry:
             await self._lost(entry, e)
             raise
         entry.heavy = seconds > self.runner.inline_budget_s / 4
+        self._measure(entry)
         return result
 
     def _does_not_fit(self, entry: Entry) -> NullError:
@@ -560,11 +566,24 @@ class Registry:
         entry.reason = reason
 
     def _attach(self, entry: Entry, instance: Instance) -> None:
-        """Give entry its instance, first hibernating the least recently used idle sessions past `max_live`."""
+        """Give entry its instance, hibernating the least recently used idle sessions past `max_live` first, and
+        past the memory budget after."""
         while len(self._live) >= self.max_live and self._hibernate_one():
             pass
         entry.instance = instance
         self._live[entry.name] = None
+        self._measure(entry)
+
+    def _measure(self, entry: Entry) -> None:
+        """Count entry's instance memory (it grows with the session, never shrinks) and keep within the budget."""
+        if entry.instance is None:
+            return
+        memory = entry.instance.memory_bytes()
+        self.memory += memory - entry.memory
+        entry.memory = memory
+        if self.live_memory_bytes is not None:
+            while self.memory > self.live_memory_bytes and self._hibernate_one():
+                pass
 
     def _hibernate_one(self) -> bool:
         """Drop the instance of the least recently used session not inside a call: its durable state is complete,
@@ -582,6 +601,8 @@ class Registry:
 
     def _detach(self, entry: Entry) -> None:
         self._live.pop(entry.name, None)
+        self.memory -= entry.memory
+        entry.memory = 0
         instance, entry.instance = entry.instance, None
         if instance is not None:
             try:

@@ -41,6 +41,25 @@ def test_past_max_live_the_least_recently_used_session_hibernates(tmp_path: Path
         )
 
 
+def test_past_the_live_memory_budget_idle_sessions_hibernate_and_status_counts_the_memory(tmp_path: Path) -> None:
+    # A fresh session's instance holds 512 KiB: a 1.25 MiB budget holds two of them.
+    with Daemon(tmp_path, "--live-memory", "1.25M") as d, d.client() as c:
+        for name in ("a", "b", "c"):
+            c.new(session=name)
+        status = c.call("daemon/status")
+        assert (listed(c), status["hibernated"], status["live_memory_bytes"]) == (
+            [("a", "stored", 0), ("b", "live", 0), ("c", "live", 0)],
+            1,
+            1 << 20,
+        )
+
+
+def test_a_live_memory_budget_that_is_not_a_size_stops_the_daemon_saying_what_a_size_is(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, "--live-memory", "lots").start(wait=False)
+    assert d.proc is not None and d.proc.wait(20) != 0
+    assert "a size is a number of bytes, with K, M, G or T after it (512M, 4G), not 'lots'" in d.log.read_text()
+
+
 def test_a_hibernated_session_wakes_and_continues_exactly(tmp_path: Path, core: Core) -> None:
     reference = core.new()
     expected = [reference.step(e) for e in (turn(1, "a"), answer(1, "done"))]

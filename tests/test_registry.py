@@ -478,3 +478,23 @@ async def test_a_core_that_cannot_snapshot_steps_on_past_any_snapshot_threshold(
             assert await steps(registry, "s", [CALM] * 3) == [b"[]"] * 3
     finally:
         core.close()
+
+
+async def test_past_the_live_memory_budget_the_least_recently_used_idle_sessions_hibernate(
+    tmp_path: Path, core: Core
+) -> None:
+    # A fresh instance holds 512 KiB; a budget of two and a half holds two of them, so a third hibernates the oldest.
+    async with opened("memory", tmp_path, core, live_memory_bytes=(5 << 20) // 4) as registry:
+        for name in ("a", "b", "c"):
+            await registry.new(name, b"{}")
+        live = [i.name for i in registry.page()[0] if i.state is State.LIVE]
+        assert (live, registry.memory, registry.stats.hibernated) == (["b", "c"], 1 << 20, 1)
+
+
+async def test_a_session_that_grows_past_the_budget_hibernates_the_others_not_itself(tmp_path: Path, core: Core) -> None:
+    async with opened("memory", tmp_path, core, live_memory_bytes=1 << 20) as registry:
+        await registry.new("a", b"{}")
+        await registry.new("b", b"{}")
+        await registry.step("b", encode(turn(1, "x" * 100_000)), None, None)  # b grows to 1.2 MiB
+        live = [i.name for i in registry.page()[0] if i.state is State.LIVE]
+        assert (live, registry.stats.hibernated) == (["b"], 1)
