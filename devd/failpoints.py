@@ -12,7 +12,7 @@ dictionary lookup on an empty dict.
 Points: `commit.before` (a batch is about to be written), `commit.snapshot` (a batch that carries a snapshot is
 about to be written), `commit.after` (a batch is durable and nobody has been told), `prune` (history is about to be
 pruned), `read` (a read of the store is about to run), `hibernate` (an idle session's instance is about to be
-dropped to make room).
+dropped to make room), `backup` (a backup is about to copy the database).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from devd.errors import NullError
 from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 
@@ -44,6 +45,9 @@ class MemoryStore:
     def statistics(self) -> StoreStats:
         s = self._commit_seconds
         return StoreStats(self._commits, percentile_ms(s, 0.5), percentile_ms(s, 0.99))
+
+    async def backup(self, path: str) -> int:
+        raise NullError("this daemon keeps its sessions in memory: there is nothing on disk to back up")
 
     def _committed(self, started: float) -> None:
         if self.fail_writes is not None:

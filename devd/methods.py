@@ -14,19 +14,23 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import structlog
 from msgspec import Meta, Raw
 
 from devd import ABI, __version__
 from devd.config import Settings
-from devd.errors import InvalidParamsError, MethodNotFoundError
+from devd.errors import ExistsError, InvalidParamsError, MethodNotFoundError
 from devd.messages import Config, encode
 from devd.registry import Registry
 from devd.rpc import Request
 from devd.store import Store
 from devd.watchers import Sink, Subscription
+
+log = structlog.get_logger("devd.methods")
 
 SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
 KEY_BYTES_MAX = 256
@@ -317,6 +321,34 @@ def _rss_bytes() -> int:
 async def daemon_status(call: Call, params: NoParams) -> StatusResult:
     """The daemon's counters: sessions by state, steps, errors by kind, commit latency, memory."""
     return status(call.app)
+
+
+class BackupParams(_Params, frozen=True):
+    """Where the daemon writes a copy of its database: an absolute path to a file that does not exist yet."""
+
+    path: Annotated[str, Meta(min_length=1, description="an absolute path; its directory must exist")]
+
+
+class BackupResult(msgspec.Struct, frozen=True):
+    """The copy written: where, and its size."""
+
+    path: str
+    bytes: int
+
+
+@method("daemon/backup", BackupParams, BackupResult)
+async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
+    """A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied)."""
+    path = Path(params.path)
+    if not path.is_absolute():
+        raise InvalidParamsError(f"the backup path must be absolute (the daemon's directory is not yours): {path}")
+    if not path.parent.is_dir():
+        raise InvalidParamsError(f"{path.parent} is not a directory; make it first, or choose another path")
+    if path.exists():
+        raise ExistsError(f"{path} exists; choose a new path (a backup never overwrites a file)")
+    size = await call.app.store.backup(str(path))
+    log.info("daemon.backup", path=str(path), bytes=size)
+    return BackupResult(str(path), size)
 
 
 # -- sessions -----------------------------------------------------------------------------------------------------

@@ -416,6 +416,40 @@ class SQLiteStore:
         seq, digest, actions, answer = row
         return Keyed(seq, digest, actions or None, answer)
 
+    async def backup(self, path: str) -> int:
+        """SQLite's online backup through this store's connection (the file is opened in exclusive mode: copying it,
+        or reading it through a second connection, would be unsafe). Commits wait while the pages are copied; the
+        copy is written beside `path` and renamed into place once fsync'd."""
+        target = Path(path)
+        partial = target.with_name(f".{target.name}.partial")
+
+        def copy(db: sqlite3.Connection) -> None:
+            failpoints.hit("backup")
+            out = sqlite3.connect(partial)
+            try:
+                db.backup(out)
+                out.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
+            finally:
+                out.close()
+
+        def publish() -> int:
+            with open(partial, "rb") as f:
+                os.fsync(f.fileno())
+            os.rename(partial, target)
+            directory = os.open(target.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+            return target.stat().st_size
+
+        try:
+            await self._read(copy)
+            return await anyio.to_thread.run_sync(publish)
+        except (StoreError, OSError) as e:
+            partial.unlink(missing_ok=True)
+            raise StoreError(f"the backup to {path} failed ({e}); nothing was left there") from None
+
     async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
         return await self._read(
             lambda db: _rows(

@@ -165,6 +165,10 @@ class Store(Protocol):
 
     def statistics(self) -> StoreStats: ...
 
+    async def backup(self, path: str) -> int:
+        """A consistent copy of everything stored, written to the new file `path` (made atomically, fsync'd), while
+        the store keeps serving; its size in bytes. A store with nothing on disk of its own raises NullError."""
+
 
 def percentile_ms(seconds: list[float], q: float) -> float:
     """The q-quantile of a list of durations in seconds, in milliseconds (0 for none)."""
