@@ -57,6 +57,7 @@ from devd.watchers import Fanout, Sink, Stepped, Subscription
 log = structlog.get_logger("devd.registry")
 T = TypeVar("T")
 CATCH_UP_ROWS = 256  # journal rows read at a time when a watcher asks for history
+LIGHT_CALLS_TO_RETURN = 16  # quick calls in a row after which a session's calls run inline again
 STEP_BYTES = 64  # what a step costs a replay beyond its event's bytes, in bytes of events
 
 
@@ -85,7 +86,8 @@ class Entry:
     created: float = 0.0  # wall-clock seconds
     last_used: float = 0.0  # wall-clock seconds of the last call on it
     memory: int = 0  # bytes of its instance's memory when last measured (0: no instance)
-    heavy: bool = False  # its last call did not fit the inline budget: run the next on a worker from the start
+    heavy: bool = False  # a call did not fit the inline budget: run calls on a worker from the start
+    light_calls: int = 0  # calls in a row, since, that would have fitted it easily (enough of them end `heavy`)
     snapshot_bytes: int = 0  # of its latest durable snapshot (0: its config is the start)
     since_bytes: int = 0  # of the journal since that snapshot, as a replay costs it (events, and a bit a step)
 
@@ -449,7 +451,8 @@ class Registry:
         started = time.perf_counter()
         try:
             result = call(entry.instance, timeout)
-            entry.heavy = time.perf_counter() - started > self.runner.inline_budget_s / 2
+            if time.perf_counter() - started > self.runner.inline_budget_s / 2:
+                entry.heavy, entry.light_calls = True, 0
             self._measure(entry)
             return result
         except OutOfMemoryError:
@@ -467,7 +470,7 @@ class Registry:
         # before this call, so rebuild from it and run the call where it cannot hold up the event loop.
         self.runner.offloaded += 1
         self.stats.rebuilt += 1
-        entry.heavy = True
+        entry.heavy, entry.light_calls = True, 0
         self._detach(entry)
         self._move(entry, Input.DROP)
         stored = await self._stored(entry.name)
@@ -504,7 +507,10 @@ class Registry:
         except DevdError as e:
             await self._lost(entry, e)
             raise
-        entry.heavy = seconds > self.runner.inline_budget_s / 4
+        # A long transcript makes only some calls slow (a Model ask); a run of quick ones is needed before the session
+        # is trusted inline again, or each slow one would be stopped inline and rebuilt.
+        entry.light_calls = entry.light_calls + 1 if seconds < self.runner.inline_budget_s / 4 else 0
+        entry.heavy = entry.light_calls < LIGHT_CALLS_TO_RETURN
         self._measure(entry)
         return result
 

@@ -491,10 +491,22 @@ async def test_past_the_live_memory_budget_the_least_recently_used_idle_sessions
         assert (live, registry.memory, registry.stats.hibernated) == (["b", "c"], 1 << 20, 1)
 
 
-async def test_a_session_that_grows_past_the_budget_hibernates_the_others_not_itself(tmp_path: Path, core: Core) -> None:
+async def test_a_session_that_grows_past_the_budget_hibernates_the_others_not_itself(
+    tmp_path: Path, core: Core
+) -> None:
     async with opened("memory", tmp_path, core, live_memory_bytes=1 << 20) as registry:
         await registry.new("a", b"{}")
         await registry.new("b", b"{}")
         await registry.step("b", encode(turn(1, "x" * 100_000)), None, None)  # b grows to 1.2 MiB
         live = [i.name for i in registry.page()[0] if i.state is State.LIVE]
         assert (live, registry.stats.hibernated) == (["b"], 1)
+
+
+async def test_a_heavy_session_runs_inline_again_after_sixteen_quick_calls_in_a_row(tmp_path: Path, core: Core) -> None:
+    async with opened("memory", tmp_path, core, inline_budget_s=1e-9) as registry:
+        await registry.new("s", b"{}")
+        await registry.step("s", TIMER, None, None)  # stopped inline, rebuilt: the session is heavy
+        registry.runner.inline_budget_s = 60.0  # from now on every call is quick
+        await steps(registry, "s", [TIMER] * 17)
+        # Offloaded: the start and the first step, then 16 quick calls on a worker; the 17th ran inline.
+        assert registry.runner.offloaded == 2 + 16
