@@ -37,6 +37,7 @@ log = structlog.get_logger("devd.store")
 ROWS_PER_STATEMENT = 500  # 9 variables a row, well under SQLite's 32,766
 WAL_BYTES_KEPT = 16 << 20  # the log is cut back to this after a checkpoint, so a burst does not keep its size
 ROW = "seq, event, actions, answer"  # the columns of a `Row`
+INLINE_READ_BYTES = 64 << 10  # the most a read on the event loop takes; larger ones run on a worker thread
 T = TypeVar("T")
 
 # The on-disk format, one migration per version (`PRAGMA user_version` counts those applied). Each runs once, in a
@@ -395,25 +396,31 @@ class SQLiteStore:
         return await self._read(lambda db: _load(db, name, at))
 
     async def keyed(self, name: str, key: str) -> Keyed | None:
-        def read(db: sqlite3.Connection) -> Any:
+        def read(db: sqlite3.Connection, inline: bool) -> Any:
+            # Inline, an answer is read only when small: a large one (an event can be megabytes) waits for a worker.
+            actions = "CASE WHEN length(actions) <= ? THEN actions END" if inline else "actions"
             return db.execute(
-                "SELECT seq, digest, actions, answer FROM journal WHERE session = ? AND key = ?", (name, key)
+                f"SELECT seq, digest, {actions}, answer, length(actions) FROM journal WHERE session = ? AND key = ?",
+                (INLINE_READ_BYTES, name, key) if inline else (name, key),
             ).fetchone()
 
         # One indexed row: read here when the connection is free (most of the time, it is), rather than pay a
         # thread's round trip; while a commit holds it, wait for it on a worker thread, never on the event loop.
+        row = None
         if self._lock.acquire(blocking=False):
             try:
-                row = read(self._db)
+                row = read(self._db, True)
             except sqlite3.Error as e:
                 raise StoreError(f"reading the database failed: {e}") from None
             finally:
                 self._lock.release()
-        else:
-            row = await self._read(read)
-        if row is None:
-            return None
-        seq, digest, actions, answer = row
+            if row is None:
+                return None
+        if row is None or row[2] is None and row[4] > 0:
+            row = await self._read(lambda db: read(db, False))
+            if row is None:
+                return None
+        seq, digest, actions, answer, _ = row
         return Keyed(seq, digest, actions or None, answer)
 
     async def backup(self, path: str) -> int:

@@ -27,7 +27,7 @@ from devd.errors import (
 )
 from devd.host import Core
 from devd.memory_store import MemoryStore
-from devd.messages import encode, turn
+from devd.messages import answer, encode, turn
 from devd.registry import Registry, snapshot_due
 from devd.rpc import encode_notice
 from devd.sqlite_store import SQLiteStore
@@ -510,3 +510,11 @@ async def test_a_heavy_session_runs_inline_again_after_sixteen_quick_calls_in_a_
         await steps(registry, "s", [TIMER] * 17)
         # Offloaded: the start and the first step, then 16 quick calls on a worker; the 17th ran inline.
         assert registry.runner.offloaded == 2 + 16
+
+
+async def test_a_keyed_retry_of_a_large_kept_answer_answers_the_same_bytes(registry: Registry) -> None:
+    await registry.new("s", b"{}")
+    await registry.step("s", encode(turn(1, "x")), None, None)
+    text = encode(answer(1, "y" * 100_000))  # its Emit is as large as it: kept whole, read off the event loop
+    first = await registry.step("s", text, None, "big")
+    assert await registry.step("s", text, None, "big") == (first[0], True)
