@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CORE_SRC := $(wildcard core/build.zig core/build.zig.zon core/src/*.zig)
 
-.PHONY: setup build run test bench clean
+.PHONY: setup build run test bench clean typescript
 
 setup: $(VENV)/.installed devd/core.wasm
 
@@ -30,6 +30,12 @@ test: setup
 bench: setup
 	$(PY) -m devd.bench core
 
+# The TypeScript client's types, generated from the daemon's; tests/test_typescript.py and .ci/run fail when the
+# checked-in file is not what this prints. (`make test` installs the client's npm packages itself, with `npm ci`.)
+typescript: $(VENV)/.installed
+	$(VENV)/bin/devd schema --typescript > clients/typescript/src/types.ts.new
+	mv clients/typescript/src/types.ts.new clients/typescript/src/types.ts
+
 
 clean:
-	rm -rf $(VENV) devd/core.wasm core/zig-out core/.zig-cache build
+	rm -rf $(VENV) devd/core.wasm core/zig-out core/.zig-cache build clients/typescript/node_modules clients/typescript/dist

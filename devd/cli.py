@@ -319,7 +319,14 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", choices=["json", "console"])
     serve.add_argument("--log-level", default=default("log_level"), choices=["debug", "info", "warning", "error"])
 
-    sub.add_parser("schema", help="print the JSON Schema of every message of the protocol")
+    schema = sub.add_parser("schema", help="print the JSON Schema of every message of the protocol")
+    form = schema.add_mutually_exclusive_group()
+    form.add_argument(
+        "--openrpc", action="store_true", help="print an OpenRPC 1.3 document instead: methods, params and results"
+    )
+    form.add_argument(
+        "--typescript", action="store_true", help="print the protocol's types as a TypeScript module instead"
+    )
 
     def client(name: str, help: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help)
@@ -360,8 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "schema":
-        from devd.schema import schema_json
+        from devd.schema import openrpc_json, schema_json, typescript
 
-        sys.stdout.buffer.write(schema_json() + b"\n")
+        if args.typescript:
+            sys.stdout.write(typescript())
+        else:
+            sys.stdout.buffer.write((openrpc_json() if args.openrpc else schema_json()) + b"\n")
         return 0
     return _run_client(args)

@@ -104,6 +104,25 @@ class ConflictError(DevdError):
     code = -32012
 
 
+class MovedError(DevdError):
+    """Another daemon of the fleet owns the session (or took it over from this one); nothing was done here. Send the
+    call to the daemon at `data.owner.address`; with `owner` null, no live daemon holds it: send the call again."""
+
+    kind = "MOVED"
+    code = -32013
+
+    def __init__(self, message: str, node: str | None = None, address: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node  # the owner's node name, None when no live daemon owns the session
+        self.address = address  # where its clients reach it (`devd serve --advertise`)
+
+    @property
+    def data(self) -> dict[str, object]:
+        """The wire error's `data`: `{kind: "MOVED", owner: {node, address}}`, `owner` null when nobody holds it."""
+        owner = None if self.node is None else {"node": self.node, "address": self.address or ""}
+        return {"kind": self.kind, "owner": owner}
+
+
 class AbiError(DevdError):
     """The module does not speak the core's ABI (wrong version, imports, or export types)."""
 

@@ -29,31 +29,49 @@ class _OneOf(_Wire, frozen=True):
 
 
 class Config(_Wire, frozen=True):
+    """A session's configuration, given to `session/new`: the `model` its asks name (omitted: none is named)."""
+
     model: str | None = None
 
 
 class Exec(_Wire, frozen=True):
+    """Run a command, `argv[0]` with its arguments. An action's Exec is answered by an `Exec` event with its id."""
+
     argv: list[str]
 
 
 class Read(_Wire, frozen=True):
+    """Read the file at `path`, relative to the workspace. Answered by a `File` event with the action's id."""
+
     path: str
 
 
 class Write(_Wire, frozen=True):
+    """Write `text` to the file at `path`, relative to the workspace. Answered by a `File` event with its id."""
+
     path: str
     text: str
 
 
 class Git(_Wire, frozen=True):
+    """Run git with the arguments `argv`. Answered by a `Git` event with the action's id."""
+
     argv: list[str]
 
 
 class Browse(_Wire, frozen=True):
+    """Fetch the page at `url`. Answered by a `Browse` event with the action's id."""
+
     url: str
 
 
 class Call(_OneOf, frozen=True):
+    """A call the model asks for; exactly one member: `Exec`, `Read`, `Write`, `Git` or `Browse`.
+
+    A `Read` or `Write` whose path leaves the workspace (absolute, or climbing out with `..`) is never dispatched: the
+    core records it as failed ("refused: ... is not inside the workspace") and the model sees that.
+    """
+
     Exec: Exec | None = None
     Read: Read | None = None
     Write: Write | None = None
@@ -62,31 +80,49 @@ class Call(_OneOf, frozen=True):
 
 
 class Turn(_Wire, frozen=True):
+    """Start a turn with the user's `prompt`. Its `id` must be above every turn id the session has had (a lower one is
+    ignored); while another turn runs, it waits behind it.
+    """
+
     id: int
     prompt: str
 
 
 class Reply(_Wire, frozen=True):
+    """What the model answered: `text`, and the `calls` it wants carried out (none: the turn ends with the text)."""
+
     text: str | None = None
     calls: list[Call] | None = None
 
 
 class Answer(_Wire, frozen=True):
+    """The model's `reply` to the `Model` action numbered `id`."""
+
     id: int
     reply: Reply
 
 
 class Output(_Wire, frozen=True):
+    """The result of the call action numbered `id`: its `text` (output, or what went wrong) and whether it `failed`."""
+
     id: int
     text: str
     failed: bool = False
 
 
 class Cancel(_Wire, frozen=True):
+    """Cancel the turn numbered `turn`, running or waiting; its `Done` says `Cancelled`."""
+
     turn: int
 
 
 class Event(_OneOf, frozen=True):
+    """What a session is stepped with; exactly one member.
+
+    `Turn` starts a turn; `Model` answers a `Model` action; `Exec`, `File` (for `Read` and `Write`), `Git` and `Browse`
+    answer those calls, each with the action's id; `Cancel` cancels a turn; `Timer` is a timer tick.
+    """
+
     Turn: Turn | None = None
     Model: Answer | None = None
     Exec: Output | None = None
@@ -98,43 +134,67 @@ class Event(_OneOf, frozen=True):
 
 
 class Dispatch(_Wire, frozen=True):
+    """A call the model asked for, under the action id it was dispatched with."""
+
     id: int
     call: Call
 
 
 class Agent(_Wire, frozen=True):
+    """The model's part of the conversation: its `text`, and the `calls` it dispatched."""
+
     text: str | None = None
     calls: list[Dispatch] | None = None
 
 
 class Tool(_Wire, frozen=True):
+    """A call's result in the conversation, under the call's action id."""
+
     id: int
     text: str
     failed: bool = False
 
 
 class Message(_OneOf, frozen=True):
+    """One entry of the conversation the model is sent; exactly one member: `User` (a prompt), `Agent` (the model's
+    answer) or `Tool` (a call's result).
+    """
+
     User: str | None = None
     Agent: Agent | None = None
     Tool: Tool | None = None
 
 
 class Ask(_Wire, frozen=True, kw_only=True):
+    """Ask the model: the whole conversation so far (`messages`), and the `model` the session's config names. Answered
+    by a `Model` event with the action's id.
+    """
+
     model: str | None = None
     messages: list[Message]
 
 
 class Outcome(_OneOf, frozen=True):
+    """How a turn ended; exactly one member: `Complete` or `Cancelled`."""
+
     Complete: Literal[True] | None = None
     Cancelled: Literal[True] | None = None
 
 
 class Done(_Wire, frozen=True):
+    """The turn numbered `turn` is over, with its `outcome`."""
+
     turn: int
     outcome: Outcome
 
 
 class Op(_OneOf, frozen=True):
+    """What an action asks for; exactly one member.
+
+    `Model`, `Exec`, `Read`, `Write`, `Git` and `Browse`: carry it out, and step its result under the action's id.
+    `Emit`: text for the user. `Save`: the daemon has saved a snapshot (nothing to do). `Done`: the turn is over.
+    """
+
     Model: Ask | None = None
     Exec: Exec | None = None
     Read: Read | None = None
@@ -147,6 +207,8 @@ class Op(_OneOf, frozen=True):
 
 
 class Action(_Wire, frozen=True):
+    """One thing the core wants done, under its `id` (numbered in the session, increasing, never reused)."""
+
     id: int
     op: Op
 

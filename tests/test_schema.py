@@ -1,9 +1,11 @@
 """devd.schema: its shape, and every line of a real session (requests, results, errors, notifications) validated
-against it, so the schema a client generator reads is the protocol the daemon speaks."""
+against it, so the schema a client generator reads is the protocol the daemon speaks; the OpenRPC document and the
+TypeScript types derived from it; and its examples, each an exchange of docs/protocol.md."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -14,12 +16,23 @@ import jsonschema
 import msgspec
 import pytest
 
-from devd import errors
+from devd import errors, messages
 from devd.client import Client, Reply
 from devd.messages import Call, Exec, Output, Read, answer, turn
 from devd.methods import METHODS
-from devd.schema import schema, schema_json
+from devd.schema import (
+    ERROR_EXAMPLE,
+    EXCHANGES,
+    NOTICE_EXAMPLE,
+    U64_MAX,
+    openrpc,
+    openrpc_json,
+    schema,
+    schema_json,
+    typescript,
+)
 from tests.daemon import ROOT, daemon_env, devd, stop, wait_connectable
+from tests.test_docs import DOC, transcripts
 
 SCHEMA = schema()
 
@@ -99,9 +112,199 @@ def test_core_messages_have_exactly_one_member_and_never_null() -> None:
     event = validator("#/event")
     assert event.is_valid({"Turn": {"id": 1, "prompt": "x"}})
     assert not event.is_valid({"Turn": {"id": 1, "prompt": "x"}, "Exec": None})
+    assert not event.is_valid({"Turn": {"id": 1, "prompt": "x"}, "Timer": True})
     assert not event.is_valid({})
     assert not event.is_valid({"Model": {"id": 1, "reply": {"text": None}}})
     assert validator("#/action").is_valid({"id": 6, "op": {"Save": True}})
+
+
+def test_unions_are_a_one_of_of_objects_each_with_exactly_one_required_member() -> None:
+    """The shape generators turn into unions that narrow (`{Complete: true} | {Cancelled: true}`)."""
+    defs = SCHEMA["$defs"]
+    assert defs["Outcome"] == {
+        "title": "Outcome",
+        "description": "How a turn ended; exactly one member: `Complete` or `Cancelled`.",
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {"Complete": {"enum": [True]}},
+                "required": ["Complete"],
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "properties": {"Cancelled": {"enum": [True]}},
+                "required": ["Cancelled"],
+                "additionalProperties": False,
+            },
+        ],
+    }
+    unions = [messages.Event, messages.Op, messages.Call, messages.Message, messages.Outcome]
+    for cls in unions:
+        branches = defs[cls.__name__]["oneOf"]
+        assert [b["required"] for b in branches] == [[name] for name in cls.__struct_fields__]
+        assert all(list(b["properties"]) == b["required"] and b["additionalProperties"] is False for b in branches)
+    assert sorted(n for n, d in defs.items() if "oneOf" in d) == sorted(cls.__name__ for cls in unions)
+    assert not any("minProperties" in d or "maxProperties" in d for d in defs.values())
+
+
+def test_every_definition_has_a_description() -> None:
+    defs = SCHEMA["$defs"]
+    assert [name for name, d in defs.items() if not d.get("description")] == []
+    assert defs["Event"]["description"].startswith("What a session is stepped with; exactly one member.\n\n`Turn`")
+    assert defs["Error"]["description"].startswith("The `error` member of an error reply")
+    assert all(e["description"] for e in SCHEMA["notifications"].values())
+
+
+def test_the_core_messages_integers_are_unsigned_64_bit() -> None:
+    assert SCHEMA["$defs"]["Turn"]["properties"]["id"] == {"type": "integer", "minimum": 0, "maximum": U64_MAX}
+    event = validator("#/event")
+    assert event.is_valid({"Cancel": {"turn": U64_MAX}})
+    assert not event.is_valid({"Cancel": {"turn": U64_MAX + 1}})
+    assert not event.is_valid({"Exec": {"id": -1, "text": "x"}})
+
+
+def test_the_method_map_is_also_a_type_in_defs_for_generators_that_read_only_defs() -> None:
+    defs = SCHEMA["$defs"]
+    methods = defs["Methods"]
+    assert methods["required"] == list(METHODS) == list(methods["properties"])
+    for name, entry in methods["properties"].items():
+        assert entry["properties"] == {k: SCHEMA["methods"][name][k] for k in ("params", "result")}
+        assert entry["required"] == ["params", "result"]
+    assert defs["Notifications"]["properties"] == {
+        "session/actions": {"$ref": "#/$defs/StepNotice"},
+        "session/unwatched": {"$ref": "#/$defs/UnwatchedNotice"},
+    }
+
+
+def test_examples_are_valid_instances_of_their_definitions() -> None:
+    examples = {name: d["examples"] for name, d in SCHEMA["$defs"].items() if "examples" in d}
+    assert {"Event", "Action", "StepParams", "StepResult", "Error", "StepNotice"} <= set(examples)
+    for name, values in examples.items():
+        for value in values:
+            validator(f"#/$defs/{name}").validate(value)
+    assert (len(examples["Event"]), len(examples["Action"])) == (4, 7)
+
+
+def documented_exchanges() -> tuple[list[tuple[str, Any, Any]], list[Any]]:
+    """Every request of docs/protocol.md with its answer (a result or an error), and every notification's params."""
+    exchanges: list[tuple[str, Any, Any]] = []
+    notices: list[Any] = []
+    for block in transcripts(DOC.read_text()):
+        sent: dict[tuple[str, Any], dict[str, Any]] = {}
+        for connection, arrow, text in block.lines:
+            line = json.loads(text) if text.endswith("}") else None
+            if line is None:
+                continue  # the transcript of a line that is not JSON
+            if arrow == ">" and "id" in line:
+                sent[connection, line["id"]] = line
+            elif arrow == "<" and "method" in line:
+                notices.append(line["params"])
+            elif arrow == "<" and (connection, line["id"]) in sent:
+                request = sent.pop((connection, line["id"]))
+                exchanges.append(
+                    (request["method"], request.get("params") or {}, line.get("result", line.get("error")))
+                )
+    return exchanges, notices
+
+
+def test_every_example_is_an_exchange_of_the_protocol_document() -> None:
+    """The schema's examples are docs/protocol.md's, which tests/test_docs.py replays against a real daemon."""
+    exchanges, notices = documented_exchanges()
+    for example in EXCHANGES:
+        result = json.loads(json.dumps(example.result).replace("2026-11-30T12:07:18.912Z", "$TIME"))
+        assert (example.method, example.params, result) in exchanges, example.name
+    assert ("session/step", ERROR_EXAMPLE) in [(m, r) for m, _, r in exchanges]
+    assert NOTICE_EXAMPLE in notices
+
+
+# -- the OpenRPC document ---------------------------------------------------------------------------------------
+
+
+def test_devd_schema_openrpc_prints_an_openrpc_document_over_the_same_definitions() -> None:
+    printed = subprocess.run(
+        [sys.executable, "-m", "devd", "schema", "--openrpc"],
+        cwd=ROOT,
+        env=daemon_env(),
+        capture_output=True,
+        timeout=30,
+        check=True,
+    )
+    assert printed.stdout == openrpc_json() + b"\n"
+    document = json.loads(printed.stdout)
+    assert document["openrpc"] == "1.3.2"
+    assert [m["name"] for m in document["methods"]] == list(METHODS)
+    schemas = document["components"]["schemas"]
+    rebased = json.loads(json.dumps(SCHEMA["$defs"]).replace('"#/$defs/', '"#/components/schemas/'))
+    assert schemas == {k: v for k, v in rebased.items() if k not in ("Methods", "Notifications")}
+    assert {k: e["code"] for k, e in document["components"]["errors"].items()} == {
+        k: e["code"] for k, e in SCHEMA["errors"].items()
+    }
+    assert [n["name"] for n in document["x-notifications"]] == ["session/actions", "session/unwatched"]
+    refs = re.findall(r'"\$ref": ?"([^"]*)"', json.dumps(document))
+    assert refs and all(r.startswith("#/components/schemas/") and r.split("/")[-1] in schemas for r in refs)
+
+
+def test_openrpc_methods_take_their_params_by_name_with_their_constraints() -> None:
+    step = next(m for m in openrpc()["methods"] if m["name"] == "session/step")
+    assert step["paramStructure"] == "by-name"
+    assert [(p["name"], p["required"]) for p in step["params"]] == [
+        ("session", True),
+        ("event", True),
+        ("timeout_ms", False),
+        ("key", False),
+    ]
+    assert step["params"][1]["schema"] == {"$ref": "#/components/schemas/Event"}
+    assert step["params"][3]["description"] == "1-256 bytes of UTF-8"
+    assert step["result"]["schema"] == {"$ref": "#/components/schemas/StepResult"}
+    for method in openrpc()["methods"]:
+        m = METHODS[method["name"]]
+        assert [p["name"] for p in method["params"]] == [f.encode_name for f in msgspec.structs.fields(m.params)]
+
+
+def test_openrpc_examples_are_valid_params_and_results_of_their_method() -> None:
+    document = openrpc()
+    examples = [(m["name"], e) for m in document["methods"] for e in m.get("examples", [])]
+    assert len(examples) == len(EXCHANGES)
+    for name, example in examples:
+        params = {p["name"]: p["value"] for p in example["params"]}
+        validator(method_pointer(name, "params")).validate(params)
+        validator(method_pointer(name, "result")).validate(example["result"]["value"])
+
+
+# -- the TypeScript types ----------------------------------------------------------------------------------------
+
+
+def test_the_generated_unions_are_unions_of_single_member_objects() -> None:
+    """The shape that lets TypeScript narrow with `"Model" in op`."""
+    text = typescript()
+    assert "export type Outcome =\n  | { Complete: true }\n  | { Cancelled: true };\n" in text
+    assert "export type Message =\n  | { User: string }\n  | { Agent: Agent }\n  | { Tool: Tool };\n" in text
+    op = re.search(r"export type Op =\n((?:  \| .*\n)+)", text)
+    assert op is not None
+    assert op[1].splitlines() == [
+        "  | { Model: Ask }",
+        "  | { Exec: Exec }",
+        "  | { Read: Read }",
+        "  | { Write: Write }",
+        "  | { Git: Git }",
+        "  | { Browse: Browse }",
+        "  | { Emit: string }",
+        "  | { Save: true }",
+        "  | { Done: Done };",
+    ]
+    assert '  "session/step": {\n    params: StepParams;\n    result: StepResult;\n  };\n' in text
+    assert '  "session/actions": StepNotice;\n  "session/unwatched": UnwatchedNotice;\n' in text
+
+
+def test_typescript_members_carry_their_description_and_constraints_as_jsdoc() -> None:
+    text = typescript()
+    key_doc = "  /**\n   * 1-256 bytes of UTF-8\n   *\n   * @minLength 1\n   * @maxLength 256\n   */\n"
+    assert key_doc + "  key?: string | null;\n" in text
+    assert "   * @pattern ^(?!\\.\\.?$)[A-Za-z0-9._-]{1,64}$\n" in text
+    assert "export interface ErrorCodes {\n" in text and "  BUSY: -32006;\n" in text
+    assert "export type ErrorKind = keyof ErrorCodes;\n" in text
+    assert len(re.findall(r"^export (?:type|interface) (\w+)", text, re.M)) == len(SCHEMA["$defs"]) + 3
 
 
 # -- real traffic ------------------------------------------------------------------------------------------------
@@ -145,12 +348,13 @@ class Recording(Client):
         return msgspec.json.decode(line, type=Reply)
 
 
-def check_traffic(client: Recording) -> tuple[set[str], set[str], set[str]]:
+def check_traffic(client: Client) -> tuple[set[str], set[str], set[str]]:
     """Validate every line the client sent and received; the methods, notifications and error kinds seen.
 
     A request the daemon refused as MALFORMED or INVALID_PARAMS must be one the schema refuses too, and a request
     it answered must be one the schema accepts.
     """
+    assert isinstance(client, Recording)  # Client.connect is typed as Client's, and makes a Recording here
     replies: dict[Any, dict[str, Any]] = {}
     notices, kinds = set(), set()
     for line in client.received:
@@ -211,6 +415,8 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             client.call("session/close", {"session": "fork"})
             assert [s["session"] for s in client.call("session/list")["sessions"]] == ["copy", "demo"]
             assert client.call("daemon/status")["steps"] == 5
+            backup = str(tmp_path / "backup.sqlite3")
+            assert client.call("daemon/backup", {"path": backup})["path"] == backup
             with pytest.raises(errors.MalformedError):
                 client.step("demo", b'{"Turn":{"id":2,"prompt":"x"},"Exec":null}')
             with pytest.raises(errors.MethodNotFoundError):
