@@ -13,6 +13,7 @@ const exports = [_][]const u8{
     "dev_snapshot",
     "dev_free",
     "dev_pending",
+    "dev_apply",
 };
 
 pub fn build(b: *std.Build) void {

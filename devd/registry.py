@@ -42,6 +42,7 @@ from devd.errors import (
     FullError,
     HandleError,
     InvalidParamsError,
+    MovedError,
     NullError,
     OutOfMemoryError,
     PanicError,
@@ -51,12 +52,13 @@ from devd.errors import (
 from devd.host import Core, Instance
 from devd.offload import Runner, rebuild, rebuild_and, replay, saved, step_and_save
 from devd.state import CALLABLE, TRANSITIONS, Input, State, next_state
-from devd.store import Health, Row, Step, Store, Stored, answer_digest
+from devd.store import Fleet, Health, Row, Step, Store, Stored, answer_digest
 from devd.watchers import Fanout, Sink, Stepped, Subscription
 
 log = structlog.get_logger("devd.registry")
 T = TypeVar("T")
 CATCH_UP_ROWS = 256  # journal rows read at a time when a watcher asks for history
+HEAVY_MEMORY_BYTES = 8 << 20  # a rebuilt instance this large (a megabytes-long transcript) starts on a worker
 LIGHT_CALLS_TO_RETURN = 16  # quick calls in a row after which a session's calls run inline again
 STEP_BYTES = 64  # what a step costs a replay beyond its event's bytes, in bytes of events
 
@@ -196,6 +198,7 @@ class Registry:
         runner: Runner,
         snapshot_floor_bytes: int = 64 << 10,
         live_memory_bytes: int | None = None,
+        fleet: Fleet | None = None,
     ) -> None:
         self.core = core
         self.store = store
@@ -207,6 +210,7 @@ class Registry:
         self.runner = runner
         self.snapshot_floor_bytes = snapshot_floor_bytes
         self.live_memory_bytes = live_memory_bytes
+        self.fleet = fleet  # a store shared with other daemons: sessions are adopted, and may move away
         self.memory = 0  # the live instances' memory together, as last measured
         self.stats = Stats()
         self._entries: dict[str, Entry] = {}
@@ -244,7 +248,7 @@ class Registry:
         """A new session whose history is source's up to step `at` (default: its latest). The source is held (BUSY
         to other calls) while its history is read and copied, so it cannot be closed or stepped meanwhile; its state
         does not matter (an ended or poisoned session's history can be forked)."""
-        src = self._enter(source, any_state=True)
+        src = await self._entered(source, any_state=True)
         try:
             return await self._fork(src, at, name)
         finally:
@@ -263,6 +267,7 @@ class Registry:
                 f"the history of {source!r} at step {at} is no longer kept; fork at step {oldest} or later"
             )
         snapshot_needed = stored.snapshot is not None or (at > 0 and self.core.has_snapshots)
+        await self._refuse_if_in_fleet(name)
 
         def build() -> tuple[Instance, bytes | None]:
             take = (lambda i, t: i.snapshot(timeout=t)) if snapshot_needed else (lambda i, t: None)
@@ -292,6 +297,7 @@ class Registry:
         self, name: str | None, start: Callable[[], Awaitable[Instance]], config: bytes, snapshot: bytes | None
     ) -> str:
         """Claim the name, start the instance, and make the session durable before it is answered."""
+        await self._refuse_if_in_fleet(name)
         name = self._claim(name)
         try:
             instance = await start()
@@ -332,7 +338,7 @@ class Registry:
     # -- calls on a session -----------------------------------------------------------------------------------------
 
     async def step(self, name: str, event: bytes, timeout_ms: int | None, key: str | None) -> tuple[bytes, bool]:
-        entry = self._enter(name)
+        entry = await self._entered(name)
         try:
             event_digest = None
             if key is not None:
@@ -368,6 +374,9 @@ class Registry:
                 self._detach(entry)
                 self._move(entry, Input.DROP)
                 raise StoreError(f"the step was not acknowledged: {e}") from None
+            except MovedError as e:  # fenced: another daemon took the session over; this step was not taken
+                self._moved(entry, e)
+                raise
             entry.seq = seq
             if snapshot is None:
                 entry.since_bytes = since
@@ -398,7 +407,7 @@ class Registry:
         return await self.runner.off_loop(derive)
 
     async def snapshot(self, name: str) -> str:
-        entry = self._enter(name)
+        entry = await self._entered(name)
         try:
             state = await self._call(entry, self.call_timeout_s, lambda i, t: i.snapshot(timeout=t))
             return base64.b64encode(state).decode()
@@ -406,14 +415,14 @@ class Registry:
             entry.busy = False
 
     async def pending(self, name: str) -> bytes:
-        entry = self._enter(name)
+        entry = await self._entered(name)
         try:
             return await self._call(entry, self.call_timeout_s, lambda i, t: i.pending(timeout=t))
         finally:
             entry.busy = False
 
     async def recover(self, name: str) -> None:
-        entry = self._enter(name, any_state=True)
+        entry = await self._entered(name, any_state=True)
         try:
             if entry.state in (State.ENDED, State.POISONED):
                 await self._load(entry, Input.RECOVER)
@@ -424,7 +433,7 @@ class Registry:
             entry.busy = False
 
     async def close(self, name: str) -> None:
-        await self._delete(self._enter(name, any_state=True), "closed")
+        await self._delete(await self._entered(name, any_state=True), "closed")
 
     async def _delete(self, entry: Entry, reason: str) -> None:
         """Delete an entered session: durably first, then its instance, its watchers (told `reason`) and its name."""
@@ -524,6 +533,12 @@ class Registry:
 
     async def _load(self, entry: Entry, how: Input) -> None:
         """Bring a stored session back: restore its snapshot and replay its journal, on a worker thread."""
+        if self.fleet is not None and self.fleet.held(entry.name) is None:
+            try:
+                await self.fleet.acquire(entry.name)  # before its state is read: what is read is then this daemon's
+            except MovedError as e:
+                self._moved(entry, e)
+                raise
         stored = await self._stored(entry.name)
         self.stats.rebuilt += 1
         try:
@@ -548,6 +563,10 @@ class Registry:
         self._move(entry, how)
         entry.seq = stored.seq
         entry.rebased(stored)
+        # Nothing is known of its calls' cost after a restart or a wake, but a transcript this long makes every
+        # Model ask pass the inline budget: an inline attempt would only be stopped, and the session rebuilt again.
+        if entry.memory >= HEAVY_MEMORY_BYTES:
+            entry.heavy, entry.light_calls = True, 0
 
     async def _stored(self, name: str) -> Stored:
         stored = await self.store.load(name)
@@ -630,6 +649,60 @@ class Registry:
         if name in self._live:
             self._live.move_to_end(name)
         return entry
+
+    async def _entered(self, name: str, *, any_state: bool = False) -> Entry:
+        """`_enter`, after adopting from the fleet a session this daemon does not know (made or held elsewhere)."""
+        if self.fleet is not None and name not in self._entries:
+            await self._adopt(name)
+        return self._enter(name, any_state=any_state)
+
+    async def _adopt(self, name: str) -> None:
+        """Take a session of the fleet for this daemon: MovedError if another live daemon holds it."""
+        assert self.fleet is not None
+        epoch = await self.fleet.acquire(name)
+        stored = await self.store.load(name) if epoch is not None else None
+        if stored is None:
+            raise _no_such(name)
+        if name in self._entries:
+            return  # adopted meanwhile, by another call
+        now = time.time()
+        self._entries[name] = Entry(
+            name, _FROM_HEALTH[stored.health], stored.seq, stored.reason, created=now, last_used=now
+        )
+        bisect.insort(self._names, name)
+        log.info("session.adopted", session=name, epoch=epoch, seq=stored.seq)
+
+    async def _refuse_if_in_fleet(self, name: str | None) -> None:
+        """A new session may not take the name of one that lives elsewhere in the fleet."""
+        if self.fleet is None or name is None or name in self._entries:
+            return
+        try:
+            await self._adopt(name)
+        except HandleError:
+            return  # no such session: the name is free
+        except MovedError:
+            pass
+        raise ExistsError(f"a session named {name!r} exists in the fleet; choose another name or close it first")
+
+    def _moved(self, entry: Entry, error: MovedError) -> None:
+        """Another daemon holds the session now: forget it here, and tell its watchers where it went."""
+        log.info("session.moved", session=entry.name, node=error.node, address=error.address)
+        self._detach(entry)
+        self._move(entry, Input.CLOSE)
+        owner = (error.node, error.address or "") if error.node is not None else None
+        self.fanout.end(entry.name, "moved", owner)
+        self._forget(entry.name)
+
+    async def drain(self) -> int:
+        """Give every session this daemon holds back to the fleet (calls in flight keep theirs until they answer);
+        how many were let go. Another daemon takes each at its next call, at once rather than after a lease."""
+        assert self.fleet is not None
+        names = [e.name for e in self._entries.values() if not e.busy]
+        for name in names:
+            self._moved(self._entries[name], MovedError("drained"))
+        await self.fleet.release_all()
+        log.info("fleet.drained", sessions=len(names))
+        return len(names)
 
     # -- watchers ---------------------------------------------------------------------------------------------------
 

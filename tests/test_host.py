@@ -797,3 +797,42 @@ def test_a_malformed_event_is_answered_with_the_member_at_fault_and_why(
     assert str(refused.value) == (
         f"the event is not a message of protocol 1: {why}; nothing changed, fix it and send it again"
     )
+
+
+# -- applying: a replay's step, with no answer written --------------------------------------------------------------
+
+SEED_EVENTS = [
+    turn(1, FIX),
+    answer(1, "Let me look.", [BUILD, LIB]),
+    Event(Exec=Output(id=2, text="error", failed=True)),
+    Event(File=Output(id=3, text="pub fn f() -> u8 { x }")),
+    answer(4, "fixed"),
+]
+
+
+def test_the_packaged_core_applies_events_without_answering() -> None:
+    core = Core.open()
+    try:
+        assert core.has_apply is True
+    finally:
+        core.close()
+
+
+def test_applying_events_leaves_the_state_stepping_them_leaves(core: Core) -> None:
+    stepped, applied = core.new(), core.new()
+    try:
+        for event in SEED_EVENTS:
+            stepped.step(event)
+            applied.apply(encode(event))
+        assert applied.snapshot() == stepped.snapshot()
+    finally:
+        stepped.close()
+        applied.close()
+
+
+def test_applying_a_malformed_event_is_refused_and_changes_nothing(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    before = session.snapshot()
+    with pytest.raises(MalformedError):
+        session.apply(b'{"Turn":{"id":"2","prompt":"p"}}')
+    assert session.snapshot() == before

@@ -518,3 +518,16 @@ async def test_a_keyed_retry_of_a_large_kept_answer_answers_the_same_bytes(regis
     text = encode(answer(1, "y" * 100_000))  # its Emit is as large as it: kept whole, read off the event loop
     first = await registry.step("s", text, None, "big")
     assert await registry.step("s", text, None, "big") == (first[0], True)
+
+
+async def test_a_woken_session_with_a_long_transcript_runs_its_calls_on_a_worker_from_the_start(
+    tmp_path: Path, core: Core
+) -> None:
+    async with opened("memory", tmp_path, core, max_live=1) as registry:
+        await registry.new("s", b"{}")
+        await steps(registry, "s", [encode(turn(1, "p" * (4 << 20))), CANCEL])  # an instance of over 8 MiB
+        await registry.new("t", b"{}")  # s hibernates
+        rebuilt, offloaded = registry.stats.rebuilt, registry.runner.offloaded
+        await registry.step("s", encode(turn(2, "again")), None, None)  # a 4 MiB ask: far past the inline budget
+        # One rebuild (the wake), then the step on a worker: not stopped inline and rebuilt a second time.
+        assert (registry.stats.rebuilt - rebuilt, registry.runner.offloaded - offloaded) == (1, 1)
