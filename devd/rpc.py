@@ -246,12 +246,21 @@ class StepNotice(msgspec.Struct, frozen=True):
     actions: Raw
 
 
-class UnwatchedNotice(msgspec.Struct, frozen=True):
-    """`session/unwatched`: the subscription ended after step `seq` ("closed", or "fell too far behind")."""
+class Owner(msgspec.Struct, frozen=True):
+    """The daemon of a fleet that holds a session: its name, and the address its clients reach it at."""
+
+    node: str
+    address: str
+
+
+class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
+    """`session/unwatched`: the subscription ended after step `seq` ("closed", "expired", "moved" to the daemon
+    `owner`: watch it there with `since` = `seq`, or "fell too far behind")."""
 
     session: str
     seq: int
     reason: str
+    owner: Owner | None = None
 
 
 NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
@@ -266,4 +275,5 @@ def encode_notice(notice: Notice) -> bytes:
         return notification(
             "session/actions", StepNotice(notice.session, notice.seq, Raw(notice.event), Raw(notice.actions))
         )
-    return notification("session/unwatched", UnwatchedNotice(notice.session, notice.seq, notice.reason))
+    owner = Owner(*notice.owner) if notice.owner is not None else None
+    return notification("session/unwatched", UnwatchedNotice(notice.session, notice.seq, notice.reason, owner))

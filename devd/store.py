@@ -27,6 +27,7 @@ from typing import NamedTuple, Protocol
 from devd.errors import StoreError
 
 __all__ = [
+    "Fleet",
     "Health",
     "Keyed",
     "Row",
@@ -168,6 +169,23 @@ class Store(Protocol):
     async def backup(self, path: str) -> int:
         """A consistent copy of everything stored, written to the new file `path` (made atomically, fsync'd), while
         the store keeps serving; its size in bytes. A store with nothing on disk of its own raises NullError."""
+
+
+class Fleet(Protocol):
+    """What a store shared by several daemons adds (devd.pg_store): which one of them steps each session. Its writes
+    are fenced: one for a session another daemon took over fails with MovedError, never commits."""
+
+    node: str  # this daemon's name in the fleet
+
+    async def acquire(self, name: str) -> int | None:
+        """Take the session for this daemon (its epoch), or None if there is no such session; MovedError naming the
+        owner when another live daemon holds it."""
+
+    def held(self, name: str) -> int | None:
+        """The epoch this daemon holds the session under, as far as it knows; None if it does not hold it."""
+
+    async def release_all(self) -> None:
+        """Give up every session this daemon holds, so others take them at once (drain)."""
 
 
 def percentile_ms(seconds: list[float], q: float) -> float:

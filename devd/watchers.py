@@ -26,6 +26,7 @@ class Unwatched:
     session: str
     seq: int  # the last step the watcher was sent
     reason: str
+    owner: tuple[str, str] | None = None  # (node, address) of the daemon that now holds a session that moved
 
 
 Notice = Stepped | Unwatched
@@ -90,11 +91,11 @@ class Fanout:
         self.end_one(sub, "fell too far behind")
         return False
 
-    def end_one(self, sub: Subscription, reason: str) -> None:
+    def end_one(self, sub: Subscription, reason: str, owner: tuple[str, str] | None = None) -> None:
         self.unsubscribe(sub)
-        sub.sink.force(self.encode(Unwatched(sub.session, sub.last_seq, reason)))
+        sub.sink.force(self.encode(Unwatched(sub.session, sub.last_seq, reason, owner)))
 
-    def end(self, session: str, reason: str) -> None:
-        """Every subscription to session ends (it was closed)."""
+    def end(self, session: str, reason: str, owner: tuple[str, str] | None = None) -> None:
+        """Every subscription to session ends (it was closed, expired, or moved to the daemon `owner`)."""
         for sub in list(self._by_session.get(session, ())):
-            self.end_one(sub, reason)
+            self.end_one(sub, reason, owner)

@@ -471,6 +471,12 @@ export interface Output {
   failed?: boolean;
 }
 
+/** The daemon of a fleet that holds a session: its name, and the address its clients reach it at. */
+export interface Owner {
+  node: string;
+  address: string;
+}
+
 /**
  * The actions the core dispatched and still waits for (a model ask, or calls without a result), in id order, exactly
  * as they were answered.
@@ -648,11 +654,15 @@ export interface Turn {
   prompt: string;
 }
 
-/** `session/unwatched`: the subscription ended after step `seq` ("closed", or "fell too far behind"). */
+/**
+ * `session/unwatched`: the subscription ended after step `seq` ("closed", "expired", "moved" to the daemon `owner`:
+ * watch it there with `since` = `seq`, or "fell too far behind").
+ */
 export interface UnwatchedNotice {
   session: string;
   seq: number;
   reason: string;
+  owner?: Owner | null;
 }
 
 /**
