@@ -460,8 +460,10 @@ async def test_a_session_whose_call_passed_the_budget_runs_the_next_on_a_worker_
         (64 << 10, 0, b'[{"id":6,"op":{"Save":true}}]', True),  # the floor reached, at a Save
         (64 << 10, 0, b"[]", False),  # the floor reached, mid-turn: wait for a Save
         (128 << 10, 0, b"[]", True),  # twice the floor, mid-turn: now
-        (1 << 20, 4 << 20, b'[{"id":6,"op":{"Save":true}}]', False),  # a quarter of a 4 MiB snapshot: replay is cheap
-        (2 << 20, 4 << 20, b'[{"id":6,"op":{"Save":true}}]', True),  # half of it, at a Save
+        (1 << 19, 4 << 20, b'[{"id":6,"op":{"Save":true}}]', False),  # an eighth of a 4 MiB snapshot: cheap to replay
+        (1 << 20, 4 << 20, b'[{"id":6,"op":{"Save":true}}]', True),  # a quarter of it, at a Save
+        (1 << 20, 4 << 20, b"[]", False),  # a quarter of it, mid-turn: wait for a Save
+        (2 << 20, 4 << 20, b"[]", True),  # half of it, mid-turn: now
     ],
 )
 def test_a_snapshot_is_due_when_the_journal_since_the_last_outgrows_a_fraction_of_it(
