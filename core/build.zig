@@ -14,6 +14,7 @@ const exports = [_][]const u8{
     "dev_free",
     "dev_pending",
     "dev_apply",
+    "dev_resume",
 };
 
 pub fn build(b: *std.Build) void {

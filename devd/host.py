@@ -99,10 +99,12 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dev_free": (("i32",), ()),
     "dev_pending": (("i64", "i32"), ("i32",)),
     "dev_apply": (("i64", "i32", "i32"), ("i32",)),
+    "dev_resume": (("i32", "i32", "i32"), ("i32",)),
 }
 # dev_restore and dev_snapshot may be missing: such a core runs sessions but cannot carry them across instances.
 # dev_pending may be missing too: such a core runs sessions but cannot say what it still waits for. Without dev_apply
-# a replay steps every event in full (and pays for every Model ask's transcript again).
+# a replay steps every event in full (and pays for every Model ask's transcript again); without dev_resume a wake
+# checks every message of the snapshot again.
 _REQUIRED = ("dev_abi", "dev_alloc", "dev_release", "dev_new", "dev_step", "dev_free")
 
 
@@ -208,6 +210,7 @@ class Core:
         self.has_snapshots = {e.name for e in module.exports} >= {"dev_restore", "dev_snapshot"}
         self.has_pending = "dev_pending" in {e.name for e in module.exports}
         self.has_apply = "dev_apply" in {e.name for e in module.exports}
+        self.has_resume = "dev_resume" in {e.name for e in module.exports}
         self._sessions: weakref.WeakSet[Instance] = weakref.WeakSet()
         # Export names as C strings, made once: (buffer, length, argument slots).
         self._export_names = {
@@ -266,6 +269,14 @@ class Core:
                 "this core exports no dev_restore, so it cannot restore a snapshot; use a core with all of ABI 1"
             )
         return self._start("dev_restore", state, timeout)
+
+    def resume(self, state: bytes, *, timeout: float | None = None) -> Instance:
+        """`restore` for a snapshot this core wrote and the host kept itself (its store): the core checks the frame,
+        the checksum and the state's invariants, not every message again, so a wake costs less than the transcript.
+        Never for a snapshot from a client. A core without dev_resume restores it in full."""
+        if not self.has_resume:
+            return self.restore(state, timeout=timeout)
+        return self._start("dev_resume", state, timeout)
 
     def interrupt_all(self, within_s: float) -> None:
         """Stop every call running in this Core's instances whose deadline falls within `within_s` from now: each

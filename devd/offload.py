@@ -72,7 +72,7 @@ def saved(actions: bytes) -> bool:
 
 def rebuild(core: Core, stored: Stored, call_timeout_s: float) -> Instance:
     """The session as it is on disk: its snapshot (or its config), then its journal; the last step is checked."""
-    instance = core.restore(stored.snapshot) if stored.snapshot is not None else core.new(stored.config)
+    instance = core.resume(stored.snapshot) if stored.snapshot is not None else core.new(stored.config)
     try:
         for row in stored.journal[:-1]:
             instance.apply(row.event, timeout=call_timeout_s)

@@ -334,14 +334,17 @@ def test_a_snapshot_restores_into_a_new_core(core: Core) -> None:
         restored.close()
 
 
-def test_a_damaged_snapshot_is_malformed(core: Core, session: Instance) -> None:
-    """No truncation and no single flipped bit of a snapshot restores."""
+@pytest.mark.parametrize("how", ["restore", "resume"])
+def test_a_damaged_snapshot_is_malformed(core: Core, session: Instance, how: str) -> None:
+    """No truncation and no single flipped bit of a snapshot restores, nor resumes (which trusts only the messages
+    of a snapshot whose frame and checksum hold)."""
     session.step(turn(1, FIX))
     state = session.snapshot()
+    restore = getattr(core, how)
     restored_damaged = []
     for cut in range(len(state)):
         try:
-            core.restore(state[:cut]).close()
+            restore(state[:cut]).close()
             restored_damaged.append(f"first {cut} bytes")
         except MalformedError:
             pass
@@ -350,12 +353,12 @@ def test_a_damaged_snapshot_is_malformed(core: Core, session: Instance) -> None:
             flipped = bytearray(state)
             flipped[i] ^= 1 << bit
             try:
-                core.restore(bytes(flipped)).close()
+                restore(bytes(flipped)).close()
                 restored_damaged.append(f"bit {bit} of byte {i}")
             except MalformedError:
                 pass
     assert restored_damaged == []
-    restored = core.restore(state)
+    restored = restore(state)
     try:
         assert restored.step(answer(1, "done")) == finish(2, 1, "done")
     finally:
@@ -836,3 +839,23 @@ def test_applying_a_malformed_event_is_refused_and_changes_nothing(session: Inst
     with pytest.raises(MalformedError):
         session.apply(b'{"Turn":{"id":"2","prompt":"p"}}')
     assert session.snapshot() == before
+
+
+def test_the_packaged_core_resumes_its_own_snapshots_to_the_state_restoring_gives(core: Core) -> None:
+    source = core.new()
+    try:
+        for event in SEED_EVENTS[:3]:
+            source.step(event)
+        state = source.snapshot()
+    finally:
+        source.close()
+    restored, resumed = core.restore(state), core.resume(state)
+    try:
+        assert (core.has_resume, resumed.snapshot(), resumed.step(SEED_EVENTS[3])) == (
+            True,
+            restored.snapshot(),
+            restored.step(SEED_EVENTS[3]),
+        )
+    finally:
+        restored.close()
+        resumed.close()
