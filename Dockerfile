@@ -40,5 +40,5 @@ VOLUME /var/lib/devd
 EXPOSE 7411
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
-    CMD ["devd", "status", "--connect", "tcp://127.0.0.1:7411", "--token-file", "/var/lib/devd/token"]
+    CMD ["devd", "status", "--connect", "tcp://127.0.0.1:7411", "--token-file", "/var/lib/devd/token", "--json"]
 CMD ["devd", "serve", "--state-dir", "/var/lib/devd", "--socket", "/run/devd/devd.sock", "--listen", "tcp://0.0.0.0:7411", "--log-format", "json"]

@@ -2,9 +2,14 @@
 
 This is the seam between connections and the daemon's methods: a connection hands each request line to
 `Dispatcher.answer` and sends what comes back (nothing, for a notification). Errors become JSON-RPC errors here and
-only here; an exception that is not a `DevdError` is logged (method and session, never the payload) and answered
-INTERNAL. Callers must let `serve` run to its end even if the client goes (the transport never cancels it): a call is
-bounded by its deadline and a commit, and stopping it between the core and the journal would leave the two apart.
+only here. Every INTERNAL answer is logged at error level, once, with the method and the session (never the payload):
+an INTERNAL `DevdError` with its message and type (`error_type`: a `StoreError` is the store failing to read or write),
+and an exception that is not a `DevdError` with its type and message, its client answered "see its log". Other answers
+log nothing here, errors of other kinds included: those are the client's to act on, and a request's path stays free of
+log calls.
+
+Callers must let `serve` run to its end even if the client goes (the transport never cancels it): a call is bounded by
+its deadline and a commit, and stopping it between the core and the journal would leave the two apart.
 """
 
 from __future__ import annotations
@@ -52,7 +57,11 @@ class Dispatcher:
             self._count(e.kind)
             if e.kind == "INTERNAL":
                 log.error(
-                    "request.failed", method=_method(request), session=getattr(params, "session", None), error=str(e)
+                    "request.failed",
+                    method=_method(request),
+                    session=getattr(params, "session", None),
+                    error=str(e),
+                    error_type=type(e).__name__,
                 )
         except Exception as e:
             self._count("INTERNAL")
