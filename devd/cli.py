@@ -1,21 +1,39 @@
-"""The `devd` command: `serve` runs the daemon in the foreground; the other subcommands are clients of it."""
+"""The `devd` command: `serve` runs the daemon in the foreground, `doctor` checks an installation, `schema` prints
+the protocol's types, and the other subcommands are clients of the daemon.
+
+What it promises: a client command shows the daemon's answer for people (a table for `devd ls`, `key: value` lines
+for `devd status`), or with `--json` exactly the JSON the daemon answered, for scripts. An error the daemon answers
+is said in the command's terms (the command for a method it names, the flag for a token it wants). The exit status
+says what happened (`EXIT_CODES`, shown by `devd --help`): 0 done, 1 the daemon answered an error, 2 a usage or
+local problem, 3 the daemon cannot be reached.
+"""
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import fcntl
 import os
+import re
 import signal
 import socket
+import stat
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import quote
 
 import msgspec
 
 from devd import __version__, log, systemd
 from devd.config import Settings, default, default_socket_path, default_state_dir, parse_duration, parse_size, parse_tcp
 from devd.errors import DevdError
+
+if TYPE_CHECKING:
+    from devd.client import Client
+    from devd.store import Fleet, Store
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -34,7 +52,6 @@ def _serve(args: argparse.Namespace) -> int:
         read_token,
         unlink_socket,
     )
-    from devd.sqlite_store import SQLiteStore
 
     os.umask(0o077)  # state files, the token and the socket: this user's alone
     # A fault SQLite's shared-memory mapping can raise (SIGBUS on a failed write or a read-only remount) kills the
@@ -73,12 +90,6 @@ def _serve(args: argparse.Namespace) -> int:
             call_timeout=settings.call_timeout_s,
             memory_bytes=settings.memory_bytes_per_session,
         )
-        store = SQLiteStore(
-            settings.state_dir / "devd.sqlite3",
-            keys_kept=settings.keys_kept_per_session,
-            steps_kept=settings.steps_kept_per_session,
-            prune_every_steps=settings.prune_every_steps,
-        )
         listeners = systemd.listen_sockets()
         activated = [t for _, t in listeners]
         listeners = [(s, "unix" if s.family == socket.AF_UNIX else "tcp") for s, _ in listeners]
@@ -91,11 +102,12 @@ def _serve(args: argparse.Namespace) -> int:
             if settings.tcp:
                 listeners.append((bind_tcp(*settings.tcp), "tcp"))
         token = read_token(settings.state_dir) if any(t == "tcp" for _, t in listeners) else None
+        store, fleet = _open_store(args, settings, listeners)
     except (StartupError, ValueError, OSError, DevdError) as e:
         print(f"devd: cannot start: {e}", file=sys.stderr)
         return 2
 
-    registry, dispatcher = build(settings, core, store)
+    registry, dispatcher = build(settings, core, store, fleet=fleet)
     daemon = Daemon(settings, dispatcher, token)
 
     def ready() -> None:
@@ -130,6 +142,46 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_store(
+    args: argparse.Namespace, settings: Settings, listeners: list[tuple[socket.socket, str]]
+) -> tuple[Store, Fleet | None]:
+    """The store --store names (default: the state directory's SQLite file), and the fleet when it is shared."""
+    spec = args.store or f"sqlite:{settings.state_dir / 'devd.sqlite3'}"
+    if spec.startswith(("postgresql://", "postgres://")):
+        from devd.pg_store import PostgresStore
+
+        store = PostgresStore(
+            spec,
+            keys_kept=settings.keys_kept_per_session,
+            steps_kept=settings.steps_kept_per_session,
+            prune_every_steps=settings.prune_every_steps,
+            node=args.node,
+            advertise=args.advertise or _advertised(listeners),
+            lease_ttl_s=args.lease_ttl,
+        )
+        return store, store
+    if spec.startswith("sqlite:") and len(spec) > len("sqlite:"):
+        from devd.sqlite_store import SQLiteStore
+
+        path = Path(spec.removeprefix("sqlite:"))
+        return SQLiteStore(
+            path,
+            keys_kept=settings.keys_kept_per_session,
+            steps_kept=settings.steps_kept_per_session,
+            prune_every_steps=settings.prune_every_steps,
+        ), None
+    raise ValueError(f"--store takes postgresql://USER@HOST/DB (a fleet) or sqlite:PATH, not {spec!r}")
+
+
+def _advertised(listeners: list[tuple[socket.socket, str]]) -> str:
+    """Where other daemons send this one's clients: its first listener, as a client addresses it."""
+    sock, kind = listeners[0]
+    if kind == "unix":
+        return f"unix:{sock.getsockname()}"
+    host, port = sock.getsockname()[:2]
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def _backend_options() -> dict[str, Any]:
     try:
         import uvloop  # noqa: F401
@@ -138,148 +190,757 @@ def _backend_options() -> dict[str, Any]:
     return {"use_uvloop": True}
 
 
+# -- client commands: the daemon's answers for people, or as it sent them (--json) ----------------------------------
+
+EXIT_OK = 0
+EXIT_ANSWERED_ERROR = 1  # the daemon answered an error (also: `devd watch` dropped, a `devd doctor` check failed)
+EXIT_LOCAL = 2  # argparse's own status for a bad flag, so local problems share it: a token file, a refused start
+EXIT_UNREACHABLE = 3  # no daemon at the address, or the connection to it was lost
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+
+EXIT_CODES = """\
+exit status:
+  0    done
+  1    the daemon answered an error, printed as `devd: KIND: what to do`; `devd watch`: the daemon dropped the
+       watch because this client fell behind (watch again with --since); `devd doctor`: a check failed
+  2    a usage or local problem: a bad flag, a token file that cannot be read; `devd serve`: it cannot start,
+       or its store failed
+  3    the daemon cannot be reached: none listens at the address (start one with `devd serve`, or
+       `systemctl --user start devd.socket`), or the connection was lost
+  130  interrupted (Ctrl-C)
+
+environment:
+  DEVD_SOCKET  where the client commands find the daemon when --connect is not given; unset, they look where
+               `devd serve` listens by default: $RUNTIME_DIRECTORY/devd.sock, else $XDG_RUNTIME_DIR/devd/devd.sock,
+               else /tmp/devd-UID/devd.sock
+
+docs/operations.md covers running devd under systemd, its logs, metrics, `devd doctor` and upgrades."""
+
+
+class LocalError(Exception):
+    """Something on this side stops the command before the daemon is asked (a token file that cannot be read)."""
+
+
+class OutputClosed(Exception):
+    """Whoever reads our output stopped reading (`devd ls | head`): nothing more to say, and nothing went wrong."""
+
+
 def _address(args: argparse.Namespace) -> str:
     return args.connect or os.environ.get("DEVD_SOCKET") or str(default_socket_path())
 
 
-def _client(args: argparse.Namespace) -> Any:
-    from devd.client import Client
+def _token_hint() -> str:
+    return (
+        "the daemon writes its token to STATE_DIR/token when it listens on TCP "
+        f"({default_state_dir() / 'token'} for a daemon of yours with the default state directory, "
+        "/var/lib/devd/token under systemd's devd.service)"
+    )
 
-    token = args.token
-    if token is None and args.token_file:
-        token = Path(args.token_file).read_text().strip()
-    return Client.connect(_address(args), token=token)
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The token for TCP: --token, else what --token-file holds. LocalError when that file cannot be read."""
+    if args.token is not None:
+        return str(args.token)
+    if not args.token_file:
+        return None
+    try:
+        return Path(args.token_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise LocalError(f"cannot read the token file {args.token_file}: {why}; {_token_hint()}") from None
 
 
-def _print(value: Any) -> None:
-    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(value), indent=2) + b"\n")
+def _emit(data: bytes) -> None:
+    """Write to stdout now (a watch's lines must not wait in a buffer); OutputClosed when the reader has gone."""
+    try:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        raise OutputClosed from None
+
+
+def _pretty(raw: bytes) -> bytes:
+    return msgspec.json.format(raw, indent=2) + b"\n"
+
+
+def _params(**members: Any) -> dict[str, Any]:
+    """The members that were given: a flag left out is left to the daemon's default, never sent as null."""
+    return {name: value for name, value in members.items() if value is not None}
+
+
+def _status(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("daemon/status")
+    if args.json:
+        _emit(raw + b"\n")
+    elif args.prometheus:
+        _emit(prometheus(msgspec.json.decode(raw)).encode())
+    else:
+        _emit(status_summary(msgspec.json.decode(raw)).encode())
+    return EXIT_OK
+
+
+def _ls(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/list", _params(limit=args.limit, cursor=args.cursor))
+    if args.json:
+        _emit(raw + b"\n")
+        return EXIT_OK
+    page = msgspec.json.decode(raw)
+    _emit(sessions_table(page["sessions"]).encode())
+    if page.get("next") is not None:
+        # On stderr, so that the table alone goes down a pipe.
+        print(f"devd: more sessions follow: devd ls --limit {args.limit} --cursor {page['next']}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _named(raw: bytes, args: argparse.Namespace) -> int:
+    """A result that names a session: the name alone, or the answer as it came."""
+    _emit(raw + b"\n" if args.json else msgspec.json.decode(raw)["session"].encode() + b"\n")
+    return EXIT_OK
+
+
+def _new(client: Client, args: argparse.Namespace) -> int:
+    config = {"model": args.model} if args.model else None
+    return _named(client.call_raw("session/new", _params(config=config, session=args.session)), args)
+
+
+def _step(client: Client, args: argparse.Namespace) -> int:
+    # An empty key and a zero timeout are sent as given: they are the daemon's to refuse, not ours to drop.
+    event = msgspec.Raw(args.event.encode())
+    raw = client.call_raw(
+        "session/step", _params(session=args.session, event=event, key=args.key, timeout_ms=args.timeout_ms)
+    )
+    _emit(raw + b"\n" if args.json else _pretty(raw))
+    return EXIT_OK
+
+
+def _snapshot(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/snapshot", {"session": args.session})
+    _emit(raw + b"\n" if args.json else msgspec.json.decode(raw)["snapshot"].encode() + b"\n")
+    return EXIT_OK
+
+
+def _restore(client: Client, args: argparse.Namespace) -> int:
+    data = sys.stdin.read().strip() if args.snapshot == "-" else args.snapshot
+    return _named(client.call_raw("session/restore", _params(snapshot=data, session=args.session)), args)
+
+
+def _fork(client: Client, args: argparse.Namespace) -> int:
+    params = _params(session=args.session, at=args.at)
+    if args.name is not None:
+        params["as"] = args.name  # a Python keyword, so not through _params
+    return _named(client.call_raw("session/fork", params), args)
+
+
+def _pending(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/pending", {"session": args.session})
+    _emit(raw + b"\n" if args.json else _pretty(raw))
+    return EXIT_OK
+
+
+def _recover(client: Client, args: argparse.Namespace) -> int:
+    return _named(client.call_raw("session/recover", {"session": args.session}), args)
+
+
+def _close(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/close", {"session": args.session})
+    if args.json:
+        _emit(raw + b"\n")
+    return EXIT_OK
+
+
+def _watch(client: Client, args: argparse.Namespace) -> int:
+    """Notifications as JSON lines (with or without --json: each is a message of the protocol) until the watch ends."""
+    client.call("session/watch", _params(session=args.session, since=args.since))
+    while True:
+        notice = client.wait_notification()
+        _emit(msgspec.json.encode({"method": notice.method, "params": notice.params}) + b"\n")
+        if notice.method == "session/unwatched":
+            # The session closed (or expired): the watch is over, normally. Dropped for falling behind: exit 1,
+            # and watch again with --since to catch up.
+            closed = notice.params.get("reason") in ("closed", "expired")
+            return EXIT_OK if closed else EXIT_ANSWERED_ERROR
+
+
+def _backup(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("daemon/backup", {"path": str(Path(args.path).absolute())})
+    if args.json:
+        _emit(raw + b"\n")
+    else:
+        made = msgspec.json.decode(raw)
+        _emit(f"{made['path']}: {made['bytes']} bytes\n".encode())
+    return EXIT_OK
+
+
+def _drain(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("daemon/drain")
+    _emit(raw + b"\n" if args.json else f"{msgspec.json.decode(raw)['sessions']} sessions given back\n".encode())
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
+    "backup": _backup,
+    "drain": _drain,
+    "status": _status,
+    "ls": _ls,
+    "new": _new,
+    "step": _step,
+    "snapshot": _snapshot,
+    "restore": _restore,
+    "fork": _fork,
+    "pending": _pending,
+    "recover": _recover,
+    "close": _close,
+    "watch": _watch,
+}
 
 
 def _run_client(args: argparse.Namespace) -> int:
-    from devd.client import NotRunningError
+    from devd.client import Client, NotRunningError
 
     try:
-        with _client(args) as client:
-            if args.command == "status":
-                status = client.call("daemon/status")
-                if args.prometheus:
-                    sys.stdout.write(prometheus(status))
-                else:
-                    _print(status)
-            elif args.command == "ls":
-                _print(client.call("session/list"))
-            elif args.command == "new":
-                params: dict[str, Any] = {}
-                if args.model:
-                    params["config"] = {"model": args.model}
-                if args.session:
-                    params["session"] = args.session
-                print(client.call("session/new", params)["session"])
-            elif args.command == "step":
-                step: dict[str, Any] = {"session": args.session, "event": msgspec.Raw(args.event.encode())}
-                if args.key is not None:  # an empty key is the daemon's to refuse, not ours to drop
-                    step["key"] = args.key
-                if args.timeout_ms is not None:
-                    step["timeout_ms"] = args.timeout_ms
-                _print(client.call("session/step", step))
-            elif args.command == "snapshot":
-                print(client.call("session/snapshot", {"session": args.session})["snapshot"])
-            elif args.command == "restore":
-                data = sys.stdin.read().strip() if args.snapshot == "-" else args.snapshot
-                restore: dict[str, Any] = {"snapshot": data}
-                if args.session:
-                    restore["session"] = args.session
-                print(client.call("session/restore", restore)["session"])
-            elif args.command == "fork":
-                print(client.fork(args.session, at=args.at, name=args.name))
-            elif args.command == "pending":
-                _print(client.call("session/pending", {"session": args.session}))
-            elif args.command == "recover":
-                print(client.call("session/recover", {"session": args.session})["session"])
-            elif args.command == "close":
-                client.call("session/close", {"session": args.session})
-            elif args.command == "watch":
-                watch: dict[str, Any] = {"session": args.session}
-                if args.since is not None:
-                    watch["since"] = args.since
-                client.call("session/watch", watch)
-                while True:
-                    notice = client.wait_notification()
-                    sys.stdout.buffer.write(
-                        msgspec.json.encode({"method": notice.method, "params": notice.params}) + b"\n"
-                    )
-                    sys.stdout.flush()
-                    if notice.method == "session/unwatched":
-                        # The session closed (or expired): the watch is over, normally. Dropped for falling
-                        # behind: exit 1, and watch again with --since to catch up.
-                        return 0 if notice.params.get("reason") in ("closed", "expired") else 1
+        token = _token(args)
+        with Client.connect(_address(args), token=token) as client:
+            return COMMANDS[args.command](client, args)
+    except LocalError as e:
+        print(f"devd: {e}", file=sys.stderr)
+        return EXIT_LOCAL
+    except OutputClosed:
+        # Whatever is still buffered for stdout has nowhere to go: let the interpreter's last flush find nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except DevdError as e:
-        print(f"devd: {e.kind}: {e}", file=sys.stderr)
-        return 1
+        print(f"devd: {e.kind}: {in_cli_terms(e, args)}", file=sys.stderr)
+        return EXIT_ANSWERED_ERROR
     except NotRunningError as e:
         print(f"devd: {e.strerror}", file=sys.stderr)
-        return 3
+        return EXIT_UNREACHABLE
     except (OSError, ConnectionError) as e:
         print(f"devd: cannot reach the daemon at {_address(args)}: {e}", file=sys.stderr)
-        return 3
+        return EXIT_UNREACHABLE
     except KeyboardInterrupt:
-        return 130
-    return 0
+        return EXIT_INTERRUPTED
+
+
+# -- errors in the command's terms -----------------------------------------------------------------------------------
+
+# The command that does what a method does, for messages that name the method; {session} is the session the command
+# at hand was given, else SESSION.
+METHOD_COMMANDS: dict[str, str] = {
+    "session/list": "devd ls",
+    "session/new": "devd new",
+    "session/step": "devd step {session} EVENT",
+    "session/snapshot": "devd snapshot {session}",
+    "session/restore": "devd restore SNAPSHOT",
+    "session/fork": "devd fork {session}",
+    "session/pending": "devd pending {session}",
+    "session/recover": "devd recover {session}",
+    "session/close": "devd close {session}",
+    "session/watch": "devd watch {session}",
+    "daemon/status": "devd status",
+}
+_METHOD_NAMED = re.compile(r"`?\b((?:session|daemon)/[a-z]+)\b`?")
+
+
+def in_cli_terms(error: DevdError, args: argparse.Namespace) -> str:
+    """The daemon's message as a user of the command reads it: the commands for the methods it names, the flags for
+    the token it wants, and where the daemon's log is when it failed."""
+    if error.kind == "UNAUTHORIZED":
+        return _unauthorized(args)
+    session = getattr(args, "session", None) or "SESSION"
+
+    def command(found: re.Match[str]) -> str:
+        template = METHOD_COMMANDS.get(found[1])
+        return found[0] if template is None else f"`{template.format(session=session)}`"
+
+    message = _METHOD_NAMED.sub(command, str(error))
+    if error.kind == "INTERNAL":
+        message += " (the daemon's log: `journalctl -u devd`, with --user for a daemon of yours, or its stderr)"
+    return message
+
+
+def _unauthorized(args: argparse.Namespace) -> str:
+    if args.token is None and not args.token_file:
+        return f"the daemon at {_address(args)} wants its token first: pass --token-file PATH; {_token_hint()}"
+    given = f"the token in {args.token_file}" if args.token is None else "the token given"
+    return f"the daemon at {_address(args)} refused {given}: it is not this daemon's token; {_token_hint()}"
+
+
+# -- the human formats: pure functions of the daemon's answers -------------------------------------------------------
+
+
+def table(headers: list[str], rows: list[list[str]], right: frozenset[int] = frozenset()) -> str:
+    """Columns two spaces apart, padded to their widest cell; the columns in `right` (numbers) aligned right."""
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: list[str]) -> str:
+        padded = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+        return "  ".join(padded).rstrip()
+
+    return "".join(line(row) + "\n" for row in [headers, *rows])
+
+
+def _when(rfc3339: str) -> str:
+    """An RFC 3339 time of the daemon's (UTC, to the millisecond) to the second: 2026-11-30T12:07:18Z."""
+    return rfc3339[:19] + "Z" if len(rfc3339) >= 19 else rfc3339
+
+
+def sessions_table(sessions: list[dict[str, Any]]) -> str:
+    """`devd ls`: a session a line, by name; REASON only when a session has one (why it ended or was poisoned)."""
+    if not sessions:
+        return "no sessions\n"
+    headers = ["NAME", "STATE", "SEQ", "WATCHERS", "CREATED", "LAST USED"]
+    rows = [
+        [s["session"], s["state"], str(s["seq"]), str(s.get("watchers", 0)), _when(s["created"]), _when(s["last_used"])]
+        for s in sessions
+    ]
+    if any(s.get("reason") for s in sessions):
+        headers.append("REASON")
+        for row, s in zip(rows, sessions, strict=True):
+            row.append(s.get("reason") or "")
+    return table(headers, rows, right=frozenset({2, 3}))
+
+
+def _duration(seconds: float) -> str:
+    """12.5s, 4m 5s, 3h 12m, 2d 3h: the two largest units."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    left = int(seconds)
+    days, left = divmod(left, 86400)
+    hours, left = divmod(left, 3600)
+    minutes, secs = divmod(left, 60)
+    units = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
+    while units[0][0] == 0:
+        units.pop(0)
+    return " ".join(f"{n}{unit}" for n, unit in units[:2])
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that leaves at least 1 of it: 512 B, 4.0 KiB, 61.6 MiB, 1.5 GiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def status_summary(status: dict[str, Any]) -> str:
+    """`devd status`: daemon/status as `key: value` lines."""
+    s = status
+    pairs = [
+        ("daemon", f"{s['server']['name']} {s['server']['version']}, up {_duration(s['uptime_s'])}"),
+        ("sessions", ", ".join(f"{n} {state}" for state, n in s["sessions"].items())),
+        ("connections", str(s["connections"])),
+        ("steps", str(s["steps"])),
+        ("durable writes", f"{s['durable_writes']} (commit p50 {s['commit_ms_p50']} ms, p99 {s['commit_ms_p99']} ms)"),
+        ("deadline hits", str(s["deadline_hits"])),
+        ("offloaded", str(s["offloaded"])),
+        ("rebuilt", str(s["rebuilt"])),
+        ("hibernated", str(s["hibernated"])),
+        ("expired", str(s["expired"])),
+        ("errors", ", ".join(f"{n} {kind}" for kind, n in sorted(s["errors"].items())) or "none"),
+        ("memory", f"{_size(s['memory_rss_bytes'])} resident, {_size(s['live_memory_bytes'])} in live sessions"),
+    ]
+    width = max(len(key) for key, _ in pairs) + 1
+    return "".join(f"{key + ':':<{width}} {value}\n" for key, value in pairs)
+
+
+def _label(value: object) -> str:
+    return str(value).replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else repr(float(value))
+
+
+def _seconds(ms: float) -> float:
+    return round(ms / 1000, 9)  # 1.1 ms is 0.0011, not 0.0011000000000000001
 
 
 def prometheus(status: dict[str, Any]) -> str:
-    """daemon/status in the Prometheus text format."""
-    lines = [
-        "# TYPE devd_uptime_seconds gauge",
-        f"devd_uptime_seconds {status['uptime_s']}",
-        "# TYPE devd_sessions gauge",
-        *(f'devd_sessions{{state="{state}"}} {n}' for state, n in sorted(status["sessions"].items())),
-        "# TYPE devd_connections gauge",
-        f"devd_connections {status['connections']}",
-        "# TYPE devd_steps_total counter",
-        f"devd_steps_total {status['steps']}",
-        "# TYPE devd_durable_commits_total counter",
-        f"devd_durable_commits_total {status['durable_writes']}",
-        "# TYPE devd_deadline_hits_total counter",
-        f"devd_deadline_hits_total {status['deadline_hits']}",
-        "# TYPE devd_offloaded_total counter",
-        f"devd_offloaded_total {status['offloaded']}",
-        "# TYPE devd_errors_total counter",
-        *(f'devd_errors_total{{kind="{kind}"}} {n}' for kind, n in sorted(status["errors"].items())),
-        "# TYPE devd_commit_latency_ms gauge",
-        f'devd_commit_latency_ms{{quantile="0.5"}} {status["commit_ms_p50"]}',
-        f'devd_commit_latency_ms{{quantile="0.99"}} {status["commit_ms_p99"]}',
-        "# TYPE devd_resident_memory_bytes gauge",
-        f"devd_resident_memory_bytes {status['memory_rss_bytes']}",
+    """daemon/status in the Prometheus text format: `# HELP` and `# TYPE` for every metric, base units (seconds,
+    bytes), `_total` on counters. Commit latency is a summary of the last 1,024 commits, without `_sum` and `_count`
+    (the daemon keeps neither; `devd_durable_writes_total` counts the commits)."""
+    s = status
+    families: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+        (
+            "devd_build_info",
+            "gauge",
+            "The daemon's version, as a label; always 1.",
+            [(f'{{version="{_label(s["server"]["version"])}"}}', 1)],
+        ),
+        ("devd_uptime_seconds", "gauge", "Seconds since the daemon started.", [("", s["uptime_s"])]),
+        (
+            "devd_sessions",
+            "gauge",
+            "Sessions by state: live (in memory), stored (on disk), ended, poisoned.",
+            [(f'{{state="{_label(state)}"}}', n) for state, n in s["sessions"].items()],
+        ),
+        ("devd_connections", "gauge", "Client connections open now.", [("", s["connections"])]),
+        ("devd_steps_total", "counter", "Steps answered.", [("", s["steps"])]),
+        (
+            "devd_durable_writes_total",
+            "counter",
+            "Commits made durable (written and fsync'd); one carries one or more writes.",
+            [("", s["durable_writes"])],
+        ),
+        (
+            "devd_commit_duration_seconds",
+            "summary",
+            "How long a commit took, write and fsync, over the last 1,024 commits.",
+            [('{quantile="0.5"}', _seconds(s["commit_ms_p50"])), ('{quantile="0.99"}', _seconds(s["commit_ms_p99"]))],
+        ),
+        ("devd_deadline_hits_total", "counter", "Calls stopped by their deadline.", [("", s["deadline_hits"])]),
+        (
+            "devd_offloaded_calls_total",
+            "counter",
+            "Calls run on a worker thread: past their inline budget, or of a session whose calls grew past it.",
+            [("", s["offloaded"])],
+        ),
+        (
+            "devd_sessions_rebuilt_total",
+            "counter",
+            "Sessions rebuilt from their snapshot and journal: woken, recovered, or after an inline call was stopped.",
+            [("", s["rebuilt"])],
+        ),
+        (
+            "devd_sessions_hibernated_total",
+            "counter",
+            "Idle sessions whose instance was dropped to stay within --max-live or --live-memory.",
+            [("", s["hibernated"])],
+        ),
+        ("devd_sessions_expired_total", "counter", "Sessions deleted by --expire-after.", [("", s["expired"])]),
+        (
+            "devd_errors_total",
+            "counter",
+            "Error answers, by kind (the error's data.kind).",
+            [(f'{{kind="{_label(kind)}"}}', n) for kind, n in sorted(s["errors"].items())],
+        ),
+        (
+            "devd_live_memory_bytes",
+            "gauge",
+            "The memory of the sessions' instances together.",
+            [("", s["live_memory_bytes"])],
+        ),
+        (
+            "process_resident_memory_bytes",
+            "gauge",
+            "Resident memory of the daemon's process.",
+            [("", s["memory_rss_bytes"])],
+        ),
     ]
+    lines = []
+    for name, kind, help, samples in families:
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+        lines += [f"{name}{labels} {_number(value)}" for labels, value in samples]
     return "\n".join(lines) + "\n"
 
 
+# -- devd doctor: one line per check, ok or FAIL and what to do ------------------------------------------------------
+
+DATABASE_FILE = "devd.sqlite3"  # in the state directory, as `devd serve` names it
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of `devd doctor`: `ok`, `FAIL` (what is wrong and what to do), or `skip` (it could not be made
+    now, and why: not a failure)."""
+
+    name: str
+    outcome: Literal["ok", "FAIL", "skip"]
+    says: str
+
+    def line(self) -> str:
+        """One line, whatever it says (wasmtime's errors span several)."""
+        return f"{self.outcome:<4}  {self.name}: {' '.join(self.says.split())}"
+
+
+def check_daemon(args: argparse.Namespace) -> Check:
+    """The daemon answers `daemon/status` at the address the client commands use."""
+    from devd.client import Client, NotRunningError
+
+    address = _address(args)
+    try:
+        with Client.connect(address, token=_token(args), timeout=10) as client:
+            status = client.call("daemon/status")
+    except LocalError as e:
+        return Check("daemon", "FAIL", str(e))
+    except DevdError as e:
+        return Check("daemon", "FAIL", f"the daemon at {address} answered {e.kind}: {in_cli_terms(e, args)}")
+    except NotRunningError as e:
+        return Check("daemon", "FAIL", e.strerror or str(e))
+    except (OSError, ConnectionError) as e:
+        return Check("daemon", "FAIL", f"cannot reach the daemon at {address}: {e}")
+    sessions = sum(status["sessions"].values())
+    server = f"{status['server']['name']} {status['server']['version']}"
+    return Check(
+        "daemon", "ok", f"answers at {address} ({server}, up {_duration(status['uptime_s'])}, {sessions} sessions)"
+    )
+
+
+def check_state_dir(state: Path) -> Check:
+    """The state directory exists, is a directory, is this user's (root may check anyone's) and is 0700."""
+    try:
+        st = state.stat()
+    except FileNotFoundError:
+        return Check(
+            "state dir",
+            "FAIL",
+            f"{state} does not exist; `devd serve` makes it on first start (for a daemon run "
+            "with --state-dir DIR, pass the same here)",
+        )
+    except OSError as e:
+        return Check("state dir", "FAIL", f"{state} cannot be read: {e.strerror}; run devd doctor as its owner")
+    if not stat.S_ISDIR(st.st_mode):
+        return Check("state dir", "FAIL", f"{state} is not a directory; move it away, or pass another --state-dir")
+    uid = os.getuid()
+    if st.st_uid != uid and uid != 0:
+        return Check(
+            "state dir",
+            "FAIL",
+            f"{state} belongs to uid {st.st_uid}, not to you (uid {uid}); the daemon "
+            "refuses it: run it and devd doctor as that user, or use a --state-dir of your own",
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode != 0o700:
+        return Check(
+            "state dir",
+            "FAIL",
+            f"{state} is mode {mode:04o}; run `chmod 700 {state}` (its sessions "
+            "are yours alone, and the daemon refuses a directory others may write)",
+        )
+    owner = "yours" if st.st_uid == uid else f"uid {st.st_uid}'s"
+    return Check("state dir", "ok", f"{state} is 0700 and {owner}")
+
+
+def check_database(state: Path) -> Check:
+    """The database file is there."""
+    db = state / DATABASE_FILE
+    try:
+        size = db.stat().st_size
+    except FileNotFoundError:
+        return Check(
+            "database",
+            "FAIL",
+            f"{db} does not exist; `devd serve` makes it on first start (if this "
+            "state directory held sessions, they are gone: restore a backup into it)",
+        )
+    except OSError as e:
+        return Check("database", "FAIL", f"{db} cannot be read: {e.strerror}; run devd doctor as its owner")
+    wal = Path(f"{db}-wal")
+    log = f", and a write-ahead log of {_size(wal.stat().st_size)}" if wal.exists() else ""
+    return Check("database", "ok", f"{db} ({_size(size)}{log})")
+
+
+def check_core(path: Path | None) -> Check:
+    """The core compiles and speaks this devd's ABI."""
+    from devd import ABI
+    from devd.host import Core
+
+    which = str(path) if path is not None else "the packaged core"
+    try:
+        Core.open(path).close()
+    except (DevdError, OSError) as e:
+        return Check(
+            "core",
+            "FAIL",
+            f"{which} does not load: {e}; reinstall devd (in a checkout: `make build`), "
+            "or pass the --core that `devd serve` is given",
+        )
+    return Check("core", "ok", f"{which} loads and speaks ABI {ABI}")
+
+
+def lock_holder(state: Path) -> str | None:
+    """Who holds STATE_DIR/lock, as the daemon wrote it there (its pid and socket); None when no daemon does.
+    Probed with a shared lock taken and let go at once: nothing is written, and a daemon that starts meanwhile
+    waits on nothing."""
+    try:
+        fd = os.open(state / "lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that did not say who it is"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_integrity(state: Path) -> Check:
+    """With no daemon holding the state directory, the database passes `PRAGMA quick_check` through a read-only
+    connection, and is of a format this devd reads. A running daemon keeps the file open in exclusive mode, so then
+    the check is skipped: a second connection would be refused, and must not be tried."""
+    db = state / DATABASE_FILE
+    if not db.exists():
+        return Check("integrity", "skip", f"there is no {db} to check")
+    try:
+        holder = lock_holder(state)
+    except OSError as e:
+        return Check(
+            "integrity", "FAIL", f"{state / 'lock'} cannot be read: {e.strerror}; run devd doctor as its owner"
+        )
+    if holder is not None:
+        return Check(
+            "integrity",
+            "skip",
+            f"a daemon holds {state} ({holder}) and keeps its database open "
+            "exclusively; stop the daemon, then run devd doctor again to check the database",
+        )
+    return quick_check(db)
+
+
+def quick_check(db: Path) -> Check:
+    """`PRAGMA quick_check` and the format version, read only: nothing in the file or its log is changed."""
+    import sqlite3
+
+    from devd.sqlite_store import MIGRATIONS
+
+    shm = Path(f"{db}-shm")
+    had_shm = shm.exists()
+    try:
+        ro = sqlite3.connect(f"file:{quote(str(db))}?mode=ro", uri=True)
+        try:
+            found = [str(row[0]) for row in ro.execute("PRAGMA quick_check")]
+            version = int(ro.execute("PRAGMA user_version").fetchone()[0])
+        finally:
+            ro.close()
+    except sqlite3.Error as e:
+        return Check(
+            "integrity", "FAIL", f"{db} cannot be read: {e}; keep it as it is (copy it aside) and restore a backup"
+        )
+    finally:
+        # A read-only connection to a database with a write-ahead log makes a -shm file; the daemon (in exclusive
+        # mode) never uses one, so the directory is left as it was found.
+        if not had_shm:
+            shm.unlink(missing_ok=True)
+    if found != ["ok"]:
+        shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+        return Check(
+            "integrity",
+            "FAIL",
+            f"PRAGMA quick_check on {db} found: {shown}; keep the file as it is (copy it aside) and restore a backup",
+        )
+    if version > len(MIGRATIONS):
+        return Check(
+            "integrity",
+            "FAIL",
+            f"{db} is format {version}, written by a newer devd (this one reads up to "
+            f"{len(MIGRATIONS)}); run that devd or a newer one",
+        )
+    upgrade = f"; this devd migrates it to format {len(MIGRATIONS)} when it starts" if version < len(MIGRATIONS) else ""
+    return Check("integrity", "ok", f"{db} passes PRAGMA quick_check (format {version}{upgrade})")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    state = Path(args.state_dir) if args.state_dir else default_state_dir()
+    checks = [
+        check_daemon(args),
+        check_state_dir(state),
+        check_database(state),
+        check_core(Path(args.core) if args.core else None),
+        check_integrity(state),
+    ]
+    try:
+        _emit("".join(c.line() + "\n" for c in checks).encode())
+    except OutputClosed:
+        pass
+    return EXIT_OK if all(c.outcome != "FAIL" for c in checks) else EXIT_ANSWERED_ERROR
+
+
+# -- the command line -----------------------------------------------------------------------------------------------
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions and epilogs as written, and every flag's default after its help, except where there is none to
+    show (None, or a switch's False): those flags say in their help what leaving them out does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _escaped(text: object) -> str:
+    return str(text).replace("%", "%%")  # argparse %-formats help
+
+
+def _connection_flags(c: argparse.ArgumentParser) -> None:
+    c.add_argument(
+        "--connect",
+        metavar="ADDRESS",
+        help="the daemon's socket path, or tcp://HOST:PORT (default: $DEVD_SOCKET, else where `devd serve` listens "
+        f"by default; here {_escaped(os.environ.get('DEVD_SOCKET') or default_socket_path())})",
+    )
+    c.add_argument("--token", help="the daemon's TCP token (--token-file keeps it out of `ps`)")
+    c.add_argument(
+        "--token-file", metavar="PATH", help="read the TCP token from this file: the daemon's STATE_DIR/token"
+    )
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="devd", description="A session daemon for agent tools.")
+    p = argparse.ArgumentParser(
+        prog="devd",
+        description="A session daemon for agent tools. `devd serve` runs it; the other commands talk to it.",
+        epilog=EXIT_CODES,
+        formatter_class=_Help,
+    )
     p.add_argument("--version", action="version", version=f"devd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the daemon in the foreground")
-    serve.add_argument("--socket", help="Unix socket path (default $XDG_RUNTIME_DIR/devd/devd.sock)")
-    serve.add_argument("--listen", help="also listen on tcp://HOST:PORT (clients must present the token)")
-    serve.add_argument("--state-dir", help="where sessions are kept (default $STATE_DIRECTORY or $XDG_STATE_HOME/devd)")
-    serve.add_argument("--core", help="load this wasm module (ABI 1) instead of the packaged core")
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon in the foreground",
+        description="Run the daemon in the foreground until SIGTERM or SIGINT (exit 0; 2 when it cannot start).",
+        formatter_class=_Help,
+    )
     serve.add_argument(
-        "--call-timeout", type=float, default=default("call_timeout_s"), help="default deadline of a call, in seconds"
+        "--socket",
+        metavar="PATH",
+        help="the Unix socket to listen on (default: $RUNTIME_DIRECTORY/devd.sock, else "
+        f"$XDG_RUNTIME_DIR/devd/devd.sock, else /tmp/devd-UID/devd.sock; here {_escaped(default_socket_path())}); "
+        "ignored when systemd passes the daemon its sockets",
+    )
+    serve.add_argument(
+        "--listen",
+        metavar="tcp://HOST:PORT",
+        help="also listen on TCP, where a connection must first present the token from STATE_DIR/token "
+        "(default: the Unix socket only)",
+    )
+    serve.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="where the sessions, the token and the lock are kept (default: $STATE_DIRECTORY, else "
+        f"$XDG_STATE_HOME/devd; here {_escaped(default_state_dir())})",
+    )
+    serve.add_argument(
+        "--core", metavar="PATH", help="load this wasm module (ABI 1) instead of the packaged core (default: packaged)"
+    )
+    serve.add_argument(
+        "--call-timeout",
+        type=float,
+        metavar="S",
+        default=default("call_timeout_s"),
+        help="default deadline of a call, in seconds",
     )
     serve.add_argument(
         "--max-call-timeout",
         type=float,
+        metavar="S",
         default=default("max_call_timeout_s"),
         help="the longest deadline a client may ask for, in seconds (longer ones are cut to it)",
     )
     serve.add_argument(
-        "--max-sessions", type=int, default=default("sessions_max"), help="sessions kept, live or stored"
+        "--max-sessions",
+        type=int,
+        metavar="N",
+        default=default("sessions_max"),
+        help="sessions kept, live or stored",
     )
     serve.add_argument(
         "--max-live",
         type=int,
+        metavar="N",
         default=default("max_live"),
         help="sessions held in memory; past it the least recently used idle one hibernates (to disk)",
     )
@@ -290,34 +951,85 @@ def parser() -> argparse.ArgumentParser:
         "ones hibernate. Default: no cap but --max-live (each session's own cap is 64 MiB)",
     )
     serve.add_argument(
+        "--store",
+        metavar="URL",
+        help="where sessions are kept: sqlite:PATH, or postgresql://USER@HOST/DB to share them with other daemons "
+        "(a fleet: see docs/fleet.md). Default: sqlite:STATE_DIR/devd.sqlite3",
+    )
+    serve.add_argument(
+        "--node",
+        metavar="NAME",
+        help="this daemon's name in a fleet (default: HOSTNAME-PID); it must be unique among the daemons",
+    )
+    serve.add_argument(
+        "--advertise",
+        metavar="ADDRESS",
+        help="where other daemons of a fleet send this one's clients: unix:PATH or tcp://HOST:PORT "
+        "(default: its first listener)",
+    )
+    serve.add_argument(
+        "--lease-ttl",
+        type=float,
+        metavar="SECONDS",
+        default=10.0,
+        help="a fleet daemon that cannot renew its lease for this long stops writing, and its sessions may be "
+        "taken over by others",
+    )
+    serve.add_argument(
         "--snapshot-floor",
         type=int,
         metavar="BYTES",
         default=default("snapshot_floor_bytes"),
         help="journal bytes since a session's last snapshot below which no new one is taken (a replay of that "
-        "much is cheap); past it, one is taken once the journal outgrows half the last snapshot",
+        "much is cheap); past it, one is taken at the end of a turn once the journal outgrows a quarter of the last "
+        "snapshot",
     )
     serve.add_argument(
         "--expire-after",
         metavar="DURATION",
         help="delete sessions no call has used for this long (e.g. 30d, 12h); default: keep them",
     )
-    serve.add_argument("--max-connections", type=int, default=default("connections_max"))
-    serve.add_argument("--max-line-bytes", type=int, default=default("line_bytes_max"))
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        default=default("connections_max"),
+        help="connections open at once, for each of the Unix socket and TCP; past it, a new one is refused (FULL)",
+    )
+    serve.add_argument(
+        "--max-line-bytes",
+        type=int,
+        metavar="BYTES",
+        default=default("line_bytes_max"),
+        help="the longest request line, in bytes; a longer one is discarded and answered TOO_LARGE",
+    )
     serve.add_argument(
         "--line-timeout",
         type=float,
+        metavar="S",
         default=default("line_timeout_s"),
         help="seconds a request line may take to arrive",
     )
     serve.add_argument(
         "--send-timeout",
         type=float,
+        metavar="S",
         default=default("send_timeout_s"),
         help="seconds a client may take no bytes while the daemon has some for it, before it is disconnected",
     )
-    serve.add_argument("--log-format", choices=["json", "console"])
-    serve.add_argument("--log-level", default=default("log_level"), choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="json: one object a line, for journald and containers; console: for people (default: console when "
+        "stderr is a terminal, else json)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default=default("log_level"),
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe events logged: info adds the daemon's and sessions' lifecycle to the warnings and "
+        "errors that need attention (docs/operations.md lists the events)",
+    )
 
     schema = sub.add_parser("schema", help="print the JSON Schema of every message of the protocol")
     form = schema.add_mutually_exclusive_group()
@@ -328,37 +1040,76 @@ def parser() -> argparse.ArgumentParser:
         "--typescript", action="store_true", help="print the protocol's types as a TypeScript module instead"
     )
 
-    def client(name: str, help: str) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=help)
-        c.add_argument("--connect", help="socket path or tcp://HOST:PORT (default: the daemon's default socket)")
-        c.add_argument("--token", help="token for TCP")
-        c.add_argument("--token-file", help="read the TCP token from this file")
+    def client(name: str, help: str, json: str = "") -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=_Help)
+        _connection_flags(c)
+        c.add_argument(
+            "--json",
+            action="store_true",
+            help=json or "print the daemon's answer exactly as it sent it, on one line (for scripts)",
+        )
         return c
 
-    client("status", "show the daemon's status").add_argument("--prometheus", action="store_true")
-    client("ls", "list sessions")
+    def session(c: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        c.add_argument("session", help="the session's name")
+        return c
+
+    status = client("status", "show the daemon's counters: sessions, steps, commits, errors, memory")
+    status.add_argument("--prometheus", action="store_true", help="in the Prometheus text format (--json wins)")
+    ls = client("ls", "list the sessions by name: a table of their state, last step, watchers and times")
+    ls.add_argument(
+        "--limit", type=int, metavar="N", help="at most this many sessions, 1-100000 (default: all of them)"
+    )
+    ls.add_argument("--cursor", metavar="NAME", help="start after this name (the page before says which)")
     new = client("new", "start a session and print its name")
-    new.add_argument("--model")
+    new.add_argument("--model", help="the model the session's Model actions name (default: none is named)")
     new.add_argument("--session", help="name it (default: chosen by the daemon)")
-    step = client("step", "step a session with an event (JSON)")
-    step.add_argument("session")
-    step.add_argument("event")
-    step.add_argument("--key", help="idempotency key")
-    step.add_argument("--timeout-ms", type=int)
-    watch = client("watch", "print every step of a session as it happens")
-    watch.add_argument("session")
-    watch.add_argument("--since", type=int)
-    client("snapshot", "print a session's snapshot (base64)").add_argument("session")
-    restore = client("restore", "start a session from a snapshot (base64, or - for stdin)")
-    restore.add_argument("snapshot")
-    restore.add_argument("--session")
-    fork = client("fork", "start a session from another's history (up to step --at) and print its name")
-    fork.add_argument("session")
+    step = session(client("step", "step a session with an event (JSON) and print the actions answered (JSON)"))
+    step.add_argument("event", help='the event, e.g. \'{"Turn":{"id":1,"prompt":"fix the build"}}\'')
+    step.add_argument(
+        "--key", help="idempotency key: the step sent again with it is answered from the journal, never run twice"
+    )
+    step.add_argument(
+        "--timeout-ms", type=int, help="this step's deadline in milliseconds (default: the daemon's --call-timeout)"
+    )
+    watch = session(
+        client(
+            "watch",
+            "print every step of a session as it happens, as JSON lines, until the session is closed",
+            json="accepted for uniformity: watch always prints the protocol's notifications as JSON lines",
+        )
+    )
+    watch.add_argument("--since", type=int, help="start after this step, 0 for all of them (default: from now on)")
+    session(client("snapshot", "print a session's snapshot (base64)"))
+    restore = client("restore", "start a session from a snapshot and print its name")
+    restore.add_argument("snapshot", help="the snapshot (base64), or - to read it from stdin")
+    restore.add_argument("--session", help="name it (default: chosen by the daemon)")
+    fork = session(client("fork", "start a session from another's history (up to step --at) and print its name"))
     fork.add_argument("--at", type=int, help="the step to fork at (default: the session's latest)")
     fork.add_argument("--as", dest="name", help="name the fork (default: chosen by the daemon)")
-    client("pending", "print the actions a session still waits for (JSON)").add_argument("session")
-    client("recover", "bring an ended or poisoned session back from its durable state").add_argument("session")
-    client("close", "end a session and delete its state").add_argument("session")
+    session(client("pending", "print the actions a session still waits for (JSON)"))
+    session(client("recover", "bring an ended or poisoned session back from its durable state"))
+    session(client("close", "end a session and delete its state"))
+    backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
+    backup.add_argument("path", help="the file to write (must not exist; its directory must); relative to here")
+    client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check the daemon, its state directory, database and core",
+        description="Check the daemon, its state directory, database and core, one line per check: ok, FAIL and "
+        "what to do, or skip and why. Exit 0 when no check fails, else 1. The database's integrity is checked only "
+        "while no daemon holds the state directory (a running daemon keeps the file open exclusively).",
+        formatter_class=_Help,
+    )
+    _connection_flags(doctor)
+    doctor.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="the daemon's state directory (default: as `devd serve` chooses it; "
+        f"here {_escaped(default_state_dir())})",
+    )
+    doctor.add_argument("--core", metavar="PATH", help="the core `devd serve --core` loads (default: the packaged one)")
     return p
 
 
@@ -374,4 +1125,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stdout.buffer.write((openrpc_json() if args.openrpc else schema_json()) + b"\n")
         return 0
+    if args.command == "doctor":
+        return _doctor(args)
     return _run_client(args)

@@ -41,6 +41,9 @@ from devd.listeners import peer_uid
 from devd.messages import Action, Config, Event, decode_actions, encode
 from devd.methods import (
     METHODS,
+    BackupParams,
+    BackupResult,
+    DrainResult,
     ForkParams,
     InitializeParams,
     InitializeResult,
@@ -75,11 +78,14 @@ def _classes_by_kind() -> dict[str, type[errors.DevdError]]:
 
 
 _KINDS = _classes_by_kind()
+MOVED_HOPS = 4  # calls sent for one request that meets MOVED: the first, then up to three daemons it names
 
 # Each method of the table, and the client method that calls it (the same name on both clients).
 METHOD_NAMES: dict[str, str] = {
     "initialize": "initialize",
     "daemon/status": "status",
+    "daemon/backup": "backup",
+    "daemon/drain": "drain",
     "session/new": "new",
     "session/step": "step_answer",
     "session/snapshot": "snapshot",
@@ -155,6 +161,9 @@ _encoder = msgspec.json.Encoder()
 def _raise(error: dict[str, Any]) -> None:
     kind = (error.get("data") or {}).get("kind", "INTERNAL")
     cls = _KINDS.get(kind, errors.DevdError)
+    if cls is errors.MovedError:
+        owner = (error.get("data") or {}).get("owner") or {}
+        raise errors.MovedError(error.get("message", ""), owner.get("node"), owner.get("address"))
     raise cls(error.get("message", ""))
 
 
@@ -215,6 +224,11 @@ def _refused(address: str, error: OSError) -> NotRunningError | None:
     return None
 
 
+def _path(address: str) -> str:
+    """A Unix socket's path, from a plain path or a fleet's advertised `unix:PATH`."""
+    return address.removeprefix("unix:")
+
+
 def _open_socket(address: str, timeout: float | None) -> socket.socket:
     if address.startswith("tcp://"):
         host, port = parse_tcp(address)
@@ -225,7 +239,7 @@ def _open_socket(address: str, timeout: float | None) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect(address)
+        sock.connect(_path(address))
         check_peer(sock, address)
     except (FileNotFoundError, ConnectionRefusedError) as e:
         sock.close()
@@ -242,7 +256,7 @@ async def _open_stream(address: str) -> anyio.abc.ByteStream:
         if address.startswith("tcp://"):
             host, port = parse_tcp(address)
             return await anyio.connect_tcp(host, port)
-        stream = await anyio.connect_unix(address)
+        stream = await anyio.connect_unix(_path(address))
     except OSError as e:
         refused = _refused(address, e)
         if refused is None:
@@ -266,17 +280,28 @@ class Client:
         self._sock = sock
         self._file = sock.makefile("rb")
         self._ids = itertools.count(1)
+        self._address: str | None = None  # where connect() went, and the token it gave: what following MOVED needs
+        self._token: str | None = None
+        self._timeout: float | None = None
+        self._follow = False
         self.notifications: list[Reply] = []
         self._watching: set[str] = set()  # sessions a watch() loop follows; unwatch() ends their loop
 
     @classmethod
     def connect(
-        cls, address: str | Path | None = None, *, token: str | None = None, timeout: float | None = 30.0
+        cls,
+        address: str | Path | None = None,
+        *,
+        token: str | None = None,
+        timeout: float | None = 30.0,
+        follow_moved: bool = True,
     ) -> Client:
         """A client of the daemon at address (default: `default_address()`); `timeout` bounds each answer.
         Raises NotRunningError when no daemon listens there, PermissionError when another user serves the socket."""
         address = default_address() if address is None else str(address)
         client = cls(_open_socket(address, timeout))
+        client._address, client._token, client._timeout = address, token, timeout
+        client._follow = follow_moved
         if _greets(address, token):
             try:
                 client.initialize(token=token)
@@ -306,7 +331,30 @@ class Client:
         return _reply.decode(line)
 
     def call_raw(self, method: str, params: Any = None) -> bytes:
-        """The result's raw JSON; raises the error the daemon answered."""
+        """The result's raw JSON; raises the error the daemon answered. A session that lives on another daemon of a
+        fleet (MOVED) is followed there, a few hops at most: this client then talks to that daemon."""
+        for hop in range(MOVED_HOPS):
+            try:
+                return self._call_once(method, params)
+            except errors.MovedError as e:
+                if not self._follow or hop == MOVED_HOPS - 1:
+                    raise
+                if e.address:  # no owner: nobody holds it now, and the same daemon takes it when asked again
+                    self._move_to(e.address, e)
+        raise AssertionError("unreachable")
+
+    def _move_to(self, address: str, moved: errors.MovedError) -> None:
+        try:
+            sock = _open_socket(address, self._timeout)
+        except NotRunningError:
+            raise moved from None  # the owner is gone, its lease not yet ended: asked again later, this daemon takes it
+        self.close()
+        self._sock, self._file, self._address = sock, sock.makefile("rb"), address
+        self._watching.clear()  # subscriptions stay with the connection they were made on
+        if _greets(address, self._token):
+            self.initialize(token=self._token)
+
+    def _call_once(self, method: str, params: Any) -> bytes:
         id = next(self._ids)
         self._sock.sendall(_request(id, method, params if params is not None else {}))
         while True:
@@ -353,6 +401,16 @@ class Client:
         """The daemon's counters."""
         result: StatusResult = self.request("daemon/status", NoParams())
         return result
+
+    def backup(self, path: str | Path) -> BackupResult:
+        """A consistent copy of the daemon's sessions, written by the daemon to the new file `path` (absolute)."""
+        result: BackupResult = self.request("daemon/backup", BackupParams(str(path)))
+        return result
+
+    def drain(self) -> int:
+        """Give this fleet daemon's sessions back to the fleet; how many."""
+        result: DrainResult = self.request("daemon/drain", NoParams())
+        return result.sessions
 
     def new(self, config: Config | None = None, session: str | None = None) -> str:
         """Start a session (named `session`, else the daemon chooses); its name."""
@@ -509,12 +567,13 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._address = address
         self._token = token
+        self._follow = False  # follow MOVED to the daemon it names (set by connect, which knows how to reconnect)
         self._tasks = tasks
 
     @classmethod
     @asynccontextmanager
     async def connect(
-        cls, address: str | Path | None = None, *, token: str | None = None
+        cls, address: str | Path | None = None, *, token: str | None = None, follow_moved: bool = True
     ) -> AsyncIterator[AsyncClient]:
         """A client of the daemon at address (default: `default_address()`) for the life of the context.
         Raises NotRunningError when no daemon listens there, PermissionError when another user serves the socket."""
@@ -522,6 +581,7 @@ class AsyncClient:
         stream = await _open_stream(address)
         async with anyio.create_task_group() as tg:
             client = cls(stream, address=address, token=token, tasks=tg)
+            client._follow = follow_moved
             tg.start_soon(client._read, client._conn)
             try:
                 if _greets(address, token):
@@ -562,7 +622,24 @@ class AsyncClient:
             conn.lose()
 
     async def call_raw(self, method: str, params: Any = None) -> bytes:
-        """The result's raw JSON; raises the error the daemon answered, or ConnectionError if the connection is lost."""
+        """The result's raw JSON; raises the error the daemon answered, or ConnectionError if the connection is lost.
+        A session that lives on another daemon of a fleet (MOVED) is followed there, a few hops at most."""
+        for hop in range(MOVED_HOPS):
+            try:
+                return await self._call_once(method, params)
+            except errors.MovedError as e:
+                if self._tasks is None or not self._follow or hop == MOVED_HOPS - 1:
+                    raise
+                if e.address:  # no owner: nobody holds it now, and the same daemon takes it when asked again
+                    here, self._address = self._address, e.address
+                    try:
+                        await self.reconnect()
+                    except NotRunningError:
+                        self._address = here  # the owner is gone, its lease not yet ended: ask again later
+                        raise e from None
+        raise AssertionError("unreachable")
+
+    async def _call_once(self, method: str, params: Any) -> bytes:
         conn = self._conn
         if conn.lost:
             raise ConnectionError("the connection to the daemon is lost; reconnect() opens a new one")
@@ -601,6 +678,16 @@ class AsyncClient:
         """The daemon's counters."""
         result: StatusResult = await self.request("daemon/status", NoParams())
         return result
+
+    async def backup(self, path: str | Path) -> BackupResult:
+        """A consistent copy of the daemon's sessions, written by the daemon to the new file `path` (absolute)."""
+        result: BackupResult = await self.request("daemon/backup", BackupParams(str(path)))
+        return result
+
+    async def drain(self) -> int:
+        """Give this fleet daemon's sessions back to the fleet; how many."""
+        result: DrainResult = await self.request("daemon/drain", NoParams())
+        return result.sessions
 
     async def new(self, config: Config | None = None, session: str | None = None) -> str:
         """Start a session (named `session`, else the daemon chooses); its name."""

@@ -6,8 +6,8 @@ What it promises:
 - past `connections_max` (counted for Unix and TCP apart, so TCP can never starve the Unix socket), a new connection
   is answered FULL and closed;
 - SIGTERM/SIGINT: stop taking calls (status still answers), let calls in flight finish for `shutdown_grace_s`, then
-  stop the rest where they stand (they end as DEADLINE, durably), send every answer given, commit, and return; a
-  second signal meanwhile is absorbed.
+  stop the rest where they stand (they end as DEADLINE, durably), give a fleet's sessions back (so other daemons
+  take them at once), send every answer given, commit, and return; a second signal meanwhile is absorbed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from devd.methods import METHODS, App, Method
 from devd.offload import Runner
 from devd.registry import Registry
 from devd.rpc import encode_notice
-from devd.store import Store
+from devd.store import Fleet, Store
 from devd.transport import Connection, Hub
 from devd.watchers import Fanout
 
@@ -37,9 +37,15 @@ log = structlog.get_logger("devd.daemon")
 
 
 def build(
-    settings: Settings, core: Core, store: Store, *, methods: Mapping[str, Method] = METHODS
+    settings: Settings,
+    core: Core,
+    store: Store,
+    *,
+    methods: Mapping[str, Method] = METHODS,
+    fleet: Fleet | None = None,
 ) -> tuple[Registry, Dispatcher]:
-    """The parts of a daemon, wired: registry over core and store, dispatcher over the methods."""
+    """The parts of a daemon, wired: registry over core and store (and the fleet, when the store is shared with
+    other daemons), dispatcher over the methods."""
     runner = Runner(core, inline_budget_s=settings.inline_budget_s, threads_max=settings.call_threads_max)
     registry = Registry(
         core,
@@ -52,6 +58,7 @@ def build(
         runner=runner,
         snapshot_floor_bytes=settings.snapshot_floor_bytes,
         live_memory_bytes=settings.live_memory_bytes,
+        fleet=fleet,
     )
     app = App(settings, registry, store, connections=lambda: 0)
     return registry, Dispatcher(methods, app)
@@ -72,6 +79,8 @@ class Daemon:
         absorbed rather than killing the process half-way.
         """
         app = self.dispatcher.app
+        if app.registry.fleet is not None:
+            await app.registry.fleet.connect()
         await app.registry.load()
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with anyio.create_task_group() as tg:
@@ -90,6 +99,8 @@ class Daemon:
                     log.warning("daemon.interrupting", calls=len(running))
                     app.registry.core.interrupt_all(max(self.settings.max_call_timeout_s, self.settings.call_timeout_s))
                 await self.hub.drain()
+                if app.registry.fleet is not None:
+                    await self._release(app.registry)
                 await self._close_connections()
                 tg.cancel_scope.cancel()
             await app.store.flush()
@@ -106,6 +117,15 @@ class Daemon:
             with anyio.move_on_after(self.settings.shutdown_grace_s):
                 await self.hub.drain()
             return
+
+    async def _release(self, registry: Registry) -> None:
+        """Give the fleet back every session, now that no call runs, so other daemons take them at once rather than
+        after this one's lease ends. A failure only costs them that wait."""
+        try:
+            with anyio.fail_after(self.settings.shutdown_grace_s):
+                await registry.drain()
+        except Exception as e:
+            log.error("fleet.release_failed", error=f"{type(e).__name__}: {e}"[:500])
 
     async def _close_connections(self) -> None:
         """Send every answer given, then close every connection: wait while some connection still has bytes to send

@@ -23,13 +23,15 @@ from msgspec import Meta, Raw
 
 from devd import ABI, __version__
 from devd.config import Settings
-from devd.errors import ExistsError, InvalidParamsError, MethodNotFoundError
+from devd.errors import ExistsError, InvalidParamsError, MethodNotFoundError, NullError
 from devd.messages import Config, encode
 from devd.registry import Registry
 from devd.rpc import Request
 from devd.store import Store
 from devd.watchers import Sink, Subscription
 
+# Logged at info: the daemon's own acts (a backup) and a session's lifecycle (new, restored, forked, recovered,
+# closed), one line each; never a step, whose path stays free of log calls.
 log = structlog.get_logger("devd.methods")
 
 SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
@@ -351,6 +353,21 @@ async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
     return BackupResult(str(path), size)
 
 
+class DrainResult(msgspec.Struct, frozen=True):
+    """How many sessions this daemon gave back to the fleet."""
+
+    sessions: int
+
+
+@method("daemon/drain", NoParams, DrainResult)
+async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
+    """Give every session this daemon of a fleet holds back to the fleet, so other daemons take them at once (before
+    a restart, say); a session called here again is taken back. Calls in flight keep their session."""
+    if call.app.registry.fleet is None:
+        raise NullError("this daemon is not in a fleet (its store is its own): there is nothing to give back")
+    return DrainResult(await call.app.registry.drain())
+
+
 # -- sessions -----------------------------------------------------------------------------------------------------
 
 
@@ -364,7 +381,9 @@ class NewParams(_Params, frozen=True):
 @method("session/new", NewParams, SessionResult)
 async def session_new(call: Call, params: NewParams) -> SessionResult:
     """Start a session; it is durable before this answers."""
-    return SessionResult(await call.app.registry.new(params.session, encode(params.config or Config())))
+    name = await call.app.registry.new(params.session, encode(params.config or Config()))
+    log.info("session.created", session=name)
+    return SessionResult(name)
 
 
 class StepParams(_Params, frozen=True):
@@ -412,7 +431,9 @@ class RestoreParams(_Params, frozen=True):
 @method("session/restore", RestoreParams, SessionResult)
 async def session_restore(call: Call, params: RestoreParams) -> SessionResult:
     """Start a session from a snapshot; it is durable before this answers."""
-    return SessionResult(await call.app.registry.restore(params.snapshot, params.session))
+    name = await call.app.registry.restore(params.snapshot, params.session)
+    log.info("session.restored", session=name)
+    return SessionResult(name)
 
 
 class ForkParams(_Params, frozen=True):
@@ -427,7 +448,9 @@ class ForkParams(_Params, frozen=True):
 async def session_fork(call: Call, params: ForkParams) -> SessionResult:
     """Start a session whose history is the source's up to step `at`, with its own name, journal and keys; the
     source is untouched."""
-    return SessionResult(await call.app.registry.fork(params.session, params.at, params.as_))
+    name = await call.app.registry.fork(params.session, params.at, params.as_)
+    log.info("session.forked", session=name, source=params.session, at=params.at)
+    return SessionResult(name)
 
 
 class PendingResult(msgspec.Struct, frozen=True):
@@ -447,6 +470,7 @@ async def session_pending(call: Call, params: SessionParams) -> PendingResult:
 async def session_recover(call: Call, params: SessionParams) -> SessionResult:
     """Bring an ended or poisoned session back from its durable state."""
     await call.app.registry.recover(params.session)
+    log.info("session.recovered", session=params.session)
     return SessionResult(params.session)
 
 
@@ -454,6 +478,7 @@ async def session_recover(call: Call, params: SessionParams) -> SessionResult:
 async def session_close(call: Call, params: SessionParams) -> Empty:
     """End a session and delete its state; its watchers get `session/unwatched` with reason "closed"."""
     await call.app.registry.close(params.session)
+    log.info("session.closed", session=params.session)
     call.peer.watches.pop(params.session, None)
     return Empty()
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from devd.errors import DevdError, InvalidRequestError, ParseError, TooLargeError
+from devd.errors import DevdError, InvalidRequestError, MovedError, ParseError, TooLargeError
 from devd.watchers import Notice, Stepped
 
 Id = int | str | None
@@ -182,8 +182,16 @@ def _text(member: Raw | UnsetType) -> str | None:
 # -- answers ------------------------------------------------------------------------------------------------------
 
 
-class ErrorData(msgspec.Struct, frozen=True):
+class Owner(msgspec.Struct, frozen=True):
+    """The daemon of a fleet that holds a session: its name, and the address its clients reach it at."""
+
+    node: str
+    address: str
+
+
+class ErrorData(msgspec.Struct, frozen=True, omit_defaults=True):
     kind: str
+    owner: Owner | None | msgspec.UnsetType = msgspec.UNSET  # MOVED only: the daemon that holds the session, or null
 
 
 class Error(msgspec.Struct, frozen=True):
@@ -221,7 +229,10 @@ def response(id: Id, result: Any) -> bytes:
 
 
 def error_response(id: Id, error: DevdError) -> bytes:
-    return _encoder.encode(ErrorResponse("2.0", id, Error(error.code, str(error), ErrorData(error.kind)))) + b"\n"
+    data = ErrorData(error.kind)
+    if isinstance(error, MovedError):
+        data = ErrorData(error.kind, Owner(error.node, error.address or "") if error.node is not None else None)
+    return _encoder.encode(ErrorResponse("2.0", id, Error(error.code, str(error), data))) + b"\n"
 
 
 def notification(method: str, params: Any) -> bytes:
@@ -244,13 +255,6 @@ class StepNotice(msgspec.Struct, frozen=True):
     seq: int
     event: Raw
     actions: Raw
-
-
-class Owner(msgspec.Struct, frozen=True):
-    """The daemon of a fleet that holds a session: its name, and the address its clients reach it at."""
-
-    node: str
-    address: str
 
 
 class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):

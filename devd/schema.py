@@ -195,7 +195,8 @@ def error_kinds() -> dict[str, type[errors.DevdError]]:
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
-        if cls not in (errors.DevdError, errors.AbiError):
+        # Only the protocol's own: a client may define errors of its own (devd.driver.TurnError) that never cross.
+        if cls not in (errors.DevdError, errors.AbiError) and cls.__module__ == errors.__name__:
             found.setdefault(cls.kind, cls)
     return dict(sorted(found.items(), key=lambda item: (item[1].code < -32099, -item[1].code)))
 

@@ -177,6 +177,9 @@ class Fleet(Protocol):
 
     node: str  # this daemon's name in the fleet
 
+    async def connect(self) -> None:
+        """Reach the database, bring its format up to date, and join the fleet (a fresh lease)."""
+
     async def acquire(self, name: str) -> int | None:
         """Take the session for this daemon (its epoch), or None if there is no such session; MovedError naming the
         owner when another live daemon holds it."""

@@ -139,15 +139,17 @@ def test_a_kill_at_every_named_point_loses_no_answered_step_and_half_applies_non
     wholly there (its keyed retry is replayed) or not at all (it runs fresh), and everything answered is there."""
     # No floor: snapshots (and so pruning) as often as the log-compaction rule allows, for the points inside them.
     daemon = Daemon(tmp_path, "--snapshot-floor", "0", env={"DEVD_FAILPOINTS": f"{point}=kill@{nth}"}).start()
-    with daemon.client() as c:
-        c.new(session="s")
-    conv = Conversation("s")
-    died = step_until_killed(daemon, conv, 600)
-    assert daemon.proc is not None and daemon.proc.wait(10) == -9 and died
-    daemon.env = {}
-    daemon.start()
-    acked_before = conv.acked
-    assert step_until_killed(daemon, conv, acked_before + 4) is False
-    with daemon.client() as c:
-        assert c.call("session/list")["sessions"][0]["seq"] == conv.acked
-    daemon.stop()
+    try:
+        with daemon.client() as c:
+            c.new(session="s")
+        conv = Conversation("s")
+        died = step_until_killed(daemon, conv, 600)
+        assert daemon.proc is not None and daemon.proc.wait(10) == -9 and died
+        daemon.env = {}
+        daemon.start()
+        acked_before = conv.acked
+        assert step_until_killed(daemon, conv, acked_before + 4) is False
+        with daemon.client() as c:
+            assert c.call("session/list")["sessions"][0]["seq"] == conv.acked
+    finally:
+        daemon.stop()  # a failed assertion must not leave a daemon running

@@ -302,10 +302,12 @@ def error_classes(root: type[errors.DevdError] = errors.DevdError) -> Iterator[t
 def test_an_error_reply_is_one_json_line_with_its_id_code_message_and_kind(
     id: int | str | None, kind: type[errors.DevdError], message: str
 ) -> None:
+    # MOVED also names the daemon that holds the session: null when it was raised without one.
+    data = {"kind": kind.kind, "owner": None} if kind is errors.MovedError else {"kind": kind.kind}
     assert one_json_line(error_response(id, kind(message))) == {
         "jsonrpc": "2.0",
         "id": id,
-        "error": {"code": kind.code, "message": message, "data": {"kind": kind.kind}},
+        "error": {"code": kind.code, "message": message, "data": data},
     }
 
 

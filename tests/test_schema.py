@@ -417,6 +417,8 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             assert client.call("daemon/status")["steps"] == 5
             backup = str(tmp_path / "backup.sqlite3")
             assert client.call("daemon/backup", {"path": backup})["path"] == backup
+            with pytest.raises(errors.NullError):
+                client.call("daemon/drain")  # not in a fleet
             with pytest.raises(errors.MalformedError):
                 client.step("demo", b'{"Turn":{"id":2,"prompt":"x"},"Exec":null}')
             with pytest.raises(errors.MethodNotFoundError):
@@ -438,7 +440,8 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             sent_methods, notice_methods, kinds = check_traffic(client)
             watcher_methods, watcher_notices, _ = check_traffic(watcher)
         assert stop(proc) == 0
-    assert sent_methods | watcher_methods == set(SCHEMA["methods"])
+    # daemon/drain answers only in a fleet (tests/test_fleet.py); here it is refused, as NULL.
+    assert sent_methods | watcher_methods == set(SCHEMA["methods"]) - {"daemon/drain"}
     assert watcher_notices == set(SCHEMA["notifications"])
     assert notice_methods == set()
-    assert kinds == {"MALFORMED", "METHOD_NOT_FOUND", "INVALID_PARAMS", "HANDLE", "CONFLICT"}
+    assert kinds == {"MALFORMED", "METHOD_NOT_FOUND", "INVALID_PARAMS", "HANDLE", "CONFLICT", "NULL"}

@@ -1,4 +1,5 @@
-"""The store contract (devd.store), checked against every implementation: SQLite and memory alike."""
+"""The store contract (devd.store), checked against every implementation: SQLite, memory and PostgreSQL alike (a
+real PostgreSQL, started by tests/postgres.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import pytest
 
 from devd.errors import StoreError
 from devd.memory_store import MemoryStore
+from devd.pg_store import PostgresStore
 from devd.sqlite_store import SQLiteStore
-from devd.store import Health, Keyed, Step, Store, Stored
+from devd.store import Health, Keyed, Row, Step, Store, Stored
+from tests import postgres as pg
+
+postgres, postgres_url = pg.postgres, pg.postgres_url  # the fixtures, for the tests of kind "postgres"
 
 S = TypeVar("S", bound=Store)
 CONFIG = b'{"model":"m"}'
@@ -43,27 +48,51 @@ def sqlite_at(
     return SQLiteStore(path, keys_kept=keys_kept, steps_kept=steps_kept, prune_every_steps=prune_every_steps)
 
 
-@pytest.fixture(params=["sqlite", "memory"])
+async def postgres_at(
+    url: str, *, keys_kept: int = 1000, steps_kept: int = 1000, prune_every_steps: int = 256
+) -> PostgresStore:
+    return await PostgresStore.open(
+        url, keys_kept=keys_kept, steps_kept=steps_kept, prune_every_steps=prune_every_steps, node="test"
+    )
+
+
+@pytest.fixture(params=["sqlite", "memory", "postgres"])
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 @pytest.fixture
-async def store(kind: str, tmp_path: Path) -> AsyncIterator[Store]:
-    opened: Store = sqlite_at(tmp_path / "db.sqlite3") if kind == "sqlite" else MemoryStore()
-    async with running(opened):
+def where(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """Where a store of that kind keeps its data: a file, or a PostgreSQL database of its own (memory: nowhere)."""
+    if kind == "postgres":
+        return str(request.getfixturevalue("postgres_url"))
+    return str(tmp_path / "db.sqlite3")
+
+
+async def open_store(kind: str, where: str, **limits: int) -> Store:
+    """A store of that kind, opened on `where` with the pruning limits given (the defaults otherwise)."""
+    if kind == "sqlite":
+        return sqlite_at(Path(where), **limits)
+    if kind == "postgres":
+        return await postgres_at(where, **limits)
+    return MemoryStore()
+
+
+@pytest.fixture
+async def store(kind: str, where: str) -> AsyncIterator[Store]:
+    async with running(await open_store(kind, where)) as opened:
         yield opened
 
 
 def step(seq: int, *, key: str | None = None, snapshot: bytes | None = None, session: str = "a") -> Step:
     """Step `seq` of a session, with bytes that name it (the store never reads them)."""
     digest = f"d{seq}".encode() if key is not None else None
-    return Step(session, seq, f"e{seq}".encode(), f"a{seq}".encode(), key, digest, snapshot)
+    return Step(session, seq, f"e{seq}".encode(), f"a{seq}".encode(), key, digest, snapshot, f"h{seq}".encode())
 
 
-def row(seq: int) -> tuple[int, bytes, bytes]:
+def row(seq: int) -> Row:
     """Step `seq` as the journal gives it back."""
-    return (seq, f"e{seq}".encode(), f"a{seq}".encode())
+    return Row(seq, f"e{seq}".encode(), f"a{seq}".encode(), f"h{seq}".encode())
 
 
 async def append_all(store: Store, *steps: Step) -> None:
@@ -100,7 +129,7 @@ async def test_a_keyed_step_is_found_by_its_key_and_an_unknown_key_is_none(store
     await store.create("a", CONFIG)
     await append_all(store, step(1, key="k1"), step(2), step(3, key="k3"))
     assert (await store.keyed("a", "k3"), await store.keyed("a", "k2"), await store.keyed("b", "k1")) == (
-        Keyed(3, b"d3", b"a3"),
+        Keyed(3, b"d3", b"a3", b"h3"),
         None,
         None,
     )
@@ -168,7 +197,7 @@ async def test_a_fork_has_the_source_journal_and_keys_up_to_its_step(store: Stor
     await forked(store)
     assert (await store.steps_since("f", 0, 10), await store.keyed("f", "k1"), await store.keyed("f", "k4")) == (
         [row(1), row(2)],
-        Keyed(1, b"d1", b"a1"),
+        Keyed(1, b"d1", b"a1", b"h1"),
         None,
     )
 
@@ -182,7 +211,7 @@ async def test_a_fork_leaves_its_source_as_it_was(store: Store) -> None:
     await forked(store)
     assert (await store.load("a"), await store.keyed("a", "k4")) == (
         Stored("a", CONFIG, b"S3", 3, Health.OK, None, [row(4)]),
-        Keyed(4, b"d4", b"a4"),
+        Keyed(4, b"d4", b"a4", b"h4"),
     )
 
 
@@ -222,8 +251,8 @@ async def test_statistics_count_the_commits(store: Store) -> None:
     assert store.statistics().commits == 3
 
 
-async def test_flush_commits_what_is_pending_when_run_is_not_running(tmp_path: Path, kind: str) -> None:
-    store = sqlite_at(tmp_path / "db.sqlite3") if kind == "sqlite" else MemoryStore()
+async def test_flush_commits_what_is_pending_when_run_is_not_running(kind: str, where: str) -> None:
+    store = await open_store(kind, where)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(store.create, "a", CONFIG)  # queued: no `run` commits it (as at shutdown, after run ends)
@@ -235,21 +264,27 @@ async def test_flush_commits_what_is_pending_when_run_is_not_running(tmp_path: P
         store.close()
 
 
-# -- SQLite only -----------------------------------------------------------------------------------------------------
+# -- durable stores: SQLite and PostgreSQL ---------------------------------------------------------------------------
+
+DURABLE = pytest.mark.parametrize("kind", ["sqlite", "postgres"])  # overrides the `kind` fixture
 
 
-async def test_sqlite_data_survives_closing_and_reopening_the_file(tmp_path: Path) -> None:
-    async with running(sqlite_at(tmp_path / "db.sqlite3")) as before:
+@DURABLE
+async def test_data_survives_closing_and_reopening_the_store(kind: str, where: str) -> None:
+    async with running(await open_store(kind, where)) as before:
         await before.create("a", CONFIG)
         await append_all(before, step(1, key="k1"), step(2, snapshot=b"S2"), step(3))
         await before.set_health("a", Health.ENDED, "its deadline passed")
-    async with running(sqlite_at(tmp_path / "db.sqlite3")) as after:
+    async with running(await open_store(kind, where)) as after:
         listed = [(r.name, r.health, r.reason, r.seq) for r in await after.sessions()]
         assert (await after.load("a"), await after.keyed("a", "k1"), listed) == (
             Stored("a", CONFIG, b"S2", 2, Health.ENDED, "its deadline passed", [row(3)]),
-            Keyed(1, b"d1", b"a1"),
+            Keyed(1, b"d1", b"a1", b"h1"),
             [("a", Health.ENDED, "its deadline passed", 3)],
         )
+
+
+# -- SQLite only -----------------------------------------------------------------------------------------------------
 
 
 async def test_sqlite_a_failed_commit_is_a_store_error_not_a_sqlite3_one(tmp_path: Path) -> None:
@@ -291,8 +326,14 @@ async def test_sqlite_a_failed_commit_fails_every_write_in_its_batch(tmp_path: P
     assert outcome == ([StoreError, StoreError], None, 1)
 
 
-async def test_sqlite_pruning_keeps_the_newest_keys_and_the_steps_behind_the_latest_snapshot(tmp_path: Path) -> None:
-    async with running(sqlite_at(tmp_path / "db.sqlite3", keys_kept=2, steps_kept=2, prune_every_steps=1)) as store:
+# -- durable stores: pruning -----------------------------------------------------------------------------------------
+
+
+@DURABLE
+async def test_pruning_keeps_the_newest_keys_and_what_derives_the_steps_promised(kind: str, where: str) -> None:
+    # Two steps are promised behind the latest snapshot (7 and 8); the snapshot before them (S4) derives them, so it and
+    # every step after it stay, and the older keyed steps beyond the two newest keys go.
+    async with running(await open_store(kind, where, keys_kept=2, steps_kept=2, prune_every_steps=1)) as store:
         await store.create("a", CONFIG)
         await append_all(
             store,
@@ -306,21 +347,41 @@ async def test_sqlite_pruning_keeps_the_newest_keys_and_the_steps_behind_the_lat
             step(8, snapshot=b"S8"),
             step(9),
         )
-        kept = [seq for seq, _, _ in await store.steps_since("a", 0, 100)]
+        kept = [r.seq for r in await store.steps_since("a", 0, 100)]
         keys = [await store.keyed("a", k) is not None for k in ("k1", "k2", "k5")]
-        assert (kept, keys, await store.load("a"), await store.load_at("a", 7)) == (
-            [2, 5, 7, 8, 9],
+        assert (kept, keys, await store.load("a"), await store.load_at("a", 6)) == (
+            [2, 4, 5, 6, 7, 8, 9],
             [False, True, True],
             Stored("a", CONFIG, b"S8", 8, Health.OK, None, [row(9)]),
-            None,
+            Stored("a", CONFIG, b"S4", 4, Health.OK, None, [row(5), row(6)]),
         )
 
 
-async def test_sqlite_a_name_created_again_is_pruned_as_a_new_session(tmp_path: Path) -> None:
-    async with running(sqlite_at(tmp_path / "db.sqlite3", keys_kept=1, steps_kept=1, prune_every_steps=4)) as store:
+@DURABLE
+async def test_pruning_moves_on_once_a_later_snapshot_derives_the_steps_promised(kind: str, where: str) -> None:
+    async with running(await open_store(kind, where, keys_kept=1, steps_kept=2, prune_every_steps=1)) as store:
+        await store.create("a", CONFIG)
+        await append_all(store, step(1), step(2, snapshot=b"S2"), step(3), step(4, snapshot=b"S4"), step(5))
+        await append_all(store, step(6), step(7, snapshot=b"S7"))
+        kept = [r.seq for r in await store.steps_since("a", 0, 100)]
+        assert (kept, await store.load_at("a", 3)) == ([4, 5, 6, 7], None)
+
+
+@DURABLE
+async def test_a_name_created_again_is_pruned_as_a_new_session(kind: str, where: str) -> None:
+    async with running(await open_store(kind, where, keys_kept=1, steps_kept=1, prune_every_steps=4)) as store:
         await store.create("a", CONFIG)
         await append_all(store, *(step(n) for n in range(1, 8)), step(8, snapshot=b"S8"))
         await store.delete("a")
         await store.create("a", CONFIG)
-        await append_all(store, step(1), step(2), step(3), step(4, snapshot=b"S4"), step(5))
-        assert await store.steps_since("a", 0, 100) == [row(4), row(5)]
+        await append_all(store, step(1), step(2, snapshot=b"S2"), step(3), step(4, snapshot=b"S4"), step(5))
+        assert await store.steps_since("a", 0, 100) == [row(2), row(3), row(4), row(5)]
+
+
+async def test_an_answer_kept_as_its_digest_loads_back_as_its_digest(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await store.append(Step("a", 1, b"e1", None, "k1", b"d1", None, b"h1"))
+    assert (await store.load("a"), await store.keyed("a", "k1")) == (
+        Stored("a", CONFIG, None, 0, Health.OK, None, [Row(1, b"e1", None, b"h1")]),
+        Keyed(1, b"d1", None, b"h1"),
+    )

@@ -168,6 +168,11 @@ export interface Done {
   outcome: Outcome;
 }
 
+/** How many sessions this daemon gave back to the fleet. */
+export interface DrainResult {
+  sessions: number;
+}
+
 /**
  * Nothing to report: the call did what it says.
  *
@@ -208,6 +213,7 @@ export interface ErrorData {
     | "INVALID_PARAMS"
     | "INTERNAL"
     | "PARSE";
+  owner?: Owner | null;
 }
 
 /**
@@ -352,6 +358,14 @@ export interface Methods {
   "daemon/backup": {
     params: BackupParams;
     result: BackupResult;
+  };
+  /**
+   * Give every session this daemon of a fleet holds back to the fleet, so other daemons take them at once (before a
+   * restart, say); a session called here again is taken back. Calls in flight keep their session.
+   */
+  "daemon/drain": {
+    params: NoParams;
+    result: DrainResult;
   };
   /** Start a session; it is durable before this answers. */
   "session/new": {

@@ -1,0 +1,1032 @@
+"""The fleet's store: sessions in one PostgreSQL database shared by many daemons, each session stepped by one daemon
+at a time. The only module that touches PostgreSQL.
+
+It keeps every promise of `devd.store.Store` (tests/test_store.py runs the same suite against it), and adds ownership:
+
+- **Nodes and leases.** Each daemon is a node: a row (`nodes`: id, address, `lease_until`) it registers when it opens
+  and renews every ttl/3 while `run()` runs, on the database's clock (`now()`), so the daemons' clocks need not agree.
+  Its own deadline is on its monotonic clock, counted from before it sent the renewal that succeeded: the database's
+  lease cannot end before it. Past that deadline `lease_valid()` is False and every write is refused (fail closed)
+  until a renewal succeeds again.
+- **Epochs.** Each session row names its owner and an `epoch`, the fencing token, drawn from one sequence (so a token
+  is never reused, not even by a session deleted and made again), and its `head_seq`. A node acquires a session it
+  does not hold (explicitly with `acquire`, or on its first write to it) by drawing a new epoch in one
+  `UPDATE … RETURNING`, allowed only when nobody owns the session, this node does, or the owner's lease has ended.
+  When a live node owns it, the answer is `MovedError` naming that node and its address.
+- **Fencing.** Every journal append compare-and-sets (owner, epoch, head_seq) in the statement that inserts the row.
+  A node paused past its lease (GC, SIGSTOP, a partition) that wakes believing it owns a session commits nothing:
+  zero rows updated means fenced, and the write fails with `MovedError`, never an acknowledgement. The appends of a
+  group commit are one statement (arrays through `unnest`), fenced still row by row: a fenced row fails its own
+  write, the others of the batch commit.
+- **Drain.** `release` and `release_all` set the owner to none, so another node takes the sessions at once.
+
+Writes go through a group commit like the SQLite store's: writes queued while a commit runs share the next one, and a
+write returns only once its transaction committed (PostgreSQL's own fsync; `synchronous_commit` must stay on). Every
+transaction is SERIALIZABLE, the only level CockroachDB runs, and is retried whole on a serialization failure (40001)
+or a deadlock (40P01). The SQL sticks to what CockroachDB and YugabyteDB also accept: no LISTEN/NOTIFY, no advisory
+locks, no stored procedures. Every failure crosses as `StoreError` (or `MovedError`), never as psycopg's own.
+
+Connections are the store's own (psycopg 3, async, on anyio's asyncio backend): one for commits, one for the lease,
+a few for reads and acquisitions. No pool runs tasks of its own, so `close()` needs no event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import psycopg
+import structlog
+from psycopg import pq
+from psycopg.rows import TupleRow
+
+from devd.errors import DevdError, MovedError, NullError
+from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+
+__all__ = ["MIGRATIONS", "Owner", "PostgresStore", "default_node"]
+
+log = structlog.get_logger("devd.store")
+
+T = TypeVar("T")
+Conn = psycopg.AsyncConnection[TupleRow]
+
+LEASE_TTL_S = 10.0
+TIMEOUT_S = 10.0  # any one transaction, connecting included: a database that hangs fails writes, it does not hold them
+READERS_MAX = 4  # connections for reads and acquisitions; commits and the lease have one each
+ROWS_PER_STATEMENT = 1000  # steps in one append statement; arrays have no parameter limit, this bounds its bytes
+RETRIES_MAX = 10  # attempts of a transaction that keeps meeting serialization failures
+RETRY_BACKOFF_S = 0.002  # doubled per attempt, jittered, so that the transactions in conflict do not meet again
+RETRYABLE = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected: the transaction did not commit
+ENDED = frozenset({"57P01", "57P02", "57P03"})  # the server ended the connection (or is starting): nothing committed
+# Two daemons migrating at once: the second's insert of the version row, or its `CREATE TABLE IF NOT EXISTS` (which
+# races in PostgreSQL's catalog), fails; it reads the version again.
+RACED = RETRYABLE | {"23505", "42P07", "42710"}  # unique violation, duplicate table, duplicate object
+ROW = "seq, event, actions, answer"  # the columns of a `Row`
+
+# The database's format, one migration per version; `devd_schema` records those applied, one row each. Each runs
+# once, in a transaction of its own, at open; daemons opening one database at once are safe (the version's row is
+# inserted first, so only one of them applies it). A database from a newer devd (a version past this list) is
+# refused. Never edit a migration that has shipped: add the next one.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    # 1: nodes and their leases, sessions with their owner and fencing epoch, the journal
+    (
+        "CREATE TABLE nodes (id TEXT PRIMARY KEY, address TEXT NOT NULL, lease_until TIMESTAMPTZ NOT NULL)",
+        "CREATE SEQUENCE epochs",
+        """CREATE TABLE sessions (
+            name TEXT PRIMARY KEY,
+            config BYTEA NOT NULL,
+            state TEXT NOT NULL DEFAULT 'ok',
+            reason TEXT,
+            created DOUBLE PRECISION NOT NULL,
+            last_used DOUBLE PRECISION NOT NULL,
+            owner TEXT,
+            epoch BIGINT NOT NULL,
+            head_seq BIGINT NOT NULL
+        )""",
+        "CREATE INDEX sessions_owner ON sessions (owner)",
+        """CREATE TABLE journal (
+            session TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            epoch BIGINT NOT NULL,
+            key TEXT,
+            digest BYTEA,
+            event BYTEA NOT NULL,
+            actions BYTEA,
+            answer BYTEA,
+            snapshot BYTEA,
+            at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (session, seq)
+        )""",
+        "CREATE INDEX journal_key ON journal (session, key) WHERE key IS NOT NULL",
+    ),
+)
+VERSIONS = (
+    "CREATE TABLE IF NOT EXISTS devd_schema (version INT PRIMARY KEY, applied TIMESTAMPTZ NOT NULL DEFAULT now())"
+)
+
+# A session this node may take: nobody owns it, this node does, or its owner's lease has ended (database clock).
+FREE = (
+    "(s.owner IS NULL OR s.owner = %(node)s OR NOT EXISTS "
+    "(SELECT 1 FROM nodes n WHERE n.id = s.owner AND n.lease_until > now()))"
+)
+REGISTER = (
+    "INSERT INTO nodes (id, address, lease_until) "
+    "VALUES (%(node)s, %(address)s, now() + %(ttl)s * interval '1 second') "
+    "ON CONFLICT (id) DO UPDATE SET address = excluded.address, lease_until = excluded.lease_until"
+)
+ACQUIRE = (
+    "UPDATE sessions s SET owner = %(node)s, epoch = nextval('epochs') "
+    f"WHERE s.name = ANY(%(names)s) AND {FREE} RETURNING s.name, s.epoch"
+)
+OWNERS = (
+    "SELECT s.name, s.owner, s.epoch, s.head_seq, n.address, COALESCE(n.lease_until > now(), false) "
+    "FROM sessions s LEFT JOIN nodes n ON n.id = s.owner WHERE s.name = ANY(%(names)s)"
+)
+# The appends of a batch: each row advances its session's head only if this node still owns it under the epoch it
+# holds and the row is the next step; only rows that advanced are inserted. One statement, one round trip.
+APPEND = """
+WITH b AS (
+    SELECT * FROM unnest(
+        %(session)s::text[], %(seq)s::int8[], %(epoch)s::int8[], %(key)s::text[], %(digest)s::bytea[],
+        %(event)s::bytea[], %(actions)s::bytea[], %(answer)s::bytea[], %(snapshot)s::bytea[]
+    ) AS b(session, seq, epoch, key, digest, event, actions, answer, snapshot)
+), advanced AS (
+    UPDATE sessions s SET head_seq = b.seq, last_used = %(at)s
+    FROM b
+    WHERE s.name = b.session AND s.owner = %(node)s AND s.epoch = b.epoch AND s.head_seq = b.seq - 1
+    RETURNING s.name
+)
+INSERT INTO journal (session, seq, epoch, key, digest, event, actions, answer, snapshot, at)
+SELECT b.session, b.seq, b.epoch, b.key, b.digest, b.event, b.actions, b.answer, b.snapshot, %(at)s
+FROM b JOIN advanced ON advanced.name = b.session
+RETURNING session
+"""
+MAKE = (
+    "INSERT INTO sessions AS s (name, config, state, reason, created, last_used, owner, epoch, head_seq) {source} "
+    "ON CONFLICT (name) DO UPDATE SET config = excluded.config, state = 'ok', reason = NULL, "
+    "created = excluded.created, last_used = excluded.last_used, owner = excluded.owner, epoch = excluded.epoch, "
+    f"head_seq = 0 WHERE {FREE} RETURNING s.epoch"
+)
+CREATE = MAKE.format(source="VALUES (%(name)s, %(config)s, 'ok', NULL, %(at)s, %(at)s, %(node)s, nextval('epochs'), 0)")
+FORK = MAKE.format(
+    source="SELECT %(name)s, config, 'ok', NULL, %(at)s, %(at)s, %(node)s, nextval('epochs'), 0 FROM sessions "
+    "WHERE name = %(source)s"
+)
+
+
+def default_node() -> str:
+    """This daemon's node name when none is given: its host name and process id, unique among live daemons."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The live node that owns a session, and the address its clients reach it at."""
+
+    node: str
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Ownership:
+    node: str | None
+    epoch: int
+    head_seq: int
+    address: str
+    live: bool  # the owner's lease has not ended, on the database's clock
+
+
+async def _owners(conn: Conn, names: list[str]) -> dict[str, _Ownership]:
+    """Who owns each of these sessions (those that exist), under which epoch, and whether that node is live."""
+    rows = await (await conn.execute(OWNERS, {"names": names})).fetchall()
+    return {name: _Ownership(node, epoch, head, address or "", live) for name, node, epoch, head, address, live in rows}
+
+
+# -- connections ------------------------------------------------------------------------------------------------------
+
+
+async def _connect(url: str) -> Conn:
+    conn = await psycopg.AsyncConnection.connect(
+        url, autocommit=True, connect_timeout=max(2, int(TIMEOUT_S)), application_name="devd"
+    )
+    # Autocommit statements and explicit transactions alike: CockroachDB runs nothing else, and the fencing and
+    # retries are written for it.
+    await conn.execute("SET default_transaction_isolation TO 'serializable'")
+    return conn
+
+
+class _Connections:
+    """A few connections, taken one at a time, made when first needed, dropped when broken or left mid-transaction."""
+
+    def __init__(self, url: str, size: int) -> None:
+        self._url = url
+        self._limiter = anyio.Semaphore(size)
+        self._idle: list[Conn] = []
+        self._open: set[Conn] = set()
+
+    @asynccontextmanager
+    async def take(self) -> AsyncIterator[Conn]:
+        async with self._limiter:
+            conn = self._idle.pop() if self._idle else await _connect(self._url)
+            self._open.add(conn)
+            try:
+                yield conn
+            finally:
+                # A statement the server refused leaves the connection idle and usable; one lost, cancelled or left
+                # inside a transaction does not.
+                if not conn.closed and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+                    self._idle.append(conn)
+                else:
+                    self._open.discard(conn)
+                    conn.pgconn.finish()
+                    if conn.closed:
+                        self._drop_idle()  # what ended one (a restart, a failover) has likely ended the others
+
+    def _drop_idle(self) -> None:
+        for conn in self._idle:
+            self._open.discard(conn)
+            conn.pgconn.finish()
+        self._idle.clear()
+
+    def close(self) -> None:
+        """Close every connection at once, without the event loop (libpq's finish)."""
+        for conn in self._open:
+            conn.pgconn.finish()
+        self._open.clear()
+        self._idle.clear()
+
+
+def _retryable(e: BaseException) -> bool:
+    """Whether the transaction surely did not commit and may be tried again (on a new connection, if it was lost)."""
+    return isinstance(e, psycopg.Error) and (e.sqlstate in RETRYABLE or e.sqlstate in ENDED)
+
+
+def _lost(e: BaseException) -> bool:
+    """The connection was lost without the server saying why (or could not be made)."""
+    return isinstance(e, psycopg.OperationalError) and e.sqlstate is None
+
+
+def _refused_by_server(e: BaseException) -> bool:
+    """The server answered with an error: the transaction did not commit. Otherwise (the connection was lost, or
+    timed out) it may or may not have."""
+    return isinstance(e, psycopg.Error) and e.sqlstate is not None and not e.sqlstate.startswith("08")
+
+
+async def _backoff(attempt: int) -> None:
+    await anyio.sleep(RETRY_BACKOFF_S * (2**attempt) * random.uniform(0.5, 1.5))
+
+
+# -- the group commit -------------------------------------------------------------------------------------------------
+
+Op = Callable[[Conn, "_Batch"], Awaitable[DevdError | None]]  # a write other than an append; returns its refusal
+
+
+@dataclass
+class _Pending:
+    op: Op | Step
+    done: anyio.Event = field(default_factory=anyio.Event)
+    error: DevdError | None = None
+
+
+@dataclass
+class _Batch:
+    """What one attempt at a commit changes in the node's epochs, applied only once it commits."""
+
+    store: PostgresStore
+    taken: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int | None] = field(default_factory=dict)  # name: the epoch held when dropped
+    renewed: set[str] = field(default_factory=set)  # sessions whose history starts again (pruned from seq 0)
+    snapshots: list[Step] = field(default_factory=list)  # committed steps with a snapshot, for pruning
+
+    def epoch(self, name: str) -> int | None:
+        if name in self.taken:
+            return self.taken[name]
+        if name in self.dropped:
+            return None
+        return self.store._epochs.get(name)
+
+    def take(self, name: str, epoch: int) -> None:
+        self.dropped.pop(name, None)
+        self.taken[name] = epoch
+
+    def drop(self, name: str) -> None:
+        self.taken.pop(name, None)
+        self.dropped.setdefault(name, self.store._epochs.get(name))
+
+    def apply(self) -> None:
+        epochs = self.store._epochs
+        for name, held in self.dropped.items():
+            if epochs.get(name) == held:  # not if an `acquire` took it again meanwhile
+                epochs.pop(name, None)
+        epochs.update(self.taken)
+        for name in self.renewed:
+            self.store._pruned.pop(name, None)
+
+
+class PostgresStore:
+    """One node's view of the fleet's database (see `devd.store.Store` for the contract, the module for the rest).
+
+    Open it with `await PostgresStore.open(url, ...)`; run `run()` in the daemon's task group (commits and the lease);
+    `close()` at the end."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keys_kept: int,
+        steps_kept: int,
+        prune_every_steps: int,
+        node: str | None = None,
+        advertise: str = "",
+        lease_ttl_s: float = LEASE_TTL_S,
+        timeout_s: float = TIMEOUT_S,
+    ) -> None:
+        """No I/O: `open` connects, migrates and registers the node."""
+        self.url = url
+        self.keys_kept = keys_kept
+        self.steps_kept = steps_kept
+        self.prune_every_steps = prune_every_steps
+        self.node = node or default_node()
+        self.advertise = advertise
+        self.lease_ttl_s = lease_ttl_s
+        self.timeout_s = timeout_s
+        self._committer = _Connections(url, 1)
+        self._lessee = _Connections(url, 1)
+        self._readers = _Connections(url, READERS_MAX)
+        self._epochs: dict[str, int] = {}  # the sessions this node holds, with their epochs
+        self._lease_deadline = float("-inf")  # monotonic
+        self._lease_lost_logged = False
+        self._queue: list[_Pending] = []
+        self._queued = anyio.Event()
+        self._committing = False  # `run` is committing
+        self._outstanding = 0
+        self._settled = anyio.Event()
+        self._commits = 0
+        self._commit_seconds: list[float] = []
+        self._retries = 0
+        self._pruned: dict[str, int] = {}  # the seq each session was last pruned at
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        keys_kept: int,
+        steps_kept: int,
+        prune_every_steps: int,
+        node: str | None = None,
+        advertise: str = "",
+        lease_ttl_s: float = LEASE_TTL_S,
+        timeout_s: float = TIMEOUT_S,
+    ) -> PostgresStore:
+        """Connect, bring the database's format up to date, and register this node with a fresh lease.
+
+        Raises StoreError if the database cannot be reached or was written by a newer devd."""
+        store = cls(
+            url,
+            keys_kept=keys_kept,
+            steps_kept=steps_kept,
+            prune_every_steps=prune_every_steps,
+            node=node,
+            advertise=advertise,
+            lease_ttl_s=lease_ttl_s,
+            timeout_s=timeout_s,
+        )
+        try:
+            await store.connect()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    async def connect(self) -> None:
+        """Bring the database's format up to date and register this node with a fresh lease: what `open` does once
+        the store is made, for a store made outside the event loop that will use it (the daemon's)."""
+        await self._call(self._readers, migrate, "bringing the database's format up to date")
+        await self.renew()
+
+    def close(self) -> None:
+        for connections in (self._committer, self._lessee, self._readers):
+            connections.close()
+
+    def statistics(self) -> StoreStats:
+        s = self._commit_seconds
+        return StoreStats(self._commits, percentile_ms(s, 0.5), percentile_ms(s, 0.99))
+
+    @property
+    def retries(self) -> int:
+        """Transactions tried again since open: after a serialization failure, a deadlock, or a lost connection."""
+        return self._retries
+
+    async def backup(self, path: str) -> int:
+        """Refused: the sessions live in the fleet's database, not in a file of this daemon's; a copy taken by one
+        daemon would not be consistent with what the others write."""
+        raise NullError(
+            "this daemon keeps its sessions in the fleet's PostgreSQL database, not on its own disk: back that "
+            "database up with its own tools (pg_dump, or a base backup with its write-ahead log)"
+        )
+
+    # -- the lease --------------------------------------------------------------------------------------------------
+
+    def lease_valid(self) -> bool:
+        """Whether this node may write: its last renewal is younger than the ttl, on its own monotonic clock."""
+        return time.monotonic() < self._lease_deadline
+
+    async def renew(self) -> None:
+        """Extend this node's lease to the ttl from now, on the database's clock (registering it if it is not).
+
+        Raises StoreError if the database does not confirm it within a third of the ttl."""
+        sent = time.monotonic()
+        params = {"node": self.node, "address": self.advertise, "ttl": self.lease_ttl_s}
+
+        async def register(conn: Conn) -> None:
+            await conn.execute(REGISTER, params)
+
+        await self._call(self._lessee, register, "renewing this daemon's lease", timeout_s=self.lease_ttl_s / 3)
+        # From before the request left: the database's lease began later, so it cannot end before this one does.
+        self._lease_deadline = max(self._lease_deadline, sent + self.lease_ttl_s)
+        if self._lease_lost_logged:
+            log.info("fleet.lease_regained", node=self.node)
+            self._lease_lost_logged = False
+
+    async def _renew_forever(self) -> None:
+        while True:
+            try:
+                await self.renew()
+                pause = self.lease_ttl_s / 3
+            except StoreError as e:
+                log.warning("fleet.lease_renewal_failed", node=self.node, error=str(e))
+                pause = self.lease_ttl_s / 10  # try again soon: the lease may still be saved
+            if not self.lease_valid() and not self._lease_lost_logged:
+                log.error("fleet.lease_lapsed", node=self.node, sessions=len(self._epochs))
+                self._lease_lost_logged = True
+            await anyio.sleep(pause)
+
+    def _lapsed(self) -> StoreError:
+        ago = time.monotonic() - self._lease_deadline
+        return StoreError(
+            f"this daemon's lease in the fleet (node {self.node!r}) ended {ago:.1f} s ago and could not be renewed; "
+            "it writes nothing until the database confirms a renewal (another daemon may own its sessions by then); "
+            "nothing was written"
+        )
+
+    # -- ownership --------------------------------------------------------------------------------------------------
+
+    async def acquire(self, name: str) -> int | None:
+        """Take the session for this node under a new epoch, and return it; None if there is no such session.
+
+        Raises MovedError naming the owner when another live node holds it, StoreError when this node's lease has
+        lapsed or the database fails."""
+        if not self.lease_valid():
+            raise self._lapsed()
+
+        async def take(conn: Conn) -> int | MovedError | None:
+            taken = await (await conn.execute(ACQUIRE, {"node": self.node, "names": [name]})).fetchall()
+            return int(taken[0][1]) if taken else await self._refusal(conn, name)
+
+        outcome = await self._call(self._readers, take, f"acquiring session {name!r}")
+        if isinstance(outcome, MovedError):
+            raise outcome
+        if outcome is not None:
+            self._epochs[name] = outcome
+            log.info("fleet.acquired", session=name, epoch=outcome)
+        return outcome
+
+    def held(self, name: str) -> int | None:
+        """The epoch under which this node holds the session, as far as it knows (a write finds out for sure)."""
+        return self._epochs.get(name)
+
+    async def owner(self, name: str) -> Owner | None:
+        """The live node that owns the session; None if nobody live does (or there is no such session)."""
+
+        async def read(conn: Conn) -> Owner | None:
+            found = (await _owners(conn, [name])).get(name)
+            return None if found is None or found.node is None or not found.live else Owner(found.node, found.address)
+
+        return await self._call(self._readers, read, f"reading the owner of session {name!r}")
+
+    async def release(self, names: Iterable[str]) -> None:
+        """Give up these sessions (owner none) once every write queued before has committed, so that another node
+        takes them at once; those this node does not own are left as they are."""
+        wanted = list(names)
+
+        async def op(conn: Conn, batch: _Batch) -> None:
+            await conn.execute(
+                "UPDATE sessions SET owner = NULL WHERE owner = %(node)s AND name = ANY(%(names)s)",
+                {"node": self.node, "names": wanted},
+            )
+            for name in wanted:
+                batch.drop(name)
+            return None
+
+        await self._write(op)
+
+    async def release_all(self) -> None:
+        """Drain: give up every session this node owns, once every write queued before has committed."""
+
+        async def op(conn: Conn, batch: _Batch) -> None:
+            await conn.execute("UPDATE sessions SET owner = NULL WHERE owner = %(node)s", {"node": self.node})
+            for name in [*self._epochs, *batch.taken]:  # those taken earlier in this very batch too
+                batch.drop(name)
+            return None
+
+        await self._write(op)
+        log.info("fleet.released_all", node=self.node)
+
+    def _moved(self, name: str, found: _Ownership) -> MovedError:
+        if found.node is not None and found.node != self.node and found.live:
+            where = found.address or "(no address advertised)"
+            return MovedError(
+                f"session {name!r} is owned by daemon {found.node!r} at {where}; send the call there",
+                found.node,
+                found.address,
+            )
+        return MovedError(
+            f"session {name!r} is no longer this daemon's (another daemon took it over, or it was released); "
+            "send the call again"
+        )
+
+    async def _refusal(self, conn: Conn, name: str) -> MovedError | None:
+        """Why this node could not take the session: MovedError, or None when there is no such session."""
+        found = (await _owners(conn, [name])).get(name)
+        return None if found is None else self._moved(name, found)
+
+    async def _epoch(self, conn: Conn, batch: _Batch, name: str) -> int | MovedError | None:
+        """The epoch this node holds the session under, taking it in the batch's transaction if it holds none; else
+        why not (None: no such session)."""
+        held = batch.epoch(name)
+        if held is not None:
+            return held
+        taken = await (await conn.execute(ACQUIRE, {"node": self.node, "names": [name]})).fetchall()
+        if not taken:
+            return await self._refusal(conn, name)
+        batch.take(name, int(taken[0][1]))
+        return int(taken[0][1])
+
+    async def _lost(self, conn: Conn, batch: _Batch, name: str) -> MovedError | None:
+        """A write other than an append found the session fenced: MovedError (and it is dropped), None if it is gone."""
+        batch.drop(name)
+        return await self._refusal(conn, name)
+
+    # -- writes -----------------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Renew the lease and commit writes (group commit) for as long as this runs. A commit under way when it is
+        cancelled finishes first (bounded by the timeout), so no write is left between the two."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._renew_forever)
+            self._committing = True
+            try:
+                while True:
+                    if not self._queue:
+                        self._queued = anyio.Event()
+                        await self._queued.wait()
+                    batch, self._queue = self._queue, []
+                    with anyio.CancelScope(shield=True):
+                        await self._commit(batch)
+            finally:
+                self._committing = False
+
+    async def flush(self) -> None:
+        if not self._committing:
+            # No `run` commits them (it ended, or never ran): commit what is queued here, or its writers wait for ever.
+            while self._queue:
+                batch, self._queue = self._queue, []
+                await self._commit(batch)
+        while self._outstanding:
+            self._settled = anyio.Event()
+            await self._settled.wait()
+
+    async def _write(self, op: Op | Step) -> None:
+        pending = _Pending(op)
+        self._outstanding += 1
+        self._queue.append(pending)
+        self._queued.set()
+        await pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+
+    async def _commit(self, batch: list[_Pending]) -> None:
+        """Commit a batch and settle every write in it: each with its own refusal (fenced, no such session) or none,
+        or all with the failure of the transaction."""
+        started = time.perf_counter()
+        outcome = await self._transact([p.op for p in batch])
+        self._commits += 1
+        self._commit_seconds.append(time.perf_counter() - started)
+        del self._commit_seconds[:-1024]
+        if isinstance(outcome, BaseException):
+            errors: list[DevdError | None] = [_failed(outcome) for _ in batch]
+        else:
+            errors, done = outcome
+            done.apply()
+            # Before the writers hear of it, as the SQLite store does: a read after a write sees the pruned history.
+            await self._prune_some(done.snapshots)
+        for p, error in zip(batch, errors, strict=True):
+            p.error = error
+            p.done.set()
+        self._outstanding -= len(batch)
+        if not self._outstanding:
+            self._settled.set()
+
+    async def _transact(self, ops: list[Op | Step]) -> tuple[list[DevdError | None], _Batch] | BaseException:
+        """The ops in one transaction, retried whole on serialization failures: each op's refusal and what the
+        transaction changed in this node's epochs; or why it failed."""
+        try:
+            with anyio.fail_after(self.timeout_s):
+                for attempt in range(RETRIES_MAX):
+                    if not self.lease_valid():
+                        return self._lapsed()
+                    done = _Batch(self)
+                    try:
+                        async with self._committer.take() as conn:
+                            return await self._apply(conn, ops, done), done
+                    except (psycopg.Error, OSError) as e:
+                        if not _retryable(e) or attempt == RETRIES_MAX - 1:
+                            return e
+                        self._retries += 1
+                        log.info("store.retrying", attempt=attempt + 1, error=str(e).strip())
+                        await _backoff(attempt)
+        except TimeoutError as e:
+            return e
+        raise AssertionError("unreachable")
+
+    async def _apply(self, conn: Conn, ops: list[Op | Step], batch: _Batch) -> list[DevdError | None]:
+        """The batch's statements, in the order written; consecutive appends as one statement where they can be."""
+        steps = [op for op in ops if isinstance(op, Step)]
+        if (
+            len(steps) == len(ops) <= ROWS_PER_STATEMENT
+            and len({s.session for s in steps}) == len(steps)
+            and all(batch.epoch(s.session) is not None for s in steps)
+        ):
+            # The usual batch: appends alone, each session once, all held. One statement is its own transaction.
+            return await self._append(conn, steps, batch)
+        errors: list[DevdError | None] = []
+        async with conn.transaction():
+            run: list[Step] = []
+            for op in [*ops, None]:
+                if isinstance(op, Step):
+                    run.append(op)
+                    continue
+                if run:
+                    errors += await self._append(conn, run, batch)
+                    run = []
+                if op is not None:
+                    errors.append(await op(conn, batch))
+        return errors
+
+    async def _append(self, conn: Conn, steps: list[Step], batch: _Batch) -> list[DevdError | None]:
+        """Appends in statements of distinct sessions (a session's later steps go in a later statement), each row
+        fenced on (owner, epoch, head_seq); the refusal of each row that did not commit."""
+        errors: dict[int, DevdError | None] = {}
+        # Sessions not held are taken first, in name order, so that two nodes taking the same ones lock them alike.
+        for name in sorted({s.session for s in steps if batch.epoch(s.session) is None}):
+            epoch = await self._epoch(conn, batch, name)
+            if not isinstance(epoch, int):
+                errors.update({i: epoch or _no_session(s) for i, s in enumerate(steps) if s.session == name})
+        for chunk in _rounds([(i, s) for i, s in enumerate(steps) if i not in errors]):
+            at = time.time()
+            rows = await (await conn.execute(APPEND, _columns([s for _, s in chunk], batch, self.node, at))).fetchall()
+            advanced = {name for (name,) in rows}
+            failed = [(i, s) for i, s in chunk if s.session not in advanced]
+            if failed:
+                errors.update(await self._why(conn, failed, batch))
+            batch.snapshots += [s for _, s in chunk if s.session in advanced and s.snapshot is not None]
+        return [errors.get(i) for i in range(len(steps))]
+
+    async def _why(self, conn: Conn, failed: list[tuple[int, Step]], batch: _Batch) -> dict[int, DevdError | None]:
+        """Why appends did not commit: fenced (MovedError, and the session is dropped), no such session, or not the
+        session's next step."""
+        found = await _owners(conn, list({s.session for _, s in failed}))
+        errors: dict[int, DevdError | None] = {}
+        for i, s in failed:
+            session = found.get(s.session)
+            if session is None:
+                errors[i] = _no_session(s)
+            elif session.node == self.node and session.epoch == batch.epoch(s.session):
+                errors[i] = StoreError(
+                    f"step {s.seq} of {s.session!r} is not its next step (it has answered {session.head_seq}); "
+                    "nothing was written"
+                )
+            else:
+                log.info("fleet.fenced", session=s.session, seq=s.seq, epoch=batch.epoch(s.session), owner=session.node)
+                batch.drop(s.session)
+                errors[i] = self._moved(s.session, session)
+        return errors
+
+    async def create(self, name: str, config: bytes, snapshot: bytes | None = None) -> None:
+        """A new session owned by this node (see `devd.store.Store.create`). Raises MovedError if another live node
+        owns a session of that name."""
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            at = time.time()
+            params = {"name": name, "config": config, "at": at, "node": self.node}
+            made = await (await conn.execute(CREATE, params)).fetchone()
+            if made is None:
+                return await self._refusal(conn, name)
+            batch.take(name, int(made[0]))
+            batch.renewed.add(name)
+            await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
+            if snapshot is not None:
+                await conn.execute(
+                    "INSERT INTO journal (session, seq, epoch, event, snapshot, at) VALUES (%s, 0, %s, '', %s, %s)",
+                    (name, made[0], snapshot, at),
+                )
+            return None
+
+        await self._write(op)
+
+    async def append(self, step: Step) -> None:
+        """Journal a step (see `devd.store.Store.append`); it must be the session's next (its seq one past the last).
+
+        Raises MovedError when another node owns the session or took it from this one (nothing is written)."""
+        await self._write(step)
+
+    async def set_health(self, name: str, health: Health, reason: str | None) -> None:
+        """Fenced like an append (taking the session if this node holds none); a session that does not exist is left
+        alone. Raises MovedError when another live node owns it."""
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            epoch = await self._epoch(conn, batch, name)
+            if not isinstance(epoch, int):
+                return epoch
+            done = await conn.execute(
+                "UPDATE sessions SET state = %s, reason = %s WHERE name = %s AND owner = %s AND epoch = %s",
+                (health.value, reason, name, self.node, epoch),
+            )
+            return None if done.rowcount else await self._lost(conn, batch, name)
+
+        await self._write(op)
+
+    async def delete(self, name: str) -> None:
+        """Fenced like an append (taking the session if this node holds none); a session that does not exist is left
+        alone. Raises MovedError when another live node owns it."""
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            epoch = await self._epoch(conn, batch, name)
+            if not isinstance(epoch, int):
+                return epoch
+            done = await conn.execute(
+                "DELETE FROM sessions WHERE name = %s AND owner = %s AND epoch = %s", (name, self.node, epoch)
+            )
+            if not done.rowcount:
+                return await self._lost(conn, batch, name)
+            await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
+            batch.drop(name)
+            batch.renewed.add(name)
+            return None
+
+        await self._write(op)
+
+    async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
+        """See `devd.store.Store.fork`; the fork is owned by this node. Raises MovedError if another live node owns a
+        session named `name`."""
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            now = time.time()
+            params = {"name": name, "source": source, "at": now, "node": self.node}
+            made = await (await conn.execute(FORK, params)).fetchone()
+            if made is None:
+                exists = await (await conn.execute("SELECT 1 FROM sessions WHERE name = %s", (source,))).fetchone()
+                if exists is None:
+                    return StoreError(f"there is no session {source!r} to fork")
+                return await self._refusal(conn, name)
+            epoch = int(made[0])
+            batch.take(name, epoch)
+            batch.renewed.add(name)
+            await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
+            await conn.execute(
+                "INSERT INTO journal (session, seq, epoch, key, digest, event, actions, answer, snapshot, at) "
+                "SELECT %s, seq, epoch, key, digest, event, actions, answer, snapshot, at FROM journal "
+                "WHERE session = %s AND seq <= %s",
+                (name, source, at),
+            )
+            if snapshot is not None:
+                await conn.execute(
+                    "INSERT INTO journal (session, seq, epoch, event, snapshot, at) VALUES (%s, %s, %s, '', %s, %s) "
+                    "ON CONFLICT (session, seq) DO UPDATE SET snapshot = excluded.snapshot",
+                    (name, at, epoch, snapshot, now),
+                )
+            await conn.execute(
+                "UPDATE sessions SET head_seq = COALESCE((SELECT max(seq) FROM journal WHERE session = %s), 0) "
+                "WHERE name = %s",
+                (name, name),
+            )
+            return None
+
+        await self._write(op)
+
+    # -- pruning ----------------------------------------------------------------------------------------------------
+
+    async def _prune_some(self, steps: list[Step]) -> None:
+        """Maintenance after a commit: what it drops was already replaced by a later snapshot. A failure is logged,
+        not raised: nothing acknowledged depends on it."""
+        for s in steps:
+            if s.seq - self._pruned.get(s.session, 0) < self.prune_every_steps:
+                continue
+            try:
+                await self._call(self._committer, partial(self._prune, name=s.session, snapshot_seq=s.seq), "pruning")
+            except StoreError as e:
+                log.warning("store.prune_failed", session=s.session, error=str(e))
+            self._pruned[s.session] = s.seq
+
+    async def _prune(self, conn: Conn, *, name: str, snapshot_seq: int) -> None:
+        """Drop history beyond what watchers and keys are promised, keeping what derives what is kept: from the
+        newest snapshot before the oldest step promised (the anchor) on, every row and snapshot stays (the rules of
+        `devd.sqlite_store.SQLiteStore._prune`)."""
+        async with conn.transaction():
+            anchor = await (
+                await conn.execute(
+                    "SELECT seq FROM journal WHERE session = %s AND snapshot IS NOT NULL AND seq < %s "
+                    "ORDER BY seq DESC LIMIT 1",
+                    (name, snapshot_seq - self.steps_kept + 1),
+                )
+            ).fetchone()
+            if anchor is None:
+                return  # everything kept is still derived from the config or the first snapshot
+            await conn.execute(
+                "UPDATE journal SET snapshot = NULL WHERE session = %s AND seq < %s AND snapshot IS NOT NULL",
+                (name, anchor[0]),
+            )
+            await conn.execute("DELETE FROM journal WHERE session = %s AND key IS NULL AND seq < %s", (name, anchor[0]))
+            # Keys older than the anchor keep their row up to the number promised.
+            await conn.execute(
+                "DELETE FROM journal WHERE session = %s AND key IS NOT NULL AND seq < %s AND seq < ("
+                " SELECT seq FROM journal WHERE session = %s AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET %s)",
+                (name, anchor[0], name, self.keys_kept - 1),
+            )
+
+    # -- reads ------------------------------------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        connections: _Connections,
+        fn: Callable[[Conn], Awaitable[T]],
+        what: str,
+        *,
+        timeout_s: float | None = None,
+    ) -> T:
+        """fn on a connection of the set within the timeout, retried when the transaction surely did not commit, and
+        once on a new connection when the one taken was lost (fn must be safe to run twice: reads, the lease, an
+        acquisition, pruning); every failure as StoreError."""
+        try:
+            with anyio.fail_after(timeout_s or self.timeout_s):
+                for attempt in range(RETRIES_MAX):
+                    try:
+                        async with connections.take() as conn:
+                            return await fn(conn)
+                    except (psycopg.Error, OSError) as e:
+                        if not (_retryable(e) or (_lost(e) and attempt == 0)) or attempt == RETRIES_MAX - 1:
+                            raise StoreError(f"{what} failed: {_describe(e)}") from None
+                        self._retries += 1
+                        await _backoff(attempt)
+        except TimeoutError as e:
+            raise StoreError(f"{what} failed: {_describe(e)}") from None
+        raise AssertionError("unreachable")
+
+    async def _read(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        async def in_snapshot(conn: Conn) -> T:
+            async with conn.transaction():  # one snapshot for the whole read
+                return await fn(conn)
+
+        return await self._call(self._readers, in_snapshot, "reading the database")
+
+    async def sessions(self) -> list[SessionRow]:
+        async def read(conn: Conn) -> list[SessionRow]:
+            rows = await (
+                await conn.execute("SELECT name, state, reason, head_seq, created, last_used FROM sessions")
+            ).fetchall()
+            return [SessionRow(name, Health(h), why, seq, created, used) for name, h, why, seq, created, used in rows]
+
+        listed = await self._call(self._readers, read, "reading the database")
+        listed.sort(key=lambda r: r.name)  # by code point, as the registry orders names, whatever the collation
+        return listed
+
+    async def load(self, name: str) -> Stored | None:
+        return await self._read(lambda conn: _load(conn, name, None))
+
+    async def load_at(self, name: str, at: int) -> Stored | None:
+        return await self._read(lambda conn: _load(conn, name, at))
+
+    async def keyed(self, name: str, key: str) -> Keyed | None:
+        async def read(conn: Conn) -> Keyed | None:
+            row = await (
+                await conn.execute(
+                    "SELECT seq, digest, actions, answer FROM journal WHERE session = %s AND key = %s LIMIT 1",
+                    (name, key),
+                )
+            ).fetchone()
+            return None if row is None else Keyed(*row)
+
+        return await self._call(self._readers, read, "reading the database")
+
+    async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
+        async def read(conn: Conn) -> list[Row]:
+            cursor = await conn.execute(
+                f"SELECT {ROW} FROM journal WHERE session = %s AND seq > %s ORDER BY seq LIMIT %s", (name, since, limit)
+            )
+            return [Row(*r) for r in await cursor.fetchall()]
+
+        return await self._call(self._readers, read, "reading the database")
+
+
+async def migrate(conn: Conn) -> int:
+    """Bring the database to the format this devd writes, one migration at a time; the version reached.
+
+    Safe when several daemons open one database at once: each migration's version row is inserted first, in the
+    migration's own transaction, so a second daemon waits for it and then finds it applied."""
+    for _ in range(RETRIES_MAX):
+        try:
+            await conn.execute(VERSIONS)
+            version = (
+                await (await conn.execute("SELECT COALESCE(max(version), 0) FROM devd_schema")).fetchone() or [0]
+            )[0]
+            if version > len(MIGRATIONS):
+                raise StoreError(
+                    f"the database was written by a newer devd (format {version}; this one knows up to "
+                    f"{len(MIGRATIONS)}); run that devd or a newer one; the database was left as it is"
+                )
+            if version == len(MIGRATIONS):
+                return int(version)
+            async with conn.transaction():
+                await conn.execute("INSERT INTO devd_schema (version) VALUES (%s)", (version + 1,))
+                for statement in MIGRATIONS[version]:
+                    await conn.execute(statement)
+            log.info("store.migrated", version=version + 1)
+        except psycopg.Error as e:
+            if e.sqlstate not in RACED:
+                raise
+            await _backoff(0)  # another daemon migrated at the same time: read the version again
+    raise StoreError("the database's format could not be brought up to date: other daemons kept migrating it")
+
+
+async def _load(conn: Conn, name: str, at: int | None) -> Stored | None:
+    """The session now (at None) or as it was at step `at`; None if there is no such session or history."""
+    row = await (await conn.execute("SELECT config, state, reason FROM sessions WHERE name = %s", (name,))).fetchone()
+    if row is None:
+        return None
+    config, state, reason = row
+    upto = (1 << 63) - 1 if at is None else at
+    saved = await (
+        await conn.execute(
+            "SELECT seq, snapshot FROM journal WHERE session = %s AND snapshot IS NOT NULL AND seq <= %s "
+            "ORDER BY seq DESC LIMIT 1",
+            (name, upto),
+        )
+    ).fetchone()
+    if (
+        saved is None
+        and await (await conn.execute("SELECT 1 FROM journal WHERE session = %s AND seq = 0", (name,))).fetchone()
+    ):
+        return None  # restored from a snapshot no longer kept: its history cannot be rebuilt from the config
+    snapshot_seq, snapshot = saved if saved else (0, None)
+    cursor = await conn.execute(
+        f"SELECT {ROW} FROM journal WHERE session = %s AND seq > %s AND seq <= %s ORDER BY seq",
+        (name, snapshot_seq, upto),
+    )
+    journal = [Row(*r) for r in await cursor.fetchall()]
+    if at is not None and [r.seq for r in journal] != list(range(snapshot_seq + 1, at + 1)):
+        return None  # pruned (or not yet written): that point cannot be rebuilt
+    return Stored(name, config, snapshot, snapshot_seq, Health(state), reason, journal)
+
+
+def _rounds(steps: list[tuple[int, Step]]) -> Iterable[list[tuple[int, Step]]]:
+    """Steps in statements where each session appears once and in order, at most ROWS_PER_STATEMENT each."""
+    pending = steps
+    while pending:
+        seen: set[str] = set()
+        chunk: list[tuple[int, Step]] = []
+        later: list[tuple[int, Step]] = []
+        for item in pending:
+            if item[1].session in seen or len(chunk) == ROWS_PER_STATEMENT:
+                later.append(item)
+            else:
+                seen.add(item[1].session)
+                chunk.append(item)
+        yield chunk
+        pending = later
+
+
+def _columns(steps: list[Step], batch: _Batch, node: str, at: float) -> dict[str, Any]:
+    return {
+        "session": [s.session for s in steps],
+        "seq": [s.seq for s in steps],
+        "epoch": [batch.epoch(s.session) for s in steps],
+        "key": [s.key for s in steps],
+        "digest": [s.digest for s in steps],
+        "event": [s.event for s in steps],
+        "actions": [s.actions for s in steps],
+        "answer": [s.answer for s in steps],
+        "snapshot": [s.snapshot for s in steps],
+        "node": node,
+        "at": at,
+    }
+
+
+def _no_session(step: Step) -> StoreError:
+    return StoreError(f"step {step.seq} of {step.session!r} cannot be journalled: there is no such session")
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, TimeoutError):
+        return "the database did not answer in time"
+    return str(e).strip() or type(e).__name__
+
+
+def _failed(e: BaseException) -> DevdError:
+    """What every write of a batch whose transaction failed is answered (each its own exception object)."""
+    if isinstance(e, DevdError):
+        return type(e)(str(e))
+    if _refused_by_server(e):
+        return StoreError(f"the state could not be made durable and nothing of it was applied: {_describe(e)}")
+    return StoreError(
+        f"the write may or may not be durable ({_describe(e)}); send it again once the database answers (a step with "
+        "the same key answers replayed if it was kept)"
+    )

@@ -1,0 +1,203 @@
+"""Many daemons, one fleet: real daemons on one real PostgreSQL, each session stepped by one daemon at a time.
+
+Clients may talk to any daemon; a session held by another answers MOVED with its owner, and `devd.client` follows
+it there. A daemon that stops gives its sessions back at once; one that is killed or paused loses them when its
+lease ends, and a paused one that wakes commits nothing for a session it lost (fencing)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from devd import errors
+from devd.client import Client
+from devd.messages import answer, turn
+from tests.daemon import Daemon
+from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures)
+from tests.test_crash import Conversation
+
+LEASE_TTL_S = 1.5
+
+
+def fleet_daemon(root: Path, url: str, node: str, *extra: str) -> Daemon:
+    return Daemon(root / node, "--store", url, "--node", node, "--lease-ttl", str(LEASE_TTL_S), *extra)
+
+
+@pytest.fixture
+def two(tmp_path: Path, postgres_url: str) -> Iterator[tuple[Daemon, Daemon]]:  # noqa: F811
+    a = fleet_daemon(tmp_path, postgres_url, "a").start()
+    b = fleet_daemon(tmp_path, postgres_url, "b").start()
+    try:
+        yield a, b
+    finally:
+        for d in (a, b):
+            if d.proc is not None and d.proc.poll() is None:
+                os.kill(d.proc.pid, signal.SIGCONT)
+                d.stop()
+
+
+def journal_epochs(url: str, session: str) -> dict[int, int]:
+    """Rows of the session's journal, counted by the epoch that wrote them."""
+    with psycopg.connect(url) as db:
+        rows = db.execute("SELECT epoch, count(*) FROM journal WHERE session = %s GROUP BY epoch", (session,))
+        return {int(epoch): int(n) for epoch, n in rows}
+
+
+def test_a_session_held_by_another_daemon_answers_moved_naming_it(two: tuple[Daemon, Daemon]) -> None:
+    a, b = two
+    with a.client() as ca:
+        ca.new(session="s")
+    with Client.connect(b.socket, follow_moved=False) as cb:
+        with pytest.raises(errors.MovedError) as moved:
+            cb.step("s", turn(1, "x"))
+    assert (moved.value.node, moved.value.address) == ("a", f"unix:{a.socket}")
+
+
+def test_a_client_of_any_daemon_is_followed_to_the_one_that_holds_the_session(two: tuple[Daemon, Daemon]) -> None:
+    a, b = two
+    with a.client() as ca:
+        ca.new(session="s")
+    with Client.connect(b.socket) as c:
+        asked = c.step("s", turn(1, "x"))
+        more = c.step("s", answer(asked[0].id, "done"))
+    with b.client() as cb:
+        answered_by_b = cb.call("daemon/status")["errors"]
+    assert ([x.id for x in asked + more], answered_by_b) == ([1, 2, 3, 4], {"MOVED": 1})
+
+
+def test_a_stopped_daemon_gives_its_sessions_back_and_another_carries_on_at_once(
+    two: tuple[Daemon, Daemon],
+    postgres_url: str,  # noqa: F811
+) -> None:
+    a, b = two
+    with a.client() as ca:
+        ca.new(session="s")
+        asked = ca.step("s", turn(1, "x"))
+    assert a.stop() == 0
+    started = time.monotonic()
+    with b.client() as cb:
+        done = cb.step("s", answer(asked[0].id, "done"))
+        listed = [(x["session"], x["seq"]) for x in cb.call("session/list")["sessions"]]
+    # At once: well inside the lease a killed daemon would have held it for.
+    assert ([x.id for x in done], listed, time.monotonic() - started < LEASE_TTL_S) == ([2, 3, 4], [("s", 2)], True)
+
+
+def test_a_drained_daemon_keeps_serving_and_its_sessions_go_to_whoever_calls_them_next(
+    two: tuple[Daemon, Daemon],
+) -> None:
+    a, b = two
+    with a.client() as ca, b.client() as cb:
+        ca.new(session="s")
+        asked = ca.step("s", turn(1, "x"))
+        drained = ca.drain()
+        done = cb.step("s", answer(asked[0].id, "done"))
+        status = ca.call("daemon/status")
+    assert (drained, [x.id for x in done], status["errors"]) == (1, [2, 3, 4], {})
+
+
+def test_a_killed_daemons_sessions_are_taken_over_after_its_lease_with_no_acked_step_lost(
+    two: tuple[Daemon, Daemon],
+) -> None:
+    a, b = two
+    with a.client() as ca:
+        ca.new(session="s")
+        first = ca.step_answer("s", turn(1, "x"), key="t1")
+    a.kill()
+    with b.client() as cb:
+        deadline = time.monotonic() + 10 * LEASE_TTL_S
+        while True:
+            try:
+                again = cb.step_answer("s", turn(1, "x"), key="t1")
+                break
+            except errors.MovedError:  # the dead daemon's lease has not ended yet
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        done = cb.step("s", answer(first.actions[0].id, "done"))
+    assert (again.actions, again.replayed, [x.id for x in done]) == (first.actions, True, [2, 3, 4])
+
+
+def test_a_paused_daemon_that_lost_its_session_commits_nothing_for_it_and_never_acks(
+    two: tuple[Daemon, Daemon],
+    postgres_url: str,  # noqa: F811
+) -> None:
+    a, b = two
+    with Client.connect(a.socket, follow_moved=False) as ca:  # to see what a answers, rather than follow it
+        ca.new(session="s")
+        asked = ca.step("s", turn(1, "x"))
+        assert a.proc is not None
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        time.sleep(LEASE_TTL_S * 1.5)
+        with b.client() as cb:  # takes the session over: a's lease has ended
+            done = cb.step("s", answer(asked[0].id, "done"))
+        before = journal_epochs(postgres_url, "s")
+        os.kill(a.proc.pid, signal.SIGCONT)
+        # Awake, a first refuses for want of a lease (INTERNAL, nothing written), then, renewed, names b (MOVED).
+        owner = None
+        for _ in range(50):
+            try:
+                ca.step("s", turn(2, "y"))
+                raise AssertionError("the paused daemon acknowledged a step of a session it lost")
+            except errors.MovedError as e:
+                owner = e.node
+                break
+            except errors.InternalError:
+                time.sleep(0.1)
+    assert ([x.id for x in done], owner, journal_epochs(postgres_url, "s")) == ([2, 3, 4], "b", before)
+
+
+def drive_anywhere(daemons: list[Daemon], conv: Conversation, steps: int, first: int, wrong: list[str]) -> None:
+    """Step conv `steps` times under keys, through whichever daemon answers: start at daemons[first], move on to the
+    next when one is gone, wait while a dead one's lease holds the session. Every answer must be the model's."""
+    at = first
+    deadline = time.monotonic() + 60
+    while conv.acked < steps and time.monotonic() < deadline:
+        try:
+            with Client.connect(daemons[at % len(daemons)].socket, timeout=10) as c:
+                while conv.acked < steps:
+                    key, event, expected = conv.next_step()
+                    got = c.step_answer(conv.name, event, key=key)  # type: ignore[arg-type]
+                    if got.actions != expected:
+                        wrong.append(f"{conv.name} {key}: got {got.actions}, want {expected}")
+                        return
+                    conv.acknowledged()
+        except (OSError, ConnectionError):
+            at += 1  # that daemon is gone: another takes the session once its lease ends
+        except errors.MovedError:
+            time.sleep(0.05)  # held by a daemon that is gone, until its lease ends
+
+
+def test_three_daemons_serve_clients_spread_over_them_and_lose_nothing_when_one_is_killed(
+    tmp_path: Path, postgres_url: str  # noqa: F811
+) -> None:
+    daemons = [fleet_daemon(tmp_path, postgres_url, n).start() for n in ("a", "b", "c")]
+    steps = 150
+    try:
+        convs = [Conversation(f"s{i}") for i in range(6)]
+        for i, conv in enumerate(convs):
+            with daemons[i % 3].client() as c:
+                c.new(session=conv.name)
+        wrong: list[str] = []
+        threads = [
+            threading.Thread(target=drive_anywhere, args=(daemons, conv, steps, i, wrong))
+            for i, conv in enumerate(convs)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        acked_at_kill = sum(conv.acked for conv in convs)
+        daemons[0].kill()
+        for t in threads:
+            t.join(90)
+        with psycopg.connect(postgres_url) as db:
+            rows = dict(db.execute("SELECT session, count(*) FROM journal GROUP BY session").fetchall())
+        assert (wrong, acked_at_kill < 6 * steps, rows) == ([], True, {conv.name: steps for conv in convs})
+    finally:
+        for d in daemons[1:]:
+            d.stop()
