@@ -15,6 +15,7 @@ const exports = [_][]const u8{
     "dev_pending",
     "dev_apply",
     "dev_resume",
+    "dev_ignored",
 };
 
 pub fn build(b: *std.Build) void {

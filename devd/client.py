@@ -121,11 +121,13 @@ class Reply(msgspec.Struct):
 
 
 class StepAnswer(msgspec.Struct, frozen=True):
-    """A step's answer: the actions to carry out, and whether it was `replayed` (the key was answered before, and
-    this is that answer again from the journal: nothing ran)."""
+    """A step's answer: the actions to carry out, whether it was `replayed` (the key was answered before, and
+    this is that answer again from the journal: nothing ran), and the action ids the session `ignored` (a result or
+    a model answer for an action it never dispatched, or already had the answer of: a bug on the client's side)."""
 
     actions: list[Action]
     replayed: bool = False
+    ignored: list[int] = msgspec.field(default_factory=list)
 
 
 class ActionsNotice(msgspec.Struct, frozen=True):
@@ -185,7 +187,7 @@ def _step(session: str, event: Event | bytes, timeout_ms: int | None, key: str |
 
 
 def _answer(result: StepResult) -> StepAnswer:
-    return StepAnswer(decode_actions(bytes(result.actions)), result.replayed)
+    return StepAnswer(decode_actions(bytes(result.actions)), result.replayed, result.ignored or [])
 
 
 def _greets(address: str, token: str | None) -> bool:

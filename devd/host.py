@@ -100,6 +100,7 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dev_pending": (("i64", "i32"), ("i32",)),
     "dev_apply": (("i64", "i32", "i32"), ("i32",)),
     "dev_resume": (("i32", "i32", "i32"), ("i32",)),
+    "dev_ignored": (("i64",), ("i64",)),
 }
 # dev_restore and dev_snapshot may be missing: such a core runs sessions but cannot carry them across instances.
 # dev_pending may be missing too: such a core runs sessions but cannot say what it still waits for. Without dev_apply
@@ -211,6 +212,7 @@ class Core:
         self.has_pending = "dev_pending" in {e.name for e in module.exports}
         self.has_apply = "dev_apply" in {e.name for e in module.exports}
         self.has_resume = "dev_resume" in {e.name for e in module.exports}
+        self.has_ignored = "dev_ignored" in {e.name for e in module.exports}
         self._sessions: weakref.WeakSet[Instance] = weakref.WeakSet()
         # Export names as C strings, made once: (buffer, length, argument slots).
         self._export_names = {
@@ -417,6 +419,22 @@ class Instance:
                 self._status(rc, event)
         finally:
             self._busy.release()
+
+    def ignored(self) -> int | None:
+        """The action id the last step ignored: a Model answer or a result for an action this session did not
+        dispatch, or already had the answer of (the core answers `[]` and changes nothing). None when it ignored
+        none, or the core does not say (no dev_ignored)."""
+        if not self._core.has_ignored:
+            return None
+        deadline = self._enter(None)
+        try:
+            self._arm(deadline)
+            self._args[0].i64 = self._handle
+            self._invoke(self._export("dev_ignored"))
+            found = int(self._args[0].i64)
+        finally:
+            self._busy.release()
+        return None if found < 0 else found
 
     def snapshot(self, *, timeout: float | None = None) -> bytes:
         """The core's whole state, checksummed, for `Core.restore`."""

@@ -396,17 +396,22 @@ class StepParams(_Params, frozen=True):
 
 
 class StepResult(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The actions the core answered; `replayed` when a keyed step was answered before and is answered again."""
+    """The actions the core answered; `replayed` when a keyed step was answered before and is answered again;
+    `ignored`, the action id of a result or a Model answer the session took no notice of (it never dispatched that
+    action, or already had its answer): the core answers it `[]` and changes nothing, so a client bug cannot stall a
+    turn in silence."""
 
     actions: Raw
     replayed: bool = False
+    ignored: list[int] | None = None
 
 
 @method("session/step", StepParams, StepResult)
 async def session_step(call: Call, params: StepParams) -> StepResult:
     """Step a session with one event; answered once the step is durable."""
-    actions, replayed = await call.app.registry.step(params.session, bytes(params.event), params.timeout_ms, params.key)
-    return StepResult(Raw(actions), replayed)
+    answered = await call.app.registry.step(params.session, bytes(params.event), params.timeout_ms, params.key)
+    ignored = None if answered.ignored is None else [answered.ignored]
+    return StepResult(Raw(answered.actions), answered.replayed, ignored)
 
 
 class SnapshotResult(msgspec.Struct, frozen=True):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -55,14 +55,25 @@ class Runner:
         return (remaining if final else self.inline_budget_s), final
 
 
-def step_and_save(
-    instance: Instance, event: bytes, timeout: float, snapshot_due: Callable[[bytes], bool]
-) -> tuple[bytes, bytes | None]:
-    """One step, and a snapshot after it when `snapshot_due(actions)` says so, both under `timeout` from now."""
+class Took(NamedTuple):
+    """What a step took: its answer and the answer's digest, the snapshot taken after it (if one was due), and the
+    action id it ignored (if it answered nothing because it took no notice of a result or a model answer)."""
+
+    actions: bytes
+    digest: bytes
+    snapshot: bytes | None
+    ignored: int | None
+
+
+def step_and_save(instance: Instance, event: bytes, timeout: float, snapshot_due: Callable[[bytes], bool]) -> Took:
+    """One step, and a snapshot after it when `snapshot_due(actions)` says so, both under `timeout` from now. The
+    digest is taken here too: an answer can be the whole transcript, and hashing it belongs where the step ran (a
+    worker, for a long session), not on the event loop."""
     deadline = time.monotonic() + timeout
     actions = instance.step_raw(event, timeout=timeout)
+    ignored = instance.ignored() if actions == b"[]" else None
     snapshot = instance.snapshot(timeout=deadline - time.monotonic()) if snapshot_due(actions) else None
-    return actions, snapshot
+    return Took(actions, answer_digest(actions), snapshot, ignored)
 
 
 def saved(actions: bytes) -> bool:

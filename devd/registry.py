@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import msgspec
 import structlog
@@ -52,7 +52,7 @@ from devd.errors import (
 from devd.host import Core, Instance
 from devd.offload import Runner, rebuild, rebuild_and, replay, saved, step_and_save
 from devd.state import CALLABLE, TRANSITIONS, Input, State, next_state
-from devd.store import Fleet, Health, Row, Step, Store, Stored, answer_digest
+from devd.store import Fleet, Health, Row, Step, Store, Stored
 from devd.watchers import Fanout, Sink, Stepped, Subscription
 
 log = structlog.get_logger("devd.registry")
@@ -108,6 +108,15 @@ class Stats:
     rebuilt: int = 0  # instances rebuilt from disk (woken, recovered, or after an inline call was stopped)
     hibernated: int = 0  # idle instances dropped to make room (their sessions stay, stored)
     expired: int = 0  # sessions deleted for going unused longer than the daemon keeps them
+
+
+class Answered(NamedTuple):
+    """A step's answer: its actions, whether a keyed retry was answered from the journal, and the action id the step
+    ignored (a result or a Model answer for an action the session did not dispatch, or already had the answer of)."""
+
+    actions: bytes
+    replayed: bool
+    ignored: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +347,7 @@ class Registry:
 
     # -- calls on a session -----------------------------------------------------------------------------------------
 
-    async def step(self, name: str, event: bytes, timeout_ms: int | None, key: str | None) -> tuple[bytes, bool]:
+    async def step(self, name: str, event: bytes, timeout_ms: int | None, key: str | None) -> Answered:
         entry = await self._entered(name)
         try:
             event_digest = None
@@ -354,7 +363,7 @@ class Registry:
                     if answer is None:
                         answer = await self._derive(name, Row(kept.seq, event, None, kept.answer), key)
                     self.stats.replayed += 1
-                    return answer, True
+                    return Answered(answer, True)
             timeout_s = self.call_timeout_s if timeout_ms is None else min(timeout_ms / 1000, self.max_call_timeout_s)
             since = entry.since_bytes + len(event) + STEP_BYTES
 
@@ -363,12 +372,13 @@ class Registry:
                     since, entry.snapshot_bytes, self.snapshot_floor_bytes, actions
                 )
 
-            actions, snapshot = await self._call(entry, timeout_s, lambda i, t: step_and_save(i, event, t, due))
+            actions, answer, snapshot, ignored = await self._call(
+                entry, timeout_s, lambda i, t: step_and_save(i, event, t, due)
+            )
             seq = entry.seq + 1
-            kept_actions = kept_answer(event, actions)
             try:
                 await self.store.append(
-                    Step(name, seq, event, kept_actions, key, event_digest, snapshot, answer_digest(actions))
+                    Step(name, seq, event, kept_answer(event, actions), key, event_digest, snapshot, answer)
                 )
             except StoreError as e:
                 # The instance is ahead of the disk: drop it, so the next use rebuilds from what is durable.
@@ -385,7 +395,7 @@ class Registry:
                 entry.snapshot_bytes, entry.since_bytes = len(snapshot), 0
             self.stats.steps += 1
             self.fanout.publish(Stepped(name, seq, event, actions))
-            return actions, False
+            return Answered(actions, False, ignored)
         finally:
             entry.busy = False
 

@@ -602,3 +602,10 @@ def test_decode_actions_is_what_the_client_returns(client: Client) -> None:
     s = client.new()
     raw = client.call_raw("session/step", {"session": s, "event": msgspec.Raw(encode(turn(1, "x")))})
     assert decode_actions(msgspec.json.encode(msgspec.json.decode(raw)["actions"])) == [Action(id=1, op=ask(user("x")))]
+
+
+def test_a_step_the_session_ignores_says_which_action_id_it_ignored(client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, "x"))
+    stray = client.call("session/step", {"session": "s", "event": {"Model": {"id": 41, "reply": {"text": "?"}}}})
+    assert stray == {"actions": [], "ignored": [41]}

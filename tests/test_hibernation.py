@@ -182,6 +182,7 @@ async def test_a_wake_racing_a_step_racing_a_close_leaves_every_session_whole(tm
                 b'[{"id":3,"op":{"Model":{"messages":[{"User":"x"},{"Agent":{"calls":[{"id":2,"call":{"Exec":'
                 b'{"argv":["make"]}}}]}},{"Tool":{"id":2,"text":"ok"}}]}}}]',
                 False,
+                None,
             ),
         )
         assert sorted((i.name, i.seq) for i in registry.page()[0]) == [("x", 3), ("y", 1)]
@@ -195,7 +196,7 @@ async def test_a_step_too_large_for_the_memory_cap_is_refused_and_the_session_go
             await registry.step("s", encode(turn(1, "small")), None, None)
             with pytest.raises(errors.NullError, match="nothing changed, the session continues from step 1"):
                 await registry.step("s", encode(turn(2, "x" * (1200 << 10))), None, None)
-            actions, _ = await registry.step("s", encode(answer(1, "fine")), None, None)
+            actions, *_ = await registry.step("s", encode(answer(1, "fine")), None, None)
             assert (actions.count(b'"Done"'), [(i.name, i.state.value, i.seq) for i in registry.page()[0]]) == (
                 1,
                 [("s", "live", 2)],

@@ -859,3 +859,19 @@ def test_the_packaged_core_resumes_its_own_snapshots_to_the_state_restoring_give
     finally:
         restored.close()
         resumed.close()
+
+
+def test_a_result_for_an_action_never_dispatched_is_ignored_and_says_which(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    session.step(answer(1, "Let me look.", [BUILD, LIB]))
+    answered = session.step_raw(encode(Event(Exec=Output(id=9, text="stray"))))
+    assert (answered, session.ignored()) == (b"[]", 9)
+
+
+def test_a_result_already_answered_is_ignored_and_one_awaited_is_not(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    session.step(answer(1, "Let me look.", [BUILD, LIB]))
+    session.step(Event(Exec=Output(id=2, text="error", failed=True)))
+    first = session.ignored()
+    session.step(Event(Exec=Output(id=2, text="error again", failed=True)))
+    assert (first, session.ignored()) == (None, 2)

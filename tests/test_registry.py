@@ -159,8 +159,8 @@ async def test_a_keyed_retry_is_replayed_byte_for_byte_and_not_stepped_again(reg
     first = await registry.step("s", SEED[0], None, "turn-1")
     again = await registry.step("s", SEED[0], None, "turn-1")
     assert (first, again, states(registry)) == (
-        (SEED_ACTIONS[0], False),
-        (SEED_ACTIONS[0], True),
+        (SEED_ACTIONS[0], False, None),
+        (SEED_ACTIONS[0], True, None),
         [("s", State.LIVE, 1)],
     )
 
@@ -171,6 +171,7 @@ async def test_a_keyed_retry_that_differs_only_in_layout_is_replayed(registry: R
     assert await registry.step("s", b'{ "Turn" : { "prompt":"fix the build", "id":1 } }', None, "turn-1") == (
         SEED_ACTIONS[0],
         True,
+        None,
     )
 
 
@@ -223,7 +224,7 @@ async def test_a_deadline_ends_the_session_until_it_is_recovered(kind: str, tmp_
             [("spin", State.ENDED, 1)],
             Health.ENDED,
             HandleError,
-            ((b"[]", False), [("spin", State.LIVE, 2)], [("spin", Health.OK, None, 2)]),
+            ((b"[]", False, None), [("spin", State.LIVE, 2)], [("spin", Health.OK, None, 2)]),
         )
 
 
@@ -251,7 +252,7 @@ async def test_a_step_the_store_cannot_keep_fails_and_the_next_continues_from_di
         store.fail_writes = None
         assert (after_failure, await registry.step("s", SEED[1], None, None), states(registry)) == (
             [("s", State.STORED, 1)],
-            (SEED_ACTIONS[1], False),
+            (SEED_ACTIONS[1], False, None),
             [("s", State.LIVE, 2)],
         )
         registry.close_all()
@@ -340,8 +341,8 @@ async def test_a_fork_answers_the_source_keys_up_to_its_step_as_replays(registry
     await registry.step("src", SEED[1], None, "answer-1")
     await registry.fork("src", 1, "f")
     assert [await registry.step("f", SEED[0], None, "turn-1"), await registry.step("f", SEED[1], None, "answer-1")] == [
-        (SEED_ACTIONS[0], True),
-        (SEED_ACTIONS[1], False),
+        (SEED_ACTIONS[0], True, None),
+        (SEED_ACTIONS[1], False, None),
     ]
 
 
@@ -384,7 +385,7 @@ async def test_a_registry_rebuilt_over_the_same_file_lists_its_sessions_and_cont
             [("journalled", State.STORED, 3, 0, None), ("saved", State.STORED, 5, 0, None)],
             [AGAIN_ACTIONS],
             [SEED_ACTIONS[3]],
-            (SEED_ACTIONS[0], True),
+            (SEED_ACTIONS[0], True, None),
         )
 
 
@@ -397,7 +398,10 @@ async def test_an_ended_session_is_still_ended_after_a_rebuild(tmp_path: Path, s
         await after.load()
         listed = states(after)
         await after.recover("spin")
-        assert (listed, await after.step("spin", CALM, None, None)) == ([("spin", State.ENDED, 0)], (b"[]", False))
+        assert (listed, await after.step("spin", CALM, None, None)) == (
+            [("spin", State.ENDED, 0)],
+            (b"[]", False, None),
+        )
 
 
 # -- long sessions: what a step writes, and what a rebuild replays -------------------------------------------------
@@ -428,7 +432,7 @@ async def test_a_keyed_retry_of_a_step_kept_as_a_digest_answers_the_same_bytes(r
     await steps(registry, "s", [LONG, CANCEL])
     asked = await registry.step("s", SEED_2[0], None, "turn-2")
     await steps(registry, "s", SEED_2[1:])
-    assert await registry.step("s", SEED_2[0], None, "turn-2") == (asked[0], True)
+    assert await registry.step("s", SEED_2[0], None, "turn-2") == (asked[0], True, None)
 
 
 async def test_a_session_rebuilt_from_digests_answers_as_if_it_never_stopped(
@@ -519,7 +523,7 @@ async def test_a_keyed_retry_of_a_large_kept_answer_answers_the_same_bytes(regis
     await registry.step("s", encode(turn(1, "x")), None, None)
     text = encode(answer(1, "y" * 100_000))  # its Emit is as large as it: kept whole, read off the event loop
     first = await registry.step("s", text, None, "big")
-    assert await registry.step("s", text, None, "big") == (first[0], True)
+    assert await registry.step("s", text, None, "big") == (first[0], True, None)
 
 
 async def test_a_woken_session_with_a_long_transcript_runs_its_calls_on_a_worker_from_the_start(

@@ -346,7 +346,7 @@ class RegistryMachine(RuleBasedStateMachine):
             if canonical(event) == kept.canonical:
                 tally("step: keyed replay")
                 got = self.call(step, name, event, timeout_ms, key)
-                assert got == (kept.actions, True), "a keyed retry was not replayed with the first answer's bytes"
+                assert got == (kept.actions, True, None), "a keyed retry was not replayed with the first answer's bytes"
             else:
                 tally("step: keyed conflict")
                 self.fails(ConflictError, step, name, event, timeout_ms, key)
@@ -358,6 +358,7 @@ class RegistryMachine(RuleBasedStateMachine):
             return
         try:
             expected = m.instance.step_raw(event)
+            ignored = m.instance.ignored()
         except MalformedError:
             tally("step: malformed")
             self.fails(MalformedError, step, name, event, timeout_ms, key)
@@ -365,7 +366,7 @@ class RegistryMachine(RuleBasedStateMachine):
             return
         tally(f"step: executed on a {was} session")
         got = self.call(step, name, event, timeout_ms, key)
-        assert got == (expected, False), f"step {m.seq + 1} of {name!r} ({event!r}) answered other bytes"
+        assert got == (expected, False, ignored), f"step {m.seq + 1} of {name!r} ({event!r}) answered other bytes"
         self.is_live(name)
         m.events.append(event)
         m.answers.append(expected)

@@ -104,7 +104,7 @@ async def test_a_short_deadline_on_a_hibernated_session_is_not_spent_rebuilding_
             await registry.step("long", encode(turn(t, "x")), None, None)
             await registry.step("long", encode({"Cancel": {"turn": t}}), None, None)  # type: ignore[arg-type]
         await registry.new("other", b"{}")  # long hibernates
-        actions, replayed = await registry.step("long", encode(turn(301, "again")), 1, None)
+        actions, replayed, _ = await registry.step("long", encode(turn(301, "again")), 1, None)
         assert (actions.startswith(b'[{"id":'), replayed, states(registry)[0]) == (
             True,
             False,

@@ -238,6 +238,16 @@ export fn dev_apply(handle: i64, ptr: i32, len: i32) i32 {
     return OK;
 }
 
+/// The action id the last dev_step or dev_apply ignored (a Model answer or
+/// a result for an action the session did not dispatch, or already had the
+/// answer of), or -1 when it ignored none. Optional in ABI 1.
+export fn dev_ignored(handle: i64) i64 {
+    if (in_call) return -1;
+    const s = live(handle) orelse return -1;
+    const id = s.ignored orelse return -1;
+    return std.math.cast(i64, id) orelse -1;
+}
+
 /// Writes the actions the session has dispatched and still waits for, a JSON
 /// array in the bytes dev_step wrote them, as a dev_buf at `out`: the running
 /// turn's Model ask, or its calls without a result in id order; `[]` when no

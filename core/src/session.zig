@@ -131,6 +131,10 @@ pub const Session = struct {
     running: ?Running = null,
     /// Turns waiting for the running one to end, oldest first.
     queue: std.ArrayList(Queued) = .empty,
+    /// The action id the last step ignored: a Model answer or a result for
+    /// an action not dispatched, or already answered. Not part of the state
+    /// (a snapshot does not carry it): it describes one step.
+    ignored: ?u64 = null,
     /// The conversation, one compact JSON Message per entry.
     transcript: std.ArrayList([]u8) = .empty,
 
@@ -292,8 +296,13 @@ pub const Session = struct {
         freePhase(s.gpa, &r.phase);
     }
 
+    fn ignore(s: *Session, id: u64) void {
+        s.ignored = id;
+    }
+
     /// Applies one decoded event, writing the actions it asks for to `a`.
     pub fn step(s: *Session, ev: msg.Event, a: *Answer) void {
+        s.ignored = null;
         switch (ev) {
             .timer => {},
             .turn => |t| {
@@ -306,10 +315,10 @@ pub const Session = struct {
                 } else s.start(t.id, t.prompt, a);
             },
             .model => |m| {
-                const r = if (s.running) |*r| r else return;
+                const r = if (s.running) |*r| r else return s.ignore(m.id);
                 switch (r.phase) {
-                    .asking => |id| if (id != m.id) return,
-                    .calls => return,
+                    .asking => |id| if (id != m.id) return s.ignore(m.id),
+                    .calls => return s.ignore(m.id),
                 }
                 const reply = m.reply;
                 if (reply.calls.len == 0) {
@@ -323,10 +332,10 @@ pub const Session = struct {
                 s.dispatch(r, reply, a);
             },
             .result => |res| {
-                const r = if (s.running) |*r| r else return;
+                const r = if (s.running) |*r| r else return s.ignore(res.out.id);
                 const slots = switch (r.phase) {
                     .calls => |*slots| slots,
-                    .asking => return,
+                    .asking => return s.ignore(res.out.id),
                 };
                 var left: usize = 0;
                 var hit: ?*Slot = null;
@@ -334,7 +343,7 @@ pub const Session = struct {
                     if (!sl.pending) continue;
                     if (sl.id == res.out.id and sl.family == res.family) hit = sl else left += 1;
                 }
-                const sl = hit orelse return;
+                const sl = hit orelse return s.ignore(res.out.id);
                 sl.text = s.gpa.dupe(u8, res.out.text) catch oom();
                 sl.failed = res.out.failed;
                 sl.pending = false;

@@ -633,7 +633,10 @@ export interface StepParams {
 }
 
 /**
- * The actions the core answered; `replayed` when a keyed step was answered before and is answered again.
+ * The actions the core answered; `replayed` when a keyed step was answered before and is answered again; `ignored`,
+ * the action id of a result or a Model answer the session took no notice of (it never dispatched that action, or
+ * already had its answer): the core answers it `[]` and changes nothing, so a client bug cannot stall a turn in
+ * silence.
  *
  * @example {"actions":[{"id":1,"op":{"Model":{"model":"small","messages":[{"User":"fix the build"}]}}}]}
  */
@@ -641,6 +644,7 @@ export interface StepResult {
   actions: Action[];
   /** @default false */
   replayed?: boolean;
+  ignored?: number[] | null;
 }
 
 /** A call's result in the conversation, under the call's action id. */
