@@ -617,6 +617,69 @@ def report_big_turn(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+# -- waking long sessions ---------------------------------------------------------------------------------------------
+
+
+def bench_wake(
+    sessions: int = 20,
+    turns: int = 100,
+    rounds: int = 3,
+    output_bytes: int = OUTPUT_BYTES,
+    git_rev: str | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """`sessions` sessions of `turns` seed turns each under `--max-live 1`, so that every step on one hibernates the
+    one before; then `rounds` rounds of a step (the next turn's prompt, whose answer is the Model ask of the whole
+    transcript) on each in turn, every one of them a wake: rebuilt from its snapshot and journal, then stepped."""
+    root = Path(tempfile.mkdtemp(prefix="devd-wake-"))
+    root.chmod(0o700)
+    daemon = _Daemon(root, git_rev, ["--max-live", "1"])
+    result: dict[str, Any] = {"mode": "wake", "sessions": sessions, "turns": turns, "rounds": rounds}
+    result["code"] = daemon.provenance
+    try:
+        daemon.start()
+        with daemon.client() as client:
+            talks = []
+            for n in range(sessions):
+                stepper = _Stepper(client, client.new(session=f"s{n}"), MAX_ERRORS)
+                talk = _Conversation(stepper, output_bytes, random.Random(n))
+                while talk.turn < turns or talk.position < STEPS_PER_TURN:
+                    talk.step()
+                talks.append(talk)
+                if progress:
+                    print(f"wake: session {n + 1} of {sessions} has {turns} turns", file=sys.stderr, flush=True)
+            rebuilt = client.status().rebuilt
+            wakes: list[float] = []
+            for _ in range(rounds):
+                for talk in talks:
+                    talk.stepper.take_latencies()
+                    talk.step()  # a new turn's prompt: the first step since the session hibernated
+                    wakes.extend(talk.stepper.take_latencies())
+                    while talk.position < STEPS_PER_TURN:
+                        talk.step()  # the rest of the turn, so the next round starts a turn again
+            result["rebuilt"] = client.status().rebuilt - rebuilt
+            result["snapshot_bytes"] = talks[0].stepper.snapshot_bytes()[0]
+        result["wake_ms"] = _latency_ms(wakes)
+        result["wakes"] = len(wakes)
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def report_wake(r: dict[str, Any]) -> str:
+    ms = r["wake_ms"]
+    return "\n".join(
+        [
+            f"wake: {r['sessions']} sessions of {r['turns']} turns under --max-live 1, {r['rounds']} rounds",
+            f"code: {r['code']}",
+            f"wakes: {r['wakes']} steps, {r['rebuilt']} rebuilds; a session's snapshot: {r['snapshot_bytes']:,} B",
+            f"wake step (rebuild + the Model ask of the whole transcript), ms: p50 {ms['p50_ms']}, p99 {ms['p99_ms']}, "
+            f"max {ms['max_ms']}",
+        ]
+    )
+
+
 # -- the command line ----------------------------------------------------------------------------------------------
 
 
@@ -625,6 +688,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=WINDOW_TURNS, help="turns per row")
     p.add_argument("--output-bytes", type=int, default=OUTPUT_BYTES, help="each tool result's length")
     p.add_argument("--big-turn", type=int, metavar="N", help="instead: one turn of N Exec calls")
+    p.add_argument(
+        "--wake",
+        type=int,
+        metavar="N",
+        help="instead: N sessions of --turns turns under --max-live 1, each then woken by a step (--rounds times)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="rounds of wakes, with --wake")
     p.add_argument("--big-every", type=int, default=BIG_EVERY_CALLS, help="calls per row of --big-turn")
     p.add_argument("--max-errors", type=int, default=MAX_ERRORS, help="error answers before the run stops")
     p.add_argument(
@@ -637,7 +707,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def command(args: argparse.Namespace) -> int:
     """Exit 1 when the run stopped on an error or counted any, else 0."""
     daemon_args, rev, max_errors = args.daemon_arg, args.git_rev, args.max_errors
-    if args.big_turn is not None:
+    if args.wake is not None:
+        result = bench_wake(args.wake, args.turns, args.rounds, args.output_bytes, rev, True)
+        text = report_wake(result)
+    elif args.big_turn is not None:
         result = bench_big_turn(args.big_turn, args.output_bytes, args.big_every, daemon_args, rev, max_errors, True)
         text = report_big_turn(result)
     else:
