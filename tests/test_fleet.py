@@ -174,7 +174,8 @@ def drive_anywhere(daemons: list[Daemon], conv: Conversation, steps: int, first:
 
 
 def test_three_daemons_serve_clients_spread_over_them_and_lose_nothing_when_one_is_killed(
-    tmp_path: Path, postgres_url: str  # noqa: F811
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
 ) -> None:
     daemons = [fleet_daemon(tmp_path, postgres_url, n).start() for n in ("a", "b", "c")]
     steps = 150
