@@ -1,4 +1,4 @@
-"""Small files written whole or not at all: the TCP token and the database's identity."""
+"""Files written whole or not at all: the TCP token, the database's identity, a backup."""
 
 from __future__ import annotations
 
@@ -13,10 +13,17 @@ def write_atomically(path: Path, text: str) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, (text + "\n").encode())
-        os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(tmp, path)
+    publish(tmp, path)
+
+
+def publish(written: Path, path: Path) -> None:
+    """Make the file `written` (closed, beside `path`) durable as `path`: fsync it, rename it into place, fsync the
+    directory, so a crash leaves no file or the whole one at `path`."""
+    with open(written, "rb") as f:
+        os.fsync(f.fileno())
+    os.rename(written, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

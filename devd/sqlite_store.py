@@ -28,8 +28,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from devd import failpoints
-from devd.files import write_atomically
+from devd import failpoints, files
 from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 log = structlog.get_logger("devd.store")
@@ -440,14 +439,7 @@ class SQLiteStore:
                 out.close()
 
         def publish() -> int:
-            with open(partial, "rb") as f:
-                os.fsync(f.fileno())
-            os.rename(partial, target)
-            directory = os.open(target.parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            files.publish(partial, target)
             return target.stat().st_size
 
         try:
@@ -521,7 +513,7 @@ def _identify(db: sqlite3.Connection, path: Path) -> str:
     if row is None and expected is None:
         new = secrets.token_hex(16)
         db.execute("INSERT INTO meta (key, value) VALUES ('id', ?)", (new,))
-        write_atomically(id_file, new)
+        files.write_atomically(id_file, new)
         return new
     if row is None or (expected is not None and row[0] != expected):
         raise StoreError(
@@ -531,7 +523,7 @@ def _identify(db: sqlite3.Connection, path: Path) -> str:
         )
     if expected is None:
         log.warning("store.id_restored", file=str(id_file))
-        write_atomically(id_file, row[0])
+        files.write_atomically(id_file, row[0])
     return str(row[0])
 
 
