@@ -15,24 +15,27 @@ import faulthandler
 import fcntl
 import os
 import re
+import shlex
 import signal
 import socket
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import quote
 
 import msgspec
 
 from devd import __version__, log, systemd
 from devd.config import Settings, default, default_socket_path, default_state_dir, parse_duration, parse_size, parse_tcp
-from devd.errors import DevdError
+from devd.errors import DevdError, HandleError
+from devd.metrics import prometheus
 
 if TYPE_CHECKING:
     from devd.client import Client
+    from devd.messages import Action
     from devd.store import Fleet, Store
 
 
@@ -52,6 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
         read_token,
         unlink_socket,
     )
+    from devd.metrics import bind as bind_metrics
 
     os.umask(0o077)  # state files, the token and the socket: this user's alone
     # A fault SQLite's shared-memory mapping can raise (SIGBUS on a failed write or a read-only remount) kills the
@@ -66,20 +70,21 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings(
             state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),
-            socket_path=Path(args.socket) if args.socket else default_socket_path(),
-            tcp=parse_tcp(args.listen) if args.listen else None,
+            socket_path=args.socket or default_socket_path(),
+            tcp=args.listen,
             core_path=Path(args.core) if args.core else None,
             call_timeout_s=args.call_timeout,
             sessions_max=args.max_sessions,
             max_live=args.max_live,
             snapshot_floor_bytes=args.snapshot_floor,
-            live_memory_bytes=parse_size(args.live_memory) if args.live_memory else None,
-            expire_after_s=parse_duration(args.expire_after) if args.expire_after else None,
+            live_memory_bytes=args.live_memory,
+            expire_after_s=args.expire_after,
             connections_max=args.max_connections,
             line_bytes_max=args.max_line_bytes,
             line_timeout_s=args.line_timeout,
             send_timeout_s=args.send_timeout,
             max_call_timeout_s=args.max_call_timeout,
+            metrics=args.metrics,
             log_format=args.log_format,
             log_level=args.log_level,
         )
@@ -102,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
             if settings.tcp:
                 listeners.append((bind_tcp(*settings.tcp), "tcp"))
         token = read_token(settings.state_dir) if any(t == "tcp" for _, t in listeners) else None
+        metrics_socket = bind_metrics(*settings.metrics) if settings.metrics else None
         store, fleet = _open_store(args, settings, listeners)
     except (StartupError, ValueError, OSError, DevdError) as e:
         print(f"devd: cannot start: {e}", file=sys.stderr)
@@ -116,13 +122,14 @@ def _serve(args: argparse.Namespace) -> int:
             "daemon.listening",
             socket=str(bound_socket[0]) if bound_socket else None,
             tcp=[f"{a[0]}:{a[1]}" for s, t in listeners if t == "tcp" for a in [s.getsockname()]] or None,
+            metrics="{}:{}".format(*metrics_socket.getsockname()[:2]) if metrics_socket else None,
             activated=activated or None,
             state_dir=str(settings.state_dir),
             version=__version__,
         )
 
     try:
-        anyio.run(daemon.serve, listeners, ready, backend="asyncio", backend_options=_backend_options())
+        anyio.run(daemon.serve, listeners, ready, metrics_socket, backend="asyncio", backend_options=_backend_options())
         # Everything is committed: a late SIGTERM must not cut the last tidying short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -136,6 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
         core.close()
         for sock, _ in listeners:
             sock.close()
+        if metrics_socket is not None:
+            metrics_socket.close()
         if bound_socket is not None:
             unlink_socket(*bound_socket)
     logger.info("daemon.stopped")
@@ -147,7 +156,7 @@ def _open_store(
 ) -> tuple[Store, Fleet | None]:
     """The store --store names (default: the state directory's SQLite file), and the fleet when it is shared."""
     spec = args.store or f"sqlite:{settings.state_dir / 'devd.sqlite3'}"
-    if spec.startswith(("postgresql://", "postgres://")):
+    if spec.startswith(_POSTGRES):
         from devd.pg_store import PostgresStore
 
         store = PostgresStore(
@@ -160,17 +169,14 @@ def _open_store(
             lease_ttl_s=args.lease_ttl,
         )
         return store, store
-    if spec.startswith("sqlite:") and len(spec) > len("sqlite:"):
-        from devd.sqlite_store import SQLiteStore
+    from devd.sqlite_store import SQLiteStore
 
-        path = Path(spec.removeprefix("sqlite:"))
-        return SQLiteStore(
-            path,
-            keys_kept=settings.keys_kept_per_session,
-            steps_kept=settings.steps_kept_per_session,
-            prune_every_steps=settings.prune_every_steps,
-        ), None
-    raise ValueError(f"--store takes postgresql://USER@HOST/DB (a fleet) or sqlite:PATH, not {spec!r}")
+    return SQLiteStore(
+        Path(spec.removeprefix("sqlite:")),
+        keys_kept=settings.keys_kept_per_session,
+        steps_kept=settings.steps_kept_per_session,
+        prune_every_steps=settings.prune_every_steps,
+    ), None
 
 
 def _advertised(listeners: list[tuple[socket.socket, str]]) -> str:
@@ -203,16 +209,18 @@ exit status:
   0    done
   1    the daemon answered an error, printed as `devd: KIND: what to do`; `devd watch`: the daemon dropped the
        watch because this client fell behind (watch again with --since); `devd doctor`: a check failed
-  2    a usage or local problem: a bad flag, a token file that cannot be read; `devd serve`: it cannot start,
-       or its store failed
+  2    a usage or local problem: a bad flag (or DEVD_* variable of `devd serve`), a token file that cannot be
+       read; `devd serve`: it cannot start, or its store failed
   3    the daemon cannot be reached: none listens at the address (start one with `devd serve`, or
        `systemctl --user start devd.socket`), or the connection was lost
   130  interrupted (Ctrl-C)
 
 environment:
-  DEVD_SOCKET  where the client commands find the daemon when --connect is not given; unset, they look where
-               `devd serve` listens by default: $RUNTIME_DIRECTORY/devd.sock, else $XDG_RUNTIME_DIR/devd/devd.sock,
-               else /tmp/devd-UID/devd.sock
+  DEVD_SOCKET  where the client commands find the daemon when --connect is not given, and where `devd serve`
+               listens when --socket is not; unset, both use $RUNTIME_DIRECTORY/devd.sock, else
+               $XDG_RUNTIME_DIR/devd/devd.sock, else /tmp/devd-UID/devd.sock
+  DEVD_*       each flag of `devd serve` (DEVD_MAX_LIVE for --max-live: see `devd serve --help`); the command line
+               wins
 
 docs/operations.md covers running devd under systemd, its logs, metrics, `devd doctor` and upgrades."""
 
@@ -337,6 +345,56 @@ def _pending(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _Page(msgspec.Struct):
+    """A `session/list` page, its entries kept as the daemon sent them."""
+
+    sessions: list[msgspec.Raw]
+
+
+class _Pending(msgspec.Struct):
+    """A `session/pending` answer, its actions kept as the daemon sent them."""
+
+    actions: msgspec.Raw
+
+
+def _listed(client: Client, session: str) -> msgspec.Raw | None:
+    """The session's entry in `session/list`, as the daemon sent it, or None when it lists no such session. Only that
+    entry is fetched: a page of one, from a cursor that sorts just below the name."""
+    from devd.driver import _just_before  # the driver finds a session's entry the same way
+
+    if not session:
+        return None  # nothing sorts below the empty name; the daemon refuses it by name when asked
+    page = msgspec.json.decode(
+        client.call_raw("session/list", {"limit": 1, "cursor": _just_before(session)}), type=_Page
+    )
+    if page.sessions and msgspec.json.decode(page.sessions[0])["session"] == session:
+        return page.sessions[0]
+    return None
+
+
+def _inspect(client: Client, args: argparse.Namespace) -> int:
+    entry = _listed(client, args.session)
+    if entry is None:
+        # Not among the sessions this daemon lists: `session/pending` says why in the daemon's own words (HANDLE: no
+        # such session), or, in a fleet, follows the session to the daemon that holds it, which lists it.
+        client.call_raw("session/pending", {"session": args.session})
+        entry = _listed(client, args.session)
+    if entry is None:  # closed between the two calls
+        raise HandleError(f"no session is named {args.session!r}; `session/list` shows the sessions there are")
+    info = msgspec.json.decode(entry)
+    pending: msgspec.Raw | None = None
+    if info["state"] in ("live", "stored"):  # an ended or poisoned session is refused until recovered: not asked
+        raw = client.call_raw("session/pending", {"session": args.session})
+        pending = msgspec.json.decode(raw, type=_Pending).actions
+    if args.json:
+        _emit(msgspec.json.encode({"session": entry, "pending": pending}) + b"\n")
+    else:
+        from devd.messages import decode_actions
+
+        _emit(inspection(info, None if pending is None else decode_actions(bytes(pending))).encode())
+    return EXIT_OK
+
+
 def _recover(client: Client, args: argparse.Namespace) -> int:
     return _named(client.call_raw("session/recover", {"session": args.session}), args)
 
@@ -388,6 +446,7 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "restore": _restore,
     "fork": _fork,
     "pending": _pending,
+    "inspect": _inspect,
     "recover": _recover,
     "close": _close,
     "watch": _watch,
@@ -500,6 +559,66 @@ def sessions_table(sessions: list[dict[str, Any]]) -> str:
     return table(headers, rows, right=frozenset({2, 3}))
 
 
+def _pairs(pairs: list[tuple[str, str]]) -> str:
+    """`key: value` lines, the values lined up."""
+    width = max(len(key) for key, _ in pairs) + 1
+    return "".join(f"{key + ':':<{width}} {value}\n" for key, value in pairs)
+
+
+SUMMARY_CHARS_MAX = 72  # an action's summary in `devd inspect`, so that each stays on one line
+
+
+def action_summary(action: Action) -> str:
+    """An action's kind and what it is about, on one line: `Read src/lib.rs`, `Model (12 messages)`."""
+    op = action.op
+    kind = next(name for name in op.__struct_fields__ if getattr(op, name) is not None)
+    if op.Model is not None:
+        n = len(op.Model.messages)
+        about = f"({n} message{'' if n == 1 else 's'})"
+    elif op.Exec is not None:
+        about = shlex.join(op.Exec.argv)
+    elif op.Git is not None:
+        about = shlex.join(op.Git.argv)
+    elif op.Read is not None:
+        about = op.Read.path
+    elif op.Write is not None:
+        about = f"{op.Write.path} ({len(op.Write.text)} characters)"
+    elif op.Browse is not None:
+        about = op.Browse.url
+    elif op.Done is not None:
+        about = f"turn {op.Done.turn}"
+    else:
+        about = op.Emit or ""
+    about = " ".join(about.split())
+    if len(about) > SUMMARY_CHARS_MAX:
+        about = about[: SUMMARY_CHARS_MAX - 3] + "..."
+    return f"{kind} {about}".rstrip()
+
+
+def inspection(entry: dict[str, Any], pending: list[Action] | None) -> str:
+    """`devd inspect`: a session's `session/list` entry as `key: value` lines, whether a turn is running, and the
+    actions it waits for (`pending`: None for an ended or poisoned session, which is not asked), one a line."""
+    name = entry["session"]
+    pairs = [("session", name), ("state", entry["state"])]
+    if entry.get("reason"):
+        pairs.append(("reason", entry["reason"]))
+    pairs += [
+        ("seq", str(entry["seq"])),
+        ("watchers", str(entry.get("watchers", 0))),
+        ("created", _when(entry["created"])),
+        ("last used", _when(entry["last_used"])),
+    ]
+    if pending is None:
+        pairs.append(("turn", f"none: the session is {entry['state']}; `devd recover {name}` brings it back"))
+    elif pending:
+        pairs.append(("turn", f"running, waiting for {len(pending)} action{'' if len(pending) == 1 else 's'}"))
+    else:
+        pairs.append(("turn", "none running"))
+    actions = pending or []
+    width = max((len(str(a.id)) for a in actions), default=0)
+    return _pairs(pairs) + "".join(f"  {a.id:>{width}}  {action_summary(a)}\n" for a in actions)
+
+
 def _duration(seconds: float) -> str:
     """12.5s, 4m 5s, 3h 12m, 2d 3h: the two largest units."""
     if seconds < 60:
@@ -539,99 +658,7 @@ def status_summary(status: dict[str, Any]) -> str:
         ("errors", ", ".join(f"{n} {kind}" for kind, n in sorted(s["errors"].items())) or "none"),
         ("memory", f"{_size(s['memory_rss_bytes'])} resident, {_size(s['live_memory_bytes'])} in live sessions"),
     ]
-    width = max(len(key) for key, _ in pairs) + 1
-    return "".join(f"{key + ':':<{width}} {value}\n" for key, value in pairs)
-
-
-def _label(value: object) -> str:
-    return str(value).replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
-
-
-def _number(value: float) -> str:
-    return str(value) if isinstance(value, int) else repr(float(value))
-
-
-def _seconds(ms: float) -> float:
-    return round(ms / 1000, 9)  # 1.1 ms is 0.0011, not 0.0011000000000000001
-
-
-def prometheus(status: dict[str, Any]) -> str:
-    """daemon/status in the Prometheus text format: `# HELP` and `# TYPE` for every metric, base units (seconds,
-    bytes), `_total` on counters. Commit latency is a summary of the last 1,024 commits, without `_sum` and `_count`
-    (the daemon keeps neither; `devd_durable_writes_total` counts the commits)."""
-    s = status
-    families: list[tuple[str, str, str, list[tuple[str, float]]]] = [
-        (
-            "devd_build_info",
-            "gauge",
-            "The daemon's version, as a label; always 1.",
-            [(f'{{version="{_label(s["server"]["version"])}"}}', 1)],
-        ),
-        ("devd_uptime_seconds", "gauge", "Seconds since the daemon started.", [("", s["uptime_s"])]),
-        (
-            "devd_sessions",
-            "gauge",
-            "Sessions by state: live (in memory), stored (on disk), ended, poisoned.",
-            [(f'{{state="{_label(state)}"}}', n) for state, n in s["sessions"].items()],
-        ),
-        ("devd_connections", "gauge", "Client connections open now.", [("", s["connections"])]),
-        ("devd_steps_total", "counter", "Steps answered.", [("", s["steps"])]),
-        (
-            "devd_durable_writes_total",
-            "counter",
-            "Commits made durable (written and fsync'd); one carries one or more writes.",
-            [("", s["durable_writes"])],
-        ),
-        (
-            "devd_commit_duration_seconds",
-            "summary",
-            "How long a commit took, write and fsync, over the last 1,024 commits.",
-            [('{quantile="0.5"}', _seconds(s["commit_ms_p50"])), ('{quantile="0.99"}', _seconds(s["commit_ms_p99"]))],
-        ),
-        ("devd_deadline_hits_total", "counter", "Calls stopped by their deadline.", [("", s["deadline_hits"])]),
-        (
-            "devd_offloaded_calls_total",
-            "counter",
-            "Calls run on a worker thread: past their inline budget, or of a session whose calls grew past it.",
-            [("", s["offloaded"])],
-        ),
-        (
-            "devd_sessions_rebuilt_total",
-            "counter",
-            "Sessions rebuilt from their snapshot and journal: woken, recovered, or after an inline call was stopped.",
-            [("", s["rebuilt"])],
-        ),
-        (
-            "devd_sessions_hibernated_total",
-            "counter",
-            "Idle sessions whose instance was dropped to stay within --max-live or --live-memory.",
-            [("", s["hibernated"])],
-        ),
-        ("devd_sessions_expired_total", "counter", "Sessions deleted by --expire-after.", [("", s["expired"])]),
-        (
-            "devd_errors_total",
-            "counter",
-            "Error answers, by kind (the error's data.kind).",
-            [(f'{{kind="{_label(kind)}"}}', n) for kind, n in sorted(s["errors"].items())],
-        ),
-        (
-            "devd_live_memory_bytes",
-            "gauge",
-            "The memory of the sessions' instances together.",
-            [("", s["live_memory_bytes"])],
-        ),
-        (
-            "process_resident_memory_bytes",
-            "gauge",
-            "Resident memory of the daemon's process.",
-            [("", s["memory_rss_bytes"])],
-        ),
-    ]
-    lines = []
-    for name, kind, help, samples in families:
-        lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
-        lines += [f"{name}{labels} {_number(value)}" for labels, value in samples]
-    return "\n".join(lines) + "\n"
+    return _pairs(pairs)
 
 
 # -- devd doctor: one line per check, ok or FAIL and what to do ------------------------------------------------------
@@ -848,6 +875,116 @@ def _doctor(args: argparse.Namespace) -> int:
     return EXIT_OK if all(c.outcome != "FAIL" for c in checks) else EXIT_ANSWERED_ERROR
 
 
+# -- `devd serve`'s flag values, from the command line or the environment --------------------------------------------
+
+T = TypeVar("T")
+
+
+def _flag_value(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """parse as an argparse type: its ValueError's message becomes the usage error (argparse's own says only
+    "invalid value")."""
+
+    def value(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    value.__name__ = parse.__name__
+    return value
+
+
+def _socket_path(text: str) -> Path:
+    """The socket `devd serve` listens on: a path, or a path as a client names it (`unix:PATH`). A TCP address is
+    refused rather than made a file name: DEVD_SOCKET may hold one for the client commands, but serving TCP is
+    --listen's."""
+    path = text.removeprefix("unix:")
+    if not path or text.startswith("tcp://"):
+        raise argparse.ArgumentTypeError(
+            f"--socket takes the path of a Unix socket, not {text!r}; to serve TCP, pass --listen tcp://HOST:PORT"
+        )
+    return Path(path)
+
+
+def _metrics_address(text: str) -> tuple[str, int]:
+    try:
+        return parse_tcp(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--metrics takes tcp://HOST:PORT (e.g. tcp://127.0.0.1:9464), not {text!r}"
+        ) from None
+
+
+_POSTGRES = ("postgresql://", "postgres://")
+
+
+def _store_url(text: str) -> str:
+    if text.startswith(_POSTGRES) or (text.startswith("sqlite:") and len(text) > len("sqlite:")):
+        return text
+    raise argparse.ArgumentTypeError(f"--store takes postgresql://USER@HOST/DB (a fleet) or sqlite:PATH, not {text!r}")
+
+
+def _flags(command: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [action for action in command._actions if action.option_strings and action.dest != "help"]
+
+
+def flag_variable(action: argparse.Action) -> str:
+    """The environment variable a flag of `devd serve` is read from: --max-live from DEVD_MAX_LIVE."""
+    return "DEVD_" + max(action.option_strings, key=len).removeprefix("--").replace("-", "_").upper()
+
+
+_SWITCH = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def _from_environment(action: argparse.Action, variable: str, text: str) -> Any:
+    """text as the flag's value, checked as argparse checks one given on the command line; ValueError, naming the
+    variable, when the flag would refuse it."""
+    said = f"environment variable {variable} ({max(action.option_strings, key=len)})"
+    if action.nargs == 0:  # a switch, which takes no value on the command line
+        if text.lower() not in _SWITCH:
+            raise ValueError(f"{said}: 1, true or yes sets it, 0, false or no leaves it off; not {text!r}")
+        return _SWITCH[text.lower()]
+    convert = action.type if callable(action.type) else str
+    try:
+        value = convert(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{said}: {e}") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"{said}: invalid {getattr(convert, '__name__', 'value')} value: {text!r}") from None
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(repr(c) for c in action.choices)
+        raise ValueError(f"{said}: invalid choice: {text!r} (choose from {choices})")
+    return value
+
+
+def environment_defaults(command: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The values command's flags take from the environment, by dest: each from its variable (`flag_variable`) when
+    that is set and not empty (an empty one is unset, as an empty DEVD_SOCKET always was for the client commands, so
+    systemd's `Environment=DEVD_X=` clears one). ValueError, naming the variable, for a value the flag would refuse."""
+    values = {}
+    for action in _flags(command):
+        variable = flag_variable(action)
+        if text := environ.get(variable):
+            values[action.dest] = _from_environment(action, variable, text)
+    return values
+
+
+def parse_args(argv: list[str] | None, environ: Mapping[str, str]) -> argparse.Namespace:
+    """The command line. For `devd serve`, each flag left out takes its value from its variable in environ, when set:
+    the command line wins. A variable that is set must hold a value its flag takes, even when the flag is given too
+    (a typo in a systemd drop-in is reported at once, not left for the day the flag is dropped); otherwise this
+    exits 2, as for a bad flag, naming the variable."""
+    top, serve = _parsers()
+    args = top.parse_args(argv)
+    if args.command != "serve":
+        return args
+    try:
+        serve.set_defaults(**environment_defaults(serve, environ))
+    except ValueError as e:
+        serve.error(str(e))
+    return top.parse_args(argv)  # again, now that the environment's values are the defaults
+
+
 # -- the command line -----------------------------------------------------------------------------------------------
 
 
@@ -879,6 +1016,12 @@ def _connection_flags(c: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The `devd` command line (for `devd serve`'s environment variables, see `parse_args`)."""
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `devd` command line, and its `serve` subcommand's, whose flags also read the environment."""
     p = argparse.ArgumentParser(
         prog="devd",
         description="A session daemon for agent tools. `devd serve` runs it; the other commands talk to it.",
@@ -891,19 +1034,24 @@ def parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the daemon in the foreground",
-        description="Run the daemon in the foreground until SIGTERM or SIGINT (exit 0; 2 when it cannot start).",
+        description="Run the daemon in the foreground until SIGTERM or SIGINT (exit 0; 2 when it cannot start). "
+        "Each flag may be set in the environment instead, as its [env VARIABLE] says (--max-live as DEVD_MAX_LIVE; "
+        "1, true or yes for a switch); the command line wins.",
         formatter_class=_Help,
     )
     serve.add_argument(
         "--socket",
         metavar="PATH",
-        help="the Unix socket to listen on (default: $RUNTIME_DIRECTORY/devd.sock, else "
-        f"$XDG_RUNTIME_DIR/devd/devd.sock, else /tmp/devd-UID/devd.sock; here {_escaped(default_socket_path())}); "
+        type=_socket_path,
+        help="the Unix socket to listen on (default: $DEVD_SOCKET, which is also where the client commands look for "
+        "the daemon, else $RUNTIME_DIRECTORY/devd.sock, else $XDG_RUNTIME_DIR/devd/devd.sock, else "
+        f"/tmp/devd-UID/devd.sock; here {_escaped(os.environ.get('DEVD_SOCKET') or default_socket_path())}); "
         "ignored when systemd passes the daemon its sockets",
     )
     serve.add_argument(
         "--listen",
         metavar="tcp://HOST:PORT",
+        type=_flag_value(parse_tcp),
         help="also listen on TCP, where a connection must first present the token from STATE_DIR/token "
         "(default: the Unix socket only)",
     )
@@ -947,12 +1095,14 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--live-memory",
         metavar="SIZE",
+        type=_flag_value(parse_size),
         help="the sessions in memory together may use this much (e.g. 4G); past it the least recently used idle "
         "ones hibernate. Default: no cap but --max-live (each session's own cap is 64 MiB)",
     )
     serve.add_argument(
         "--store",
         metavar="URL",
+        type=_store_url,
         help="where sessions are kept: sqlite:PATH, or postgresql://USER@HOST/DB to share them with other daemons "
         "(a fleet: see docs/fleet.md). Default: sqlite:STATE_DIR/devd.sqlite3",
     )
@@ -987,6 +1137,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--expire-after",
         metavar="DURATION",
+        type=_flag_value(parse_duration),
         help="delete sessions no call has used for this long (e.g. 30d, 12h); default: keep them",
     )
     serve.add_argument(
@@ -1018,6 +1169,13 @@ def parser() -> argparse.ArgumentParser:
         help="seconds a client may take no bytes while the daemon has some for it, before it is disconnected",
     )
     serve.add_argument(
+        "--metrics",
+        metavar="tcp://HOST:PORT",
+        type=_metrics_address,
+        help="also answer HTTP GET /metrics there, in the Prometheus text format (as `devd status --prometheus`); "
+        "use a loopback address unless others should read the counters (default: off)",
+    )
+    serve.add_argument(
         "--log-format",
         choices=["json", "console"],
         help="json: one object a line, for journald and containers; console: for people (default: console when "
@@ -1030,6 +1188,8 @@ def parser() -> argparse.ArgumentParser:
         help="the least severe events logged: info adds the daemon's and sessions' lifecycle to the warnings and "
         "errors that need attention (docs/operations.md lists the events)",
     )
+    for action in _flags(serve):
+        action.help = f"{action.help} [env {flag_variable(action)}]"
 
     schema = sub.add_parser("schema", help="print the JSON Schema of every message of the protocol")
     form = schema.add_mutually_exclusive_group()
@@ -1088,6 +1248,15 @@ def parser() -> argparse.ArgumentParser:
     fork.add_argument("--at", type=int, help="the step to fork at (default: the session's latest)")
     fork.add_argument("--as", dest="name", help="name the fork (default: chosen by the daemon)")
     session(client("pending", "print the actions a session still waits for (JSON)"))
+    session(
+        client(
+            "inspect",
+            "show one session at a glance: its state, step, watchers and times, and the actions a running turn "
+            "waits for (asking them loads a stored session)",
+            json='print {"session": its entry as `devd ls --json` has it, "pending": the actions, as `devd pending '
+            "--json` has them, or null for an ended or poisoned session} on one line",
+        )
+    )
     session(client("recover", "bring an ended or poisoned session back from its durable state"))
     session(client("close", "end a session and delete its state"))
     backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
@@ -1110,11 +1279,11 @@ def parser() -> argparse.ArgumentParser:
         f"here {_escaped(default_state_dir())})",
     )
     doctor.add_argument("--core", metavar="PATH", help="the core `devd serve --core` loads (default: the packaged one)")
-    return p
+    return p, serve
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse_args(argv, os.environ)
     if args.command == "serve":
         return _serve(args)
     if args.command == "schema":

@@ -45,6 +45,11 @@ class Settings:
     outbox_bytes_soft: int = 1 << 20  # a watcher behind by more than this is dropped
     outboxes_bytes_max: int = 256 << 20  # every connection's unsent bytes together: past it, watchers are dropped
     shutdown_grace_s: float = 10.0
+    # metrics over HTTP (`--metrics`): off unless an address is given
+    metrics: tuple[str, int] | None = None
+    metrics_head_bytes_max: int = 8 << 10  # a scrape's request line and headers; past it, 431
+    metrics_timeout_s: float = 5.0  # a scrape's whole connection, from accept to close
+    metrics_connections_max: int = 16  # scrapes at once; past it, a new connection is closed at once
     # logging
     log_format: str | None = None  # json | console; None picks by whether stderr is a terminal
     log_level: str = "info"

@@ -5,6 +5,8 @@ What it promises:
 - no connection can end the daemon: whatever happens in one is logged and the others go on;
 - past `connections_max` (counted for Unix and TCP apart, so TCP can never starve the Unix socket), a new connection
   is answered FULL and closed;
+- with a metrics socket (`--metrics`), `GET /metrics` answers from the same status as `daemon/status`, from accept
+  until the daemon returns, apart from the JSON-RPC listeners (`devd.metrics`);
 - SIGTERM/SIGINT: stop taking calls (status still answers), let calls in flight finish for `shutdown_grace_s`, then
   stop the rest where they stand (they end as DEADLINE, durably), give a fleet's sessions back (so other daemons
   take them at once), send every answer given, commit, and return; a second signal meanwhile is absorbed.
@@ -19,13 +21,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio
+import msgspec
 import structlog
 
-from devd import systemd
+from devd import metrics, systemd
 from devd.config import Settings
 from devd.dispatch import Dispatcher
 from devd.host import Core
-from devd.methods import METHODS, App, Method
+from devd.methods import METHODS, App, Method, status
 from devd.offload import Runner
 from devd.registry import Registry
 from devd.rpc import encode_notice
@@ -72,8 +75,14 @@ class Daemon:
         self.hub: Hub | None = None
         dispatcher.app.connections = lambda: len(self.hub.connections) if self.hub else 0
 
-    async def serve(self, listeners: list[tuple[socket.socket, str]], on_ready: Callable[[], None]) -> None:
-        """Serve until SIGTERM/SIGINT, then shut down gracefully.
+    async def serve(
+        self,
+        listeners: list[tuple[socket.socket, str]],
+        on_ready: Callable[[], None],
+        metrics_socket: socket.socket | None = None,
+    ) -> None:
+        """Serve until SIGTERM/SIGINT, then shut down gracefully; serve `GET /metrics` on metrics_socket, if any, until
+        the end.
 
         The signal receiver stays open until everything is committed, so a second SIGTERM during the shutdown is
         absorbed rather than killing the process half-way.
@@ -90,6 +99,9 @@ class Daemon:
                     tg.start_soon(self._expire, self.settings.expire_after_s)
                 self.hub = Hub(self.settings, self.dispatcher, self.token)
                 servers = [await _listen(self.hub, sock, kind) for sock, kind in listeners]
+                if metrics_socket is not None:
+                    # In the task group, so the group's cancel at the end stops it; started before ready.
+                    await tg.start(metrics.serve, metrics_socket, self._exposition, self.settings)
                 on_ready()
                 sessions = sum(app.registry.counts().values())
                 log.info("daemon.ready", sessions=sessions, listeners=[t for _, t in listeners])
@@ -104,6 +116,10 @@ class Daemon:
                 await self._close_connections()
                 tg.cancel_scope.cancel()
             await app.store.flush()
+
+    def _exposition(self) -> str:
+        """The metrics, from daemon/status's answer exactly as a client decodes it."""
+        return metrics.prometheus(msgspec.json.decode(msgspec.json.encode(status(self.dispatcher.app))))
 
     async def _until_signal(self, signals: AsyncIterator[int], servers: list[asyncio.Server]) -> None:
         """Wait for SIGTERM/SIGINT; then stop accepting and give calls in flight the grace to finish."""

@@ -1,10 +1,12 @@
-"""The `devd` command as a user runs it: tables and `key: value` lines for people and `--json` for scripts, errors
-in the command's terms, exit codes, what it says when the daemon is not there, flags passed through as given, help
-for every flag, and `devd watch` following a session for as long as it lasts."""
+"""The `devd` command as a user runs it: tables and `key: value` lines for people and `--json` for scripts, `devd
+inspect` showing one session, errors in the command's terms, exit codes, what it says when the daemon is not there,
+flags passed through as given, `devd serve`'s flags read from the environment, help for every flag, and `devd watch`
+following a session for as long as it lasts."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import threading
@@ -18,8 +20,9 @@ import pytest
 from devd import __version__, cli
 from devd.client import Client, NotRunningError
 from devd.errors import HandleError, InternalError, InvalidParamsError, UnauthorizedError
-from devd.messages import turn
-from tests.daemon import Daemon, free_port
+from devd.messages import Action, Browse, Call, Exec, Git, Op, Read, Write, answer, ask, done, turn
+from tests.daemon import Daemon, daemon_env, free_port, running, state_dir, stop, wait_connectable
+from tests.test_host import user
 
 
 def devd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -221,6 +224,140 @@ def test_status_shows_key_value_lines_and_json_the_counters(daemon: Daemon) -> N
     assert msgspec.json.decode(as_json.stdout)["server"] == {"name": "devd", "version": __version__}
 
 
+# -- devd inspect ----------------------------------------------------------------------------------------------------
+
+
+def test_inspect_shows_a_session_at_a_glance_and_the_actions_its_turn_waits_for(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.new(session="demo")
+        c.step("demo", turn(1, "fix the build"))
+        c.step("demo", answer(1, calls=[Call(Exec=Exec(argv=["make", "-C", "src dir"])), Call(Read=Read(path="a.c"))]))
+        (entry,) = c.call("session/list")["sessions"]
+    run = devd("inspect", "demo", "--connect", str(daemon.socket))
+    assert (run.returncode, run.stdout, run.stderr) == (
+        0,
+        "session:   demo\n"
+        "state:     live\n"
+        "seq:       2\n"
+        "watchers:  0\n"
+        f"created:   {entry['created'][:19]}Z\n"
+        f"last used: {entry['last_used'][:19]}Z\n"
+        "turn:      running, waiting for 2 actions\n"
+        "  2  Exec make -C 'src dir'\n"
+        "  3  Read a.c\n",
+        "",
+    )
+
+
+def test_inspect_json_is_the_list_entry_and_the_pending_actions_as_the_daemon_sent_them(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.new(session="s")
+        c.step("s", turn(1, "x"))
+        pending = c.call_raw("session/pending", {"session": "s"})  # first: it marks the session used
+        listed = c.call_raw("session/list")
+    run = devd("inspect", "s", "--json", "--connect", str(daemon.socket))
+    entry = listed.removeprefix(b'{"sessions":[').removesuffix(b"]}")
+    actions = pending.removeprefix(b'{"actions":').removesuffix(b"}")
+    assert run.stdout.encode() == b'{"session":' + entry + b',"pending":' + actions + b"}\n"
+
+
+def test_inspect_finds_its_session_among_names_that_sort_beside_it(daemon: Daemon) -> None:
+    names = ["a", "a-", "a-a", "a0", "aa", "b", "Z"]
+    with daemon.client() as c:
+        for name in names:
+            c.new(session=name)
+    found = [
+        msgspec.json.decode(devd("inspect", name, "--json", "--connect", str(daemon.socket)).stdout)["session"]
+        for name in names
+    ]
+    assert [entry["session"] for entry in found] == names
+
+
+def test_inspect_of_a_session_that_does_not_exist_is_the_daemons_handle_error_with_exit_1(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.new(session="a")
+        c.new(session="c")
+    run = devd("inspect", "b", "--connect", str(daemon.socket))
+    assert (run.returncode, run.stdout, run.stderr) == (
+        1,
+        "",
+        "devd: HANDLE: no session is named 'b'; `devd ls` shows the sessions there are\n",
+    )
+
+
+ENTRY: dict[str, Any] = {
+    "session": "build-7",
+    "state": "live",
+    "seq": 3,
+    "created": "2026-11-30T12:07:20.000Z",
+    "last_used": "2026-11-30T12:07:31.500Z",
+}
+
+
+def test_an_idle_session_with_watchers_is_shown_with_no_turn_running() -> None:
+    assert cli.inspection({**ENTRY, "watchers": 2}, []) == (
+        "session:   build-7\n"
+        "state:     live\n"
+        "seq:       3\n"
+        "watchers:  2\n"
+        "created:   2026-11-30T12:07:20Z\n"
+        "last used: 2026-11-30T12:07:31Z\n"
+        "turn:      none running\n"
+    )
+
+
+def test_an_ended_session_is_shown_with_its_reason_and_how_to_bring_it_back() -> None:
+    ended = {**ENTRY, "state": "ended", "reason": "its call ran past its deadline"}
+    assert cli.inspection(ended, None) == (
+        "session:   build-7\n"
+        "state:     ended\n"
+        "reason:    its call ran past its deadline\n"
+        "seq:       3\n"
+        "watchers:  0\n"
+        "created:   2026-11-30T12:07:20Z\n"
+        "last used: 2026-11-30T12:07:31Z\n"
+        "turn:      none: the session is ended; `devd recover build-7` brings it back\n"
+    )
+
+
+def test_pending_actions_are_listed_one_a_line_with_their_ids_aligned() -> None:
+    actions = [Action(id=9, op=Op(Read=Read(path="src/lib.rs"))), Action(id=10, op=Op(Browse=Browse(url="x")))]
+    assert cli.inspection(ENTRY, actions).splitlines()[-3:] == [
+        "turn:      running, waiting for 2 actions",
+        "   9  Read src/lib.rs",
+        "  10  Browse x",
+    ]
+
+
+def test_each_kind_of_action_is_summarized_on_one_line() -> None:
+    ops = [
+        ask(user("fix it"), user("and test it")),
+        ask(user("once")),
+        Op(Exec=Exec(argv=["cc", "-o", "my prog", "main.c"])),
+        Op(Read=Read(path="src/lib.rs")),
+        Op(Write=Write(path="notes.txt", text="two\nlines")),
+        Op(Git=Git(argv=["status", "--short"])),
+        Op(Browse=Browse(url="https://example.com/a")),
+        Op(Emit="Declared   x.\nDone."),
+        Op(Save=True),
+        done(4),
+        Op(Emit="y" * 100),
+    ]
+    assert [cli.action_summary(Action(id=1, op=op)) for op in ops] == [
+        "Model (2 messages)",
+        "Model (1 message)",
+        "Exec cc -o 'my prog' main.c",
+        "Read src/lib.rs",
+        "Write notes.txt (9 characters)",
+        "Git status --short",
+        "Browse https://example.com/a",
+        "Emit Declared x. Done.",
+        "Save",
+        "Done turn 4",
+        "Emit " + "y" * 69 + "...",
+    ]
+
+
 # -- errors in the command's terms, and exit codes -------------------------------------------------------------------
 
 
@@ -341,3 +478,158 @@ def test_serve_help_shows_each_default() -> None:
         end = after.find(" --", 2)
         assert shown in after[: end if end > 0 else None], flag
     assert "(default: None)" not in text
+
+
+# -- devd serve's flags from the environment -------------------------------------------------------------------------
+
+
+def serve_values(argv: list[str], environ: dict[str, str]) -> tuple[Any, ...]:
+    a = cli.parse_args(["serve", *argv], environ)
+    return (a.socket, a.listen, a.max_live, a.live_memory, a.expire_after, a.call_timeout, a.log_level, a.metrics)
+
+
+def test_serve_flags_take_their_values_from_the_environment() -> None:
+    environ = {
+        "DEVD_SOCKET": "/run/devd/devd.sock",
+        "DEVD_LISTEN": "tcp://127.0.0.1:7411",
+        "DEVD_MAX_LIVE": "5000",
+        "DEVD_LIVE_MEMORY": "4G",
+        "DEVD_EXPIRE_AFTER": "30d",
+        "DEVD_CALL_TIMEOUT": "2.5",
+        "DEVD_LOG_LEVEL": "warning",
+        "DEVD_METRICS": "tcp://127.0.0.1:9464",
+    }
+    assert serve_values([], environ) == (
+        Path("/run/devd/devd.sock"),
+        ("127.0.0.1", 7411),
+        5000,
+        4 << 30,
+        30 * 86400.0,
+        2.5,
+        "warning",
+        ("127.0.0.1", 9464),
+    )
+
+
+def test_the_command_line_wins_over_the_environment() -> None:
+    environ = {"DEVD_MAX_LIVE": "5000", "DEVD_LOG_LEVEL": "debug", "DEVD_SOCKET": "/run/env.sock"}
+    args = cli.parse_args(["serve", "--max-live", "7", "--log-level=error", "--socket", "/run/flag.sock"], environ)
+    assert (args.max_live, args.log_level, args.socket) == (7, "error", Path("/run/flag.sock"))
+
+
+def test_an_empty_or_absent_variable_leaves_its_flag_at_its_default() -> None:
+    assert serve_values([], {"DEVD_MAX_LIVE": "", "DEVD_SOCKET": ""}) == (
+        None,
+        None,
+        1000,
+        None,
+        None,
+        5.0,
+        "info",
+        None,
+    )
+
+
+def test_a_bad_value_in_the_environment_is_a_usage_error_naming_the_variable(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    said = []
+    for argv, environ in [
+        ([], {"DEVD_MAX_LIVE": "lots"}),
+        (["--max-live", "7"], {"DEVD_MAX_LIVE": "lots"}),  # set, so checked, even though the flag wins
+        ([], {"DEVD_LOG_LEVEL": "loud"}),
+        ([], {"DEVD_EXPIRE_AFTER": "soon"}),
+        ([], {"DEVD_SOCKET": "tcp://127.0.0.1:7411"}),
+    ]:
+        with pytest.raises(SystemExit) as exit:
+            cli.parse_args(["serve", *argv], environ)
+        said.append((exit.value.code, capsys.readouterr().err.splitlines()[-1]))
+    error = "devd serve: error: environment variable"
+    assert said == [
+        (2, f"{error} DEVD_MAX_LIVE (--max-live): invalid int value: 'lots'"),
+        (2, f"{error} DEVD_MAX_LIVE (--max-live): invalid int value: 'lots'"),
+        (
+            2,
+            f"{error} DEVD_LOG_LEVEL (--log-level): invalid choice: 'loud' "
+            "(choose from 'debug', 'info', 'warning', 'error')",
+        ),
+        (
+            2,
+            f"{error} DEVD_EXPIRE_AFTER (--expire-after): a duration is a number with s, m, h or d after it (30d, "
+            "12h), not 'soon'",
+        ),
+        (
+            2,
+            f"{error} DEVD_SOCKET (--socket): --socket takes the path of a Unix socket, not 'tcp://127.0.0.1:7411'; "
+            "to serve TCP, pass --listen tcp://HOST:PORT",
+        ),
+    ]
+
+
+def test_client_commands_do_not_read_serves_variables() -> None:
+    assert cli.parse_args(["ls"], {"DEVD_MAX_LIVE": "lots"}).command == "ls"
+
+
+def test_a_switch_is_set_by_1_true_or_yes_cleared_by_0_false_or_no_and_refuses_anything_else() -> None:
+    command = argparse.ArgumentParser()
+    command.add_argument("--follow-moved", action="store_true", help="a switch")
+    values = [cli.environment_defaults(command, {"DEVD_FOLLOW_MOVED": v}) for v in ("1", "TRUE", "yes", "0", "No")]
+    with pytest.raises(ValueError) as refused:
+        cli.environment_defaults(command, {"DEVD_FOLLOW_MOVED": "maybe"})
+    assert (values, str(refused.value)) == (
+        [{"follow_moved": True}] * 3 + [{"follow_moved": False}] * 2,
+        "environment variable DEVD_FOLLOW_MOVED (--follow-moved): 1, true or yes sets it, 0, false or no leaves it "
+        "off; not 'maybe'",
+    )
+
+
+def test_every_serve_flag_shows_its_variable_in_its_help() -> None:
+    serve = subcommands()["serve"]
+    shown = [
+        (max(a.option_strings, key=len), re.findall(r" \[env (\w+)\]$", a.help or ""))
+        for a in serve._actions
+        if a.dest != "help"
+    ]
+    assert shown == [
+        ("--socket", ["DEVD_SOCKET"]),
+        ("--listen", ["DEVD_LISTEN"]),
+        ("--state-dir", ["DEVD_STATE_DIR"]),
+        ("--core", ["DEVD_CORE"]),
+        ("--call-timeout", ["DEVD_CALL_TIMEOUT"]),
+        ("--max-call-timeout", ["DEVD_MAX_CALL_TIMEOUT"]),
+        ("--max-sessions", ["DEVD_MAX_SESSIONS"]),
+        ("--max-live", ["DEVD_MAX_LIVE"]),
+        ("--live-memory", ["DEVD_LIVE_MEMORY"]),
+        ("--store", ["DEVD_STORE"]),
+        ("--node", ["DEVD_NODE"]),
+        ("--advertise", ["DEVD_ADVERTISE"]),
+        ("--lease-ttl", ["DEVD_LEASE_TTL"]),
+        ("--snapshot-floor", ["DEVD_SNAPSHOT_FLOOR"]),
+        ("--expire-after", ["DEVD_EXPIRE_AFTER"]),
+        ("--max-connections", ["DEVD_MAX_CONNECTIONS"]),
+        ("--max-line-bytes", ["DEVD_MAX_LINE_BYTES"]),
+        ("--line-timeout", ["DEVD_LINE_TIMEOUT"]),
+        ("--send-timeout", ["DEVD_SEND_TIMEOUT"]),
+        ("--metrics", ["DEVD_METRICS"]),
+        ("--log-format", ["DEVD_LOG_FORMAT"]),
+        ("--log-level", ["DEVD_LOG_LEVEL"]),
+    ]
+
+
+def test_a_variable_reaches_the_daemon(tmp_path: Path) -> None:
+    with Daemon(tmp_path, env={"DEVD_MAX_LIVE": "1"}) as d, d.client() as c:
+        c.new(session="a")
+        c.new(session="b")  # past one live session: a hibernates
+        states = [(s["session"], s["state"]) for s in c.call("session/list")["sessions"]]
+    assert states == [("a", "stored"), ("b", "live")]
+
+
+def test_devd_socket_is_where_serve_listens_and_where_the_client_commands_look(tmp_path: Path) -> None:
+    where = tmp_path / "run" / "devd.sock"
+    env = daemon_env(DEVD_SOCKET=str(where))
+    argv = [sys.executable, "-m", "devd", "serve", "--state-dir", str(state_dir(tmp_path)), "--log-format", "json"]
+    with running(argv, env, tmp_path / "devd.log") as proc:
+        wait_connectable(where, proc).close()
+        ls = subprocess.run([sys.executable, "-m", "devd", "ls"], env=env, capture_output=True, text=True, timeout=30)
+        stopped = stop(proc)
+    assert (ls.returncode, ls.stdout, stopped) == (0, "no sessions\n", 0)

@@ -1,6 +1,7 @@
-"""What an operator relies on: `devd status --prometheus` in the exact text format, `devd doctor` against a real
-daemon and a real stopped state directory, the log events a session's lifecycle and a failed answer leave, and
-docs/operations.md naming every log event and exit status there is."""
+"""What an operator relies on: `devd status --prometheus` against the daemon (its text format is tested in
+tests/test_metrics.py), `devd doctor` against a real daemon and a real stopped state directory, the log events a
+session's lifecycle and a failed answer leave, and docs/operations.md naming every log event, exit status and
+variable there is."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from devd import __version__, cli, errors
 from devd.messages import turn
+from devd.metrics import prometheus
 from devd.sqlite_store import MIGRATIONS
 from tests.daemon import ROOT, Daemon, log_events
+from tests.test_cli import subcommands
+from tests.test_metrics import STATUS
 
 DOC = ROOT / "docs" / "operations.md"
 
@@ -26,91 +29,6 @@ def devd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 # -- metrics ---------------------------------------------------------------------------------------------------------
-
-STATUS: dict[str, Any] = {
-    "server": {"name": "devd", "version": "0.1.0"},
-    "uptime_s": 12.5,
-    "sessions": {"live": 1, "stored": 2, "ended": 0, "poisoned": 3},
-    "connections": 4,
-    "steps": 5,
-    "durable_writes": 6,
-    "errors": {"INTERNAL": 1, "BUSY": 2},
-    "deadline_hits": 7,
-    "offloaded": 8,
-    "rebuilt": 9,
-    "hibernated": 10,
-    "live_memory_bytes": 1245184,
-    "expired": 11,
-    "commit_ms_p50": 1.1,
-    "commit_ms_p99": 12.25,
-    "memory_rss_bytes": 63991808,
-}
-
-PROMETHEUS = """\
-# HELP devd_build_info The daemon's version, as a label; always 1.
-# TYPE devd_build_info gauge
-devd_build_info{version="0.1.0"} 1
-# HELP devd_uptime_seconds Seconds since the daemon started.
-# TYPE devd_uptime_seconds gauge
-devd_uptime_seconds 12.5
-# HELP devd_sessions Sessions by state: live (in memory), stored (on disk), ended, poisoned.
-# TYPE devd_sessions gauge
-devd_sessions{state="live"} 1
-devd_sessions{state="stored"} 2
-devd_sessions{state="ended"} 0
-devd_sessions{state="poisoned"} 3
-# HELP devd_connections Client connections open now.
-# TYPE devd_connections gauge
-devd_connections 4
-# HELP devd_steps_total Steps answered.
-# TYPE devd_steps_total counter
-devd_steps_total 5
-# HELP devd_durable_writes_total Commits made durable (written and fsync'd); one carries one or more writes.
-# TYPE devd_durable_writes_total counter
-devd_durable_writes_total 6
-# HELP devd_commit_duration_seconds How long a commit took, write and fsync, over the last 1,024 commits.
-# TYPE devd_commit_duration_seconds summary
-devd_commit_duration_seconds{quantile="0.5"} 0.0011
-devd_commit_duration_seconds{quantile="0.99"} 0.01225
-# HELP devd_deadline_hits_total Calls stopped by their deadline.
-# TYPE devd_deadline_hits_total counter
-devd_deadline_hits_total 7
-# HELP devd_offloaded_calls_total Calls run on a worker thread: past their inline budget, or of a session whose calls grew past it.
-# TYPE devd_offloaded_calls_total counter
-devd_offloaded_calls_total 8
-# HELP devd_sessions_rebuilt_total Sessions rebuilt from their snapshot and journal: woken, recovered, or after an inline call was stopped.
-# TYPE devd_sessions_rebuilt_total counter
-devd_sessions_rebuilt_total 9
-# HELP devd_sessions_hibernated_total Idle sessions whose instance was dropped to stay within --max-live or --live-memory.
-# TYPE devd_sessions_hibernated_total counter
-devd_sessions_hibernated_total 10
-# HELP devd_sessions_expired_total Sessions deleted by --expire-after.
-# TYPE devd_sessions_expired_total counter
-devd_sessions_expired_total 11
-# HELP devd_errors_total Error answers, by kind (the error's data.kind).
-# TYPE devd_errors_total counter
-devd_errors_total{kind="BUSY"} 2
-devd_errors_total{kind="INTERNAL"} 1
-# HELP devd_live_memory_bytes The memory of the sessions' instances together.
-# TYPE devd_live_memory_bytes gauge
-devd_live_memory_bytes 1245184
-# HELP process_resident_memory_bytes Resident memory of the daemon's process.
-# TYPE process_resident_memory_bytes gauge
-process_resident_memory_bytes 63991808
-"""  # noqa: E501
-
-
-def test_prometheus_output_is_exactly_the_text_format_with_base_units() -> None:
-    assert cli.prometheus(STATUS) == PROMETHEUS
-
-
-def test_every_prometheus_metric_has_help_and_type_and_counters_end_in_total() -> None:
-    lines = cli.prometheus(STATUS).splitlines()
-    helped = [line.split()[2] for line in lines if line.startswith("# HELP ")]
-    typed = {line.split()[2]: line.split()[3] for line in lines if line.startswith("# TYPE ")}
-    sampled = {re.split(r"[{ ]", line)[0] for line in lines if not line.startswith("#")}
-    assert (helped == list(typed), sampled == set(typed)) == (True, True)
-    assert [name for name, kind in typed.items() if (kind == "counter") != name.endswith("_total")] == []
 
 
 def test_status_prometheus_against_the_daemon_counts_its_steps(daemon: Daemon) -> None:
@@ -306,3 +224,17 @@ def test_the_units_the_operations_doc_installs_exist() -> None:
     named = set(re.findall(r"systemd/(?:user/)?devd\.(?:service|socket)", DOC.read_text()))
     assert sorted(n for n in named if not (ROOT / n).is_file()) == []
     assert len(named) == 4
+
+
+def test_the_variables_the_operations_doc_sets_are_ones_devd_serve_reads() -> None:
+    set_in_doc = set(re.findall(r"Environment=(DEVD_[A-Z_]+)=", DOC.read_text()))
+    read = {cli.flag_variable(a) for a in subcommands()["serve"]._actions if a.option_strings and a.dest != "help"}
+    assert (sorted(set_in_doc - read), len(set_in_doc) >= 2) == ([], True)
+
+
+def test_the_operations_doc_names_every_metric_there_is() -> None:
+    text = DOC.read_text()
+    section = text[text.index("\n## Metrics\n") : text.index("\n## The `devd` command")]
+    documented = set(re.findall(r"^\| `([a-z_]+)[{`]", section, re.MULTILINE))
+    exposed = {line.split()[2] for line in prometheus(STATUS).splitlines() if line.startswith("# TYPE ")}
+    assert (sorted(exposed - documented), sorted(documented - exposed)) == ([], [])

@@ -1,0 +1,287 @@
+"""The daemon's counters for Prometheus: `daemon/status` in the text exposition format, and the small HTTP listener
+of `devd serve --metrics tcp://HOST:PORT` that serves it.
+
+What it promises:
+- `prometheus(status)` is the one rendering of the counters: `devd status --prometheus` prints, and `GET /metrics`
+  answers, the same text for the same `daemon/status`;
+- the listener answers `GET /metrics` (200), another path (404), another method on `/metrics` (405), a request
+  line that is not HTTP/1.x (400), a head longer than `metrics_head_bytes_max` (431), and one that is not whole
+  within `metrics_timeout_s` (408); each connection is closed after its one answer;
+- it is bounded and kept apart from the JSON-RPC listeners: at most `metrics_connections_max` connections, each
+  aborted `metrics_timeout_s` after it was accepted whatever it is doing, answered from asyncio's callbacks (no
+  task, nothing queued), and what happens in one is logged and goes no further;
+- an address that is not loopback is served, since it was given explicitly, and logged as `metrics.exposed`.
+
+The request handling is `answer`, a pure function of the bytes received; `Exchange` is the I/O around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+import socket
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
+from typing import Any, cast
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from devd.config import Settings
+
+log = structlog.get_logger("devd.metrics")
+
+PATH = b"/metrics"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the text exposition format, as Prometheus asks for it
+
+
+# -- daemon/status in the Prometheus text format ---------------------------------------------------------------------
+
+
+def _label(value: object) -> str:
+    return str(value).replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else repr(float(value))
+
+
+def _seconds(ms: float) -> float:
+    return round(ms / 1000, 9)  # 1.1 ms is 0.0011, not 0.0011000000000000001
+
+
+def prometheus(status: Mapping[str, Any]) -> str:
+    """daemon/status (as JSON decodes it) in the Prometheus text format: `# HELP` and `# TYPE` for every metric, base
+    units (seconds, bytes), `_total` on counters. Commit latency is a summary of the last 1,024 commits, without
+    `_sum` and `_count` (the daemon keeps neither; `devd_durable_writes_total` counts the commits)."""
+    s = status
+    families: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+        (
+            "devd_build_info",
+            "gauge",
+            "The daemon's version, as a label; always 1.",
+            [(f'{{version="{_label(s["server"]["version"])}"}}', 1)],
+        ),
+        ("devd_uptime_seconds", "gauge", "Seconds since the daemon started.", [("", s["uptime_s"])]),
+        (
+            "devd_sessions",
+            "gauge",
+            "Sessions by state: live (in memory), stored (on disk), ended, poisoned.",
+            [(f'{{state="{_label(state)}"}}', n) for state, n in s["sessions"].items()],
+        ),
+        ("devd_connections", "gauge", "Client connections open now.", [("", s["connections"])]),
+        ("devd_steps_total", "counter", "Steps answered.", [("", s["steps"])]),
+        (
+            "devd_durable_writes_total",
+            "counter",
+            "Commits made durable (written and fsync'd); one carries one or more writes.",
+            [("", s["durable_writes"])],
+        ),
+        (
+            "devd_commit_duration_seconds",
+            "summary",
+            "How long a commit took, write and fsync, over the last 1,024 commits.",
+            [('{quantile="0.5"}', _seconds(s["commit_ms_p50"])), ('{quantile="0.99"}', _seconds(s["commit_ms_p99"]))],
+        ),
+        ("devd_deadline_hits_total", "counter", "Calls stopped by their deadline.", [("", s["deadline_hits"])]),
+        (
+            "devd_offloaded_calls_total",
+            "counter",
+            "Calls run on a worker thread: past their inline budget, or of a session whose calls grew past it.",
+            [("", s["offloaded"])],
+        ),
+        (
+            "devd_sessions_rebuilt_total",
+            "counter",
+            "Sessions rebuilt from their snapshot and journal: woken, recovered, or after an inline call was stopped.",
+            [("", s["rebuilt"])],
+        ),
+        (
+            "devd_sessions_hibernated_total",
+            "counter",
+            "Idle sessions whose instance was dropped to stay within --max-live or --live-memory.",
+            [("", s["hibernated"])],
+        ),
+        ("devd_sessions_expired_total", "counter", "Sessions deleted by --expire-after.", [("", s["expired"])]),
+        (
+            "devd_errors_total",
+            "counter",
+            "Error answers, by kind (the error's data.kind).",
+            [(f'{{kind="{_label(kind)}"}}', n) for kind, n in sorted(s["errors"].items())],
+        ),
+        (
+            "devd_live_memory_bytes",
+            "gauge",
+            "The memory of the sessions' instances together.",
+            [("", s["live_memory_bytes"])],
+        ),
+        (
+            "process_resident_memory_bytes",
+            "gauge",
+            "Resident memory of the daemon's process.",
+            [("", s["memory_rss_bytes"])],
+        ),
+    ]
+    lines = []
+    for name, kind, help, samples in families:
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+        lines += [f"{name}{labels} {_number(value)}" for labels, value in samples]
+    return "\n".join(lines) + "\n"
+
+
+# -- one HTTP exchange, without I/O ----------------------------------------------------------------------------------
+
+_HEAD_END = re.compile(rb"\r?\n\r?\n")  # the blank line that ends a request's head (bare LFs tolerated)
+
+
+def response(status: HTTPStatus, body: str, content_type: str = "text/plain; charset=utf-8", **headers: str) -> bytes:
+    """A whole HTTP/1.1 response that tells the client the connection closes after it."""
+    data = body.encode()
+    lines = [
+        f"HTTP/1.1 {status.value} {status.phrase}",
+        f"Content-Type: {content_type}",
+        f"Content-Length: {len(data)}",
+        "Connection: close",
+        *(f"{name.replace('_', '-')}: {value}" for name, value in headers.items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + data
+
+
+def answer(head: bytes, head_bytes_max: int, exposition: Callable[[], str]) -> bytes | None:
+    """What to send a connection that has sent `head` so far: None while its head is still coming and within
+    `head_bytes_max`, else the one response it gets. The head is read whole before answering (a client cut off
+    mid-send may not see the answer); a body is never read. `exposition` is called only for `GET /metrics`."""
+    end = _HEAD_END.search(head)
+    if (len(head) if end is None else end.end()) > head_bytes_max:
+        return response(
+            HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"a request's head is {head_bytes_max} bytes at most\n"
+        )
+    if end is None:
+        return None
+    parts = head.split(b"\n", 1)[0].rstrip(b"\r").split(b" ")
+    if len(parts) != 3 or parts[2] not in (b"HTTP/1.0", b"HTTP/1.1"):
+        return response(HTTPStatus.BAD_REQUEST, "not an HTTP/1.x request line\n")
+    method, target = parts[0], parts[1].split(b"?", 1)[0]
+    if target != PATH:
+        return response(HTTPStatus.NOT_FOUND, "devd serves GET /metrics only\n")
+    if method != b"GET":
+        return response(HTTPStatus.METHOD_NOT_ALLOWED, "/metrics answers GET only\n", Allow="GET")
+    return response(HTTPStatus.OK, exposition(), CONTENT_TYPE)
+
+
+# -- the listener ----------------------------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host names this machine alone (a name other than localhost cannot be told, so it is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The metrics listener's socket, bound where it was told: an address other than loopback is served (it was
+    given explicitly), with a warning, since anyone who reaches it reads the counters."""
+    if not is_loopback(host):
+        log.warning(
+            "metrics.exposed",
+            address=f"{host}:{port}",
+            note="anyone who reaches this address reads the daemon's counters; listen on loopback unless that is meant",
+        )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
+
+
+class Exchange(asyncio.Protocol):
+    """One connection: its head read (bounded, timed), answered once, then closed once the client has its answer."""
+
+    def __init__(self, settings: Settings, exposition: Callable[[], str], exchanges: set[Exchange]) -> None:
+        self.settings = settings
+        self.exposition = exposition
+        self.exchanges = exchanges
+        self.head = b""
+        self.answered = False
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
+        if len(self.exchanges) >= self.settings.metrics_connections_max:
+            self.transport.abort()  # a flood of scrapes must not take the descriptors the JSON-RPC listeners need
+            return
+        self.exchanges.add(self)
+        # A bound on the connection's whole life, not only its reading: it also ends one that never takes its answer.
+        self.timer = asyncio.get_running_loop().call_later(self.settings.metrics_timeout_s, self._timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        if self.answered:
+            return  # a body, or more requests: read and dropped until the client closes (see _send)
+        self.head += data
+        try:
+            reply = answer(self.head, self.settings.metrics_head_bytes_max, self.exposition)
+        except Exception as e:  # the connection's boundary: whatever failed, this scrape alone fails
+            log.error("metrics.failed", error=f"{type(e).__name__}: {e}"[:500])
+            reply = response(HTTPStatus.INTERNAL_SERVER_ERROR, "the daemon failed to render its metrics; see its log\n")
+        if reply is not None:
+            self._send(reply)
+
+    def eof_received(self) -> bool:
+        return False  # the client is done (or gave up): close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.exchanges.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def _send(self, reply: bytes) -> None:
+        """Send the answer and end our side; keep reading (and dropping) until the client closes, since closing with
+        its bytes unread would reset the connection, and the answer with it."""
+        assert self.transport is not None
+        self.answered = True
+        self.head = b""
+        self.transport.write(reply)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        else:
+            self.transport.close()
+
+    def _timed_out(self) -> None:
+        """Time is up: say so if the request never came whole, and cut the connection off. Abort drops only what
+        asyncio still holds, which a client too slow to take a few hundred bytes has not earned."""
+        assert self.transport is not None
+        if not self.answered:
+            self.transport.write(response(HTTPStatus.REQUEST_TIMEOUT, "the request did not arrive in time\n"))
+        self.transport.abort()
+
+
+async def serve(
+    sock: socket.socket,
+    exposition: Callable[[], str],
+    settings: Settings,
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `GET /metrics` on sock until cancelled (it is started with the task group's `start`, so it accepts
+    before the daemon says it is ready); then stop accepting and cut off the connections still open."""
+    exchanges: set[Exchange] = set()
+    loop = asyncio.get_running_loop()
+    # asyncio's accept loop backs off when out of descriptors instead of failing, as the JSON-RPC listeners' does.
+    server = await loop.create_server(lambda: Exchange(settings, exposition, exchanges), sock=sock, backlog=64)
+    try:
+        task_status.started()
+        await anyio.sleep_forever()
+    finally:
+        server.close()
+        for exchange in list(exchanges):
+            if exchange.transport is not None:
+                exchange.transport.abort()
