@@ -69,6 +69,17 @@ class Cluster:
     def drop_database(self, name: str) -> None:
         self.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
+    def restart(self) -> None:
+        """As a crash would: stopped without a checkpoint (`-m immediate`), then started again on the same port."""
+        result = subprocess.run(
+            [*self.run_as, str(BIN / "pg_ctl"), "restart", "-D", str(self.data), "-m", "immediate", "-w"]
+            + ["-l", str(self.root / "postgres.log"), "-t", str(START_TIMEOUT_S)],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S + 10,
+        )
+        _check(result, "pg_ctl restart", self.root / "postgres.log")
+
     def stop(self) -> None:
         subprocess.run(
             [*self.run_as, str(BIN / "pg_ctl"), "stop", "-D", str(self.data), "-m", "fast", "-w"],

@@ -20,7 +20,7 @@ from devd import errors
 from devd.client import Client
 from devd.messages import answer, turn
 from tests.daemon import Daemon
-from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures)
+from tests.postgres import Cluster, postgres, postgres_url  # noqa: F401  (the fixtures)
 from tests.test_crash import Conversation
 
 LEASE_TTL_S = 1.5
@@ -202,3 +202,49 @@ def test_three_daemons_serve_clients_spread_over_them_and_lose_nothing_when_one_
     finally:
         for d in daemons[1:]:
             d.stop()
+
+
+def drive_through_errors(daemon: Daemon, conv: Conversation, steps: int, wrong: list[str]) -> None:
+    """Step conv `steps` times under keys through one daemon, sending a step again (same key) after any error."""
+    deadline = time.monotonic() + 60
+    with Client.connect(daemon.socket, timeout=10) as c:
+        while conv.acked < steps and time.monotonic() < deadline:
+            key, event, expected = conv.next_step()
+            try:
+                got = c.step_answer(conv.name, event, key=key)  # type: ignore[arg-type]
+            except errors.DevdError:
+                time.sleep(0.05)  # the database is away: nothing was acknowledged, the step goes again
+                continue
+            if got.actions != expected:
+                wrong.append(f"{conv.name} {key}: got {got.actions}, want {expected}")
+                return
+            conv.acknowledged()
+
+
+def test_a_database_restarted_under_load_loses_no_acked_step_and_the_daemon_carries_on(
+    tmp_path: Path,
+    postgres: Cluster,  # noqa: F811
+    postgres_url: str,  # noqa: F811
+) -> None:
+    daemon = fleet_daemon(tmp_path, postgres_url, "a").start()
+    steps = 200
+    try:
+        convs = [Conversation(f"s{i}") for i in range(3)]
+        with daemon.client() as c:
+            for conv in convs:
+                c.new(session=conv.name)
+        wrong: list[str] = []
+        threads = [threading.Thread(target=drive_through_errors, args=(daemon, conv, steps, wrong)) for conv in convs]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        acked_at_restart = sum(conv.acked for conv in convs)
+        postgres.restart()
+        for t in threads:
+            t.join(90)
+        with psycopg.connect(postgres_url) as db:
+            rows = dict(db.execute("SELECT session, count(*) FROM journal GROUP BY session").fetchall())
+        alive = daemon.proc is not None and daemon.proc.poll() is None
+        assert (wrong, acked_at_restart < 3 * steps, alive, rows) == ([], True, True, {c.name: steps for c in convs})
+    finally:
+        daemon.stop()
