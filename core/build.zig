@@ -16,6 +16,7 @@ const exports = [_][]const u8{
     "dev_apply",
     "dev_resume",
     "dev_ignored",
+    "dev_out_of_memory",
 };
 
 pub fn build(b: *std.Build) void {

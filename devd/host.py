@@ -101,6 +101,7 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dev_apply": (("i64", "i32", "i32"), ("i32",)),
     "dev_resume": (("i32", "i32", "i32"), ("i32",)),
     "dev_ignored": (("i64",), ("i64",)),
+    "dev_out_of_memory": ((), ("i32",)),
 }
 # dev_restore and dev_snapshot may be missing: such a core runs sessions but cannot carry them across instances.
 # dev_pending may be missing too: such a core runs sessions but cannot say what it still waits for. Without dev_apply
@@ -213,6 +214,7 @@ class Core:
         self.has_apply = "dev_apply" in {e.name for e in module.exports}
         self.has_resume = "dev_resume" in {e.name for e in module.exports}
         self.has_ignored = "dev_ignored" in {e.name for e in module.exports}
+        self.has_out_of_memory = "dev_out_of_memory" in {e.name for e in module.exports}
         self._sessions: weakref.WeakSet[Instance] = weakref.WeakSet()
         # Export names as C strings, made once: (buffer, length, argument slots).
         self._export_names = {
@@ -625,16 +627,26 @@ class Instance:
             return DeadlineError(
                 "the call ran past its deadline and was stopped; the session ended, restore its last snapshot"
             )
-        # The core traps when the memory it asks for is refused; the refused growth is about as large as the largest
-        # message it has handled (an event copied in, or an ask that carries the whole transcript).
-        near_cap = self.memory_bytes() + 2 * self._largest + (1 << 20) >= self._core.memory_bytes
+        out_of_memory = self._out_of_memory()
         self._end(PoisonError, "a previous call on this session trapped; close it, then restore or recover it")
-        if near_cap:
+        if out_of_memory:
             return OutOfMemoryError(
                 "the call trapped inside the core (it ran out of its memory cap); the session is poisoned, recover it"
             )
         why = message.strip().splitlines()[-1].strip()
         return PanicError(f"the call trapped inside the core ({why}); the session is poisoned, recover it")
+
+    def _out_of_memory(self) -> bool:
+        """Whether the trap just met was the core running out of its memory cap: the core says so (dev_out_of_memory),
+        or, from a core that cannot, the trap happened near the cap, allowing for a refused growth about as large as
+        the largest message the instance handled (an event copied in, or an ask carrying the whole transcript)."""
+        if self._core.has_out_of_memory:
+            try:
+                self._args[0].i32 = 0
+                return bool(self._invoke(self._export("dev_out_of_memory")))
+            except DevdError:
+                return False
+        return self.memory_bytes() + 2 * self._largest + (1 << 20) >= self._core.memory_bytes
 
     def _status(self, rc: int, event: bytes | None = None) -> None:
         if rc == 0:

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from devd import errors
@@ -194,12 +195,44 @@ async def test_a_step_too_large_for_the_memory_cap_is_refused_and_the_session_go
         async with registry_over(tmp_path, small, max_live=10) as registry:
             await registry.new("s", b"{}")
             await registry.step("s", encode(turn(1, "small")), None, None)
-            with pytest.raises(errors.NullError, match="nothing changed, the session continues from step 1"):
-                await registry.step("s", encode(turn(2, "x" * (1200 << 10))), None, None)
+            # Twice: the second time on an instance rebuilt from disk, which has not seen a large message yet (the
+            # host once told this trap from a bug by the sizes the instance had seen, and called it a PANIC).
+            for _ in range(2):
+                with pytest.raises(errors.NullError, match="nothing changed, the session continues from step 1"):
+                    await registry.step("s", encode(turn(2, "x" * (1200 << 10))), None, None)
             actions, *_ = await registry.step("s", encode(answer(1, "fine")), None, None)
             assert (actions.count(b'"Done"'), [(i.name, i.state.value, i.seq) for i in registry.page()[0]]) == (
                 1,
                 [("s", "live", 2)],
             )
+    finally:
+        small.close()
+
+
+async def test_an_ask_too_large_for_the_memory_cap_is_refused_the_same_after_the_session_is_rebuilt(
+    tmp_path: Path,
+) -> None:
+    # The answer, not the event, outgrows the cap: each result (2 MB) makes the next ask carry every one before it.
+    # The second refusal runs on an instance rebuilt from disk, whose last replayed answer was small: the host once
+    # told this trap from a bug by the sizes an instance had seen, and called it a PANIC that poisoned the session.
+    small = Core.open(memory_bytes=32 << 20)
+    try:
+        async with registry_over(tmp_path, small, max_live=10) as registry:
+            await registry.new("s", b"{}")
+            ask = msgspec.json.decode((await registry.step("s", encode(turn(1, "go")), None, None)).actions)[0]["id"]
+            refusals: list[str] = []
+            for _ in range(20):
+                called = await registry.step("s", encode(answer(ask, calls=[Call(Exec=Exec(argv=["x"]))])), None, None)
+                call = msgspec.json.decode(called.actions)[0]["id"]
+                result = encode(Event(Exec=Output(id=call, text="y" * (2 << 20))))
+                try:
+                    ask = msgspec.json.decode((await registry.step("s", result, None, None)).actions)[0]["id"]
+                except errors.NullError:
+                    for _ in range(2):
+                        with pytest.raises(errors.DevdError) as refused:
+                            await registry.step("s", result, None, None)
+                        refusals.append(refused.value.kind)
+                    break
+            assert refusals == ["NULL", "NULL"]
     finally:
         small.close()

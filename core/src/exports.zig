@@ -238,6 +238,15 @@ export fn dev_apply(handle: i64, ptr: i32, len: i32) i32 {
     return OK;
 }
 
+/// 1 when the instance trapped because its memory cap refused what it asked
+/// for, else 0: the host tells that from a bug, and refuses the call as too
+/// large for the session instead of poisoning it. Callable after a trap: it
+/// reads one flag and skips the in_call guard a trap leaves set. Optional in
+/// ABI 1.
+export fn dev_out_of_memory() i32 {
+    return @intFromBool(msg.out_of_memory);
+}
+
 /// The action id the last dev_step or dev_apply ignored (a Model answer or
 /// a result for an action the session did not dispatch, or already had the
 /// answer of), or -1 when it ignored none. Optional in ABI 1.

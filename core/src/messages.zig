@@ -18,9 +18,14 @@ const Writer = std.Io.Writer;
 
 pub const Error = error{Malformed};
 
+/// Set just before the core traps for want of memory, so the host can tell
+/// that trap from a bug (dev_out_of_memory).
+pub var out_of_memory: bool = false;
+
 /// Out of memory anywhere in the core is a trap, never a status: the host
 /// caps memory at 64 MiB, and a call that needs more must answer PANIC.
 pub fn oom() noreturn {
+    out_of_memory = true;
     @panic("out of memory");
 }
 
