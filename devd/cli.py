@@ -78,6 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_live=args.max_live,
             snapshot_floor_bytes=args.snapshot_floor,
             live_memory_bytes=args.live_memory,
+            memory_bytes_per_session=args.session_memory,
             expire_after_s=args.expire_after,
             connections_max=args.max_connections,
             line_bytes_max=args.max_line_bytes,
@@ -1097,7 +1098,15 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="SIZE",
         type=_flag_value(parse_size),
         help="the sessions in memory together may use this much (e.g. 4G); past it the least recently used idle "
-        "ones hibernate. Default: no cap but --max-live (each session's own cap is 64 MiB)",
+        "ones hibernate. Default: no cap but --max-live (each session's own cap is --session-memory)",
+    )
+    serve.add_argument(
+        "--session-memory",
+        metavar="SIZE",
+        type=_flag_value(parse_size),
+        default=default("memory_bytes_per_session"),
+        help="the most memory one session's instance may use (e.g. 128M); a step that would need more is refused "
+        "(NULL) and the session goes on",
     )
     serve.add_argument(
         "--store",

@@ -600,6 +600,7 @@ def test_every_serve_flag_shows_its_variable_in_its_help() -> None:
         ("--max-sessions", ["DEVD_MAX_SESSIONS"]),
         ("--max-live", ["DEVD_MAX_LIVE"]),
         ("--live-memory", ["DEVD_LIVE_MEMORY"]),
+        ("--session-memory", ["DEVD_SESSION_MEMORY"]),
         ("--store", ["DEVD_STORE"]),
         ("--node", ["DEVD_NODE"]),
         ("--advertise", ["DEVD_ADVERTISE"]),

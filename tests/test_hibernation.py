@@ -236,3 +236,10 @@ async def test_an_ask_too_large_for_the_memory_cap_is_refused_the_same_after_the
             assert refusals == ["NULL", "NULL"]
     finally:
         small.close()
+
+
+def test_session_memory_caps_each_session_and_a_step_past_it_is_refused_with_the_cap_named(tmp_path: Path) -> None:
+    with Daemon(tmp_path, "--session-memory", "4M") as d, d.client() as c:
+        c.new(session="s")
+        with pytest.raises(errors.NullError, match=r"does not fit in session 's''s memory \(4 MiB\)"):
+            c.step("s", turn(1, "x" * (1200 << 10)))
