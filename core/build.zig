@@ -40,7 +40,9 @@ pub fn build(b: *std.Build) void {
     exe.entry = .disabled;
     exe.rdynamic = false; // -rdynamic would also export __stack_pointer
     exe.export_memory = true;
-    exe.max_memory = 64 * 1024 * 1024; // the host's cap; the module bounds itself too
+    // The host's cap per session (devd serve --session-memory, 64 MiB by default) is what binds; the module's own
+    // bound only keeps a host that sets none from growing it without end.
+    exe.max_memory = 1024 * 1024 * 1024;
     // The stack sits first in linear memory, so an overflow faults (a trap)
     // instead of corrupting data. The core's deepest path needs a few KiB;
     // 256 KiB (instead of the default 1 MiB) keeps the initial memory small.

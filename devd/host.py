@@ -110,6 +110,18 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 _REQUIRED = ("dev_abi", "dev_alloc", "dev_release", "dev_new", "dev_step", "dev_free")
 
 
+def _check_memory_cap(module: wasmtime.Module, memory_bytes: int) -> None:
+    """A cap the module's own bound would silently cut: refused at start, so a session never fails below its cap."""
+    for export in module.exports:
+        if export.name == "memory" and isinstance(export.type, wasmtime.MemoryType):
+            most = export.type.limits.max
+            if most is not None and memory_bytes > most * 65536:
+                raise AbiError(
+                    f"a session's memory cap of {memory_bytes >> 20} MiB is more than this core can grow to "
+                    f"({most * 65536 >> 20} MiB); choose at most that"
+                )
+
+
 def packaged_module() -> bytes:
     """The core built from core/ and shipped in the package."""
     resource = importlib.resources.files("devd") / "core.wasm"
@@ -249,6 +261,7 @@ class Core:
         except wasmtime.WasmtimeError as e:
             raise AbiError(f"the module does not compile: {e}") from None
         _check_exports(module)
+        _check_memory_cap(module, memory_bytes)
         ticker = _Ticker(engine)
         try:
             _probe_abi(engine, module, ticker, deadline, memory_bytes)

@@ -875,3 +875,8 @@ def test_a_result_already_answered_is_ignored_and_one_awaited_is_not(session: In
     first = session.ignored()
     session.step(Event(Exec=Output(id=2, text="error again", failed=True)))
     assert (first, session.ignored()) == (None, 2)
+
+
+def test_a_session_memory_cap_past_what_the_core_can_grow_to_is_refused_at_start() -> None:
+    with pytest.raises(AbiError, match="memory cap of 2048 MiB is more than this core can grow to \\(1024 MiB\\)"):
+        Core.open(memory_bytes=2 << 30)
