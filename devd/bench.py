@@ -7,6 +7,8 @@ python -m devd.bench soak --minutes N  # the daemon for N minutes under mixed cl
                                        # minute (SIGTERM, SIGKILL by turns): its resources' curve and lost answers
 python -m devd.bench long      # one session's cost as it grows, turn after turn, and after a restart; or one turn of
                                # many tool calls (--big-turn N); in devd/bench_long.py
+python -m devd.bench fleet     # one and two daemons on one PostgreSQL vs the SQLite daemon, and a session's move
+                               # between daemons; in devd/bench_fleet.py
 """
 
 from __future__ import annotations
@@ -1990,14 +1992,17 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--json", help="write the samples, restarts, counts and verdicts here")
     soak.add_argument("--keep", action="store_true", help="keep the state, logs and code copy (kept on anomalies)")
     soak.add_argument("--git-rev", help="run the daemon from this commit's devd/ rather than the working tree")
-    from devd import bench_long  # here, not at the top: it imports this module's helpers
+    from devd import bench_fleet, bench_long  # here, not at the top: they import this module's helpers
 
     bench_long.add_arguments(sub.add_parser("long", help="one session's cost as it grows; exit 1 on error answers"))
+    bench_fleet.add_arguments(sub.add_parser("fleet", help="daemons on one PostgreSQL; exit 1 when a setup failed"))
     args = p.parse_args(argv)
     if args.what == "soak":
         return _soak_command(args)
     if args.what == "long":
         return bench_long.command(args)
+    if args.what == "fleet":
+        return bench_fleet.command(args)
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
     elif args.what == "many":

@@ -339,8 +339,8 @@ class Client:
             try:
                 return self._call_once(method, params)
             except errors.MovedError as e:
-                if not self._follow or hop == MOVED_HOPS - 1:
-                    raise
+                if not self._follow or self._watching or hop == MOVED_HOPS - 1:
+                    raise  # a watch loop's subscription lives on this connection: moving would end it
                 if e.address:  # no owner: nobody holds it now, and the same daemon takes it when asked again
                     self._move_to(e.address, e)
         raise AssertionError("unreachable")
@@ -630,7 +630,10 @@ class AsyncClient:
             try:
                 return await self._call_once(method, params)
             except errors.MovedError as e:
-                if self._tasks is None or not self._follow or hop == MOVED_HOPS - 1:
+                # Following moves the whole connection: only when nothing else uses it (other calls in flight, watch
+                # loops), which would otherwise fail mid-way with an outcome unknown.
+                busy = bool(self._conn.waiting or self._conn.watches)
+                if self._tasks is None or not self._follow or busy or hop == MOVED_HOPS - 1:
                     raise
                 if e.address:  # no owner: nobody holds it now, and the same daemon takes it when asked again
                     here, self._address = self._address, e.address

@@ -140,6 +140,8 @@ class Daemon:
         try:
             with anyio.fail_after(self.settings.shutdown_grace_s):
                 await registry.drain()
+                assert registry.fleet is not None
+                await registry.fleet.release_all()  # and any session a write took without the registry knowing
         except Exception as e:
             log.error("fleet.release_failed", error=f"{type(e).__name__}: {e}"[:500])
 

@@ -33,7 +33,7 @@ class Runner:
         self.core = core
         self.inline_budget_s = inline_budget_s
         self.limiter = anyio.CapacityLimiter(threads_max)
-        self.offloaded = 0  # calls that passed their inline budget and ran on a worker thread
+        self.offloaded = 0  # calls run on a worker thread: past their inline budget, or of a heavy session
 
     async def start(self, start: Callable[[float], Instance], deadline: float) -> Instance:
         """A new instance, started inline under the budget; past it, started afresh on a worker thread."""

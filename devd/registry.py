@@ -7,8 +7,9 @@ What it promises:
   taken when the events since the last have grown past a fraction of its size, preferably where the core asked to
   `Save`), so a rebuild replays at most that much;
 - a call on a session that is inside another call answers BUSY (nothing is queued);
-- a keyed step already answered is replayed from the journal, byte for byte, and never executed twice; the same key
-  with another event is CONFLICT;
+- a keyed step already answered is replayed from the journal, byte for byte (an answer kept as a digest is derived
+  again), and never executed twice; the same key with another event is CONFLICT, and so is a key whose answer is no
+  longer kept at all;
 - one slow session never holds up the others (see `devd.offload`);
 - a session that ended (deadline, lost answer) or trapped keeps that state on disk until `recover`;
 - a fork is built from the source's durable state and never touches the source.
@@ -89,7 +90,7 @@ class Entry:
     created: float = 0.0  # wall-clock seconds
     last_used: float = 0.0  # wall-clock seconds of the last call on it
     memory: int = 0  # bytes of its instance's memory when last measured (0: no instance)
-    heavy: bool = False  # a call did not fit the inline budget: run calls on a worker from the start
+    heavy: bool = False  # a call did not fit the inline budget, or its instance is large: calls run on a worker
     light_calls: int = 0  # calls in a row, since, that would have fitted it easily (enough of them end `heavy`)
     snapshot_bytes: int = 0  # of its latest durable snapshot (0: its config is the start)
     since_bytes: int = 0  # of the journal since that snapshot, as a replay costs it (events, and a bit a step)
@@ -266,6 +267,9 @@ class Registry:
 
     async def _fork(self, src: Entry, at: int | None, name: str | None) -> str:
         source = src.name
+        if self.fleet is not None and self.fleet.held(source) is None:
+            await self._acquire(src)  # its head here may be old: another daemon may have stepped it since
+            src.seq = (await self._stored(source)).seq
         at = src.seq if at is None else at
         if at > src.seq:
             raise InvalidParamsError(f"session {source!r} has answered {src.seq} steps; fork at {src.seq} or earlier")
@@ -361,13 +365,15 @@ class Registry:
                         )
                     answer = kept.actions
                     if answer is None:
-                        answer = await self._derive(name, Row(kept.seq, event, None, kept.answer), key)
+                        answer = await self._derive(name, kept.seq, key)
                     self.stats.replayed += 1
                     return Answered(answer, True)
             timeout_s = self.call_timeout_s if timeout_ms is None else min(timeout_ms / 1000, self.max_call_timeout_s)
-            since = entry.since_bytes + len(event) + STEP_BYTES
+            cost = len(event) + STEP_BYTES
 
             def due(actions: bytes) -> bool:
+                # Read here, not before the call: a rebuild on the way (a wake, a restart) counts them afresh.
+                since = entry.since_bytes + cost
                 return self.core.has_snapshots and snapshot_due(
                     since, entry.snapshot_bytes, self.snapshot_floor_bytes, actions
                 )
@@ -390,7 +396,7 @@ class Registry:
                 raise
             entry.seq = seq
             if snapshot is None:
-                entry.since_bytes = since
+                entry.since_bytes += cost
             else:
                 entry.snapshot_bytes, entry.since_bytes = len(snapshot), 0
             self.stats.steps += 1
@@ -399,14 +405,17 @@ class Registry:
         finally:
             entry.busy = False
 
-    async def _derive(self, name: str, row: Row, key: str) -> bytes:
-        """The answer to a journalled step whose answer was kept as a digest: rebuilt from the state before it."""
-        before = await self.store.load_at(name, row.seq - 1)
-        if before is None:
+    async def _derive(self, name: str, seq: int, key: str) -> bytes:
+        """The answer to journalled step `seq`, kept as a digest: its event as journalled (a retry's may be spelled
+        otherwise) stepped again on the state before it."""
+        rows = await self.store.steps_since(name, seq - 1, 1)
+        before = await self.store.load_at(name, seq - 1)
+        if before is None or not rows or rows[0].seq != seq:
             raise ConflictError(
-                f"key {key!r} was answered at step {row.seq}, and that answer is no longer kept (only recent history "
+                f"key {key!r} was answered at step {seq}, and that answer is no longer kept (only recent history "
                 "is); the step is not run twice: `session/pending` shows what the session waits for"
             )
+        row = rows[0]
 
         def derive() -> bytes:
             instance = rebuild(self.core, before, self.call_timeout_s)
@@ -437,7 +446,7 @@ class Registry:
         try:
             if entry.state in (State.ENDED, State.POISONED):
                 await self._load(entry, Input.RECOVER)
-                await self.store.set_health(name, Health.OK, None)
+                await self._set_health(entry)
             elif entry.instance is None:
                 await self._load(entry, Input.RECOVER)
         finally:
@@ -459,7 +468,8 @@ class Registry:
 
     async def _call(self, entry: Entry, timeout_s: float, call: Callable[[Instance, float], T]) -> T:
         """Run call(instance, timeout) inline under the budget; past it, rebuild from disk and run it on a worker.
-        A session whose last call passed the budget runs this one on a worker from the start. The call has
+        A heavy session (a call of it passed the budget, and 16 quick ones in a row have not followed) runs this one
+        on a worker from the start. The call has
         `timeout_s` of its own: a rebuild it needed first is not charged to it."""
         if entry.instance is None:
             await self._load(entry, Input.LOAD)
@@ -544,12 +554,7 @@ class Registry:
 
     async def _load(self, entry: Entry, how: Input) -> None:
         """Bring a stored session back: restore its snapshot and replay its journal, on a worker thread."""
-        if self.fleet is not None and self.fleet.held(entry.name) is None:
-            try:
-                await self.fleet.acquire(entry.name)  # before its state is read: what is read is then this daemon's
-            except MovedError as e:
-                self._moved(entry, e)
-                raise
+        await self._acquire(entry)  # before its state is read: what is read is then this daemon's
         stored = await self._stored(entry.name)
         self.stats.rebuilt += 1
         try:
@@ -559,13 +564,13 @@ class Registry:
             self.stats.deadline_hits += 1
             if (entry.state, Input.END) in TRANSITIONS:
                 self._move(entry, Input.END, f"rebuilding it ran past its deadline: {e}")
-                await self.store.set_health(entry.name, Health.ENDED, entry.reason)
+                await self._set_health(entry)
             raise
         except DevdError as e:
             reason = f"rebuilding it failed: {e}"
             log.error("session.rebuild_failed", session=entry.name, error=str(e))
             self._move(entry, Input.POISON, reason)
-            await self.store.set_health(entry.name, Health.POISONED, reason)
+            await self._set_health(entry)
             raise PoisonError(
                 f"session {entry.name!r} could not be rebuilt from its durable state ({e}); "
                 "its snapshot and journal are kept, see the daemon's log"
@@ -595,7 +600,16 @@ class Registry:
             how = Input.POISON if isinstance(error, PanicError | PoisonError) else Input.END
             self._detach(entry)
             self._move(entry, how, str(error))
-            await self.store.set_health(entry.name, _HEALTH[entry.state], entry.reason)
+            await self._set_health(entry)
+
+    async def _set_health(self, entry: Entry) -> None:
+        """Record entry's standing durably. In a fleet, a session another daemon took meanwhile is forgotten here, and
+        the call answers MOVED, naming where it is now."""
+        try:
+            await self.store.set_health(entry.name, _HEALTH.get(entry.state, Health.OK), entry.reason)
+        except MovedError as e:
+            self._moved(entry, e)
+            raise
 
     def _move(self, entry: Entry, input: Input, reason: str | None = None) -> None:
         entry.state = next_state(entry.state, input)
@@ -683,6 +697,17 @@ class Registry:
         bisect.insort(self._names, name)
         log.info("session.adopted", session=name, epoch=epoch, seq=stored.seq)
 
+    async def _acquire(self, entry: Entry) -> None:
+        """In a fleet, hold the session before reading its state; MovedError (and it is forgotten here) when another
+        live daemon holds it."""
+        if self.fleet is None or self.fleet.held(entry.name) is not None:
+            return
+        try:
+            await self.fleet.acquire(entry.name)
+        except MovedError as e:
+            self._moved(entry, e)
+            raise
+
     async def _refuse_if_in_fleet(self, name: str | None) -> None:
         """A new session may not take the name of one that lives elsewhere in the fleet."""
         if self.fleet is None or name is None or name in self._entries:
@@ -705,15 +730,17 @@ class Registry:
         self._forget(entry.name)
 
     async def drain(self) -> int:
-        """Give every session this daemon holds back to the fleet (calls in flight keep theirs until they answer);
-        how many were let go. Another daemon takes each at its next call, at once rather than after a lease."""
+        """Give every session this daemon holds and no call is inside back to the fleet (a call in flight keeps its
+        session until it answers); how many were let go. Another daemon takes each at its next call, at once rather
+        than after this one's lease."""
         assert self.fleet is not None
-        names = [e.name for e in self._entries.values() if not e.busy]
-        for name in names:
-            self._moved(self._entries[name], MovedError("drained"))
-        await self.fleet.release_all()
-        log.info("fleet.drained", sessions=len(names))
-        return len(names)
+        idle = [e for e in self._entries.values() if not e.busy]
+        held = [e.name for e in idle if self.fleet.held(e.name) is not None]
+        for entry in idle:
+            self._moved(entry, MovedError("drained"))
+        await self.fleet.release(held)
+        log.info("fleet.drained", sessions=len(held))
+        return len(held)
 
     # -- watchers ---------------------------------------------------------------------------------------------------
 
@@ -792,8 +819,14 @@ class Registry:
             # Checked again at its turn: an earlier delete awaited, and meanwhile a call may have used or closed it.
             if entry is None or entry.busy or entry.last_used >= cutoff:
                 continue
+            if self.fleet is not None and self.fleet.held(name) is None:
+                continue  # in a fleet, only the daemon that holds a session knows when it was last used
             entry.busy = True  # nothing may enter it while it is deleted
-            await self._delete(entry, "expired")
+            try:
+                await self._delete(entry, "expired")
+            except MovedError as e:  # another daemon took it over meanwhile: it is theirs to keep
+                self._moved(entry, e)
+                continue
             self.stats.expired += 1
             log.info("session.expired", session=name, unused_s=round(time.time() - entry.last_used))
             expired.append(name)

@@ -6,7 +6,8 @@ session's bytes grow with the square of its length; the core is deterministic, s
 from the events), the idempotency key and the event's digest; now and then a step also carries the snapshot taken
 after it. What rebuilds a session is its latest snapshot plus the journal after it; rows before that are history for
 watchers and keys, kept up to the limits the store was opened with, together with the snapshot they are derived from
-(every kept row can be rebuilt with `load_at`).
+(every row from that anchor on can be rebuilt with `load_at`; keyed rows older than it keep their key and digests, and
+an answer among them not kept whole can no longer be derived).
 
 What every implementation promises (tests/test_store.py checks each of them against every implementation):
 - a write returns only once it is durable; a write that cannot be made durable raises `StoreError`, and nothing in
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -100,7 +102,7 @@ class Keyed:
 
     seq: int
     digest: bytes
-    actions: bytes | None  # None: not kept; derived again (`load_at(seq)` rebuilds it)
+    actions: bytes | None  # None: not kept; derived again (`load_at(seq - 1)` and the row at seq rebuild it)
     answer: bytes | None
 
 
@@ -187,8 +189,11 @@ class Fleet(Protocol):
     def held(self, name: str) -> int | None:
         """The epoch this daemon holds the session under, as far as it knows; None if it does not hold it."""
 
+    async def release(self, names: Iterable[str]) -> None:
+        """Give up these sessions (those this daemon holds), so others take them at once (drain)."""
+
     async def release_all(self) -> None:
-        """Give up every session this daemon holds, so others take them at once (drain)."""
+        """Give up every session this daemon holds (at shutdown, once no call runs)."""
 
 
 def percentile_ms(seconds: list[float], q: float) -> float:

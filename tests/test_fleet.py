@@ -13,17 +13,23 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import psycopg
 import pytest
 
 from devd import errors
-from devd.client import Client
+from devd.client import AsyncClient, Client
 from devd.messages import answer, turn
 from tests.daemon import Daemon
 from tests.postgres import Cluster, postgres, postgres_url  # noqa: F401  (the fixtures)
 from tests.test_crash import Conversation
 
 LEASE_TTL_S = 1.5
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
 
 
 def fleet_daemon(root: Path, url: str, node: str, *extra: str) -> Daemon:
@@ -248,3 +254,91 @@ def test_a_database_restarted_under_load_loses_no_acked_step_and_the_daemon_carr
         assert (wrong, acked_at_restart < 3 * steps, alive, rows) == ([], True, True, {c.name: steps for c in convs})
     finally:
         daemon.stop()
+
+
+def test_a_daemon_expires_only_sessions_it_holds_not_those_it_saw_that_live_on_elsewhere(
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
+) -> None:
+    b = fleet_daemon(tmp_path, postgres_url, "b").start()
+    a = None
+    try:
+        with b.client() as cb:
+            cb.new(session="s")
+            asked = cb.step("s", turn(1, "x"))
+        a = fleet_daemon(tmp_path, postgres_url, "a", "--expire-after", "1s").start()  # knows s from the database
+        with b.client() as cb:
+            cb.drain()  # nobody holds s now, as after a daemon's lease ends
+        time.sleep(2.5)  # a's expiry rounds pass: s looks unused to a, which has never used it
+        with b.client() as cb:
+            done = cb.step("s", answer(asked[0].id, "done"))
+        assert [x.id for x in done] == [2, 3, 4]
+    finally:
+        for d in (a, b):
+            if d is not None:
+                d.stop()
+
+
+@pytest.mark.anyio
+async def test_a_client_with_a_watch_loop_running_is_not_moved_away_from_it(two: tuple[Daemon, Daemon]) -> None:
+    a, b = two
+    with a.client() as ca, b.client() as cb:
+        ca.new(session="there")
+        cb.new(session="here")
+    async with AsyncClient.connect(b.socket) as client:
+
+        async def follow() -> None:
+            async for _ in client.watch("here"):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow)
+            await anyio.sleep(0.2)  # the watch is subscribed: its loop lives on this connection
+            with pytest.raises(errors.MovedError) as moved:
+                await client.step_answer("there", turn(1, "x"))
+            await client.unwatch("here")
+    assert moved.value.node == "a"
+
+
+def test_a_fork_in_a_fleet_starts_from_the_sessions_latest_step_wherever_it_was_taken(
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
+) -> None:
+    b = fleet_daemon(tmp_path, postgres_url, "b").start()
+    a = None
+    try:
+        with b.client() as cb:
+            cb.new(session="s")
+        a = fleet_daemon(tmp_path, postgres_url, "a").start()  # knows s, at step 0
+        with b.client() as cb:
+            asked = cb.step("s", turn(1, "x"))
+            cb.step("s", answer(asked[0].id, "done"))
+            cb.drain()
+        with a.client() as ca:
+            fork = ca.fork("s", name="f")
+            listed = {x["session"]: x["seq"] for x in ca.call("session/list")["sessions"]}
+        assert (fork, listed["f"]) == ("f", 2)
+    finally:
+        for d in (a, b):
+            if d is not None:
+                d.stop()
+
+
+def test_drain_counts_the_sessions_it_gave_back_not_those_it_only_knew_of(
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
+) -> None:
+    b = fleet_daemon(tmp_path, postgres_url, "b").start()
+    a = None
+    try:
+        with b.client() as cb:
+            cb.new(session="theirs")
+        a = fleet_daemon(tmp_path, postgres_url, "a").start()  # knows "theirs" from the database
+        with a.client() as ca:
+            ca.new(session="mine")
+            drained = ca.drain()
+        assert drained == 1
+    finally:
+        for d in (a, b):
+            if d is not None:
+                d.stop()

@@ -28,7 +28,7 @@ from devd.errors import (
 from devd.host import Core
 from devd.memory_store import MemoryStore
 from devd.messages import answer, encode, turn
-from devd.registry import Registry, snapshot_due
+from devd.registry import STEP_BYTES, Registry, snapshot_due
 from devd.rpc import encode_notice
 from devd.sqlite_store import SQLiteStore
 from devd.state import State
@@ -537,3 +537,29 @@ async def test_a_woken_session_with_a_long_transcript_runs_its_calls_on_a_worker
         await registry.step("s", encode(turn(2, "again")), None, None)  # a 4 MiB ask: far past the inline budget
         # One rebuild (the wake), then the step on a worker: not stopped inline and rebuilt a second time.
         assert (registry.stats.rebuilt - rebuilt, registry.runner.offloaded - offloaded) == (1, 1)
+
+
+async def test_a_keyed_retry_spelled_otherwise_derives_the_answer_from_the_event_as_journalled(
+    registry: Registry,
+) -> None:
+    await registry.new("s", b"{}")
+    await steps(registry, "s", [LONG, CANCEL])
+    asked = await registry.step("s", b'{"Turn":{"id":2,"prompt":"again"}}', None, "t2")  # a Model ask: a digest
+    # The same event for keys (the last of a repeated member counts), though the core would refuse these bytes.
+    again = await registry.step("s", b'{"Turn":{"id":2,"prompt":"x","prompt":"again"}}', None, "t2")
+    assert again == (asked.actions, True, None)
+
+
+async def test_a_session_reopened_counts_its_journal_since_the_snapshot_and_each_step_after(
+    tmp_path: Path, core: Core
+) -> None:
+    async with opened("sqlite", tmp_path, core) as registry:
+        await registry.new("s", b"{}")
+        await steps(registry, "s", SEED)
+    async with opened("sqlite", tmp_path, core) as registry:
+        await registry.load()
+        await registry.step("s", AGAIN, None, None)  # rebuilt from disk, then stepped
+        stored = await registry.store.load("s")
+        assert stored is not None
+        expected = sum(len(row.event) + STEP_BYTES for row in stored.journal)
+        assert registry._entries["s"].since_bytes == expected
