@@ -18,7 +18,9 @@ Each run has a fresh state directory and a fresh database, so no round inherits 
 setups are alternated round by round, so that drift on the machine hits them alike, and each figure is the median of
 the rounds (as `bench daemon` does). The ratios fleet-1/sqlite and fleet-2/fleet-1 are the figures to trust: the
 machine is small and shared. `server_cpu_share` is the daemons' CPU (both, for fleet-2); PostgreSQL's own is in
-`other_cpu_share` with whatever else ran.
+`other_cpu_share` with whatever else ran. The generator stops on any error answer, so a round in which a daemon
+answers one fails: the row is the median of the rounds that did not, and the report says why the others failed (the
+bench then exits 1).
 
 **A session's move.** Two fleet daemons `a` and `b` on a fresh database. `--sessions` sessions are made on `a` and as
 many on `b`, each stepped through 5 seed turns. Then `a` is drained (`daemon/drain`: it gives its sessions back to
@@ -297,6 +299,15 @@ def _servers(root: Path, specs: list[tuple[str, list[str]]]) -> Iterator[list[_S
 # -- throughput ------------------------------------------------------------------------------------------------------
 
 
+def _collect(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes]:
+    """A generator's stdout and stderr once it has exited; killed if it overruns its bound."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
 def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids: list[int]) -> dict[str, float]:
     """`devd.bench._run_load` for clients split over several daemons: one generator process per (address, clients),
     one window for all, the daemons' CPU summed. The same generator, figures and formulas, so that its row compares
@@ -317,16 +328,12 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
         machine_busy = (_machine_busy_seconds() - busy0) / seconds
     except FileNotFoundError:
         pass  # a server died; the generators say how
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=seconds + WARMUP_S + 60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
+    # Every generator is waited for before a failure is raised: one that failed must not leave the other running.
+    outputs = [_collect(p, seconds + WARMUP_S + 60) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
         if p.returncode:
             raise RuntimeError(f"a load generator failed: {err.decode(errors='replace').strip()[-2000:]}")
-        results.append(msgspec.json.decode(out, type=LoadResult))
+    results = [msgspec.json.decode(out, type=LoadResult) for out, _ in outputs]
     latencies = sorted(itertools.chain.from_iterable(array.array("d", r.latencies) for r in results))
     if not latencies:
         raise RuntimeError(f"no step was answered in the window against {[a for a, _ in targets]}")
@@ -532,6 +539,15 @@ def _verdict(ok: bool | None) -> str:
     return {True: "MET", False: "NOT MET", None: "not measured"}[ok]
 
 
+def _short(error: str) -> str:
+    """A failed run's error in a line: a generator's own message rather than its traceback, without the daemons'
+    output (kept whole in the JSON)."""
+    said = error.rsplit("RuntimeError: ", 1)[-1] if "Traceback" in error else error
+    said = said.split("'s output ends: ", 1)[0].rsplit("; ", 1)[0] if "'s output ends: " in said else said
+    # Newlines, whether real or escaped in the JSON of an answer shown as bytes, would break the line.
+    return said.replace("\\\\n", " ").replace("\\n", " ").replace("\n", " ")[:300]
+
+
 def _ratio_text(r: dict[str, Any], key: str) -> str:
     value = r["ratios"][key]
     by_round = ", ".join("-" if x[key] is None else f"{x[key]:.2f}" for x in r["ratios_per_round"])
@@ -551,7 +567,7 @@ def report(r: dict[str, Any]) -> str:
     for setup in SETUPS:
         row = r["rows"][setup]
         if "error" in row:
-            out.append(f"{_LABELS[setup]:<34}failed: {row['error']}")
+            out.append(f"{_LABELS[setup]:<34}failed in every round")
             continue
         failed = f"  ({row['failed_rounds']} rounds failed)" if row.get("failed_rounds") else ""
         out.append(
@@ -559,6 +575,10 @@ def report(r: dict[str, Any]) -> str:
             f"{row['server_cpu_share']:>13.2f}{row['generator_cpu_share']:>16.2f}{row['other_cpu_share']:>11.2f}"
             + failed
         )
+    for setup in SETUPS:  # why a round failed, in its words: a daemon's error answer is a finding, not noise
+        for n, run in enumerate(r["runs"][setup], 1):
+            if "error" in run:
+                out.append(f"  {setup}, round {n} failed: {_short(run['error'])}")
     out += [
         "",
         f"fleet-1 / sqlite:  {_ratio_text(r, 'fleet_1_over_sqlite')}",
@@ -567,7 +587,7 @@ def report(r: dict[str, Any]) -> str:
     ]
     m = r["move"]
     if "error" in m:
-        out.append(f"session move: failed: {m['error']}")
+        out.append(f"session move: failed: {_short(m['error'])}")
     else:
         out += [
             f"session move: {m['sessions']} sessions of {m['turns']} seed turns on a, a drained ({m['drained']}), then "

@@ -22,9 +22,10 @@ It keeps every promise of `devd.store.Store` (tests/test_store.py runs the same 
 
 Writes go through a group commit like the SQLite store's: writes queued while a commit runs share the next one, and a
 write returns only once its transaction committed (PostgreSQL's own fsync; `synchronous_commit` must stay on). Every
-transaction is SERIALIZABLE, the only level CockroachDB runs, and is retried whole on a serialization failure (40001)
-or a deadlock (40P01). The SQL sticks to what CockroachDB and YugabyteDB also accept: no LISTEN/NOTIFY, no advisory
-locks, no stored procedures. Every failure crosses as `StoreError` (or `MovedError`), never as psycopg's own.
+transaction runs READ COMMITTED on PostgreSQL (fencing is one statement each; see ISOLATIONS) or SERIALIZABLE (as
+CockroachDB always does), and is retried whole on a serialization failure (40001) or a deadlock (40P01). The SQL
+sticks to what CockroachDB and YugabyteDB also accept: no LISTEN/NOTIFY, no advisory locks, no stored procedures.
+Every failure crosses as `StoreError` (or `MovedError`), never as psycopg's own.
 
 Connections are the store's own (psycopg 3, async, on anyio's asyncio backend): one for commits, one for the lease,
 a few for reads and acquisitions. No pool runs tasks of its own, so `close()` needs no event loop.
@@ -70,6 +71,11 @@ ENDED = frozenset({"57P01", "57P02", "57P03"})  # the server ended the connectio
 # races in PostgreSQL's catalog), fails; it reads the version again.
 RACED = RETRYABLE | {"23505", "42P07", "42710"}  # unique violation, duplicate table, duplicate object
 ROW = "seq, event, actions, answer"  # the columns of a `Row`
+# Fencing needs no more than READ COMMITTED: every fenced write is one statement whose WHERE (owner, epoch, head_seq)
+# PostgreSQL checks again on the row it locks. SERIALIZABLE (what CockroachDB always runs) also works, retried on
+# 40001, but two daemons creating sessions at once meet false conflicts on shared index pages often enough to fail
+# a write after every retry (measured by `bench fleet`), so PostgreSQL runs READ COMMITTED unless asked otherwise.
+ISOLATIONS = {"read committed": "read committed", "serializable": "serializable"}
 
 # The database's format, one migration per version; `devd_schema` records those applied, one row each. Each runs
 # once, in a transaction of its own, at open; daemons opening one database at once are safe (the version's row is
@@ -193,21 +199,20 @@ async def _owners(conn: Conn, names: list[str]) -> dict[str, _Ownership]:
 # -- connections ------------------------------------------------------------------------------------------------------
 
 
-async def _connect(url: str) -> Conn:
+async def _connect(url: str, isolation: str) -> Conn:
     conn = await psycopg.AsyncConnection.connect(
         url, autocommit=True, connect_timeout=max(2, int(TIMEOUT_S)), application_name="devd"
     )
-    # Autocommit statements and explicit transactions alike: CockroachDB runs nothing else, and the fencing and
-    # retries are written for it.
-    await conn.execute("SET default_transaction_isolation TO 'serializable'")
+    await conn.execute(f"SET default_transaction_isolation TO '{ISOLATIONS[isolation]}'")
     return conn
 
 
 class _Connections:
     """A few connections, taken one at a time, made when first needed, dropped when broken or left mid-transaction."""
 
-    def __init__(self, url: str, size: int) -> None:
+    def __init__(self, url: str, size: int, isolation: str) -> None:
         self._url = url
+        self._isolation = isolation
         self._limiter = anyio.Semaphore(size)
         self._idle: list[Conn] = []
         self._open: set[Conn] = set()
@@ -215,7 +220,7 @@ class _Connections:
     @asynccontextmanager
     async def take(self) -> AsyncIterator[Conn]:
         async with self._limiter:
-            conn = self._idle.pop() if self._idle else await _connect(self._url)
+            conn = self._idle.pop() if self._idle else await _connect(self._url, self._isolation)
             self._open.add(conn)
             try:
                 yield conn
@@ -328,6 +333,7 @@ class PostgresStore:
         advertise: str = "",
         lease_ttl_s: float = LEASE_TTL_S,
         timeout_s: float = TIMEOUT_S,
+        isolation: str = "read committed",
     ) -> None:
         """No I/O: `open` connects, migrates and registers the node."""
         self.url = url
@@ -338,9 +344,11 @@ class PostgresStore:
         self.advertise = advertise
         self.lease_ttl_s = lease_ttl_s
         self.timeout_s = timeout_s
-        self._committer = _Connections(url, 1)
-        self._lessee = _Connections(url, 1)
-        self._readers = _Connections(url, READERS_MAX)
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation is one of {', '.join(ISOLATIONS)}, not {isolation!r}")
+        self._committer = _Connections(url, 1, isolation)
+        self._lessee = _Connections(url, 1, isolation)
+        self._readers = _Connections(url, READERS_MAX, isolation)
         self._epochs: dict[str, int] = {}  # the sessions this node holds, with their epochs
         self._lease_deadline = float("-inf")  # monotonic
         self._lease_lost_logged = False
@@ -366,6 +374,7 @@ class PostgresStore:
         advertise: str = "",
         lease_ttl_s: float = LEASE_TTL_S,
         timeout_s: float = TIMEOUT_S,
+        isolation: str = "read committed",
     ) -> PostgresStore:
         """Connect, bring the database's format up to date, and register this node with a fresh lease.
 
@@ -379,6 +388,7 @@ class PostgresStore:
             advertise=advertise,
             lease_ttl_s=lease_ttl_s,
             timeout_s=timeout_s,
+            isolation=isolation,
         )
         try:
             await store.connect()

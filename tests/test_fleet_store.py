@@ -25,7 +25,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def node(url: str, name: str, *, ttl: float = 10.0) -> PostgresStore:
+async def node(url: str, name: str, *, ttl: float = 10.0, isolation: str = "read committed") -> PostgresStore:
     """A daemon's store, as node `name` advertising tcp://NAME:7000."""
     return await PostgresStore.open(
         url,
@@ -35,6 +35,7 @@ async def node(url: str, name: str, *, ttl: float = 10.0) -> PostgresStore:
         node=name,
         advertise=f"tcp://{name}:7000",
         lease_ttl_s=ttl,
+        isolation=isolation,
     )
 
 
@@ -241,7 +242,8 @@ async def test_a_node_registers_on_open_with_its_lease_on_the_database_clock(pos
 
 
 async def test_a_serialization_failure_is_retried_and_the_write_commits(postgres_url: str) -> None:
-    async with running(await node(postgres_url, "a")) as a:
+    # SERIALIZABLE, as CockroachDB always runs (PostgreSQL runs READ COMMITTED by default, where this cannot happen).
+    async with running(await node(postgres_url, "a", isolation="serializable")) as a:
         await a.create("x", CONFIG)
         async with await psycopg.AsyncConnection.connect(postgres_url) as other:
             await other.execute("UPDATE sessions SET reason = reason WHERE name = 'x'")  # holds the row, uncommitted
