@@ -6,12 +6,17 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 
 import anyio
 import psycopg
 import pytest
 
+from devd.config import Settings
+from devd.daemon import build
 from devd.errors import MovedError, NullError, StoreError
+from devd.host import Core
+from devd.messages import encode, turn
 from devd.pg_store import MIGRATIONS, Owner, PostgresStore
 from devd.store import Health, Step, Stored
 from tests import postgres as pg
@@ -360,3 +365,25 @@ async def test_a_backup_is_refused_and_points_at_the_databases_own_tools(postgre
         with pytest.raises(NullError) as refused:
             await a.backup("/nonexistent/backup.sqlite3")
     assert "pg_dump" in str(refused.value)
+
+
+# -- the registry over a fleet's store -----------------------------------------------------------------------------
+
+
+async def test_a_session_taken_over_before_its_deadline_is_recorded_answers_moved_and_is_forgotten(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    core = Core.open()
+    try:
+        async with running(await node(postgres_url, "a")) as a, running(await node(postgres_url, "b")) as b:
+            registry, _ = build(Settings(state_dir=tmp_path, socket_path=None), core, a, fleet=a)
+            await registry.new("s", b"{}")
+            await a.release(["s"])  # as after a drain: b takes it at its next call
+            await b.acquire("s")
+            # A deadline already passed ends the session: recording that is a write, fenced now that b holds it.
+            with pytest.raises(MovedError) as moved:
+                await registry.step("s", encode(turn(1, "x")), 0, None)
+            assert (moved.value.node, [i.name for i in registry.page()[0]]) == ("b", [])
+            registry.close_all()
+    finally:
+        core.close()
