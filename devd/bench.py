@@ -495,36 +495,39 @@ def _sleep_until(t: float) -> None:
 
 
 def _run_load(address: str, clients: int, seconds: float, generators: int, server_pid: int) -> dict[str, float]:
-    """Generator processes splitting `clients`, one window for all, while the server's CPU is read from outside."""
+    """Generator processes splitting `clients` against one server, one window for all."""
+    split = [clients * (g + 1) // generators - clients * g // generators for g in range(generators)]
+    return _run_split_load([(address, n) for n in split], seconds, [server_pid])
+
+
+def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids: list[int]) -> dict[str, float]:
+    """One generator process per (address, clients), one window for all, while the servers' CPU (summed) is read
+    from outside."""
     start_at = time.monotonic() + WARMUP_S
-    procs = []
-    for g in range(generators):
-        first, last = clients * g // generators, clients * (g + 1) // generators
-        argv = [sys.executable, "-m", "devd.bench", "_load", address, "--clients", str(last - first)]
+    procs, first = [], 0
+    for address, clients in targets:
+        argv = [sys.executable, "-m", "devd.bench", "_load", address, "--clients", str(clients)]
         argv += ["--first-client", str(first), "--seconds", str(seconds), "--start-at", repr(start_at)]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        first += clients
     server_cpu = machine_busy = float("nan")
     try:
         _sleep_until(start_at)
-        cpu0, busy0 = _cpu_seconds(server_pid), _machine_busy_seconds()
+        cpu0, busy0 = sum(_cpu_seconds(p) for p in server_pids), _machine_busy_seconds()
         _sleep_until(start_at + seconds)
-        server_cpu = (_cpu_seconds(server_pid) - cpu0) / seconds
+        server_cpu = (sum(_cpu_seconds(p) for p in server_pids) - cpu0) / seconds
         machine_busy = (_machine_busy_seconds() - busy0) / seconds
     except FileNotFoundError:
-        pass  # the server died; the generators say how
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=seconds + WARMUP_S + 60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
+        pass  # a server died; the generators say how
+    # Every generator is waited for before a failure is raised: one that failed must not leave another running.
+    outputs = [_collect(p, seconds + WARMUP_S + 60) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
         if p.returncode:
             raise RuntimeError(f"a load generator failed: {err.decode(errors='replace').strip()[-2000:]}")
-        results.append(msgspec.json.decode(out, type=LoadResult))
+    results = [msgspec.json.decode(out, type=LoadResult) for out, _ in outputs]
     latencies = sorted(itertools.chain.from_iterable(array.array("d", r.latencies) for r in results))
     if not latencies:
-        raise RuntimeError(f"no step was answered in the window against {address}")
+        raise RuntimeError(f"no step was answered in the window against {sorted({a for a, _ in targets})}")
     generator_cpu = sum(r.cpu_s / r.cpu_wall_s for r in results)
     return {
         "steps_per_s": sum(r.steps for r in results) / seconds,
@@ -540,6 +543,15 @@ def _run_load(address: str, clients: int, seconds: float, generators: int, serve
         # the per-process figures are sampled at different ticks, so it is good to about 0.1 core (and can dip below 0).
         "other_cpu_share": machine_busy - server_cpu - generator_cpu,
     }
+
+
+def _collect(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes]:
+    """A generator's stdout and stderr once it has exited; killed if it overruns its bound."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
 
 
 def _wait_socket(path: Path, proc: subprocess.Popen[bytes]) -> None:

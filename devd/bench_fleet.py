@@ -30,50 +30,43 @@ then steps and commits it. Each is paired with the same step on one of `b`'s own
 baseline: a step and its commit alone), sent next, so that the two alternate. Reported: the move step's p50 and p99,
 the baseline's, and the median of the pairwise differences (what the move itself costs).
 
-The PostgreSQL starter mirrors tests/postgres.py (which this module must not import: it is the tests' fixture).
+PostgreSQL is started by `devd.pg_local`, as the tests start theirs.
 """
 
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
-import itertools
 import os
-import pwd
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from devd import pg_local
 from devd.bench import (
     TURNS_PER_SESSION,
-    WARMUP_S,
-    LoadResult,
     _conversation,
-    _cpu_seconds,
     _loop_name,
-    _machine_busy_seconds,
     _median_row,
     _run_load,
+    _run_split_load,
     _seed_turn,
     _server_argv,
-    _sleep_until,
     _wait_socket,
     _write_stdout,
 )
 from devd.client import Client
 from devd.errors import DevdError
+from devd.pg_local import Cluster
 
 CLIENTS = 16
 GENERATORS = 2  # in every setup: fleet-2 needs one per daemon, and the other rows get the same
@@ -87,9 +80,6 @@ CLIENT_TIMEOUT_S = 60.0
 # group's errors): recorded as the row's error, and the bench goes on. Anything else is a bug here, and stops it.
 FAILURES = (RuntimeError, TimeoutError, OSError, ValueError, DevdError, ExceptionGroup)
 
-PG_BIN = Path(os.environ.get("DEVD_PG_BIN", "/usr/lib/postgresql/15/bin"))
-PG_START_TIMEOUT_S = 60
-PG_START_ATTEMPTS = 3  # a free port can be taken between finding it and binding it
 # Durable as a deployment would run it (the figures are for acknowledged, fsync'd steps); PostgreSQL's default
 # shared_buffers, since a round's journal (tens of MB) would not fit the tests' 16 MB.
 PG_SETTINGS = {
@@ -107,121 +97,11 @@ PG_SETTINGS = {
 # -- PostgreSQL, for this run only --------------------------------------------------------------------------------
 
 
-@dataclass
-class _Postgres:
-    """A running cluster on loopback, its superuser `postgres` trusted from there."""
-
-    root: Path
-    run_as: list[str]
-    port: int = 0
-    _names: Iterator[int] = field(default_factory=itertools.count)
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def log(self) -> Path:
-        return self.root / "postgres.log"
-
-    def url(self, database: str = "postgres") -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
-
-    def query(self, sql: str, database: str = "postgres") -> list[tuple[Any, ...]]:
-        """One statement as the superuser, outside any transaction (CREATE DATABASE needs that); its rows."""
-        import psycopg
-
-        with psycopg.connect(self.url(database), autocommit=True) as conn:
-            cursor = conn.execute(sql.encode())
-            return list(cursor.fetchall()) if cursor.description else []
-
-    def create_database(self) -> str:
-        name = f"fleet{os.getpid()}_{next(self._names)}"
-        self.query(f"CREATE DATABASE {name}")
-        return name
-
-    def drop_database(self, name: str) -> None:
-        self.query(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-    def stop(self) -> None:
-        subprocess.run(
-            [*self.run_as, str(PG_BIN / "pg_ctl"), "stop", "-D", str(self.data), "-m", "fast", "-w"],
-            capture_output=True,
-            timeout=PG_START_TIMEOUT_S,
-        )
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _pg_run_as() -> tuple[list[str], str | None]:
-    """The command prefix that runs PostgreSQL as a user it accepts (it refuses root), and that user."""
-    if os.geteuid() != 0:
-        return [], None
-    for user in ("postgres", "nobody"):
-        try:
-            pwd.getpwnam(user)
-        except KeyError:
-            continue
-        return ["runuser", "-u", user, "--"], user
-    raise RuntimeError("running as root, and there is no `postgres` or `nobody` user to run PostgreSQL as")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pg_check(result: subprocess.CompletedProcess[str], what: str, log: Path | None = None) -> None:
-    if result.returncode != 0:
-        tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
-        raise RuntimeError(f"{what} failed (exit {result.returncode}): {result.stdout}{result.stderr}{tail}")
-
-
-def _pg_start(pg: _Postgres) -> None:
-    """initdb, then pg_ctl start on a free port (another, if that one was taken meanwhile)."""
-    initdb = subprocess.run(
-        # --no-sync: the new cluster's files need not reach the disk first; the server itself runs with fsync on.
-        [*pg.run_as, str(PG_BIN / "initdb"), "-D", str(pg.data), "-U", "postgres", "-A", "trust"]
-        + ["-E", "UTF8", "--no-locale", "--no-sync"],
-        capture_output=True,
-        text=True,
-        timeout=PG_START_TIMEOUT_S,
-    )
-    _pg_check(initdb, "initdb")
-    conf = pg.data / "postgresql.conf"
-    base = conf.read_text() + "".join(f"{k} = {v}\n" for k, v in PG_SETTINGS.items())
-    for attempt in range(PG_START_ATTEMPTS):
-        pg.port = _free_port()
-        conf.write_text(base + f"port = {pg.port}\n")
-        started = subprocess.run(
-            [*pg.run_as, str(PG_BIN / "pg_ctl"), "start", "-D", str(pg.data), "-l", str(pg.log), "-w"]
-            + ["-t", str(PG_START_TIMEOUT_S)],
-            capture_output=True,
-            text=True,
-            timeout=PG_START_TIMEOUT_S + 10,
-        )
-        if started.returncode == 0:
-            return
-        if attempt == PG_START_ATTEMPTS - 1:
-            _pg_check(started, "pg_ctl start", pg.log)
-
-
 @contextlib.contextmanager
-def _postgres() -> Iterator[_Postgres]:
+def _postgres() -> Iterator[Cluster]:
     """A new cluster in a temporary directory, running until the block ends, then stopped and removed."""
-    missing = [name for name in ("initdb", "pg_ctl", "postgres") if not (PG_BIN / name).exists()]
-    if missing:
-        raise RuntimeError(
-            f"PostgreSQL's {', '.join(missing)} not found in {PG_BIN}: install PostgreSQL 15 (Debian: apt-get install "
-            "postgresql-15) or point DEVD_PG_BIN at its bin directory"
-        )
-    run_as, user = _pg_run_as()
-    root = Path(tempfile.mkdtemp(prefix="devd-bench-pg-"))
-    if user is not None:
-        shutil.chown(root, user)
-    pg = _Postgres(root, run_as)
+    pg = pg_local.start(PG_SETTINGS, prefix="devd-bench-pg-", database_prefix="fleet")
     try:  # stopped on any way out, an interrupt included: a stray postmaster would hold the machine's memory
-        _pg_start(pg)
         yield pg
     finally:
         pg.stop()
@@ -299,58 +179,7 @@ def _servers(root: Path, specs: list[tuple[str, list[str]]]) -> Iterator[list[_S
 # -- throughput ------------------------------------------------------------------------------------------------------
 
 
-def _collect(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes]:
-    """A generator's stdout and stderr once it has exited; killed if it overruns its bound."""
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate()
-
-
-def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids: list[int]) -> dict[str, float]:
-    """`devd.bench._run_load` for clients split over several daemons: one generator process per (address, clients),
-    one window for all, the daemons' CPU summed. The same generator, figures and formulas, so that its row compares
-    with the others."""
-    start_at = time.monotonic() + WARMUP_S
-    procs, first = [], 0
-    for address, clients in targets:
-        argv = [sys.executable, "-m", "devd.bench", "_load", address, "--clients", str(clients)]
-        argv += ["--first-client", str(first), "--seconds", str(seconds), "--start-at", repr(start_at)]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        first += clients
-    server_cpu = machine_busy = float("nan")
-    try:
-        _sleep_until(start_at)
-        cpu0, busy0 = sum(_cpu_seconds(p) for p in server_pids), _machine_busy_seconds()
-        _sleep_until(start_at + seconds)
-        server_cpu = (sum(_cpu_seconds(p) for p in server_pids) - cpu0) / seconds
-        machine_busy = (_machine_busy_seconds() - busy0) / seconds
-    except FileNotFoundError:
-        pass  # a server died; the generators say how
-    # Every generator is waited for before a failure is raised: one that failed must not leave the other running.
-    outputs = [_collect(p, seconds + WARMUP_S + 60) for p in procs]
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        if p.returncode:
-            raise RuntimeError(f"a load generator failed: {err.decode(errors='replace').strip()[-2000:]}")
-    results = [msgspec.json.decode(out, type=LoadResult) for out, _ in outputs]
-    latencies = sorted(itertools.chain.from_iterable(array.array("d", r.latencies) for r in results))
-    if not latencies:
-        raise RuntimeError(f"no step was answered in the window against {[a for a, _ in targets]}")
-    generator_cpu = sum(r.cpu_s / r.cpu_wall_s for r in results)
-    return {
-        "steps_per_s": sum(r.steps for r in results) / seconds,
-        "requests_per_s": sum(r.requests for r in results) / seconds,
-        "p50_ms": latencies[len(latencies) // 2] * 1000,
-        "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000,
-        "generator_cpu_share": generator_cpu,
-        "generator_cpu_share_max": max(r.cpu_s / r.cpu_wall_s for r in results),
-        "server_cpu_share": server_cpu,
-        "other_cpu_share": machine_busy - server_cpu - generator_cpu,
-    }
-
-
-def _measure(setup: str, root: Path, pg: _Postgres, clients: int, seconds: float) -> dict[str, Any]:
+def _measure(setup: str, root: Path, pg: Cluster, clients: int, seconds: float) -> dict[str, Any]:
     """One setup under load on fresh state; an error is the row's, and the bench goes on (as `bench daemon`)."""
     database = pg.create_database() if setup != "sqlite" else None
     url = pg.url(database) if database else ""
@@ -388,7 +217,7 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     return {"fleet_1_over_sqlite": over("fleet-1", "sqlite"), "fleet_2_over_fleet_1": over("fleet-2", "fleet-1")}
 
 
-def _throughput(pg: _Postgres, root: Path, clients: int, seconds: float, rounds: int) -> dict[str, Any]:
+def _throughput(pg: Cluster, root: Path, clients: int, seconds: float, rounds: int) -> dict[str, Any]:
     """Every setup once per round, in turn; the median of the rounds for each."""
     runs: dict[str, list[dict[str, Any]]] = {setup: [] for setup in SETUPS}
     for _ in range(rounds):
@@ -442,7 +271,7 @@ def _ms(seconds: list[float]) -> dict[str, float]:
     }
 
 
-def _move(pg: _Postgres, root: Path, sessions: int) -> dict[str, Any]:
+def _move(pg: Cluster, root: Path, sessions: int) -> dict[str, Any]:
     """`sessions` sessions moved from a drained daemon `a` to `b`, one step each, each paired with a step on a
     session live on `b` already."""
     import anyio

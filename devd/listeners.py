@@ -161,11 +161,16 @@ def bind_tcp(host: str, port: int) -> socket.socket:
             address=f"{host}:{port}",
             note="the token crosses in clear text: listen on loopback and tunnel (ssh -L), or put TLS in front",
         )
+    return listen_tcp(host, port, backlog=512)
+
+
+def listen_tcp(host: str, port: int, *, backlog: int) -> socket.socket:
+    """A non-blocking socket listening on host:port (an IPv6 host has a colon in it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(512)
+    sock.listen(backlog)
     sock.setblocking(False)
     return sock
 

@@ -30,6 +30,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from devd.config import Settings
+from devd.listeners import listen_tcp
 
 log = structlog.get_logger("devd.metrics")
 
@@ -193,13 +194,7 @@ def bind(host: str, port: int) -> socket.socket:
             address=f"{host}:{port}",
             note="anyone who reaches this address reads the daemon's counters; listen on loopback unless that is meant",
         )
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(64)
-    sock.setblocking(False)
-    return sock
+    return listen_tcp(host, port, backlog=64)
 
 
 class Exchange(asyncio.Protocol):
