@@ -17,6 +17,7 @@ const exports = [_][]const u8{
     "dev_resume",
     "dev_ignored",
     "dev_out_of_memory",
+    "dev_transcript",
 };
 
 pub fn build(b: *std.Build) void {

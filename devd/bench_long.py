@@ -42,7 +42,7 @@ import msgspec
 from devd import errors
 from devd.bench import _proc_status, _server_argv, _soak_freeze, _tree_bytes, _wait_socket, _write_stdout
 from devd.client import Client
-from devd.messages import Call, Event, Exec, Output, Read, answer, encode, turn
+from devd.messages import Call, Config, Event, Exec, Output, Read, answer, encode, turn
 from devd.methods import SessionParams, SnapshotResult, StepParams
 
 TURNS = 2000
@@ -162,6 +162,11 @@ class _Daemon:
 
 
 # -- one session, stepped and timed ----------------------------------------------------------------------------------
+
+
+def _config(asks: str) -> Config | None:
+    """The session's config: none for the default (whole-transcript asks), else the asks named."""
+    return None if asks == "full" else Config(asks="delta")
 
 
 def _output(rng: random.Random, size: int) -> str:
@@ -362,19 +367,22 @@ def bench_long(
     git_rev: str | None = None,
     max_errors: int = MAX_ERRORS,
     progress: bool = False,
+    asks: str = "full",
 ) -> dict[str, Any]:
-    """`turns` seed turns on one session, a row per `window` turns, then a restart and the woken session's first
-    steps. An error answer is counted, the session recovered and the step sent again; at `max_errors` the run stops
-    cleanly, with what was measured until then (and no restart)."""
+    """`turns` seed turns on one session (its config's `asks`: the whole transcript in each Model ask, or only what is
+    new), a row per `window` turns, then a restart and the woken session's first steps. An error answer is counted,
+    the session recovered and the step sent again; at `max_errors` the run stops cleanly, with what was measured until
+    then (and no restart)."""
     root = Path(tempfile.mkdtemp(prefix="devd-long-"))
     root.chmod(0o700)
     daemon = _Daemon(root, git_rev, list(daemon_args or []))
     result: dict[str, Any] = {"mode": "long", "turns": turns, "window": window, "output_bytes": output_bytes}
+    result["asks"] = asks
     result.update({"daemon_args": list(daemon_args or []), "code": daemon.provenance, "windows": [], "restart": None})
     try:
         daemon.start()
         with daemon.client() as client:
-            stepper = _Stepper(client, client.new(session="long"), max_errors)
+            stepper = _Stepper(client, client.new(_config(asks), session="long"), max_errors)
             talk = _Conversation(stepper, output_bytes, random.Random(1))
             result["stopped"] = _run_windows(daemon, talk, turns, window, result["windows"], progress)
         if result["stopped"] is None:
@@ -452,6 +460,7 @@ def bench_big_turn(
     git_rev: str | None = None,
     max_errors: int = MAX_ERRORS,
     progress: bool = False,
+    asks: str = "full",
 ) -> dict[str, Any]:
     """One turn of `calls` Exec calls of `output_bytes` each, then the final answer; a row per `every` calls (each
     call is two steps: the model's answer asking for it, and its result)."""
@@ -459,11 +468,12 @@ def bench_big_turn(
     root.chmod(0o700)
     daemon = _Daemon(root, git_rev, list(daemon_args or []))
     result: dict[str, Any] = {"mode": "big-turn", "calls": calls, "every": every, "output_bytes": output_bytes}
+    result["asks"] = asks
     result.update({"daemon_args": list(daemon_args or []), "code": daemon.provenance, "rows": []})
     try:
         daemon.start()
         with daemon.client() as client:
-            stepper = _Stepper(client, client.new(session="big"), max_errors)
+            stepper = _Stepper(client, client.new(_config(asks), session="big"), max_errors)
             result["stopped"] = _run_big_turn(daemon, stepper, calls, output_bytes, every, result, progress)
             result["errors"], result["error_log"] = dict(stepper.errors), stepper.error_log
             result["snapshot_bytes"] = None if result["stopped"] else stepper.snapshot_bytes()[0]
@@ -571,7 +581,7 @@ def report_long(r: dict[str, Any]) -> str:
     """The windows as a table, the restart, the ratios and the errors."""
     out = [
         f"long: {r['turns']} turns of {STEPS_PER_TURN} steps, a row per {r['window']} turns, tool outputs of "
-        f"{r['output_bytes']} bytes, daemon args {r['daemon_args'] or 'none'}",
+        f"{r['output_bytes']} bytes, asks {r['asks']}, daemon args {r['daemon_args'] or 'none'}",
         f"code: {r['code']}",
         "latency: client-side, request sent to answer read; disk B: /proc write_bytes; snapshot and RSS at the "
         "window's end, outside the steps",
@@ -605,7 +615,7 @@ def report_big_turn(r: dict[str, Any]) -> str:
     """The calls as a table, the turn's first and last steps, and the errors."""
     out = [
         f"big turn: 1 turn of {r['calls']} Exec calls (2 steps each) of {r['output_bytes']} bytes, a row per "
-        f"{r['every']} calls, daemon args {r['daemon_args'] or 'none'}",
+        f"{r['every']} calls, asks {r['asks']}, daemon args {r['daemon_args'] or 'none'}",
         f"code: {r['code']}",
         "",
         *_table(r["rows"], _BIG_COLUMNS),
@@ -700,6 +710,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--daemon-arg", action="append", default=[], help="passed to devd serve, e.g. --daemon-arg=--max-live=10"
     )
+    p.add_argument(
+        "--asks",
+        choices=("full", "delta"),
+        default="full",
+        help="what the session's Model asks carry: the whole transcript (the default) or only what is new",
+    )
     p.add_argument("--git-rev", help="run the daemon from this commit's devd/ rather than the working tree")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
@@ -711,10 +727,12 @@ def command(args: argparse.Namespace) -> int:
         result = bench_wake(args.wake, args.turns, args.rounds, args.output_bytes, rev, True)
         text = report_wake(result)
     elif args.big_turn is not None:
-        result = bench_big_turn(args.big_turn, args.output_bytes, args.big_every, daemon_args, rev, max_errors, True)
+        result = bench_big_turn(
+            args.big_turn, args.output_bytes, args.big_every, daemon_args, rev, max_errors, True, args.asks
+        )
         text = report_big_turn(result)
     else:
-        result = bench_long(args.turns, args.window, args.output_bytes, daemon_args, rev, max_errors, True)
+        result = bench_long(args.turns, args.window, args.output_bytes, daemon_args, rev, max_errors, True, args.asks)
         text = report_long(result)
     if args.json:
         _write_stdout(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")

@@ -38,7 +38,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from devd import errors
 from devd.config import default_socket_path, parse_tcp
 from devd.listeners import peer_uid
-from devd.messages import Action, Config, Event, decode_actions, encode
+from devd.messages import Action, Config, Event, Message, decode_actions, decode_messages, encode
 from devd.methods import (
     METHODS,
     BackupParams,
@@ -59,6 +59,8 @@ from devd.methods import (
     StatusResult,
     StepParams,
     StepResult,
+    TranscriptParams,
+    TranscriptResult,
     WatchParams,
 )
 from devd.methods import Client as ClientInfo
@@ -92,6 +94,7 @@ METHOD_NAMES: dict[str, str] = {
     "session/restore": "restore",
     "session/fork": "fork",
     "session/pending": "pending",
+    "session/transcript": "transcript",
     "session/recover": "recover",
     "session/close": "close_session",  # `close` closes the connection
     "session/list": "list",
@@ -458,6 +461,12 @@ class Client:
         result: PendingResult = self.request("session/pending", SessionParams(session))
         return decode_actions(bytes(result.actions))
 
+    def transcript(self, session: str, start: int = 0) -> list[Message]:
+        """The session's conversation from message `start` on: what a client of a session made with
+        `Config(asks="delta")` reads when it starts, or when an ask's `from` is not the count of messages it holds."""
+        result: TranscriptResult = self.request("session/transcript", TranscriptParams(session, start))
+        return decode_messages(bytes(result.messages))
+
     def recover(self, session: str) -> str:
         """Bring an ended or poisoned session back from its durable state; its name."""
         result: SessionResult = self.request("session/recover", SessionParams(session))
@@ -731,6 +740,12 @@ class AsyncClient:
         """The actions session's core dispatched and still waits for."""
         result: PendingResult = await self.request("session/pending", SessionParams(session))
         return decode_actions(bytes(result.actions))
+
+    async def transcript(self, session: str, start: int = 0) -> list[Message]:
+        """The session's conversation from message `start` on: what a client of a session made with
+        `Config(asks="delta")` reads when it starts, or when an ask's `from` is not the count of messages it holds."""
+        result: TranscriptResult = await self.request("session/transcript", TranscriptParams(session, start))
+        return decode_messages(bytes(result.messages))
 
     async def recover(self, session: str) -> str:
         """Bring an ended or poisoned session back from its durable state; its name."""

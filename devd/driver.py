@@ -58,10 +58,12 @@ ToolHandler: TypeAlias = Callable[[C], ToolResult | Awaitable[ToolResult]]
 class Handlers:
     """One callable per kind of action, each a plain function or a coroutine function.
 
-    `model` answers the core's ask (the whole conversation) with a reply: text, calls, or both. A tool handler gets
-    the action's op (`Exec`, `Read`, ...) and answers a `ToolOutput` or a str. A kind without a handler is answered
-    as a failed call ("this client cannot browse the web"), so the model learns it and the turn goes on. `emit`
-    receives text for the user.
+    `model` answers the core's ask with a reply: text, calls, or both. The ask carries the whole conversation; in a
+    session made with `Config(asks="delta")`, only the messages since the previous ask, from message `ask.from_` on
+    (the handler keeps the rest, and reads `client.transcript` when `from_` is not the number it holds). A tool
+    handler gets the action's op (`Exec`, `Read`, ...) and answers a `ToolOutput` or a str. A kind without a handler
+    is answered as a failed call ("this client cannot browse the web"), so the model learns it and the turn goes on.
+    `emit` receives text for the user.
     """
 
     model: Callable[[Ask], Reply | Awaitable[Reply]]

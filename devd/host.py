@@ -41,6 +41,7 @@ from devd.errors import (
     DeadlineError,
     DevdError,
     HandleError,
+    InvalidParamsError,
     MalformedError,
     MethodNotFoundError,
     NullError,
@@ -102,11 +103,12 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dev_resume": (("i32", "i32", "i32"), ("i32",)),
     "dev_ignored": (("i64",), ("i64",)),
     "dev_out_of_memory": ((), ("i32",)),
+    "dev_transcript": (("i64", "i32", "i32"), ("i32",)),
 }
 # dev_restore and dev_snapshot may be missing: such a core runs sessions but cannot carry them across instances.
 # dev_pending may be missing too: such a core runs sessions but cannot say what it still waits for. Without dev_apply
 # a replay steps every event in full (and pays for every Model ask's transcript again); without dev_resume a wake
-# checks every message of the snapshot again.
+# checks every message of the snapshot again. Without dev_transcript a session cannot be asked for its transcript.
 _REQUIRED = ("dev_abi", "dev_alloc", "dev_release", "dev_new", "dev_step", "dev_free")
 
 
@@ -227,6 +229,7 @@ class Core:
         self.has_resume = "dev_resume" in {e.name for e in module.exports}
         self.has_ignored = "dev_ignored" in {e.name for e in module.exports}
         self.has_out_of_memory = "dev_out_of_memory" in {e.name for e in module.exports}
+        self.has_transcript = "dev_transcript" in {e.name for e in module.exports}
         self._sessions: weakref.WeakSet[Instance] = weakref.WeakSet()
         # Export names as C strings, made once: (buffer, length, argument slots).
         self._export_names = {
@@ -468,6 +471,28 @@ class Instance:
                 "use a core built from this repo's core/"
             )
         return self._answer_of("dev_pending", timeout)
+
+    def transcript(self, start: int = 0, *, timeout: float | None = None) -> bytes:
+        """The conversation from message `start` on, a JSON array of Messages (none past its end): what a session
+        whose asks carry only new messages (`Config(asks="delta")`) has sent the model in all."""
+        if not self._core.has_transcript:
+            raise MethodNotFoundError(
+                "this core does not give its transcript (no dev_transcript export); use a core built from this repo's "
+                "core/"
+            )
+        if not 0 <= start < 1 << 31:
+            raise InvalidParamsError(f"a transcript starts at a message index from 0 to 2^31-1, not {start}")
+        deadline = self._enter(timeout)
+        try:
+            self._arm(deadline)
+            ex = self._export("dev_transcript")
+            self._args[0].i64 = self._handle
+            self._args[1].i32 = start
+            self._args[2].i32 = self._out
+            self._status(self._invoke(ex))
+            return self._take()
+        finally:
+            self._busy.release()
 
     def _answer_of(self, export: str, timeout: float | None) -> bytes:
         """Call an export that takes (handle, out) and answers a dev_buf, and take the answer."""

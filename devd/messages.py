@@ -29,9 +29,12 @@ class _OneOf(_Wire, frozen=True):
 
 
 class Config(_Wire, frozen=True):
-    """A session's configuration, given to `session/new`: the `model` its asks name (omitted: none is named)."""
+    """A session's configuration, given to `session/new`: the `model` its asks name (omitted: none is named), and what
+    its asks carry: `"full"` (omitted: the default), the whole transcript in every `Model` ask; `"delta"`, only the
+    messages added since the previous ask, from message `from` on (`session/transcript` gives the whole)."""
 
     model: str | None = None
+    asks: Literal["full", "delta"] | None = None
 
 
 class Exec(_Wire, frozen=True):
@@ -167,10 +170,13 @@ class Message(_OneOf, frozen=True):
 
 class Ask(_Wire, frozen=True, kw_only=True):
     """Ask the model: the whole conversation so far (`messages`), and the `model` the session's config names. Answered
-    by a `Model` event with the action's id.
+    by a `Model` event with the action's id. In a session made with `asks: "delta"`, `messages` are only those added
+    since the previous ask and `from` is the index of the first of them in the whole conversation (0 at the first
+    ask): every ask's messages, in order, are the conversation.
     """
 
     model: str | None = None
+    from_: int | None = msgspec.field(default=None, name="from")
     messages: list[Message]
 
 
@@ -225,6 +231,14 @@ def encode(message: msgspec.Struct) -> bytes:
 def decode_actions(data: bytes) -> list[Action]:
     """A core's answer; raises msgspec.ValidationError or msgspec.DecodeError when it is not one."""
     return _actions.decode(data)
+
+
+_messages = msgspec.json.Decoder(list[Message])
+
+
+def decode_messages(data: bytes) -> list[Message]:
+    """A transcript as the core writes it; raises msgspec.ValidationError or msgspec.DecodeError when it is not one."""
+    return _messages.decode(data)
 
 
 _event = msgspec.json.Decoder(Event)

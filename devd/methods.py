@@ -41,6 +41,7 @@ SEQ_MAX = (1 << 63) - 1  # what SQLite's INTEGER (and PostgreSQL's bigint) holds
 SessionName = Annotated[
     str, Meta(pattern=SESSION_NAME_PATTERN, description="1-64 of A-Z a-z 0-9 . _ -, and not . or ..")
 ]
+TRANSCRIPT_INDEX_MAX = (1 << 31) - 1  # the core counts messages in 32 bits
 Seq = Annotated[int, Meta(ge=0, le=SEQ_MAX, description="a step number: the seq of a session's nth answered step")]
 
 # Messages for the constraints above, as the daemon has always worded them (the protocol document shows them).
@@ -469,6 +470,31 @@ class PendingResult(msgspec.Struct, frozen=True):
 async def session_pending(call: Call, params: SessionParams) -> PendingResult:
     """What the session still waits for, from the core itself: what a client that reconnects still owes."""
     return PendingResult(Raw(await call.app.registry.pending(params.session)))
+
+
+class TranscriptParams(_Params, frozen=True):
+    """The session, and the index of the first message wanted (0, the default: the whole conversation)."""
+
+    session: SessionName
+    from_: Annotated[int, Meta(ge=0, le=TRANSCRIPT_INDEX_MAX, description="a message index, from 0")] = msgspec.field(
+        default=0, name="from"
+    )
+
+
+class TranscriptResult(msgspec.Struct, frozen=True):
+    """The conversation as it stands after step `seq`, from message `from` on (none past its end)."""
+
+    seq: int
+    from_: int = msgspec.field(name="from")
+    messages: Raw
+
+
+@method("session/transcript", TranscriptParams, TranscriptResult)
+async def session_transcript(call: Call, params: TranscriptParams) -> TranscriptResult:
+    """The session's conversation, as a Model ask would carry it whole: what a client of a session whose asks carry
+    only new messages (config `asks: "delta"`) reads when it starts, or has lost count."""
+    seq, messages = await call.app.registry.transcript(params.session, params.from_)
+    return TranscriptResult(seq, params.from_, Raw(messages))
 
 
 @method("session/recover", SessionParams, SessionResult)

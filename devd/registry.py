@@ -441,6 +441,15 @@ class Registry:
         finally:
             entry.busy = False
 
+    async def transcript(self, name: str, start: int) -> tuple[int, bytes]:
+        """The session's step count and its conversation from message `start` on, from the core."""
+        entry = await self._entered(name)
+        try:
+            messages = await self._call(entry, self.call_timeout_s, lambda i, t: i.transcript(start, timeout=t))
+            return entry.seq, messages
+        finally:
+            entry.busy = False
+
     async def recover(self, name: str) -> None:
         entry = await self._entered(name, any_state=True)
         try:

@@ -157,6 +157,12 @@ EXCHANGES: tuple[Exchange, ...] = (
         {"actions": _FINAL_ACTIONS, "replayed": True},
     ),
     Exchange(
+        "a session's conversation, from its third message on",
+        "session/transcript",
+        {"session": "brief", "from": 2},
+        {"seq": 3, "from": 2, "messages": [{"Tool": {"id": 2, "text": "1 failed"}}]},
+    ),
+    Exchange(
         "what a session still waits for",
         "session/pending",
         {"session": "plan"},

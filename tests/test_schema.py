@@ -410,6 +410,11 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             assert client.call("session/restore", {"snapshot": snapshot, "session": "copy"}) == {"session": "copy"}
             assert client.call("session/recover", {"session": "copy"}) == {"session": "copy"}
             assert client.call("session/pending", {"session": "demo"}) == {"actions": []}
+            assert client.call("session/transcript", {"session": "demo", "from": 4}) == {
+                "seq": 5,
+                "from": 4,
+                "messages": [{"Agent": {"text": "fixed"}}],
+            }
             assert client.call("session/fork", {"session": "demo", "at": 2, "as": "fork"}) == {"session": "fork"}
             assert len(client.call("session/pending", {"session": "fork"})["actions"]) == 2
             client.call("session/close", {"session": "fork"})

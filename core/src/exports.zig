@@ -280,6 +280,23 @@ export fn dev_pending(handle: i64, out: i32) i32 {
     return OK;
 }
 
+/// Writes the session's transcript from message `from` on (0: all of it; none
+/// past its end) as a JSON array of Messages, a dev_buf at `out`. Optional in
+/// ABI 1: a host must not count on it.
+export fn dev_transcript(handle: i64, from: i32, out: i32) i32 {
+    if (in_call) return POISON;
+    in_call = true;
+    defer in_call = false;
+    const o = outBytes(out) orelse return NULL;
+    @memset(o, 0);
+    const s = live(handle) orelse return HANDLE;
+    if (from < 0) return MALFORMED;
+    var buf = Writer.Allocating.init(gpa);
+    s.writeTranscript(@intCast(from), &buf);
+    handOver(o, &buf);
+    return OK;
+}
+
 /// Writes the session's snapshot as a dev_buf at `out`.
 export fn dev_snapshot(handle: i64, out: i32) i32 {
     if (in_call) return POISON;

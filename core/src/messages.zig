@@ -83,7 +83,11 @@ pub const Message = union(enum) {
     tool: Output,
 };
 
-pub const Config = struct { model: ?[]const u8 = null };
+/// What a Model ask carries: the whole transcript (the seed's contract), or
+/// only the messages added since the previous ask, with where they start.
+pub const Asks = enum { full, delta };
+
+pub const Config = struct { model: ?[]const u8 = null, asks: Asks = .full };
 
 // ---------------------------------------------------------------- decoding
 
@@ -372,10 +376,11 @@ fn familyOf(k: []const u8) ?Family {
 pub fn parseConfig(arena: Allocator, src: []const u8) Error!Config {
     var p: Parser = .init(arena, src);
     try p.expect(.object_begin);
-    var m: Members(&.{"model"}) = .{};
+    var m: Members(&.{ "model", "asks" }) = .{};
     var cfg: Config = .{};
     while (try p.key()) |name| switch (try m.take(name)) {
         0 => cfg.model = try p.string(),
+        1 => cfg.asks = std.meta.stringToEnum(Asks, try p.string()) orelse return error.Malformed,
         else => unreachable,
     };
     try p.end();

@@ -120,6 +120,15 @@ pub fn dispatched(arena: Allocator, transcript: []const []const u8) ?[]const msg
     };
 }
 
+fn writeMessages(w: *Writer, messages: []const []u8) void {
+    w.writeByte('[') catch oom();
+    for (messages, 0..) |f, i| {
+        if (i != 0) w.writeByte(',') catch oom();
+        w.writeAll(f) catch oom();
+    }
+    w.writeByte(']') catch oom();
+}
+
 pub const Session = struct {
     gpa: Allocator,
     /// The config's model, named in every ask when present.
@@ -137,11 +146,18 @@ pub const Session = struct {
     ignored: ?u64 = null,
     /// The conversation, one compact JSON Message per entry.
     transcript: std.ArrayList([]u8) = .empty,
+    /// Asks carry only what the model has not been sent (config `asks: delta`).
+    delta: bool = false,
+    /// With `delta`: the transcript range the last ask carried. While it is
+    /// waited for nothing is added, so `sent_to` is the transcript's length.
+    sent_from: usize = 0,
+    sent_to: usize = 0,
 
     pub fn init(gpa: Allocator, cfg: msg.Config) Session {
         return .{
             .gpa = gpa,
             .model = if (cfg.model) |m| gpa.dupe(u8, m) catch oom() else null,
+            .delta = cfg.asks == .delta,
         };
     }
 
@@ -169,7 +185,14 @@ pub const Session = struct {
 
     /// A deep copy of `s` whose every allocation belongs to `gpa`.
     pub fn clone(s: *const Session, gpa: Allocator) Session {
-        var c: Session = .{ .gpa = gpa, .counter = s.counter, .max_turn = s.max_turn };
+        var c: Session = .{
+            .gpa = gpa,
+            .counter = s.counter,
+            .max_turn = s.max_turn,
+            .delta = s.delta,
+            .sent_from = s.sent_from,
+            .sent_to = s.sent_to,
+        };
         if (s.model) |m| c.model = gpa.dupe(u8, m) catch oom();
         if (s.running) |r| {
             c.running = .{ .turn = r.turn, .phase = switch (r.phase) {
@@ -203,21 +226,29 @@ pub const Session = struct {
         s.transcript.appendAssumeCapacity(msg.encodeMessage(s.gpa, m));
     }
 
-    /// Asks the model, with the whole transcript, under a new id.
+    /// Asks the model, with the whole transcript (or, with `delta`, what it
+    /// has not been sent), under a new id.
     fn ask(s: *Session, a: *Answer) void {
         const r = &s.running.?;
         const id = s.nextId();
         r.phase = .{ .asking = id };
+        if (s.delta) {
+            s.sent_from = s.sent_to;
+            s.sent_to = s.transcript.items.len;
+        }
         if (!a.quiet) s.writeAsk(id, a);
     }
 
-    /// The Model action with id `id`: the model and the whole transcript. While
-    /// the ask is pending nothing is added to the transcript, so writing it again
-    /// gives the bytes it was dispatched with.
+    /// The Model action with id `id`: the model and the whole transcript, or
+    /// with `delta` the messages of the last ask's range and where it starts.
+    /// While the ask is pending nothing is added to the transcript, so writing
+    /// it again gives the bytes it was dispatched with.
     fn writeAsk(s: *const Session, id: u64, a: *Answer) void {
+        const from = if (s.delta) s.sent_from else 0;
+        const messages = s.transcript.items[from..];
         var need: usize = 128;
         if (s.model) |m| need +|= m.len *| 6;
-        for (s.transcript.items) |f| need +|= f.len + 1;
+        for (messages) |f| need +|= f.len + 1;
         a.reserve(need);
         const w = a.open(id);
         w.writeAll("{\"Model\":{") catch oom();
@@ -226,13 +257,25 @@ pub const Session = struct {
             msg.writeString(w, m) catch oom();
             w.writeByte(',') catch oom();
         }
-        w.writeAll("\"messages\":[") catch oom();
-        for (s.transcript.items, 0..) |f, i| {
-            if (i != 0) w.writeByte(',') catch oom();
-            w.writeAll(f) catch oom();
+        if (s.delta) {
+            w.writeAll("\"from\":") catch oom();
+            msg.writeInt(w, from) catch oom();
+            w.writeByte(',') catch oom();
         }
-        w.writeAll("]}}") catch oom();
+        w.writeAll("\"messages\":") catch oom();
+        writeMessages(w, messages);
+        w.writeAll("}}") catch oom();
         a.close();
+    }
+
+    /// The transcript from message `from` on (none past its end), as a JSON
+    /// array: what a client of a `delta` session reads when it has lost track.
+    pub fn writeTranscript(s: *const Session, from: usize, buf: *Writer.Allocating) void {
+        const messages = s.transcript.items[@min(from, s.transcript.items.len)..];
+        var need: usize = 2;
+        for (messages) |f| need +|= f.len + 1;
+        buf.ensureUnusedCapacity(need) catch oom();
+        writeMessages(&buf.writer, messages);
     }
 
     /// The actions dispatched and still waited for, in the bytes `step` wrote

@@ -2,9 +2,9 @@
 //!
 //! Layout (all integers little-endian):
 //!
-//!     "DEVD"  u32 abi  u32 body_len  body[body_len]  u32 crc32
+//!     "DEVD"  u32 layout  u32 body_len  body[body_len]  u32 crc32
 //!
-//! where the CRC-32 (std.hash.Crc32, ISO-HDLC) covers every byte before it.
+//! where the CRC-32 (ISO-HDLC, the value of std.hash.Crc32) covers every byte before it.
 //! The body is a deterministic binary encoding (`str` is u32 length + bytes):
 //!
 //!     u8 has_model [str model]
@@ -13,7 +13,12 @@
 //!         slot = u64 id  u8 family  u8 pending  u8 failed  str text
 //!     u32 queued, queued × (u64 turn  str prompt)
 //!     u32 messages, messages × str (one compact JSON Message each)
+//!     [layout 2 only: u64 sent_from  u64 sent_to]
 //!
+//! Layout 1 is a session whose asks carry the whole transcript (the default);
+//! layout 2 one whose asks carry what the model was not sent (config
+//! `asks: delta`), and the range its last ask carried. A default session's
+//! snapshot is the same bytes it always was.
 //! Decoding checks the frame, the checksum, and then every field and every
 //! invariant of the state, so a snapshot that is damaged but happens to
 //! carry a matching checksum is still refused rather than trusted. One such
@@ -31,11 +36,44 @@ const Session = session.Session;
 const Slot = session.Slot;
 
 pub const magic = "DEVD";
-pub const abi: u32 = 1;
+/// The layouts: the whole transcript in every ask, or the part not sent.
+pub const layout_full: u32 = 1;
+pub const layout_delta: u32 = 2;
 const header_len = 12;
 /// The highest id counter a snapshot may carry.
 pub const max_counter: u64 = 1 << 53;
 const trailer_len = 4;
+
+/// CRC-32/ISO-HDLC, the value std.hash.Crc32 gives, eight bytes at a time
+/// (slicing-by-8): the std one reads a byte at a time, and a wake or a
+/// restart checks a whole snapshot, megabytes for a long session.
+pub fn crc32(bytes: []const u8) u32 {
+    const t = crc_tables;
+    var c: u32 = 0xffff_ffff;
+    var i: usize = 0;
+    while (bytes.len - i >= 8) : (i += 8) {
+        const lo = std.mem.readInt(u32, bytes[i..][0..4], .little) ^ c;
+        const hi = std.mem.readInt(u32, bytes[i + 4 ..][0..4], .little);
+        c = t[7][lo & 0xff] ^ t[6][(lo >> 8) & 0xff] ^ t[5][(lo >> 16) & 0xff] ^ t[4][lo >> 24] ^
+            t[3][hi & 0xff] ^ t[2][(hi >> 8) & 0xff] ^ t[1][(hi >> 16) & 0xff] ^ t[0][hi >> 24];
+    }
+    for (bytes[i..]) |b| c = t[0][(c ^ b) & 0xff] ^ (c >> 8);
+    return ~c;
+}
+
+const crc_tables: [8][256]u32 = blk: {
+    @setEvalBranchQuota(100_000);
+    var t: [8][256]u32 = undefined;
+    for (0..256) |n| {
+        var c: u32 = n;
+        for (0..8) |_| c = if (c & 1 != 0) 0xedb8_8320 ^ (c >> 1) else c >> 1;
+        t[0][n] = c;
+    }
+    for (0..256) |n| {
+        for (1..8) |k| t[k][n] = t[0][t[k - 1][n] & 0xff] ^ (t[k - 1][n] >> 8);
+    }
+    break :blk t;
+};
 
 // ---------------------------------------------------------------- encoding
 
@@ -69,7 +107,7 @@ pub fn encode(gpa: Allocator, s: *const Session) Writer.Allocating {
     var out = Writer.Allocating.initCapacity(gpa, need) catch oom();
     const e: Enc = .{ .w = &out.writer };
     e.w.writeAll(magic) catch oom();
-    e.int(u32, abi);
+    e.int(u32, if (s.delta) layout_delta else layout_full);
     e.int(u32, 0); // body length, patched below
 
     if (s.model) |m| {
@@ -106,11 +144,15 @@ pub fn encode(gpa: Allocator, s: *const Session) Writer.Allocating {
     }
     e.int(u32, std.math.cast(u32, s.transcript.items.len) orelse oom());
     for (s.transcript.items) |f| e.str(f);
+    if (s.delta) {
+        e.int(u64, s.sent_from);
+        e.int(u64, s.sent_to);
+    }
 
     const bytes = out.written();
     const body_len = std.math.cast(u32, bytes.len - header_len) orelse oom();
     std.mem.writeInt(u32, bytes[8..12], body_len, .little);
-    const crc = std.hash.Crc32.hash(bytes);
+    const crc = crc32(bytes);
     out.writer.writeInt(u32, crc, .little) catch oom();
     return out;
 }
@@ -144,10 +186,15 @@ const Dec = struct {
 
     /// A length-prefixed string, which must be valid UTF-8.
     fn str(d: *Dec) Error![]const u8 {
-        const n = try d.int(u32);
-        const s = try d.take(n);
+        const s = try d.raw();
         if (!std.unicode.utf8ValidateSlice(s)) return error.Malformed;
         return s;
+    }
+
+    /// A length-prefixed string taken as it is: one this core wrote, under a checksum that matched.
+    fn raw(d: *Dec) Error![]const u8 {
+        const n = try d.int(u32);
+        return d.take(n);
     }
 };
 
@@ -167,17 +214,18 @@ pub const Trust = enum { checked, own };
 pub fn decodeAs(gpa: Allocator, arena: Allocator, bytes: []const u8, trust: Trust) Error!Session {
     if (bytes.len < header_len + trailer_len) return error.Malformed;
     if (!std.mem.eql(u8, bytes[0..4], magic)) return error.Malformed;
-    if (std.mem.readInt(u32, bytes[4..8], .little) != abi) return error.Malformed;
+    const layout = std.mem.readInt(u32, bytes[4..8], .little);
+    if (layout != layout_full and layout != layout_delta) return error.Malformed;
     const body_len = std.mem.readInt(u32, bytes[8..12], .little);
     if (bytes.len - header_len - trailer_len != body_len) return error.Malformed;
     const crc_at = bytes.len - trailer_len;
     const crc = std.mem.readInt(u32, bytes[crc_at..][0..4], .little);
-    if (std.hash.Crc32.hash(bytes[0..crc_at]) != crc) return error.Malformed;
+    if (crc32(bytes[0..crc_at]) != crc) return error.Malformed;
 
     // Built in the arena, pointing into `bytes`, and copied into `gpa` only
     // once every check has passed.
     var d: Dec = .{ .b = bytes[header_len..crc_at] };
-    var s: Session = .{ .gpa = arena };
+    var s: Session = .{ .gpa = arena, .delta = layout == layout_delta };
     if (try d.flag()) s.model = @constCast(try d.str());
     s.counter = try d.int(u64);
     // A counter no session can reach honestly: refused here, rather than restored into a session whose every
@@ -249,7 +297,7 @@ fn finishDecode(gpa: Allocator, arena: Allocator, d: *Dec, s: *Session, queued: 
     const messages = try d.int(u32);
     if (messages > d.b.len) return error.Malformed;
     for (0..messages) |_| {
-        const f = try d.str();
+        const f = if (trust == .checked) try d.str() else try d.raw();
         if (trust == .checked) {
             // Only a Message exactly as this core writes it is taken back.
             const m = try msg.parseMessage(arena, f);
@@ -258,6 +306,13 @@ fn finishDecode(gpa: Allocator, arena: Allocator, d: *Dec, s: *Session, queued: 
             if (!std.mem.eql(u8, canon.written(), f)) return error.Malformed;
         }
         s.transcript.append(arena, @constCast(f)) catch oom();
+    }
+    if (s.delta) {
+        s.sent_from = std.math.cast(usize, try d.int(u64)) orelse return error.Malformed;
+        s.sent_to = std.math.cast(usize, try d.int(u64)) orelse return error.Malformed;
+        if (s.sent_from > s.sent_to or s.sent_to > messages) return error.Malformed;
+        // While an ask is waited for, nothing has been added since it was sent.
+        if (s.running) |r| if (r.phase == .asking and s.sent_to != messages) return error.Malformed;
     }
     if (d.i != d.b.len) return error.Malformed;
     if (s.running) |r| switch (r.phase) {

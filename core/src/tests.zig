@@ -153,3 +153,76 @@ test "a snapshot whose waited-for calls are not the last message's is malformed"
         try std.testing.expectError(error.Malformed, snapshot.decode(gpa, arena.allocator(), snap.written()));
     }
 }
+
+test "the snapshot's CRC-32 is std.hash.Crc32's, at every length and alignment" {
+    var bytes: [300]u8 = undefined;
+    var prng: std.Random.DefaultPrng = .init(7);
+    prng.random().bytes(&bytes);
+    for (0..bytes.len) |n| for (0..3) |start| if (start <= n) {
+        try std.testing.expectEqual(std.hash.Crc32.hash(bytes[start..n]), snapshot.crc32(bytes[start..n]));
+    };
+}
+
+/// The transcript from `from` on, as dev_transcript writes it.
+fn expectTranscript(s: *const session.Session, from: usize, want: []const u8) !void {
+    var buf: std.Io.Writer.Allocating = .init(std.testing.allocator);
+    defer buf.deinit();
+    s.writeTranscript(from, &buf);
+    try std.testing.expectEqualStrings(want, buf.written());
+}
+
+test "a delta session asks with what the model was not sent, and where it starts, across a snapshot" {
+    const gpa = std.testing.allocator;
+    var arena: std.heap.ArenaAllocator = .init(gpa);
+    defer arena.deinit();
+    var s: session.Session = .init(gpa, try msg.parseConfig(arena.allocator(), "{\"model\":\"m\",\"asks\":\"delta\"}"));
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"model\":\"m\",\"from\":0,\"messages\":[{\"User\":\"p\"}]}}}]");
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Read\":{\"path\":\"a\"}}]}}}", "[{\"id\":2,\"op\":{\"Read\":{\"path\":\"a\"}}}]");
+    const ask = "[{\"id\":3,\"op\":{\"Model\":{\"model\":\"m\",\"from\":1,\"messages\":[{\"Agent\":{\"calls\":[{\"id\":2,\"call\":{\"Read\":{\"path\":\"a\"}}}]}},{\"Tool\":{\"id\":2,\"text\":\"x\"}}]}}}]";
+    try expectStep(&s, "{\"File\":{\"id\":2,\"text\":\"x\"}}", ask);
+    try expectPending(&s, ask);
+    try expectPendingRestored(&s, ask);
+
+    var snap = snapshot.encode(gpa, &s);
+    defer snap.deinit();
+    try std.testing.expectEqual(snapshot.layout_delta, std.mem.readInt(u32, snap.written()[4..8], .little));
+    var r = try snapshot.decode(gpa, arena.allocator(), snap.written());
+    defer r.deinit();
+    for ([_]*session.Session{ &s, &r }) |x| {
+        try expectStep(x, "{\"Model\":{\"id\":3,\"reply\":{\"text\":\"done\"}}}", "[{\"id\":4,\"op\":{\"Emit\":\"done\"}},{\"id\":5,\"op\":{\"Save\":true}},{\"id\":6,\"op\":{\"Done\":{\"turn\":1,\"outcome\":{\"Complete\":true}}}}]");
+        try expectStep(x, "{\"Turn\":{\"id\":2,\"prompt\":\"q\"}}", "[{\"id\":7,\"op\":{\"Model\":{\"model\":\"m\",\"from\":3,\"messages\":[{\"Agent\":{\"text\":\"done\"}},{\"User\":\"q\"}]}}}]");
+        try expectTranscript(x, 3, "[{\"Agent\":{\"text\":\"done\"}},{\"User\":\"q\"}]");
+        try expectTranscript(x, 9, "[]");
+    }
+    try expectTranscript(&s, 0, "[{\"User\":\"p\"},{\"Agent\":{\"calls\":[{\"id\":2,\"call\":{\"Read\":{\"path\":\"a\"}}}]}},{\"Tool\":{\"id\":2,\"text\":\"x\"}},{\"Agent\":{\"text\":\"done\"}},{\"User\":\"q\"}]");
+}
+
+test "a default session's snapshot keeps layout 1, and a delta one whose range is impossible is malformed" {
+    const gpa = std.testing.allocator;
+    var s: session.Session = .init(gpa, .{});
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"messages\":[{\"User\":\"p\"}]}}}]");
+    var plain = snapshot.encode(gpa, &s);
+    defer plain.deinit();
+    try std.testing.expectEqual(snapshot.layout_full, std.mem.readInt(u32, plain.written()[4..8], .little));
+
+    var d: session.Session = .init(gpa, .{ .asks = .delta });
+    defer d.deinit();
+    try expectStep(&d, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"from\":0,\"messages\":[{\"User\":\"p\"}]}}}]");
+    const Damage = enum { from_past_to, to_past_end, added_while_asking };
+    for (std.enums.values(Damage)) |damage| {
+        var bad = d.clone(gpa);
+        defer bad.deinit();
+        switch (damage) {
+            .from_past_to => bad.sent_from = 2,
+            .to_past_end => bad.sent_to = 2,
+            .added_while_asking => bad.sent_to = 0,
+        }
+        var snap = snapshot.encode(gpa, &bad);
+        defer snap.deinit();
+        var arena: std.heap.ArenaAllocator = .init(gpa);
+        defer arena.deinit();
+        try std.testing.expectError(error.Malformed, snapshot.decode(gpa, arena.allocator(), snap.written()));
+    }
+}

@@ -87,10 +87,17 @@ export interface Answer {
 
 /**
  * Ask the model: the whole conversation so far (`messages`), and the `model` the session's config names. Answered by a
- * `Model` event with the action's id.
+ * `Model` event with the action's id. In a session made with `asks: "delta"`, `messages` are only those added since
+ * the previous ask and `from` is the index of the first of them in the whole conversation (0 at the first ask): every
+ * ask's messages, in order, are the conversation.
  */
 export interface Ask {
   model?: string;
+  /**
+   * @minimum 0
+   * @maximum 18446744073709551615
+   */
+  from?: number;
   messages: Message[];
 }
 
@@ -143,9 +150,14 @@ export interface Client {
   version?: string | null;
 }
 
-/** A session's configuration, given to `session/new`: the `model` its asks name (omitted: none is named). */
+/**
+ * A session's configuration, given to `session/new`: the `model` its asks name (omitted: none is named), and what its
+ * asks carry: `"full"` (omitted: the default), the whole transcript in every `Model` ask; `"delta"`, only the messages
+ * added since the previous ask, from message `from` on (`session/transcript` gives the whole).
+ */
 export interface Config {
   model?: string;
+  asks?: "delta" | "full";
 }
 
 /** A call the model asked for, under the action id it was dispatched with. */
@@ -399,6 +411,14 @@ export interface Methods {
   "session/pending": {
     params: SessionParams;
     result: PendingResult;
+  };
+  /**
+   * The session's conversation, as a Model ask would carry it whole: what a client of a session whose asks carry only
+   * new messages (config `asks: "delta"`) reads when it starts, or has lost count.
+   */
+  "session/transcript": {
+    params: TranscriptParams;
+    result: TranscriptResult;
   };
   /** Bring an ended or poisoned session back from its durable state. */
   "session/recover": {
@@ -657,6 +677,39 @@ export interface Tool {
   text: string;
   /** @default false */
   failed?: boolean;
+}
+
+/**
+ * The session, and the index of the first message wanted (0, the default: the whole conversation).
+ *
+ * @example {"session":"brief","from":2}
+ */
+export interface TranscriptParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * a message index, from 0
+   *
+   * @minimum 0
+   * @maximum 2147483647
+   * @default 0
+   */
+  from?: number;
+}
+
+/**
+ * The conversation as it stands after step `seq`, from message `from` on (none past its end).
+ *
+ * @example {"seq":3,"from":2,"messages":[{"Tool":{"id":2,"text":"1 failed"}}]}
+ */
+export interface TranscriptResult {
+  seq: number;
+  from: number;
+  messages: unknown;
 }
 
 /**
