@@ -60,6 +60,7 @@ log = structlog.get_logger("devd.registry")
 T = TypeVar("T")
 CATCH_UP_ROWS = 256  # journal rows read at a time when a watcher asks for history
 HEAVY_MEMORY_BYTES = 8 << 20  # a rebuilt instance this large (a megabytes-long transcript) starts on a worker
+WHOLE_STATE_INLINE_BYTES = 4 << 20  # an instance this large is snapshotted on a worker (~1 ms a MB of transcript)
 LIGHT_CALLS_TO_RETURN = 16  # quick calls in a row after which a session's calls run inline again
 STEP_BYTES = 2048  # what a step costs a replay beyond its event's bytes (~45 us here), in bytes of events
 
@@ -378,8 +379,11 @@ class Registry:
                     since, entry.snapshot_bytes, self.snapshot_floor_bytes, actions
                 )
 
+            # A snapshot costs what the whole state costs: a step that may take one, of a large session, runs where
+            # it cannot hold up the loop (inline, it would pass the budget, be stopped, and rebuild the session).
+            may_save = due(b'{"Save":true}')
             actions, answer, snapshot, ignored = await self._call(
-                entry, timeout_s, lambda i, t: step_and_save(i, event, t, due)
+                entry, timeout_s, lambda i, t: step_and_save(i, event, t, due), whole_state=may_save
             )
             seq = entry.seq + 1
             try:
@@ -429,7 +433,7 @@ class Registry:
     async def snapshot(self, name: str) -> str:
         entry = await self._entered(name)
         try:
-            state = await self._call(entry, self.call_timeout_s, lambda i, t: i.snapshot(timeout=t))
+            state = await self._call(entry, self.call_timeout_s, lambda i, t: i.snapshot(timeout=t), whole_state=True)
             return base64.b64encode(state).decode()
         finally:
             entry.busy = False
@@ -445,7 +449,9 @@ class Registry:
         """The session's step count and its conversation from message `start` on, from the core."""
         entry = await self._entered(name)
         try:
-            messages = await self._call(entry, self.call_timeout_s, lambda i, t: i.transcript(start, timeout=t))
+            messages = await self._call(
+                entry, self.call_timeout_s, lambda i, t: i.transcript(start, timeout=t), whole_state=start == 0
+            )
             return entry.seq, messages
         finally:
             entry.busy = False
@@ -475,15 +481,19 @@ class Registry:
         self.fanout.end(entry.name, reason)
         self._forget(entry.name)
 
-    async def _call(self, entry: Entry, timeout_s: float, call: Callable[[Instance, float], T]) -> T:
+    async def _call(
+        self, entry: Entry, timeout_s: float, call: Callable[[Instance, float], T], *, whole_state: bool = False
+    ) -> T:
         """Run call(instance, timeout) inline under the budget; past it, rebuild from disk and run it on a worker.
         A heavy session (a call of it passed the budget, and 16 quick ones in a row have not followed) runs this one
-        on a worker from the start. The call has
-        `timeout_s` of its own: a rebuild it needed first is not charged to it."""
+        on a worker from the start, and so does a call that costs the whole state (`whole_state`: a snapshot) of a
+        large session. The call has `timeout_s` of its own: a rebuild it needed first is not charged to it."""
         if entry.instance is None:
             await self._load(entry, Input.LOAD)
         assert entry.instance is not None
         deadline = time.monotonic() + timeout_s
+        if whole_state and entry.memory >= WHOLE_STATE_INLINE_BYTES and not entry.heavy:
+            return await self._call_off_loop(entry, entry.instance, deadline, call, counted=False)
         if entry.heavy:
             return await self._call_off_loop(entry, entry.instance, deadline, call)
         timeout, final = self.runner.inline_timeout(deadline)
@@ -528,9 +538,17 @@ class Registry:
         return result
 
     async def _call_off_loop(
-        self, entry: Entry, instance: Instance, deadline: float, call: Callable[[Instance, float], T]
+        self,
+        entry: Entry,
+        instance: Instance,
+        deadline: float,
+        call: Callable[[Instance, float], T],
+        *,
+        counted: bool = True,
     ) -> T:
-        """Run the call on a worker thread under its whole deadline; a quick one brings the session back inline."""
+        """Run the call on a worker thread under its whole deadline; a quick one brings the session back inline. A
+        call sent here for what it is (`counted` False: a snapshot), not for how the session's calls have gone, does
+        not count either way."""
         self.runner.offloaded += 1
 
         def timed() -> tuple[T, float]:
@@ -548,8 +566,9 @@ class Registry:
             raise
         # A long transcript makes only some calls slow (a Model ask); a run of quick ones is needed before the session
         # is trusted inline again, or each slow one would be stopped inline and rebuilt.
-        entry.light_calls = entry.light_calls + 1 if seconds < self.runner.inline_budget_s / 4 else 0
-        entry.heavy = entry.light_calls < LIGHT_CALLS_TO_RETURN
+        if counted:
+            entry.light_calls = entry.light_calls + 1 if seconds < self.runner.inline_budget_s / 4 else 0
+            entry.heavy = entry.light_calls < LIGHT_CALLS_TO_RETURN
         self._measure(entry)
         return result
 

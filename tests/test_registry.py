@@ -539,6 +539,20 @@ async def test_a_woken_session_with_a_long_transcript_runs_its_calls_on_a_worker
         assert (registry.stats.rebuilt - rebuilt, registry.runner.offloaded - offloaded) == (1, 1)
 
 
+async def test_a_snapshot_of_a_large_session_is_taken_on_a_worker_and_leaves_its_calls_inline(
+    tmp_path: Path, core: Core
+) -> None:
+    async with opened("memory", tmp_path, core, inline_budget_s=60.0, snapshot_floor_bytes=0) as registry:
+        await registry.new("s", b'{"asks":"delta"}')
+        await registry.step("s", encode(turn(1, "p" * (4 << 20))), None, None)  # over 4 MiB, snapshotted inline
+        before = registry.runner.offloaded
+        done = encode(answer(1, "d" * (5 << 18)))  # past a quarter of that snapshot, then Save: another is due
+        await registry.step("s", done, None, None)
+        saved = registry.runner.offloaded
+        await registry.step("s", encode(turn(2, "next")), None, None)  # a small ask: inline again
+        assert (saved - before, registry.runner.offloaded - saved) == (1, 0)
+
+
 async def test_a_keyed_retry_spelled_otherwise_derives_the_answer_from_the_event_as_journalled(
     registry: Registry,
 ) -> None:
