@@ -9,10 +9,11 @@ Each entry is `point=action[@N]`: the action fires on the Nth pass (default: eve
 this process, as a power cut would stop it), `eio`, `enospc`, `eperm` (raise that OSError). Unset, `hit` costs one
 dictionary lookup on an empty dict.
 
-Points: `commit.before` (a batch is about to be written), `commit.snapshot` (a batch that carries a snapshot is
-about to be written), `commit.after` (a batch is durable and nobody has been told), `prune` (history is about to be
-pruned), `read` (a read of the store is about to run), `hibernate` (an idle session's instance is about to be
-dropped to make room), `backup` (a backup is about to copy the database).
+Points: `commit.before` (a batch is about to be written), `commit.snapshot` (a batch that carries a snapshot, or
+points a step at a snapshot's file, is about to be written), `snapshot.file` (a large snapshot's file is written and
+fsync'd, not yet renamed into place), `commit.after` (a batch is durable and nobody has been told), `prune` (history
+is about to be pruned), `read` (a read of the store is about to run), `hibernate` (an idle session's instance is
+about to be dropped to make room), `backup` (a backup is about to copy the database).
 """
 
 from __future__ import annotations

@@ -583,7 +583,9 @@ class Registry:
     async def _load(self, entry: Entry, how: Input) -> None:
         """Bring a stored session back: restore its snapshot and replay its journal, on a worker thread."""
         await self._acquire(entry)  # before its state is read: what is read is then this daemon's
+        started = time.perf_counter()
         stored = await self._stored(entry.name)
+        loaded = time.perf_counter()
         self.stats.rebuilt += 1
         try:
             instance = await self.runner.off_loop(lambda: rebuild(self.core, stored, self.call_timeout_s))
@@ -607,6 +609,15 @@ class Registry:
         self._move(entry, how)
         entry.seq = stored.seq
         entry.rebased(stored)
+        log.info(
+            "session.rebuilt",
+            session=entry.name,
+            seq=stored.seq,
+            snapshot_bytes=len(stored.snapshot or b""),
+            replayed_steps=len(stored.journal),
+            load_ms=round((loaded - started) * 1000, 1),
+            rebuild_ms=round((time.perf_counter() - loaded) * 1000, 1),
+        )
         # Nothing is known of its calls' cost after a restart or a wake, but a transcript this long makes every
         # Model ask pass the inline budget: an inline attempt would only be stopped, and the session rebuilt again.
         if entry.memory >= HEAVY_MEMORY_BYTES:

@@ -7,11 +7,22 @@ commit thread. A failed commit fails every write in it with `StoreError`; nothin
 acknowledged that is not on disk. SQLite's own checkpoints run after a commit, on the commit thread. The file is
 opened in exclusive locking mode, through one connection that commits and reads take turns on; reads run on a worker
 thread under a limiter of their own, never on the event loop and never behind calls moved off it.
+
+A large snapshot (`FILE_SNAPSHOT_BYTES` or more) is kept in a file of its own in `snapshots/` beside the database,
+so writing, fsyncing and checkpointing megabytes never holds up the commit thread: its step is committed and
+acknowledged without it, and the snapshot is written by one writer afterwards (a newer one of the same session
+replaces one still queued), fsync'd, renamed into place, and only then pointed at from the step's row by a commit of
+its own. A snapshot is a cache of what the journal derives, so one that never lands (a crash, a full disk, the session
+deleted or made again meanwhile) costs a longer replay, never a step. A row holds its file snapshot as an empty
+`snapshot` (no snapshot is empty) and the file's name, so the newest snapshot is found as before; a file no row names
+any more is removed after the commit that let it go, and at open (after a crash). A backup is one file still: it
+carries the snapshots' bytes inline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import os
 import queue
@@ -22,9 +33,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import structlog
 
@@ -37,7 +49,12 @@ ROWS_PER_STATEMENT = 500  # 9 variables a row, well under SQLite's 32,766
 WAL_BYTES_KEPT = 16 << 20  # the log is cut back to this after a checkpoint, so a burst does not keep its size
 ROW = "seq, event, actions, answer"  # the columns of a `Row`
 INLINE_READ_BYTES = 64 << 10  # the most a read on the event loop takes; larger ones run on a worker thread
+FILE_SNAPSHOT_BYTES = 256 << 10  # a snapshot this long or longer is kept in a file, written off the commit thread
+SNAPSHOTS_QUEUED_BYTES_MAX = 512 << 20  # past this, a snapshot waiting for its file is dropped (it is only a cache)
+SNAPSHOT_WRITE_S = 30  # the most one snapshot file and its pointer may take; past it the snapshot is dropped
+SNAPSHOTS_AT_SHUTDOWN_S = 10  # how long a shutdown waits for the snapshot files still queued
 T = TypeVar("T")
+U = TypeVar("U")
 
 # The on-disk format, one migration per version (`PRAGMA user_version` counts those applied). Each runs once, in a
 # transaction of its own, at start; a database from a newer devd (a version past this list) is refused. Never edit a
@@ -79,6 +96,12 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE journal ADD COLUMN answer BLOB;
     """,
+    # 5: a large snapshot may be kept in a file of `snapshots/` beside the database: its row's snapshot is then empty
+    # (no snapshot is empty) and `snapshot_file` names the file; the index finds the rows that still need a file
+    """
+    ALTER TABLE journal ADD COLUMN snapshot_file TEXT;
+    CREATE INDEX IF NOT EXISTS journal_snapshot_file ON journal (snapshot_file) WHERE snapshot_file IS NOT NULL;
+    """,
 )
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
 
@@ -90,6 +113,41 @@ class _Pending:
     op: Op
     done: anyio.Event = field(default_factory=anyio.Event)
     error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class _SnapshotJob:
+    """A large snapshot waiting for its file: taken after step `seq` of `session` while the session's name was at
+    `generation` (see `SQLiteStore._generations`)."""
+
+    session: str
+    seq: int
+    snapshot: bytes
+    generation: int | None
+
+
+@dataclass
+class _Pointer:
+    """The commit that makes a written snapshot file the snapshot of its step's row (on the commit thread)."""
+
+    job: _SnapshotJob
+    file: str
+    generations: dict[str, int]
+    landed: bool = False  # whether it was pointed at; if not, the file is nobody's
+
+    def __call__(self, db: sqlite3.Connection) -> None:
+        job = self.job
+        if self.generations.get(job.session) != job.generation:
+            return  # the name was deleted, made again or forked over since the step: its row is another session's
+        # Only onto the step's own row, still without a snapshot, of a session that exists, and never behind a newer
+        # snapshot (pruning may already have dropped what an older one would anchor).
+        pointed = db.execute(
+            "UPDATE journal SET snapshot = x'', snapshot_file = ? WHERE session = ? AND seq = ? AND snapshot IS NULL "
+            "AND EXISTS (SELECT 1 FROM sessions WHERE name = ?) AND NOT EXISTS (SELECT 1 FROM journal "
+            "WHERE session = ? AND seq > ? AND snapshot IS NOT NULL)",
+            (self.file, job.session, job.seq, job.session, job.session, job.seq),
+        )
+        self.landed = pointed.rowcount == 1
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -113,11 +171,13 @@ class SQLiteStore:
         self.keys_kept = keys_kept
         self.steps_kept = steps_kept
         self.prune_every_steps = prune_every_steps
+        self._snapshot_dir = path.parent / "snapshots"
         try:
             _check_wal(path)
             self._db = _connect(path)
             migrate(self._db, path)
             self.id = _identify(self._db, path)
+            self._sweep_snapshot_files()
         except sqlite3.Error as e:
             hint = " (another process has it open: close it)" if "locked" in str(e) else ""
             raise StoreError(f"the database {path} cannot be opened: {e}{hint}; it was left as it is") from None
@@ -134,6 +194,16 @@ class SQLiteStore:
         self._commits = 0
         self._commit_seconds: list[float] = []
         self._pruned: dict[str, int] = {}  # the seq each session was last pruned at (commit thread only)
+        self._released: list[str] = []  # snapshot files rows stopped naming in the commit running (commit thread only)
+        # Set anew (from a counter) by every create and fork of a name, dropped by its delete, on the commit thread: a
+        # snapshot file is pointed at only if its name's generation is still the one its step was appended under.
+        self._generations: dict[str, int] = {}
+        self._generation_next = 0
+        self._snapshot_jobs: dict[str, _SnapshotJob] = {}  # waiting for their file, oldest first, one a session
+        self._snapshot_jobs_bytes = 0
+        self._snapshots_pending = 0  # snapshots handed to `append` and not yet landed or dropped
+        self._snapshots_changed = anyio.Event()  # a job queued or a snapshot no longer pending
+        self._running = False
 
     def close(self) -> None:
         with self._lock:
@@ -147,26 +217,47 @@ class SQLiteStore:
 
     async def run(self) -> None:
         """Commit on a thread of its own for as long as this runs: a commit never waits for a worker thread, and a
-        write reaches it without a turn of the event loop. Writes queued while a commit runs share the next one."""
+        write reaches it without a turn of the event loop. Writes queued while a commit runs share the next one.
+        Meanwhile write the large snapshots' files, one at a time; cancelled, finish those queued (for a while)."""
         self._loop = asyncio.get_running_loop()
         self._thread = thread = threading.Thread(target=self._commit_loop, name="devd-commit", daemon=True)
         thread.start()
+        self._running = True
         try:
-            await anyio.sleep_forever()
+            await self._write_snapshots(until_idle=False)
         finally:
-            self._queue.put(None)
             with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(SNAPSHOTS_AT_SHUTDOWN_S):
+                    await self._write_snapshots(until_idle=True)
+                if self._snapshot_jobs:  # out of time: they are only a cache
+                    log.warning("store.snapshot_dropped", snapshots=len(self._snapshot_jobs), why="shutdown")
+                    for _ in self._snapshot_jobs:
+                        self._snapshot_done()
+                    self._snapshot_jobs.clear()
+                    self._snapshot_jobs_bytes = 0
+                self._queue.put(None)
                 await anyio.to_thread.run_sync(thread.join)
+                self._running = False
 
     async def flush(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            # No commit thread (`run` ended, or never ran): commit what is queued here, or its writers wait for ever.
-            self._loop = asyncio.get_running_loop()
-            self._queue.put(None)
-            await anyio.to_thread.run_sync(self._commit_loop, abandon_on_cancel=False)
-        while self._outstanding:
+        """Wait until everything handed to the store is done: writes committed, snapshot files written and pointed
+        at. Without `run` (it ended, or never ran) run it meanwhile, or the writers wait for ever."""
+        if self._running:
+            await self._wait_idle()
+            return
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.run)
+            await self._wait_idle()
+            tg.cancel_scope.cancel()
+
+    async def _wait_idle(self) -> None:
+        while self._outstanding or self._snapshots_pending:
             self._settled = anyio.Event()
             await self._settled.wait()
+
+    def _settle(self) -> None:
+        if not self._outstanding and not self._snapshots_pending:
+            self._settled.set()
 
     def _commit_loop(self) -> None:
         stop = False
@@ -198,18 +289,19 @@ class SQLiteStore:
             p.error = error
             p.done.set()
         self._outstanding -= len(batch)
-        if not self._outstanding:
-            self._settled.set()
+        self._settle()
 
     def _apply(self, ops: list[Op]) -> BaseException | None:
         db = self._db
         steps = [op for op in ops if isinstance(op, Step)]
+        pointers = [op for op in ops if isinstance(op, _Pointer)]
         if self._broken is not None:
             return StoreError(self._broken)
+        self._released.clear()
         try:
             self._check_file()
             failpoints.hit("commit.before")
-            if any(s.snapshot is not None for s in steps):
+            if pointers or any(s.snapshot is not None for s in steps):
                 failpoints.hit("commit.snapshot")
             if len(steps) == len(ops) and len(steps) <= ROWS_PER_STATEMENT:
                 _insert_steps(db, steps)  # one statement: its own transaction
@@ -224,13 +316,18 @@ class SQLiteStore:
         except BaseException as e:  # every write in the batch fails; none is retried
             if db.in_transaction:
                 db.execute("ROLLBACK")
+            for p in pointers:
+                p.landed = False
+            self._released.clear()
             if _is_io_error(e):
                 # After a failed fsync the kernel may have dropped the dirty pages and will not say so again
                 # (PostgreSQL's fsyncgate): nothing after it can be trusted to be durable until the store is reopened.
                 self._break(f"writing the database failed ({e})")
             return e
         failpoints.hit("commit.after")
-        self._prune_some(db, steps)
+        self._remove_released(db)
+        snapshots = [(s.session, s.seq) for s in steps if s.snapshot is not None]
+        self._prune_some(db, snapshots + [(p.job.session, p.job.seq) for p in pointers if p.landed])
         return None
 
     def _check_file(self) -> None:
@@ -252,22 +349,26 @@ class SQLiteStore:
             )
             log.error("store.broken", error=self._broken)
 
-    def _prune_some(self, db: sqlite3.Connection, steps: list[Step]) -> None:
-        """Maintenance after a commit: what it drops was already replaced by a later snapshot."""
-        for s in steps:
-            if s.snapshot is not None and s.seq - self._pruned.get(s.session, 0) >= self.prune_every_steps:
+    def _prune_some(self, db: sqlite3.Connection, snapshots: list[tuple[str, int]]) -> None:
+        """Maintenance after a commit that stored snapshots (session, seq): what it drops was already replaced by a
+        later snapshot."""
+        for session, seq in snapshots:
+            if seq - self._pruned.get(session, 0) >= self.prune_every_steps:
+                self._released.clear()
                 try:
                     failpoints.hit("prune")
                     db.execute("BEGIN IMMEDIATE")  # one transaction, one fsync, for the three statements
-                    self._prune(db, s.session, s.seq)
+                    self._prune(db, session, seq)
                     db.execute("COMMIT")
+                    self._remove_released(db)
                 except (sqlite3.Error, OSError) as e:
                     if db.in_transaction:
                         db.execute("ROLLBACK")
+                    self._released.clear()
                     if _is_io_error(e):
                         self._break(f"pruning the database failed ({e})")
-                    log.warning("store.prune_failed", session=s.session, error=str(e))
-                self._pruned[s.session] = s.seq
+                    log.warning("store.prune_failed", session=session, error=str(e))
+                self._pruned[session] = seq
 
     def _prune(self, db: sqlite3.Connection, name: str, snapshot_seq: int) -> None:
         """Drop history beyond what watchers and keys are promised, keeping what derives what is kept: from the
@@ -278,8 +379,10 @@ class SQLiteStore:
         ).fetchone()
         if anchor is None:
             return  # everything kept is still derived from the config or the first snapshot
+        self._release_files(db, "session = ? AND seq < ?", (name, anchor[0]))
         db.execute(
-            "UPDATE journal SET snapshot = NULL WHERE session = ? AND seq < ? AND snapshot IS NOT NULL",
+            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq < ? "
+            "AND snapshot IS NOT NULL",
             (name, anchor[0]),
         )
         db.execute("DELETE FROM journal WHERE session = ? AND key IS NULL AND seq < ?", (name, anchor[0]))
@@ -290,6 +393,131 @@ class SQLiteStore:
             " SELECT seq FROM journal WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)",
             (name, anchor[0], name, self.keys_kept - 1),
         )
+
+    # -- snapshot files ---------------------------------------------------------------------------------------------
+
+    def _release_files(self, db: sqlite3.Connection, where: str, params: tuple[object, ...]) -> None:
+        """Note the files of the rows (`where`) about to be deleted or cleared, to remove once that is committed."""
+        self._released += [
+            name
+            for (name,) in db.execute(
+                f"SELECT DISTINCT snapshot_file FROM journal WHERE {where} AND snapshot_file IS NOT NULL", params
+            )
+        ]
+
+    def _remove_released(self, db: sqlite3.Connection) -> None:
+        """After a commit: remove the files it released that no row names any more (forks share them). One left
+        behind (a crash first) goes at the next open."""
+        released, self._released = set(self._released), []
+        try:
+            for name in released:
+                if db.execute("SELECT 1 FROM journal WHERE snapshot_file = ? LIMIT 1", (name,)).fetchone() is None:
+                    (self._snapshot_dir / name).unlink(missing_ok=True)
+        except (sqlite3.Error, OSError) as e:
+            log.warning("store.snapshot_file_not_removed", error=str(e), directory=str(self._snapshot_dir))
+
+    def _sweep_snapshot_files(self) -> None:
+        """At open: remove this database's snapshot files that no row names (a crash came between a file and its
+        pointer, or between a commit and the removal) and half-written ones. Another database's are left alone."""
+        named = {n for (n,) in self._db.execute("SELECT snapshot_file FROM journal WHERE snapshot_file IS NOT NULL")}
+        ours = f"{self.id}-"
+        try:
+            removed = [
+                e
+                for e in os.listdir(self._snapshot_dir)
+                if (e.startswith(ours) and e.endswith(".snap") and e not in named)
+                or (e.startswith(f".{ours}") and e.endswith(".partial"))
+            ]
+            for e in removed:
+                (self._snapshot_dir / e).unlink(missing_ok=True)
+        except FileNotFoundError:
+            return  # no large snapshot was ever written
+        except OSError as e:  # they only take room: serve anyway
+            log.warning("store.snapshot_file_not_removed", error=str(e), directory=str(self._snapshot_dir))
+            return
+        if removed:
+            log.info("store.snapshot_files_removed", files=len(removed), directory=str(self._snapshot_dir))
+
+    def _queue_snapshot(self, job: _SnapshotJob) -> None:
+        """Hand a large snapshot to the writer: it replaces an older one of its session still waiting."""
+        older = self._snapshot_jobs.pop(job.session, None)
+        if older is not None:
+            self._snapshot_jobs_bytes -= len(older.snapshot)
+            self._snapshot_done()
+        if self._snapshot_jobs_bytes + len(job.snapshot) > SNAPSHOTS_QUEUED_BYTES_MAX:
+            log.warning("store.snapshot_dropped", session=job.session, seq=job.seq, why="too many queued")
+            self._snapshot_done()
+            return
+        self._snapshot_jobs[job.session] = job
+        self._snapshot_jobs_bytes += len(job.snapshot)
+        self._snapshots_changed.set()
+
+    def _snapshot_done(self) -> None:
+        self._snapshots_pending -= 1
+        self._snapshots_changed.set()
+        self._settle()
+
+    async def _write_snapshots(self, *, until_idle: bool) -> None:
+        """The writer: the queued snapshots' files, oldest first, one at a time; for ever, or until none is pending."""
+        while not until_idle or self._snapshots_pending:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # the job before was shielded: stop here when cancelled
+            if not self._snapshot_jobs:
+                self._snapshots_changed = anyio.Event()
+                await self._snapshots_changed.wait()
+                continue
+            job = self._snapshot_jobs.pop(next(iter(self._snapshot_jobs)))
+            self._snapshot_jobs_bytes -= len(job.snapshot)
+            # Shielded: a shutdown lets the job in progress finish (a file with no pointer would only be swept).
+            with anyio.move_on_after(SNAPSHOT_WRITE_S, shield=True) as scope:
+                try:
+                    await self._write_snapshot(job)
+                finally:
+                    self._snapshot_done()
+            if scope.cancelled_caught:
+                log.warning("store.snapshot_dropped", session=job.session, seq=job.seq, why="too slow")
+
+    async def _write_snapshot(self, job: _SnapshotJob) -> None:
+        """Write one snapshot's file, then point its step's row at it. A failure drops the snapshot and nothing else:
+        the session is rebuilt from an older one, and the store goes on."""
+        try:
+            file = await anyio.to_thread.run_sync(self._write_snapshot_file, job.snapshot)
+        except OSError as e:
+            log.warning("store.snapshot_dropped", session=job.session, seq=job.seq, why=f"writing its file failed: {e}")
+            return
+        pointer = _Pointer(job, file, self._generations)
+        try:
+            await self._write(pointer)
+        except StoreError as e:
+            # The pointer may be on disk after all (a failed fsync): keep the file; the next open removes it if not.
+            log.warning("store.snapshot_dropped", session=job.session, seq=job.seq, why=str(e))
+            return
+        if not pointer.landed:
+            await anyio.to_thread.run_sync(self._remove_file, file)
+
+    def _write_snapshot_file(self, snapshot: bytes) -> str:
+        """A new file holding `snapshot`, durable under its name when this returns (on a worker thread); its name."""
+        if not self._snapshot_dir.is_dir():
+            self._snapshot_dir.mkdir(mode=0o700, exist_ok=True)
+            _fsync_dir(self._snapshot_dir.parent)  # the directory must outlast a crash before a file in it can
+        name = f"{self.id}-{secrets.token_hex(8)}.snap"
+        partial = self._snapshot_dir / f".{name}.partial"
+        try:
+            with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.write(snapshot)
+                f.flush()
+                os.fsync(f.fileno())
+            failpoints.hit("snapshot.file")
+            files.publish(partial, self._snapshot_dir / name)  # its own fsync of the file finds nothing left to write
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        return name
+
+    def _remove_file(self, name: str) -> None:
+        try:
+            (self._snapshot_dir / name).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("store.snapshot_file_not_removed", file=name, error=str(e))
 
     async def _write(self, op: Op) -> None:
         pending = _Pending(op)
@@ -307,9 +535,16 @@ class SQLiteStore:
             ) from error
         raise StoreError(f"the state could not be made durable and nothing of it was applied: {error}") from error
 
+    def _new_generation(self, name: str) -> None:
+        """The name now stands for a new session (on the commit thread, in the op that makes it)."""
+        self._generation_next += 1
+        self._generations[name] = self._generation_next
+
     async def create(self, name: str, config: bytes, snapshot: bytes | None = None) -> None:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)  # a new history: pruned by its own seqs, not the old one's
+            self._new_generation(name)
+            self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
@@ -320,7 +555,20 @@ class SQLiteStore:
         await self._write(op)
 
     async def append(self, step: Step) -> None:
-        await self._write(step)
+        """A large snapshot is left out of the step's commit and written to a file afterwards (see the module)."""
+        if step.snapshot is None or len(step.snapshot) < FILE_SNAPSHOT_BYTES:
+            await self._write(step)
+            return
+        # The generation before the step is queued: one that changes by the time the pointer commits means the row
+        # may be another session's. Read here, off the commit thread: a dictionary read is atomic.
+        job = _SnapshotJob(step.session, step.seq, step.snapshot, self._generations.get(step.session))
+        self._snapshots_pending += 1
+        try:
+            await self._write(dataclasses.replace(step, snapshot=None))
+        except BaseException:
+            self._snapshot_done()
+            raise
+        self._queue_snapshot(job)
 
     async def set_health(self, name: str, health: Health, reason: str | None) -> None:
         def op(db: sqlite3.Connection) -> None:
@@ -331,6 +579,8 @@ class SQLiteStore:
     async def delete(self, name: str) -> None:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
+            self._generations.pop(name, None)  # its rows go too: a pointer finds none (a new one gets a new number)
+            self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute("DELETE FROM sessions WHERE name = ?", (name,))
 
@@ -339,6 +589,8 @@ class SQLiteStore:
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
+            self._new_generation(name)
+            self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             made = db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) SELECT ?, config, ? FROM sessions "
@@ -347,16 +599,17 @@ class SQLiteStore:
             )
             if made.rowcount != 1:
                 raise StoreError(f"there is no session {source!r} to fork")
+            # Rows copied share their snapshot files with the source's: a file goes once neither names it.
             db.execute(
-                "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at) "
-                "SELECT ?, seq, key, digest, event, actions, snapshot, answer, at FROM journal "
+                "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file) "
+                "SELECT ?, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file FROM journal "
                 "WHERE session = ? AND seq <= ?",
                 (name, source, at),
             )
             if snapshot is not None:
                 db.execute(
                     "INSERT INTO journal (session, seq, event, actions, snapshot) VALUES (?, ?, x'', x'', ?) "
-                    "ON CONFLICT (session, seq) DO UPDATE SET snapshot = excluded.snapshot",
+                    "ON CONFLICT (session, seq) DO UPDATE SET snapshot = excluded.snapshot, snapshot_file = NULL",
                     (name, at, snapshot),
                 )
 
@@ -365,13 +618,19 @@ class SQLiteStore:
     # -- reads ----------------------------------------------------------------------------------------------------
 
     async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        def run() -> T:
+        return await self._read_then(fn, lambda got: got)
+
+    async def _read_then(self, fn: Callable[[sqlite3.Connection], T], then: Callable[[T], U]) -> U:
+        """`fn` under the lock, then `then` of what it read once the lock is free (on the same worker thread)."""
+
+        def run() -> U:
             try:
                 failpoints.hit("read")
                 with self._lock:  # no commit in between: the whole read sees one state of the database
-                    return fn(self._db)
+                    got = fn(self._db)
             except (sqlite3.Error, OSError) as e:
                 raise StoreError(f"reading the database failed: {e}") from None
+            return then(got)
 
         return await anyio.to_thread.run_sync(run, limiter=self._read_limiter)
 
@@ -389,10 +648,10 @@ class SQLiteStore:
         return await self._read(read)
 
     async def load(self, name: str) -> Stored | None:
-        return await self._read(lambda db: _load(db, name, None))
+        return await self._read_then(lambda db: _load(db, name, None, self._snapshot_dir), _with_snapshot)
 
     async def load_at(self, name: str, at: int) -> Stored | None:
-        return await self._read(lambda db: _load(db, name, at))
+        return await self._read_then(lambda db: _load(db, name, at, self._snapshot_dir), _with_snapshot)
 
     async def keyed(self, name: str, key: str) -> Keyed | None:
         def read(db: sqlite3.Connection, inline: bool) -> Any:
@@ -424,8 +683,9 @@ class SQLiteStore:
 
     async def backup(self, path: str) -> int:
         """SQLite's online backup through this store's connection (the file is opened in exclusive mode: copying it,
-        or reading it through a second connection, would be unsafe). Commits wait while the pages are copied; the
-        copy is written beside `path` and renamed into place once fsync'd."""
+        or reading it through a second connection, would be unsafe), with the snapshots kept in files put inline in
+        the copy, so it is one file still. Commits wait while the pages and those files are copied (no file can be
+        removed meanwhile); the copy is written beside `path` and renamed into place once fsync'd."""
         target = Path(path)
         partial = target.with_name(f".{target.name}.partial")
 
@@ -435,6 +695,14 @@ class SQLiteStore:
             try:
                 db.backup(out)
                 out.execute("PRAGMA journal_mode=DELETE")  # one self-contained file, no -wal beside it
+                with out:
+                    named = out.execute("SELECT DISTINCT snapshot_file FROM journal WHERE snapshot_file IS NOT NULL")
+                    for (name,) in named.fetchall():
+                        snapshot = (self._snapshot_dir / name).read_bytes()
+                        out.execute(
+                            "UPDATE journal SET snapshot = ?, snapshot_file = NULL WHERE snapshot_file = ?",
+                            (snapshot, name),
+                        )
             finally:
                 out.close()
 
@@ -471,6 +739,14 @@ def migrate(db: sqlite3.Connection, path: Path) -> None:
     for n in range(version, len(MIGRATIONS)):
         db.executescript(f"BEGIN IMMEDIATE; {MIGRATIONS[n]} PRAGMA user_version = {n + 1}; COMMIT;")
         log.info("store.migrated", database=str(path), version=n + 1)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_io_error(e: BaseException) -> bool:
@@ -527,21 +803,25 @@ def _identify(db: sqlite3.Connection, path: Path) -> str:
     return str(row[0])
 
 
-def _load(db: sqlite3.Connection, name: str, at: int | None) -> Stored | None:
-    """The session now (at None) or as it was at step `at`; None if there is no such session or history."""
+def _load(
+    db: sqlite3.Connection, name: str, at: int | None, snapshot_dir: Path
+) -> tuple[Stored, IO[bytes] | None] | None:
+    """The session now (at None) or as it was at step `at`; None if there is no such session or history. A snapshot
+    kept in a file comes as that file, opened: read it once the lock is free (`_with_snapshot`); open, it stays
+    readable if a commit removes it meanwhile."""
     row = db.execute("SELECT config, state, reason FROM sessions WHERE name = ?", (name,)).fetchone()
     if row is None:
         return None
     config, state, reason = row
     upto = (1 << 63) - 1 if at is None else at
     saved = db.execute(
-        "SELECT seq, snapshot FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? "
+        "SELECT seq, snapshot, snapshot_file FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? "
         "ORDER BY seq DESC LIMIT 1",
         (name, upto),
     ).fetchone()
     if saved is None and db.execute("SELECT 1 FROM journal WHERE session = ? AND seq = 0", (name,)).fetchone():
         return None  # restored from a snapshot no longer kept: its history cannot be rebuilt from the config
-    snapshot_seq, snapshot = saved if saved else (0, None)
+    snapshot_seq, snapshot, snapshot_file = saved if saved else (0, None, None)
     journal = _rows(
         db.execute(
             f"SELECT {ROW} FROM journal WHERE session = ? AND seq > ? AND seq <= ? ORDER BY seq",
@@ -550,7 +830,37 @@ def _load(db: sqlite3.Connection, name: str, at: int | None) -> Stored | None:
     )
     if at is not None and [row.seq for row in journal] != list(range(snapshot_seq + 1, at + 1)):
         return None  # pruned (or not yet written): that point cannot be rebuilt
-    return Stored(name, config, snapshot, snapshot_seq, Health(state), reason, journal)
+    stored = Stored(name, config, snapshot, snapshot_seq, Health(state), reason, journal)
+    if snapshot_file is None:
+        return stored, None
+    path = snapshot_dir / snapshot_file
+    try:
+        return stored, open(path, "rb")  # closed by `_with_snapshot`, once the lock is free
+    except OSError as e:
+        raise StoreError(_unreadable(stored, path, e)) from None
+
+
+def _with_snapshot(loaded: tuple[Stored, IO[bytes] | None] | None) -> Stored | None:
+    """The session `_load` found, with its snapshot read from its file if it is kept in one."""
+    if loaded is None:
+        return None
+    stored, file = loaded
+    if file is None:
+        return stored
+    with file:
+        try:
+            snapshot = file.read()
+        except OSError as e:
+            raise StoreError(_unreadable(stored, Path(file.name), e)) from None
+    return dataclasses.replace(stored, snapshot=snapshot)
+
+
+def _unreadable(stored: Stored, path: Path, e: OSError) -> str:
+    return (
+        f"the snapshot of session {stored.name!r} after step {stored.snapshot_seq} is kept in {path}, which cannot be "
+        f"read ({e.strerror or e}); the session cannot be rebuilt without it: put the file back (it is part of the "
+        "state directory, like the database), or restore the state directory from a backup"
+    )
 
 
 def _rows(cursor: sqlite3.Cursor) -> list[Row]:

@@ -11,7 +11,9 @@ an answer among them not kept whole can no longer be derived).
 
 What every implementation promises (tests/test_store.py checks each of them against every implementation):
 - a write returns only once it is durable; a write that cannot be made durable raises `StoreError`, and nothing in
-  it is visible afterwards;
+  it is visible afterwards; a step's snapshot alone is a cache of what the journal derives, which a store may make
+  durable after the step returns, or drop (SQLite writes a large one to a file afterwards): `load` then starts from
+  an older snapshot and replays more;
 - reads see every write that has returned;
 - every failure crosses this interface as `StoreError`, never as the backend's own exception.
 
@@ -130,7 +132,8 @@ class Store(Protocol):
         """Complete writes for ever (group commit); cancelled at shutdown, after which `flush` commits the rest."""
 
     async def flush(self) -> None:
-        """Commit whatever is pending now."""
+        """Complete whatever was handed to the store: pending writes committed, snapshots written afterwards (SQLite's
+        files) written or dropped."""
 
     def close(self) -> None:
         """Release the store's resources; nothing may be called after."""

@@ -27,8 +27,9 @@ CLIENTS = 4
 class Conversation:
     """One client's session and the model of what it must be answered."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, answer_bytes: int = 0) -> None:
         self.name = name
+        self.pad = "." * answer_bytes  # on every answer: a long one makes its snapshots large
         self.transcript: list = []
         self.next_id = 1
         self.turn = 0
@@ -46,7 +47,7 @@ class Conversation:
                 expected = [Action(id=self.next_id, op=ask(*self.transcript, user(prompt)))]
                 self.pending = (f"turn-{t}", turn(t, prompt), expected)
             else:
-                text = f"answer {self.turn}"
+                text = f"answer {self.turn}{self.pad}"
                 self.pending = (f"answer-{self.turn}", answer(self.asked, text), finish(self.next_id, self.turn, text))
         return self.pending
 
@@ -60,7 +61,7 @@ class Conversation:
             self.asked = self.next_id
             self.next_id += 1
         else:
-            self.transcript.append(agent(f"answer {self.turn}"))
+            self.transcript.append(agent(f"answer {self.turn}{self.pad}"))
             self.asked = 0
             self.next_id += 3
 
@@ -129,11 +130,19 @@ def step_until_killed(daemon: Daemon, conv: Conversation, steps: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("point", "nth"),
-    [("commit.before", 7), ("commit.snapshot", 3), ("commit.after", 7), ("commit.after", 8), ("prune", 1)],
+    ("point", "nth", "answer_bytes"),
+    [
+        ("commit.before", 7, 0),
+        ("commit.snapshot", 3, 0),
+        ("commit.after", 7, 0),
+        ("commit.after", 8, 0),
+        ("prune", 1, 0),
+        # Answers of 64 KB: a few turns in, snapshots pass FILE_SNAPSHOT_BYTES and are written to files of their own.
+        ("snapshot.file", 1, 64 << 10),
+    ],
 )
 def test_a_kill_at_every_named_point_loses_no_answered_step_and_half_applies_none(
-    tmp_path: Path, point: str, nth: int
+    tmp_path: Path, point: str, nth: int, answer_bytes: int
 ) -> None:
     """SIGKILL exactly at a named point (devd.failpoints); after a restart, the step that got no answer is either
     wholly there (its keyed retry is replayed) or not at all (it runs fresh), and everything answered is there."""
@@ -142,7 +151,7 @@ def test_a_kill_at_every_named_point_loses_no_answered_step_and_half_applies_non
     try:
         with daemon.client() as c:
             c.new(session="s")
-        conv = Conversation("s")
+        conv = Conversation("s", answer_bytes)
         died = step_until_killed(daemon, conv, 600)
         assert daemon.proc is not None and daemon.proc.wait(10) == -9 and died
         daemon.env = {}

@@ -17,8 +17,10 @@ import pytest
 from devd.host import Core
 from devd.messages import answer, decode_actions, encode, turn
 from devd.registry import digest
-from devd.sqlite_store import MIGRATIONS
+from devd.sqlite_store import FILE_SNAPSHOT_BYTES, MIGRATIONS
+from devd.store import Health, Step, Stored
 from tests.daemon import Daemon
+from tests.test_store import running, sqlite_at
 
 FIRST_RELEASE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -39,6 +41,12 @@ CREATE TABLE IF NOT EXISTS journal (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS journal_key ON journal (session, key) WHERE key IS NOT NULL;
 """
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
 
 EVENTS = [turn(1, "fix the build"), answer(1, "done"), turn(2, "and the tests")]
 KEYS = ["turn-1", "answer-1", "turn-2"]
@@ -99,3 +107,27 @@ def test_a_database_from_a_newer_devd_is_refused_and_left_as_it_is(tmp_path: Pat
         d.start()
     with closing(sqlite3.connect(state / "devd.sqlite3")) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) + 1
+
+
+async def test_a_format_4_database_keeps_its_snapshots_and_takes_large_ones_in_files(tmp_path: Path) -> None:
+    """Format 5 adds where a snapshot file is named: a format-4 row's inline snapshot still loads, and the next large
+    snapshot goes to a file."""
+    path = tmp_path / "devd.sqlite3"
+    with closing(sqlite3.connect(path, isolation_level=None)) as db:
+        for version, migration in enumerate(MIGRATIONS[:4], start=1):
+            db.executescript(f"BEGIN; {migration} PRAGMA user_version = {version}; COMMIT;")
+        db.execute("INSERT INTO sessions (name, config, created) VALUES ('old', x'7b7d', 0)")
+        db.execute(
+            "INSERT INTO journal (session, seq, event, actions, snapshot, answer, at) "
+            "VALUES ('old', 1, x'01', x'', x'5331', x'02', 0)"
+        )
+    large = b"L" * FILE_SNAPSHOT_BYTES
+    async with running(sqlite_at(path)) as store:
+        before = await store.load("old")
+        await store.append(Step("old", 2, b"e2", None, None, None, large, b"h2"))
+        await store.flush()
+        after = await store.load("old")
+    assert (before, after) == (
+        Stored("old", b"{}", b"S1", 1, Health.OK, None, []),
+        Stored("old", b"{}", large, 2, Health.OK, None, []),
+    )
