@@ -8,8 +8,10 @@ What it promises:
 - with a metrics socket (`--metrics`), `GET /metrics` answers from the same status as `daemon/status`, from accept
   until the daemon returns, apart from the JSON-RPC listeners (`devd.metrics`);
 - SIGTERM/SIGINT: stop taking calls (status still answers), let calls in flight finish for `shutdown_grace_s`, then
-  stop the rest where they stand (they end as DEADLINE, durably), give a fleet's sessions back (so other daemons
-  take them at once), send every answer given, commit, and return; a second signal meanwhile is absorbed.
+  stop the rest where they stand (they end as DEADLINE, durably); snapshot the live sessions with steps since their
+  last snapshot (when nothing had to be stopped), so the next start replays none; give a fleet's sessions back (so
+  other daemons take them at once), send every answer given, commit, and return; a second signal meanwhile is
+  absorbed.
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ class Daemon:
                     log.warning("daemon.interrupting", calls=len(running))
                     app.registry.core.interrupt_all(max(self.settings.max_call_timeout_s, self.settings.call_timeout_s))
                 await self.hub.drain()
+                if not running:  # after an interrupt every call ends as DEADLINE: no snapshot could be taken
+                    await self._snapshot_all(app.registry)
                 if app.registry.fleet is not None:
                     await self._release(app.registry)
                 await self._close_connections()
@@ -133,6 +137,13 @@ class Daemon:
             with anyio.move_on_after(self.settings.shutdown_grace_s):
                 await self.hub.drain()
             return
+
+    async def _snapshot_all(self, registry: Registry) -> None:
+        """Snapshot the live sessions with steps since their last snapshot, for as long as the grace allows, so the
+        next start resumes each without replaying them (a restart for an upgrade costs no replay)."""
+        with anyio.move_on_after(self.settings.shutdown_grace_s):
+            taken = await registry.save_all()
+            log.info("daemon.snapshots_taken", sessions=taken)
 
     async def _release(self, registry: Registry) -> None:
         """Give the fleet back every session, now that no call runs, so other daemons take them at once rather than

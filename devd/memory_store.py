@@ -70,6 +70,15 @@ class MemoryStore:
         session.journal[step.seq] = step
         session.last_used = time.time()
 
+    async def save_snapshot(self, name: str, seq: int, snapshot: bytes) -> None:
+        self._committed(time.perf_counter())
+        session = self._sessions.get(name)
+        if session is None or seq not in session.journal:
+            return
+        if any(s.snapshot is not None for n, s in session.journal.items() if n >= seq):
+            return
+        session.journal[seq] = dataclasses.replace(session.journal[seq], snapshot=snapshot)
+
     async def set_health(self, name: str, health: Health, reason: str | None) -> None:
         self._committed(time.perf_counter())
         if session := self._sessions.get(name):

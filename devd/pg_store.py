@@ -739,6 +739,23 @@ class PostgresStore:
         Raises MovedError when another node owns the session or took it from this one (nothing is written)."""
         await self._write(step)
 
+    async def save_snapshot(self, name: str, seq: int, snapshot: bytes) -> None:
+        """See `devd.store.Store.save_snapshot`: fenced on the epoch this node holds, and only onto the session's head
+        step; a session this node does not hold is never taken for it."""
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            epoch = batch.epoch(name)
+            if epoch is not None:
+                await conn.execute(
+                    "UPDATE journal j SET snapshot = %s FROM sessions s WHERE j.session = %s AND j.seq = %s "
+                    "AND j.snapshot IS NULL AND s.name = j.session AND s.owner = %s AND s.epoch = %s "
+                    "AND s.head_seq = j.seq",
+                    (snapshot, name, seq, self.node, epoch),
+                )
+            return None
+
+        await self._write(op)
+
     async def set_health(self, name: str, health: Health, reason: str | None) -> None:
         """Fenced like an append (taking the session if this node holds none); a session that does not exist is left
         alone. Raises MovedError when another live node owns it."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import functools
 import hashlib
 import secrets
 import time
@@ -61,6 +62,7 @@ T = TypeVar("T")
 CATCH_UP_ROWS = 256  # journal rows read at a time when a watcher asks for history
 HEAVY_MEMORY_BYTES = 8 << 20  # a rebuilt instance this large (a megabytes-long transcript) starts on a worker
 WHOLE_STATE_INLINE_BYTES = 4 << 20  # an instance this large is snapshotted on a worker (~1 ms a MB of transcript)
+SHUTDOWN_SNAPSHOT_BYTES = 16 << 10  # journal since its snapshot past which a stopping daemon snapshots a session
 LIGHT_CALLS_TO_RETURN = 16  # quick calls in a row after which a session's calls run inline again
 STEP_BYTES = 2048  # what a step costs a replay beyond its event's bytes (~45 us here), in bytes of events
 
@@ -455,6 +457,30 @@ class Registry:
             return entry.seq, messages
         finally:
             entry.busy = False
+
+    async def save_all(self) -> int:
+        """At a clean stop, once no call runs: snapshot every live session with more than a few steps since its last
+        snapshot, so the next start resumes it without replaying them. How many were; a failure only costs a replay
+        after the restart."""
+        if not self.core.has_snapshots:
+            return 0
+        taken = 0
+        for entry in list(self._entries.values()):
+            instance = entry.instance
+            if entry.busy or instance is None or entry.since_bytes < SHUTDOWN_SNAPSHOT_BYTES:
+                continue
+            entry.busy = True
+            try:
+                snapshot = await self.runner.off_loop(functools.partial(instance.snapshot, timeout=self.call_timeout_s))
+                await self.store.save_snapshot(entry.name, entry.seq, snapshot)
+            except DevdError as e:
+                log.warning("session.snapshot_failed", session=entry.name, error=str(e))
+                continue
+            finally:
+                entry.busy = False
+            entry.snapshot_bytes, entry.since_bytes = len(snapshot), 0
+            taken += 1
+        return taken
 
     async def recover(self, name: str) -> None:
         entry = await self._entered(name, any_state=True)

@@ -131,7 +131,7 @@ class _Pointer:
     """The commit that makes a written snapshot file the snapshot of its step's row (on the commit thread)."""
 
     job: _SnapshotJob
-    file: str
+    file: str | None  # None: a small snapshot, kept in the row itself
     generations: dict[str, int]
     landed: bool = False  # whether it was pointed at; if not, the file is nobody's
 
@@ -142,10 +142,18 @@ class _Pointer:
         # Only onto the step's own row, still without a snapshot, of a session that exists, and never behind a newer
         # snapshot (pruning may already have dropped what an older one would anchor).
         pointed = db.execute(
-            "UPDATE journal SET snapshot = x'', snapshot_file = ? WHERE session = ? AND seq = ? AND snapshot IS NULL "
+            "UPDATE journal SET snapshot = ?, snapshot_file = ? WHERE session = ? AND seq = ? AND snapshot IS NULL "
             "AND EXISTS (SELECT 1 FROM sessions WHERE name = ?) AND NOT EXISTS (SELECT 1 FROM journal "
             "WHERE session = ? AND seq > ? AND snapshot IS NOT NULL)",
-            (self.file, job.session, job.seq, job.session, job.session, job.seq),
+            (
+                b"" if self.file is not None else job.snapshot,
+                self.file,
+                job.session,
+                job.seq,
+                job.session,
+                job.session,
+                job.seq,
+            ),
         )
         self.landed = pointed.rowcount == 1
 
@@ -569,6 +577,16 @@ class SQLiteStore:
             self._snapshot_done()
             raise
         self._queue_snapshot(job)
+
+    async def save_snapshot(self, name: str, seq: int, snapshot: bytes) -> None:
+        """See `devd.store.Store.save_snapshot`: a large one is written to a file as an appended step's is, and waited
+        for by `flush`; a small one goes onto its row in a commit."""
+        job = _SnapshotJob(name, seq, snapshot, self._generations.get(name))
+        if len(snapshot) >= FILE_SNAPSHOT_BYTES:
+            self._snapshots_pending += 1
+            self._queue_snapshot(job)
+            return
+        await self._write(_Pointer(job, None, self._generations))
 
     async def set_health(self, name: str, health: Health, reason: str | None) -> None:
         def op(db: sqlite3.Connection) -> None:

@@ -144,6 +144,11 @@ class Store(Protocol):
     async def append(self, step: Step) -> None:
         """Journal an answered step (and its snapshot, if any)."""
 
+    async def save_snapshot(self, name: str, seq: int, snapshot: bytes) -> None:
+        """Keep `snapshot` as the session's state after step `seq` (its latest), so a rebuild replays nothing: a
+        cache, taken when the daemon stops. Dropped without a word when that step has a snapshot already, a later one
+        has, or the session was deleted, made again or (in a fleet) is no longer this daemon's."""
+
     async def set_health(self, name: str, health: Health, reason: str | None) -> None: ...
 
     async def delete(self, name: str) -> None:

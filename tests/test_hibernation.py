@@ -19,7 +19,7 @@ from devd.host import Core
 from devd.messages import Call, Event, Exec, Output, answer, encode, turn
 from devd.registry import Registry
 from devd.sqlite_store import SQLiteStore
-from tests.daemon import Daemon
+from tests.daemon import Daemon, log_events
 
 
 @pytest.fixture
@@ -243,3 +243,25 @@ def test_session_memory_caps_each_session_and_a_step_past_it_is_refused_with_the
         c.new(session="s")
         with pytest.raises(errors.NullError, match=r"does not fit in session 's''s memory \(4 MiB\)"):
             c.step("s", turn(1, "x" * (1200 << 10)))
+
+
+def test_a_clean_stop_snapshots_sessions_with_steps_since_their_snapshot_so_a_restart_replays_none(
+    tmp_path: Path, core: Core
+) -> None:
+    prompt = "p" * 20_000  # past the 16 KiB a stop snapshots at, under the 64 KiB a step would take one at
+    reference = core.new()
+    expected = [reference.step(e) for e in (turn(1, prompt), answer(1, "done"))]
+    reference.close()
+    d = Daemon(tmp_path).start()
+    try:
+        with d.client() as c:
+            c.new(session="a")
+            first = c.step("a", turn(1, prompt))
+        d.stop()
+        d.start()
+        with d.client() as c:
+            second = c.step("a", answer(1, "done"))
+    finally:
+        d.stop()
+    rebuilt = [(e["seq"], e["replayed_steps"]) for e in log_events(d.log) if e["event"] == "session.rebuilt"]
+    assert ([first, second], rebuilt) == (expected, [(1, 0)])

@@ -65,6 +65,15 @@ async def test_a_large_snapshot_loads_back_from_its_file_once_flushed(tmp_path: 
         )
 
 
+async def test_a_large_snapshot_saved_at_a_stop_goes_to_a_file_and_loads_with_nothing_to_replay(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        await store.create("a", CONFIG)
+        await append_all(store, step(1), step(2))
+        await store.save_snapshot("a", 2, big(2))
+        await store.flush()
+        assert (await store.load("a"), kept(tmp_path)) == (Stored("a", CONFIG, big(2), 2, Health.OK, None, []), [2])
+
+
 async def test_a_large_snapshots_step_is_acknowledged_before_its_file_is_written(tmp_path: Path) -> None:
     async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
         await store.create("a", CONFIG)

@@ -167,6 +167,26 @@ async def test_a_session_lists_when_it_was_made_and_last_stepped(store: Store) -
     assert before <= row.created <= made <= row.last_used <= time.time()
 
 
+async def test_a_saved_snapshot_of_the_head_step_loads_with_nothing_to_replay(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1), step(2, snapshot=b"S2"), step(3), step(4))
+    await store.save_snapshot("a", 4, b"S4")
+    await store.flush()
+    assert await store.load("a") == Stored("a", CONFIG, b"S4", 4, Health.OK, None, [])
+
+
+async def test_a_saved_snapshot_behind_a_later_one_or_of_a_gone_session_is_dropped(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1), step(2, snapshot=b"S2"), step(3))
+    await store.save_snapshot("a", 1, b"S1")  # behind S2: a rebuild from it would replay what S2 already holds
+    await store.save_snapshot("gone", 1, b"G1")
+    await store.flush()
+    assert (await store.load("a"), await store.load("gone")) == (
+        Stored("a", CONFIG, b"S2", 2, Health.OK, None, [row(3)]),
+        None,
+    )
+
+
 async def test_delete_removes_the_session_and_all_its_history(store: Store) -> None:
     await store.create("a", CONFIG)
     await append_all(store, step(1, key="k1"), step(2, snapshot=b"S2"))
