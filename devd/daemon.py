@@ -38,6 +38,7 @@ from devd.store import Fleet, Store
 from devd.transport import Connection, Hub
 from devd.watchers import Fanout
 
+SHUTDOWN_SNAPSHOTS_S = 5.0  # of a stop's time (systemd waits 20 s) spent snapshotting sessions; the rest replay
 log = structlog.get_logger("devd.daemon")
 
 
@@ -141,7 +142,7 @@ class Daemon:
     async def _snapshot_all(self, registry: Registry) -> None:
         """Snapshot the live sessions with steps since their last snapshot, for as long as the grace allows, so the
         next start resumes each without replaying them (a restart for an upgrade costs no replay)."""
-        with anyio.move_on_after(self.settings.shutdown_grace_s):
+        with anyio.move_on_after(SHUTDOWN_SNAPSHOTS_S):
             taken = await registry.save_all()
             log.info("daemon.snapshots_taken", sessions=taken)
 

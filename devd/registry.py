@@ -383,6 +383,9 @@ class Registry:
 
             # A snapshot costs what the whole state costs: a step that may take one, of a large session, runs where
             # it cannot hold up the loop (inline, it would pass the budget, be stopped, and rebuild the session).
+            # Loaded first: what a wake or a restart reads back is what says whether one may be due.
+            if entry.instance is None:
+                await self._load(entry, Input.LOAD)
             may_save = due(b'{"Save":true}')
             actions, answer, snapshot, ignored = await self._call(
                 entry, timeout_s, lambda i, t: step_and_save(i, event, t, due), whole_state=may_save

@@ -51,8 +51,8 @@ ROW = "seq, event, actions, answer"  # the columns of a `Row`
 INLINE_READ_BYTES = 64 << 10  # the most a read on the event loop takes; larger ones run on a worker thread
 FILE_SNAPSHOT_BYTES = 256 << 10  # a snapshot this long or longer is kept in a file, written off the commit thread
 SNAPSHOTS_QUEUED_BYTES_MAX = 512 << 20  # past this, a snapshot waiting for its file is dropped (it is only a cache)
-SNAPSHOT_WRITE_S = 30  # the most one snapshot file and its pointer may take; past it the snapshot is dropped
-SNAPSHOTS_AT_SHUTDOWN_S = 10  # how long a shutdown waits for the snapshot files still queued
+SNAPSHOT_WRITE_S = 10  # the most one snapshot file and its pointer may take; past it the snapshot is dropped
+SNAPSHOTS_AT_SHUTDOWN_S = 5  # how long a shutdown waits for the snapshot files still queued (systemd waits 20 s)
 T = TypeVar("T")
 U = TypeVar("U")
 

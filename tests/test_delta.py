@@ -70,20 +70,21 @@ def test_a_delta_ask_names_the_model_and_starts_at_the_first_message_not_sent(tm
         )
 
 
-def test_a_keyed_retry_of_a_delta_ask_after_a_restart_answers_the_same_bytes(tmp_path: Path) -> None:
+def test_a_keyed_retry_of_a_delta_ask_after_a_restart_derives_the_same_bytes(tmp_path: Path) -> None:
     d = Daemon(tmp_path).start()
     try:
         with d.client() as c:
             c.new(DELTA, session="a")
             c.step("a", turn(1, "one"))
-            c.step("a", answer(1, calls=[Call(Exec=Exec(argv=["make"]))]))
-            event = Event(Exec=Output(id=2, text="x" * 5000))
+            c.step("a", answer(1, calls=[Call(Exec=Exec(argv=["echo", "x" * 20_000]))]))
+            # The ask carries the 20 KB call back: far larger than this event, so journalled as its digest alone.
+            event = Event(Exec=Output(id=2, text="ok"))
             first = c.step_answer("a", event, key="result-2")
         d.stop()
         d.start()
         with d.client() as c:
             again = c.step_answer("a", event, key="result-2")
-        assert (again.actions, again.replayed) == (first.actions, True)
+        assert (again.actions, again.replayed, len(the_ask(first.actions).messages)) == (first.actions, True, 2)
     finally:
         d.stop()
 

@@ -27,7 +27,7 @@ from devd.errors import (
 )
 from devd.host import Core
 from devd.memory_store import MemoryStore
-from devd.messages import answer, encode, turn
+from devd.messages import Call, Event, Exec, Output, answer, encode, turn
 from devd.registry import STEP_BYTES, Registry, snapshot_due
 from devd.rpc import encode_notice
 from devd.sqlite_store import SQLiteStore
@@ -551,6 +551,22 @@ async def test_a_snapshot_of_a_large_session_is_taken_on_a_worker_and_leaves_its
         saved = registry.runner.offloaded
         await registry.step("s", encode(turn(2, "next")), None, None)  # a small ask: inline again
         assert (saved - before, registry.runner.offloaded - saved) == (1, 0)
+
+
+async def test_the_first_step_after_a_restart_that_takes_a_snapshot_runs_on_a_worker(
+    tmp_path: Path, core: Core
+) -> None:
+    async with opened("sqlite", tmp_path, core, inline_budget_s=60.0) as registry:
+        await registry.new("s", b'{"asks":"delta"}')
+        await registry.step("s", encode(turn(1, "p" * (3 << 19))), None, None)  # 1.5 MiB: snapshotted at once
+        await registry.step("s", encode(answer(1, calls=[Call(Exec=Exec(argv=["make"]))])), None, None)
+        # Past a quarter of the snapshot, and no Save: the next Save takes one.
+        await registry.step("s", encode(Event(Exec=Output(id=2, text="o" * (400 << 10)))), None, None)
+    async with opened("sqlite", tmp_path, core, inline_budget_s=60.0) as registry:
+        await registry.load()
+        # Rebuilt (an instance of 4 to 8 MiB: not heavy), then a Save, and the snapshot the journal read back makes due.
+        await registry.step("s", encode(answer(3, "done")), None, None)
+        assert (registry.runner.offloaded, registry.stats.rebuilt) == (1, 1)
 
 
 async def test_a_keyed_retry_spelled_otherwise_derives_the_answer_from_the_event_as_journalled(

@@ -311,8 +311,12 @@ fn finishDecode(gpa: Allocator, arena: Allocator, d: *Dec, s: *Session, queued: 
         s.sent_from = std.math.cast(usize, try d.int(u64)) orelse return error.Malformed;
         s.sent_to = std.math.cast(usize, try d.int(u64)) orelse return error.Malformed;
         if (s.sent_from > s.sent_to or s.sent_to > messages) return error.Malformed;
-        // While an ask is waited for, nothing has been added since it was sent.
-        if (s.running) |r| if (r.phase == .asking and s.sent_to != messages) return error.Malformed;
+        // While an ask is waited for, nothing has been added since it was sent; while calls are, only the
+        // message that dispatched them.
+        if (s.running) |r| switch (r.phase) {
+            .asking => if (s.sent_to != messages) return error.Malformed,
+            .calls => if (s.sent_to + 1 != messages) return error.Malformed,
+        };
     }
     if (d.i != d.b.len) return error.Malformed;
     if (s.running) |r| switch (r.phase) {

@@ -225,4 +225,16 @@ test "a default session's snapshot keeps layout 1, and a delta one whose range i
         defer arena.deinit();
         try std.testing.expectError(error.Malformed, snapshot.decode(gpa, arena.allocator(), snap.written()));
     }
+
+    // While calls are waited for, the model has been sent everything but the message that dispatched them.
+    try expectStep(&d, "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Read\":{\"path\":\"a\"}}]}}}", "[{\"id\":2,\"op\":{\"Read\":{\"path\":\"a\"}}}]");
+    try expectPendingRestored(&d, "[{\"id\":2,\"op\":{\"Read\":{\"path\":\"a\"}}}]");
+    var resent = d.clone(gpa);
+    defer resent.deinit();
+    resent.sent_to = 0;
+    var snap = snapshot.encode(gpa, &resent);
+    defer snap.deinit();
+    var arena: std.heap.ArenaAllocator = .init(gpa);
+    defer arena.deinit();
+    try std.testing.expectError(error.Malformed, snapshot.decode(gpa, arena.allocator(), snap.written()));
 }
