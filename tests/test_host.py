@@ -880,3 +880,17 @@ def test_a_result_already_answered_is_ignored_and_one_awaited_is_not(session: In
 def test_a_session_memory_cap_past_what_the_core_can_grow_to_is_refused_at_start() -> None:
     with pytest.raises(AbiError, match="memory cap of 2048 MiB is more than this core can grow to \\(1024 MiB\\)"):
         Core.open(memory_bytes=2 << 30)
+
+
+def test_a_clients_12_mb_snapshot_restores_within_the_default_memory_cap(core: Core) -> None:
+    # Each message is checked in scratch that is let go before the next, so a restore holds the transcript about
+    # twice (its input and the session), not four times (before: out of memory past about 9 MB).
+    roomy = Core.open(memory_bytes=256 << 20)
+    source = roomy.new()
+    source.step(turn(1, "go"))
+    source.step(answer(1, calls=[Call(Exec=Exec(argv=["cat", str(k)])) for k in range(12)]))
+    for k in range(12):
+        source.step(Event(Exec=Output(id=2 + k, text="z" * (1 << 20))))
+    snapshot = source.snapshot()
+    roomy.close()
+    assert core.restore(snapshot).snapshot() == snapshot

@@ -296,12 +296,16 @@ fn finishDecode(gpa: Allocator, arena: Allocator, d: *Dec, s: *Session, queued: 
 
     const messages = try d.int(u32);
     if (messages > d.b.len) return error.Malformed;
+    // Each message's check in scratch of its own, let go before the next: a long transcript is not held twice over.
+    var scratch: std.heap.ArenaAllocator = .init(gpa);
+    defer scratch.deinit();
     for (0..messages) |_| {
         const f = if (trust == .checked) try d.str() else try d.raw();
         if (trust == .checked) {
+            defer _ = scratch.reset(.retain_capacity);
             // Only a Message exactly as this core writes it is taken back.
-            const m = try msg.parseMessage(arena, f);
-            var canon: Writer.Allocating = .init(arena);
+            const m = try msg.parseMessage(scratch.allocator(), f);
+            var canon: Writer.Allocating = .init(scratch.allocator());
             msg.writeMessage(&canon.writer, m) catch oom();
             if (!std.mem.eql(u8, canon.written(), f)) return error.Malformed;
         }
