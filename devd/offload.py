@@ -7,8 +7,8 @@ loop. A session whose calls have grown past the budget (a long transcript makes 
 calls on a worker from the start: it pays for the rebuild once, not at every call. Worker threads for calls are
 bounded by a limiter of their own, so they never starve the store's commits.
 
-A rebuild costs what the journal since the snapshot costs: every step but the last is applied without writing its
-answer (`Instance.apply`), and the last is answered and checked against what was journalled.
+A rebuild costs what the journal since the snapshot costs: every step is applied without writing its answer
+(`Instance.apply`) but one, answered and checked against what was journalled (see `rebuild`).
 """
 
 from __future__ import annotations
@@ -82,13 +82,19 @@ def saved(actions: bytes) -> bool:
 
 
 def rebuild(core: Core, stored: Stored, call_timeout_s: float) -> Instance:
-    """The session as it is on disk: its snapshot (or its config), then its journal; the last step is checked."""
+    """The session as it is on disk: its snapshot (or its config), then its journal. One step is answered again and
+    checked against the journal, a sign that this core is the one that wrote it: the last whose answer is kept whole
+    (a byte comparison), else the last (against its digest: a Model ask kept as one is the whole transcript, which
+    checking would write once more)."""
     instance = core.resume(stored.snapshot) if stored.snapshot is not None else core.new(stored.config)
+    journal = stored.journal
+    checked = next((i for i in reversed(range(len(journal))) if journal[i].actions is not None), len(journal) - 1)
     try:
-        for row in stored.journal[:-1]:
-            instance.apply(row.event, timeout=call_timeout_s)
-        if stored.journal:
-            replay(instance, stored.journal[-1], call_timeout_s)
+        for i, row in enumerate(journal):
+            if i == checked:
+                replay(instance, row, call_timeout_s)
+            else:
+                instance.apply(row.event, timeout=call_timeout_s)
     except BaseException:
         instance.close()
         raise

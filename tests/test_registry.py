@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from devd.errors import (
     HandleError,
     InvalidParamsError,
     MalformedError,
+    PoisonError,
     StoreError,
 )
 from devd.host import Core
@@ -567,6 +569,23 @@ async def test_the_first_step_after_a_restart_that_takes_a_snapshot_runs_on_a_wo
         # Rebuilt (an instance of 4 to 8 MiB: not heavy), then a Save, and the snapshot the journal read back makes due.
         await registry.step("s", encode(answer(3, "done")), None, None)
         assert (registry.runner.offloaded, registry.stats.rebuilt) == (1, 1)
+
+
+async def test_a_journal_this_core_did_not_write_is_refused_when_the_session_is_rebuilt(
+    tmp_path: Path, core: Core
+) -> None:
+    async with opened("sqlite", tmp_path, core) as registry:
+        await registry.new("s", b"{}")
+        await steps(registry, "s", [encode(turn(1, "p" * 2000)), encode(answer(1, "done"))])
+        await registry.step("s", encode(turn(2, "again")), None, None)  # an ask kept as its digest: checked last
+    db = sqlite3.connect(tmp_path / "devd.sqlite3")
+    with db:
+        db.execute("UPDATE journal SET actions = CAST('[]' AS BLOB) WHERE session = 's' AND seq = 2")
+    db.close()
+    async with opened("sqlite", tmp_path, core) as registry:
+        await registry.load()
+        with pytest.raises(PoisonError, match="replaying step 2 gave other actions than were answered"):
+            await registry.step("s", CANCEL, None, None)
 
 
 async def test_a_keyed_retry_spelled_otherwise_derives_the_answer_from_the_event_as_journalled(
