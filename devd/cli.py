@@ -822,7 +822,7 @@ def quick_check(db: Path) -> Check:
     """`PRAGMA quick_check` and the format version, read only: nothing in the file or its log is changed."""
     import sqlite3
 
-    from devd.sqlite_store import MIGRATIONS
+    from devd.sqlite_store import MIGRATIONS, SNAPSHOTS_DIR
 
     shm = Path(f"{db}-shm")
     had_shm = shm.exists()
@@ -831,6 +831,7 @@ def quick_check(db: Path) -> Check:
         try:
             found = [str(row[0]) for row in ro.execute("PRAGMA quick_check")]
             version = int(ro.execute("PRAGMA user_version").fetchone()[0])
+            named = _snapshot_files(ro) if found == ["ok"] else []
         finally:
             ro.close()
     except sqlite3.Error as e:
@@ -856,8 +857,29 @@ def quick_check(db: Path) -> Check:
             f"{db} is format {version}, written by a newer devd (this one reads up to "
             f"{len(MIGRATIONS)}); run that devd or a newer one",
         )
+    directory = db.parent / SNAPSHOTS_DIR
+    missing = [name for name in named if not (directory / name).is_file()]
+    if missing:
+        return Check(
+            "integrity",
+            "FAIL",
+            f"{len(missing)} of the {len(named)} snapshot files {db.name} names are missing from {directory} (such as "
+            f"{missing[0]}); the sessions that need them cannot be rebuilt: put them back, or restore the state "
+            "directory from a backup",
+        )
     upgrade = f"; this devd migrates it to format {len(MIGRATIONS)} when it starts" if version < len(MIGRATIONS) else ""
-    return Check("integrity", "ok", f"{db} passes PRAGMA quick_check (format {version}{upgrade})")
+    files = f"; every snapshot file it names ({len(named)}) is in {directory}" if named else ""
+    return Check("integrity", "ok", f"{db} passes PRAGMA quick_check (format {version}{upgrade}){files}")
+
+
+def _snapshot_files(db: Any) -> list[str]:
+    """The snapshot files the database names (none before format 5, which added them)."""
+    columns = {str(row[1]) for row in db.execute("PRAGMA table_info(journal)")}
+    if "snapshot_file" not in columns:
+        return []
+    return [
+        str(row[0]) for row in db.execute("SELECT DISTINCT snapshot_file FROM journal WHERE snapshot_file IS NOT NULL")
+    ]
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -53,7 +53,12 @@ _RULES: dict[str, Callable[[str | None], str]] = {
     "key": lambda v: f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8",
     "since": lambda v: f"since must be a step number, 0 to {SEQ_MAX}",
     "at": lambda v: f"at must be a step number, 0 to {SEQ_MAX}",
+    "from": lambda v: f"from must be a message index, 0 to {TRANSCRIPT_INDEX_MAX}",
 }
+_ASKS_RULE = (
+    'config.asks must be "full" (every Model ask carries the whole conversation: the default) or "delta" (only the '
+    "messages added since the previous ask)"
+)
 
 
 class _Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -145,6 +150,8 @@ def decode_params(m: Method, raw: bytes) -> Any:
 def _explain(name: str, raw: bytes, error: msgspec.ValidationError) -> str:
     """A constraint broken (not a wrong type) is said in the rule's own words."""
     message = str(error)
+    if message.endswith(" - at `$.config.asks`"):
+        return _ASKS_RULE
     # msgspec words a broken constraint "Expected `str` matching regex ... - at `$.session`"; a wrong type says
     # ", got `...`", and an unknown member "Object contains unknown field ...": those keep msgspec's words.
     for member, explain in _RULES.items():

@@ -49,6 +49,7 @@ ROWS_PER_STATEMENT = 500  # 9 variables a row, well under SQLite's 32,766
 WAL_BYTES_KEPT = 16 << 20  # the log is cut back to this after a checkpoint, so a burst does not keep its size
 ROW = "seq, event, actions, answer"  # the columns of a `Row`
 INLINE_READ_BYTES = 64 << 10  # the most a read on the event loop takes; larger ones run on a worker thread
+SNAPSHOTS_DIR = "snapshots"  # beside the database: the large snapshots' files
 FILE_SNAPSHOT_BYTES = 256 << 10  # a snapshot this long or longer is kept in a file, written off the commit thread
 SNAPSHOTS_QUEUED_BYTES_MAX = 512 << 20  # past this, a snapshot waiting for its file is dropped (it is only a cache)
 SNAPSHOT_WRITE_S = 10  # the most one snapshot file and its pointer may take; past it the snapshot is dropped
@@ -179,7 +180,7 @@ class SQLiteStore:
         self.keys_kept = keys_kept
         self.steps_kept = steps_kept
         self.prune_every_steps = prune_every_steps
-        self._snapshot_dir = path.parent / "snapshots"
+        self._snapshot_dir = path.parent / SNAPSHOTS_DIR
         try:
             _check_wal(path)
             self._db = _connect(path)

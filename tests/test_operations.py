@@ -96,6 +96,25 @@ def test_doctor_checks_a_killed_daemons_database_read_only_and_leaves_it_as_it_w
     assert files(d.state) == before
 
 
+def test_doctor_fails_a_database_whose_snapshot_file_is_missing_and_names_it(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, "--snapshot-floor", "0").start()
+    with d.client() as c:
+        c.new(session="s")
+        c.step("s", turn(1, "x" * (300 << 10)))  # a snapshot of over 256 KiB: kept in a file
+    d.stop()
+    (snapshot,) = (d.state / "snapshots").iterdir()
+    whole = doctor(d).stdout.splitlines()[4]
+    snapshot.unlink()
+    broken = doctor(d).stdout.splitlines()[4]
+    assert (whole, broken) == (
+        f"ok    integrity: {d.state / 'devd.sqlite3'} passes PRAGMA quick_check (format {len(MIGRATIONS)}); every "
+        f"snapshot file it names (1) is in {d.state / 'snapshots'}",
+        f"FAIL  integrity: 1 of the 1 snapshot files devd.sqlite3 names are missing from {d.state / 'snapshots'} "
+        f"(such as {snapshot.name}); the sessions that need them cannot be rebuilt: put them back, or restore the "
+        "state directory from a backup",
+    )
+
+
 def test_doctor_finds_a_database_that_is_not_one(tmp_path: Path) -> None:
     d = Daemon(tmp_path)
     d.state.mkdir(mode=0o700, parents=True)
