@@ -835,7 +835,11 @@ class Registry:
                 answers = await deriver.answers(rows)
                 if answers is None:  # what derives these answers is pruned; the latest snapshot derives what follows
                     kept = await self.store.load(name)
-                    gap = (kept.snapshot_seq if kept is not None else entry.seq) + 1
+                    if kept is None:  # closed meanwhile, not pruned: its watchers are told so by the close
+                        if sub.last_seq == since:
+                            raise _no_such(name)
+                        return sub
+                    gap = kept.snapshot_seq + 1
                 for row, actions in zip(rows, answers or (), strict=False):
                     if not self.fanout.deliver(
                         sub, row.seq, self.fanout.encode(Stepped(name, row.seq, row.event, actions))

@@ -34,7 +34,7 @@ from devd.registry import STEP_BYTES, Registry, snapshot_due
 from devd.rpc import encode_notice
 from devd.sqlite_store import SQLiteStore
 from devd.state import State
-from devd.store import Health, Store
+from devd.store import Health, Store, Stored
 from devd.watchers import Stepped
 from tests import modules
 from tests.test_store import running
@@ -586,6 +586,36 @@ async def test_a_journal_this_core_did_not_write_is_refused_when_the_session_is_
         await registry.load()
         with pytest.raises(PoisonError, match="replaying step 2 gave other actions than were answered"):
             await registry.step("s", CANCEL, None, None)
+
+
+class _ClosedWhileRead(SQLiteStore):
+    """The real store, whose session is closed just as a watcher's catch-up reads the state it derives answers from
+    (the race the soak found: a close between two reads of one catch-up)."""
+
+    closing: Registry | None = None
+
+    async def load_at(self, name: str, at: int) -> Stored | None:
+        if self.closing is not None:
+            registry, self.closing = self.closing, None
+            await registry.close(name)
+        return await super().load_at(name, at)
+
+
+async def test_a_watch_whose_session_is_closed_during_its_catch_up_is_told_no_such_session(
+    tmp_path: Path, core: Core
+) -> None:
+    settings = Settings(state_dir=tmp_path, socket_path=None)
+    store = _ClosedWhileRead(tmp_path / "devd.sqlite3", keys_kept=1000, steps_kept=1000, prune_every_steps=256)
+    async with running(store):
+        registry, _ = build(settings, core, store)
+        await registry.new("s", b"{}")
+        prompt = encode(turn(1, "p" * 2000))  # the asks after it carry 2 KB: kept as digests, derived on catch-up
+        await steps(registry, "s", [prompt, encode(answer(1, calls=[Call(Exec=Exec(argv=["make"]))]))])
+        await registry.step("s", encode(Event(Exec=Output(id=2, text="ok"))), None, None)
+        store.closing = registry
+        with pytest.raises(HandleError, match="^no session is named 's'"):
+            await registry.watch("s", Sink(), 0)
+        registry.close_all()
 
 
 async def test_a_keyed_retry_spelled_otherwise_derives_the_answer_from_the_event_as_journalled(
