@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
+import anyio
 import msgspec
 import structlog
 
@@ -464,26 +465,37 @@ class Registry:
     async def save_all(self) -> int:
         """At a clean stop, once no call runs: snapshot every live session with more than a few steps since its last
         snapshot, so the next start resumes it without replaying them. How many were; a failure only costs a replay
-        after the restart."""
+        after the restart. The snapshots are taken one by one (a small one inline) and handed to the store together,
+        so its group commit writes them in a few commits rather than one each."""
         if not self.core.has_snapshots:
             return 0
-        taken = 0
-        for entry in list(self._entries.values()):
-            instance = entry.instance
-            if entry.busy or instance is None or entry.since_bytes < SHUTDOWN_SNAPSHOT_BYTES:
-                continue
-            entry.busy = True
-            try:
-                snapshot = await self.runner.off_loop(functools.partial(instance.snapshot, timeout=self.call_timeout_s))
-                await self.store.save_snapshot(entry.name, entry.seq, snapshot)
-            except DevdError as e:
-                log.warning("session.snapshot_failed", session=entry.name, error=str(e))
-                continue
-            finally:
-                entry.busy = False
-            entry.snapshot_bytes, entry.since_bytes = len(snapshot), 0
-            taken += 1
-        return taken
+        taken: list[Entry] = []
+        async with anyio.create_task_group() as tg:
+            for entry in list(self._entries.values()):
+                instance = entry.instance
+                if entry.busy or instance is None or entry.since_bytes < SHUTDOWN_SNAPSHOT_BYTES:
+                    continue
+                entry.busy = True
+                try:
+                    take = functools.partial(instance.snapshot, timeout=self.call_timeout_s)
+                    snapshot = await self.runner.off_loop(take) if entry.memory >= WHOLE_STATE_INLINE_BYTES else take()
+                except DevdError as e:
+                    entry.busy = False
+                    log.warning("session.snapshot_failed", session=entry.name, error=str(e))
+                    continue
+                tg.start_soon(self._save_snapshot, entry, snapshot, taken)
+        return len(taken)
+
+    async def _save_snapshot(self, entry: Entry, snapshot: bytes, taken: list[Entry]) -> None:
+        try:
+            await self.store.save_snapshot(entry.name, entry.seq, snapshot)
+        except DevdError as e:
+            log.warning("session.snapshot_failed", session=entry.name, error=str(e))
+            return
+        finally:
+            entry.busy = False
+        entry.snapshot_bytes, entry.since_bytes = len(snapshot), 0
+        taken.append(entry)
 
     async def recover(self, name: str) -> None:
         entry = await self._entered(name, any_state=True)
