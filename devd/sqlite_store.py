@@ -13,7 +13,9 @@ so writing, fsyncing and checkpointing megabytes never holds up the commit threa
 acknowledged without it, and the snapshot is written by one writer afterwards (a newer one of the same session
 replaces one still queued), fsync'd, renamed into place, and only then pointed at from the step's row by a commit of
 its own. A snapshot is a cache of what the journal derives, so one that never lands (a crash, a full disk, the session
-deleted or made again meanwhile) costs a longer replay, never a step. A row holds its file snapshot as an empty
+deleted or made again meanwhile) costs a longer replay, never a step. A snapshot that is a session's state rather
+than a cache (a restore's, a fork's) is written to its file before the commit that names it. A row holds its file
+snapshot as an empty
 `snapshot` (no snapshot is empty) and the file's name, so the newest snapshot is found as before; a file no row names
 any more is removed after the commit that let it go, and at open (after a crash). A backup is one file still: it
 carries the snapshots' bytes inline.
@@ -550,6 +552,8 @@ class SQLiteStore:
         self._generations[name] = self._generation_next
 
     async def create(self, name: str, config: bytes, snapshot: bytes | None = None) -> None:
+        file = await self._state_file(snapshot)
+
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)  # a new history: pruned by its own seqs, not the old one's
             self._new_generation(name)
@@ -559,9 +563,26 @@ class SQLiteStore:
                 "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
             )
             if snapshot is not None:
-                _insert_steps(db, [Step(name, 0, b"", None, snapshot=snapshot)])
+                db.execute(
+                    "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file, at) "
+                    "VALUES (?, 0, x'', x'', ?, ?, ?)",
+                    (name, b"" if file else snapshot, file, time.time()),
+                )
 
         await self._write(op)
+
+    async def _state_file(self, snapshot: bytes | None) -> str | None:
+        """A large snapshot that is a session's state rather than a cache (a restore's, a fork's) is kept in a file
+        too, but written before the commit that names it, on a worker thread: the commit thread never carries it, and
+        the session never exists without it. A file whose commit then fails is swept at the next open."""
+        if snapshot is None or len(snapshot) < FILE_SNAPSHOT_BYTES:
+            return None
+        try:
+            return await anyio.to_thread.run_sync(self._write_snapshot_file, snapshot)
+        except OSError as e:
+            raise StoreError(
+                f"the snapshot could not be written to {self._snapshot_dir} ({e}); nothing changed"
+            ) from None
 
     async def append(self, step: Step) -> None:
         """A large snapshot is left out of the step's commit and written to a file afterwards (see the module)."""
@@ -606,6 +627,8 @@ class SQLiteStore:
         await self._write(op)
 
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
+        file = await self._state_file(snapshot)
+
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
             self._new_generation(name)
@@ -627,9 +650,10 @@ class SQLiteStore:
             )
             if snapshot is not None:
                 db.execute(
-                    "INSERT INTO journal (session, seq, event, actions, snapshot) VALUES (?, ?, x'', x'', ?) "
-                    "ON CONFLICT (session, seq) DO UPDATE SET snapshot = excluded.snapshot, snapshot_file = NULL",
-                    (name, at, snapshot),
+                    "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file) "
+                    "VALUES (?, ?, x'', x'', ?, ?) ON CONFLICT (session, seq) DO UPDATE SET "
+                    "snapshot = excluded.snapshot, snapshot_file = excluded.snapshot_file",
+                    (name, at, b"" if file else snapshot, file),
                 )
 
         await self._write(op)

@@ -74,6 +74,22 @@ async def test_a_large_snapshot_saved_at_a_stop_goes_to_a_file_and_loads_with_no
         assert (await store.load("a"), kept(tmp_path)) == (Stored("a", CONFIG, big(2), 2, Health.OK, None, []), [2])
 
 
+async def test_a_large_snapshot_a_session_is_restored_from_is_in_its_file_once_created(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        await store.create("a", CONFIG, big(5))
+        on_disk = kept(tmp_path)  # no flush: the file is written before the commit that names it
+        assert (on_disk, await store.load("a")) == ([5], Stored("a", CONFIG, big(5), 0, Health.OK, None, []))
+
+
+async def test_a_forks_large_snapshot_is_a_file_of_its_own_that_outlives_the_source(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        await store.create("a", CONFIG)
+        await append_all(store, step(1), step(2), step(3))
+        await store.fork("a", 2, "f", big(6))
+        await store.delete("a")
+        assert (kept(tmp_path), await store.load("f")) == ([6], Stored("f", CONFIG, big(6), 2, Health.OK, None, []))
+
+
 async def test_a_large_snapshots_step_is_acknowledged_before_its_file_is_written(tmp_path: Path) -> None:
     async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
         await store.create("a", CONFIG)
