@@ -479,8 +479,10 @@ class Registry:
                 try:
                     take = functools.partial(instance.snapshot, timeout=self.call_timeout_s)
                     snapshot = await self.runner.off_loop(take) if entry.memory >= WHOLE_STATE_INLINE_BYTES else take()
-                except DevdError as e:
+                except BaseException as e:  # cancelled too (the stop's time is up): the session is free again
                     entry.busy = False
+                    if not isinstance(e, DevdError):
+                        raise
                     log.warning("session.snapshot_failed", session=entry.name, error=str(e))
                     continue
                 tg.start_soon(self._save_snapshot, entry, snapshot, taken)

@@ -618,6 +618,17 @@ async def test_a_watch_whose_session_is_closed_during_its_catch_up_is_told_no_su
         registry.close_all()
 
 
+async def test_a_stop_whose_time_runs_out_mid_snapshot_leaves_the_session_free(tmp_path: Path, core: Core) -> None:
+    async with opened("memory", tmp_path, core) as registry:
+        await registry.new("s", b"{}")
+        await registry.step("s", encode(turn(1, "p" * (5 << 20))), None, None)  # large (snapshotted on a worker)
+        await registry.step("s", encode(turn(2, "q" * 20_000)), None, None)  # queued: 20 KB since that snapshot
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # the stop's time is up at its first wait
+            await registry.save_all()
+        assert await registry.step("s", b'{"Timer":true}', None, None) == (b"[]", False, None)
+
+
 async def test_a_keyed_retry_spelled_otherwise_derives_the_answer_from_the_event_as_journalled(
     registry: Registry,
 ) -> None:
