@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import structlog
 
@@ -475,6 +476,8 @@ class Registry:
                 instance = entry.instance
                 if entry.busy or instance is None or entry.since_bytes < SHUTDOWN_SNAPSHOT_BYTES:
                     continue
+                # A turn of the loop a session: the stop's time limit can end this, and the saves run meanwhile.
+                await anyio.lowlevel.checkpoint()
                 entry.busy = True
                 try:
                     take = functools.partial(instance.snapshot, timeout=self.call_timeout_s)
@@ -849,9 +852,11 @@ class Registry:
                 answers = await deriver.answers(rows)
                 if answers is None:  # what derives these answers is pruned; the latest snapshot derives what follows
                     kept = await self.store.load(name)
-                    if kept is None:  # closed meanwhile, not pruned: its watchers are told so by the close
+                    if kept is None:  # closed meanwhile (here, or by another daemon of a fleet), not pruned
                         if sub.last_seq == since:
                             raise _no_such(name)
+                        if sub.active:  # a close here has told it already
+                            self.fanout.end_one(sub, "closed")
                         return sub
                     gap = kept.snapshot_seq + 1
                 for row, actions in zip(rows, answers or (), strict=False):
