@@ -48,7 +48,7 @@ const trailer_len = 4;
 /// (slicing-by-8): the std one reads a byte at a time, and a wake or a
 /// restart checks a whole snapshot, megabytes for a long session.
 pub fn crc32(bytes: []const u8) u32 {
-    const t = crc_tables;
+    const t = crcTables();
     var c: u32 = 0xffff_ffff;
     var i: usize = 0;
     while (bytes.len - i >= 8) : (i += 8) {
@@ -61,19 +61,25 @@ pub fn crc32(bytes: []const u8) u32 {
     return ~c;
 }
 
-const crc_tables: [8][256]u32 = blk: {
-    @setEvalBranchQuota(100_000);
-    var t: [8][256]u32 = undefined;
+/// Filled on first use, not stored in the module: as data, its 8 KiB would be
+/// copied into every instance's memory when it starts, snapshot or not.
+var crc_tables: [8][256]u32 = std.mem.zeroes([8][256]u32);
+var crc_tables_filled = false;
+
+fn crcTables() *const [8][256]u32 {
+    if (crc_tables_filled) return &crc_tables;
+    const t = &crc_tables;
     for (0..256) |n| {
-        var c: u32 = n;
+        var c: u32 = @intCast(n);
         for (0..8) |_| c = if (c & 1 != 0) 0xedb8_8320 ^ (c >> 1) else c >> 1;
         t[0][n] = c;
     }
     for (0..256) |n| {
         for (1..8) |k| t[k][n] = t[0][t[k - 1][n] & 0xff] ^ (t[k - 1][n] >> 8);
     }
-    break :blk t;
-};
+    crc_tables_filled = true;
+    return t;
+}
 
 // ---------------------------------------------------------------- encoding
 
