@@ -28,7 +28,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m devd.bench core
+	$(PY) -m benchmarks.bench core
 
 # The TypeScript client's types, generated from the daemon's; tests/test_typescript.py and .ci/run fail when the
 # checked-in file is not what this prints. (`make test` installs the client's npm packages itself, with `npm ci`.)

@@ -2,9 +2,9 @@
 
 What they promise:
 
-- Every method of the daemon's method table (`devd.methods.METHODS`) has a typed method on both clients
+- Every method of the daemon's method table (`devd.server.methods.METHODS`) has a typed method on both clients
   (`METHOD_NAMES` maps one to the other): keyword arguments in, with messages as Structs (`Event`, `Config`), and
-  Structs out. A method answers its result Struct from `devd.methods` (`ListResult`, `StatusResult`, ...), or the
+  Structs out. A method answers its result Struct from `devd.server.methods` (`ListResult`, `StatusResult`, ...), or the
   one member that is all the result holds (a session's name, a snapshot, a list of `Action`s), or None for `{}`.
   `request(method, params)` takes any method's params Struct and answers its result Struct.
 - `step()` answers the actions; `step_answer()` answers a `StepAnswer`, which keeps `replayed` (a keyed step that
@@ -37,9 +37,9 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
 from devd.config import default_socket_path, parse_tcp
-from devd.listeners import peer_uid
 from devd.messages import Action, Config, Event, Message, decode_actions, decode_messages, encode
-from devd.methods import (
+from devd.server.listeners import peer_uid
+from devd.server.methods import (
     METHODS,
     BackupParams,
     BackupResult,
@@ -63,8 +63,8 @@ from devd.methods import (
     TranscriptResult,
     WatchParams,
 )
-from devd.methods import Client as ClientInfo
-from devd.rpc import UnwatchedNotice
+from devd.server.methods import Client as ClientInfo
+from devd.server.rpc import UnwatchedNotice
 
 
 def _classes_by_kind() -> dict[str, type[errors.DevdError]]:

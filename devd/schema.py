@@ -52,8 +52,9 @@ from typing import Any
 
 import msgspec
 
-from devd import __version__, errors, messages, rpc
-from devd.methods import METHODS
+from devd import __version__, errors, messages
+from devd.server import rpc
+from devd.server.methods import METHODS
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 OPENRPC = "1.3.2"
@@ -71,7 +72,7 @@ _RAW_MEMBERS: dict[tuple[str, str], dict[str, Any]] = {
     ("StepNotice", "actions"): _ACTIONS,
 }
 
-# Descriptions of the types whose Struct has no docstring (devd/rpc.py's envelope types).
+# Descriptions of the types whose Struct has no docstring (devd/server/rpc.py's envelope types).
 _DESCRIPTIONS = {
     "Error": "The `error` member of an error reply: the JSON-RPC `code`, a `message` for people that says what to do "
     "next, and `data.kind`, the kind to branch on.",

@@ -1,4 +1,5 @@
-"""A real PostgreSQL for the tests: one cluster per test session (`devd.pg_local`, on a free loopback port, stopped
+"""A real PostgreSQL for the tests: one cluster per test session (`benchmarks.pg_local`, on a free loopback port,
+stopped
 and removed at the end), and a fresh database for each test that asks for one.
 
 `fsync` stays on (durability is what the store tests), with small buffers. Missing binaries fail every test that
@@ -13,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from devd import pg_local
-from devd.pg_local import Cluster
+from benchmarks import pg_local
+from benchmarks.pg_local import Cluster
 
 __all__ = ["Cluster", "postgres", "postgres_url"]
 

@@ -1,9 +1,10 @@
-"""`python -m devd.bench fleet` kept tiny, on the real PostgreSQL the bench starts itself: the shape of its answer,
+"""`python -m benchmarks.bench fleet` kept tiny, on the real PostgreSQL the bench starts itself: the shape of its
+answer,
 never its timings."""
 
 from __future__ import annotations
 
-from devd.bench_fleet import bench_fleet, report
+from benchmarks.bench_fleet import bench_fleet, report
 
 ROW_KEYS = {
     "steps_per_s",

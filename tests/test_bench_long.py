@@ -1,8 +1,8 @@
-"""`python -m devd.bench long` against the real daemon, kept tiny: the shape of its answer, never its timings."""
+"""`python -m benchmarks.bench long` against the real daemon, kept tiny: the shape of its answer, never its timings."""
 
 from __future__ import annotations
 
-from devd.bench_long import bench_long
+from benchmarks.bench_long import bench_long
 
 
 def test_long_gives_a_row_per_window_then_the_restart() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from devd import errors, rpc
+from devd import errors
 from devd.client import (
     METHOD_NAMES,
     NOTICES,
@@ -22,7 +22,8 @@ from devd.client import (
 )
 from devd.config import default_socket_path
 from devd.messages import Action, Config, Event, answer, ask, turn
-from devd.methods import METHODS, InitializeResult, Limits, Server, StatusResult
+from devd.server import rpc
+from devd.server.methods import METHODS, InitializeResult, Limits, Server, StatusResult
 from tests.daemon import Daemon
 from tests.test_host import FIX, finish, user
 

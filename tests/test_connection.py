@@ -1,4 +1,4 @@
-"""A connection's rules (devd.connection), pure: bytes and times in, Line/Send/Close out (no sockets)."""
+"""A connection's rules (devd.server.connection), pure: bytes and times in, Line/Send/Close out (no sockets)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from devd.config import Settings
-from devd.connection import Close, Event, Line, Rules, Send
+from devd.server.connection import Close, Event, Line, Rules, Send
 
 TOKEN = "sekrit"
 SETTINGS = Settings(

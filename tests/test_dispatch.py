@@ -1,4 +1,5 @@
-"""Request lines in, reply lines out (devd.dispatch): the dispatcher as the daemon builds it, with no connection."""
+"""Request lines in, reply lines out (devd.server.dispatch): the dispatcher as the daemon builds it, with no
+connection."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from structlog.testing import capture_logs
 
 from devd import __version__
 from devd.config import Settings
-from devd.daemon import build
-from devd.dispatch import Dispatcher
 from devd.host import Core
-from devd.memory_store import MemoryStore
-from devd.methods import METHODS, Call, Empty, Method, Peer, SessionParams
+from devd.server.daemon import build
+from devd.server.dispatch import Dispatcher
+from devd.server.methods import METHODS, Call, Empty, Method, Peer, SessionParams
+from devd.storage.memory import MemoryStore
 from tests.test_registry import Sink
 
 PEER = Peer("unix", Sink())

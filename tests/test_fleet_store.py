@@ -1,4 +1,5 @@
-"""devd.pg_store's fleet: several nodes (PostgresStore instances) on one real PostgreSQL database. Ownership, leases,
+"""devd.storage.postgres's fleet: several nodes (PostgresStore instances) on one real PostgreSQL database. Ownership,
+leases,
 fencing, drain, retries on serialization failures, migrations."""
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import psycopg
 import pytest
 
 from devd.config import Settings
-from devd.daemon import build
 from devd.errors import MovedError, NullError, StoreError
 from devd.host import Core
 from devd.messages import encode, turn
-from devd.pg_store import MIGRATIONS, Owner, PostgresStore
-from devd.store import Health, Step, Stored
+from devd.server.daemon import build
+from devd.storage.postgres import MIGRATIONS, Owner, PostgresStore
+from devd.storage.store import Health, Step, Stored
 from tests import postgres as pg
 from tests.test_store import CONFIG, row, running, step
 

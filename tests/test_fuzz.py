@@ -31,8 +31,6 @@ from msgspec import Raw
 
 from devd import errors
 from devd.config import Settings
-from devd.connection import Event as ConnectionEvent
-from devd.connection import Rules
 from devd.errors import InvalidParamsError, MalformedError, MethodNotFoundError, NullError
 from devd.host import Core, Instance
 from devd.messages import (
@@ -50,8 +48,19 @@ from devd.messages import (
     encode,
     turn,
 )
-from devd.methods import METHODS, SEQ_MAX, resolve
-from devd.rpc import TOO_LONG, LineFramer, Request, RequestError, TooLong, decode_request, error_response, response
+from devd.server.connection import Event as ConnectionEvent
+from devd.server.connection import Rules
+from devd.server.methods import METHODS, SEQ_MAX, resolve
+from devd.server.rpc import (
+    TOO_LONG,
+    LineFramer,
+    Request,
+    RequestError,
+    TooLong,
+    decode_request,
+    error_response,
+    response,
+)
 
 # -- profiles -------------------------------------------------------------------------------------------------------
 

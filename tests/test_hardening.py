@@ -17,7 +17,7 @@ import pytest
 
 from devd import errors
 from devd.client import Client
-from devd.listeners import TOKEN_CHARS_MIN
+from devd.server.listeners import TOKEN_CHARS_MIN
 from tests.daemon import Daemon, free_port
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="making files of another uid needs root (CI runs as root)")

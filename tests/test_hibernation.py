@@ -14,11 +14,11 @@ import pytest
 from devd import errors
 from devd.client import Client
 from devd.config import Settings
-from devd.daemon import build
 from devd.host import Core
 from devd.messages import Call, Event, Exec, Output, answer, encode, turn
-from devd.registry import Registry
-from devd.sqlite_store import SQLiteStore
+from devd.server.daemon import build
+from devd.sessions.registry import Registry
+from devd.storage.sqlite import SQLiteStore
 from tests.daemon import Daemon, log_events
 
 

@@ -1,4 +1,5 @@
-"""devd.metrics: daemon/status in the exact Prometheus text format; one HTTP exchange as bytes in and bytes out, with
+"""devd.server.metrics: daemon/status in the exact Prometheus text format; one HTTP exchange as bytes in and bytes
+out, with
 no socket; the listener's bounds in process (a head that never arrives whole, a flood of connections); and
 `devd serve --metrics` against the real daemon, scraped with urllib, beside its JSON-RPC socket."""
 
@@ -19,10 +20,11 @@ import pytest
 from anyio.abc import ByteStream
 from structlog.testing import capture_logs
 
-from devd import cli, metrics
+from devd import cli
 from devd.config import Settings
 from devd.messages import answer, turn
-from devd.metrics import CONTENT_TYPE, prometheus
+from devd.server import metrics
+from devd.server.metrics import CONTENT_TYPE, prometheus
 from tests.daemon import Daemon, free_port
 
 

@@ -1,4 +1,5 @@
-"""The session registry (devd.registry) in process, wired as the daemon wires it, over every store and the real core."""
+"""The session registry (devd.sessions.registry) in process, wired as the daemon wires it, over every store and the
+real core."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import anyio
 import msgspec
 import pytest
 
-from devd.bench import _seed_turn
+from benchmarks.bench import _seed_turn
 from devd.config import Settings
-from devd.daemon import build
 from devd.errors import (
     BusyError,
     ConflictError,
@@ -28,14 +28,15 @@ from devd.errors import (
     StoreError,
 )
 from devd.host import Core
-from devd.memory_store import MemoryStore
 from devd.messages import Call, Event, Exec, Output, answer, encode, turn
-from devd.registry import STEP_BYTES, Registry, snapshot_due
-from devd.rpc import encode_notice
-from devd.sqlite_store import SQLiteStore
-from devd.state import State
-from devd.store import Health, Store, Stored
-from devd.watchers import Stepped
+from devd.server.daemon import build
+from devd.server.rpc import encode_notice
+from devd.sessions.registry import STEP_BYTES, Registry, snapshot_due
+from devd.sessions.state import State
+from devd.sessions.watchers import Stepped
+from devd.storage.memory import MemoryStore
+from devd.storage.sqlite import SQLiteStore
+from devd.storage.store import Health, Store, Stored
 from tests import modules
 from tests.test_store import running
 
@@ -106,7 +107,7 @@ def open_store(kind: str, tmp_path: Path, settings: Settings) -> Store:
 
 @asynccontextmanager
 async def opened(kind: str, tmp_path: Path, core: Core, **limits: Any) -> AsyncIterator[Registry]:
-    """A registry as `devd.daemon.build` wires it, over a running store of that kind in tmp_path."""
+    """A registry as `devd.server.daemon.build` wires it, over a running store of that kind in tmp_path."""
     settings = Settings(state_dir=tmp_path, socket_path=None, **limits)
     async with running(open_store(kind, tmp_path, settings)) as store:
         registry, _ = build(settings, core, store)

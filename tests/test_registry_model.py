@@ -1,6 +1,7 @@
 """A model-based stateful test of the session registry (shared/RELIABILITY.md, R5).
 
-A hypothesis `RuleBasedStateMachine` drives a real `Registry` (wired by `devd.daemon.build`, `max_live` 3 so sessions
+A hypothesis `RuleBasedStateMachine` drives a real `Registry` (wired by `devd.server.daemon.build`, `max_live` 3 so
+sessions
 hibernate) over a real `SQLiteStore` in a directory of its own, on the real packaged core, with the store's `run()`
 going on an asyncio loop in a blocking portal. Beside it runs a reference model written here: for each session its
 origin (a config or a snapshot), the events it answered, their answers and its keys, and an `Instance` of its own on
@@ -54,7 +55,6 @@ from hypothesis.stateful import (
 )
 
 from devd.config import Settings
-from devd.daemon import build
 from devd.errors import (
     ConflictError,
     DeadlineError,
@@ -65,7 +65,6 @@ from devd.errors import (
     MalformedError,
 )
 from devd.host import Core, Instance
-from devd.memory_store import MemoryStore
 from devd.messages import (
     Call,
     Cancel,
@@ -78,10 +77,12 @@ from devd.messages import (
     encode,
     turn,
 )
-from devd.registry import Info, Registry, kept_answer
-from devd.sqlite_store import SQLiteStore
-from devd.state import State
-from devd.store import Health, Row, Store, answer_digest
+from devd.server.daemon import build
+from devd.sessions.registry import Info, Registry, kept_answer
+from devd.sessions.state import State
+from devd.storage.memory import MemoryStore
+from devd.storage.sqlite import SQLiteStore
+from devd.storage.store import Health, Row, Store, answer_digest
 from tests.test_store import running
 
 T = TypeVar("T")

@@ -12,9 +12,9 @@ import pytest
 from devd import errors, failpoints
 from devd.host import Core
 from devd.messages import encode, turn
-from devd.registry import Registry
-from devd.state import State
-from devd.store import Step
+from devd.sessions.registry import Registry
+from devd.sessions.state import State
+from devd.storage.store import Step
 from tests import modules
 from tests.test_registry import Sink, opened
 

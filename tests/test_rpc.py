@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from devd import errors
-from devd.methods import METHODS, StepParams, StepResult, resolve
-from devd.rpc import TOO_LONG, LineFramer, RequestError, decode_request, error_response, response
+from devd.server.methods import METHODS, StepParams, StepResult, resolve
+from devd.server.rpc import TOO_LONG, LineFramer, RequestError, decode_request, error_response, response
 
 
 def decode_params(request: object) -> object:

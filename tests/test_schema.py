@@ -19,7 +19,6 @@ import pytest
 from devd import errors, messages
 from devd.client import Client, Reply
 from devd.messages import Call, Exec, Output, Read, answer, turn
-from devd.methods import METHODS
 from devd.schema import (
     ERROR_EXAMPLE,
     EXCHANGES,
@@ -31,6 +30,7 @@ from devd.schema import (
     schema_json,
     typescript,
 )
+from devd.server.methods import METHODS
 from tests.daemon import ROOT, daemon_env, devd, stop, wait_connectable
 from tests.test_docs import DOC, transcripts
 

@@ -1,4 +1,4 @@
-"""SQLite keeps a large snapshot in a file of its own (devd.sqlite_store), written after its step is acknowledged and
+"""SQLite keeps a large snapshot in a file of its own (devd.storage.sqlite), written after its step is acknowledged and
 pointed at by a commit of its own; the files go when no row names them, and a backup carries them inline."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 from devd import failpoints
 from devd.errors import StoreError
-from devd.sqlite_store import FILE_SNAPSHOT_BYTES
-from devd.store import Health, Stored
+from devd.storage.sqlite import FILE_SNAPSHOT_BYTES
+from devd.storage.store import Health, Stored
 from tests.test_store import CONFIG, append_all, row, running, sqlite_at, step
 
 

@@ -1,11 +1,11 @@
-"""The session lifecycle table (devd.state), walked pair by pair."""
+"""The session lifecycle table (devd.sessions.state), walked pair by pair."""
 
 from __future__ import annotations
 
 import pytest
 
 from devd.errors import InternalError
-from devd.state import CALLABLE, TRANSITIONS, Input, State, next_state
+from devd.sessions.state import CALLABLE, TRANSITIONS, Input, State, next_state
 
 S, In = State, Input
 

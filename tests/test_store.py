@@ -1,4 +1,4 @@
-"""The store contract (devd.store), checked against every implementation: SQLite, memory and PostgreSQL alike (a
+"""The store contract (devd.storage.store), checked against every implementation: SQLite, memory and PostgreSQL alike (a
 real PostgreSQL, started by tests/postgres.py)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import anyio
 import pytest
 
 from devd.errors import StoreError
-from devd.memory_store import MemoryStore
-from devd.pg_store import PostgresStore
-from devd.sqlite_store import SQLiteStore
-from devd.store import Health, Keyed, Row, Step, Store, Stored
+from devd.storage.memory import MemoryStore
+from devd.storage.postgres import PostgresStore
+from devd.storage.sqlite import SQLiteStore
+from devd.storage.store import Health, Keyed, Row, Step, Store, Stored
 from tests import postgres as pg
 
 postgres, postgres_url = pg.postgres, pg.postgres_url  # the fixtures, for the tests of kind "postgres"

@@ -16,9 +16,9 @@ import pytest
 
 from devd.host import Core
 from devd.messages import answer, decode_actions, encode, turn
-from devd.registry import digest
-from devd.sqlite_store import FILE_SNAPSHOT_BYTES, MIGRATIONS
-from devd.store import Health, Step, Stored
+from devd.sessions.registry import digest
+from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, MIGRATIONS
+from devd.storage.store import Health, Step, Stored
 from tests.daemon import Daemon
 from tests.test_store import running, sqlite_at
 

@@ -36,7 +36,7 @@ after(async () => {
 
 const QUICK: Retry = { attempts: 4, firstDelayMs: 1, maxDelayMs: 2000 };
 
-// The seed's turn (devd/bench.py, `_seed_turn`): a prompt, an answer with two calls, their results, a text answer.
+// The seed's turn (benchmarks/bench.py, `_seed_turn`): a prompt, an answer with two calls, their results, a text answer.
 const BUILD = { Exec: { argv: ["cargo", "build"] } } satisfies Call;
 const LIB = { Read: { path: "src/lib.rs" } } satisfies Call;
 const PROMPT = "fix the build";

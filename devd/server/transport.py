@@ -29,14 +29,14 @@ from typing import Any, cast
 import structlog
 
 from devd.config import Settings
-from devd.connection import Close, Line, Rules, Send
-from devd.dispatch import Dispatcher
 from devd.errors import FullError
-from devd.listeners import peer_uid
-from devd.methods import Peer
-from devd.rpc import error_response
+from devd.server.connection import Close, Line, Rules, Send
+from devd.server.dispatch import Dispatcher
+from devd.server.listeners import peer_uid
+from devd.server.methods import Peer
+from devd.server.rpc import error_response
 
-log = structlog.get_logger("devd.transport")
+log = structlog.get_logger("devd.server.transport")
 
 
 @dataclass
@@ -45,7 +45,8 @@ class Hub:
 
     A call's task is a bare asyncio task, held here until it ends and waited for by `drain`: it is a task group
     without per-task cancel scopes. anyio's `start_soon` cost three times what the rest of a request does (measured
-    with py-spy on `python -m devd.bench _echo`), and a call is never cancelled anyway (see `devd.dispatch`).
+    with py-spy on `python -m benchmarks.bench _echo`), and a call is never cancelled anyway (see
+    `devd.server.dispatch`).
     """
 
     settings: Settings

@@ -1,6 +1,7 @@
 """Every JSON-RPC method of the daemon, each registered once: its params, its result, its handler and its doc.
 
-Dispatch (`devd.dispatch`), `devd schema` and the client are derived from `METHODS`; adding a method is adding one
+Dispatch (`devd.server.dispatch`), `devd schema` and the client are derived from `METHODS`; adding a method is adding
+one
 `@method` here. Params refuse unknown members and state their constraints as msgspec `Meta`, so the schema shows
 them; what a type cannot state (a key's length in bytes) is checked by `check`. Handlers take a `Call` (the daemon's
 services and the calling connection) and return a result Struct; they raise `devd.errors` classes, which the
@@ -25,14 +26,14 @@ from devd import ABI, __version__
 from devd.config import Settings
 from devd.errors import ExistsError, InvalidParamsError, MethodNotFoundError, NullError
 from devd.messages import Config, encode
-from devd.registry import Registry
-from devd.rpc import Request
-from devd.store import Store
-from devd.watchers import Sink, Subscription
+from devd.server.rpc import Request
+from devd.sessions.registry import Registry
+from devd.sessions.watchers import Sink, Subscription
+from devd.storage.store import Store
 
 # Logged at info: the daemon's own acts (a backup) and a session's lifecycle (new, restored, forked, recovered,
 # closed), one line each; never a step, whose path stays free of log calls.
-log = structlog.get_logger("devd.methods")
+log = structlog.get_logger("devd.server.methods")
 
 SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
 KEY_BYTES_MAX = 256

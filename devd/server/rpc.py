@@ -15,7 +15,7 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from devd.errors import DevdError, InvalidRequestError, MovedError, ParseError, TooLargeError
-from devd.watchers import Notice, Stepped
+from devd.sessions.watchers import Notice, Stepped
 
 Id = int | str | None
 

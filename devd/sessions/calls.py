@@ -22,7 +22,7 @@ import anyio.to_thread
 
 from devd.errors import DeadlineError, HandleError
 from devd.host import Core, Instance
-from devd.store import Row, Stored, answer_digest
+from devd.storage.store import Row, Stored, answer_digest
 
 T = TypeVar("T")
 _SAVE = b'{"Save":true}'  # the core writes compact JSON, so this cannot occur inside a string

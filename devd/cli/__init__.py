@@ -28,25 +28,26 @@ from urllib.parse import quote
 
 import msgspec
 
-from devd import __version__, log, systemd
+from devd import __version__, log
 from devd.config import Settings, default, default_socket_path, default_state_dir, parse_duration, parse_size, parse_tcp
 from devd.errors import DevdError, HandleError
-from devd.metrics import prometheus
+from devd.server import systemd
+from devd.server.metrics import prometheus
 
 if TYPE_CHECKING:
     from devd.client import Client
     from devd.messages import Action
-    from devd.store import Fleet, Store
+    from devd.storage.store import Fleet, Store
 
 
 def _serve(args: argparse.Namespace) -> int:
     import anyio
     import structlog
 
-    from devd.daemon import Daemon, build
     from devd.errors import StoreError
     from devd.host import Core
-    from devd.listeners import (
+    from devd.server.daemon import Daemon, build
+    from devd.server.listeners import (
         StartupError,
         bind_tcp,
         bind_unix,
@@ -55,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         read_token,
         unlink_socket,
     )
-    from devd.metrics import bind as bind_metrics
+    from devd.server.metrics import bind as bind_metrics
 
     os.umask(0o077)  # state files, the token and the socket: this user's alone
     # A fault SQLite's shared-memory mapping can raise (SIGBUS on a failed write or a read-only remount) kills the
@@ -158,7 +159,7 @@ def _open_store(
     """The store --store names (default: the state directory's SQLite file), and the fleet when it is shared."""
     spec = args.store or f"sqlite:{settings.state_dir / 'devd.sqlite3'}"
     if spec.startswith(_POSTGRES):
-        from devd.pg_store import PostgresStore
+        from devd.storage.postgres import PostgresStore
 
         store = PostgresStore(
             spec,
@@ -170,7 +171,7 @@ def _open_store(
             lease_ttl_s=args.lease_ttl,
         )
         return store, store
-    from devd.sqlite_store import SQLiteStore
+    from devd.storage.sqlite import SQLiteStore
 
     return SQLiteStore(
         Path(spec.removeprefix("sqlite:")),
@@ -822,7 +823,7 @@ def quick_check(db: Path) -> Check:
     """`PRAGMA quick_check` and the format version, read only: nothing in the file or its log is changed."""
     import sqlite3
 
-    from devd.sqlite_store import MIGRATIONS, SNAPSHOTS_DIR
+    from devd.storage.sqlite import MIGRATIONS, SNAPSHOTS_DIR
 
     shm = Path(f"{db}-shm")
     had_shm = shm.exists()

@@ -20,10 +20,10 @@ from typing import Any
 import structlog
 
 from devd.errors import BusyError, DevdError, InternalError
-from devd.methods import App, Call, Method, Peer, resolve
-from devd.rpc import Request, RequestError, decode_request, error_response, response
+from devd.server.methods import App, Call, Method, Peer, resolve
+from devd.server.rpc import Request, RequestError, decode_request, error_response, response
 
-log = structlog.get_logger("devd.dispatch")
+log = structlog.get_logger("devd.server.dispatch")
 
 
 class Dispatcher:

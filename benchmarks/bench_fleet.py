@@ -1,11 +1,11 @@
-"""`python -m devd.bench fleet`: daemons sharing one PostgreSQL, against the SQLite daemon in the same run.
+"""`python -m benchmarks.bench fleet`: daemons sharing one PostgreSQL, against the SQLite daemon in the same run.
 
 Two questions from the fleet issue (docs/fleet.md): do two daemons on one database serve more durable steps per
 second than one, and how long does a session take to move from one daemon to another?
 
 **Throughput.** The bench starts a PostgreSQL 15 cluster of its own (initdb and pg_ctl in a temporary directory, on a
 free loopback port, `fsync` and `synchronous_commit` on, as the `postgres` user when run as root; stopped and removed
-at the end, whatever happens). Three setups, each under the daemon bench's load generator (`devd.bench._load`: 16
+at the end, whatever happens). Three setups, each under the daemon bench's load generator (`benchmarks.bench._load`: 16
 clients, one request in flight each, conversations of 20 seed turns then a new session, every answer durable), in
 two generator processes of 8 clients for every setup, so that the rows differ only in their servers:
 
@@ -30,7 +30,7 @@ then steps and commits it. Each is paired with the same step on one of `b`'s own
 baseline: a step and its commit alone), sent next, so that the two alternate. Reported: the move step's p50 and p99,
 the baseline's, and the median of the pairwise differences (what the move itself costs).
 
-PostgreSQL is started by `devd.pg_local`, as the tests start theirs.
+PostgreSQL is started by `benchmarks.pg_local`, as the tests start theirs.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from typing import Any
 
 import msgspec
 
-from devd import pg_local
-from devd.bench import (
+from benchmarks import pg_local
+from benchmarks.bench import (
     TURNS_PER_SESSION,
     _conversation,
     _loop_name,
@@ -64,9 +64,9 @@ from devd.bench import (
     _wait_socket,
     _write_stdout,
 )
+from benchmarks.pg_local import Cluster
 from devd.client import Client
 from devd.errors import DevdError
-from devd.pg_local import Cluster
 
 CLIENTS = 16
 GENERATORS = 2  # in every setup: fleet-2 needs one per daemon, and the other rows get the same

@@ -1,14 +1,17 @@
 """Benchmarks, each against a baseline measured in the same run (machines here are noisy: trust the ratios).
 
-python -m devd.bench core      # devd's step vs the naive ABI dance, session creation, RSS per idle session
-python -m devd.bench daemon    # N clients in another process: devd vs devd's dispatch with stub handlers vs a floor
+python -m benchmarks.bench core      # devd's step vs the naive ABI dance, session creation, RSS per idle session
+python -m benchmarks.bench daemon    # N clients in another process: devd vs devd's dispatch with stub handlers vs a
+floor
                                # (a minimal anyio echo), each server its own process, rounds alternated
-python -m devd.bench soak --minutes N  # the daemon for N minutes under mixed clients and watchers, restarted every
+python -m benchmarks.bench soak --minutes N  # the daemon for N minutes under mixed clients and watchers, restarted
+every
                                        # minute (SIGTERM, SIGKILL by turns): its resources' curve and lost answers
-python -m devd.bench long      # one session's cost as it grows, turn after turn, and after a restart; or one turn of
-                               # many tool calls (--big-turn N); in devd/bench_long.py
-python -m devd.bench fleet     # one and two daemons on one PostgreSQL vs the SQLite daemon, and a session's move
-                               # between daemons; in devd/bench_fleet.py
+python -m benchmarks.bench long      # one session's cost as it grows, turn after turn, and after a restart; or one
+turn of
+                               # many tool calls (--big-turn N); in benchmarks/bench_long.py
+python -m benchmarks.bench fleet     # one and two daemons on one PostgreSQL vs the SQLite daemon, and a session's move
+                               # between daemons; in benchmarks/bench_fleet.py
 """
 
 from __future__ import annotations
@@ -175,10 +178,10 @@ def _echo_server(socket_path: str) -> None:
 
     from devd import log
     from devd.config import Settings
-    from devd.daemon import Daemon, build
-    from devd.listeners import bind_unix
-    from devd.memory_store import MemoryStore
-    from devd.methods import METHODS, Call, NewParams, SessionResult, StepParams, StepResult  # noqa: F401
+    from devd.server.daemon import Daemon, build
+    from devd.server.listeners import bind_unix
+    from devd.server.methods import METHODS, Call, NewParams, SessionResult, StepParams, StepResult  # noqa: F401
+    from devd.storage.memory import MemoryStore
 
     async def new(call: Call, params: NewParams) -> SessionResult:
         return SessionResult(params.session or "echo")
@@ -506,7 +509,7 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
     start_at = time.monotonic() + WARMUP_S
     procs, first = [], 0
     for address, clients in targets:
-        argv = [sys.executable, "-m", "devd.bench", "_load", address, "--clients", str(clients)]
+        argv = [sys.executable, "-m", "benchmarks.bench", "_load", address, "--clients", str(clients)]
         argv += ["--first-client", str(first), "--seconds", str(seconds), "--start-at", repr(start_at)]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         first += clients
@@ -574,9 +577,9 @@ SERVERS = ("anyio-echo", "dispatch", "devd", "devd-1-client")
 
 def _server_argv(name: str, sock: Path, state: Path) -> list[str]:
     if name == "anyio-echo":
-        return [sys.executable, "-m", "devd.bench", "_anyio_echo", str(sock)]
+        return [sys.executable, "-m", "benchmarks.bench", "_anyio_echo", str(sock)]
     if name == "dispatch":
-        return [sys.executable, "-m", "devd.bench", "_echo", str(sock)]
+        return [sys.executable, "-m", "benchmarks.bench", "_echo", str(sock)]
     argv = [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)]
     return argv + ["--log-level", "warning"]
 
@@ -703,7 +706,7 @@ SOAK_WATCHER_KINDS = ("since", "slow", "never", "live")
 # The plateau rule, per metric: PASS if the mean of the last third of the samples is at most the mean of the middle
 # third times (1 + relative) plus the absolute slack. The first third is left out: it holds the warm-up.
 SOAK_PLATEAU = {"rss_mib": (0.10, 4.0), "fds": (0.10, 4.0), "threads": (0.10, 2.0)}
-_SOAK_LOAD_ENTRY = "import sys; from devd.bench import _soak_load_main; sys.exit(_soak_load_main(sys.argv[1]))"
+_SOAK_LOAD_ENTRY = "import sys; from benchmarks.bench import _soak_load_main; sys.exit(_soak_load_main(sys.argv[1]))"
 
 
 class SoakLoadConfig(msgspec.Struct):
@@ -1602,9 +1605,10 @@ def _soak_log_reason(entry: dict[str, Any]) -> str:
 
 def _soak_freeze(code: Path, git_rev: str | None) -> str:
     """Copy the package the daemon and the load run from, and say what it is. The working tree by default; with
-    `git_rev`, that commit's devd/ (plus core.wasm, which git does not track, and this bench.py for the load)."""
+    `git_rev`, that commit's devd/ (plus core.wasm, which git does not track, and these benchmarks for the load)."""
     here = Path(__file__).parent
     repo = here.parent
+    package = repo / "devd"
 
     def git(*argv: str) -> bytes:
         return subprocess.run(["git", "-C", str(repo), *argv], capture_output=True, check=True).stdout
@@ -1613,21 +1617,20 @@ def _soak_freeze(code: Path, git_rev: str | None) -> str:
         head = git("rev-parse", "--short", "HEAD").decode().strip()
     except (OSError, subprocess.CalledProcessError):
         head = "?"
+    shutil.copytree(here, code / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
     if git_rev is None:
-        shutil.copytree(here, code / "devd", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(package, code / "devd", ignore=shutil.ignore_patterns("__pycache__"))
         try:
-            changed = git("status", "--short", "--", str(here)).decode().split("\n")
+            changed = git("status", "--short", "--", str(package)).decode().split("\n")
         except (OSError, subprocess.CalledProcessError):
             changed = []
         changed = [c.strip() for c in changed if c.strip()]
         return f"working tree at {head}" + (f", uncommitted: {', '.join(changed)}" if changed else "")
-    code.mkdir(parents=True)
     with tarfile.open(fileobj=io.BytesIO(git("archive", git_rev, "devd"))) as tar:
         tar.extractall(code, filter="data")
-    shutil.copy2(here / "core.wasm", code / "devd" / "core.wasm")
-    shutil.copy2(here / "bench.py", code / "devd" / "bench.py")
+    shutil.copy2(package / "core.wasm", code / "devd" / "core.wasm")
     rev = git("rev-parse", "--short", git_rev).decode().strip()
-    return f"git {rev} (devd/ as committed; core.wasm and bench.py from the working tree)"
+    return f"git {rev} (devd/ as committed; core.wasm and the benchmarks from the working tree)"
 
 
 def bench_soak(
@@ -1966,7 +1969,7 @@ def bench_many(sessions: int, clients: int, max_live: int, wakes: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m devd.bench")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench")
     sub = p.add_subparsers(dest="what", required=True)
     core = sub.add_parser("core")
     core.add_argument("--rounds", type=int, default=300)
@@ -2004,7 +2007,7 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--json", help="write the samples, restarts, counts and verdicts here")
     soak.add_argument("--keep", action="store_true", help="keep the state, logs and code copy (kept on anomalies)")
     soak.add_argument("--git-rev", help="run the daemon from this commit's devd/ rather than the working tree")
-    from devd import bench_fleet, bench_long  # here, not at the top: they import this module's helpers
+    from benchmarks import bench_fleet, bench_long  # here, not at the top: they import this module's helpers
 
     bench_long.add_arguments(sub.add_parser("long", help="one session's cost as it grows; exit 1 on error answers"))
     bench_fleet.add_arguments(sub.add_parser("fleet", help="daemons on one PostgreSQL; exit 1 when a setup failed"))

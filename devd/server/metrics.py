@@ -30,9 +30,9 @@ import structlog
 from anyio.abc import TaskStatus
 
 from devd.config import Settings
-from devd.listeners import listen_tcp
+from devd.server.listeners import listen_tcp
 
-log = structlog.get_logger("devd.metrics")
+log = structlog.get_logger("devd.server.metrics")
 
 PATH = b"/metrics"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the text exposition format, as Prometheus asks for it

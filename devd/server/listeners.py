@@ -21,7 +21,7 @@ import structlog
 
 from devd.files import write_atomically
 
-log = structlog.get_logger("devd.listeners")
+log = structlog.get_logger("devd.server.listeners")
 
 
 class StartupError(Exception):

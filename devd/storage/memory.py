@@ -1,4 +1,4 @@
-"""A store held in memory, for tests and benchmarks: the `devd.store.Store` contract without a disk.
+"""A store held in memory, for tests and benchmarks: the `devd.storage.store.Store` contract without a disk.
 
 "Durable" here means "visible to every later read of this object"; nothing survives the process. It keeps all
 history (it never prunes) and counts each write as one commit.
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from devd.errors import NullError
-from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.storage.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 
 @dataclass

@@ -67,7 +67,7 @@ class Step:
     event: bytes
     actions: bytes | None  # None: not kept, derived again from the events when asked for
     key: str | None = None
-    digest: bytes | None = None  # of the event, for keys: see `devd.registry.digest`
+    digest: bytes | None = None  # of the event, for keys: see `devd.sessions.registry.digest`
     snapshot: bytes | None = None  # the core's state after this step, when one was taken
     answer: bytes | None = None  # `answer_digest(actions)`; always set when the actions are not kept
 
@@ -182,7 +182,8 @@ class Store(Protocol):
 
 
 class Fleet(Protocol):
-    """What a store shared by several daemons adds (devd.pg_store): which one of them steps each session. Its writes
+    """What a store shared by several daemons adds (devd.storage.postgres): which one of them steps each session. Its
+    writes
     are fenced: one for a session another daemon took over fails with MovedError, never commits."""
 
     node: str  # this daemon's name in the fleet

@@ -43,9 +43,9 @@ import anyio.to_thread
 import structlog
 
 from devd import failpoints, files
-from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.storage.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
-log = structlog.get_logger("devd.store")
+log = structlog.get_logger("devd.storage.store")
 
 ROWS_PER_STATEMENT = 500  # 9 variables a row, well under SQLite's 32,766
 WAL_BYTES_KEPT = 16 << 20  # the log is cut back to this after a checkpoint, so a burst does not keep its size
@@ -165,7 +165,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     # Exclusive before anything reads the file: the WAL index then lives in this process's heap, not in a mapped
     # `-shm` file whose failed write would kill the process with SIGBUS. Only this connection may use the file, which
-    # the state directory's lock (devd.listeners.lock_state_dir) makes true anyway.
+    # the state directory's lock (devd.server.listeners.lock_state_dir) makes true anyway.
     db.execute("PRAGMA locking_mode=EXCLUSIVE")
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
@@ -175,7 +175,7 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 class SQLiteStore:
-    """The SQLite file of one daemon (see `devd.store.Store` for the contract)."""
+    """The SQLite file of one daemon (see `devd.storage.store.Store` for the contract)."""
 
     def __init__(self, path: Path, *, keys_kept: int, steps_kept: int, prune_every_steps: int) -> None:
         self.path = path
@@ -601,7 +601,8 @@ class SQLiteStore:
         self._queue_snapshot(job)
 
     async def save_snapshot(self, name: str, seq: int, snapshot: bytes) -> None:
-        """See `devd.store.Store.save_snapshot`: a large one is written to a file as an appended step's is, and waited
+        """See `devd.storage.store.Store.save_snapshot`: a large one is written to a file as an appended step's is,
+        and waited
         for by `flush`; a small one goes onto its row in a commit."""
         job = _SnapshotJob(name, seq, snapshot, self._generations.get(name))
         if len(snapshot) >= FILE_SNAPSHOT_BYTES:

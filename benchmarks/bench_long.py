@@ -1,4 +1,4 @@
-"""`python -m devd.bench long`: how one session's cost grows with its length, through the real daemon.
+"""`python -m benchmarks.bench long`: how one session's cost grows with its length, through the real daemon.
 
 A session that lives for thousands of turns is what an agent tool makes of a working day. Whatever the daemon does
 per step in proportion to the session's length (the transcript every `Model` ask carries, the journal keeping whole
@@ -39,11 +39,11 @@ from typing import Any
 
 import msgspec
 
+from benchmarks.bench import _proc_status, _server_argv, _soak_freeze, _tree_bytes, _wait_socket, _write_stdout
 from devd import errors
-from devd.bench import _proc_status, _server_argv, _soak_freeze, _tree_bytes, _wait_socket, _write_stdout
 from devd.client import Client
 from devd.messages import Call, Config, Event, Exec, Output, Read, answer, encode, turn
-from devd.methods import SessionParams, SnapshotResult, StepParams
+from devd.server.methods import SessionParams, SnapshotResult, StepParams
 
 TURNS = 2000
 WINDOW_TURNS = 250

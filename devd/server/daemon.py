@@ -6,7 +6,7 @@ What it promises:
 - past `connections_max` (counted for Unix and TCP apart, so TCP can never starve the Unix socket), a new connection
   is answered FULL and closed;
 - with a metrics socket (`--metrics`), `GET /metrics` answers from the same status as `daemon/status`, from accept
-  until the daemon returns, apart from the JSON-RPC listeners (`devd.metrics`);
+  until the daemon returns, apart from the JSON-RPC listeners (`devd.server.metrics`);
 - SIGTERM/SIGINT: stop taking calls (status still answers), let calls in flight finish for `shutdown_grace_s`, then
   stop the rest where they stand (they end as DEADLINE, durably); snapshot the live sessions with steps since their
   last snapshot (when nothing had to be stopped), so the next start replays none; give a fleet's sessions back (so
@@ -26,20 +26,20 @@ import anyio
 import msgspec
 import structlog
 
-from devd import metrics, systemd
 from devd.config import Settings
-from devd.dispatch import Dispatcher
 from devd.host import Core
-from devd.methods import METHODS, App, Method, status
-from devd.offload import Runner
-from devd.registry import Registry
-from devd.rpc import encode_notice
-from devd.store import Fleet, Store
-from devd.transport import Connection, Hub
-from devd.watchers import Fanout
+from devd.server import metrics, systemd
+from devd.server.dispatch import Dispatcher
+from devd.server.methods import METHODS, App, Method, status
+from devd.server.rpc import encode_notice
+from devd.server.transport import Connection, Hub
+from devd.sessions.calls import Runner
+from devd.sessions.registry import Registry
+from devd.sessions.watchers import Fanout
+from devd.storage.store import Fleet, Store
 
 SHUTDOWN_SNAPSHOTS_S = 5.0  # of a stop's time (systemd waits 20 s) spent snapshotting sessions; the rest replay
-log = structlog.get_logger("devd.daemon")
+log = structlog.get_logger("devd.server.daemon")
 
 
 def build(

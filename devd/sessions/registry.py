@@ -10,11 +10,11 @@ What it promises:
 - a keyed step already answered is replayed from the journal, byte for byte (an answer kept as a digest is derived
   again), and never executed twice; the same key with another event is CONFLICT, and so is a key whose answer is no
   longer kept at all;
-- one slow session never holds up the others (see `devd.offload`);
+- one slow session never holds up the others (see `devd.sessions.calls`);
 - a session that ended (deadline, lost answer) or trapped keeps that state on disk until `recover`;
 - a fork is built from the source's durable state and never touches the source.
 
-States change only through `_move`, by the table in `devd.state`.
+States change only through `_move`, by the table in `devd.sessions.state`.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ from devd.errors import (
     StoreError,
 )
 from devd.host import Core, Instance
-from devd.offload import Runner, rebuild, rebuild_and, replay, saved, step_and_save
-from devd.state import CALLABLE, TRANSITIONS, Input, State, next_state
-from devd.store import Fleet, Health, Row, Step, Store, Stored
-from devd.watchers import Fanout, Sink, Stepped, Subscription
+from devd.sessions.calls import Runner, rebuild, rebuild_and, replay, saved, step_and_save
+from devd.sessions.state import CALLABLE, TRANSITIONS, Input, State, next_state
+from devd.sessions.watchers import Fanout, Sink, Stepped, Subscription
+from devd.storage.store import Fleet, Health, Row, Step, Store, Stored
 
-log = structlog.get_logger("devd.registry")
+log = structlog.get_logger("devd.sessions.registry")
 T = TypeVar("T")
 CATCH_UP_ROWS = 256  # journal rows read at a time when a watcher asks for history
 HEAVY_MEMORY_BYTES = 8 << 20  # a rebuilt instance this large (a megabytes-long transcript) starts on a worker

@@ -1,7 +1,8 @@
 """The fleet's store: sessions in one PostgreSQL database shared by many daemons, each session stepped by one daemon
 at a time. The only module that touches PostgreSQL.
 
-It keeps every promise of `devd.store.Store` (tests/test_store.py runs the same suite against it), and adds ownership:
+It keeps every promise of `devd.storage.store.Store` (tests/test_store.py runs the same suite against it), and adds
+ownership:
 
 - **Nodes and leases.** Each daemon is a node: a row (`nodes`: id, address, `lease_until`) it registers when it opens
   and renews every ttl/3 while `run()` runs, on the database's clock (`now()`), so the daemons' clocks need not agree.
@@ -50,11 +51,11 @@ from psycopg import pq
 from psycopg.rows import TupleRow
 
 from devd.errors import DevdError, MovedError, NullError
-from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.storage.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 __all__ = ["MIGRATIONS", "Owner", "PostgresStore", "default_node"]
 
-log = structlog.get_logger("devd.store")
+log = structlog.get_logger("devd.storage.store")
 
 T = TypeVar("T")
 Conn = psycopg.AsyncConnection[TupleRow]
@@ -317,7 +318,8 @@ class _Batch:
 
 
 class PostgresStore:
-    """One node's view of the fleet's database (see `devd.store.Store` for the contract, the module for the rest).
+    """One node's view of the fleet's database (see `devd.storage.store.Store` for the contract, the module for the
+    rest).
 
     Open it with `await PostgresStore.open(url, ...)`; run `run()` in the daemon's task group (commits and the lease);
     `close()` at the end."""
@@ -712,7 +714,8 @@ class PostgresStore:
         return errors
 
     async def create(self, name: str, config: bytes, snapshot: bytes | None = None) -> None:
-        """A new session owned by this node (see `devd.store.Store.create`). Raises MovedError if another live node
+        """A new session owned by this node (see `devd.storage.store.Store.create`). Raises MovedError if another
+        live node
         owns a session of that name."""
 
         async def op(conn: Conn, batch: _Batch) -> DevdError | None:
@@ -734,13 +737,15 @@ class PostgresStore:
         await self._write(op)
 
     async def append(self, step: Step) -> None:
-        """Journal a step (see `devd.store.Store.append`); it must be the session's next (its seq one past the last).
+        """Journal a step (see `devd.storage.store.Store.append`); it must be the session's next (its seq one past
+        the last).
 
         Raises MovedError when another node owns the session or took it from this one (nothing is written)."""
         await self._write(step)
 
     async def save_snapshot(self, name: str, seq: int, snapshot: bytes) -> None:
-        """See `devd.store.Store.save_snapshot`: fenced on the epoch this node holds, and only onto the session's head
+        """See `devd.storage.store.Store.save_snapshot`: fenced on the epoch this node holds, and only onto the
+        session's head
         step; a session this node does not hold is never taken for it."""
 
         async def op(conn: Conn, batch: _Batch) -> DevdError | None:
@@ -793,7 +798,8 @@ class PostgresStore:
         await self._write(op)
 
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
-        """See `devd.store.Store.fork`; the fork is owned by this node. Raises MovedError if another live node owns a
+        """See `devd.storage.store.Store.fork`; the fork is owned by this node. Raises MovedError if another live
+        node owns a
         session named `name`."""
 
         async def op(conn: Conn, batch: _Batch) -> DevdError | None:
@@ -847,7 +853,7 @@ class PostgresStore:
     async def _prune(self, conn: Conn, *, name: str, snapshot_seq: int) -> None:
         """Drop history beyond what watchers and keys are promised, keeping what derives what is kept: from the
         newest snapshot before the oldest step promised (the anchor) on, every row and snapshot stays (the rules of
-        `devd.sqlite_store.SQLiteStore._prune`)."""
+        `devd.storage.sqlite.SQLiteStore._prune`)."""
         async with conn.transaction():
             anchor = await (
                 await conn.execute(

@@ -1,0 +1,1 @@
+"""The sessions layer: names, states, calls into the core, history, residency, watchers."""
