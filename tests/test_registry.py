@@ -31,7 +31,9 @@ from devd.host import Core
 from devd.messages import Call, Event, Exec, Output, answer, encode, turn
 from devd.server.daemon import build
 from devd.server.rpc import encode_notice
-from devd.sessions.registry import STEP_BYTES, Registry, snapshot_due
+from devd.sessions.compaction import snapshot_due
+from devd.sessions.entry import STEP_BYTES
+from devd.sessions.registry import Registry
 from devd.sessions.state import State
 from devd.sessions.watchers import Stepped
 from devd.storage.memory import MemoryStore
@@ -448,7 +450,7 @@ async def test_a_session_rebuilt_from_digests_answers_as_if_it_never_stopped(
         await steps(registry, "s", events[:-2])
         await registry.new("twin", b"{}")  # s hibernates: its next call rebuilds it from the journal
         twin = await steps(registry, "twin", events)
-        assert (await steps(registry, "s", events[-2:]), registry.stats.rebuilt) == (twin[-2:], 1)
+        assert (await steps(registry, "s", events[-2:]), registry.statistics().rebuilt) == (twin[-2:], 1)
 
 
 async def test_a_session_whose_call_passed_the_budget_runs_the_next_on_a_worker_without_a_rebuild(
@@ -458,7 +460,7 @@ async def test_a_session_whose_call_passed_the_budget_runs_the_next_on_a_worker_
         await registry.new("s", b"{}")
         # Offloaded: the start, the first step (stopped inline, then rebuilt), the second (on a worker at once).
         await steps(registry, "s", SEED[:2])
-        assert (registry.runner.offloaded, registry.stats.rebuilt) == (3, 1)
+        assert (registry.statistics().offloaded, registry.statistics().rebuilt) == (3, 1)
 
 
 @pytest.mark.parametrize(
@@ -497,7 +499,7 @@ async def test_past_the_live_memory_budget_the_least_recently_used_idle_sessions
         for name in ("a", "b", "c"):
             await registry.new(name, b"{}")
         live = [i.name for i in registry.page()[0] if i.state is State.LIVE]
-        assert (live, registry.memory, registry.stats.hibernated) == (["b", "c"], 1 << 20, 1)
+        assert (live, registry.memory, registry.statistics().hibernated) == (["b", "c"], 1 << 20, 1)
 
 
 async def test_a_session_that_grows_past_the_budget_hibernates_the_others_not_itself(
@@ -508,7 +510,7 @@ async def test_a_session_that_grows_past_the_budget_hibernates_the_others_not_it
         await registry.new("b", b"{}")
         await registry.step("b", encode(turn(1, "x" * 100_000)), None, None)  # b grows to 1.2 MiB
         live = [i.name for i in registry.page()[0] if i.state is State.LIVE]
-        assert (live, registry.stats.hibernated) == (["b"], 1)
+        assert (live, registry.statistics().hibernated) == (["b"], 1)
 
 
 async def test_a_heavy_session_runs_inline_again_after_sixteen_quick_calls_in_a_row(tmp_path: Path, core: Core) -> None:
@@ -518,7 +520,7 @@ async def test_a_heavy_session_runs_inline_again_after_sixteen_quick_calls_in_a_
         registry.runner.inline_budget_s = 60.0  # from now on every call is quick
         await steps(registry, "s", [TIMER] * 17)
         # Offloaded: the start and the first step, then 16 quick calls on a worker; the 17th ran inline.
-        assert registry.runner.offloaded == 2 + 16
+        assert registry.statistics().offloaded == 2 + 16
 
 
 async def test_a_keyed_retry_of_a_large_kept_answer_answers_the_same_bytes(registry: Registry) -> None:
@@ -536,10 +538,10 @@ async def test_a_woken_session_with_a_long_transcript_runs_its_calls_on_a_worker
         await registry.new("s", b"{}")
         await steps(registry, "s", [encode(turn(1, "p" * (4 << 20))), CANCEL])  # an instance of over 8 MiB
         await registry.new("t", b"{}")  # s hibernates
-        rebuilt, offloaded = registry.stats.rebuilt, registry.runner.offloaded
+        rebuilt, offloaded = registry.statistics().rebuilt, registry.statistics().offloaded
         await registry.step("s", encode(turn(2, "again")), None, None)  # a 4 MiB ask: far past the inline budget
         # One rebuild (the wake), then the step on a worker: not stopped inline and rebuilt a second time.
-        assert (registry.stats.rebuilt - rebuilt, registry.runner.offloaded - offloaded) == (1, 1)
+        assert (registry.statistics().rebuilt - rebuilt, registry.statistics().offloaded - offloaded) == (1, 1)
 
 
 async def test_a_snapshot_of_a_large_session_is_taken_on_a_worker_and_leaves_its_calls_inline(
@@ -548,12 +550,12 @@ async def test_a_snapshot_of_a_large_session_is_taken_on_a_worker_and_leaves_its
     async with opened("memory", tmp_path, core, inline_budget_s=60.0, snapshot_floor_bytes=0) as registry:
         await registry.new("s", b'{"asks":"delta"}')
         await registry.step("s", encode(turn(1, "p" * (4 << 20))), None, None)  # over 4 MiB, snapshotted inline
-        before = registry.runner.offloaded
+        before = registry.statistics().offloaded
         done = encode(answer(1, "d" * (5 << 18)))  # past a quarter of that snapshot, then Save: another is due
         await registry.step("s", done, None, None)
-        saved = registry.runner.offloaded
+        saved = registry.statistics().offloaded
         await registry.step("s", encode(turn(2, "next")), None, None)  # a small ask: inline again
-        assert (saved - before, registry.runner.offloaded - saved) == (1, 0)
+        assert (saved - before, registry.statistics().offloaded - saved) == (1, 0)
 
 
 async def test_the_first_step_after_a_restart_that_takes_a_snapshot_runs_on_a_worker(
@@ -569,7 +571,7 @@ async def test_the_first_step_after_a_restart_that_takes_a_snapshot_runs_on_a_wo
         await registry.load()
         # Rebuilt (an instance of 4 to 8 MiB: not heavy), then a Save, and the snapshot the journal read back makes due.
         await registry.step("s", encode(answer(3, "done")), None, None)
-        assert (registry.runner.offloaded, registry.stats.rebuilt) == (1, 1)
+        assert (registry.statistics().offloaded, registry.statistics().rebuilt) == (1, 1)
 
 
 async def test_a_journal_this_core_did_not_write_is_refused_when_the_session_is_rebuilt(
@@ -653,4 +655,4 @@ async def test_a_session_reopened_counts_its_journal_since_the_snapshot_and_each
         stored = await registry.store.load("s")
         assert stored is not None
         expected = sum(len(row.event) + STEP_BYTES for row in stored.journal)
-        assert registry._entries["s"].since_bytes == expected
+        assert registry.get("s").since_bytes == expected

@@ -78,7 +78,9 @@ from devd.messages import (
     turn,
 )
 from devd.server.daemon import build
-from devd.sessions.registry import Info, Registry, kept_answer
+from devd.sessions.compaction import kept_answer
+from devd.sessions.entry import Info
+from devd.sessions.registry import Registry
 from devd.sessions.state import State
 from devd.storage.memory import MemoryStore
 from devd.storage.sqlite import SQLiteStore

@@ -47,7 +47,8 @@ async def test_expiry_racing_closes_deletes_each_session_once(tmp_path: Path, co
             tg.start_soon(registry.expire, 0.0)
             for name in reversed(names):
                 tg.start_soon(lambda n=name: _collect(closed, registry.close(n)))
-        assert (states(registry), await registry.store.sessions(), registry.stats.expired + closed.count(None)) == (
+        expired = registry.statistics().expired
+        assert (states(registry), await registry.store.sessions(), expired + closed.count(None)) == (
             [],
             [],
             40,
@@ -125,7 +126,7 @@ async def test_a_rebuild_that_runs_past_its_deadline_ends_the_session_rather_tha
     async with opened("sqlite", tmp_path, spin_core, call_timeout_s=0.3, max_live=1) as registry:
         await registry.new("s", b"{}")
         await registry.store.append(Step("s", 1, TIMER, b"[]"))  # replaying it spins
-        registry._entries["s"].seq = 1
+        registry.get("s").seq = 1  # type: ignore[union-attr]
         await registry.new("other", b"{}")  # s hibernates
         with pytest.raises(errors.DeadlineError):
             await registry.step("s", b"{}", None, None)

@@ -16,7 +16,7 @@ import pytest
 
 from devd.host import Core
 from devd.messages import answer, decode_actions, encode, turn
-from devd.sessions.registry import digest
+from devd.sessions.history import digest
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, MIGRATIONS
 from devd.storage.store import Health, Step, Stored
 from tests.daemon import Daemon

@@ -302,7 +302,7 @@ class StatusResult(msgspec.Struct, frozen=True):
 
 
 def status(app: App) -> StatusResult:
-    stats, store = app.registry.stats, app.store.statistics()
+    stats, store = app.registry.statistics(), app.store.statistics()
     return StatusResult(
         server=Server("devd", __version__),
         uptime_s=round(time.monotonic() - app.started, 3),
@@ -312,10 +312,10 @@ def status(app: App) -> StatusResult:
         durable_writes=store.commits,
         errors=dict(app.errors),
         deadline_hits=stats.deadline_hits,
-        offloaded=app.registry.runner.offloaded,
+        offloaded=stats.offloaded,
         rebuilt=stats.rebuilt,
         hibernated=stats.hibernated,
-        live_memory_bytes=app.registry.memory,
+        live_memory_bytes=stats.live_memory_bytes,
         expired=stats.expired,
         commit_ms_p50=store.commit_ms_p50,
         commit_ms_p99=store.commit_ms_p99,

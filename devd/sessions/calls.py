@@ -1,4 +1,5 @@
-"""Where a call runs: inline on the event loop under a short budget, or on a worker thread under its deadline.
+"""Where a call runs, the whole policy: inline on the event loop under a short budget, or on a worker thread under
+its deadline; and how a session is rebuilt from what is durable (a wake, a restart, a stopped inline call).
 
 Small calls cost microseconds, so they run inline. When one passes the inline budget, wasmtime stops it where it
 stood and its instance is gone; what is durable is exactly the state before the call, so the session is rebuilt
@@ -15,16 +16,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import anyio
 import anyio.to_thread
+import structlog
 
-from devd.errors import DeadlineError, HandleError
+from devd.errors import DeadlineError, DevdError, HandleError, NullError, OutOfMemoryError, PoisonError
 from devd.host import Core, Instance
+from devd.sessions.entry import Entry
+from devd.sessions.state import TRANSITIONS, Input
 from devd.storage.store import Row, Stored, answer_digest
 
+if TYPE_CHECKING:
+    from devd.sessions.registry import Registry
+
+log = structlog.get_logger("devd.registry")
 T = TypeVar("T")
+HEAVY_MEMORY_BYTES = 8 << 20  # a rebuilt instance this large (a megabytes-long transcript) starts on a worker
+WHOLE_STATE_INLINE_BYTES = 4 << 20  # an instance this large is snapshotted on a worker (~1 ms a MB of transcript)
+LIGHT_CALLS_TO_RETURN = 16  # quick calls in a row after which a session's calls run inline again
 _SAVE = b'{"Save":true}'  # the core writes compact JSON, so this cannot occur inside a string
 
 
@@ -128,3 +139,150 @@ def rebuild_and(
         if instance.alive:
             instance.close()
         raise
+
+
+class Calls:
+    """One registry's calls on its instances, by the policy above."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    async def call(
+        self, entry: Entry, timeout_s: float, call: Callable[[Instance, float], T], *, whole_state: bool = False
+    ) -> T:
+        """Run call(instance, timeout) inline under the budget; past it, rebuild from disk and run it on a worker.
+        A heavy session (a call of it passed the budget, and 16 quick ones in a row have not followed) runs this one
+        on a worker from the start, and so does a call that costs the whole state (`whole_state`: a snapshot) of a
+        large session. The call has `timeout_s` of its own: a rebuild it needed first is not charged to it."""
+        registry, runner = self.registry, self.registry.runner
+        if entry.instance is None:
+            await self.wake(entry, Input.LOAD)
+        assert entry.instance is not None
+        deadline = time.monotonic() + timeout_s
+        if whole_state and entry.memory >= WHOLE_STATE_INLINE_BYTES and not entry.heavy:
+            return await self._off_loop(entry, entry.instance, deadline, call, counted=False)
+        if entry.heavy:
+            return await self._off_loop(entry, entry.instance, deadline, call)
+        timeout, final = runner.inline_timeout(deadline)
+        started = time.perf_counter()
+        try:
+            result = call(entry.instance, timeout)
+            if time.perf_counter() - started > runner.inline_budget_s / 2:
+                entry.heavy, entry.light_calls = True, 0
+            registry.residency.measure(entry)
+            return result
+        except OutOfMemoryError:
+            registry.move(entry, Input.DROP)
+            raise self._does_not_fit(entry) from None
+        except DeadlineError as e:
+            if final:
+                await registry.lost(entry, e)
+                raise
+        except DevdError as e:
+            await registry.lost(entry, e)
+            raise
+        # The inline attempt was stopped mid-call; its instance is gone. What is durable is exactly the state
+        # before this call, so rebuild from it and run the call where it cannot hold up the event loop.
+        runner.offloaded += 1
+        registry.stats.rebuilt += 1
+        entry.heavy, entry.light_calls = True, 0
+        registry.move(entry, Input.DROP)
+        stored = await registry.stored(entry.name)
+        try:
+            instance, result = await runner.off_loop(
+                lambda: rebuild_and(registry.core, stored, registry.call_timeout_s, deadline - time.monotonic(), call)
+            )
+        except OutOfMemoryError:
+            raise self._does_not_fit(entry) from None
+        except DevdError as e:
+            await registry.lost(entry, e)
+            raise
+        registry.move(entry, Input.LOAD, instance=instance)
+        entry.rebased(stored)
+        return result
+
+    async def _off_loop(
+        self,
+        entry: Entry,
+        instance: Instance,
+        deadline: float,
+        call: Callable[[Instance, float], T],
+        *,
+        counted: bool = True,
+    ) -> T:
+        """Run the call on a worker thread under its whole deadline; a quick one brings the session back inline. A
+        call sent here for what it is (`counted` False: a snapshot), not for how the session's calls have gone, does
+        not count either way."""
+        registry, runner = self.registry, self.registry.runner
+        runner.offloaded += 1
+
+        def timed() -> tuple[T, float]:
+            started = time.perf_counter()
+            return call(instance, deadline - time.monotonic()), time.perf_counter() - started
+
+        try:
+            result, seconds = await runner.off_loop(timed)
+        except OutOfMemoryError:
+            registry.move(entry, Input.DROP)
+            raise self._does_not_fit(entry) from None
+        except DevdError as e:
+            await registry.lost(entry, e)
+            raise
+        # A long transcript makes only some calls slow (a Model ask); a run of quick ones is needed before the session
+        # is trusted inline again, or each slow one would be stopped inline and rebuilt.
+        if counted:
+            entry.light_calls = entry.light_calls + 1 if seconds < runner.inline_budget_s / 4 else 0
+            entry.heavy = entry.light_calls < LIGHT_CALLS_TO_RETURN
+        registry.residency.measure(entry)
+        return result
+
+    def _does_not_fit(self, entry: Entry) -> NullError:
+        """The call ran out of the session's memory cap: its instance is gone, but nothing durable changed, so the
+        session goes on from its last step (rebuilt on its next call) rather than being poisoned."""
+        return NullError(
+            f"the call does not fit in session {entry.name!r}'s memory ({self.registry.core.memory_bytes >> 20} MiB); "
+            f"nothing changed, the session continues from step {entry.seq}: send a smaller event, or fork or close it"
+        )
+
+    async def wake(self, entry: Entry, how: Input) -> None:
+        """Bring a stored session back: restore its snapshot and replay its journal, on a worker thread."""
+        registry = self.registry
+        await registry.fleet_sessions.acquire(entry)  # before its state is read: what is read is then this daemon's
+        started = time.perf_counter()
+        stored = await registry.stored(entry.name)
+        loaded = time.perf_counter()
+        registry.stats.rebuilt += 1
+        try:
+            instance = await registry.runner.off_loop(lambda: rebuild(registry.core, stored, registry.call_timeout_s))
+        except DeadlineError as e:
+            # Stopped, not broken: a replayed step ran past its deadline (or the shutdown's grace ended).
+            registry.stats.deadline_hits += 1
+            if (entry.state, Input.END) in TRANSITIONS:
+                registry.move(entry, Input.END, f"rebuilding it ran past its deadline: {e}")
+                await registry.set_health(entry)
+            raise
+        except DevdError as e:
+            reason = f"rebuilding it failed: {e}"
+            log.error("session.rebuild_failed", session=entry.name, error=str(e))
+            registry.move(entry, Input.POISON, reason)
+            await registry.set_health(entry)
+            raise PoisonError(
+                f"session {entry.name!r} could not be rebuilt from its durable state ({e}); "
+                "its snapshot and journal are kept, see the daemon's log"
+            ) from None
+        registry.move(entry, how, instance=instance)
+        entry.seq = stored.seq
+        entry.rebased(stored)
+        log.info(
+            "session.rebuilt",
+            session=entry.name,
+            seq=stored.seq,
+            snapshot_bytes=len(stored.snapshot or b""),
+            replayed_steps=len(stored.journal),
+            load_ms=round((loaded - started) * 1000, 1),
+            rebuild_ms=round((time.perf_counter() - loaded) * 1000, 1),
+        )
+        # Nothing is known of its calls' cost after a restart or a wake, but a transcript this long makes every
+        # Model ask pass the inline budget: an inline attempt would only be stopped, and the session rebuilt again.
+        if entry.memory >= HEAVY_MEMORY_BYTES:
+            entry.heavy, entry.light_calls = True, 0

@@ -1,0 +1,88 @@
+"""What the registry knows of each session (`Entry`), and the values it hands out: a list entry (`Info`), a step's
+answer (`Answered`) and its counters (`Statistics`, frozen, as `Registry.statistics()` returns them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from devd.errors import HandleError
+from devd.host import Instance
+from devd.sessions.state import State
+from devd.storage.store import Health, Stored
+
+STEP_BYTES = 2048  # what a step costs a replay beyond its event's bytes (~45 us here), in bytes of events
+
+
+@dataclass
+class Entry:
+    name: str
+    state: State
+    seq: int
+    reason: str | None = None
+    instance: Instance | None = None
+    busy: bool = False  # inside a call: set and cleared by `Registry.entered` alone
+    created: float = 0.0  # wall-clock seconds
+    last_used: float = 0.0  # wall-clock seconds of the last call on it
+    memory: int = 0  # bytes of its instance's memory when last measured (0: no instance)
+    heavy: bool = False  # a call did not fit the inline budget, or its instance is large: calls run on a worker
+    light_calls: int = 0  # calls in a row, since, that would have fitted it easily (enough of them end `heavy`)
+    snapshot_bytes: int = 0  # of its latest durable snapshot (0: its config is the start)
+    since_bytes: int = 0  # of the journal since that snapshot, as a replay costs it (events, and a bit a step)
+
+    def rebased(self, stored: Stored) -> None:
+        """Count the replay cost from what is on disk."""
+        self.snapshot_bytes = len(stored.snapshot or b"")
+        self.since_bytes = sum(len(row.event) + STEP_BYTES for row in stored.journal)
+
+
+@dataclass
+class Counters:
+    """The registry's own counters, counted as they happen (`Statistics` is their frozen reading)."""
+
+    steps: int = 0
+    replayed: int = 0
+    deadline_hits: int = 0
+    rebuilt: int = 0  # instances rebuilt from disk (woken, recovered, or after an inline call was stopped)
+    expired: int = 0  # sessions deleted for going unused longer than the daemon keeps them
+
+
+@dataclass(frozen=True, slots=True)
+class Statistics:
+    steps: int
+    replayed: int
+    deadline_hits: int
+    rebuilt: int
+    hibernated: int  # idle instances dropped to make room (their sessions stay, stored)
+    expired: int
+    offloaded: int  # calls run on a worker thread: past their inline budget, or of a heavy session
+    live: int  # sessions with an instance in memory
+    live_memory_bytes: int  # their instances' memory together, as last measured
+
+
+class Answered(NamedTuple):
+    """A step's answer: its actions, whether a keyed retry was answered from the journal, and the action id the step
+    ignored (a result or a Model answer for an action the session did not dispatch, or already had the answer of)."""
+
+    actions: bytes
+    replayed: bool
+    ignored: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Info:
+    name: str
+    state: State
+    seq: int
+    watchers: int
+    reason: str | None
+    created: float
+    last_used: float
+
+
+HEALTH = {State.ENDED: Health.ENDED, State.POISONED: Health.POISONED}
+FROM_HEALTH = {Health.OK: State.STORED, Health.ENDED: State.ENDED, Health.POISONED: State.POISONED}
+
+
+def no_such(name: str) -> HandleError:
+    return HandleError(f"no session is named {name!r}; `session/list` shows the sessions there are")
