@@ -1,5 +1,5 @@
 """Fixtures shared by the tests: one Core for every test that does not close its own (a compile costs ~0.1 s), and a
-real daemon with a client of it."""
+real daemon (in this process) with a client of it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from devd.client import Client
 from devd.host import Core, Instance
 from devd.messages import Config
 from tests.daemon import Daemon
+from tests.harness import InProcess
 
 
 @pytest.fixture(scope="session")
@@ -32,13 +33,20 @@ def session(core: Core) -> Iterator[Instance]:
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    """The real daemon, a subprocess on a socket and state directory in tmp_path."""
+def daemon(tmp_path: Path) -> Iterator[InProcess]:
+    """The real daemon, in this process (`tests.harness`), on a socket and state directory in tmp_path."""
+    with InProcess(tmp_path) as d:
+        yield d
+
+
+@pytest.fixture
+def process_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """The real daemon as a process of its own (`tests.daemon`), for a test that kills it or reads its log."""
     with Daemon(tmp_path) as d:
         yield d
 
 
 @pytest.fixture
-def client(daemon: Daemon) -> Iterator[Client]:
+def client(daemon: InProcess) -> Iterator[Client]:
     with daemon.client() as c:
         yield c

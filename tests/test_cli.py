@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from devd.client import Client, NotRunningError
 from devd.errors import HandleError, InternalError, InvalidParamsError, UnauthorizedError
 from devd.messages import Action, Browse, Call, Exec, Git, Op, Read, Write, answer, ask, done, turn
 from tests.daemon import Daemon, daemon_env, free_port, running, state_dir, stop, wait_connectable
+from tests.harness import InProcess
 from tests.test_host import user
 
 
@@ -43,14 +45,14 @@ def test_without_a_daemon_the_client_raises_not_running(tmp_path: Path) -> None:
         Client.connect(tmp_path / "none.sock")
 
 
-def test_an_empty_key_is_sent_and_refused_not_dropped(daemon: Daemon) -> None:
+def test_an_empty_key_is_sent_and_refused_not_dropped(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="s")
     run = devd("step", "s", '{"Timer":true}', "--key", "", "--connect", str(daemon.socket))
     assert (run.returncode, run.stderr) == (1, "devd: INVALID_PARAMS: the key must be 1-256 bytes of UTF-8\n")
 
 
-def test_a_zero_timeout_is_sent_and_refused_not_dropped(daemon: Daemon) -> None:
+def test_a_zero_timeout_is_sent_and_refused_not_dropped(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="s")
     run = devd("step", "s", '{"Timer":true}', "--timeout-ms", "0", "--connect", str(daemon.socket))
@@ -60,7 +62,15 @@ def test_a_zero_timeout_is_sent_and_refused_not_dropped(daemon: Daemon) -> None:
     )
 
 
-def test_watch_follows_a_session_and_exits_0_when_it_closes(daemon: Daemon) -> None:
+def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait for a condition another process makes true (a watcher subscribed), polling."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.01)
+
+
+def test_watch_follows_a_session_and_exits_0_when_it_closes(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="s")
         watch = subprocess.Popen(
@@ -69,16 +79,17 @@ def test_watch_follows_a_session_and_exits_0_when_it_closes(daemon: Daemon) -> N
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(1.0)
+        until(lambda: c.list().sessions[0].watchers == 1)
         c.step("s", turn(1, "x"))
-        time.sleep(0.5)
+        assert watch.stdout is not None
+        first = watch.stdout.readline()
         c.call("session/close", {"session": "s"})
-        out, err = watch.communicate(timeout=30)
-    methods = [line.split('"method":"')[1].split('"')[0] for line in out.splitlines()]
+        rest, err = watch.communicate(timeout=30)
+    methods = [line.split('"method":"')[1].split('"')[0] for line in [first, *rest.splitlines()]]
     assert (watch.returncode, methods, err) == (0, ["session/actions", "session/unwatched"], "")
 
 
-def test_the_blocking_client_waits_for_a_notification_past_its_own_timeout(daemon: Daemon) -> None:
+def test_the_blocking_client_waits_for_a_notification_past_its_own_timeout(daemon: InProcess) -> None:
     with daemon.client() as stepper, Client.connect(daemon.socket, timeout=0.3) as watcher:
         stepper.new(session="s")
         watcher.call("session/watch", {"session": "s"})
@@ -163,7 +174,7 @@ def test_durations_show_their_two_largest_units() -> None:
     assert shown == ["0.2s", "12.5s", "4m 5s", "3h 12m", "2d 3h"]
 
 
-def test_ls_shows_the_sessions_as_a_table(daemon: Daemon) -> None:
+def test_ls_shows_the_sessions_as_a_table(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="a")
         c.new(session="b")
@@ -178,7 +189,7 @@ def test_ls_shows_the_sessions_as_a_table(daemon: Daemon) -> None:
     ]
 
 
-def test_ls_pages_with_limit_and_cursor_and_says_how_to_get_the_next_page(daemon: Daemon) -> None:
+def test_ls_pages_with_limit_and_cursor_and_says_how_to_get_the_next_page(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="a")
         c.new(session="b")
@@ -189,7 +200,7 @@ def test_ls_pages_with_limit_and_cursor_and_says_how_to_get_the_next_page(daemon
     assert ([line.split()[0] for line in last.stdout.splitlines()], last.stderr) == (["NAME", "b"], "")
 
 
-def test_json_prints_the_daemons_answer_exactly_as_it_came(daemon: Daemon) -> None:
+def test_json_prints_the_daemons_answer_exactly_as_it_came(daemon: InProcess) -> None:
     at = ("--connect", str(daemon.socket), "--json")
     new = devd("new", "--session", "s", *at)
     step = devd("step", "s", '{"Turn":{"id":1,"prompt":"x"}}', *at)
@@ -202,7 +213,7 @@ def test_json_prints_the_daemons_answer_exactly_as_it_came(daemon: Daemon) -> No
     assert ls.stdout.encode() == listed + b"\n"
 
 
-def test_status_shows_key_value_lines_and_json_the_counters(daemon: Daemon) -> None:
+def test_status_shows_key_value_lines_and_json_the_counters(daemon: InProcess) -> None:
     text = devd("status", "--connect", str(daemon.socket))
     as_json = devd("status", "--json", "--connect", str(daemon.socket))
     keys = [line.split(":")[0] for line in text.stdout.splitlines()]
@@ -227,7 +238,7 @@ def test_status_shows_key_value_lines_and_json_the_counters(daemon: Daemon) -> N
 # -- devd inspect ----------------------------------------------------------------------------------------------------
 
 
-def test_inspect_shows_a_session_at_a_glance_and_the_actions_its_turn_waits_for(daemon: Daemon) -> None:
+def test_inspect_shows_a_session_at_a_glance_and_the_actions_its_turn_waits_for(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="demo")
         c.step("demo", turn(1, "fix the build"))
@@ -249,7 +260,7 @@ def test_inspect_shows_a_session_at_a_glance_and_the_actions_its_turn_waits_for(
     )
 
 
-def test_inspect_json_is_the_list_entry_and_the_pending_actions_as_the_daemon_sent_them(daemon: Daemon) -> None:
+def test_inspect_json_is_the_list_entry_and_the_pending_actions_as_the_daemon_sent_them(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="s")
         c.step("s", turn(1, "x"))
@@ -261,7 +272,7 @@ def test_inspect_json_is_the_list_entry_and_the_pending_actions_as_the_daemon_se
     assert run.stdout.encode() == b'{"session":' + entry + b',"pending":' + actions + b"}\n"
 
 
-def test_inspect_finds_its_session_among_names_that_sort_beside_it(daemon: Daemon) -> None:
+def test_inspect_finds_its_session_among_names_that_sort_beside_it(daemon: InProcess) -> None:
     names = ["a", "a-", "a-a", "a0", "aa", "b", "Z"]
     with daemon.client() as c:
         for name in names:
@@ -273,7 +284,7 @@ def test_inspect_finds_its_session_among_names_that_sort_beside_it(daemon: Daemo
     assert [entry["session"] for entry in found] == names
 
 
-def test_inspect_of_a_session_that_does_not_exist_is_the_daemons_handle_error_with_exit_1(daemon: Daemon) -> None:
+def test_inspect_of_a_session_that_does_not_exist_is_the_daemons_handle_error_with_exit_1(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="a")
         c.new(session="c")
@@ -406,7 +417,7 @@ def test_a_refused_token_is_said_as_the_flag_to_pass() -> None:
     assert "initialize" not in without + wrong
 
 
-def test_an_unknown_session_is_answered_in_the_commands_terms_with_exit_1(daemon: Daemon) -> None:
+def test_an_unknown_session_is_answered_in_the_commands_terms_with_exit_1(daemon: InProcess) -> None:
     run = devd("step", "nope", '{"Timer":true}', "--connect", str(daemon.socket))
     assert (run.returncode, run.stderr) == (
         1,

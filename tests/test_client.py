@@ -25,6 +25,7 @@ from devd.messages import Action, Config, Event, answer, ask, turn
 from devd.server import rpc
 from devd.server.methods import METHODS, InitializeResult, Limits, Server, StatusResult
 from tests.daemon import Daemon
+from tests.harness import InProcess
 from tests.test_host import FIX, finish, user
 
 ASKED = [Action(id=1, op=ask(user(FIX)))]  # what a fresh session answers the turn "fix the build"
@@ -177,7 +178,7 @@ def test_list_answers_pages_of_sessions_after_a_cursor(client: Client) -> None:
     assert pages == [(["a", "b"], "b"), (["c"], None)]
 
 
-def test_watch_yields_typed_notices_and_ends_when_the_session_is_closed(daemon: Daemon, client: Client) -> None:
+def test_watch_yields_typed_notices_and_ends_when_the_session_is_closed(daemon: InProcess, client: Client) -> None:
     client.new(session="s")
     client.step("s", turn(1, FIX))
     client.step("s", answer(1, "done"))
@@ -192,7 +193,7 @@ def test_watch_yields_typed_notices_and_ends_when_the_session_is_closed(daemon: 
         ]
 
 
-def test_unwatch_ends_the_watch_loop_and_the_subscription(daemon: Daemon, client: Client) -> None:
+def test_unwatch_ends_the_watch_loop_and_the_subscription(daemon: InProcess, client: Client) -> None:
     client.new(session="s")
     client.step("s", turn(1, FIX))
     with daemon.client() as watcher:
@@ -203,7 +204,7 @@ def test_unwatch_ends_the_watch_loop_and_the_subscription(daemon: Daemon, client
         assert (seen, client.list().sessions[0].watchers) == ([1], 0)
 
 
-def test_leaving_a_watch_loop_early_unsubscribes(daemon: Daemon, client: Client) -> None:
+def test_leaving_a_watch_loop_early_unsubscribes(daemon: InProcess, client: Client) -> None:
     client.new(session="s")
     client.step("s", turn(1, FIX))
     with daemon.client() as watcher:
@@ -217,7 +218,7 @@ def test_leaving_a_watch_loop_early_unsubscribes(daemon: Daemon, client: Client)
 # -- the async client ------------------------------------------------------------------------------------------------
 
 
-async def test_the_async_client_answers_each_method_typed(daemon: Daemon) -> None:
+async def test_the_async_client_answers_each_method_typed(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c:
         results: list[object] = [
             await c.new(session="s"),
@@ -254,7 +255,7 @@ async def test_the_async_client_answers_each_method_typed(daemon: Daemon) -> Non
     ]
 
 
-async def test_async_watch_yields_typed_notices_and_ends_when_the_session_is_closed(daemon: Daemon) -> None:
+async def test_async_watch_yields_typed_notices_and_ends_when_the_session_is_closed(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c, AsyncClient.connect(daemon.socket) as watcher:
         await c.new(session="s")
         await c.step("s", turn(1, FIX))
@@ -266,7 +267,7 @@ async def test_async_watch_yields_typed_notices_and_ends_when_the_session_is_clo
     assert seen == [ActionsNotice("s", 1, turn(1, FIX), ASKED), UnwatchedNotice("s", 1, "closed")]
 
 
-async def test_async_watch_follows_live_steps_made_by_the_same_client_inside_the_loop(daemon: Daemon) -> None:
+async def test_async_watch_follows_live_steps_made_by_the_same_client_inside_the_loop(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c:
         await c.new(session="s")
         await c.step("s", TIMER)
@@ -279,7 +280,7 @@ async def test_async_watch_follows_live_steps_made_by_the_same_client_inside_the
     assert seen == [1, 2, 3]
 
 
-async def test_async_unwatch_ends_the_watch_loop_and_the_subscription(daemon: Daemon) -> None:
+async def test_async_unwatch_ends_the_watch_loop_and_the_subscription(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c:
         await c.new(session="s")
         await c.step("s", TIMER)
@@ -290,7 +291,7 @@ async def test_async_unwatch_ends_the_watch_loop_and_the_subscription(daemon: Da
         assert (seen, (await c.list()).sessions[0].watchers) == ([1], 0)
 
 
-async def test_leaving_an_async_watch_loop_early_unsubscribes(daemon: Daemon) -> None:
+async def test_leaving_an_async_watch_loop_early_unsubscribes(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c, AsyncClient.connect(daemon.socket) as watcher:
         await c.new(session="s")
         await c.step("s", turn(1, FIX))
@@ -304,7 +305,7 @@ async def test_leaving_an_async_watch_loop_early_unsubscribes(daemon: Daemon) ->
         assert watching == 1
 
 
-async def test_a_call_after_a_restart_raises_connection_error_until_reconnect(daemon: Daemon) -> None:
+async def test_a_call_after_a_restart_raises_connection_error_until_reconnect(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c:
         await c.new(session="s")
         assert daemon.stop() == 0

@@ -24,6 +24,7 @@ from devd.client import Client
 from devd.messages import Action, Call, Cancel, Event, Exec, Op, Output, Read, answer, decode_actions, encode, turn
 from tests import modules
 from tests.daemon import Daemon, free_port
+from tests.harness import InProcess
 from tests.test_host import FIX, agent, ask, done, finish, tool, user
 
 TIMER = Event(Timer=True)
@@ -85,7 +86,7 @@ def test_a_malformed_event_is_refused_and_changes_nothing(client: Client) -> Non
 
 
 def test_sessions_survive_a_restart(tmp_path: Path) -> None:
-    d = Daemon(tmp_path).start()
+    d = InProcess(tmp_path).start()
     with d.client() as c:
         c.new(session="keep")
         c.step("keep", turn(1, FIX))
@@ -138,7 +139,7 @@ def test_keys_outlive_snapshots(client: Client) -> None:
 
 
 def test_a_journal_that_replays_otherwise_is_reported_not_accepted(tmp_path: Path) -> None:
-    d = Daemon(tmp_path).start()
+    d = InProcess(tmp_path).start()
     with d.client() as c:
         c.new(session="j")
         c.step("j", turn(1, FIX))
@@ -154,7 +155,7 @@ def test_a_journal_that_replays_otherwise_is_reported_not_accepted(tmp_path: Pat
 
 
 def test_a_closed_session_is_gone_after_a_restart(tmp_path: Path) -> None:
-    d = Daemon(tmp_path).start()
+    d = InProcess(tmp_path).start()
     with d.client() as c:
         c.new(session="bye")
         assert c.call("session/close", {"session": "bye"}) == {}
@@ -300,7 +301,7 @@ def test_a_step_in_flight_at_sigterm_is_answered(spinning: Daemon) -> None:
         assert (reply.id, reply.error["data"]["kind"], spinning.proc.wait(20)) == (9, "DEADLINE", 0)  # type: ignore[index,union-attr]
 
 
-def test_a_client_that_leaves_mid_step_leaves_its_session_consistent(daemon: Daemon) -> None:
+def test_a_client_that_leaves_mid_step_leaves_its_session_consistent(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="left")
     for t in range(1, 6):
@@ -324,7 +325,7 @@ def test_a_client_that_leaves_mid_step_leaves_its_session_consistent(daemon: Dae
 # -- watchers -------------------------------------------------------------------------------------------------------
 
 
-def test_a_watcher_sees_every_step_whoever_makes_it(daemon: Daemon) -> None:
+def test_a_watcher_sees_every_step_whoever_makes_it(daemon: InProcess) -> None:
     with daemon.client() as stepper, daemon.client() as watcher:
         stepper.new(session="w")
         assert watcher.call("session/watch", {"session": "w"}) == {}
@@ -336,7 +337,7 @@ def test_a_watcher_sees_every_step_whoever_makes_it(daemon: Daemon) -> None:
         )
 
 
-def test_a_watcher_that_reconnects_misses_nothing(daemon: Daemon) -> None:
+def test_a_watcher_that_reconnects_misses_nothing(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="w")
         c.step("w", turn(1, FIX))
@@ -348,7 +349,7 @@ def test_a_watcher_that_reconnects_misses_nothing(daemon: Daemon) -> None:
         assert seqs == [2, 3]
 
 
-def test_a_watcher_that_stops_reading_is_dropped_and_the_stepper_is_not_slowed(daemon: Daemon) -> None:
+def test_a_watcher_that_stops_reading_is_dropped_and_the_stepper_is_not_slowed(daemon: InProcess) -> None:
     with daemon.client() as stepper:
         stepper.new(session="w")
         lazy = socket.socket(socket.AF_UNIX)
@@ -412,7 +413,7 @@ def test_a_notification_gets_no_answer(client: Client) -> None:
 
 
 def test_a_line_over_the_limit_is_too_large_and_the_rest_is_discarded(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--max-line-bytes", "1024") as d, d.client() as c:
+    with InProcess(tmp_path, "--max-line-bytes", "1024") as d, d.client() as c:
         c.send_line(b'{"jsonrpc":"2.0","id":1,"method":"daemon/status","pad":"' + b"x" * 200_000 + b'"}\n')
         reply = c.read_reply()
         assert (reply.id, reply.error["data"]["kind"]) == (None, "TOO_LARGE")  # type: ignore[index]
@@ -420,7 +421,7 @@ def test_a_line_over_the_limit_is_too_large_and_the_rest_is_discarded(tmp_path: 
 
 
 def test_a_line_that_trickles_in_too_slowly_closes_its_connection(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--line-timeout", "0.5") as d, d.client() as slow, d.client() as idle:
+    with InProcess(tmp_path, "--line-timeout", "0.5") as d, d.client() as slow, d.client() as idle:
         slow.send_line(b'{"jsonrpc":"2.0",')
         time.sleep(0.3)
         slow.send_line(b'"id":1,')
@@ -431,7 +432,7 @@ def test_a_line_that_trickles_in_too_slowly_closes_its_connection(tmp_path: Path
 
 
 def test_too_many_sessions_is_full(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--max-sessions", "2") as d, d.client() as c:
+    with InProcess(tmp_path, "--max-sessions", "2") as d, d.client() as c:
         c.new()
         c.new()
         with pytest.raises(errors.FullError):
@@ -445,7 +446,7 @@ def test_a_taken_name_is_exists(client: Client) -> None:
 
 
 def test_too_many_connections_are_refused_politely(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--max-connections", "1") as d, d.client() as first:
+    with InProcess(tmp_path, "--max-connections", "1") as d, d.client() as first:
         first.call("session/list")
         with d.client() as second:
             reply = second.read_reply()
@@ -458,7 +459,7 @@ def test_too_many_connections_are_refused_politely(tmp_path: Path) -> None:
         assert first.call("session/list") == {"sessions": []}
 
 
-def test_a_client_that_disconnects_leaves_the_daemon_serving(daemon: Daemon) -> None:
+def test_a_client_that_disconnects_leaves_the_daemon_serving(daemon: InProcess) -> None:
     for _ in range(20):
         s = socket.socket(socket.AF_UNIX)
         s.connect(str(daemon.socket))
@@ -471,7 +472,7 @@ def test_a_client_that_disconnects_leaves_the_daemon_serving(daemon: Daemon) -> 
 # -- who may connect ------------------------------------------------------------------------------------------------
 
 
-def test_the_socket_is_0600_in_a_0700_directory(daemon: Daemon) -> None:
+def test_the_socket_is_0600_in_a_0700_directory(daemon: InProcess) -> None:
     assert (oct(daemon.socket.stat().st_mode & 0o777), oct(daemon.socket.parent.stat().st_mode & 0o777)) == (
         "0o600",
         "0o700",
@@ -482,7 +483,7 @@ def test_the_socket_is_0600_in_a_0700_directory(daemon: Daemon) -> None:
 def test_a_peer_of_another_uid_is_refused_even_when_modes_allow_it() -> None:
     root = Path(tempfile.mkdtemp(prefix="devd-peer-"))
     try:
-        with Daemon(root) as daemon:
+        with InProcess(root) as daemon:
             daemon.socket.chmod(0o666)
             daemon.socket.parent.chmod(0o755)
             root.chmod(0o755)
@@ -580,7 +581,7 @@ def test_a_second_sigterm_during_shutdown_changes_nothing(spinning: Daemon) -> N
 
 
 def test_sigterm_finishes_and_exits_zero(tmp_path: Path) -> None:
-    d = Daemon(tmp_path).start()
+    d = InProcess(tmp_path).start()
     with d.client() as c:
         c.new(session="s")
         c.step("s", turn(1, FIX))

@@ -10,7 +10,7 @@ import pytest
 from devd import errors
 from devd.client import Client
 from devd.messages import Action, Agent, Ask, Call, Config, Event, Exec, Message, Output, answer, turn
-from tests.daemon import Daemon
+from tests.harness import InProcess
 
 DELTA = Config(model="m", asks="delta")
 
@@ -42,7 +42,7 @@ def c_id(c: Client, session: str) -> int:
 
 def test_a_delta_sessions_asks_add_up_to_its_transcript_across_restarts_and_hibernation(tmp_path: Path) -> None:
     kept: list[Message] = []
-    d = Daemon(tmp_path, "--max-live", "1", "--snapshot-floor", "0").start()
+    d = InProcess(tmp_path, "--max-live", "1", "--snapshot-floor", "0").start()
     try:
         with d.client() as c:
             c.new(DELTA, session="a")
@@ -59,7 +59,7 @@ def test_a_delta_sessions_asks_add_up_to_its_transcript_across_restarts_and_hibe
 
 
 def test_a_delta_ask_names_the_model_and_starts_at_the_first_message_not_sent(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         c.new(DELTA, session="a")
         c.step("a", turn(1, "one"))
         c.step("a", answer(1, text="first"))
@@ -71,7 +71,7 @@ def test_a_delta_ask_names_the_model_and_starts_at_the_first_message_not_sent(tm
 
 
 def test_a_keyed_retry_of_a_delta_ask_after_a_restart_derives_the_same_bytes(tmp_path: Path) -> None:
-    d = Daemon(tmp_path).start()
+    d = InProcess(tmp_path).start()
     try:
         with d.client() as c:
             c.new(DELTA, session="a")
@@ -90,7 +90,7 @@ def test_a_keyed_retry_of_a_delta_ask_after_a_restart_derives_the_same_bytes(tmp
 
 
 def test_a_fork_of_a_delta_session_owes_the_ask_the_source_owed_at_that_step(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         c.new(DELTA, session="a")
         c.step("a", turn(1, "one"))
         c.step("a", answer(1, calls=[Call(Exec=Exec(argv=["make"]))]))
@@ -101,7 +101,7 @@ def test_a_fork_of_a_delta_session_owes_the_ask_the_source_owed_at_that_step(tmp
 
 
 def test_a_transcript_from_past_its_end_is_empty_and_from_a_negative_index_is_refused(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         c.new(DELTA, session="a")
         c.step("a", turn(1, "one"))
         assert c.transcript("a", 1) == []
@@ -110,7 +110,7 @@ def test_a_transcript_from_past_its_end_is_empty_and_from_a_negative_index_is_re
 
 
 def test_a_default_session_gives_its_transcript_too(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         c.new(session="a")
         c.step("a", turn(1, "one"))
         c.step("a", answer(1, text="first"))

@@ -33,6 +33,7 @@ from devd.messages import (
     turn,
 )
 from tests.daemon import ROOT, Daemon, daemon_env
+from tests.harness import InProcess
 from tests.test_host import FIX, agent, tool, user
 
 CALLS = [Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="build.log"))]
@@ -113,27 +114,27 @@ def journal(c: Client, session: str) -> tuple[list[tuple[int, Event]], int]:
 # -- a turn, through its handlers ------------------------------------------------------------------------------------
 
 
-async def test_run_turn_carries_out_the_seed_turn_through_each_handler_in_order(daemon: Daemon) -> None:
+async def test_run_turn_carries_out_the_seed_turn_through_each_handler_in_order(daemon: InProcess) -> None:
     script = Script(SEED)
     async with AsyncClient.connect(daemon.socket) as c:
         done = await run_turn(c, await c.new(session="s"), FIX, script.handlers())
     assert (done, script.calls) == (COMPLETE, SEED_CALLS)
 
 
-async def test_run_turn_reports_each_result_in_a_step_of_its_own(daemon: Daemon, client: Client) -> None:
+async def test_run_turn_reports_each_result_in_a_step_of_its_own(daemon: InProcess, client: Client) -> None:
     async with AsyncClient.connect(daemon.socket) as c:
         await run_turn(c, await c.new(session="s"), FIX, Script(SEED).handlers())
     assert journal(client, "s") == (SEED_JOURNAL, 5)
 
 
-async def test_a_result_sent_again_under_its_derived_key_is_replayed_not_stepped(daemon: Daemon) -> None:
+async def test_a_result_sent_again_under_its_derived_key_is_replayed_not_stepped(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c:
         await run_turn(c, await c.new(session="s"), FIX, Script(SEED).handlers())
         again = await c.step_answer("s", SEED_JOURNAL[2][1], key=result_key("s", 2))
     assert again.replayed is True
 
 
-async def test_turn_ids_default_to_the_sessions_last_step_plus_one(daemon: Daemon) -> None:
+async def test_turn_ids_default_to_the_sessions_last_step_plus_one(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c:
         session = await c.new(session="s")
         first = await run_turn(c, session, FIX, Script(SEED).handlers())
@@ -141,7 +142,7 @@ async def test_turn_ids_default_to_the_sessions_last_step_plus_one(daemon: Daemo
     assert (first.turn, second.turn) == (1, 6)
 
 
-async def test_the_default_turn_id_is_read_from_the_named_session_not_its_neighbours(daemon: Daemon) -> None:
+async def test_the_default_turn_id_is_read_from_the_named_session_not_its_neighbours(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c:
         for name in ("r", "rzz", "s", "s-", "sa"):
             await c.new(session=name)
@@ -151,7 +152,7 @@ async def test_the_default_turn_id_is_read_from_the_named_session_not_its_neighb
     assert done.turn == 1
 
 
-async def test_a_turn_left_running_is_carried_out_before_the_new_one(daemon: Daemon) -> None:
+async def test_a_turn_left_running_is_carried_out_before_the_new_one(daemon: InProcess) -> None:
     script = Script([Reply(text="one"), Reply(text="two")])
     async with AsyncClient.connect(daemon.socket) as c:
         await c.new(session="s")
@@ -161,7 +162,7 @@ async def test_a_turn_left_running_is_carried_out_before_the_new_one(daemon: Dae
     assert (done.turn, kinds) == (2, [("model", 1), ("emit", "one"), ("model", 3), ("emit", "two")])
 
 
-async def test_a_turn_id_not_above_the_sessions_highest_raises_turn_error(daemon: Daemon) -> None:
+async def test_a_turn_id_not_above_the_sessions_highest_raises_turn_error(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c:
         await c.new(session="s")
         await c.step("s", turn(5, "first"))
@@ -169,7 +170,7 @@ async def test_a_turn_id_not_above_the_sessions_highest_raises_turn_error(daemon
             await run_turn(c, "s", "second", Script(SEED).handlers(), turn=3)
 
 
-async def test_a_call_of_a_kind_without_a_handler_is_answered_as_failed(daemon: Daemon) -> None:
+async def test_a_call_of_a_kind_without_a_handler_is_answered_as_failed(daemon: InProcess) -> None:
     script = Script([Reply(calls=[Call(Browse=Browse(url="https://example.com"))]), Reply(text="ok")])
     async with AsyncClient.connect(daemon.socket) as c:
         await run_turn(c, await c.new(session="s"), FIX, script.handlers())
@@ -177,7 +178,7 @@ async def test_a_call_of_a_kind_without_a_handler_is_answered_as_failed(daemon: 
     assert last_ask[-1] == tool(2, "this client cannot browse the web", True)
 
 
-async def test_coroutine_handlers_are_awaited(daemon: Daemon) -> None:
+async def test_coroutine_handlers_are_awaited(daemon: InProcess) -> None:
     async def model(ask: Ask) -> Reply:
         await anyio.sleep(0)
         return Reply(text="awaited")
@@ -192,7 +193,7 @@ async def test_coroutine_handlers_are_awaited(daemon: Daemon) -> None:
     assert shown == ["awaited"]
 
 
-def test_run_turn_blocking_runs_a_turn_without_an_event_loop(daemon: Daemon, client: Client) -> None:
+def test_run_turn_blocking_runs_a_turn_without_an_event_loop(daemon: InProcess, client: Client) -> None:
     session = client.new(session="s")
     assert run_turn_blocking(session, FIX, Script(SEED).handlers(), address=daemon.socket) == COMPLETE
 
@@ -200,7 +201,7 @@ def test_run_turn_blocking_runs_a_turn_without_an_event_loop(daemon: Daemon, cli
 # -- a turn that outlives its daemon ---------------------------------------------------------------------------------
 
 
-async def test_run_turn_survives_a_daemon_restart_mid_turn_and_steps_each_result_once(daemon: Daemon) -> None:
+async def test_run_turn_survives_a_daemon_restart_mid_turn_and_steps_each_result_once(daemon: InProcess) -> None:
     """SIGTERM after the first tool result, the daemon back 0.5 s later on the same state directory."""
     restart = threading.Timer(0.5, daemon.start)
     exits: list[int] = []
@@ -309,7 +310,7 @@ def test_the_readme_shows_the_example_agent_loop_as_it_is() -> None:
     assert f"```python\n{EXAMPLE.read_text()}```\n" in readme
 
 
-def test_the_example_agent_loop_runs_a_turn_in_its_workspace(daemon: Daemon, tmp_path: Path) -> None:
+def test_the_example_agent_loop_runs_a_turn_in_its_workspace(daemon: InProcess, tmp_path: Path) -> None:
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     run = subprocess.run(

@@ -12,6 +12,7 @@ from devd import errors
 from devd.client import Client
 from devd.messages import Action, Call, Event, Exec, Output, Read, answer, turn
 from tests.daemon import Daemon
+from tests.harness import InProcess
 
 
 class PendingActions(msgspec.Struct):
@@ -28,7 +29,7 @@ def waiting_for_calls(client: Client, name: str) -> list[Action]:
     return client.step(name, answer(1, calls=CALLS))
 
 
-def cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+def cli(daemon: InProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "devd", *args, "--connect", str(daemon.socket)], capture_output=True, text=True
     )
@@ -53,7 +54,7 @@ def test_pending_of_a_finished_turn_is_empty(client: Client) -> None:
     assert client.pending("s") == []
 
 
-def test_pending_survives_a_restart(daemon: Daemon) -> None:
+def test_pending_survives_a_restart(daemon: InProcess) -> None:
     with daemon.client() as c:
         calls = waiting_for_calls(c, "s")
     daemon.stop()
@@ -91,13 +92,13 @@ def test_a_fork_replays_its_sources_keys(client: Client) -> None:
     assert client.step("f", turn(1, "fix the build"), key="turn-1") == first
 
 
-def test_a_fork_survives_a_restart_and_continues(daemon: Daemon) -> None:
-    with daemon.client() as c:
+def test_a_fork_survives_a_restart_and_continues(process_daemon: Daemon) -> None:
+    with process_daemon.client() as c:
         calls = waiting_for_calls(c, "s")
         c.fork("s", name="f")
-    daemon.kill()
-    daemon.start()
-    with daemon.client() as c:
+    process_daemon.kill()
+    process_daemon.start()
+    with process_daemon.client() as c:
         result = Event(Exec=Output(id=calls[0].id, text="ok"))
         assert c.step("f", result) == c.step("s", result)
 
@@ -120,13 +121,13 @@ def test_a_fork_cannot_take_a_name_in_use(client: Client) -> None:
         client.fork("s", name="taken")
 
 
-def test_the_cli_forks_and_prints_the_forks_name(daemon: Daemon) -> None:
+def test_the_cli_forks_and_prints_the_forks_name(daemon: InProcess) -> None:
     with daemon.client() as c:
         waiting_for_calls(c, "s")
     assert cli(daemon, "fork", "s", "--at", "1", "--as", "f").stdout == "f\n"
 
 
-def test_the_cli_prints_pending_actions(daemon: Daemon) -> None:
+def test_the_cli_prints_pending_actions(daemon: InProcess) -> None:
     with daemon.client() as c:
         calls = waiting_for_calls(c, "s")
     out = cli(daemon, "pending", "s").stdout

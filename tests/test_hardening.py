@@ -19,6 +19,7 @@ from devd import errors
 from devd.client import Client
 from devd.server.listeners import TOKEN_CHARS_MIN
 from tests.daemon import Daemon, free_port
+from tests.harness import InProcess
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="making files of another uid needs root (CI runs as root)")
 NOBODY = 65534
@@ -110,7 +111,7 @@ def test_a_socket_path_that_is_a_regular_file_is_kept_and_refused(tmp_path: Path
 
 
 def test_a_socket_replaced_while_running_is_left_alone_at_shutdown(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d:
+    with InProcess(tmp_path) as d:
         d.socket.unlink()
         d.socket.write_text("someone else's")
         assert d.stop() == 0
@@ -263,7 +264,7 @@ def test_sigterm_ends_a_call_that_outlives_the_grace_as_deadline(tmp_path: Path)
 
 
 def test_a_database_deleted_while_running_stops_acknowledging(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         c.new(session="s")
         (d.state / "devd.sqlite3").unlink()
         with pytest.raises(errors.InternalError, match="deleted or replaced while the daemon ran"):
@@ -332,7 +333,7 @@ def _read_for(sock: socket.socket, seconds: float) -> list[dict]:
 def test_a_step_notice_larger_than_the_outbox_bound_still_reaches_a_watcher(tmp_path: Path) -> None:
     from devd.messages import turn
 
-    with Daemon(tmp_path) as d, d.client() as stepper, d.client() as watcher:
+    with InProcess(tmp_path) as d, d.client() as stepper, d.client() as watcher:
         stepper.new(session="big")
         watcher.call("session/watch", {"session": "big"})
         stepper.step("big", turn(1, "x" * (1 << 20)))
@@ -343,7 +344,7 @@ def test_a_step_notice_larger_than_the_outbox_bound_still_reaches_a_watcher(tmp_
 def test_catching_up_past_the_outbox_bound_ends_with_exactly_one_unwatched(tmp_path: Path) -> None:
     from devd.messages import turn
 
-    with Daemon(tmp_path) as d, d.client() as stepper:
+    with InProcess(tmp_path) as d, d.client() as stepper:
         stepper.new(session="long")
         for t in range(1, 13):  # 12 steps of about 300 KB each: a backlog far past the 1 MiB bound
             stepper.step("long", turn(t, str(t) * 300_000))
@@ -375,7 +376,7 @@ def test_an_internal_error_is_logged_without_the_request_payload(tmp_path: Path)
 
 
 def test_a_since_past_what_a_step_number_holds_is_invalid_params(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         c.new(session="s")
         with pytest.raises(errors.InvalidParamsError, match="since must be a step number"):
             c.call("session/watch", {"session": "s", "since": 1 << 63})
@@ -384,7 +385,7 @@ def test_a_since_past_what_a_step_number_holds_is_invalid_params(tmp_path: Path)
 
 
 def test_the_database_keeps_no_shared_memory_file_whose_fault_would_kill_the_daemon(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         c.new(session="s")
         assert sorted(p.name for p in d.state.iterdir() if p.name.startswith("devd.sqlite3")) == [
             "devd.sqlite3",
@@ -396,7 +397,7 @@ def test_the_database_keeps_no_shared_memory_file_whose_fault_would_kill_the_dae
 def test_two_watches_of_one_session_pipelined_on_one_connection_leave_one_subscription(tmp_path: Path) -> None:
     from devd.messages import turn
 
-    with Daemon(tmp_path) as d, d.client() as stepper:
+    with InProcess(tmp_path) as d, d.client() as stepper:
         stepper.new(session="w")
         for t in range(1, 4):
             stepper.step("w", turn(t, "x"))
@@ -430,7 +431,7 @@ def _watch_and_never_read(d: Daemon, stepper: Client) -> socket.socket:
 
 
 def test_a_watcher_that_never_reads_is_disconnected_after_the_send_timeout(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--send-timeout", "1") as d, d.client() as stepper:
+    with InProcess(tmp_path, "--send-timeout", "1") as d, d.client() as stepper:
         stepper.new(session="w")
         lazy = _watch_and_never_read(d, stepper)
         try:

@@ -20,6 +20,7 @@ from devd.server.daemon import build
 from devd.sessions.registry import Registry
 from devd.storage.sqlite import SQLiteStore
 from tests.daemon import Daemon, log_events
+from tests.harness import InProcess
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def listed(c: Client) -> list[tuple[str, str, int]]:
 
 
 def test_past_max_live_the_least_recently_used_session_hibernates(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--max-live", "2") as d, d.client() as c:
+    with InProcess(tmp_path, "--max-live", "2") as d, d.client() as c:
         for name in ("a", "b", "c"):
             c.new(session=name)
             c.step(name, turn(1, name))
@@ -44,7 +45,7 @@ def test_past_max_live_the_least_recently_used_session_hibernates(tmp_path: Path
 
 def test_past_the_live_memory_budget_idle_sessions_hibernate_and_status_counts_the_memory(tmp_path: Path) -> None:
     # A fresh session's instance holds 512 KiB: a 1.25 MiB budget holds two of them.
-    with Daemon(tmp_path, "--live-memory", "1.25M") as d, d.client() as c:
+    with InProcess(tmp_path, "--live-memory", "1.25M") as d, d.client() as c:
         for name in ("a", "b", "c"):
             c.new(session=name)
         status = c.call("daemon/status")
@@ -65,7 +66,7 @@ def test_a_hibernated_session_wakes_and_continues_exactly(tmp_path: Path, core: 
     reference = core.new()
     expected = [reference.step(e) for e in (turn(1, "a"), answer(1, "done"))]
     reference.close()
-    with Daemon(tmp_path, "--max-live", "1") as d, d.client() as c:
+    with InProcess(tmp_path, "--max-live", "1") as d, d.client() as c:
         c.new(session="a")
         first = c.step("a", turn(1, "a"))
         c.new(session="b")  # a hibernates
@@ -76,7 +77,7 @@ def test_a_hibernated_session_wakes_and_continues_exactly(tmp_path: Path, core: 
 
 
 def test_keys_outlive_hibernation(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--max-live", "1") as d, d.client() as c:
+    with InProcess(tmp_path, "--max-live", "1") as d, d.client() as c:
         c.new(session="a")
         first = c.step("a", turn(1, "a"), key="turn-1")
         c.new(session="b")
@@ -85,7 +86,7 @@ def test_keys_outlive_hibernation(tmp_path: Path) -> None:
 
 
 def test_a_watcher_keeps_watching_across_hibernation(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--max-live", "1") as d, d.client() as c, d.client() as watcher:
+    with InProcess(tmp_path, "--max-live", "1") as d, d.client() as c, d.client() as watcher:
         c.new(session="a")
         watcher.call("session/watch", {"session": "a"})
         c.new(session="b")  # a hibernates
@@ -109,7 +110,7 @@ def test_a_session_unused_past_expire_after_is_deleted_logged_and_counted(tmp_pa
 
 
 def test_a_list_comes_a_page_at_a_time_and_every_session_once(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         for name in ("e", "a", "d", "b", "c"):
             c.new(session=name)
         pages, cursor = [], None
@@ -124,12 +125,12 @@ def test_a_list_comes_a_page_at_a_time_and_every_session_once(tmp_path: Path) ->
 
 
 def test_a_list_limit_of_zero_is_invalid_params(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c, pytest.raises(errors.InvalidParamsError):
+    with InProcess(tmp_path) as d, d.client() as c, pytest.raises(errors.InvalidParamsError):
         c.call("session/list", {"limit": 0})
 
 
 def test_list_entries_say_when_a_session_was_made_and_last_used(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         c.new(session="s")
         time.sleep(0.05)
         c.step("s", turn(1, "x"))
@@ -239,7 +240,7 @@ async def test_an_ask_too_large_for_the_memory_cap_is_refused_the_same_after_the
 
 
 def test_session_memory_caps_each_session_and_a_step_past_it_is_refused_with_the_cap_named(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--session-memory", "4M") as d, d.client() as c:
+    with InProcess(tmp_path, "--session-memory", "4M") as d, d.client() as c:
         c.new(session="s")
         with pytest.raises(errors.NullError, match=r"does not fit in session 's''s memory \(4 MiB\)"):
             c.step("s", turn(1, "x" * (1200 << 10)))

@@ -18,6 +18,7 @@ from devd.messages import turn
 from devd.server.metrics import prometheus
 from devd.storage.sqlite import MIGRATIONS
 from tests.daemon import ROOT, Daemon, log_events
+from tests.harness import InProcess
 from tests.test_cli import subcommands
 from tests.test_metrics import STATUS
 
@@ -31,7 +32,7 @@ def devd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 # -- metrics ---------------------------------------------------------------------------------------------------------
 
 
-def test_status_prometheus_against_the_daemon_counts_its_steps(daemon: Daemon) -> None:
+def test_status_prometheus_against_the_daemon_counts_its_steps(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="s")
         c.step("s", turn(1, "x"))
@@ -60,21 +61,24 @@ def not_running(d: Daemon, why: str) -> str:
     )
 
 
-def test_doctor_passes_against_a_running_daemon_and_skips_the_integrity_check_saying_why(daemon: Daemon) -> None:
-    with daemon.client() as c:
+def test_doctor_passes_against_a_running_daemon_and_skips_the_integrity_check_saying_why(
+    process_daemon: Daemon,
+) -> None:
+    with process_daemon.client() as c:
         c.new(session="s")
-    run = doctor(daemon)
-    assert daemon.proc is not None
+    run = doctor(process_daemon)
+    assert process_daemon.proc is not None
     lines = run.stdout.splitlines()
     assert (run.returncode, len(lines), run.stderr) == (0, 5, "")
-    assert lines[0].startswith(f"ok    daemon: answers at {daemon.socket} (devd {__version__}, up ")
+    assert lines[0].startswith(f"ok    daemon: answers at {process_daemon.socket} (devd {__version__}, up ")
     assert lines[0].endswith(", 1 sessions)")
-    assert lines[1] == f"ok    state dir: {daemon.state} is 0700 and yours"
-    assert lines[2].startswith(f"ok    database: {daemon.state / 'devd.sqlite3'} (")
+    assert lines[1] == f"ok    state dir: {process_daemon.state} is 0700 and yours"
+    assert lines[2].startswith(f"ok    database: {process_daemon.state / 'devd.sqlite3'} (")
     assert lines[3] == "ok    core: the packaged core loads and speaks ABI 1"
     assert lines[4] == (
-        f"skip  integrity: a daemon holds {daemon.state} (pid {daemon.proc.pid}, socket {daemon.socket}) and keeps "
-        "its database open exclusively; stop the daemon, then run devd doctor again to check the database"
+        f"skip  integrity: a daemon holds {process_daemon.state} (pid {process_daemon.proc.pid}, "
+        f"socket {process_daemon.socket}) and keeps its database open exclusively; stop the daemon, then run devd "
+        "doctor again to check the database"
     )
 
 
@@ -97,7 +101,7 @@ def test_doctor_checks_a_killed_daemons_database_read_only_and_leaves_it_as_it_w
 
 
 def test_doctor_fails_a_database_whose_snapshot_file_is_missing_and_names_it(tmp_path: Path) -> None:
-    d = Daemon(tmp_path, "--snapshot-floor", "0").start()
+    d = InProcess(tmp_path, "--snapshot-floor", "0").start()
     with d.client() as c:
         c.new(session="s")
         c.step("s", turn(1, "x" * (300 << 10)))  # a snapshot of over 256 KiB: kept in a file
@@ -116,7 +120,7 @@ def test_doctor_fails_a_database_whose_snapshot_file_is_missing_and_names_it(tmp
 
 
 def test_doctor_finds_a_database_that_is_not_one(tmp_path: Path) -> None:
-    d = Daemon(tmp_path)
+    d = InProcess(tmp_path)
     d.state.mkdir(mode=0o700, parents=True)
     (d.state / "devd.sqlite3").write_bytes(b"this is not a database" * 100)
     run = doctor(d)
@@ -128,7 +132,7 @@ def test_doctor_finds_a_database_that_is_not_one(tmp_path: Path) -> None:
 
 
 def test_doctor_fails_a_state_dir_others_can_read_and_says_to_chmod_it(tmp_path: Path) -> None:
-    d = Daemon(tmp_path)
+    d = InProcess(tmp_path)
     d.state.mkdir(mode=0o700, parents=True)
     d.state.chmod(0o755)
     run = doctor(d)
@@ -160,7 +164,7 @@ def test_doctor_on_a_missing_state_dir_and_a_broken_core_fails_each_and_skips_in
 
 @pytest.mark.skipif(os.getuid() != 0, reason="root may check another user's state directory")
 def test_doctor_as_root_names_the_owner_of_another_users_state_dir(tmp_path: Path) -> None:
-    d = Daemon(tmp_path)
+    d = InProcess(tmp_path)
     d.state.mkdir(mode=0o700, parents=True)
     os.chown(d.state, 4242, 4242)
     run = doctor(d)
@@ -176,7 +180,8 @@ def events_after_ready(d: Daemon) -> list[dict[str, object]]:
     return [{k: v for k, v in e.items() if k != "timestamp"} for e in logged[start + 1 :]]
 
 
-def test_a_sessions_lifecycle_is_logged_at_info_and_its_steps_are_not(daemon: Daemon) -> None:
+def test_a_sessions_lifecycle_is_logged_at_info_and_its_steps_are_not(process_daemon: Daemon) -> None:
+    daemon = process_daemon
     with daemon.client() as c:
         c.new(session="a")
         for t in range(1, 4):

@@ -20,6 +20,7 @@ from devd.sessions.history import digest
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, MIGRATIONS
 from devd.storage.store import Health, Step, Stored
 from tests.daemon import Daemon
+from tests.harness import InProcess
 from tests.test_store import running, sqlite_at
 
 FIRST_RELEASE_SCHEMA = """
@@ -81,7 +82,7 @@ def test_a_first_release_state_directory_continues_where_it_stopped(tmp_path: Pa
         reference.step_raw(encode(event))
     expected_next = reference.step_raw(encode(answer(4, "tests pass")))
     reference.close()
-    with Daemon(tmp_path) as d, d.client() as c:
+    with InProcess(tmp_path) as d, d.client() as c:
         listed = [(s["session"], s["state"], s["seq"]) for s in c.call("session/list")["sessions"]]
         assert listed == [("old", "stored", 3)]
         replay = c.step_result("old", EVENTS[1], key=KEYS[1])
@@ -91,7 +92,7 @@ def test_a_first_release_state_directory_continues_where_it_stopped(tmp_path: Pa
 
 def test_the_upgrade_records_the_format_it_brought_the_database_to(tmp_path: Path, core: Core) -> None:
     first_release_state(tmp_path / "state", core)
-    with Daemon(tmp_path):
+    with InProcess(tmp_path):
         pass
     with closing(sqlite3.connect(tmp_path / "state" / "devd.sqlite3")) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)

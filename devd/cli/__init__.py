@@ -40,6 +40,31 @@ if TYPE_CHECKING:
     from devd.storage.store import Fleet, Store
 
 
+def settings_from(args: argparse.Namespace) -> Settings:
+    """`devd serve`'s flags as the daemon's settings (the defaults where a flag is not given)."""
+    return Settings(
+        state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),
+        socket_path=args.socket or default_socket_path(),
+        tcp=args.listen,
+        core_path=Path(args.core) if args.core else None,
+        call_timeout_s=args.call_timeout,
+        sessions_max=args.max_sessions,
+        max_live=args.max_live,
+        snapshot_floor_bytes=args.snapshot_floor,
+        live_memory_bytes=args.live_memory,
+        memory_bytes_per_session=args.session_memory,
+        expire_after_s=args.expire_after,
+        connections_max=args.max_connections,
+        line_bytes_max=args.max_line_bytes,
+        line_timeout_s=args.line_timeout,
+        send_timeout_s=args.send_timeout,
+        max_call_timeout_s=args.max_call_timeout,
+        metrics=args.metrics,
+        log_format=args.log_format,
+        log_level=args.log_level,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     import anyio
     import structlog
@@ -69,27 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     log.configure(args.log_format, args.log_level)
     logger = structlog.get_logger("devd")
     try:
-        settings = Settings(
-            state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),
-            socket_path=args.socket or default_socket_path(),
-            tcp=args.listen,
-            core_path=Path(args.core) if args.core else None,
-            call_timeout_s=args.call_timeout,
-            sessions_max=args.max_sessions,
-            max_live=args.max_live,
-            snapshot_floor_bytes=args.snapshot_floor,
-            live_memory_bytes=args.live_memory,
-            memory_bytes_per_session=args.session_memory,
-            expire_after_s=args.expire_after,
-            connections_max=args.max_connections,
-            line_bytes_max=args.max_line_bytes,
-            line_timeout_s=args.line_timeout,
-            send_timeout_s=args.send_timeout,
-            max_call_timeout_s=args.max_call_timeout,
-            metrics=args.metrics,
-            log_format=args.log_format,
-            log_level=args.log_level,
-        )
+        settings = settings_from(args)
         prepare_state_dir(settings.state_dir)
         lock_state_dir(settings.state_dir, settings.socket_path)  # held (by its open descriptor) until exit
         core = Core.open(

@@ -17,10 +17,11 @@ What it promises:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import anyio
 import msgspec
@@ -83,9 +84,10 @@ class Daemon:
         listeners: list[tuple[socket.socket, str]],
         on_ready: Callable[[], None],
         metrics_socket: socket.socket | None = None,
+        stops: AsyncIterator[int] | None = None,
     ) -> None:
-        """Serve until SIGTERM/SIGINT, then shut down gracefully; serve `GET /metrics` on metrics_socket, if any, until
-        the end.
+        """Serve until SIGTERM/SIGINT (or until `stops` yields a signal number: a daemon not on the main thread, in a
+        test), then shut down gracefully; serve `GET /metrics` on metrics_socket, if any, until the end.
 
         The signal receiver stays open until everything is committed, so a second SIGTERM during the shutdown is
         absorbed rather than killing the process half-way.
@@ -94,7 +96,7 @@ class Daemon:
         if app.registry.fleet is not None:
             await app.registry.fleet.connect()
         await app.registry.load()
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with _stop_requests(stops) as signals:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app.store.run)
                 tg.start_soon(self._watchdog)
@@ -206,6 +208,15 @@ class Daemon:
                 + ("\nWATCHDOG=1" if interval else "")
             )
             await anyio.sleep(interval or 10.0)
+
+
+@contextlib.contextmanager
+def _stop_requests(stops: AsyncIterator[int] | None) -> Iterator[AsyncIterator[int]]:
+    if stops is not None:
+        yield stops
+        return
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        yield signals
 
 
 async def _listen(hub: Hub, sock: socket.socket, kind: str) -> asyncio.Server:
