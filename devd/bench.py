@@ -178,7 +178,8 @@ def _echo_server(socket_path: str) -> None:
     from devd.daemon import Daemon, build
     from devd.listeners import bind_unix
     from devd.memory_store import MemoryStore
-    from devd.methods import METHODS, Call, NewParams, SessionResult, StepParams, StepResult  # noqa: F401
+    from devd.methods import METHODS, Call  # noqa: F401
+    from devd.protocol import NewParams, SessionResult, StepParams, StepResult
 
     async def new(call: Call, params: NewParams) -> SessionResult:
         return SessionResult(params.session or "echo")

@@ -411,7 +411,7 @@ class Registry:
             else:
                 entry.snapshot_bytes, entry.since_bytes = len(snapshot), 0
             self.stats.steps += 1
-            self.fanout.publish(Stepped(name, seq, event, actions))
+            self.fanout.publish(Stepped(name, seq, event, actions, time.time()))
             return Answered(actions, False, ignored)
         finally:
             entry.busy = False
@@ -850,6 +850,7 @@ class Registry:
                 gap = None if whole else rows[cut].seq
                 rows = rows[:cut]
                 answers = await deriver.answers(rows)
+                times = await self.store.journalled(name, sub.last_seq, len(rows)) if rows else {}
                 if answers is None:  # what derives these answers is pruned; the latest snapshot derives what follows
                     kept = await self.store.load(name)
                     if kept is None:  # closed meanwhile (here, or by another daemon of a fleet), not pruned
@@ -860,8 +861,11 @@ class Registry:
                         return sub
                     gap = kept.snapshot_seq + 1
                 for row, actions in zip(rows, answers or (), strict=False):
+                    at = times.get(
+                        row.seq, entry.created
+                    )  # a step from before times were kept: when its session was made
                     if not self.fanout.deliver(
-                        sub, row.seq, self.fanout.encode(Stepped(name, row.seq, row.event, actions))
+                        sub, row.seq, self.fanout.encode(Stepped(name, row.seq, row.event, actions, at))
                     ):
                         return sub
                 if gap is not None:  # pruned: a watcher is promised every step after since, or nothing
@@ -897,6 +901,13 @@ class Registry:
         infos = [self._info(self._entries[n]) for n in names]
         more = limit is not None and start + limit < len(self._names)
         return infos, (names[-1] if more and names else None)
+
+    def info(self, name: str) -> Info:
+        """One session's entry, as `page` gives it; HandleError if there is no such session."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise _no_such(name)
+        return self._info(entry)
 
     def _info(self, e: Entry) -> Info:
         return Info(e.name, e.state, e.seq, self.fanout.count(e.name), e.reason, e.created, e.last_used)
