@@ -766,8 +766,10 @@ class Check:
         return f"{self.outcome:<4}  {self.name}: {' '.join(self.says.split())}"
 
 
-def check_daemon(args: argparse.Namespace) -> Check:
-    """The daemon answers `daemon/status` at the address the client commands use."""
+def check_daemon(args: argparse.Namespace, state: Path | None = None) -> Check:
+    """The daemon answers `daemon/status` at the address the client commands use. One that does not, while no daemon
+    holds the state directory `state` and its database is there, is stopped (for a restore, or an upgrade): said, and
+    not a failure."""
     from devd.client import Client, NotRunningError
 
     address = _address(args)
@@ -779,6 +781,14 @@ def check_daemon(args: argparse.Namespace) -> Check:
     except DevdError as e:
         return Check("daemon", "FAIL", f"the daemon at {address} answered {e.kind}: {in_cli_terms(e, args)}")
     except NotRunningError as e:
+        if state is not None and _stopped(state):
+            return Check(
+                "daemon",
+                "skip",
+                f"not running: nothing listens at {address}, and no daemon holds {state}: as expected while it is "
+                "stopped (to restore a backup, or to upgrade), so its database is checked below; start it with "
+                "`devd serve` (or its systemd unit) when you are done",
+            )
         return Check("daemon", "FAIL", e.strerror or str(e))
     except (OSError, ConnectionError) as e:
         return Check("daemon", "FAIL", f"cannot reach the daemon at {address}: {e}")
@@ -787,6 +797,14 @@ def check_daemon(args: argparse.Namespace) -> Check:
     return Check(
         "daemon", "ok", f"answers at {address} ({server}, up {_duration(status['uptime_s'])}, {sessions} sessions)"
     )
+
+
+def _stopped(state: Path) -> bool:
+    """The state directory holds a database and no daemon holds the directory."""
+    try:
+        return (state / DATABASE_FILE).is_file() and lock_holder(state) is None
+    except OSError:
+        return False
 
 
 def check_state_dir(state: Path) -> Check:
@@ -911,8 +929,12 @@ def quick_check(db: Path) -> Check:
 
     shm = Path(f"{db}-shm")
     had_shm = shm.exists()
+    # With no write-ahead log beside it, the file is read as immutable: a read-only connection to a database in WAL
+    # mode would otherwise create an empty -wal (and a -shm), which a restore must not find beside the database it
+    # puts in place. With a log (a daemon that was killed), the log is read too, as the daemon will read it.
+    mode = "mode=ro" if Path(f"{db}-wal").exists() else "mode=ro&immutable=1"
     try:
-        ro = sqlite3.connect(f"file:{quote(str(db))}?mode=ro", uri=True)
+        ro = sqlite3.connect(f"file:{quote(str(db))}?{mode}", uri=True)
         try:
             found = [str(row[0]) for row in ro.execute("PRAGMA quick_check")]
             version = int(ro.execute("PRAGMA user_version").fetchone()[0])
@@ -970,7 +992,7 @@ def _snapshot_files(db: Any) -> list[str]:
 def _doctor(args: argparse.Namespace) -> int:
     state = Path(args.state_dir) if args.state_dir else default_state_dir()
     checks = [
-        check_daemon(args),
+        check_daemon(args, state),
         check_state_dir(state),
         check_database(state),
         check_core(Path(args.core) if args.core else None),
