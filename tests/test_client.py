@@ -342,6 +342,12 @@ def test_importing_the_client_loads_neither_wasmtime_nor_the_registry_nor_the_wa
     assert out == "[]\n"
 
 
+def test_the_protocol_module_loads_no_module_of_devd_but_the_messages_and_the_errors() -> None:
+    code = "import sys, devd.protocol; print(sorted(m for m in sys.modules if m.startswith('devd')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "['devd', 'devd.errors', 'devd.messages', 'devd.protocol']\n"
+
+
 def _server_that_dies_mid_reply(path: Path) -> socket.socket:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
