@@ -186,7 +186,6 @@ def initialize_result(settings: Settings) -> InitializeResult:
 
 @method("initialize")
 async def initialize(call: Call, params: InitializeParams) -> InitializeResult:
-    """Say hello; optional on the Unix socket, required first (with the token) on TCP."""
     return initialize_result(call.app.settings)
 
 
@@ -219,13 +218,11 @@ def _rss_bytes() -> int:
 
 @method("daemon/status")
 async def daemon_status(call: Call, params: NoParams) -> StatusResult:
-    """The daemon's counters: sessions by state, steps, errors by kind, commit latency, memory."""
     return status(call.app)
 
 
 @method("daemon/backup")
 async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
-    """A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied)."""
     path = Path(params.path)
     if not path.is_absolute():
         raise InvalidParamsError(f"the backup path must be absolute (the daemon's directory is not yours): {path}")
@@ -240,8 +237,6 @@ async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
 
 @method("daemon/drain")
 async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
-    """Give every session this daemon of a fleet holds back to the fleet, so other daemons take them at once (before
-    a restart, say); a session called here again is taken back. Calls in flight keep their session."""
     if call.app.registry.fleet is None:
         raise NullError("this daemon is not in a fleet (its store is its own): there is nothing to give back")
     return DrainResult(await call.app.registry.drain())
@@ -252,7 +247,6 @@ async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
 
 @method("session/new")
 async def session_new(call: Call, params: NewParams) -> SessionResult:
-    """Start a session; it is durable before this answers."""
     name = await call.app.registry.new(params.session, encode(params.config or Config()))
     log.info("session.created", session=name)
     return SessionResult(name)
@@ -260,7 +254,6 @@ async def session_new(call: Call, params: NewParams) -> SessionResult:
 
 @method("session/step")
 async def session_step(call: Call, params: StepParams) -> StepResult:
-    """Step a session with one event; answered once the step is durable."""
     answered = await call.app.registry.step(params.session, bytes(params.event), params.timeout_ms, params.key)
     ignored = None if answered.ignored is None else [answered.ignored]
     return StepResult(Raw(answered.actions), answered.replayed, ignored)
@@ -268,13 +261,11 @@ async def session_step(call: Call, params: StepParams) -> StepResult:
 
 @method("session/snapshot")
 async def session_snapshot(call: Call, params: SessionParams) -> SnapshotResult:
-    """The session's state as the core encodes it."""
     return SnapshotResult(await call.app.registry.snapshot(params.session))
 
 
 @method("session/restore")
 async def session_restore(call: Call, params: RestoreParams) -> SessionResult:
-    """Start a session from a snapshot; it is durable before this answers."""
     name = await call.app.registry.restore(params.snapshot, params.session)
     log.info("session.restored", session=name)
     return SessionResult(name)
@@ -282,8 +273,6 @@ async def session_restore(call: Call, params: RestoreParams) -> SessionResult:
 
 @method("session/fork")
 async def session_fork(call: Call, params: ForkParams) -> SessionResult:
-    """Start a session whose history is the source's up to step `at`, with its own name, journal and keys; the
-    source is untouched."""
     name = await call.app.registry.fork(params.session, params.at, params.as_)
     log.info("session.forked", session=name, source=params.session, at=params.at)
     return SessionResult(name)
@@ -291,21 +280,17 @@ async def session_fork(call: Call, params: ForkParams) -> SessionResult:
 
 @method("session/pending")
 async def session_pending(call: Call, params: SessionParams) -> PendingResult:
-    """What the session still waits for, from the core itself: what a client that reconnects still owes."""
     return PendingResult(Raw(await call.app.registry.pending(params.session)))
 
 
 @method("session/transcript")
 async def session_transcript(call: Call, params: TranscriptParams) -> TranscriptResult:
-    """The session's conversation, as a Model ask would carry it whole: what a client of a session whose asks carry
-    only new messages (config `asks: "delta"`) reads when it starts, or has lost count."""
     seq, messages = await call.app.registry.transcript(params.session, params.from_)
     return TranscriptResult(seq, params.from_, Raw(messages))
 
 
 @method("session/recover")
 async def session_recover(call: Call, params: SessionParams) -> SessionResult:
-    """Bring an ended or poisoned session back from its durable state."""
     await call.app.registry.recover(params.session)
     log.info("session.recovered", session=params.session)
     return SessionResult(params.session)
@@ -313,7 +298,6 @@ async def session_recover(call: Call, params: SessionParams) -> SessionResult:
 
 @method("session/close")
 async def session_close(call: Call, params: SessionParams) -> Empty:
-    """End a session and delete its state; its watchers get `session/unwatched` with reason "closed"."""
     await call.app.registry.close(params.session)
     log.info("session.closed", session=params.session)
     call.peer.watches.pop(params.session, None)
@@ -359,7 +343,6 @@ async def session_info(call: Call, params: SessionParams) -> InfoResult:
 
 @method("session/watch")
 async def session_watch(call: Call, params: WatchParams) -> Empty:
-    """Receive `session/actions` for every step of the session after `since` (or from now) on this connection."""
     peer, registry = call.peer, call.app.registry
     sub = await registry.watch(params.session, peer.sink, params.since)
     # Whatever the connection did while the history was being sent (closed, or watched the same session again)
@@ -376,7 +359,6 @@ async def session_watch(call: Call, params: WatchParams) -> Empty:
 
 @method("session/unwatch")
 async def session_unwatch(call: Call, params: SessionParams) -> Empty:
-    """Stop receiving the session's steps on this connection."""
     sub = call.peer.watches.pop(params.session, None)
     if sub is not None:
         call.app.registry.unwatch(sub)
