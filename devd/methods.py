@@ -22,7 +22,7 @@ from msgspec import Raw
 
 from devd import ABI, __version__, protocol
 from devd.config import Settings
-from devd.errors import ExistsError, InvalidParamsError, MethodNotFoundError, NullError
+from devd.errors import ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
 from devd.messages import Config, decode_actions, encode
 
 # Re-exported: the wire's names and rules were first defined here, and are still imported from here.
@@ -324,11 +324,17 @@ async def session_list(call: Call, params: ListParams) -> ListResult:
 
 @method("session/info")
 async def session_info(call: Call, params: SessionParams) -> InfoResult:
-    registry = call.app.registry
+    registry, name = call.app.registry, params.session
+    try:
+        state = registry.info(name).state.value
+    except HandleError:
+        if registry.fleet is None:
+            raise
+        state = "stored"  # not held here: pending takes it from the fleet, or answers MOVED naming its owner
     waits: list[protocol.Waiting] = []
-    if registry.info(params.session).state.value in ("live", "stored"):  # an ended or poisoned turn waits for nothing
-        waits = protocol.waiting(decode_actions(await registry.pending(params.session)))
-    i = registry.info(params.session)  # after pending, which may have woken it
+    if state in ("live", "stored"):  # an ended or poisoned turn waits for nothing
+        waits = protocol.waiting(decode_actions(await registry.pending(name)))
+    i = registry.info(name)  # after pending, which may have woken or adopted it
     return InfoResult(
         i.name,
         i.state.value,  # type: ignore[arg-type]
