@@ -178,9 +178,10 @@ def _echo_server(socket_path: str) -> None:
 
     from devd import log
     from devd.config import Settings
+    from devd.protocol import NewParams, SessionResult, StepParams, StepResult
     from devd.server.daemon import Daemon, build
     from devd.server.listeners import bind_unix
-    from devd.server.methods import METHODS, Call, NewParams, SessionResult, StepParams, StepResult  # noqa: F401
+    from devd.server.methods import METHODS, Call  # noqa: F401
     from devd.storage.memory import MemoryStore
 
     async def new(call: Call, params: NewParams) -> SessionResult:

@@ -43,7 +43,7 @@ from benchmarks.bench import _proc_status, _server_argv, _soak_freeze, _tree_byt
 from devd import errors
 from devd.client import Client
 from devd.messages import Call, Config, Event, Exec, Output, Read, answer, encode, turn
-from devd.server.methods import SessionParams, SnapshotResult, StepParams
+from devd.protocol import SessionParams, SnapshotResult, StepParams
 
 TURNS = 2000
 WINDOW_TURNS = 250

@@ -2,9 +2,9 @@
 
 What they promise:
 
-- Every method of the daemon's method table (`devd.server.methods.METHODS`) has a typed method on both clients
-  (`METHOD_NAMES` maps one to the other): keyword arguments in, with messages as Structs (`Event`, `Config`), and
-  Structs out. A method answers its result Struct from `devd.server.methods` (`ListResult`, `StatusResult`, ...), or the
+- Every method of the protocol's table (`devd.protocol.METHODS`) has a typed method on both clients, the one the
+  table names (`METHOD_NAMES`): keyword arguments in, with messages as Structs (`Event`, `Config`), and
+  Structs out. A method answers its result Struct from `devd.protocol` (`ListResult`, `StatusResult`, ...), or the
   one member that is all the result holds (a session's name, a snapshot, a list of `Action`s), or None for `{}`.
   `request(method, params)` takes any method's params Struct and answers its result Struct.
 - `step()` answers the actions; `step_answer()` answers a `StepAnswer`, which keeps `replayed` (a keyed step that
@@ -16,7 +16,17 @@ What they promise:
 - The address defaults to the daemon's own rule (`default_address()`). A Unix socket served by another user is
   refused before anything is sent. When no daemon listens, `NotRunningError` says how to start one.
 - Errors the daemon answers are raised as the `devd.errors` class of their kind; a lost connection is a
-  `ConnectionError`. `AsyncClient.reconnect()` opens a new connection to the same address (after a daemon restart).
+  `ConnectionError` on both clients, a reply cut in the middle of its line too (`read_line`). Exceptions come out of
+  `AsyncClient.connect` as themselves, not in an ExceptionGroup. `AsyncClient.reconnect()` opens a new connection to
+  the same address (after a daemon restart).
+- Importing this module loads the protocol (`devd.protocol`, `devd.messages`, `devd.errors`), never the daemon: no
+  registry, no wasm host, no wasmtime.
+
+Why `Client` is a blocking socket of its own rather than a portal over `AsyncClient` (anyio's blocking portal would
+write each typed method once): measured here, a portal's thread hop and the async client's reader task made a call two
+to three times slower (`daemon/status`: about 0.25 ms blocking, 0.65-1.2 ms through a portal, on a shared 2-core
+machine), and the CLI, the tests and the benchmarks' timed steps all go through `Client`. The two stay one design: the
+same table, params builders (`_hello`, `_step`) and answers (`_answer`), the same line reading rules and MOVED rules.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Generator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import anyio
 import anyio.abc
@@ -38,13 +48,14 @@ from anyio.streams.memory import MemoryObjectSendStream
 from devd import errors
 from devd.config import default_socket_path, parse_tcp
 from devd.messages import Action, Config, Event, Message, decode_actions, decode_messages, encode
-from devd.server.listeners import peer_uid
-from devd.server.methods import (
+from devd.protocol import (
     METHODS,
+    ActionsNotice,
     BackupParams,
     BackupResult,
     DrainResult,
     ForkParams,
+    InfoResult,
     InitializeParams,
     InitializeResult,
     ListParams,
@@ -61,10 +72,11 @@ from devd.server.methods import (
     StepResult,
     TranscriptParams,
     TranscriptResult,
+    UnwatchedNotice,
     WatchParams,
 )
-from devd.server.methods import Client as ClientInfo
-from devd.server.rpc import UnwatchedNotice
+from devd.protocol import Client as ClientInfo
+from devd.server.listeners import peer_uid
 
 
 def _classes_by_kind() -> dict[str, type[errors.DevdError]]:
@@ -83,24 +95,7 @@ _KINDS = _classes_by_kind()
 MOVED_HOPS = 4  # calls sent for one request that meets MOVED: the first, then up to three daemons it names
 
 # Each method of the table, and the client method that calls it (the same name on both clients).
-METHOD_NAMES: dict[str, str] = {
-    "initialize": "initialize",
-    "daemon/status": "status",
-    "daemon/backup": "backup",
-    "daemon/drain": "drain",
-    "session/new": "new",
-    "session/step": "step_answer",
-    "session/snapshot": "snapshot",
-    "session/restore": "restore",
-    "session/fork": "fork",
-    "session/pending": "pending",
-    "session/transcript": "transcript",
-    "session/recover": "recover",
-    "session/close": "close_session",  # `close` closes the connection
-    "session/list": "list",
-    "session/watch": "watch",
-    "session/unwatch": "unwatch",
-}
+METHOD_NAMES: dict[str, str] = {name: spec.call for name, spec in METHODS.items()}
 
 NOTICES_BUFFERED = 1 << 16  # notices of no watch() kept for `notifications`; past it, reading waits for a reader
 WATCH_BUFFERED = 1024  # notices kept for one watch() loop; past it, reading waits for the loop
@@ -131,15 +126,6 @@ class StepAnswer(msgspec.Struct, frozen=True):
     actions: list[Action]
     replayed: bool = False
     ignored: list[int] = msgspec.field(default_factory=list)
-
-
-class ActionsNotice(msgspec.Struct, frozen=True):
-    """`session/actions`: step `seq` of a watched session, its event and the actions it was answered."""
-
-    session: str
-    seq: int
-    event: Event
-    actions: list[Action]
 
 
 Notice = ActionsNotice | UnwatchedNotice
@@ -191,6 +177,15 @@ def _step(session: str, event: Event | bytes, timeout_ms: int | None, key: str |
 
 def _answer(result: StepResult) -> StepAnswer:
     return StepAnswer(decode_actions(bytes(result.actions)), result.replayed, result.ignored or [])
+
+
+def read_line(file: BinaryIO) -> bytes:
+    """One whole line; ConnectionError if the connection ends before its newline (a daemon that died mid-reply
+    leaves half a line, which is no reply at all)."""
+    line = file.readline()
+    if not line.endswith(b"\n"):
+        raise ConnectionError("the daemon closed the connection" + (" in the middle of a reply" if line else ""))
+    return line
 
 
 def _greets(address: str, token: str | None) -> bool:
@@ -330,10 +325,8 @@ class Client:
         self._sock.sendall(line)
 
     def read_reply(self) -> Reply:
-        line = self._file.readline()
-        if not line:
-            raise ConnectionError("the daemon closed the connection")
-        return _reply.decode(line)
+        """The next line from the daemon; ConnectionError if the connection ends first, even mid-line."""
+        return _reply.decode(read_line(self._file))
 
     def call_raw(self, method: str, params: Any = None) -> bytes:
         """The result's raw JSON; raises the error the daemon answered. A session that lives on another daemon of a
@@ -481,6 +474,11 @@ class Client:
         result: ListResult = self.request("session/list", ListParams(limit, cursor))
         return result
 
+    def info(self, session: str) -> InfoResult:
+        """The session's `list` entry, and what its turn waits for (`waiting`: the pending actions' ids and kinds)."""
+        result: InfoResult = self.request("session/info", SessionParams(session))
+        return result
+
     def watch(
         self, session: str, since: int | None = None, *, timeout: float | None = None
     ) -> Generator[Notice, None, None]:
@@ -590,6 +588,7 @@ class AsyncClient:
         Raises NotRunningError when no daemon listens there, PermissionError when another user serves the socket."""
         address = default_address() if address is None else str(address)
         stream = await _open_stream(address)
+        failed: BaseException | None = None
         async with anyio.create_task_group() as tg:
             client = cls(stream, address=address, token=token, tasks=tg)
             client._follow = follow_moved
@@ -598,6 +597,10 @@ class AsyncClient:
                 if _greets(address, token):
                     await client.initialize(token=token)
                 yield client
+            except BaseException as e:
+                # Raised again below, once the task group is left: from inside it, anyio would wrap it in an
+                # ExceptionGroup, and the caller's `except NotRunningError` (or UnauthorizedError) would miss it.
+                failed = e
             finally:
                 with anyio.CancelScope(shield=True):
                     await client._conn.stream.aclose()
@@ -605,6 +608,8 @@ class AsyncClient:
                 client._unrouted.close()
                 client.notifications.close()
                 tg.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
 
     async def reconnect(self) -> None:
         """Drop this connection and open a new one to the same address (after the daemon restarted, say). Calls and
@@ -629,7 +634,9 @@ class AsyncClient:
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     await conn.deliver(_reply.decode(line))
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, msgspec.DecodeError):
+            # A line that is not JSON is no daemon's: the connection is as good as lost (and the task group, which
+            # would otherwise raise the error out of `connect`, stays whole).
             conn.lose()
 
     async def call_raw(self, method: str, params: Any = None) -> bytes:
@@ -759,6 +766,11 @@ class AsyncClient:
     async def list(self, limit: int | None = None, cursor: str | None = None) -> ListResult:
         """Sessions by name: all of them, or a page of `limit` after `cursor` (the `next` of the page before)."""
         result: ListResult = await self.request("session/list", ListParams(limit, cursor))
+        return result
+
+    async def info(self, session: str) -> InfoResult:
+        """The session's `list` entry, and what its turn waits for (`waiting`: the pending actions' ids and kinds)."""
+        result: InfoResult = await self.request("session/info", SessionParams(session))
         return result
 
     async def watch(self, session: str, since: int | None = None) -> AsyncGenerator[Notice, None]:

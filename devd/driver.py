@@ -40,7 +40,7 @@ from devd.messages import Action, Answer, Ask, Browse, Done, Event, Exec, Git, O
 T = TypeVar("T")
 C = TypeVar("C")
 
-NAME_CHARS_MAX = 64  # a session name's length limit (devd.server.methods.SESSION_NAME_PATTERN)
+NAME_CHARS_MAX = 64  # a session name's length limit (devd.protocol.SESSION_NAME_PATTERN)
 
 
 class ToolOutput(msgspec.Struct, frozen=True):

@@ -52,9 +52,8 @@ from typing import Any
 
 import msgspec
 
-from devd import __version__, errors, messages
-from devd.server import rpc
-from devd.server.methods import METHODS
+from devd import __version__, errors, messages, protocol
+from devd.protocol import METHODS
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 OPENRPC = "1.3.2"
@@ -176,6 +175,19 @@ EXCHANGES: tuple[Exchange, ...] = (
         {},
         {"sessions": [{"session": "demo", "state": "live", "seq": 5, "created": _TIME, "last_used": _TIME}]},
     ),
+    Exchange(
+        "one session, and what its turn waits for",
+        "session/info",
+        {"session": "look"},
+        {
+            "session": "look",
+            "state": "live",
+            "seq": 2,
+            "created": _TIME,
+            "last_used": _TIME,
+            "waiting": [{"id": 2, "kind": "Read"}],
+        },
+    ),
     Exchange("watch a session", "session/watch", {"session": "demo"}, {}),
     Exchange("close a session", "session/close", {"session": "demo"}, {}),
 )
@@ -189,6 +201,7 @@ NOTICE_EXAMPLE: dict[str, Any] = {
     "seq": 3,
     "event": {"Exec": {"id": 2, "text": "main.c:3: error: x undeclared", "failed": True}},
     "actions": [],
+    "at": _TIME,
 }
 
 
@@ -217,8 +230,8 @@ def schema() -> dict[str, Any]:
     types = [
         *(m.params for m in METHODS.values()),
         *(m.result for m in METHODS.values()),
-        *rpc.NOTIFICATIONS.values(),
-        rpc.Error,
+        *protocol.NOTIFICATIONS.values(),
+        protocol.Error,
         messages.Event,
         messages.Action,
         messages.Config,
@@ -256,9 +269,9 @@ def schema() -> dict[str, Any]:
         },
         "notifications": {
             method: {"description": _tidy(cls.__doc__ or ""), "params": _ref(cls)}
-            for method, cls in rpc.NOTIFICATIONS.items()
+            for method, cls in protocol.NOTIFICATIONS.items()
         },
-        "error": _ref(rpc.Error),
+        "error": _ref(protocol.Error),
         "errors": {
             kind: {"code": cls.code, "description": " ".join((cls.__doc__ or _JSONRPC_ERRORS[kind]).split())}
             for kind, cls in kinds.items()
@@ -356,8 +369,8 @@ def _notifications_type() -> dict[str, Any]:
         "title": "Notifications",
         "description": "Not a message: every notification the daemon sends, by method, with its params.",
         "type": "object",
-        "properties": {method: _ref(cls) for method, cls in rpc.NOTIFICATIONS.items()},
-        "required": list(rpc.NOTIFICATIONS),
+        "properties": {method: _ref(cls) for method, cls in protocol.NOTIFICATIONS.items()},
+        "required": list(protocol.NOTIFICATIONS),
         "additionalProperties": False,
     }
 
@@ -397,7 +410,7 @@ def openrpc() -> dict[str, Any]:
                 "name": method,
                 "description": entry["description"],
                 "paramStructure": "by-name",
-                "params": _by_name(defs[rpc.NOTIFICATIONS[method].__name__]),
+                "params": _by_name(defs[protocol.NOTIFICATIONS[method].__name__]),
             }
             for method, entry in doc["notifications"].items()
         ],

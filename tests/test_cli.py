@@ -645,3 +645,34 @@ def test_devd_socket_is_where_serve_listens_and_where_the_client_commands_look(t
         ls = subprocess.run([sys.executable, "-m", "devd", "ls"], env=env, capture_output=True, text=True, timeout=30)
         stopped = stop(proc)
     assert (ls.returncode, ls.stdout, stopped) == (0, "no sessions\n", 0)
+
+
+def test_transcript_prints_the_conversation_from_a_message_on(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.new(session="s")
+        c.step("s", turn(1, "fix the build"))
+        c.step("s", answer(1, "done"))
+    run = devd("transcript", "s", "--from", "1", "--json", "--connect", str(daemon.socket))
+    assert (run.returncode, run.stdout) == (0, '{"seq":2,"from":1,"messages":[{"Agent":{"text":"done"}}]}\n')
+
+
+def test_transcript_for_people_is_the_messages_as_indented_json(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.new(session="s")
+        c.step("s", turn(1, "fix the build"))
+    run = devd("transcript", "s", "--connect", str(daemon.socket))
+    assert (run.returncode, run.stdout) == (0, '[\n  {\n    "User": "fix the build"\n  }\n]\n')
+
+
+def test_info_shows_the_sessions_entry_and_what_its_turn_waits_for(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.new(session="s")
+        c.step("s", turn(1, "fix the build"))
+    run = devd("info", "s", "--connect", str(daemon.socket))
+    assert (run.returncode, run.stdout.splitlines()[-1]) == (0, "waiting for: Model (id 1)")
+
+
+def test_every_plain_command_calls_a_method_of_the_table_with_its_params() -> None:
+    from devd.protocol import METHODS
+
+    assert [p.method in METHODS for p in cli.PLAIN] == [True] * len(cli.PLAIN)

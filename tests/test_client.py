@@ -3,9 +3,14 @@ the default address, reconnecting, and what a client says when no daemon is ther
 
 from __future__ import annotations
 
+import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from devd import errors
@@ -15,6 +20,7 @@ from devd.client import (
     ActionsNotice,
     AsyncClient,
     Client,
+    Notice,
     NotRunningError,
     StepAnswer,
     UnwatchedNotice,
@@ -22,14 +28,20 @@ from devd.client import (
 )
 from devd.config import default_socket_path
 from devd.messages import Action, Config, Event, answer, ask, turn
+from devd.protocol import METHODS, InfoResult, InitializeResult, Limits, Server, StatusResult, Waiting
 from devd.server import rpc
-from devd.server.methods import METHODS, InitializeResult, Limits, Server, StatusResult
-from tests.daemon import Daemon
+from tests.daemon import Daemon, free_port
 from tests.harness import InProcess
 from tests.test_host import FIX, finish, user
 
 ASKED = [Action(id=1, op=ask(user(FIX)))]  # what a fresh session answers the turn "fix the build"
 TIMER = Event(Timer=True)
+RFC3339_MS_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+def untimed(notices: list[Notice]) -> list[Notice]:
+    """The notices, each `ActionsNotice`'s time left out (checked on its own), so the rest compares exactly."""
+    return [msgspec.structs.replace(n, at="") if isinstance(n, ActionsNotice) else n for n in notices]
 
 
 @pytest.fixture
@@ -186,9 +198,9 @@ def test_watch_yields_typed_notices_and_ends_when_the_session_is_closed(daemon: 
         notices = watcher.watch("s", since=0, timeout=10)
         first = next(notices)
         client.close_session("s")
-        assert [first, *notices] == [
-            ActionsNotice("s", 1, turn(1, FIX), ASKED),
-            ActionsNotice("s", 2, answer(1, "done"), finish(2, 1, "done")),
+        assert untimed([first, *notices]) == [
+            ActionsNotice("s", 1, turn(1, FIX), ASKED, ""),
+            ActionsNotice("s", 2, answer(1, "done"), finish(2, 1, "done"), ""),
             UnwatchedNotice("s", 2, "closed"),
         ]
 
@@ -264,7 +276,7 @@ async def test_async_watch_yields_typed_notices_and_ends_when_the_session_is_clo
             seen.append(notice)
             if len(seen) == 1:
                 await c.close_session("s")
-    assert seen == [ActionsNotice("s", 1, turn(1, FIX), ASKED), UnwatchedNotice("s", 1, "closed")]
+    assert untimed(seen) == [ActionsNotice("s", 1, turn(1, FIX), ASKED, ""), UnwatchedNotice("s", 1, "closed")]
 
 
 async def test_async_watch_follows_live_steps_made_by_the_same_client_inside_the_loop(daemon: InProcess) -> None:
@@ -321,3 +333,98 @@ def test_a_watch_subscribes_when_its_iteration_starts(client: Client) -> None:
     notices = client.watch("s")
     assert client.list().sessions[0].watchers == 0
     notices.close()
+
+
+# -- what the kit promises a new user --------------------------------------------------------------------------------
+
+
+def test_importing_the_client_loads_neither_wasmtime_nor_the_registry_nor_the_wasm_host() -> None:
+    code = (
+        "import sys, devd.client; print(sorted({'wasmtime', 'devd.sessions.registry', 'devd.host'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "[]\n"
+
+
+def test_the_protocol_module_loads_no_module_of_devd_but_the_messages_and_the_errors() -> None:
+    code = "import sys, devd.protocol; print(sorted(m for m in sys.modules if m.startswith('devd')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "['devd', 'devd.errors', 'devd.messages', 'devd.protocol']\n"
+
+
+def _server_that_dies_mid_reply(path: Path) -> socket.socket:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    return server
+
+
+def _write_half_a_reply_and_end(server: socket.socket) -> socket.socket:
+    """Accept the client, send half of an answer's line, and end the stream (the peer still reads what is sent)."""
+    conn, _ = server.accept()
+    conn.sendall(b'{"jsonrpc":"2.0","id":1,"result":{"ses')
+    conn.shutdown(socket.SHUT_WR)
+    return conn
+
+
+def test_a_reply_cut_mid_line_raises_connection_error_on_the_blocking_client(tmp_path: Path) -> None:
+    with _server_that_dies_mid_reply(tmp_path / "s.sock") as server, Client.connect(tmp_path / "s.sock") as c:
+        with _write_half_a_reply_and_end(server), pytest.raises(ConnectionError, match="in the middle of a reply"):
+            c.new(session="x")
+
+
+async def test_a_reply_cut_mid_line_raises_connection_error_on_the_async_client(tmp_path: Path) -> None:
+    with _server_that_dies_mid_reply(tmp_path / "s.sock") as server:
+        async with AsyncClient.connect(tmp_path / "s.sock") as c:
+            with _write_half_a_reply_and_end(server), pytest.raises(ConnectionError):
+                await c.new(session="x")
+
+
+async def test_an_error_inside_the_async_clients_context_comes_out_as_itself(daemon: Daemon) -> None:
+    with pytest.raises(NotRunningError, match="start one with `devd serve`"):
+        async with AsyncClient.connect(daemon.socket) as c:
+            assert daemon.stop() == 0
+            await c.reconnect()
+
+
+async def test_a_refused_token_comes_out_of_async_connect_as_unauthorized(tmp_path: Path) -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with Daemon(tmp_path, "--listen", address), pytest.raises(errors.UnauthorizedError):
+        async with AsyncClient.connect(address, token="x" * 32):
+            pass
+
+
+def test_info_answers_the_sessions_entry_and_what_its_turn_waits_for(client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    info = client.info("s")
+    assert (info.session, info.state, info.seq, info.waiting) == ("s", "live", 1, [Waiting(1, "Model")])
+
+
+def test_info_of_a_finished_turn_waits_for_nothing(client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    client.step("s", answer(1, "done"))
+    assert client.info("s").waiting == []
+
+
+def test_info_of_a_session_there_is_not_is_a_handle_error(client: Client) -> None:
+    with pytest.raises(errors.HandleError):
+        client.info("nobody")
+
+
+async def test_the_async_client_answers_info_typed(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        await c.new(session="s")
+        assert isinstance(await c.info("s"), InfoResult)
+
+
+def test_every_actions_notice_carries_when_its_step_was_answered(daemon: Daemon, client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))  # in the history when the watch starts: its time is the journal's
+    with daemon.client() as watcher:
+        notices = watcher.watch("s", since=0, timeout=10)
+        first = next(notices)
+        client.step("s", answer(1, "done"))  # live
+        second = next(notices)
+    assert [bool(RFC3339_MS_UTC.fullmatch(n.at)) for n in (first, second)] == [True, True]  # type: ignore[union-attr]

@@ -168,3 +168,39 @@ async def test_errors_are_counted_by_kind(dispatcher: Dispatcher) -> None:
         "INTERNAL": 2,
         "PARSE": 1,
     }
+
+
+# -- the method table and its handlers -------------------------------------------------------------------------------
+
+
+def test_every_method_of_the_protocol_has_exactly_its_handler_bound() -> None:
+    from devd import protocol
+
+    assert {n: (m.params, m.result) for n, m in METHODS.items()} == {
+        n: (s.params, s.result) for n, s in protocol.METHODS.items()
+    }
+
+
+def test_a_method_of_the_table_without_a_handler_fails_the_binding_naming_it() -> None:
+    from devd import protocol
+    from devd.server import methods
+
+    handlers = {n: m.handler for n, m in METHODS.items() if n != "session/info"}
+    with pytest.raises(RuntimeError, match=re.escape("methods without a handler: ['session/info']")):
+        methods.bind(protocol.METHODS, handlers)
+
+
+def test_a_handler_for_a_method_the_table_lacks_fails_the_binding_naming_it() -> None:
+    from devd import protocol
+    from devd.server import methods
+
+    handlers = {**{n: m.handler for n, m in METHODS.items()}, "session/nope": boom}
+    with pytest.raises(RuntimeError, match=re.escape("handlers without a method: ['session/nope']")):
+        methods.bind(protocol.METHODS, handlers)
+
+
+def test_a_second_handler_for_a_method_is_refused_at_import() -> None:
+    from devd.server import methods
+
+    with pytest.raises(AssertionError, match="session/step has two handlers"):
+        methods.method("session/step")(boom)

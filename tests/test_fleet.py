@@ -66,6 +66,15 @@ def test_a_session_held_by_another_daemon_answers_moved_naming_it(two: tuple[Dae
     assert (moved.value.node, moved.value.address) == ("a", f"unix:{a.socket}")
 
 
+def test_info_of_a_session_held_by_another_daemon_answers_moved_naming_it(two: tuple[Daemon, Daemon]) -> None:
+    a, b = two
+    with a.client() as ca:
+        ca.new(session="s")
+    with Client.connect(b.socket, follow_moved=False) as cb, pytest.raises(errors.MovedError) as moved:
+        cb.info("s")
+    assert moved.value.node == "a"
+
+
 def test_a_client_of_any_daemon_is_followed_to_the_one_that_holds_the_session(two: tuple[Daemon, Daemon]) -> None:
     a, b = two
     with a.client() as ca:

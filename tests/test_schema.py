@@ -215,7 +215,7 @@ def test_every_example_is_an_exchange_of_the_protocol_document() -> None:
         result = json.loads(json.dumps(example.result).replace("2026-11-30T12:07:18.912Z", "$TIME"))
         assert (example.method, example.params, result) in exchanges, example.name
     assert ("session/step", ERROR_EXAMPLE) in [(m, r) for m, _, r in exchanges]
-    assert NOTICE_EXAMPLE in notices
+    assert json.loads(json.dumps(NOTICE_EXAMPLE).replace("2026-11-30T12:07:18.912Z", "$TIME")) in notices
 
 
 # -- the OpenRPC document ---------------------------------------------------------------------------------------
@@ -410,6 +410,7 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             assert client.call("session/restore", {"snapshot": snapshot, "session": "copy"}) == {"session": "copy"}
             assert client.call("session/recover", {"session": "copy"}) == {"session": "copy"}
             assert client.call("session/pending", {"session": "demo"}) == {"actions": []}
+            assert client.call("session/info", {"session": "demo"})["waiting"] == []
             assert client.call("session/transcript", {"session": "demo", "from": 4}) == {
                 "seq": 5,
                 "from": 4,

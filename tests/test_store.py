@@ -145,6 +145,14 @@ async def test_steps_since_gives_at_most_limit_steps_after_since(store: Store) -
     ]
 
 
+async def test_journalled_gives_when_each_step_after_since_was_journalled(store: Store) -> None:
+    await store.create("a", CONFIG)
+    before = time.time()
+    await append_all(store, *(step(n) for n in range(1, 4)))
+    times = await store.journalled("a", 1, 10)
+    assert (list(times), all(before <= t <= time.time() for t in times.values())) == ([2, 3], True)
+
+
 async def test_health_round_trips_through_the_session_list(store: Store) -> None:
     await store.create("b", CONFIG)
     await store.create("a", CONFIG)

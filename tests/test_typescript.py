@@ -98,7 +98,7 @@ def test_the_node_tests_pass_against_a_real_daemon(compiled: Path) -> None:
         [tool("node"), "--test", "--test-reporter=tap", *(str(f.relative_to(CLIENT)) for f in files)],
         env={**daemon_env(), "DEVD_PYTHON": sys.executable},
     )
-    assert [f.name for f in files] == ["client.test.js", "driver.test.js", "narrowing.test.js"]
+    assert [f.name for f in files] == ["client.test.js", "driver.test.js", "kit.test.js", "narrowing.test.js"]
     assert re.search(r"^# fail 0$", output, re.M), output
     assert re.search(rf"^# pass {declared}$", output, re.M), output
 

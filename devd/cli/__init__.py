@@ -31,6 +31,7 @@ import msgspec
 from devd import __version__, log
 from devd.config import Settings, default, default_socket_path, default_state_dir, parse_duration, parse_size, parse_tcp
 from devd.errors import DevdError, HandleError
+from devd.protocol import METHODS
 from devd.server import systemd
 from devd.server.metrics import prometheus
 
@@ -328,12 +329,6 @@ def _step(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _snapshot(client: Client, args: argparse.Namespace) -> int:
-    raw = client.call_raw("session/snapshot", {"session": args.session})
-    _emit(raw + b"\n" if args.json else msgspec.json.decode(raw)["snapshot"].encode() + b"\n")
-    return EXIT_OK
-
-
 def _restore(client: Client, args: argparse.Namespace) -> int:
     data = sys.stdin.read().strip() if args.snapshot == "-" else args.snapshot
     return _named(client.call_raw("session/restore", _params(snapshot=data, session=args.session)), args)
@@ -344,12 +339,6 @@ def _fork(client: Client, args: argparse.Namespace) -> int:
     if args.name is not None:
         params["as"] = args.name  # a Python keyword, so not through _params
     return _named(client.call_raw("session/fork", params), args)
-
-
-def _pending(client: Client, args: argparse.Namespace) -> int:
-    raw = client.call_raw("session/pending", {"session": args.session})
-    _emit(raw + b"\n" if args.json else _pretty(raw))
-    return EXIT_OK
 
 
 class _Page(msgspec.Struct):
@@ -402,17 +391,6 @@ def _inspect(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _recover(client: Client, args: argparse.Namespace) -> int:
-    return _named(client.call_raw("session/recover", {"session": args.session}), args)
-
-
-def _close(client: Client, args: argparse.Namespace) -> int:
-    raw = client.call_raw("session/close", {"session": args.session})
-    if args.json:
-        _emit(raw + b"\n")
-    return EXIT_OK
-
-
 def _watch(client: Client, args: argparse.Namespace) -> int:
     """Notifications as JSON lines (with or without --json: each is a message of the protocol) until the watch ends."""
     client.call("session/watch", _params(session=args.session, since=args.since))
@@ -442,6 +420,114 @@ def _drain(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- commands that are plain calls, derived from the method table ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plain:
+    """A command that is one call of a method of `devd.protocol.METHODS`: its arguments are the method's params (a
+    required one positional, an optional one a flag), and for people it prints `show` of the answer (--json: the
+    answer as it came)."""
+
+    command: str
+    method: str
+    help: str
+    show: Callable[[bytes], bytes]
+
+
+def _member(member: str) -> Callable[[bytes], bytes]:
+    return lambda raw: str(msgspec.json.decode(raw)[member]).encode() + b"\n"
+
+
+def _nothing(raw: bytes) -> bytes:
+    return b""
+
+
+def _waits(raw: bytes) -> bytes:
+    entry = msgspec.json.decode(raw)
+    waits = ", ".join(f"{w['kind']} (id {w['id']})" for w in entry["waiting"]) or "nothing"
+    return sessions_table([entry]).encode() + f"waiting for: {waits}\n".encode()
+
+
+def _pretty_member(member: str) -> Callable[[bytes], bytes]:
+    return lambda raw: _pretty(msgspec.json.encode(msgspec.json.decode(raw)[member]))
+
+
+PLAIN: tuple[Plain, ...] = (
+    Plain("snapshot", "session/snapshot", "print a session's snapshot (base64)", _member("snapshot")),
+    Plain("pending", "session/pending", "print the actions a session still waits for (JSON)", _pretty),
+    Plain(
+        "info",
+        "session/info",
+        "show one session's entry (as `devd ls` has it) and the actions its turn waits for",
+        _waits,
+    ),
+    Plain(
+        "transcript",
+        "session/transcript",
+        "print a session's conversation (JSON), the whole of it or from message --from on",
+        _pretty_member("messages"),
+    ),
+    Plain(
+        "recover",
+        "session/recover",
+        "bring an ended or poisoned session back from its durable state",
+        _member("session"),
+    ),
+    Plain("close", "session/close", "end a session and delete its state", _nothing),
+)
+
+
+def _plain_params(plain: Plain, args: argparse.Namespace) -> dict[str, Any]:
+    """The method's params from the command's arguments, by the params' own names; a flag left out is not sent."""
+    fields = msgspec.structs.fields(METHODS[plain.method].params)
+    return _params(**{f.encode_name: getattr(args, f.name) for f in fields})
+
+
+def _run_plain(plain: Plain) -> Callable[[Client, argparse.Namespace], int]:
+    def run(client: Client, args: argparse.Namespace) -> int:
+        raw = client.call_raw(plain.method, _plain_params(plain, args))
+        _emit(raw + b"\n" if args.json else plain.show(raw))
+        return EXIT_OK
+
+    return run
+
+
+def _plain_arguments(c: argparse.ArgumentParser, plain: Plain) -> None:
+    """The method's params as arguments: `session` (and any other required one) positional, the rest flags."""
+    for f in msgspec.structs.fields(METHODS[plain.method].params):
+        doc = _param_help(f.type)
+        if f.required:
+            c.add_argument(f.name, help="the session's name" if f.name == "session" else doc)
+        else:
+            number = _is_int(f.type)
+            c.add_argument(
+                f"--{f.encode_name.replace('_', '-')}",
+                dest=f.name,
+                type=int if number else str,
+                metavar="N" if number else None,
+                help=doc,
+            )
+
+
+def _constraint(t: Any) -> tuple[msgspec.inspect.Type, str | None]:
+    """A param's type, `X | None` as its X, and the description its `Meta` gives it."""
+    info = msgspec.inspect.type_info(t)
+    if isinstance(info, msgspec.inspect.UnionType):
+        info = next(i for i in info.types if not isinstance(i, msgspec.inspect.NoneType))
+    if isinstance(info, msgspec.inspect.Metadata):
+        return info.type, (info.extra_json_schema or {}).get("description")
+    return info, None
+
+
+def _is_int(t: Any) -> bool:
+    return isinstance(_constraint(t)[0], msgspec.inspect.IntType)
+
+
+def _param_help(t: Any) -> str | None:
+    return _constraint(t)[1]
+
+
 COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "backup": _backup,
     "drain": _drain,
@@ -449,14 +535,11 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "ls": _ls,
     "new": _new,
     "step": _step,
-    "snapshot": _snapshot,
     "restore": _restore,
     "fork": _fork,
-    "pending": _pending,
     "inspect": _inspect,
-    "recover": _recover,
-    "close": _close,
     "watch": _watch,
+    **{plain.command: _run_plain(plain) for plain in PLAIN},
 }
 
 
@@ -499,6 +582,8 @@ METHOD_COMMANDS: dict[str, str] = {
     "session/restore": "devd restore SNAPSHOT",
     "session/fork": "devd fork {session}",
     "session/pending": "devd pending {session}",
+    "session/info": "devd info {session}",
+    "session/transcript": "devd transcript {session}",
     "session/recover": "devd recover {session}",
     "session/close": "devd close {session}",
     "session/watch": "devd watch {session}",
@@ -687,8 +772,10 @@ class Check:
         return f"{self.outcome:<4}  {self.name}: {' '.join(self.says.split())}"
 
 
-def check_daemon(args: argparse.Namespace) -> Check:
-    """The daemon answers `daemon/status` at the address the client commands use."""
+def check_daemon(args: argparse.Namespace, state: Path | None = None) -> Check:
+    """The daemon answers `daemon/status` at the address the client commands use. One that does not, while no daemon
+    holds the state directory `state` and its database is there, is stopped (for a restore, or an upgrade): said, and
+    not a failure."""
     from devd.client import Client, NotRunningError
 
     address = _address(args)
@@ -700,6 +787,14 @@ def check_daemon(args: argparse.Namespace) -> Check:
     except DevdError as e:
         return Check("daemon", "FAIL", f"the daemon at {address} answered {e.kind}: {in_cli_terms(e, args)}")
     except NotRunningError as e:
+        if state is not None and _stopped(state):
+            return Check(
+                "daemon",
+                "skip",
+                f"not running: nothing listens at {address}, and no daemon holds {state}: as expected while it is "
+                "stopped (to restore a backup, or to upgrade), so its database is checked below; start it with "
+                "`devd serve` (or its systemd unit) when you are done",
+            )
         return Check("daemon", "FAIL", e.strerror or str(e))
     except (OSError, ConnectionError) as e:
         return Check("daemon", "FAIL", f"cannot reach the daemon at {address}: {e}")
@@ -708,6 +803,14 @@ def check_daemon(args: argparse.Namespace) -> Check:
     return Check(
         "daemon", "ok", f"answers at {address} ({server}, up {_duration(status['uptime_s'])}, {sessions} sessions)"
     )
+
+
+def _stopped(state: Path) -> bool:
+    """The state directory holds a database and no daemon holds the directory."""
+    try:
+        return (state / DATABASE_FILE).is_file() and lock_holder(state) is None
+    except OSError:
+        return False
 
 
 def check_state_dir(state: Path) -> Check:
@@ -832,8 +935,12 @@ def quick_check(db: Path) -> Check:
 
     shm = Path(f"{db}-shm")
     had_shm = shm.exists()
+    # With no write-ahead log beside it, the file is read as immutable: a read-only connection to a database in WAL
+    # mode would otherwise create an empty -wal (and a -shm), which a restore must not find beside the database it
+    # puts in place. With a log (a daemon that was killed), the log is read too, as the daemon will read it.
+    mode = "mode=ro" if Path(f"{db}-wal").exists() else "mode=ro&immutable=1"
     try:
-        ro = sqlite3.connect(f"file:{quote(str(db))}?mode=ro", uri=True)
+        ro = sqlite3.connect(f"file:{quote(str(db))}?{mode}", uri=True)
         try:
             found = [str(row[0]) for row in ro.execute("PRAGMA quick_check")]
             version = int(ro.execute("PRAGMA user_version").fetchone()[0])
@@ -891,7 +998,7 @@ def _snapshot_files(db: Any) -> list[str]:
 def _doctor(args: argparse.Namespace) -> int:
     state = Path(args.state_dir) if args.state_dir else default_state_dir()
     checks = [
-        check_daemon(args),
+        check_daemon(args, state),
         check_state_dir(state),
         check_database(state),
         check_core(Path(args.core) if args.core else None),
@@ -1277,14 +1384,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         )
     )
     watch.add_argument("--since", type=int, help="start after this step, 0 for all of them (default: from now on)")
-    session(client("snapshot", "print a session's snapshot (base64)"))
     restore = client("restore", "start a session from a snapshot and print its name")
     restore.add_argument("snapshot", help="the snapshot (base64), or - to read it from stdin")
     restore.add_argument("--session", help="name it (default: chosen by the daemon)")
     fork = session(client("fork", "start a session from another's history (up to step --at) and print its name"))
     fork.add_argument("--at", type=int, help="the step to fork at (default: the session's latest)")
     fork.add_argument("--as", dest="name", help="name the fork (default: chosen by the daemon)")
-    session(client("pending", "print the actions a session still waits for (JSON)"))
     session(
         client(
             "inspect",
@@ -1294,8 +1399,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
             "--json` has them, or null for an ended or poisoned session} on one line",
         )
     )
-    session(client("recover", "bring an ended or poisoned session back from its durable state"))
-    session(client("close", "end a session and delete its state"))
+    for plain in PLAIN:
+        _plain_arguments(client(plain.command, plain.help), plain)
     backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
     backup.add_argument("path", help="the file to write (must not exist; its directory must); relative to here")
     client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")

@@ -21,7 +21,7 @@ import msgspec
 
 from devd.config import Settings
 from devd.errors import UnauthorizedError
-from devd.server.methods import InitializeParams
+from devd.protocol import InitializeParams
 from devd.server.rpc import TOO_LONG, LineFramer, RequestError, decode_request, error_response, too_large
 
 _HTTP_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE ")

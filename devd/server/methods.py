@@ -1,11 +1,10 @@
-"""Every JSON-RPC method of the daemon, each registered once: its params, its result, its handler and its doc.
+"""The daemon's handlers: one for each method of the protocol's table (`devd.protocol.METHODS`), and nothing else.
 
-Dispatch (`devd.server.dispatch`), `devd schema` and the client are derived from `METHODS`; adding a method is adding
-one
-`@method` here. Params refuse unknown members and state their constraints as msgspec `Meta`, so the schema shows
-them; what a type cannot state (a key's length in bytes) is checked by `check`. Handlers take a `Call` (the daemon's
-services and the calling connection) and return a result Struct; they raise `devd.errors` classes, which the
-dispatcher turns into JSON-RPC errors in one place.
+A handler takes a `Call` (the daemon's services and the calling connection) and the method's decoded params, and
+returns its result Struct; it raises `devd.errors` classes, which the dispatcher turns into JSON-RPC errors in one
+place. The types, docs and flags of a method live in `devd.protocol`; `@method(name)` gives a method of that table its
+handler, and importing this module checks that every method of the table has exactly one handler and that no handler
+is for a method the table lacks. `METHODS` binds the two, for dispatch.
 """
 
 from __future__ import annotations
@@ -14,19 +13,60 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
 import structlog
-from msgspec import Meta, Raw
+from msgspec import Raw
 
-from devd import ABI, __version__
+from devd import ABI, __version__, protocol
 from devd.config import Settings
-from devd.errors import ExistsError, InvalidParamsError, MethodNotFoundError, NullError
-from devd.messages import Config, encode
+from devd.errors import ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
+from devd.messages import Config, decode_actions, encode
+
+# Re-exported: the wire's names and rules were first defined here, and are still imported from here.
+from devd.protocol import (  # noqa: F401
+    KEY_BYTES_MAX,
+    SEQ_MAX,
+    SESSION_NAME_PATTERN,
+    TRANSCRIPT_INDEX_MAX,
+    BackupParams,
+    BackupResult,
+    Client,
+    DrainResult,
+    Empty,
+    ForkParams,
+    InfoResult,
+    InitializeParams,
+    InitializeResult,
+    Limits,
+    ListParams,
+    ListResult,
+    NewParams,
+    NoParams,
+    PendingResult,
+    RestoreParams,
+    Seq,
+    Server,
+    SessionInfo,
+    SessionName,
+    SessionParams,
+    SessionResult,
+    SnapshotResult,
+    Spec,
+    StatusResult,
+    StepParams,
+    StepResult,
+    TranscriptParams,
+    TranscriptResult,
+    WatchParams,
+    check,
+    decode_params,
+    rfc3339,
+)
 from devd.server.rpc import Request
+from devd.sessions.entry import Info
 from devd.sessions.registry import Registry
 from devd.sessions.watchers import Sink, Subscription
 from devd.storage.store import Store
@@ -35,38 +75,8 @@ from devd.storage.store import Store
 # closed), one line each; never a step, whose path stays free of log calls.
 log = structlog.get_logger("devd.server.methods")
 
-SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
-KEY_BYTES_MAX = 256
-SEQ_MAX = (1 << 63) - 1  # what SQLite's INTEGER (and PostgreSQL's bigint) holds
 
-SessionName = Annotated[
-    str, Meta(pattern=SESSION_NAME_PATTERN, description="1-64 of A-Z a-z 0-9 . _ -, and not . or ..")
-]
-TRANSCRIPT_INDEX_MAX = (1 << 31) - 1  # the core counts messages in 32 bits
-Seq = Annotated[int, Meta(ge=0, le=SEQ_MAX, description="a step number: the seq of a session's nth answered step")]
-
-# Messages for the constraints above, as the daemon has always worded them (the protocol document shows them).
-_NAME_RULE = "session names are 1-64 of A-Z a-z 0-9 . _ - and not . or .."
-_RULES: dict[str, Callable[[str | None], str]] = {
-    "session": lambda v: f"{_NAME_RULE}; {v[:80]!r} is not one" if v is not None else _NAME_RULE,
-    "as": lambda v: f"{_NAME_RULE}; {v[:80]!r} is not one" if v is not None else _NAME_RULE,
-    "timeout_ms": lambda v: "timeout_ms must be a positive number of milliseconds",
-    "key": lambda v: f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8",
-    "since": lambda v: f"since must be a step number, 0 to {SEQ_MAX}",
-    "at": lambda v: f"at must be a step number, 0 to {SEQ_MAX}",
-    "from": lambda v: f"from must be a message index, 0 to {TRANSCRIPT_INDEX_MAX}",
-}
-_ASKS_RULE = (
-    'config.asks must be "full" (every Model ask carries the whole conversation: the default) or "delta" (only the '
-    "messages added since the previous ask)"
-)
-
-
-class _Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    pass
-
-
-# -- the services a handler sees ----------------------------------------------------------------------------------
+# -- the services a handler sees -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -102,6 +112,8 @@ Handler = Callable[[Call, Any], Awaitable[msgspec.Struct]]
 
 @dataclass(frozen=True)
 class Method:
+    """A method of the protocol bound to its handler: what dispatch looks up."""
+
     name: str
     params: type[msgspec.Struct]
     result: type[msgspec.Struct]
@@ -111,19 +123,38 @@ class Method:
     decoder: msgspec.json.Decoder[Any]
 
 
-METHODS: dict[str, Method] = {}
+_HANDLERS: dict[str, Handler] = {}
 
 
 def method(
-    name: str, params: type[msgspec.Struct], result: type[msgspec.Struct], *, during_shutdown: bool = False
+    name: str,
+    params: type[msgspec.Struct] | None = None,
+    result: type[msgspec.Struct] | None = None,
+    *,
+    during_shutdown: bool | None = None,
 ) -> Callable[[Handler], Handler]:
+    """The handler of the protocol's method `name`; the types and flags, when given, must be the table's."""
+    spec = protocol.METHODS.get(name)
+    assert spec is not None, f"{name!r} is not in devd.protocol.METHODS: add it there first"
+    assert params in (None, spec.params) and result in (None, spec.result), f"{name}: not the table's types"
+    assert during_shutdown in (None, spec.during_shutdown), f"{name}: not the table's during_shutdown"
+
     def register(handler: Handler) -> Handler:
-        assert name not in METHODS, name
-        doc = " ".join((handler.__doc__ or "").split())
-        METHODS[name] = Method(name, params, result, handler, doc, during_shutdown, msgspec.json.Decoder(params))
+        assert name not in _HANDLERS, f"{name} has two handlers"
+        _HANDLERS[name] = handler
         return handler
 
     return register
+
+
+def bind(specs: Mapping[str, Spec], handlers: Mapping[str, Handler]) -> dict[str, Method]:
+    """Each method of the table with its handler; RuntimeError if one lacks a handler or a handler lacks a method."""
+    missing, extra = sorted(set(specs) - set(handlers)), sorted(set(handlers) - set(specs))
+    if missing or extra:
+        raise RuntimeError(f"methods without a handler: {missing}; handlers without a method: {extra}")
+    return {
+        n: Method(n, s.params, s.result, handlers[n], s.doc, s.during_shutdown, s.decoder) for n, s in specs.items()
+    }
 
 
 def resolve(methods: Mapping[str, Method], request: Request) -> tuple[Method, Any]:
@@ -134,123 +165,7 @@ def resolve(methods: Mapping[str, Method], request: Request) -> tuple[Method, An
     return m, decode_params(m, bytes(request.params))
 
 
-def decode_params(m: Method, raw: bytes) -> Any:
-    """The method's params, or InvalidParamsError naming what is wrong."""
-    if raw.strip() == b"null":
-        raw = b"{}"
-    try:
-        params = m.decoder.decode(raw)
-    except msgspec.ValidationError as e:
-        raise InvalidParamsError(_explain(m.name, raw, e)) from None
-    except (msgspec.DecodeError, RecursionError) as e:
-        raise InvalidParamsError(f"the params of {m.name} cannot be read: {e}") from None
-    check(params)
-    return params
-
-
-def _explain(name: str, raw: bytes, error: msgspec.ValidationError) -> str:
-    """A constraint broken (not a wrong type) is said in the rule's own words."""
-    message = str(error)
-    if message.endswith(" - at `$.config.asks`"):
-        return _ASKS_RULE
-    # msgspec words a broken constraint "Expected `str` matching regex ... - at `$.session`"; a wrong type says
-    # ", got `...`", and an unknown member "Object contains unknown field ...": those keep msgspec's words.
-    for member, explain in _RULES.items():
-        if message.startswith("Expected `") and message.endswith(f" - at `$.{member}`") and ", got `" not in message:
-            return explain(_string_member(raw, member))
-    return f"bad params for {name}: {message}"
-
-
-class _Named(msgspec.Struct):
-    session: str | None = None
-    as_: str | None = msgspec.field(default=None, name="as")
-
-
-_named = msgspec.json.Decoder(_Named)
-
-
-def _string_member(raw: bytes, member: str) -> str | None:
-    """The string value of a session-name member, for the message; None if it cannot be read as one."""
-    try:
-        named = _named.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    return named.as_ if member == "as" else named.session
-
-
-def check(params: Any) -> None:
-    """Rules msgspec's types cannot state."""
-    key = getattr(params, "key", None)
-    if key is not None:
-        try:
-            encoded = key.encode()
-        except UnicodeEncodeError:
-            raise InvalidParamsError("the key must be valid Unicode text") from None
-        if not 0 < len(encoded) <= KEY_BYTES_MAX:
-            raise InvalidParamsError(f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8")
-
-
-# -- shared results -----------------------------------------------------------------------------------------------
-
-
-class Empty(msgspec.Struct, frozen=True):
-    """Nothing to report: the call did what it says."""
-
-
-class SessionResult(msgspec.Struct, frozen=True):
-    """The session the call started or brought back."""
-
-    session: str
-
-
-class SessionParams(_Params, frozen=True):
-    """The session to act on."""
-
-    session: SessionName
-
-
 # -- initialize and status ----------------------------------------------------------------------------------------
-
-
-class Client(msgspec.Struct, frozen=True):
-    """Who is calling, for the daemon's log."""
-
-    name: str
-    version: str | None = None
-
-
-class InitializeParams(_Params, frozen=True):
-    """The first call of a connection; on TCP it must carry the token from the daemon's state directory."""
-
-    client: Client | None = None
-    token: str | None = None
-
-
-class Server(msgspec.Struct, frozen=True):
-    """The daemon's name and version."""
-
-    name: str
-    version: str
-
-
-class Limits(msgspec.Struct, frozen=True):
-    """The limits this daemon enforces."""
-
-    line_bytes_max: int
-    sessions_max: int
-    connections_max: int
-    call_timeout_ms: int
-    memory_bytes_per_session: int
-    keys_kept_per_session: int
-
-
-class InitializeResult(msgspec.Struct, frozen=True):
-    """Who the daemon is, the protocol and core ABI it speaks, and its limits."""
-
-    server: Server
-    protocol: int
-    abi: int
-    limits: Limits
 
 
 def initialize_result(settings: Settings) -> InitializeResult:
@@ -270,35 +185,9 @@ def initialize_result(settings: Settings) -> InitializeResult:
     )
 
 
-@method("initialize", InitializeParams, InitializeResult)
+@method("initialize")
 async def initialize(call: Call, params: InitializeParams) -> InitializeResult:
-    """Say hello; optional on the Unix socket, required first (with the token) on TCP."""
     return initialize_result(call.app.settings)
-
-
-class NoParams(_Params, frozen=True):
-    """This method takes no params."""
-
-
-class StatusResult(msgspec.Struct, frozen=True):
-    """The daemon's health and counters."""
-
-    server: Server
-    uptime_s: float
-    sessions: dict[str, int]
-    connections: int
-    steps: int
-    durable_writes: int
-    errors: dict[str, int]
-    deadline_hits: int
-    offloaded: int  # calls run on a worker thread: past their inline budget, or of a session whose calls grew past it
-    rebuilt: int  # sessions rebuilt from their snapshot and journal: woken, recovered, or after an inline call stopped
-    hibernated: int  # idle sessions whose instance was dropped to stay within --max-live or --live-memory
-    live_memory_bytes: int  # the memory of the sessions' instances together
-    expired: int  # sessions deleted by --expire-after
-    commit_ms_p50: float
-    commit_ms_p99: float
-    memory_rss_bytes: int
 
 
 def status(app: App) -> StatusResult:
@@ -328,28 +217,13 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@method("daemon/status", NoParams, StatusResult, during_shutdown=True)
+@method("daemon/status")
 async def daemon_status(call: Call, params: NoParams) -> StatusResult:
-    """The daemon's counters: sessions by state, steps, errors by kind, commit latency, memory."""
     return status(call.app)
 
 
-class BackupParams(_Params, frozen=True):
-    """Where the daemon writes a copy of its database: an absolute path to a file that does not exist yet."""
-
-    path: Annotated[str, Meta(min_length=1, description="an absolute path; its directory must exist")]
-
-
-class BackupResult(msgspec.Struct, frozen=True):
-    """The copy written: where, and its size."""
-
-    path: str
-    bytes: int
-
-
-@method("daemon/backup", BackupParams, BackupResult)
+@method("daemon/backup")
 async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
-    """A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied)."""
     path = Path(params.path)
     if not path.is_absolute():
         raise InvalidParamsError(f"the backup path must be absolute (the daemon's directory is not yours): {path}")
@@ -362,16 +236,8 @@ async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
     return BackupResult(str(path), size)
 
 
-class DrainResult(msgspec.Struct, frozen=True):
-    """How many sessions this daemon gave back to the fleet."""
-
-    sessions: int
-
-
-@method("daemon/drain", NoParams, DrainResult)
+@method("daemon/drain")
 async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
-    """Give every session this daemon of a fleet holds back to the fleet, so other daemons take them at once (before
-    a restart, say); a session called here again is taken back. Calls in flight keep their session."""
     if call.app.registry.fleet is None:
         raise NullError("this daemon is not in a fleet (its store is its own): there is nothing to give back")
     return DrainResult(await call.app.registry.drain())
@@ -380,211 +246,110 @@ async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
 # -- sessions -----------------------------------------------------------------------------------------------------
 
 
-class NewParams(_Params, frozen=True):
-    """A new session, from a config (default `{}`), under a name (default: chosen by the daemon)."""
-
-    config: Config | None = None
-    session: SessionName | None = None
-
-
-@method("session/new", NewParams, SessionResult)
+@method("session/new")
 async def session_new(call: Call, params: NewParams) -> SessionResult:
-    """Start a session; it is durable before this answers."""
     name = await call.app.registry.new(params.session, encode(params.config or Config()))
     log.info("session.created", session=name)
     return SessionResult(name)
 
 
-class StepParams(_Params, frozen=True):
-    """One event for a session, with an optional deadline and idempotency key."""
-
-    session: SessionName
-    event: Raw
-    timeout_ms: Annotated[int, Meta(gt=0, description="the call's deadline in milliseconds")] | None = None
-    key: Annotated[str, Meta(min_length=1, max_length=KEY_BYTES_MAX, description="1-256 bytes of UTF-8")] | None = None
-
-
-class StepResult(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The actions the core answered; `replayed` when a keyed step was answered before and is answered again;
-    `ignored`, the action id of a result or a Model answer the session took no notice of (it never dispatched that
-    action, or already had its answer): the core answers it `[]` and changes nothing, so a client bug cannot stall a
-    turn in silence."""
-
-    actions: Raw
-    replayed: bool = False
-    ignored: list[int] | None = None
-
-
-@method("session/step", StepParams, StepResult)
+@method("session/step")
 async def session_step(call: Call, params: StepParams) -> StepResult:
-    """Step a session with one event; answered once the step is durable."""
     answered = await call.app.registry.step(params.session, bytes(params.event), params.timeout_ms, params.key)
     ignored = None if answered.ignored is None else [answered.ignored]
     return StepResult(Raw(answered.actions), answered.replayed, ignored)
 
 
-class SnapshotResult(msgspec.Struct, frozen=True):
-    """The session's state, base64, for `session/restore`."""
-
-    snapshot: str
-
-
-@method("session/snapshot", SessionParams, SnapshotResult)
+@method("session/snapshot")
 async def session_snapshot(call: Call, params: SessionParams) -> SnapshotResult:
-    """The session's state as the core encodes it."""
     return SnapshotResult(await call.app.registry.snapshot(params.session))
 
 
-class RestoreParams(_Params, frozen=True):
-    """A snapshot from `session/snapshot`, and the name of the session it starts (default: chosen)."""
-
-    snapshot: str
-    session: SessionName | None = None
-
-
-@method("session/restore", RestoreParams, SessionResult)
+@method("session/restore")
 async def session_restore(call: Call, params: RestoreParams) -> SessionResult:
-    """Start a session from a snapshot; it is durable before this answers."""
     name = await call.app.registry.restore(params.snapshot, params.session)
     log.info("session.restored", session=name)
     return SessionResult(name)
 
 
-class ForkParams(_Params, frozen=True):
-    """The session to fork, the step to fork at (default: its latest) and the fork's name (default: chosen)."""
-
-    session: SessionName
-    at: Seq | None = None
-    as_: SessionName | None = msgspec.field(default=None, name="as")
-
-
-@method("session/fork", ForkParams, SessionResult)
+@method("session/fork")
 async def session_fork(call: Call, params: ForkParams) -> SessionResult:
-    """Start a session whose history is the source's up to step `at`, with its own name, journal and keys; the
-    source is untouched."""
     name = await call.app.registry.fork(params.session, params.at, params.as_)
     log.info("session.forked", session=name, source=params.session, at=params.at)
     return SessionResult(name)
 
 
-class PendingResult(msgspec.Struct, frozen=True):
-    """The actions the core dispatched and still waits for (a model ask, or calls without a result), in id order,
-    exactly as they were answered."""
-
-    actions: Raw
-
-
-@method("session/pending", SessionParams, PendingResult)
+@method("session/pending")
 async def session_pending(call: Call, params: SessionParams) -> PendingResult:
-    """What the session still waits for, from the core itself: what a client that reconnects still owes."""
     return PendingResult(Raw(await call.app.registry.pending(params.session)))
 
 
-class TranscriptParams(_Params, frozen=True):
-    """The session, and the index of the first message wanted (0, the default: the whole conversation)."""
-
-    session: SessionName
-    from_: Annotated[int, Meta(ge=0, le=TRANSCRIPT_INDEX_MAX, description="a message index, from 0")] = msgspec.field(
-        default=0, name="from"
-    )
-
-
-class TranscriptResult(msgspec.Struct, frozen=True):
-    """The conversation as it stands after step `seq`, from message `from` on (none past its end)."""
-
-    seq: int
-    from_: int = msgspec.field(name="from")
-    messages: Raw
-
-
-@method("session/transcript", TranscriptParams, TranscriptResult)
+@method("session/transcript")
 async def session_transcript(call: Call, params: TranscriptParams) -> TranscriptResult:
-    """The session's conversation, as a Model ask would carry it whole: what a client of a session whose asks carry
-    only new messages (config `asks: "delta"`) reads when it starts, or has lost count."""
     seq, messages = await call.app.registry.transcript(params.session, params.from_)
     return TranscriptResult(seq, params.from_, Raw(messages))
 
 
-@method("session/recover", SessionParams, SessionResult)
+@method("session/recover")
 async def session_recover(call: Call, params: SessionParams) -> SessionResult:
-    """Bring an ended or poisoned session back from its durable state."""
     await call.app.registry.recover(params.session)
     log.info("session.recovered", session=params.session)
     return SessionResult(params.session)
 
 
-@method("session/close", SessionParams, Empty)
+@method("session/close")
 async def session_close(call: Call, params: SessionParams) -> Empty:
-    """End a session and delete its state; its watchers get `session/unwatched` with reason "closed"."""
     await call.app.registry.close(params.session)
     log.info("session.closed", session=params.session)
     call.peer.watches.pop(params.session, None)
     return Empty()
 
 
-class ListParams(_Params, frozen=True):
-    """A page of the sessions: at most `limit` (default: all of them) whose names sort after `cursor`."""
-
-    limit: Annotated[int, Meta(ge=1, le=100_000, description="at most this many sessions")] | None = None
-    cursor: Annotated[str, Meta(description="the `next` of the page before")] | None = None
-
-
-class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One session: its state, its last step, when it was made and last used (RFC 3339, UTC), how many
-    connections watch it, and why it ended."""
-
-    session: str
-    state: Literal["live", "stored", "ended", "poisoned"]
-    seq: int
-    created: str
-    last_used: str
-    watchers: int = 0
-    reason: str | None = None
-
-
-class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Sessions by name; `next` is the cursor for the following page, when there is one."""
-
-    sessions: list[SessionInfo]
-    next: str | None = None
-
-
-def rfc3339(seconds: float) -> str:
-    """Wall-clock seconds as RFC 3339 in UTC, to the millisecond."""
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-@method("session/list", ListParams, ListResult)
-async def session_list(call: Call, params: ListParams) -> ListResult:
-    """The sessions the daemon holds, by name, a page at a time when `limit` is given."""
-    infos, after = call.app.registry.page(params.limit, params.cursor)
-    return ListResult(
-        [
-            SessionInfo(
-                i.name,
-                i.state.value,  # type: ignore[arg-type]
-                i.seq,
-                rfc3339(i.created),
-                rfc3339(i.last_used),
-                i.watchers,
-                i.reason,
-            )
-            for i in infos
-        ],
-        after,
+def _entry(i: Info) -> SessionInfo:
+    return SessionInfo(
+        i.name,
+        i.state.value,  # type: ignore[arg-type]
+        i.seq,
+        rfc3339(i.created),
+        rfc3339(i.last_used),
+        i.watchers,
+        i.reason,
     )
 
 
-class WatchParams(_Params, frozen=True):
-    """The session to watch, and the step after which to start (default: from now on)."""
+@method("session/list")
+async def session_list(call: Call, params: ListParams) -> ListResult:
+    infos, after = call.app.registry.page(params.limit, params.cursor)
+    return ListResult([_entry(i) for i in infos], after)
 
-    session: SessionName
-    since: Seq | None = None
+
+@method("session/info")
+async def session_info(call: Call, params: SessionParams) -> InfoResult:
+    registry, name = call.app.registry, params.session
+    try:
+        state = registry.info(name).state.value
+    except HandleError:
+        if registry.fleet is None:
+            raise
+        state = "stored"  # not held here: pending takes it from the fleet, or answers MOVED naming its owner
+    waits: list[protocol.Waiting] = []
+    if state in ("live", "stored"):  # an ended or poisoned turn waits for nothing
+        waits = protocol.waiting(decode_actions(await registry.pending(name)))
+    i = registry.info(name)  # after pending, which may have woken or adopted it
+    return InfoResult(
+        i.name,
+        i.state.value,  # type: ignore[arg-type]
+        i.seq,
+        rfc3339(i.created),
+        rfc3339(i.last_used),
+        i.watchers,
+        i.reason,
+        waiting=waits,
+    )
 
 
-@method("session/watch", WatchParams, Empty)
+@method("session/watch")
 async def session_watch(call: Call, params: WatchParams) -> Empty:
-    """Receive `session/actions` for every step of the session after `since` (or from now) on this connection."""
     peer, registry = call.peer, call.app.registry
     sub = await registry.watch(params.session, peer.sink, params.since)
     # Whatever the connection did while the history was being sent (closed, or watched the same session again)
@@ -599,10 +364,12 @@ async def session_watch(call: Call, params: WatchParams) -> Empty:
     return Empty()
 
 
-@method("session/unwatch", SessionParams, Empty)
+@method("session/unwatch")
 async def session_unwatch(call: Call, params: SessionParams) -> Empty:
-    """Stop receiving the session's steps on this connection."""
     sub = call.peer.watches.pop(params.session, None)
     if sub is not None:
         call.app.registry.unwatch(sub)
     return Empty()
+
+
+METHODS: dict[str, Method] = bind(protocol.METHODS, _HANDLERS)  # import fails if a method lacks its one handler

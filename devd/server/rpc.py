@@ -15,6 +15,9 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from devd.errors import DevdError, InvalidRequestError, MovedError, ParseError, TooLargeError
+from devd.protocol import NOTIFICATIONS as NOTIFICATIONS  # the wire's types live in devd.protocol; re-exported here
+from devd.protocol import Error, ErrorData, Owner, StepNotice, rfc3339
+from devd.protocol import UnwatchedNotice as UnwatchedNotice
 from devd.sessions.watchers import Notice, Stepped
 
 Id = int | str | None
@@ -182,24 +185,6 @@ def _text(member: Raw | UnsetType) -> str | None:
 # -- answers ------------------------------------------------------------------------------------------------------
 
 
-class Owner(msgspec.Struct, frozen=True):
-    """The daemon of a fleet that holds a session: its name, and the address its clients reach it at."""
-
-    node: str
-    address: str
-
-
-class ErrorData(msgspec.Struct, frozen=True, omit_defaults=True):
-    kind: str
-    owner: Owner | None | msgspec.UnsetType = msgspec.UNSET  # MOVED only: the daemon that holds the session, or null
-
-
-class Error(msgspec.Struct, frozen=True):
-    code: int
-    message: str
-    data: ErrorData
-
-
 class Response(msgspec.Struct, frozen=True):
     jsonrpc: Literal["2.0"]
     id: Id
@@ -248,36 +233,12 @@ def too_large(line_bytes_max: int) -> bytes:
 # -- notifications -------------------------------------------------------------------------------------------------
 
 
-class StepNotice(msgspec.Struct, frozen=True):
-    """`session/actions`: one answered step of a watched session."""
-
-    session: str
-    seq: int
-    event: Raw
-    actions: Raw
-
-
-class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
-    """`session/unwatched`: the subscription ended after step `seq` ("closed", "expired", "moved" to the daemon
-    `owner`: watch it there with `since` = `seq`, or "fell too far behind")."""
-
-    session: str
-    seq: int
-    reason: str
-    owner: Owner | None = None
-
-
-NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
-    "session/actions": StepNotice,
-    "session/unwatched": UnwatchedNotice,
-}
-
-
 def encode_notice(notice: Notice) -> bytes:
     """A watcher's domain event as its notification line."""
     if isinstance(notice, Stepped):
         return notification(
-            "session/actions", StepNotice(notice.session, notice.seq, Raw(notice.event), Raw(notice.actions))
+            "session/actions",
+            StepNotice(notice.session, notice.seq, Raw(notice.event), Raw(notice.actions), rfc3339(notice.at)),
         )
     owner = Owner(*notice.owner) if notice.owner is not None else None
     return notification("session/unwatched", UnwatchedNotice(notice.session, notice.seq, notice.reason, owner))

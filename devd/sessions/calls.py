@@ -31,7 +31,7 @@ from devd.storage.store import Row, Stored, answer_digest
 if TYPE_CHECKING:
     from devd.sessions.registry import Registry
 
-log = structlog.get_logger("devd.registry")
+log = structlog.get_logger("devd.sessions.registry")
 T = TypeVar("T")
 HEAVY_MEMORY_BYTES = 8 << 20  # a rebuilt instance this large (a megabytes-long transcript) starts on a worker
 WHOLE_STATE_INLINE_BYTES = 4 << 20  # an instance this large is snapshotted on a worker (~1 ms a MB of transcript)

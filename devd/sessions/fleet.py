@@ -20,7 +20,7 @@ from devd.storage.store import Fleet
 if TYPE_CHECKING:
     from devd.sessions.registry import Registry
 
-log = structlog.get_logger("devd.registry")
+log = structlog.get_logger("devd.sessions.registry")
 
 
 class FleetSessions:

@@ -99,6 +99,7 @@ class History:
                 gap = None if whole else rows[cut].seq
                 rows = rows[:cut]
                 answers = await deriver.answers(rows)
+                times = await store.journalled(name, sub.last_seq, len(rows)) if rows else {}
                 if answers is None:  # what derives these answers is pruned; the latest snapshot derives what follows
                     kept = await store.load(name)
                     if kept is None:  # closed meanwhile (here, or by another daemon of a fleet), not pruned
@@ -109,7 +110,8 @@ class History:
                         return sub
                     gap = kept.snapshot_seq + 1
                 for row, actions in zip(rows, answers or (), strict=False):
-                    if not fanout.deliver(sub, row.seq, fanout.encode(Stepped(name, row.seq, row.event, actions))):
+                    at = times.get(row.seq, entry.created)  # a step from before times were kept: its session's birth
+                    if not fanout.deliver(sub, row.seq, fanout.encode(Stepped(name, row.seq, row.event, actions, at))):
                         return sub
                 if gap is not None:  # pruned: a watcher is promised every step after since, or nothing
                     if sub.last_seq == since:

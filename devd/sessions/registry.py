@@ -62,7 +62,7 @@ from devd.sessions.state import CALLABLE, Input, State, next_state
 from devd.sessions.watchers import Fanout, Sink, Stepped, Subscription
 from devd.storage.store import Fleet, Health, Step, Store, Stored
 
-log = structlog.get_logger("devd.registry")
+log = structlog.get_logger("devd.sessions.registry")
 
 
 class Registry:
@@ -311,7 +311,7 @@ class Registry:
             else:
                 entry.snapshot_bytes, entry.since_bytes = len(snapshot), 0
             self.stats.steps += 1
-            self.fanout.publish(Stepped(name, seq, event, actions))
+            self.fanout.publish(Stepped(name, seq, event, actions, time.time()))
             return Answered(actions, False, ignored)
 
     async def snapshot(self, name: str) -> str:
@@ -411,6 +411,13 @@ class Registry:
         infos = [self._info(self._entries[n]) for n in names]
         more = limit is not None and start + limit < len(self._names)
         return infos, (names[-1] if more and names else None)
+
+    def info(self, name: str) -> Info:
+        """One session's entry, as `page` gives it; HandleError if there is no such session."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise no_such(name)
+        return self._info(entry)
 
     def _info(self, e: Entry) -> Info:
         return Info(e.name, e.state, e.seq, self.fanout.count(e.name), e.reason, e.created, e.last_used)

@@ -19,6 +19,7 @@ class Stepped:
     seq: int
     event: bytes
     actions: bytes
+    at: float  # wall-clock seconds: when the step was answered (journalled, for a step of the history)
 
 
 @dataclass(frozen=True, slots=True)

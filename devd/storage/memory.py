@@ -22,6 +22,7 @@ class _Session:
     health: Health = Health.OK
     reason: str | None = None
     journal: dict[int, Step] = field(default_factory=dict)
+    at: dict[int, float] = field(default_factory=dict)  # when each step was journalled
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
@@ -68,6 +69,7 @@ class MemoryStore:
         if session is None or step.seq in session.journal:
             raise StoreError(f"step {step.seq} of {step.session!r} cannot be journalled: no such session or seq")
         session.journal[step.seq] = step
+        session.at[step.seq] = time.time()
         session.last_used = time.time()
 
     async def save_snapshot(self, name: str, seq: int, snapshot: bytes) -> None:
@@ -142,6 +144,11 @@ class MemoryStore:
         session = self._sessions.get(name)
         steps = sorted(session.journal.items()) if session else []
         return [_row(s) for seq, s in steps if seq > since][:limit]
+
+    async def journalled(self, name: str, since: int, limit: int) -> dict[int, float]:
+        session = self._sessions.get(name)
+        times = sorted(session.at.items()) if session else []
+        return dict([(seq, at) for seq, at in times if seq > since][:limit])
 
 
 def _row(step: Step) -> Row:

@@ -949,6 +949,16 @@ class PostgresStore:
 
         return await self._call(self._readers, read, "reading the database")
 
+    async def journalled(self, name: str, since: int, limit: int) -> dict[int, float]:
+        async def read(conn: Conn) -> dict[int, float]:
+            cursor = await conn.execute(
+                "SELECT seq, at FROM journal WHERE session = %s AND seq > %s ORDER BY seq LIMIT %s",
+                (name, since, limit),
+            )
+            return {seq: at for seq, at in await cursor.fetchall()}
+
+        return await self._call(self._readers, read, "reading the database")
+
 
 async def migrate(conn: Conn) -> int:
     """Bring the database to the format this devd writes, one migration at a time; the version reached.

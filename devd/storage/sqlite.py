@@ -771,6 +771,16 @@ class SQLiteStore:
             )
         )
 
+    async def journalled(self, name: str, since: int, limit: int) -> dict[int, float]:
+        return await self._read(
+            lambda db: dict(
+                db.execute(
+                    "SELECT seq, at FROM journal WHERE session = ? AND seq > ? AND at IS NOT NULL ORDER BY seq LIMIT ?",
+                    (name, since, limit),
+                )
+            )
+        )
+
 
 def migrate(db: sqlite3.Connection, path: Path) -> None:
     """Bring the database to the format this devd writes, one migration at a time."""

@@ -174,6 +174,10 @@ class Store(Protocol):
     async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
         """Up to `limit` journalled steps after `since`, in order."""
 
+    async def journalled(self, name: str, since: int, limit: int) -> dict[int, float]:
+        """When each of those steps was journalled (wall-clock seconds), by seq: what a watcher catching up on the
+        history is told as the step's time. A step from before times were kept (format 3) is missing."""
+
     def statistics(self) -> StoreStats: ...
 
     async def backup(self, path: str) -> int:

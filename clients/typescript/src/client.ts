@@ -16,10 +16,18 @@
  *   client refuses a socket file that belongs to another user (the daemon's peer check, seen from the client).
  * - `reconnect()` opens a new connection to the same address (after a daemon restart, say); what was waiting on the
  *   old one has already been rejected, and its watches ended.
+ * - The address defaults to the daemon's own rule (`defaultAddress()`, as devd.client's `default_address`).
+ * - A call answered `MOVED` (its session lives on another daemon of a fleet) is followed there, a few hops at most,
+ *   as devd.client follows it: only while nothing else uses the connection (no other call waits, no watch), and only
+ *   to an address this client was given (its first address, `peers`) or, on that first host, a daemon it can check
+ *   (another Unix socket, whose owner is checked, given no token; another TCP port with `shareToken`). The token goes
+ *   to the first address and the peers only (and with `shareToken`, to that host). Elsewhere, the MOVED is thrown,
+ *   saying why it was not followed.
  */
 
 import { lstatSync } from "node:fs";
 import { createConnection, type Socket } from "node:net";
+import { isAbsolute, join, resolve as resolvePath } from "node:path";
 
 import type {
   Error as ErrorObject,
@@ -34,6 +42,8 @@ import type {
 export const PROTOCOL: Protocol = 1;
 const VERSION = "0.1.0";
 const NEWLINE = 0x0a;
+/** Calls sent for one request that meets MOVED: the first, then up to three daemons it names. */
+export const MOVED_HOPS = 4;
 
 export type MethodName = keyof Methods;
 export type Params<M extends MethodName> = Methods[M]["params"];
@@ -57,6 +67,23 @@ export interface ConnectOptions {
   lineBytesMax?: number;
   /** How many notices a watch may hold for a consumer that is slower than the daemon. */
   noticesMax?: number;
+  /** Follow MOVED to the daemon it names (default: true), where this client may go (see `peers`). */
+  followMoved?: boolean;
+  /** The fleet's other daemons this client may follow MOVED to, and give its token. */
+  peers?: string[];
+  /** Also follow MOVED to another TCP port of the first host, with the token. */
+  shareToken?: boolean;
+}
+
+/**
+ * Where a client looks for the daemon: `$DEVD_SOCKET` when it is set, else where `devd serve` puts its socket by
+ * default (`$RUNTIME_DIRECTORY/devd.sock`, else `$XDG_RUNTIME_DIR/devd/devd.sock`, else `/tmp/devd-UID/devd.sock`).
+ */
+export function defaultAddress(env: NodeJS.ProcessEnv = process.env): string {
+  if (env.DEVD_SOCKET) return env.DEVD_SOCKET;
+  if (env.RUNTIME_DIRECTORY) return join(env.RUNTIME_DIRECTORY.split(":")[0] ?? "", "devd.sock");
+  if (env.XDG_RUNTIME_DIR) return join(env.XDG_RUNTIME_DIR, "devd", "devd.sock");
+  return `/tmp/devd-${process.getuid?.() ?? 0}/devd.sock`;
 }
 
 /** A watch's notices, and when the daemon has answered it. */
@@ -79,12 +106,15 @@ export class DevdError extends Error {
   readonly kind: ErrorKind;
   readonly code: number;
   readonly method: string;
+  /** MOVED only: the daemon of the fleet that holds the session, when one does. */
+  readonly owner: { node: string; address: string } | null;
 
-  constructor(method: string, error: ErrorObject) {
-    super(`${method}: ${error.data.kind}: ${error.message}`);
+  constructor(method: string, error: ErrorObject, why?: string) {
+    super(`${method}: ${error.data.kind}: ${error.message}${why === undefined ? "" : ` (${why})`}`);
     this.kind = error.data.kind;
     this.code = error.code;
     this.method = method;
+    this.owner = error.data.owner ?? null;
   }
 }
 
@@ -120,9 +150,12 @@ interface Reply {
   params?: unknown;
 }
 
-/** Connect to the daemon at a Unix socket path or `tcp://HOST:PORT`, and say hello (with the token over TCP). */
-export async function connect(address: string, options: ConnectOptions = {}): Promise<Client> {
-  const client = new Client(address, options);
+/**
+ * Connect to the daemon at a Unix socket path or `tcp://HOST:PORT` (default: `defaultAddress()`), and say hello
+ * (with the token over TCP).
+ */
+export async function connect(address?: string, options: ConnectOptions = {}): Promise<Client> {
+  const client = new Client(address ?? defaultAddress(), options);
   await client.reconnect();
   return client;
 }
@@ -135,6 +168,52 @@ export function isConnectionLost(error: unknown): boolean {
 }
 
 const LOST = new Set(["ECONNREFUSED", "ENOENT", "ECONNRESET", "EPIPE", "ECONNABORTED"]);
+
+/** A Unix socket's path, from a plain path or a fleet's advertised `unix:PATH`. */
+function socketPath(address: string): string {
+  return address.startsWith("unix:") ? address.slice("unix:".length) : address;
+}
+
+/** An address as what it reaches, so that `unix:PATH` and PATH, or `tcp://[::1]:P` and `tcp://::1:P`, compare equal. */
+function endpoint(address: string): string {
+  const tcp = parseTcp(address);
+  if (tcp !== null) return `tcp ${tcp.host.toLowerCase()} ${tcp.port}`;
+  const path = socketPath(address);
+  return `unix ${isAbsolute(path) ? resolvePath(path) : resolvePath(process.cwd(), path)}`;
+}
+
+/**
+ * The token to give the daemon a MOVED names (undefined: none), or the reason this client may not go there. The
+ * address comes from the fleet's database: whoever can write it chooses it, so following must not extend trust.
+ */
+function moveToken(
+  origin: string,
+  target: string,
+  options: ConnectOptions,
+): { token: string | undefined } | { refused: string } {
+  let to: string, from: string;
+  try {
+    [to, from] = [endpoint(target), endpoint(origin)];
+  } catch {
+    return { refused: refusal(target) };
+  }
+  const peers = new Set((options.peers ?? []).map(endpoint));
+  if (to === from || peers.has(to)) return { token: options.token };
+  const [toKind, toHost] = to.split(" ");
+  const [fromKind, fromHost] = from.split(" ");
+  if (toKind === "unix" && fromKind === "unix") return { token: undefined }; // the same machine; its owner is checked
+  if (toKind === "tcp" && fromKind === "tcp" && toHost === fromHost && options.shareToken === true) {
+    return { token: options.token };
+  }
+  return { refused: refusal(target) };
+}
+
+function refusal(target: string): string {
+  return (
+    `not followed: ${target} is not an address this client was given; connect to it yourself, or pass it in ` +
+    "peers to follow MOVED there"
+  );
+}
 
 function parseTcp(address: string): { host: string; port: number } | null {
   if (!address.startsWith("tcp://")) return null;
@@ -189,13 +268,22 @@ export class Client {
   private nextId = 1;
   private closed: Error | null = new ConnectionClosedError("not connected yet");
   private ended: Promise<void> = Promise.resolve();
+  private current: string; // where this client is connected: its first address, or where MOVED took it
+  private token: string | undefined; // the token the daemon at `current` is given (none after some MOVED)
 
   constructor(
-    readonly address: string,
+    readonly origin: string,
     private readonly options: ConnectOptions = {},
   ) {
     this.lineBytesMax = options.lineBytesMax ?? 64 * 1024 * 1024;
     this.noticesMax = options.noticesMax ?? 10_000;
+    this.current = origin;
+    this.token = options.token;
+  }
+
+  /** The daemon this client talks to: the address it was given, or the one a MOVED it followed named. */
+  get address(): string {
+    return this.current;
   }
 
   /**
@@ -204,14 +292,21 @@ export class Client {
    */
   async reconnect(): Promise<void> {
     this.drop(new ConnectionClosedError("the client reconnected"));
-    const tcp = parseTcp(this.address);
-    if (tcp === null) checkSocketOwner(this.address);
-    const socket = await open(tcp ?? { path: this.address });
+    await this.hello_(await this.openSocket(this.current));
+  }
+
+  private async openSocket(address: string): Promise<Socket> {
+    const tcp = parseTcp(address);
+    if (tcp === null) checkSocketOwner(socketPath(address));
+    return open(tcp ?? { path: socketPath(address) });
+  }
+
+  private async hello_(socket: Socket): Promise<void> {
     this.attach(socket);
     try {
-      const hello = await this.call("initialize", {
+      const hello = await this.callOnce("initialize", {
         client: this.options.client ?? { name: "devd-client", version: VERSION },
-        ...(this.options.token === undefined ? {} : { token: this.options.token }),
+        ...(this.token === undefined ? {} : { token: this.token }),
       });
       if (hello.protocol !== PROTOCOL) {
         const speaks = `speaks protocol ${hello.protocol}; this client speaks ${PROTOCOL}`;
@@ -237,8 +332,49 @@ export class Client {
     socket.on("close", () => current() && this.end(lost("the daemon closed the connection")));
   }
 
-  /** Call a method; resolves with its result, or rejects with the `DevdError` the daemon answered. */
-  call<M extends MethodName>(method: M, ...[params]: ParamsArgs<M>): Promise<Result<M>> {
+  /**
+   * Call a method; resolves with its result, or rejects with the `DevdError` the daemon answered. A MOVED is
+   * followed to the daemon it names when this client may go there (see the module's doc).
+   */
+  async call<M extends MethodName>(method: M, ...args: ParamsArgs<M>): Promise<Result<M>> {
+    for (let hop = 1; ; hop++) {
+      try {
+        return await this.callOnce(method, ...args);
+      } catch (error) {
+        const moved = error instanceof DevdError && error.kind === "MOVED";
+        // Following moves the whole connection: only when nothing else uses it (other calls, watches).
+        const busy = this.waiting.size > 0 || this.watches.size > 0;
+        if (!moved || this.options.followMoved === false || busy || hop === MOVED_HOPS) throw error;
+        const address = error.owner?.address;
+        if (address) await this.moveTo(address, error);
+        // No owner: nobody holds it now, and the same daemon takes it when asked again.
+      }
+    }
+  }
+
+  /** Follow a MOVED: connect to the daemon it names, or throw it (saying why) when this client may not go there. */
+  private async moveTo(address: string, moved: DevdError): Promise<void> {
+    const allowed = moveToken(this.origin, address, this.options);
+    const rethrow = (why?: string) =>
+      new DevdError(moved.method, {
+        code: moved.code,
+        message: moved.message.slice(`${moved.method}: MOVED: `.length),
+        data: { kind: "MOVED", owner: moved.owner },
+      }, why);
+    if ("refused" in allowed) throw rethrow(allowed.refused);
+    let socket: Socket;
+    try {
+      socket = await this.openSocket(address);
+    } catch (error) {
+      if (isConnectionLost(error)) throw moved; // the owner is gone, its lease not yet ended: ask again later
+      throw error;
+    }
+    this.drop(new ConnectionClosedError("the client followed MOVED to another daemon"));
+    [this.current, this.token] = [address, allowed.token];
+    await this.hello_(socket);
+  }
+
+  private callOnce<M extends MethodName>(method: M, ...[params]: ParamsArgs<M>): Promise<Result<M>> {
     const socket = this.socket;
     if (this.closed !== null || socket === null) return Promise.reject(this.closed);
     const id = this.nextId++;

@@ -99,7 +99,7 @@ export class TurnError extends Error {
   override readonly name = "TurnError";
 }
 
-const NAME_CHARS_MAX = 64; // a session name's length limit (devd.server.methods.SESSION_NAME_PATTERN)
+const NAME_CHARS_MAX = 64; // a session name's length limit (devd.protocol.SESSION_NAME_PATTERN)
 
 /**
  * The key of the step that starts turn `turn`. Keys name the session too: a fork inherits its source's keys, and

@@ -284,6 +284,24 @@ export interface Git {
 }
 
 /**
+ * One session, as `session/list` shows it, and what its turn waits for: the pending actions' ids and kinds, in id
+ * order (none when the turn is over, or the session ended or was poisoned).
+ *
+ * @example {"session":"look","state":"live","seq":2,"created":"2026-11-30T12:07:18.912Z","last_used":"2026-11-30T12:07:18.912Z","waiting":[{"id":2,"kind":"Read"}]}
+ */
+export interface InfoResult {
+  session: string;
+  state: "ended" | "live" | "poisoned" | "stored";
+  seq: number;
+  created: string;
+  last_used: string;
+  /** @default 0 */
+  watchers?: number;
+  reason?: string | null;
+  waiting: Waiting[];
+}
+
+/**
  * The first call of a connection; on TCP it must carry the token from the daemon's state directory.
  *
  * @example {"client":{"name":"example","version":"1.0"}}
@@ -434,6 +452,14 @@ export interface Methods {
   "session/list": {
     params: ListParams;
     result: ListResult;
+  };
+  /**
+   * One session, as `session/list` shows it, and what its turn waits for (the pending actions' ids and kinds): what a
+   * UI shows of one session without listing them all.
+   */
+  "session/info": {
+    params: SessionParams;
+    result: InfoResult;
   };
   /** Receive `session/actions` for every step of the session after `since` (or from now) on this connection. */
   "session/watch": {
@@ -613,15 +639,17 @@ export interface StatusResult {
 }
 
 /**
- * `session/actions`: one answered step of a watched session.
+ * `session/actions`: one answered step of a watched session, and `at`, when it was answered (RFC 3339, UTC, to the
+ * millisecond; for a step of the history a watch catches up on, when it was journalled).
  *
- * @example {"session":"demo","seq":3,"event":{"Exec":{"id":2,"text":"main.c:3: error: x undeclared","failed":true}},"actions":[]}
+ * @example {"session":"demo","seq":3,"event":{"Exec":{"id":2,"text":"main.c:3: error: x undeclared","failed":true}},"actions":[],"at":"2026-11-30T12:07:18.912Z"}
  */
 export interface StepNotice {
   session: string;
   seq: number;
   event: Event;
   actions: Action[];
+  at: string;
 }
 
 /**
@@ -734,6 +762,15 @@ export interface UnwatchedNotice {
   seq: number;
   reason: string;
   owner?: Owner | null;
+}
+
+/**
+ * An action the session's turn waits for: its id, and what it asks for (the `Op` member it carries: "Model", "Exec",
+ * "Read", "Write", "Git" or "Browse").
+ */
+export interface Waiting {
+  id: number;
+  kind: string;
 }
 
 /**

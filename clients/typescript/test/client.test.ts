@@ -134,9 +134,17 @@ test("watch yields every step after since, then the unwatched notice, and ends",
       await waitFor(() => notices.length === 2);
       await client.call("session/close", { session: "watched" });
       await watching;
+      const at = notices.map((n) => (n.method === "session/actions" ? n.params.at : ""));
+      assert.ok(at.slice(0, 2).every((t) => /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$/.test(t)), at.join());
       assert.deepEqual(notices, [
-        { method: "session/actions", params: { session: "watched", seq: 1, event: events[0], actions: answered[0] } },
-        { method: "session/actions", params: { session: "watched", seq: 2, event: events[1], actions: answered[1] } },
+        {
+          method: "session/actions",
+          params: { session: "watched", seq: 1, event: events[0], actions: answered[0], at: at[0] },
+        },
+        {
+          method: "session/actions",
+          params: { session: "watched", seq: 2, event: events[1], actions: answered[1], at: at[1] },
+        },
         { method: "session/unwatched", params: { session: "watched", seq: 2, reason: "closed" } },
       ]);
     });

@@ -116,7 +116,7 @@ test("messages and notices narrow too", () => {
   ];
   assert.deepEqual(messages.map(speaker), ["user", "agent", "tool (failed)"]);
   const notices: Notice[] = [
-    { method: "session/actions", params: { session: "demo", seq: 3, event: { Timer: true }, actions: [] } },
+    { method: "session/actions", params: { session: "demo", seq: 3, event: { Timer: true }, actions: [], at: "2026-11-30T12:07:18.912Z" } },
     { method: "session/unwatched", params: { session: "demo", seq: 3, reason: "closed" } },
   ];
   assert.deepEqual(notices.map(seq), ["step 3: 0 actions", "unwatched after 3: closed"]);

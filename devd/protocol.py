@@ -1,0 +1,583 @@
+"""The wire protocol as data: every method's params and result, the notices, the error data, and the method table.
+
+What it promises: this module imports only `devd.messages`, `devd.errors`, msgspec and the standard library, so a
+client (`devd.client`, or any tool that reads `devd schema`) loads the protocol without the daemon (no registry, no
+wasm host, no wasmtime). `METHODS` maps each method's name to its `Spec`: its params and result types (with their
+constraints, as msgspec `Meta`, so the schema shows them), its doc, the name of the client method that calls it, and
+its flags (whether it names a session, whether a draining daemon still answers it). The daemon's handlers
+(`devd.server.methods`), dispatch, `devd schema`, both Python clients and the CLI derive from it: a method is added here
+first, then given its one handler in `devd.server.methods` (checked when that module is imported).
+
+Params refuse unknown members; what a type cannot state (a key's length in bytes) is checked by `check`, and
+`decode_params` words a broken constraint as the daemon always has (the protocol document shows those messages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal, Protocol
+
+import msgspec
+from msgspec import Meta, Raw
+
+from devd.errors import InvalidParamsError
+from devd.messages import Action, Config, Event
+
+SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
+KEY_BYTES_MAX = 256
+SEQ_MAX = (1 << 63) - 1  # what SQLite's INTEGER (and PostgreSQL's bigint) holds
+
+SessionName = Annotated[
+    str, Meta(pattern=SESSION_NAME_PATTERN, description="1-64 of A-Z a-z 0-9 . _ -, and not . or ..")
+]
+TRANSCRIPT_INDEX_MAX = (1 << 31) - 1  # the core counts messages in 32 bits
+Seq = Annotated[int, Meta(ge=0, le=SEQ_MAX, description="a step number: the seq of a session's nth answered step")]
+
+# Messages for the constraints above, as the daemon has always worded them (the protocol document shows them).
+_NAME_RULE = "session names are 1-64 of A-Z a-z 0-9 . _ - and not . or .."
+_RULES: dict[str, Callable[[str | None], str]] = {
+    "session": lambda v: f"{_NAME_RULE}; {v[:80]!r} is not one" if v is not None else _NAME_RULE,
+    "as": lambda v: f"{_NAME_RULE}; {v[:80]!r} is not one" if v is not None else _NAME_RULE,
+    "timeout_ms": lambda v: "timeout_ms must be a positive number of milliseconds",
+    "key": lambda v: f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8",
+    "since": lambda v: f"since must be a step number, 0 to {SEQ_MAX}",
+    "at": lambda v: f"at must be a step number, 0 to {SEQ_MAX}",
+    "from": lambda v: f"from must be a message index, 0 to {TRANSCRIPT_INDEX_MAX}",
+}
+_ASKS_RULE = (
+    'config.asks must be "full" (every Model ask carries the whole conversation: the default) or "delta" (only the '
+    "messages added since the previous ask)"
+)
+
+
+class _Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+# -- decoding params ------------------------------------------------------------------------------------------------
+
+
+class Decodes(Protocol):
+    """What decoding a method's params needs of it: a `Spec`, or the daemon's `Method` bound from one."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def decoder(self) -> msgspec.json.Decoder[Any]: ...
+
+
+def decode_params(m: Decodes, raw: bytes) -> Any:
+    """The method's params, or InvalidParamsError naming what is wrong."""
+    if raw.strip() == b"null":
+        raw = b"{}"
+    try:
+        params = m.decoder.decode(raw)
+    except msgspec.ValidationError as e:
+        raise InvalidParamsError(_explain(m.name, raw, e)) from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise InvalidParamsError(f"the params of {m.name} cannot be read: {e}") from None
+    check(params)
+    return params
+
+
+def _explain(name: str, raw: bytes, error: msgspec.ValidationError) -> str:
+    """A constraint broken (not a wrong type) is said in the rule's own words."""
+    message = str(error)
+    if message.endswith(" - at `$.config.asks`"):
+        return _ASKS_RULE
+    # msgspec words a broken constraint "Expected `str` matching regex ... - at `$.session`"; a wrong type says
+    # ", got `...`", and an unknown member "Object contains unknown field ...": those keep msgspec's words.
+    for member, explain in _RULES.items():
+        if message.startswith("Expected `") and message.endswith(f" - at `$.{member}`") and ", got `" not in message:
+            return explain(_string_member(raw, member))
+    return f"bad params for {name}: {message}"
+
+
+class _Named(msgspec.Struct):
+    session: str | None = None
+    as_: str | None = msgspec.field(default=None, name="as")
+
+
+_named = msgspec.json.Decoder(_Named)
+
+
+def _string_member(raw: bytes, member: str) -> str | None:
+    """The string value of a session-name member, for the message; None if it cannot be read as one."""
+    try:
+        named = _named.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return named.as_ if member == "as" else named.session
+
+
+def check(params: Any) -> None:
+    """Rules msgspec's types cannot state."""
+    key = getattr(params, "key", None)
+    if key is not None:
+        try:
+            encoded = key.encode()
+        except UnicodeEncodeError:
+            raise InvalidParamsError("the key must be valid Unicode text") from None
+        if not 0 < len(encoded) <= KEY_BYTES_MAX:
+            raise InvalidParamsError(f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8")
+
+
+# -- shared results -----------------------------------------------------------------------------------------------
+
+
+class Empty(msgspec.Struct, frozen=True):
+    """Nothing to report: the call did what it says."""
+
+
+class SessionResult(msgspec.Struct, frozen=True):
+    """The session the call started or brought back."""
+
+    session: str
+
+
+class SessionParams(_Params, frozen=True):
+    """The session to act on."""
+
+    session: SessionName
+
+
+# -- initialize and status ----------------------------------------------------------------------------------------
+
+
+class Client(msgspec.Struct, frozen=True):
+    """Who is calling, for the daemon's log."""
+
+    name: str
+    version: str | None = None
+
+
+class InitializeParams(_Params, frozen=True):
+    """The first call of a connection; on TCP it must carry the token from the daemon's state directory."""
+
+    client: Client | None = None
+    token: str | None = None
+
+
+class Server(msgspec.Struct, frozen=True):
+    """The daemon's name and version."""
+
+    name: str
+    version: str
+
+
+class Limits(msgspec.Struct, frozen=True):
+    """The limits this daemon enforces."""
+
+    line_bytes_max: int
+    sessions_max: int
+    connections_max: int
+    call_timeout_ms: int
+    memory_bytes_per_session: int
+    keys_kept_per_session: int
+
+
+class InitializeResult(msgspec.Struct, frozen=True):
+    """Who the daemon is, the protocol and core ABI it speaks, and its limits."""
+
+    server: Server
+    protocol: int
+    abi: int
+    limits: Limits
+
+
+class NoParams(_Params, frozen=True):
+    """This method takes no params."""
+
+
+class StatusResult(msgspec.Struct, frozen=True):
+    """The daemon's health and counters."""
+
+    server: Server
+    uptime_s: float
+    sessions: dict[str, int]
+    connections: int
+    steps: int
+    durable_writes: int
+    errors: dict[str, int]
+    deadline_hits: int
+    offloaded: int  # calls run on a worker thread: past their inline budget, or of a session whose calls grew past it
+    rebuilt: int  # sessions rebuilt from their snapshot and journal: woken, recovered, or after an inline call stopped
+    hibernated: int  # idle sessions whose instance was dropped to stay within --max-live or --live-memory
+    live_memory_bytes: int  # the memory of the sessions' instances together
+    expired: int  # sessions deleted by --expire-after
+    commit_ms_p50: float
+    commit_ms_p99: float
+    memory_rss_bytes: int
+
+
+class BackupParams(_Params, frozen=True):
+    """Where the daemon writes a copy of its database: an absolute path to a file that does not exist yet."""
+
+    path: Annotated[str, Meta(min_length=1, description="an absolute path; its directory must exist")]
+
+
+class BackupResult(msgspec.Struct, frozen=True):
+    """The copy written: where, and its size."""
+
+    path: str
+    bytes: int
+
+
+class DrainResult(msgspec.Struct, frozen=True):
+    """How many sessions this daemon gave back to the fleet."""
+
+    sessions: int
+
+
+# -- sessions -----------------------------------------------------------------------------------------------------
+
+
+class NewParams(_Params, frozen=True):
+    """A new session, from a config (default `{}`), under a name (default: chosen by the daemon)."""
+
+    config: Config | None = None
+    session: SessionName | None = None
+
+
+class StepParams(_Params, frozen=True):
+    """One event for a session, with an optional deadline and idempotency key."""
+
+    session: SessionName
+    event: Raw
+    timeout_ms: Annotated[int, Meta(gt=0, description="the call's deadline in milliseconds")] | None = None
+    key: Annotated[str, Meta(min_length=1, max_length=KEY_BYTES_MAX, description="1-256 bytes of UTF-8")] | None = None
+
+
+class StepResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The actions the core answered; `replayed` when a keyed step was answered before and is answered again;
+    `ignored`, the action id of a result or a Model answer the session took no notice of (it never dispatched that
+    action, or already had its answer): the core answers it `[]` and changes nothing, so a client bug cannot stall a
+    turn in silence."""
+
+    actions: Raw
+    replayed: bool = False
+    ignored: list[int] | None = None
+
+
+class SnapshotResult(msgspec.Struct, frozen=True):
+    """The session's state, base64, for `session/restore`."""
+
+    snapshot: str
+
+
+class RestoreParams(_Params, frozen=True):
+    """A snapshot from `session/snapshot`, and the name of the session it starts (default: chosen)."""
+
+    snapshot: str
+    session: SessionName | None = None
+
+
+class ForkParams(_Params, frozen=True):
+    """The session to fork, the step to fork at (default: its latest) and the fork's name (default: chosen)."""
+
+    session: SessionName
+    at: Seq | None = None
+    as_: SessionName | None = msgspec.field(default=None, name="as")
+
+
+class PendingResult(msgspec.Struct, frozen=True):
+    """The actions the core dispatched and still waits for (a model ask, or calls without a result), in id order,
+    exactly as they were answered."""
+
+    actions: Raw
+
+
+class TranscriptParams(_Params, frozen=True):
+    """The session, and the index of the first message wanted (0, the default: the whole conversation)."""
+
+    session: SessionName
+    from_: Annotated[int, Meta(ge=0, le=TRANSCRIPT_INDEX_MAX, description="a message index, from 0")] = msgspec.field(
+        default=0, name="from"
+    )
+
+
+class TranscriptResult(msgspec.Struct, frozen=True):
+    """The conversation as it stands after step `seq`, from message `from` on (none past its end)."""
+
+    seq: int
+    from_: int = msgspec.field(name="from")
+    messages: Raw
+
+
+class ListParams(_Params, frozen=True):
+    """A page of the sessions: at most `limit` (default: all of them) whose names sort after `cursor`."""
+
+    limit: Annotated[int, Meta(ge=1, le=100_000, description="at most this many sessions")] | None = None
+    cursor: Annotated[str, Meta(description="the `next` of the page before")] | None = None
+
+
+class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One session: its state, its last step, when it was made and last used (RFC 3339, UTC), how many
+    connections watch it, and why it ended."""
+
+    session: str
+    state: Literal["live", "stored", "ended", "poisoned"]
+    seq: int
+    created: str
+    last_used: str
+    watchers: int = 0
+    reason: str | None = None
+
+
+class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Sessions by name; `next` is the cursor for the following page, when there is one."""
+
+    sessions: list[SessionInfo]
+    next: str | None = None
+
+
+def rfc3339(seconds: float) -> str:
+    """Wall-clock seconds as RFC 3339 in UTC, to the millisecond."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class WatchParams(_Params, frozen=True):
+    """The session to watch, and the step after which to start (default: from now on)."""
+
+    session: SessionName
+    since: Seq | None = None
+
+
+class Waiting(msgspec.Struct, frozen=True):
+    """An action the session's turn waits for: its id, and what it asks for (the `Op` member it carries: "Model",
+    "Exec", "Read", "Write", "Git" or "Browse")."""
+
+    id: int
+    kind: str
+
+
+class InfoResult(SessionInfo, frozen=True, omit_defaults=True, kw_only=True):
+    """One session, as `session/list` shows it, and what its turn waits for: the pending actions' ids and kinds, in
+    id order (none when the turn is over, or the session ended or was poisoned)."""
+
+    waiting: list[Waiting]
+
+
+def waiting(actions: list[Action]) -> list[Waiting]:
+    """The id and kind of each pending action."""
+    return [Waiting(a.id, next(f for f in a.op.__struct_fields__ if getattr(a.op, f) is not None)) for a in actions]
+
+
+# -- errors ---------------------------------------------------------------------------------------------------------
+
+
+class Owner(msgspec.Struct, frozen=True):
+    """The daemon of a fleet that holds a session: its name, and the address its clients reach it at."""
+
+    node: str
+    address: str
+
+
+class ErrorData(msgspec.Struct, frozen=True, omit_defaults=True):
+    kind: str
+    owner: Owner | None | msgspec.UnsetType = msgspec.UNSET  # MOVED only: the daemon that holds the session, or null
+
+
+class Error(msgspec.Struct, frozen=True):
+    code: int
+    message: str
+    data: ErrorData
+
+
+# -- notifications -------------------------------------------------------------------------------------------------
+
+
+class StepNotice(msgspec.Struct, frozen=True):
+    """`session/actions`: one answered step of a watched session, and `at`, when it was answered (RFC 3339, UTC, to
+    the millisecond; for a step of the history a watch catches up on, when it was journalled)."""
+
+    session: str
+    seq: int
+    event: Raw
+    actions: Raw
+    at: str
+
+
+class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
+    """`session/unwatched`: the subscription ended after step `seq` ("closed", "expired", "moved" to the daemon
+    `owner`: watch it there with `since` = `seq`, or "fell too far behind")."""
+
+    session: str
+    seq: int
+    reason: str
+    owner: Owner | None = None
+
+
+NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
+    "session/actions": StepNotice,
+    "session/unwatched": UnwatchedNotice,
+}
+
+
+class ActionsNotice(msgspec.Struct, frozen=True):
+    """`session/actions` as a client reads it: step `seq` of a watched session, its event, the actions it was
+    answered, and when (`at`, RFC 3339)."""
+
+    session: str
+    seq: int
+    event: Event
+    actions: list[Action]
+    at: str
+
+
+# -- the method table -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One method of the protocol, as data."""
+
+    name: str
+    params: type[msgspec.Struct]
+    result: type[msgspec.Struct]
+    doc: str
+    call: str  # the method of `devd.client`'s clients that calls it
+    session: bool  # its params name one session (`session`), which the call acts on
+    during_shutdown: bool = False  # answered while the daemon drains (status), or refused as BUSY
+    decoder: msgspec.json.Decoder[Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decoder", msgspec.json.Decoder(self.params))
+
+
+def _spec(
+    name: str,
+    params: type[msgspec.Struct],
+    result: type[msgspec.Struct],
+    call: str,
+    doc: str,
+    *,
+    during_shutdown: bool = False,
+) -> Spec:
+    required = params.__struct_fields__[: len(params.__struct_fields__) - len(params.__struct_defaults__)]
+    return Spec(name, params, result, " ".join(doc.split()), call, "session" in required, during_shutdown)
+
+
+METHODS: dict[str, Spec] = {
+    s.name: s
+    for s in [
+        _spec(
+            "initialize",
+            InitializeParams,
+            InitializeResult,
+            "initialize",
+            "Say hello; optional on the Unix socket, required first (with the token) on TCP.",
+        ),
+        _spec(
+            "daemon/status",
+            NoParams,
+            StatusResult,
+            "status",
+            "The daemon's counters: sessions by state, steps, errors by kind, commit latency, memory.",
+            during_shutdown=True,
+        ),
+        _spec(
+            "daemon/backup",
+            BackupParams,
+            BackupResult,
+            "backup",
+            "A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied).",
+        ),
+        _spec(
+            "daemon/drain",
+            NoParams,
+            DrainResult,
+            "drain",
+            """Give every session this daemon of a fleet holds back to the fleet, so other daemons take them at once
+            (before a restart, say); a session called here again is taken back. Calls in flight keep their session.""",
+        ),
+        _spec("session/new", NewParams, SessionResult, "new", "Start a session; it is durable before this answers."),
+        _spec(
+            "session/step",
+            StepParams,
+            StepResult,
+            "step_answer",
+            "Step a session with one event; answered once the step is durable.",
+        ),
+        _spec(
+            "session/snapshot", SessionParams, SnapshotResult, "snapshot", "The session's state as the core encodes it."
+        ),
+        _spec(
+            "session/restore",
+            RestoreParams,
+            SessionResult,
+            "restore",
+            "Start a session from a snapshot; it is durable before this answers.",
+        ),
+        _spec(
+            "session/fork",
+            ForkParams,
+            SessionResult,
+            "fork",
+            """Start a session whose history is the source's up to step `at`, with its own name, journal and keys; the
+            source is untouched.""",
+        ),
+        _spec(
+            "session/pending",
+            SessionParams,
+            PendingResult,
+            "pending",
+            "What the session still waits for, from the core itself: what a client that reconnects still owes.",
+        ),
+        _spec(
+            "session/transcript",
+            TranscriptParams,
+            TranscriptResult,
+            "transcript",
+            """The session's conversation, as a Model ask would carry it whole: what a client of a session whose asks
+            carry only new messages (config `asks: "delta"`) reads when it starts, or has lost count.""",
+        ),
+        _spec(
+            "session/recover",
+            SessionParams,
+            SessionResult,
+            "recover",
+            "Bring an ended or poisoned session back from its durable state.",
+        ),
+        _spec(
+            "session/close",
+            SessionParams,
+            Empty,
+            "close_session",  # `close` closes the connection
+            'End a session and delete its state; its watchers get `session/unwatched` with reason "closed".',
+        ),
+        _spec(
+            "session/list",
+            ListParams,
+            ListResult,
+            "list",
+            "The sessions the daemon holds, by name, a page at a time when `limit` is given.",
+        ),
+        _spec(
+            "session/info",
+            SessionParams,
+            InfoResult,
+            "info",
+            """One session, as `session/list` shows it, and what its turn waits for (the pending actions' ids and
+            kinds): what a UI shows of one session without listing them all.""",
+        ),
+        _spec(
+            "session/watch",
+            WatchParams,
+            Empty,
+            "watch",
+            """Receive `session/actions` for every step of the session after `since` (or from now) on this
+            connection.""",
+        ),
+        _spec(
+            "session/unwatch",
+            SessionParams,
+            Empty,
+            "unwatch",
+            "Stop receiving the session's steps on this connection.",
+        ),
+    ]
+}
