@@ -27,6 +27,8 @@ class _Session:
 
 
 class MemoryStore:
+    reopened = 0  # it has no disk to fault
+
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}
         self._commits = 0

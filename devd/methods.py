@@ -295,6 +295,7 @@ class StatusResult(msgspec.Struct, frozen=True):
     hibernated: int  # idle sessions whose instance was dropped to stay within --max-live or --live-memory
     live_memory_bytes: int  # the memory of the sessions' instances together
     expired: int  # sessions deleted by --expire-after
+    store_reopened: int  # times the store reopened its database after a write fault, and went on serving
     commit_ms_p50: float
     commit_ms_p99: float
     memory_rss_bytes: int
@@ -316,6 +317,7 @@ def status(app: App) -> StatusResult:
         hibernated=stats.hibernated,
         live_memory_bytes=app.registry.memory,
         expired=stats.expired,
+        store_reopened=store.reopened,
         commit_ms_p50=store.commit_ms_p50,
         commit_ms_p99=store.commit_ms_p99,
         memory_rss_bytes=_rss_bytes(),

@@ -232,15 +232,43 @@ class Registry:
         self._entries: dict[str, Entry] = {}
         self._names: list[str] = []  # every name, sorted: list pages are a bisect and a slice
         self._live: OrderedDict[str, None] = OrderedDict()  # names with an instance, least recently used first
+        self._reopened_seen = 0  # the store's reopens after write faults this registry has rebuilt its sessions for
 
     async def load(self) -> None:
         """Know every stored session (their instances are built on first use)."""
+        self._reopened_seen = self.store.reopened
         for row in await self.store.sessions():
             entry = Entry(row.name, _FROM_HEALTH[row.health], row.seq, row.reason)
             entry.created = row.created
             entry.last_used = row.last_used
             self._entries[row.name] = entry
         self._names = sorted(self._entries)
+
+    async def _heal(self) -> None:
+        """After the store reopened itself (a write fault), what is on disk is the truth, and it may hold writes that
+        were answered with errors (a failed fsync does not say whether they landed): every session not inside a call
+        drops its instance and takes its state and head from disk (its next call rebuilds it); sessions on disk
+        this registry did not know are known again, and names no longer on disk are forgotten. A session inside a
+        call is left to it: its own write failed (and it dropped its instance), or it is durable."""
+        self._reopened_seen = self.store.reopened
+        rows = {row.name: row for row in await self.store.sessions()}
+        for name, entry in list(self._entries.items()):
+            if entry.busy:
+                continue
+            if entry.state is State.LIVE:
+                self._detach(entry)
+                self._move(entry, Input.DROP)
+            row = rows.get(name)
+            if row is None:
+                self._forget(name)
+            else:
+                entry.seq = row.seq
+        for name, row in rows.items():
+            if name not in self._entries:
+                self._entries[name] = Entry(name, _FROM_HEALTH[row.health], row.seq, row.reason)
+                self._entries[name].created, self._entries[name].last_used = row.created, row.last_used
+                bisect.insort(self._names, name)
+        log.warning("sessions.rebuilt_from_disk", sessions=len(self._entries), reopens=self._reopened_seen)
 
     # -- starting sessions ------------------------------------------------------------------------------------------
 
@@ -316,6 +344,8 @@ class Registry:
         self, name: str | None, start: Callable[[], Awaitable[Instance]], config: bytes, snapshot: bytes | None
     ) -> str:
         """Claim the name, start the instance, and make the session durable before it is answered."""
+        if self.store.reopened != self._reopened_seen:
+            await self._heal()
         await self._refuse_if_in_fleet(name)
         name = self._claim(name)
         try:
@@ -763,7 +793,10 @@ class Registry:
         return entry
 
     async def _entered(self, name: str, *, any_state: bool = False) -> Entry:
-        """`_enter`, after adopting from the fleet a session this daemon does not know (made or held elsewhere)."""
+        """`_enter`, after adopting from the fleet a session this daemon does not know (made or held elsewhere), and
+        after rebuilding from disk what a reopen of the store may have changed."""
+        if self.store.reopened != self._reopened_seen:
+            await self._heal()
         if self.fleet is not None and name not in self._entries:
             await self._adopt(name)
         return self._enter(name, any_state=any_state)

@@ -125,9 +125,15 @@ class StoreStats:
     commits: int
     commit_ms_p50: float
     commit_ms_p99: float
+    reopened: int = 0  # times the store reopened its database after a write fault
 
 
 class Store(Protocol):
+    # Times the store reopened itself after a write fault (a failed write or fsync), as the event loop knows it. The
+    # writes of the fault were answered with errors; what is on disk since may hold some of them, so a registry that
+    # sees this change rebuilds its sessions from disk. Stores that never stop taking writes keep it 0.
+    reopened: int
+
     async def run(self) -> None:
         """Complete writes for ever (group commit); cancelled at shutdown, after which `flush` commits the rest."""
 
