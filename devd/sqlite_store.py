@@ -39,7 +39,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -119,11 +119,16 @@ REOPEN_DELAY_S = (0.05, 5.0)  # after a fault a reopen is tried at once, then af
 Op = Callable[[sqlite3.Connection], None] | Step
 
 
-@dataclass
 class _Pending:
-    op: Op
-    done: anyio.Event = field(default_factory=anyio.Event)
-    error: BaseException | None = None
+    """A write waiting for its commit: the commit thread's answer comes back on the loop as the future's result.
+    A plain future, not an anyio Event: one is made and awaited per step, and that is the step's hot path."""
+
+    __slots__ = ("op", "done", "error")
+
+    def __init__(self, op: Op, done: asyncio.Future[None]) -> None:
+        self.op = op
+        self.done = done
+        self.error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -325,7 +330,8 @@ class SQLiteStore:
         del self._commit_seconds[:-1024]
         for p in batch:
             p.error = error
-            p.done.set()
+            if not p.done.done():  # cancelled meanwhile: its writer is gone, the write is committed anyway
+                p.done.set_result(None)
         self._outstanding -= len(batch)
         self._settle()
 
@@ -675,10 +681,10 @@ class SQLiteStore:
             log.warning("store.snapshot_file_not_removed", file=name, error=str(e))
 
     async def _write(self, op: Op) -> None:
-        pending = _Pending(op)
+        pending = _Pending(op, asyncio.get_running_loop().create_future())
         self._outstanding += 1
         self._queue.put(pending)
-        await pending.done.wait()
+        await pending.done
         error = pending.error
         if error is None:
             return

@@ -86,4 +86,4 @@ def test_the_open_deadline_bounds_dev_abi_and_not_compiling() -> None:
 
 def test_a_module_that_never_answers_dev_abi_is_still_stopped_with_a_cache(tmp_path: Path) -> None:
     with pytest.raises(DeadlineError):
-        Core.open(modules.SPIN_ABI, timeout=0.1, cache_dir=tmp_path / "cache")
+        Core.open(bytes(modules.SPIN_ABI), timeout=0.1, cache_dir=tmp_path / "cache")
