@@ -90,8 +90,7 @@ class App:
     errors: dict[str, int] = field(default_factory=dict)  # answers by error kind
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(msgspec.Struct, frozen=True):
     app: App
     peer: Peer
 

@@ -30,7 +30,6 @@ carries the snapshots' bytes inline.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import errno
 import os
 import queue
@@ -39,13 +38,13 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import msgspec
 import structlog
 
 from devd import failpoints, files
@@ -131,8 +130,7 @@ class _Pending:
         self.error: BaseException | None = None
 
 
-@dataclass(frozen=True)
-class _SnapshotJob:
+class _SnapshotJob(msgspec.Struct, frozen=True):
     """A large snapshot waiting for its file: taken after step `seq` of `session` while the session's name was at
     `generation` (see `SQLiteStore._generations`)."""
 
@@ -142,8 +140,7 @@ class _SnapshotJob:
     generation: int | None
 
 
-@dataclass
-class _Pointer:
+class _Pointer(msgspec.Struct):
     """The commit that makes a written snapshot file the snapshot of its step's row (on the commit thread)."""
 
     job: _SnapshotJob
@@ -745,7 +742,7 @@ class SQLiteStore:
         job = _SnapshotJob(step.session, step.seq, step.snapshot, self._generations.get(step.session))
         self._snapshots_pending += 1
         try:
-            await self._write(dataclasses.replace(step, snapshot=None))
+            await self._write(msgspec.structs.replace(step, snapshot=None))
         except BaseException:
             self._snapshot_done()
             raise
@@ -1069,7 +1066,7 @@ def _with_snapshot(loaded: tuple[Stored, IO[bytes] | None] | None) -> Stored | N
             snapshot = file.read()
         except OSError as e:
             raise StoreError(_unreadable(stored, Path(file.name), e)) from None
-    return dataclasses.replace(stored, snapshot=snapshot)
+    return msgspec.structs.replace(stored, snapshot=snapshot)
 
 
 def _unreadable(stored: Stored, path: Path, e: OSError) -> str:

@@ -12,17 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 
-@dataclass(frozen=True, slots=True)
-class Stepped:
+
+class Stepped(msgspec.Struct, frozen=True):
     session: str
     seq: int
     event: bytes
     actions: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Unwatched:
+class Unwatched(msgspec.Struct, frozen=True):
     session: str
     seq: int  # the last step the watcher was sent
     reason: str

@@ -4,12 +4,12 @@ it stays within 8 MiB. Real SQLite files."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import sqlite3
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from devd.sqlite_store import FILE_SNAPSHOT_BYTES
@@ -72,7 +72,7 @@ async def test_the_log_is_checkpointed_and_stays_within_8_mib(tmp_path: Path) ->
         await store.create("a", CONFIG)
         for n in range(1, 81):  # 20 MiB of events, one commit each
             event = bytes([n]) * (FILE_SNAPSHOT_BYTES - 1)
-            await store.append(dataclasses.replace(step(n), event=event))
+            await store.append(msgspec.structs.replace(step(n), event=event))
             largest = max(largest, os.stat(wal).st_size)
         checkpoints = store.checkpoints
     assert (largest <= WAL_BOUND, checkpoints >= 4) == (True, True)
