@@ -364,7 +364,8 @@ def _durable_floor_server(socket_path: str, db_path: str) -> None:
 # flight per client, the requests built from bytes encoded once (per process for the events, per conversation for
 # the session name), each reply checked by a prefix comparison and decoded only when that does not match.
 
-WARMUP_S = 1.0  # the generators start, connect and run this long before the measured window opens
+WARMUP_S = 2.0  # the generators start, connect and run this long before the measured window opens (1 s was too
+# short on a shared machine: a loaded generator connected after its window had opened and the round was lost)
 _REQUEST_HEAD = b'{"jsonrpc":"2.0","id":%d'
 _NEW_TAIL = b',"method":"session/new","params":{"session":"%s"}}\n'
 _STEP_TAIL = b',"method":"session/step","params":{"session":"%s","event":%s}}\n'
