@@ -313,7 +313,11 @@ class SQLiteStore:
                 batch.append(item)
             started = time.perf_counter()
             with self._lock:
-                error, snapshots = self._apply([p.op for p in batch])
+                try:
+                    error, snapshots = self._apply([p.op for p in batch])
+                except Exception as e:  # a bug, not a fault: the batch fails, and the thread lives on for the next
+                    log.error("store.commit_failed", error=f"{type(e).__name__}: {e}"[:500])
+                    error, snapshots = e, []
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._committed, batch, error, time.perf_counter() - started)
             # Maintenance after the batch is answered, between batches: what it writes holds up no step answered.
@@ -367,7 +371,11 @@ class SQLiteStore:
                 # (PostgreSQL's fsyncgate): nothing after it can be trusted to be durable until the store is reopened.
                 self._break(f"writing the database failed ({e})")
             return e, []
-        failpoints.hit("commit.after")
+        try:
+            failpoints.hit("commit.after")
+        except OSError as e:  # a fault once the batch is durable: as a failed fsync whose writes landed after all
+            self._break(f"writing the database failed ({e})")
+            return e, []
         self._reopen_delay_s = 0.0  # the disk takes writes again: a next fault is retried at once
         self._remove_released(db)
         snapshots = [(s.session, s.seq) for s in steps if s.snapshot is not None]

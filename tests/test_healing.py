@@ -107,3 +107,17 @@ def test_tool_output_after_a_fault_is_taken_once(tmp_path: Path) -> None:
         c.step("a", Event(Exec=Output(id=2, text="ok")), key="exec-2")
         replayed = c.step_answer("a", Event(Exec=Output(id=2, text="ok")), key="exec-2").replayed
     assert replayed is True
+
+
+def test_a_step_whose_commit_failed_after_it_landed_is_answered_replayed_when_sent_again(tmp_path: Path) -> None:
+    # Commit 4 is durable, then fails (as an fsync that reports an error for writes that reached the disk).
+    with Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.after=eio@4"}) as d, d.client() as c:
+        c.new(session="a")
+        for n, event in enumerate(_turn(1), start=1):
+            c.step("a", event, key=f"k{n}")
+        with pytest.raises(errors.InternalError, match="may or may not be on disk"):
+            c.step("a", _turn(2)[0], key="k3")
+        again = c.step_answer("a", _turn(2)[0], key="k3")  # the store reopened and found it on disk
+        c.step("a", _turn(2)[1], key="k4")  # and the session goes on from it, rebuilt from disk
+        listed = c.call("session/list")["sessions"]
+    assert (again.replayed, [(s["session"], s["seq"]) for s in listed]) == (True, [("a", 4)])
