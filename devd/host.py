@@ -80,6 +80,9 @@ _memory_size.argtypes = None  # type: ignore[assignment]
 _set_deadline = _held["wasmtime_context_set_epoch_deadline"]
 _set_deadline.restype = None
 _set_deadline.argtypes = None  # type: ignore[assignment]
+_increment_epoch = _held["wasmtime_engine_increment_epoch"]  # an atomic add: the ticker's catch-up keeps the GIL
+_increment_epoch.restype = None
+_increment_epoch.argtypes = None  # type: ignore[assignment]
 memmove = ctypes.PYFUNCTYPE(c_void_p, c_void_p, c_void_p, c_size_t)(ctypes._memmove_addr)  # type: ignore[attr-defined]
 
 _json_array = msgspec.json.Decoder(list[msgspec.Raw])
@@ -160,10 +163,13 @@ class _Ticker:
         self._thread.start()
 
     def _run(self) -> None:
+        # Each increment keeps the GIL (an atomic add): a catch-up of many ticks after the thread was starved is one
+        # hold of the GIL, not one hand-over to the event loop and back per tick.
+        engine = self._engine.ptr()
         while not self._stop.wait(TICK_SECONDS):
             target = int((time.monotonic() - self._t0) / TICK_SECONDS)
             while self._epoch < target:
-                self._engine.increment_epoch()
+                _increment_epoch(engine)
                 self._epoch += 1
 
     def ticks_until(self, deadline: float) -> int:
@@ -174,8 +180,9 @@ class _Ticker:
     def expire(self, seconds: float) -> None:
         """Advance the epoch past every deadline due within `seconds`: each call running now traps (DEADLINE), and
         every later call expires at once. For the end of a shutdown's grace."""
+        engine = self._engine.ptr()
         for _ in range(int(seconds / TICK_SECONDS) + 2):
-            self._engine.increment_epoch()
+            _increment_epoch(engine)
         self._epoch += int(seconds / TICK_SECONDS) + 2
 
     def stop(self) -> None:
