@@ -1,17 +1,15 @@
 """Benchmarks, each against a baseline measured in the same run (machines here are noisy: trust the ratios).
 
-python -m benchmarks.bench core      # devd's step vs the naive ABI dance, session creation, RSS per idle session
-python -m benchmarks.bench daemon    # N clients in another process: devd vs devd's dispatch with stub handlers vs a
-floor
-                               # (a minimal anyio echo), each server its own process, rounds alternated
+python -m benchmarks.bench core     # devd's step vs the naive ABI dance, session creation, RSS per idle session
+python -m benchmarks.bench daemon   # N clients in another process: devd vs the durable floor (a minimal server
+                                    # committing each request to SQLite before it answers) vs devd's dispatch with stub
+                                    # handlers vs a minimal anyio echo, each server its own process, rounds alternated
 python -m benchmarks.bench soak --minutes N  # the daemon for N minutes under mixed clients and watchers, restarted
-every
-                                       # minute (SIGTERM, SIGKILL by turns): its resources' curve and lost answers
-python -m benchmarks.bench long      # one session's cost as it grows, turn after turn, and after a restart; or one
-turn of
-                               # many tool calls (--big-turn N); in benchmarks/bench_long.py
-python -m benchmarks.bench fleet     # one and two daemons on one PostgreSQL vs the SQLite daemon, and a session's move
-                               # between daemons; in benchmarks/bench_fleet.py
+                                    # every minute (SIGTERM, SIGKILL by turns): its resources' curve and lost answers
+python -m benchmarks.bench long     # one session's cost as it grows, turn after turn, and after a restart; or one
+                                    # turn of many tool calls (--big-turn N); in benchmarks/bench_long.py
+python -m benchmarks.bench fleet    # one and two daemons on one PostgreSQL vs the SQLite daemon, and a session's move
+                                    # between daemons; in benchmarks/bench_fleet.py
 """
 
 from __future__ import annotations
@@ -275,13 +273,100 @@ def _anyio_echo_server(socket_path: str) -> None:
     anyio.run(serve, backend="asyncio", backend_options=_uvloop_options())
 
 
+# The durable floor: what a step's durability costs at the least, on this disk, in this language. asyncio on uvloop,
+# msgspec, one SQLite file in WAL mode with synchronous=FULL, one commit thread doing group commits (the requests
+# queued while a commit runs share the next one, in one INSERT statement), each request one row holding its line, and
+# each answered only after the commit holding its row. devd pays for everything it does on top of this.
+
+
+class _FloorConnection(asyncio.Protocol):
+    def __init__(self, floor: _DurableFloor) -> None:
+        self.floor = floor
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        *lines, self.buffer = (self.buffer + data).split(b"\n")
+        for line in lines:
+            if line:
+                self.floor.queue.put((line, self))
+
+    def answer(self, request_id: int | str | None) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(self.floor.encode(_EchoResponse("2.0", request_id, self.floor.empty)) + b"\n")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+
+class _DurableFloor:
+    def __init__(self, db_path: str) -> None:
+        import queue
+        import sqlite3
+
+        self.decode = msgspec.json.Decoder(_EchoRequest).decode
+        self.encode = msgspec.json.Encoder().encode
+        self.empty = _EchoActions()
+        self.queue: queue.SimpleQueue[tuple[bytes, _FloorConnection]] = queue.SimpleQueue()
+        self.db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("CREATE TABLE IF NOT EXISTS requests (id INTEGER PRIMARY KEY, line BLOB NOT NULL)")
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def commit_loop(self) -> None:
+        import queue
+
+        while True:
+            batch = [self.queue.get()]
+            while len(batch) < 500:
+                try:
+                    batch.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            # One statement, its own transaction: one fsync of the WAL for the batch.
+            self.db.execute(
+                "INSERT INTO requests (line) VALUES " + ",".join(["(?)"] * len(batch)), [line for line, _ in batch]
+            )
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self.answer, batch)
+
+    def answer(self, batch: list[tuple[bytes, _FloorConnection]]) -> None:
+        for line, connection in batch:
+            connection.answer(self.decode(line).id)
+
+
+def _durable_floor_server(socket_path: str, db_path: str) -> None:
+    """The durable floor (above): answers every request with no actions, once its row is committed."""
+    import threading
+
+    sys.setswitchinterval(0.0001)  # as devd serve does, so that the commit thread gets the GIL as promptly
+    floor = _DurableFloor(db_path)
+
+    async def serve() -> None:
+        floor.loop = asyncio.get_running_loop()
+        threading.Thread(target=floor.commit_loop, name="floor-commit", daemon=True).start()
+        server = await floor.loop.create_unix_server(lambda: _FloorConnection(floor), socket_path)
+        print("ready", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
+        runner.run(serve())
+
+
 # -- the load generator ----------------------------------------------------------------------------------------------
 #
 # The generator must not be what is measured, so it is not devd.client: asyncio Protocols on uvloop, one request in
 # flight per client, the requests built from bytes encoded once (per process for the events, per conversation for
 # the session name), each reply checked by a prefix comparison and decoded only when that does not match.
 
-WARMUP_S = 1.0  # the generators start, connect and run this long before the measured window opens
+WARMUP_S = 2.0  # the generators start, connect and run this long before the measured window opens (1 s was too
+# short on a shared machine: a loaded generator connected after its window had opened and the round was lost)
 _REQUEST_HEAD = b'{"jsonrpc":"2.0","id":%d'
 _NEW_TAIL = b',"method":"session/new","params":{"session":"%s"}}\n'
 _STEP_TAIL = b',"method":"session/step","params":{"session":"%s","event":%s}}\n'
@@ -573,7 +658,8 @@ def _wait_socket(path: Path, proc: subprocess.Popen[bytes]) -> None:
     raise TimeoutError(f"the server did not listen on {path} within 30 s")
 
 
-SERVERS = ("anyio-echo", "dispatch", "devd", "devd-1-client")
+SERVERS = ("anyio-echo", "durable-floor", "dispatch", "devd", "durable-floor-1-client", "devd-1-client")
+SINGLE_CLIENT = ("durable-floor-1-client", "devd-1-client")  # one client alone: the latency, nothing queued before
 
 
 def _server_argv(name: str, sock: Path, state: Path) -> list[str]:
@@ -581,6 +667,9 @@ def _server_argv(name: str, sock: Path, state: Path) -> list[str]:
         return [sys.executable, "-m", "benchmarks.bench", "_anyio_echo", str(sock)]
     if name == "dispatch":
         return [sys.executable, "-m", "benchmarks.bench", "_echo", str(sock)]
+    if name.startswith("durable-floor"):
+        state.mkdir(mode=0o700)
+        return [sys.executable, "-m", "benchmarks.bench", "_durable_floor", str(sock), str(state / "floor.sqlite3")]
     argv = [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)]
     return argv + ["--log-level", "warning"]
 
@@ -612,10 +701,17 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
             return None  # one of the two was not measured, or failed
         return float(rows[a]["steps_per_s"] / rows[b]["steps_per_s"])
 
+    def p50_over(a: str, b: str) -> float | None:
+        if "p50_ms" not in rows.get(a, {}) or "p50_ms" not in rows.get(b, {}):
+            return None
+        return float(rows[a]["p50_ms"] / rows[b]["p50_ms"])
+
     return {
         "dispatch_over_anyio_echo": over("dispatch", "anyio-echo"),
         "devd_over_anyio_echo": over("devd", "anyio-echo"),
         "devd_over_dispatch": over("devd", "dispatch"),
+        "devd_over_durable_floor": over("devd", "durable-floor"),
+        "single_client_p50_devd_over_durable_floor": p50_over("devd-1-client", "durable-floor-1-client"),
     }
 
 
@@ -648,7 +744,7 @@ def bench_daemon(
     try:
         for r in range(rounds):
             for name in servers:
-                if name == "devd-1-client":  # the latency of one client alone, nothing queued before it
+                if name in SINGLE_CLIENT:
                     runs[name].append(_run_server(name, root, r, 1, single_client_seconds, 1))
                 else:
                     runs[name].append(_run_server(name, root, r, clients, seconds, generators))
@@ -1986,6 +2082,9 @@ def main(argv: list[str] | None = None) -> int:
     echo.add_argument("socket")
     anyio_echo = sub.add_parser("_anyio_echo")
     anyio_echo.add_argument("socket")
+    durable_floor = sub.add_parser("_durable_floor")
+    durable_floor.add_argument("socket")
+    durable_floor.add_argument("database")
     load = sub.add_parser("_load")
     load.add_argument("address")
     load.add_argument("--clients", type=int, default=16)
@@ -2036,6 +2135,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     elif args.what == "_anyio_echo":
         _anyio_echo_server(args.socket)
+        return 0
+    elif args.what == "_durable_floor":
+        _durable_floor_server(args.socket, args.database)
         return 0
     else:
         _load_main(args.address, args.clients, args.first_client, args.seconds, args.start_at)

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,13 @@ BIG_EVERY_CALLS = 100
 MAX_ERRORS = 3
 CLIENT_TIMEOUT_S = 300.0  # a step is bounded by the daemon's deadline (60 s at most) plus its commit: far under this
 STOP_TIMEOUT_S = 60.0  # a SIGTERM'd daemon lets calls in flight finish (10 s), commits and exits
+# The disk bound (store issue): the state directory at most DISK_BOUND times (the latest snapshot + the journal kept)
+# plus DISK_WAL_BYTES for the write-ahead log, at every turn. The journal kept is counted as the events of the last
+# KEPT_STEPS steps (the daemon's steps_kept_per_session): what it promises to keep, so never more than it keeps.
+DISK_BOUND = 3.0
+DISK_WAL_BYTES = 8 << 20
+KEPT_STEPS = 1000
+DISK_SNAPSHOT_EVERY_TURNS = 10  # the snapshot's length is asked this often (in between, the last one asked counts)
 
 
 class _Action(msgspec.Struct, frozen=True):
@@ -191,6 +198,7 @@ class _Stepper:
         self.latencies: list[float] = []  # seconds, the successful steps since the last `take_latencies`
         self.steps = 0
         self.sent_bytes = 0  # the events' bytes, over the whole run
+        self.recent: deque[int] = deque(maxlen=KEPT_STEPS)  # the last KEPT_STEPS events' lengths
         self.errors: Counter[str] = Counter()
         self.error_log: list[dict[str, Any]] = []
 
@@ -210,6 +218,7 @@ class _Stepper:
             self.latencies.append(time.perf_counter() - started)
             self.steps += 1
             self.sent_bytes += len(event)
+            self.recent.append(len(event))
             return _actions.decode(raw).actions
 
     def _send(self, event: bytes) -> bytes:
@@ -327,6 +336,46 @@ def _offloaded(client: Client) -> int:
 
 
 @dataclasses.dataclass
+class _DiskWatch:
+    """The state directory against the disk bound, after every turn: the largest ratio of its bytes to (the latest
+    snapshot + the journal kept) over the run, and the largest of the same less the WAL's allowance (the bound holds
+    while that is at most DISK_BOUND)."""
+
+    daemon: _Daemon
+    stepper: _Stepper
+    snapshot: int = 0
+    turns: int = 0
+    ratio_max: float = 0.0
+    less_wal_max: float = 0.0
+    at_turn: int = 0
+    state_bytes_max: int = 0
+
+    def sample(self) -> None:
+        if self.turns % DISK_SNAPSHOT_EVERY_TURNS == 0:
+            self.snapshot = self.stepper.snapshot_bytes()[0]
+        self.turns += 1
+        state = _tree_bytes(self.daemon.state)
+        kept = self.snapshot + sum(self.stepper.recent)
+        if not kept:
+            return
+        self.state_bytes_max = max(self.state_bytes_max, state)
+        less_wal = (state - DISK_WAL_BYTES) / kept
+        if less_wal > self.less_wal_max:
+            self.less_wal_max, self.at_turn = less_wal, self.turns
+        self.ratio_max = max(self.ratio_max, state / kept)
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "state_dir_over_kept_max": round(self.ratio_max, 2),
+            "state_dir_less_wal_over_kept_max": round(self.less_wal_max, 2),
+            "at_turn": self.at_turn,
+            "state_mib_max": round(self.state_bytes_max / (1 << 20), 2),
+            "bound": DISK_BOUND,
+            "within_bound": self.less_wal_max <= DISK_BOUND,
+        }
+
+
+@dataclasses.dataclass
 class _Window:
     """The daemon's counters when a window opened; `close` makes its row."""
 
@@ -388,7 +437,9 @@ def bench_long(
         with daemon.client() as client:
             stepper = _Stepper(client, client.new(_config(asks), session="long"), max_errors)
             talk = _Conversation(stepper, output_bytes, random.Random(1))
-            result["stopped"] = _run_windows(daemon, talk, turns, window, result["windows"], progress)
+            disk = _DiskWatch(daemon, stepper)
+            result["stopped"] = _run_windows(daemon, talk, turns, window, result["windows"], progress, disk)
+            result["disk"] = disk.result()
         if result["stopped"] is None:
             result["restart"] = _restart(daemon, talk)
         result["errors"], result["error_log"] = dict(stepper.errors), stepper.error_log
@@ -400,9 +451,16 @@ def bench_long(
 
 
 def _run_windows(
-    daemon: _Daemon, talk: _Conversation, turns: int, window: int, rows: list[dict[str, Any]], progress: bool
+    daemon: _Daemon,
+    talk: _Conversation,
+    turns: int,
+    window: int,
+    rows: list[dict[str, Any]],
+    progress: bool,
+    disk: _DiskWatch | None = None,
 ) -> str | None:
-    """Append a row per window of turns; None, or why the run stopped early (its partial window is still a row)."""
+    """Append a row per window of turns; None, or why the run stopped early (its partial window is still a row).
+    With `disk`, the state directory is measured against the disk bound after every turn (outside the steps)."""
     for first in range(1, turns + 1, window):
         last = min(first + window - 1, turns)
         opened = _Window(daemon, talk.stepper, f"{first}-{last}")
@@ -410,6 +468,8 @@ def _run_windows(
         try:
             while talk.turn < last or talk.position < STEPS_PER_TURN:
                 talk.step()
+                if disk is not None and talk.position == STEPS_PER_TURN:
+                    disk.sample()
         except _Stopped as e:
             stopped = str(e)
         if daemon.proc is not None and daemon.proc.poll() is not None:
@@ -611,6 +671,13 @@ def report_long(r: dict[str, Any]) -> str:
     out.append(f"  p50, last window / first:          {_cell(ratios.get('p50_last_over_first'))}")
     out.append(f"  disk B/step, last window / first:  {_cell(ratios.get('disk_bytes_per_step_last_over_first'))}")
     out.append(f"  state dir / (snapshot + events sent): {_cell(ratios.get('state_dir_over_snapshot_plus_events'))}")
+    if d := r.get("disk"):
+        out.append(
+            f"disk, after every turn: state dir / (latest snapshot + journal kept) max {d['state_dir_over_kept_max']}; "
+            f"less {DISK_WAL_BYTES >> 20} MiB for the WAL, max {d['state_dir_less_wal_over_kept_max']} at turn "
+            f"{d['at_turn']} (bound {d['bound']}: {'within' if d['within_bound'] else 'PAST IT'}); state dir max "
+            f"{d['state_mib_max']} MiB"
+        )
     out += _errors_report(r)
     return "\n".join(out)
 

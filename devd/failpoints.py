@@ -13,7 +13,8 @@ Points: `commit.before` (a batch is about to be written), `commit.snapshot` (a b
 points a step at a snapshot's file, is about to be written), `snapshot.file` (a large snapshot's file is written and
 fsync'd, not yet renamed into place), `commit.after` (a batch is durable and nobody has been told), `prune` (history
 is about to be pruned), `read` (a read of the store is about to run), `hibernate` (an idle session's instance is
-about to be dropped to make room), `backup` (a backup is about to copy the database).
+about to be dropped to make room), `backup` (a backup is about to copy the database), `checkpoint` (the log is about
+to be checkpointed, between commits), `reopen` (the store is about to reopen the database after a write fault).
 """
 
 from __future__ import annotations

@@ -18,20 +18,21 @@ the `out` slot are lent once per session and reused, and guest memory is read an
 from __future__ import annotations
 
 import ctypes
-import importlib.resources
+import hashlib
+import os
 import struct
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from ctypes import POINTER, addressof, c_size_t, c_uint64, c_void_p, memmove, string_at
+from ctypes import POINTER, addressof, c_size_t, c_uint64, c_void_p, string_at
 from pathlib import Path
 
 import msgspec
 import wasmtime
 from wasmtime import _ffi as ffi
 
-from devd import ABI
+from devd import ABI, compiled
 from devd.config import default
 from devd.errors import (
     STATUS,
@@ -60,20 +61,29 @@ OUT_SLOT_BYTES = 16  # the out slot, padded so the input buffer after it stays a
 LOAN_BYTES_MIN = 4096
 INT32_MAX = 2**31 - 1
 
-# Private prototypes of the three hot C entry points: `argtypes = None` skips ctypes' per-call conversion, and a
-# copy of our own leaves wasmtime-py's prototypes untouched. Every argument is passed as a ctypes object.
+# Private prototypes of the hot C entry points: `argtypes = None` skips ctypes' per-call conversion, and a copy of our
+# own leaves wasmtime-py's prototypes untouched. Every argument is passed as a ctypes object. A call into wasm releases
+# the GIL (it may run until its deadline, and the epoch ticker needs the GIL to end it); the accessors that only read
+# or set a field (memory base and size, the deadline) and the copy into guest memory keep it: releasing it to the
+# commit thread or a worker for a call of nanoseconds costs the event loop up to a switch interval to win it back,
+# several times a step.
 _call_unchecked = ffi.dll["wasmtime_func_call_unchecked"]
 _call_unchecked.restype = c_void_p
 _call_unchecked.argtypes = None  # type: ignore[assignment]
-_memory_data = ffi.dll["wasmtime_memory_data"]
+_held = ctypes.PyDLL(ffi.dll._name)  # the same library, its functions called with the GIL held
+_memory_data = _held["wasmtime_memory_data"]
 _memory_data.restype = c_void_p
 _memory_data.argtypes = None  # type: ignore[assignment]
-_memory_size = ffi.dll["wasmtime_memory_data_size"]
+_memory_size = _held["wasmtime_memory_data_size"]
 _memory_size.restype = c_size_t
 _memory_size.argtypes = None  # type: ignore[assignment]
-_set_deadline = ffi.dll["wasmtime_context_set_epoch_deadline"]
+_set_deadline = _held["wasmtime_context_set_epoch_deadline"]
 _set_deadline.restype = None
 _set_deadline.argtypes = None  # type: ignore[assignment]
+_increment_epoch = _held["wasmtime_engine_increment_epoch"]  # an atomic add: the ticker's catch-up keeps the GIL
+_increment_epoch.restype = None
+_increment_epoch.argtypes = None  # type: ignore[assignment]
+memmove = ctypes.PYFUNCTYPE(c_void_p, c_void_p, c_void_p, c_size_t)(ctypes._memmove_addr)  # type: ignore[attr-defined]
 
 _json_array = msgspec.json.Decoder(list[msgspec.Raw])
 
@@ -126,9 +136,10 @@ def _check_memory_cap(module: wasmtime.Module, memory_bytes: int) -> None:
 
 def packaged_module() -> bytes:
     """The core built from core/ and shipped in the package."""
-    resource = importlib.resources.files("devd") / "core.wasm"
+    # Beside this file, not through importlib.resources: that import costs a start about 8 ms, and devd is always
+    # installed as files.
     try:
-        return resource.read_bytes()
+        return (Path(__file__).parent / "core.wasm").read_bytes()
     except FileNotFoundError:
         raise AbiError(
             "devd/core.wasm is missing: the core has not been built; run `make build` (or reinstall devd)"
@@ -152,10 +163,13 @@ class _Ticker:
         self._thread.start()
 
     def _run(self) -> None:
+        # Each increment keeps the GIL (an atomic add): a catch-up of many ticks after the thread was starved is one
+        # hold of the GIL, not one hand-over to the event loop and back per tick.
+        engine = self._engine.ptr()
         while not self._stop.wait(TICK_SECONDS):
             target = int((time.monotonic() - self._t0) / TICK_SECONDS)
             while self._epoch < target:
-                self._engine.increment_epoch()
+                _increment_epoch(engine)
                 self._epoch += 1
 
     def ticks_until(self, deadline: float) -> int:
@@ -166,8 +180,9 @@ class _Ticker:
     def expire(self, seconds: float) -> None:
         """Advance the epoch past every deadline due within `seconds`: each call running now traps (DEADLINE), and
         every later call expires at once. For the end of a shutdown's grace."""
+        engine = self._engine.ptr()
         for _ in range(int(seconds / TICK_SECONDS) + 2):
-            self._engine.increment_epoch()
+            _increment_epoch(engine)
         self._epoch += int(seconds / TICK_SECONDS) + 2
 
     def stop(self) -> None:
@@ -175,13 +190,69 @@ class _Ticker:
         self._thread.join()
 
 
+# The Engine's configuration, in one place: it builds the Engine and names it in the compiled-module cache, so a
+# module compiled under another configuration is never loaded into this one. Without signal handlers a guard-page
+# trap cannot be misrouted to faulthandler (which kills the process when it was enabled after the Engine); explicit
+# bounds checks cost 0-10% of a step.
+_ENGINE_CONFIG: tuple[tuple[str, bool], ...] = (("epoch_interruption", True), ("signals_based_traps", False))
+
+
 def _engine() -> wasmtime.Engine:
     config = wasmtime.Config()
-    config.epoch_interruption = True
-    # Without signal handlers a guard-page trap cannot be misrouted to faulthandler (which kills the process when it
-    # was enabled after the Engine); explicit bounds checks cost 0-10% of a step.
-    config.signals_based_traps = False
+    for name, value in _ENGINE_CONFIG:
+        setattr(config, name, value)
     return wasmtime.Engine(config)
+
+
+def _engine_version() -> str:
+    """wasmtime-py's version, from its installed metadata's directory name (importlib.metadata costs a start 10-80 ms
+    to import); "unknown" when it cannot be found, which the engine digest then still tells apart."""
+    package = Path(wasmtime.__file__).parent
+    try:
+        names = os.listdir(package.parent)
+    except OSError:
+        return "unknown"
+    for name in names:
+        if name.startswith("wasmtime-") and name.endswith(".dist-info"):
+            return name.removeprefix("wasmtime-").removesuffix(".dist-info")
+    return "unknown"
+
+
+def _engine_digest(version: str) -> bytes:
+    """What a compiled module depends on besides its wasm: the engine's configuration, wasmtime's version, the
+    native library it was compiled by (its size and time, so a library replaced in place is told apart) and the
+    machine."""
+    library = os.stat(ffi.dll._name)
+    parts = [f"{name}={value}" for name, value in _ENGINE_CONFIG]
+    parts += [f"wasmtime={version}", f"library={library.st_size}:{library.st_mtime_ns}"]
+    parts.append(f"machine={os.uname().machine}")
+    return hashlib.sha256("\n".join(parts).encode()).digest()
+
+
+def _compile(engine: wasmtime.Engine, wasm: bytes, cache_dir: Path | None) -> wasmtime.Module:
+    """The module compiled for `engine`: from the cache in `cache_dir` when it holds a trusted copy for this wasm and
+    this engine, else compiled and (with a `cache_dir`) kept there for the next start."""
+    if cache_dir is None:
+        return _compile_wasm(engine, wasm)
+    digest = hashlib.sha256(wasm).digest()
+    version = _engine_version()
+    engine_digest = _engine_digest(version)
+    payload = compiled.load(cache_dir, digest, version, engine_digest)
+    if payload is not None:
+        try:
+            return wasmtime.Module.deserialize(engine, payload)
+        except wasmtime.WasmtimeError:
+            pass  # wasmtime refused it (another build of wasmtime, say): compiled again and written over below
+    module = _compile_wasm(engine, wasm)
+    compiled.save(cache_dir, digest, version, engine_digest, bytes(module.serialize()))
+    return module
+
+
+def _compile_wasm(engine: wasmtime.Engine, wasm: bytes) -> wasmtime.Module:
+    try:
+        return wasmtime.Module(engine, wasm)
+    except wasmtime.WasmtimeError as e:
+        raise AbiError(f"the module does not compile: {e}") from None
 
 
 def _check_exports(module: wasmtime.Module) -> None:
@@ -247,27 +318,26 @@ class Core:
         timeout: float = CALL_TIMEOUT_SECONDS_DEFAULT,
         memory_bytes: int = MEMORY_BYTES_DEFAULT,
         call_timeout: float = CALL_TIMEOUT_SECONDS_DEFAULT,
+        cache_dir: Path | None = None,
     ) -> Core:
         """Compile the module (the packaged core by default), check that it speaks ABI 1, and return it.
 
-        `timeout` bounds the whole open, the module's own `dev_abi` included: a module that never answers raises
-        `DeadlineError` when it passes.
+        `timeout` bounds the module's own `dev_abi`, from when it is asked: a module that never answers raises
+        `DeadlineError` when it passes. Compiling is not under it: on a loaded machine it takes seconds, and a
+        start must not fail for that. With `cache_dir`, the compiled module is kept there and loaded from there by
+        the next open (see `devd.compiled`).
         """
-        deadline = _deadline(timeout)
         if wasm is None:
             wasm = packaged_module()
         elif isinstance(wasm, Path):
             wasm = wasm.read_bytes()
         engine = _engine()
-        try:
-            module = wasmtime.Module(engine, wasm)
-        except wasmtime.WasmtimeError as e:
-            raise AbiError(f"the module does not compile: {e}") from None
+        module = _compile(engine, wasm, cache_dir)
         _check_exports(module)
         _check_memory_cap(module, memory_bytes)
         ticker = _Ticker(engine)
         try:
-            _probe_abi(engine, module, ticker, deadline, memory_bytes)
+            _probe_abi(engine, module, ticker, _deadline(timeout), memory_bytes)
             names = {e.name for e in module.exports}
             missing = [n for n in ("memory", *_REQUIRED) if n not in names]
             if missing:

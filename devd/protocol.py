@@ -208,6 +208,7 @@ class StatusResult(msgspec.Struct, frozen=True):
     hibernated: int  # idle sessions whose instance was dropped to stay within --max-live or --live-memory
     live_memory_bytes: int  # the memory of the sessions' instances together
     expired: int  # sessions deleted by --expire-after
+    store_reopened: int  # times the store reopened its database after a write fault, and went on serving
     commit_ms_p50: float
     commit_ms_p99: float
     memory_rss_bytes: int

@@ -66,3 +66,11 @@ SPIN_NEW = core_with("i32.const 0", new_body="(loop (br 0)) i32.const 0")
 MEMORY_NOT_MEMORY = wasmtime.wat2wasm(
     '(module (func (export "dev_abi") (result i32) i32.const 1) (func (export "memory") (result i32) i32.const 0))'
 )
+
+
+def slow_to_compile(functions: int = 400) -> bytes:
+    """A working ABI-1 core carrying `functions` long unused functions: compiling it takes about a second here, and
+    its dev_abi answers at once."""
+    body = " ".join(["(local.get 0) (i32.const 7) (i32.mul) (local.set 0)"] * 200)
+    extra = " ".join(f"(func $f{i} (param i32) (result i32) {body} (local.get 0))" for i in range(functions))
+    return core_with("i32.const 0", extra=extra)

@@ -75,6 +75,7 @@ async def test_daemon_status_answers_with_the_counters(dispatcher: Dispatcher) -
             "rebuilt": 0,
             "hibernated": 0,
             "expired": 0,
+            "store_reopened": 0,
         },
     }
 

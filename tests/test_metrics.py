@@ -49,6 +49,7 @@ STATUS: dict[str, Any] = {
     "hibernated": 10,
     "live_memory_bytes": 1245184,
     "expired": 11,
+    "store_reopened": 12,
     "commit_ms_p50": 1.1,
     "commit_ms_p99": 12.25,
     "memory_rss_bytes": 63991808,
@@ -95,6 +96,9 @@ devd_sessions_hibernated_total 10
 # HELP devd_sessions_expired_total Sessions deleted by --expire-after.
 # TYPE devd_sessions_expired_total counter
 devd_sessions_expired_total 11
+# HELP devd_store_reopened_total Times the store reopened its database after a write fault (a failed write or fsync) and served again.
+# TYPE devd_store_reopened_total counter
+devd_store_reopened_total 12
 # HELP devd_errors_total Error answers, by kind (the error's data.kind).
 # TYPE devd_errors_total counter
 devd_errors_total{kind="BUSY"} 2

@@ -102,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
             settings.core_path,
             call_timeout=settings.call_timeout_s,
             memory_bytes=settings.memory_bytes_per_session,
+            cache_dir=settings.state_dir / "cache",
         )
         listeners = systemd.listen_sockets()
         activated = [t for _, t in listeners]

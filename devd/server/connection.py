@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import math
-from dataclasses import dataclass
 
 import msgspec
 
@@ -28,18 +27,15 @@ _HTTP_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", 
 _initialize = msgspec.json.Decoder(InitializeParams)
 
 
-@dataclass(frozen=True, slots=True)
-class Line:
+class Line(msgspec.Struct, frozen=True):
     data: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
+class Send(msgspec.Struct, frozen=True):
     data: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Close:
+class Close(msgspec.Struct, frozen=True):
     reason: str
     data: bytes = b""
 

@@ -101,8 +101,7 @@ class App:
     errors: dict[str, int] = field(default_factory=dict)  # answers by error kind
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(msgspec.Struct, frozen=True):
     app: App
     peer: Peer
 
@@ -206,6 +205,7 @@ def status(app: App) -> StatusResult:
         hibernated=stats.hibernated,
         live_memory_bytes=stats.live_memory_bytes,
         expired=stats.expired,
+        store_reopened=store.reopened,
         commit_ms_p50=store.commit_ms_p50,
         commit_ms_p99=store.commit_ms_p99,
         memory_rss_bytes=_rss_bytes(),

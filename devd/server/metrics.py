@@ -107,6 +107,12 @@ def prometheus(status: Mapping[str, Any]) -> str:
         ),
         ("devd_sessions_expired_total", "counter", "Sessions deleted by --expire-after.", [("", s["expired"])]),
         (
+            "devd_store_reopened_total",
+            "counter",
+            "Times the store reopened its database after a write fault (a failed write or fsync) and served again.",
+            [("", s["store_reopened"])],
+        ),
+        (
             "devd_errors_total",
             "counter",
             "Error answers, by kind (the error's data.kind).",

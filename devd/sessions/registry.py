@@ -97,15 +97,42 @@ class Registry:
         self.fleet_sessions = FleetSessions(self, fleet)
         self._entries: dict[str, Entry] = {}
         self._names: list[str] = []  # every name, sorted: list pages are a bisect and a slice
+        self._reopened_seen = 0  # the store's reopens after write faults this registry has rebuilt its sessions for
 
     async def load(self) -> None:
         """Know every stored session (their instances are built on first use)."""
+        self._reopened_seen = self.store.reopened
         for row in await self.store.sessions():
             entry = Entry(row.name, FROM_HEALTH[row.health], row.seq, row.reason)
             entry.created = row.created
             entry.last_used = row.last_used
             self._entries[row.name] = entry
         self._names = sorted(self._entries)
+
+    async def _heal(self) -> None:
+        """After the store reopened itself (a write fault), what is on disk is the truth, and it may hold writes that
+        were answered with errors (a failed fsync does not say whether they landed): every session not inside a call
+        drops its instance and takes its state and head from disk (its next call rebuilds it); sessions on disk
+        this registry did not know are known again, and names no longer on disk are forgotten. A session inside a
+        call is left to it: its own write failed (and it dropped its instance), or it is durable."""
+        self._reopened_seen = self.store.reopened
+        rows = {row.name: row for row in await self.store.sessions()}
+        for name, entry in list(self._entries.items()):
+            if entry.busy:
+                continue
+            if entry.state is State.LIVE:
+                self.move(entry, Input.DROP)
+            row = rows.get(name)
+            if row is None:
+                self.forget(name)
+            else:
+                entry.seq = row.seq
+        for name, row in rows.items():
+            if name not in self._entries:
+                entry = Entry(name, FROM_HEALTH[row.health], row.seq, row.reason)
+                entry.created, entry.last_used = row.created, row.last_used
+                self.add(entry)
+        log.warning("sessions.rebuilt_from_disk", sessions=len(self._entries), reopens=self._reopened_seen)
 
     # -- the table of names -------------------------------------------------------------------------------------------
 
@@ -146,7 +173,9 @@ class Registry:
     async def entered(self, name: str, *, any_state: bool = False) -> AsyncIterator[Entry]:
         """The session, held for one call: BUSY if another call holds it, HANDLE (or POISON) if it cannot take calls
         (`any_state` lets reads, recover and close in anyway). In a fleet it is adopted first when it is not known
-        here (made or held elsewhere)."""
+        here (made or held elsewhere), and after rebuilding from disk what a reopen of the store may have changed."""
+        if self.store.reopened != self._reopened_seen:
+            await self._heal()
         if self.fleet is not None and name not in self._entries:
             await self.fleet_sessions.adopt(name)
         entry = self._entries.get(name)
@@ -245,6 +274,8 @@ class Registry:
         self, name: str | None, start: Callable[[], Awaitable[Instance]], config: bytes, snapshot: bytes | None
     ) -> str:
         """Claim the name, start the instance, and make the session durable before it is answered."""
+        if self.store.reopened != self._reopened_seen:
+            await self._heal()
         await self.fleet_sessions.refuse_if_in_fleet(name)
         entry = self._claim(name)
         try:

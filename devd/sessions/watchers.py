@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 
-@dataclass(frozen=True, slots=True)
-class Stepped:
+
+class Stepped(msgspec.Struct, frozen=True):
     session: str
     seq: int
     event: bytes
@@ -22,8 +23,7 @@ class Stepped:
     at: float  # wall-clock seconds: when the step was answered (journalled, for a step of the history)
 
 
-@dataclass(frozen=True, slots=True)
-class Unwatched:
+class Unwatched(msgspec.Struct, frozen=True):
     session: str
     seq: int  # the last step the watcher was sent
     reason: str

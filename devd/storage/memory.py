@@ -6,11 +6,11 @@ history (it never prunes) and counts each write as one commit.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import anyio
+import msgspec
 
 from devd.errors import NullError
 from devd.storage.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
@@ -28,6 +28,8 @@ class _Session:
 
 
 class MemoryStore:
+    reopened = 0  # it has no disk to fault
+
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}
         self._commits = 0
@@ -79,7 +81,7 @@ class MemoryStore:
             return
         if any(s.snapshot is not None for n, s in session.journal.items() if n >= seq):
             return
-        session.journal[seq] = dataclasses.replace(session.journal[seq], snapshot=snapshot)
+        session.journal[seq] = msgspec.structs.replace(session.journal[seq], snapshot=snapshot)
 
     async def set_health(self, name: str, health: Health, reason: str | None) -> None:
         self._committed(time.perf_counter())
@@ -98,10 +100,10 @@ class MemoryStore:
         copy = _Session(src.config)
         for seq, step in src.journal.items():
             if seq <= at:
-                copy.journal[seq] = dataclasses.replace(step, session=name)
+                copy.journal[seq] = msgspec.structs.replace(step, session=name)
         if snapshot is not None:
             kept = copy.journal.get(at) or Step(name, at, b"", None)
-            copy.journal[at] = dataclasses.replace(kept, snapshot=snapshot)
+            copy.journal[at] = msgspec.structs.replace(kept, snapshot=snapshot)
         self._sessions[name] = copy
 
     async def sessions(self) -> list[SessionRow]:

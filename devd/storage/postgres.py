@@ -324,6 +324,10 @@ class PostgresStore:
     Open it with `await PostgresStore.open(url, ...)`; run `run()` in the daemon's task group (commits and the lease);
     `close()` at the end."""
 
+    # Never more than 0: a failed commit drops its connection and the next write takes a fresh one, so nothing here
+    # stays refused after a fault (the server's own recovery decides what was durable).
+    reopened = 0
+
     def __init__(
         self,
         url: str,

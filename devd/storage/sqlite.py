@@ -4,7 +4,13 @@ Writes go through one commit thread (group commit): every write waits until the 
 committed with `synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive while a commit runs share
 the next one. A batch of steps alone is one INSERT statement, so one transaction and one crossing of the GIL for the
 commit thread. A failed commit fails every write in it with `StoreError`; nothing is retried, so nothing is
-acknowledged that is not on disk. SQLite's own checkpoints run after a commit, on the commit thread. The file is
+acknowledged that is not on disk. After a write fault (a failed write or fsync) every write fails until the store has
+reopened the database: a fresh connection, its identity, format and pages checked, its log checkpointed and fsync'd;
+it tries at the next write, backing off while the faults go on, and counts each reopen (`reopened`), so that the
+registry rebuilds its live sessions from what is on disk. Maintenance runs on the commit thread once a batch is
+answered, never inside a commit: the log is checkpointed and truncated past WAL_CHECKPOINT_BYTES (SQLite's own
+checkpoints are off), and each snapshot committed lets go of the ones its session's kept history no longer needs
+(`_thinned`), with their files, and prunes history every `prune_every_steps`. The file is
 opened in exclusive locking mode, through one connection that commits and reads take turns on; reads run on a worker
 thread under a limiter of their own, never on the event loop and never behind calls moved off it.
 
@@ -24,7 +30,6 @@ carries the snapshots' bytes inline.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import errno
 import os
 import queue
@@ -33,13 +38,13 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import msgspec
 import structlog
 
 from devd import failpoints, files
@@ -48,7 +53,8 @@ from devd.storage.store import Health, Keyed, Row, SessionRow, Step, Stored, Sto
 log = structlog.get_logger("devd.storage.store")
 
 ROWS_PER_STATEMENT = 500  # 9 variables a row, well under SQLite's 32,766
-WAL_BYTES_KEPT = 16 << 20  # the log is cut back to this after a checkpoint, so a burst does not keep its size
+WAL_BYTES_KEPT = 4 << 20  # the log is cut back to this when SQLite resets it, so a burst does not keep its size
+WAL_CHECKPOINT_BYTES = 4 << 20  # past this, the commit thread checkpoints the log and truncates it, between batches
 ROW = "seq, event, actions, answer"  # the columns of a `Row`
 INLINE_READ_BYTES = 64 << 10  # the most a read on the event loop takes; larger ones run on a worker thread
 SNAPSHOTS_DIR = "snapshots"  # beside the database: the large snapshots' files
@@ -107,19 +113,24 @@ MIGRATIONS: tuple[str, ...] = (
     """,
 )
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
+REOPEN_DELAY_S = (0.05, 5.0)  # after a fault a reopen is tried at once, then after each delay, doubled up to the cap
 
 Op = Callable[[sqlite3.Connection], None] | Step
 
 
-@dataclass
 class _Pending:
-    op: Op
-    done: anyio.Event = field(default_factory=anyio.Event)
-    error: BaseException | None = None
+    """A write waiting for its commit: the commit thread's answer comes back on the loop as the future's result.
+    A plain future, not an anyio Event: one is made and awaited per step, and that is the step's hot path."""
+
+    __slots__ = ("op", "done", "error")
+
+    def __init__(self, op: Op, done: asyncio.Future[None]) -> None:
+        self.op = op
+        self.done = done
+        self.error: BaseException | None = None
 
 
-@dataclass(frozen=True)
-class _SnapshotJob:
+class _SnapshotJob(msgspec.Struct, frozen=True):
     """A large snapshot waiting for its file: taken after step `seq` of `session` while the session's name was at
     `generation` (see `SQLiteStore._generations`)."""
 
@@ -129,8 +140,7 @@ class _SnapshotJob:
     generation: int | None
 
 
-@dataclass
-class _Pointer:
+class _Pointer(msgspec.Struct):
     """The commit that makes a written snapshot file the snapshot of its step's row (on the commit thread)."""
 
     job: _SnapshotJob
@@ -163,6 +173,11 @@ class _Pointer:
 
 def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    _configure(db)
+    return db
+
+
+def _configure(db: sqlite3.Connection) -> None:
     # Exclusive before anything reads the file: the WAL index then lives in this process's heap, not in a mapped
     # `-shm` file whose failed write would kill the process with SIGBUS. Only this connection may use the file, which
     # the state directory's lock (devd.server.listeners.lock_state_dir) makes true anyway.
@@ -171,7 +186,9 @@ def _connect(path: Path) -> sqlite3.Connection:
     db.execute("PRAGMA synchronous=FULL")
     db.execute("PRAGMA busy_timeout=5000")
     db.execute(f"PRAGMA journal_size_limit={WAL_BYTES_KEPT}")
-    return db
+    # No checkpoint inside a commit (SQLite's default runs one in the commit that passes 1,000 pages, and every step
+    # of that batch waits for it): the commit thread checkpoints after a batch is answered (`_checkpoint_if_due`).
+    db.execute("PRAGMA wal_autocheckpoint=0")
 
 
 class SQLiteStore:
@@ -183,18 +200,27 @@ class SQLiteStore:
         self.steps_kept = steps_kept
         self.prune_every_steps = prune_every_steps
         self._snapshot_dir = path.parent / SNAPSHOTS_DIR
+        self._wal_path = Path(f"{path}-wal")
+        self.checkpoints = 0  # the log checkpointed and truncated by the commit thread
+        self._released: list[str] = []  # snapshot files rows stopped naming in the commit running (commit thread only)
         try:
             _check_wal(path)
             self._db = _connect(path)
             migrate(self._db, path)
             self.id = _identify(self._db, path)
+            self._thin_all()
             self._sweep_snapshot_files()
         except sqlite3.Error as e:
             hint = " (another process has it open: close it)" if "locked" in str(e) else ""
             raise StoreError(f"the database {path} cannot be opened: {e}{hint}; it was left as it is") from None
         st = os.stat(path)
         self._inode = (st.st_dev, st.st_ino)
-        self._broken: str | None = None  # once set, nothing more is acknowledged until the daemon restarts
+        # Set by a write fault: nothing more is acknowledged until the store has reopened itself (`_reopen`).
+        self._broken: str | None = None
+        self._reopen_at = 0.0  # monotonic time before which no reopen is tried (backing off while the disk fails)
+        self._reopen_delay_s = 0.0
+        self._reopened_thread = 0  # reopens done, as the commit thread counts them
+        self.reopened = 0  # reopens done, as the event loop has been told of them (see `devd.storage.store.Store`)
         self._read_limiter = anyio.CapacityLimiter(1)
         self._lock = threading.Lock()  # one connection: the commit thread and readers take turns
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
@@ -205,7 +231,6 @@ class SQLiteStore:
         self._commits = 0
         self._commit_seconds: list[float] = []
         self._pruned: dict[str, int] = {}  # the seq each session was last pruned at (commit thread only)
-        self._released: list[str] = []  # snapshot files rows stopped naming in the commit running (commit thread only)
         # Set anew (from a counter) by every create and fork of a name, dropped by its delete, on the commit thread: a
         # snapshot file is pointed at only if its name's generation is still the one its step was appended under.
         self._generations: dict[str, int] = {}
@@ -222,7 +247,7 @@ class SQLiteStore:
 
     def statistics(self) -> StoreStats:
         s = self._commit_seconds
-        return StoreStats(self._commits, percentile_ms(s, 0.5), percentile_ms(s, 0.99))
+        return StoreStats(self._commits, percentile_ms(s, 0.5), percentile_ms(s, 0.99), self.reopened)
 
     # -- writes ---------------------------------------------------------------------------------------------------
 
@@ -288,9 +313,17 @@ class SQLiteStore:
                 batch.append(item)
             started = time.perf_counter()
             with self._lock:
-                error = self._apply([p.op for p in batch])
+                try:
+                    error, snapshots = self._apply([p.op for p in batch])
+                except Exception as e:  # a bug, not a fault: the batch fails, and the thread lives on for the next
+                    log.error("store.commit_failed", error=f"{type(e).__name__}: {e}"[:500])
+                    error, snapshots = e, []
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._committed, batch, error, time.perf_counter() - started)
+            # Maintenance after the batch is answered, between batches: what it writes holds up no step answered.
+            with self._lock:
+                self._prune_some(self._db, snapshots)
+                self._checkpoint_if_due()
 
     def _committed(self, batch: list[_Pending], error: BaseException | None, seconds: float) -> None:
         self._commits += 1
@@ -298,16 +331,19 @@ class SQLiteStore:
         del self._commit_seconds[:-1024]
         for p in batch:
             p.error = error
-            p.done.set()
+            if not p.done.done():  # cancelled meanwhile: its writer is gone, the write is committed anyway
+                p.done.set_result(None)
         self._outstanding -= len(batch)
         self._settle()
 
-    def _apply(self, ops: list[Op]) -> BaseException | None:
-        db = self._db
+    def _apply(self, ops: list[Op]) -> tuple[BaseException | None, list[tuple[str, int]]]:
+        """Commit `ops` in one transaction; the error that failed them all (or None), and the snapshots (session,
+        seq) it stored, for the maintenance after it."""
         steps = [op for op in ops if isinstance(op, Step)]
         pointers = [op for op in ops if isinstance(op, _Pointer)]
-        if self._broken is not None:
-            return StoreError(self._broken)
+        if self._broken is not None and not self._reopen():
+            return StoreError(self._broken), []
+        db = self._db  # after a reopen: the fresh connection
         self._released.clear()
         try:
             self._check_file()
@@ -334,12 +370,37 @@ class SQLiteStore:
                 # After a failed fsync the kernel may have dropped the dirty pages and will not say so again
                 # (PostgreSQL's fsyncgate): nothing after it can be trusted to be durable until the store is reopened.
                 self._break(f"writing the database failed ({e})")
-            return e
-        failpoints.hit("commit.after")
+            return e, []
+        try:
+            failpoints.hit("commit.after")
+        except OSError as e:  # a fault once the batch is durable: as a failed fsync whose writes landed after all
+            self._break(f"writing the database failed ({e})")
+            return e, []
+        self._reopen_delay_s = 0.0  # the disk takes writes again: a next fault is retried at once
         self._remove_released(db)
         snapshots = [(s.session, s.seq) for s in steps if s.snapshot is not None]
-        self._prune_some(db, snapshots + [(p.job.session, p.job.seq) for p in pointers if p.landed])
-        return None
+        return None, snapshots + [(p.job.session, p.job.seq) for p in pointers if p.landed]
+
+    def _checkpoint_if_due(self) -> None:
+        """Copy the log into the database and truncate it once it has passed WAL_CHECKPOINT_BYTES (on the commit
+        thread, between batches: SQLite's own checkpoints are off). With no checkpoint but these, the log's length
+        is what was written since the last one, so it stays within about that plus one batch."""
+        if self._broken is not None:
+            return
+        try:
+            if os.stat(self._wal_path).st_size < WAL_CHECKPOINT_BYTES:
+                return
+        except FileNotFoundError:
+            return
+        try:
+            failpoints.hit("checkpoint")
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except (sqlite3.Error, OSError) as e:
+            if _is_io_error(e):
+                self._break(f"checkpointing the database failed ({e})")
+            log.warning("store.checkpoint_failed", error=str(e))
+            return
+        self.checkpoints += 1
 
     def _check_file(self) -> None:
         """The database file must still be the one opened: steps written to a deleted or replaced file are lost."""
@@ -353,43 +414,137 @@ class SQLiteStore:
             raise StoreError(self._broken or "")
 
     def _break(self, why: str) -> None:
+        """A write fault: every write fails until the store has reopened itself (at the next batch, backing off
+        while the faults go on). Nothing more is acknowledged meanwhile."""
         if self._broken is None:
             self._broken = (
-                f"{why}; the daemon acknowledges no more writes until it is restarted (what was acknowledged "
-                "before is on disk)"
+                f"{why}; the store acknowledges no more writes until it has reopened the database (it tries at the "
+                "next write, then backs off while the disk fails; what was acknowledged before is on disk)"
             )
             log.error("store.broken", error=self._broken)
+        self._reopen_at = time.monotonic() + self._reopen_delay_s
+        self._reopen_delay_s = min(max(2 * self._reopen_delay_s, REOPEN_DELAY_S[0]), REOPEN_DELAY_S[1])
+
+    def _reopen(self) -> bool:
+        """After a write fault, on the commit thread (the lock held): a fresh connection to the same file, its
+        identity, format and pages checked, and its log checkpointed into the database and fsync'd, so that what
+        the pages in memory say is what is on disk (after a failed fsync the kernel may have dropped the dirty
+        pages and will not say so again); then writes go on through it. False while the fault lasts."""
+        if time.monotonic() < self._reopen_at:
+            return False
+        try:
+            self._db.close()
+        except sqlite3.Error:
+            pass  # the old connection's last checkpoint failed: the new one does it again
+        try:
+            failpoints.hit("reopen")
+            db = _reconnect(self.path, self.id)
+        except (sqlite3.Error, OSError, StoreError) as e:
+            self._break(f"reopening the database failed ({e})")
+            log.warning("store.reopen_failed", error=str(e), retry_in_s=round(self._reopen_at - time.monotonic(), 3))
+            return False
+        st = os.stat(self.path)
+        self._db, self._inode, self._broken = db, (st.st_dev, st.st_ino), None
+        self._pruned.clear()  # their seqs are those before the fault: pruned again at their next snapshot
+        self._reopened_thread += 1
+        log.warning("store.reopened", database=str(self.path), reopens=self._reopened_thread)
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._told_reopened, self._reopened_thread)
+        return True
+
+    def _told_reopened(self, reopens: int) -> None:
+        self.reopened = reopens
 
     def _prune_some(self, db: sqlite3.Connection, snapshots: list[tuple[str, int]]) -> None:
-        """Maintenance after a commit that stored snapshots (session, seq): what it drops was already replaced by a
-        later snapshot."""
+        """Maintenance after a commit that stored snapshots (session, seq), in a transaction of its own once that
+        commit is answered: the snapshots the kept history no longer needs go at once (`_thin`), and the history
+        beyond what is promised every `prune_every_steps` (`_prune`). What it drops was already replaced by a later
+        snapshot."""
+        if self._broken is not None:
+            return
         for session, seq in snapshots:
-            if seq - self._pruned.get(session, 0) >= self.prune_every_steps:
+            due = seq - self._pruned.get(session, 0) >= self.prune_every_steps
+            self._released.clear()
+            try:
+                failpoints.hit("prune")
+                anchor = self._anchor(db, session, seq)
+                thin = self._thinned(db, session, anchor or 0, seq)
+                if not due and not thin:
+                    continue
+                db.execute("BEGIN IMMEDIATE")  # one transaction, one fsync, for every statement
+                if due:
+                    self._prune(db, session, anchor)
+                self._drop_snapshots(db, session, thin)
+                db.execute("COMMIT")
+                self._remove_released(db)
+            except (sqlite3.Error, OSError) as e:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
                 self._released.clear()
-                try:
-                    failpoints.hit("prune")
-                    db.execute("BEGIN IMMEDIATE")  # one transaction, one fsync, for the three statements
-                    self._prune(db, session, seq)
-                    db.execute("COMMIT")
-                    self._remove_released(db)
-                except (sqlite3.Error, OSError) as e:
-                    if db.in_transaction:
-                        db.execute("ROLLBACK")
-                    self._released.clear()
-                    if _is_io_error(e):
-                        self._break(f"pruning the database failed ({e})")
-                    log.warning("store.prune_failed", session=session, error=str(e))
+                if _is_io_error(e):
+                    self._break(f"pruning the database failed ({e})")
+                log.warning("store.prune_failed", session=session, error=str(e))
+            if due:
                 self._pruned[session] = seq
 
-    def _prune(self, db: sqlite3.Connection, name: str, snapshot_seq: int) -> None:
-        """Drop history beyond what watchers and keys are promised, keeping what derives what is kept: from the
-        newest snapshot before the oldest step promised (the anchor) on, every row and snapshot stays."""
-        anchor = db.execute(
+    def _anchor(self, db: sqlite3.Connection, name: str, snapshot_seq: int) -> int | None:
+        """The newest snapshot before the oldest step promised (`steps_kept` back from the snapshot at
+        `snapshot_seq`): the kept history derives from it, or from the session's start when there is none."""
+        row = db.execute(
             "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER BY seq DESC LIMIT 1",
             (name, snapshot_seq - self.steps_kept + 1),
         ).fetchone()
-        if anchor is None:
+        return None if row is None else int(row[0])
+
+    def _thinned(self, db: sqlite3.Connection, name: str, after: int, latest: int) -> list[int]:
+        """The snapshots strictly between `after` (the anchor, or the start) and `latest` that go. A rebuild starts
+        from the latest and any kept step derives from the anchor; of those between, only the oldest stays: it is
+        the next anchor once the kept window passes it (without it, nothing before the latest could be pruned).
+        So a session keeps at most three snapshots, none larger than its latest, and a fork or a retry's answer
+        from inside the window replays from the one before it."""
+        rows = db.execute(
+            "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq > ? AND seq <= ? "
+            "ORDER BY seq DESC",
+            (name, after, latest),
+        ).fetchall()
+        if len(rows) < 3 or rows[0][0] != latest:
+            return []
+        return [seq for (seq,) in rows[1:-1]]
+
+    def _drop_snapshots(self, db: sqlite3.Connection, name: str, seqs: list[int]) -> None:
+        """Clear the snapshots of these steps of `name` (their rows stay); their files go once that is committed."""
+        for seq in seqs:
+            self._release_files(db, "session = ? AND seq = ?", (name, seq))
+        db.executemany(
+            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq = ?",
+            [(name, seq) for seq in seqs],
+        )
+
+    def _thin_all(self) -> None:
+        """At open: thin every session holding more than two snapshot files (a crash came between a snapshot and
+        its thinning, or a devd from before thinning wrote them), as `_thinned` says."""
+        crowded = self._db.execute(
+            "SELECT session, COUNT(*) FROM journal WHERE snapshot_file IS NOT NULL GROUP BY session HAVING COUNT(*) > 2"
+        ).fetchall()
+        for session, _ in crowded:
+            latest = self._db.execute(
+                "SELECT MAX(seq) FROM journal WHERE session = ? AND snapshot IS NOT NULL", (session,)
+            ).fetchone()[0]
+            thin = self._thinned(self._db, session, self._anchor(self._db, session, latest) or 0, latest)
+            if not thin:
+                continue
+            self._released.clear()
+            self._db.execute("BEGIN IMMEDIATE")
+            self._drop_snapshots(self._db, session, thin)
+            self._db.execute("COMMIT")
+            self._remove_released(self._db)
+
+    def _prune(self, db: sqlite3.Connection, name: str, anchor_seq: int | None) -> None:
+        """Drop history beyond what watchers and keys are promised, keeping what derives what is kept: from the
+        newest snapshot before the oldest step promised (the anchor) on, every row stays."""
+        if anchor_seq is None:
             return  # everything kept is still derived from the config or the first snapshot
+        anchor = (anchor_seq,)
         self._release_files(db, "session = ? AND seq < ?", (name, anchor[0]))
         db.execute(
             "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq < ? "
@@ -531,18 +686,19 @@ class SQLiteStore:
             log.warning("store.snapshot_file_not_removed", file=name, error=str(e))
 
     async def _write(self, op: Op) -> None:
-        pending = _Pending(op)
+        pending = _Pending(op, asyncio.get_running_loop().create_future())
         self._outstanding += 1
         self._queue.put(pending)
-        await pending.done.wait()
+        await pending.done
         error = pending.error
         if error is None:
             return
         if _is_io_error(error):
-            # The log may hold the write even though its fsync failed: whether it survives is known after a restart.
+            # The log may hold the write even though its fsync failed: whether it survives is known once the store
+            # has reopened the database (at the next write), which then serves what is on disk.
             raise StoreError(
-                f"the write may or may not be on disk ({error}); after the daemon restarts, send it again (a step with "
-                "the same key answers replayed if it was kept)"
+                f"the write may or may not be on disk ({error}); the store reopens the database at the next write: "
+                "send it again then (a step with the same key answers replayed if it was kept)"
             ) from error
         raise StoreError(f"the state could not be made durable and nothing of it was applied: {error}") from error
 
@@ -594,7 +750,7 @@ class SQLiteStore:
         job = _SnapshotJob(step.session, step.seq, step.snapshot, self._generations.get(step.session))
         self._snapshots_pending += 1
         try:
-            await self._write(dataclasses.replace(step, snapshot=None))
+            await self._write(msgspec.structs.replace(step, snapshot=None))
         except BaseException:
             self._snapshot_done()
             raise
@@ -809,6 +965,29 @@ def _is_io_error(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno == errno.EIO
 
 
+def _reconnect(path: Path, id: str) -> sqlite3.Connection:
+    """A fresh connection to the database a store opened (never a new file in its place), once it is known to be
+    that database (its id, its format), its pages pass `quick_check`, and its log is checkpointed and truncated."""
+    _check_wal(path)
+    db = sqlite3.connect(f"file:{path}?mode=rw", uri=True, isolation_level=None, check_same_thread=False)
+    try:
+        _configure(db)
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        row = db.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
+        if version != len(MIGRATIONS) or row is None or row[0] != id:
+            raise StoreError(f"{path} is no longer the database this daemon opened (id {row[0] if row else None})")
+        checked = db.execute("PRAGMA quick_check").fetchall()
+        if checked != [("ok",)]:
+            raise StoreError(f"{path} fails its integrity check: {checked[0][0]}")
+        busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            raise StoreError(f"the log of {path} could not be checkpointed")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
 def _check_wal(path: Path) -> None:
     """A write-ahead log beside the database is replayed into it on open: refuse one that is not this database's
     (a stray `-wal` from another state directory would silently replace its sessions). Read through a read-only
@@ -906,7 +1085,7 @@ def _with_snapshot(loaded: tuple[Stored, IO[bytes] | None] | None) -> Stored | N
             snapshot = file.read()
         except OSError as e:
             raise StoreError(_unreadable(stored, Path(file.name), e)) from None
-    return dataclasses.replace(stored, snapshot=snapshot)
+    return msgspec.structs.replace(stored, snapshot=snapshot)
 
 
 def _unreadable(stored: Stored, path: Path, e: OSError) -> str:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
+
+import msgspec
 
 from devd.errors import StoreError
 
@@ -58,8 +59,7 @@ def answer_digest(actions: bytes) -> bytes:
     return hashlib.sha256(actions).digest()
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
+class Step(msgspec.Struct, frozen=True):
     """One answered step, as journalled."""
 
     session: str
@@ -81,8 +81,7 @@ class Row(NamedTuple):
     answer: bytes | None  # the answer's digest; None only in rows from before digests were kept (format 3)
 
 
-@dataclass(frozen=True, slots=True)
-class Stored:
+class Stored(msgspec.Struct, frozen=True):
     """What a session is on disk: enough to rebuild it exactly."""
 
     name: str
@@ -98,8 +97,7 @@ class Stored:
         return self.journal[-1][0] if self.journal else self.snapshot_seq
 
 
-@dataclass(frozen=True, slots=True)
-class Keyed:
+class Keyed(msgspec.Struct, frozen=True):
     """A keyed step already answered: what a retry with the same key is answered."""
 
     seq: int
@@ -108,8 +106,7 @@ class Keyed:
     answer: bytes | None
 
 
-@dataclass(frozen=True, slots=True)
-class SessionRow:
+class SessionRow(msgspec.Struct, frozen=True):
     """A session as listed at start: its name, health, last step, when it was made and when it last stepped."""
 
     name: str
@@ -120,14 +117,19 @@ class SessionRow:
     last_used: float  # of its last step (its creation if none)
 
 
-@dataclass(frozen=True, slots=True)
-class StoreStats:
+class StoreStats(msgspec.Struct, frozen=True):
     commits: int
     commit_ms_p50: float
     commit_ms_p99: float
+    reopened: int = 0  # times the store reopened its database after a write fault
 
 
 class Store(Protocol):
+    # Times the store reopened itself after a write fault (a failed write or fsync), as the event loop knows it. The
+    # writes of the fault were answered with errors; what is on disk since may hold some of them, so a registry that
+    # sees this change rebuilds its sessions from disk. Stores that never stop taking writes keep it 0.
+    reopened: int
+
     async def run(self) -> None:
         """Complete writes for ever (group commit); cancelled at shutdown, after which `flush` commits the rest."""
 

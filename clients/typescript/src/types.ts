@@ -633,6 +633,7 @@ export interface StatusResult {
   hibernated: number;
   live_memory_bytes: number;
   expired: number;
+  store_reopened: number;
   commit_ms_p50: number;
   commit_ms_p99: number;
   memory_rss_bytes: number;

@@ -1,0 +1,123 @@
+"""After a write fault the store reopens itself and serves again, without a restart by hand, and still acknowledges
+nothing that is not durable (devd.storage.sqlite, devd.sessions.registry): the real daemon with a failure point, and
+the store on a real SQLite file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from devd import errors, failpoints
+from devd.errors import StoreError
+from devd.messages import Call, Event, Exec, Output, answer, turn
+from tests.daemon import Daemon
+from tests.test_store import CONFIG, running, sqlite_at, step
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _turn(n: int) -> list[Event]:
+    """A turn's two steps: the prompt, and the model's text answer (the ask is id 1 of the first turn, then +4)."""
+    return [turn(n, f"prompt {n}"), answer(4 * n - 3, f"reply {n}")]
+
+
+def test_after_a_failed_write_the_daemon_answers_errors_then_heals_and_a_restart_shows_what_was_acknowledged(
+    tmp_path: Path,
+) -> None:
+    # Commit 1 makes the session, 2 and 3 are its first turn; commit 4, the second turn's prompt, fails.
+    d = Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.before=eio@4"}).start()
+    acknowledged = []
+    with d.client() as c:
+        c.new(session="a")
+        for n, event in enumerate(_turn(1), start=1):
+            c.step("a", event, key=f"k{n}")
+            acknowledged.append(n)
+        with pytest.raises(errors.InternalError, match="may or may not be on disk"):
+            c.step("a", _turn(2)[0], key="k3")
+        for n, event in enumerate(_turn(2), start=3):  # the failed step sent again, then the next: both acknowledged
+            c.step("a", event, key=f"k{n}")
+            acknowledged.append(n)
+        reopened = c.call("daemon/status")["store_reopened"]
+    d.env = {}
+    d.stop()
+    with d.start(), d.client() as c:
+        listed = c.call("session/list")["sessions"]
+    assert (reopened, acknowledged, [(s["session"], s["seq"]) for s in listed]) == (1, [1, 2, 3, 4], [("a", 4)])
+
+
+def test_a_reopen_is_logged_and_counted_in_the_metrics(tmp_path: Path) -> None:
+    with Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.before=eio@2"}) as d, d.client() as c:
+        c.new(session="a")
+        with pytest.raises(errors.InternalError):
+            c.new(session="b")
+        c.new(session="c")
+        status = c.call("daemon/status")
+    events = [json.loads(line)["event"] for line in d.log.read_text().splitlines() if line.startswith("{")]
+    assert (status["store_reopened"], events.count("store.reopened")) == (1, 1)
+
+
+def test_a_session_stepped_after_a_fault_continues_from_its_last_acknowledged_step(tmp_path: Path) -> None:
+    with Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.before=eio@3"}) as d, d.client() as c:
+        c.new(session="a")
+        c.step("a", turn(1, "fix the build"))  # commit 2
+        with pytest.raises(errors.InternalError):
+            c.step("a", answer(1, "Let me look.", []))  # commit 3 fails
+        actions = c.step("a", answer(1, "Let me look.", []))  # rebuilt from disk: step 2 again
+    assert [a.id for a in actions] == [2, 3, 4]  # its Emit, Save and Done, as if the fault had not been
+
+
+async def test_the_store_fails_the_faulted_write_then_reopens_and_commits_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(failpoints._POINTS, "commit.before", ("eio", 2))
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        await store.create("a", CONFIG)
+        with pytest.raises(StoreError, match="may or may not be on disk"):
+            await store.append(step(1))
+        await store.append(step(1))
+        loaded = await store.load("a")
+        reopened = store.reopened
+    assert (reopened, [r.seq for r in loaded.journal]) == (1, [1])  # type: ignore[union-attr]
+
+
+async def test_a_deleted_database_is_never_made_again_by_a_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite3"
+    async with running(sqlite_at(path)) as store:
+        await store.create("a", CONFIG)
+        path.unlink()
+        for _ in range(2):  # the fault, then a reopen that finds no database
+            with pytest.raises(StoreError):
+                await store.append(step(1))
+        exists = path.exists()
+    assert (exists, store.reopened) == (False, 0)
+
+
+def test_tool_output_after_a_fault_is_taken_once(tmp_path: Path) -> None:
+    with Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.before=eio@4"}) as d, d.client() as c:
+        c.new(session="a")
+        c.step("a", turn(1, "build it"))
+        c.step("a", answer(1, None, [Call(Exec=Exec(argv=["make"]))]))
+        with pytest.raises(errors.InternalError):
+            c.step("a", Event(Exec=Output(id=2, text="ok")), key="exec-2")
+        c.step("a", Event(Exec=Output(id=2, text="ok")), key="exec-2")
+        replayed = c.step_answer("a", Event(Exec=Output(id=2, text="ok")), key="exec-2").replayed
+    assert replayed is True
+
+
+def test_a_step_whose_commit_failed_after_it_landed_is_answered_replayed_when_sent_again(tmp_path: Path) -> None:
+    # Commit 4 is durable, then fails (as an fsync that reports an error for writes that reached the disk).
+    with Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.after=eio@4"}) as d, d.client() as c:
+        c.new(session="a")
+        for n, event in enumerate(_turn(1), start=1):
+            c.step("a", event, key=f"k{n}")
+        with pytest.raises(errors.InternalError, match="may or may not be on disk"):
+            c.step("a", _turn(2)[0], key="k3")
+        again = c.step_answer("a", _turn(2)[0], key="k3")  # the store reopened and found it on disk
+        c.step("a", _turn(2)[1], key="k4")  # and the session goes on from it, rebuilt from disk
+        listed = c.call("session/list")["sessions"]
+    assert (again.replayed, [(s["session"], s["seq"]) for s in listed]) == (True, [("a", 4)])
