@@ -29,7 +29,16 @@ from urllib.parse import quote
 import msgspec
 
 from devd import __version__, log, systemd
-from devd.config import Settings, default, default_socket_path, default_state_dir, parse_duration, parse_size, parse_tcp
+from devd.config import (
+    Settings,
+    backup_dir,
+    default,
+    default_socket_path,
+    default_state_dir,
+    parse_duration,
+    parse_size,
+    parse_tcp,
+)
 from devd.errors import DevdError, HandleError
 from devd.metrics import prometheus
 
@@ -43,6 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     import anyio
     import structlog
 
+    from devd import files
     from devd.daemon import Daemon, build
     from devd.errors import StoreError
     from devd.host import Core
@@ -73,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
             socket_path=args.socket or default_socket_path(),
             tcp=args.listen,
             core_path=Path(args.core) if args.core else None,
+            backup_dir=Path(args.backup_dir) if args.backup_dir else None,
             call_timeout_s=args.call_timeout,
             sessions_max=args.max_sessions,
             max_live=args.max_live,
@@ -91,6 +102,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
         prepare_state_dir(settings.state_dir)
         lock_state_dir(settings.state_dir, settings.socket_path)  # held (by its open descriptor) until exit
+        prepare_state_dir(backup_dir(settings), "the backup directory", "--backup-dir")
+        files.remove_partials(backup_dir(settings))  # a backup a killed daemon was writing
         core = Core.open(
             settings.core_path,
             call_timeout=settings.call_timeout_s,
@@ -421,7 +434,7 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
 
 
 def _backup(client: Client, args: argparse.Namespace) -> int:
-    raw = client.call_raw("daemon/backup", {"path": str(Path(args.path).absolute())})
+    raw = client.call_raw("daemon/backup", {"name": args.name})
     if args.json:
         _emit(raw + b"\n")
     else:
@@ -1085,6 +1098,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         f"$XDG_STATE_HOME/devd; here {_escaped(default_state_dir())})",
     )
     serve.add_argument(
+        "--backup-dir",
+        metavar="DIR",
+        help="where daemon/backup (devd backup NAME) writes its copies, each by a plain file name; made 0700, and "
+        "refused like the state directory when it is another user's or others may write it "
+        "(default: STATE_DIR/backups)",
+    )
+    serve.add_argument(
         "--core", metavar="PATH", help="load this wasm module (ABI 1) instead of the packaged core (default: packaged)"
     )
     serve.add_argument(
@@ -1291,7 +1311,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     session(client("recover", "bring an ended or poisoned session back from its durable state"))
     session(client("close", "end a session and delete its state"))
     backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
-    backup.add_argument("path", help="the file to write (must not exist; its directory must); relative to here")
+    backup.add_argument(
+        "name",
+        help="the file name of the copy, in the daemon's backup directory (devd serve --backup-dir; default "
+        "STATE_DIR/backups); it must not exist there",
+    )
     client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")
 
     doctor = sub.add_parser(

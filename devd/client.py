@@ -407,9 +407,10 @@ class Client:
         result: StatusResult = self.request("daemon/status", NoParams())
         return result
 
-    def backup(self, path: str | Path) -> BackupResult:
-        """A consistent copy of the daemon's sessions, written by the daemon to the new file `path` (absolute)."""
-        result: BackupResult = self.request("daemon/backup", BackupParams(str(path)))
+    def backup(self, name: str) -> BackupResult:
+        """A consistent copy of the daemon's sessions, written by the daemon as the new file `name` (a plain file
+        name) of its backup directory."""
+        result: BackupResult = self.request("daemon/backup", BackupParams(name))
         return result
 
     def drain(self) -> int:
@@ -693,9 +694,10 @@ class AsyncClient:
         result: StatusResult = await self.request("daemon/status", NoParams())
         return result
 
-    async def backup(self, path: str | Path) -> BackupResult:
-        """A consistent copy of the daemon's sessions, written by the daemon to the new file `path` (absolute)."""
-        result: BackupResult = await self.request("daemon/backup", BackupParams(str(path)))
+    async def backup(self, name: str) -> BackupResult:
+        """A consistent copy of the daemon's sessions, written by the daemon as the new file `name` (a plain file
+        name) of its backup directory."""
+        result: BackupResult = await self.request("daemon/backup", BackupParams(name))
         return result
 
     async def drain(self) -> int:

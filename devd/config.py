@@ -18,6 +18,7 @@ class Settings:
     socket_path: Path | None
     tcp: tuple[str, int] | None = None
     core_path: Path | None = None
+    backup_dir: Path | None = None  # where `daemon/backup` writes; None: STATE_DIR/backups
     # calls
     call_timeout_s: float = 5.0  # a call's deadline unless the client asks for another
     max_call_timeout_s: float = 60.0  # the longest deadline a client may ask for; longer ones are cut to it
@@ -53,6 +54,11 @@ class Settings:
     # logging
     log_format: str | None = None  # json | console; None picks by whether stderr is a terminal
     log_level: str = "info"
+
+
+def backup_dir(settings: Settings) -> Path:
+    """Where `daemon/backup` writes its copies: the operator's `--backup-dir`, else STATE_DIR/backups."""
+    return settings.backup_dir or settings.state_dir / "backups"
 
 
 def default(name: str) -> Any:

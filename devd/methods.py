@@ -10,11 +10,11 @@ dispatcher turns into JSON-RPC errors in one place.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -22,7 +22,7 @@ import structlog
 from msgspec import Meta, Raw
 
 from devd import ABI, __version__
-from devd.config import Settings
+from devd.config import Settings, backup_dir
 from devd.errors import ExistsError, InvalidParamsError, MethodNotFoundError, NullError
 from devd.messages import Config, encode
 from devd.registry import Registry
@@ -36,6 +36,7 @@ log = structlog.get_logger("devd.methods")
 
 SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
 KEY_BYTES_MAX = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 SEQ_MAX = (1 << 63) - 1  # what SQLite's INTEGER (and PostgreSQL's bigint) holds
 
 SessionName = Annotated[
@@ -187,6 +188,11 @@ def check(params: Any) -> None:
             raise InvalidParamsError("the key must be valid Unicode text") from None
         if not 0 < len(encoded) <= KEY_BYTES_MAX:
             raise InvalidParamsError(f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8")
+        if _CONTROL.search(key):
+            # A key is echoed into messages and logs: a newline in it could forge a line of either.
+            raise InvalidParamsError(
+                "the key must not hold control characters (U+0000-U+001F, U+007F-U+009F: newlines, tabs, escapes)"
+            )
 
 
 # -- shared results -----------------------------------------------------------------------------------------------
@@ -334,9 +340,11 @@ async def daemon_status(call: Call, params: NoParams) -> StatusResult:
 
 
 class BackupParams(_Params, frozen=True):
-    """Where the daemon writes a copy of its database: an absolute path to a file that does not exist yet."""
+    """The name of the copy to write in the daemon's backup directory (`devd serve --backup-dir`): a plain file name
+    that is not there yet. `path` is its older spelling and takes a plain name too."""
 
-    path: Annotated[str, Meta(min_length=1, description="an absolute path; its directory must exist")]
+    name: Annotated[str, Meta(min_length=1, description="a file name: no /, not . or .., no leading .")] | None = None
+    path: Annotated[str, Meta(min_length=1, description="the same as name (its older spelling)")] | None = None
 
 
 class BackupResult(msgspec.Struct, frozen=True):
@@ -346,16 +354,35 @@ class BackupResult(msgspec.Struct, frozen=True):
     bytes: int
 
 
+BACKUP_NAME_BYTES_MAX = 255  # what a file name may be on Linux
+
+
+def backup_name(params: BackupParams) -> str:
+    """The plain file name a backup is written as, or InvalidParamsError: a peer (on TCP, from anywhere) names a
+    file in the operator's directory, never a path; the rule looks at the name alone, never at the disk, so the
+    answer says nothing of what exists elsewhere."""
+    if (params.name is None) == (params.path is None):
+        raise InvalidParamsError("daemon/backup takes name: the file name of the copy in the daemon's backup directory")
+    name = params.name if params.name is not None else params.path
+    assert name is not None
+    if "/" in name or name.startswith(".") or not name.isprintable():
+        raise InvalidParamsError(
+            f"a backup is named by a plain file name (no /, no leading ., no control characters), not {name[:80]!r}; "
+            "it is written in the daemon's backup directory (devd serve --backup-dir)"
+        )
+    if len(name.encode(errors="surrogatepass")) > BACKUP_NAME_BYTES_MAX:
+        raise InvalidParamsError(f"a backup's file name must be at most {BACKUP_NAME_BYTES_MAX} bytes")
+    return name
+
+
 @method("daemon/backup", BackupParams, BackupResult)
 async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
-    """A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied)."""
-    path = Path(params.path)
-    if not path.is_absolute():
-        raise InvalidParamsError(f"the backup path must be absolute (the daemon's directory is not yours): {path}")
-    if not path.parent.is_dir():
-        raise InvalidParamsError(f"{path.parent} is not a directory; make it first, or choose another path")
-    if path.exists():
-        raise ExistsError(f"{path} exists; choose a new path (a backup never overwrites a file)")
+    """A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied), written
+    as a new file of the daemon's backup directory; never over a file (EXISTS)."""
+    name = backup_name(params)
+    path = backup_dir(call.app.settings) / name
+    if os.path.lexists(path):
+        raise ExistsError(f"{name} exists; choose a new name (a backup never overwrites a file)")
     size = await call.app.store.backup(str(path))
     log.info("daemon.backup", path=str(path), bytes=size)
     return BackupResult(str(path), size)

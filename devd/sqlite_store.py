@@ -43,6 +43,7 @@ import anyio.to_thread
 import structlog
 
 from devd import failpoints, files
+from devd.errors import ExistsError
 from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 log = structlog.get_logger("devd.store")
@@ -728,9 +729,13 @@ class SQLiteStore:
         """SQLite's online backup through this store's connection (the file is opened in exclusive mode: copying it,
         or reading it through a second connection, would be unsafe), with the snapshots kept in files put inline in
         the copy, so it is one file still. Commits wait while the pages and those files are copied (no file can be
-        removed meanwhile); the copy is written beside `path` and renamed into place once fsync'd."""
+        removed meanwhile); the copy is written to a new file of an unpredictable name beside `path` and linked into
+        place once fsync'd, never over anything already at `path` (ExistsError)."""
         target = Path(path)
-        partial = target.with_name(f".{target.name}.partial")
+        try:
+            partial = await anyio.to_thread.run_sync(files.new_partial, target)
+        except OSError as e:
+            raise StoreError(f"the backup to {path} failed ({e}); nothing was left there") from None
 
         def copy(db: sqlite3.Connection) -> None:
             failpoints.hit("backup")
@@ -750,15 +755,20 @@ class SQLiteStore:
                 out.close()
 
         def publish() -> int:
-            files.publish(partial, target)
-            return target.stat().st_size
+            size = partial.stat().st_size
+            files.publish_new(partial, target)
+            return size
 
         try:
             await self._read(copy)
             return await anyio.to_thread.run_sync(publish)
+        except FileExistsError:
+            raise ExistsError(f"{target.name} exists; choose a new name (a backup never overwrites a file)") from None
         except (StoreError, OSError) as e:
-            partial.unlink(missing_ok=True)
             raise StoreError(f"the backup to {path} failed ({e}); nothing was left there") from None
+        finally:
+            partial.unlink(missing_ok=True)
+            Path(f"{partial}-journal").unlink(missing_ok=True)  # SQLite's, should the copy have stopped mid-write
 
     async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
         return await self._read(
