@@ -183,10 +183,13 @@ def _open_store(
             lease_ttl_s=args.lease_ttl,
         )
         return store, store
+    from devd.listeners import check_database
     from devd.sqlite_store import SQLiteStore
 
+    path = Path(spec.removeprefix("sqlite:")).absolute()
+    check_database(path)
     return SQLiteStore(
-        Path(spec.removeprefix("sqlite:")),
+        path,
         keys_kept=settings.keys_kept_per_session,
         steps_kept=settings.steps_kept_per_session,
         prune_every_steps=settings.prune_every_steps,

@@ -93,6 +93,42 @@ def test_a_state_directory_of_another_user_refuses_to_start(tmp_path: Path) -> N
 
 
 @needs_root
+def test_a_store_database_in_a_directory_of_another_user_refuses_to_start(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, NOBODY, NOBODY)
+    status, said = serve(tmp_path, "--store", f"sqlite:{theirs / 'devd.sqlite3'}")
+    assert (status, f"the directory of the database {theirs} belongs to uid {NOBODY}" in said) == (2, True)
+
+
+def test_a_store_database_in_a_directory_anyone_may_write_refuses_to_start_saying_how_to_fix(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    status, said = serve(tmp_path, "--store", f"sqlite:{shared / 'devd.sqlite3'}")
+    assert (status, said.strip()) == (
+        2,
+        f"devd: cannot start: the directory of the database {shared} is writable by group or others (mode 0777); "
+        f"run `chmod go-w {shared}` (0700 is best) and start again",
+    )
+
+
+def test_a_store_database_anyone_may_write_refuses_to_start_saying_how_to_fix(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    db = mine / "devd.sqlite3"
+    with Daemon(tmp_path / "d", "--store", f"sqlite:{db}"):
+        pass
+    db.chmod(0o666)
+    status, said = serve(tmp_path, "--store", f"sqlite:{db}")
+    assert (status, said.strip()) == (
+        2,
+        f"devd: cannot start: the database file {db} is writable by group or others (mode 0666): anyone could "
+        f"change the sessions in it; run `chmod 600 {db}` and start again",
+    )
+
+
+@needs_root
 def test_a_socket_directory_of_another_user_refuses_to_start(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir(mode=0o755)
