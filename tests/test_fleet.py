@@ -6,8 +6,10 @@ lease ends, and a paused one that wakes commits nothing for a session it lost (f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import pytest
 from devd import errors
 from devd.client import AsyncClient, Client
 from devd.messages import answer, turn
-from tests.daemon import Daemon
+from tests.daemon import Daemon, free_port
 from tests.postgres import Cluster, postgres, postgres_url  # noqa: F401  (the fixtures)
 from tests.test_crash import Conversation
 
@@ -342,3 +344,107 @@ def test_drain_counts_the_sessions_it_gave_back_not_those_it_only_knew_of(
         for d in (a, b):
             if d is not None:
                 d.stop()
+
+
+# -- following MOVED extends no trust -------------------------------------------------------------------------------
+
+TOKEN = "fleet-token-" + "t" * 40  # the fleet's daemons share one token, as an operator would set them up
+
+
+def tcp_fleet_daemon(root: Path, url: str, node: str, port: int, *extra: str) -> Daemon:
+    state = root / node / "state"
+    state.mkdir(parents=True, mode=0o700)
+    (state / "token").write_text(TOKEN)
+    (state / "token").chmod(0o600)
+    return fleet_daemon(root, url, node, "--listen", f"tcp://127.0.0.1:{port}", *extra)
+
+
+@pytest.fixture
+def rogue() -> Iterator[socket.socket]:
+    """A listener where whoever can write the fleet's `nodes` table sends clients: another host, to the client."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.2", 0))
+    sock.listen()
+    sock.setblocking(False)
+    with sock:
+        yield sock
+
+
+def connections_to(sock: socket.socket) -> int:
+    count = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            sock.accept()[0].close()
+            count += 1
+    return count
+
+
+def test_moved_to_an_address_the_client_was_not_given_is_not_followed(
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
+    rogue: socket.socket,
+) -> None:
+    port = free_port()
+    a = fleet_daemon(tmp_path, postgres_url, "a", "--advertise", "tcp://127.0.0.2:{}".format(rogue.getsockname()[1]))
+    b = tcp_fleet_daemon(tmp_path, postgres_url, "b", port)
+    with a, b:
+        with a.client() as ca:
+            ca.new(session="s")
+        with Client.connect(f"tcp://127.0.0.1:{port}", token=TOKEN) as c, pytest.raises(errors.MovedError) as moved:
+            c.step("s", turn(1, "x"))
+    assert ("not followed" in str(moved.value), connections_to(rogue)) == (True, 0)
+
+
+@pytest.mark.anyio
+async def test_the_async_client_follows_moved_to_no_address_it_was_not_given(
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
+    rogue: socket.socket,
+) -> None:
+    port = free_port()
+    a = fleet_daemon(tmp_path, postgres_url, "a", "--advertise", "tcp://127.0.0.2:{}".format(rogue.getsockname()[1]))
+    b = tcp_fleet_daemon(tmp_path, postgres_url, "b", port)
+    with a, b:
+        with a.client() as ca:
+            ca.new(session="s")
+        async with AsyncClient.connect(f"tcp://127.0.0.1:{port}", token=TOKEN) as c:
+            with pytest.raises(errors.MovedError) as moved:
+                await c.step_answer("s", turn(1, "x"))
+    assert ("not followed" in str(moved.value), connections_to(rogue)) == (True, 0)
+
+
+@pytest.fixture
+def two_on_tcp(tmp_path: Path, postgres_url: str) -> Iterator[tuple[int, int]]:  # noqa: F811
+    pa, pb = free_port(), free_port()
+    a = tcp_fleet_daemon(tmp_path, postgres_url, "a", pa, "--advertise", f"tcp://127.0.0.1:{pa}")
+    b = tcp_fleet_daemon(tmp_path, postgres_url, "b", pb)
+    with a, b:
+        with a.client() as ca:
+            ca.new(session="s")
+        yield pa, pb
+
+
+def test_moved_to_another_port_of_the_first_host_is_not_followed_with_the_token_by_default(
+    two_on_tcp: tuple[int, int],
+) -> None:
+    pa, pb = two_on_tcp
+    with Client.connect(f"tcp://127.0.0.1:{pb}", token=TOKEN) as c, pytest.raises(errors.MovedError) as moved:
+        c.step("s", turn(1, "x"))
+    assert moved.value.address == f"tcp://127.0.0.1:{pa}"
+
+
+def test_moved_is_followed_with_the_token_to_a_peer_the_client_was_configured_with(
+    two_on_tcp: tuple[int, int],
+) -> None:
+    pa, pb = two_on_tcp
+    with Client.connect(f"tcp://127.0.0.1:{pb}", token=TOKEN, peers=[f"tcp://127.0.0.1:{pa}"]) as c:
+        assert [x.id for x in c.step("s", turn(1, "x"))] == [1]
+
+
+@pytest.mark.anyio
+async def test_the_async_client_follows_moved_to_the_first_host_when_told_to_share_its_token(
+    two_on_tcp: tuple[int, int],
+) -> None:
+    pa, pb = two_on_tcp
+    async with AsyncClient.connect(f"tcp://127.0.0.1:{pb}", token=TOKEN, share_token=True) as c:
+        assert [x.id for x in (await c.step_answer("s", turn(1, "x"))).actions] == [1]
