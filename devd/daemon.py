@@ -38,6 +38,7 @@ from devd.store import Fleet, Store
 from devd.transport import Connection, Hub
 from devd.watchers import Fanout
 
+FLEET_CHECK_S = 0.5  # how often a fleet daemon looks for watched sessions it may have lost
 SHUTDOWN_SNAPSHOTS_S = 5.0  # of a stop's time (systemd waits 20 s) spent snapshotting sessions; the rest replay
 log = structlog.get_logger("devd.daemon")
 
@@ -100,6 +101,8 @@ class Daemon:
                 tg.start_soon(self._watchdog)
                 if self.settings.expire_after_s is not None:
                     tg.start_soon(self._expire, self.settings.expire_after_s)
+                if app.registry.fleet is not None:
+                    tg.start_soon(self._check_holds)
                 self.hub = Hub(self.settings, self.dispatcher, self.token)
                 servers = [await _listen(self.hub, sock, kind) for sock, kind in listeners]
                 if metrics_socket is not None:
@@ -195,6 +198,17 @@ class Daemon:
                 await registry.expire(unused_for_s)
             except Exception as e:  # a failed round (the store refused a delete) must not end the daemon
                 log.error("sessions.expiry_failed", error=f"{type(e).__name__}: {e}"[:500])
+
+    async def _check_holds(self) -> None:
+        """In a fleet, find the watched sessions this daemon may have lost while its lease lapsed, so that their
+        watchers hear of it."""
+        registry = self.dispatcher.app.registry
+        while True:
+            await anyio.sleep(FLEET_CHECK_S)
+            try:
+                await registry.check_holds()
+            except Exception as e:  # a failed round (the database is away) must not end the daemon
+                log.error("fleet.check_failed", error=f"{type(e).__name__}: {e}"[:500])
 
     async def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()

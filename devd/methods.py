@@ -566,6 +566,9 @@ class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     last_used: str
     watchers: int = 0
     reason: str | None = None
+    # In a fleet only: whether this daemon holds the session. When false, `state` and `seq` are what this daemon
+    # last knew (another daemon may have stepped it since); a call naming the session takes it, or answers MOVED.
+    held: bool | None = None
 
 
 class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -594,6 +597,7 @@ async def session_list(call: Call, params: ListParams) -> ListResult:
                 rfc3339(i.last_used),
                 i.watchers,
                 i.reason,
+                i.held,
             )
             for i in infos
         ],

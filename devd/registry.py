@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import contextlib
 import functools
 import hashlib
 import secrets
@@ -134,6 +135,7 @@ class Info:
     reason: str | None
     created: float
     last_used: float
+    held: bool | None = None  # in a fleet, whether this daemon holds it (else its state here may be behind)
 
 
 _HEALTH = {State.ENDED: Health.ENDED, State.POISONED: Health.POISONED}
@@ -761,10 +763,53 @@ class Registry:
         return entry
 
     async def _entered(self, name: str, *, any_state: bool = False) -> Entry:
-        """`_enter`, after adopting from the fleet a session this daemon does not know (made or held elsewhere)."""
-        if self.fleet is not None and name not in self._entries:
-            await self._adopt(name)
+        """`_enter`, in a fleet after making sure this daemon holds the session (`_hold`)."""
+        if self.fleet is not None:
+            await self._hold(name)
         return self._enter(name, any_state=any_state)
+
+    async def _hold(self, name: str) -> None:
+        """In a fleet, before a call uses what this daemon keeps of a session: adopt one it does not know (made or
+        held elsewhere); take again one whose epoch here is not known current (never taken here, or taken before this
+        daemon's lease lapsed, when another daemon may have stepped it), starting from what is durable, and end its
+        watchers if steps were made elsewhere meanwhile. MovedError (and it is forgotten) when another live daemon
+        holds it."""
+        assert self.fleet is not None
+        entry = self._entries.get(name)
+        if entry is None:
+            await self._adopt(name)
+            return
+        if entry.busy or self.fleet.current(name):
+            return  # busy: the call inside holds it (and `_enter` answers BUSY)
+        entry.busy = True
+        try:
+            epoch = await self.fleet.acquire(name)
+            stored = await self.store.load(name) if epoch is not None else None
+        except MovedError as e:
+            self._moved(entry, e)
+            raise
+        finally:
+            entry.busy = False
+        self._detach(entry)  # it may be behind the journal: the next call rebuilds it from what is durable
+        if stored is None:  # closed elsewhere
+            self._move(entry, Input.CLOSE)
+            self.fanout.end(name, "closed")
+            self._forget(name)
+            raise _no_such(name)
+        entry.state, entry.reason = _FROM_HEALTH[stored.health], stored.reason
+        if stored.seq != entry.seq:
+            self.fanout.end(name, "moved")  # they missed the steps made elsewhere: watch again, with since
+            entry.seq = stored.seq
+        log.info("session.retaken", session=name, epoch=epoch, seq=stored.seq)
+
+    async def check_holds(self) -> None:
+        """In a fleet, take again (or let go, MOVED) every watched session whose epoch here is no longer known
+        current, so that its watchers hear of steps made elsewhere (they are ended) rather than nothing."""
+        assert self.fleet is not None
+        for name in [n for n, e in self._entries.items() if not e.busy and self.fanout.count(n)]:
+            if name in self._entries and self.fleet.held(name) is not None and not self.fleet.current(name):
+                with contextlib.suppress(DevdError):  # MOVED: its watchers are told; else the next round tries again
+                    await self._hold(name)
 
     async def _adopt(self, name: str) -> None:
         """Take a session of the fleet for this daemon: MovedError if another live daemon holds it."""
@@ -830,7 +875,10 @@ class Registry:
     # -- watchers ---------------------------------------------------------------------------------------------------
 
     async def watch(self, name: str, sink: Sink, since: int | None) -> Subscription:
-        """Subscribe sink to name's steps: from now on, or first every journalled step after `since`."""
+        """Subscribe sink to name's steps: from now on, or first every journalled step after `since`. In a fleet,
+        only on the daemon that holds the session (its steps are made there): MOVED elsewhere."""
+        if self.fleet is not None:
+            await self._hold(name)
         entry = self._entries.get(name)
         if entry is None:
             raise _no_such(name)
@@ -899,7 +947,8 @@ class Registry:
         return infos, (names[-1] if more and names else None)
 
     def _info(self, e: Entry) -> Info:
-        return Info(e.name, e.state, e.seq, self.fanout.count(e.name), e.reason, e.created, e.last_used)
+        held = None if self.fleet is None else self.fleet.current(e.name)
+        return Info(e.name, e.state, e.seq, self.fanout.count(e.name), e.reason, e.created, e.last_used, held)
 
     async def expire(self, unused_for_s: float) -> list[str]:
         """Delete the sessions no call has used for `unused_for_s` (none inside a call); their names."""

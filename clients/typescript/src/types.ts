@@ -574,6 +574,7 @@ export interface SessionInfo {
   /** @default 0 */
   watchers?: number;
   reason?: string | null;
+  held?: boolean | null;
 }
 
 /**
