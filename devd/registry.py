@@ -232,6 +232,7 @@ class Registry:
         self.memory = 0  # the live instances' memory together, as last measured
         self.stats = Stats()
         self._entries: dict[str, Entry] = {}
+        self._by_state = dict.fromkeys(State, 0)  # the entries in each state, kept as they change: status is O(1)
         self._names: list[str] = []  # every name, sorted: list pages are a bisect and a slice
         self._live: OrderedDict[str, None] = OrderedDict()  # names with an instance, least recently used first
 
@@ -241,7 +242,7 @@ class Registry:
             entry = Entry(row.name, _FROM_HEALTH[row.health], row.seq, row.reason)
             entry.created = row.created
             entry.last_used = row.last_used
-            self._entries[row.name] = entry
+            self._add(entry)
         self._names = sorted(self._entries)
 
     # -- starting sessions ------------------------------------------------------------------------------------------
@@ -345,12 +346,16 @@ class Registry:
         if name in self._entries:
             raise ExistsError(f"a session named {name!r} exists; choose another name or close it first")
         now = time.time()
-        self._entries[name] = Entry(name, State.LIVE, 0, busy=True, created=now, last_used=now)
+        self._add(Entry(name, State.LIVE, 0, busy=True, created=now, last_used=now))
         bisect.insort(self._names, name)
         return name
 
+    def _add(self, entry: Entry) -> None:
+        self._entries[entry.name] = entry
+        self._by_state[entry.state] += 1
+
     def _forget(self, name: str) -> None:
-        del self._entries[name]
+        self._by_state[self._entries.pop(name).state] -= 1
         self._live.pop(name, None)
         i = bisect.bisect_left(self._names, name)
         if i < len(self._names) and self._names[i] == name:
@@ -699,7 +704,7 @@ class Registry:
             raise
 
     def _move(self, entry: Entry, input: Input, reason: str | None = None) -> None:
-        entry.state = next_state(entry.state, input)
+        self._set_state(entry, next_state(entry.state, input))
         entry.reason = reason
 
     def _attach(self, entry: Entry, instance: Instance) -> None:
@@ -796,7 +801,8 @@ class Registry:
             self.fanout.end(name, "closed")
             self._forget(name)
             raise _no_such(name)
-        entry.state, entry.reason = _FROM_HEALTH[stored.health], stored.reason
+        self._set_state(entry, _FROM_HEALTH[stored.health])
+        entry.reason = stored.reason
         if stored.seq != entry.seq:
             self.fanout.end(name, "moved")  # they missed the steps made elsewhere: watch again, with since
             entry.seq = stored.seq
@@ -821,9 +827,7 @@ class Registry:
         if name in self._entries:
             return  # adopted meanwhile, by another call
         now = time.time()
-        self._entries[name] = Entry(
-            name, _FROM_HEALTH[stored.health], stored.seq, stored.reason, created=now, last_used=now
-        )
+        self._add(Entry(name, _FROM_HEALTH[stored.health], stored.seq, stored.reason, created=now, last_used=now))
         bisect.insort(self._names, name)
         log.info("session.adopted", session=name, epoch=epoch, seq=stored.seq)
 
@@ -973,10 +977,13 @@ class Registry:
         return expired
 
     def counts(self) -> dict[str, int]:
-        counts = {s.value: 0 for s in State if s is not State.CLOSED}
-        for e in self._entries.values():
-            counts[e.state.value] += 1
-        return counts
+        """The sessions in each state (closed ones are gone), from counts kept as states change: no walk."""
+        return {s.value: n for s, n in self._by_state.items() if s is not State.CLOSED}
+
+    def _set_state(self, entry: Entry, state: State) -> None:
+        self._by_state[entry.state] -= 1
+        self._by_state[state] += 1
+        entry.state = state
 
     def close_all(self) -> None:
         for entry in self._entries.values():
