@@ -55,6 +55,7 @@ from devd.errors import (
     StoreError,
 )
 from devd.host import Core, Instance
+from devd.messages import without_payload
 from devd.offload import Runner, rebuild, rebuild_and, replay, saved, step_and_save
 from devd.state import CALLABLE, TRANSITIONS, Input, State, next_state
 from devd.store import Fleet, Health, Row, Step, Store, Stored
@@ -67,6 +68,7 @@ HEAVY_MEMORY_BYTES = 8 << 20  # a rebuilt instance this large (a megabytes-long 
 WHOLE_STATE_INLINE_BYTES = 4 << 20  # an instance this large is snapshotted on a worker (~1 ms a MB of transcript)
 SHUTDOWN_SNAPSHOT_BYTES = 16 << 10  # journal since its snapshot past which a stopping daemon snapshots a session
 LIGHT_CALLS_TO_RETURN = 16  # quick calls in a row after which a session's calls run inline again
+IGNORED_KEPT_BYTES = 1024  # an ignored event larger than this is journalled without its text
 STEP_BYTES = 2048  # what a step costs a replay beyond its event's bytes (~45 us here), in bytes of events
 
 
@@ -400,9 +402,14 @@ class Registry:
                 entry, timeout_s, lambda i, t: step_and_save(i, event, t, due), whole_state=may_save
             )
             seq = entry.seq + 1
+            journalled = event
+            if ignored is not None and len(event) > IGNORED_KEPT_BYTES:
+                # The session took no notice of it: a replay ignores it without its text just the same, so a client
+                # that sends megabytes the session never asked for does not make every fork and rebuild carry them.
+                journalled = without_payload(event) or event
             try:
                 await self.store.append(
-                    Step(name, seq, event, kept_answer(event, actions), key, event_digest, snapshot, answer)
+                    Step(name, seq, journalled, kept_answer(journalled, actions), key, event_digest, snapshot, answer)
                 )
             except StoreError as e:
                 # The instance is ahead of the disk: drop it, so the next use rebuilds from what is durable.

@@ -24,6 +24,7 @@ carries the snapshots' bytes inline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import os
@@ -59,6 +60,9 @@ SNAPSHOT_WRITE_S = 10  # the most one snapshot file and its pointer may take; pa
 SNAPSHOTS_AT_SHUTDOWN_S = 5  # how long a shutdown waits for the snapshot files still queued (systemd waits 20 s)
 T = TypeVar("T")
 U = TypeVar("U")
+
+FORK_COPY_BYTES = 4 << 20  # a fork copies its source's journal a commit of about this much at a time
+FORK_NOTE = "fork:"  # a `meta` key: the fork of this name is being copied, not made yet
 
 # The on-disk format, one migration per version (`PRAGMA user_version` counts those applied). Each runs once, in a
 # transaction of its own, at start; a database from a newer devd (a version past this list) is refused. Never edit a
@@ -189,6 +193,9 @@ class SQLiteStore:
             self._db = _connect(path)
             migrate(self._db, path)
             self.id = _identify(self._db, path)
+            with self._db:
+                for (note,) in self._db.execute("SELECT key FROM meta WHERE key LIKE 'fork:%'").fetchall():
+                    _drop_unmade_fork(self._db, None, note.removeprefix(FORK_NOTE))
             self._sweep_snapshot_files()
         except sqlite3.Error as e:
             hint = " (another process has it open: close it)" if "locked" in str(e) else ""
@@ -628,13 +635,34 @@ class SQLiteStore:
         await self._write(op)
 
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
+        """The source's journal up to `at` is copied a few MiB a commit (others' steps commit in between, rather
+        than wait behind one commit of the whole history), under a note in `meta` that the fork is not made yet;
+        the last commit makes the session and drops the note. Rows of a fork cut short (a failure, a crash) belong
+        to no session: they are removed then, or at the next open."""
         file = await self._state_file(snapshot)
+        spans = await self._read(lambda db: _spans(db, source, at, FORK_COPY_BYTES))
+        note = f"{FORK_NOTE}{name}"
+
+        def begin(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (note, source))
+            self._release_files(db, "session = ?", (name,))
+            db.execute("DELETE FROM journal WHERE session = ?", (name,))
+
+        def copy(lo: int, hi: int) -> Op:
+            def op(db: sqlite3.Connection) -> None:
+                # Rows copied share their snapshot files with the source's: a file goes once neither names it.
+                db.execute(
+                    "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, "
+                    "snapshot_file) SELECT ?, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file "
+                    "FROM journal WHERE session = ? AND seq BETWEEN ? AND ?",
+                    (name, source, lo, hi),
+                )
+
+            return op
 
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
             self._new_generation(name)
-            self._release_files(db, "session = ?", (name,))
-            db.execute("DELETE FROM journal WHERE session = ?", (name,))
             made = db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) SELECT ?, config, ? FROM sessions "
                 "WHERE name = ?",
@@ -642,13 +670,7 @@ class SQLiteStore:
             )
             if made.rowcount != 1:
                 raise StoreError(f"there is no session {source!r} to fork")
-            # Rows copied share their snapshot files with the source's: a file goes once neither names it.
-            db.execute(
-                "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file) "
-                "SELECT ?, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file FROM journal "
-                "WHERE session = ? AND seq <= ?",
-                (name, source, at),
-            )
+            db.execute("DELETE FROM meta WHERE key = ?", (note,))
             if snapshot is not None:
                 db.execute(
                     "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file) "
@@ -657,7 +679,15 @@ class SQLiteStore:
                     (name, at, b"" if file else snapshot, file),
                 )
 
-        await self._write(op)
+        try:
+            await self._write(begin)
+            for lo, hi in spans:
+                await self._write(copy(lo, hi))
+            await self._write(op)
+        except StoreError:
+            with contextlib.suppress(StoreError):
+                await self._write(lambda db: _drop_unmade_fork(db, self, name))
+            raise
 
     # -- reads ----------------------------------------------------------------------------------------------------
 
@@ -832,6 +862,38 @@ def _check_wal(path: Path) -> None:
 
 def _id_path(path: Path) -> Path:
     return path.with_name(path.name + ".id")
+
+
+def _spans(db: sqlite3.Connection, session: str, at: int, bytes_max: int) -> list[tuple[int, int]]:
+    """The session's journal up to `at` as ranges of seqs (first, last) of about `bytes_max` each."""
+    spans: list[tuple[int, int]] = []
+    size, lo = 0, None
+    rows = db.execute(
+        "SELECT seq, length(event) + length(actions) + coalesce(length(snapshot), 0) FROM journal "
+        "WHERE session = ? AND seq <= ? ORDER BY seq",
+        (session, at),
+    )
+    for seq, n in rows:
+        lo = seq if lo is None else lo
+        size += n
+        if size >= bytes_max:
+            spans.append((lo, seq))
+            size, lo = 0, None
+    if lo is not None:
+        spans.append((lo, at))
+    return spans
+
+
+def _drop_unmade_fork(db: sqlite3.Connection, store: SQLiteStore | None, name: str) -> None:
+    """Remove the rows a fork cut short copied for `name` (unless the session was made after all), and its note."""
+    note = f"{FORK_NOTE}{name}"
+    if db.execute("SELECT 1 FROM meta WHERE key = ?", (note,)).fetchone() is None:
+        return
+    if db.execute("SELECT 1 FROM sessions WHERE name = ?", (name,)).fetchone() is None:
+        if store is not None:
+            store._release_files(db, "session = ?", (name,))
+        db.execute("DELETE FROM journal WHERE session = ?", (name,))
+    db.execute("DELETE FROM meta WHERE key = ?", (note,))
 
 
 def _identify(db: sqlite3.Connection, path: Path) -> str:
