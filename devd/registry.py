@@ -951,11 +951,19 @@ class Registry:
     def page(self, limit: int | None = None, after: str | None = None) -> tuple[list[Info], str | None]:
         """Sessions by name: up to `limit` of them (all if None) after the name `after`; and the name to continue
         after, if there are more."""
+        names, more = self.page_names(limit, after)
+        return self.infos(names), more
+
+    def page_names(self, limit: int | None = None, after: str | None = None) -> tuple[list[str], str | None]:
+        """The names of `page` (one slice of a sorted list: cheap at any size), and the name to continue after."""
         start = 0 if after is None else bisect.bisect_right(self._names, after)
         names = self._names[start:] if limit is None else self._names[start : start + limit]
-        infos = [self._info(self._entries[n]) for n in names]
         more = limit is not None and start + limit < len(self._names)
-        return infos, (names[-1] if more and names else None)
+        return names, (names[-1] if more and names else None)
+
+    def infos(self, names: list[str]) -> list[Info]:
+        """What `session/list` shows of these sessions; one closed since its name was read is left out."""
+        return [self._info(e) for n in names if (e := self._entries.get(n)) is not None]
 
     def _info(self, e: Entry) -> Info:
         held = None if self.fleet is None else self.fleet.current(e.name)
