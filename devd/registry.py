@@ -43,6 +43,7 @@ from devd.errors import (
     ConflictError,
     DeadlineError,
     DevdError,
+    DoesNotFitError,
     ExistsError,
     FullError,
     HandleError,
@@ -69,6 +70,7 @@ WHOLE_STATE_INLINE_BYTES = 4 << 20  # an instance this large is snapshotted on a
 SHUTDOWN_SNAPSHOT_BYTES = 16 << 10  # journal since its snapshot past which a stopping daemon snapshots a session
 LIGHT_CALLS_TO_RETURN = 16  # quick calls in a row after which a session's calls run inline again
 IGNORED_KEPT_BYTES = 1024  # an ignored event larger than this is journalled without its text
+TRANSCRIPT_CAP_FACTOR = 4  # a transcript too large for a session's cap is built under this many times it
 STEP_BYTES = 2048  # what a step costs a replay beyond its event's bytes (~45 us here), in bytes of events
 
 
@@ -233,6 +235,8 @@ class Registry:
         self.fleet = fleet  # a store shared with other daemons: sessions are adopted, and may move away
         self.memory = 0  # the live instances' memory together, as last measured
         self.stats = Stats()
+        self._roomy: Core | None = None  # the core with a larger cap, for transcripts (made on first need)
+        self._roomy_lock = anyio.Lock()
         self._entries: dict[str, Entry] = {}
         self._by_state = dict.fromkeys(State, 0)  # the entries in each state, kept as they change: status is O(1)
         self._names: list[str] = []  # every name, sorted: list pages are a bisect and a slice
@@ -467,15 +471,44 @@ class Registry:
             entry.busy = False
 
     async def transcript(self, name: str, start: int) -> tuple[int, bytes]:
-        """The session's step count and its conversation from message `start` on, from the core."""
+        """The session's step count and its conversation from message `start` on, from the core. A transcript that
+        does not fit beside the session's state within its cap (a delta session's tool output can take most of it,
+        and a client recovers its conversation from this) is built outside the cap, from what is durable."""
         entry = await self._entered(name)
         try:
-            messages = await self._call(
-                entry, self.call_timeout_s, lambda i, t: i.transcript(start, timeout=t), whole_state=start == 0
-            )
+            try:
+                messages = await self._call(
+                    entry, self.call_timeout_s, lambda i, t: i.transcript(start, timeout=t), whole_state=start == 0
+                )
+            except DoesNotFitError:
+                messages = await self._transcript_outside_cap(entry, start)
             return entry.seq, messages
         finally:
             entry.busy = False
+
+    async def _transcript_outside_cap(self, entry: Entry, start: int) -> bytes:
+        """The transcript from an instance rebuilt from what is durable under TRANSCRIPT_CAP_FACTOR times the cap,
+        one such instance at a time, dropped once it has answered."""
+        if self._roomy is None:
+            self._roomy = self.core.with_memory(self.core.memory_bytes * TRANSCRIPT_CAP_FACTOR)
+        roomy = self._roomy
+        stored = await self._stored(entry.name)
+
+        def build() -> bytes:
+            instance = rebuild(roomy, stored, self.call_timeout_s)
+            try:
+                return instance.transcript(start, timeout=self.call_timeout_s)
+            finally:
+                instance.close()
+
+        async with self._roomy_lock:
+            try:
+                return await self.runner.off_loop(build)
+            except OutOfMemoryError:
+                raise NullError(
+                    f"the transcript of {entry.name!r} from message {start} does not fit even in "
+                    f"{roomy.memory_bytes >> 20} MiB; ask for it from a later message (`from`), a part at a time"
+                ) from None
 
     async def save_all(self) -> int:
         """At a clean stop, once no call runs: snapshot every live session with more than a few steps since its last
@@ -635,7 +668,7 @@ class Registry:
     def _does_not_fit(self, entry: Entry) -> NullError:
         """The call ran out of the session's memory cap: its instance is gone, but nothing durable changed, so the
         session goes on from its last step (rebuilt on its next call) rather than being poisoned."""
-        return NullError(
+        return DoesNotFitError(
             f"the call does not fit in session {entry.name!r}'s memory ({self.core.memory_bytes >> 20} MiB); nothing "
             f"changed, the session continues from step {entry.seq}: send a smaller event, or fork or close it"
         )
