@@ -24,6 +24,7 @@ class Settings:
     max_call_timeout_s: float = 60.0  # the longest deadline a client may ask for; longer ones are cut to it
     inline_budget_s: float = 0.002  # a call runs inline this long, then moves to a worker thread
     call_threads_max: int = 32  # worker threads for calls moved off the loop (commits have a thread of their own)
+    quick_threads_max: int = 8  # and for calls that missed the inline budget they were expected to fit (a quick lane)
     memory_bytes_per_session: int = 64 << 20
     # sessions and history
     sessions_max: int = 1_000_000  # sessions kept, live or stored

@@ -53,7 +53,12 @@ def build(
 ) -> tuple[Registry, Dispatcher]:
     """The parts of a daemon, wired: registry over core and store (and the fleet, when the store is shared with
     other daemons), dispatcher over the methods."""
-    runner = Runner(core, inline_budget_s=settings.inline_budget_s, threads_max=settings.call_threads_max)
+    runner = Runner(
+        core,
+        inline_budget_s=settings.inline_budget_s,
+        threads_max=settings.call_threads_max,
+        quick_threads_max=settings.quick_threads_max,
+    )
     registry = Registry(
         core,
         store,

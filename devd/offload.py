@@ -5,7 +5,10 @@ stood and its instance is gone; what is durable is exactly the state before the 
 from it (its snapshot, then its journal) and the call runs again on a worker thread, where it cannot hold up the
 loop. A session whose calls have grown past the budget (a long transcript makes every Model ask slow) then runs its
 calls on a worker from the start: it pays for the rebuild once, not at every call. Worker threads for calls are
-bounded by a limiter of their own, so they never starve the store's commits.
+bounded by limiters of their own, so they never starve the store's commits: one for heavy sessions' calls and
+rebuilds, and a quick lane for calls that were expected to fit the budget and missed it (a start, a light session's
+call stopped inline: under contention a quick call can miss it), so that slow calls filling every worker never hold
+up a fast session's step or a `session/new` behind them.
 
 A rebuild costs what the journal since the snapshot costs: every step is applied without writing its answer
 (`Instance.apply`) but one, answered and checked against what was journalled (see `rebuild`).
@@ -29,10 +32,11 @@ _SAVE = b'{"Save":true}'  # the core writes compact JSON, so this cannot occur i
 
 
 class Runner:
-    def __init__(self, core: Core, *, inline_budget_s: float, threads_max: int) -> None:
+    def __init__(self, core: Core, *, inline_budget_s: float, threads_max: int, quick_threads_max: int = 8) -> None:
         self.core = core
         self.inline_budget_s = inline_budget_s
         self.limiter = anyio.CapacityLimiter(threads_max)
+        self.quick_limiter = anyio.CapacityLimiter(quick_threads_max)
         self.offloaded = 0  # calls run on a worker thread: past their inline budget, or of a heavy session
 
     async def start(self, start: Callable[[float], Instance], deadline: float) -> Instance:
@@ -43,10 +47,12 @@ class Runner:
             if deadline - time.monotonic() <= self.inline_budget_s:
                 raise
         self.offloaded += 1
-        return await self.off_loop(lambda: start(deadline - time.monotonic()))
+        return await self.off_loop(lambda: start(deadline - time.monotonic()), quick=True)
 
-    async def off_loop(self, fn: Callable[[], T]) -> T:
-        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=False, limiter=self.limiter)
+    async def off_loop(self, fn: Callable[[], T], *, quick: bool = False) -> T:
+        """fn on a worker thread: of the quick lane for a call expected to be quick, else of the heavy one."""
+        limiter = self.quick_limiter if quick else self.limiter
+        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=False, limiter=limiter)
 
     def inline_timeout(self, deadline: float) -> tuple[float, bool]:
         """The timeout for an inline attempt, and whether it is the call's last chance (no time left to offload)."""
