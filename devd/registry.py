@@ -71,6 +71,9 @@ SHUTDOWN_SNAPSHOT_BYTES = 16 << 10  # journal since its snapshot past which a st
 LIGHT_CALLS_TO_RETURN = 16  # quick calls in a row after which a session's calls run inline again
 IGNORED_KEPT_BYTES = 1024  # an ignored event larger than this is journalled without its text
 TRANSCRIPT_CAP_FACTOR = 4  # a transcript too large for a session's cap is built under this many times it
+WAKE_BASE_BYTES = 1 << 20  # what a woken instance is reserved beyond its state: an empty one holds ~512 KiB
+ROOM_RECHECK_S = 0.005  # how often a wake waiting for room looks again
+WAKE_GROWTH = 4  # and per byte of its snapshot and journal (a 4 MiB prompt was seen to hold 15.4 MiB)
 STEP_BYTES = 2048  # what a step costs a replay beyond its event's bytes (~45 us here), in bytes of events
 
 
@@ -235,6 +238,9 @@ class Registry:
         self.fleet = fleet  # a store shared with other daemons: sessions are adopted, and may move away
         self.memory = 0  # the live instances' memory together, as last measured
         self.stats = Stats()
+        self._waking = 0  # sessions being rebuilt, counted against --max-live before their instance exists
+        self._reserved = 0  # and the memory reserved for them against --live-memory
+        self._room: anyio.Event | None = None  # set when an instance is let go or a wake ends: room may be free
         self._roomy: Core | None = None  # the core with a larger cap, for transcripts (made on first need)
         self._roomy_lock = anyio.Lock()
         self._entries: dict[str, Entry] = {}
@@ -683,6 +689,64 @@ class Registry:
         stored = await self._stored(entry.name)
         loaded = time.perf_counter()
         self.stats.rebuilt += 1
+        reserved = await self._room_for_wake(entry, stored)
+        try:
+            await self._rebuild(entry, how, stored)
+        finally:
+            self._waking -= 1
+            self._reserved -= reserved
+            self._room_freed()
+        log.info(
+            "session.rebuilt",
+            session=entry.name,
+            seq=stored.seq,
+            snapshot_bytes=len(stored.snapshot or b""),
+            replayed_steps=len(stored.journal),
+            load_ms=round((loaded - started) * 1000, 1),
+            rebuild_ms=round((time.perf_counter() - loaded) * 1000, 1),
+        )
+        # Nothing is known of its calls' cost after a restart or a wake, but a transcript this long makes every
+        # Model ask pass the inline budget: an inline attempt would only be stopped, and the session rebuilt again.
+        if entry.memory >= HEAVY_MEMORY_BYTES:
+            entry.heavy, entry.light_calls = True, 0
+
+    async def _room_for_wake(self, entry: Entry, stored: Stored) -> int:
+        """Wait until one more instance fits `--max-live` and `--live-memory`, hibernating idle sessions to make room
+        and, when every live one is inside a call, waiting for one to end (up to the call deadline: BUSY past it),
+        then reserve the room; the bytes reserved. Concurrent wakes so never build more instances than the caps
+        hold. A session larger than the memory budget alone still wakes once nothing else is live."""
+        need = WAKE_BASE_BYTES + WAKE_GROWTH * (len(stored.snapshot or b"") + sum(len(r.event) for r in stored.journal))
+        with anyio.move_on_after(self.call_timeout_s) as scope:
+            while True:
+                while not self._fits(need) and self._hibernate_one():
+                    pass
+                if self._fits(need) or not (self._live or self._waking):
+                    break
+                if self._room is None or self._room.is_set():
+                    self._room = anyio.Event()
+                # Woken when an instance is let go or a wake ends; a call's end is not signalled, so look again soon.
+                with anyio.move_on_after(ROOM_RECHECK_S):
+                    await self._room.wait()
+        if scope.cancelled_caught:
+            raise BusyError(
+                f"session {entry.name!r} cannot be woken: the {len(self._live)} sessions in memory (--max-live "
+                f"{self.max_live}, --live-memory) are all inside calls; retry when one has answered"
+            )
+        self._waking += 1
+        self._reserved += need
+        return need
+
+    def _fits(self, need: int) -> bool:
+        if len(self._live) + self._waking >= self.max_live:
+            return False
+        budget = self.live_memory_bytes
+        return budget is None or self.memory + self._reserved + need <= budget
+
+    def _room_freed(self) -> None:
+        if self._room is not None:
+            self._room.set()
+
+    async def _rebuild(self, entry: Entry, how: Input, stored: Stored) -> None:
         try:
             # A small session wakes on the quick lane, not behind the heavy sessions' calls.
             small = len(stored.snapshot or b"") + sum(len(r.event) for r in stored.journal) < HEAVY_MEMORY_BYTES // 4
@@ -703,23 +767,12 @@ class Registry:
                 f"session {entry.name!r} could not be rebuilt from its durable state ({e}); "
                 "its snapshot and journal are kept, see the daemon's log"
             ) from None
+        self._waking -= 1  # its room is taken by its instance now, and measured
         self._attach(entry, instance)
+        self._waking += 1
         self._move(entry, how)
         entry.seq = stored.seq
         entry.rebased(stored)
-        log.info(
-            "session.rebuilt",
-            session=entry.name,
-            seq=stored.seq,
-            snapshot_bytes=len(stored.snapshot or b""),
-            replayed_steps=len(stored.journal),
-            load_ms=round((loaded - started) * 1000, 1),
-            rebuild_ms=round((time.perf_counter() - loaded) * 1000, 1),
-        )
-        # Nothing is known of its calls' cost after a restart or a wake, but a transcript this long makes every
-        # Model ask pass the inline budget: an inline attempt would only be stopped, and the session rebuilt again.
-        if entry.memory >= HEAVY_MEMORY_BYTES:
-            entry.heavy, entry.light_calls = True, 0
 
     async def _stored(self, name: str) -> Stored:
         stored = await self.store.load(name)
@@ -787,6 +840,7 @@ class Registry:
         return False
 
     def _detach(self, entry: Entry) -> None:
+        self._room_freed()
         self._live.pop(entry.name, None)
         self.memory -= entry.memory
         entry.memory = 0

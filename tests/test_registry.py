@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import pytest
 
@@ -679,3 +680,25 @@ async def test_a_quick_call_that_missed_its_budget_does_not_wait_behind_slow_cal
             await anyio.sleep(0.2)  # both workers spin
             tg.start_soon(call, "fast", CALM, 5000)
     assert answered[0] == "fast"
+
+
+async def test_concurrent_wakes_never_hold_more_instances_than_max_live(tmp_path: Path, core: Core) -> None:
+    async with opened("sqlite", tmp_path, core, max_live=2) as registry:
+        names = [f"s{n}" for n in range(8)]
+        for name in names:
+            await registry.new(name, b"{}")  # each new one hibernates the oldest: six are stored
+        most = 0
+
+        async def watch_live() -> None:
+            nonlocal most
+            while True:
+                most = max(most, len(registry._live) + registry._waking)
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_live)
+            async with anyio.create_task_group() as wakes:
+                for name in names:
+                    wakes.start_soon(registry.step, name, encode(turn(1, "x")), None, None)
+            tg.cancel_scope.cancel()
+    assert most <= 2
