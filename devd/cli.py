@@ -33,6 +33,7 @@ from devd.config import (
     Settings,
     backup_dir,
     default,
+    default_live_memory,
     default_socket_path,
     default_state_dir,
     parse_duration,
@@ -88,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
             sessions_max=args.max_sessions,
             max_live=args.max_live,
             snapshot_floor_bytes=args.snapshot_floor,
-            live_memory_bytes=args.live_memory,
+            live_memory_bytes=args.live_memory or default_live_memory(),
             memory_bytes_per_session=args.session_memory,
             expire_after_s=args.expire_after,
             connections_max=args.max_connections,
@@ -139,6 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
             metrics="{}:{}".format(*metrics_socket.getsockname()[:2]) if metrics_socket else None,
             activated=activated or None,
             state_dir=str(settings.state_dir),
+            live_memory=settings.live_memory_bytes,
             version=__version__,
         )
 
@@ -1143,7 +1145,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="SIZE",
         type=_flag_value(parse_size),
         help="the sessions in memory together may use this much (e.g. 4G); past it the least recently used idle "
-        "ones hibernate. Default: no cap but --max-live (each session's own cap is --session-memory)",
+        "ones hibernate. Default: half of this machine's memory (each session's own cap is --session-memory)",
     )
     serve.add_argument(
         "--session-memory",

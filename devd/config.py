@@ -29,7 +29,8 @@ class Settings:
     # sessions and history
     sessions_max: int = 1_000_000  # sessions kept, live or stored
     max_live: int = 1000  # sessions with an instance in memory; past it, the least recently used idle one hibernates
-    live_memory_bytes: int | None = None  # the instances' memory together; past it, idle ones hibernate (None: no cap)
+    live_memory_bytes: int | None = None  # the instances' memory together; past it, idle ones hibernate (None: no cap;
+    # `devd serve` gives half the machine's memory when --live-memory is not set: default_live_memory)
     expire_after_s: float | None = None  # sessions unused this long are deleted; None keeps them for ever
     keys_kept_per_session: int = 1000
     steps_kept_per_session: int = 1000  # unkeyed history kept behind the latest snapshot, for watchers' `since`
@@ -61,6 +62,13 @@ class Settings:
 def backup_dir(settings: Settings) -> Path:
     """Where `daemon/backup` writes its copies: the operator's `--backup-dir`, else STATE_DIR/backups."""
     return settings.backup_dir or settings.state_dir / "backups"
+
+
+def default_live_memory() -> int:
+    """The instances' memory together when `--live-memory` is not given: half of this machine's memory. A session's
+    instance holds several times what it was sent (a 4 MiB prompt: 15 MiB), so `--max-live` times the session cap is
+    far past any machine; past this, idle sessions hibernate."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def default(name: str) -> Any:

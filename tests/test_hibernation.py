@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -265,3 +266,13 @@ def test_a_clean_stop_snapshots_sessions_with_steps_since_their_snapshot_so_a_re
         d.stop()
     rebuilt = [(e["seq"], e["replayed_steps"]) for e in log_events(d.log) if e["event"] == "session.rebuilt"]
     assert ([first, second], rebuilt) == (expected, [(1, 0)])
+
+
+def test_without_live_memory_the_budget_is_half_the_machines_memory(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        listening = next(
+            msgspec.json.decode(line)
+            for line in d.log.read_bytes().splitlines()
+            if line.startswith(b"{") and b'"daemon.listening"' in line
+        )
+    assert listening["live_memory"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
