@@ -845,18 +845,35 @@ def _check_wal(path: Path) -> None:
     wal, id_file = Path(f"{path}-wal"), _id_path(path)
     if not wal.exists() or not id_file.exists():
         return
-    ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        row = ro.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
-    except sqlite3.Error:
-        row = None
-    finally:
-        ro.close()
     expected = id_file.read_text().strip()
-    if row is None or row[0] != expected:
+    try:
+        ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            row = ro.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
+        finally:
+            ro.close()
+    except sqlite3.Error as e:
+        # Not a sign of a foreign log: a full disk, a daemon holding the database, a damaged file. Said as what it
+        # is, and the log is never called foreign: moving it away would lose every step in it.
+        hint = (
+            "another process has it open (a daemon on the same --store?): stop it, or pass another --store"
+            if "locked" in str(e)
+            else "free disk space or fix what the error names, and start again"
+        )
         raise StoreError(
-            f"the write-ahead log {wal} belongs to another database (its id is {row[0] if row else 'missing'}, "
-            f"{path.name} is {expected}); move {wal.name} away (it was left as it is) and start again"
+            f"the database {path} and its write-ahead log could not be read to check that they belong together "
+            f"({e}); both were left as they are (keep {wal.name}: it may hold acknowledged steps); {hint}"
+        ) from None
+    if row is None:
+        raise StoreError(
+            f"the database {path} read with its write-ahead log carries no id, though {id_file.name} names "
+            f"{expected}; all three were left as they are (keep {wal.name}: it may hold acknowledged steps): run "
+            "`devd doctor`, and see docs/operations.md on restoring"
+        )
+    if row[0] != expected:
+        raise StoreError(
+            f"the write-ahead log {wal} belongs to another database (read with it, the database's id is {row[0]}; "
+            f"{id_file.name} says {expected}); move {wal.name} away (it was left as it is) and start again"
         )
 
 

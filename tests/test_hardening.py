@@ -324,6 +324,31 @@ def test_a_stray_write_ahead_log_from_another_state_directory_is_refused(tmp_pat
         assert [s["session"] for s in c.call("session/list")["sessions"]] == ["mine"]
 
 
+def test_a_second_daemon_on_a_running_daemons_store_is_told_it_is_in_use_not_that_its_log_is_foreign(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "shared" / "devd.sqlite3"
+    db.parent.mkdir(mode=0o700)
+    with Daemon(tmp_path / "first", "--store", f"sqlite:{db}") as first, first.client() as c:
+        c.new(session="s")  # its write-ahead log is there, beside the database it holds
+        status, said = serve(tmp_path / "second", "--store", f"sqlite:{db}")
+    assert (status, "belongs to another database" in said, "another process has it open" in said) == (2, False, True)
+
+
+def test_a_log_that_cannot_be_read_is_reported_as_it_is_and_never_called_foreign(tmp_path: Path) -> None:
+    """After a crash on a full disk the check cannot read the database with its log: that is said, and the log is
+    not called another database's (moving it away, as that advice says, would lose every step in it)."""
+    d = Daemon(tmp_path)
+    with d, d.client() as c:
+        c.new(session="s")
+        d.kill()  # the log is left un-checkpointed
+    (d.state / "devd.sqlite3").write_bytes(b"not a database, as a torn write would leave it")
+    with open(d.state / "devd.sqlite3-wal", "r+b") as wal:
+        wal.write(b"\0" * 32)  # nor a log header SQLite takes: the check reads a file that is no database
+    status, said = serve(tmp_path, state=d.state)
+    assert (status, "belongs to another database" in said, "could not be read to check" in said) == (2, False, True)
+
+
 def test_a_damaged_database_refuses_to_start_with_what_to_do(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
