@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     import anyio
     import structlog
 
-    from devd import files
+    from devd import failpoints, files
     from devd.daemon import Daemon, build
     from devd.errors import StoreError
     from devd.host import Core
@@ -78,6 +78,15 @@ def _serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(0.0001)
     log.configure(args.log_format, args.log_level)
     logger = structlog.get_logger("devd")
+    try:
+        armed = failpoints.arm(os.environ)
+    except ValueError as e:
+        print(f"devd: cannot start: {e}", file=sys.stderr)
+        return 2
+    if armed is not None and armed[0] == "armed":
+        logger.warning("failpoints.armed", points=armed[1], note="a test: named writes will fail or kill the daemon")
+    elif armed is not None:
+        logger.warning("failpoints.ignored", points=armed[1], note="DEVD_FAILPOINTS is obeyed only with DEVD_TESTING=1")
     try:
         settings = Settings(
             state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),

@@ -18,7 +18,7 @@ import pytest
 from devd import errors
 from devd.client import Client
 from devd.listeners import TOKEN_CHARS_MIN
-from tests.daemon import Daemon, free_port
+from tests.daemon import Daemon, free_port, log_events
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="making files of another uid needs root (CI runs as root)")
 NOBODY = 65534
@@ -214,6 +214,37 @@ def test_the_state_directory_is_free_again_after_sigkill(tmp_path: Path) -> None
     with d.client() as c:
         assert [s["session"] for s in c.call("session/list")["sessions"]] == ["kept"]
     d.kill()
+
+
+# -- failure points -------------------------------------------------------------------------------------------------
+
+
+def test_failure_points_are_obeyed_only_in_a_test_and_the_log_says_they_were_ignored(tmp_path: Path) -> None:
+    production = {"DEVD_TESTING": "0", "DEVD_FAILPOINTS": "commit.after=kill@1"}
+    with Daemon(tmp_path, env=production) as d, d.client() as c:
+        c.new(session="s")  # its commit would have killed the daemon
+        events = log_events(d.log)
+    assert [(e["event"], e["level"]) for e in events if str(e["event"]).startswith("failpoints.")] == [
+        ("failpoints.ignored", "warning")
+    ]
+
+
+def test_armed_failure_points_are_said_at_warning_when_the_daemon_starts(tmp_path: Path) -> None:
+    with Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.before=eio@1000"}) as d:
+        armed = [e for e in log_events(d.log) if e["event"] == "failpoints.armed"]
+    assert [(e["level"], e["points"]) for e in armed] == [("warning", "commit.before=eio@1000")]
+
+
+@pytest.mark.parametrize("spec", ["commit.after=boom", "commit.after=kill@x", "=eio"])
+def test_a_malformed_failure_point_is_a_clear_error_not_a_traceback(tmp_path: Path, spec: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "devd", "serve", "--socket", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DEVD_TESTING": "1", "DEVD_FAILPOINTS": spec},
+    )
+    assert (run.returncode, run.stderr.startswith(f"devd: cannot start: DEVD_FAILPOINTS holds {spec!r}")) == (2, True)
 
 
 # -- TCP exposure ---------------------------------------------------------------------------------------------------
