@@ -29,7 +29,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 import anyio
@@ -101,7 +101,8 @@ class Entry:
     instance: Instance | None = None
     busy: bool = False
     created: float = 0.0  # wall-clock seconds
-    last_used: float = 0.0  # wall-clock seconds of the last call on it
+    last_used: float = 0.0  # wall-clock seconds of the last call on it (shown; never used to decide expiry)
+    used_at: float = field(default_factory=time.monotonic)  # the same on the monotonic clock: what expiry reads
     memory: int = 0  # bytes of its instance's memory when last measured (0: no instance)
     heavy: bool = False  # a call did not fit the inline budget, or its instance is large: calls run on a worker
     light_calls: int = 0  # calls in a row, since, that would have fitted it easily (enough of them end `heavy`)
@@ -250,10 +251,13 @@ class Registry:
 
     async def load(self) -> None:
         """Know every stored session (their instances are built on first use)."""
+        started, wall = time.monotonic(), time.time()
         for row in await self.store.sessions():
             entry = Entry(row.name, _FROM_HEALTH[row.health], row.seq, row.reason)
             entry.created = row.created
             entry.last_used = row.last_used
+            # Unused since before this start: as long before now as the wall clock said at the start.
+            entry.used_at = started - max(0.0, wall - row.last_used)
             self._add(entry)
         self._names = sorted(self._entries)
 
@@ -861,7 +865,7 @@ class Registry:
             kind = PoisonError if entry.state is State.POISONED else HandleError
             raise kind(f"session {name!r} {entry.state.value} ({entry.reason}); `session/recover` brings it back")
         entry.busy = True
-        entry.last_used = time.time()
+        entry.last_used, entry.used_at = time.time(), time.monotonic()
         if name in self._live:
             self._live.move_to_end(name)
         return entry
@@ -1063,12 +1067,12 @@ class Registry:
 
     async def expire(self, unused_for_s: float) -> list[str]:
         """Delete the sessions no call has used for `unused_for_s` (none inside a call); their names."""
-        cutoff = time.time() - unused_for_s
+        cutoff = time.monotonic() - unused_for_s  # recency within a run: a stepped wall clock cannot age a session
         expired = []
-        for name in [e.name for e in self._entries.values() if e.last_used < cutoff]:
+        for name in [e.name for e in self._entries.values() if e.used_at < cutoff]:
             entry = self._entries.get(name)
             # Checked again at its turn: an earlier delete awaited, and meanwhile a call may have used or closed it.
-            if entry is None or entry.busy or entry.last_used >= cutoff:
+            if entry is None or entry.busy or entry.used_at >= cutoff:
                 continue
             if self.fleet is not None and self.fleet.held(name) is None:
                 continue  # in a fleet, only the daemon that holds a session knows when it was last used
@@ -1079,7 +1083,7 @@ class Registry:
                 self._moved(entry, e)
                 continue
             self.stats.expired += 1
-            log.info("session.expired", session=name, unused_s=round(time.time() - entry.last_used))
+            log.info("session.expired", session=name, unused_s=round(time.monotonic() - entry.used_at))
             expired.append(name)
         return expired
 

@@ -276,3 +276,16 @@ def test_without_live_memory_the_budget_is_half_the_machines_memory(tmp_path: Pa
             if line.startswith(b"{") and b'"daemon.listening"' in line
         )
     assert listening["live_memory"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+async def test_a_session_used_a_moment_ago_is_not_expired_when_the_wall_clock_was_stepped(
+    tmp_path: Path, core: Core
+) -> None:
+    """The wall clock stepped back a day when the session was used, then corrected: by the wall clock it is a day
+    unused; it was used a moment ago, and expiry goes by the monotonic clock within a run."""
+    async with registry_over(tmp_path, core, max_live=10) as registry:
+        await registry.new("s", b"{}")
+        await registry.pending("s")
+        registry._entries["s"].last_used = time.time() - 86400  # what the stepped-back clock recorded
+        expired = await registry.expire(3600)
+    assert expired == []
