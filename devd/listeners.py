@@ -191,13 +191,18 @@ def unlink_socket(path: Path, inode: int) -> None:
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
-    if host in ("0.0.0.0", "::", ""):
+    """A listening TCP socket; a warning when it listens on every address, judged by the address it was bound to (so
+    `0`, `0.0`, `[::0]` and any other spelling of it warn as `0.0.0.0` does)."""
+    sock = listen_tcp(host, port, backlog=512)
+    bound = sock.getsockname()[0]
+    if bound in ("0.0.0.0", "::"):
         log.warning(
             "tcp.exposed",
             address=f"{host}:{port}",
+            bound=bound,
             note="the token crosses in clear text: listen on loopback and tunnel (ssh -L), or put TLS in front",
         )
-    return listen_tcp(host, port, backlog=512)
+    return sock
 
 
 def listen_tcp(host: str, port: int, *, backlog: int) -> socket.socket:

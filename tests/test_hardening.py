@@ -250,8 +250,9 @@ def test_a_malformed_failure_point_is_a_clear_error_not_a_traceback(tmp_path: Pa
 # -- TCP exposure ---------------------------------------------------------------------------------------------------
 
 
-def test_listening_on_every_address_warns_that_the_token_crosses_in_clear(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--listen", f"tcp://0.0.0.0:{free_port()}") as d:
+@pytest.mark.parametrize("host", ["0.0.0.0", "0", "0.0", "[::0]", "[::]"])
+def test_listening_on_every_address_warns_that_the_token_crosses_in_clear(tmp_path: Path, host: str) -> None:
+    with Daemon(tmp_path, "--listen", f"tcp://{host}:{free_port()}") as d:
         events = [msgspec.json.decode(line) for line in d.log.read_bytes().splitlines() if line.startswith(b"{")]
         assert [e["event"] for e in events if e["level"] == "warning"] == ["tcp.exposed"]
 
