@@ -191,6 +191,7 @@ class SQLiteStore:
         try:
             _check_wal(path)
             self._db = _connect(path)
+            _check_identity(self._db, path)  # before migrating: a database refused is left exactly as it was
             migrate(self._db, path)
             self.id = _identify(self._db, path)
             with self._db:
@@ -911,6 +912,23 @@ def _drop_unmade_fork(db: sqlite3.Connection, store: SQLiteStore | None, name: s
             store._release_files(db, "session = ?", (name,))
         db.execute("DELETE FROM journal WHERE session = ?", (name,))
     db.execute("DELETE FROM meta WHERE key = ?", (note,))
+
+
+def _check_identity(db: sqlite3.Connection, path: Path) -> None:
+    """When the file beside it names the database this state directory was made with, refuse another one before
+    anything is written to it (no migration runs on a database that is not ours)."""
+    id_file = _id_path(path)
+    if not id_file.exists():
+        return  # a new database, or one restored from a backup: `_identify` writes the file after migrating
+    has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
+    row = db.execute("SELECT value FROM meta WHERE key = 'id'").fetchone() if has_meta else None
+    expected = id_file.read_text().strip()
+    if row is None or row[0] != expected:
+        raise StoreError(
+            f"{path} is not the database this state directory was made with (its id is "
+            f"{row[0] if row else 'missing'}, {id_file.name} says {expected}); it was left as it is: put the right "
+            "file back, or move both away to start afresh"
+        )
 
 
 def _identify(db: sqlite3.Connection, path: Path) -> str:
