@@ -316,10 +316,12 @@ class Registry:
         try:
             instance, snapshot = await self.runner.off_loop(build)
             await self.store.fork(source, at, name, snapshot)
-        except BaseException:
+        except BaseException as e:
             if instance is not None:
                 instance.close()
             self._forget(name)
+            if isinstance(e, MovedError):
+                raise self._made_elsewhere(name) from None
             raise
         entry = self._entries[name]
         assert instance is not None
@@ -344,6 +346,10 @@ class Registry:
             raise
         try:
             await self.store.create(name, config, snapshot)
+        except MovedError:
+            instance.close()
+            self._forget(name)
+            raise self._made_elsewhere(name) from None
         except BaseException:
             instance.close()
             self._forget(name)
@@ -353,6 +359,11 @@ class Registry:
         entry.snapshot_bytes = len(snapshot or b"")
         entry.busy = False
         return name
+
+    def _made_elsewhere(self, name: str) -> ExistsError:
+        """A name another daemon of the fleet made at the same moment (its create won): the name is in use, as for a
+        session made there before (docs/fleet.md), not a session to follow."""
+        return ExistsError(f"a session named {name!r} exists in the fleet; choose another name or close it first")
 
     def _claim(self, name: str | None) -> str:
         if len(self._entries) >= self.sessions_max:
