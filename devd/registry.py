@@ -926,8 +926,10 @@ class Registry:
         """In a fleet, take again (or let go, MOVED) every watched session whose epoch here is no longer known
         current, so that its watchers hear of steps made elsewhere (they are ended) rather than nothing."""
         assert self.fleet is not None
-        for name in [n for n, e in self._entries.items() if not e.busy and self.fanout.count(n)]:
-            if name in self._entries and self.fleet.held(name) is not None and not self.fleet.current(name):
+        for name in self.fanout.watched():  # the watched sessions only: a round costs nothing per session kept
+            entry = self._entries.get(name)
+            lost = self.fleet.held(name) is not None and not self.fleet.current(name)
+            if entry is not None and not entry.busy and lost:
                 with contextlib.suppress(DevdError):  # MOVED: its watchers are told; else the next round tries again
                     await self._hold(name)
 
