@@ -486,7 +486,7 @@ def _run_client(args: argparse.Namespace) -> int:
 
     try:
         token = _token(args)
-        with Client.connect(_address(args), token=token) as client:
+        with Client.connect(_address(args), token=token, peers=args.peer) as client:
             return COMMANDS[args.command](client, args)
     except LocalError as e:
         print(f"devd: {e}", file=sys.stderr)
@@ -1062,6 +1062,14 @@ def _connection_flags(c: argparse.ArgumentParser) -> None:
     c.add_argument("--token", help="the daemon's TCP token (--token-file keeps it out of `ps`)")
     c.add_argument(
         "--token-file", metavar="PATH", help="read the TCP token from this file: the daemon's STATE_DIR/token"
+    )
+    c.add_argument(
+        "--peer",
+        metavar="ADDRESS",
+        action="append",
+        default=[],
+        help="another daemon of the fleet this command may follow MOVED to, and give the token (repeatable); "
+        "without it MOVED is followed only to Unix sockets of this machine (docs/fleet.md)",
     )
 
 

@@ -10,6 +10,8 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -588,3 +590,19 @@ async def test_run_turn_through_a_daemon_started_before_the_session_was_made_fin
     async with AsyncClient.connect(b.socket) as c:
         done = await run_turn(c, "late", "build", Handlers(model=tools.model, exec=tools.exec))
     assert (done.turn, tools.ran) == (1, [["make"]])
+
+
+@pytest.mark.parametrize(("peer", "status"), [([], 1), (["--peer", "tcp://127.0.0.1:{pa}"], 0)])
+def test_the_cli_follows_moved_over_tcp_only_to_a_peer_it_was_given(
+    two_on_tcp: tuple[int, int], peer: list[str], status: int
+) -> None:
+    pa, pb = two_on_tcp
+    run = subprocess.run(
+        [sys.executable, "-m", "devd", "step", "--connect", f"tcp://127.0.0.1:{pb}", "--token", TOKEN]
+        + [p.format(pa=pa) for p in peer]
+        + ["s", '{"Turn":{"id":1,"prompt":"x"}}'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (run.returncode, "not followed" in run.stderr) == (status, status == 1)
