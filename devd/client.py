@@ -35,8 +35,9 @@ import contextlib
 import itertools
 import os
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator, Generator
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -229,6 +230,56 @@ def _path(address: str) -> str:
     return address.removeprefix("unix:")
 
 
+def _endpoint(address: str) -> tuple[str, str, int]:
+    """An address as what it reaches, so that `unix:PATH` and PATH, or `tcp://[::1]:P` and `tcp://::1:P`, compare
+    equal. Raises ValueError for an address that is neither."""
+    if address.startswith("tcp://"):
+        host, port = parse_tcp(address)
+        return "tcp", host.lower(), port
+    return "unix", os.path.abspath(_path(address)), 0
+
+
+@dataclass(frozen=True)
+class MoveTrust:
+    """Where following MOVED may take a client, and whether its token goes along. The address MOVED names comes from
+    the fleet's database, so whoever can write that database chooses it: following must not extend trust. A client
+    follows only to the address it was given first, the `peers` it was configured with, or, on that first host, a
+    daemon it can check: a Unix socket (its server's uid is checked before anything is sent) or, with `share_token`,
+    another TCP port. The token goes only to the first address and the peers, or with `share_token` to that host."""
+
+    origin: str
+    peers: frozenset[tuple[str, str, int]] = frozenset()
+    share_token: bool = False
+
+    @classmethod
+    def of(cls, origin: str, peers: Iterable[str | Path] = (), share_token: bool = False) -> MoveTrust:
+        return cls(origin, frozenset(_endpoint(str(p)) for p in peers), share_token)
+
+    def token_for(self, moved: errors.MovedError, token: str | None) -> str | None:
+        """The token to give the daemon `moved` names (None: give none), or the MovedError itself, saying why it was
+        not followed, when this client may not go there."""
+        assert moved.address is not None
+        try:
+            target, origin = _endpoint(moved.address), _endpoint(self.origin)
+        except ValueError:
+            raise self._refuse(moved) from None
+        if target == origin or target in self.peers:
+            return token
+        if target[0] == origin[0] == "unix":
+            return None  # the same machine, and check_peer refuses a socket another user serves
+        if target[0] == origin[0] == "tcp" and target[1] == origin[1] and self.share_token:
+            return token
+        raise self._refuse(moved)
+
+    def _refuse(self, moved: errors.MovedError) -> errors.MovedError:
+        return errors.MovedError(
+            f"{moved} (not followed: {moved.address} is not an address this client was given; connect to it "
+            "yourself, or pass it in peers= to follow MOVED there)",
+            moved.node,
+            moved.address,
+        )
+
+
 def _open_socket(address: str, timeout: float | None) -> socket.socket:
     if address.startswith("tcp://"):
         host, port = parse_tcp(address)
@@ -284,6 +335,7 @@ class Client:
         self._token: str | None = None
         self._timeout: float | None = None
         self._follow = False
+        self._trust: MoveTrust | None = None  # where MOVED may be followed (set by connect)
         self.notifications: list[Reply] = []
         self._watching: set[str] = set()  # sessions a watch() loop follows; unwatch() ends their loop
 
@@ -295,13 +347,18 @@ class Client:
         token: str | None = None,
         timeout: float | None = 30.0,
         follow_moved: bool = True,
+        peers: Iterable[str | Path] = (),
+        share_token: bool = False,
     ) -> Client:
         """A client of the daemon at address (default: `default_address()`); `timeout` bounds each answer.
+        MOVED is followed only as `MoveTrust` allows (`peers`: the fleet's other daemons this client may follow it
+        to and give its token; `share_token`: also another port of the first host).
         Raises NotRunningError when no daemon listens there, PermissionError when another user serves the socket."""
         address = default_address() if address is None else str(address)
         client = cls(_open_socket(address, timeout))
         client._address, client._token, client._timeout = address, token, timeout
         client._follow = follow_moved
+        client._trust = MoveTrust.of(address, peers, share_token)
         if _greets(address, token):
             try:
                 client.initialize(token=token)
@@ -335,13 +392,13 @@ class Client:
             try:
                 return self._call_once(method, params)
             except errors.MovedError as e:
-                if not self._follow or self._watching or hop == MOVED_HOPS - 1:
+                if not self._follow or self._trust is None or self._watching or hop == MOVED_HOPS - 1:
                     raise  # a watch loop's subscription lives on this connection: moving would end it
                 if e.address:  # no owner: nobody holds it now, and the same daemon takes it when asked again
-                    self._move_to(e.address, e)
+                    self._move_to(e.address, e, self._trust.token_for(e, self._token))
         raise AssertionError("unreachable")
 
-    def _move_to(self, address: str, moved: errors.MovedError) -> None:
+    def _move_to(self, address: str, moved: errors.MovedError, token: str | None) -> None:
         try:
             sock = _open_socket(address, self._timeout)
         except NotRunningError:
@@ -349,8 +406,8 @@ class Client:
         self.close()
         self._sock, self._file, self._address = sock, sock.makefile("rb"), address
         self._watching.clear()  # subscriptions stay with the connection they were made on
-        if _greets(address, self._token):
-            self.initialize(token=self._token)
+        if _greets(address, token):
+            self.initialize(token=token)
 
     def _call_once(self, method: str, params: Any) -> bytes:
         id = next(self._ids)
@@ -400,9 +457,10 @@ class Client:
         result: StatusResult = self.request("daemon/status", NoParams())
         return result
 
-    def backup(self, path: str | Path) -> BackupResult:
-        """A consistent copy of the daemon's sessions, written by the daemon to the new file `path` (absolute)."""
-        result: BackupResult = self.request("daemon/backup", BackupParams(str(path)))
+    def backup(self, name: str) -> BackupResult:
+        """A consistent copy of the daemon's sessions, written by the daemon as the new file `name` (a plain file
+        name) of its backup directory."""
+        result: BackupResult = self.request("daemon/backup", BackupParams(name))
         return result
 
     def drain(self) -> int:
@@ -575,16 +633,26 @@ class AsyncClient:
         self._conn = _Connection(stream, self._unrouted)
         self._ids = itertools.count(1)
         self._address = address
-        self._token = token
+        self._token = token  # given to the daemon at _address (the first address's, or none after some MOVED)
+        self._given_token = token  # the token this client was given, for the addresses MoveTrust lets have it
         self._follow = False  # follow MOVED to the daemon it names (set by connect, which knows how to reconnect)
+        self._trust: MoveTrust | None = None
         self._tasks = tasks
 
     @classmethod
     @asynccontextmanager
     async def connect(
-        cls, address: str | Path | None = None, *, token: str | None = None, follow_moved: bool = True
+        cls,
+        address: str | Path | None = None,
+        *,
+        token: str | None = None,
+        follow_moved: bool = True,
+        peers: Iterable[str | Path] = (),
+        share_token: bool = False,
     ) -> AsyncIterator[AsyncClient]:
         """A client of the daemon at address (default: `default_address()`) for the life of the context.
+        MOVED is followed only as `MoveTrust` allows (`peers`: the fleet's other daemons this client may follow it
+        to and give its token; `share_token`: also another port of the first host).
         Raises NotRunningError when no daemon listens there, PermissionError when another user serves the socket."""
         address = default_address() if address is None else str(address)
         stream = await _open_stream(address)
@@ -592,6 +660,7 @@ class AsyncClient:
         async with anyio.create_task_group() as tg:
             client = cls(stream, address=address, token=token, tasks=tg)
             client._follow = follow_moved
+            client._trust = MoveTrust.of(address, peers, share_token)
             tg.start_soon(client._read, client._conn)
             try:
                 if _greets(address, token):
@@ -649,14 +718,15 @@ class AsyncClient:
                 # Following moves the whole connection: only when nothing else uses it (other calls in flight, watch
                 # loops), which would otherwise fail mid-way with an outcome unknown.
                 busy = bool(self._conn.waiting or self._conn.watches)
-                if self._tasks is None or not self._follow or busy or hop == MOVED_HOPS - 1:
+                if self._tasks is None or self._trust is None or not self._follow or busy or hop == MOVED_HOPS - 1:
                     raise
                 if e.address:  # no owner: nobody holds it now, and the same daemon takes it when asked again
-                    here, self._address = self._address, e.address
+                    token = self._trust.token_for(e, self._given_token)
+                    here, self._address, self._token = (self._address, self._token), e.address, token
                     try:
                         await self.reconnect()
                     except NotRunningError:
-                        self._address = here  # the owner is gone, its lease not yet ended: ask again later
+                        self._address, self._token = here  # the owner is gone, its lease not yet ended: ask later
                         raise e from None
         raise AssertionError("unreachable")
 
@@ -700,9 +770,10 @@ class AsyncClient:
         result: StatusResult = await self.request("daemon/status", NoParams())
         return result
 
-    async def backup(self, path: str | Path) -> BackupResult:
-        """A consistent copy of the daemon's sessions, written by the daemon to the new file `path` (absolute)."""
-        result: BackupResult = await self.request("daemon/backup", BackupParams(str(path)))
+    async def backup(self, name: str) -> BackupResult:
+        """A consistent copy of the daemon's sessions, written by the daemon as the new file `name` (a plain file
+        name) of its backup directory."""
+        result: BackupResult = await self.request("daemon/backup", BackupParams(name))
         return result
 
     async def drain(self) -> int:

@@ -18,16 +18,19 @@ class Settings:
     socket_path: Path | None
     tcp: tuple[str, int] | None = None
     core_path: Path | None = None
+    backup_dir: Path | None = None  # where `daemon/backup` writes; None: STATE_DIR/backups
     # calls
     call_timeout_s: float = 5.0  # a call's deadline unless the client asks for another
     max_call_timeout_s: float = 60.0  # the longest deadline a client may ask for; longer ones are cut to it
     inline_budget_s: float = 0.002  # a call runs inline this long, then moves to a worker thread
     call_threads_max: int = 32  # worker threads for calls moved off the loop (commits have a thread of their own)
+    quick_threads_max: int = 8  # and for calls that missed the inline budget they were expected to fit (a quick lane)
     memory_bytes_per_session: int = 64 << 20
     # sessions and history
     sessions_max: int = 1_000_000  # sessions kept, live or stored
     max_live: int = 1000  # sessions with an instance in memory; past it, the least recently used idle one hibernates
-    live_memory_bytes: int | None = None  # the instances' memory together; past it, idle ones hibernate (None: no cap)
+    live_memory_bytes: int | None = None  # the instances' memory together; past it, idle ones hibernate (None: no cap;
+    # `devd serve` gives half the machine's memory when --live-memory is not set: default_live_memory)
     expire_after_s: float | None = None  # sessions unused this long are deleted; None keeps them for ever
     keys_kept_per_session: int = 1000
     steps_kept_per_session: int = 1000  # unkeyed history kept behind the latest snapshot, for watchers' `since`
@@ -50,9 +53,22 @@ class Settings:
     metrics_head_bytes_max: int = 8 << 10  # a scrape's request line and headers; past it, 431
     metrics_timeout_s: float = 5.0  # a scrape's whole connection, from accept to close
     metrics_connections_max: int = 16  # scrapes at once; past it, a new connection is closed at once
+    metrics_interval_s: float = 1.0  # the exposition is rendered at most this often; scrapes meanwhile share it
     # logging
     log_format: str | None = None  # json | console; None picks by whether stderr is a terminal
     log_level: str = "info"
+
+
+def backup_dir(settings: Settings) -> Path:
+    """Where `daemon/backup` writes its copies: the operator's `--backup-dir`, else STATE_DIR/backups."""
+    return settings.backup_dir or settings.state_dir / "backups"
+
+
+def default_live_memory() -> int:
+    """The instances' memory together when `--live-memory` is not given: half of this machine's memory. A session's
+    instance holds several times what it was sent (a 4 MiB prompt: 15 MiB), so `--max-live` times the session cap is
+    far past any machine; past this, idle sessions hibernate."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def default(name: str) -> Any:

@@ -186,7 +186,14 @@ def run_turn_blocking(
 
 
 async def _next_turn(client: AsyncClient, session: str, retry: Retry) -> int:
-    page, _ = await retry.call(functools.partial(client.list, 1, _just_before(session)), client.reconnect)
+    """The session's last step number plus one, from a daemon that holds it: in a fleet, one that does not (it lists
+    the session `held: false`, or not at all when it was made elsewhere since) knows only an old number, so the
+    session is first called by name there (`session/pending`), which takes it or follows MOVED to its owner."""
+    listed = functools.partial(client.list, 1, _just_before(session))
+    page, _ = await retry.call(listed, client.reconnect)
+    if not page.sessions or page.sessions[0].session != session or page.sessions[0].held is False:
+        await retry.call(functools.partial(client.pending, session), client.reconnect)  # HANDLE if there is none
+        page, _ = await retry.call(listed, client.reconnect)
     if not page.sessions or page.sessions[0].session != session:
         raise errors.HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
     return page.sessions[0].seq + 1
@@ -203,11 +210,12 @@ async def _report(
     client: AsyncClient, session: str, event: Event, key: str, queue: deque[Action], retry: Retry
 ) -> deque[Action]:
     """Step event under key; the work left after it: the queue, then the answer. After a reconnect, the queue is
-    stale (the step may or may not have run before the connection went), so the work left is the answer's own text
-    and Done (its asks and calls are waited for, so pending has them), then what the core waits for now."""
+    stale (the step may or may not have run before the connection went), and so is a replayed answer's (the step ran
+    before, and its actions may have been carried out since), so the work left is the answer's own text and Done
+    (its asks and calls are waited for, so pending has them), then what the core waits for now."""
     step = functools.partial(client.step_answer, session, event, key=key)
     answer, reconnected = await retry.call(step, client.reconnect)
-    if not reconnected:
+    if not reconnected and not answer.replayed:
         queue.extend(answer.actions)
         return queue
     pending, _ = await retry.call(functools.partial(client.pending, session), client.reconnect)

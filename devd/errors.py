@@ -55,6 +55,10 @@ class NullError(DevdError):
     code = -32005
 
 
+class DoesNotFitError(NullError):
+    """A call needed more memory than the session's cap; nothing changed (the session goes on from its last step)."""
+
+
 class BusyError(DevdError):
     """The session is inside another call; calls are refused, not queued: retry when that call has answered."""
 

@@ -9,6 +9,10 @@ Each entry is `point=action[@N]`: the action fires on the Nth pass (default: eve
 this process, as a power cut would stop it), `eio`, `enospc`, `eperm` (raise that OSError). Unset, `hit` costs one
 dictionary lookup on an empty dict.
 
+They are armed only in a test: `DEVD_FAILPOINTS` is obeyed only with `DEVD_TESTING=1` set as well (a production
+daemon that inherits the variable ignores it, and says so), and `arm()`, called as `devd serve` starts, says at
+warning which points are armed; a malformed value is a clear error there, never a traceback.
+
 Points: `commit.before` (a batch is about to be written), `commit.snapshot` (a batch that carries a snapshot, or
 points a step at a snapshot's file, is about to be written), `snapshot.file` (a large snapshot's file is written and
 fsync'd, not yet renamed into place), `commit.after` (a batch is durable and nobody has been told), `prune` (history
@@ -23,8 +27,12 @@ import errno
 import os
 import signal
 import threading
+from collections.abc import Mapping
 
 _ERRORS = {"eio": errno.EIO, "enospc": errno.ENOSPC, "eperm": errno.EPERM}
+
+
+_FORM = "point=action[@N] entries separated by ; (actions: kill, eio, enospc, eperm)"
 
 
 def _parse(spec: str) -> dict[str, tuple[str, int | None]]:
@@ -32,15 +40,31 @@ def _parse(spec: str) -> dict[str, tuple[str, int | None]]:
     for entry in filter(None, (e.strip() for e in spec.split(";"))):
         point, _, action = entry.partition("=")
         action, _, nth = action.partition("@")
-        if action != "kill" and action not in _ERRORS:
-            raise ValueError(f"DEVD_FAILPOINTS: unknown action {action!r} in {entry!r}")
+        if not point.strip() or (action != "kill" and action not in _ERRORS):
+            raise ValueError(f"DEVD_FAILPOINTS holds {entry!r}, which is not {_FORM}")
+        if nth and not (nth.isdigit() and int(nth) > 0):
+            raise ValueError(f"DEVD_FAILPOINTS holds {entry!r}: the pass after @ must be a number from 1")
         points[point.strip()] = (action, int(nth) if nth else None)
     return points
 
 
-_POINTS = _parse(os.environ.get("DEVD_FAILPOINTS", ""))
+_POINTS: dict[str, tuple[str, int | None]] = {}  # armed by `arm` (or by a test in-process)
 _passes: dict[str, int] = {}
 _lock = threading.Lock()
+
+
+def arm(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """Arm the points `DEVD_FAILPOINTS` names, if `DEVD_TESTING=1` says this is a test; what to log: ("armed",
+    spec), ("ignored", spec) when the variable is set outside a test, or None. Raises ValueError, saying what is
+    wrong, for a malformed value in a test."""
+    spec = environ.get("DEVD_FAILPOINTS", "").strip()
+    if not spec:
+        return None
+    if environ.get("DEVD_TESTING") != "1":
+        return "ignored", spec
+    _POINTS.clear()
+    _POINTS.update(_parse(spec))
+    return "armed", spec
 
 
 def hit(point: str) -> None:

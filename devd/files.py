@@ -1,9 +1,16 @@
-"""Files written whole or not at all: the TCP token, the database's identity, a backup."""
+"""Files written whole or not at all: the TCP token, the database's identity, a backup.
+
+A backup is never written over anything: its partial file is made new (`O_CREAT|O_EXCL|O_NOFOLLOW`, a name no one can
+guess) and it is published under a name only if nothing, not even a dangling symlink, has that name yet.
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
+
+PARTIAL_PREFIX = ".devd-partial-"  # a backup being written; one left by a killed daemon is removed at its next start
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -29,3 +36,35 @@ def publish(written: Path, path: Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def new_partial(beside: Path) -> Path:
+    """A new empty file, mode 0600, in the directory of `beside`, named unpredictably and opened
+    `O_CREAT|O_EXCL|O_NOFOLLOW`: nothing planted in advance (a symlink, a file) is ever written through."""
+    path = beside.with_name(f"{PARTIAL_PREFIX}{secrets.token_hex(16)}")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    return path
+
+
+def publish_new(written: Path, path: Path) -> None:
+    """Make the file `written` (closed, beside `path`) durable as `path`, which must not exist: fsync it, link it
+    into place (FileExistsError when anything has that name, a symlink included: nothing is replaced or followed),
+    drop the partial name, fsync the directory."""
+    with open(written, "rb") as f:
+        os.fsync(f.fileno())
+    os.link(written, path, follow_symlinks=False)
+    os.unlink(written)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def remove_partials(directory: Path) -> int:
+    """Remove the partial files a killed daemon left in `directory`; how many there were."""
+    removed = 0
+    for entry in directory.glob(f"{PARTIAL_PREFIX}*"):
+        entry.unlink(missing_ok=True)
+        removed += 1
+    return removed

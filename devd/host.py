@@ -347,6 +347,15 @@ class Core:
             ticker.stop()
             raise
 
+    def with_memory(self, memory_bytes: int) -> Core:
+        """This module with another memory cap for the instances it starts (no more than the module can grow to): the
+        same engine, module and ticker, nothing compiled again. For a call not held to a session's own cap (the
+        transcript a client recovers its conversation from); never close it (the ticker is this Core's)."""
+        memories = [e.type for e in self._module.exports if e.name == "memory"]
+        most = next((m.limits.max for m in memories if isinstance(m, wasmtime.MemoryType)), None)
+        ceiling = (most if most is not None else 65536) * 65536 - 65536
+        return Core(self._engine, self._module, self._ticker, min(memory_bytes, ceiling), self.call_timeout)
+
     def new(self, config: Config | bytes | None = None, *, timeout: float | None = None) -> Instance:
         """Start a session in an instance of its own; config as a Struct or as the JSON the core reads."""
         data = config if isinstance(config, bytes) else encode(config or Config())

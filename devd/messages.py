@@ -256,6 +256,23 @@ def event_error(data: bytes) -> str | None:
     return None
 
 
+def without_payload(data: bytes) -> bytes | None:
+    """The event with what it carries dropped (a result's text, a Model answer's reply), its kind and id kept: what
+    is journalled of an event the session took no notice of, which a replay ignores just the same. None when it
+    is not a result or a Model answer (or cannot be read as an event)."""
+    try:
+        event = _event.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+    if event.Model is not None:
+        return encode(Event(Model=Answer(id=event.Model.id, reply=Reply(text=""))))
+    for kind in ("Exec", "File", "Git", "Browse"):
+        output: Output | None = getattr(event, kind)
+        if output is not None:
+            return encode(msgspec.structs.replace(event, **{kind: Output(id=output.id, text="", failed=output.failed)}))
+    return None
+
+
 # Constructors the tests and the demo read best with.
 def turn(id: int, prompt: str) -> Event:
     return Event(Turn=Turn(id=id, prompt=prompt))

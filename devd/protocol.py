@@ -14,6 +14,7 @@ Params refuse unknown members; what a type cannot state (a key's length in bytes
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,6 +28,7 @@ from devd.messages import Action, Config, Event
 
 SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
 KEY_BYTES_MAX = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 SEQ_MAX = (1 << 63) - 1  # what SQLite's INTEGER (and PostgreSQL's bigint) holds
 
 SessionName = Annotated[
@@ -123,6 +125,11 @@ def check(params: Any) -> None:
             raise InvalidParamsError("the key must be valid Unicode text") from None
         if not 0 < len(encoded) <= KEY_BYTES_MAX:
             raise InvalidParamsError(f"the key must be 1-{KEY_BYTES_MAX} bytes of UTF-8")
+        if _CONTROL.search(key):
+            # A key is echoed into messages and logs: a newline in it could forge a line of either.
+            raise InvalidParamsError(
+                "the key must not hold control characters (U+0000-U+001F, U+007F-U+009F: newlines, tabs, escapes)"
+            )
 
 
 # -- shared results -----------------------------------------------------------------------------------------------
@@ -215,9 +222,11 @@ class StatusResult(msgspec.Struct, frozen=True):
 
 
 class BackupParams(_Params, frozen=True):
-    """Where the daemon writes a copy of its database: an absolute path to a file that does not exist yet."""
+    """The name of the copy to write in the daemon's backup directory (`devd serve --backup-dir`): a plain file name
+    that is not there yet. `path` is its older spelling and takes a plain name too."""
 
-    path: Annotated[str, Meta(min_length=1, description="an absolute path; its directory must exist")]
+    name: Annotated[str, Meta(min_length=1, description="a file name: no /, not . or .., no leading .")] | None = None
+    path: Annotated[str, Meta(min_length=1, description="the same as name (its older spelling)")] | None = None
 
 
 class BackupResult(msgspec.Struct, frozen=True):
@@ -326,6 +335,9 @@ class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     last_used: str
     watchers: int = 0
     reason: str | None = None
+    # In a fleet only: whether this daemon holds the session. When false, `state` and `seq` are what this daemon
+    # last knew (another daemon may have stepped it since); a call naming the session takes it, or answers MOVED.
+    held: bool | None = None
 
 
 class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -24,6 +24,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def testing(env: dict[str, str]) -> dict[str, str]:
+    """env, saying it is a test's when it arms failure points (a daemon obeys DEVD_FAILPOINTS only then)."""
+    return {"DEVD_TESTING": "1", **env} if "DEVD_FAILPOINTS" in env else env
+
+
 class Daemon:
     def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.root = root
@@ -56,7 +61,7 @@ class Daemon:
                 ],
                 stdout=log,
                 stderr=log,
-                env={**os.environ, **self.env},
+                env=testing({**os.environ, **self.env}),
             )
         if wait:
             self.wait_ready()
@@ -131,7 +136,7 @@ def daemon_env(**extra: str) -> dict[str, str]:
     }
     env["PYTHONPATH"] = str(ROOT)
     env.update(extra)
-    return env
+    return testing(env)
 
 
 def state_dir(tmp_path: Path) -> Path:

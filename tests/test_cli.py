@@ -605,6 +605,7 @@ def test_every_serve_flag_shows_its_variable_in_its_help() -> None:
         ("--socket", ["DEVD_SOCKET"]),
         ("--listen", ["DEVD_LISTEN"]),
         ("--state-dir", ["DEVD_STATE_DIR"]),
+        ("--backup-dir", ["DEVD_BACKUP_DIR"]),
         ("--core", ["DEVD_CORE"]),
         ("--call-timeout", ["DEVD_CALL_TIMEOUT"]),
         ("--max-call-timeout", ["DEVD_MAX_CALL_TIMEOUT"]),

@@ -115,3 +115,17 @@ def test_a_default_session_gives_its_transcript_too(tmp_path: Path) -> None:
         c.step("a", turn(1, "one"))
         c.step("a", answer(1, text="first"))
         assert c.transcript("a") == [Message(User="one"), Message(Agent=Agent(text="first"))]
+
+
+def test_a_delta_sessions_transcript_too_large_for_its_cap_is_still_given_whole(tmp_path: Path) -> None:
+    """A delta client recovers its conversation from session/transcript: past ~10 MiB of tool output the transcript
+    no longer fits beside the session's state in its 64 MiB, while its steps go on; it is built outside the cap."""
+    with InProcess(tmp_path) as d, d.client() as c:
+        c.new(DELTA, session="a")
+        (ask,) = c.step("a", turn(1, "go"))
+        for _ in range(12):
+            (call,) = c.step("a", answer(ask.id, calls=[Call(Exec=Exec(argv=["cat"]))]))
+            (ask,) = c.step("a", Event(Exec=Output(id=call.id, text="x" * (1 << 20))))
+        messages = c.transcript("a")
+    tools = [m.Tool for m in messages if m.Tool is not None]
+    assert (len(messages), [len(t.text) for t in tools]) == (25, [1 << 20] * 12)

@@ -7,6 +7,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
+import anyio.lowlevel
 import msgspec
 import pytest
 from structlog.testing import capture_logs
@@ -205,3 +207,28 @@ def test_a_second_handler_for_a_method_is_refused_at_import() -> None:
 
     with pytest.raises(AssertionError, match="session/step has two handlers"):
         methods.method("session/step")(boom)
+
+
+async def test_a_long_list_page_lets_other_calls_run_while_it_is_built(tmp_path: Path, core: Core) -> None:
+    store = MemoryStore()
+    for n in range(5000):
+        await store.create(f"s{n:05}", b"{}")
+    registry, d = build(Settings(state_dir=tmp_path, socket_path=None), core, store)
+    await registry.load()
+    turns = 0
+
+    async def other_calls() -> None:
+        nonlocal turns
+        while True:
+            await anyio.lowlevel.checkpoint()
+            turns += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_calls)
+        await anyio.lowlevel.checkpoint()
+        before = turns
+        reply = msgspec.json.decode(await d.answer(PEER, b'{"jsonrpc":"2.0","id":1,"method":"session/list"}'))
+        during = turns - before
+        tg.cancel_scope.cancel()
+    registry.close_all()
+    assert (len(reply["result"]["sessions"]), during >= 4) == (5000, True)

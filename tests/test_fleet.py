@@ -6,11 +6,15 @@ lease ends, and a paused one that wakes commits nothing for a session it lost (f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -19,8 +23,9 @@ import pytest
 
 from devd import errors
 from devd.client import AsyncClient, Client
-from devd.messages import answer, turn
-from tests.daemon import Daemon
+from devd.driver import Handlers, ToolOutput, run_turn
+from devd.messages import Ask, Call, Exec, Reply, answer, turn
+from tests.daemon import Daemon, free_port
 from tests.postgres import Cluster, postgres, postgres_url  # noqa: F401  (the fixtures)
 from tests.test_crash import Conversation
 
@@ -351,3 +356,262 @@ def test_drain_counts_the_sessions_it_gave_back_not_those_it_only_knew_of(
         for d in (a, b):
             if d is not None:
                 d.stop()
+
+
+# -- following MOVED extends no trust -------------------------------------------------------------------------------
+
+TOKEN = "fleet-token-" + "t" * 40  # the fleet's daemons share one token, as an operator would set them up
+
+
+def tcp_fleet_daemon(root: Path, url: str, node: str, port: int, *extra: str) -> Daemon:
+    state = root / node / "state"
+    state.mkdir(parents=True, mode=0o700)
+    (state / "token").write_text(TOKEN)
+    (state / "token").chmod(0o600)
+    return fleet_daemon(root, url, node, "--listen", f"tcp://127.0.0.1:{port}", *extra)
+
+
+@pytest.fixture
+def rogue() -> Iterator[socket.socket]:
+    """A listener where whoever can write the fleet's `nodes` table sends clients: another host, to the client."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.2", 0))
+    sock.listen()
+    sock.setblocking(False)
+    with sock:
+        yield sock
+
+
+def connections_to(sock: socket.socket) -> int:
+    count = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            sock.accept()[0].close()
+            count += 1
+    return count
+
+
+def test_moved_to_an_address_the_client_was_not_given_is_not_followed(
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
+    rogue: socket.socket,
+) -> None:
+    port = free_port()
+    a = fleet_daemon(tmp_path, postgres_url, "a", "--advertise", f"tcp://127.0.0.2:{rogue.getsockname()[1]}")
+    b = tcp_fleet_daemon(tmp_path, postgres_url, "b", port)
+    with a, b:
+        with a.client() as ca:
+            ca.new(session="s")
+        with Client.connect(f"tcp://127.0.0.1:{port}", token=TOKEN) as c, pytest.raises(errors.MovedError) as moved:
+            c.step("s", turn(1, "x"))
+    assert ("not followed" in str(moved.value), connections_to(rogue)) == (True, 0)
+
+
+@pytest.mark.anyio
+async def test_the_async_client_follows_moved_to_no_address_it_was_not_given(
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
+    rogue: socket.socket,
+) -> None:
+    port = free_port()
+    a = fleet_daemon(tmp_path, postgres_url, "a", "--advertise", f"tcp://127.0.0.2:{rogue.getsockname()[1]}")
+    b = tcp_fleet_daemon(tmp_path, postgres_url, "b", port)
+    with a, b:
+        with a.client() as ca:
+            ca.new(session="s")
+        async with AsyncClient.connect(f"tcp://127.0.0.1:{port}", token=TOKEN) as c:
+            with pytest.raises(errors.MovedError) as moved:
+                await c.step_answer("s", turn(1, "x"))
+    assert ("not followed" in str(moved.value), connections_to(rogue)) == (True, 0)
+
+
+@pytest.fixture
+def two_on_tcp(tmp_path: Path, postgres_url: str) -> Iterator[tuple[int, int]]:  # noqa: F811
+    pa, pb = free_port(), free_port()
+    a = tcp_fleet_daemon(tmp_path, postgres_url, "a", pa, "--advertise", f"tcp://127.0.0.1:{pa}")
+    b = tcp_fleet_daemon(tmp_path, postgres_url, "b", pb)
+    with a, b:
+        with a.client() as ca:
+            ca.new(session="s")
+        yield pa, pb
+
+
+def test_moved_to_another_port_of_the_first_host_is_not_followed_with_the_token_by_default(
+    two_on_tcp: tuple[int, int],
+) -> None:
+    pa, pb = two_on_tcp
+    with Client.connect(f"tcp://127.0.0.1:{pb}", token=TOKEN) as c, pytest.raises(errors.MovedError) as moved:
+        c.step("s", turn(1, "x"))
+    assert moved.value.address == f"tcp://127.0.0.1:{pa}"
+
+
+def test_moved_is_followed_with_the_token_to_a_peer_the_client_was_configured_with(
+    two_on_tcp: tuple[int, int],
+) -> None:
+    pa, pb = two_on_tcp
+    with Client.connect(f"tcp://127.0.0.1:{pb}", token=TOKEN, peers=[f"tcp://127.0.0.1:{pa}"]) as c:
+        assert [x.id for x in c.step("s", turn(1, "x"))] == [1]
+
+
+@pytest.mark.anyio
+async def test_the_async_client_follows_moved_to_the_first_host_when_told_to_share_its_token(
+    two_on_tcp: tuple[int, int],
+) -> None:
+    pa, pb = two_on_tcp
+    async with AsyncClient.connect(f"tcp://127.0.0.1:{pb}", token=TOKEN, share_token=True) as c:
+        assert [x.id for x in (await c.step_answer("s", turn(1, "x"))).actions] == [1]
+
+
+# -- a daemon that does not hold a session answers nothing from what it kept of it ---------------------------------
+
+
+def lose_to_b(a: Daemon, b: Daemon, ca: Client) -> list[int]:
+    """s, made and stepped on a, is taken over and stepped by b while a is paused past its lease; a is woken. The
+    ids of b's answer."""
+    ca.new(session="s")
+    asked = ca.step("s", turn(1, "x"))
+    assert a.proc is not None
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    time.sleep(LEASE_TTL_S * 1.5)
+    with b.client() as cb:  # takes the session over: a's lease has ended
+        done = cb.step("s", answer(asked[0].id, "done"))
+    os.kill(a.proc.pid, signal.SIGCONT)
+    return [x.id for x in done]
+
+
+def answered_after_renewal(call: Callable[[], object]) -> object:
+    """What a woken daemon answers once it has its lease again (until then it refuses: INTERNAL, nothing done)."""
+    deadline = time.monotonic() + 10 * LEASE_TTL_S
+    while True:
+        try:
+            return call()
+        except errors.InternalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+        except errors.DevdError as e:
+            return type(e).__name__, getattr(e, "node", None)
+
+
+def test_a_daemon_that_lost_a_session_answers_reads_of_it_moved_not_from_its_old_instance(
+    two: tuple[Daemon, Daemon],
+) -> None:
+    a, b = two
+    with Client.connect(a.socket, follow_moved=False) as ca:
+        lose_to_b(a, b, ca)
+        answers = [
+            answered_after_renewal(lambda: ca.pending("s")),
+            answered_after_renewal(lambda: ca.call("session/transcript", {"session": "s"})),
+            answered_after_renewal(lambda: ca.snapshot("s")),
+        ]
+    assert answers == [("MovedError", "b")] * 3
+
+
+def test_a_daemon_lists_a_session_it_lost_as_not_held(two: tuple[Daemon, Daemon]) -> None:
+    a, b = two
+    with Client.connect(a.socket, follow_moved=False) as ca:
+        lose_to_b(a, b, ca)
+        answered_after_renewal(lambda: ca.pending("s"))
+        listed = [(x["session"], x.get("held")) for x in ca.call("session/list")["sessions"]]
+    assert listed == []  # MOVED: forgotten here
+
+
+def test_a_session_seen_at_start_but_held_elsewhere_is_listed_as_not_held(tmp_path: Path, postgres_url: str) -> None:  # noqa: F811
+    a = fleet_daemon(tmp_path, postgres_url, "a")
+    b = fleet_daemon(tmp_path, postgres_url, "b")
+    with a:
+        with a.client() as ca:
+            ca.new(session="s")
+        with b, b.client() as cb:
+            assert [(x["session"], x["held"]) for x in cb.call("session/list")["sessions"]] == [("s", False)]
+
+
+def test_the_watchers_of_a_session_a_paused_daemon_lost_are_told_it_moved(two: tuple[Daemon, Daemon]) -> None:
+    a, b = two
+    with Client.connect(a.socket, follow_moved=False) as ca, Client.connect(a.socket) as watcher:
+        ca.new(session="w")
+        watcher.call("session/watch", {"session": "w"})
+        assert a.proc is not None
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        time.sleep(LEASE_TTL_S * 1.5)
+        with b.client() as cb:
+            cb.step("w", turn(1, "x"))
+        os.kill(a.proc.pid, signal.SIGCONT)
+        notice = watcher.read_reply()
+    assert (notice.method, notice.params["reason"], notice.params["owner"]["node"]) == (
+        "session/unwatched",
+        "moved",
+        "b",
+    )
+
+
+def test_a_watch_through_a_daemon_that_does_not_hold_the_session_answers_moved(two: tuple[Daemon, Daemon]) -> None:
+    a, b = two
+    with a.client() as ca:
+        ca.new(session="s")  # after b started: b has never heard of it
+    with Client.connect(b.socket, follow_moved=False) as cb, pytest.raises(errors.MovedError) as moved:
+        cb.call("session/watch", {"session": "s"})
+    assert moved.value.node == "a"
+
+
+class Tools:
+    """A model that runs `make` once and then answers, and an exec handler that counts what it ran."""
+
+    def __init__(self) -> None:
+        self.ran: list[list[str]] = []
+
+    def model(self, ask: Ask) -> Reply:
+        done_making = ask.messages[-1].Tool is not None
+        return Reply(text="built") if done_making else Reply(calls=[Call(Exec=Exec(argv=["make"]))])
+
+    def exec(self, op: Exec) -> ToolOutput:
+        self.ran.append(op.argv)
+        return ToolOutput("ok")
+
+
+@pytest.mark.anyio
+async def test_run_turn_through_a_daemon_that_does_not_hold_the_session_runs_each_exec_once(
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
+) -> None:
+    a = fleet_daemon(tmp_path, postgres_url, "a")
+    b = fleet_daemon(tmp_path, postgres_url, "b")
+    tools = Tools()
+    with a:
+        with a.client() as ca:
+            ca.new(session="s")
+        with b:  # b sees s at step 0, then a runs a turn of it
+            async with AsyncClient.connect(a.socket) as c:
+                await run_turn(c, "s", "build", Handlers(model=tools.model, exec=tools.exec))
+            async with AsyncClient.connect(b.socket) as c:
+                done = await run_turn(c, "s", "build again", Handlers(model=tools.model, exec=tools.exec))
+    assert (done.turn, tools.ran) == (5, [["make"], ["make"]])
+
+
+@pytest.mark.anyio
+async def test_run_turn_through_a_daemon_started_before_the_session_was_made_finds_it(
+    two: tuple[Daemon, Daemon],
+) -> None:
+    a, b = two
+    tools = Tools()
+    with a.client() as ca:
+        ca.new(session="late")
+    async with AsyncClient.connect(b.socket) as c:
+        done = await run_turn(c, "late", "build", Handlers(model=tools.model, exec=tools.exec))
+    assert (done.turn, tools.ran) == (1, [["make"]])
+
+
+@pytest.mark.parametrize(("peer", "status"), [([], 1), (["--peer", "tcp://127.0.0.1:{pa}"], 0)])
+def test_the_cli_follows_moved_over_tcp_only_to_a_peer_it_was_given(
+    two_on_tcp: tuple[int, int], peer: list[str], status: int
+) -> None:
+    pa, pb = two_on_tcp
+    run = subprocess.run(
+        [sys.executable, "-m", "devd", "step", "--connect", f"tcp://127.0.0.1:{pb}", "--token", TOKEN]
+        + [p.format(pa=pa) for p in peer]
+        + ["s", '{"Turn":{"id":1,"prompt":"x"}}'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (run.returncode, "not followed" in run.stderr) == (status, status == 1)

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from devd.config import Settings
-from devd.errors import MovedError, NullError, StoreError
+from devd.errors import ExistsError, MovedError, NullError, StoreError
 from devd.host import Core
 from devd.messages import encode, turn
 from devd.server.daemon import build
@@ -386,5 +386,32 @@ async def test_a_session_taken_over_before_its_deadline_is_recorded_answers_move
                 await registry.step("s", encode(turn(1, "x")), 0, None)
             assert (moved.value.node, [i.name for i in registry.page()[0]]) == ("b", [])
             registry.close_all()
+    finally:
+        core.close()
+
+
+async def test_a_name_made_at_once_on_two_daemons_is_exists_on_the_one_that_lost_the_race(
+    postgres_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = Core.open()
+    try:
+        async with running(await node(postgres_url, "a")) as a, running(await node(postgres_url, "b")) as b:
+            settings = Settings(state_dir=tmp_path, socket_path=None)
+            ra, _ = build(settings, core, a, fleet=a)
+            rb, _ = build(settings, core, b, fleet=b)
+
+            async def checked_before_a_made_it(name: str | None) -> None:
+                return None  # b looked for the name just before a made it: the name was free then
+
+            monkeypatch.setattr(rb, "_refuse_if_in_fleet", checked_before_a_made_it)
+            await ra.new("x", b"{}")
+            with pytest.raises(ExistsError) as refused:
+                await rb.new("x", b"{}")
+            assert (str(refused.value), [i.name for i in rb.page()[0]]) == (
+                "a session named 'x' exists in the fleet; choose another name or close it first",
+                [],
+            )
+            ra.close_all()
+            rb.close_all()
     finally:
         core.close()

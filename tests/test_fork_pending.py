@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 
@@ -132,3 +133,21 @@ def test_the_cli_prints_pending_actions(daemon: InProcess) -> None:
         calls = waiting_for_calls(c, "s")
     out = cli(daemon, "pending", "s").stdout
     assert msgspec.json.decode(out, type=PendingActions).actions == calls
+
+
+def test_an_ignored_result_is_journalled_without_its_text_so_no_fork_or_rebuild_carries_it(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        calls = waiting_for_calls(c, "s")
+        ignored = c.step_answer("s", Event(Exec=Output(id=99, text="x" * (1 << 20))))  # never dispatched
+        c.fork("s", name="f")
+    daemon.stop()
+    db = sqlite3.connect(daemon.state / "devd.sqlite3")
+    try:
+        longest = db.execute("SELECT max(length(event)) FROM journal").fetchone()[0]
+    finally:
+        db.close()
+    daemon.start()
+    with daemon.client() as c:
+        result = Event(Exec=Output(id=calls[0].id, text="ok"))
+        carried_on = c.step("f", result) == c.step("s", result)
+    assert (ignored.ignored, longest < 1024, carried_on) == ([99], True, True)

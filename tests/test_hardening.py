@@ -18,7 +18,7 @@ import pytest
 from devd import errors
 from devd.client import Client
 from devd.server.listeners import TOKEN_CHARS_MIN
-from tests.daemon import Daemon, free_port
+from tests.daemon import Daemon, free_port, log_events
 from tests.harness import InProcess
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="making files of another uid needs root (CI runs as root)")
@@ -91,6 +91,42 @@ def test_a_state_directory_of_another_user_refuses_to_start(tmp_path: Path) -> N
     os.chown(state, NOBODY, NOBODY)
     status, said = serve(tmp_path, state=state)
     assert (status, f"belongs to uid {NOBODY}" in said) == (2, True)
+
+
+@needs_root
+def test_a_store_database_in_a_directory_of_another_user_refuses_to_start(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, NOBODY, NOBODY)
+    status, said = serve(tmp_path, "--store", f"sqlite:{theirs / 'devd.sqlite3'}")
+    assert (status, f"the directory of the database {theirs} belongs to uid {NOBODY}" in said) == (2, True)
+
+
+def test_a_store_database_in_a_directory_anyone_may_write_refuses_to_start_saying_how_to_fix(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    status, said = serve(tmp_path, "--store", f"sqlite:{shared / 'devd.sqlite3'}")
+    assert (status, said.strip()) == (
+        2,
+        f"devd: cannot start: the directory of the database {shared} is writable by group or others (mode 0777); "
+        f"run `chmod go-w {shared}` (0700 is best) and start again",
+    )
+
+
+def test_a_store_database_anyone_may_write_refuses_to_start_saying_how_to_fix(tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    db = mine / "devd.sqlite3"
+    with Daemon(tmp_path / "d", "--store", f"sqlite:{db}"):
+        pass
+    db.chmod(0o666)
+    status, said = serve(tmp_path, "--store", f"sqlite:{db}")
+    assert (status, said.strip()) == (
+        2,
+        f"devd: cannot start: the database file {db} is writable by group or others (mode 0666): anyone could "
+        f"change the sessions in it; run `chmod 600 {db}` and start again",
+    )
 
 
 @needs_root
@@ -181,11 +217,43 @@ def test_the_state_directory_is_free_again_after_sigkill(tmp_path: Path) -> None
     d.kill()
 
 
+# -- failure points -------------------------------------------------------------------------------------------------
+
+
+def test_failure_points_are_obeyed_only_in_a_test_and_the_log_says_they_were_ignored(tmp_path: Path) -> None:
+    production = {"DEVD_TESTING": "0", "DEVD_FAILPOINTS": "commit.after=kill@1"}
+    with Daemon(tmp_path, env=production) as d, d.client() as c:
+        c.new(session="s")  # its commit would have killed the daemon
+        events = log_events(d.log)
+    assert [(e["event"], e["level"]) for e in events if str(e["event"]).startswith("failpoints.")] == [
+        ("failpoints.ignored", "warning")
+    ]
+
+
+def test_armed_failure_points_are_said_at_warning_when_the_daemon_starts(tmp_path: Path) -> None:
+    with Daemon(tmp_path, env={"DEVD_FAILPOINTS": "commit.before=eio@1000"}) as d:
+        armed = [e for e in log_events(d.log) if e["event"] == "failpoints.armed"]
+    assert [(e["level"], e["points"]) for e in armed] == [("warning", "commit.before=eio@1000")]
+
+
+@pytest.mark.parametrize("spec", ["commit.after=boom", "commit.after=kill@x", "=eio"])
+def test_a_malformed_failure_point_is_a_clear_error_not_a_traceback(tmp_path: Path, spec: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "devd", "serve", "--socket", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DEVD_TESTING": "1", "DEVD_FAILPOINTS": spec},
+    )
+    assert (run.returncode, run.stderr.startswith(f"devd: cannot start: DEVD_FAILPOINTS holds {spec!r}")) == (2, True)
+
+
 # -- TCP exposure ---------------------------------------------------------------------------------------------------
 
 
-def test_listening_on_every_address_warns_that_the_token_crosses_in_clear(tmp_path: Path) -> None:
-    with Daemon(tmp_path, "--listen", f"tcp://0.0.0.0:{free_port()}") as d:
+@pytest.mark.parametrize("host", ["0.0.0.0", "0", "0.0", "[::0]", "[::]"])
+def test_listening_on_every_address_warns_that_the_token_crosses_in_clear(tmp_path: Path, host: str) -> None:
+    with Daemon(tmp_path, "--listen", f"tcp://{host}:{free_port()}") as d:
         events = [msgspec.json.decode(line) for line in d.log.read_bytes().splitlines() if line.startswith(b"{")]
         assert [e["event"] for e in events if e["level"] == "warning"] == ["tcp.exposed"]
 
@@ -287,6 +355,31 @@ def test_a_stray_write_ahead_log_from_another_state_directory_is_refused(tmp_pat
     (mine.state / "devd.sqlite3-wal").unlink()
     with mine.start() as d, d.client() as c:
         assert [s["session"] for s in c.call("session/list")["sessions"]] == ["mine"]
+
+
+def test_a_second_daemon_on_a_running_daemons_store_is_told_it_is_in_use_not_that_its_log_is_foreign(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "shared" / "devd.sqlite3"
+    db.parent.mkdir(mode=0o700)
+    with Daemon(tmp_path / "first", "--store", f"sqlite:{db}") as first, first.client() as c:
+        c.new(session="s")  # its write-ahead log is there, beside the database it holds
+        status, said = serve(tmp_path / "second", "--store", f"sqlite:{db}")
+    assert (status, "belongs to another database" in said, "another process has it open" in said) == (2, False, True)
+
+
+def test_a_log_that_cannot_be_read_is_reported_as_it_is_and_never_called_foreign(tmp_path: Path) -> None:
+    """After a crash on a full disk the check cannot read the database with its log: that is said, and the log is
+    not called another database's (moving it away, as that advice says, would lose every step in it)."""
+    d = Daemon(tmp_path)
+    with d, d.client() as c:
+        c.new(session="s")
+        d.kill()  # the log is left un-checkpointed
+    (d.state / "devd.sqlite3").write_bytes(b"not a database, as a torn write would leave it")
+    with open(d.state / "devd.sqlite3-wal", "r+b") as wal:
+        wal.write(b"\0" * 32)  # nor a log header SQLite takes: the check reads a file that is no database
+    status, said = serve(tmp_path, state=d.state)
+    assert (status, "belongs to another database" in said, "could not be read to check" in said) == (2, False, True)
 
 
 def test_a_damaged_database_refuses_to_start_with_what_to_do(tmp_path: Path) -> None:

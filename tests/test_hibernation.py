@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -266,3 +267,26 @@ def test_a_clean_stop_snapshots_sessions_with_steps_since_their_snapshot_so_a_re
         d.stop()
     rebuilt = [(e["seq"], e["replayed_steps"]) for e in log_events(d.log) if e["event"] == "session.rebuilt"]
     assert ([first, second], rebuilt) == (expected, [(1, 0)])
+
+
+def test_without_live_memory_the_budget_is_half_the_machines_memory(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        listening = next(
+            msgspec.json.decode(line)
+            for line in d.log.read_bytes().splitlines()
+            if line.startswith(b"{") and b'"daemon.listening"' in line
+        )
+    assert listening["live_memory"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+async def test_a_session_used_a_moment_ago_is_not_expired_when_the_wall_clock_was_stepped(
+    tmp_path: Path, core: Core
+) -> None:
+    """The wall clock stepped back a day when the session was used, then corrected: by the wall clock it is a day
+    unused; it was used a moment ago, and expiry goes by the monotonic clock within a run."""
+    async with registry_over(tmp_path, core, max_live=10) as registry:
+        await registry.new("s", b"{}")
+        await registry.pending("s")
+        registry.get("s").last_used = time.time() - 86400  # type: ignore[union-attr]  # what the stepped-back clock recorded
+        expired = await registry.expire(3600)
+    assert expired == []

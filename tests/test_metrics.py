@@ -263,6 +263,29 @@ async def test_past_the_connection_bound_a_new_connection_is_closed_and_the_open
     assert (refused, served.rsplit(b"\r\n", 1)[-1]) == (b"", b"m 1\n")
 
 
+async def test_scrapes_within_the_interval_share_one_rendering(tmp_path: Path) -> None:
+    """Anyone who reaches the port may scrape (there is no token): however many do, the daemon renders once a
+    second, so scrapers cannot make it walk its sessions on the event loop more often than that."""
+    settings = Settings(tmp_path, None, metrics_interval_s=60.0)
+    sock = metrics.bind("127.0.0.1", 0)
+    renders = []
+
+    def render() -> str:
+        renders.append(1)
+        return f"m {len(renders)}\n"
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(metrics.serve, sock, render, settings)
+        bodies = set()
+        for _ in range(16):
+            async with await anyio.connect_tcp(*sock.getsockname()[:2]) as stream:
+                await stream.send(b"GET /metrics HTTP/1.1\r\n\r\n")
+                with anyio.fail_after(10):
+                    bodies.add((await received(stream)).rsplit(b"\r\n", 1)[-1])
+        tg.cancel_scope.cancel()
+    assert (len(renders), bodies) == (1, {b"m 1\n"})
+
+
 # -- devd serve --metrics --------------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@ real core."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sqlite3
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import pytest
 
@@ -669,3 +671,50 @@ async def test_a_session_reopened_counts_its_journal_since_the_snapshot_and_each
         assert stored is not None
         expected = sum(len(row.event) + STEP_BYTES for row in stored.journal)
         assert registry.get("s").since_bytes == expected
+
+
+async def test_a_quick_call_that_missed_its_budget_does_not_wait_behind_slow_calls_filling_the_workers(
+    tmp_path: Path, spin_core: Core
+) -> None:
+    """Two heavy sessions' calls spin on both worker threads until their deadline; a light session's call, stopped
+    inline (as contention can make any call miss 2 ms), is answered before either ends."""
+    answered: list[str] = []
+    async with opened("memory", tmp_path, spin_core, inline_budget_s=1e-9, call_threads_max=2) as registry:
+        for name in ("slow1", "slow2", "fast"):
+            await registry.new(name, b"{}")
+        for name in ("slow1", "slow2"):
+            await registry.step(name, CALM, None, None)  # stopped inline and rebuilt: heavy from now on
+
+        async def call(name: str, event: bytes, timeout_ms: int) -> None:
+            with contextlib.suppress(DeadlineError):
+                await registry.step(name, event, timeout_ms, None)
+            answered.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "slow1", TIMER, 2000)
+            tg.start_soon(call, "slow2", TIMER, 2000)
+            await anyio.sleep(0.2)  # both workers spin
+            tg.start_soon(call, "fast", CALM, 5000)
+    assert answered[0] == "fast"
+
+
+async def test_concurrent_wakes_never_hold_more_instances_than_max_live(tmp_path: Path, core: Core) -> None:
+    async with opened("sqlite", tmp_path, core, max_live=2) as registry:
+        names = [f"s{n}" for n in range(8)]
+        for name in names:
+            await registry.new(name, b"{}")  # each new one hibernates the oldest: six are stored
+        most = 0
+
+        async def watch_live() -> None:
+            nonlocal most
+            while True:
+                most = max(most, len(registry.residency.names()) + registry.residency.waking)
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_live)
+            async with anyio.create_task_group() as wakes:
+                for name in names:
+                    wakes.start_soon(registry.step, name, encode(turn(1, "x")), None, None)
+            tg.cancel_scope.cancel()
+    assert most <= 2

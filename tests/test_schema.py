@@ -421,8 +421,8 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             client.call("session/close", {"session": "fork"})
             assert [s["session"] for s in client.call("session/list")["sessions"]] == ["copy", "demo"]
             assert client.call("daemon/status")["steps"] == 5
-            backup = str(tmp_path / "backup.sqlite3")
-            assert client.call("daemon/backup", {"path": backup})["path"] == backup
+            backup = str(tmp_path / "state" / "backups" / "backup.sqlite3")
+            assert client.call("daemon/backup", {"name": "backup.sqlite3"})["path"] == backup
             with pytest.raises(errors.NullError):
                 client.call("daemon/drain")  # not in a fleet
             with pytest.raises(errors.MalformedError):

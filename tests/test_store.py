@@ -3,6 +3,7 @@ real PostgreSQL, started by tests/postgres.py)."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -12,6 +13,7 @@ from typing import TypeVar
 import anyio
 import pytest
 
+from devd import failpoints
 from devd.errors import StoreError
 from devd.storage.memory import MemoryStore
 from devd.storage.postgres import PostgresStore
@@ -415,3 +417,49 @@ async def test_an_answer_kept_as_its_digest_loads_back_as_its_digest(store: Stor
         Stored("a", CONFIG, None, 0, Health.OK, None, [Row(1, b"e1", None, b"h1")]),
         Keyed(1, b"d1", None, b"h1"),
     )
+
+
+# -- SQLite: a fork of a long history ------------------------------------------------------------------------------
+
+
+def large(seq: int) -> Step:
+    """Step `seq` of session a with a 1 MiB event."""
+    return Step("a", seq, b"x" * (1 << 20), f"a{seq}".encode(), None, None, None, f"h{seq}".encode())
+
+
+async def test_a_fork_copies_a_long_history_a_few_mib_a_commit_so_other_steps_commit_in_between(
+    tmp_path: Path,
+) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        await store.create("a", CONFIG)
+        await append_all(store, *(large(seq) for seq in range(1, 13)))
+        before = store.statistics().commits
+        await store.fork("a", 12, "f", None)
+        commits = store.statistics().commits - before
+        forked = await store.load("f")
+    assert forked is not None
+    # The note, three copies of 4 MiB (FORK_COPY_BYTES), and the session: never one commit of all 12 MiB.
+    assert (commits, forked.seq, len(forked.journal)) == (5, 12, 12)
+
+
+async def test_a_fork_cut_short_leaves_no_session_and_its_copied_rows_go_at_the_next_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "db.sqlite3"
+    async with running(sqlite_at(path)) as store:
+        await store.create("a", CONFIG)
+        await append_all(store, *(large(seq) for seq in range(1, 13)))
+        third = failpoints._passes.get("commit.before", 0) + 3  # the note, a copy, then this copy fails
+        monkeypatch.setitem(failpoints._POINTS, "commit.before", ("eio", third))
+        with pytest.raises(StoreError):
+            await store.fork("a", 12, "f", None)
+    monkeypatch.delitem(failpoints._POINTS, "commit.before")
+    async with running(sqlite_at(path)) as store:
+        forked = await store.load("f")
+    db = sqlite3.connect(path)
+    try:
+        left = db.execute("SELECT count(*) FROM journal WHERE session = 'f'").fetchone()[0]
+        notes = db.execute("SELECT count(*) FROM meta WHERE key LIKE 'fork:%'").fetchone()[0]
+    finally:
+        db.close()
+    assert (forked, left, notes) == (None, 0, 0)

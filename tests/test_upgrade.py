@@ -110,6 +110,23 @@ def test_a_database_from_a_newer_devd_is_refused_and_left_as_it_is(tmp_path: Pat
         assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) + 1
 
 
+def test_a_database_refused_for_its_identity_is_not_migrated_first(tmp_path: Path) -> None:
+    """Another state directory's database, of an older format, put in place of ours: refused, and left exactly as it
+    was (the message says so), not brought to this devd's format on the way."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    with closing(sqlite3.connect(state / "devd.sqlite3", isolation_level=None)) as db:
+        for version, migration in enumerate(MIGRATIONS[:2], start=1):
+            db.executescript(f"BEGIN; {migration} PRAGMA user_version = {version}; COMMIT;")
+        db.execute("INSERT INTO meta (key, value) VALUES ('id', 'theirs')")
+    (state / "devd.sqlite3.id").write_text("mine\n")
+    d = Daemon(tmp_path)
+    with pytest.raises(RuntimeError, match="is not the database this state directory was made with"):
+        d.start()
+    with closing(sqlite3.connect(state / "devd.sqlite3")) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+
+
 async def test_a_format_4_database_keeps_its_snapshots_and_takes_large_ones_in_files(tmp_path: Path) -> None:
     """Format 5 adds where a snapshot file is named: a format-4 row's inline snapshot still loads, and the next large
     snapshot goes to a file."""

@@ -29,7 +29,17 @@ from urllib.parse import quote
 import msgspec
 
 from devd import __version__, log
-from devd.config import Settings, default, default_socket_path, default_state_dir, parse_duration, parse_size, parse_tcp
+from devd.config import (
+    Settings,
+    backup_dir,
+    default,
+    default_live_memory,
+    default_socket_path,
+    default_state_dir,
+    parse_duration,
+    parse_size,
+    parse_tcp,
+)
 from devd.errors import DevdError, HandleError
 from devd.protocol import METHODS
 from devd.server import systemd
@@ -48,11 +58,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
         socket_path=args.socket or default_socket_path(),
         tcp=args.listen,
         core_path=Path(args.core) if args.core else None,
+        backup_dir=Path(args.backup_dir) if args.backup_dir else None,
         call_timeout_s=args.call_timeout,
         sessions_max=args.max_sessions,
         max_live=args.max_live,
         snapshot_floor_bytes=args.snapshot_floor,
-        live_memory_bytes=args.live_memory,
+        live_memory_bytes=args.live_memory or default_live_memory(),
         memory_bytes_per_session=args.session_memory,
         expire_after_s=args.expire_after,
         connections_max=args.max_connections,
@@ -70,6 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
     import anyio
     import structlog
 
+    from devd import failpoints, files
     from devd.errors import StoreError
     from devd.host import Core
     from devd.server.daemon import Daemon, build
@@ -95,9 +107,20 @@ def _serve(args: argparse.Namespace) -> int:
     log.configure(args.log_format, args.log_level)
     logger = structlog.get_logger("devd")
     try:
+        armed = failpoints.arm(os.environ)
+    except ValueError as e:
+        print(f"devd: cannot start: {e}", file=sys.stderr)
+        return 2
+    if armed is not None and armed[0] == "armed":
+        logger.warning("failpoints.armed", points=armed[1], note="a test: named writes will fail or kill the daemon")
+    elif armed is not None:
+        logger.warning("failpoints.ignored", points=armed[1], note="DEVD_FAILPOINTS is obeyed only with DEVD_TESTING=1")
+    try:
         settings = settings_from(args)
         prepare_state_dir(settings.state_dir)
         lock_state_dir(settings.state_dir, settings.socket_path)  # held (by its open descriptor) until exit
+        prepare_state_dir(backup_dir(settings), "the backup directory", "--backup-dir")
+        files.remove_partials(backup_dir(settings))  # a backup a killed daemon was writing
         core = Core.open(
             settings.core_path,
             call_timeout=settings.call_timeout_s,
@@ -134,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
             metrics="{}:{}".format(*metrics_socket.getsockname()[:2]) if metrics_socket else None,
             activated=activated or None,
             state_dir=str(settings.state_dir),
+            live_memory=settings.live_memory_bytes,
             version=__version__,
         )
 
@@ -178,10 +202,13 @@ def _open_store(
             lease_ttl_s=args.lease_ttl,
         )
         return store, store
+    from devd.server.listeners import check_database
     from devd.storage.sqlite import SQLiteStore
 
+    path = Path(spec.removeprefix("sqlite:")).absolute()
+    check_database(path)
     return SQLiteStore(
-        Path(spec.removeprefix("sqlite:")),
+        path,
         keys_kept=settings.keys_kept_per_session,
         steps_kept=settings.steps_kept_per_session,
         prune_every_steps=settings.prune_every_steps,
@@ -406,7 +433,7 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
 
 
 def _backup(client: Client, args: argparse.Namespace) -> int:
-    raw = client.call_raw("daemon/backup", {"path": str(Path(args.path).absolute())})
+    raw = client.call_raw("daemon/backup", {"name": args.name})
     if args.json:
         _emit(raw + b"\n")
     else:
@@ -549,7 +576,7 @@ def _run_client(args: argparse.Namespace) -> int:
 
     try:
         token = _token(args)
-        with Client.connect(_address(args), token=token) as client:
+        with Client.connect(_address(args), token=token, peers=args.peer) as client:
             return COMMANDS[args.command](client, args)
     except LocalError as e:
         print(f"devd: {e}", file=sys.stderr)
@@ -1150,6 +1177,14 @@ def _connection_flags(c: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--token-file", metavar="PATH", help="read the TCP token from this file: the daemon's STATE_DIR/token"
     )
+    c.add_argument(
+        "--peer",
+        metavar="ADDRESS",
+        action="append",
+        default=[],
+        help="another daemon of the fleet this command may follow MOVED to, and give the token (repeatable); "
+        "without it MOVED is followed only to Unix sockets of this machine (docs/fleet.md)",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -1199,6 +1234,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         f"$XDG_STATE_HOME/devd; here {_escaped(default_state_dir())})",
     )
     serve.add_argument(
+        "--backup-dir",
+        metavar="DIR",
+        help="where daemon/backup (devd backup NAME) writes its copies, each by a plain file name; made 0700, and "
+        "refused like the state directory when it is another user's or others may write it "
+        "(default: STATE_DIR/backups)",
+    )
+    serve.add_argument(
         "--core", metavar="PATH", help="load this wasm module (ABI 1) instead of the packaged core (default: packaged)"
     )
     serve.add_argument(
@@ -1234,7 +1276,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="SIZE",
         type=_flag_value(parse_size),
         help="the sessions in memory together may use this much (e.g. 4G); past it the least recently used idle "
-        "ones hibernate. Default: no cap but --max-live (each session's own cap is --session-memory)",
+        "ones hibernate. Default: half of this machine's memory (each session's own cap is --session-memory)",
     )
     serve.add_argument(
         "--session-memory",
@@ -1403,7 +1445,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     for plain in PLAIN:
         _plain_arguments(client(plain.command, plain.help), plain)
     backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
-    backup.add_argument("path", help="the file to write (must not exist; its directory must); relative to here")
+    backup.add_argument(
+        "name",
+        help="the file name of the copy, in the daemon's backup directory (devd serve --backup-dir; default "
+        "STATE_DIR/backups); it must not exist there",
+    )
     client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")
 
     doctor = sub.add_parser(

@@ -39,6 +39,7 @@ from devd.sessions.registry import Registry
 from devd.sessions.watchers import Fanout
 from devd.storage.store import Fleet, Store
 
+FLEET_CHECK_S = 0.5  # how often a fleet daemon looks for watched sessions it may have lost
 SHUTDOWN_SNAPSHOTS_S = 5.0  # of a stop's time (systemd waits 20 s) spent snapshotting sessions; the rest replay
 log = structlog.get_logger("devd.server.daemon")
 
@@ -53,7 +54,12 @@ def build(
 ) -> tuple[Registry, Dispatcher]:
     """The parts of a daemon, wired: registry over core and store (and the fleet, when the store is shared with
     other daemons), dispatcher over the methods."""
-    runner = Runner(core, inline_budget_s=settings.inline_budget_s, threads_max=settings.call_threads_max)
+    runner = Runner(
+        core,
+        inline_budget_s=settings.inline_budget_s,
+        threads_max=settings.call_threads_max,
+        quick_threads_max=settings.quick_threads_max,
+    )
     registry = Registry(
         core,
         store,
@@ -102,6 +108,8 @@ class Daemon:
                 tg.start_soon(self._watchdog)
                 if self.settings.expire_after_s is not None:
                     tg.start_soon(self._expire, self.settings.expire_after_s)
+                if app.registry.fleet is not None:
+                    tg.start_soon(self._check_holds)
                 self.hub = Hub(self.settings, self.dispatcher, self.token)
                 servers = [await _listen(self.hub, sock, kind) for sock, kind in listeners]
                 if metrics_socket is not None:
@@ -197,6 +205,17 @@ class Daemon:
                 await registry.expire(unused_for_s)
             except Exception as e:  # a failed round (the store refused a delete) must not end the daemon
                 log.error("sessions.expiry_failed", error=f"{type(e).__name__}: {e}"[:500])
+
+    async def _check_holds(self) -> None:
+        """In a fleet, find the watched sessions this daemon may have lost while its lease lapsed, so that their
+        watchers hear of it."""
+        registry = self.dispatcher.app.registry
+        while True:
+            await anyio.sleep(FLEET_CHECK_S)
+            try:
+                await registry.fleet_sessions.check_holds()
+            except Exception as e:  # a failed round (the database is away) must not end the daemon
+                log.error("fleet.check_failed", error=f"{type(e).__name__}: {e}"[:500])
 
     async def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()

@@ -1,9 +1,10 @@
 """Where the daemon listens and keeps its state: the state directory, the TCP token, the Unix and TCP sockets.
 
-What it promises: the state directory is refused when it is not this user's or others can write it, and one daemon at
-a time holds it; the token file is created 0600 atomically and refused when others can read it or it is too short;
-the Unix socket is 0600 in a directory of this user's that no one else can swap it in, a live daemon's socket is never
-taken over, and a path that is not a socket is never removed; peers are identified by uid.
+What it promises: the state directory, the backup directory and a `--store` database (with its directory) are refused
+when they are not this user's or others can write them, and one daemon at a time holds the state directory; the token
+file is created 0600 atomically and refused when others can read it or it is too short; the Unix socket is 0600 in a
+directory of this user's that no one else can swap it in, a live daemon's socket is never taken over, and a path that
+is not a socket is never removed; peers are identified by uid.
 """
 
 from __future__ import annotations
@@ -28,22 +29,57 @@ class StartupError(Exception):
     """The daemon cannot start as configured; the message says why and what to change."""
 
 
-def prepare_state_dir(path: Path) -> None:
-    """Make the state directory 0700, or refuse one that is not this user's or that others can write."""
+def prepare_state_dir(path: Path, what: str = "the state directory", flag: str = "--state-dir") -> None:
+    """Make the state directory (or another of the daemon's own: `what`, set by `flag`) 0700, or refuse one that is
+    not this user's or that others can write."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private_dir(path, what, flag)
+
+
+def check_private_dir(path: Path, what: str, flag: str) -> None:
+    """Refuse a directory of the daemon's that is not this user's, or that group or others can write."""
     st = path.stat()
     if st.st_uid != os.getuid():
         # Whoever owns it can plant a token or a database there: refuse, as OpenSSH refuses files owned by others.
         raise StartupError(
-            f"the state directory {path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
-            "pass a --state-dir of your own"
+            f"{what} {path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); pass a {flag} of your own"
         )
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
         raise StartupError(
-            f"the state directory {path} is writable by group or others (mode {mode:04o}); "
+            f"{what} {path} is writable by group or others (mode {mode:04o}); "
             f"run `chmod go-w {path}` (0700 is best) and start again"
         )
+
+
+def check_database(path: Path) -> None:
+    """Refuse a `--store sqlite:PATH` others could tamper with, as the state directory is refused: the directory
+    holding it (where SQLite makes its log beside it) must be this user's and not writable by group or others, and
+    the database and its log, when there, this user's and writable by no one else."""
+    parent = path.parent
+    try:
+        check_private_dir(parent, "the directory of the database", "--store sqlite:PATH")
+    except FileNotFoundError:
+        raise StartupError(
+            f"the directory of the database {path} does not exist; make it (`mkdir -m 700 {parent}`) or pass "
+            "another --store"
+        ) from None
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            st = file.stat()
+        except FileNotFoundError:
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != os.getuid():
+            raise StartupError(
+                f"the database file {file} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
+                "serve a database of your own (copy it: `cp` makes the copy yours)"
+            )
+        if mode & 0o022:
+            raise StartupError(
+                f"the database file {file} is writable by group or others (mode {mode:04o}): anyone could change "
+                f"the sessions in it; run `chmod 600 {file}` and start again"
+            )
 
 
 def lock_state_dir(path: Path, socket_path: Path | None) -> int:
@@ -155,13 +191,18 @@ def unlink_socket(path: Path, inode: int) -> None:
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
-    if host in ("0.0.0.0", "::", ""):
+    """A listening TCP socket; a warning when it listens on every address, judged by the address it was bound to (so
+    `0`, `0.0`, `[::0]` and any other spelling of it warn as `0.0.0.0` does)."""
+    sock = listen_tcp(host, port, backlog=512)
+    bound = sock.getsockname()[0]
+    if bound in ("0.0.0.0", "::"):
         log.warning(
             "tcp.exposed",
             address=f"{host}:{port}",
+            bound=bound,
             note="the token crosses in clear text: listen on loopback and tunnel (ssh -L), or put TLS in front",
         )
-    return listen_tcp(host, port, backlog=512)
+    return sock
 
 
 def listen_tcp(host: str, port: int, *, backlog: int) -> socket.socket:

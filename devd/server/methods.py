@@ -13,15 +13,15 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+import anyio.lowlevel
 import msgspec
 import structlog
 from msgspec import Raw
 
 from devd import ABI, __version__, protocol
-from devd.config import Settings
+from devd.config import Settings, backup_dir
 from devd.errors import ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
 from devd.messages import Config, decode_actions, encode
 
@@ -224,16 +224,34 @@ async def daemon_status(call: Call, params: NoParams) -> StatusResult:
 
 @method("daemon/backup")
 async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
-    path = Path(params.path)
-    if not path.is_absolute():
-        raise InvalidParamsError(f"the backup path must be absolute (the daemon's directory is not yours): {path}")
-    if not path.parent.is_dir():
-        raise InvalidParamsError(f"{path.parent} is not a directory; make it first, or choose another path")
-    if path.exists():
-        raise ExistsError(f"{path} exists; choose a new path (a backup never overwrites a file)")
+    name = backup_name(params)
+    path = backup_dir(call.app.settings) / name
+    if os.path.lexists(path):
+        raise ExistsError(f"{name} exists; choose a new name (a backup never overwrites a file)")
     size = await call.app.store.backup(str(path))
     log.info("daemon.backup", path=str(path), bytes=size)
     return BackupResult(str(path), size)
+
+
+BACKUP_NAME_BYTES_MAX = 255  # what a file name may be on Linux
+
+
+def backup_name(params: BackupParams) -> str:
+    """The plain file name a backup is written as, or InvalidParamsError: a peer (on TCP, from anywhere) names a
+    file in the operator's directory, never a path; the rule looks at the name alone, never at the disk, so the
+    answer says nothing of what exists elsewhere."""
+    if (params.name is None) == (params.path is None):
+        raise InvalidParamsError("daemon/backup takes name: the file name of the copy in the daemon's backup directory")
+    name = params.name if params.name is not None else params.path
+    assert name is not None
+    if "/" in name or name.startswith(".") or not name.isprintable():
+        raise InvalidParamsError(
+            f"a backup is named by a plain file name (no /, no leading ., no control characters), not {name[:80]!r}; "
+            "it is written in the daemon's backup directory (devd serve --backup-dir)"
+        )
+    if len(name.encode(errors="surrogatepass")) > BACKUP_NAME_BYTES_MAX:
+        raise InvalidParamsError(f"a backup's file name must be at most {BACKUP_NAME_BYTES_MAX} bytes")
+    return name
 
 
 @method("daemon/drain")
@@ -314,13 +332,23 @@ def _entry(i: Info) -> SessionInfo:
         rfc3339(i.last_used),
         i.watchers,
         i.reason,
+        i.held,
     )
+
+
+LIST_CHUNK = 1000  # sessions of a list page built between two turns of the event loop (a few ms)
 
 
 @method("session/list")
 async def session_list(call: Call, params: ListParams) -> ListResult:
-    infos, after = call.app.registry.page(params.limit, params.cursor)
-    return ListResult([_entry(i) for i in infos], after)
+    registry = call.app.registry
+    names, after = registry.page_names(params.limit, params.cursor)
+    sessions: list[SessionInfo] = []
+    for start in range(0, len(names), LIST_CHUNK):
+        if start:
+            await anyio.lowlevel.checkpoint()  # a page of 100,000 must not stall every other call for a second
+        sessions += [_entry(i) for i in registry.infos(names[start : start + LIST_CHUNK])]
+    return ListResult(sessions, after)
 
 
 @method("session/info")

@@ -10,6 +10,7 @@ What it promises:
 - it is bounded and kept apart from the JSON-RPC listeners: at most `metrics_connections_max` connections, each
   aborted `metrics_timeout_s` after it was accepted whatever it is doing, answered from asyncio's callbacks (no
   task, nothing queued), and what happens in one is logged and goes no further;
+- the text is rendered at most once per `metrics_interval_s` (1 s), whoever scrapes and however often;
 - an address that is not loopback is served, since it was given explicitly, and logged as `metrics.exposed`.
 
 The request handling is `answer`, a pure function of the bytes received; `Exchange` is the I/O around it.
@@ -21,6 +22,7 @@ import asyncio
 import ipaddress
 import re
 import socket
+import time
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any, cast
@@ -265,6 +267,25 @@ class Exchange(asyncio.Protocol):
         self.transport.abort()
 
 
+class OncePer:
+    """A rendering made at most once per interval: every scrape within it is answered the same text, so scrapers
+    (anyone who can reach the port: there is no token) cannot make the daemon render more often than that."""
+
+    def __init__(self, render: Callable[[], str], interval_s: float) -> None:
+        self._render = render
+        self._interval_s = interval_s
+        self._text = ""
+        self._at = float("-inf")
+        self.renders = 0
+
+    def __call__(self) -> str:
+        now = time.monotonic()
+        if now - self._at >= self._interval_s:
+            self._text, self._at = self._render(), now
+            self.renders += 1
+        return self._text
+
+
 async def serve(
     sock: socket.socket,
     exposition: Callable[[], str],
@@ -275,6 +296,7 @@ async def serve(
     """Serve `GET /metrics` on sock until cancelled (it is started with the task group's `start`, so it accepts
     before the daemon says it is ready); then stop accepting and cut off the connections still open."""
     exchanges: set[Exchange] = set()
+    exposition = OncePer(exposition, settings.metrics_interval_s)
     loop = asyncio.get_running_loop()
     # asyncio's accept loop backs off when out of descriptors instead of failing, as the JSON-RPC listeners' does.
     server = await loop.create_server(lambda: Exchange(settings, exposition, exchanges), sock=sock, backlog=64)

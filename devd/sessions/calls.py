@@ -6,7 +6,10 @@ stood and its instance is gone; what is durable is exactly the state before the 
 from it (its snapshot, then its journal) and the call runs again on a worker thread, where it cannot hold up the
 loop. A session whose calls have grown past the budget (a long transcript makes every Model ask slow) then runs its
 calls on a worker from the start: it pays for the rebuild once, not at every call. Worker threads for calls are
-bounded by a limiter of their own, so they never starve the store's commits.
+bounded by limiters of their own, so they never starve the store's commits: one for heavy sessions' calls and
+rebuilds, and a quick lane for calls that were expected to fit the budget and missed it (a start, a light session's
+call stopped inline: under contention a quick call can miss it), so that slow calls filling every worker never hold
+up a fast session's step or a `session/new` behind them.
 
 A rebuild costs what the journal since the snapshot costs: every step is applied without writing its answer
 (`Instance.apply`) but one, answered and checked against what was journalled (see `rebuild`).
@@ -22,7 +25,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from devd.errors import DeadlineError, DevdError, HandleError, NullError, OutOfMemoryError, PoisonError
+from devd.errors import DeadlineError, DevdError, DoesNotFitError, HandleError, NullError, OutOfMemoryError, PoisonError
 from devd.host import Core, Instance
 from devd.sessions.entry import Entry
 from devd.sessions.state import TRANSITIONS, Input
@@ -30,20 +33,23 @@ from devd.storage.store import Row, Stored, answer_digest
 
 if TYPE_CHECKING:
     from devd.sessions.registry import Registry
+    from devd.sessions.residency import Room
 
 log = structlog.get_logger("devd.sessions.registry")
 T = TypeVar("T")
 HEAVY_MEMORY_BYTES = 8 << 20  # a rebuilt instance this large (a megabytes-long transcript) starts on a worker
 WHOLE_STATE_INLINE_BYTES = 4 << 20  # an instance this large is snapshotted on a worker (~1 ms a MB of transcript)
 LIGHT_CALLS_TO_RETURN = 16  # quick calls in a row after which a session's calls run inline again
+TRANSCRIPT_CAP_FACTOR = 4  # a transcript too large for a session's cap is built under this many times it
 _SAVE = b'{"Save":true}'  # the core writes compact JSON, so this cannot occur inside a string
 
 
 class Runner:
-    def __init__(self, core: Core, *, inline_budget_s: float, threads_max: int) -> None:
+    def __init__(self, core: Core, *, inline_budget_s: float, threads_max: int, quick_threads_max: int = 8) -> None:
         self.core = core
         self.inline_budget_s = inline_budget_s
         self.limiter = anyio.CapacityLimiter(threads_max)
+        self.quick_limiter = anyio.CapacityLimiter(quick_threads_max)
         self.offloaded = 0  # calls run on a worker thread: past their inline budget, or of a heavy session
 
     async def start(self, start: Callable[[float], Instance], deadline: float) -> Instance:
@@ -54,10 +60,12 @@ class Runner:
             if deadline - time.monotonic() <= self.inline_budget_s:
                 raise
         self.offloaded += 1
-        return await self.off_loop(lambda: start(deadline - time.monotonic()))
+        return await self.off_loop(lambda: start(deadline - time.monotonic()), quick=True)
 
-    async def off_loop(self, fn: Callable[[], T]) -> T:
-        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=False, limiter=self.limiter)
+    async def off_loop(self, fn: Callable[[], T], *, quick: bool = False) -> T:
+        """fn on a worker thread: of the quick lane for a call expected to be quick, else of the heavy one."""
+        limiter = self.quick_limiter if quick else self.limiter
+        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=False, limiter=limiter)
 
     def inline_timeout(self, deadline: float) -> tuple[float, bool]:
         """The timeout for an inline attempt, and whether it is the call's last chance (no time left to offload)."""
@@ -146,6 +154,8 @@ class Calls:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
+        self._roomy: Core | None = None  # the core with a larger cap, for transcripts (made on first need)
+        self._roomy_lock = anyio.Lock()
 
     async def call(
         self, entry: Entry, timeout_s: float, call: Callable[[Instance, float], T], *, whole_state: bool = False
@@ -191,8 +201,11 @@ class Calls:
         registry.move(entry, Input.DROP)
         stored = await registry.stored(entry.name)
         try:
+            # On the quick lane: this session's calls fitted the budget until now (it may only have missed it for
+            # the contention), so it must not wait behind the heavy sessions' calls.
             instance, result = await runner.off_loop(
-                lambda: rebuild_and(registry.core, stored, registry.call_timeout_s, deadline - time.monotonic(), call)
+                lambda: rebuild_and(registry.core, stored, registry.call_timeout_s, deadline - time.monotonic(), call),
+                quick=True,
             )
         except OutOfMemoryError:
             raise self._does_not_fit(entry) from None
@@ -238,10 +251,10 @@ class Calls:
         registry.residency.measure(entry)
         return result
 
-    def _does_not_fit(self, entry: Entry) -> NullError:
+    def _does_not_fit(self, entry: Entry) -> DoesNotFitError:
         """The call ran out of the session's memory cap: its instance is gone, but nothing durable changed, so the
         session goes on from its last step (rebuilt on its next call) rather than being poisoned."""
-        return NullError(
+        return DoesNotFitError(
             f"the call does not fit in session {entry.name!r}'s memory ({self.registry.core.memory_bytes >> 20} MiB); "
             f"nothing changed, the session continues from step {entry.seq}: send a smaller event, or fork or close it"
         )
@@ -254,8 +267,30 @@ class Calls:
         stored = await registry.stored(entry.name)
         loaded = time.perf_counter()
         registry.stats.rebuilt += 1
+        async with registry.residency.room_for_wake(entry, stored, registry.call_timeout_s) as room:
+            await self._rebuild(entry, how, stored, room)
+        log.info(
+            "session.rebuilt",
+            session=entry.name,
+            seq=stored.seq,
+            snapshot_bytes=len(stored.snapshot or b""),
+            replayed_steps=len(stored.journal),
+            load_ms=round((loaded - started) * 1000, 1),
+            rebuild_ms=round((time.perf_counter() - loaded) * 1000, 1),
+        )
+        # Nothing is known of its calls' cost after a restart or a wake, but a transcript this long makes every
+        # Model ask pass the inline budget: an inline attempt would only be stopped, and the session rebuilt again.
+        if entry.memory >= HEAVY_MEMORY_BYTES:
+            entry.heavy, entry.light_calls = True, 0
+
+    async def _rebuild(self, entry: Entry, how: Input, stored: Stored, room: Room) -> None:
+        registry = self.registry
         try:
-            instance = await registry.runner.off_loop(lambda: rebuild(registry.core, stored, registry.call_timeout_s))
+            # A small session wakes on the quick lane, not behind the heavy sessions' calls.
+            small = len(stored.snapshot or b"") + sum(len(r.event) for r in stored.journal) < HEAVY_MEMORY_BYTES // 4
+            instance = await registry.runner.off_loop(
+                lambda: rebuild(registry.core, stored, registry.call_timeout_s), quick=small
+            )
         except DeadlineError as e:
             # Stopped, not broken: a replayed step ran past its deadline (or the shutdown's grace ended).
             registry.stats.deadline_hits += 1
@@ -272,19 +307,34 @@ class Calls:
                 f"session {entry.name!r} could not be rebuilt from its durable state ({e}); "
                 "its snapshot and journal are kept, see the daemon's log"
             ) from None
-        registry.move(entry, how, instance=instance)
+        with room.taken():  # its room is its instance's now, and measured as it is attached
+            registry.move(entry, how, instance=instance)
         entry.seq = stored.seq
         entry.rebased(stored)
-        log.info(
-            "session.rebuilt",
-            session=entry.name,
-            seq=stored.seq,
-            snapshot_bytes=len(stored.snapshot or b""),
-            replayed_steps=len(stored.journal),
-            load_ms=round((loaded - started) * 1000, 1),
-            rebuild_ms=round((time.perf_counter() - loaded) * 1000, 1),
-        )
-        # Nothing is known of its calls' cost after a restart or a wake, but a transcript this long makes every
-        # Model ask pass the inline budget: an inline attempt would only be stopped, and the session rebuilt again.
-        if entry.memory >= HEAVY_MEMORY_BYTES:
-            entry.heavy, entry.light_calls = True, 0
+
+    async def transcript_outside_cap(self, entry: Entry, start: int) -> bytes:
+        """The transcript from an instance rebuilt from what is durable under TRANSCRIPT_CAP_FACTOR times the cap,
+        one such instance at a time, dropped once it has answered: a transcript that does not fit beside the
+        session's state within its cap (a delta session's tool output can take most of it, and a client recovers
+        its conversation from this) is still given whole."""
+        registry = self.registry
+        if self._roomy is None:
+            self._roomy = registry.core.with_memory(registry.core.memory_bytes * TRANSCRIPT_CAP_FACTOR)
+        roomy = self._roomy
+        stored = await registry.stored(entry.name)
+
+        def build() -> bytes:
+            instance = rebuild(roomy, stored, registry.call_timeout_s)
+            try:
+                return instance.transcript(start, timeout=registry.call_timeout_s)
+            finally:
+                instance.close()
+
+        async with self._roomy_lock:
+            try:
+                return await registry.runner.off_loop(build)
+            except OutOfMemoryError:
+                raise NullError(
+                    f"the transcript of {entry.name!r} from message {start} does not fit even in "
+                    f"{roomy.memory_bytes >> 20} MiB; ask for it from a later message (`from`), a part at a time"
+                ) from None

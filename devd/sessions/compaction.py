@@ -16,6 +16,7 @@ import anyio.lowlevel
 import structlog
 
 from devd.errors import DevdError
+from devd.messages import without_payload
 from devd.sessions.calls import WHOLE_STATE_INLINE_BYTES, saved
 from devd.sessions.entry import Entry
 
@@ -24,6 +25,18 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("devd.sessions.registry")
 SHUTDOWN_SNAPSHOT_BYTES = 16 << 10  # journal since its snapshot past which a stopping daemon snapshots a session
+
+
+IGNORED_KEPT_BYTES = 1024  # an ignored event larger than this is journalled without its text
+
+
+def journalled(event: bytes, ignored: int | None) -> bytes:
+    """The event as journalled: whole, but for a large one the session took no notice of (a result or an answer for
+    an action it did not dispatch), which a replay ignores without its text just the same, so a client that sends
+    megabytes the session never asked for does not make every fork and rebuild carry them."""
+    if ignored is None or len(event) <= IGNORED_KEPT_BYTES:
+        return event
+    return without_payload(event) or event
 
 
 def kept_answer(event: bytes, actions: bytes) -> bytes | None:

@@ -3,7 +3,8 @@ answer (`Answered`) and its counters (`Statistics`, frozen, as `Registry.statist
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from devd.errors import HandleError
@@ -23,7 +24,8 @@ class Entry:
     instance: Instance | None = None
     busy: bool = False  # inside a call: set and cleared by `Registry.entered` alone
     created: float = 0.0  # wall-clock seconds
-    last_used: float = 0.0  # wall-clock seconds of the last call on it
+    last_used: float = 0.0  # wall-clock seconds of the last call on it (shown; never used to decide expiry)
+    used_at: float = field(default_factory=time.monotonic)  # the same on the monotonic clock: what expiry reads
     memory: int = 0  # bytes of its instance's memory when last measured (0: no instance)
     heavy: bool = False  # a call did not fit the inline budget, or its instance is large: calls run on a worker
     light_calls: int = 0  # calls in a row, since, that would have fitted it easily (enough of them end `heavy`)
@@ -78,6 +80,7 @@ class Info:
     reason: str | None
     created: float
     last_used: float
+    held: bool | None = None  # in a fleet, whether this daemon holds it (else its state here may be behind)
 
 
 HEALTH = {State.ENDED: Health.ENDED, State.POISONED: Health.POISONED}

@@ -7,12 +7,13 @@ session another live daemon holds answers MOVED, naming it, and is forgotten her
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
 import structlog
 
-from devd.errors import ExistsError, HandleError, MovedError
+from devd.errors import DevdError, ExistsError, HandleError, MovedError
 from devd.sessions.entry import FROM_HEALTH, Entry, no_such
 from devd.sessions.state import Input
 from devd.storage.store import Fleet
@@ -27,6 +28,53 @@ class FleetSessions:
     def __init__(self, registry: Registry, fleet: Fleet | None) -> None:
         self.registry = registry
         self.fleet = fleet
+
+    async def hold(self, name: str) -> None:
+        """Before a call uses what this daemon keeps of a session: adopt one it does not know (made or held
+        elsewhere); take again one whose epoch here is not known current (never taken here, or taken before this
+        daemon's lease lapsed, when another daemon may have stepped it), starting from what is durable, and end its
+        watchers if steps were made elsewhere meanwhile. MovedError (and it is forgotten) when another live daemon
+        holds it."""
+        assert self.fleet is not None
+        registry = self.registry
+        entry = registry.get(name)
+        if entry is None:
+            await self.adopt(name)
+            return
+        if entry.busy or self.fleet.current(name):
+            return  # busy: the call inside holds it (and entering answers BUSY)
+        entry.busy = True
+        try:
+            epoch = await self.fleet.acquire(name)
+            stored = await registry.store.load(name) if epoch is not None else None
+        except MovedError as e:
+            self.moved(entry, e)
+            raise
+        finally:
+            entry.busy = False
+        registry.residency.detach(entry)  # it may be behind the journal: the next call rebuilds it from disk
+        if stored is None:  # closed elsewhere
+            registry.move(entry, Input.CLOSE)
+            registry.fanout.end(name, "closed")
+            registry.forget(name)
+            raise no_such(name)
+        registry.set_state(entry, FROM_HEALTH[stored.health])
+        entry.reason = stored.reason
+        if stored.seq != entry.seq:
+            registry.fanout.end(name, "moved")  # they missed the steps made elsewhere: watch again, with since
+            entry.seq = stored.seq
+        log.info("session.retaken", session=name, epoch=epoch, seq=stored.seq)
+
+    async def check_holds(self) -> None:
+        """Take again (or let go, MOVED) every watched session whose epoch here is no longer known current, so that
+        its watchers hear of steps made elsewhere (they are ended) rather than nothing."""
+        assert self.fleet is not None
+        for name in self.registry.fanout.watched():  # the watched sessions only: a round costs nothing per session
+            entry = self.registry.get(name)
+            lost = self.fleet.held(name) is not None and not self.fleet.current(name)
+            if entry is not None and not entry.busy and lost:
+                with contextlib.suppress(DevdError):  # MOVED: its watchers are told; else the next round tries again
+                    await self.hold(name)
 
     async def adopt(self, name: str) -> None:
         """Take a session of the fleet for this daemon: MovedError if another live daemon holds it."""

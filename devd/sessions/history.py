@@ -80,6 +80,8 @@ class History:
         """Subscribe sink to name's steps: from now on, or first every journalled step after `since`."""
         registry = self.registry
         fanout, store = registry.fanout, registry.store
+        if registry.fleet is not None:  # only on the daemon that holds the session (its steps are made there)
+            await registry.fleet_sessions.hold(name)
         entry = registry.get(name)
         if entry is None:
             raise no_such(name)

@@ -31,6 +31,7 @@ from devd.errors import (
     BusyError,
     DeadlineError,
     DevdError,
+    DoesNotFitError,
     ExistsError,
     FullError,
     HandleError,
@@ -43,7 +44,7 @@ from devd.errors import (
 from devd.host import Core, Instance
 from devd.sessions import compaction, residency
 from devd.sessions.calls import Calls, Runner, rebuild_and, step_and_save
-from devd.sessions.compaction import kept_answer, snapshot_due
+from devd.sessions.compaction import journalled, kept_answer, snapshot_due
 from devd.sessions.entry import (
     FROM_HEALTH,
     HEALTH,
@@ -96,17 +97,22 @@ class Registry:
         self.residency = Residency(max_live, live_memory_bytes, lambda e: self.move(e, Input.DROP))
         self.fleet_sessions = FleetSessions(self, fleet)
         self._entries: dict[str, Entry] = {}
+        self._by_state = dict.fromkeys(State, 0)  # the entries in each state, kept as they change: status is O(1)
         self._names: list[str] = []  # every name, sorted: list pages are a bisect and a slice
         self._reopened_seen = 0  # the store's reopens after write faults this registry has rebuilt its sessions for
 
     async def load(self) -> None:
         """Know every stored session (their instances are built on first use)."""
         self._reopened_seen = self.store.reopened
+        started, wall = time.monotonic(), time.time()
         for row in await self.store.sessions():
             entry = Entry(row.name, FROM_HEALTH[row.health], row.seq, row.reason)
             entry.created = row.created
             entry.last_used = row.last_used
+            # Unused since before this start: as long before now as the wall clock said at the start.
+            entry.used_at = started - max(0.0, wall - row.last_used)
             self._entries[row.name] = entry
+            self._by_state[entry.state] += 1
         self._names = sorted(self._entries)
 
     async def _heal(self) -> None:
@@ -144,10 +150,11 @@ class Registry:
 
     def add(self, entry: Entry) -> None:
         self._entries[entry.name] = entry
+        self._by_state[entry.state] += 1
         bisect.insort(self._names, entry.name)
 
     def forget(self, name: str) -> None:
-        del self._entries[name]
+        self._by_state[self._entries.pop(name).state] -= 1
         i = bisect.bisect_left(self._names, name)
         if i < len(self._names) and self._names[i] == name:
             del self._names[i]
@@ -176,8 +183,8 @@ class Registry:
         here (made or held elsewhere), and after rebuilding from disk what a reopen of the store may have changed."""
         if self.store.reopened != self._reopened_seen:
             await self._heal()
-        if self.fleet is not None and name not in self._entries:
-            await self.fleet_sessions.adopt(name)
+        if self.fleet is not None:
+            await self.fleet_sessions.hold(name)
         entry = self._entries.get(name)
         if entry is None:
             raise no_such(name)
@@ -187,7 +194,7 @@ class Registry:
             kind = PoisonError if entry.state is State.POISONED else HandleError
             raise kind(f"session {name!r} {entry.state.value} ({entry.reason}); `session/recover` brings it back")
         entry.busy = True
-        entry.last_used = time.time()
+        entry.last_used, entry.used_at = time.time(), time.monotonic()
         self.residency.touch(entry)
         try:
             yield entry
@@ -197,7 +204,7 @@ class Registry:
     def move(self, entry: Entry, input: Input, reason: str | None = None, *, instance: Instance | None = None) -> None:
         """The one mover: the state table's edge, with the instance attached (given one) or detached (a state that
         has none) to match."""
-        entry.state = next_state(entry.state, input)
+        self.set_state(entry, next_state(entry.state, input))
         entry.reason = reason
         if instance is not None:
             self.residency.attach(entry, instance)
@@ -256,10 +263,12 @@ class Registry:
         try:
             instance, snapshot = await self.runner.off_loop(build)
             await self.store.fork(source, at, entry.name, snapshot)
-        except BaseException:
+        except BaseException as e:
             if instance is not None:
                 instance.close()
             self._unclaim(entry)
+            if isinstance(e, MovedError):
+                raise _made_elsewhere(entry.name) from None
             raise
         assert instance is not None
         self.residency.attach(entry, instance)
@@ -285,6 +294,10 @@ class Registry:
             raise
         try:
             await self.store.create(entry.name, config, snapshot)
+        except MovedError:
+            instance.close()
+            self._unclaim(entry)
+            raise _made_elsewhere(entry.name) from None
         except BaseException:
             instance.close()
             self._unclaim(entry)
@@ -325,9 +338,10 @@ class Registry:
                 entry, timeout_s, lambda i, t: step_and_save(i, event, t, due), whole_state=may_save
             )
             seq = entry.seq + 1
+            kept = journalled(event, ignored)
             try:
                 await self.store.append(
-                    Step(name, seq, event, kept_answer(event, actions), key, event_digest, snapshot, answer)
+                    Step(name, seq, kept, kept_answer(kept, actions), key, event_digest, snapshot, answer)
                 )
             except StoreError as e:
                 # The instance is ahead of the disk: drop it, so the next use rebuilds from what is durable.
@@ -356,11 +370,15 @@ class Registry:
             return await self.calls.call(entry, self.call_timeout_s, lambda i, t: i.pending(timeout=t))
 
     async def transcript(self, name: str, start: int) -> tuple[int, bytes]:
-        """The session's step count and its conversation from message `start` on, from the core."""
+        """The session's step count and its conversation from message `start` on, from the core (built outside the
+        session's cap when it does not fit beside its state)."""
         async with self.entered(name) as entry:
-            messages = await self.calls.call(
-                entry, self.call_timeout_s, lambda i, t: i.transcript(start, timeout=t), whole_state=start == 0
-            )
+            try:
+                messages = await self.calls.call(
+                    entry, self.call_timeout_s, lambda i, t: i.transcript(start, timeout=t), whole_state=start == 0
+                )
+            except DoesNotFitError:
+                messages = await self.calls.transcript_outside_cap(entry, start)
             return entry.seq, messages
 
     async def save_all(self) -> int:
@@ -437,11 +455,19 @@ class Registry:
     def page(self, limit: int | None = None, after: str | None = None) -> tuple[list[Info], str | None]:
         """Sessions by name: up to `limit` of them (all if None) after the name `after`; and the name to continue
         after, if there are more."""
+        names, more = self.page_names(limit, after)
+        return self.infos(names), more
+
+    def page_names(self, limit: int | None = None, after: str | None = None) -> tuple[list[str], str | None]:
+        """The names of `page` (one slice of a sorted list: cheap at any size), and the name to continue after."""
         start = 0 if after is None else bisect.bisect_right(self._names, after)
         names = self._names[start:] if limit is None else self._names[start : start + limit]
-        infos = [self._info(self._entries[n]) for n in names]
         more = limit is not None and start + limit < len(self._names)
-        return infos, (names[-1] if more and names else None)
+        return names, (names[-1] if more and names else None)
+
+    def infos(self, names: list[str]) -> list[Info]:
+        """What `session/list` shows of these sessions; one closed since its name was read is left out."""
+        return [self._info(e) for n in names if (e := self._entries.get(n)) is not None]
 
     def info(self, name: str) -> Info:
         """One session's entry, as `page` gives it; HandleError if there is no such session."""
@@ -451,13 +477,17 @@ class Registry:
         return self._info(entry)
 
     def _info(self, e: Entry) -> Info:
-        return Info(e.name, e.state, e.seq, self.fanout.count(e.name), e.reason, e.created, e.last_used)
+        held = None if self.fleet is None else self.fleet.current(e.name)
+        return Info(e.name, e.state, e.seq, self.fanout.count(e.name), e.reason, e.created, e.last_used, held)
 
     def counts(self) -> dict[str, int]:
-        counts = {s.value: 0 for s in State if s is not State.CLOSED}
-        for e in self._entries.values():
-            counts[e.state.value] += 1
-        return counts
+        """The sessions in each state (closed ones are gone), from counts kept as states change: no walk."""
+        return {s.value: n for s, n in self._by_state.items() if s is not State.CLOSED}
+
+    def set_state(self, entry: Entry, state: State) -> None:
+        self._by_state[entry.state] -= 1
+        self._by_state[state] += 1
+        entry.state = state
 
     @property
     def memory(self) -> int:
@@ -481,3 +511,9 @@ class Registry:
     def close_all(self) -> None:
         for entry in self._entries.values():
             self.residency.detach(entry)
+
+
+def _made_elsewhere(name: str) -> ExistsError:
+    """A name another daemon of the fleet made at the same moment (its create won): the name is in use, as for a
+    session made there before (docs/fleet.md), not a session to follow."""
+    return ExistsError(f"a session named {name!r} exists in the fleet; choose another name or close it first")

@@ -7,22 +7,28 @@ next call rebuilds it (see `devd.sessions.calls`). A session inside a call is ne
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING
 
+import anyio
 import structlog
 
 from devd import failpoints
 from devd.errors import BusyError, MovedError
 from devd.host import Instance
 from devd.sessions.entry import Entry
+from devd.storage.store import Stored
 
 if TYPE_CHECKING:
     from devd.sessions.registry import Registry
 
 log = structlog.get_logger("devd.sessions.registry")
+WAKE_BASE_BYTES = 1 << 20  # what a woken instance is reserved beyond its state: an empty one holds ~512 KiB
+WAKE_GROWTH = 4  # and per byte of its snapshot and journal (a 4 MiB prompt was seen to hold 15.4 MiB)
+ROOM_RECHECK_S = 0.005  # how often a wake waiting for room looks again
 
 
 class Residency:
@@ -33,6 +39,9 @@ class Residency:
         self.hibernated = 0  # idle instances dropped to make room (their sessions stay, stored)
         self._drop = drop  # the registry's mover, for the state edge of a hibernation
         self._live: OrderedDict[str, Entry] = OrderedDict()  # sessions with an instance, least recently used first
+        self.waking = 0  # sessions being rebuilt, counted against max_live before their instance exists
+        self._reserved = 0  # and the memory reserved for them against the budget
+        self._room: anyio.Event | None = None  # set when an instance is let go or a wake ends: room may be free
 
     def names(self) -> list[str]:
         return list(self._live)
@@ -62,6 +71,7 @@ class Residency:
                 pass
 
     def detach(self, entry: Entry) -> None:
+        self._room_freed()
         self._live.pop(entry.name, None)
         self.memory -= entry.memory
         entry.memory = 0
@@ -71,6 +81,48 @@ class Residency:
                 instance.close()
             except BusyError:  # pragma: no cover - the entry's busy flag orders every call
                 pass
+
+    @contextlib.asynccontextmanager
+    async def room_for_wake(self, entry: Entry, stored: Stored, timeout_s: float) -> AsyncIterator[Room]:
+        """Wait until one more instance fits `max_live` and the memory budget, hibernating idle sessions to make room
+        and, when every live one is inside a call, waiting for one to end (up to `timeout_s`: BUSY past it), then
+        hold the room for the wake: concurrent wakes so never build more instances than the caps hold. A session
+        larger than the memory budget alone still wakes once nothing else is live."""
+        need = WAKE_BASE_BYTES + WAKE_GROWTH * (len(stored.snapshot or b"") + sum(len(r.event) for r in stored.journal))
+        with anyio.move_on_after(timeout_s) as scope:
+            while True:
+                while not self._fits(need) and self._hibernate_one():
+                    pass
+                if self._fits(need) or not (self._live or self.waking):
+                    break
+                if self._room is None or self._room.is_set():
+                    self._room = anyio.Event()
+                # Woken when an instance is let go or a wake ends; a call's end is not signalled, so look again soon.
+                with anyio.move_on_after(ROOM_RECHECK_S):
+                    await self._room.wait()
+        if scope.cancelled_caught:
+            raise BusyError(
+                f"session {entry.name!r} cannot be woken: the {len(self._live)} sessions in memory (--max-live "
+                f"{self.max_live}, --live-memory) are all inside calls; retry when one has answered"
+            )
+        self.waking += 1
+        self._reserved += need
+        try:
+            yield Room(self)
+        finally:
+            self.waking -= 1
+            self._reserved -= need
+            self._room_freed()
+
+    def _fits(self, need: int) -> bool:
+        if len(self._live) + self.waking >= self.max_live:
+            return False
+        budget = self.live_memory_bytes
+        return budget is None or self.memory + self._reserved + need <= budget
+
+    def _room_freed(self) -> None:
+        if self._room is not None:
+            self._room.set()
 
     def _hibernate_one(self) -> bool:
         """Drop the instance of the least recently used session not inside a call. False if every live session is
@@ -85,14 +137,30 @@ class Residency:
         return False
 
 
+class Room:
+    """The room a wake holds, until its instance is attached and counted as live instead."""
+
+    def __init__(self, residency: Residency) -> None:
+        self._residency = residency
+
+    @contextlib.contextmanager
+    def taken(self) -> Iterator[None]:
+        self._residency.waking -= 1
+        try:
+            yield
+        finally:
+            self._residency.waking += 1
+
+
 async def expire(registry: Registry, unused_for_s: float) -> list[str]:
-    """Delete the sessions no call has used for `unused_for_s` (none inside a call); their names."""
-    cutoff = time.time() - unused_for_s
+    """Delete the sessions no call has used for `unused_for_s` (none inside a call); their names. Recency is read on
+    the monotonic clock: a wall clock stepped back and then corrected cannot age a session used a moment ago."""
+    cutoff = time.monotonic() - unused_for_s
     expired = []
-    for name in [e.name for e in registry.entries() if e.last_used < cutoff]:
+    for name in [e.name for e in registry.entries() if e.used_at < cutoff]:
         entry = registry.get(name)
         # Checked again at its turn: an earlier delete awaited, and meanwhile a call may have used or closed it.
-        if entry is None or entry.busy or entry.last_used >= cutoff:
+        if entry is None or entry.busy or entry.used_at >= cutoff:
             continue
         if registry.fleet is not None and registry.fleet.held(name) is None:
             continue  # in a fleet, only the daemon that holds a session knows when it was last used
@@ -103,6 +171,6 @@ async def expire(registry: Registry, unused_for_s: float) -> list[str]:
             registry.fleet_sessions.moved(entry, e)
             continue
         registry.stats.expired += 1
-        log.info("session.expired", session=name, unused_s=round(time.time() - entry.last_used))
+        log.info("session.expired", session=name, unused_s=round(time.monotonic() - entry.used_at))
         expired.append(name)
     return expired

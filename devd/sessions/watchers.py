@@ -71,6 +71,10 @@ class Fanout:
     def count(self, session: str) -> int:
         return len(self._by_session.get(session, ()))
 
+    def watched(self) -> list[str]:
+        """The sessions with a subscriber (as many as are watched, not as many as there are)."""
+        return list(self._by_session)
+
     def publish(self, stepped: Stepped) -> None:
         subs = self._by_session.get(stepped.session)
         if not subs:

@@ -287,6 +287,7 @@ class _Batch:
     """What one attempt at a commit changes in the node's epochs, applied only once it commits."""
 
     store: PostgresStore
+    run: int  # the lease run the batch began in: what it takes is known current only while that run lasts
     taken: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int | None] = field(default_factory=dict)  # name: the epoch held when dropped
     renewed: set[str] = field(default_factory=set)  # sessions whose history starts again (pruned from seq 0)
@@ -312,7 +313,9 @@ class _Batch:
         for name, held in self.dropped.items():
             if epochs.get(name) == held:  # not if an `acquire` took it again meanwhile
                 epochs.pop(name, None)
+                self.store._epoch_runs.pop(name, None)
         epochs.update(self.taken)
+        self.store._epoch_runs.update(dict.fromkeys(self.taken, self.run))
         for name in self.renewed:
             self.store._pruned.pop(name, None)
 
@@ -356,6 +359,10 @@ class PostgresStore:
         self._lessee = _Connections(url, 1, isolation)
         self._readers = _Connections(url, READERS_MAX, isolation)
         self._epochs: dict[str, int] = {}  # the sessions this node holds, with their epochs
+        # A lease run is a stretch of time over which this node's lease never lapsed: another node can take a session
+        # from it only after a lapse, so an epoch taken in the current run is known current while the run lasts.
+        self._lease_run = 0
+        self._epoch_runs: dict[str, int] = {}  # the run each epoch of `_epochs` was taken in
         self._lease_deadline = float("-inf")  # monotonic
         self._lease_lost_logged = False
         self._queue: list[_Pending] = []
@@ -447,6 +454,10 @@ class PostgresStore:
             await conn.execute(REGISTER, params)
 
         await self._call(self._lessee, register, "renewing this daemon's lease", timeout_s=self.lease_ttl_s / 3)
+        if time.monotonic() >= self._lease_deadline:
+            # The lease lapsed before this renewal took (or this is the first): meanwhile another node may have taken
+            # any session held here, so none of their epochs is known current any more.
+            self._lease_run += 1
         # From before the request left: the database's lease began later, so it cannot end before this one does.
         self._lease_deadline = max(self._lease_deadline, sent + self.lease_ttl_s)
         if self._lease_lost_logged:
@@ -483,6 +494,7 @@ class PostgresStore:
         lapsed or the database fails."""
         if not self.lease_valid():
             raise self._lapsed()
+        run = self._lease_run
 
         async def take(conn: Conn) -> int | MovedError | None:
             taken = await (await conn.execute(ACQUIRE, {"node": self.node, "names": [name]})).fetchall()
@@ -493,12 +505,18 @@ class PostgresStore:
             raise outcome
         if outcome is not None:
             self._epochs[name] = outcome
+            self._epoch_runs[name] = run
             log.info("fleet.acquired", session=name, epoch=outcome)
         return outcome
 
     def held(self, name: str) -> int | None:
         """The epoch under which this node holds the session, as far as it knows (a write finds out for sure)."""
         return self._epochs.get(name)
+
+    def current(self, name: str) -> bool:
+        """Whether this node's epoch of the session is known current: taken in this lease run, which has not lapsed
+        (so no other node can have taken the session since). Reads of its instance are answered only then."""
+        return self.lease_valid() and name in self._epochs and self._epoch_runs.get(name) == self._lease_run
 
     async def owner(self, name: str) -> Owner | None:
         """The live node that owns the session; None if nobody live does (or there is no such session)."""
@@ -640,7 +658,7 @@ class PostgresStore:
                 for attempt in range(RETRIES_MAX):
                     if not self.lease_valid():
                         return self._lapsed()
-                    done = _Batch(self)
+                    done = _Batch(self, self._lease_run)
                     try:
                         async with self._committer.take() as conn:
                             return await self._apply(conn, ops, done), done

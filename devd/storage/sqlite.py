@@ -30,6 +30,7 @@ carries the snapshots' bytes inline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import queue
@@ -48,6 +49,7 @@ import msgspec
 import structlog
 
 from devd import failpoints, files
+from devd.errors import ExistsError
 from devd.storage.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 log = structlog.get_logger("devd.storage.store")
@@ -64,6 +66,9 @@ SNAPSHOT_WRITE_S = 10  # the most one snapshot file and its pointer may take; pa
 SNAPSHOTS_AT_SHUTDOWN_S = 5  # how long a shutdown waits for the snapshot files still queued (systemd waits 20 s)
 T = TypeVar("T")
 U = TypeVar("U")
+
+FORK_COPY_BYTES = 4 << 20  # a fork copies its source's journal a commit of about this much at a time
+FORK_NOTE = "fork:"  # a `meta` key: the fork of this name is being copied, not made yet
 
 # The on-disk format, one migration per version (`PRAGMA user_version` counts those applied). Each runs once, in a
 # transaction of its own, at start; a database from a newer devd (a version past this list) is refused. Never edit a
@@ -206,8 +211,12 @@ class SQLiteStore:
         try:
             _check_wal(path)
             self._db = _connect(path)
+            _check_identity(self._db, path)  # before migrating: a database refused is left exactly as it was
             migrate(self._db, path)
             self.id = _identify(self._db, path)
+            with self._db:
+                for (note,) in self._db.execute("SELECT key FROM meta WHERE key LIKE 'fork:%'").fetchall():
+                    _drop_unmade_fork(self._db, None, note.removeprefix(FORK_NOTE))
             self._thin_all()
             self._sweep_snapshot_files()
         except sqlite3.Error as e:
@@ -784,13 +793,34 @@ class SQLiteStore:
         await self._write(op)
 
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
+        """The source's journal up to `at` is copied a few MiB a commit (others' steps commit in between, rather
+        than wait behind one commit of the whole history), under a note in `meta` that the fork is not made yet;
+        the last commit makes the session and drops the note. Rows of a fork cut short (a failure, a crash) belong
+        to no session: they are removed then, or at the next open."""
         file = await self._state_file(snapshot)
+        spans = await self._read(lambda db: _spans(db, source, at, FORK_COPY_BYTES))
+        note = f"{FORK_NOTE}{name}"
+
+        def begin(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (note, source))
+            self._release_files(db, "session = ?", (name,))
+            db.execute("DELETE FROM journal WHERE session = ?", (name,))
+
+        def copy(lo: int, hi: int) -> Op:
+            def op(db: sqlite3.Connection) -> None:
+                # Rows copied share their snapshot files with the source's: a file goes once neither names it.
+                db.execute(
+                    "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, "
+                    "snapshot_file) SELECT ?, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file "
+                    "FROM journal WHERE session = ? AND seq BETWEEN ? AND ?",
+                    (name, source, lo, hi),
+                )
+
+            return op
 
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
             self._new_generation(name)
-            self._release_files(db, "session = ?", (name,))
-            db.execute("DELETE FROM journal WHERE session = ?", (name,))
             made = db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) SELECT ?, config, ? FROM sessions "
                 "WHERE name = ?",
@@ -798,13 +828,7 @@ class SQLiteStore:
             )
             if made.rowcount != 1:
                 raise StoreError(f"there is no session {source!r} to fork")
-            # Rows copied share their snapshot files with the source's: a file goes once neither names it.
-            db.execute(
-                "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file) "
-                "SELECT ?, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file FROM journal "
-                "WHERE session = ? AND seq <= ?",
-                (name, source, at),
-            )
+            db.execute("DELETE FROM meta WHERE key = ?", (note,))
             if snapshot is not None:
                 db.execute(
                     "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file) "
@@ -813,7 +837,15 @@ class SQLiteStore:
                     (name, at, b"" if file else snapshot, file),
                 )
 
-        await self._write(op)
+        try:
+            await self._write(begin)
+            for lo, hi in spans:
+                await self._write(copy(lo, hi))
+            await self._write(op)
+        except StoreError:
+            with contextlib.suppress(StoreError):
+                await self._write(lambda db: _drop_unmade_fork(db, self, name))
+            raise
 
     # -- reads ----------------------------------------------------------------------------------------------------
 
@@ -885,9 +917,13 @@ class SQLiteStore:
         """SQLite's online backup through this store's connection (the file is opened in exclusive mode: copying it,
         or reading it through a second connection, would be unsafe), with the snapshots kept in files put inline in
         the copy, so it is one file still. Commits wait while the pages and those files are copied (no file can be
-        removed meanwhile); the copy is written beside `path` and renamed into place once fsync'd."""
+        removed meanwhile); the copy is written to a new file of an unpredictable name beside `path` and linked into
+        place once fsync'd, never over anything already at `path` (ExistsError)."""
         target = Path(path)
-        partial = target.with_name(f".{target.name}.partial")
+        try:
+            partial = await anyio.to_thread.run_sync(files.new_partial, target)
+        except OSError as e:
+            raise StoreError(f"the backup to {path} failed ({e}); nothing was left there") from None
 
         def copy(db: sqlite3.Connection) -> None:
             failpoints.hit("backup")
@@ -907,15 +943,20 @@ class SQLiteStore:
                 out.close()
 
         def publish() -> int:
-            files.publish(partial, target)
-            return target.stat().st_size
+            size = partial.stat().st_size
+            files.publish_new(partial, target)
+            return size
 
         try:
             await self._read(copy)
             return await anyio.to_thread.run_sync(publish)
+        except FileExistsError:
+            raise ExistsError(f"{target.name} exists; choose a new name (a backup never overwrites a file)") from None
         except (StoreError, OSError) as e:
-            partial.unlink(missing_ok=True)
             raise StoreError(f"the backup to {path} failed ({e}); nothing was left there") from None
+        finally:
+            partial.unlink(missing_ok=True)
+            Path(f"{partial}-journal").unlink(missing_ok=True)  # SQLite's, should the copy have stopped mid-write
 
     async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
         return await self._read(
@@ -995,23 +1036,89 @@ def _check_wal(path: Path) -> None:
     wal, id_file = Path(f"{path}-wal"), _id_path(path)
     if not wal.exists() or not id_file.exists():
         return
-    ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        row = ro.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
-    except sqlite3.Error:
-        row = None
-    finally:
-        ro.close()
     expected = id_file.read_text().strip()
-    if row is None or row[0] != expected:
+    try:
+        ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            row = ro.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
+        finally:
+            ro.close()
+    except sqlite3.Error as e:
+        # Not a sign of a foreign log: a full disk, a daemon holding the database, a damaged file. Said as what it
+        # is, and the log is never called foreign: moving it away would lose every step in it.
+        hint = (
+            "another process has it open (a daemon on the same --store?): stop it, or pass another --store"
+            if "locked" in str(e)
+            else "free disk space or fix what the error names, and start again"
+        )
         raise StoreError(
-            f"the write-ahead log {wal} belongs to another database (its id is {row[0] if row else 'missing'}, "
-            f"{path.name} is {expected}); move {wal.name} away (it was left as it is) and start again"
+            f"the database {path} and its write-ahead log could not be read to check that they belong together "
+            f"({e}); both were left as they are (keep {wal.name}: it may hold acknowledged steps); {hint}"
+        ) from None
+    if row is None:
+        raise StoreError(
+            f"the database {path} read with its write-ahead log carries no id, though {id_file.name} names "
+            f"{expected}; all three were left as they are (keep {wal.name}: it may hold acknowledged steps): run "
+            "`devd doctor`, and see docs/operations.md on restoring"
+        )
+    if row[0] != expected:
+        raise StoreError(
+            f"the write-ahead log {wal} belongs to another database (read with it, the database's id is {row[0]}; "
+            f"{id_file.name} says {expected}); move {wal.name} away (it was left as it is) and start again"
         )
 
 
 def _id_path(path: Path) -> Path:
     return path.with_name(path.name + ".id")
+
+
+def _spans(db: sqlite3.Connection, session: str, at: int, bytes_max: int) -> list[tuple[int, int]]:
+    """The session's journal up to `at` as ranges of seqs (first, last) of about `bytes_max` each."""
+    spans: list[tuple[int, int]] = []
+    size, lo = 0, None
+    rows = db.execute(
+        "SELECT seq, length(event) + length(actions) + coalesce(length(snapshot), 0) FROM journal "
+        "WHERE session = ? AND seq <= ? ORDER BY seq",
+        (session, at),
+    )
+    for seq, n in rows:
+        lo = seq if lo is None else lo
+        size += n
+        if size >= bytes_max:
+            spans.append((lo, seq))
+            size, lo = 0, None
+    if lo is not None:
+        spans.append((lo, at))
+    return spans
+
+
+def _drop_unmade_fork(db: sqlite3.Connection, store: SQLiteStore | None, name: str) -> None:
+    """Remove the rows a fork cut short copied for `name` (unless the session was made after all), and its note."""
+    note = f"{FORK_NOTE}{name}"
+    if db.execute("SELECT 1 FROM meta WHERE key = ?", (note,)).fetchone() is None:
+        return
+    if db.execute("SELECT 1 FROM sessions WHERE name = ?", (name,)).fetchone() is None:
+        if store is not None:
+            store._release_files(db, "session = ?", (name,))
+        db.execute("DELETE FROM journal WHERE session = ?", (name,))
+    db.execute("DELETE FROM meta WHERE key = ?", (note,))
+
+
+def _check_identity(db: sqlite3.Connection, path: Path) -> None:
+    """When the file beside it names the database this state directory was made with, refuse another one before
+    anything is written to it (no migration runs on a database that is not ours)."""
+    id_file = _id_path(path)
+    if not id_file.exists():
+        return  # a new database, or one restored from a backup: `_identify` writes the file after migrating
+    has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone()
+    row = db.execute("SELECT value FROM meta WHERE key = 'id'").fetchone() if has_meta else None
+    expected = id_file.read_text().strip()
+    if row is None or row[0] != expected:
+        raise StoreError(
+            f"{path} is not the database this state directory was made with (its id is "
+            f"{row[0] if row else 'missing'}, {id_file.name} says {expected}); it was left as it is: put the right "
+            "file back, or move both away to start afresh"
+        )
 
 
 def _identify(db: sqlite3.Connection, path: Path) -> str:

@@ -204,6 +204,10 @@ class Fleet(Protocol):
     def held(self, name: str) -> int | None:
         """The epoch this daemon holds the session under, as far as it knows; None if it does not hold it."""
 
+    def current(self, name: str) -> bool:
+        """Whether that epoch is known current: no other daemon can have taken the session since it was taken (this
+        daemon's lease has not lapsed meanwhile). A live instance answers reads only then."""
+
     async def release(self, names: Iterable[str]) -> None:
         """Give up these sessions (those this daemon holds), so others take them at once (drain)."""
 

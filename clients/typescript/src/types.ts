@@ -101,14 +101,23 @@ export interface Ask {
   messages: Message[];
 }
 
-/** Where the daemon writes a copy of its database: an absolute path to a file that does not exist yet. */
+/**
+ * The name of the copy to write in the daemon's backup directory (`devd serve --backup-dir`): a plain file name that
+ * is not there yet. `path` is its older spelling and takes a plain name too.
+ */
 export interface BackupParams {
   /**
-   * an absolute path; its directory must exist
+   * a file name: no /, not . or .., no leading .
    *
    * @minLength 1
    */
-  path: string;
+  name?: string | null;
+  /**
+   * the same as name (its older spelling)
+   *
+   * @minLength 1
+   */
+  path?: string | null;
 }
 
 /** The copy written: where, and its size. */
@@ -384,7 +393,10 @@ export interface Methods {
     params: NoParams;
     result: StatusResult;
   };
-  /** A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied). */
+  /**
+   * A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied), written as
+   * a new file of the daemon's backup directory; never over a file (EXISTS).
+   */
   "daemon/backup": {
     params: BackupParams;
     result: BackupResult;
@@ -588,6 +600,7 @@ export interface SessionInfo {
   /** @default 0 */
   watchers?: number;
   reason?: string | null;
+  held?: boolean | null;
 }
 
 /**
