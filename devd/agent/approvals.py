@@ -96,6 +96,11 @@ class Ledger:
     def answer(self, action: int, digest: str, decision: Answer, by: str, remember: bool = False) -> Decided:
         """Decide a pending action, or raise: CONFLICT when it is decided already, INVALID_PARAMS when it never
         waited for a decision or the digest names another action."""
+        self.check(action, digest)
+        return self.settle(Decided(action, decision, by, remember))
+
+    def check(self, action: int, digest: str) -> None:
+        """Raise what an answer for this action and digest would be refused with; nothing changes."""
         done = self.decided.get(action)
         asked = self.pending.get(action)
         if asked is None and done is None:
@@ -110,7 +115,6 @@ class Ledger:
             )
         if done is not None:
             raise ConflictError(_conflict(done))
-        return self.settle(Decided(action, decision, by, remember))
 
     def cancel(self, actions: list[int], by: str) -> list[Decided]:
         """Withdraw these actions' pending approvals (their turn was cancelled): each is decided `cancelled`."""

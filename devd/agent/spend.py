@@ -133,6 +133,11 @@ class SpendLedger:
             self._reserved[counter] = self._reserved.get(counter, 0) + tokens
         return reservation
 
+    def headroom(self, scope: Scope, ceilings: Ceilings) -> int:
+        """The tokens a call could still reserve under the tightest ceiling (none set: a very large number)."""
+        left = [limit - self._spent.get(c, 0) - self._reserved.get(c, 0) for _, limit, c, _ in _checks(scope, ceilings)]
+        return min(left, default=1 << 62)
+
     def settle(self, reservation: Reservation, usage: Usage | None) -> None:
         """The call is over: its reservation is released, and its usage (None: it used nothing) charged."""
         if self._open.pop(reservation.number, None) is None:
