@@ -128,7 +128,7 @@ class Oversight:
         self.spend = SpendLedger()
         self._sessions: dict[str, _Session] = {}
         self._loading: dict[str, anyio.Event] = {}
-        self._trace_counts: dict[str, int] = {}
+        self.cancelling: dict[str, str] = {}  # who last stepped a Cancel of each session: who withdrew its approvals
 
     async def load(self) -> None:
         """Count what was spent before this start: every session's usage and refusals (at start, once)."""
@@ -172,7 +172,7 @@ class Oversight:
     def forget(self, session: str) -> None:
         """The session was closed: what is kept of it in memory goes (its records went with it)."""
         self._sessions.pop(session, None)
-        self._trace_counts.pop(session, None)
+        self.cancelling.pop(session, None)
         self.spend.forget(session)
 
     # -- approvals ----------------------------------------------------------------------------------------------
@@ -223,8 +223,10 @@ class Oversight:
         self._told(session, state, done)
         return done
 
-    async def withdraw(self, session: str, actions: list[int], by: str = "unknown") -> list[Decided]:
-        """The turn of these actions was cancelled: their pending approvals are decided `cancelled`."""
+    async def withdraw(self, session: str, actions: list[int], by: str | None = None) -> list[Decided]:
+        """The turn of these actions was cancelled: their pending approvals are decided `cancelled`, by the client
+        that stepped the Cancel when it is known."""
+        by = by or self.cancelling.get(session) or "unknown"
         state = await self._state(session)
         async with state.lock:
             withdrawn = state.ledger.cancel(actions, by)
