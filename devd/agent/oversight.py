@@ -92,6 +92,12 @@ class Keeper(Protocol):
     def tell(self, session: str, method: str, params: msgspec.Struct) -> None: ...
 
 
+class Spans(Protocol):
+    """Where trace records are exported as they are kept (devd.agent.otel)."""
+
+    def export(self, session: str, record: TraceRecord) -> None: ...
+
+
 @dataclass(frozen=True)
 class Gate:
     """Whether a call may start, and why in words the model is shown when it may not."""
@@ -122,9 +128,10 @@ def ceilings(profile: Profile, session_budget: int | None) -> Ceilings:
 class Oversight:
     """Every session's approvals, spend and trace, for one daemon."""
 
-    def __init__(self, keeper: Keeper, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, keeper: Keeper, clock: Callable[[], float] = time.time, spans: Spans | None = None) -> None:
         self.keeper = keeper
         self.clock = clock
+        self.spans = spans
         self.spend = SpendLedger()
         self._sessions: dict[str, _Session] = {}
         self._loading: dict[str, anyio.Event] = {}
@@ -323,6 +330,8 @@ class Oversight:
     async def trace(self, session: str, record: TraceRecord) -> None:
         """Keep one trace record (durable when this returns)."""
         await self._keep(session, trace.TRACE, record.action, record, trace.encode(record))
+        if self.spans is not None:
+            self.spans.export(session, record)
 
     async def records(self, session: str, since: int = 0) -> list[TraceRecord]:
         """The session's trace records after record `since`, in order."""
