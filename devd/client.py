@@ -36,6 +36,7 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
+from devd.agent.records import DeltaNotice, StalledNotice
 from devd.config import default_socket_path, parse_tcp
 from devd.listeners import peer_uid
 from devd.messages import Action, Config, Event, Message, decode_actions, decode_messages, encode
@@ -52,6 +53,8 @@ from devd.methods import (
     NewParams,
     NoParams,
     PendingResult,
+    PromptParams,
+    PromptResult,
     RestoreParams,
     SessionParams,
     SessionResult,
@@ -100,6 +103,8 @@ METHOD_NAMES: dict[str, str] = {
     "session/list": "list",
     "session/watch": "watch",
     "session/unwatch": "unwatch",
+    "session/prompt": "prompt",  # the agent runtime's
+    "session/resume": "resume",
 }
 
 NOTICES_BUFFERED = 1 << 16  # notices of no watch() kept for `notifications`; past it, reading waits for a reader
@@ -142,12 +147,14 @@ class ActionsNotice(msgspec.Struct, frozen=True):
     actions: list[Action]
 
 
-Notice = ActionsNotice | UnwatchedNotice
+Notice = ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice
 
 # Each notification the daemon sends, and its type here.
-NOTICES: dict[str, type[ActionsNotice] | type[UnwatchedNotice]] = {
+NOTICES: dict[str, type[Notice]] = {
     "session/actions": ActionsNotice,
     "session/unwatched": UnwatchedNotice,
+    "session/delta": DeltaNotice,  # the agent runtime's: the model's text as it streams, and a stall
+    "session/stalled": StalledNotice,
 }
 
 
@@ -156,7 +163,8 @@ def notice_of(reply: Reply) -> Notice:
     kind = NOTICES.get(reply.method or "")
     if kind is None:
         raise errors.InternalError(f"the daemon sent {reply.method!r}, a notification this client does not know")
-    return msgspec.convert(reply.params, kind)
+    notice: Notice = msgspec.convert(reply.params, kind)
+    return notice
 
 
 _reply = msgspec.json.Decoder(Reply)
@@ -417,10 +425,31 @@ class Client:
         result: DrainResult = self.request("daemon/drain", NoParams())
         return result.sessions
 
-    def new(self, config: Config | None = None, session: str | None = None) -> str:
-        """Start a session (named `session`, else the daemon chooses); its name."""
-        result: SessionResult = self.request("session/new", NewParams(config, session))
+    def new(
+        self,
+        config: Config | None = None,
+        session: str | None = None,
+        *,
+        agent: str | None = None,
+        workspace: str | Path | None = None,
+    ) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
+        `workspace`, a session the daemon drives itself (`prompt`)."""
+        where = None if workspace is None else str(workspace)
+        result: SessionResult = self.request("session/new", NewParams(config, session, agent, where))
         return result.session
+
+    # -- the agent runtime: sessions the daemon drives
+
+    def prompt(self, session: str, prompt: str, *, key: str | None = None) -> int:
+        """Start a turn of a session made with an agent (once per `key`); its turn id, once it is durable. The daemon
+        carries out the turn: watch the session to see it."""
+        result: PromptResult = self.request("session/prompt", PromptParams(session, prompt, key))
+        return result.turn
+
+    def resume(self, session: str) -> None:
+        """Try a stalled session's model again."""
+        self.request("session/resume", SessionParams(session))
 
     def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
@@ -703,10 +732,31 @@ class AsyncClient:
         result: DrainResult = await self.request("daemon/drain", NoParams())
         return result.sessions
 
-    async def new(self, config: Config | None = None, session: str | None = None) -> str:
-        """Start a session (named `session`, else the daemon chooses); its name."""
-        result: SessionResult = await self.request("session/new", NewParams(config, session))
+    async def new(
+        self,
+        config: Config | None = None,
+        session: str | None = None,
+        *,
+        agent: str | None = None,
+        workspace: str | Path | None = None,
+    ) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
+        `workspace`, a session the daemon drives itself (`prompt`)."""
+        where = None if workspace is None else str(workspace)
+        result: SessionResult = await self.request("session/new", NewParams(config, session, agent, where))
         return result.session
+
+    # -- the agent runtime: sessions the daemon drives
+
+    async def prompt(self, session: str, prompt: str, *, key: str | None = None) -> int:
+        """Start a turn of a session made with an agent (once per `key`); its turn id, once it is durable. The daemon
+        carries out the turn: watch the session to see it."""
+        result: PromptResult = await self.request("session/prompt", PromptParams(session, prompt, key))
+        return result.turn
+
+    async def resume(self, session: str) -> None:
+        """Try a stalled session's model again."""
+        await self.request("session/resume", SessionParams(session))
 
     async def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
@@ -814,9 +864,11 @@ __all__ = [
     "ActionsNotice",
     "AsyncClient",
     "Client",
+    "DeltaNotice",
     "NotRunningError",
     "Notice",
     "Reply",
+    "StalledNotice",
     "StepAnswer",
     "UnwatchedNotice",
     "check_peer",
