@@ -38,6 +38,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
 from devd.agent.oversight import ApprovalNotice, DecidedNotice
+from devd.agent.records import DeltaNotice, StalledNotice
 from devd.agent.trace import TraceRecord
 from devd.config import default_socket_path, parse_tcp
 from devd.listeners import peer_uid
@@ -57,6 +58,8 @@ from devd.methods import (
     NewParams,
     NoParams,
     PendingResult,
+    PromptParams,
+    PromptResult,
     RestoreParams,
     SessionParams,
     SessionResult,
@@ -108,6 +111,8 @@ METHOD_NAMES: dict[str, str] = {
     "session/list": "list",
     "session/watch": "watch",
     "session/unwatch": "unwatch",
+    "session/prompt": "prompt",  # the agent runtime's
+    "session/resume": "resume",
     "session/approve": "approve",
     "session/budget": "set_budget",
     "session/usage": "usage",
@@ -154,12 +159,14 @@ class ActionsNotice(msgspec.Struct, frozen=True):
     actions: list[Action]
 
 
-Notice = ActionsNotice | UnwatchedNotice | ApprovalNotice | DecidedNotice
+Notice = ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice
 
 # Each notification the daemon sends, and its type here.
 NOTICES: dict[str, type[Notice]] = {
     "session/actions": ActionsNotice,
     "session/unwatched": UnwatchedNotice,
+    "session/delta": DeltaNotice,  # the agent runtime's: the model's text as it streams, and a stall
+    "session/stalled": StalledNotice,
     "session/approval": ApprovalNotice,
     "session/decided": DecidedNotice,
 }
@@ -170,7 +177,8 @@ def notice_of(reply: Reply) -> Notice:
     kind = NOTICES.get(reply.method or "")
     if kind is None:
         raise errors.InternalError(f"the daemon sent {reply.method!r}, a notification this client does not know")
-    return msgspec.convert(reply.params, kind)
+    notice: Notice = msgspec.convert(reply.params, kind)
+    return notice
 
 
 _reply = msgspec.json.Decoder(Reply)
@@ -432,10 +440,31 @@ class Client:
         result: DrainResult = self.request("daemon/drain", NoParams())
         return result.sessions
 
-    def new(self, config: Config | None = None, session: str | None = None) -> str:
-        """Start a session (named `session`, else the daemon chooses); its name."""
-        result: SessionResult = self.request("session/new", NewParams(config, session))
+    def new(
+        self,
+        config: Config | None = None,
+        session: str | None = None,
+        *,
+        agent: str | None = None,
+        workspace: str | Path | None = None,
+    ) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
+        `workspace`, a session the daemon drives itself (`prompt`)."""
+        where = None if workspace is None else str(workspace)
+        result: SessionResult = self.request("session/new", NewParams(config, session, agent, where))
         return result.session
+
+    # -- the agent runtime: sessions the daemon drives
+
+    def prompt(self, session: str, prompt: str, *, key: str | None = None) -> int:
+        """Start a turn of a session made with an agent (once per `key`); its turn id, once it is durable. The daemon
+        carries out the turn: watch the session to see it."""
+        result: PromptResult = self.request("session/prompt", PromptParams(session, prompt, key))
+        return result.turn
+
+    def resume(self, session: str) -> None:
+        """Try a stalled session's model again."""
+        self.request("session/resume", SessionParams(session))
 
     def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
@@ -739,10 +768,31 @@ class AsyncClient:
         result: DrainResult = await self.request("daemon/drain", NoParams())
         return result.sessions
 
-    async def new(self, config: Config | None = None, session: str | None = None) -> str:
-        """Start a session (named `session`, else the daemon chooses); its name."""
-        result: SessionResult = await self.request("session/new", NewParams(config, session))
+    async def new(
+        self,
+        config: Config | None = None,
+        session: str | None = None,
+        *,
+        agent: str | None = None,
+        workspace: str | Path | None = None,
+    ) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
+        `workspace`, a session the daemon drives itself (`prompt`)."""
+        where = None if workspace is None else str(workspace)
+        result: SessionResult = await self.request("session/new", NewParams(config, session, agent, where))
         return result.session
+
+    # -- the agent runtime: sessions the daemon drives
+
+    async def prompt(self, session: str, prompt: str, *, key: str | None = None) -> int:
+        """Start a turn of a session made with an agent (once per `key`); its turn id, once it is durable. The daemon
+        carries out the turn: watch the session to see it."""
+        result: PromptResult = await self.request("session/prompt", PromptParams(session, prompt, key))
+        return result.turn
+
+    async def resume(self, session: str) -> None:
+        """Try a stalled session's model again."""
+        await self.request("session/resume", SessionParams(session))
 
     async def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
@@ -870,9 +920,11 @@ __all__ = [
     "ActionsNotice",
     "AsyncClient",
     "Client",
+    "DeltaNotice",
     "NotRunningError",
     "Notice",
     "Reply",
+    "StalledNotice",
     "StepAnswer",
     "UnwatchedNotice",
     "check_peer",

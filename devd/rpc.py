@@ -15,6 +15,7 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from devd.agent.oversight import ApprovalNotice, DecidedNotice
+from devd.agent.records import DeltaNotice, StalledNotice
 from devd.errors import DevdError, InvalidRequestError, MovedError, ParseError, TooLargeError
 from devd.watchers import Notice, Stepped
 
@@ -271,6 +272,8 @@ class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
 NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/actions": StepNotice,
     "session/unwatched": UnwatchedNotice,
+    "session/delta": DeltaNotice,  # the agent runtime's (devd.agent.records), sent by devd.agent.port
+    "session/stalled": StalledNotice,
     "session/approval": ApprovalNotice,  # approvals (devd.agent.oversight), sent through the agent runtime's port
     "session/decided": DecidedNotice,
 }
