@@ -87,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
             send_timeout_s=args.send_timeout,
             max_call_timeout_s=args.max_call_timeout,
             metrics=args.metrics,
+            otel_endpoint=args.otel_endpoint,
             log_format=args.log_format,
             log_level=args.log_level,
         )
@@ -1006,6 +1007,14 @@ def _socket_path(text: str) -> Path:
     return Path(path)
 
 
+def _otel_endpoint(text: str) -> str:
+    if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", text):
+        raise argparse.ArgumentTypeError(
+            f"--otel-endpoint takes a collector's OTLP/HTTP base URL (e.g. http://127.0.0.1:4318), not {text!r}"
+        )
+    return text
+
+
 def _metrics_address(text: str) -> tuple[str, int]:
     try:
         return parse_tcp(text)
@@ -1282,6 +1291,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_metrics_address,
         help="also answer HTTP GET /metrics there, in the Prometheus text format (as `devd status --prometheus`); "
         "use a loopback address unless others should read the counters (default: off)",
+    )
+    serve.add_argument(
+        "--otel-endpoint",
+        metavar="URL",
+        type=_otel_endpoint,
+        help="also export the trace of the sessions the daemon drives as OpenTelemetry spans (GenAI conventions, no "
+        "message content) over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (default: off)",
     )
     serve.add_argument(
         "--agents",
