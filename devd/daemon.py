@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio
+import anyio.to_thread
 import msgspec
 import structlog
 
