@@ -35,6 +35,7 @@ import anyio.abc
 import msgspec
 import structlog
 
+from devd import failpoints
 from devd.agent import effects, http, model, records
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
@@ -210,8 +211,10 @@ class Runtime:
     async def _run_driver(self, driver: Driver) -> None:
         try:
             await driver.run()
-        except DevdError as e:
+        except DevdError as e:  # the session was closed, ended or moved away meanwhile: its next prompt drives it
             log.warning("agent.driver_stopped", session=driver.session, error=f"{e.kind}: {e}"[:500])
+        except Exception as e:  # a bug here must not end the daemon: the session waits, `session/resume` retries
+            log.error("agent.driver_failed", session=driver.session, error=f"{type(e).__name__}: {e}"[:500])
         finally:
             if self._drivers.get(driver.session) is driver:
                 del self._drivers[driver.session]
@@ -304,14 +307,19 @@ class Driver:
                 return
             profile = self.runtime._profile(self.session, binding)
             await self._load()
-            queue: deque[Action] = deque()
+            queue = deque(await self.sessions.pending(self.session))
             while True:
-                if self.dirty or not queue:
+                if self.dirty:
+                    # Another client stepped the session (or a prompt came): what it waits for is the truth.
                     self.dirty = False
                     queue = deque(await self.sessions.pending(self.session))
-                    if not queue and not self.dirty:
-                        return
-                    continue
+                if not queue:
+                    # The answers of its own steps ran out: the core waits for nothing more (a turn queued behind
+                    # comes in the answer that ends the one before), and pending is not asked again, which would
+                    # only hold the session from its clients as a turn ends.
+                    if self.dirty:
+                        continue
+                    return
                 action = queue.popleft()
                 answered = await self._carry(profile, binding, action)
                 queue.extend(a for a in answered if _awaited(a))
@@ -340,6 +348,7 @@ class Driver:
         """work()'s result; None when it was withdrawn: another client's step (a Cancel, a result of its own) left
         the action no longer pending, and the work was stopped where it stood."""
         done: list[T] = []
+        failed: list[Exception] = []
         self._foreign = anyio.Event()
         async with anyio.create_task_group() as tg:
 
@@ -352,8 +361,13 @@ class Driver:
                         return
 
             tg.start_soon(watch)
-            done.append(await work())
+            try:
+                done.append(await work())
+            except Exception as e:  # raised as itself, not inside the task group's ExceptionGroup
+                failed.append(e)
             tg.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
         return done[0] if done else None
 
     async def _carry(self, profile: Profile, binding: Binding, action: Action) -> list[Action]:
@@ -379,9 +393,12 @@ class Driver:
             claim = Claim(kind.lower(), self.runtime._turns.get(self.session, 0))
             await self._record(records.CLAIM, action.id, records.encode(claim))
             self._claims.add(action.id)
+            failpoints.hit("agent.claimed")
         started, t0 = time.time(), time.monotonic()
         result = await self._guarded(action.id, lambda: self._tool(profile, binding, kind, call))
         took = time.monotonic() - t0
+        if kind in EFFECTS:
+            failpoints.hit("agent.done")
         if result is None:
             await self._traced(action, kind, call, started, took, "interrupted", "cancelled with its turn")
             if kind not in EFFECTS:
