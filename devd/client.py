@@ -37,7 +37,7 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
-from devd.agent.oversight import ApprovalNotice, DecidedNotice
+from devd.agent.approvals import ApprovalNotice, DecidedNotice
 from devd.agent.records import DeltaNotice, StalledNotice
 from devd.agent.trace import TraceRecord
 from devd.config import default_socket_path, parse_tcp

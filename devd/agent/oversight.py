@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import msgspec
 
 from devd.agent import approvals, spend, trace
-from devd.agent.approvals import Answer, Asked, Decided, Ledger
+from devd.agent.approvals import Answer, ApprovalNotice, Asked, Decided, DecidedNotice, Ledger
 from devd.agent.profiles import Budget, Profile, decide
 from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, SpendLedger, Usage
 from devd.agent.trace import TraceRecord
@@ -39,26 +39,7 @@ if TYPE_CHECKING:
 
 APPROVAL_NOTICE = "session/approval"
 DECIDED_NOTICE = "session/decided"
-
-
-class ApprovalNotice(msgspec.Struct, frozen=True):
-    """`session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision;
-    answer it with `session/approve` and this `digest`."""
-
-    session: str
-    action: int
-    op: Op
-    digest: str
-
-
-class DecidedNotice(msgspec.Struct, frozen=True):
-    """`session/decided`: action `action` was decided: `allow` or `deny` by the client `by` (its name from
-    `initialize`, or "unknown"), or `cancelled` (its turn was cancelled)."""
-
-    session: str
-    action: int
-    decision: Literal["allow", "deny", "cancelled"]
-    by: str
+__all__ = ["ApprovalNotice", "DecidedNotice", "Oversight"]
 
 
 class BudgetBody(msgspec.Struct, frozen=True):
