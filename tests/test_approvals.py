@@ -3,7 +3,13 @@ end to end against the real daemon, the stand-in model server, real files and re
 
 from __future__ import annotations
 
+import os
+import pty
+import select
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +18,11 @@ from typing import Any
 import pytest
 
 from devd import errors
+from devd.agent.approvals import ApprovalNotice
+from devd.agent.cli import approval_lines, decision_of
 from devd.client import Client, Reply
-from devd.messages import Cancel, Event
-from tests.daemon import Daemon
+from devd.messages import Cancel, Event, Op, Write
+from tests.daemon import ROOT, Daemon
 from tests.standin_model import Scripted, Standin, standin_fixture
 
 __all__ = ["standin_fixture"]
@@ -378,4 +386,60 @@ def test_a_tool_run_and_a_denied_one_each_leave_a_trace_record(agentd: Agentd) -
     assert [(r["kind"], r["outcome"], r.get("error")) for r in records] == [
         ("exec", "denied", "denied by ui-1: the user did not approve this call"),
         ("model", "ok", None),
+    ]
+
+
+# -- for people -----------------------------------------------------------------------------------------------------
+
+
+def test_devd_run_at_a_terminal_asks_y_n_a_and_a_y_runs_the_command_once(agentd: Agentd) -> None:
+    mark_then_finish(agentd.standin)
+    argv = [sys.executable, "-m", "devd", "run", "--connect", str(agentd.daemon.socket), "--agent", "coder"]
+    argv += ["--workspace", str(agentd.workspace), "mark it"]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        argv, stdin=follower, stdout=follower, stderr=follower, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    os.close(follower)
+    try:
+        shown = read_until(leader, b"[y/N/a] ")
+        os.write(leader, b"y\n")
+        shown += read_until(leader, b"[turn 1 complete]")
+        assert (proc.wait(60), agentd.marks()) == (0, 1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    assert b"$ sh -c echo ran >> marker\r\nallow action 2? [y/N/a] " in shown
+
+
+def read_until(fd: int, wanted: bytes) -> bytes:
+    """What the terminal shows, up to and including `wanted` (the process's own output is the event awaited)."""
+    seen = b""
+    deadline = time.monotonic() + NOTICE_TIMEOUT_S
+    while wanted not in seen:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            pytest.fail(f"{wanted!r} was not shown; the terminal showed {seen!r}")
+        seen += os.read(fd, 4096)
+    return seen
+
+
+def test_y_allows_a_allows_and_remembers_anything_else_denies() -> None:
+    answers = [decision_of(a) for a in ("y\n", "a\n", "\n", "no\n")]
+    assert answers == [("allow", False), ("allow", True), ("deny", False), ("deny", False)]
+
+
+def test_a_write_waiting_for_approval_is_shown_as_a_diff_of_the_file(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("one\ntwo\n")
+    notice = ApprovalNotice("s", 2, Op(Write=Write(path="a.txt", text="one\n2\n")), "0" * 64)
+    assert approval_lines(notice, str(tmp_path)) == [
+        "write a.txt (6 bytes)",
+        "  --- a/a.txt",
+        "  +++ b/a.txt",
+        "  @@ -1,2 +1,2 @@",
+        "   one",
+        "  -two",
+        "  +2",
     ]
