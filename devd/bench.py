@@ -2008,6 +2008,13 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_long.add_arguments(sub.add_parser("long", help="one session's cost as it grows; exit 1 on error answers"))
     bench_fleet.add_arguments(sub.add_parser("fleet", help="daemons on one PostgreSQL; exit 1 when a setup failed"))
+    approvals_parser = sub.add_parser(
+        "approvals", help="what approvals, spend ceilings and the trace add to a turn the daemon drives"
+    )
+    from devd.bench_approvals import add_arguments as approvals_arguments
+
+    approvals_arguments(approvals_parser)
+
     args = p.parse_args(argv)
     if args.what == "soak":
         return _soak_command(args)
@@ -2015,6 +2022,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_long.command(args)
     if args.what == "fleet":
         return bench_fleet.command(args)
+    if args.what == "approvals":
+        from devd import bench_approvals as approvals  # the agent runtime's, loaded only when asked for
+
+        return approvals.run(args)
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
     elif args.what == "many":
