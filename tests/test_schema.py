@@ -21,9 +21,11 @@ from devd.client import Client, Reply
 from devd.messages import Call, Exec, Output, Read, answer, turn
 from devd.methods import METHODS
 
-# Approvals, spend and trace need a daemon that drives sessions (--agents): tests/test_approvals.py covers them.
-OVERSIGHT_METHODS = {"session/approve", "session/budget", "session/usage", "session/trace"}
-OVERSIGHT_NOTICES = {"session/approval", "session/decided"}
+# The methods and notices of sessions the daemon drives need a daemon with --agents: tests/test_agent_runtime.py and
+# tests/test_approvals.py cover them.
+OVERSIGHT_METHODS = {"session/prompt", "session/resume", "session/approve", "session/budget", "session/usage"}
+OVERSIGHT_METHODS |= {"session/trace"}
+OVERSIGHT_NOTICES = {"session/delta", "session/stalled", "session/approval", "session/decided"}
 from devd.schema import (
     ERROR_EXAMPLE,
     EXCHANGES,
