@@ -295,7 +295,7 @@ def test_an_unreachable_model_stalls_the_session_until_it_is_resumed(agentd: Age
         )
 
 
-# -- crashes: nothing run twice, nothing acknowledged lost, every turn ends ----------------------------------------------
+# -- crashes: nothing run twice, nothing acknowledged lost, every turn ends -------------------------------------------
 
 
 def test_a_command_the_daemon_was_killed_during_is_not_run_again_and_is_stepped_interrupted(agentd: Agentd) -> None:

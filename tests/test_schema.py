@@ -66,7 +66,12 @@ def test_the_schema_is_a_valid_2020_12_schema_and_devd_schema_prints_it() -> Non
 
 def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
     assert list(SCHEMA["methods"]) == list(METHODS)
-    assert list(SCHEMA["notifications"]) == ["session/actions", "session/unwatched"]
+    assert list(SCHEMA["notifications"]) == [
+        "session/actions",
+        "session/unwatched",
+        "session/delta",
+        "session/stalled",
+    ]
     refs: list[str] = []
 
     def walk(node: Any) -> None:
@@ -174,6 +179,8 @@ def test_the_method_map_is_also_a_type_in_defs_for_generators_that_read_only_def
     assert defs["Notifications"]["properties"] == {
         "session/actions": {"$ref": "#/$defs/StepNotice"},
         "session/unwatched": {"$ref": "#/$defs/UnwatchedNotice"},
+        "session/delta": {"$ref": "#/$defs/DeltaNotice"},
+        "session/stalled": {"$ref": "#/$defs/StalledNotice"},
     }
 
 
@@ -240,7 +247,12 @@ def test_devd_schema_openrpc_prints_an_openrpc_document_over_the_same_definition
     assert {k: e["code"] for k, e in document["components"]["errors"].items()} == {
         k: e["code"] for k, e in SCHEMA["errors"].items()
     }
-    assert [n["name"] for n in document["x-notifications"]] == ["session/actions", "session/unwatched"]
+    assert [n["name"] for n in document["x-notifications"]] == [
+        "session/actions",
+        "session/unwatched",
+        "session/delta",
+        "session/stalled",
+    ]
     refs = re.findall(r'"\$ref": ?"([^"]*)"', json.dumps(document))
     assert refs and all(r.startswith("#/components/schemas/") and r.split("/")[-1] in schemas for r in refs)
 
@@ -445,8 +457,10 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             sent_methods, notice_methods, kinds = check_traffic(client)
             watcher_methods, watcher_notices, _ = check_traffic(watcher)
         assert stop(proc) == 0
-    # daemon/drain answers only in a fleet (tests/test_fleet.py); here it is refused, as NULL.
-    assert sent_methods | watcher_methods == set(SCHEMA["methods"]) - {"daemon/drain"}
-    assert watcher_notices == set(SCHEMA["notifications"])
+    # daemon/drain answers only in a fleet (tests/test_fleet.py); here it is refused, as NULL. The agent runtime's
+    # methods and notices need a model server: tests/test_agent_runtime.py has them.
+    agent_methods, agent_notices = {"session/prompt", "session/resume"}, {"session/delta", "session/stalled"}
+    assert sent_methods | watcher_methods == set(SCHEMA["methods"]) - {"daemon/drain"} - agent_methods
+    assert watcher_notices == set(SCHEMA["notifications"]) - agent_notices
     assert notice_methods == set()
     assert kinds == {"MALFORMED", "METHOD_NOT_FOUND", "INVALID_PARAMS", "HANDLE", "CONFLICT", "NULL"}

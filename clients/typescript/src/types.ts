@@ -160,6 +160,16 @@ export interface Config {
   asks?: "delta" | "full";
 }
 
+/**
+ * `session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled. The
+ * fragments of one action, in order, are its reply's text.
+ */
+export interface DeltaNotice {
+  session: string;
+  action: number;
+  text: string;
+}
+
 /** A call the model asked for, under the action id it was dispatched with. */
 export interface Dispatch {
   /**
@@ -445,10 +455,26 @@ export interface Methods {
     params: SessionParams;
     result: Empty;
   };
+  /**
+   * Start a turn of a session made with an agent; answered once its Turn step is durable, after which the daemon
+   * carries out every action of the turn itself (watchers see each step as `session/actions`, the model's text as it
+   * streams as `session/delta`).
+   */
+  "session/prompt": {
+    params: PromptParams;
+    result: PromptResult;
+  };
+  /** Try a stalled session's model again (and drive a session of an agent that owes work). */
+  "session/resume": {
+    params: SessionParams;
+    result: Empty;
+  };
 }
 
 /**
- * A new session, from a config (default `{}`), under a name (default: chosen by the daemon).
+ * A new session, from a config (default `{}`), under a name (default: chosen by the daemon); with `agent` (a profile
+ * of the daemon's agents file) and `workspace` (an absolute directory inside the profile's roots), a session the
+ * daemon drives itself (`session/prompt`).
  *
  * @example {"session":"demo","config":{"model":"small"}}
  */
@@ -460,6 +486,10 @@ export interface NewParams {
    * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
    */
   session?: string | null;
+  /** the name of an agent profile */
+  agent?: string | null;
+  /** an absolute directory inside the profile's roots */
+  workspace?: string | null;
 }
 
 /** This method takes no params. */
@@ -469,6 +499,8 @@ export type NoParams = Record<string, never>;
 export interface Notifications {
   "session/actions": StepNotice;
   "session/unwatched": UnwatchedNotice;
+  "session/delta": DeltaNotice;
+  "session/stalled": StalledNotice;
 }
 
 /**
@@ -521,6 +553,32 @@ export interface PendingResult {
   actions: Action[];
 }
 
+/**
+ * A prompt for a session the daemon drives, with an optional idempotency key (a retry with the same key answers the
+ * same turn, and starts nothing).
+ */
+export interface PromptParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  prompt: string;
+  /**
+   * 1-256 bytes of UTF-8
+   *
+   * @minLength 1
+   * @maxLength 256
+   */
+  key?: string | null;
+}
+
+/** The turn the prompt started (or, for a key answered before, started then). */
+export interface PromptResult {
+  turn: number;
+}
+
 /** Read the file at `path`, relative to the workspace. Answered by a `File` event with the action's id. */
 export interface Read {
   path: string;
@@ -562,6 +620,7 @@ export interface SessionInfo {
   /** @default 0 */
   watchers?: number;
   reason?: string | null;
+  stalled?: string | null;
 }
 
 /**
@@ -590,6 +649,16 @@ export interface SessionResult {
 /** The session's state, base64, for `session/restore`. */
 export interface SnapshotResult {
   snapshot: string;
+}
+
+/**
+ * `session/stalled`: the model could not be reached for the Model action `action` after its retries (`why`); the ask
+ * stays pending until `session/resume`.
+ */
+export interface StalledNotice {
+  session: string;
+  action: number;
+  why: string;
 }
 
 /** The daemon's health and counters. */
