@@ -76,12 +76,14 @@ def find_bwrap() -> str | None:
 
 
 @functools.cache
-def probe() -> str | None:
-    """None when bubblewrap runs `true` here as `wrap` would run a command, else why not. Tried once per process
-    (it takes a few milliseconds; call it off the event loop)."""
-    bwrap = find_bwrap()
+def probe(bwrap: str | None = None) -> str | None:
+    """None when bubblewrap (`bwrap`, else the one on the PATH) runs `true` here as `wrap` would run a command, else
+    why not. Tried once per process (it takes a few milliseconds; call it off the event loop)."""
+    bwrap = bwrap or find_bwrap()
     if bwrap is None:
         return "bubblewrap is not installed (no bwrap on the PATH)"
+    if not os.access(bwrap, os.X_OK):
+        return f"bubblewrap is not installed (no {bwrap})"
     with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
         try:
             done = subprocess.run(
@@ -99,12 +101,13 @@ def probe() -> str | None:
     return None
 
 
-def choose(profile: Profile) -> Sandbox | None | Refusal:
-    """How the profile's Exec and Git run: under a Sandbox, unconfined (None: `sandbox = "none"`), or not at all."""
+def choose(profile: Profile, *, bwrap: str | None = None) -> Sandbox | None | Refusal:
+    """How the profile's Exec and Git run: under a Sandbox, unconfined (None: `sandbox = "none"`), or not at all.
+    `bwrap` is the program to use (default: bwrap on the PATH)."""
     if profile.sandbox == "none":
         return None
-    why = probe()
-    bwrap = find_bwrap()
+    bwrap = bwrap or find_bwrap()
+    why = probe(bwrap)
     if why is None and bwrap is not None:
         return Sandbox(bwrap=bwrap)
     setting = f'[agent.{profile.name}] sets sandbox = "{profile.sandbox}"'
