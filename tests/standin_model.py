@@ -67,6 +67,7 @@ class Standin:
         self.requests: list[Recorded] = []
         self.closed_early = 0  # streams the client closed before the server had finished them
         self.closed = threading.Event()  # set at each early close
+        self.pages: dict[str, str] = {}  # path -> text served on GET (for Browse), e.g. pages["/docs"]
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -74,6 +75,9 @@ class Standin:
 
             def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
                 standin._serve(self)
+
+            def do_GET(self) -> None:  # noqa: N802
+                standin._page(self)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # quiet
@@ -109,6 +113,15 @@ class Standin:
         return self.closed.wait(timeout_s)
 
     # -- serving ---------------------------------------------------------------------------------------------------
+
+    def _page(self, h: BaseHTTPRequestHandler) -> None:
+        text = self.pages.get(h.path)
+        data = (text if text is not None else f"no page {h.path}").encode()
+        h.send_response(200 if text is not None else 404)
+        h.send_header("Content-Type", "text/plain; charset=utf-8")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
 
     def _serve(self, h: BaseHTTPRequestHandler) -> None:
         length = int(h.headers.get("Content-Length") or 0)

@@ -248,7 +248,7 @@ async def test_a_500_is_retried_and_the_next_attempt_answers(standin: Standin, c
         on_attempt=outcomes.append,
         backoff_s=0,
     )
-    assert [(a.outcome, a.status) for a in outcomes] == [("retry", 500), ("ok", 200)]
+    assert ([(a.outcome, a.status) for a in outcomes], standin.count) == ([("retry", 500), ("ok", 200)], 2)
 
 
 async def test_a_429_waits_for_its_retry_after_not_the_backoff(standin: Standin, client: http.Client) -> None:
@@ -326,3 +326,35 @@ async def test_cancelling_closes_the_stream(standin: Standin, client: http.Clien
             tg.cancel_scope.cancel()
     closed = await anyio.to_thread.run_sync(standin.wait_closed)
     assert (closed, [a.outcome for a in outcomes]) == (True, ["cancelled"])
+
+
+async def test_an_async_on_text_is_awaited_for_each_fragment(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(text="abcdef", split=2))
+    seen: list[str] = []
+
+    async def on_text(fragment: str) -> None:
+        await anyio.sleep(0)
+        seen.append(fragment)
+
+    await complete(client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, on_text=on_text)
+    assert seen == ["ab", "cd", "ef"]
+
+
+def test_the_standin_refuses_calls_without_their_results() -> None:
+    body = request_body(profile(), CONVERSATION[:3])
+    assert check_request(body) == (
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        "'tool_call_id'. The following tool_call_ids did not have response messages: call_3"
+    )
+
+
+def test_the_standin_refuses_a_result_not_answering_the_message_before_it() -> None:
+    body = request_body(profile(), [*CONVERSATION, Message(User="again"), Message(Tool=Tool(id=2, text="late"))])
+    assert check_request(body) == (
+        "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with "
+        "'tool_calls'. (messages[5].tool_call_id = \"call_2\")"
+    )
+
+
+def test_the_standin_refuses_a_request_without_a_model() -> None:
+    assert check_request({"messages": [{"role": "user", "content": "hi"}]}) == "you must provide a model parameter"

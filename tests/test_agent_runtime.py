@@ -87,7 +87,7 @@ def test_each_request_carries_the_system_prompt_the_key_and_the_conversation(age
     assert (second.headers["authorization"], second.body["messages"][:2], tool_messages(agentd.standin, 1)) == (
         f"Bearer {SECRET}",
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "read it"}],
-        ["error: cannot read missing.txt: No such file or directory"],
+        ["error: missing.txt does not exist"],
     )
 
 
@@ -196,7 +196,9 @@ def test_a_symlink_that_leaves_the_workspace_is_refused_and_nothing_outside_is_r
     with agentd.client() as c:
         session = agentd.session(c)
         run_turn(c, session, "read the link")
-        assert results(c, session) == [(2, f"refused: link is not inside the workspace (it leads to {outside})", True)]
+        assert results(c, session) == [
+            (2, f"refused: link leads outside the workspace (to {outside}) through a symbolic link", True)
+        ]
 
 
 def test_dotdot_and_absolute_paths_are_refused_before_anything_is_touched(agentd: Agentd) -> None:
@@ -295,7 +297,7 @@ def test_an_unreachable_model_stalls_the_session_until_it_is_resumed(agentd: Age
         )
 
 
-# -- crashes: nothing run twice, nothing acknowledged lost, every turn ends ----------------------------------------------
+# -- crashes: nothing run twice, nothing acknowledged lost, every turn ends -------------------------------------------
 
 
 def test_a_command_the_daemon_was_killed_during_is_not_run_again_and_is_stepped_interrupted(agentd: Agentd) -> None:

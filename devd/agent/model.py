@@ -350,7 +350,8 @@ class StreamParser:
 
     def completion(self) -> Completion:
         calls = [
-            ToolCall(id=c["id"] or f"call_{i}", name=c["name"], arguments="".join(c["arguments"]))
+            # A server that gives no id: one that cannot be taken for a `call_<action id>` of the conversation.
+            ToolCall(id=c["id"] or f"call_noid_{i}", name=c["name"], arguments="".join(c["arguments"]))
             for i, c in sorted(self._calls.items())
         ]
         text = "".join(self._text) or None

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import anyio
@@ -36,7 +37,8 @@ import msgspec
 import structlog
 
 from devd import failpoints
-from devd.agent import effects, http, model, records
+from devd.agent import http, model, records, tools
+from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import Sessions, action_ids
@@ -100,7 +102,7 @@ class Runtime:
         self._drivers: dict[str, Driver] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self._tg: anyio.abc.TaskGroup | None = None
-        self._sandboxes: dict[str, effects.Sandbox] = {}
+        self._sandboxes: dict[str, sandboxes.Sandbox | sandboxes.Refusal | None] = {}
         self.http: http.Client | None = None
         self.oversight = Oversight(sessions)  # approvals, spend and trace (devd.agent.oversight)
         sessions.observe(self)
@@ -224,10 +226,10 @@ class Runtime:
         log.warning("agent.stalled", session=session, action=action, why=why[:500])
         self.sessions.tell(session, "session/stalled", StalledNotice(session, action, why))
 
-    def sandbox(self, profile: Profile) -> effects.Sandbox:
-        """How the profile's commands run, found out once (bubblewrap is probed the first time it is needed)."""
+    def sandbox(self, profile: Profile) -> sandboxes.Sandbox | sandboxes.Refusal | None:
+        """How the profile's commands run (bubblewrap is probed the first time; call it off the event loop)."""
         if profile.name not in self._sandboxes:
-            self._sandboxes[profile.name] = effects.choose(profile)
+            self._sandboxes[profile.name] = sandboxes.choose(profile)
         return self._sandboxes[profile.name]
 
     # -- observing the sessions ---------------------------------------------------------------------------------
@@ -448,24 +450,26 @@ class Driver:
         await self._stalled(action.id, refusal.message)
         return None
 
-    async def _tool(self, profile: Profile, binding: Binding, kind: str, call: Call) -> effects.Result:
-        workspace = binding.workspace
+    async def _tool(self, profile: Profile, binding: Binding, kind: str, call: Call) -> tools.Result:
+        workspace = Path(binding.workspace)
         if call.Read is not None:
-            return await effects.read_file(workspace, call.Read.path)
+            return await tools.read_file(workspace, call.Read.path, profile.output_bytes_max)
         if call.Write is not None:
-            return await effects.write_file(workspace, call.Write.path, call.Write.text)
+            return await tools.write_file(workspace, call.Write.path, call.Write.text)
         if call.Browse is not None:
-            assert self.runtime.http is not None
-            return await effects.browse(self.runtime.http, call.Browse.url, profile)
+            return await tools.browse(call.Browse.url, profile.output_bytes_max, client=self.runtime.http)
         argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv]  # type: ignore[union-attr]
-        sandbox = await anyio.to_thread.run_sync(self.runtime.sandbox, profile)
-        return await effects.run_command(profile, sandbox, workspace, argv)
+        confined = await anyio.to_thread.run_sync(self.runtime.sandbox, profile)
+        if isinstance(confined, sandboxes.Refusal):
+            return tools.Result(confined.why, failed=True)
+        return await tools.run_command(argv, workspace=workspace, profile=profile, sandbox=confined)
 
     async def _ask(self, profile: Profile, action: Action) -> list[Action]:
         assert action.op.Model is not None
         ask = action.op.Model
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
-        exec_available = (await anyio.to_thread.run_sync(self.runtime.sandbox, profile)).available
+        confined = await anyio.to_thread.run_sync(self.runtime.sandbox, profile)
+        exec_available = not isinstance(confined, sandboxes.Refusal)
         for attempt in range(REASKS_MAX + 1):
 
             def on_text(text: str) -> None:
