@@ -67,6 +67,7 @@ from devd.methods import (
     StatusResult,
     StepParams,
     StepResult,
+    TokenBudget,
     TraceParams,
     TraceResult,
     TranscriptParams,
@@ -447,11 +448,13 @@ class Client:
         *,
         agent: str | None = None,
         workspace: str | Path | None = None,
+        budget: int | None = None,
     ) -> str:
         """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
-        `workspace`, a session the daemon drives itself (`prompt`)."""
+        `workspace`, a session the daemon drives itself (`prompt`), with its own spend ceiling of `budget` tokens."""
         where = None if workspace is None else str(workspace)
-        result: SessionResult = self.request("session/new", NewParams(config, session, agent, where))
+        tokens = None if budget is None else TokenBudget(budget)
+        result: SessionResult = self.request("session/new", NewParams(config, session, agent, where, tokens))
         return result.session
 
     # -- the agent runtime: sessions the daemon drives
@@ -775,11 +778,13 @@ class AsyncClient:
         *,
         agent: str | None = None,
         workspace: str | Path | None = None,
+        budget: int | None = None,
     ) -> str:
         """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
-        `workspace`, a session the daemon drives itself (`prompt`)."""
+        `workspace`, a session the daemon drives itself (`prompt`), with its own spend ceiling of `budget` tokens."""
         where = None if workspace is None else str(workspace)
-        result: SessionResult = await self.request("session/new", NewParams(config, session, agent, where))
+        tokens = None if budget is None else TokenBudget(budget)
+        result: SessionResult = await self.request("session/new", NewParams(config, session, agent, where, tokens))
         return result.session
 
     # -- the agent runtime: sessions the daemon drives

@@ -10,10 +10,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -28,6 +28,7 @@ from tests.standin_model import Scripted, Standin, standin_fixture
 __all__ = ["standin_fixture"]
 
 NOTICE_TIMEOUT_S = 30.0
+T = TypeVar("T")
 MARK = ["sh", "-c", "echo ran >> marker"]  # a command whose every run leaves a line
 
 
@@ -110,6 +111,17 @@ def answer(c: Client, params: dict[str, Any], decision: str, **extra: Any) -> No
 
 def _named(params: dict[str, Any]) -> dict[str, Any]:
     return {k: params[k] for k in ("session", "action", "digest")}
+
+
+def unbusy(call: Callable[[], T]) -> T:
+    """call(), sent again while it is answered BUSY (the daemon's own driver is inside a call on the session, as
+    after a restart): what the protocol tells a client to do."""
+    for _ in range(200):
+        try:
+            return call()
+        except errors.BusyError:
+            time.sleep(0.01)
+    return call()
 
 
 def tool_texts(standin: Standin, request: int) -> list[str]:
@@ -221,8 +233,28 @@ def test_session_pending_shows_the_action_awaiting_approval_after_a_restart(tmp_
         agentd.daemon.kill()
         agentd.daemon.start()
         with agentd.client("ui-2") as c:
-            pending = c.call("session/pending", {"session": session})["actions"]
+            pending = unbusy(lambda: c.call("session/pending", {"session": session}))["actions"]
     assert pending == [{"id": 2, "op": {"Exec": {"argv": MARK}}, "awaiting": "approval"}]
+
+
+def test_an_approval_pending_while_its_session_hibernates_runs_once_when_answered(
+    tmp_path: Path, standin: Standin
+) -> None:
+    workspace = tmp_path / "roots" / "ws"
+    workspace.mkdir(parents=True)
+    (tmp_path / "agents.toml").write_text(agents_toml(standin.url, tmp_path / "roots"))
+    daemon = Daemon(tmp_path / "d", "--agents", str(tmp_path / "agents.toml"), "--max-live", "1")
+    agentd = Agentd(daemon.start(), workspace, standin)
+    mark_then_finish(standin)
+    with agentd.daemon, agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        params = approval(c, session, "mark it")
+        c.new()  # a second live session: the first, idle while it waits, hibernates
+        hibernated = next(s.state for s in c.list().sessions if s.session == session)
+        answer(c, params, "allow")
+        until_done(c)
+    assert (hibernated, agentd.marks()) == ("stored", 1)
 
 
 def test_cancel_withdraws_the_pending_approval(agentd: Agentd) -> None:
@@ -291,9 +323,7 @@ def test_raising_the_budget_and_resuming_carries_on(tmp_path: Path, standin: Sta
     agentd = start(tmp_path, standin, exec='"allow"')
     standin.script(Scripted(tool_calls=[("exec", {"argv": ["true"]})], usage=(3000, 2000, None)), Scripted(text="ok"))
     with agentd.daemon, agentd.client("ui-1") as c:
-        session = c.call(
-            "session/new", {"agent": "coder", "workspace": str(agentd.workspace), "budget": {"tokens": 5000}}
-        )["session"]
+        session = c.new(agent="coder", workspace=agentd.workspace, budget=5000)
         watch(c, session)
         c.prompt(session, "go")
         next_notice(c, "session/stalled")
