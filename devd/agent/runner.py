@@ -23,13 +23,14 @@ What it promises:
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -410,8 +411,21 @@ class Driver:
             return await self._step(_result(kind, action.id, text, True), action.id)
         log.debug("agent.tool", session=self.session, action=action.id, kind=kind, ms=took * 1e3)
         outcome: Outcome = "error" if result.failed else "ok"
-        await self._traced(action, kind, call, started, took, outcome, result.text if result.failed else None)
-        return await self._step(_result(kind, action.id, result.text, result.failed), action.id)
+        error = result.text if result.failed else None
+        event = _result(kind, action.id, result.text, result.failed)
+        traced = functools.partial(self._traced, action, kind, call, started, took, outcome, error)
+        return await self._beside(traced, functools.partial(self._step, event, action.id))
+
+    async def _beside(
+        self, record: Callable[[], Coroutine[Any, Any, None]], step: Callable[[], Awaitable[list[Action]]]
+    ) -> list[Action]:
+        """The step, with the trace (and usage) records of what it answers handed to the store at the same time, so
+        that group commit makes them durable together: one commit, not one each."""
+        answered: list[list[Action]] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(record)
+            answered.append(await step())
+        return answered[0]
 
     async def _gate(self, profile: Profile, action: Action, call: Call) -> Gate | None:
         """Whether the call may start: the profile's decision, or for `ask` a client's (waited for); None when the
@@ -501,10 +515,15 @@ class Driver:
             except BaseException:
                 accounted.cancelled()
                 raise
-            await accounted.done(completion)
             if completion is None:
+                await accounted.done(None)
                 return []
             reply, rejected = model.to_reply(completion)
+            if not rejected:
+                answer = Event(Model=Answer(id=action.id, reply=reply))
+                done = functools.partial(accounted.done, completion)
+                return await self._beside(done, functools.partial(self._step, answer, action.id))
+            await accounted.done(completion)
             if rejected:
                 again = reply.calls is None and attempt < REASKS_MAX
                 text = reply.text if again else None
