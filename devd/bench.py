@@ -2010,64 +2010,95 @@ def _ms(values: list[float], q: float) -> float:
     return round(ordered[min(len(ordered) - 1, int(len(ordered) * q))], 3) if ordered else 0.0
 
 
-def bench_agent(calls: int, model_turns: int, execs: int) -> dict[str, Any]:
-    """The agent runtime against the stand-in model server (tests/standin_model.py, so: from a checkout): a daemon
-    with one profile, a watcher reading every step as it is made.
+def _agent_reply(body: dict[str, Any]) -> Any:
+    """The stand-in's script as a function of the request: a prompt `read N` (or `run N`) is answered with a Read
+    of a.txt (an Exec of `true`) until N results have come, then with text; any other prompt with text."""
+    from tests.standin_model import Scripted
 
-    - the stand-in's own time per streamed completion, measured from this process with the daemon's model driver;
-    - per model call, the daemon's own time: from the step that dispatched the ask to the step of its answer (as a
+    messages = body["messages"]
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    verb, _, count = str(messages[last_user]["content"]).partition(" ")
+    done = sum(m["role"] == "tool" for m in messages[last_user:])
+    if verb == "read" and done < int(count):
+        return Scripted(tool_calls=[("read", {"path": "a.txt"})])
+    if verb == "run" and done < int(count):
+        return Scripted(tool_calls=[("exec", {"argv": ["true"]})])
+    return Scripted(text="ok")
+
+
+def _standin_main(url_file: str) -> None:
+    """`bench _standin FILE`: the stand-in model server in a process of its own (so that its threads do not share a
+    GIL with the client that measures), answering `_agent_reply`; its url is written to FILE."""
+    from tests.standin_model import Standin
+
+    with Standin() as standin:
+        standin.script(*[_agent_reply] * 1_000_000)
+        Path(url_file).write_text(standin.url)
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+
+
+def _start_standin(root: Path) -> tuple[subprocess.Popen[bytes], str]:
+    url_file = root / "standin.url"
+    proc = subprocess.Popen([sys.executable, "-m", "devd.bench", "_standin", str(url_file)])
+    for _ in range(1500):
+        if url_file.exists() and (url := url_file.read_text()):
+            return proc, url
+        if proc.poll() is not None:
+            raise SystemExit("bench agent needs the stand-in model server of a checkout (tests/standin_model.py)")
+        time.sleep(0.02)
+    raise TimeoutError("the stand-in model server did not start within 30 s")
+
+
+def bench_agent(calls: int, model_turns: int, execs: int) -> dict[str, Any]:
+    """The agent runtime against the stand-in model server (tests/standin_model.py, so: from a checkout), each in a
+    process of its own: a daemon with one profile, and a watcher here reading every step as it is made.
+
+    - the stand-in's own time per streamed completion, measured from here with the daemon's model driver;
+    - per model call, the daemon's own time: from the step that dispatched the ask to the step of its answer (as the
       watcher sees them), less the stand-in's median time;
-    - per Read call (no subprocess, no claim): from the step that dispatched it to its result's step; per Exec of
-      `true` (a claim, a process under bubblewrap), the same;
+    - per Read call (a worker thread, no subprocess, no claim): from the step that dispatched it to its result's
+      step; per Exec of `true` (a durable claim, a process under bubblewrap), the same;
     - a turn of `calls` tool calls (a Read each, a model call before each and one after), end to end, against the
       stand-in's time for its model calls."""
     from devd.client import Client
 
-    try:
-        from tests.standin_model import Scripted, Standin
-    except ImportError:
-        raise SystemExit("bench agent needs the stand-in model server of a checkout (tests/standin_model.py)") from None
     root = Path(tempfile.mkdtemp(prefix="devd-bench-agent-"))
     workspace = root / "roots" / "ws"
     workspace.mkdir(parents=True)
     (workspace / "a.txt").write_text("hello\n")
+    standin, url = _start_standin(root)
     try:
-        with Standin() as standin:
-            (root / "agents.toml").write_text(
-                f'[agent.bench]\nbase_url = "{standin.url}"\nmodel = "standin"\n'
-                f'workspace_roots = ["{root / "roots"}"]\n'
-            )
-            standin.script(*[Scripted(text="ok")] * 50)
-            direct = _stand_in_ms(standin.url, 50)
-            sock, state = root / "devd.sock", root / "state"
-            argv = [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)]
-            proc = subprocess.Popen([*argv, "--agents", str(root / "agents.toml"), "--log-level", "warning"])
-            try:
-                _wait_socket(sock, proc)
-                with Client.connect(sock, timeout=60) as c:
-                    session = c.new(agent="bench", workspace=str(workspace))
-                    c.call("session/watch", {"session": session})
-                    model_ms: list[float] = []
-                    for _ in range(model_turns):
-                        standin.script(Scripted(text="ok"))
-                        seen = _agent_notices(c, c.prompt(session, "hi"))
-                        model_ms.append((seen[1][0] - seen[0][0]) * 1000)
-                    standin.script(*[Scripted(tool_calls=[("exec", {"argv": ["true"]})])] * execs, Scripted(text="ok"))
-                    seen = _agent_notices(c, c.prompt(session, "run"))
-                    exec_ms = [(seen[i + 1][0] - seen[i][0]) * 1000 for i in range(1, 2 * execs, 2)]
-                    standin.script(*[Scripted(tool_calls=[("read", {"path": "a.txt"})])] * calls, Scripted(text="ok"))
-                    started = time.perf_counter()
-                    seen = _agent_notices(c, c.prompt(session, "read"))
-                    turn_ms = (time.perf_counter() - started) * 1000
-                    steps = [t for t, _ in seen]
-                    read_ms = [(steps[i + 1] - steps[i]) * 1000 for i in range(1, 2 * calls, 2)]
-                    model_ms += [(steps[i + 1] - steps[i]) * 1000 for i in range(0, 2 * calls + 1, 2)]
-                    commit_ms = c.status().commit_ms_p50
-                    c.close_session(session)
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(30)
+        (root / "agents.toml").write_text(
+            f'[agent.bench]\nbase_url = "{url}"\nmodel = "standin"\nworkspace_roots = ["{root / "roots"}"]\n'
+        )
+        direct = _stand_in_ms(url, 50)
+        sock, state = root / "devd.sock", root / "state"
+        argv = [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)]
+        proc = subprocess.Popen([*argv, "--agents", str(root / "agents.toml"), "--log-level", "warning"])
+        try:
+            _wait_socket(sock, proc)
+            with Client.connect(sock, timeout=60) as c:
+                session = c.new(agent="bench", workspace=str(workspace))
+                c.call("session/watch", {"session": session})
+                model_ms: list[float] = []
+                for _ in range(model_turns):
+                    seen = _agent_notices(c, c.prompt(session, "hi"))
+                    model_ms.append((seen[1][0] - seen[0][0]) * 1000)
+                steps = [t for t, _ in _agent_notices(c, c.prompt(session, f"run {execs}"))]
+                exec_ms = [(steps[i + 1] - steps[i]) * 1000 for i in range(1, 2 * execs, 2)]
+                started = time.perf_counter()
+                steps = [t for t, _ in _agent_notices(c, c.prompt(session, f"read {calls}"))]
+                turn_ms = (time.perf_counter() - started) * 1000
+                read_ms = [(steps[i + 1] - steps[i]) * 1000 for i in range(1, 2 * calls, 2)]
+                model_ms += [(steps[i + 1] - steps[i]) * 1000 for i in range(0, 2 * calls + 1, 2)]
+                commit_ms = c.status().commit_ms_p50
+                c.close_session(session)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
     finally:
+        standin.send_signal(signal.SIGTERM)
+        standin.wait(30)
         shutil.rmtree(root, ignore_errors=True)
     stand_in = _ms(direct, 0.5)
     overhead = [m - stand_in for m in model_ms]
@@ -2126,6 +2157,7 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--json", help="write the samples, restarts, counts and verdicts here")
     soak.add_argument("--keep", action="store_true", help="keep the state, logs and code copy (kept on anomalies)")
     soak.add_argument("--git-rev", help="run the daemon from this commit's devd/ rather than the working tree")
+    sub.add_parser("_standin").add_argument("url_file")
     agent = sub.add_parser("agent", help="the agent runtime's own time per action, against the stand-in model's")
     agent.add_argument("--calls", type=int, default=50, help="tool calls of the measured turn")
     agent.add_argument("--model-turns", type=int, default=30, help="turns of one model call each")
@@ -2155,6 +2187,9 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_daemon(
             args.clients, args.seconds, args.rounds, args.single_client_seconds, args.generators, servers
         )
+    elif args.what == "_standin":
+        _standin_main(args.url_file)
+        return 0
     elif args.what == "_echo":
         _echo_server(args.socket)
         return 0
