@@ -58,7 +58,7 @@ def call_line(action: Action) -> str | None:
 
 def result_lines(output: Output) -> list[str]:
     """A call's result, indented: its first lines, how many more, and whether it failed."""
-    lines = output.text.rstrip("\n").splitlines() or [""]
+    lines = output.text.rstrip("\n").splitlines() or ["(no output)"]
     shown = [f"  {line}" for line in lines[:RESULT_LINES]]
     if len(lines) > RESULT_LINES:
         shown.append(f"  … {len(lines) - RESULT_LINES} more lines")
