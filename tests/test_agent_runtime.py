@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -471,3 +472,94 @@ def test_a_bad_agents_file_refuses_to_start_naming_its_line(tmp_path: Path) -> N
         2,
         f"devd: cannot start: {agents}:3: agent.coder.model is 3; it must be a string\n",
     )
+
+
+def test_a_stall_survives_a_restart_and_the_daemon_asks_again_at_start(agentd: Agentd) -> None:
+    agentd.standin.script(*[Scripted(status=503)] * 4)
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        c.prompt(session, "hello")
+        next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+    agentd.daemon.stop()
+    agentd.standin.script(Scripted(text="asked at start"))
+    agentd.daemon.start()
+    with agentd.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, 1)
+        assert conversation(c, session)[-1] == {"Agent": {"text": "asked at start"}}
+
+
+def test_cancel_during_the_model_stream_closes_it_and_nothing_of_the_turn_starts(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="thinking hard", hang=True))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "think")
+        wait_for(lambda: agentd.standin.count == 1, "the request")
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        until_done(c, turn)
+        assert (agentd.standin.wait_closed(), c.pending(session), agentd.standin.count) == (True, [], 1)
+
+
+def test_a_call_the_profile_would_ask_about_is_not_run_until_approvals_exist(tmp_path: Path, standin: Standin) -> None:
+    running = start(tmp_path, standin, write='"ask"')
+    standin.script(Scripted(tool_calls=[("write", {"path": "w.txt", "text": "x"})]), Scripted(text="ok"))
+    with running.daemon, running.client() as c:
+        session = running.session(c)
+        run_turn(c, session, "write")
+        assert (results(c, session), (running.workspace / "w.txt").exists()) == (
+            [
+                (
+                    2,
+                    "agent 'coder' has write = \"ask\"; approvals are not available yet (no one can be asked), so it "
+                    "was not run",
+                    True,
+                )
+            ],
+            False,
+        )
+
+
+def test_devd_run_ctrl_c_cancels_the_turn_and_exits_130(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="never done", hang=True))
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "devd",
+            "run",
+            "--connect",
+            str(agentd.daemon.socket),
+            "--session",
+            "ctrl-c",
+            "--workspace",
+            str(agentd.workspace),
+            "think",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    wait_for(lambda: agentd.standin.count == 1, "the request")
+    run.send_signal(signal.SIGINT)
+    out, _ = run.communicate(timeout=30)
+    with agentd.client() as c:
+        assert (run.returncode, out.decode().splitlines()[-1], c.pending("ctrl-c")) == (130, "[turn 1 cancelled]", [])
+
+
+def test_devd_attach_shows_a_turn_someone_else_prompted_until_it_ends(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="slowly written", split=1, delay_s=0.3))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        c.prompt(session, "go")
+        wait_for(lambda: agentd.standin.count == 1, "the request")
+        attach = subprocess.Popen(
+            [sys.executable, "-m", "devd", "attach", "--connect", str(agentd.daemon.socket), session],
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        out, _ = attach.communicate(timeout=60)
+    assert (attach.returncode, out.decode().splitlines()[-2:]) == (0, ["slowly written", "[turn 1 complete]"])

@@ -63,7 +63,7 @@ def call_line(action: Action) -> str | None:
 
 def result_lines(output: Output) -> list[str]:
     """A call's result, indented: its first lines, how many more, and whether it failed."""
-    lines = output.text.rstrip("\n").splitlines() or [""]
+    lines = output.text.rstrip("\n").splitlines() or ["(no output)"]
     shown = [f"  {line}" for line in lines[:RESULT_LINES]]
     if len(lines) > RESULT_LINES:
         shown.append(f"  … {len(lines) - RESULT_LINES} more lines")
@@ -79,17 +79,18 @@ class Screen:
 
     out: TextIO
     turn: int | None = None
-    streamed: set[int] = field(default_factory=set)  # Model actions whose text was shown as it streamed
     asking: int | None = None  # the Model action being asked, while its answer is not in
     calls: dict[int, Action] = field(default_factory=dict)
     at_line_start: bool = True
     outcome: str | None = None  # "complete" or "cancelled", once the turn's Done came
+    interrupted: bool = False  # Ctrl-C: the turn was cancelled from here
+    texts: dict[int, str] = field(default_factory=dict)  # what was streamed of each Model action
     workspace: str | None = None  # where a write's diff is taken against, when known
 
     def show(self, notice: Notice) -> None:
         if isinstance(notice, DeltaNotice):
             self.asking = None
-            self.streamed.add(notice.action)
+            self.texts[notice.action] = self.texts.get(notice.action, "") + notice.text
             self._write(notice.text)
         elif isinstance(notice, StalledNotice):
             self._line(f"[the model cannot be reached: {notice.why}; the turn waits: `session/resume` tries again]")
@@ -118,7 +119,9 @@ class Screen:
             if op.Model is not None:
                 self.asking = action.id
             elif op.Emit is not None:
-                if answered not in self.streamed:
+                streamed = self.texts.get(answered, "") if answered is not None else ""
+                if streamed != op.Emit:  # not streamed here, or only its end (attached while it was written)
+                    self._end_line()
                     self._write(op.Emit)
                 self._end_line()
             elif op.Done is not None and (self.turn is None or op.Done.turn == self.turn):
@@ -258,7 +261,7 @@ async def _run(client: AsyncClient, args: argparse.Namespace, screen: Screen) ->
             tg.start_soon(_cancel_on, signals, client, session, turn, screen, tg.cancel_scope)
             status = await _follow(client, session, seq, screen)
         tg.cancel_scope.cancel()
-    return status
+    return EXIT_INTERRUPTED if screen.interrupted else status
 
 
 async def _cancel_on(
@@ -271,9 +274,12 @@ async def _cancel_on(
 ) -> None:
     """Ctrl-C: cancel the turn (a Cancel step, keyed: a retry sends nothing new), then stop showing it."""
     async for _ in signals:
+        screen.interrupted = True
         with anyio.CancelScope(shield=True):
             await client.step(session, Event(Cancel=Cancel(turn=turn)), key=f"devd run:{session}:cancel:{turn}")
-        screen._line(f"[turn {turn} cancelled]")
+        if screen.outcome is None:
+            screen.outcome = "cancelled"
+            screen._line(f"[turn {turn} cancelled]")
         scope.cancel()
         return
 

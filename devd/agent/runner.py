@@ -227,10 +227,10 @@ class Runtime:
         log.warning("agent.stalled", session=session, action=action, why=why[:500])
         self.sessions.tell(session, "session/stalled", StalledNotice(session, action, why))
 
-    def sandbox(self, profile: Profile) -> sandboxes.Sandbox | sandboxes.Refusal | None:
-        """How the profile's commands run (bubblewrap is probed the first time; call it off the event loop)."""
+    async def sandbox(self, profile: Profile) -> sandboxes.Sandbox | sandboxes.Refusal | None:
+        """How the profile's commands run; bubblewrap is probed the first time, on a worker thread."""
         if profile.name not in self._sandboxes:
-            self._sandboxes[profile.name] = sandboxes.choose(profile)
+            self._sandboxes[profile.name] = await anyio.to_thread.run_sync(sandboxes.choose, profile)
         return self._sandboxes[profile.name]
 
     # -- observing the sessions ---------------------------------------------------------------------------------
@@ -473,7 +473,7 @@ class Driver:
         if call.Browse is not None:
             return await tools.browse(call.Browse.url, profile.output_bytes_max, client=self.runtime.http)
         argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv]  # type: ignore[union-attr]
-        confined = await anyio.to_thread.run_sync(self.runtime.sandbox, profile)
+        confined = await self.runtime.sandbox(profile)
         if isinstance(confined, sandboxes.Refusal):
             return tools.Result(confined.why, failed=True)
         return await tools.run_command(argv, workspace=workspace, profile=profile, sandbox=confined)
@@ -482,7 +482,7 @@ class Driver:
         assert action.op.Model is not None
         ask = action.op.Model
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
-        confined = await anyio.to_thread.run_sync(self.runtime.sandbox, profile)
+        confined = await self.runtime.sandbox(profile)
         exec_available = not isinstance(confined, sandboxes.Refusal)
         for attempt in range(REASKS_MAX + 1):
 
