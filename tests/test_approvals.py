@@ -12,10 +12,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from devd import errors
 from devd.agent.approvals import ApprovalNotice
@@ -473,3 +475,46 @@ def test_a_write_waiting_for_approval_is_shown_as_a_diff_of_the_file(tmp_path: P
         "  -two",
         "  +2",
     ]
+
+
+def test_with_otel_endpoint_a_turn_arrives_as_genai_spans_at_a_collector(tmp_path: Path, standin: Standin) -> None:
+    received: list[ExportTraceServiceRequest] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append(request)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    collector = HTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=collector.serve_forever, daemon=True)
+    thread.start()
+    try:
+        workspace = tmp_path / "roots" / "ws"
+        workspace.mkdir(parents=True)
+        (tmp_path / "agents.toml").write_text(agents_toml(standin.url, tmp_path / "roots", exec='"allow"'))
+        endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
+        daemon = Daemon(tmp_path / "d", "--agents", str(tmp_path / "agents.toml"), "--otel-endpoint", endpoint)
+        mark_then_finish(standin)
+        with daemon.start(), daemon.client() as c:
+            session = c.new(agent="coder", workspace=workspace)
+            watch(c, session)
+            c.prompt(session, "mark it")
+            until_done(c)
+            assert daemon.stop() == 0  # a clean stop sends the spans still queued
+    finally:
+        collector.shutdown()
+        thread.join()
+        collector.server_close()
+    spans = [s for r in received for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    conversation = {a.value.string_value for s in spans for a in s.attributes if a.key == "gen_ai.conversation.id"}
+    assert ([s.name for s in spans], conversation) == (
+        ["chat standin-model", "execute_tool exec", "chat standin-model"],
+        {session},
+    )

@@ -150,10 +150,8 @@ class Oversight:
             state = _Session()
             kinds = (approvals.ASKED, approvals.DECIDED, spend.BUDGET)
             for record in await self.keeper.records(session, kinds):
-                if record.kind == spend.BUDGET:
-                    body = _budget.decode(record.body)
-                    if body.session == session:
-                        state.budget = body.tokens
+                if record.kind == spend.BUDGET:  # a fork keeps its source's ceiling (and spends from zero)
+                    state.budget = _budget.decode(record.body).tokens
                 else:
                     state.ledger.replay(record.kind, record.body)
             self._sessions[session] = state
@@ -194,6 +192,9 @@ class Oversight:
 
     async def _wait(self, session: str, state: _Session, action: int, op: Op) -> Decided:
         async with state.lock:
+            done = state.ledger.decided.get(action)
+            if done is not None:  # answered (from a record read at start) before this driver came to ask
+                return done
             if action not in state.ledger.pending:
                 asked = state.ledger.ask(action, op)
                 await self._keep(session, approvals.ASKED, action, asked)

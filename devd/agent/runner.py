@@ -23,14 +23,13 @@ What it promises:
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import anyio.abc
@@ -413,19 +412,8 @@ class Driver:
         outcome: Outcome = "error" if result.failed else "ok"
         error = result.text if result.failed else None
         event = _result(kind, action.id, result.text, result.failed)
-        traced = functools.partial(self._traced, action, kind, call, started, took, outcome, error)
-        return await self._beside(traced, functools.partial(self._step, event, action.id))
-
-    async def _beside(
-        self, record: Callable[[], Coroutine[Any, Any, None]], step: Callable[[], Awaitable[list[Action]]]
-    ) -> list[Action]:
-        """The step, with the trace (and usage) records of what it answers handed to the store at the same time, so
-        that group commit makes them durable together: one commit, not one each."""
-        answered: list[list[Action]] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(record)
-            answered.append(await step())
-        return answered[0]
+        await self._traced(action, kind, call, started, took, outcome, error)  # durable before the result's step
+        return await self._step(event, action.id)
 
     async def _gate(self, profile: Profile, action: Action, call: Call) -> Gate | None:
         """Whether the call may start: the profile's decision, or for `ask` a client's (waited for); None when the
@@ -519,11 +507,7 @@ class Driver:
                 await accounted.done(None)
                 return []
             reply, rejected = model.to_reply(completion)
-            if not rejected:
-                answer = Event(Model=Answer(id=action.id, reply=reply))
-                done = functools.partial(accounted.done, completion)
-                return await self._beside(done, functools.partial(self._step, answer, action.id))
-            await accounted.done(completion)
+            await accounted.done(completion)  # durable before the answer: every step has its records already
             if rejected:
                 again = reply.calls is None and attempt < REASKS_MAX
                 text = reply.text if again else None
