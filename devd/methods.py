@@ -402,7 +402,10 @@ async def session_new(call: Call, params: NewParams) -> SessionResult:
     name = await call.app.registry.new(params.session, encode(config))
     if call.app.agents is not None:
         await call.app.agents.bind(name, binding)
-    log.info("session.created", session=name, agent=params.agent)
+    if binding is None:
+        log.info("session.created", session=name)
+    else:
+        log.info("session.created", session=name, agent=binding.agent, workspace=binding.workspace)
     return SessionResult(name)
 
 
