@@ -358,9 +358,10 @@ def test_a_model_stream_the_daemon_was_killed_during_is_asked_again(agentd: Agen
 def test_a_result_whose_commit_the_daemon_was_killed_after_is_kept_and_not_run_again(
     tmp_path: Path, standin: Standin
 ) -> None:
-    # Commits, in order: the session, its agent record, the turn record, the Turn step, the Model answer, the claim,
-    # the Exec result (the 7th): killed once it is durable, before anyone is told.
-    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.after=kill@7"})
+    # Commits, in order: the session, its agent record, the turn record, the Turn step, the model call's trace and
+    # usage records, the Model answer, the claim, the command's trace record, the Exec result (the 10th): killed once
+    # it is durable, before anyone is told.
+    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.after=kill@10"})
     standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs"]})]), Scripted(text="after"))
     with running.client() as c:
         session = running.session(c)
@@ -502,23 +503,18 @@ def test_cancel_during_the_model_stream_closes_it_and_nothing_of_the_turn_starts
         assert (agentd.standin.wait_closed(), c.pending(session), agentd.standin.count) == (True, [], 1)
 
 
-def test_a_call_the_profile_would_ask_about_is_not_run_until_approvals_exist(tmp_path: Path, standin: Standin) -> None:
+def test_a_write_the_profile_asks_about_is_not_run_until_a_client_allows_it(tmp_path: Path, standin: Standin) -> None:
     running = start(tmp_path, standin, write='"ask"')
     standin.script(Scripted(tool_calls=[("write", {"path": "w.txt", "text": "x"})]), Scripted(text="ok"))
     with running.daemon, running.client() as c:
         session = running.session(c)
-        run_turn(c, session, "write")
-        assert (results(c, session), (running.workspace / "w.txt").exists()) == (
-            [
-                (
-                    2,
-                    "agent 'coder' has write = \"ask\"; approvals are not available yet (no one can be asked), so it "
-                    "was not run",
-                    True,
-                )
-            ],
-            False,
-        )
+        watch_raw(c, session)
+        c.prompt(session, "write")
+        asked = next(n for n in iter(lambda: c.wait_notification(30), None) if n.method == "session/approval")
+        written_before = (running.workspace / "w.txt").exists()
+        c.call("session/approve", {k: asked.params[k] for k in ("session", "action", "digest")} | {"decision": "allow"})
+        until_done(c, 1)
+        assert (written_before, (running.workspace / "w.txt").read_text()) == (False, "x")
 
 
 def test_devd_run_ctrl_c_cancels_the_turn_and_exits_130(agentd: Agentd) -> None:
