@@ -46,6 +46,7 @@ class Scripted:
     hang: bool = False
     finish_reason: str | None = None  # default: tool_calls when there are calls, else stop
     model: str | None = None  # the answering model's name (default: the request's)
+    whole: bool = False  # answer one JSON object even when the request asks for a stream (as some servers do)
 
 
 Responder = Scripted | Callable[[dict[str, Any]], Scripted]
@@ -145,7 +146,7 @@ class Standin:
         if reply.status is not None:
             headers = {"Retry-After": reply.retry_after} if reply.retry_after else {}
             return _json(h, reply.status, _error(reply.message, "server_error"), headers)
-        if not body.get("stream"):
+        if not body.get("stream") or reply.whole:
             return _json(h, 200, _whole(body, reply))
         try:
             self._stream(h, body, reply)
