@@ -7,6 +7,8 @@ each request the way the service does (400 with an OpenAI-shaped error body) and
 `Scripted` replies (or functions of the request body giving one), one per request. It records every request, and
 notices a client that closes a stream early.
 
+    from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (the `standin` fixture)
+
     def test_x(standin: Standin) -> None:
         standin.script(Scripted(text="hello"), Scripted(status=500), Scripted(tool_calls=[("read", {"path": "a"})]))
         ... standin.url ...  # "http://127.0.0.1:PORT/v1"

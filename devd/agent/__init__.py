@@ -12,8 +12,9 @@ profile needs it. If `bwrap` is not installed, or cannot start here (inside some
 commands unconfined: every `Exec` and `Git` call of that profile is refused, and the model is told why, in a failed
 result such as "refused: bubblewrap cannot start here (...); install the `bubblewrap` package, or set
 sandbox = \"none\" in [agent.NAME] to run commands unconfined". `Read` and `Write` keep working (they are confined by
-devd itself, symlinks included), and Exec and Git are not offered to the model as tools at all. `sandbox = "bwrap"`
-refuses the same way; `sandbox = "none"` runs commands without bubblewrap (still in the workspace, with a scrubbed
+devd itself, symlinks included), and exec and git are not offered to the model as tools (the runner passes
+`exec_available=False` to the model driver when `sandbox.choose` gives a `Refusal`). `sandbox = "bwrap"` refuses
+the same way (the difference is only in intent: "auto" is the default, "bwrap" says the profile requires it); `sandbox = "none"` runs commands without bubblewrap (still in the workspace, with a scrubbed
 environment, stdin closed, the timeout and the output cap), which is for machines you would let the model use anyway.
 
 Under bubblewrap a command sees the whole file system read-only except its workspace, a private `/tmp`, its own pid
