@@ -70,7 +70,7 @@ class Standin:
         self.requests: list[Recorded] = []
         self.closed_early = 0  # streams the client closed before the server had finished them
         self.closed = threading.Event()  # set at each early close
-        self.pages: dict[str, str] = {}  # path -> text served on GET (for Browse), e.g. pages["/docs"]
+        self.pages: dict[str, str | bytes] = {}  # path -> page served on GET (for Browse): text, or bytes (a PNG)
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -118,10 +118,15 @@ class Standin:
     # -- serving ---------------------------------------------------------------------------------------------------
 
     def _page(self, h: BaseHTTPRequestHandler) -> None:
-        text = self.pages.get(h.path)
-        data = (text if text is not None else f"no page {h.path}").encode()
-        h.send_response(200 if text is not None else 404)
-        h.send_header("Content-Type", "text/plain; charset=utf-8")
+        page = self.pages.get(h.path)
+        if isinstance(page, str) and page.startswith("redirect:"):
+            h.send_response(302)
+            h.send_header("Location", str(page).removeprefix("redirect:"))
+            h.send_header("Content-Length", "0")
+            return h.end_headers()
+        data = page if isinstance(page, bytes) else (page if page is not None else f"no page {h.path}").encode()
+        h.send_response(200 if page is not None else 404)
+        h.send_header("Content-Type", "image/png" if isinstance(page, bytes) else "text/plain; charset=utf-8")
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
         h.wfile.write(data)
