@@ -366,3 +366,14 @@ def test_the_standin_refuses_a_result_not_answering_the_message_before_it() -> N
 
 def test_the_standin_refuses_a_request_without_a_model() -> None:
     assert check_request({"messages": [{"role": "user", "content": "hi"}]}) == "you must provide a model parameter"
+
+
+async def test_proxies_in_the_environment_are_not_used(standin: Standin, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    standin.script(Scripted(text="direct"))
+    async with http.new_client() as c:
+        done = await complete(c, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True)
+    assert done.text == "direct"
