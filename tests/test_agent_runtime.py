@@ -355,6 +355,36 @@ def test_a_model_stream_the_daemon_was_killed_during_is_asked_again(agentd: Agen
         assert (conversation(c, session)[-1], agentd.standin.count) == ({"Agent": {"text": "asked again"}}, 2)
 
 
+def test_a_result_whose_commit_the_daemon_was_killed_before_is_stepped_interrupted_not_run_again(
+    tmp_path: Path, standin: Standin
+) -> None:
+    # As below, killed as the Exec result's commit (the 7th) is about to be written: the result was never durable.
+    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.before=kill@7"})
+    standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs"]})]), Scripted(text="after"))
+    with running.client() as c:
+        session = running.session(c)
+        c.prompt(session, "run")
+    running.daemon.proc.wait(20)  # type: ignore[union-attr]
+    running.daemon.env = {k: v for k, v in running.daemon.env.items() if k != "DEVD_FAILPOINTS"}
+    with running.daemon.start(), running.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, 1)
+        assert ((running.workspace / "runs").read_text(), results(c, session)) == (
+            "run\n",
+            [(2, INTERRUPTED.format(what="command"), True)],
+        )
+
+
+def test_browse_is_refused_unless_the_profile_lists_it(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(tool_calls=[("browse", {"url": "http://127.0.0.1:1/"})]), Scripted(text="ok"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "browse")
+        assert results(c, session) == [
+            (2, "denied by the policy: agent 'coder' does not list \"browse\" in its tools", True)
+        ]
+
+
 def test_a_result_whose_commit_the_daemon_was_killed_after_is_kept_and_not_run_again(
     tmp_path: Path, standin: Standin
 ) -> None:

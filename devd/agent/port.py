@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 import msgspec
 
 from devd.errors import BusyError
@@ -151,11 +152,16 @@ class RegistryPort:
 
 
 async def _unbusy(call: Callable[[], Awaitable[T]]) -> T:
-    """call(), waiting out BUSY (another client's call on the session) with backoff, for BUSY_WAIT_MAX_S at most."""
+    """call(), waiting out BUSY (another client's call on the session) with backoff, for BUSY_WAIT_MAX_S at most.
+    The call itself is shielded: a registry call stopped half-way (between the core's step and its commit) would
+    leave the session's instance ahead of what it knows of the disk; a cancel lands once the call has answered."""
     delay, waited = BUSY_FIRST_DELAY_S, 0.0
     while True:
         try:
-            return await call()
+            with anyio.CancelScope(shield=True):
+                answered = await call()
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return answered
         except BusyError:
             if waited >= BUSY_WAIT_MAX_S:
                 raise
