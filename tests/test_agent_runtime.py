@@ -593,3 +593,17 @@ def test_devd_attach_shows_a_turn_someone_else_prompted_until_it_ends(agentd: Ag
         )
         out, _ = attach.communicate(timeout=60)
     assert (attach.returncode, out.decode().splitlines()[-2:]) == (0, ["slowly written", "[turn 1 complete]"])
+
+
+def test_a_clients_calls_on_a_driven_session_wait_out_the_daemons_own_steps_rather_than_busy(agentd: Agentd) -> None:
+    (agentd.workspace / "a.txt").write_text("a\n")
+    agentd.standin.script(*[Scripted(tool_calls=[("read", {"path": "a.txt"})])] * 20, Scripted(text="ok"))
+    with agentd.client() as c, agentd.client() as other:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "read it often")
+        answered = 0
+        while other.pending(session):  # every call answered, none BUSY, until the turn is over
+            answered += 1
+        until_done(c, turn)
+    assert (answered > 0, agentd.standin.count) == (True, 21)

@@ -196,6 +196,10 @@ class Runtime:
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
 
+    def driving(self, session: str) -> bool:
+        """Whether a driver of the daemon's is carrying out the session's actions now."""
+        return session in self._drivers
+
     def drive(self, session: str) -> None:
         """Make sure a driver carries out what the session waits for."""
         driver = self._drivers.get(session)
