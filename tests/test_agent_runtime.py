@@ -15,7 +15,7 @@ import pytest
 
 from devd import errors
 from devd.client import Client
-from devd.messages import Cancel, Event
+from devd.messages import Cancel, Event, Turn
 from tests.agents import SECRET, SYSTEM, Agentd, agentd, conversation, run_turn, start, until_done, watch_raw
 from tests.daemon import ROOT
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -607,3 +607,19 @@ def test_a_clients_calls_on_a_driven_session_wait_out_the_daemons_own_steps_rath
             answered += 1
         until_done(c, turn)
     assert (answered > 0, agentd.standin.count) == (True, 21)
+
+
+def test_a_prompt_after_a_restart_numbers_its_turn_above_one_a_client_stepped_itself(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="client turn"), Scripted(text="prompted"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        c.step(session, Event(Turn=Turn(id=100, prompt="mine")))
+        until_done(c, 100)
+    agentd.daemon.stop()
+    agentd.daemon.start()
+    with agentd.client() as c:
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "yours")
+        until_done(c, turn)
+        assert (turn, conversation(c, session)[-1]) == (101, {"Agent": {"text": "prompted"}})
