@@ -15,7 +15,7 @@ import pytest
 
 from devd import errors
 from devd.client import Client
-from devd.messages import Cancel, Event
+from devd.messages import Cancel, Event, Turn
 from tests.agents import SECRET, SYSTEM, Agentd, agentd, conversation, run_turn, start, until_done, watch_raw
 from tests.daemon import ROOT
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -589,3 +589,33 @@ def test_devd_attach_shows_a_turn_someone_else_prompted_until_it_ends(agentd: Ag
         )
         out, _ = attach.communicate(timeout=60)
     assert (attach.returncode, out.decode().splitlines()[-2:]) == (0, ["slowly written", "[turn 1 complete]"])
+
+
+def test_a_clients_calls_on_a_driven_session_wait_out_the_daemons_own_steps_rather_than_busy(agentd: Agentd) -> None:
+    (agentd.workspace / "a.txt").write_text("a\n")
+    agentd.standin.script(*[Scripted(tool_calls=[("read", {"path": "a.txt"})])] * 20, Scripted(text="ok"))
+    with agentd.client() as c, agentd.client() as other:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "read it often")
+        answered = 0
+        while other.pending(session):  # every call answered, none BUSY, until the turn is over
+            answered += 1
+        until_done(c, turn)
+    assert (answered > 0, agentd.standin.count) == (True, 21)
+
+
+def test_a_prompt_after_a_restart_numbers_its_turn_above_one_a_client_stepped_itself(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="client turn"), Scripted(text="prompted"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        c.step(session, Event(Turn=Turn(id=100, prompt="mine")))
+        until_done(c, 100)
+    agentd.daemon.stop()
+    agentd.daemon.start()
+    with agentd.client() as c:
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "yours")
+        until_done(c, turn)
+        assert (turn, conversation(c, session)[-1]) == (101, {"Agent": {"text": "prompted"}})

@@ -80,8 +80,8 @@ class Sessions(Protocol):
     def seq(self, session: str) -> int | None:
         """The session's last step, None if there is no such session here."""
 
-    async def steps(self, session: str, since: int, limit: int) -> list[bytes]:
-        """The events of up to `limit` journalled steps after `since`."""
+    async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
+        """(seq, event) of up to `limit` journalled steps after `since`, in order."""
 
     async def add_record(self, record: Record) -> None: ...
 
@@ -132,8 +132,8 @@ class RegistryPort:
         infos, _ = self.registry.page(1, _just_before(session))
         return infos[0].seq if infos and infos[0].name == session else None
 
-    async def steps(self, session: str, since: int, limit: int) -> list[bytes]:
-        return [row.event for row in await self.store.steps_since(session, since, limit)]
+    async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
+        return [(row.seq, row.event) for row in await self.store.steps_since(session, since, limit)]
 
     async def add_record(self, record: Record) -> None:
         await self.store.add_record(record)
