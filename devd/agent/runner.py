@@ -276,6 +276,7 @@ class Runtime:
         self._bindings.pop(session, None)
         self._turns.pop(session, None)
         self.stalled.pop(session, None)
+        self.oversight.forget(session)  # a session made again under the name inherits no approvals nor spend
 
 
 _events = msgspec.json.Decoder(Event)
