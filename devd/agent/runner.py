@@ -42,7 +42,7 @@ from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.port import Sessions, action_ids
 from devd.agent.profiles import Profile, api_key, check_workspace, decide
 from devd.agent.records import Binding, Claim, DeltaNotice, StalledNotice, TurnStarted
-from devd.errors import DevdError, InvalidParamsError
+from devd.errors import DevdError, HandleError, InvalidParamsError
 from devd.messages import Action, Answer, Call, Event, Message, Output, Turn, encode
 from devd.store import Record
 from devd.watchers import Stepped
@@ -176,8 +176,8 @@ class Runtime:
         self.drive(session)
 
     async def _bound(self, session: str) -> Binding:
-        if self.sessions.seq(session) is None:
-            raise InvalidParamsError(f"no session is named {session!r}; `session/list` shows the sessions there are")
+        if not await self.sessions.known(session):
+            raise HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
         binding = await self.binding(session)
         if binding is None:
             raise InvalidParamsError(
