@@ -119,11 +119,12 @@ class Runtime:
         return Binding(agent, str(check_workspace(profile, workspace)))
 
     async def bind(self, session: str, binding: Binding | None) -> None:
-        """Keep the new session's binding (durably, when it has one)."""
+        """Keep the new session's binding, durably. A session of no agent is not remembered here at all (there may be
+        a million of them): what is known of a name made again is forgotten."""
         self._forget(session)
         if binding is not None:
             await self.sessions.add_record(Record(session, 0, records.AGENT, 0, records.encode(binding)))
-        self._bindings[session] = binding
+            self._bindings[session] = binding
 
     async def binding(self, session: str) -> Binding | None:
         if session not in self._bindings:
@@ -270,6 +271,7 @@ class Runtime:
 
     def _forget(self, session: str) -> None:
         self._scanned.discard(session)
+        self._locks.pop(session, None)
         self._bindings.pop(session, None)
         self._turns.pop(session, None)
         self.stalled.pop(session, None)
