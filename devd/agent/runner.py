@@ -204,7 +204,12 @@ class Runtime:
         async with http.new_client() as client, anyio.create_task_group() as tg:
             self.http, self._tg = client, tg
             task_status.started()
-            for name in await self.sessions.recorded(records.AGENT):
+            try:
+                owing = await self.sessions.recorded(records.AGENT)
+            except DevdError as e:  # the daemon serves anyway; each session is driven at its next prompt or resume
+                log.error("agent.resume_failed", error=f"{e.kind}: {e}"[:500])
+                owing = []
+            for name in owing:
                 if self.sessions.seq(name) is not None:
                     self.drive(name)
             await anyio.sleep_forever()
