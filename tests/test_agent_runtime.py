@@ -581,8 +581,9 @@ def test_devd_attach_shows_a_turn_someone_else_prompted_until_it_ends(agentd: Ag
         session = agentd.session(c)
         c.prompt(session, "go")
         wait_for(lambda: agentd.standin.count == 1, "the request")
+        # "--": a name the daemon makes up may begin with "-"
         attach = subprocess.Popen(
-            [sys.executable, "-m", "devd", "attach", "--connect", str(agentd.daemon.socket), session],
+            [sys.executable, "-m", "devd", "attach", "--connect", str(agentd.daemon.socket), "--", session],
             stdout=subprocess.PIPE,
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
