@@ -406,7 +406,6 @@ class Driver:
             await self._record(records.CLAIM, action.id, records.encode(claim))
             self._claims.add(action.id)
             failpoints.hit("agent.claimed")
-        started = time.monotonic()
         result = await self._guarded(action.id, lambda: self._tool(profile, binding, kind, call))
         if kind in EFFECTS:
             failpoints.hit("agent.done")
@@ -416,9 +415,6 @@ class Driver:
             how = "; its process group was killed" if kind in ("Exec", "Git") else ""
             text = CANCELLED.format(what=what, how=how)
             return await self._step(_result(kind, action.id, text, True), action.id)
-        log.debug(
-            "agent.tool", session=self.session, action=action.id, kind=kind, ms=(time.monotonic() - started) * 1e3
-        )
         return await self._step(_result(kind, action.id, result.text, result.failed), action.id)
 
     async def _tool(self, profile: Profile, binding: Binding, kind: str, call: Call) -> tools.Result:
