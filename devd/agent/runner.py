@@ -23,7 +23,6 @@ What it promises:
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
