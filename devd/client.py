@@ -31,6 +31,7 @@ same table, params builders (`_hello`, `_step`) and answers (`_answer`), the sam
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import itertools
 import os
@@ -39,7 +40,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import anyio
 import anyio.abc
@@ -52,8 +53,13 @@ from devd.messages import Action, Config, Event, Message, decode_actions, decode
 from devd.protocol import (
     METHODS,
     ActionsNotice,
+    ApprovalNotice,
+    ApproveParams,
     BackupParams,
     BackupResult,
+    BudgetParams,
+    DecidedNotice,
+    DeltaNotice,
     DrainResult,
     ForkParams,
     InfoResult,
@@ -64,16 +70,24 @@ from devd.protocol import (
     NewParams,
     NoParams,
     PendingResult,
+    PromptParams,
+    PromptResult,
     RestoreParams,
     SessionParams,
     SessionResult,
     SnapshotResult,
+    StalledNotice,
     StatusResult,
     StepParams,
     StepResult,
+    TokenBudget,
+    TraceParams,
+    TraceRecord,
+    TraceResult,
     TranscriptParams,
     TranscriptResult,
     UnwatchedNotice,
+    UsageResult,
     WatchParams,
 )
 from devd.protocol import Client as ClientInfo
@@ -129,12 +143,16 @@ class StepAnswer(msgspec.Struct, frozen=True):
     ignored: list[int] = msgspec.field(default_factory=list)
 
 
-Notice = ActionsNotice | UnwatchedNotice
+Notice = ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice
 
 # Each notification the daemon sends, and its type here.
-NOTICES: dict[str, type[ActionsNotice] | type[UnwatchedNotice]] = {
+NOTICES: dict[str, type[Notice]] = {
     "session/actions": ActionsNotice,
     "session/unwatched": UnwatchedNotice,
+    "session/delta": DeltaNotice,  # the agent runtime's: the model's text as it streams, and a stall
+    "session/stalled": StalledNotice,
+    "session/approval": ApprovalNotice,
+    "session/decided": DecidedNotice,
 }
 
 
@@ -143,7 +161,8 @@ def notice_of(reply: Reply) -> Notice:
     kind = NOTICES.get(reply.method or "")
     if kind is None:
         raise errors.InternalError(f"the daemon sent {reply.method!r}, a notification this client does not know")
-    return msgspec.convert(reply.params, kind)
+    notice: Notice = msgspec.convert(reply.params, kind)
+    return notice
 
 
 _reply = msgspec.json.Decoder(Reply)
@@ -168,8 +187,8 @@ def _request(id: int | None, method: str, params: Any) -> bytes:
 # -- params and results, shared by both clients ---------------------------------------------------------------------
 
 
-def _hello(token: str | None) -> InitializeParams:
-    return InitializeParams(ClientInfo("devd.client"), token)
+def _hello(token: str | None, name: str | None = None) -> InitializeParams:
+    return InitializeParams(ClientInfo(name or "devd.client"), token)
 
 
 def _step(session: str, event: Event | bytes, timeout_ms: int | None, key: str | None) -> StepParams:
@@ -447,9 +466,10 @@ class Client:
 
     # -- the method table, typed
 
-    def initialize(self, *, token: str | None = None) -> InitializeResult:
-        """Say hello (with the token, on TCP); the daemon's version, protocol, ABI and limits."""
-        result: InitializeResult = self.request("initialize", _hello(token))
+    def initialize(self, *, token: str | None = None, name: str | None = None) -> InitializeResult:
+        """Say hello (with the token, on TCP), as the client `name` (default "devd.client": who decides approvals);
+        the daemon's version, protocol, ABI and limits."""
+        result: InitializeResult = self.request("initialize", _hello(token, name))
         return result
 
     def status(self) -> StatusResult:
@@ -468,10 +488,33 @@ class Client:
         result: DrainResult = self.request("daemon/drain", NoParams())
         return result.sessions
 
-    def new(self, config: Config | None = None, session: str | None = None) -> str:
-        """Start a session (named `session`, else the daemon chooses); its name."""
-        result: SessionResult = self.request("session/new", NewParams(config, session))
+    def new(
+        self,
+        config: Config | None = None,
+        session: str | None = None,
+        *,
+        agent: str | None = None,
+        workspace: str | Path | None = None,
+        budget: int | None = None,
+    ) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
+        `workspace`, a session the daemon drives itself (`prompt`), with its own spend ceiling of `budget` tokens."""
+        where = None if workspace is None else str(workspace)
+        tokens = None if budget is None else TokenBudget(budget)
+        result: SessionResult = self.request("session/new", NewParams(config, session, agent, where, tokens))
         return result.session
+
+    # -- the agent runtime: sessions the daemon drives
+
+    def prompt(self, session: str, prompt: str, *, key: str | None = None) -> int:
+        """Start a turn of a session made with an agent (once per `key`); its turn id, once it is durable. The daemon
+        carries out the turn: watch the session to see it."""
+        result: PromptResult = self.request("session/prompt", PromptParams(session, prompt, key))
+        return result.turn
+
+    def resume(self, session: str) -> None:
+        """Try a stalled session's model again."""
+        self.request("session/resume", SessionParams(session))
 
     def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
@@ -573,6 +616,26 @@ class Client:
         """Stop receiving session's steps on this connection; a `watch()` loop of it ends."""
         self._watching.discard(session)
         self.request("session/unwatch", SessionParams(session))
+
+    def approve(
+        self, session: str, action: int, digest: str, decision: Literal["allow", "deny"], *, remember: bool = False
+    ) -> None:
+        """Decide an action that waits for approval (`digest` from its `session/approval`)."""
+        self.request("session/approve", ApproveParams(session, action, digest, decision, remember))
+
+    def set_budget(self, session: str, tokens: int | None) -> None:
+        """Set the session's own spend ceiling in tokens (None: remove it)."""
+        self.request("session/budget", BudgetParams(session, tokens))
+
+    def usage(self, session: str) -> UsageResult:
+        """What the session's model calls used, how many were made and how many were refused."""
+        result: UsageResult = self.request("session/usage", SessionParams(session))
+        return result
+
+    def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:
+        """The session's trace records after record `since`, in order."""
+        result: TraceResult = self.request("session/trace", TraceParams(session, since))
+        return result.records
 
 
 # -- the async client -----------------------------------------------------------------------------------------------
@@ -760,9 +823,10 @@ class AsyncClient:
 
     # -- the method table, typed
 
-    async def initialize(self, *, token: str | None = None) -> InitializeResult:
-        """Say hello (with the token, on TCP); the daemon's version, protocol, ABI and limits."""
-        result: InitializeResult = await self.request("initialize", _hello(token))
+    async def initialize(self, *, token: str | None = None, name: str | None = None) -> InitializeResult:
+        """Say hello (with the token, on TCP), as the client `name` (default "devd.client": who decides approvals);
+        the daemon's version, protocol, ABI and limits."""
+        result: InitializeResult = await self.request("initialize", _hello(token, name))
         return result
 
     async def status(self) -> StatusResult:
@@ -781,10 +845,33 @@ class AsyncClient:
         result: DrainResult = await self.request("daemon/drain", NoParams())
         return result.sessions
 
-    async def new(self, config: Config | None = None, session: str | None = None) -> str:
-        """Start a session (named `session`, else the daemon chooses); its name."""
-        result: SessionResult = await self.request("session/new", NewParams(config, session))
+    async def new(
+        self,
+        config: Config | None = None,
+        session: str | None = None,
+        *,
+        agent: str | None = None,
+        workspace: str | Path | None = None,
+        budget: int | None = None,
+    ) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
+        `workspace`, a session the daemon drives itself (`prompt`), with its own spend ceiling of `budget` tokens."""
+        where = None if workspace is None else str(workspace)
+        tokens = None if budget is None else TokenBudget(budget)
+        result: SessionResult = await self.request("session/new", NewParams(config, session, agent, where, tokens))
         return result.session
+
+    # -- the agent runtime: sessions the daemon drives
+
+    async def prompt(self, session: str, prompt: str, *, key: str | None = None) -> int:
+        """Start a turn of a session made with an agent (once per `key`); its turn id, once it is durable. The daemon
+        carries out the turn: watch the session to see it."""
+        result: PromptResult = await self.request("session/prompt", PromptParams(session, prompt, key))
+        return result.turn
+
+    async def resume(self, session: str) -> None:
+        """Try a stalled session's model again."""
+        await self.request("session/resume", SessionParams(session))
 
     async def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
@@ -890,6 +977,26 @@ class AsyncClient:
             route.close()
         await self.request("session/unwatch", SessionParams(session))
 
+    async def approve(
+        self, session: str, action: int, digest: str, decision: Literal["allow", "deny"], *, remember: bool = False
+    ) -> None:
+        """Decide an action that waits for approval (`digest` from its `session/approval`)."""
+        await self.request("session/approve", ApproveParams(session, action, digest, decision, remember))
+
+    async def set_budget(self, session: str, tokens: int | None) -> None:
+        """Set the session's own spend ceiling in tokens (None: remove it)."""
+        await self.request("session/budget", BudgetParams(session, tokens))
+
+    async def usage(self, session: str) -> UsageResult:
+        """What the session's model calls used, how many were made and how many were refused."""
+        result: UsageResult = await self.request("session/usage", SessionParams(session))
+        return result
+
+    async def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:
+        """The session's trace records after record `since`, in order."""
+        result: TraceResult = await self.request("session/trace", TraceParams(session, since))
+        return result.records
+
 
 __all__ = [
     "METHOD_NAMES",
@@ -897,9 +1004,11 @@ __all__ = [
     "ActionsNotice",
     "AsyncClient",
     "Client",
+    "DeltaNotice",
     "NotRunningError",
     "Notice",
     "Reply",
+    "StalledNotice",
     "StepAnswer",
     "UnwatchedNotice",
     "check_peer",

@@ -24,7 +24,7 @@ import msgspec
 from msgspec import Meta, Raw
 
 from devd.errors import InvalidParamsError
-from devd.messages import Action, Config, Event
+from devd.messages import Action, Config, Event, Op
 
 SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
 KEY_BYTES_MAX = 256
@@ -245,11 +245,22 @@ class DrainResult(msgspec.Struct, frozen=True):
 # -- sessions -----------------------------------------------------------------------------------------------------
 
 
+class TokenBudget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A session's own spend ceiling: at most `tokens` (input + output) over all its model calls."""
+
+    tokens: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a number of tokens, at least 1")]
+
+
 class NewParams(_Params, frozen=True):
-    """A new session, from a config (default `{}`), under a name (default: chosen by the daemon)."""
+    """A new session, from a config (default `{}`), under a name (default: chosen by the daemon); with `agent` (a
+    profile of the daemon's agents file) and `workspace` (an absolute directory inside the profile's roots), a session
+    the daemon drives itself (`session/prompt`), with `budget` its own spend ceiling."""
 
     config: Config | None = None
     session: SessionName | None = None
+    agent: Annotated[str, Meta(description="the name of an agent profile")] | None = None
+    workspace: Annotated[str, Meta(description="an absolute directory inside the profile's roots")] | None = None
+    budget: TokenBudget | None = None
 
 
 class StepParams(_Params, frozen=True):
@@ -338,6 +349,7 @@ class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     # In a fleet only: whether this daemon holds the session. When false, `state` and `seq` are what this daemon
     # last knew (another daemon may have stepped it since); a call naming the session takes it, or answers MOVED.
     held: bool | None = None
+    stalled: str | None = None  # the daemon drives it and cannot reach its model: why (`session/resume` tries again)
 
 
 class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -403,6 +415,90 @@ class Error(msgspec.Struct, frozen=True):
 # -- notifications -------------------------------------------------------------------------------------------------
 
 
+# -- the agent runtime: prompts, approvals, spend and trace ---------------------------------------------------------
+
+
+class PromptParams(_Params, frozen=True):
+    """A prompt for a session the daemon drives, with an optional idempotency key (a retry with the same key answers
+    the same turn, and starts nothing)."""
+
+    session: SessionName
+    prompt: str
+    key: Annotated[str, Meta(min_length=1, max_length=KEY_BYTES_MAX, description="1-256 bytes of UTF-8")] | None = None
+
+
+class PromptResult(msgspec.Struct, frozen=True):
+    """The turn the prompt started (or, for a key answered before, started then)."""
+
+    turn: int
+
+
+class ApproveParams(_Params, frozen=True):
+    """A client's decision on an action that waits for approval, naming it by its `digest` (from its
+    `session/approval`); `remember`: the same decision for later calls of that argv prefix (Exec, Git) or path
+    (Write) in this session."""
+
+    session: SessionName
+    action: Annotated[int, Meta(ge=0, le=SEQ_MAX, description="the action's id")]
+    digest: Annotated[str, Meta(min_length=1, max_length=128, description="the hex SHA-256 of its session/approval")]
+    decision: Literal["allow", "deny"]
+    remember: bool = False
+
+
+class BudgetParams(_Params, frozen=True):
+    """The session's own spend ceiling in tokens; null removes it."""
+
+    session: SessionName
+    tokens: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a number of tokens, at least 1")] | None
+
+
+class UsageResult(msgspec.Struct, frozen=True):
+    """What the session's model calls used (the provider's counts, else devd's estimate), how many calls were made,
+    and how many a spend ceiling refused. A fork counts from zero."""
+
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    calls: int
+    refused: int
+
+
+class TraceParams(_Params, frozen=True):
+    """The session, and the number of the last trace record already seen (default 0: all of them)."""
+
+    session: SessionName
+    since: Annotated[int, Meta(ge=0, le=SEQ_MAX, description="a trace record's `n`")] = 0
+
+
+Kind = Literal["model", "exec", "read", "write", "git", "browse"]
+Outcome = Literal["ok", "error", "denied", "refused", "interrupted"]
+
+
+class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """One model call attempt or tool run. `n` numbers the session's trace records from 1 (`session/trace` `since`);
+    `started` is RFC 3339 in UTC to the millisecond; `attempt` counts a model call's attempts from 1."""
+
+    n: int = 0
+    action: int
+    kind: Kind
+    started: str
+    duration_ms: float
+    outcome: Outcome
+    error: str | None = None
+    attempt: int | None = None
+    model: str | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    name: str | None = None  # a tool run's command (argv[0]) or path, for people and span names
+
+
+class TraceResult(msgspec.Struct, frozen=True):
+    """The session's trace records after `since`, in order: one per model call attempt and per tool run."""
+
+    records: list[TraceRecord]
+
+
 class StepNotice(msgspec.Struct, frozen=True):
     """`session/actions`: one answered step of a watched session, and `at`, when it was answered (RFC 3339, UTC, to
     the millisecond; for a step of the history a watch catches up on, when it was journalled)."""
@@ -424,9 +520,51 @@ class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
     owner: Owner | None = None
 
 
+class DeltaNotice(msgspec.Struct, frozen=True):
+    """`session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled.
+    The fragments of one action, in order, are its reply's text."""
+
+    session: str
+    action: int
+    text: str
+
+
+class StalledNotice(msgspec.Struct, frozen=True):
+    """`session/stalled`: the model could not be reached for the Model action `action` after its retries (`why`);
+    the ask stays pending until `session/resume`."""
+
+    session: str
+    action: int
+    why: str
+
+
+class ApprovalNotice(msgspec.Struct, frozen=True):
+    """`session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision;
+    answer it with `session/approve` and this `digest`."""
+
+    session: str
+    action: int
+    op: Op
+    digest: str
+
+
+class DecidedNotice(msgspec.Struct, frozen=True):
+    """`session/decided`: action `action` was decided: `allow` or `deny` by the client `by` (its name from
+    `initialize`, or "unknown"), or `cancelled` (its turn was cancelled)."""
+
+    session: str
+    action: int
+    decision: Literal["allow", "deny", "cancelled"]
+    by: str
+
+
 NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/actions": StepNotice,
     "session/unwatched": UnwatchedNotice,
+    "session/delta": DeltaNotice,  # the agent runtime's, sent by devd.agent.port
+    "session/stalled": StalledNotice,
+    "session/approval": ApprovalNotice,  # approvals (devd.agent.oversight), sent through the agent runtime's port
+    "session/decided": DecidedNotice,
 }
 
 
@@ -591,6 +729,50 @@ METHODS: dict[str, Spec] = {
             Empty,
             "unwatch",
             "Stop receiving the session's steps on this connection.",
+        ),
+        _spec(
+            "session/prompt",
+            PromptParams,
+            PromptResult,
+            "prompt",
+            """Start a turn of a session made with an agent; answered once its Turn step is durable, after which the
+            daemon carries out every action of the turn itself (watchers see each step as `session/actions`, the
+            model's text as it streams as `session/delta`).""",
+        ),
+        _spec(
+            "session/resume",
+            SessionParams,
+            Empty,
+            "resume",
+            "Try a stalled session's model again (and drive a session of an agent that owes work).",
+        ),
+        _spec(
+            "session/approve",
+            ApproveParams,
+            Empty,
+            "approve",
+            """Decide an action that waits for approval: the first valid answer wins (durable before every watcher
+            gets `session/decided`), a later one is CONFLICT naming who decided, a digest that does not match is
+            INVALID_PARAMS and decides nothing. `allow` runs the action once; `deny` steps it as a failed call saying
+            who denied it.""",
+        ),
+        _spec(
+            "session/budget",
+            BudgetParams,
+            Empty,
+            "set_budget",
+            """Set (or raise, or remove) the session's spend ceiling; durable before it applies. A session stalled by
+            it carries on with `session/resume`.""",
+        ),
+        _spec("session/usage", SessionParams, UsageResult, "usage", "The session's spend so far."),
+        _spec(
+            "session/trace",
+            TraceParams,
+            TraceResult,
+            "trace",
+            """What the daemon did for the session, one durable record per model call attempt and tool run, success
+            or failure: `{n, action, kind, started, duration_ms, outcome, error?, attempt?, model?, input_tokens?,
+            output_tokens?, cached_tokens?, name?}`.""",
         ),
     ]
 }

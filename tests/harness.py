@@ -23,9 +23,10 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
-from devd.cli import _backend_options, _open_store, parse_args, settings_from
+from devd import files
+from devd.cli import _agents, _backend_options, _open_store, parse_args, settings_from
 from devd.client import Client
-from devd.config import Settings
+from devd.config import Settings, backup_dir
 from devd.host import Core
 from devd.server.daemon import Daemon, build
 from devd.server.listeners import bind_tcp, bind_unix, lock_state_dir, prepare_state_dir, read_token, unlink_socket
@@ -94,6 +95,8 @@ class _Running:
     def _start(self, args: Any, opened: contextlib.ExitStack) -> None:
         settings = settings_from(args)
         prepare_state_dir(settings.state_dir)
+        prepare_state_dir(backup_dir(settings), "the backup directory", "--backup-dir")
+        files.remove_partials(backup_dir(settings))  # as devd serve does: a backup a killed daemon was writing
         opened.callback(os.close, lock_state_dir(settings.state_dir, settings.socket_path))
         assert settings.socket_path is not None
         unix, inode = bind_unix(settings.socket_path)
@@ -107,7 +110,7 @@ class _Running:
         token = read_token(settings.state_dir) if settings.tcp else None
         store, fleet = _open_store(args, settings, listeners)
         opened.callback(store.close)
-        registry, dispatcher = build(settings, _core(settings), store, fleet=fleet)
+        registry, dispatcher = build(settings, _core(settings), store, fleet=fleet, agents=_agents(args))
         opened.callback(registry.close_all)
         portal = opened.enter_context(anyio.from_thread.start_blocking_portal("asyncio", _backend_options()))
         self.stops, receive = portal.call(lambda: anyio.create_memory_object_stream[int](1))

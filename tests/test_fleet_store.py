@@ -403,7 +403,7 @@ async def test_a_name_made_at_once_on_two_daemons_is_exists_on_the_one_that_lost
             async def checked_before_a_made_it(name: str | None) -> None:
                 return None  # b looked for the name just before a made it: the name was free then
 
-            monkeypatch.setattr(rb, "_refuse_if_in_fleet", checked_before_a_made_it)
+            monkeypatch.setattr(rb.fleet_sessions, "refuse_if_in_fleet", checked_before_a_made_it)
             await ra.new("x", b"{}")
             with pytest.raises(ExistsError) as refused:
                 await rb.new("x", b"{}")

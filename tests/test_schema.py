@@ -34,6 +34,12 @@ from devd.server.methods import METHODS
 from tests.daemon import ROOT, daemon_env, devd, stop, wait_connectable
 from tests.test_docs import DOC, transcripts
 
+# The methods and notices of sessions the daemon drives need a daemon with --agents: tests/test_agent_runtime.py and
+# tests/test_approvals.py cover them.
+OVERSIGHT_METHODS = {"session/prompt", "session/resume", "session/approve", "session/budget", "session/usage"}
+OVERSIGHT_METHODS |= {"session/trace"}
+OVERSIGHT_NOTICES = {"session/delta", "session/stalled", "session/approval", "session/decided"}
+
 SCHEMA = schema()
 
 
@@ -66,7 +72,14 @@ def test_the_schema_is_a_valid_2020_12_schema_and_devd_schema_prints_it() -> Non
 
 def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
     assert list(SCHEMA["methods"]) == list(METHODS)
-    assert list(SCHEMA["notifications"]) == ["session/actions", "session/unwatched"]
+    assert list(SCHEMA["notifications"]) == [
+        "session/actions",
+        "session/unwatched",
+        "session/delta",
+        "session/stalled",
+        "session/approval",
+        "session/decided",
+    ]
     refs: list[str] = []
 
     def walk(node: Any) -> None:
@@ -174,6 +187,10 @@ def test_the_method_map_is_also_a_type_in_defs_for_generators_that_read_only_def
     assert defs["Notifications"]["properties"] == {
         "session/actions": {"$ref": "#/$defs/StepNotice"},
         "session/unwatched": {"$ref": "#/$defs/UnwatchedNotice"},
+        "session/delta": {"$ref": "#/$defs/DeltaNotice"},
+        "session/stalled": {"$ref": "#/$defs/StalledNotice"},
+        "session/approval": {"$ref": "#/$defs/ApprovalNotice"},
+        "session/decided": {"$ref": "#/$defs/DecidedNotice"},
     }
 
 
@@ -240,7 +257,14 @@ def test_devd_schema_openrpc_prints_an_openrpc_document_over_the_same_definition
     assert {k: e["code"] for k, e in document["components"]["errors"].items()} == {
         k: e["code"] for k, e in SCHEMA["errors"].items()
     }
-    assert [n["name"] for n in document["x-notifications"]] == ["session/actions", "session/unwatched"]
+    assert [n["name"] for n in document["x-notifications"]] == [
+        "session/actions",
+        "session/unwatched",
+        "session/delta",
+        "session/stalled",
+        "session/approval",
+        "session/decided",
+    ]
     refs = re.findall(r'"\$ref": ?"([^"]*)"', json.dumps(document))
     assert refs and all(r.startswith("#/components/schemas/") and r.split("/")[-1] in schemas for r in refs)
 
@@ -447,7 +471,7 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             watcher_methods, watcher_notices, _ = check_traffic(watcher)
         assert stop(proc) == 0
     # daemon/drain answers only in a fleet (tests/test_fleet.py); here it is refused, as NULL.
-    assert sent_methods | watcher_methods == set(SCHEMA["methods"]) - {"daemon/drain"}
-    assert watcher_notices == set(SCHEMA["notifications"])
+    assert sent_methods | watcher_methods == set(SCHEMA["methods"]) - {"daemon/drain"} - OVERSIGHT_METHODS
+    assert watcher_notices == set(SCHEMA["notifications"]) - OVERSIGHT_NOTICES
     assert notice_methods == set()
     assert kinds == {"MALFORMED", "METHOD_NOT_FOUND", "INVALID_PARAMS", "HANDLE", "CONFLICT", "NULL"}

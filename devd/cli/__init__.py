@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import fcntl
+import getpass
 import os
 import re
 import shlex
@@ -72,6 +73,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         send_timeout_s=args.send_timeout,
         max_call_timeout_s=args.max_call_timeout,
         metrics=args.metrics,
+        otel_endpoint=args.otel_endpoint,
         log_format=args.log_format,
         log_level=args.log_level,
     )
@@ -140,12 +142,13 @@ def _serve(args: argparse.Namespace) -> int:
                 listeners.append((bind_tcp(*settings.tcp), "tcp"))
         token = read_token(settings.state_dir) if any(t == "tcp" for _, t in listeners) else None
         metrics_socket = bind_metrics(*settings.metrics) if settings.metrics else None
+        agents = _agents(args)
         store, fleet = _open_store(args, settings, listeners)
     except (StartupError, ValueError, OSError, DevdError) as e:
         print(f"devd: cannot start: {e}", file=sys.stderr)
         return 2
 
-    registry, dispatcher = build(settings, core, store, fleet=fleet)
+    registry, dispatcher = build(settings, core, store, fleet=fleet, agents=agents)
     daemon = Daemon(settings, dispatcher, token)
 
     def ready() -> None:
@@ -182,6 +185,15 @@ def _serve(args: argparse.Namespace) -> int:
             unlink_socket(*bound_socket)
     logger.info("daemon.stopped")
     return 0
+
+
+def _agents(args: argparse.Namespace) -> dict[str, Any]:
+    """The agent profiles of --agents (default: agents.toml where `default_agents_path` finds one; none there: no
+    agents); ConfigError (FILE:LINE: what is wrong) for a bad file."""
+    from devd.agent.profiles import default_agents_path, load_profiles
+
+    path = Path(args.agents) if args.agents else default_agents_path(os.environ)
+    return {} if path is None else dict(load_profiles(path))
 
 
 def _open_store(
@@ -367,6 +379,65 @@ def _fork(client: Client, args: argparse.Namespace) -> int:
     if args.name is not None:
         params["as"] = args.name  # a Python keyword, so not through _params
     return _named(client.call_raw("session/fork", params), args)
+
+
+def _decision(decision: Literal["allow", "deny"]) -> Callable[[Client, argparse.Namespace], int]:
+    """`devd approve` / `devd deny`: answer an action that waits for approval, naming it by the digest of the action
+    the session shows as pending (the same digest its `session/approval` carried)."""
+
+    def run(client: Client, args: argparse.Namespace) -> int:
+        from devd.agent.approvals import action_digest
+
+        client.initialize(token=_token(args), name=cli_client_name())
+        found = [a for a in client.pending(args.session) if a.id == args.action]
+        if not found or found[0].awaiting != "approval":
+            raise LocalError(
+                f"action {args.action} of {args.session} is not waiting for approval; `devd pending {args.session}` "
+                "shows what the session waits for"
+            )
+        digest = action_digest(args.action, msgspec.structs.replace(found[0], awaiting=None).op)
+        client.approve(args.session, args.action, digest, decision, remember=args.remember)
+        if args.json:
+            _emit(b"{}\n")
+        else:
+            _emit(
+                f"action {args.action} of {args.session}: {'allowed' if decision == 'allow' else 'denied'}\n".encode()
+            )
+        return EXIT_OK
+
+    return run
+
+
+def cli_client_name() -> str:
+    """Who the command decides as (`by` of `session/decided`): the user, through devd's command line."""
+    return f"{getpass.getuser()} (devd cli)"
+
+
+def _usage(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/usage", {"session": args.session})
+    _emit(raw + b"\n" if args.json else _pretty(raw))
+    return EXIT_OK
+
+
+def _trace(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/trace", _params(session=args.session, since=args.since))
+    if args.json:
+        _emit(raw + b"\n")
+        return EXIT_OK
+    for record in msgspec.json.decode(raw)["records"]:
+        _emit(trace_line(record).encode())
+    return EXIT_OK
+
+
+def trace_line(r: dict[str, Any]) -> str:
+    """One trace record for people: number, start, action, kind, outcome, duration, model and tokens, error."""
+    what = r["kind"] if r.get("model") is None else f"{r['kind']} {r['model']}"
+    if r.get("attempt"):
+        what += f" (attempt {r['attempt']})"
+    tokens = f" {r['input_tokens']}+{r['output_tokens']} tokens" if r.get("input_tokens") is not None else ""
+    error = f": {r['error']}" if r.get("error") else ""
+    took = f"{r['duration_ms']:.1f} ms"
+    return f"{r['n']:>4} {r['started']} action {r['action']} {what} {r['outcome']} {took}{tokens}{error}\n"
 
 
 class _Page(msgspec.Struct):
@@ -568,6 +639,10 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "inspect": _inspect,
     "watch": _watch,
     **{plain.command: _run_plain(plain) for plain in PLAIN},
+    "approve": _decision("allow"),
+    "deny": _decision("deny"),
+    "usage": _usage,
+    "trace": _trace,
 }
 
 
@@ -615,6 +690,9 @@ METHOD_COMMANDS: dict[str, str] = {
     "session/recover": "devd recover {session}",
     "session/close": "devd close {session}",
     "session/watch": "devd watch {session}",
+    "session/approve": "devd approve {session} ACTION",
+    "session/usage": "devd usage {session}",
+    "session/trace": "devd trace {session}",
     "daemon/status": "devd status",
 }
 _METHOD_NAMED = re.compile(r"`?\b((?:session|daemon)/[a-z]+)\b`?")
@@ -1070,6 +1148,14 @@ def _socket_path(text: str) -> Path:
     return Path(path)
 
 
+def _otel_endpoint(text: str) -> str:
+    if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", text):
+        raise argparse.ArgumentTypeError(
+            f"--otel-endpoint takes a collector's OTLP/HTTP base URL (e.g. http://127.0.0.1:4318), not {text!r}"
+        )
+    return text
+
+
 def _metrics_address(text: str) -> tuple[str, int]:
     try:
         return parse_tcp(text)
@@ -1363,6 +1449,20 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "use a loopback address unless others should read the counters (default: off)",
     )
     serve.add_argument(
+        "--otel-endpoint",
+        metavar="URL",
+        type=_otel_endpoint,
+        help="also export the trace of the sessions the daemon drives as OpenTelemetry spans (GenAI conventions, no "
+        "message content) over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (default: off)",
+    )
+    serve.add_argument(
+        "--agents",
+        metavar="FILE",
+        help="the agent profiles ([agent.NAME] tables, see the README's agent runtime section) of the sessions the "
+        "daemon drives itself (default: $CONFIGURATION_DIRECTORY/agents.toml under systemd, else "
+        "$XDG_CONFIG_HOME/devd/agents.toml, when there is one; else none)",
+    )
+    serve.add_argument(
         "--log-format",
         choices=["json", "console"],
         help="json: one object a line, for journald and containers; console: for people (default: console when "
@@ -1444,6 +1544,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     for plain in PLAIN:
         _plain_arguments(client(plain.command, plain.help), plain)
+    for verb, does in (("approve", "allow"), ("deny", "deny")):
+        decide = session(client(verb, f"{does} an action of a session the daemon drives that waits for approval"))
+        decide.add_argument("action", type=int, help="the action's id (`devd pending SESSION` shows it)")
+        decide.add_argument(
+            "--remember",
+            action="store_true",
+            help=f"{does} later calls of the same argv prefix (Exec, Git) or path (Write) in this session too",
+        )
+    session(client("usage", "show what a session's model calls used: tokens, calls, and calls a ceiling refused"))
+    trace = session(client("trace", "show a session's trace: one line per model call attempt and per tool run"))
+    trace.add_argument("--since", type=int, help="only the records after this record number")
     backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
     backup.add_argument(
         "name",
@@ -1451,6 +1562,29 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "STATE_DIR/backups); it must not exist there",
     )
     client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")
+    # The agent runtime's: a turn the daemon drives, shown as it happens (devd.agent.cli).
+    run = sub.add_parser(
+        "run",
+        help="have the daemon carry out a turn of an agent and show it as it happens",
+        description="Start a session of an agent (or continue --session) with PROMPT and show the turn as the daemon "
+        "carries it out: the model's text as it streams, each call and its result, the outcome. Exit 0 when the "
+        "turn is done, 1 when it ended otherwise, 130 after Ctrl-C (which cancels the turn).",
+        formatter_class=_Help,
+    )
+    _connection_flags(run)
+    run.add_argument("prompt", help="what to ask the agent")
+    run.add_argument("--agent", help="the agent profile (default: the daemon's only one, when it has one)")
+    run.add_argument("--workspace", metavar="DIR", help="the session's workspace (default: the current directory)")
+    run.add_argument("--session", help="continue this session (made, of --agent in --workspace, if there is none)")
+    attach = sub.add_parser(
+        "attach",
+        help="show the turn of a session the daemon drives as it happens, until it ends",
+        description="Show what the daemon does for a session (someone else prompted) as it happens, until its "
+        "running turn ends (exit 0) or Ctrl-C (130; the turn goes on).",
+        formatter_class=_Help,
+    )
+    _connection_flags(attach)
+    attach.add_argument("session", help="the session's name")
 
     doctor = sub.add_parser(
         "doctor",
@@ -1485,4 +1619,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "doctor":
         return _doctor(args)
+    if args.command in ("run", "attach"):
+        return _run_agent(args)
     return _run_client(args)
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    """`devd run` and `devd attach` (devd.agent.cli), with the errors and exit status of the other client commands."""
+    from devd.agent import cli as agent_cli
+    from devd.client import NotRunningError
+
+    try:
+        return agent_cli.main(args, _address(args), _token(args))
+    except LocalError as e:
+        print(f"devd: {e}", file=sys.stderr)
+        return EXIT_LOCAL
+    except DevdError as e:
+        print(f"devd: {e.kind}: {in_cli_terms(e, args)}", file=sys.stderr)
+        return EXIT_ANSWERED_ERROR
+    except NotRunningError as e:
+        print(f"devd: {e.strerror}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (OSError, ConnectionError) as e:
+        print(f"devd: cannot reach the daemon at {_address(args)}: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED

@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import anyio
+import anyio.to_thread
 import msgspec
 import structlog
 
+from devd.agent.port import ObservedFanout, RegistryPort
+from devd.agent.profiles import Profile
+from devd.agent.runner import Runtime
 from devd.config import Settings
 from devd.host import Core
 from devd.server import metrics, systemd
@@ -36,7 +41,6 @@ from devd.server.rpc import encode_notice
 from devd.server.transport import Connection, Hub
 from devd.sessions.calls import Runner
 from devd.sessions.registry import Registry
-from devd.sessions.watchers import Fanout
 from devd.storage.store import Fleet, Store
 
 FLEET_CHECK_S = 0.5  # how often a fleet daemon looks for watched sessions it may have lost
@@ -51,9 +55,11 @@ def build(
     *,
     methods: Mapping[str, Method] = METHODS,
     fleet: Fleet | None = None,
+    agents: Mapping[str, Profile] | None = None,
 ) -> tuple[Registry, Dispatcher]:
     """The parts of a daemon, wired: registry over core and store (and the fleet, when the store is shared with
-    other daemons), dispatcher over the methods."""
+    other daemons), dispatcher over the methods, and the agent runtime with the agent profiles given (none: sessions
+    of an agent are refused), a second client of the sessions beside the wire."""
     runner = Runner(
         core,
         inline_budget_s=settings.inline_budget_s,
@@ -63,7 +69,7 @@ def build(
     registry = Registry(
         core,
         store,
-        Fanout(encode_notice),
+        ObservedFanout(encode_notice),
         sessions_max=settings.sessions_max,
         max_live=settings.max_live,
         call_timeout_s=settings.call_timeout_s,
@@ -74,6 +80,12 @@ def build(
         fleet=fleet,
     )
     app = App(settings, registry, store, connections=lambda: 0)
+    app.agents = Runtime(agents or {}, RegistryPort(registry, store), os.environ)
+    app.oversight = app.agents.oversight
+    if settings.otel_endpoint is not None:
+        from devd.agent.otel import Exporter  # imported only when asked for: the SDK takes a while to load
+
+        app.oversight.spans = Exporter(settings.otel_endpoint)
     return registry, Dispatcher(methods, app)
 
 
@@ -105,6 +117,10 @@ class Daemon:
         with _stop_requests(stops) as signals:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app.store.run)
+                if app.oversight is not None:
+                    await app.oversight.load()  # what was spent before this start counts against the ceilings
+                if app.agents is not None:
+                    await tg.start(app.agents.run)
                 tg.start_soon(self._watchdog)
                 if self.settings.expire_after_s is not None:
                     tg.start_soon(self._expire, self.settings.expire_after_s)
@@ -119,6 +135,8 @@ class Daemon:
                 sessions = sum(app.registry.counts().values())
                 log.info("daemon.ready", sessions=sessions, listeners=[t for _, t in listeners])
                 await self._until_signal(signals, servers)
+                if app.agents is not None:
+                    app.agents.stop()  # nothing new starts while calls drain; an effect cut short is found claimed
                 if running := self.hub.running:
                     # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
                     log.warning("daemon.interrupting", calls=len(running))
@@ -131,6 +149,8 @@ class Daemon:
                 await self._close_connections()
                 tg.cancel_scope.cancel()
             await app.store.flush()
+            if app.oversight is not None and app.oversight.spans is not None:
+                await anyio.to_thread.run_sync(app.oversight.spans.shutdown)  # the spans still queued are sent
 
     def _exposition(self) -> str:
         """The metrics, from daemon/status's answer exactly as a client decodes it."""

@@ -13,17 +13,19 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import anyio
 import anyio.lowlevel
 import msgspec
 import structlog
 from msgspec import Raw
 
 from devd import ABI, __version__, protocol
+from devd.agent.oversight import APPROVAL_NOTICE
 from devd.config import Settings, backup_dir
-from devd.errors import ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
-from devd.messages import Config, decode_actions, encode
+from devd.errors import BusyError, ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
+from devd.messages import Config, decode_actions, encode, encode_actions
 
 # Re-exported: the wire's names and rules were first defined here, and are still imported from here.
 from devd.protocol import (  # noqa: F401
@@ -31,8 +33,10 @@ from devd.protocol import (  # noqa: F401
     SEQ_MAX,
     SESSION_NAME_PATTERN,
     TRANSCRIPT_INDEX_MAX,
+    ApproveParams,
     BackupParams,
     BackupResult,
+    BudgetParams,
     Client,
     DrainResult,
     Empty,
@@ -46,6 +50,8 @@ from devd.protocol import (  # noqa: F401
     NewParams,
     NoParams,
     PendingResult,
+    PromptParams,
+    PromptResult,
     RestoreParams,
     Seq,
     Server,
@@ -58,18 +64,26 @@ from devd.protocol import (  # noqa: F401
     StatusResult,
     StepParams,
     StepResult,
+    TraceParams,
+    TraceResult,
     TranscriptParams,
     TranscriptResult,
+    UsageResult,
     WatchParams,
     check,
     decode_params,
     rfc3339,
 )
-from devd.server.rpc import Request
+from devd.server.rpc import Request, notification
 from devd.sessions.entry import Info
 from devd.sessions.registry import Registry
 from devd.sessions.watchers import Sink, Subscription
 from devd.storage.store import Store
+
+if TYPE_CHECKING:
+    from devd.agent.oversight import Oversight
+    from devd.agent.records import Binding
+    from devd.agent.runner import Runtime
 
 # Logged at info: the daemon's own acts (a backup) and a session's lifecycle (new, restored, forked, recovered,
 # closed), one line each; never a step, whose path stays free of log calls.
@@ -87,6 +101,7 @@ class Peer:
     sink: Sink
     watches: dict[str, Subscription] = field(default_factory=dict)
     closed: bool = False  # its subscriptions have been ended: a watch that finishes now must not outlive it
+    client: str | None = None  # the client's name from `initialize`: who decided an approval
 
 
 @dataclass
@@ -99,6 +114,8 @@ class App:
     connections: Callable[[], int]
     started: float = field(default_factory=time.monotonic)
     errors: dict[str, int] = field(default_factory=dict)  # answers by error kind
+    agents: Runtime | None = None  # the agent runtime (devd.agent.runner): the sessions the daemon drives
+    oversight: Oversight | None = None  # approvals, spend and trace of the sessions the daemon drives
 
 
 class Call(msgspec.Struct, frozen=True):
@@ -186,6 +203,8 @@ def initialize_result(settings: Settings) -> InitializeResult:
 
 @method("initialize")
 async def initialize(call: Call, params: InitializeParams) -> InitializeResult:
+    if params.client is not None:
+        call.peer.client = params.client.name
     return initialize_result(call.app.settings)
 
 
@@ -266,21 +285,34 @@ async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
 
 @method("session/new")
 async def session_new(call: Call, params: NewParams) -> SessionResult:
-    name = await call.app.registry.new(params.session, encode(params.config or Config()))
-    log.info("session.created", session=name)
+    binding, config = agent_binding(call.app, params)
+    name = await call.app.registry.new(params.session, encode(config))
+    if call.app.agents is not None:
+        await call.app.agents.bind(name, binding)
+    if params.budget is not None:
+        await _oversight(call.app).set_budget(name, params.budget.tokens)
+    if binding is None:
+        log.info("session.created", session=name)
+    else:
+        log.info("session.created", session=name, agent=binding.agent, workspace=binding.workspace)
     return SessionResult(name)
 
 
 @method("session/step")
 async def session_step(call: Call, params: StepParams) -> StepResult:
-    answered = await call.app.registry.step(params.session, bytes(params.event), params.timeout_ms, params.key)
+    event = bytes(params.event)
+    if call.app.oversight is not None and event.lstrip().startswith(b'{"Cancel"'):
+        call.app.oversight.cancelling[params.session] = call.peer.client or "unknown"  # who withdraws approvals
+    answered = await patient(
+        call.app, params.session, lambda r: r.step(params.session, event, params.timeout_ms, params.key)
+    )
     ignored = None if answered.ignored is None else [answered.ignored]
     return StepResult(Raw(answered.actions), answered.replayed, ignored)
 
 
 @method("session/snapshot")
 async def session_snapshot(call: Call, params: SessionParams) -> SnapshotResult:
-    return SnapshotResult(await call.app.registry.snapshot(params.session))
+    return SnapshotResult(await patient(call.app, params.session, lambda r: r.snapshot(params.session)))
 
 
 @method("session/restore")
@@ -292,19 +324,20 @@ async def session_restore(call: Call, params: RestoreParams) -> SessionResult:
 
 @method("session/fork")
 async def session_fork(call: Call, params: ForkParams) -> SessionResult:
-    name = await call.app.registry.fork(params.session, params.at, params.as_)
+    name = await patient(call.app, params.session, lambda r: r.fork(params.session, params.at, params.as_))
     log.info("session.forked", session=name, source=params.session, at=params.at)
     return SessionResult(name)
 
 
 @method("session/pending")
 async def session_pending(call: Call, params: SessionParams) -> PendingResult:
-    return PendingResult(Raw(await call.app.registry.pending(params.session)))
+    actions = await patient(call.app, params.session, lambda r: r.pending(params.session))
+    return PendingResult(Raw(await awaiting_approval(call.app, params.session, actions)))
 
 
 @method("session/transcript")
 async def session_transcript(call: Call, params: TranscriptParams) -> TranscriptResult:
-    seq, messages = await call.app.registry.transcript(params.session, params.from_)
+    seq, messages = await patient(call.app, params.session, lambda r: r.transcript(params.session, params.from_))
     return TranscriptResult(seq, params.from_, Raw(messages))
 
 
@@ -318,12 +351,14 @@ async def session_recover(call: Call, params: SessionParams) -> SessionResult:
 @method("session/close")
 async def session_close(call: Call, params: SessionParams) -> Empty:
     await call.app.registry.close(params.session)
+    if call.app.oversight is not None:
+        call.app.oversight.forget(params.session)
     log.info("session.closed", session=params.session)
     call.peer.watches.pop(params.session, None)
     return Empty()
 
 
-def _entry(i: Info) -> SessionInfo:
+def _entry(i: Info, stalled: Mapping[str, str] | None = None) -> SessionInfo:
     return SessionInfo(
         i.name,
         i.state.value,  # type: ignore[arg-type]
@@ -333,6 +368,7 @@ def _entry(i: Info) -> SessionInfo:
         i.watchers,
         i.reason,
         i.held,
+        stalled.get(i.name) if stalled is not None else None,
     )
 
 
@@ -342,12 +378,13 @@ LIST_CHUNK = 1000  # sessions of a list page built between two turns of the even
 @method("session/list")
 async def session_list(call: Call, params: ListParams) -> ListResult:
     registry = call.app.registry
+    stalled = call.app.agents.stalled if call.app.agents is not None else None
     names, after = registry.page_names(params.limit, params.cursor)
     sessions: list[SessionInfo] = []
     for start in range(0, len(names), LIST_CHUNK):
         if start:
             await anyio.lowlevel.checkpoint()  # a page of 100,000 must not stall every other call for a second
-        sessions += [_entry(i) for i in registry.infos(names[start : start + LIST_CHUNK])]
+        sessions += [_entry(i, stalled) for i in registry.infos(names[start : start + LIST_CHUNK])]
     return ListResult(sessions, after)
 
 
@@ -389,6 +426,7 @@ async def session_watch(call: Call, params: WatchParams) -> Empty:
     if old is not None:
         registry.unwatch(old)
     peer.watches[params.session] = sub
+    await announce(call, params.session)
     return Empty()
 
 
@@ -398,6 +436,134 @@ async def session_unwatch(call: Call, params: SessionParams) -> Empty:
     if sub is not None:
         call.app.registry.unwatch(sub)
     return Empty()
+
+
+# -- the agent runtime, and its approvals, spend and trace (devd.agent) ----------------------------------------------
+
+
+PATIENCE_S = 2.0  # the longest a call waits for the daemon's own driver of its session to let go of it
+T = TypeVar("T")
+
+
+def agent_binding(app: App, params: NewParams) -> tuple[Binding | None, Config]:
+    """A new session's agent and workspace, checked (INVALID_PARAMS naming what is wrong), and its config: the
+    profile's model, unless the config names one."""
+    config = params.config or Config()
+    agent = params.agent
+    if agent is None and params.workspace is None:
+        return None, config
+    runtime = _runtime(app)
+    if agent is None:  # a workspace alone: the daemon's only agent, when it has exactly one
+        if len(runtime.profiles) != 1:
+            known = ", ".join(sorted(runtime.profiles)) or "none: start the daemon with --agents FILE"
+            raise InvalidParamsError(f"a workspace is given without an agent; name one of the agents: {known}")
+        agent = next(iter(runtime.profiles))
+    binding = runtime.check(agent, params.workspace)
+    if config.model is None:
+        config = Config(model=runtime.profiles[agent].model, asks=config.asks)
+    return binding, config
+
+
+async def patient(app: App, session: str, call: Callable[[Registry], Awaitable[T]]) -> T:
+    """call(registry); a BUSY that comes from the daemon's own driver of the session (it holds the session while it
+    steps a result, a millisecond or so) is waited out briefly rather than answered: a client of a driven session
+    should not have to retry the daemon's own steps. BUSY from another client's call is answered as ever."""
+    waited = 0.0
+    while True:
+        try:
+            return await call(app.registry)
+        except BusyError:
+            if app.agents is None or not app.agents.driving(session) or waited >= PATIENCE_S:
+                raise
+        await anyio.sleep(0.002)
+        waited += 0.002
+
+
+def _runtime(app: App) -> Runtime:
+    if app.agents is None:
+        raise InvalidParamsError("this daemon runs no agents; start it with --agents FILE")
+    return app.agents
+
+
+def _oversight(app: App) -> Oversight:
+    if app.oversight is None:
+        raise InvalidParamsError(
+            "this daemon runs no agents, so it has no approvals, spend or trace; start it with --agents FILE"
+        )
+    return app.oversight
+
+
+def _known(app: App, session: str) -> None:
+    infos, _ = app.registry.page(1, _just_before(session))
+    if not infos or infos[0].name != session:
+        raise HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
+
+
+def _just_before(name: str) -> str:
+    """A `session/list` cursor whose page starts at `name`."""
+    return name[:-1] + chr(ord(name[-1]) - 1) + "z" * (64 - len(name))
+
+
+async def awaiting_approval(app: App, session: str, actions: bytes) -> bytes:
+    """The pending actions, those waiting for a client's decision marked `awaiting: "approval"`."""
+    if app.oversight is None:
+        return actions
+    waiting = {a.action for a in await app.oversight.awaiting(session)}
+    if not waiting:
+        return actions
+    marked = [
+        msgspec.structs.replace(a, awaiting="approval") if a.id in waiting else a for a in decode_actions(actions)
+    ]
+    return encode_actions(marked)
+
+
+async def announce(call: Call, session: str) -> None:
+    """Tell a new watcher of every approval the session waits for (it was told before it watched, or never)."""
+    if call.app.oversight is None:
+        return
+    for params in await call.app.oversight.announcements(session):
+        call.peer.sink.offer(notification(APPROVAL_NOTICE, Raw(params)))
+
+
+@method("session/prompt")
+async def session_prompt(call: Call, params: PromptParams) -> PromptResult:
+    return PromptResult(await _runtime(call.app).prompt(params.session, params.prompt, params.key))
+
+
+@method("session/resume")
+async def session_resume(call: Call, params: SessionParams) -> Empty:
+    await _runtime(call.app).resume(params.session)
+    return Empty()
+
+
+@method("session/approve")
+async def session_approve(call: Call, params: ApproveParams) -> Empty:
+    _known(call.app, params.session)
+    by = call.peer.client or "unknown"
+    await _oversight(call.app).answer(
+        params.session, params.action, params.digest, params.decision, by, params.remember
+    )
+    return Empty()
+
+
+@method("session/budget")
+async def session_budget(call: Call, params: BudgetParams) -> Empty:
+    _known(call.app, params.session)
+    await _oversight(call.app).set_budget(params.session, params.tokens)
+    return Empty()
+
+
+@method("session/usage")
+async def session_usage(call: Call, params: SessionParams) -> UsageResult:
+    _known(call.app, params.session)
+    t = _oversight(call.app).usage(params.session)
+    return UsageResult(t.input_tokens, t.output_tokens, t.cached_tokens, t.calls, t.refused)
+
+
+@method("session/trace")
+async def session_trace(call: Call, params: TraceParams) -> TraceResult:
+    _known(call.app, params.session)
+    return TraceResult(await _oversight(call.app).records(params.session, params.since))
 
 
 METHODS: dict[str, Method] = bind(protocol.METHODS, _HANDLERS)  # import fails if a method lacks its one handler

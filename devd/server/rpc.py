@@ -16,7 +16,13 @@ from msgspec import UNSET, Raw, UnsetType
 
 from devd.errors import DevdError, InvalidRequestError, MovedError, ParseError, TooLargeError
 from devd.protocol import NOTIFICATIONS as NOTIFICATIONS  # the wire's types live in devd.protocol; re-exported here
-from devd.protocol import Error, ErrorData, Owner, StepNotice, rfc3339
+from devd.protocol import (
+    Error,
+    ErrorData,
+    Owner,
+    StepNotice,
+    rfc3339,
+)
 from devd.protocol import UnwatchedNotice as UnwatchedNotice
 from devd.sessions.watchers import Notice, Stepped
 

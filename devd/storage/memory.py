@@ -6,6 +6,7 @@ history (it never prunes) and counts each write as one commit.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -13,7 +14,18 @@ import anyio
 import msgspec
 
 from devd.errors import NullError
-from devd.storage.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.storage.store import (
+    Health,
+    Keyed,
+    Record,
+    Row,
+    SessionRow,
+    Step,
+    Stored,
+    StoreError,
+    StoreStats,
+    percentile_ms,
+)
 
 
 @dataclass
@@ -23,6 +35,7 @@ class _Session:
     reason: str | None = None
     journal: dict[int, Step] = field(default_factory=dict)
     at: dict[int, float] = field(default_factory=dict)  # when each step was journalled
+    records: list[Record] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
@@ -98,6 +111,7 @@ class MemoryStore:
         if src is None:
             raise StoreError(f"there is no session {source!r} to fork")
         copy = _Session(src.config)
+        copy.records = [dataclasses.replace(r, session=name) for r in src.records if r.seq <= at]
         for seq, step in src.journal.items():
             if seq <= at:
                 copy.journal[seq] = msgspec.structs.replace(step, session=name)
@@ -151,6 +165,21 @@ class MemoryStore:
         session = self._sessions.get(name)
         times = sorted(session.at.items()) if session else []
         return dict([(seq, at) for seq, at in times if seq > since][:limit])
+
+    async def add_record(self, record: Record) -> None:
+        self._committed(time.perf_counter())
+        session = self._sessions.get(record.session)
+        if session is None:
+            return  # deleted meanwhile: as the other stores, dropped
+        n = session.records[-1].n + 1 if session.records else 1
+        session.records.append(dataclasses.replace(record, at=time.time(), n=n))
+
+    async def records(self, name: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
+        session = self._sessions.get(name)
+        return [r for r in (session.records if session else ()) if kinds is None or r.kind in kinds]
+
+    async def recorded(self, kind: str) -> list[str]:
+        return [name for name, s in sorted(self._sessions.items()) if any(r.kind == kind for r in s.records)]
 
 
 def _row(step: Step) -> Row:

@@ -50,7 +50,18 @@ import structlog
 
 from devd import failpoints, files
 from devd.errors import ExistsError
-from devd.storage.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.storage.store import (
+    Health,
+    Keyed,
+    Record,
+    Row,
+    SessionRow,
+    Step,
+    Stored,
+    StoreError,
+    StoreStats,
+    percentile_ms,
+)
 
 log = structlog.get_logger("devd.storage.store")
 
@@ -115,6 +126,20 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE journal ADD COLUMN snapshot_file TEXT;
     CREATE INDEX IF NOT EXISTS journal_snapshot_file ON journal (snapshot_file) WHERE snapshot_file IS NOT NULL;
+    """,
+    # 6: each session's record log (devd.storage.store.Record): what the daemon did for it beside its journal
+    """
+    CREATE TABLE IF NOT EXISTS records (
+        session TEXT NOT NULL,
+        n INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        action INTEGER NOT NULL,
+        body BLOB NOT NULL,
+        at REAL NOT NULL,
+        PRIMARY KEY (session, n)
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS records_kind ON records (kind, session);
     """,
 )
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
@@ -724,6 +749,7 @@ class SQLiteStore:
             self._new_generation(name)
             self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            db.execute("DELETE FROM records WHERE session = ?", (name,))
             db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
             )
@@ -788,6 +814,7 @@ class SQLiteStore:
             self._generations.pop(name, None)  # its rows go too: a pointer finds none (a new one gets a new number)
             self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            db.execute("DELETE FROM records WHERE session = ?", (name,))
             db.execute("DELETE FROM sessions WHERE name = ?", (name,))
 
         await self._write(op)
@@ -829,6 +856,12 @@ class SQLiteStore:
             if made.rowcount != 1:
                 raise StoreError(f"there is no session {source!r} to fork")
             db.execute("DELETE FROM meta WHERE key = ?", (note,))
+            db.execute("DELETE FROM records WHERE session = ?", (name,))
+            db.execute(
+                "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT ?, n, seq, kind, action, body, "
+                "at FROM records WHERE session = ? AND seq <= ?",
+                (name, source, at),
+            )
             if snapshot is not None:
                 db.execute(
                     "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file) "
@@ -957,6 +990,44 @@ class SQLiteStore:
         finally:
             partial.unlink(missing_ok=True)
             Path(f"{partial}-journal").unlink(missing_ok=True)  # SQLite's, should the copy have stopped mid-write
+
+    async def add_record(self, record: Record) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            # A record of a session deleted meanwhile is dropped rather than refused: a refusal would fail every write
+            # of its batch.
+            db.execute(
+                "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT ?, "
+                "COALESCE((SELECT MAX(n) FROM records WHERE session = ?), 0) + 1, ?, ?, ?, ?, ? "
+                "WHERE EXISTS (SELECT 1 FROM sessions WHERE name = ?)",
+                (
+                    record.session,
+                    record.session,
+                    record.seq,
+                    record.kind,
+                    record.action,
+                    record.body,
+                    time.time(),
+                    record.session,
+                ),
+            )
+
+        await self._write(op)
+
+    async def records(self, name: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
+        def read(db: sqlite3.Connection) -> list[Record]:
+            rows = db.execute(
+                "SELECT seq, kind, action, body, at, n FROM records WHERE session = ? ORDER BY n", (name,)
+            ).fetchall()
+            return [Record(name, *row) for row in rows if kinds is None or row[1] in kinds]
+
+        return await self._read(read)
+
+    async def recorded(self, kind: str) -> list[str]:
+        def read(db: sqlite3.Connection) -> list[str]:
+            found = db.execute("SELECT DISTINCT session FROM records WHERE kind = ? ORDER BY session", (kind,))
+            return [name for (name,) in found]
+
+        return await self._read(read)
 
     async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
         return await self._read(
