@@ -576,7 +576,7 @@ class ActionsNotice(msgspec.Struct, frozen=True):
     seq: int
     event: Event
     actions: list[Action]
-    at: str
+    at: str = ""  # always sent by the daemon; empty only in a notice made by hand (a test's, a renderer's)
 
 
 # -- the method table -----------------------------------------------------------------------------------------------

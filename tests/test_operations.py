@@ -112,11 +112,11 @@ def test_doctor_during_a_restore_passes_saying_the_daemon_is_stopped(tmp_path: P
     d = Daemon(tmp_path).start()
     with d.client() as c:
         c.new(session="s")
-        c.backup(tmp_path / "backup.sqlite3")
+        c.backup("backup.sqlite3")
     assert d.stop() == 0
     for name in ("devd.sqlite3", "devd.sqlite3.id"):  # as docs/operations.md says: aside, and the backup in place
         (d.state / name).rename(tmp_path / name)
-    (tmp_path / "backup.sqlite3").rename(d.state / "devd.sqlite3")
+    (d.state / "backups" / "backup.sqlite3").rename(d.state / "devd.sqlite3")
     run = doctor(d)
     assert (run.returncode, run.stdout.splitlines()[0]) == (0, stopped(d))
 
