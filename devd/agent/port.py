@@ -20,7 +20,7 @@ import msgspec
 from devd.errors import BusyError, HandleError
 from devd.messages import Action, Event, Message, decode_actions, decode_messages, encode
 from devd.server.rpc import notification
-from devd.sessions.registry import Registry
+from devd.sessions.port import SessionPort
 from devd.sessions.watchers import Fanout, Stepped
 from devd.storage.store import Record, Store
 
@@ -101,7 +101,7 @@ class Sessions(Protocol):
 class RegistryPort:
     """`Sessions` over the daemon's registry and store."""
 
-    def __init__(self, registry: Registry, store: Store) -> None:
+    def __init__(self, registry: SessionPort, store: Store) -> None:
         assert isinstance(registry.fanout, ObservedFanout), "the daemon builds its registry with an ObservedFanout"
         self.registry = registry
         self.store = store
@@ -133,8 +133,10 @@ class RegistryPort:
         return decode_messages(messages)
 
     def seq(self, session: str) -> int | None:
-        infos, _ = self.registry.page(1, _just_before(session))
-        return infos[0].seq if infos and infos[0].name == session else None
+        try:
+            return self.registry.info(session).seq
+        except HandleError:
+            return None
 
     async def known(self, session: str) -> bool:
         if self.seq(session) is not None:
@@ -186,11 +188,6 @@ async def _unbusy(call: Callable[[], Awaitable[T]]) -> T:
 
 
 _turns = msgspec.json.Decoder(Event)
-
-
-def _just_before(name: str) -> str:
-    """A `session/list` cursor whose page starts at `name` (see `devd.driver._just_before`)."""
-    return name[:-1] + chr(ord(name[-1]) - 1) + "z" * (64 - len(name)) if name else ""
 
 
 def action_ids(actions: Sequence[Action]) -> set[int]:

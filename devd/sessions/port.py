@@ -6,10 +6,14 @@ from __future__ import annotations
 from typing import Protocol
 
 from devd.sessions.entry import Answered, Info
-from devd.sessions.watchers import Sink, Subscription
+from devd.sessions.watchers import Fanout, Sink, Subscription
+from devd.storage.store import Fleet
 
 
 class SessionPort(Protocol):
+    fanout: Fanout  # who watches which session: a component that tells watchers more than steps sends through it
+    fleet: Fleet | None  # the store shared with other daemons, when the sessions live in a fleet
+
     async def new(self, name: str | None, config: bytes) -> str: ...
 
     async def step(self, name: str, event: bytes, timeout_ms: int | None, key: str | None) -> Answered: ...
