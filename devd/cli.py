@@ -1294,6 +1294,16 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     backup.add_argument("path", help="the file to write (must not exist; its directory must); relative to here")
     client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")
 
+    from devd.acp.main import add_arguments as acp_arguments
+
+    acp = sub.add_parser(
+        "acp",
+        help="be an Agent Client Protocol agent on stdin/stdout for an editor, backed by the daemon (docs/editors.md)",
+        formatter_class=_Help,
+    )
+    _connection_flags(acp)
+    acp_arguments(acp)
+
     doctor = sub.add_parser(
         "doctor",
         help="check the daemon, its state directory, database and core",
@@ -1327,4 +1337,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "doctor":
         return _doctor(args)
+    if args.command == "acp":
+        from devd.acp.main import main as acp_main
+
+        return acp_main(args)
     return _run_client(args)

@@ -532,10 +532,12 @@ class _Connection:
         self.left: set[str] = set()  # sessions whose watch() was left early: their notices in flight are dropped
         self.unrouted = unrouted
         self.lost = False
+        self.gone = anyio.Event()  # set when lost: what `wait_lost()` waits for
 
     def lose(self) -> None:
         """The connection is gone: every call waiting fails, every watch loop ends."""
         self.lost = True
+        self.gone.set()
         for event, _ in self.waiting.values():
             event.set()
         self.waiting.clear()
@@ -620,6 +622,11 @@ class AsyncClient:
         self._tasks.start_soon(self._read, self._conn)
         if _greets(self._address, self._token):
             await self.initialize(token=self._token)
+
+    async def wait_lost(self) -> None:
+        """Return once this client's connection is lost (the daemon stopped, or closed it); then `reconnect()`.
+        For a client that must notice a daemon going away while it has no call in flight (it only listens)."""
+        await self._conn.gone.wait()
 
     async def _read(self, conn: _Connection) -> None:
         buffer = b""
