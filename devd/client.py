@@ -21,6 +21,7 @@ What they promise:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import itertools
 import os
@@ -28,7 +29,7 @@ import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Generator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -36,13 +37,17 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
+from devd.agent.oversight import ApprovalNotice, DecidedNotice
+from devd.agent.trace import TraceRecord
 from devd.config import default_socket_path, parse_tcp
 from devd.listeners import peer_uid
 from devd.messages import Action, Config, Event, Message, decode_actions, decode_messages, encode
 from devd.methods import (
     METHODS,
+    ApproveParams,
     BackupParams,
     BackupResult,
+    BudgetParams,
     DrainResult,
     ForkParams,
     InitializeParams,
@@ -59,8 +64,11 @@ from devd.methods import (
     StatusResult,
     StepParams,
     StepResult,
+    TraceParams,
+    TraceResult,
     TranscriptParams,
     TranscriptResult,
+    UsageResult,
     WatchParams,
 )
 from devd.methods import Client as ClientInfo
@@ -100,6 +108,10 @@ METHOD_NAMES: dict[str, str] = {
     "session/list": "list",
     "session/watch": "watch",
     "session/unwatch": "unwatch",
+    "session/approve": "approve",
+    "session/budget": "set_budget",
+    "session/usage": "usage",
+    "session/trace": "trace",
 }
 
 NOTICES_BUFFERED = 1 << 16  # notices of no watch() kept for `notifications`; past it, reading waits for a reader
@@ -142,12 +154,14 @@ class ActionsNotice(msgspec.Struct, frozen=True):
     actions: list[Action]
 
 
-Notice = ActionsNotice | UnwatchedNotice
+Notice = ActionsNotice | UnwatchedNotice | ApprovalNotice | DecidedNotice
 
 # Each notification the daemon sends, and its type here.
-NOTICES: dict[str, type[ActionsNotice] | type[UnwatchedNotice]] = {
+NOTICES: dict[str, type[Notice]] = {
     "session/actions": ActionsNotice,
     "session/unwatched": UnwatchedNotice,
+    "session/approval": ApprovalNotice,
+    "session/decided": DecidedNotice,
 }
 
 
@@ -181,8 +195,8 @@ def _request(id: int | None, method: str, params: Any) -> bytes:
 # -- params and results, shared by both clients ---------------------------------------------------------------------
 
 
-def _hello(token: str | None) -> InitializeParams:
-    return InitializeParams(ClientInfo("devd.client"), token)
+def _hello(token: str | None, name: str | None = None) -> InitializeParams:
+    return InitializeParams(ClientInfo(name or "devd.client"), token)
 
 
 def _step(session: str, event: Event | bytes, timeout_ms: int | None, key: str | None) -> StepParams:
@@ -397,9 +411,10 @@ class Client:
 
     # -- the method table, typed
 
-    def initialize(self, *, token: str | None = None) -> InitializeResult:
-        """Say hello (with the token, on TCP); the daemon's version, protocol, ABI and limits."""
-        result: InitializeResult = self.request("initialize", _hello(token))
+    def initialize(self, *, token: str | None = None, name: str | None = None) -> InitializeResult:
+        """Say hello (with the token, on TCP), as the client `name` (default "devd.client": who decides approvals);
+        the daemon's version, protocol, ABI and limits."""
+        result: InitializeResult = self.request("initialize", _hello(token, name))
         return result
 
     def status(self) -> StatusResult:
@@ -517,6 +532,26 @@ class Client:
         """Stop receiving session's steps on this connection; a `watch()` loop of it ends."""
         self._watching.discard(session)
         self.request("session/unwatch", SessionParams(session))
+
+    def approve(
+        self, session: str, action: int, digest: str, decision: Literal["allow", "deny"], *, remember: bool = False
+    ) -> None:
+        """Decide an action that waits for approval (`digest` from its `session/approval`)."""
+        self.request("session/approve", ApproveParams(session, action, digest, decision, remember))
+
+    def set_budget(self, session: str, tokens: int | None) -> None:
+        """Set the session's own spend ceiling in tokens (None: remove it)."""
+        self.request("session/budget", BudgetParams(session, tokens))
+
+    def usage(self, session: str) -> UsageResult:
+        """What the session's model calls used, how many were made and how many were refused."""
+        result: UsageResult = self.request("session/usage", SessionParams(session))
+        return result
+
+    def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:
+        """The session's trace records after record `since`, in order."""
+        result: TraceResult = self.request("session/trace", TraceParams(session, since))
+        return result.records
 
 
 # -- the async client -----------------------------------------------------------------------------------------------
@@ -690,9 +725,10 @@ class AsyncClient:
 
     # -- the method table, typed
 
-    async def initialize(self, *, token: str | None = None) -> InitializeResult:
-        """Say hello (with the token, on TCP); the daemon's version, protocol, ABI and limits."""
-        result: InitializeResult = await self.request("initialize", _hello(token))
+    async def initialize(self, *, token: str | None = None, name: str | None = None) -> InitializeResult:
+        """Say hello (with the token, on TCP), as the client `name` (default "devd.client": who decides approvals);
+        the daemon's version, protocol, ABI and limits."""
+        result: InitializeResult = await self.request("initialize", _hello(token, name))
         return result
 
     async def status(self) -> StatusResult:
@@ -813,6 +849,26 @@ class AsyncClient:
         if route is not None:
             route.close()
         await self.request("session/unwatch", SessionParams(session))
+
+    async def approve(
+        self, session: str, action: int, digest: str, decision: Literal["allow", "deny"], *, remember: bool = False
+    ) -> None:
+        """Decide an action that waits for approval (`digest` from its `session/approval`)."""
+        await self.request("session/approve", ApproveParams(session, action, digest, decision, remember))
+
+    async def set_budget(self, session: str, tokens: int | None) -> None:
+        """Set the session's own spend ceiling in tokens (None: remove it)."""
+        await self.request("session/budget", BudgetParams(session, tokens))
+
+    async def usage(self, session: str) -> UsageResult:
+        """What the session's model calls used, how many were made and how many were refused."""
+        result: UsageResult = await self.request("session/usage", SessionParams(session))
+        return result
+
+    async def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:
+        """The session's trace records after record `since`, in order."""
+        result: TraceResult = await self.request("session/trace", TraceParams(session, since))
+        return result.records
 
 
 __all__ = [

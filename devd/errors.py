@@ -180,3 +180,8 @@ STATUS_MESSAGES: dict[type[DevdError], str] = {
     BusyError: "the session is inside another call; retry when that call has answered",
     FullError: "the core has no slot for another session",
 }
+
+
+class ConfigError(InternalError):
+    """A configuration file the daemon was given cannot be used (`FILE:LINE: what is wrong and what to do`); the
+    daemon refuses to start. It stops a start, never a call, so it never crosses the wire (and adds no kind)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from devd.errors import NullError
-from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.store import Health, Keyed, Record, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 
 @dataclass
@@ -22,6 +22,7 @@ class _Session:
     health: Health = Health.OK
     reason: str | None = None
     journal: dict[int, Step] = field(default_factory=dict)
+    records: list[Record] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
@@ -94,6 +95,7 @@ class MemoryStore:
         if src is None:
             raise StoreError(f"there is no session {source!r} to fork")
         copy = _Session(src.config)
+        copy.records = [dataclasses.replace(r, session=name) for r in src.records if r.seq <= at]
         for seq, step in src.journal.items():
             if seq <= at:
                 copy.journal[seq] = dataclasses.replace(step, session=name)
@@ -142,6 +144,21 @@ class MemoryStore:
         session = self._sessions.get(name)
         steps = sorted(session.journal.items()) if session else []
         return [_row(s) for seq, s in steps if seq > since][:limit]
+
+    async def add_record(self, record: Record) -> None:
+        self._committed(time.perf_counter())
+        session = self._sessions.get(record.session)
+        if session is None:
+            return  # deleted meanwhile: as the other stores, dropped
+        n = session.records[-1].n + 1 if session.records else 1
+        session.records.append(dataclasses.replace(record, at=time.time(), n=n))
+
+    async def records(self, name: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
+        session = self._sessions.get(name)
+        return [r for r in (session.records if session else ()) if kinds is None or r.kind in kinds]
+
+    async def recorded(self, kind: str) -> list[str]:
+        return [name for name, s in sorted(self._sessions.items()) if any(r.kind == kind for r in s.records)]
 
 
 def _row(step: Step) -> Row:

@@ -213,10 +213,13 @@ class Op(_OneOf, frozen=True):
 
 
 class Action(_Wire, frozen=True):
-    """One thing the core wants done, under its `id` (numbered in the session, increasing, never reused)."""
+    """One thing the core wants done, under its `id` (numbered in the session, increasing, never reused). In
+    `session/pending` of a session the daemon drives, an action not started until a client decides carries
+    `awaiting: "approval"` (the core never writes it)."""
 
     id: int
     op: Op
+    awaiting: Literal["approval"] | None = None
 
 
 _encoder = msgspec.json.Encoder()
@@ -226,6 +229,11 @@ _actions = msgspec.json.Decoder(list[Action])
 def encode(message: msgspec.Struct) -> bytes:
     """The message as the core reads and writes it."""
     return _encoder.encode(message)
+
+
+def encode_actions(actions: list[Action]) -> bytes:
+    """Actions as the core writes them (the wire adds `awaiting` to those waiting for a client's decision)."""
+    return _encoder.encode(actions)
 
 
 def decode_actions(data: bytes) -> list[Action]:

@@ -15,20 +15,25 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 import structlog
 from msgspec import Meta, Raw
 
 from devd import ABI, __version__
+from devd.agent.oversight import APPROVAL_NOTICE
+from devd.agent.trace import TraceRecord
 from devd.config import Settings
-from devd.errors import ExistsError, InvalidParamsError, MethodNotFoundError, NullError
-from devd.messages import Config, encode
+from devd.errors import ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
+from devd.messages import Config, decode_actions, encode, encode_actions
 from devd.registry import Registry
-from devd.rpc import Request
+from devd.rpc import Request, notification
 from devd.store import Store
 from devd.watchers import Sink, Subscription
+
+if TYPE_CHECKING:
+    from devd.agent.oversight import Oversight
 
 # Logged at info: the daemon's own acts (a backup) and a session's lifecycle (new, restored, forked, recovered,
 # closed), one line each; never a step, whose path stays free of log calls.
@@ -76,6 +81,7 @@ class Peer:
     sink: Sink
     watches: dict[str, Subscription] = field(default_factory=dict)
     closed: bool = False  # its subscriptions have been ended: a watch that finishes now must not outlive it
+    client: str | None = None  # the client's name from `initialize`: who decided an approval
 
 
 @dataclass
@@ -88,6 +94,7 @@ class App:
     connections: Callable[[], int]
     started: float = field(default_factory=time.monotonic)
     errors: dict[str, int] = field(default_factory=dict)  # answers by error kind
+    oversight: Oversight | None = None  # approvals, spend and trace of the sessions the daemon drives
 
 
 @dataclass(frozen=True)
@@ -272,6 +279,8 @@ def initialize_result(settings: Settings) -> InitializeResult:
 @method("initialize", InitializeParams, InitializeResult)
 async def initialize(call: Call, params: InitializeParams) -> InitializeResult:
     """Say hello; optional on the Unix socket, required first (with the token) on TCP."""
+    if params.client is not None:
+        call.peer.client = params.client.name
     return initialize_result(call.app.settings)
 
 
@@ -379,17 +388,27 @@ async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
 # -- sessions -----------------------------------------------------------------------------------------------------
 
 
+class TokenBudget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A session's own spend ceiling: at most `tokens` (input + output) over all its model calls."""
+
+    tokens: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a number of tokens, at least 1")]
+
+
 class NewParams(_Params, frozen=True):
-    """A new session, from a config (default `{}`), under a name (default: chosen by the daemon)."""
+    """A new session, from a config (default `{}`), under a name (default: chosen by the daemon); `budget`: its own
+    spend ceiling (a session the daemon drives)."""
 
     config: Config | None = None
     session: SessionName | None = None
+    budget: TokenBudget | None = None
 
 
 @method("session/new", NewParams, SessionResult)
 async def session_new(call: Call, params: NewParams) -> SessionResult:
     """Start a session; it is durable before this answers."""
     name = await call.app.registry.new(params.session, encode(params.config or Config()))
+    if params.budget is not None:
+        await _oversight(call.app).set_budget(name, params.budget.tokens)
     log.info("session.created", session=name)
     return SessionResult(name)
 
@@ -417,7 +436,10 @@ class StepResult(msgspec.Struct, frozen=True, omit_defaults=True):
 @method("session/step", StepParams, StepResult)
 async def session_step(call: Call, params: StepParams) -> StepResult:
     """Step a session with one event; answered once the step is durable."""
-    answered = await call.app.registry.step(params.session, bytes(params.event), params.timeout_ms, params.key)
+    event = bytes(params.event)
+    if call.app.oversight is not None and event.lstrip().startswith(b'{"Cancel"'):
+        call.app.oversight.cancelling[params.session] = call.peer.client or "unknown"  # who withdraws approvals
+    answered = await call.app.registry.step(params.session, event, params.timeout_ms, params.key)
     ignored = None if answered.ignored is None else [answered.ignored]
     return StepResult(Raw(answered.actions), answered.replayed, ignored)
 
@@ -476,7 +498,8 @@ class PendingResult(msgspec.Struct, frozen=True):
 @method("session/pending", SessionParams, PendingResult)
 async def session_pending(call: Call, params: SessionParams) -> PendingResult:
     """What the session still waits for, from the core itself: what a client that reconnects still owes."""
-    return PendingResult(Raw(await call.app.registry.pending(params.session)))
+    actions = await call.app.registry.pending(params.session)
+    return PendingResult(Raw(await awaiting_approval(call.app, params.session, actions)))
 
 
 class TranscriptParams(_Params, frozen=True):
@@ -516,6 +539,8 @@ async def session_recover(call: Call, params: SessionParams) -> SessionResult:
 async def session_close(call: Call, params: SessionParams) -> Empty:
     """End a session and delete its state; its watchers get `session/unwatched` with reason "closed"."""
     await call.app.registry.close(params.session)
+    if call.app.oversight is not None:
+        call.app.oversight.forget(params.session)
     log.info("session.closed", session=params.session)
     call.peer.watches.pop(params.session, None)
     return Empty()
@@ -595,6 +620,7 @@ async def session_watch(call: Call, params: WatchParams) -> Empty:
     if old is not None:
         registry.unwatch(old)
     peer.watches[params.session] = sub
+    await announce(call, params.session)
     return Empty()
 
 
@@ -605,3 +631,128 @@ async def session_unwatch(call: Call, params: SessionParams) -> Empty:
     if sub is not None:
         call.app.registry.unwatch(sub)
     return Empty()
+
+
+# -- approvals, spend and trace (devd.agent.oversight) -------------------------------------------------------------
+
+
+def _oversight(app: App) -> Oversight:
+    if app.oversight is None:
+        raise InvalidParamsError(
+            "this daemon runs no agents, so it has no approvals, spend or trace; start it with --agents FILE"
+        )
+    return app.oversight
+
+
+def _known(app: App, session: str) -> None:
+    infos, _ = app.registry.page(1, _just_before(session))
+    if not infos or infos[0].name != session:
+        raise HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
+
+
+def _just_before(name: str) -> str:
+    """A `session/list` cursor whose page starts at `name`."""
+    return name[:-1] + chr(ord(name[-1]) - 1) + "z" * (64 - len(name))
+
+
+async def awaiting_approval(app: App, session: str, actions: bytes) -> bytes:
+    """The pending actions, those waiting for a client's decision marked `awaiting: "approval"`."""
+    if app.oversight is None:
+        return actions
+    waiting = {a.action for a in await app.oversight.awaiting(session)}
+    if not waiting:
+        return actions
+    marked = [
+        msgspec.structs.replace(a, awaiting="approval") if a.id in waiting else a for a in decode_actions(actions)
+    ]
+    return encode_actions(marked)
+
+
+async def announce(call: Call, session: str) -> None:
+    """Tell a new watcher of every approval the session waits for (it was told before it watched, or never)."""
+    if call.app.oversight is None:
+        return
+    for params in await call.app.oversight.announcements(session):
+        call.peer.sink.offer(notification(APPROVAL_NOTICE, Raw(params)))
+
+
+class ApproveParams(_Params, frozen=True):
+    """A client's decision on an action that waits for approval, naming it by its `digest` (from its
+    `session/approval`); `remember`: the same decision for later calls of that argv prefix (Exec, Git) or path
+    (Write) in this session."""
+
+    session: SessionName
+    action: Annotated[int, Meta(ge=0, le=SEQ_MAX, description="the action's id")]
+    digest: Annotated[str, Meta(min_length=1, max_length=128, description="the hex SHA-256 of its session/approval")]
+    decision: Literal["allow", "deny"]
+    remember: bool = False
+
+
+@method("session/approve", ApproveParams, Empty)
+async def session_approve(call: Call, params: ApproveParams) -> Empty:
+    """Decide an action that waits for approval: the first valid answer wins (durable before every watcher gets
+    `session/decided`), a later one is CONFLICT naming who decided, a digest that does not match is INVALID_PARAMS and
+    decides nothing. `allow` runs the action once; `deny` steps it as a failed call saying who denied it."""
+    _known(call.app, params.session)
+    by = call.peer.client or "unknown"
+    await _oversight(call.app).answer(
+        params.session, params.action, params.digest, params.decision, by, params.remember
+    )
+    return Empty()
+
+
+class BudgetParams(_Params, frozen=True):
+    """The session's own spend ceiling in tokens; null removes it."""
+
+    session: SessionName
+    tokens: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a number of tokens, at least 1")] | None
+
+
+@method("session/budget", BudgetParams, Empty)
+async def session_budget(call: Call, params: BudgetParams) -> Empty:
+    """Set (or raise, or remove) the session's spend ceiling; durable before it applies. A session stalled by it
+    carries on with `session/resume`."""
+    _known(call.app, params.session)
+    await _oversight(call.app).set_budget(params.session, params.tokens)
+    return Empty()
+
+
+class UsageResult(msgspec.Struct, frozen=True):
+    """What the session's model calls used (the provider's counts, else devd's estimate), how many calls were made,
+    and how many a spend ceiling refused. A fork counts from zero."""
+
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    calls: int
+    refused: int
+
+
+@method("session/usage", SessionParams, UsageResult)
+async def session_usage(call: Call, params: SessionParams) -> UsageResult:
+    """The session's spend so far."""
+    _known(call.app, params.session)
+    t = _oversight(call.app).usage(params.session)
+    return UsageResult(t.input_tokens, t.output_tokens, t.cached_tokens, t.calls, t.refused)
+
+
+class TraceParams(_Params, frozen=True):
+    """The session, and the number of the last trace record already seen (default 0: all of them)."""
+
+    session: SessionName
+    since: Annotated[int, Meta(ge=0, le=SEQ_MAX, description="a trace record's `n`")] = 0
+
+
+class TraceResult(msgspec.Struct, frozen=True):
+    """The session's trace records after `since`, in order: one per model call attempt and per tool run."""
+
+    records: list[TraceRecord]
+
+
+@method("session/trace", TraceParams, TraceResult)
+async def session_trace(call: Call, params: TraceParams) -> TraceResult:
+    """What the daemon did for the session, one durable record per model call attempt and tool run, success or
+    failure: `{n, action, kind, started, duration_ms, outcome, error?, attempt?, model?, input_tokens?,
+    output_tokens?, cached_tokens?, name?}`."""
+    _known(call.app, params.session)
+    return TraceResult(await _oversight(call.app).records(params.session, params.since))

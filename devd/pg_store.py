@@ -50,7 +50,7 @@ from psycopg import pq
 from psycopg.rows import TupleRow
 
 from devd.errors import DevdError, MovedError, NullError
-from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.store import Health, Keyed, Record, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 __all__ = ["MIGRATIONS", "Owner", "PostgresStore", "default_node"]
 
@@ -112,6 +112,20 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (session, seq)
         )""",
         "CREATE INDEX journal_key ON journal (session, key) WHERE key IS NOT NULL",
+    ),
+    # 2: each session's record log (devd.store.Record): what the daemon did for it beside its journal
+    (
+        """CREATE TABLE records (
+            session TEXT NOT NULL,
+            n BIGINT NOT NULL,
+            seq BIGINT NOT NULL,
+            kind TEXT NOT NULL,
+            action BIGINT NOT NULL,
+            body BYTEA NOT NULL,
+            at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (session, n)
+        )""",
+        "CREATE INDEX records_kind ON records (kind, session)",
     ),
 )
 VERSIONS = (
@@ -724,6 +738,7 @@ class PostgresStore:
             batch.take(name, int(made[0]))
             batch.renewed.add(name)
             await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
+            await conn.execute("DELETE FROM records WHERE session = %s", (name,))
             if snapshot is not None:
                 await conn.execute(
                     "INSERT INTO journal (session, seq, epoch, event, snapshot, at) VALUES (%s, 0, %s, '', %s, %s)",
@@ -786,6 +801,7 @@ class PostgresStore:
             if not done.rowcount:
                 return await self._lost(conn, batch, name)
             await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
+            await conn.execute("DELETE FROM records WHERE session = %s", (name,))
             batch.drop(name)
             batch.renewed.add(name)
             return None
@@ -813,6 +829,12 @@ class PostgresStore:
                 "INSERT INTO journal (session, seq, epoch, key, digest, event, actions, answer, snapshot, at) "
                 "SELECT %s, seq, epoch, key, digest, event, actions, answer, snapshot, at FROM journal "
                 "WHERE session = %s AND seq <= %s",
+                (name, source, at),
+            )
+            await conn.execute("DELETE FROM records WHERE session = %s", (name,))
+            await conn.execute(
+                "INSERT INTO records (session, n, seq, kind, action, body, at) "
+                "SELECT %s, n, seq, kind, action, body, at FROM records WHERE session = %s AND seq <= %s",
                 (name, source, at),
             )
             if snapshot is not None:
@@ -931,6 +953,44 @@ class PostgresStore:
                 )
             ).fetchone()
             return None if row is None else Keyed(*row)
+
+        return await self._call(self._readers, read, "reading the database")
+
+    async def add_record(self, record: Record) -> None:
+        """Not fenced: a record says what this daemon did (a claim before an effect), which stays true whoever holds
+        the session next; a record of a session that does not exist is dropped."""
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            await conn.execute(
+                "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT %(session)s, "
+                "COALESCE((SELECT max(n) FROM records WHERE session = %(session)s), 0) + 1, %(seq)s, %(kind)s, "
+                "%(action)s, %(body)s, %(at)s WHERE EXISTS (SELECT 1 FROM sessions WHERE name = %(session)s)",
+                {
+                    "session": record.session,
+                    "seq": record.seq,
+                    "kind": record.kind,
+                    "action": record.action,
+                    "body": record.body,
+                    "at": time.time(),
+                },
+            )
+            return None
+
+        await self._write(op)
+
+    async def records(self, name: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
+        async def read(conn: Conn) -> list[Record]:
+            cursor = await conn.execute(
+                "SELECT seq, kind, action, body, at, n FROM records WHERE session = %s ORDER BY n", (name,)
+            )
+            return [Record(name, *r) for r in await cursor.fetchall() if kinds is None or r[1] in kinds]
+
+        return await self._call(self._readers, read, "reading the database")
+
+    async def recorded(self, kind: str) -> list[str]:
+        async def read(conn: Conn) -> list[str]:
+            cursor = await conn.execute("SELECT DISTINCT session FROM records WHERE kind = %s", (kind,))
+            return sorted(name for (name,) in await cursor.fetchall())
 
         return await self._call(self._readers, read, "reading the database")
 

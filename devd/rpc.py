@@ -14,6 +14,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
+from devd.agent.oversight import ApprovalNotice, DecidedNotice
 from devd.errors import DevdError, InvalidRequestError, MovedError, ParseError, TooLargeError
 from devd.watchers import Notice, Stepped
 
@@ -270,6 +271,8 @@ class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
 NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/actions": StepNotice,
     "session/unwatched": UnwatchedNotice,
+    "session/approval": ApprovalNotice,  # approvals (devd.agent.oversight), sent through the agent runtime's port
+    "session/decided": DecidedNotice,
 }
 
 

@@ -43,7 +43,7 @@ import anyio.to_thread
 import structlog
 
 from devd import failpoints, files
-from devd.store import Health, Keyed, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
+from devd.store import Health, Keyed, Record, Row, SessionRow, Step, Stored, StoreError, StoreStats, percentile_ms
 
 log = structlog.get_logger("devd.store")
 
@@ -104,6 +104,20 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE journal ADD COLUMN snapshot_file TEXT;
     CREATE INDEX IF NOT EXISTS journal_snapshot_file ON journal (snapshot_file) WHERE snapshot_file IS NOT NULL;
+    """,
+    # 6: each session's record log (devd.store.Record): what the daemon did for it beside its journal
+    """
+    CREATE TABLE IF NOT EXISTS records (
+        session TEXT NOT NULL,
+        n INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        action INTEGER NOT NULL,
+        body BLOB NOT NULL,
+        at REAL NOT NULL,
+        PRIMARY KEY (session, n)
+    ) WITHOUT ROWID;
+    CREATE INDEX IF NOT EXISTS records_kind ON records (kind, session);
     """,
 )
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
@@ -559,6 +573,7 @@ class SQLiteStore:
             self._new_generation(name)
             self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            db.execute("DELETE FROM records WHERE session = ?", (name,))
             db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
             )
@@ -622,6 +637,7 @@ class SQLiteStore:
             self._generations.pop(name, None)  # its rows go too: a pointer finds none (a new one gets a new number)
             self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            db.execute("DELETE FROM records WHERE session = ?", (name,))
             db.execute("DELETE FROM sessions WHERE name = ?", (name,))
 
         await self._write(op)
@@ -641,6 +657,12 @@ class SQLiteStore:
             )
             if made.rowcount != 1:
                 raise StoreError(f"there is no session {source!r} to fork")
+            db.execute("DELETE FROM records WHERE session = ?", (name,))
+            db.execute(
+                "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT ?, n, seq, kind, action, body, "
+                "at FROM records WHERE session = ? AND seq <= ?",
+                (name, source, at),
+            )
             # Rows copied share their snapshot files with the source's: a file goes once neither names it.
             db.execute(
                 "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file) "
@@ -759,6 +781,44 @@ class SQLiteStore:
         except (StoreError, OSError) as e:
             partial.unlink(missing_ok=True)
             raise StoreError(f"the backup to {path} failed ({e}); nothing was left there") from None
+
+    async def add_record(self, record: Record) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            # A record of a session deleted meanwhile is dropped rather than refused: a refusal would fail every write
+            # of its batch.
+            db.execute(
+                "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT ?, "
+                "COALESCE((SELECT MAX(n) FROM records WHERE session = ?), 0) + 1, ?, ?, ?, ?, ? "
+                "WHERE EXISTS (SELECT 1 FROM sessions WHERE name = ?)",
+                (
+                    record.session,
+                    record.session,
+                    record.seq,
+                    record.kind,
+                    record.action,
+                    record.body,
+                    time.time(),
+                    record.session,
+                ),
+            )
+
+        await self._write(op)
+
+    async def records(self, name: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
+        def read(db: sqlite3.Connection) -> list[Record]:
+            rows = db.execute(
+                "SELECT seq, kind, action, body, at, n FROM records WHERE session = ? ORDER BY n", (name,)
+            ).fetchall()
+            return [Record(name, *row) for row in rows if kinds is None or row[1] in kinds]
+
+        return await self._read(read)
+
+    async def recorded(self, kind: str) -> list[str]:
+        def read(db: sqlite3.Connection) -> list[str]:
+            found = db.execute("SELECT DISTINCT session FROM records WHERE kind = ? ORDER BY session", (kind,))
+            return [name for (name,) in found]
+
+        return await self._read(read)
 
     async def steps_since(self, name: str, since: int, limit: int) -> list[Row]:
         return await self._read(

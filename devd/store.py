@@ -34,6 +34,7 @@ __all__ = [
     "Fleet",
     "Health",
     "Keyed",
+    "Record",
     "Row",
     "SessionRow",
     "Step",
@@ -121,6 +122,23 @@ class SessionRow:
 
 
 @dataclass(frozen=True, slots=True)
+class Record:
+    """One entry of a session's record log: what the daemon itself did for the session beside its journal (the agent
+    runtime's bindings, claims and inserted exchanges; later approvals, usage and traces). `kind` says what `body`
+    (JSON) is, `action` the action it is about (0: none), `seq` the session's last step when it was written (a fork
+    at step N carries the records written at or before N). A store sets `at` (wall-clock seconds) and `n` (the
+    record's number in its session's log, from 1, in order) when it writes one; what is given for them is ignored."""
+
+    session: str
+    seq: int
+    kind: str
+    action: int
+    body: bytes
+    at: float = 0.0
+    n: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStats:
     commits: int
     commit_ms_p50: float
@@ -175,6 +193,18 @@ class Store(Protocol):
         """Up to `limit` journalled steps after `since`, in order."""
 
     def statistics(self) -> StoreStats: ...
+
+    # -- the record log: durable like steps, deleted with the session, carried by a fork up to its step
+
+    async def add_record(self, record: Record) -> None:
+        """Keep a record in its session's log; returns once it is durable. A record of a session that does not exist
+        (deleted meanwhile) is dropped."""
+
+    async def records(self, name: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
+        """The session's records (those of `kinds`, or all), in the order they were written."""
+
+    async def recorded(self, kind: str) -> list[str]:
+        """The sessions with at least one record of `kind`, by name."""
 
     async def backup(self, path: str) -> int:
         """A consistent copy of everything stored, written to the new file `path` (made atomically, fsync'd), while

@@ -16,10 +16,14 @@ import jsonschema
 import msgspec
 import pytest
 
-from devd import errors, messages
+from devd import errors, messages, rpc
 from devd.client import Client, Reply
 from devd.messages import Call, Exec, Output, Read, answer, turn
 from devd.methods import METHODS
+
+# Approvals, spend and trace need a daemon that drives sessions (--agents): tests/test_approvals.py covers them.
+OVERSIGHT_METHODS = {"session/approve", "session/budget", "session/usage", "session/trace"}
+OVERSIGHT_NOTICES = {"session/approval", "session/decided"}
 from devd.schema import (
     ERROR_EXAMPLE,
     EXCHANGES,
@@ -66,7 +70,7 @@ def test_the_schema_is_a_valid_2020_12_schema_and_devd_schema_prints_it() -> Non
 
 def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
     assert list(SCHEMA["methods"]) == list(METHODS)
-    assert list(SCHEMA["notifications"]) == ["session/actions", "session/unwatched"]
+    assert list(SCHEMA["notifications"]) == list(rpc.NOTIFICATIONS)
     refs: list[str] = []
 
     def walk(node: Any) -> None:
@@ -172,8 +176,7 @@ def test_the_method_map_is_also_a_type_in_defs_for_generators_that_read_only_def
         assert entry["properties"] == {k: SCHEMA["methods"][name][k] for k in ("params", "result")}
         assert entry["required"] == ["params", "result"]
     assert defs["Notifications"]["properties"] == {
-        "session/actions": {"$ref": "#/$defs/StepNotice"},
-        "session/unwatched": {"$ref": "#/$defs/UnwatchedNotice"},
+        m: {"$ref": f"#/$defs/{cls.__name__}"} for m, cls in rpc.NOTIFICATIONS.items()
     }
 
 
@@ -240,7 +243,7 @@ def test_devd_schema_openrpc_prints_an_openrpc_document_over_the_same_definition
     assert {k: e["code"] for k, e in document["components"]["errors"].items()} == {
         k: e["code"] for k, e in SCHEMA["errors"].items()
     }
-    assert [n["name"] for n in document["x-notifications"]] == ["session/actions", "session/unwatched"]
+    assert [n["name"] for n in document["x-notifications"]] == list(rpc.NOTIFICATIONS)
     refs = re.findall(r'"\$ref": ?"([^"]*)"', json.dumps(document))
     assert refs and all(r.startswith("#/components/schemas/") and r.split("/")[-1] in schemas for r in refs)
 
@@ -446,7 +449,7 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             watcher_methods, watcher_notices, _ = check_traffic(watcher)
         assert stop(proc) == 0
     # daemon/drain answers only in a fleet (tests/test_fleet.py); here it is refused, as NULL.
-    assert sent_methods | watcher_methods == set(SCHEMA["methods"]) - {"daemon/drain"}
-    assert watcher_notices == set(SCHEMA["notifications"])
+    assert sent_methods | watcher_methods == set(SCHEMA["methods"]) - {"daemon/drain"} - OVERSIGHT_METHODS
+    assert watcher_notices == set(SCHEMA["notifications"]) - OVERSIGHT_NOTICES
     assert notice_methods == set()
     assert kinds == {"MALFORMED", "METHOD_NOT_FOUND", "INVALID_PARAMS", "HANDLE", "CONFLICT", "NULL"}

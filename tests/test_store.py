@@ -16,7 +16,7 @@ from devd.errors import StoreError
 from devd.memory_store import MemoryStore
 from devd.pg_store import PostgresStore
 from devd.sqlite_store import SQLiteStore
-from devd.store import Health, Keyed, Row, Step, Store, Stored
+from devd.store import Health, Keyed, Record, Row, Step, Store, Stored
 from tests import postgres as pg
 
 postgres, postgres_url = pg.postgres, pg.postgres_url  # the fixtures, for the tests of kind "postgres"
@@ -407,3 +407,75 @@ async def test_an_answer_kept_as_its_digest_loads_back_as_its_digest(store: Stor
         Stored("a", CONFIG, None, 0, Health.OK, None, [Row(1, b"e1", None, b"h1")]),
         Keyed(1, b"d1", None, b"h1"),
     )
+
+
+# -- the record log ----------------------------------------------------------------------------------------------------
+
+
+def record(seq: int, kind: str = "claim", action: int = 0, session: str = "a") -> Record:
+    return Record(session, seq, kind, action, f'{{"at":{seq}}}'.encode())
+
+
+def shown(records: list[Record]) -> list[tuple[str, int, int, str, int, bytes, int]]:
+    """What a record log holds, without the time each was written."""
+    return [(r.session, r.n, r.seq, r.kind, r.action, r.body, bool(r.at)) for r in records]
+
+
+async def test_records_come_back_numbered_in_the_order_they_were_kept_with_their_time(store: Store) -> None:
+    await store.create("a", CONFIG)
+    for r in (record(0, "agent"), record(1, action=2), record(3, "result", action=2)):
+        await store.add_record(r)
+    assert shown(await store.records("a")) == [
+        ("a", 1, 0, "agent", 0, b'{"at":0}', True),
+        ("a", 2, 1, "claim", 2, b'{"at":1}', True),
+        ("a", 3, 3, "result", 2, b'{"at":3}', True),
+    ]
+
+
+async def test_records_can_be_read_by_kind_and_sessions_found_by_a_kind_they_hold(store: Store) -> None:
+    for name in ("b", "a", "c"):
+        await store.create(name, CONFIG)
+        await store.add_record(record(0, "agent" if name != "c" else "other", session=name))
+        await store.add_record(record(1, "claim", 4, session=name))
+    kept = await store.records("a", ("agent",))
+    assert (shown(kept), await store.recorded("agent")) == ([("a", 1, 0, "agent", 0, b'{"at":0}', True)], ["a", "b"])
+
+
+async def test_a_record_of_a_session_that_does_not_exist_is_dropped(store: Store) -> None:
+    await store.add_record(record(0, session="nobody"))
+    assert (await store.records("nobody"), await store.recorded("claim")) == ([], [])
+
+
+async def test_records_go_with_their_session_when_it_is_deleted_or_made_again(store: Store) -> None:
+    for name in ("a", "b"):
+        await store.create(name, CONFIG)
+        await store.add_record(record(0, session=name))
+    await store.delete("a")
+    await store.create("b", CONFIG)
+    assert (await store.records("a"), await store.records("b"), await store.recorded("claim")) == ([], [], [])
+
+
+async def test_a_fork_carries_the_records_written_up_to_its_step_and_the_source_keeps_its_own(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1), step(2), step(3))
+    for r in (record(0, "agent"), record(2, action=3), record(3, action=4)):
+        await store.add_record(r)
+    await store.fork("a", 2, "f", None)
+    await store.add_record(record(2, "result", 3, session="f"))
+    assert ([r.n for r in await store.records("a")], shown(await store.records("f"))) == (
+        [1, 2, 3],
+        [
+            ("f", 1, 0, "agent", 0, b'{"at":0}', True),
+            ("f", 2, 2, "claim", 3, b'{"at":2}', True),
+            ("f", 3, 2, "result", 3, b'{"at":2}', True),
+        ],
+    )
+
+
+@DURABLE
+async def test_records_survive_closing_and_reopening_the_store(kind: str, where: str) -> None:
+    async with running(await open_store(kind, where)) as store:
+        await store.create("a", CONFIG)
+        await store.add_record(record(0, "agent"))
+    async with running(await open_store(kind, where)) as store:
+        assert shown(await store.records("a")) == [("a", 1, 0, "agent", 0, b'{"at":0}', True)]

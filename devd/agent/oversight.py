@@ -1,0 +1,358 @@
+"""Oversight of the sessions the daemon drives: approvals any client can answer, spend ceilings checked before a
+model call is sent, and one trace record per model call attempt and tool run, all kept in the session's record log.
+
+What it promises:
+- an action that needs a decision is announced (`session/approval`) only once its approval is durable, stays pending
+  across restarts and hibernation (every new watcher is told again), and is decided once: the first valid answer is
+  made durable before anyone is told (`session/decided`) or the action runs;
+- a model call is reserved against every ceiling before it is sent, and a call a ceiling forbids is never sent: a
+  refusal record and a `refused` trace record are written instead;
+- a session's usage counts only the calls made in it (a fork starts from zero), and a profile's day counts every
+  session of that profile.
+
+The runner calls `gate` before a call starts, `admit`/`settle` around a model call and `trace` after every attempt
+and run; the wire's methods call `answer`, `withdraw`, `usage`, `records` and `set_budget`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Literal, Protocol
+
+import anyio
+import msgspec
+
+from devd.agent import approvals, spend, trace
+from devd.agent.approvals import Answer, Asked, Decided, Ledger
+from devd.agent.profiles import Budget, Profile, decide
+from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, SpendLedger, Usage
+from devd.agent.trace import TraceRecord
+from devd.errors import HandleError
+from devd.messages import Op
+from devd.store import Record
+
+APPROVAL_NOTICE = "session/approval"
+DECIDED_NOTICE = "session/decided"
+
+
+class ApprovalNotice(msgspec.Struct, frozen=True):
+    """`session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision;
+    answer it with `session/approve` and this `digest`."""
+
+    session: str
+    action: int
+    op: Op
+    digest: str
+
+
+class DecidedNotice(msgspec.Struct, frozen=True):
+    """`session/decided`: action `action` was decided: `allow` or `deny` by the client `by` (its name from
+    `initialize`, or "unknown"), or `cancelled` (its turn was cancelled)."""
+
+    session: str
+    action: int
+    decision: Literal["allow", "deny", "cancelled"]
+    by: str
+
+
+class BudgetBody(msgspec.Struct, frozen=True):
+    """A budget record: the session's own ceiling in tokens (None: none), set by `session/new` or `session/budget`."""
+
+    session: str
+    tokens: int | None
+
+
+class RefusalBody(msgspec.Struct, frozen=True):
+    """A refusal record: the model call of action `action` was not sent, and why."""
+
+    session: str
+    turn: int
+    ceiling: str
+    limit: int
+    spent: int
+    reserved: int
+    needed: int
+    message: str
+
+
+class Keeper(Protocol):
+    """What oversight needs of the daemon: the record log, and a way to tell a session's watchers."""
+
+    async def add_record(self, record: Record) -> None: ...
+
+    async def records(self, session: str, kinds: tuple[str, ...]) -> list[Record]: ...
+
+    async def recorded(self, kind: str) -> list[str]: ...
+
+    def seq(self, session: str) -> int | None: ...
+
+    def tell(self, session: str, method: str, params: msgspec.Struct) -> None: ...
+
+
+class Spans(Protocol):
+    """Where trace records are exported as they are kept (devd.agent.otel)."""
+
+    def export(self, session: str, record: TraceRecord) -> None: ...
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Whether a call may start, and why in words the model is shown when it may not."""
+
+    allowed: bool
+    reason: str
+    by: str | None = None  # the client that decided, when one did
+
+
+@dataclass
+class _Session:
+    ledger: Ledger = field(default_factory=Ledger)
+    budget: int | None = None
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    decided: dict[int, anyio.Event] = field(default_factory=dict)  # a waiter for each pending approval
+
+
+def today(now: float | None = None) -> str:
+    """The UTC day a call's tokens count for."""
+    return datetime.fromtimestamp(time.time() if now is None else now, UTC).date().isoformat()
+
+
+def ceilings(profile: Profile, session_budget: int | None) -> Ceilings:
+    budget = profile.budget or Budget()
+    return Ceilings(budget.tokens_per_turn, budget.tokens_per_session, budget.tokens_per_day, session_budget)
+
+
+class Oversight:
+    """Every session's approvals, spend and trace, for one daemon."""
+
+    def __init__(self, keeper: Keeper, clock: Callable[[], float] = time.time, spans: Spans | None = None) -> None:
+        self.keeper = keeper
+        self.clock = clock
+        self.spans = spans
+        self.spend = SpendLedger()
+        self._sessions: dict[str, _Session] = {}
+        self._loading: dict[str, anyio.Event] = {}
+        self.cancelling: dict[str, str] = {}  # who last stepped a Cancel of each session: who withdrew its approvals
+
+    async def load(self) -> None:
+        """Count what was spent before this start: every session's usage and refusals (at start, once)."""
+        for name in await self.keeper.recorded(spend.USAGE):
+            for record in await self.keeper.records(name, (spend.USAGE,)):
+                charged = _charged.decode(record.body)
+                if charged.session == name:  # a fork's copies of its source's records count for the source only
+                    scope = Scope(name, charged.profile, charged.turn, charged.day)
+                    self.spend.charge(scope, charged.usage)
+        for name in await self.keeper.recorded(spend.REFUSAL):
+            for record in await self.keeper.records(name, (spend.REFUSAL,)):
+                if _refusal.decode(record.body).session == name:
+                    self.spend.totals(name).refused += 1
+
+    async def _state(self, session: str) -> _Session:
+        """The session's approvals and budget, read from its record log the first time they are needed."""
+        state = self._sessions.get(session)
+        if state is not None:
+            return state
+        loading = self._loading.get(session)
+        if loading is not None:
+            await loading.wait()
+            return await self._state(session)
+        self._loading[session] = done = anyio.Event()
+        try:
+            state = _Session()
+            kinds = (approvals.ASKED, approvals.DECIDED, spend.BUDGET)
+            for record in await self.keeper.records(session, kinds):
+                if record.kind == spend.BUDGET:
+                    body = _budget.decode(record.body)
+                    if body.session == session:
+                        state.budget = body.tokens
+                else:
+                    state.ledger.replay(record.kind, record.body)
+            self._sessions[session] = state
+        finally:
+            del self._loading[session]
+            done.set()
+        return state
+
+    def forget(self, session: str) -> None:
+        """The session was closed: what is kept of it in memory goes (its records went with it)."""
+        self._sessions.pop(session, None)
+        self.cancelling.pop(session, None)
+        self.spend.forget(session)
+
+    # -- approvals ----------------------------------------------------------------------------------------------
+
+    async def gate(self, session: str, action: int, op: Op, profile: Profile) -> Gate:
+        """Whether the call may start: the profile's decision, a remembered one, or (for `ask`) a client's, waited
+        for. A decision already made (before a restart) is not asked again."""
+        call = approvals.call_of(op)
+        if call is None:
+            return Gate(True, "not a call")
+        decision, reason = decide(profile, call)
+        if decision != "ask":
+            return Gate(decision == "allow", reason)
+        state = await self._state(session)
+        done = state.ledger.decided.get(action)
+        if done is None:
+            remembered = state.ledger.recall(op)
+            if remembered is not None:
+                return Gate(remembered == "allow", f"a decision remembered in this session says {remembered}")
+            done = await self._wait(session, state, action, op)
+        if done.decision == "allow":
+            return Gate(True, f"allowed by {done.by}", done.by)
+        if done.decision == "cancelled":
+            return Gate(False, "not run: its turn was cancelled while it waited for approval", done.by)
+        return Gate(False, f"denied by {done.by}: the user did not approve this call", done.by)
+
+    async def _wait(self, session: str, state: _Session, action: int, op: Op) -> Decided:
+        async with state.lock:
+            if action not in state.ledger.pending:
+                asked = state.ledger.ask(action, op)
+                await self._keep(session, approvals.ASKED, action, asked)
+            asked = state.ledger.pending[action]
+            event = state.decided.setdefault(action, anyio.Event())
+        self.keeper.tell(session, APPROVAL_NOTICE, ApprovalNotice(session, action, asked.op, asked.digest))
+        await event.wait()
+        return state.ledger.decided[action]
+
+    async def answer(
+        self, session: str, action: int, digest: str, decision: Answer, by: str, remember: bool = False
+    ) -> Decided:
+        """A client's answer: durable before anyone is told; CONFLICT or INVALID_PARAMS decides nothing."""
+        state = await self._state(session)
+        async with state.lock:  # one answer at a time: the first is durable before a second is checked
+            state.ledger.check(action, digest)
+            done = Decided(action, decision, by, remember)
+            await self._keep(session, approvals.DECIDED, action, done)
+            state.ledger.settle(done)
+        self._told(session, state, done)
+        return done
+
+    async def withdraw(self, session: str, actions: list[int], by: str | None = None) -> list[Decided]:
+        """The turn of these actions was cancelled: their pending approvals are decided `cancelled`, by the client
+        that stepped the Cancel when it is known."""
+        by = by or self.cancelling.get(session) or "unknown"
+        state = await self._state(session)
+        async with state.lock:
+            withdrawn = state.ledger.cancel(actions, by)
+            for done in withdrawn:
+                await self._keep(session, approvals.DECIDED, done.action, done)
+        for done in withdrawn:
+            self._told(session, state, done)
+        return withdrawn
+
+    def _told(self, session: str, state: _Session, done: Decided) -> None:
+        self.keeper.tell(session, DECIDED_NOTICE, DecidedNotice(session, done.action, done.decision, done.by))
+        event = state.decided.pop(done.action, None)
+        if event is not None:
+            event.set()
+
+    async def awaiting(self, session: str) -> list[Asked]:
+        """The session's actions waiting for a decision, in id order."""
+        state = await self._state(session)
+        return [state.ledger.pending[a] for a in sorted(state.ledger.pending)]
+
+    async def announcements(self, session: str) -> list[bytes]:
+        """The `session/approval` params of every pending approval, for a watcher that has just started watching."""
+        return [
+            msgspec.json.encode(ApprovalNotice(session, a.action, a.op, a.digest)) for a in await self.awaiting(session)
+        ]
+
+    # -- spend ----------------------------------------------------------------------------------------------------
+
+    async def set_budget(self, session: str, tokens: int | None) -> None:
+        """The session's own ceiling, durable before it applies."""
+        state = await self._state(session)
+        await self._keep(session, spend.BUDGET, 0, BudgetBody(session, tokens))
+        state.budget = tokens
+
+    async def admit(
+        self, session: str, profile: Profile, turn: int, action: int, request: bytes
+    ) -> tuple[Reservation | None, int | None, Refusal | None]:
+        """Reserve a model call before it is sent: (the reservation, the `max_tokens` to send, None), or (None, None,
+        the refusal), durable as a refusal record and a `refused` trace record. With no ceiling, nothing is reserved.
+        A call the profile gives no `max_tokens` is sent with the headroom the tightest ceiling leaves, so that what
+        it may write is bounded by what was reserved."""
+        state = await self._state(session)
+        limits = ceilings(profile, state.budget)
+        if limits == Ceilings():
+            return None, profile.max_tokens, None
+        estimate = spend.estimate_tokens(request)
+        scope = Scope(session, profile.name, turn, today(self.clock()))
+        max_tokens = profile.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.spend.headroom(scope, limits) - estimate)
+        admitted = self.spend.admit(scope, estimate + max_tokens, limits)
+        if isinstance(admitted, Reservation):
+            return admitted, max_tokens, None
+        body = RefusalBody(session, turn, *_refusal_fields(admitted), admitted.message)
+        await self._keep(session, spend.REFUSAL, action, body)
+        now = self.clock()
+        refused = TraceRecord(
+            action=action,
+            kind="model",
+            started=trace.rfc3339(now),
+            duration_ms=0.0,
+            outcome="refused",
+            error=admitted.message,
+            model=profile.model,
+        )
+        await self.trace(session, refused)
+        return None, None, admitted
+
+    async def settle(
+        self,
+        session: str,
+        profile: Profile,
+        turn: int,
+        action: int,
+        reservation: Reservation | None,
+        used: Usage | None,
+    ) -> None:
+        """The model call is over: its usage (None: it used nothing) is durable, and its reservation released."""
+        try:
+            if used is not None:
+                charged = Charged(session, profile.name, turn, today(self.clock()), used)
+                await self._keep(session, spend.USAGE, action, charged)
+        finally:
+            if reservation is not None:
+                self.spend.settle(reservation, used)
+            elif used is not None:
+                self.spend.charge(Scope(session, profile.name, turn, today(self.clock())), used)
+
+    def usage(self, session: str) -> spend.Totals:
+        return self.spend.totals(session)
+
+    # -- trace ----------------------------------------------------------------------------------------------------
+
+    async def trace(self, session: str, record: TraceRecord) -> None:
+        """Keep one trace record (durable when this returns)."""
+        await self._keep(session, trace.TRACE, record.action, record, trace.encode(record))
+        if self.spans is not None:
+            self.spans.export(session, record)
+
+    async def records(self, session: str, since: int = 0) -> list[TraceRecord]:
+        """The session's trace records after record `since`, in order."""
+        found = await self.keeper.records(session, (trace.TRACE,))
+        return [trace.decode(r.body, n) for n, r in enumerate(found, start=1) if n > since]
+
+    # -- the record log -------------------------------------------------------------------------------------------
+
+    async def _keep(
+        self, session: str, kind: str, action: int, body: msgspec.Struct, data: bytes | None = None
+    ) -> None:
+        seq = self.keeper.seq(session)
+        if seq is None:
+            raise HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
+        await self.keeper.add_record(Record(session, seq, kind, action, data or msgspec.json.encode(body)))
+
+
+def _refusal_fields(r: Refusal) -> tuple[str, int, int, int, int]:
+    return r.ceiling, r.limit, r.spent, r.reserved, r.needed
+
+
+_charged = msgspec.json.Decoder(Charged)
+_refusal = msgspec.json.Decoder(RefusalBody)
+_budget = msgspec.json.Decoder(BudgetBody)

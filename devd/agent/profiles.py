@@ -1,0 +1,350 @@
+"""Agent profiles: the `[agent.NAME]` tables of agents.toml, checked whole before the daemon starts, and the policy
+they set for each call.
+
+A bad file is refused with `FILE:LINE: what is wrong and what to do` (a `ConfigError`). A profile keeps the *name* of
+the environment variable holding its API key, never the key: the key is read from the environment each time it is
+needed, so it cannot reach a repr, an encoded profile, the journal or a log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, cast, get_args
+from urllib.parse import urlsplit
+
+import msgspec
+
+from devd.errors import ConfigError, InvalidParamsError
+from devd.messages import Call
+
+Decision = Literal["allow", "deny", "ask"]
+SandboxMode = Literal["auto", "bwrap", "none"]
+EXTRA_TOOLS = ("browse",)  # tools a profile must list in `tools` to enable
+_STRICTNESS: dict[str, int] = {"allow": 0, "ask": 1, "deny": 2}
+
+
+class Rule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An argv prefix rule for Exec and Git (Git's argv is `["git", *argv]`)."""
+
+    prefix: tuple[str, ...]
+    decision: Decision
+
+
+class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Token budgets (kept for the spend limits; nothing here enforces them)."""
+
+    tokens_per_turn: int | None = None
+    tokens_per_session: int | None = None
+    tokens_per_day: int | None = None
+
+
+class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One agent profile. `api_key_env` is the name of an environment variable, never the secret itself."""
+
+    name: str
+    base_url: str
+    model: str
+    workspace_roots: tuple[str, ...]
+    api_key_env: str | None = None
+    system: str | None = None
+    exec: Decision = "allow"
+    write: Decision = "allow"
+    rules: tuple[Rule, ...] = ()
+    sandbox: SandboxMode = "auto"
+    network: bool = False
+    exec_timeout_s: float = 120.0
+    output_bytes_max: int = 1048576
+    tools: tuple[str, ...] = ()
+    max_tokens: int | None = None
+    budget: Budget | None = None
+
+
+# -- loading ------------------------------------------------------------------------------------------------------
+
+# The type of each key as a user reads it, for messages.
+_FIELDS: dict[str, tuple[Any, str]] = {
+    "base_url": (str, "a string, an http:// or https:// URL"),
+    "model": (str, "a string"),
+    "workspace_roots": (list[str], "a list of absolute directory paths"),
+    "api_key_env": (str, "a string, the name of an environment variable"),
+    "system": (str, "a string"),
+    "exec": (Decision, 'one of "allow", "deny", "ask"'),
+    "write": (Decision, 'one of "allow", "deny", "ask"'),
+    "rules": (list[dict[str, Any]], 'a list of tables like { prefix = ["rm"], decision = "deny" }'),
+    "sandbox": (SandboxMode, 'one of "auto", "bwrap", "none"'),
+    "network": (bool, "true or false"),
+    "exec_timeout_s": (float, "a number of seconds"),
+    "output_bytes_max": (int, "an integer number of bytes"),
+    "tools": (list[str], f"a list of tool names ({', '.join(repr(t) for t in EXTRA_TOOLS)})"),
+    "max_tokens": (int, "an integer"),
+    "budget": (dict[str, Any], "a table with tokens_per_turn, tokens_per_session, tokens_per_day"),
+}
+_REQUIRED = ("base_url", "model", "workspace_roots")
+_BUDGET_KEYS = ("tokens_per_turn", "tokens_per_session", "tokens_per_day")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def load_profiles(path: Path) -> dict[str, Profile]:
+    """Every profile of the file, by name; ConfigError (`FILE:LINE: ...`) on the first thing wrong."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the agents file ({e}); fix it or pass another --agents") from None
+    return parse_profiles(text, str(path))
+
+
+def parse_profiles(text: str, filename: str) -> dict[str, Profile]:
+    """The profiles of an agents.toml given as text; `filename` names it in messages."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{filename}:{_toml_line(e)}: not valid TOML: {_toml_why(e)}; fix the syntax") from None
+    lines = _Lines(text, filename)
+    for key in doc:
+        if key != "agent":
+            raise lines.error((key,), f"unknown key {key!r}; profiles go in [agent.NAME] tables")
+    agents = doc.get("agent", {})
+    if not isinstance(agents, dict):
+        raise lines.error(("agent",), "agent must be a table of [agent.NAME] tables")
+    profiles: dict[str, Profile] = {}
+    for name, table in agents.items():
+        if not isinstance(table, dict):
+            raise lines.error(("agent", name), f"agent.{name} must be a table ([agent.{name}]) of its settings")
+        profiles[name] = _profile(name, table, lines)
+    return profiles
+
+
+def _profile(name: str, table: dict[str, Any], lines: _Lines) -> Profile:
+    where = ("agent", name)
+    for key in table:
+        if key not in _FIELDS:
+            raise lines.error(
+                (*where, key), f"unknown key {key!r} in [agent.{name}]; the keys are {', '.join(_FIELDS)}"
+            )
+    for key in _REQUIRED:
+        if key not in table:
+            raise lines.error(where, f"[agent.{name}] has no {key}; add {key} = {_FIELDS[key][1]}")
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        values[key] = _field(name, key, value, lines)
+    return Profile(name=name, **values)
+
+
+def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
+    where = ("agent", name, key)
+    kind, expected = _FIELDS[key]
+    if not _fits(value, kind):
+        raise lines.error(where, f"agent.{name}.{key} is {_show(value)}; it must be {expected}")
+    if key == "base_url":
+        split = urlsplit(value)
+        if split.scheme not in ("http", "https") or not split.netloc:
+            raise lines.error(where, f"agent.{name}.base_url {value!r} is not an http:// or https:// URL; give one")
+        return value.rstrip("/")
+    if key == "workspace_roots":
+        return tuple(_root(name, root, lines) for root in value)
+    if key == "api_key_env" and not _ENV_NAME.fullmatch(value):
+        raise lines.error(where, f"agent.{name}.api_key_env {value!r} is not an environment variable name")
+    if key == "rules":
+        return tuple(_rule(name, i, rule, lines) for i, rule in enumerate(value))
+    if key == "tools":
+        for tool in value:
+            if tool not in EXTRA_TOOLS:
+                raise lines.error(where, f"agent.{name}.tools names {tool!r}; the tools to enable are {EXTRA_TOOLS}")
+        return tuple(value)
+    if key == "exec_timeout_s":
+        if not value > 0:
+            raise lines.error(where, f"agent.{name}.exec_timeout_s is {value}; it must be above 0")
+        return float(value)
+    if key in ("output_bytes_max", "max_tokens") and value < 1:
+        raise lines.error(where, f"agent.{name}.{key} is {value}; it must be at least 1")
+    if key == "budget":
+        return _budget(name, value, lines)
+    return value
+
+
+def _root(name: str, root: str, lines: _Lines) -> str:
+    where = ("agent", name, "workspace_roots")
+    if not os.path.isabs(root):
+        raise lines.error(where, f"workspace root {root!r} of agent.{name} is not absolute; give an absolute path")
+    if not os.path.isdir(root):
+        raise lines.error(where, f"workspace root {root} of agent.{name} is not an existing directory; create it")
+    return os.path.normpath(root)
+
+
+def _rule(name: str, index: int, rule: dict[str, Any], lines: _Lines) -> Rule:
+    where = ("agent", name, "rules")
+    label = f"agent.{name}.rules[{index}]"
+    for key in rule:
+        if key not in ("prefix", "decision"):
+            raise lines.error(where, f"{label} has an unknown key {key!r}; a rule has prefix and decision")
+    prefix, decision = rule.get("prefix"), rule.get("decision")
+    if not _fits(prefix, list[str]) or not prefix:
+        raise lines.error(where, f'{label}.prefix is {_show(prefix)}; it must be a non-empty list of strings: ["rm"]')
+    if decision not in get_args(Decision):
+        raise lines.error(where, f'{label}.decision is {_show(decision)}; it must be one of "allow", "deny", "ask"')
+    return Rule(prefix=tuple(prefix), decision=cast(Decision, decision))
+
+
+def _budget(name: str, table: dict[str, Any], lines: _Lines) -> Budget:
+    for key, value in table.items():
+        where = ("agent", name, "budget", key)
+        if key not in _BUDGET_KEYS:
+            raise lines.error(where, f"unknown key {key!r} in agent.{name}.budget; the keys are {_BUDGET_KEYS}")
+        if not _fits(value, int) or value < 1:
+            raise lines.error(where, f"agent.{name}.budget.{key} is {_show(value)}; it must be an integer above 0")
+    return Budget(**table)
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is float:  # TOML integers are numbers of seconds too
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    try:
+        msgspec.convert(value, kind, strict=True)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "missing"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "a list"
+    return str(value)
+
+
+def _toml_line(e: tomllib.TOMLDecodeError) -> int:
+    lineno = getattr(e, "lineno", None)  # Python 3.14 has it; before, it is only in the message
+    if isinstance(lineno, int):
+        return lineno
+    m = re.search(r"at line (\d+)", str(e))
+    return int(m.group(1)) if m else 1
+
+
+def _toml_why(e: tomllib.TOMLDecodeError) -> str:
+    msg = getattr(e, "msg", None) or str(e)
+    return re.sub(r"\s*\(at line \d+, column \d+\)|\s*\(at end of document\)", "", str(msg))
+
+
+class _Lines:
+    """Where a key or table is written: tomllib gives values, not lines, so the text is scanned for them."""
+
+    _HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+    _KEY = re.compile(
+        r"^\s*((?:\"[^\"]*\"|'[^']*'|[A-Za-z0-9_-]+)(?:\s*\.\s*(?:\"[^\"]*\"|'[^']*'|[A-Za-z0-9_-]+))*)\s*="
+    )
+
+    def __init__(self, text: str, filename: str) -> None:
+        self.filename = filename
+        self.entries: list[tuple[int, tuple[str, ...]]] = []  # (line, full dotted path) of each header and key
+        table: tuple[str, ...] = ()
+        for number, line in enumerate(text.splitlines(), start=1):
+            if m := self._HEADER.match(line):
+                table = _split_dotted(m.group(1))
+                self.entries.append((number, table))
+            elif m := self._KEY.match(line):
+                self.entries.append((number, (*table, *_split_dotted(m.group(1)))))
+
+    def line(self, path: tuple[str, ...]) -> int:
+        """The first line naming `path`, else the nearest enclosing table's, else 1."""
+        for length in range(len(path), 0, -1):
+            for number, found in self.entries:
+                if found[:length] == path[:length] and len(found) >= length:
+                    return number
+        return 1
+
+    def error(self, path: tuple[str, ...], why: str) -> ConfigError:
+        return ConfigError(f"{self.filename}:{self.line(path)}: {why}")
+
+
+def _split_dotted(key: str) -> tuple[str, ...]:
+    parts = re.findall(r"\"([^\"]*)\"|'([^']*)'|([^.\s\"']+)", key)
+    return tuple(next(p for p in part if p) if any(part) else "" for part in parts)
+
+
+def default_agents_path(environ: Mapping[str, str]) -> Path | None:
+    """agents.toml in systemd's configuration directory, else in `$XDG_CONFIG_HOME/devd`; None unless it exists."""
+    if d := environ.get("CONFIGURATION_DIRECTORY"):
+        path = Path(d.split(":")[0]) / "agents.toml"
+    else:
+        base = environ.get("XDG_CONFIG_HOME", "")
+        if not os.path.isabs(base):  # the XDG spec: a relative value is ignored
+            home = environ.get("HOME") or str(Path.home())
+            base = os.path.join(home, ".config")
+        path = Path(base) / "devd" / "agents.toml"
+    return path if path.is_file() else None
+
+
+# -- policy -------------------------------------------------------------------------------------------------------
+
+
+def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
+    """Whether the profile lets the call run, and why in words the model is shown. For Exec and Git the strictest of
+    `exec` and every rule whose prefix matches the argv wins (deny over ask over allow)."""
+    if call.Read is not None:
+        return "allow", "reads are always allowed"
+    if call.Write is not None:
+        return profile.write, f'agent {profile.name!r} has write = "{profile.write}"'
+    if call.Browse is not None:
+        if "browse" in profile.tools:
+            return "allow", f"agent {profile.name!r} lists browse in its tools"
+        return "deny", f'denied by the policy: agent {profile.name!r} does not list "browse" in its tools'
+    argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv] if call.Git is not None else []
+    decision: Decision = profile.exec
+    reason = f'agent {profile.name!r} has exec = "{profile.exec}"'
+    for rule in profile.rules:
+        if _matches(rule.prefix, argv) and _STRICTNESS[rule.decision] > _STRICTNESS[decision]:
+            decision = rule.decision
+            reason = f"the rule prefix = {list(rule.prefix)} of agent {profile.name!r} says {rule.decision}"
+    if decision == "deny":
+        reason = f"denied by the policy: {reason}"
+    return decision, reason
+
+
+def _matches(prefix: tuple[str, ...], argv: list[str]) -> bool:
+    """Whether argv starts with prefix; a bare command name also matches it run by path (["rm"] matches /bin/rm)."""
+    if len(argv) < len(prefix) or not prefix:
+        return False
+    first = argv[0] if "/" in prefix[0] else os.path.basename(argv[0])
+    return first == prefix[0] and tuple(argv[1 : len(prefix)]) == prefix[1:]
+
+
+def api_key(profile: Profile, environ: Mapping[str, str]) -> str | None:
+    """The profile's API key, read now from the environment (None when it names none or the variable is unset)."""
+    if profile.api_key_env is None:
+        return None
+    return environ.get(profile.api_key_env) or None
+
+
+def check_workspace(profile: Profile, workspace: str) -> Path:
+    """The workspace's real path; InvalidParamsError unless it is an absolute, existing directory inside a root."""
+    if not os.path.isabs(workspace):
+        raise InvalidParamsError(f"workspace {workspace!r} is not an absolute path; give the directory's full path")
+    if not os.path.isdir(workspace):
+        raise InvalidParamsError(f"workspace {workspace} is not an existing directory; create it or give another")
+    real = Path(os.path.realpath(workspace))
+    for root in profile.workspace_roots:
+        real_root = Path(os.path.realpath(root))
+        if real == real_root or real.is_relative_to(real_root):
+            return real
+    roots = ", ".join(profile.workspace_roots)
+    shown = workspace if str(real) == workspace else f"{workspace} (really {real})"
+    raise InvalidParamsError(
+        f"workspace {shown} is not inside a workspace root of agent {profile.name!r} ({roots}); "
+        "use a directory inside one, or add a root to the agent's workspace_roots"
+    )

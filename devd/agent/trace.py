@@ -1,0 +1,61 @@
+"""Trace records: one for every model call attempt and every tool run, success or failure, durable in the session's
+record log (kind `trace`), so a retried call is one truthful record per attempt, never one relabelled.
+
+A record says what a person needs to see what happened: the action, the kind, when it started, how long it took, the
+outcome (`ok`; `error`, with the error; `denied`, by the policy or a person; `refused`, by a spend ceiling, never
+sent; `interrupted`, by a cancel or a stop) and, for a model call, the model and its token counts.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+
+import msgspec
+
+TRACE = "trace"  # the record kind
+
+Kind = Literal["model", "exec", "read", "write", "git", "browse"]
+Outcome = Literal["ok", "error", "denied", "refused", "interrupted"]
+
+
+class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """One model call attempt or tool run. `n` numbers the session's trace records from 1 (`session/trace` `since`);
+    `started` is RFC 3339 in UTC to the millisecond; `attempt` counts a model call's attempts from 1."""
+
+    n: int = 0
+    action: int
+    kind: Kind
+    started: str
+    duration_ms: float
+    outcome: Outcome
+    error: str | None = None
+    attempt: int | None = None
+    model: str | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    name: str | None = None  # a tool run's command (argv[0]) or path, for people and span names
+
+
+def rfc3339(seconds: float) -> str:
+    """Wall-clock seconds as RFC 3339 in UTC, to the millisecond."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def seconds(started: str) -> float:
+    """The wall-clock seconds of an RFC 3339 `started`."""
+    return datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp()
+
+
+def encode(record: TraceRecord) -> bytes:
+    """The record's body in the log (its `n` is its place, given when read)."""
+    return _encoder.encode(msgspec.structs.replace(record, n=0))
+
+
+def decode(body: bytes, n: int) -> TraceRecord:
+    return msgspec.structs.replace(_decoder.decode(body), n=n)
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(TraceRecord)

@@ -1,0 +1,257 @@
+"""Agent profiles: agents.toml parsed whole, each mistake named by file and line, the default path, the policy."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from devd.agent.profiles import (
+    Budget,
+    Profile,
+    Rule,
+    api_key,
+    check_workspace,
+    decide,
+    default_agents_path,
+    load_profiles,
+)
+from devd.errors import ConfigError, InvalidParamsError
+from devd.messages import Browse, Call, Exec, Git, Read, Write
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "agents.toml"
+    path.write_text(body.replace("ROOT", str(tmp_path)))
+    return path
+
+
+GOOD = """\
+# my agents
+[agent.coder]
+base_url = "http://127.0.0.1:11434/v1/"
+model = "qwen2.5-coder"
+api_key_env = "OPENAI_API_KEY"
+system = "You are a careful coding agent."
+workspace_roots = ["ROOT"]
+exec = "allow"
+write = "ask"
+rules = [ { prefix = ["rm"], decision = "deny" }, { prefix = ["git", "push"], decision = "ask" } ]
+sandbox = "bwrap"
+network = true
+exec_timeout_s = 30
+output_bytes_max = 4096
+tools = ["browse"]
+max_tokens = 2000
+
+[agent.coder.budget]
+tokens_per_turn = 10000
+tokens_per_day = 1000000
+
+[agent.reader]
+base_url = "https://api.example.test/v1"
+model = "m"
+workspace_roots = ["ROOT"]
+"""
+
+
+def error_of(tmp_path: Path, body: str) -> str:
+    path = write(tmp_path, body)
+    with pytest.raises(ConfigError) as e:
+        load_profiles(path)
+    return str(e.value).replace(str(path), "FILE")
+
+
+def profile(tmp_path: Path, **fields: object) -> Profile:
+    base: dict[str, object] = {
+        "name": "p",
+        "base_url": "http://h/v1",
+        "model": "m",
+        "workspace_roots": (str(tmp_path),),
+    }
+    return Profile(**(base | fields))  # type: ignore[arg-type]
+
+
+def test_a_good_file_gives_every_setting(tmp_path: Path) -> None:
+    profiles = load_profiles(write(tmp_path, GOOD))
+    assert profiles["coder"] == Profile(
+        name="coder",
+        base_url="http://127.0.0.1:11434/v1",
+        model="qwen2.5-coder",
+        api_key_env="OPENAI_API_KEY",
+        system="You are a careful coding agent.",
+        workspace_roots=(str(tmp_path),),
+        exec="allow",
+        write="ask",
+        rules=(Rule(prefix=("rm",), decision="deny"), Rule(prefix=("git", "push"), decision="ask")),
+        sandbox="bwrap",
+        network=True,
+        exec_timeout_s=30.0,
+        output_bytes_max=4096,
+        tools=("browse",),
+        max_tokens=2000,
+        budget=Budget(tokens_per_turn=10000, tokens_per_day=1000000),
+    )
+
+
+def test_omitted_settings_take_their_defaults(tmp_path: Path) -> None:
+    reader = load_profiles(write(tmp_path, GOOD))["reader"]
+    assert (reader.exec, reader.write, reader.sandbox, reader.network, reader.exec_timeout_s) == (
+        "allow",
+        "allow",
+        "auto",
+        False,
+        120.0,
+    )
+
+
+BAD = [
+    ("[agent.a]\nmodel = \n", "FILE:2: not valid TOML: Invalid value; fix the syntax"),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\ncolour = "red"\n',
+        "FILE:5: unknown key 'colour' in [agent.a]; the keys are base_url, model, workspace_roots, api_key_env, "
+        "system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, tools, max_tokens, budget",
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = 7\nworkspace_roots = ["ROOT"]\n',
+        "FILE:3: agent.a.model is 7; it must be a string",
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\nexec = "maybe"\n',
+        'FILE:5: agent.a.exec is "maybe"; it must be one of "allow", "deny", "ask"',
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\nnetwork = "yes"\n',
+        'FILE:5: agent.a.network is "yes"; it must be true or false',
+    ),
+    (
+        '[agent.a]\nbase_url = "ftp://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n',
+        "FILE:2: agent.a.base_url 'ftp://h' is not an http:// or https:// URL; give one",
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["src"]\n',
+        "FILE:4: workspace root 'src' of agent.a is not absolute; give an absolute path",
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT/none"]\n',
+        "FILE:4: workspace root ROOT/none of agent.a is not an existing directory; create it",
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\n',
+        "FILE:1: [agent.a] has no workspace_roots; add workspace_roots = a list of absolute directory paths",
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n'
+        'rules = [{ prefix = ["rm"], decision = "never" }]\n',
+        'FILE:5: agent.a.rules[0].decision is "never"; it must be one of "allow", "deny", "ask"',
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\ntools = ["shell"]\n',
+        "FILE:5: agent.a.tools names 'shell'; the tools to enable are ('browse',)",
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n\n[agent.a.budget]\n'
+        "tokens_per_week = 5\n",
+        "FILE:7: unknown key 'tokens_per_week' in agent.a.budget; the keys are "
+        "('tokens_per_turn', 'tokens_per_session', 'tokens_per_day')",
+    ),
+    ('[agents.a]\nmodel = "m"\n', "FILE:1: unknown key 'agents'; profiles go in [agent.NAME] tables"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD)
+def test_a_bad_file_is_refused_with_its_line_and_what_to_do(tmp_path: Path, body: str, message: str) -> None:
+    assert error_of(tmp_path, body) == message.replace("ROOT", str(tmp_path))
+
+
+def test_the_secret_is_never_in_a_profile(tmp_path: Path) -> None:
+    p = load_profiles(write(tmp_path, GOOD))["coder"]
+    environ = {"OPENAI_API_KEY": "sk-secret-123"}
+    assert (api_key(p, environ), "sk-secret" in repr(p) + msgspec.json.encode(p).decode()) == ("sk-secret-123", False)
+
+
+def test_the_default_path_is_systemds_configuration_directory(tmp_path: Path) -> None:
+    (tmp_path / "agents.toml").write_text("")
+    environ = {"CONFIGURATION_DIRECTORY": f"{tmp_path}:/etc/other", "XDG_CONFIG_HOME": "/nowhere"}
+    assert default_agents_path(environ) == tmp_path / "agents.toml"
+
+
+def test_the_default_path_is_in_xdg_config_home_else_home(tmp_path: Path) -> None:
+    (tmp_path / ".config" / "devd").mkdir(parents=True)
+    (tmp_path / ".config" / "devd" / "agents.toml").write_text("")
+    assert default_agents_path({"HOME": str(tmp_path), "XDG_CONFIG_HOME": "relative"}) == (
+        tmp_path / ".config" / "devd" / "agents.toml"
+    )
+
+
+def test_no_default_path_when_the_file_does_not_exist(tmp_path: Path) -> None:
+    assert default_agents_path({"XDG_CONFIG_HOME": str(tmp_path)}) is None
+
+
+def test_the_strictest_matching_rule_wins(tmp_path: Path) -> None:
+    p = profile(tmp_path, rules=(Rule(prefix=("git",), decision="ask"), Rule(prefix=("git", "push"), decision="deny")))
+    assert decide(p, Call(Git=Git(argv=["push", "origin"]))) == (
+        "deny",
+        "denied by the policy: the rule prefix = ['git', 'push'] of agent 'p' says deny",
+    )
+
+
+def test_a_rule_cannot_loosen_exec(tmp_path: Path) -> None:
+    p = profile(tmp_path, exec="deny", rules=(Rule(prefix=("ls",), decision="allow"),))
+    assert decide(p, Call(Exec=Exec(argv=["ls"])))[0] == "deny"
+
+
+def test_a_rule_matches_a_command_run_by_its_path(tmp_path: Path) -> None:
+    p = profile(tmp_path, rules=(Rule(prefix=("rm",), decision="deny"),))
+    assert decide(p, Call(Exec=Exec(argv=["/bin/rm", "-rf", "/"])))[0] == "deny"
+
+
+def test_a_prefix_longer_than_the_argv_does_not_match(tmp_path: Path) -> None:
+    p = profile(tmp_path, rules=(Rule(prefix=("git", "push"), decision="deny"),))
+    assert decide(p, Call(Exec=Exec(argv=["git"]))) == ("allow", "agent 'p' has exec = \"allow\"")
+
+
+def test_write_follows_write_and_read_is_always_allowed(tmp_path: Path) -> None:
+    p = profile(tmp_path, write="deny", exec="deny")
+    decisions = [decide(p, Call(Write=Write(path="a", text=""))), decide(p, Call(Read=Read(path="a")))]
+    assert [d for d, _ in decisions] == ["deny", "allow"]
+
+
+def test_browse_is_denied_unless_listed(tmp_path: Path) -> None:
+    call = Call(Browse=Browse(url="http://x"))
+    assert [decide(profile(tmp_path), call)[0], decide(profile(tmp_path, tools=("browse",)), call)[0]] == [
+        "deny",
+        "allow",
+    ]
+
+
+def test_a_workspace_inside_a_root_is_its_real_path(tmp_path: Path) -> None:
+    (tmp_path / "root" / "proj").mkdir(parents=True)
+    os.symlink(tmp_path / "root" / "proj", tmp_path / "root" / "link")
+    p = profile(tmp_path, workspace_roots=(str(tmp_path / "root"),))
+    assert check_workspace(p, str(tmp_path / "root" / "link")) == tmp_path / "root" / "proj"
+
+
+def test_a_workspace_linked_out_of_its_root_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "root").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "root" / "out")
+    p = profile(tmp_path, workspace_roots=(str(tmp_path / "root"),))
+    with pytest.raises(InvalidParamsError) as e:
+        check_workspace(p, str(tmp_path / "root" / "out"))
+    assert str(e.value) == (
+        f"workspace {tmp_path}/root/out (really {tmp_path}/elsewhere) is not inside a workspace root of agent 'p' "
+        f"({tmp_path}/root); use a directory inside one, or add a root to the agent's workspace_roots"
+    )
+
+
+def test_a_relative_workspace_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidParamsError, match="is not an absolute path"):
+        check_workspace(profile(tmp_path), "proj")
+
+
+def test_a_missing_workspace_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidParamsError, match="is not an existing directory"):
+        check_workspace(profile(tmp_path), str(tmp_path / "none"))

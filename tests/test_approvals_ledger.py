@@ -1,0 +1,196 @@
+"""The approval ledger, the spend ledger and trace records, pure: exact outcomes with exact numbers."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import pytest
+
+from devd.agent import approvals, spend, trace
+from devd.agent.approvals import Decided, Ledger, action_digest
+from devd.agent.spend import Ceilings, Refusal, Reservation, Scope, SpendLedger, Usage
+from devd.errors import ConflictError, InvalidParamsError
+from devd.messages import Exec, Git, Op, Write
+
+RM = Op(Exec=Exec(argv=["rm", "-rf", "build"]))
+SCOPE = Scope(session="s", profile="coder", turn=1, day="2026-12-01")
+
+
+def test_a_digest_is_the_sha256_of_the_action_and_op_with_members_sorted() -> None:
+    canonical = b'{"action":5,"op":{"Exec":{"argv":["rm","-rf","build"]}}}'
+    assert action_digest(5, RM) == hashlib.sha256(canonical).hexdigest()
+
+
+def test_the_same_op_under_another_action_id_has_another_digest() -> None:
+    assert action_digest(5, RM) != action_digest(6, RM)
+
+
+def test_the_first_answer_decides() -> None:
+    ledger = Ledger()
+    asked = ledger.ask(5, RM)
+    assert ledger.answer(5, asked.digest, "allow", "ui-1") == Decided(5, "allow", "ui-1")
+
+
+def test_a_later_answer_is_a_conflict_naming_who_decided() -> None:
+    ledger = Ledger()
+    asked = ledger.ask(5, RM)
+    ledger.answer(5, asked.digest, "allow", "ui-1")
+    with pytest.raises(ConflictError, match="already decided: allow by ui-1"):
+        ledger.answer(5, asked.digest, "deny", "ui-2")
+
+
+def test_a_wrong_digest_is_invalid_params_and_decides_nothing() -> None:
+    ledger = Ledger()
+    ledger.ask(5, RM)
+    with pytest.raises(InvalidParamsError, match="does not name action 5"):
+        ledger.answer(5, "0" * 64, "allow", "ui-1")
+    assert list(ledger.pending) == [5]
+
+
+def test_an_action_never_asked_about_is_invalid_params() -> None:
+    with pytest.raises(InvalidParamsError, match="action 9 awaits no approval"):
+        Ledger().answer(9, "0" * 64, "allow", "ui-1")
+
+
+def test_asking_again_after_a_restart_is_the_same_approval() -> None:
+    ledger = Ledger()
+    assert ledger.ask(5, RM) is ledger.ask(5, RM)
+
+
+def test_cancel_withdraws_only_what_is_pending() -> None:
+    ledger = Ledger()
+    ledger.ask(5, RM)
+    ledger.answer(6, ledger.ask(6, RM).digest, "allow", "ui-1")
+    assert ledger.cancel([5, 6], "ui-1") == [Decided(5, "cancelled", "ui-1")]
+
+
+def test_an_answer_after_cancel_is_a_conflict_saying_so() -> None:
+    ledger = Ledger()
+    asked = ledger.ask(5, RM)
+    ledger.cancel([5], "ui-1")
+    with pytest.raises(ConflictError, match="its turn was cancelled"):
+        ledger.answer(5, asked.digest, "allow", "ui-2")
+
+
+def test_remember_allows_that_argv_prefix_for_later_calls() -> None:
+    ledger = Ledger()
+    ledger.answer(5, ledger.ask(5, Op(Exec=Exec(argv=["make", "test"]))).digest, "allow", "ui", remember=True)
+    assert ledger.recall(Op(Exec=Exec(argv=["make", "test", "-j4"]))) == "allow"
+
+
+def test_remember_does_not_reach_another_command() -> None:
+    ledger = Ledger()
+    ledger.answer(5, ledger.ask(5, Op(Exec=Exec(argv=["make", "test"]))).digest, "allow", "ui", remember=True)
+    assert ledger.recall(Op(Exec=Exec(argv=["make", "install"]))) is None
+
+
+def test_remember_of_a_git_call_is_the_git_argv() -> None:
+    ledger = Ledger()
+    ledger.answer(5, ledger.ask(5, Op(Git=Git(argv=["status"]))).digest, "allow", "ui", remember=True)
+    assert ledger.recall(Op(Exec=Exec(argv=["git", "status", "-s"]))) == "allow"
+
+
+def test_remember_of_a_write_is_that_path_only() -> None:
+    ledger = Ledger()
+    ledger.answer(5, ledger.ask(5, Op(Write=Write(path="a.txt", text="1"))).digest, "allow", "ui", remember=True)
+    assert ledger.recall(Op(Write=Write(path="a.txt.bak", text="2"))) is None
+
+
+def test_a_ledger_replayed_from_its_records_is_the_one_lost() -> None:
+    ledger = Ledger()
+    asked = ledger.ask(5, RM)
+    second = ledger.ask(6, Op(Exec=Exec(argv=["ls"])))
+    decided = ledger.answer(6, second.digest, "deny", "ui-2")
+    again = Ledger()
+    again.replay(approvals.ASKED, msgspec.json.encode(asked))
+    again.replay(approvals.ASKED, msgspec.json.encode(second))
+    again.replay(approvals.DECIDED, msgspec.json.encode(decided))
+    assert (again.pending, again.decided) == ({5: asked}, {6: decided})
+
+
+# -- spend ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_call_within_every_ceiling_is_admitted() -> None:
+    assert isinstance(SpendLedger().admit(SCOPE, 100, Ceilings(session_budget=100)), Reservation)
+
+
+def test_a_call_that_would_pass_the_session_budget_is_refused_with_the_numbers() -> None:
+    ledger = SpendLedger()
+    ledger.charge(SCOPE, Usage(input_tokens=60, output_tokens=30))
+    refusal = ledger.admit(SCOPE, 20, Ceilings(session_budget=100))
+    assert refusal == Refusal("the session's budget", 100, 90, 0, 20, "raise it with session/budget")
+
+
+def test_a_refusal_says_which_ceiling_what_is_spent_and_the_limit() -> None:
+    ledger = SpendLedger()
+    ledger.charge(SCOPE, Usage(input_tokens=60, output_tokens=30))
+    refusal = ledger.admit(SCOPE, 20, Ceilings(session_budget=100))
+    assert isinstance(refusal, Refusal)
+    assert refusal.message == (
+        "spend ceiling reached: the session's budget is 100 tokens, 90 spent, and the next model call needs up to "
+        "20; the call was not sent: raise it with session/budget, then session/resume"
+    )
+
+
+def test_calls_in_flight_hold_their_reservation_so_two_cannot_pass_together() -> None:
+    ledger = SpendLedger()
+    ceilings = Ceilings(tokens_per_day=150)
+    ledger.admit(SCOPE, 100, ceilings)
+    other = Scope(session="t", profile="coder", turn=1, day="2026-12-01")
+    refusal = ledger.admit(other, 100, ceilings)
+    assert isinstance(refusal, Refusal) and (refusal.spent, refusal.reserved) == (0, 100)
+
+
+def test_the_daily_ceiling_is_per_profile_and_day() -> None:
+    ledger = SpendLedger()
+    ledger.charge(SCOPE, Usage(input_tokens=100, output_tokens=0))
+    tomorrow = Scope(session="s", profile="coder", turn=1, day="2026-12-02")
+    assert isinstance(ledger.admit(tomorrow, 100, Ceilings(tokens_per_day=100)), Reservation)
+
+
+def test_settling_releases_the_reservation_and_charges_the_usage() -> None:
+    ledger = SpendLedger()
+    reservation = ledger.admit(SCOPE, 100, Ceilings(tokens_per_session=150))
+    assert isinstance(reservation, Reservation)
+    ledger.settle(reservation, Usage(input_tokens=40, output_tokens=10, cached_tokens=8))
+    assert isinstance(ledger.admit(SCOPE, 100, Ceilings(tokens_per_session=150)), Reservation)
+
+
+def test_usage_totals_count_calls_and_refusals() -> None:
+    ledger = SpendLedger()
+    reservation = ledger.admit(SCOPE, 10, Ceilings(session_budget=60))
+    assert isinstance(reservation, Reservation)
+    ledger.settle(reservation, Usage(input_tokens=40, output_tokens=10, cached_tokens=8))
+    ledger.admit(SCOPE, 20, Ceilings(session_budget=60))
+    assert ledger.totals("s") == spend.Totals(40, 10, 8, 1, 1)
+
+
+def test_a_failed_call_releases_its_reservation_and_charges_nothing() -> None:
+    ledger = SpendLedger()
+    reservation = ledger.admit(SCOPE, 100, Ceilings(tokens_per_turn=100))
+    assert isinstance(reservation, Reservation)
+    ledger.settle(reservation, None)
+    assert isinstance(ledger.admit(SCOPE, 100, Ceilings(tokens_per_turn=100)), Reservation)
+
+
+def test_the_turn_ceiling_counts_only_its_turn() -> None:
+    ledger = SpendLedger()
+    ledger.charge(SCOPE, Usage(input_tokens=100, output_tokens=0))
+    next_turn = Scope(session="s", profile="coder", turn=2, day="2026-12-01")
+    assert isinstance(ledger.admit(next_turn, 100, Ceilings(tokens_per_turn=100)), Reservation)
+
+
+def test_the_estimate_is_four_characters_a_token_rounded_up() -> None:
+    assert spend.estimate_tokens(b"x" * 9) == 3
+
+
+# -- trace ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_trace_record_round_trips_through_its_body_with_its_number() -> None:
+    record = trace.TraceRecord(
+        action=4, kind="model", started="2026-12-01T09:00:00.000Z", duration_ms=12.5, outcome="error", error="503"
+    )
+    assert trace.decode(trace.encode(msgspec.structs.replace(record, n=9)), 3) == msgspec.structs.replace(record, n=3)
