@@ -109,12 +109,13 @@ def _serve(args: argparse.Namespace) -> int:
                 listeners.append((bind_tcp(*settings.tcp), "tcp"))
         token = read_token(settings.state_dir) if any(t == "tcp" for _, t in listeners) else None
         metrics_socket = bind_metrics(*settings.metrics) if settings.metrics else None
+        agents = _agents(args)
         store, fleet = _open_store(args, settings, listeners)
     except (StartupError, ValueError, OSError, DevdError) as e:
         print(f"devd: cannot start: {e}", file=sys.stderr)
         return 2
 
-    registry, dispatcher = build(settings, core, store, fleet=fleet)
+    registry, dispatcher = build(settings, core, store, fleet=fleet, agents=agents)
     daemon = Daemon(settings, dispatcher, token)
 
     def ready() -> None:
@@ -150,6 +151,15 @@ def _serve(args: argparse.Namespace) -> int:
             unlink_socket(*bound_socket)
     logger.info("daemon.stopped")
     return 0
+
+
+def _agents(args: argparse.Namespace) -> dict[str, Any]:
+    """The agent profiles of --agents (default: agents.toml where `default_agents_path` finds one; none there: no
+    agents); ConfigError (FILE:LINE: what is wrong) for a bad file."""
+    from devd.agent.profiles import default_agents_path, load_profiles
+
+    path = Path(args.agents) if args.agents else default_agents_path(os.environ)
+    return {} if path is None else dict(load_profiles(path))
 
 
 def _open_store(
@@ -1207,6 +1217,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "use a loopback address unless others should read the counters (default: off)",
     )
     serve.add_argument(
+        "--agents",
+        metavar="FILE",
+        help="the agent profiles ([agent.NAME] tables, see the README's agent runtime section) of the sessions the "
+        "daemon drives itself (default: $CONFIGURATION_DIRECTORY/agents.toml under systemd, else "
+        "$XDG_CONFIG_HOME/devd/agents.toml, when there is one; else none)",
+    )
+    serve.add_argument(
         "--log-format",
         choices=["json", "console"],
         help="json: one object a line, for journald and containers; console: for people (default: console when "
@@ -1293,6 +1310,29 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
     backup.add_argument("path", help="the file to write (must not exist; its directory must); relative to here")
     client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")
+    # The agent runtime's: a turn the daemon drives, shown as it happens (devd.agent.cli).
+    run = sub.add_parser(
+        "run",
+        help="have the daemon carry out a turn of an agent and show it as it happens",
+        description="Start a session of an agent (or continue --session) with PROMPT and show the turn as the daemon "
+        "carries it out: the model's text as it streams, each call and its result, the outcome. Exit 0 when the "
+        "turn is done, 1 when it ended otherwise, 130 after Ctrl-C (which cancels the turn).",
+        formatter_class=_Help,
+    )
+    _connection_flags(run)
+    run.add_argument("prompt", help="what to ask the agent")
+    run.add_argument("--agent", help="the agent profile (default: the daemon's only one, when it has one)")
+    run.add_argument("--workspace", metavar="DIR", help="the session's workspace (default: the current directory)")
+    run.add_argument("--session", help="continue this session (made, of --agent in --workspace, if there is none)")
+    attach = sub.add_parser(
+        "attach",
+        help="show the turn of a session the daemon drives as it happens, until it ends",
+        description="Show what the daemon does for a session (someone else prompted) as it happens, until its "
+        "running turn ends (exit 0) or Ctrl-C (130; the turn goes on).",
+        formatter_class=_Help,
+    )
+    _connection_flags(attach)
+    attach.add_argument("session", help="the session's name")
 
     from devd.acp.main import add_arguments as acp_arguments
 
@@ -1341,4 +1381,29 @@ def main(argv: list[str] | None = None) -> int:
         from devd.acp.main import main as acp_main
 
         return acp_main(args)
+    if args.command in ("run", "attach"):
+        return _run_agent(args)
     return _run_client(args)
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    """`devd run` and `devd attach` (devd.agent.cli), with the errors and exit status of the other client commands."""
+    from devd.agent import cli as agent_cli
+    from devd.client import NotRunningError
+
+    try:
+        return agent_cli.main(args, _address(args), _token(args))
+    except LocalError as e:
+        print(f"devd: {e}", file=sys.stderr)
+        return EXIT_LOCAL
+    except DevdError as e:
+        print(f"devd: {e.kind}: {in_cli_terms(e, args)}", file=sys.stderr)
+        return EXIT_ANSWERED_ERROR
+    except NotRunningError as e:
+        print(f"devd: {e.strerror}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (OSError, ConnectionError) as e:
+        print(f"devd: cannot reach the daemon at {_address(args)}: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED

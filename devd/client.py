@@ -38,6 +38,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
 from devd.agent.oversight import ApprovalNotice, DecidedNotice
+from devd.agent.records import DeltaNotice, StalledNotice
 from devd.agent.trace import TraceRecord
 from devd.config import default_socket_path, parse_tcp
 from devd.listeners import peer_uid
@@ -57,6 +58,8 @@ from devd.methods import (
     NewParams,
     NoParams,
     PendingResult,
+    PromptParams,
+    PromptResult,
     RestoreParams,
     SessionParams,
     SessionResult,
@@ -112,6 +115,8 @@ METHOD_NAMES: dict[str, str] = {
     "session/budget": "set_budget",
     "session/usage": "usage",
     "session/trace": "trace",
+    "session/prompt": "prompt",  # the agent runtime's
+    "session/resume": "resume",
 }
 
 NOTICES_BUFFERED = 1 << 16  # notices of no watch() kept for `notifications`; past it, reading waits for a reader
@@ -154,7 +159,7 @@ class ActionsNotice(msgspec.Struct, frozen=True):
     actions: list[Action]
 
 
-Notice = ActionsNotice | UnwatchedNotice | ApprovalNotice | DecidedNotice
+Notice = ActionsNotice | UnwatchedNotice | ApprovalNotice | DecidedNotice | DeltaNotice | StalledNotice
 
 # Each notification the daemon sends, and its type here.
 NOTICES: dict[str, type[Notice]] = {
@@ -162,6 +167,8 @@ NOTICES: dict[str, type[Notice]] = {
     "session/unwatched": UnwatchedNotice,
     "session/approval": ApprovalNotice,
     "session/decided": DecidedNotice,
+    "session/delta": DeltaNotice,  # the agent runtime's: the model's text as it streams, and a stall
+    "session/stalled": StalledNotice,
 }
 
 
@@ -170,7 +177,8 @@ def notice_of(reply: Reply) -> Notice:
     kind = NOTICES.get(reply.method or "")
     if kind is None:
         raise errors.InternalError(f"the daemon sent {reply.method!r}, a notification this client does not know")
-    return msgspec.convert(reply.params, kind)
+    notice: Notice = msgspec.convert(reply.params, kind)
+    return notice
 
 
 _reply = msgspec.json.Decoder(Reply)
@@ -432,10 +440,31 @@ class Client:
         result: DrainResult = self.request("daemon/drain", NoParams())
         return result.sessions
 
-    def new(self, config: Config | None = None, session: str | None = None) -> str:
-        """Start a session (named `session`, else the daemon chooses); its name."""
-        result: SessionResult = self.request("session/new", NewParams(config, session))
+    def new(
+        self,
+        config: Config | None = None,
+        session: str | None = None,
+        *,
+        agent: str | None = None,
+        workspace: str | Path | None = None,
+    ) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
+        `workspace`, a session the daemon drives itself (`prompt`)."""
+        where = None if workspace is None else str(workspace)
+        result: SessionResult = self.request("session/new", NewParams(config, session, agent, where))
         return result.session
+
+    # -- the agent runtime: sessions the daemon drives
+
+    def prompt(self, session: str, prompt: str, *, key: str | None = None) -> int:
+        """Start a turn of a session made with an agent (once per `key`); its turn id, once it is durable. The daemon
+        carries out the turn: watch the session to see it."""
+        result: PromptResult = self.request("session/prompt", PromptParams(session, prompt, key))
+        return result.turn
+
+    def resume(self, session: str) -> None:
+        """Try a stalled session's model again."""
+        self.request("session/resume", SessionParams(session))
 
     def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
@@ -746,10 +775,31 @@ class AsyncClient:
         result: DrainResult = await self.request("daemon/drain", NoParams())
         return result.sessions
 
-    async def new(self, config: Config | None = None, session: str | None = None) -> str:
-        """Start a session (named `session`, else the daemon chooses); its name."""
-        result: SessionResult = await self.request("session/new", NewParams(config, session))
+    async def new(
+        self,
+        config: Config | None = None,
+        session: str | None = None,
+        *,
+        agent: str | None = None,
+        workspace: str | Path | None = None,
+    ) -> str:
+        """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
+        `workspace`, a session the daemon drives itself (`prompt`)."""
+        where = None if workspace is None else str(workspace)
+        result: SessionResult = await self.request("session/new", NewParams(config, session, agent, where))
         return result.session
+
+    # -- the agent runtime: sessions the daemon drives
+
+    async def prompt(self, session: str, prompt: str, *, key: str | None = None) -> int:
+        """Start a turn of a session made with an agent (once per `key`); its turn id, once it is durable. The daemon
+        carries out the turn: watch the session to see it."""
+        result: PromptResult = await self.request("session/prompt", PromptParams(session, prompt, key))
+        return result.turn
+
+    async def resume(self, session: str) -> None:
+        """Try a stalled session's model again."""
+        await self.request("session/resume", SessionParams(session))
 
     async def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
@@ -877,9 +927,11 @@ __all__ = [
     "ActionsNotice",
     "AsyncClient",
     "Client",
+    "DeltaNotice",
     "NotRunningError",
     "Notice",
     "Reply",
+    "StalledNotice",
     "StepAnswer",
     "UnwatchedNotice",
     "check_peer",

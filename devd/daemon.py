@@ -17,6 +17,7 @@ What it promises:
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import time
@@ -27,6 +28,9 @@ import msgspec
 import structlog
 
 from devd import metrics, systemd
+from devd.agent.port import ObservedFanout, RegistryPort
+from devd.agent.profiles import Profile
+from devd.agent.runner import Runtime
 from devd.config import Settings
 from devd.dispatch import Dispatcher
 from devd.host import Core
@@ -36,7 +40,6 @@ from devd.registry import Registry
 from devd.rpc import encode_notice
 from devd.store import Fleet, Store
 from devd.transport import Connection, Hub
-from devd.watchers import Fanout
 
 SHUTDOWN_SNAPSHOTS_S = 5.0  # of a stop's time (systemd waits 20 s) spent snapshotting sessions; the rest replay
 log = structlog.get_logger("devd.daemon")
@@ -49,14 +52,16 @@ def build(
     *,
     methods: Mapping[str, Method] = METHODS,
     fleet: Fleet | None = None,
+    agents: Mapping[str, Profile] | None = None,
 ) -> tuple[Registry, Dispatcher]:
     """The parts of a daemon, wired: registry over core and store (and the fleet, when the store is shared with
-    other daemons), dispatcher over the methods."""
+    other daemons), dispatcher over the methods, and the agent runtime with the agent profiles given (none: sessions
+    of an agent are refused), a second client of the sessions beside the wire."""
     runner = Runner(core, inline_budget_s=settings.inline_budget_s, threads_max=settings.call_threads_max)
     registry = Registry(
         core,
         store,
-        Fanout(encode_notice),
+        ObservedFanout(encode_notice),
         sessions_max=settings.sessions_max,
         max_live=settings.max_live,
         call_timeout_s=settings.call_timeout_s,
@@ -67,6 +72,7 @@ def build(
         fleet=fleet,
     )
     app = App(settings, registry, store, connections=lambda: 0)
+    app.agents = Runtime(agents or {}, RegistryPort(registry, store), os.environ)
     return registry, Dispatcher(methods, app)
 
 
@@ -97,6 +103,8 @@ class Daemon:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app.store.run)
+                if app.agents is not None:
+                    await tg.start(app.agents.run)
                 tg.start_soon(self._watchdog)
                 if self.settings.expire_after_s is not None:
                     tg.start_soon(self._expire, self.settings.expire_after_s)
@@ -109,6 +117,8 @@ class Daemon:
                 sessions = sum(app.registry.counts().values())
                 log.info("daemon.ready", sessions=sessions, listeners=[t for _, t in listeners])
                 await self._until_signal(signals, servers)
+                if app.agents is not None:
+                    app.agents.stop()  # nothing new starts while calls drain; an effect cut short is found claimed
                 if running := self.hub.running:
                     # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
                     log.warning("daemon.interrupting", calls=len(running))

@@ -24,6 +24,7 @@ reconnect; the handlers and the retry policy are plain values passed in.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -51,7 +52,10 @@ class ToolOutput(msgspec.Struct, frozen=True):
 
 
 ToolResult: TypeAlias = ToolOutput | str  # a str is output that did not fail
-ToolHandler: TypeAlias = Callable[[C], ToolResult | Awaitable[ToolResult]]
+# A handler takes the action's op and the action itself (`(op, action)`); one that takes only the op still works.
+ToolHandler: TypeAlias = (
+    Callable[[C, Action], ToolResult | Awaitable[ToolResult]] | Callable[[C], ToolResult | Awaitable[ToolResult]]
+)
 
 
 @dataclass(frozen=True)
@@ -61,18 +65,19 @@ class Handlers:
     `model` answers the core's ask with a reply: text, calls, or both. The ask carries the whole conversation; in a
     session made with `Config(asks="delta")`, only the messages since the previous ask, from message `ask.from_` on
     (the handler keeps the rest, and reads `client.transcript` when `from_` is not the number it holds). A tool
-    handler gets the action's op (`Exec`, `Read`, ...) and answers a `ToolOutput` or a str. A kind without a handler
+    handler gets the action's op (`Exec`, `Read`, ...) and the action (for its id), and answers a `ToolOutput` or a
+    str; a handler that takes only the op is called with the op alone. A kind without a handler
     is answered as a failed call ("this client cannot browse the web"), so the model learns it and the turn goes on.
     `emit` receives text for the user.
     """
 
-    model: Callable[[Ask], Reply | Awaitable[Reply]]
+    model: Callable[[Ask, Action], Reply | Awaitable[Reply]] | Callable[[Ask], Reply | Awaitable[Reply]]
     exec: ToolHandler[Exec] | None = None
     read: ToolHandler[Read] | None = None
     write: ToolHandler[Write] | None = None
     git: ToolHandler[Git] | None = None
     browse: ToolHandler[Browse] | None = None
-    emit: Callable[[str], object] | None = None
+    emit: Callable[[str, Action], object] | Callable[[str], object] | None = None
 
 
 class Retry(msgspec.Struct, frozen=True):
@@ -157,12 +162,33 @@ async def run_turn(
     if turn is None:
         turn = await _next_turn(client, session, retry)
     start = Event(Turn=Turn(id=turn, prompt=prompt))
-    queue = await _report(client, session, start, turn_key(session, turn), deque(), retry)
-    if not queue:
+    step = functools.partial(client.step_answer, session, start, key=turn_key(session, turn))
+    answer, reconnected = await retry.call(step, client.reconnect)
+    if not answer.actions:
         raise TurnError(
             f"turn {turn} was ignored: session {session!r} has had a turn id at least as high; pass a higher turn="
         )
-    return await _carry_out(client, session, turn, queue, handlers, retry)
+    if answer.replayed or reconnected:
+        # Started before (by a driver that stopped, or just before the connection went): the work left is what the
+        # session waits for, and nothing that has its result is carried out again.
+        owed, _ = await retry.call(functools.partial(client.pending, session), client.reconnect)
+        if not owed:
+            raise TurnError(f"turn {turn} of session {session!r} ran before and is over; its steps are in the journal")
+        return await _carry_out(client, session, turn, deque(owed), handlers, retry)
+    return await _carry_out(client, session, turn, deque(answer.actions), handlers, retry)
+
+
+async def resume_turn(
+    client: AsyncClient, session: str, handlers: Handlers, *, retry: Retry | None = None
+) -> Done | None:
+    """Carry out what the session still waits for (`session/pending`) through to the `Done` of its running turn: what
+    a client does after a crash, whatever the turn. None when no turn is running. Nothing that has its result is
+    carried out again."""
+    retry = retry or Retry()
+    owed, _ = await retry.call(functools.partial(client.pending, session), client.reconnect)
+    if not owed:
+        return None
+    return await _carry_out(client, session, None, deque(owed), handlers, retry)
 
 
 def run_turn_blocking(
@@ -206,7 +232,10 @@ async def _report(
     stale (the step may or may not have run before the connection went), so the work left is the answer's own text
     and Done (its asks and calls are waited for, so pending has them), then what the core waits for now."""
     step = functools.partial(client.step_answer, session, event, key=key)
-    answer, reconnected = await retry.call(step, client.reconnect)
+    try:
+        answer, reconnected = await retry.call(step, client.reconnect)
+    except errors.ConflictError:
+        return queue  # another driver reported this result first: pending catches up with what it left
     if not reconnected:
         queue.extend(answer.actions)
         return queue
@@ -215,29 +244,35 @@ async def _report(
 
 
 async def _carry_out(
-    client: AsyncClient, session: str, turn: int, queue: deque[Action], handlers: Handlers, retry: Retry
+    client: AsyncClient, session: str, turn: int | None, queue: deque[Action], handlers: Handlers, retry: Retry
 ) -> Done:
+    """Carry out actions until the `Done` of `turn` (of the running turn, when None)."""
+    owed_before: list[int] = []
     while True:
         if not queue:
             # Answers ran out before this turn's Done: another client stepped the session (or a turn this one waited
-            # behind is owed actions); what the core waits for now is the truth.
+            # behind is owed actions); what the core waits for now is the truth. The same debts twice: no way on.
             pending, _ = await retry.call(functools.partial(client.pending, session), client.reconnect)
-            if not pending:
+            owed = [a.id for a in pending]
+            if not pending or owed == owed_before:
+                which = "its turn" if turn is None else f"turn {turn}"
                 raise TurnError(
-                    f"turn {turn} of session {session!r} ended without its Done reaching this client: another "
+                    f"{which} of session {session!r} ended without its Done reaching this client: another "
                     "client stepped the session (a Cancel, say)"
                 )
+            owed_before = owed
             queue.extend(pending)
         action = queue.popleft()
         op = action.op
         if op.Done is not None:
-            if op.Done.turn == turn:
+            if turn is None or op.Done.turn == turn:
                 return op.Done
             continue  # the end of a turn this one waited behind
         if op.Emit is not None:
-            shown = handlers.emit(op.Emit) if handlers.emit is not None else None
-            if isinstance(shown, Awaitable):
-                await shown
+            if handlers.emit is not None:
+                shown = _handle(handlers.emit, op.Emit, action)
+                if isinstance(shown, Awaitable):
+                    await shown
             continue
         result = await _carry(handlers, action)
         if result is not None:
@@ -254,25 +289,42 @@ async def _carry(handlers: Handlers, action: Action) -> Event | None:
     """Carry out one action through its handler; the event that reports its result (None: nothing to report)."""
     op, id = action.op, action.id
     if op.Model is not None:
-        reply = handlers.model(op.Model)
+        reply = _handle(handlers.model, op.Model, action)
         return Event(Model=Answer(id=id, reply=await reply if isinstance(reply, Awaitable) else reply))
     if op.Exec is not None:
-        return Event(Exec=await _tool(handlers.exec, op.Exec, id, "run commands"))
+        return Event(Exec=await _tool(handlers.exec, op.Exec, action, "run commands"))
     if op.Read is not None:
-        return Event(File=await _tool(handlers.read, op.Read, id, "read files"))
+        return Event(File=await _tool(handlers.read, op.Read, action, "read files"))
     if op.Write is not None:
-        return Event(File=await _tool(handlers.write, op.Write, id, "write files"))
+        return Event(File=await _tool(handlers.write, op.Write, action, "write files"))
     if op.Git is not None:
-        return Event(Git=await _tool(handlers.git, op.Git, id, "run git"))
+        return Event(Git=await _tool(handlers.git, op.Git, action, "run git"))
     if op.Browse is not None:
-        return Event(Browse=await _tool(handlers.browse, op.Browse, id, "browse the web"))
+        return Event(Browse=await _tool(handlers.browse, op.Browse, action, "browse the web"))
     return None  # Save: the daemon has saved the session already
 
 
-async def _tool(handler: ToolHandler[C] | None, call: C, id: int, what: str) -> Output:
+@functools.lru_cache(maxsize=256)
+def _takes_action(handler: Callable[..., object]) -> bool:
+    """Whether handler takes the action too (`(op, action)`), or only the op, as handlers written before did."""
+    try:
+        parameters = inspect.signature(handler).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+
+
+def _handle(handler: Callable[..., T], op: object, action: Action) -> T:
+    """handler(op, action), or handler(op) for a handler that takes only the op."""
+    return handler(op, action) if _takes_action(handler) else handler(op)
+
+
+async def _tool(handler: ToolHandler[C] | None, call: C, action: Action, what: str) -> Output:
+    id = action.id
     if handler is None:
         return Output(id=id, text=f"this client cannot {what}", failed=True)
-    result = handler(call)
+    result = _handle(handler, call, action)
     if isinstance(result, Awaitable):
         result = await result
     if isinstance(result, str):

@@ -34,6 +34,8 @@ from devd.watchers import Sink, Subscription
 
 if TYPE_CHECKING:
     from devd.agent.oversight import Oversight
+    from devd.agent.records import Binding
+    from devd.agent.runner import Runtime
 
 # Logged at info: the daemon's own acts (a backup) and a session's lifecycle (new, restored, forked, recovered,
 # closed), one line each; never a step, whose path stays free of log calls.
@@ -95,6 +97,7 @@ class App:
     started: float = field(default_factory=time.monotonic)
     errors: dict[str, int] = field(default_factory=dict)  # answers by error kind
     oversight: Oversight | None = None  # approvals, spend and trace of the sessions the daemon drives
+    agents: Runtime | None = None  # the agent runtime (devd.agent.runner): the sessions the daemon drives
 
 
 @dataclass(frozen=True)
@@ -395,21 +398,27 @@ class TokenBudget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class NewParams(_Params, frozen=True):
-    """A new session, from a config (default `{}`), under a name (default: chosen by the daemon); `budget`: its own
-    spend ceiling (a session the daemon drives)."""
+    """A new session, from a config (default `{}`), under a name (default: chosen by the daemon); with `agent` (a
+    profile of the daemon's agents file) and `workspace` (an absolute directory inside the profile's roots), a session
+    the daemon drives itself (`session/prompt`); `budget`: its own spend ceiling."""
 
     config: Config | None = None
     session: SessionName | None = None
+    agent: Annotated[str, Meta(description="the name of an agent profile")] | None = None
+    workspace: Annotated[str, Meta(description="an absolute directory inside the profile's roots")] | None = None
     budget: TokenBudget | None = None
 
 
 @method("session/new", NewParams, SessionResult)
 async def session_new(call: Call, params: NewParams) -> SessionResult:
     """Start a session; it is durable before this answers."""
-    name = await call.app.registry.new(params.session, encode(params.config or Config()))
+    binding, config = agent_binding(call.app, params)
+    name = await call.app.registry.new(params.session, encode(config))
+    if call.app.agents is not None:
+        await call.app.agents.bind(name, binding)
     if params.budget is not None:
         await _oversight(call.app).set_budget(name, params.budget.tokens)
-    log.info("session.created", session=name)
+    log.info("session.created", session=name, agent=params.agent)
     return SessionResult(name)
 
 
@@ -564,6 +573,7 @@ class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     last_used: str
     watchers: int = 0
     reason: str | None = None
+    stalled: str | None = None  # the daemon drives it and cannot reach its model: why (`session/resume` tries again)
 
 
 class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -582,6 +592,7 @@ def rfc3339(seconds: float) -> str:
 async def session_list(call: Call, params: ListParams) -> ListResult:
     """The sessions the daemon holds, by name, a page at a time when `limit` is given."""
     infos, after = call.app.registry.page(params.limit, params.cursor)
+    stalled = call.app.agents.stalled if call.app.agents is not None else {}
     return ListResult(
         [
             SessionInfo(
@@ -592,6 +603,7 @@ async def session_list(call: Call, params: ListParams) -> ListResult:
                 rfc3339(i.last_used),
                 i.watchers,
                 i.reason,
+                stalled.get(i.name),
             )
             for i in infos
         ],
@@ -756,3 +768,61 @@ async def session_trace(call: Call, params: TraceParams) -> TraceResult:
     output_tokens?, cached_tokens?, name?}`."""
     _known(call.app, params.session)
     return TraceResult(await _oversight(call.app).records(params.session, params.since))
+
+
+# -- the agent runtime ----------------------------------------------------------------------------------------------
+
+
+def agent_binding(app: App, params: NewParams) -> tuple[Binding | None, Config]:
+    """A new session's agent and workspace, checked (INVALID_PARAMS naming what is wrong), and its config: the
+    profile's model, unless the config names one."""
+    config = params.config or Config()
+    agent = params.agent
+    if agent is None and params.workspace is None:
+        return None, config
+    runtime = _runtime(app)
+    if agent is None:  # a workspace alone: the daemon's only agent, when it has exactly one
+        if len(runtime.profiles) != 1:
+            known = ", ".join(sorted(runtime.profiles)) or "none: start the daemon with --agents FILE"
+            raise InvalidParamsError(f"a workspace is given without an agent; name one of the agents: {known}")
+        agent = next(iter(runtime.profiles))
+    binding = runtime.check(agent, params.workspace)
+    if config.model is None:
+        config = Config(model=runtime.profiles[agent].model, asks=config.asks)
+    return binding, config
+
+
+def _runtime(app: App) -> Runtime:
+    if app.agents is None:
+        raise InvalidParamsError("this daemon runs no agents; start it with --agents FILE")
+    return app.agents
+
+
+class PromptParams(_Params, frozen=True):
+    """A prompt for a session the daemon drives, with an optional idempotency key (a retry with the same key answers
+    the same turn, and starts nothing)."""
+
+    session: SessionName
+    prompt: str
+    key: Annotated[str, Meta(min_length=1, max_length=KEY_BYTES_MAX, description="1-256 bytes of UTF-8")] | None = None
+
+
+class PromptResult(msgspec.Struct, frozen=True):
+    """The turn the prompt started (or, for a key answered before, started then)."""
+
+    turn: int
+
+
+@method("session/prompt", PromptParams, PromptResult)
+async def session_prompt(call: Call, params: PromptParams) -> PromptResult:
+    """Start a turn of a session made with an agent; answered once its Turn step is durable, after which the daemon
+    carries out every action of the turn itself (watchers see each step as `session/actions`, the model's text as it
+    streams as `session/delta`)."""
+    return PromptResult(await _runtime(call.app).prompt(params.session, params.prompt, params.key))
+
+
+@method("session/resume", SessionParams, Empty)
+async def session_resume(call: Call, params: SessionParams) -> Empty:
+    """Try a stalled session's model again (and drive a session of an agent that owes work)."""
+    await _runtime(call.app).resume(params.session)
+    return Empty()

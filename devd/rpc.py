@@ -15,6 +15,7 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from devd.agent.oversight import ApprovalNotice, DecidedNotice
+from devd.agent.records import DeltaNotice, StalledNotice
 from devd.errors import DevdError, InvalidRequestError, MovedError, ParseError, TooLargeError
 from devd.watchers import Notice, Stepped
 
@@ -273,6 +274,8 @@ NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/unwatched": UnwatchedNotice,
     "session/approval": ApprovalNotice,  # approvals (devd.agent.oversight), sent through the agent runtime's port
     "session/decided": DecidedNotice,
+    "session/delta": DeltaNotice,  # the agent runtime's (devd.agent.records), sent by devd.agent.port
+    "session/stalled": StalledNotice,
 }
 
 

@@ -1,0 +1,240 @@
+"""`devd run` and `devd attach`: a turn the daemon drives, shown as it happens.
+
+`devd run [--agent NAME] [--workspace DIR] [--session NAME] PROMPT` starts a session of an agent (or continues the
+session `--session` names, made if there is none), prompts it, and shows the turn: the model's text as it streams,
+each call and its result, and the outcome; while the model thinks, a progress line on stderr when it is a terminal.
+It exits 0 when the turn is done, 1 when it ended otherwise (cancelled by another client, the session closed), and
+130 after Ctrl-C, which cancels the turn (a `Cancel` step). `devd attach SESSION` shows the same of a session someone
+else drives, until its running turn ends (or Ctrl-C, which leaves the turn alone).
+
+Rendering is a pure function of the notices (`Screen`), so that what people see is tested without a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import anyio
+import anyio.abc
+
+from devd.agent.records import DeltaNotice, StalledNotice
+from devd.client import ActionsNotice, AsyncClient, Notice, UnwatchedNotice
+from devd.errors import HandleError
+from devd.messages import Action, Cancel, Event, Output
+
+EXIT_OK = 0
+EXIT_ENDED = 1
+EXIT_INTERRUPTED = 130
+RESULT_LINES = 8  # of a call's output shown; the rest is counted
+PROGRESS_EVERY_S = 0.25
+
+
+def _result(event: Event) -> Output | None:
+    return event.Exec or event.File or event.Git or event.Browse
+
+
+def call_line(action: Action) -> str | None:
+    """A call the model made, as a line: `$ make test`, `read src/a.py`, `write notes.txt (12 bytes)`."""
+    op = action.op
+    if op.Exec is not None:
+        return "$ " + " ".join(op.Exec.argv)
+    if op.Git is not None:
+        return "$ git " + " ".join(op.Git.argv)
+    if op.Read is not None:
+        return f"read {op.Read.path}"
+    if op.Write is not None:
+        return f"write {op.Write.path} ({len(op.Write.text.encode())} bytes)"
+    if op.Browse is not None:
+        return f"browse {op.Browse.url}"
+    return None
+
+
+def result_lines(output: Output) -> list[str]:
+    """A call's result, indented: its first lines, how many more, and whether it failed."""
+    lines = output.text.rstrip("\n").splitlines() or [""]
+    shown = [f"  {line}" for line in lines[:RESULT_LINES]]
+    if len(lines) > RESULT_LINES:
+        shown.append(f"  … {len(lines) - RESULT_LINES} more lines")
+    if output.failed:
+        shown[0] = "  ✗" + shown[0][1:]
+    return shown
+
+
+@dataclass
+class Screen:
+    """What a turn looks like, built from the session's notices: text is written as it streams, calls and results as
+    lines. `turn` is the turn being shown (None: the next Done ends it)."""
+
+    out: TextIO
+    turn: int | None = None
+    streamed: set[int] = field(default_factory=set)  # Model actions whose text was shown as it streamed
+    asking: int | None = None  # the Model action being asked, while its answer is not in
+    calls: dict[int, Action] = field(default_factory=dict)
+    at_line_start: bool = True
+    outcome: str | None = None  # "complete" or "cancelled", once the turn's Done came
+
+    def show(self, notice: Notice) -> None:
+        if isinstance(notice, DeltaNotice):
+            self.asking = None
+            self.streamed.add(notice.action)
+            self._write(notice.text)
+        elif isinstance(notice, StalledNotice):
+            self._line(f"[the model cannot be reached: {notice.why}; the turn waits: `session/resume` tries again]")
+        elif isinstance(notice, ActionsNotice):
+            self._step(notice)
+        self.out.flush()
+
+    def _step(self, notice: ActionsNotice) -> None:
+        event = notice.event
+        answered = event.Model.id if event.Model is not None else None
+        if answered is not None and self.asking == answered:
+            self.asking = None
+        output = _result(event)
+        if output is not None and output.id in self.calls:
+            for line in result_lines(output):
+                self._line(line)
+        for action in notice.actions:
+            op = action.op
+            if op.Model is not None:
+                self.asking = action.id
+            elif op.Emit is not None:
+                if answered not in self.streamed:
+                    self._write(op.Emit)
+                self._end_line()
+            elif op.Done is not None and (self.turn is None or op.Done.turn == self.turn):
+                self.outcome = "complete" if op.Done.outcome.Complete else "cancelled"
+                self._line(f"[turn {op.Done.turn} {self.outcome}]")
+            elif (called := call_line(action)) is not None:
+                self.calls[action.id] = action
+                self._line(called)
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        if text:
+            self.at_line_start = text.endswith("\n")
+
+    def _end_line(self) -> None:
+        if not self.at_line_start:
+            self._write("\n")
+
+    def _line(self, text: str) -> None:
+        self._end_line()
+        self._write(text + "\n")
+
+
+async def _progress(screen: Screen, err: TextIO) -> None:
+    """While the model is asked and has written nothing yet: `⋯ the model is thinking (3.2 s)` on stderr, redrawn."""
+    since: float | None = None
+    drawn = False
+    while True:
+        if screen.asking is not None:
+            since = since or time.monotonic()
+            err.write(f"\r⋯ the model is thinking ({time.monotonic() - since:.1f} s)")
+            err.flush()
+            drawn = True
+        elif drawn:
+            err.write("\r\033[K")
+            err.flush()
+            since, drawn = None, False
+        await anyio.sleep(PROGRESS_EVERY_S)
+
+
+async def _follow(client: AsyncClient, session: str, since: int | None, screen: Screen) -> int:
+    """Show the session's notices until the turn's Done; the exit status."""
+    async for notice in client.watch(session, since=since):
+        screen.show(notice)
+        if screen.outcome is not None:
+            return EXIT_OK if screen.outcome == "complete" else EXIT_ENDED
+        if isinstance(notice, UnwatchedNotice):
+            screen._line(f"[the watch ended: {notice.reason}]")
+            return EXIT_ENDED
+    return EXIT_ENDED
+
+
+async def _seq(client: AsyncClient, session: str) -> int | None:
+    from devd.driver import _just_before
+
+    page = await client.list(1, _just_before(session))
+    return page.sessions[0].seq if page.sessions and page.sessions[0].session == session else None
+
+
+async def _run(client: AsyncClient, args: argparse.Namespace, screen: Screen) -> int:
+    session = args.session
+    seq = None if session is None else await _seq(client, session)
+    if seq is None:
+        workspace = os.path.abspath(args.workspace or os.getcwd())
+        session = await client.new(session=session, agent=args.agent, workspace=workspace)
+        seq = 0
+    turn = await client.prompt(session, args.prompt)
+    screen.turn = turn
+    status = EXIT_INTERRUPTED
+    async with anyio.create_task_group() as tg:
+        if sys.stderr.isatty():
+            tg.start_soon(_progress, screen, sys.stderr)
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            tg.start_soon(_cancel_on, signals, client, session, turn, screen, tg.cancel_scope)
+            status = await _follow(client, session, seq, screen)
+        tg.cancel_scope.cancel()
+    return status
+
+
+async def _cancel_on(
+    signals: AsyncIterator[int],
+    client: AsyncClient,
+    session: str,
+    turn: int,
+    screen: Screen,
+    scope: anyio.CancelScope,
+) -> None:
+    """Ctrl-C: cancel the turn (a Cancel step, keyed: a retry sends nothing new), then stop showing it."""
+    async for _ in signals:
+        with anyio.CancelScope(shield=True):
+            await client.step(session, Event(Cancel=Cancel(turn=turn)), key=f"devd run:{session}:cancel:{turn}")
+        screen._line(f"[turn {turn} cancelled]")
+        scope.cancel()
+        return
+
+
+async def _attach(client: AsyncClient, args: argparse.Namespace, screen: Screen) -> int:
+    if await _seq(client, args.session) is None:
+        raise HandleError(f"no session is named {args.session!r}; `devd ls` shows the sessions there are")
+    owed = await client.pending(args.session)
+    if not owed:
+        screen._line(f"[session {args.session} has no turn running; waiting for one, Ctrl-C to stop]")
+    else:
+        screen.asking = next((a.id for a in owed if a.op.Model is not None), None)
+    status = EXIT_INTERRUPTED
+    async with anyio.create_task_group() as tg:
+        if sys.stderr.isatty():
+            tg.start_soon(_progress, screen, sys.stderr)
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            tg.start_soon(_stop_on, signals, tg.cancel_scope)
+            status = await _follow(client, args.session, None, screen)
+        tg.cancel_scope.cancel()
+    return status
+
+
+async def _stop_on(signals: AsyncIterator[int], scope: anyio.CancelScope) -> None:
+    async for _ in signals:
+        scope.cancel()
+        return
+
+
+def main(args: argparse.Namespace, address: str, token: str | None) -> int:
+    """Run `devd run` or `devd attach`; the exit status (errors are raised, for the caller to show)."""
+    command: Callable[[AsyncClient, argparse.Namespace, Screen], Awaitable[int]] = (
+        _run if args.command == "run" else _attach
+    )
+
+    async def go() -> int:
+        async with AsyncClient.connect(address, token=token) as client:
+            return await command(client, args, Screen(sys.stdout))
+
+    return anyio.run(go)

@@ -1,0 +1,176 @@
+"""The agent runtime's port onto the sessions: a second client of them beside the wire, through the registry.
+
+The runner sees the sessions only through `Sessions`: step an event under a key (as a client does: same events, same
+journal, same keys, BUSY retried), read what a session waits for and its conversation, keep and read records, learn of
+every step and of a session's end, and send a session's watchers notices that are not steps. `RegistryPort` is that
+port over the daemon's `Registry` and `Store`; `ObservedFanout` is the registry's watcher fan-out with observers
+added, so the runner hears of steps other clients make (a `Cancel`) without a connection of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import anyio
+import msgspec
+
+from devd.errors import BusyError
+from devd.messages import Action, Event, Message, decode_actions, decode_messages, encode
+from devd.registry import Registry
+from devd.rpc import notification
+from devd.store import Record, Store
+from devd.watchers import Fanout, Stepped
+
+T = TypeVar("T")
+BUSY_FIRST_DELAY_S = 0.002
+BUSY_MAX_DELAY_S = 0.1
+BUSY_WAIT_MAX_S = 60.0  # a session held by other calls this long: the step gives up with the last BusyError
+
+
+class Observer(Protocol):
+    def stepped(self, stepped: Stepped) -> None:
+        """A step of some session was answered (called before its caller is answered; must not block)."""
+
+    def ended(self, session: str) -> None:
+        """The session was closed, expired or moved away."""
+
+
+@dataclass
+class ObservedFanout(Fanout):
+    """The watcher fan-out, also telling in-process observers of every step and every session's end."""
+
+    observers: list[Observer] = field(default_factory=list)
+
+    def publish(self, stepped: Stepped) -> None:
+        super().publish(stepped)
+        for observer in self.observers:
+            observer.stepped(stepped)
+
+    def end(self, session: str, reason: str, owner: tuple[str, str] | None = None) -> None:
+        super().end(session, reason, owner)
+        for observer in self.observers:
+            observer.ended(session)
+
+    def tell(self, session: str, data: bytes) -> None:
+        """A notice that is not a step, to the session's live watchers (one still catching up on history gets it
+        not: it would arrive before the steps it follows). A watcher with no room for it is dropped, as for a step."""
+        for sub in list(self._by_session.get(session, ())):
+            if sub.active and not sub.catching_up and not sub.sink.offer(data):
+                self.end_one(sub, "fell too far behind")
+
+
+class Sessions(Protocol):
+    """What the runner may do with sessions."""
+
+    async def step(self, session: str, event: Event, key: str | None) -> list[Action]: ...
+
+    async def step_bytes(self, session: str, event: bytes, key: str | None) -> list[Action]:
+        """`step` of an event already encoded: observers see these very bytes (`Stepped.event is event`)."""
+
+    async def keyed_turn(self, session: str, key: str) -> int | None:
+        """The turn id of the `Turn` step journalled under key; None if no step has that key."""
+
+    async def pending(self, session: str) -> list[Action]: ...
+
+    async def transcript(self, session: str) -> list[Message]: ...
+
+    def seq(self, session: str) -> int | None:
+        """The session's last step, None if there is no such session here."""
+
+    async def steps(self, session: str, since: int, limit: int) -> list[bytes]:
+        """The events of up to `limit` journalled steps after `since`."""
+
+    async def add_record(self, record: Record) -> None: ...
+
+    async def records(self, session: str, kinds: tuple[str, ...]) -> list[Record]: ...
+
+    async def recorded(self, kind: str) -> list[str]: ...
+
+    def observe(self, observer: Observer) -> None: ...
+
+    def tell(self, session: str, method: str, params: msgspec.Struct) -> None: ...
+
+
+class RegistryPort:
+    """`Sessions` over the daemon's registry and store."""
+
+    def __init__(self, registry: Registry, store: Store) -> None:
+        assert isinstance(registry.fanout, ObservedFanout), "the daemon builds its registry with an ObservedFanout"
+        self.registry = registry
+        self.store = store
+        self.fanout: ObservedFanout = registry.fanout
+
+    async def step(self, session: str, event: Event, key: str | None) -> list[Action]:
+        return await self.step_bytes(session, encode(event), key)
+
+    async def step_bytes(self, session: str, event: bytes, key: str | None) -> list[Action]:
+        """Step as a client does; BUSY (another client's call on the session) is waited out."""
+        answered = await _unbusy(lambda: self.registry.step(session, event, None, key))
+        return decode_actions(answered.actions)
+
+    async def keyed_turn(self, session: str, key: str) -> int | None:
+        kept = await self.store.keyed(session, key)
+        if kept is None:
+            return None
+        rows = await self.store.steps_since(session, kept.seq - 1, 1)
+        if not rows or rows[0].seq != kept.seq:
+            return None
+        turn = _turns.decode(rows[0].event).Turn
+        return None if turn is None else turn.id
+
+    async def pending(self, session: str) -> list[Action]:
+        return decode_actions(await _unbusy(lambda: self.registry.pending(session)))
+
+    async def transcript(self, session: str) -> list[Message]:
+        _, messages = await _unbusy(lambda: self.registry.transcript(session, 0))
+        return decode_messages(messages)
+
+    def seq(self, session: str) -> int | None:
+        infos, _ = self.registry.page(1, _just_before(session))
+        return infos[0].seq if infos and infos[0].name == session else None
+
+    async def steps(self, session: str, since: int, limit: int) -> list[bytes]:
+        return [row.event for row in await self.store.steps_since(session, since, limit)]
+
+    async def add_record(self, record: Record) -> None:
+        await self.store.add_record(record)
+
+    async def records(self, session: str, kinds: tuple[str, ...]) -> list[Record]:
+        return await self.store.records(session, kinds)
+
+    async def recorded(self, kind: str) -> list[str]:
+        return await self.store.recorded(kind)
+
+    def observe(self, observer: Observer) -> None:
+        self.fanout.observers.append(observer)
+
+    def tell(self, session: str, method: str, params: msgspec.Struct) -> None:
+        self.fanout.tell(session, notification(method, params))
+
+
+async def _unbusy(call: Callable[[], Awaitable[T]]) -> T:
+    """call(), waiting out BUSY (another client's call on the session) with backoff, for BUSY_WAIT_MAX_S at most."""
+    delay, waited = BUSY_FIRST_DELAY_S, 0.0
+    while True:
+        try:
+            return await call()
+        except BusyError:
+            if waited >= BUSY_WAIT_MAX_S:
+                raise
+        await anyio.sleep(delay)
+        waited += delay
+        delay = min(delay * 2, BUSY_MAX_DELAY_S)
+
+
+_turns = msgspec.json.Decoder(Event)
+
+
+def _just_before(name: str) -> str:
+    """A `session/list` cursor whose page starts at `name` (see `devd.driver._just_before`)."""
+    return name[:-1] + chr(ord(name[-1]) - 1) + "z" * (64 - len(name)) if name else ""
+
+
+def action_ids(actions: Sequence[Action]) -> set[int]:
+    return {a.id for a in actions}

@@ -1,0 +1,80 @@
+"""What the agent runtime keeps in a session's record log (`devd.store.Record`), and the notices it sends watchers.
+
+Kinds, each a msgspec Struct encoded as the record's body:
+- `agent` (`Binding`, action 0): the profile and workspace a session was made with; a fork carries it.
+- `turn` (`TurnStarted`, action 0): a turn the daemon started with `session/prompt`.
+- `claim` (`Claim`, the action's id): an Exec, Write or Git is about to start. Written durably before it starts, so a
+  restart that finds it without the action's result knows the effect may have happened, and never runs it again.
+- `inserted` (`Exchange`, the Model action's id): a reply whose tool calls the core could not take, and the failed
+  results the model was answered with, sent again in every later request at the same place of the conversation.
+
+Issue 18's approvals, usage and traces are meant to be kinds of their own in the same log.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+AGENT = "agent"
+TURN = "turn"
+CLAIM = "claim"
+INSERTED = "inserted"
+
+
+class Binding(msgspec.Struct, frozen=True):
+    """The session's agent profile (by name) and its workspace (a real, absolute path)."""
+
+    agent: str
+    workspace: str
+
+
+class TurnStarted(msgspec.Struct, frozen=True):
+    """A turn `session/prompt` started."""
+
+    turn: int
+
+
+class Claim(msgspec.Struct, frozen=True):
+    """An effect about to start: its kind (`exec`, `write` or `git`) and the turn it is part of."""
+
+    op: str
+    turn: int
+
+
+class Exchange(msgspec.Struct, frozen=True):
+    """Chat messages (OpenAI's wire form) inserted before message `before` of the conversation."""
+
+    before: int
+    messages: list[dict[str, Any]]
+
+
+class DeltaNotice(msgspec.Struct, frozen=True):
+    """`session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled.
+    The fragments of one action, in order, are its reply's text."""
+
+    session: str
+    action: int
+    text: str
+
+
+class StalledNotice(msgspec.Struct, frozen=True):
+    """`session/stalled`: the model could not be reached for the Model action `action` after its retries (`why`);
+    the ask stays pending until `session/resume`."""
+
+    session: str
+    action: int
+    why: str
+
+
+T = TypeVar("T")
+_encoder = msgspec.json.Encoder()
+
+
+def encode(body: msgspec.Struct) -> bytes:
+    return _encoder.encode(body)
+
+
+def decode(body: bytes, kind: type[T]) -> T:
+    return msgspec.json.decode(body, type=kind)

@@ -1,0 +1,431 @@
+"""The agent runtime: the daemon carries out the actions of the sessions made with an agent profile.
+
+What it promises:
+- A session made with `agent` and `workspace` keeps both (an `agent` record, which a fork carries); `prompt` starts a
+  turn above every turn id the session had and answers once its `Turn` step is durable; the runtime then carries out
+  every action the core waits for, in order, stepping each result as a client would (`agent:<turn>:<action>` keys),
+  until nothing is pending. One driver task per session does so, in the runtime's task group.
+- An Exec, Write or Git starts only after its claim is durable; a claim found without its result (a restart, a move)
+  is never run again: the call is stepped as failed, saying it may have partly run. Read and Model are carried out
+  again.
+- A call the profile denies (or would ask about: approvals do not exist yet) is never started; it is stepped as
+  failed, with why. A tool call the core cannot take is answered to the model as a failed call, kept in an `inserted`
+  record so that every later request carries it at the same place.
+- While the model streams, the session's watchers receive `session/delta`. When the model cannot be reached after
+  the retries, the ask stays pending, the session is stalled (`stalled`, and `session/stalled` to its watchers) until
+  `resume`.
+- A step of the session by another client (a `Cancel`, a result) that leaves the action in flight no longer pending
+  stops its work at once: the stream is closed, the command's process group killed; a claimed effect so stopped is
+  stepped as failed, saying it was cancelled. Nothing of a cancelled turn starts afterwards: what runs next is what the
+  core still waits for.
+- At start, every agent session that owes work is driven again (`run`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+
+from devd.agent import effects, http, model, records
+from devd.agent.model import Inserted, ModelUnavailable
+from devd.agent.port import Sessions, action_ids
+from devd.agent.profiles import Profile, api_key, check_workspace, decide
+from devd.agent.records import Binding, Claim, DeltaNotice, StalledNotice, TurnStarted
+from devd.errors import DevdError, InvalidParamsError
+from devd.messages import Action, Answer, Call, Event, Message, Output, Turn, encode
+from devd.store import Record
+from devd.watchers import Stepped
+
+log = structlog.get_logger("devd.agent")
+T = TypeVar("T")
+
+REASKS_MAX = 3  # asks again after a reply whose every call was rejected, before its text is taken as the answer
+EFFECTS = ("Exec", "Write", "Git")  # what is claimed before it starts: it changes something
+INTERRUPTED = (
+    "interrupted: the daemon stopped while this {what} ran, so it may have partly run; it was not run again "
+    "(check the workspace before you run it again)"
+)
+CANCELLED = "cancelled: the turn was cancelled while this {what} ran{how}"
+NO_APPROVALS = "{why}; approvals are not available yet (no one can be asked), so it was not run"
+_WHAT = {"Exec": "command", "Git": "git command", "Write": "write", "Read": "read", "Browse": "page fetch"}
+
+
+def _awaited(action: Action) -> bool:
+    op = action.op
+    return op.Emit is None and op.Save is None and op.Done is None
+
+
+def _call_of(action: Action) -> tuple[str, Call] | None:
+    """The action's call kind (`Exec`, `Read`, ...) and the call itself; None for a Model ask."""
+    op = action.op
+    for kind in ("Exec", "Read", "Write", "Git", "Browse"):
+        member = getattr(op, kind)
+        if member is not None:
+            return kind, Call(**{kind: member})
+    return None
+
+
+def _result(kind: str, action: int, text: str, failed: bool) -> Event:
+    output = Output(id=action, text=text, failed=failed)
+    if kind == "Exec":
+        return Event(Exec=output)
+    if kind == "Git":
+        return Event(Git=output)
+    if kind == "Browse":
+        return Event(Browse=output)
+    return Event(File=output)
+
+
+class Runtime:
+    """The agent profiles, the sessions driven, and the task group their drivers run in."""
+
+    def __init__(self, profiles: Mapping[str, Profile], sessions: Sessions, environ: Mapping[str, str]) -> None:
+        self.profiles = dict(profiles)
+        self.sessions = sessions
+        self.environ = environ  # where API keys are read from, when a request is made; never copied elsewhere
+        self.stalled: dict[str, str] = {}
+        self._bindings: dict[str, Binding | None] = {}
+        self._turns: dict[str, int] = {}  # the highest turn id known of each session
+        self._drivers: dict[str, Driver] = {}
+        self._locks: dict[str, anyio.Lock] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._sandboxes: dict[str, effects.Sandbox] = {}
+        self.http: http.Client | None = None
+        sessions.observe(self)
+
+    # -- what the methods call ----------------------------------------------------------------------------------
+
+    def check(self, agent: str, workspace: str | None) -> Binding:
+        """The binding of a new session, or InvalidParamsError naming what is wrong."""
+        profile = self.profiles.get(agent)
+        if profile is None:
+            known = ", ".join(sorted(self.profiles)) or "none: start the daemon with --agents FILE"
+            raise InvalidParamsError(f"there is no agent {agent!r}; the agents are {known}")
+        if workspace is None:
+            raise InvalidParamsError(f"a session of agent {agent!r} needs a workspace: an absolute directory path")
+        return Binding(agent, str(check_workspace(profile, workspace)))
+
+    async def bind(self, session: str, binding: Binding | None) -> None:
+        """Keep the new session's binding (durably, when it has one)."""
+        self._forget(session)
+        if binding is not None:
+            await self.sessions.add_record(Record(session, 0, records.AGENT, 0, records.encode(binding)))
+        self._bindings[session] = binding
+
+    async def binding(self, session: str) -> Binding | None:
+        if session not in self._bindings:
+            found = await self.sessions.records(session, (records.AGENT, records.TURN))
+            bound = [records.decode(r.body, Binding) for r in found if r.kind == records.AGENT]
+            turns = [records.decode(r.body, TurnStarted).turn for r in found if r.kind == records.TURN]
+            self._turns[session] = max([self._turns.get(session, 0), *turns])
+            self._bindings[session] = bound[-1] if bound else None
+        return self._bindings[session]
+
+    async def prompt(self, session: str, prompt: str, key: str | None) -> int:
+        """Start a turn of the session with prompt (once per key); its id, once its Turn step is durable."""
+        binding = await self._bound(session)
+        self._profile(session, binding)
+        async with self._locks.setdefault(session, anyio.Lock()):
+            step_key = None if key is None else f"prompt:{key}"
+            if step_key is not None and (kept := await self.sessions.keyed_turn(session, step_key)) is not None:
+                self.drive(session)
+                return kept
+            seq = self.sessions.seq(session) or 0
+            turn = max(seq, self._turns.get(session, 0)) + 1
+            await self.sessions.add_record(Record(session, seq, records.TURN, 0, records.encode(TurnStarted(turn))))
+            self._turns[session] = turn
+            await self.sessions.step(session, Event(Turn=Turn(id=turn, prompt=prompt)), step_key)
+        self.drive(session)
+        return turn
+
+    async def resume(self, session: str) -> None:
+        """Try a stalled session again (or drive one that owes work and is not driven)."""
+        await self._bound(session)
+        self.stalled.pop(session, None)
+        driver = self._drivers.get(session)
+        if driver is not None:
+            driver.resumed.set()
+        self.drive(session)
+
+    async def _bound(self, session: str) -> Binding:
+        if self.sessions.seq(session) is None:
+            raise InvalidParamsError(f"no session is named {session!r}; `session/list` shows the sessions there are")
+        binding = await self.binding(session)
+        if binding is None:
+            raise InvalidParamsError(
+                f"session {session!r} was not made with an agent, so the daemon does not drive it: step it with "
+                "`session/step`, or make a session with `session/new` and an `agent`"
+            )
+        return binding
+
+    def _profile(self, session: str, binding: Binding) -> Profile:
+        profile = self.profiles.get(binding.agent)
+        if profile is None:
+            known = ", ".join(sorted(self.profiles)) or "none"
+            raise InvalidParamsError(
+                f"session {session!r} is of agent {binding.agent!r}, which the agents file no longer has (the agents "
+                f"are {known}); put the profile back and restart the daemon"
+            )
+        return profile
+
+    # -- the drivers --------------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Drive the sessions until cancelled: first every agent session that owes work (after a restart)."""
+        async with http.new_client() as client, anyio.create_task_group() as tg:
+            self.http, self._tg = client, tg
+            task_status.started()
+            for name in await self.sessions.recorded(records.AGENT):
+                if self.sessions.seq(name) is not None:
+                    self.drive(name)
+            await anyio.sleep_forever()
+
+    def stop(self) -> None:
+        """Stop every driver where it stands (a claimed effect cut short is found interrupted at the next start)."""
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+
+    def drive(self, session: str) -> None:
+        """Make sure a driver carries out what the session waits for."""
+        driver = self._drivers.get(session)
+        if driver is not None:
+            driver.dirty = True
+            return
+        if self._tg is None:
+            return  # not running (a test's daemon without a runtime task): nothing is driven
+        driver = self._drivers[session] = Driver(self, session)
+        self._tg.start_soon(self._run_driver, driver)
+
+    async def _run_driver(self, driver: Driver) -> None:
+        try:
+            await driver.run()
+        except DevdError as e:
+            log.warning("agent.driver_stopped", session=driver.session, error=f"{e.kind}: {e}"[:500])
+        finally:
+            if self._drivers.get(driver.session) is driver:
+                del self._drivers[driver.session]
+
+    def stall(self, session: str, action: int, why: str) -> None:
+        self.stalled[session] = why
+        log.warning("agent.stalled", session=session, action=action, why=why[:500])
+        self.sessions.tell(session, "session/stalled", StalledNotice(session, action, why))
+
+    def sandbox(self, profile: Profile) -> effects.Sandbox:
+        """How the profile's commands run, found out once (bubblewrap is probed the first time it is needed)."""
+        if profile.name not in self._sandboxes:
+            self._sandboxes[profile.name] = effects.choose(profile)
+        return self._sandboxes[profile.name]
+
+    # -- observing the sessions ---------------------------------------------------------------------------------
+
+    def stepped(self, stepped: Stepped) -> None:
+        driver = self._drivers.get(stepped.session)
+        if driver is not None and stepped.event is not driver.sent:
+            driver.foreign_step()
+        if stepped.event.startswith(b'{"Turn"') and stepped.session in self._bindings:
+            turn = _turn_id(stepped.event)
+            self._turns[stepped.session] = max(self._turns.get(stepped.session, 0), turn)
+            if driver is None and self._bindings[stepped.session] is not None:
+                self.drive(stepped.session)  # a client started a turn of an agent session: the daemon drives it
+
+    def ended(self, session: str) -> None:
+        driver = self._drivers.pop(session, None)
+        if driver is not None:
+            driver.scope.cancel()
+        self._forget(session)
+
+    def _forget(self, session: str) -> None:
+        self._bindings.pop(session, None)
+        self._turns.pop(session, None)
+        self.stalled.pop(session, None)
+
+
+_events = msgspec.json.Decoder(Event)
+
+
+def _turn_id(event: bytes) -> int:
+    try:
+        turn = _events.decode(event).Turn
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return 0
+    return 0 if turn is None else turn.id
+
+
+@dataclass(eq=False)
+class Driver:
+    """Carries out one session's pending actions, one at a time, until it waits for nothing."""
+
+    runtime: Runtime
+    session: str
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    dirty: bool = False  # the session may wait for other things than the queue says: read pending again
+    sent: bytes | None = None  # the event of the step this driver has in flight (its own, not another client's)
+    resumed: anyio.Event = field(default_factory=anyio.Event)
+    _foreign: anyio.Event = field(default_factory=anyio.Event)
+    _claims: set[int] = field(default_factory=set)
+    _inserted: list[Inserted] = field(default_factory=list)
+
+    @property
+    def sessions(self) -> Sessions:
+        return self.runtime.sessions
+
+    def foreign_step(self) -> None:
+        self.dirty = True
+        self._foreign.set()
+
+    async def run(self) -> None:
+        with self.scope:
+            binding = await self.runtime.binding(self.session)
+            if binding is None:
+                return
+            profile = self.runtime._profile(self.session, binding)
+            await self._load()
+            queue: deque[Action] = deque()
+            while True:
+                if self.dirty or not queue:
+                    self.dirty = False
+                    queue = deque(await self.sessions.pending(self.session))
+                    if not queue and not self.dirty:
+                        return
+                    continue
+                action = queue.popleft()
+                answered = await self._carry(profile, binding, action)
+                queue.extend(a for a in answered if _awaited(a))
+
+    async def _load(self) -> None:
+        found = await self.sessions.records(self.session, (records.CLAIM, records.INSERTED))
+        self._claims = {r.action for r in found if r.kind == records.CLAIM}
+        self._inserted = [records.decode(r.body, Inserted) for r in found if r.kind == records.INSERTED]
+
+    def _key(self, action: int) -> str:
+        return f"agent:{self.runtime._turns.get(self.session, 0)}:{action}"
+
+    async def _step(self, event: Event, action: int) -> list[Action]:
+        data = encode(event)
+        self.sent = data
+        try:
+            return await self.sessions.step_bytes(self.session, data, self._key(action))
+        finally:
+            self.sent = None
+
+    async def _record(self, kind: str, action: int, body: bytes) -> None:
+        seq = self.sessions.seq(self.session) or 0
+        await self.sessions.add_record(Record(self.session, seq, kind, action, body))
+
+    async def _guarded(self, action: int, work: Callable[[], Awaitable[T]]) -> T | None:
+        """work()'s result; None when it was withdrawn: another client's step (a Cancel, a result of its own) left
+        the action no longer pending, and the work was stopped where it stood."""
+        done: list[T] = []
+        self._foreign = anyio.Event()
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while True:
+                    await self._foreign.wait()
+                    self._foreign = anyio.Event()
+                    if action not in action_ids(await self.sessions.pending(self.session)):
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            done.append(await work())
+            tg.cancel_scope.cancel()
+        return done[0] if done else None
+
+    async def _carry(self, profile: Profile, binding: Binding, action: Action) -> list[Action]:
+        if action.op.Model is not None:
+            return await self._ask(profile, action)
+        called = _call_of(action)
+        if called is None:
+            return []
+        kind, call = called
+        what = _WHAT[kind]
+        decision, why = decide(profile, call)
+        if decision == "ask":  # issue 18 answers these; until then no one can be asked, so it is not run
+            return await self._step(_result(kind, action.id, NO_APPROVALS.format(why=why), True), action.id)
+        if decision == "deny":
+            return await self._step(_result(kind, action.id, why, True), action.id)
+        if kind in EFFECTS:
+            if action.id in self._claims:
+                log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind)
+                return await self._step(_result(kind, action.id, INTERRUPTED.format(what=what), True), action.id)
+            claim = Claim(kind.lower(), self.runtime._turns.get(self.session, 0))
+            await self._record(records.CLAIM, action.id, records.encode(claim))
+            self._claims.add(action.id)
+        started = time.monotonic()
+        result = await self._guarded(action.id, lambda: self._tool(profile, binding, kind, call))
+        if result is None:
+            if kind not in EFFECTS:
+                return []
+            how = "; its process group was killed" if kind in ("Exec", "Git") else ""
+            text = CANCELLED.format(what=what, how=how)
+            return await self._step(_result(kind, action.id, text, True), action.id)
+        log.debug(
+            "agent.tool", session=self.session, action=action.id, kind=kind, ms=(time.monotonic() - started) * 1e3
+        )
+        return await self._step(_result(kind, action.id, result.text, result.failed), action.id)
+
+    async def _tool(self, profile: Profile, binding: Binding, kind: str, call: Call) -> effects.Result:
+        workspace = binding.workspace
+        if call.Read is not None:
+            return await effects.read_file(workspace, call.Read.path)
+        if call.Write is not None:
+            return await effects.write_file(workspace, call.Write.path, call.Write.text)
+        if call.Browse is not None:
+            assert self.runtime.http is not None
+            return await effects.browse(self.runtime.http, call.Browse.url, profile)
+        argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv]  # type: ignore[union-attr]
+        sandbox = await anyio.to_thread.run_sync(self.runtime.sandbox, profile)
+        return await effects.run_command(profile, sandbox, workspace, argv)
+
+    async def _ask(self, profile: Profile, action: Action) -> list[Action]:
+        assert action.op.Model is not None
+        ask = action.op.Model
+        messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
+        exec_available = (await anyio.to_thread.run_sync(self.runtime.sandbox, profile)).available
+        for attempt in range(REASKS_MAX + 1):
+
+            def on_text(text: str) -> None:
+                self.sessions.tell(self.session, "session/delta", DeltaNotice(self.session, action.id, text))
+
+            async def ask_model() -> model.Completion:
+                assert self.runtime.http is not None
+                return await model.complete(
+                    self.runtime.http,
+                    profile,
+                    messages,
+                    api_key=api_key(profile, self.runtime.environ),
+                    exec_available=exec_available,
+                    extra=list(self._inserted),
+                    on_text=on_text,
+                )
+
+            try:
+                completion = await self._guarded(action.id, ask_model)
+            except ModelUnavailable as e:
+                self.resumed = anyio.Event()
+                self.runtime.stall(self.session, action.id, e.why)
+                await self.resumed.wait()
+                self.dirty = True
+                return []
+            if completion is None:
+                return []
+            reply, rejected = model.to_reply(completion)
+            if rejected:
+                again = reply.calls is None and attempt < REASKS_MAX
+                text = reply.text if again else None
+                inserted = Inserted(before=len(messages), messages=model.rejected_messages(text, rejected))
+                await self._record(records.INSERTED, action.id, records.encode(inserted))
+                self._inserted.append(inserted)
+                if again:
+                    continue
+            return await self._step(Event(Model=Answer(id=action.id, reply=reply)), action.id)
+        raise AssertionError("unreachable")
