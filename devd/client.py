@@ -45,6 +45,7 @@ from devd.listeners import peer_uid
 from devd.messages import Action, Config, Event, Message, decode_actions, decode_messages, encode
 from devd.methods import (
     METHODS,
+    AgentResult,
     ApproveParams,
     BackupParams,
     BackupResult,
@@ -117,6 +118,7 @@ METHOD_NAMES: dict[str, str] = {
     "session/trace": "trace",
     "session/prompt": "prompt",  # the agent runtime's
     "session/resume": "resume",
+    "session/agent": "agent",
 }
 
 NOTICES_BUFFERED = 1 << 16  # notices of no watch() kept for `notifications`; past it, reading waits for a reader
@@ -466,6 +468,11 @@ class Client:
         """Try a stalled session's model again."""
         self.request("session/resume", SessionParams(session))
 
+    def agent(self, session: str) -> AgentResult:
+        """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""
+        result: AgentResult = self.request("session/agent", SessionParams(session))
+        return result
+
     def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
     ) -> list[Action]:
@@ -800,6 +807,11 @@ class AsyncClient:
     async def resume(self, session: str) -> None:
         """Try a stalled session's model again."""
         await self.request("session/resume", SessionParams(session))
+
+    async def agent(self, session: str) -> AgentResult:
+        """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""
+        result: AgentResult = await self.request("session/agent", SessionParams(session))
+        return result
 
     async def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None

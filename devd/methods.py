@@ -826,3 +826,18 @@ async def session_resume(call: Call, params: SessionParams) -> Empty:
     """Try a stalled session's model again (and drive a session of an agent that owes work)."""
     await _runtime(call.app).resume(params.session)
     return Empty()
+
+
+class AgentResult(msgspec.Struct, frozen=True):
+    """The agent profile and workspace a session was made with; both null for a session the daemon does not drive."""
+
+    agent: str | None
+    workspace: str | None
+
+
+@method("session/agent", SessionParams, AgentResult)
+async def session_agent(call: Call, params: SessionParams) -> AgentResult:
+    """Which agent drives the session, in which workspace (what an editor lists and attaches sessions by)."""
+    _known(call.app, params.session)
+    binding = await call.app.agents.binding(params.session) if call.app.agents is not None else None
+    return AgentResult(None, None) if binding is None else AgentResult(binding.agent, binding.workspace)

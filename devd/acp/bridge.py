@@ -570,33 +570,44 @@ async def _known(bridge: Bridge, name: str) -> dict[str, Any]:
     return entry
 
 
+async def _workspace(bridge: Bridge, name: str, cwd: str | None) -> str | None:
+    """The session's workspace as the daemon has it (the editor's cwd for a session the daemon does not drive);
+    -32602 for a session that does not exist."""
+    bound = await bridge.call("session/agent", {"session": name})
+    workspace = bound.get("workspace") if isinstance(bound, dict) else None
+    return workspace if isinstance(workspace, str) else cwd
+
+
 async def _load(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.LoadSessionParams, "session/load")
-    entry = await _known(bridge, p.session_id)
-    await bridge.load(p.session_id, entry.get("workspace") or _absolute(p.cwd, "session/load"))
+    await bridge.load(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/load")))
     return {"_meta": {"devd": _mcp_meta(p.mcp_servers, p.session_id)}}
 
 
 async def _resume(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.LoadSessionParams, "session/resume")
-    entry = await _known(bridge, p.session_id)
-    await bridge.attach(p.session_id, entry.get("workspace") or _absolute(p.cwd, "session/resume"))
+    await bridge.attach(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/resume")))
     return {"_meta": {"devd": _mcp_meta(p.mcp_servers, p.session_id)}}
 
 
 async def _list(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.ListSessionsParams, "session/list")
     cwd = _absolute(p.cwd, "session/list")
+    real = os.path.realpath(cwd) if cwd is not None else None  # the daemon keeps a workspace as its real path
     query: dict[str, Any] = {"limit": LIST_PAGE}
     if p.cursor:
         query["cursor"] = p.cursor
     page = await bridge.call("session/list", query)
     sessions = []
     for entry in page.get("sessions", []):
-        workspace = entry.get("workspace")
-        if not isinstance(workspace, str) or (cwd is not None and os.path.normpath(workspace) != cwd):
+        try:
+            bound = await bridge.call("session/agent", {"session": entry["session"]})
+        except errors.InvalidParamsError:
+            continue  # closed since the page was read
+        workspace = bound.get("workspace")
+        if not isinstance(workspace, str) or (real is not None and workspace != real):
             continue  # not a session the daemon drives in a workspace, or another workspace's
-        meta = {k: entry[k] for k in ("agent", "state", "seq", "stalled") if k in entry}
+        meta = {k: entry[k] for k in ("state", "seq", "stalled") if k in entry} | {"agent": bound.get("agent")}
         sessions.append(
             {
                 "sessionId": entry["session"],
@@ -639,7 +650,7 @@ async def _prompt(bridge: Bridge, raw: msgspec.Raw) -> Any:
     text = wire.prompt_text(p.prompt)
     if not text:
         raise errors.InvalidParamsError("session/prompt: the prompt has no text block")
-    attached = bridge.sessions.get(name) or await bridge.attach(name, None)
+    attached = bridge.sessions.get(name) or await bridge.attach(name, await _workspace(bridge, name, None))
     entry = await _known(bridge, name)
     if entry.get("stalled"):  # typing again is asking it to try again
         await bridge.call("session/resume", {"session": name})

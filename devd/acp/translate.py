@@ -30,6 +30,7 @@ from devd.acp.wire import (
     ContentItem,
     DiffItem,
     Location,
+    PermissionToolCall,
     TextBlock,
     ToolCall,
     ToolCallUpdate,
@@ -210,12 +211,12 @@ class SessionView:
         """The connection was lost: a model answer streamed again starts from its beginning."""
         self.again = {action: "" for action in self.said}
 
-    def permission_call(self, n: ApprovalNotice) -> ToolCallUpdate:
+    def permission_call(self, n: ApprovalNotice) -> PermissionToolCall:
         """The tool call of a permission request (as ACP's request has it: the fields, no `sessionUpdate`)."""
         call = self.calls.get(n.action) or call_of(n.action, n.op, self.workspace)
         if call is None:
-            return ToolCallUpdate(tool_call_id(n.action), title="an action", kind="other", status="pending")
-        return ToolCallUpdate(
+            return PermissionToolCall(tool_call_id(n.action), title="an action", kind="other", status="pending")
+        return PermissionToolCall(
             tool_call_id(call.action),
             status="pending",
             title=call.title,

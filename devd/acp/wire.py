@@ -235,8 +235,8 @@ class AgentMessageChunk(_Out, frozen=True, tag_field="sessionUpdate", tag="agent
 class ToolCall(_Out, frozen=True, tag_field="sessionUpdate", tag="tool_call"):
     tool_call_id: str
     title: str
-    kind: ToolKind = "other"
-    status: ToolStatus = "pending"
+    kind: ToolKind  # no defaults: always sent, though ACP has defaults for them
+    status: ToolStatus
     content: list[ToolContent] | None = None
     locations: list[Location] | None = None
     raw_input: dict[str, Any] | None = None
@@ -248,6 +248,17 @@ class ToolCallUpdate(_Out, frozen=True, tag_field="sessionUpdate", tag="tool_cal
     title: str | None = None
     kind: ToolKind | None = None
     content: list[ToolContent] | None = None
+    locations: list[Location] | None = None
+    raw_input: dict[str, Any] | None = None
+
+
+class PermissionToolCall(_Out, frozen=True):
+    """The tool call a permission request is about (ACP's ToolCallUpdate, outside a `session/update`)."""
+
+    tool_call_id: str
+    status: ToolStatus | None = None
+    title: str | None = None
+    kind: ToolKind | None = None
     locations: list[Location] | None = None
     raw_input: dict[str, Any] | None = None
 
