@@ -284,3 +284,10 @@ def test_each_permission_option_is_its_approval(option: str, decision: tuple[str
 def test_a_cancelled_permission_request_decides_nothing() -> None:
     body = msgspec.json.encode({"outcome": {"outcome": "cancelled"}})
     assert _decision(wire.Response(1, msgspec.Raw(body), None)) is None
+
+
+def test_text_the_model_wrote_beside_its_calls_is_a_chunk_when_it_did_not_stream() -> None:
+    view = SessionView("s", WS)
+    reply = answer(1, "Let me look.", calls=[Call(Read=Read(path="a"))])
+    updates = view.take(step(2, reply, (2, Op(Read=Read(path="a")))))
+    assert [type(u).__name__ for u in updates] == ["AgentMessageChunk", "ToolCall", "ToolCallUpdate"]

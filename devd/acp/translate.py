@@ -243,13 +243,16 @@ class SessionView:
         if output is not None:
             updates += self._finished(output)
         answered = event.Model.id if event.Model is not None else None
+        if event.Model is not None and event.Model.reply.text:
+            # The reply's text (the core emits it only when there are no calls: text beside calls is in the reply).
+            updates += self._emit(event.Model.reply.text, answered)
         for action in n.actions:
             updates += self._action(action.id, action.op, answered)
         return updates
 
     def _action(self, action: int, op: Op, answered: int | None) -> list[Update]:
-        if op.Emit is not None:
-            return self._emit(op.Emit, answered)
+        if op.Emit is not None:  # a model's answer was said from its reply, above
+            return [] if answered is not None else self._emit(op.Emit, None)
         if op.Done is not None:
             return self._done(op.Done.turn, op.Done.outcome.Cancelled is not None)
         call = call_of(action, op, self.workspace)
