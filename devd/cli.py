@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import fcntl
+import getpass
 import os
 import re
 import shlex
@@ -86,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
             send_timeout_s=args.send_timeout,
             max_call_timeout_s=args.max_call_timeout,
             metrics=args.metrics,
+            otel_endpoint=args.otel_endpoint,
             log_format=args.log_format,
             log_level=args.log_level,
         )
@@ -356,6 +358,65 @@ def _pending(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _decision(decision: Literal["allow", "deny"]) -> Callable[[Client, argparse.Namespace], int]:
+    """`devd approve` / `devd deny`: answer an action that waits for approval, naming it by the digest of the action
+    the session shows as pending (the same digest its `session/approval` carried)."""
+
+    def run(client: Client, args: argparse.Namespace) -> int:
+        from devd.agent.approvals import action_digest
+
+        client.initialize(token=_token(args), name=cli_client_name())
+        found = [a for a in client.pending(args.session) if a.id == args.action]
+        if not found or found[0].awaiting != "approval":
+            raise LocalError(
+                f"action {args.action} of {args.session} is not waiting for approval; `devd pending {args.session}` "
+                "shows what the session waits for"
+            )
+        digest = action_digest(args.action, msgspec.structs.replace(found[0], awaiting=None).op)
+        client.approve(args.session, args.action, digest, decision, remember=args.remember)
+        if args.json:
+            _emit(b"{}\n")
+        else:
+            _emit(
+                f"action {args.action} of {args.session}: {'allowed' if decision == 'allow' else 'denied'}\n".encode()
+            )
+        return EXIT_OK
+
+    return run
+
+
+def cli_client_name() -> str:
+    """Who the command decides as (`by` of `session/decided`): the user, through devd's command line."""
+    return f"{getpass.getuser()} (devd cli)"
+
+
+def _usage(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/usage", {"session": args.session})
+    _emit(raw + b"\n" if args.json else _pretty(raw))
+    return EXIT_OK
+
+
+def _trace(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/trace", _params(session=args.session, since=args.since))
+    if args.json:
+        _emit(raw + b"\n")
+        return EXIT_OK
+    for record in msgspec.json.decode(raw)["records"]:
+        _emit(trace_line(record).encode())
+    return EXIT_OK
+
+
+def trace_line(r: dict[str, Any]) -> str:
+    """One trace record for people: number, start, action, kind, outcome, duration, model and tokens, error."""
+    what = r["kind"] if r.get("model") is None else f"{r['kind']} {r['model']}"
+    if r.get("attempt"):
+        what += f" (attempt {r['attempt']})"
+    tokens = f" {r['input_tokens']}+{r['output_tokens']} tokens" if r.get("input_tokens") is not None else ""
+    error = f": {r['error']}" if r.get("error") else ""
+    took = f"{r['duration_ms']:.1f} ms"
+    return f"{r['n']:>4} {r['started']} action {r['action']} {what} {r['outcome']} {took}{tokens}{error}\n"
+
+
 class _Page(msgspec.Struct):
     """A `session/list` page, its entries kept as the daemon sent them."""
 
@@ -461,6 +522,10 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "recover": _recover,
     "close": _close,
     "watch": _watch,
+    "approve": _decision("allow"),
+    "deny": _decision("deny"),
+    "usage": _usage,
+    "trace": _trace,
 }
 
 
@@ -506,6 +571,9 @@ METHOD_COMMANDS: dict[str, str] = {
     "session/recover": "devd recover {session}",
     "session/close": "devd close {session}",
     "session/watch": "devd watch {session}",
+    "session/approve": "devd approve {session} ACTION",
+    "session/usage": "devd usage {session}",
+    "session/trace": "devd trace {session}",
     "daemon/status": "devd status",
 }
 _METHOD_NAMED = re.compile(r"`?\b((?:session|daemon)/[a-z]+)\b`?")
@@ -939,6 +1007,14 @@ def _socket_path(text: str) -> Path:
     return Path(path)
 
 
+def _otel_endpoint(text: str) -> str:
+    if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", text):
+        raise argparse.ArgumentTypeError(
+            f"--otel-endpoint takes a collector's OTLP/HTTP base URL (e.g. http://127.0.0.1:4318), not {text!r}"
+        )
+    return text
+
+
 def _metrics_address(text: str) -> tuple[str, int]:
     try:
         return parse_tcp(text)
@@ -1217,6 +1293,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "use a loopback address unless others should read the counters (default: off)",
     )
     serve.add_argument(
+        "--otel-endpoint",
+        metavar="URL",
+        type=_otel_endpoint,
+        help="also export the trace of the sessions the daemon drives as OpenTelemetry spans (GenAI conventions, no "
+        "message content) over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (default: off)",
+    )
+    serve.add_argument(
         "--agents",
         metavar="FILE",
         help="the agent profiles ([agent.NAME] tables, see the README's agent runtime section) of the sessions the "
@@ -1307,6 +1390,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     session(client("recover", "bring an ended or poisoned session back from its durable state"))
     session(client("close", "end a session and delete its state"))
+    for verb, does in (("approve", "allow"), ("deny", "deny")):
+        decide = session(client(verb, f"{does} an action of a session the daemon drives that waits for approval"))
+        decide.add_argument("action", type=int, help="the action's id (`devd pending SESSION` shows it)")
+        decide.add_argument(
+            "--remember",
+            action="store_true",
+            help=f"{does} later calls of the same argv prefix (Exec, Git) or path (Write) in this session too",
+        )
+    session(client("usage", "show what a session's model calls used: tokens, calls, and calls a ceiling refused"))
+    trace = session(client("trace", "show a session's trace: one line per model call attempt and per tool run"))
+    trace.add_argument("--since", type=int, help="only the records after this record number")
     backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
     backup.add_argument("path", help="the file to write (must not exist; its directory must); relative to here")
     client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")

@@ -112,13 +112,13 @@ METHOD_NAMES: dict[str, str] = {
     "session/list": "list",
     "session/watch": "watch",
     "session/unwatch": "unwatch",
+    "session/prompt": "prompt",  # the agent runtime's
+    "session/resume": "resume",
+    "session/agent": "agent",  # devd acp's: a session's agent and workspace
     "session/approve": "approve",
     "session/budget": "set_budget",
     "session/usage": "usage",
     "session/trace": "trace",
-    "session/prompt": "prompt",  # the agent runtime's
-    "session/resume": "resume",
-    "session/agent": "agent",
 }
 
 NOTICES_BUFFERED = 1 << 16  # notices of no watch() kept for `notifications`; past it, reading waits for a reader
@@ -161,16 +161,16 @@ class ActionsNotice(msgspec.Struct, frozen=True):
     actions: list[Action]
 
 
-Notice = ActionsNotice | UnwatchedNotice | ApprovalNotice | DecidedNotice | DeltaNotice | StalledNotice
+Notice = ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice
 
 # Each notification the daemon sends, and its type here.
 NOTICES: dict[str, type[Notice]] = {
     "session/actions": ActionsNotice,
     "session/unwatched": UnwatchedNotice,
-    "session/approval": ApprovalNotice,
-    "session/decided": DecidedNotice,
     "session/delta": DeltaNotice,  # the agent runtime's: the model's text as it streams, and a stall
     "session/stalled": StalledNotice,
+    "session/approval": ApprovalNotice,
+    "session/decided": DecidedNotice,
 }
 
 

@@ -50,6 +50,8 @@ class Settings:
     metrics_head_bytes_max: int = 8 << 10  # a scrape's request line and headers; past it, 431
     metrics_timeout_s: float = 5.0  # a scrape's whole connection, from accept to close
     metrics_connections_max: int = 16  # scrapes at once; past it, a new connection is closed at once
+    # trace export (`--otel-endpoint`): OTLP/HTTP to this collector, off unless given
+    otel_endpoint: str | None = None
     # logging
     log_format: str | None = None  # json | console; None picks by whether stderr is a terminal
     log_level: str = "info"

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio
+import anyio.to_thread
 import msgspec
 import structlog
 
@@ -73,6 +74,11 @@ def build(
     )
     app = App(settings, registry, store, connections=lambda: 0)
     app.agents = Runtime(agents or {}, RegistryPort(registry, store), os.environ)
+    app.oversight = app.agents.oversight
+    if settings.otel_endpoint is not None:
+        from devd.agent.otel import Exporter  # imported only when asked for: the SDK takes a while to load
+
+        app.oversight.spans = Exporter(settings.otel_endpoint)
     return registry, Dispatcher(methods, app)
 
 
@@ -103,6 +109,8 @@ class Daemon:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app.store.run)
+                if app.oversight is not None:
+                    await app.oversight.load()  # what was spent before this start counts against the ceilings
                 if app.agents is not None:
                     await tg.start(app.agents.run)
                 tg.start_soon(self._watchdog)
@@ -131,6 +139,8 @@ class Daemon:
                 await self._close_connections()
                 tg.cancel_scope.cancel()
             await app.store.flush()
+            if app.oversight is not None and app.oversight.spans is not None:
+                await anyio.to_thread.run_sync(app.oversight.spans.shutdown)  # the spans still queued are sent
 
     def _exposition(self) -> str:
         """The metrics, from daemon/status's answer exactly as a client decodes it."""

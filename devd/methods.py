@@ -96,8 +96,8 @@ class App:
     connections: Callable[[], int]
     started: float = field(default_factory=time.monotonic)
     errors: dict[str, int] = field(default_factory=dict)  # answers by error kind
-    oversight: Oversight | None = None  # approvals, spend and trace of the sessions the daemon drives
     agents: Runtime | None = None  # the agent runtime (devd.agent.runner): the sessions the daemon drives
+    oversight: Oversight | None = None  # approvals, spend and trace of the sessions the daemon drives
 
 
 @dataclass(frozen=True)
@@ -645,6 +645,79 @@ async def session_unwatch(call: Call, params: SessionParams) -> Empty:
     return Empty()
 
 
+# -- the agent runtime ----------------------------------------------------------------------------------------------
+
+
+def agent_binding(app: App, params: NewParams) -> tuple[Binding | None, Config]:
+    """A new session's agent and workspace, checked (INVALID_PARAMS naming what is wrong), and its config: the
+    profile's model, unless the config names one."""
+    config = params.config or Config()
+    agent = params.agent
+    if agent is None and params.workspace is None:
+        return None, config
+    runtime = _runtime(app)
+    if agent is None:  # a workspace alone: the daemon's only agent, when it has exactly one
+        if len(runtime.profiles) != 1:
+            known = ", ".join(sorted(runtime.profiles)) or "none: start the daemon with --agents FILE"
+            raise InvalidParamsError(f"a workspace is given without an agent; name one of the agents: {known}")
+        agent = next(iter(runtime.profiles))
+    binding = runtime.check(agent, params.workspace)
+    if config.model is None:
+        config = Config(model=runtime.profiles[agent].model, asks=config.asks)
+    return binding, config
+
+
+def _runtime(app: App) -> Runtime:
+    if app.agents is None:
+        raise InvalidParamsError("this daemon runs no agents; start it with --agents FILE")
+    return app.agents
+
+
+class PromptParams(_Params, frozen=True):
+    """A prompt for a session the daemon drives, with an optional idempotency key (a retry with the same key answers
+    the same turn, and starts nothing)."""
+
+    session: SessionName
+    prompt: str
+    key: Annotated[str, Meta(min_length=1, max_length=KEY_BYTES_MAX, description="1-256 bytes of UTF-8")] | None = None
+
+
+class PromptResult(msgspec.Struct, frozen=True):
+    """The turn the prompt started (or, for a key answered before, started then)."""
+
+    turn: int
+
+
+@method("session/prompt", PromptParams, PromptResult)
+async def session_prompt(call: Call, params: PromptParams) -> PromptResult:
+    """Start a turn of a session made with an agent; answered once its Turn step is durable, after which the daemon
+    carries out every action of the turn itself (watchers see each step as `session/actions`, the model's text as it
+    streams as `session/delta`)."""
+    return PromptResult(await _runtime(call.app).prompt(params.session, params.prompt, params.key))
+
+
+@method("session/resume", SessionParams, Empty)
+async def session_resume(call: Call, params: SessionParams) -> Empty:
+    """Try a stalled session's model again (and drive a session of an agent that owes work)."""
+    await _runtime(call.app).resume(params.session)
+    return Empty()
+
+
+class AgentResult(msgspec.Struct, frozen=True):
+    """The agent profile and workspace a session was made with; both null for a session the daemon does not drive."""
+
+    agent: str | None
+    workspace: str | None
+
+
+@method("session/agent", SessionParams, AgentResult)
+async def session_agent(call: Call, params: SessionParams) -> AgentResult:
+    """Which agent drives the session, in which workspace (what an editor lists and attaches sessions by)."""
+    _known(call.app, params.session)
+    binding = await call.app.agents.binding(params.session) if call.app.agents is not None else None
+    return AgentResult(None, None) if binding is None else AgentResult(binding.agent, binding.workspace)
+
+
 # -- approvals, spend and trace (devd.agent.oversight) -------------------------------------------------------------
 
 
@@ -768,76 +841,3 @@ async def session_trace(call: Call, params: TraceParams) -> TraceResult:
     output_tokens?, cached_tokens?, name?}`."""
     _known(call.app, params.session)
     return TraceResult(await _oversight(call.app).records(params.session, params.since))
-
-
-# -- the agent runtime ----------------------------------------------------------------------------------------------
-
-
-def agent_binding(app: App, params: NewParams) -> tuple[Binding | None, Config]:
-    """A new session's agent and workspace, checked (INVALID_PARAMS naming what is wrong), and its config: the
-    profile's model, unless the config names one."""
-    config = params.config or Config()
-    agent = params.agent
-    if agent is None and params.workspace is None:
-        return None, config
-    runtime = _runtime(app)
-    if agent is None:  # a workspace alone: the daemon's only agent, when it has exactly one
-        if len(runtime.profiles) != 1:
-            known = ", ".join(sorted(runtime.profiles)) or "none: start the daemon with --agents FILE"
-            raise InvalidParamsError(f"a workspace is given without an agent; name one of the agents: {known}")
-        agent = next(iter(runtime.profiles))
-    binding = runtime.check(agent, params.workspace)
-    if config.model is None:
-        config = Config(model=runtime.profiles[agent].model, asks=config.asks)
-    return binding, config
-
-
-def _runtime(app: App) -> Runtime:
-    if app.agents is None:
-        raise InvalidParamsError("this daemon runs no agents; start it with --agents FILE")
-    return app.agents
-
-
-class PromptParams(_Params, frozen=True):
-    """A prompt for a session the daemon drives, with an optional idempotency key (a retry with the same key answers
-    the same turn, and starts nothing)."""
-
-    session: SessionName
-    prompt: str
-    key: Annotated[str, Meta(min_length=1, max_length=KEY_BYTES_MAX, description="1-256 bytes of UTF-8")] | None = None
-
-
-class PromptResult(msgspec.Struct, frozen=True):
-    """The turn the prompt started (or, for a key answered before, started then)."""
-
-    turn: int
-
-
-@method("session/prompt", PromptParams, PromptResult)
-async def session_prompt(call: Call, params: PromptParams) -> PromptResult:
-    """Start a turn of a session made with an agent; answered once its Turn step is durable, after which the daemon
-    carries out every action of the turn itself (watchers see each step as `session/actions`, the model's text as it
-    streams as `session/delta`)."""
-    return PromptResult(await _runtime(call.app).prompt(params.session, params.prompt, params.key))
-
-
-@method("session/resume", SessionParams, Empty)
-async def session_resume(call: Call, params: SessionParams) -> Empty:
-    """Try a stalled session's model again (and drive a session of an agent that owes work)."""
-    await _runtime(call.app).resume(params.session)
-    return Empty()
-
-
-class AgentResult(msgspec.Struct, frozen=True):
-    """The agent profile and workspace a session was made with; both null for a session the daemon does not drive."""
-
-    agent: str | None
-    workspace: str | None
-
-
-@method("session/agent", SessionParams, AgentResult)
-async def session_agent(call: Call, params: SessionParams) -> AgentResult:
-    """Which agent drives the session, in which workspace (what an editor lists and attaches sessions by)."""
-    _known(call.app, params.session)
-    binding = await call.app.agents.binding(params.session) if call.app.agents is not None else None
-    return AgentResult(None, None) if binding is None else AgentResult(binding.agent, binding.workspace)

@@ -272,10 +272,10 @@ class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
 NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/actions": StepNotice,
     "session/unwatched": UnwatchedNotice,
-    "session/approval": ApprovalNotice,  # approvals (devd.agent.oversight), sent through the agent runtime's port
-    "session/decided": DecidedNotice,
     "session/delta": DeltaNotice,  # the agent runtime's (devd.agent.records), sent by devd.agent.port
     "session/stalled": StalledNotice,
+    "session/approval": ApprovalNotice,  # approvals (devd.agent.oversight), sent through the agent runtime's port
+    "session/decided": DecidedNotice,
 }
 
 

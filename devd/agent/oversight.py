@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
 import msgspec
@@ -33,6 +33,9 @@ from devd.agent.trace import TraceRecord
 from devd.errors import HandleError
 from devd.messages import Op
 from devd.store import Record
+
+if TYPE_CHECKING:
+    from devd.agent.model import Attempt, Completion
 
 APPROVAL_NOTICE = "session/approval"
 DECIDED_NOTICE = "session/decided"
@@ -96,6 +99,8 @@ class Spans(Protocol):
     """Where trace records are exported as they are kept (devd.agent.otel)."""
 
     def export(self, session: str, record: TraceRecord) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -356,3 +361,95 @@ def _refusal_fields(r: Refusal) -> tuple[str, int, int, int, int]:
 _charged = msgspec.json.Decoder(Charged)
 _refusal = msgspec.json.Decoder(RefusalBody)
 _budget = msgspec.json.Decoder(BudgetBody)
+
+
+_OUTCOMES: dict[str, trace.Outcome] = {"ok": "ok", "retry": "error", "failed": "error", "cancelled": "interrupted"}
+TRACE_ERROR_CHARS = 500  # of a failed run's text kept as its trace record's error
+
+
+@dataclass
+class ModelCall:
+    """One model call of a Model action, as the runner makes it: admitted before it is sent (`admit`), each of its
+    attempts heard (`attempt`, the driver's `on_attempt`), and accounted once it is over (`done`): one trace record
+    per attempt, its usage charged."""
+
+    oversight: Oversight
+    session: str
+    profile: Profile
+    turn: int
+    action: int
+    request: bytes  # the request's body, for the estimate
+    attempts: list[Attempt] = field(default_factory=list)
+    reservation: Reservation | None = None
+
+    async def admit(self) -> Refusal | None:
+        """None when the call may be sent (`profile` then carries the `max_tokens` to send), else the refusal."""
+        reservation, max_tokens, refusal = await self.oversight.admit(
+            self.session, self.profile, self.turn, self.action, self.request
+        )
+        self.reservation = reservation
+        if refusal is None and max_tokens != self.profile.max_tokens:
+            self.profile = msgspec.structs.replace(self.profile, max_tokens=max_tokens)
+        return refusal
+
+    def attempt(self, attempt: Attempt) -> None:
+        self.attempts.append(attempt)
+
+    async def done(self, completion: Completion | None) -> None:
+        """The call is over: answered (`completion`), or not (None: it failed, or was withdrawn by a Cancel)."""
+        used = None if completion is None else self._usage(completion)
+        try:
+            for number, attempt in enumerate(self.attempts, start=1):
+                await self.oversight.trace(self.session, self._record(number, attempt, used))
+        finally:
+            await self.oversight.settle(self.session, self.profile, self.turn, self.action, self.reservation, used)
+
+    def cancelled(self) -> None:
+        """The call was stopped with the daemon: its reservation goes, nothing is written (it is asked again)."""
+        if self.reservation is not None:
+            self.oversight.spend.settle(self.reservation, None)
+
+    def _usage(self, completion: Completion) -> Usage:
+        given = completion.usage
+        if given is not None:
+            return Usage(given.prompt_tokens, given.completion_tokens, given.cached_tokens or 0)
+        reply = (completion.text or "") + "".join(c.name + c.arguments for c in completion.tool_calls)
+        return Usage(spend.estimate_tokens(self.request), spend.estimate_tokens(reply), estimated=True)
+
+    def _record(self, number: int, attempt: Attempt, used: Usage | None) -> TraceRecord:
+        ok = attempt.outcome == "ok"
+        tokens = used if ok else None
+        return TraceRecord(
+            action=self.action,
+            kind="model",
+            started=trace.rfc3339(attempt.started_at),
+            duration_ms=round(attempt.duration_s * 1000, 3),
+            outcome=_OUTCOMES[attempt.outcome],
+            error=None if ok else attempt.error or attempt.outcome,
+            attempt=number,
+            model=self.profile.model,
+            input_tokens=None if tokens is None else tokens.input_tokens,
+            output_tokens=None if tokens is None else tokens.output_tokens,
+            cached_tokens=None if tokens is None or not tokens.cached_tokens else tokens.cached_tokens,
+        )
+
+
+def tool_record(
+    action: int,
+    kind: str,
+    name: str | None,
+    started: float,
+    duration_s: float,
+    outcome: trace.Outcome,
+    error: str | None,
+) -> TraceRecord:
+    """The trace record of one tool run (or of one that was denied, or found interrupted, and never ran)."""
+    return TraceRecord(
+        action=action,
+        kind=kind.lower(),  # type: ignore[arg-type]
+        started=trace.rfc3339(started),
+        duration_ms=round(duration_s * 1000, 3),
+        outcome=outcome,
+        error=None if error is None else error[:TRACE_ERROR_CHARS],
+        name=name,
+    )

@@ -23,6 +23,7 @@ What it promises:
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -36,9 +37,11 @@ import structlog
 
 from devd.agent import effects, http, model, records
 from devd.agent.model import Inserted, ModelUnavailable
+from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import Sessions, action_ids
-from devd.agent.profiles import Profile, api_key, check_workspace, decide
+from devd.agent.profiles import Profile, api_key, check_workspace
 from devd.agent.records import Binding, Claim, DeltaNotice, StalledNotice, TurnStarted
+from devd.agent.trace import Outcome
 from devd.errors import DevdError, InvalidParamsError
 from devd.messages import Action, Answer, Call, Event, Message, Output, Turn, encode
 from devd.store import Record
@@ -54,7 +57,6 @@ INTERRUPTED = (
     "(check the workspace before you run it again)"
 )
 CANCELLED = "cancelled: the turn was cancelled while this {what} ran{how}"
-NO_APPROVALS = "{why}; approvals are not available yet (no one can be asked), so it was not run"
 _WHAT = {"Exec": "command", "Git": "git command", "Write": "write", "Read": "read", "Browse": "page fetch"}
 
 
@@ -99,6 +101,7 @@ class Runtime:
         self._tg: anyio.abc.TaskGroup | None = None
         self._sandboxes: dict[str, effects.Sandbox] = {}
         self.http: http.Client | None = None
+        self.oversight = Oversight(sessions)  # approvals, spend and trace (devd.agent.oversight)
         sessions.observe(self)
 
     # -- what the methods call ----------------------------------------------------------------------------------
@@ -251,6 +254,19 @@ class Runtime:
 _events = msgspec.json.Decoder(Event)
 
 
+def _subject(call: Call) -> str | None:
+    """What a tool run is about, for its trace record: the command (argv[0], git's subcommand) or the path."""
+    if call.Exec is not None:
+        return call.Exec.argv[0] if call.Exec.argv else None
+    if call.Git is not None:
+        return f"git {call.Git.argv[0]}" if call.Git.argv else "git"
+    if call.Read is not None:
+        return call.Read.path
+    if call.Write is not None:
+        return call.Write.path
+    return None if call.Browse is None else call.Browse.url
+
+
 def _turn_id(event: bytes) -> int:
     try:
         turn = _events.decode(event).Turn
@@ -348,30 +364,72 @@ class Driver:
             return []
         kind, call = called
         what = _WHAT[kind]
-        decision, why = decide(profile, call)
-        if decision == "ask":  # issue 18 answers these; until then no one can be asked, so it is not run
-            return await self._step(_result(kind, action.id, NO_APPROVALS.format(why=why), True), action.id)
-        if decision == "deny":
-            return await self._step(_result(kind, action.id, why, True), action.id)
+        gate = await self._gate(profile, action, call)
+        if gate is None:  # withdrawn: the turn was cancelled while the call waited for a decision
+            return []
+        if not gate.allowed:
+            await self._traced(action, kind, call, time.time(), 0.0, "denied", gate.reason)
+            return await self._step(_result(kind, action.id, gate.reason, True), action.id)
         if kind in EFFECTS:
             if action.id in self._claims:
                 log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind)
-                return await self._step(_result(kind, action.id, INTERRUPTED.format(what=what), True), action.id)
+                text = INTERRUPTED.format(what=what)
+                await self._traced(action, kind, call, time.time(), 0.0, "interrupted", text)
+                return await self._step(_result(kind, action.id, text, True), action.id)
             claim = Claim(kind.lower(), self.runtime._turns.get(self.session, 0))
             await self._record(records.CLAIM, action.id, records.encode(claim))
             self._claims.add(action.id)
-        started = time.monotonic()
+        started, t0 = time.time(), time.monotonic()
         result = await self._guarded(action.id, lambda: self._tool(profile, binding, kind, call))
+        took = time.monotonic() - t0
         if result is None:
+            await self._traced(action, kind, call, started, took, "interrupted", "cancelled with its turn")
             if kind not in EFFECTS:
                 return []
             how = "; its process group was killed" if kind in ("Exec", "Git") else ""
             text = CANCELLED.format(what=what, how=how)
             return await self._step(_result(kind, action.id, text, True), action.id)
-        log.debug(
-            "agent.tool", session=self.session, action=action.id, kind=kind, ms=(time.monotonic() - started) * 1e3
-        )
+        log.debug("agent.tool", session=self.session, action=action.id, kind=kind, ms=took * 1e3)
+        outcome: Outcome = "error" if result.failed else "ok"
+        await self._traced(action, kind, call, started, took, outcome, result.text if result.failed else None)
         return await self._step(_result(kind, action.id, result.text, result.failed), action.id)
+
+    async def _gate(self, profile: Profile, action: Action, call: Call) -> Gate | None:
+        """Whether the call may start: the profile's decision, or for `ask` a client's (waited for); None when the
+        approval was withdrawn because a Cancel left the action no longer pending."""
+        oversight = self.runtime.oversight
+        gate = await self._guarded(action.id, lambda: oversight.gate(self.session, action.id, action.op, profile))
+        if gate is None:
+            await oversight.withdraw(self.session, [action.id])
+        return gate
+
+    async def _traced(
+        self, action: Action, kind: str, call: Call, started: float, took: float, outcome: Outcome, error: str | None
+    ) -> None:
+        record = tool_record(action.id, kind, _subject(call), started, took, outcome, error)
+        await self.runtime.oversight.trace(self.session, record)
+
+    async def _stalled(self, action: int, why: str) -> None:
+        """The ask stays pending; carry on when the session is resumed."""
+        self.resumed = anyio.Event()
+        self.runtime.stall(self.session, action, why)
+        await self.resumed.wait()
+        self.dirty = True
+
+    async def _admitted(
+        self, profile: Profile, action: Action, messages: list[Message], exec_available: bool
+    ) -> ModelCall | None:
+        """The model call, admitted by every spend ceiling; None when one refused it (never sent) and the session
+        was stalled and then resumed."""
+        oversight = self.runtime.oversight
+        body = model.request_body(profile, messages, list(self._inserted), exec_available=exec_available)
+        turn = self.runtime._turns.get(self.session, 0)
+        accounted = ModelCall(oversight, self.session, profile, turn, action.id, json.dumps(body).encode())
+        refusal = await accounted.admit()
+        if refusal is None:
+            return accounted
+        await self._stalled(action.id, refusal.message)
+        return None
 
     async def _tool(self, profile: Profile, binding: Binding, kind: str, call: Call) -> effects.Result:
         workspace = binding.workspace
@@ -396,26 +454,33 @@ class Driver:
             def on_text(text: str) -> None:
                 self.sessions.tell(self.session, "session/delta", DeltaNotice(self.session, action.id, text))
 
-            async def ask_model() -> model.Completion:
+            accounted = await self._admitted(profile, action, messages, exec_available)
+            if accounted is None:
+                return []  # refused by a spend ceiling: stalled until resumed
+
+            async def ask_model(accounted: ModelCall = accounted) -> model.Completion:
                 assert self.runtime.http is not None
                 return await model.complete(
                     self.runtime.http,
-                    profile,
+                    accounted.profile,
                     messages,
                     api_key=api_key(profile, self.runtime.environ),
                     exec_available=exec_available,
                     extra=list(self._inserted),
                     on_text=on_text,
+                    on_attempt=accounted.attempt,
                 )
 
             try:
                 completion = await self._guarded(action.id, ask_model)
             except ModelUnavailable as e:
-                self.resumed = anyio.Event()
-                self.runtime.stall(self.session, action.id, e.why)
-                await self.resumed.wait()
-                self.dirty = True
+                await accounted.done(None)
+                await self._stalled(action.id, e.why)
                 return []
+            except BaseException:
+                accounted.cancelled()
+                raise
+            await accounted.done(completion)
             if completion is None:
                 return []
             reply, rejected = model.to_reply(completion)

@@ -1,0 +1,381 @@
+"""Approvals any client can answer, spend ceilings refused before dispatch, and one trace record per call (issue 18):
+end to end against the real daemon, the stand-in model server, real files and real bubblewrap."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devd import errors
+from devd.client import Client, Reply
+from devd.messages import Cancel, Event
+from tests.daemon import Daemon
+from tests.standin_model import Scripted, Standin, standin_fixture
+
+__all__ = ["standin_fixture"]
+
+NOTICE_TIMEOUT_S = 30.0
+MARK = ["sh", "-c", "echo ran >> marker"]  # a command whose every run leaves a line
+
+
+def agents_toml(url: str, root: Path, **extra: str) -> str:
+    """One profile, `coder`, whose commands need a decision; extra keys are TOML values as written."""
+    lines = [
+        "[agent.coder]",
+        f'base_url = "{url}"',
+        'model = "standin-model"',
+        f'workspace_roots = ["{root}"]',
+        *(f"{key} = {value}" for key, value in {"exec": '"ask"', **extra}.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Agentd:
+    daemon: Daemon
+    workspace: Path
+    standin: Standin
+
+    def client(self, name: str) -> Client:
+        c = self.daemon.client()
+        c.initialize(name=name)
+        return c
+
+    def marks(self) -> int:
+        marker = self.workspace / "marker"
+        return len(marker.read_text().splitlines()) if marker.exists() else 0
+
+
+def start(tmp_path: Path, standin: Standin, **extra: str) -> Agentd:
+    workspace = tmp_path / "roots" / "ws"
+    workspace.mkdir(parents=True)
+    agents = tmp_path / "agents.toml"
+    agents.write_text(agents_toml(standin.url, tmp_path / "roots", **extra))
+    daemon = Daemon(tmp_path / "d", "--agents", str(agents))
+    return Agentd(daemon.start(), workspace, standin)
+
+
+@pytest.fixture
+def agentd(tmp_path: Path, standin: Standin) -> Iterator[Agentd]:
+    running = start(tmp_path, standin)
+    with running.daemon:
+        yield running
+
+
+def watch(c: Client, session: str) -> None:
+    c.call("session/watch", {"session": session})
+
+
+def next_notice(c: Client, method: str) -> Reply:
+    """The next notice of that method c receives (it watches the session); the others before it are passed over."""
+    while True:
+        notice = c.wait_notification(NOTICE_TIMEOUT_S)
+        if notice.method == method:
+            return notice
+
+
+def until_done(c: Client) -> list[Reply]:
+    """The notices up to the step whose actions end a turn."""
+    seen = []
+    while True:
+        notice = c.wait_notification(NOTICE_TIMEOUT_S)
+        seen.append(notice)
+        if notice.method == "session/actions" and any("Done" in a["op"] for a in notice.params["actions"]):
+            return seen
+
+
+def approval(c: Client, session: str, prompt: str) -> dict[str, Any]:
+    """Prompt the session (c watches it) and wait for the approval its command needs: the notice's params."""
+    c.prompt(session, prompt)
+    params: dict[str, Any] = next_notice(c, "session/approval").params
+    return params
+
+
+def answer(c: Client, params: dict[str, Any], decision: str, **extra: Any) -> None:
+    c.call("session/approve", {**_named(params), "decision": decision, **extra})
+
+
+def _named(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: params[k] for k in ("session", "action", "digest")}
+
+
+def tool_texts(standin: Standin, request: int) -> list[str]:
+    return [m["content"] for m in standin.requests[request].body["messages"] if m["role"] == "tool"]
+
+
+def mark_then_finish(standin: Standin) -> None:
+    standin.script(Scripted(tool_calls=[("exec", {"argv": MARK})]), Scripted(text="done"))
+
+
+# -- approvals ------------------------------------------------------------------------------------------------------
+
+
+def test_the_approval_every_watcher_gets_names_the_action_its_op_and_a_digest(agentd: Agentd) -> None:
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        params = approval(c, session, "mark it")
+    assert (params["session"], params["action"], params["op"], len(params["digest"])) == (
+        session,
+        2,
+        {"Exec": {"argv": MARK}},
+        64,
+    )
+
+
+def test_one_ui_approves_the_other_is_told_conflict_naming_who_and_the_command_runs_once(agentd: Agentd) -> None:
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as one, agentd.client("ui-2") as two:
+        session = one.new(agent="coder", workspace=agentd.workspace)
+        watch(one, session)
+        watch(two, session)
+        params = approval(one, session, "mark it")
+        next_notice(two, "session/approval")
+        answer(one, params, "allow")
+        with pytest.raises(errors.ConflictError, match="already decided: allow by ui-1"):
+            answer(two, params, "deny")
+        until_done(two)
+    assert agentd.marks() == 1
+
+
+def test_every_watcher_is_told_who_decided(agentd: Agentd) -> None:
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as one, agentd.client("ui-2") as two:
+        session = one.new(agent="coder", workspace=agentd.workspace)
+        watch(one, session)
+        watch(two, session)
+        params = approval(one, session, "mark it")
+        answer(one, params, "allow")
+        decided = next_notice(two, "session/decided").params
+    assert decided == {"session": session, "action": 2, "decision": "allow", "by": "ui-1"}
+
+
+def test_a_denied_command_never_runs_and_the_model_is_told_who_denied_it(agentd: Agentd) -> None:
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as one, agentd.client("ui-2") as two:
+        session = one.new(agent="coder", workspace=agentd.workspace)
+        watch(one, session)
+        params = approval(one, session, "mark it")
+        answer(two, params, "deny")
+        until_done(one)
+    assert (agentd.marks(), tool_texts(agentd.standin, 1)) == (
+        0,
+        ["error: denied by ui-2: the user did not approve this call"],
+    )
+
+
+def test_a_wrong_digest_is_invalid_params_and_decides_nothing(agentd: Agentd) -> None:
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        params = approval(c, session, "mark it")
+        with pytest.raises(errors.InvalidParamsError, match="does not name action 2"):
+            answer(c, {**params, "digest": "0" * 64}, "allow")
+        pending = c.call("session/pending", {"session": session})["actions"]
+    assert [(a["id"], a.get("awaiting")) for a in pending] == [(2, "approval")]
+
+
+def test_an_approval_pending_across_a_sigkill_is_announced_again_and_runs_once_when_answered(
+    tmp_path: Path, standin: Standin
+) -> None:
+    agentd = start(tmp_path, standin)
+    mark_then_finish(standin)
+    with agentd.daemon:
+        with agentd.client("ui-1") as c:
+            session = c.new(agent="coder", workspace=agentd.workspace)
+            watch(c, session)
+            params = approval(c, session, "mark it")
+        agentd.daemon.kill()
+        agentd.daemon.start()
+        with agentd.client("ui-2") as c:
+            watch(c, session)
+            again = next_notice(c, "session/approval").params
+            answer(c, again, "allow")
+            until_done(c)
+    assert (again, agentd.marks()) == (params, 1)
+
+
+def test_session_pending_shows_the_action_awaiting_approval_after_a_restart(tmp_path: Path, standin: Standin) -> None:
+    agentd = start(tmp_path, standin)
+    mark_then_finish(standin)
+    with agentd.daemon:
+        with agentd.client("ui-1") as c:
+            session = c.new(agent="coder", workspace=agentd.workspace)
+            watch(c, session)
+            approval(c, session, "mark it")
+        agentd.daemon.kill()
+        agentd.daemon.start()
+        with agentd.client("ui-2") as c:
+            pending = c.call("session/pending", {"session": session})["actions"]
+    assert pending == [{"id": 2, "op": {"Exec": {"argv": MARK}}, "awaiting": "approval"}]
+
+
+def test_cancel_withdraws_the_pending_approval(agentd: Agentd) -> None:
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as one, agentd.client("ui-2") as two:
+        session = one.new(agent="coder", workspace=agentd.workspace)
+        watch(one, session)
+        approval(one, session, "mark it")
+        two.step(session, Event(Cancel=Cancel(turn=1)))
+        decided = next_notice(one, "session/decided").params
+    assert (decided, agentd.marks()) == ({"session": session, "action": 2, "decision": "cancelled", "by": "ui-2"}, 0)
+
+
+def test_remember_lets_the_same_command_run_again_without_asking(agentd: Agentd) -> None:
+    agentd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": MARK})]),
+        Scripted(tool_calls=[("exec", {"argv": MARK})]),
+        Scripted(text="done"),
+    )
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        answer(c, approval(c, session, "mark twice"), "allow", remember=True)
+        seen = until_done(c)
+    assert (agentd.marks(), [n.method for n in seen].count("session/approval")) == (2, 0)
+
+
+def test_devd_approve_answers_from_the_command_line(agentd: Agentd) -> None:
+    from devd.cli import main
+
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        approval(c, session, "mark it")
+        status = main(["approve", "--connect", str(agentd.daemon.socket), session, "2"])
+        until_done(c)
+    assert (status, agentd.marks()) == (0, 1)
+
+
+# -- spend ----------------------------------------------------------------------------------------------------------
+
+
+def stalled(c: Client, session: str) -> str | None:
+    return next(s.stalled for s in c.list().sessions if s.session == session)
+
+
+def test_a_ceiling_reached_stops_the_next_call_before_it_is_sent(tmp_path: Path, standin: Standin) -> None:
+    agentd = start(tmp_path, standin, exec='"allow"')
+    standin.script(Scripted(tool_calls=[("exec", {"argv": ["true"]})], usage=(3000, 2000, None)), Scripted(text="ok"))
+    with agentd.daemon, agentd.client("ui-1") as c:
+        session = c.call(
+            "session/new", {"agent": "coder", "workspace": str(agentd.workspace), "budget": {"tokens": 5000}}
+        )["session"]
+        watch(c, session)
+        c.prompt(session, "go")
+        why = next_notice(c, "session/stalled").params["why"]
+        assert (standin.count, why.split(",")[0], stalled(c, session)) == (
+            1,
+            "spend ceiling reached: the session's budget is 5000 tokens",
+            why,
+        )
+
+
+def test_raising_the_budget_and_resuming_carries_on(tmp_path: Path, standin: Standin) -> None:
+    agentd = start(tmp_path, standin, exec='"allow"')
+    standin.script(Scripted(tool_calls=[("exec", {"argv": ["true"]})], usage=(3000, 2000, None)), Scripted(text="ok"))
+    with agentd.daemon, agentd.client("ui-1") as c:
+        session = c.call(
+            "session/new", {"agent": "coder", "workspace": str(agentd.workspace), "budget": {"tokens": 5000}}
+        )["session"]
+        watch(c, session)
+        c.prompt(session, "go")
+        next_notice(c, "session/stalled")
+        c.set_budget(session, 100_000)
+        c.resume(session)
+        until_done(c)
+        usage = c.call("session/usage", {"session": session})
+    assert (standin.count, usage["calls"], usage["refused"]) == (2, 2, 1)
+
+
+def test_usage_is_the_providers_counts(tmp_path: Path, standin: Standin) -> None:
+    agentd = start(tmp_path, standin, exec='"allow"')
+    standin.script(
+        Scripted(tool_calls=[("exec", {"argv": ["true"]})], usage=(120, 30, 100)),
+        Scripted(text="ok", usage=(200, 5, 150)),
+    )
+    with agentd.daemon, agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        c.prompt(session, "go")
+        until_done(c)
+        usage = c.call("session/usage", {"session": session})
+        fork = c.fork(session)
+        forked = c.call("session/usage", {"session": fork})
+    assert (usage, forked) == (
+        {"input_tokens": 320, "output_tokens": 35, "cached_tokens": 250, "calls": 2, "refused": 0},
+        {"input_tokens": 0, "output_tokens": 0, "cached_tokens": 0, "calls": 0, "refused": 0},
+    )
+
+
+def test_two_sessions_sharing_a_daily_ceiling_cannot_pass_it_together(tmp_path: Path, standin: Standin) -> None:
+    agentd = start(tmp_path, standin, max_tokens="3000", budget="{ tokens_per_day = 5000 }")
+    first_in_flight, release = threading.Event(), threading.Event()
+
+    def held(body: dict[str, Any]) -> Scripted:
+        first_in_flight.set()
+        release.wait(NOTICE_TIMEOUT_S)  # answered only once the other session's call was refused
+        return Scripted(text="one", usage=(100, 50, None))
+
+    standin.script(held, Scripted(text="two"))
+    with agentd.daemon, agentd.client("ui-1") as c:
+        a = c.new(agent="coder", workspace=agentd.workspace)
+        b = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, b)
+        c.prompt(a, "first")
+        assert first_in_flight.wait(NOTICE_TIMEOUT_S)
+        c.prompt(b, "second")
+        why = next_notice(c, "session/stalled").params["why"]
+        release.set()
+        assert (standin.count, why.split(" is ")[0]) == (
+            1,
+            "spend ceiling reached: tokens_per_day of agent 'coder' (UTC day "
+            + why.split("UTC day ")[1].split(")")[0]
+            + ")",
+        )
+
+
+# -- trace ----------------------------------------------------------------------------------------------------------
+
+
+def test_a_failed_then_retried_model_call_is_two_trace_records_that_survive_a_restart(
+    tmp_path: Path, standin: Standin
+) -> None:
+    agentd = start(tmp_path, standin)
+    standin.script(Scripted(status=503, message="overloaded"), Scripted(text="hello", usage=(10, 2, None)))
+    with agentd.daemon:
+        with agentd.client("ui-1") as c:
+            session = c.new(agent="coder", workspace=agentd.workspace)
+            watch(c, session)
+            c.prompt(session, "hi")
+            until_done(c)
+        agentd.daemon.kill()
+        agentd.daemon.start()
+        with agentd.client("ui-2") as c:
+            records = c.call("session/trace", {"session": session})["records"]
+    assert [(r["n"], r["action"], r["kind"], r["attempt"], r["outcome"], r.get("input_tokens")) for r in records] == [
+        (1, 1, "model", 1, "error", None),
+        (2, 1, "model", 2, "ok", 10),
+    ]
+
+
+def test_a_tool_run_and_a_denied_one_each_leave_a_trace_record(agentd: Agentd) -> None:
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        answer(c, approval(c, session, "mark it"), "deny")
+        until_done(c)
+        records = c.call("session/trace", {"session": session, "since": 1})["records"]
+    assert [(r["kind"], r["outcome"], r.get("error")) for r in records] == [
+        ("exec", "denied", "denied by ui-1: the user did not approve this call"),
+        ("model", "ok", None),
+    ]
