@@ -9,6 +9,8 @@ python -m devd.bench long      # one session's cost as it grows, turn after turn
                                # many tool calls (--big-turn N); in devd/bench_long.py
 python -m devd.bench fleet     # one and two daemons on one PostgreSQL vs the SQLite daemon, and a session's move
                                # between daemons; in devd/bench_fleet.py
+python -m devd.bench agent     # the agent runtime's own time per model call and per tool call, against the stand-in
+                               # model server's, and a turn of 50 tool calls end to end (from a checkout)
 """
 
 from __future__ import annotations
@@ -1965,6 +1967,161 @@ def bench_many(sessions: int, clients: int, max_live: int, wakes: int) -> dict[s
     }
 
 
+# -- the agent runtime: the daemon's own time per action, against the stand-in model's --------------------------------
+
+
+def _agent_notices(client: Any, turn: int) -> list[tuple[float, dict[str, Any]]]:
+    """(arrival time, params) of each `session/actions` a watching client reads, up to the turn's Done."""
+    seen = []
+    while True:
+        notice = client.wait_notification(60)
+        if notice.method != "session/actions":
+            continue
+        seen.append((time.perf_counter(), notice.params))
+        if any(a["op"].get("Done", {}).get("turn") == turn for a in notice.params["actions"]):
+            return seen
+
+
+def _stand_in_ms(url: str, rounds: int) -> list[float]:
+    """How long one streamed completion of the stand-in takes as the daemon's own model driver sees it, from this
+    process: the model's time, without the daemon."""
+    import anyio
+
+    from devd.agent import http, model
+    from devd.agent.profiles import Profile
+    from devd.messages import Message
+
+    profile = Profile(name="bench", base_url=url, model="standin", workspace_roots=("/",))
+    times: list[float] = []
+
+    async def ask() -> None:
+        async with http.new_client() as client:
+            for _ in range(rounds):
+                started = time.perf_counter()
+                await model.complete(client, profile, [Message(User="hi")], api_key=None, exec_available=True)
+                times.append((time.perf_counter() - started) * 1000)
+
+    anyio.run(ask)
+    return times
+
+
+def _ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(len(ordered) * q))], 3) if ordered else 0.0
+
+
+def _agent_reply(body: dict[str, Any]) -> Any:
+    """The stand-in's script as a function of the request: a prompt `read N` (or `run N`) is answered with a Read
+    of a.txt (an Exec of `true`) until N results have come, then with text; any other prompt with text."""
+    from tests.standin_model import Scripted
+
+    messages = body["messages"]
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    verb, _, count = str(messages[last_user]["content"]).partition(" ")
+    done = sum(m["role"] == "tool" for m in messages[last_user:])
+    if verb == "read" and done < int(count):
+        return Scripted(tool_calls=[("read", {"path": "a.txt"})])
+    if verb == "run" and done < int(count):
+        return Scripted(tool_calls=[("exec", {"argv": ["true"]})])
+    return Scripted(text="ok")
+
+
+def _standin_main(url_file: str) -> None:
+    """`bench _standin FILE`: the stand-in model server in a process of its own (so that its threads do not share a
+    GIL with the client that measures), answering `_agent_reply`; its url is written to FILE."""
+    from tests.standin_model import Standin
+
+    with Standin() as standin:
+        standin.script(*[_agent_reply] * 1_000_000)
+        Path(url_file).write_text(standin.url)
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+
+
+def _start_standin(root: Path) -> tuple[subprocess.Popen[bytes], str]:
+    url_file = root / "standin.url"
+    proc = subprocess.Popen([sys.executable, "-m", "devd.bench", "_standin", str(url_file)])
+    for _ in range(1500):
+        if url_file.exists() and (url := url_file.read_text()):
+            return proc, url
+        if proc.poll() is not None:
+            raise SystemExit("bench agent needs the stand-in model server of a checkout (tests/standin_model.py)")
+        time.sleep(0.02)
+    raise TimeoutError("the stand-in model server did not start within 30 s")
+
+
+def bench_agent(calls: int, model_turns: int, execs: int) -> dict[str, Any]:
+    """The agent runtime against the stand-in model server (tests/standin_model.py, so: from a checkout), each in a
+    process of its own: a daemon with one profile, and a watcher here reading every step as it is made.
+
+    - the stand-in's own time per streamed completion, measured from here with the daemon's model driver;
+    - per model call, the daemon's own time: from the step that dispatched the ask to the step of its answer (as the
+      watcher sees them), less the stand-in's median time;
+    - per Read call (a worker thread, no subprocess, no claim): from the step that dispatched it to its result's
+      step; per Exec of `true` (a durable claim, a process under bubblewrap), the same;
+    - a turn of `calls` tool calls (a Read each, a model call before each and one after), end to end, against the
+      stand-in's time for its model calls."""
+    from devd.client import Client
+
+    root = Path(tempfile.mkdtemp(prefix="devd-bench-agent-"))
+    workspace = root / "roots" / "ws"
+    workspace.mkdir(parents=True)
+    (workspace / "a.txt").write_text("hello\n")
+    standin, url = _start_standin(root)
+    try:
+        (root / "agents.toml").write_text(
+            f'[agent.bench]\nbase_url = "{url}"\nmodel = "standin"\nworkspace_roots = ["{root / "roots"}"]\n'
+        )
+        direct = _stand_in_ms(url, 20)
+        sock, state = root / "devd.sock", root / "state"
+        argv = [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)]
+        proc = subprocess.Popen([*argv, "--agents", str(root / "agents.toml"), "--log-level", "warning"])
+        try:
+            _wait_socket(sock, proc)
+            with Client.connect(sock, timeout=60) as c:
+                session = c.new(agent="bench", workspace=str(workspace))
+                c.call("session/watch", {"session": session})
+                model_ms: list[float] = []
+                overhead: list[float] = []
+                for _ in range(model_turns):  # alternated with the stand-in asked from here, so drift hits both
+                    alone = _stand_in_ms(url, 3)[1:]  # the first of a new event loop and client is a cold one
+                    direct += alone
+                    seen = _agent_notices(c, c.prompt(session, "hi"))
+                    model_ms.append((seen[1][0] - seen[0][0]) * 1000)
+                    overhead.append(model_ms[-1] - statistics.median(alone))
+                steps = [t for t, _ in _agent_notices(c, c.prompt(session, f"run {execs}"))]
+                exec_ms = [(steps[i + 1] - steps[i]) * 1000 for i in range(1, 2 * execs, 2)]
+                started = time.perf_counter()
+                steps = [t for t, _ in _agent_notices(c, c.prompt(session, f"read {calls}"))]
+                turn_ms = (time.perf_counter() - started) * 1000
+                read_ms = [(steps[i + 1] - steps[i]) * 1000 for i in range(1, 2 * calls, 2)]
+                model_ms += [(steps[i + 1] - steps[i]) * 1000 for i in range(0, 2 * calls + 1, 2)]
+                commit_ms = c.status().commit_ms_p50
+                c.close_session(session)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    finally:
+        standin.send_signal(signal.SIGTERM)
+        standin.wait(30)
+        shutil.rmtree(root, ignore_errors=True)
+    stand_in = _ms(direct, 0.5)
+    overhead += [m - stand_in for m in model_ms[model_turns:]]
+    return {
+        "stand_in_ms_p50": stand_in,
+        "commit_ms_p50": commit_ms,  # the daemon's fsync'd commit, which every step waits for
+        "model_call_ms_p50": _ms(model_ms, 0.5),
+        "model_call_overhead_ms_p50": _ms(overhead, 0.5),
+        "model_call_overhead_ms_p90": _ms(overhead, 0.9),
+        "model_call_overhead_per_stand_in_ms": round(_ms(overhead, 0.5) / stand_in, 3) if stand_in else None,
+        "read_call_ms_p50": _ms(read_ms, 0.5),
+        "read_call_ms_p90": _ms(read_ms, 0.9),
+        "exec_true_ms_p50": _ms(exec_ms, 0.5),
+        f"turn_of_{calls}_reads_ms": round(turn_ms, 1),
+        f"turn_of_{calls}_reads_per_stand_in_time": round(turn_ms / ((calls + 1) * stand_in), 2) if stand_in else None,
+        "model_calls_measured": len(model_ms),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m devd.bench")
     sub = p.add_subparsers(dest="what", required=True)
@@ -2004,10 +2161,22 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--json", help="write the samples, restarts, counts and verdicts here")
     soak.add_argument("--keep", action="store_true", help="keep the state, logs and code copy (kept on anomalies)")
     soak.add_argument("--git-rev", help="run the daemon from this commit's devd/ rather than the working tree")
+    sub.add_parser("_standin").add_argument("url_file")
+    agent = sub.add_parser("agent", help="the agent runtime's own time per action, against the stand-in model's")
+    agent.add_argument("--calls", type=int, default=50, help="tool calls of the measured turn")
+    agent.add_argument("--model-turns", type=int, default=30, help="turns of one model call each")
+    agent.add_argument("--execs", type=int, default=10, help="Exec calls of `true` (under the sandbox)")
     from devd import bench_fleet, bench_long  # here, not at the top: they import this module's helpers
 
     bench_long.add_arguments(sub.add_parser("long", help="one session's cost as it grows; exit 1 on error answers"))
     bench_fleet.add_arguments(sub.add_parser("fleet", help="daemons on one PostgreSQL; exit 1 when a setup failed"))
+    approvals_parser = sub.add_parser(
+        "approvals", help="what approvals, spend ceilings and the trace add to a turn the daemon drives"
+    )
+    from devd.bench_approvals import add_arguments as approvals_arguments
+
+    approvals_arguments(approvals_parser)
+
     args = p.parse_args(argv)
     if args.what == "soak":
         return _soak_command(args)
@@ -2015,8 +2184,14 @@ def main(argv: list[str] | None = None) -> int:
         return bench_long.command(args)
     if args.what == "fleet":
         return bench_fleet.command(args)
+    if args.what == "approvals":
+        from devd import bench_approvals as approvals  # the agent runtime's, loaded only when asked for
+
+        return approvals.run(args)
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
+    elif args.what == "agent":
+        result = bench_agent(args.calls, args.model_turns, args.execs)
     elif args.what == "many":
         result = bench_many(args.sessions, args.clients, args.max_live, args.wakes)
     elif args.what == "daemon":
@@ -2027,6 +2202,9 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_daemon(
             args.clients, args.seconds, args.rounds, args.single_client_seconds, args.generators, servers
         )
+    elif args.what == "_standin":
+        _standin_main(args.url_file)
+        return 0
     elif args.what == "_echo":
         _echo_server(args.socket)
         return 0

@@ -37,7 +37,7 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
-from devd.agent.oversight import ApprovalNotice, DecidedNotice
+from devd.agent.approvals import ApprovalNotice, DecidedNotice
 from devd.agent.records import DeltaNotice, StalledNotice
 from devd.agent.trace import TraceRecord
 from devd.config import default_socket_path, parse_tcp
@@ -68,6 +68,7 @@ from devd.methods import (
     StatusResult,
     StepParams,
     StepResult,
+    TokenBudget,
     TraceParams,
     TraceResult,
     TranscriptParams,
@@ -449,11 +450,13 @@ class Client:
         *,
         agent: str | None = None,
         workspace: str | Path | None = None,
+        budget: int | None = None,
     ) -> str:
         """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
-        `workspace`, a session the daemon drives itself (`prompt`)."""
+        `workspace`, a session the daemon drives itself (`prompt`), with its own spend ceiling of `budget` tokens."""
         where = None if workspace is None else str(workspace)
-        result: SessionResult = self.request("session/new", NewParams(config, session, agent, where))
+        tokens = None if budget is None else TokenBudget(budget)
+        result: SessionResult = self.request("session/new", NewParams(config, session, agent, where, tokens))
         return result.session
 
     # -- the agent runtime: sessions the daemon drives
@@ -789,11 +792,13 @@ class AsyncClient:
         *,
         agent: str | None = None,
         workspace: str | Path | None = None,
+        budget: int | None = None,
     ) -> str:
         """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
-        `workspace`, a session the daemon drives itself (`prompt`)."""
+        `workspace`, a session the daemon drives itself (`prompt`), with its own spend ceiling of `budget` tokens."""
         where = None if workspace is None else str(workspace)
-        result: SessionResult = await self.request("session/new", NewParams(config, session, agent, where))
+        tokens = None if budget is None else TokenBudget(budget)
+        result: SessionResult = await self.request("session/new", NewParams(config, session, agent, where, tokens))
         return result.session
 
     # -- the agent runtime: sessions the daemon drives

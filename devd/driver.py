@@ -312,7 +312,7 @@ def _takes_action(handler: Callable[..., object]) -> bool:
     except (TypeError, ValueError):
         return True
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    return len(positional) >= 2  # `print`-like (*args) handlers get the op alone, as before
 
 
 def _handle(handler: Callable[..., T], op: object, action: Action) -> T:

@@ -13,7 +13,9 @@ Points: `commit.before` (a batch is about to be written), `commit.snapshot` (a b
 points a step at a snapshot's file, is about to be written), `snapshot.file` (a large snapshot's file is written and
 fsync'd, not yet renamed into place), `commit.after` (a batch is durable and nobody has been told), `prune` (history
 is about to be pruned), `read` (a read of the store is about to run), `hibernate` (an idle session's instance is
-about to be dropped to make room), `backup` (a backup is about to copy the database).
+about to be dropped to make room), `backup` (a backup is about to copy the database), `agent.claimed` (the agent
+runtime's claim of an Exec, Write or Git is durable and the effect has not started), `agent.done` (the effect is done
+and its result not yet stepped).
 """
 
 from __future__ import annotations

@@ -418,7 +418,10 @@ async def session_new(call: Call, params: NewParams) -> SessionResult:
         await call.app.agents.bind(name, binding)
     if params.budget is not None:
         await _oversight(call.app).set_budget(name, params.budget.tokens)
-    log.info("session.created", session=name, agent=params.agent)
+    if binding is None:
+        log.info("session.created", session=name)
+    else:
+        log.info("session.created", session=name, agent=binding.agent, workspace=binding.workspace)
     return SessionResult(name)
 
 

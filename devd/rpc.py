@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from devd.agent.oversight import ApprovalNotice, DecidedNotice
+from devd.agent.approvals import ApprovalNotice, DecidedNotice
 from devd.agent.records import DeltaNotice, StalledNotice
 from devd.errors import DevdError, InvalidRequestError, MovedError, ParseError, TooLargeError
 from devd.watchers import Notice, Stepped

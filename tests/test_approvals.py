@@ -3,23 +3,34 @@ end to end against the real daemon, the stand-in model server, real files and re
 
 from __future__ import annotations
 
+import os
+import pty
+import select
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from devd import errors
+from devd.agent.approvals import ApprovalNotice
+from devd.agent.cli import approval_lines, decision_of
 from devd.client import Client, Reply
-from devd.messages import Cancel, Event
-from tests.daemon import Daemon
+from devd.messages import Cancel, Event, Op, Write
+from tests.daemon import ROOT, Daemon
 from tests.standin_model import Scripted, Standin, standin_fixture
 
 __all__ = ["standin_fixture"]
 
 NOTICE_TIMEOUT_S = 30.0
+T = TypeVar("T")
 MARK = ["sh", "-c", "echo ran >> marker"]  # a command whose every run leaves a line
 
 
@@ -102,6 +113,17 @@ def answer(c: Client, params: dict[str, Any], decision: str, **extra: Any) -> No
 
 def _named(params: dict[str, Any]) -> dict[str, Any]:
     return {k: params[k] for k in ("session", "action", "digest")}
+
+
+def unbusy(call: Callable[[], T]) -> T:
+    """call(), sent again while it is answered BUSY (the daemon's own driver is inside a call on the session, as
+    after a restart): what the protocol tells a client to do."""
+    for _ in range(200):
+        try:
+            return call()
+        except errors.BusyError:
+            time.sleep(0.01)
+    return call()
 
 
 def tool_texts(standin: Standin, request: int) -> list[str]:
@@ -213,8 +235,28 @@ def test_session_pending_shows_the_action_awaiting_approval_after_a_restart(tmp_
         agentd.daemon.kill()
         agentd.daemon.start()
         with agentd.client("ui-2") as c:
-            pending = c.call("session/pending", {"session": session})["actions"]
+            pending = unbusy(lambda: c.call("session/pending", {"session": session}))["actions"]
     assert pending == [{"id": 2, "op": {"Exec": {"argv": MARK}}, "awaiting": "approval"}]
+
+
+def test_an_approval_pending_while_its_session_hibernates_runs_once_when_answered(
+    tmp_path: Path, standin: Standin
+) -> None:
+    workspace = tmp_path / "roots" / "ws"
+    workspace.mkdir(parents=True)
+    (tmp_path / "agents.toml").write_text(agents_toml(standin.url, tmp_path / "roots"))
+    daemon = Daemon(tmp_path / "d", "--agents", str(tmp_path / "agents.toml"), "--max-live", "1")
+    agentd = Agentd(daemon.start(), workspace, standin)
+    mark_then_finish(standin)
+    with agentd.daemon, agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        params = approval(c, session, "mark it")
+        c.new()  # a second live session: the first, idle while it waits, hibernates
+        hibernated = next(s.state for s in c.list().sessions if s.session == session)
+        answer(c, params, "allow")
+        until_done(c)
+    assert (hibernated, agentd.marks()) == ("stored", 1)
 
 
 def test_cancel_withdraws_the_pending_approval(agentd: Agentd) -> None:
@@ -283,9 +325,7 @@ def test_raising_the_budget_and_resuming_carries_on(tmp_path: Path, standin: Sta
     agentd = start(tmp_path, standin, exec='"allow"')
     standin.script(Scripted(tool_calls=[("exec", {"argv": ["true"]})], usage=(3000, 2000, None)), Scripted(text="ok"))
     with agentd.daemon, agentd.client("ui-1") as c:
-        session = c.call(
-            "session/new", {"agent": "coder", "workspace": str(agentd.workspace), "budget": {"tokens": 5000}}
-        )["session"]
+        session = c.new(agent="coder", workspace=agentd.workspace, budget=5000)
         watch(c, session)
         c.prompt(session, "go")
         next_notice(c, "session/stalled")
@@ -379,3 +419,102 @@ def test_a_tool_run_and_a_denied_one_each_leave_a_trace_record(agentd: Agentd) -
         ("exec", "denied", "denied by ui-1: the user did not approve this call"),
         ("model", "ok", None),
     ]
+
+
+# -- for people -----------------------------------------------------------------------------------------------------
+
+
+def test_devd_run_at_a_terminal_asks_y_n_a_and_a_y_runs_the_command_once(agentd: Agentd) -> None:
+    mark_then_finish(agentd.standin)
+    argv = [sys.executable, "-m", "devd", "run", "--connect", str(agentd.daemon.socket), "--agent", "coder"]
+    argv += ["--workspace", str(agentd.workspace), "mark it"]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        argv, stdin=follower, stdout=follower, stderr=follower, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    os.close(follower)
+    try:
+        shown = read_until(leader, b"[y/N/a] ")
+        os.write(leader, b"y\n")
+        shown += read_until(leader, b"[turn 1 complete]")
+        assert (proc.wait(60), agentd.marks()) == (0, 1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    assert b"$ sh -c echo ran >> marker\r\nallow action 2? [y/N/a] " in shown
+
+
+def read_until(fd: int, wanted: bytes) -> bytes:
+    """What the terminal shows, up to and including `wanted` (the process's own output is the event awaited)."""
+    seen = b""
+    deadline = time.monotonic() + NOTICE_TIMEOUT_S
+    while wanted not in seen:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            pytest.fail(f"{wanted!r} was not shown; the terminal showed {seen!r}")
+        seen += os.read(fd, 4096)
+    return seen
+
+
+def test_y_allows_a_allows_and_remembers_anything_else_denies() -> None:
+    answers = [decision_of(a) for a in ("y\n", "a\n", "\n", "no\n")]
+    assert answers == [("allow", False), ("allow", True), ("deny", False), ("deny", False)]
+
+
+def test_a_write_waiting_for_approval_is_shown_as_a_diff_of_the_file(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("one\ntwo\n")
+    notice = ApprovalNotice("s", 2, Op(Write=Write(path="a.txt", text="one\n2\n")), "0" * 64)
+    assert approval_lines(notice, str(tmp_path)) == [
+        "write a.txt (6 bytes)",
+        "  --- a/a.txt",
+        "  +++ b/a.txt",
+        "  @@ -1,2 +1,2 @@",
+        "   one",
+        "  -two",
+        "  +2",
+    ]
+
+
+def test_with_otel_endpoint_a_turn_arrives_as_genai_spans_at_a_collector(tmp_path: Path, standin: Standin) -> None:
+    received: list[ExportTraceServiceRequest] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append(request)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    collector = HTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=collector.serve_forever, daemon=True)
+    thread.start()
+    try:
+        workspace = tmp_path / "roots" / "ws"
+        workspace.mkdir(parents=True)
+        (tmp_path / "agents.toml").write_text(agents_toml(standin.url, tmp_path / "roots", exec='"allow"'))
+        endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
+        daemon = Daemon(tmp_path / "d", "--agents", str(tmp_path / "agents.toml"), "--otel-endpoint", endpoint)
+        mark_then_finish(standin)
+        with daemon.start(), daemon.client() as c:
+            session = c.new(agent="coder", workspace=workspace)
+            watch(c, session)
+            c.prompt(session, "mark it")
+            until_done(c)
+            assert daemon.stop() == 0  # a clean stop sends the spans still queued
+    finally:
+        collector.shutdown()
+        thread.join()
+        collector.server_close()
+    spans = [s for r in received for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    conversation = {a.value.string_value for s in spans for a in s.attributes if a.key == "gen_ai.conversation.id"}
+    assert ([s.name for s in spans], conversation) == (
+        ["chat standin-model", "execute_tool exec", "chat standin-model"],
+        {session},
+    )

@@ -15,8 +15,9 @@ import pytest
 
 from devd import errors
 from devd.client import ActionsNotice, AsyncClient, Client
-from devd.driver import Handlers, Retry, ToolOutput, TurnError, result_key, run_turn, run_turn_blocking
+from devd.driver import Handlers, Retry, ToolOutput, TurnError, result_key, resume_turn, run_turn, run_turn_blocking
 from devd.messages import (
+    Action,
     Ask,
     Browse,
     Call,
@@ -124,6 +125,58 @@ async def test_run_turn_reports_each_result_in_a_step_of_its_own(daemon: Daemon,
     async with AsyncClient.connect(daemon.socket) as c:
         await run_turn(c, await c.new(session="s"), FIX, Script(SEED).handlers())
     assert journal(client, "s") == (SEED_JOURNAL, 5)
+
+
+class Crash(Exception):
+    """What a handler raises to stand for the client dying half-way through a turn."""
+
+
+def crash() -> None:
+    raise Crash
+
+
+async def crashed_after_exec(c: AsyncClient) -> str:
+    """Session "s" whose seed turn's client died while reading, after its Exec result was stepped."""
+    with pytest.raises(Crash):
+        await run_turn(c, await c.new(session="s"), FIX, Script(SEED, on_read=crash).handlers())
+    return "s"
+
+
+async def test_run_turn_started_again_with_the_same_turn_carries_out_only_what_has_no_result(daemon: Daemon) -> None:
+    script = Script(SEED)
+    async with AsyncClient.connect(daemon.socket) as c:
+        done = await run_turn(c, await crashed_after_exec(c), FIX, script.handlers(), turn=1)
+    assert (done, script.calls) == (COMPLETE, SEED_CALLS[2:])
+
+
+async def test_resume_turn_carries_out_what_the_session_waits_for_and_nothing_twice(daemon: Daemon) -> None:
+    script = Script(SEED)
+    async with AsyncClient.connect(daemon.socket) as c:
+        done = await resume_turn(c, await crashed_after_exec(c), script.handlers())
+    assert (done, script.calls) == (COMPLETE, SEED_CALLS[2:])
+
+
+async def test_resume_turn_of_a_session_with_no_turn_running_is_none(daemon: Daemon) -> None:
+    async with AsyncClient.connect(daemon.socket) as c:
+        await run_turn(c, await c.new(session="s"), FIX, Script(SEED).handlers())
+        assert await resume_turn(c, "s", Script(SEED).handlers()) is None
+
+
+async def test_each_handler_that_takes_two_arguments_gets_the_action_too(daemon: Daemon) -> None:
+    seen: list[int] = []
+
+    def model(ask: Ask, action: Action) -> Reply:
+        seen.append(action.id)
+        return SEED[sum(m.Agent is not None for m in ask.messages)]
+
+    def read(op: Read, action: Action) -> str:
+        seen.append(action.id)
+        return "cc -c main.c"
+
+    handlers = Handlers(model=model, exec=lambda op, action: str(seen.append(action.id)), read=read)
+    async with AsyncClient.connect(daemon.socket) as c:
+        await run_turn(c, await c.new(session="s"), FIX, handlers)
+    assert seen == [1, 2, 3, 4]
 
 
 async def test_a_result_sent_again_under_its_derived_key_is_replayed_not_stepped(daemon: Daemon) -> None:

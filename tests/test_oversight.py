@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -129,6 +130,24 @@ async def test_a_decision_made_before_a_restart_is_not_asked_again(tmp_path: Pat
             await oversight.answer("s", 2, (await first_notice(keeper)).digest, "allow", "ui-1")
     async with opened(tmp_path / "db") as keeper:
         assert (await Oversight(keeper).gate("s", 2, MAKE, profile())).reason == "allowed by ui-1"
+
+
+async def test_an_answer_that_comes_while_the_driver_comes_to_ask_again_is_the_decision(tmp_path: Path) -> None:
+    async with opened(tmp_path / "db", ("s",)) as keeper:
+        with anyio.move_on_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(Oversight(keeper).gate, "s", 2, MAKE, profile())
+                notice = await first_notice(keeper)
+                tg.cancel_scope.cancel()  # the daemon stops while it waits
+    async with opened(tmp_path / "db") as keeper:
+        oversight = Oversight(keeper)  # after the restart: the approval is pending, its driver not yet waiting
+        await oversight.awaiting("s")
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(oversight.answer, "s", 2, notice.digest, "allow", "ui-1")
+                await anyio.lowlevel.checkpoint()  # the answer holds the session's lock while it is made durable
+                gate = await oversight.gate("s", 2, MAKE, profile())
+    assert gate.reason == "allowed by ui-1"
 
 
 async def test_withdraw_decides_a_pending_approval_cancelled(tmp_path: Path) -> None:

@@ -16,14 +16,10 @@ import jsonschema
 import msgspec
 import pytest
 
-from devd import errors, messages, rpc
+from devd import errors, messages
 from devd.client import Client, Reply
 from devd.messages import Call, Exec, Output, Read, answer, turn
 from devd.methods import METHODS
-
-# Approvals, spend and trace need a daemon that drives sessions (--agents): tests/test_approvals.py covers them.
-OVERSIGHT_METHODS = {"session/approve", "session/budget", "session/usage", "session/trace"}
-OVERSIGHT_NOTICES = {"session/approval", "session/decided"}
 from devd.schema import (
     ERROR_EXAMPLE,
     EXCHANGES,
@@ -37,6 +33,12 @@ from devd.schema import (
 )
 from tests.daemon import ROOT, daemon_env, devd, stop, wait_connectable
 from tests.test_docs import DOC, transcripts
+
+# The methods and notices of sessions the daemon drives need a daemon with --agents: tests/test_agent_runtime.py and
+# tests/test_approvals.py cover them.
+OVERSIGHT_METHODS = {"session/prompt", "session/resume", "session/approve", "session/budget", "session/usage"}
+OVERSIGHT_METHODS |= {"session/trace"}
+OVERSIGHT_NOTICES = {"session/delta", "session/stalled", "session/approval", "session/decided"}
 
 SCHEMA = schema()
 
@@ -70,7 +72,14 @@ def test_the_schema_is_a_valid_2020_12_schema_and_devd_schema_prints_it() -> Non
 
 def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
     assert list(SCHEMA["methods"]) == list(METHODS)
-    assert list(SCHEMA["notifications"]) == list(rpc.NOTIFICATIONS)
+    assert list(SCHEMA["notifications"]) == [
+        "session/actions",
+        "session/unwatched",
+        "session/delta",
+        "session/stalled",
+        "session/approval",
+        "session/decided",
+    ]
     refs: list[str] = []
 
     def walk(node: Any) -> None:
@@ -176,7 +185,12 @@ def test_the_method_map_is_also_a_type_in_defs_for_generators_that_read_only_def
         assert entry["properties"] == {k: SCHEMA["methods"][name][k] for k in ("params", "result")}
         assert entry["required"] == ["params", "result"]
     assert defs["Notifications"]["properties"] == {
-        m: {"$ref": f"#/$defs/{cls.__name__}"} for m, cls in rpc.NOTIFICATIONS.items()
+        "session/actions": {"$ref": "#/$defs/StepNotice"},
+        "session/unwatched": {"$ref": "#/$defs/UnwatchedNotice"},
+        "session/delta": {"$ref": "#/$defs/DeltaNotice"},
+        "session/stalled": {"$ref": "#/$defs/StalledNotice"},
+        "session/approval": {"$ref": "#/$defs/ApprovalNotice"},
+        "session/decided": {"$ref": "#/$defs/DecidedNotice"},
     }
 
 
@@ -243,7 +257,14 @@ def test_devd_schema_openrpc_prints_an_openrpc_document_over_the_same_definition
     assert {k: e["code"] for k, e in document["components"]["errors"].items()} == {
         k: e["code"] for k, e in SCHEMA["errors"].items()
     }
-    assert [n["name"] for n in document["x-notifications"]] == list(rpc.NOTIFICATIONS)
+    assert [n["name"] for n in document["x-notifications"]] == [
+        "session/actions",
+        "session/unwatched",
+        "session/delta",
+        "session/stalled",
+        "session/approval",
+        "session/decided",
+    ]
     refs = re.findall(r'"\$ref": ?"([^"]*)"', json.dumps(document))
     assert refs and all(r.startswith("#/components/schemas/") and r.split("/")[-1] in schemas for r in refs)
 

@@ -45,6 +45,26 @@ class Decided(msgspec.Struct, frozen=True, omit_defaults=True):
     remember: bool = False
 
 
+class ApprovalNotice(msgspec.Struct, frozen=True):
+    """`session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision;
+    answer it with `session/approve` and this `digest`."""
+
+    session: str
+    action: int
+    op: Op
+    digest: str
+
+
+class DecidedNotice(msgspec.Struct, frozen=True):
+    """`session/decided`: action `action` was decided: `allow` or `deny` by the client `by` (its name from
+    `initialize`, or "unknown"), or `cancelled` (its turn was cancelled)."""
+
+    session: str
+    action: int
+    decision: Literal["allow", "deny", "cancelled"]
+    by: str
+
+
 def action_digest(action: int, op: Op) -> str:
     """The hex SHA-256 of the action's id and op as canonical JSON (members sorted): it names this exact action."""
     canonical = msgspec.json.encode({"action": action, "op": msgspec.to_builtins(op)}, order="sorted")

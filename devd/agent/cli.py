@@ -13,26 +13,31 @@ Rendering is a pure function of the notices (`Screen`), so that what people see 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TextIO
+from pathlib import Path
+from typing import Literal, TextIO
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
+from devd.agent.approvals import ApprovalNotice, DecidedNotice
 from devd.agent.records import DeltaNotice, StalledNotice
 from devd.client import ActionsNotice, AsyncClient, Notice, UnwatchedNotice
-from devd.errors import HandleError
+from devd.errors import ConflictError, HandleError
 from devd.messages import Action, Cancel, Event, Output
 
 EXIT_OK = 0
 EXIT_ENDED = 1
 EXIT_INTERRUPTED = 130
 RESULT_LINES = 8  # of a call's output shown; the rest is counted
+DIFF_LINES = 40  # of a write's diff shown when it waits for approval
 PROGRESS_EVERY_S = 0.25
 
 
@@ -58,7 +63,7 @@ def call_line(action: Action) -> str | None:
 
 def result_lines(output: Output) -> list[str]:
     """A call's result, indented: its first lines, how many more, and whether it failed."""
-    lines = output.text.rstrip("\n").splitlines() or [""]
+    lines = output.text.rstrip("\n").splitlines() or ["(no output)"]
     shown = [f"  {line}" for line in lines[:RESULT_LINES]]
     if len(lines) > RESULT_LINES:
         shown.append(f"  … {len(lines) - RESULT_LINES} more lines")
@@ -74,19 +79,28 @@ class Screen:
 
     out: TextIO
     turn: int | None = None
-    streamed: set[int] = field(default_factory=set)  # Model actions whose text was shown as it streamed
     asking: int | None = None  # the Model action being asked, while its answer is not in
     calls: dict[int, Action] = field(default_factory=dict)
     at_line_start: bool = True
     outcome: str | None = None  # "complete" or "cancelled", once the turn's Done came
+    interrupted: bool = False  # Ctrl-C: the turn was cancelled from here
+    texts: dict[int, str] = field(default_factory=dict)  # what was streamed of each Model action
+    workspace: str | None = None  # where a write's diff is taken against, when known
 
     def show(self, notice: Notice) -> None:
         if isinstance(notice, DeltaNotice):
             self.asking = None
-            self.streamed.add(notice.action)
+            self.texts[notice.action] = self.texts.get(notice.action, "") + notice.text
             self._write(notice.text)
         elif isinstance(notice, StalledNotice):
             self._line(f"[the model cannot be reached: {notice.why}; the turn waits: `session/resume` tries again]")
+        elif isinstance(notice, ApprovalNotice):
+            self._line(f"[approval needed for action {notice.action}]")
+            for line in approval_lines(notice, self.workspace):
+                self._line(line)
+        elif isinstance(notice, DecidedNotice):
+            said = {"allow": "allowed", "deny": "denied", "cancelled": "withdrawn: its turn was cancelled"}
+            self._line(f"[action {notice.action} {said[notice.decision]} by {notice.by}]")
         elif isinstance(notice, ActionsNotice):
             self._step(notice)
         self.out.flush()
@@ -105,7 +119,9 @@ class Screen:
             if op.Model is not None:
                 self.asking = action.id
             elif op.Emit is not None:
-                if answered not in self.streamed:
+                streamed = self.texts.get(answered, "") if answered is not None else ""
+                if streamed != op.Emit:  # not streamed here, or only its end (attached while it was written)
+                    self._end_line()
                     self._write(op.Emit)
                 self._end_line()
             elif op.Done is not None and (self.turn is None or op.Done.turn == self.turn):
@@ -147,15 +163,78 @@ async def _progress(screen: Screen, err: TextIO) -> None:
 
 
 async def _follow(client: AsyncClient, session: str, since: int | None, screen: Screen) -> int:
-    """Show the session's notices until the turn's Done; the exit status."""
+    """Show the session's notices until the turn's Done, asking `[y/N/a]` for each approval when a terminal is
+    attached; the exit status."""
+    async with anyio.create_task_group() as tg:
+        status = await _notices(client, session, since, screen, tg)
+        tg.cancel_scope.cancel()
+    return status
+
+
+async def _notices(
+    client: AsyncClient, session: str, since: int | None, screen: Screen, tg: anyio.abc.TaskGroup
+) -> int:
+    asking: dict[int, anyio.CancelScope] = {}
     async for notice in client.watch(session, since=since):
         screen.show(notice)
+        if isinstance(notice, ApprovalNotice) and notice.action not in asking:
+            if sys.stdin.isatty():
+                asking[notice.action] = scope = anyio.CancelScope()
+                tg.start_soon(_ask, client, notice, screen, scope)
+            else:
+                screen._line(f"[answer it with `devd approve {session} {notice.action}` or `devd deny ...`]")
+        elif isinstance(notice, DecidedNotice) and notice.action in asking:
+            asking.pop(notice.action).cancel()  # decided elsewhere: the question is withdrawn
         if screen.outcome is not None:
             return EXIT_OK if screen.outcome == "complete" else EXIT_ENDED
         if isinstance(notice, UnwatchedNotice):
             screen._line(f"[the watch ended: {notice.reason}]")
             return EXIT_ENDED
     return EXIT_ENDED
+
+
+def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:
+    """What an approval would do: the command, or a diff of the write (against the file, when it can be read)."""
+    op = notice.op
+    if op.Write is None:
+        line = call_line(Action(id=notice.action, op=op))
+        return [line] if line is not None else []
+    before = ""
+    if workspace is not None:
+        try:
+            before = (Path(workspace) / op.Write.path).read_text(errors="replace")
+        except OSError:
+            before = ""
+    diff = difflib.unified_diff(
+        before.splitlines(), op.Write.text.splitlines(), f"a/{op.Write.path}", f"b/{op.Write.path}", lineterm=""
+    )
+    lines = [f"  {line}" for line in diff]
+    if len(lines) > DIFF_LINES:
+        lines = [*lines[:DIFF_LINES], f"  … {len(lines) - DIFF_LINES} more lines"]
+    return [f"write {op.Write.path} ({len(op.Write.text.encode())} bytes)", *lines]
+
+
+def decision_of(answer: str) -> tuple[Literal["allow", "deny"], bool]:
+    """`[y/N/a]`: y allows once, a allows and remembers, anything else denies."""
+    word = answer.strip().lower()
+    if word in ("a", "always"):
+        return "allow", True
+    return ("allow" if word in ("y", "yes") else "deny"), False
+
+
+async def _ask(client: AsyncClient, notice: ApprovalNotice, screen: Screen, scope: anyio.CancelScope) -> None:
+    """Ask the person at the terminal; their answer goes to the daemon unless another client decided first."""
+    with scope:
+        screen.out.write(f"allow action {notice.action}? [y/N/a] ")
+        screen.out.flush()
+        screen.at_line_start = False
+        answer = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+        screen.at_line_start = True
+        decision, remember = decision_of(answer)
+        try:
+            await client.approve(notice.session, notice.action, notice.digest, decision, remember=remember)
+        except ConflictError as e:
+            screen._line(f"[{e}]")
 
 
 async def _seq(client: AsyncClient, session: str) -> int | None:
@@ -173,7 +252,7 @@ async def _run(client: AsyncClient, args: argparse.Namespace, screen: Screen) ->
         session = await client.new(session=session, agent=args.agent, workspace=workspace)
         seq = 0
     turn = await client.prompt(session, args.prompt)
-    screen.turn = turn
+    screen.turn, screen.workspace = turn, os.path.abspath(args.workspace or os.getcwd())
     status = EXIT_INTERRUPTED
     async with anyio.create_task_group() as tg:
         if sys.stderr.isatty():
@@ -182,7 +261,7 @@ async def _run(client: AsyncClient, args: argparse.Namespace, screen: Screen) ->
             tg.start_soon(_cancel_on, signals, client, session, turn, screen, tg.cancel_scope)
             status = await _follow(client, session, seq, screen)
         tg.cancel_scope.cancel()
-    return status
+    return EXIT_INTERRUPTED if screen.interrupted else status
 
 
 async def _cancel_on(
@@ -195,9 +274,12 @@ async def _cancel_on(
 ) -> None:
     """Ctrl-C: cancel the turn (a Cancel step, keyed: a retry sends nothing new), then stop showing it."""
     async for _ in signals:
+        screen.interrupted = True
         with anyio.CancelScope(shield=True):
             await client.step(session, Event(Cancel=Cancel(turn=turn)), key=f"devd run:{session}:cancel:{turn}")
-        screen._line(f"[turn {turn} cancelled]")
+        if screen.outcome is None:
+            screen.outcome = "cancelled"
+            screen._line(f"[turn {turn} cancelled]")
         scope.cancel()
         return
 

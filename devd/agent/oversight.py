@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import msgspec
 
 from devd.agent import approvals, spend, trace
-from devd.agent.approvals import Answer, Asked, Decided, Ledger
+from devd.agent.approvals import Answer, ApprovalNotice, Asked, Decided, DecidedNotice, Ledger
 from devd.agent.profiles import Budget, Profile, decide
 from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, SpendLedger, Usage
 from devd.agent.trace import TraceRecord
@@ -39,26 +39,7 @@ if TYPE_CHECKING:
 
 APPROVAL_NOTICE = "session/approval"
 DECIDED_NOTICE = "session/decided"
-
-
-class ApprovalNotice(msgspec.Struct, frozen=True):
-    """`session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision;
-    answer it with `session/approve` and this `digest`."""
-
-    session: str
-    action: int
-    op: Op
-    digest: str
-
-
-class DecidedNotice(msgspec.Struct, frozen=True):
-    """`session/decided`: action `action` was decided: `allow` or `deny` by the client `by` (its name from
-    `initialize`, or "unknown"), or `cancelled` (its turn was cancelled)."""
-
-    session: str
-    action: int
-    decision: Literal["allow", "deny", "cancelled"]
-    by: str
+__all__ = ["ApprovalNotice", "DecidedNotice", "Oversight"]
 
 
 class BudgetBody(msgspec.Struct, frozen=True):
@@ -169,10 +150,8 @@ class Oversight:
             state = _Session()
             kinds = (approvals.ASKED, approvals.DECIDED, spend.BUDGET)
             for record in await self.keeper.records(session, kinds):
-                if record.kind == spend.BUDGET:
-                    body = _budget.decode(record.body)
-                    if body.session == session:
-                        state.budget = body.tokens
+                if record.kind == spend.BUDGET:  # a fork keeps its source's ceiling (and spends from zero)
+                    state.budget = _budget.decode(record.body).tokens
                 else:
                     state.ledger.replay(record.kind, record.body)
             self._sessions[session] = state
@@ -213,6 +192,9 @@ class Oversight:
 
     async def _wait(self, session: str, state: _Session, action: int, op: Op) -> Decided:
         async with state.lock:
+            done = state.ledger.decided.get(action)
+            if done is not None:  # answered (from a record read at start) before this driver came to ask
+                return done
             if action not in state.ledger.pending:
                 asked = state.ledger.ask(action, op)
                 await self._keep(session, approvals.ASKED, action, asked)
@@ -398,11 +380,14 @@ class ModelCall:
     async def done(self, completion: Completion | None) -> None:
         """The call is over: answered (`completion`), or not (None: it failed, or was withdrawn by a Cancel)."""
         used = None if completion is None else self._usage(completion)
-        try:
+        # Handed to the store together, so that its group commit makes them durable in one write, not one each. The
+        # tasks start in order and each hands its record over before it first waits, so the records keep that order.
+        async with anyio.create_task_group() as tg:
             for number, attempt in enumerate(self.attempts, start=1):
-                await self.oversight.trace(self.session, self._record(number, attempt, used))
-        finally:
-            await self.oversight.settle(self.session, self.profile, self.turn, self.action, self.reservation, used)
+                tg.start_soon(self.oversight.trace, self.session, self._record(number, attempt, used))
+            tg.start_soon(
+                self.oversight.settle, self.session, self.profile, self.turn, self.action, self.reservation, used
+            )
 
     def cancelled(self) -> None:
         """The call was stopped with the daemon: its reservation goes, nothing is written (it is asked again)."""

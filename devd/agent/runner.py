@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import anyio
@@ -35,7 +36,9 @@ import anyio.abc
 import msgspec
 import structlog
 
-from devd.agent import effects, http, model, records
+from devd import failpoints
+from devd.agent import http, model, records, tools
+from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import Sessions, action_ids
@@ -99,7 +102,7 @@ class Runtime:
         self._drivers: dict[str, Driver] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self._tg: anyio.abc.TaskGroup | None = None
-        self._sandboxes: dict[str, effects.Sandbox] = {}
+        self._sandboxes: dict[str, sandboxes.Sandbox | sandboxes.Refusal | None] = {}
         self.http: http.Client | None = None
         self.oversight = Oversight(sessions)  # approvals, spend and trace (devd.agent.oversight)
         sessions.observe(self)
@@ -210,8 +213,10 @@ class Runtime:
     async def _run_driver(self, driver: Driver) -> None:
         try:
             await driver.run()
-        except DevdError as e:
+        except DevdError as e:  # the session was closed, ended or moved away meanwhile: its next prompt drives it
             log.warning("agent.driver_stopped", session=driver.session, error=f"{e.kind}: {e}"[:500])
+        except Exception as e:  # a bug here must not end the daemon: the session waits, `session/resume` retries
+            log.error("agent.driver_failed", session=driver.session, error=f"{type(e).__name__}: {e}"[:500])
         finally:
             if self._drivers.get(driver.session) is driver:
                 del self._drivers[driver.session]
@@ -221,10 +226,10 @@ class Runtime:
         log.warning("agent.stalled", session=session, action=action, why=why[:500])
         self.sessions.tell(session, "session/stalled", StalledNotice(session, action, why))
 
-    def sandbox(self, profile: Profile) -> effects.Sandbox:
-        """How the profile's commands run, found out once (bubblewrap is probed the first time it is needed)."""
+    async def sandbox(self, profile: Profile) -> sandboxes.Sandbox | sandboxes.Refusal | None:
+        """How the profile's commands run; bubblewrap is probed the first time, on a worker thread."""
         if profile.name not in self._sandboxes:
-            self._sandboxes[profile.name] = effects.choose(profile)
+            self._sandboxes[profile.name] = await anyio.to_thread.run_sync(sandboxes.choose, profile)
         return self._sandboxes[profile.name]
 
     # -- observing the sessions ---------------------------------------------------------------------------------
@@ -304,14 +309,19 @@ class Driver:
                 return
             profile = self.runtime._profile(self.session, binding)
             await self._load()
-            queue: deque[Action] = deque()
+            queue = deque(await self.sessions.pending(self.session))
             while True:
-                if self.dirty or not queue:
+                if self.dirty:
+                    # Another client stepped the session (or a prompt came): what it waits for is the truth.
                     self.dirty = False
                     queue = deque(await self.sessions.pending(self.session))
-                    if not queue and not self.dirty:
-                        return
-                    continue
+                if not queue:
+                    # The answers of its own steps ran out: the core waits for nothing more (a turn queued behind
+                    # comes in the answer that ends the one before), and pending is not asked again, which would
+                    # only hold the session from its clients as a turn ends.
+                    if self.dirty:
+                        continue
+                    return
                 action = queue.popleft()
                 answered = await self._carry(profile, binding, action)
                 queue.extend(a for a in answered if _awaited(a))
@@ -340,6 +350,7 @@ class Driver:
         """work()'s result; None when it was withdrawn: another client's step (a Cancel, a result of its own) left
         the action no longer pending, and the work was stopped where it stood."""
         done: list[T] = []
+        failed: list[Exception] = []
         self._foreign = anyio.Event()
         async with anyio.create_task_group() as tg:
 
@@ -352,8 +363,13 @@ class Driver:
                         return
 
             tg.start_soon(watch)
-            done.append(await work())
+            try:
+                done.append(await work())
+            except Exception as e:  # raised as itself, not inside the task group's ExceptionGroup
+                failed.append(e)
             tg.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
         return done[0] if done else None
 
     async def _carry(self, profile: Profile, binding: Binding, action: Action) -> list[Action]:
@@ -379,9 +395,12 @@ class Driver:
             claim = Claim(kind.lower(), self.runtime._turns.get(self.session, 0))
             await self._record(records.CLAIM, action.id, records.encode(claim))
             self._claims.add(action.id)
+            failpoints.hit("agent.claimed")
         started, t0 = time.time(), time.monotonic()
         result = await self._guarded(action.id, lambda: self._tool(profile, binding, kind, call))
         took = time.monotonic() - t0
+        if kind in EFFECTS:
+            failpoints.hit("agent.done")
         if result is None:
             await self._traced(action, kind, call, started, took, "interrupted", "cancelled with its turn")
             if kind not in EFFECTS:
@@ -391,8 +410,10 @@ class Driver:
             return await self._step(_result(kind, action.id, text, True), action.id)
         log.debug("agent.tool", session=self.session, action=action.id, kind=kind, ms=took * 1e3)
         outcome: Outcome = "error" if result.failed else "ok"
-        await self._traced(action, kind, call, started, took, outcome, result.text if result.failed else None)
-        return await self._step(_result(kind, action.id, result.text, result.failed), action.id)
+        error = result.text if result.failed else None
+        event = _result(kind, action.id, result.text, result.failed)
+        await self._traced(action, kind, call, started, took, outcome, error)  # durable before the result's step
+        return await self._step(event, action.id)
 
     async def _gate(self, profile: Profile, action: Action, call: Call) -> Gate | None:
         """Whether the call may start: the profile's decision, or for `ask` a client's (waited for); None when the
@@ -431,24 +452,26 @@ class Driver:
         await self._stalled(action.id, refusal.message)
         return None
 
-    async def _tool(self, profile: Profile, binding: Binding, kind: str, call: Call) -> effects.Result:
-        workspace = binding.workspace
+    async def _tool(self, profile: Profile, binding: Binding, kind: str, call: Call) -> tools.Result:
+        workspace = Path(binding.workspace)
         if call.Read is not None:
-            return await effects.read_file(workspace, call.Read.path)
+            return await tools.read_file(workspace, call.Read.path, profile.output_bytes_max)
         if call.Write is not None:
-            return await effects.write_file(workspace, call.Write.path, call.Write.text)
+            return await tools.write_file(workspace, call.Write.path, call.Write.text)
         if call.Browse is not None:
-            assert self.runtime.http is not None
-            return await effects.browse(self.runtime.http, call.Browse.url, profile)
+            return await tools.browse(call.Browse.url, profile.output_bytes_max, client=self.runtime.http)
         argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv]  # type: ignore[union-attr]
-        sandbox = await anyio.to_thread.run_sync(self.runtime.sandbox, profile)
-        return await effects.run_command(profile, sandbox, workspace, argv)
+        confined = await self.runtime.sandbox(profile)
+        if isinstance(confined, sandboxes.Refusal):
+            return tools.Result(confined.why, failed=True)
+        return await tools.run_command(argv, workspace=workspace, profile=profile, sandbox=confined)
 
     async def _ask(self, profile: Profile, action: Action) -> list[Action]:
         assert action.op.Model is not None
         ask = action.op.Model
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
-        exec_available = (await anyio.to_thread.run_sync(self.runtime.sandbox, profile)).available
+        confined = await self.runtime.sandbox(profile)
+        exec_available = not isinstance(confined, sandboxes.Refusal)
         for attempt in range(REASKS_MAX + 1):
 
             def on_text(text: str) -> None:
@@ -480,10 +503,11 @@ class Driver:
             except BaseException:
                 accounted.cancelled()
                 raise
-            await accounted.done(completion)
             if completion is None:
+                await accounted.done(None)
                 return []
             reply, rejected = model.to_reply(completion)
+            await accounted.done(completion)  # durable before the answer: every step has its records already
             if rejected:
                 again = reply.calls is None and attempt < REASKS_MAX
                 text = reply.text if again else None

@@ -401,11 +401,12 @@ class Watch implements WatchIterator {
     } else if (this.queue.length >= this.noticesMax) {
       // The consumer is slower than the daemon: stop holding notices rather than grow without bound.
       const behind = `its consumer fell ${this.noticesMax} notices behind`;
-      this.fail(new FellBehindError(this.session, this.lastSeq ?? notice.params.seq - 1, behind));
+      const before = notice.method === "session/actions" ? notice.params.seq - 1 : 0;
+      this.fail(new FellBehindError(this.session, this.lastSeq ?? before, behind));
       this.unwatch().catch(() => undefined); // nothing to tell: the consumer has its error
       return;
-    } else {
-      this.lastSeq = notice.params.seq;
+    } else if (notice.method === "session/actions") {
+      this.lastSeq = notice.params.seq; // the agent runtime's delta and stalled notices are not steps
     }
     const pull = this.pulls.shift();
     if (pull !== undefined) pull.resolve({ value: notice, done: false });

@@ -56,7 +56,9 @@ export interface ErrorCodes {
 export type ErrorKind = keyof ErrorCodes;
 
 /**
- * One thing the core wants done, under its `id` (numbered in the session, increasing, never reused).
+ * One thing the core wants done, under its `id` (numbered in the session, increasing, never reused). In
+ * `session/pending` of a session the daemon drives, an action not started until a client decides carries `awaiting:
+ * "approval"` (the core never writes it).
  *
  * @example {"id":1,"op":{"Model":{"model":"small","messages":[{"User":"fix the build"}]}}}
  */
@@ -67,6 +69,7 @@ export interface Action {
    */
   id: number;
   op: Op;
+  awaiting?: "approval";
 }
 
 /** The model's part of the conversation: its `text`, and the `calls` it dispatched. */
@@ -83,6 +86,47 @@ export interface Answer {
    */
   id: number;
   reply: Reply;
+}
+
+/**
+ * `session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision; answer it
+ * with `session/approve` and this `digest`.
+ */
+export interface ApprovalNotice {
+  session: string;
+  action: number;
+  op: Op;
+  digest: string;
+}
+
+/**
+ * A client's decision on an action that waits for approval, naming it by its `digest` (from its `session/approval`);
+ * `remember`: the same decision for later calls of that argv prefix (Exec, Git) or path (Write) in this session.
+ */
+export interface ApproveParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * the action's id
+   *
+   * @minimum 0
+   * @maximum 9223372036854775807
+   */
+  action: number;
+  /**
+   * the hex SHA-256 of its session/approval
+   *
+   * @minLength 1
+   * @maxLength 128
+   */
+  digest: string;
+  decision: "allow" | "deny";
+  /** @default false */
+  remember?: boolean;
 }
 
 /**
@@ -122,6 +166,23 @@ export interface Browse {
   url: string;
 }
 
+/** The session's own spend ceiling in tokens; null removes it. */
+export interface BudgetParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * a number of tokens, at least 1
+   *
+   * @minimum 1
+   * @maximum 9223372036854775807
+   */
+  tokens: number | null;
+}
+
 /**
  * A call the model asks for; exactly one member: `Exec`, `Read`, `Write`, `Git` or `Browse`.
  *
@@ -158,6 +219,27 @@ export interface Client {
 export interface Config {
   model?: string;
   asks?: "delta" | "full";
+}
+
+/**
+ * `session/decided`: action `action` was decided: `allow` or `deny` by the client `by` (its name from `initialize`, or
+ * "unknown"), or `cancelled` (its turn was cancelled).
+ */
+export interface DecidedNotice {
+  session: string;
+  action: number;
+  decision: "allow" | "cancelled" | "deny";
+  by: string;
+}
+
+/**
+ * `session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled. The
+ * fragments of one action, in order, are its reply's text.
+ */
+export interface DeltaNotice {
+  session: string;
+  action: number;
+  text: string;
 }
 
 /** A call the model asked for, under the action id it was dispatched with. */
@@ -445,10 +527,57 @@ export interface Methods {
     params: SessionParams;
     result: Empty;
   };
+  /**
+   * Start a turn of a session made with an agent; answered once its Turn step is durable, after which the daemon
+   * carries out every action of the turn itself (watchers see each step as `session/actions`, the model's text as it
+   * streams as `session/delta`).
+   */
+  "session/prompt": {
+    params: PromptParams;
+    result: PromptResult;
+  };
+  /** Try a stalled session's model again (and drive a session of an agent that owes work). */
+  "session/resume": {
+    params: SessionParams;
+    result: Empty;
+  };
+  /**
+   * Decide an action that waits for approval: the first valid answer wins (durable before every watcher gets
+   * `session/decided`), a later one is CONFLICT naming who decided, a digest that does not match is INVALID_PARAMS and
+   * decides nothing. `allow` runs the action once; `deny` steps it as a failed call saying who denied it.
+   */
+  "session/approve": {
+    params: ApproveParams;
+    result: Empty;
+  };
+  /**
+   * Set (or raise, or remove) the session's spend ceiling; durable before it applies. A session stalled by it carries
+   * on with `session/resume`.
+   */
+  "session/budget": {
+    params: BudgetParams;
+    result: Empty;
+  };
+  /** The session's spend so far. */
+  "session/usage": {
+    params: SessionParams;
+    result: UsageResult;
+  };
+  /**
+   * What the daemon did for the session, one durable record per model call attempt and tool run, success or failure:
+   * `{n, action, kind, started, duration_ms, outcome, error?, attempt?, model?, input_tokens?, output_tokens?,
+   * cached_tokens?, name?}`.
+   */
+  "session/trace": {
+    params: TraceParams;
+    result: TraceResult;
+  };
 }
 
 /**
- * A new session, from a config (default `{}`), under a name (default: chosen by the daemon).
+ * A new session, from a config (default `{}`), under a name (default: chosen by the daemon); with `agent` (a profile
+ * of the daemon's agents file) and `workspace` (an absolute directory inside the profile's roots), a session the
+ * daemon drives itself (`session/prompt`).
  *
  * @example {"session":"demo","config":{"model":"small"}}
  */
@@ -460,6 +589,11 @@ export interface NewParams {
    * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
    */
   session?: string | null;
+  /** the name of an agent profile */
+  agent?: string | null;
+  /** an absolute directory inside the profile's roots */
+  workspace?: string | null;
+  budget?: TokenBudget | null;
 }
 
 /** This method takes no params. */
@@ -469,6 +603,10 @@ export type NoParams = Record<string, never>;
 export interface Notifications {
   "session/actions": StepNotice;
   "session/unwatched": UnwatchedNotice;
+  "session/delta": DeltaNotice;
+  "session/stalled": StalledNotice;
+  "session/approval": ApprovalNotice;
+  "session/decided": DecidedNotice;
 }
 
 /**
@@ -521,6 +659,32 @@ export interface PendingResult {
   actions: Action[];
 }
 
+/**
+ * A prompt for a session the daemon drives, with an optional idempotency key (a retry with the same key answers the
+ * same turn, and starts nothing).
+ */
+export interface PromptParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  prompt: string;
+  /**
+   * 1-256 bytes of UTF-8
+   *
+   * @minLength 1
+   * @maxLength 256
+   */
+  key?: string | null;
+}
+
+/** The turn the prompt started (or, for a key answered before, started then). */
+export interface PromptResult {
+  turn: number;
+}
+
 /** Read the file at `path`, relative to the workspace. Answered by a `File` event with the action's id. */
 export interface Read {
   path: string;
@@ -562,6 +726,7 @@ export interface SessionInfo {
   /** @default 0 */
   watchers?: number;
   reason?: string | null;
+  stalled?: string | null;
 }
 
 /**
@@ -590,6 +755,16 @@ export interface SessionResult {
 /** The session's state, base64, for `session/restore`. */
 export interface SnapshotResult {
   snapshot: string;
+}
+
+/**
+ * `session/stalled`: the model could not be reached for the Model action `action` after its retries (`why`); the ask
+ * stays pending until `session/resume`.
+ */
+export interface StalledNotice {
+  session: string;
+  action: number;
+  why: string;
 }
 
 /** The daemon's health and counters. */
@@ -667,6 +842,17 @@ export interface StepResult {
   ignored?: number[] | null;
 }
 
+/** A session's own spend ceiling: at most `tokens` (input + output) over all its model calls. */
+export interface TokenBudget {
+  /**
+   * a number of tokens, at least 1
+   *
+   * @minimum 1
+   * @maximum 9223372036854775807
+   */
+  tokens: number;
+}
+
 /** A call's result in the conversation, under the call's action id. */
 export interface Tool {
   /**
@@ -677,6 +863,50 @@ export interface Tool {
   text: string;
   /** @default false */
   failed?: boolean;
+}
+
+/** The session, and the number of the last trace record already seen (default 0: all of them). */
+export interface TraceParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * a trace record's `n`
+   *
+   * @minimum 0
+   * @maximum 9223372036854775807
+   * @default 0
+   */
+  since?: number;
+}
+
+/**
+ * One model call attempt or tool run. `n` numbers the session's trace records from 1 (`session/trace` `since`);
+ * `started` is RFC 3339 in UTC to the millisecond; `attempt` counts a model call's attempts from 1.
+ */
+export interface TraceRecord {
+  /** @default 0 */
+  n?: number;
+  action: number;
+  kind: "browse" | "exec" | "git" | "model" | "read" | "write";
+  started: string;
+  duration_ms: number;
+  outcome: "denied" | "error" | "interrupted" | "ok" | "refused";
+  error?: string | null;
+  attempt?: number | null;
+  model?: string | null;
+  input_tokens?: number | null;
+  output_tokens?: number | null;
+  cached_tokens?: number | null;
+  name?: string | null;
+}
+
+/** The session's trace records after `since`, in order: one per model call attempt and per tool run. */
+export interface TraceResult {
+  records: TraceRecord[];
 }
 
 /**
@@ -734,6 +964,18 @@ export interface UnwatchedNotice {
   seq: number;
   reason: string;
   owner?: Owner | null;
+}
+
+/**
+ * What the session's model calls used (the provider's counts, else devd's estimate), how many calls were made, and how
+ * many a spend ceiling refused. A fork counts from zero.
+ */
+export interface UsageResult {
+  input_tokens: number;
+  output_tokens: number;
+  cached_tokens: number;
+  calls: number;
+  refused: number;
 }
 
 /**

@@ -42,9 +42,16 @@ function speaker(message: Message): string {
 
 /** Notices narrow by method. */
 function seq(notice: Notice): string {
-  return notice.method === "session/actions"
-    ? `step ${notice.params.seq}: ${notice.params.actions.length} actions`
-    : `unwatched after ${notice.params.seq}: ${notice.params.reason}`;
+  switch (notice.method) {
+    case "session/actions":
+      return `step ${notice.params.seq}: ${notice.params.actions.length} actions`;
+    case "session/unwatched":
+      return `unwatched after ${notice.params.seq}: ${notice.params.reason}`;
+    case "session/delta":
+      return `action ${notice.params.action} writes ${notice.params.text}`;
+    case "session/stalled":
+      return `action ${notice.params.action} stalled: ${notice.params.why}`;
+  }
 }
 
 // Type-level checks only: never called.

@@ -1,0 +1,96 @@
+"""The only home of httpx: one client factory, a streamed POST and a capped GET, and one error for the network.
+
+A client never reads proxies or certificates from the environment (`trust_env=False`): what the daemon reaches is
+what its profiles say. Every httpx error becomes a `TransportError`, so no other module needs to know httpx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+
+import httpx
+
+Client = httpx.AsyncClient
+
+
+class TransportError(Exception):
+    """The request did not get an answer (refused, reset, timed out, cut short); `why` says which."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def _why(e: httpx.HTTPError) -> str:
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}" if text != type(e).__name__ else text
+
+
+def new_client(*, connect_timeout_s: float = 10.0, read_timeout_s: float = 300.0) -> Client:
+    """A client for the agent runtime. `read_timeout_s` bounds the silence between two reads (a model may think)."""
+    timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+    return httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False)
+
+
+class Response:
+    """A response whose body is still arriving."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status = response.status_code
+        self.headers: Mapping[str, str] = response.headers
+
+    async def lines(self) -> AsyncIterator[str]:
+        """The body's lines as they arrive, without their line ends."""
+        try:
+            async for line in self._response.aiter_lines():
+                yield line
+        except httpx.HTTPError as e:
+            raise TransportError(_why(e)) from None
+
+    async def read(self, limit_bytes: int) -> tuple[bytes, int]:
+        """Up to `limit_bytes` of the body, and how many bytes past that were cut (the rest is not read)."""
+        kept = bytearray()
+        cut = 0
+        try:
+            async for chunk in self._response.aiter_bytes():
+                room = limit_bytes - len(kept)
+                kept += chunk[:room]
+                cut += max(0, len(chunk) - room)
+                if cut:
+                    break  # do not read a large body to its end just to count it
+        except httpx.HTTPError as e:
+            raise TransportError(_why(e)) from None
+        return bytes(kept), cut
+
+
+@asynccontextmanager
+async def post(client: Client, url: str, body: bytes, headers: Mapping[str, str]) -> AsyncIterator[Response]:
+    """POST and hand over the response as soon as its head is in; leaving the block (or being cancelled) closes it."""
+    try:
+        async with client.stream("POST", url, content=body, headers=dict(headers)) as response:
+            yield Response(response)
+    except httpx.HTTPError as e:
+        raise TransportError(_why(e)) from None
+
+
+@asynccontextmanager
+async def get(client: Client, url: str) -> AsyncIterator[Response]:
+    """GET, as `post` does."""
+    try:
+        async with client.stream("GET", url) as response:
+            yield Response(response)
+    except httpx.HTTPError as e:
+        raise TransportError(_why(e)) from None
+
+
+def valid_url(url: str) -> str | None:
+    """None when httpx can send to `url` over http(s), else why not."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        return str(e)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return "it is not an http:// or https:// URL"
+    return None

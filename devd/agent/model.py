@@ -1,0 +1,546 @@
+"""The model driver: one `Model` ask becomes a streamed OpenAI-compatible chat completion.
+
+Pure parts first (the request body, the stream parser, the reply the core is stepped with), then `complete`, the one
+place that talks to a model server: one POST per attempt, each content fragment handed on as it arrives, transport
+errors, 408/409/429 and 5xx retried with bounded backoff, each attempt reported, and cancellation closing the stream.
+
+Wire choices: a tool call's id is `call_<action id>` (the Dispatch id); a failed result is sent as
+`error: <text>`, so the model sees that the call failed; an assistant turn without text or calls is sent with
+content "" (null content is only valid beside tool calls).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from email.utils import parsedate_to_datetime
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from devd.agent import http
+from devd.agent.profiles import Profile
+from devd.messages import Browse, Call, Exec, Git, Message, Read, Reply, Write
+
+# The core's call kinds as the model sees them: name -> (the Call member, its Struct, what its arguments look like).
+_CALLS: dict[str, tuple[str, type[msgspec.Struct], str]] = {
+    "exec": ("Exec", Exec, '{"argv": ["command", "arg", ...]}'),
+    "read": ("Read", Read, '{"path": "relative/path"}'),
+    "write": ("Write", Write, '{"path": "relative/path", "text": "the whole new content"}'),
+    "git": ("Git", Git, '{"argv": ["status"]} (the arguments after "git")'),
+    "browse": ("Browse", Browse, '{"url": "https://..."}'),
+}
+_ARGV = {"type": "array", "items": {"type": "string"}}
+_PATH = {"type": "string", "description": "a path relative to the workspace"}
+TOOLS: dict[str, dict[str, Any]] = {
+    "exec": {
+        "description": "Run a command in the workspace (no shell: argv[0] is the program). Returns its output.",
+        "parameters": {
+            "type": "object",
+            "properties": {"argv": {**_ARGV, "minItems": 1, "description": "the program and its arguments"}},
+            "required": ["argv"],
+            "additionalProperties": False,
+        },
+    },
+    "read": {
+        "description": "Read a text file of the workspace.",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": _PATH},
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+    },
+    "write": {
+        "description": "Write a text file of the workspace whole (created, or replaced), creating its directories.",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": _PATH, "text": {"type": "string", "description": "the file's whole content"}},
+            "required": ["path", "text"],
+            "additionalProperties": False,
+        },
+    },
+    "git": {
+        "description": "Run git in the workspace with these arguments (without the leading 'git').",
+        "parameters": {
+            "type": "object",
+            "properties": {"argv": {**_ARGV, "description": "the arguments after git"}},
+            "required": ["argv"],
+            "additionalProperties": False,
+        },
+    },
+    "browse": {
+        "description": "Fetch a web page and return its text.",
+        "parameters": {
+            "type": "object",
+            "properties": {"url": {"type": "string", "description": "an http:// or https:// URL"}},
+            "required": ["url"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class Inserted(msgspec.Struct, frozen=True):
+    """Wire messages that are not in the core's transcript (a rejected reply and its failed results), to be sent
+    before conversation message number `before` (`before == len(messages)`: after the last)."""
+
+    before: int
+    messages: list[dict[str, Any]]
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """A tool call as the model wrote it: its id, the tool's name and the arguments' JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """What the model answered: its text (None: none), tool calls, usage (when the server gave it) and why it
+    stopped (`stop`, `tool_calls`, `length`, or None when the server did not say)."""
+
+    text: str | None
+    tool_calls: list[ToolCall]
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    response_model: str | None = None  # the model the server says answered
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    """A tool call the core cannot take, and exactly why (said to the model as the call's failed result)."""
+
+    call_id: str
+    name: str
+    arguments: str
+    why: str
+
+
+class ModelUnavailable(Exception):
+    """No completion could be had: the attempts are spent, or the server refused the request (a 4xx)."""
+
+    def __init__(self, why: str, *, status: int | None = None) -> None:
+        super().__init__(why)
+        self.why = why
+        self.status = status
+
+
+Outcome = Literal["ok", "retry", "failed", "cancelled"]
+
+
+class Attempt(msgspec.Struct, frozen=True):
+    """One POST: when it started (Unix time), how long it took, how it ended, the HTTP status and error if any."""
+
+    started_at: float
+    duration_s: float
+    outcome: Outcome
+    status: int | None = None
+    error: str | None = None
+    usage: Usage | None = None
+
+
+# -- the request --------------------------------------------------------------------------------------------------
+
+
+def tool_names(profile: Profile, *, exec_available: bool) -> list[str]:
+    """The tools the model is offered: read always; exec and git when allowed and a sandbox can run them; write when
+    allowed; browse when listed."""
+    names = []
+    if profile.exec != "deny" and exec_available:
+        names.append("exec")
+    names.append("read")
+    if profile.write != "deny":
+        names.append("write")
+    if profile.exec != "deny" and exec_available:
+        names.append("git")
+    if "browse" in profile.tools:
+        names.append("browse")
+    return names
+
+
+def call_id(action_id: int) -> str:
+    return f"call_{action_id}"
+
+
+def call_name(call: Call) -> str:
+    for name, (member, _, _) in _CALLS.items():
+        if getattr(call, member) is not None:
+            return name
+    raise ValueError("a Call with no member")  # Call's own check forbids this
+
+
+def call_arguments(call: Call) -> str:
+    """The call's fields as the JSON text of a tool call's `arguments`."""
+    member: msgspec.Struct = getattr(call, _CALLS[call_name(call)][0])
+    return msgspec.json.encode(member).decode()
+
+
+def wire_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The conversation as chat-completions messages."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.User is not None:
+            out.append({"role": "user", "content": m.User})
+        elif m.Agent is not None:
+            calls = m.Agent.calls or []
+            entry: dict[str, Any] = {"role": "assistant", "content": m.Agent.text if calls else m.Agent.text or ""}
+            if calls:
+                entry["tool_calls"] = [
+                    {
+                        "id": call_id(d.id),
+                        "type": "function",
+                        "function": {"name": call_name(d.call), "arguments": call_arguments(d.call)},
+                    }
+                    for d in calls
+                ]
+            out.append(entry)
+        elif m.Tool is not None:
+            text = f"error: {m.Tool.text}" if m.Tool.failed else m.Tool.text
+            out.append({"role": "tool", "tool_call_id": call_id(m.Tool.id), "content": text})
+    return out
+
+
+def rejected_messages(text: str | None, rejected: Sequence[Rejected]) -> list[dict[str, Any]]:
+    """The wire messages that tell the model its calls were not taken: its assistant message, then a failed result
+    per call. The runner keeps these as an `Inserted`."""
+    calls = [
+        {"id": r.call_id, "type": "function", "function": {"name": r.name, "arguments": r.arguments}} for r in rejected
+    ]
+    results = [{"role": "tool", "tool_call_id": r.call_id, "content": f"error: {r.why}"} for r in rejected]
+    return [{"role": "assistant", "content": text, "tool_calls": calls}, *results]
+
+
+def request_body(
+    profile: Profile,
+    messages: Sequence[Message],
+    extra: Iterable[Inserted] = (),
+    *,
+    exec_available: bool = True,
+) -> dict[str, Any]:
+    """The chat-completions request for an ask: the system prompt, the conversation (with `extra` inserted where it
+    belongs), the tools the profile allows, streamed with usage."""
+    conversation = wire_messages(messages)
+    for inserted in sorted(extra, key=lambda i: i.before, reverse=True):
+        # From the back, so earlier indices still point where they did.
+        at = min(max(inserted.before, 0), len(conversation))
+        conversation[at:at] = inserted.messages
+    wire: list[dict[str, Any]] = []
+    if profile.system is not None:
+        wire.append({"role": "system", "content": profile.system})
+    wire.extend(conversation)
+    tools = [
+        {"type": "function", "function": {"name": name, **TOOLS[name]}}
+        for name in tool_names(profile, exec_available=exec_available)
+    ]
+    body: dict[str, Any] = {"model": profile.model, "messages": wire, "tools": tools}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    if profile.max_tokens is not None:
+        body["max_tokens"] = profile.max_tokens
+    return body
+
+
+# -- the answer ---------------------------------------------------------------------------------------------------
+
+
+def to_reply(completion: Completion) -> tuple[Reply, list[Rejected]]:
+    """The reply the core is stepped with, and the tool calls it cannot take (with why)."""
+    calls: list[Call] = []
+    rejected: list[Rejected] = []
+    for tc in completion.tool_calls:
+        call = _call(tc)
+        if isinstance(call, str):
+            rejected.append(Rejected(call_id=tc.id, name=tc.name, arguments=tc.arguments, why=call))
+        else:
+            calls.append(call)
+    return Reply(text=completion.text, calls=calls or None), rejected
+
+
+def _call(tc: ToolCall) -> Call | str:
+    """The core's Call for a tool call, or what is wrong with it."""
+    known = _CALLS.get(tc.name)
+    if known is None:
+        return f"there is no tool named {json.dumps(tc.name)}; the tools are {', '.join(_CALLS)}"
+    member, struct, shape = known
+    try:
+        args = json.loads(tc.arguments or "{}")
+    except json.JSONDecodeError as e:
+        return f"the arguments of {tc.name} are not JSON ({e}); {tc.name} expects {shape}"
+    try:
+        msgspec.convert(args, struct, strict=True)
+    except msgspec.ValidationError as e:
+        return f"the arguments of {tc.name} do not fit ({e}); {tc.name} expects {shape}"
+    if member == "Exec" and not args["argv"]:
+        return f"exec needs a program to run, argv is empty; exec expects {shape}"
+    return msgspec.convert({member: args}, Call, strict=True)
+
+
+# -- the stream ---------------------------------------------------------------------------------------------------
+
+
+class StreamError(Exception):
+    """The server sent something that is not a chat-completions stream, or an error inside it."""
+
+
+class StreamParser:
+    """Server-sent events of a chat-completion stream, a line at a time (sans I/O): `feed` gives the content
+    fragments of that line; `done` once `data: [DONE]` came; `completion()` what the whole stream said."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._text: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}
+        self._usage: Usage | None = None
+        self._finish: str | None = None
+        self._model: str | None = None
+
+    def feed(self, line: str) -> list[str]:
+        line = line.rstrip("\r")
+        if not line.startswith("data:") or self.done:
+            return []  # blank separators, comments (": ping"), event: and id: lines
+        data = line[5:].removeprefix(" ")
+        if data.strip() == "[DONE]":
+            self.done = True
+            return []
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise StreamError(f"a stream line is not JSON ({e}): {data[:200]}") from None
+        if not isinstance(chunk, dict):
+            raise StreamError(f"a stream chunk is not an object: {data[:200]}")
+        return self.chunk(chunk)
+
+    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+        """One decoded chunk; its content fragments."""
+        if "error" in chunk:
+            raise StreamError(f"the server sent an error in the stream: {_error_message(chunk)}")
+        self._model = chunk.get("model") or self._model
+        if isinstance(usage := chunk.get("usage"), dict):
+            self._usage = _usage(usage)
+        fragments: list[str] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or choice.get("message") or {}
+            if isinstance(content := delta.get("content"), str) and content:
+                self._text.append(content)
+                fragments.append(content)
+            for position, fragment in enumerate(delta.get("tool_calls") or []):
+                self._tool_fragment(fragment, position)
+            self._finish = choice.get("finish_reason") or self._finish
+        return fragments
+
+    def _tool_fragment(self, fragment: dict[str, Any], position: int) -> None:
+        index = fragment.get("index", position)  # some servers send whole calls without an index
+        call = self._calls.setdefault(index, {"id": "", "name": "", "arguments": []})
+        function = fragment.get("function") or {}
+        call["id"] = call["id"] or fragment.get("id") or ""
+        call["name"] = call["name"] or function.get("name") or ""
+        if isinstance(arguments := function.get("arguments"), str):
+            call["arguments"].append(arguments)
+        elif isinstance(arguments, dict):  # a server that sends the arguments parsed
+            call["arguments"].append(json.dumps(arguments))
+
+    def completion(self) -> Completion:
+        calls = [
+            # A server that gives no id: one that cannot be taken for a `call_<action id>` of the conversation.
+            ToolCall(id=c["id"] or f"call_noid_{i}", name=c["name"], arguments="".join(c["arguments"]))
+            for i, c in sorted(self._calls.items())
+        ]
+        text = "".join(self._text) or None
+        return Completion(
+            text=text, tool_calls=calls, usage=self._usage, finish_reason=self._finish, response_model=self._model
+        )
+
+
+def parse_sse(lines: Iterable[str]) -> Completion:
+    """A whole stream's completion; StreamError when it ends before `data: [DONE]`."""
+    parser = StreamParser()
+    for line in lines:
+        parser.feed(line)
+    if not parser.done:
+        raise StreamError("the stream ended before data: [DONE]")
+    return parser.completion()
+
+
+def parse_json(body: bytes) -> Completion:
+    """A completion answered as one JSON object (a server that does not stream)."""
+    try:
+        doc = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise StreamError(f"the answer is not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise StreamError("the answer is not a JSON object")
+    parser = StreamParser()
+    parser.chunk(doc)
+    return parser.completion()
+
+
+def _usage(usage: dict[str, Any]) -> Usage:
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+        cached_tokens=cached if isinstance(cached, int) else None,
+    )
+
+
+def _error_message(doc: Any) -> str:
+    if isinstance(doc, dict):
+        error = doc.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if isinstance(doc.get("message"), str):
+            return str(doc["message"])
+    return json.dumps(doc)[:500]
+
+
+# -- the exchange -------------------------------------------------------------------------------------------------
+
+_RETRIED = {408, 409, 429}
+RETRY_AFTER_MAX_S = 20.0  # a Retry-After longer than this is not waited for (the exponential backoff is)
+BACKOFF_MAX_S = 8.0
+_ERROR_BODY_MAX = 64 * 1024
+
+
+class _Failed(Exception):
+    def __init__(self, why: str, *, status: int | None = None, retry: bool, after_s: float | None = None) -> None:
+        super().__init__(why)
+        self.why, self.status, self.retry, self.after_s = why, status, retry, after_s
+
+
+TextSink = Callable[[str], Awaitable[None] | None]
+AttemptSink = Callable[[Attempt], None]
+
+
+async def complete(
+    client: http.Client,
+    profile: Profile,
+    messages: Sequence[Message],
+    *,
+    api_key: str | None,
+    exec_available: bool,
+    extra: Iterable[Inserted] = (),
+    on_text: TextSink | None = None,
+    on_attempt: AttemptSink | None = None,
+    attempts: int = 4,
+    backoff_s: float = 0.25,
+) -> Completion:
+    """Ask the profile's model server; `on_text(fragment)` for each content fragment as it arrives (after a failed
+    attempt, the next attempt's fragments start the text again: `on_attempt` has said "retry" before), and
+    `on_attempt` once per attempt. ModelUnavailable when the attempts are spent or the server refuses the request."""
+    url = f"{profile.base_url}/chat/completions"
+    body = json.dumps(
+        request_body(profile, messages, list(extra), exec_available=exec_available), ensure_ascii=False
+    ).encode()
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    for attempt in range(1, attempts + 1):
+        started_at, t0 = time.time(), time.monotonic()
+        try:
+            completion = await _attempt(client, url, body, headers, on_text)
+        except _Failed as failed:
+            last = attempt == attempts or not failed.retry
+            _report(on_attempt, started_at, t0, "failed" if last else "retry", failed)
+            if not failed.retry:
+                raise ModelUnavailable(f"model server {profile.base_url}: {failed.why}", status=failed.status) from None
+            if last:
+                raise ModelUnavailable(
+                    f"model server {profile.base_url}: {failed.why} after {attempts} attempts", status=failed.status
+                ) from None
+            await anyio.sleep(_delay(failed.after_s, backoff_s, attempt))
+        except anyio.get_cancelled_exc_class():
+            _report(on_attempt, started_at, t0, "cancelled", _Failed("cancelled", retry=False))
+            raise
+        else:
+            _report(on_attempt, started_at, t0, "ok", usage=completion.usage)
+            return completion
+    raise ModelUnavailable(f"model server {profile.base_url}: no attempt was allowed (attempts = {attempts})")
+
+
+def _report(
+    on_attempt: AttemptSink | None,
+    started_at: float,
+    t0: float,
+    outcome: Outcome,
+    failed: _Failed | None = None,
+    usage: Usage | None = None,
+) -> None:
+    if on_attempt is not None:
+        status = failed.status if failed else 200
+        error = failed.why if failed else None
+        on_attempt(Attempt(started_at, time.monotonic() - t0, outcome, status, error, usage))
+
+
+def _delay(after_s: float | None, backoff_s: float, attempt: int) -> float:
+    if after_s is not None and 0 <= after_s <= RETRY_AFTER_MAX_S:
+        return after_s
+    return float(min(backoff_s * 2 ** (attempt - 1), BACKOFF_MAX_S))
+
+
+async def _attempt(
+    client: http.Client, url: str, body: bytes, headers: dict[str, str], on_text: TextSink | None
+) -> Completion:
+    try:
+        async with http.post(client, url, body, headers) as response:
+            if response.status != 200:
+                raise await _refusal(response)
+            if response.headers.get("content-type", "").startswith("application/json"):
+                data, _ = await response.read(_ERROR_BODY_MAX * 256)
+                return parse_json(data)
+            parser = StreamParser()
+            async for line in response.lines():
+                for fragment in parser.feed(line):
+                    if on_text is not None and inspect.isawaitable(pending := on_text(fragment)):
+                        await pending
+                if parser.done:
+                    break  # the server may keep the connection open after [DONE]
+            if not parser.done:
+                raise _Failed("the stream ended before data: [DONE]", status=200, retry=True)
+            return parser.completion()
+    except http.TransportError as e:
+        raise _Failed(e.why, retry=True) from None
+    except StreamError as e:
+        raise _Failed(str(e), status=200, retry=True) from None
+
+
+async def _refusal(response: http.Response) -> _Failed:
+    data, _ = await response.read(_ERROR_BODY_MAX)
+    try:
+        message = _error_message(json.loads(data))
+    except json.JSONDecodeError:
+        message = data.decode("utf-8", "replace").strip()[:500] or "(no body)"
+    status = response.status
+    retry = status in _RETRIED or status >= 500
+    return _Failed(f"{status} {message}", status=status, retry=retry, after_s=_retry_after(response.headers))
+
+
+def _retry_after(headers: Any) -> float | None:
+    """Seconds to wait from `retry-after-ms` or `Retry-After` (seconds or an HTTP date), when given."""
+    if ms := headers.get("retry-after-ms"):
+        try:
+            return float(ms) / 1000
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        return parsedate_to_datetime(value).timestamp() - time.time()
+    except (TypeError, ValueError):
+        return None

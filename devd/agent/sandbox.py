@@ -1,0 +1,117 @@
+"""The sandbox for Exec and Git: bubblewrap, and whether it can start on this machine.
+
+Under `wrap`, a command sees the whole file system read-only, its workspace writable, a private `/tmp`, fresh
+`/dev` and `/proc`, new pid, ipc and uts namespaces (it cannot see or signal anything outside), no network unless
+the profile says `network = true` (a new network namespace has only its own loopback), and no terminal to push
+input into (`--new-session`). It dies with its parent (`--die-with-parent`), so killing bwrap ends the command and
+everything it started. Reads are not restricted, as in Codex's Linux sandbox. `.git` stays writable because Git is
+one of the tools.
+
+`choose` never falls back to running a command unconfined: a profile that wants bubblewrap where it cannot start
+gets a `Refusal` that says why and what to do.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import msgspec
+
+from devd.agent.profiles import Profile
+
+PROBE_TIMEOUT_S = 10.0
+_SEARCH = "/usr/bin:/bin:/usr/local/bin"
+
+
+class Sandbox(msgspec.Struct, frozen=True):
+    """bubblewrap, found at `bwrap`, known to start here."""
+
+    bwrap: str
+
+    def wrap(
+        self, argv: Sequence[str], workspace: Path, network: bool, env: Mapping[str, str] | None = None
+    ) -> list[str]:
+        return wrap(argv, workspace, network, env, bwrap=self.bwrap)
+
+
+class Refusal(msgspec.Struct, frozen=True):
+    """Exec and Git cannot run for this profile; `why` says why and what to do (it is what the model is told)."""
+
+    why: str
+
+
+def wrap(
+    argv: Sequence[str],
+    workspace: Path,
+    network: bool,
+    env: Mapping[str, str] | None = None,
+    *,
+    bwrap: str = "bwrap",
+) -> list[str]:
+    """The bwrap command line that runs argv confined to workspace. With `env`, the command gets exactly that
+    environment (`--clearenv`, then a `--setenv` per variable)."""
+    ws = str(workspace)
+    # Order matters: the read-only root first, then what is mounted over it; /tmp before the workspace, so a
+    # workspace under /tmp is bound on top of the private /tmp rather than hidden by it.
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", ws, ws]
+    args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+    if not network:
+        args.append("--unshare-net")
+    args += ["--die-with-parent", "--new-session", "--chdir", ws]
+    if env is not None:
+        args.append("--clearenv")
+        for name, value in env.items():
+            args += ["--setenv", name, value]
+    return [*args, "--", *argv]
+
+
+def find_bwrap() -> str | None:
+    return shutil.which("bwrap", path=f"{os.environ.get('PATH', '')}:{_SEARCH}")
+
+
+@functools.cache
+def probe(bwrap: str | None = None) -> str | None:
+    """None when bubblewrap (`bwrap`, else the one on the PATH) runs `true` here as `wrap` would run a command, else
+    why not. Tried once per process (it takes a few milliseconds; call it off the event loop)."""
+    bwrap = bwrap or find_bwrap()
+    if bwrap is None:
+        return "bubblewrap is not installed (no bwrap on the PATH)"
+    if not os.access(bwrap, os.X_OK):
+        return f"bubblewrap is not installed (no {bwrap})"
+    with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
+        try:
+            done = subprocess.run(
+                wrap(["true"], Path(ws), False, {"PATH": _SEARCH}, bwrap=bwrap),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=PROBE_TIMEOUT_S,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"bubblewrap cannot start here ({e})"
+    if done.returncode != 0:
+        said = done.stderr.decode("utf-8", "replace").strip().splitlines()
+        return f"bubblewrap cannot start here ({said[-1] if said else f'exit status {done.returncode}'})"
+    return None
+
+
+def choose(profile: Profile, *, bwrap: str | None = None) -> Sandbox | None | Refusal:
+    """How the profile's Exec and Git run: under a Sandbox, unconfined (None: `sandbox = "none"`), or not at all.
+    `bwrap` is the program to use (default: bwrap on the PATH)."""
+    if profile.sandbox == "none":
+        return None
+    bwrap = bwrap or find_bwrap()
+    why = probe(bwrap)
+    if why is None and bwrap is not None:
+        return Sandbox(bwrap=bwrap)
+    setting = f'[agent.{profile.name}] sets sandbox = "{profile.sandbox}"'
+    return Refusal(
+        f"commands cannot run: {why}, and {setting}; install the bubblewrap package (Debian: apt-get install "
+        f'bubblewrap), or set sandbox = "none" in [agent.{profile.name}] to run commands unconfined'
+    )

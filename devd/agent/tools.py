@@ -1,0 +1,321 @@
+"""The tools, confined to a session's workspace: Read, Write, Exec and Git, and Browse.
+
+Every tool answers a `Result` (text, failed); what goes wrong (a refused path, a missing file, a command that fails
+or runs too long) is a failed Result that says so, never an exception. Cancellation is the one thing that is
+raised: a cancelled command's process group is killed first.
+
+Paths: relative to the workspace, resolved with every symlink (parents and the last component); one that leads
+outside the workspace's real path is refused, and nothing outside is read or written. A write is atomic (a temporary
+file in the same directory, created exclusively and without following links, fsynced, renamed over the target, the
+directory fsynced), creating missing directories inside the workspace.
+
+Commands: the workspace as working directory, an environment of only PATH, HOME (the workspace), LANG and TERM,
+stdin from /dev/null, a process group of their own (killed whole at the timeout, at cancellation, and when the
+command exits, so nothing it started outlives it), stdout and stderr interleaved and capped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import stat
+import subprocess
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import msgspec
+from anyio.abc import Process
+
+from devd.agent import http
+from devd.agent.profiles import Profile
+from devd.agent.sandbox import Sandbox
+
+ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
+DRAIN_AFTER_EXIT_S = 2.0  # how long output is still read once the command has exited and its group was killed
+KILL_WAIT_S = 5.0
+
+
+class Result(msgspec.Struct, frozen=True):
+    text: str
+    failed: bool = False
+
+
+class Refused(Exception):
+    """A path the tools will not touch; `why` says why (and is what the model is told)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+# -- paths --------------------------------------------------------------------------------------------------------
+
+
+def resolve(workspace: Path, path: str, *, for_write: bool) -> Path:
+    """The real path `path` names inside the workspace; Refused when it is absolute, climbs out, or leads outside
+    through a symlink. For a write, a symlink as the last component is followed, and must stay inside too."""
+    root = Path(os.path.realpath(workspace))
+    if not path or "\x00" in path:
+        raise Refused(f"{path!r} is not a usable path; give a path relative to the workspace")
+    if os.path.isabs(path):
+        raise Refused(f"{path} is absolute; give a path relative to the workspace")
+    if os.path.normpath(path).split(os.sep)[0] == "..":
+        raise Refused(f"{path} climbs out of the workspace; give a path inside it")
+    real = Path(os.path.realpath(root / path))
+    if real != root and not real.is_relative_to(root):
+        raise Refused(f"{path} leads outside the workspace (to {real}) through a symbolic link")
+    if for_write and real == root:
+        raise Refused(f"{path} is the workspace itself, not a file in it")
+    return real
+
+
+# -- Read and Write -----------------------------------------------------------------------------------------------
+
+
+async def read_file(workspace: Path, path: str, limit_bytes: int) -> Result:
+    """The file's text (invalid UTF-8 replaced), at most `limit_bytes` of it with a note saying what was cut."""
+    return await anyio.to_thread.run_sync(_read, workspace, path, limit_bytes)
+
+
+def _read(workspace: Path, path: str, limit_bytes: int) -> Result:
+    try:
+        real = resolve(workspace, path, for_write=False)
+    except Refused as e:
+        return Result(f"refused: {e.why}", failed=True)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return Result(f"{path} does not exist", failed=True)
+    except OSError as e:
+        return Result(f"cannot read {path}: {e.strerror}", failed=True)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if stat.S_ISDIR(st.st_mode):
+            return Result(f"{path} is a directory; it holds: {_listing(real)}", failed=True)
+        if not stat.S_ISREG(st.st_mode):
+            return Result(f"{path} is not a regular file", failed=True)
+        data = f.read(limit_bytes + 1)
+    if b"\x00" in data:
+        return Result(f"{path} is a binary file ({st.st_size} bytes); it is not shown", failed=True)
+    text = data[:limit_bytes].decode("utf-8", "replace")
+    if len(data) > limit_bytes:
+        text += f"\n[cut: {st.st_size - limit_bytes} more bytes of {path} were not read]"
+    return Result(text)
+
+
+def _listing(directory: Path, most: int = 50) -> str:
+    names = sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in os.scandir(directory))
+    shown = ", ".join(names[:most]) or "nothing"
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+async def write_file(workspace: Path, path: str, text: str) -> Result:
+    """Replace (or create) the file with `text`, atomically; missing directories inside the workspace are made."""
+    return await anyio.to_thread.run_sync(_write, workspace, path, text)
+
+
+def _write(workspace: Path, path: str, text: str) -> Result:
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return Result(f"the text for {path} is not valid Unicode ({e.reason} at {e.start}); nothing was written", True)
+    try:
+        real = resolve(workspace, path, for_write=True)
+        _make_parents(Path(os.path.realpath(workspace)), real.parent)
+        _replace(real, data)
+    except Refused as e:
+        return Result(f"refused: {e.why}", failed=True)
+    except OSError as e:
+        return Result(f"cannot write {path}: {e.strerror or e}; the file is as it was", failed=True)
+    return Result(f"wrote {len(data)} bytes to {path}")
+
+
+def _make_parents(root: Path, parent: Path) -> None:
+    """Make the directories between root and parent, one at a time, refusing a component that is not a directory
+    of the workspace by the time it is made (a link swapped in meanwhile)."""
+    missing = []
+    at = parent
+    while not at.exists() and at != root:
+        missing.append(at)
+        at = at.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir()
+    if Path(os.path.realpath(parent)) != parent:
+        raise Refused(f"{parent} changed while it was being made; nothing was written")
+
+
+def _replace(target: Path, data: bytes) -> None:
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    dir_fd = os.open(target.parent, flags)
+    try:
+        mode = 0o644
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(target.name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                raise Refused(f"{target.name} is a directory; a file cannot replace it")
+            mode = stat.S_IMODE(st.st_mode)
+        temp = f".{target.name}.devd-{uuid.uuid4().hex[:12]}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(temp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dir_fd)
+            raise
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# -- Exec and Git -------------------------------------------------------------------------------------------------
+
+
+def command_env(workspace: Path) -> dict[str, str]:
+    """The whole environment a command gets: nothing of the daemon's (no API key can leak into it)."""
+    return {"PATH": ENV_PATH, "HOME": str(workspace), "LANG": "C.UTF-8", "TERM": "dumb"}
+
+
+async def run_command(argv: Sequence[str], *, workspace: Path, profile: Profile, sandbox: Sandbox | None) -> Result:
+    """Run argv in the workspace (under `sandbox` when given) as the profile allows: its timeout, its output cap.
+    Git is `run_command(["git", *argv], ...)`. Cancelled: the process group is killed, then the cancel is raised."""
+    if not argv:
+        return Result("there is no command to run (argv is empty)", failed=True)
+    env = command_env(workspace)
+    command = sandbox.wrap(argv, workspace, profile.network, env) if sandbox is not None else list(argv)
+    try:
+        process = await anyio.open_process(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # interleaved as written
+            cwd=workspace,
+            env=env,
+            start_new_session=True,
+        )
+    except FileNotFoundError:
+        return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
+    except OSError as e:
+        return Result(f"{argv[0]}: cannot start: {e.strerror or e}", failed=True)
+    output = _Capped(profile.output_bytes_max)
+    try:
+        timed_out = await _supervise(process, output, profile.exec_timeout_s)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _kill(process)
+        raise
+    return _outcome(process, output, timed_out, profile)
+
+
+class _Capped:
+    """The first `limit` bytes of a command's output, and how many more there were."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = bytearray()
+        self.cut = 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.limit - len(self.kept)
+        self.kept += chunk[: max(room, 0)]
+        self.cut += max(len(chunk) - max(room, 0), 0)
+
+
+async def _supervise(process: Process, output: _Capped, timeout_s: float) -> bool:
+    """Read the output until the command exits or its time is up; then kill its group. True when it timed out."""
+    assert process.stdout is not None
+    stdout = process.stdout
+
+    eof = anyio.Event()
+
+    async def read_all() -> None:
+        try:
+            while True:
+                output.add(await stdout.receive(65536))
+        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+        finally:
+            eof.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read_all)
+        with anyio.move_on_after(timeout_s) as deadline:
+            await process.wait()
+        # Whatever of its group is still alive goes now: at the timeout, the command too; after it exited, what it
+        # left behind (which would hold the output pipe open).
+        _killpg(process)
+        with anyio.move_on_after(DRAIN_AFTER_EXIT_S):
+            await process.wait()
+            await eof.wait()
+        tg.cancel_scope.cancel()
+    await stdout.aclose()
+    return deadline.cancelled_caught
+
+
+def _killpg(process: Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+async def _kill(process: Process) -> None:
+    _killpg(process)
+    with anyio.move_on_after(KILL_WAIT_S):
+        await process.wait()
+    if process.stdout is not None:
+        await process.stdout.aclose()
+
+
+def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profile) -> Result:
+    text = output.kept.decode("utf-8", "replace")
+    notes = []
+    if output.cut:
+        notes.append(f"[output cut: {output.cut} more bytes were not kept (output_bytes_max = {output.limit})]")
+    code = process.returncode
+    if timed_out:
+        notes.append(f"[timed out after {profile.exec_timeout_s:g} s; the command and all it started were killed]")
+    elif code is not None and code < 0:
+        notes.append(f"[killed by signal {signal.Signals(-code).name}]")
+    elif code:
+        notes.append(f"[exit status {code}]")
+    if notes:
+        text = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(notes)
+    return Result(text, failed=timed_out or bool(code))
+
+
+# -- Browse -------------------------------------------------------------------------------------------------------
+
+
+async def browse(url: str, limit_bytes: int, *, client: http.Client | None = None) -> Result:
+    """GET the page and give its text (as sent: HTML stays HTML), capped at limit_bytes with a note."""
+    if (why := http.valid_url(url)) is not None:
+        return Result(f"cannot fetch {url!r}: {why}", failed=True)
+    if client is None:
+        async with http.new_client(read_timeout_s=30.0) as own:
+            return await _browse(own, url, limit_bytes)
+    return await _browse(client, url, limit_bytes)
+
+
+async def _browse(client: http.Client, url: str, limit_bytes: int) -> Result:
+    try:
+        async with http.get(client, url) as response:
+            data, cut = await response.read(limit_bytes)
+            status, kind = response.status, response.headers.get("content-type", "")
+    except http.TransportError as e:
+        return Result(f"cannot fetch {url}: {e.why}", failed=True)
+    charset = kind.partition("charset=")[2].split(";")[0].strip() or "utf-8"
+    try:
+        text = data.decode(charset, "replace")
+    except LookupError:
+        text = data.decode("utf-8", "replace")
+    if cut:
+        text += f"\n[cut: the page is longer than {limit_bytes} bytes; the rest was not read]"
+    if status >= 400:
+        return Result(f"GET {url}: HTTP {status}\n{text}", failed=True)
+    return Result(text)

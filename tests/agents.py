@@ -1,0 +1,99 @@
+"""The agent runtime end to end, shared by its tests: the real daemon with an agents file whose one profile talks to
+the stand-in model server, a workspace on disk, and helpers that wait for a turn's end through a watch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devd.client import Client, Reply
+from tests.daemon import Daemon
+from tests.standin_model import Standin
+
+SECRET = "sk-devd-test-0123456789abcdef"  # the profile's API key: it must never show up anywhere but the request
+SYSTEM = "You are a careful coding agent."
+NOTICE_TIMEOUT_S = 30.0
+
+
+def agents_toml(url: str, root: Path, **extra: str) -> str:
+    """An agents file of one profile, `coder`; extra keys are TOML values as written (e.g. sandbox='"none"')."""
+    lines = [
+        "[agent.coder]",
+        f'base_url = "{url}"',
+        'model = "standin-model"',
+        'api_key_env = "DEVD_TEST_KEY"',
+        f'system = "{SYSTEM}"',
+        f'workspace_roots = ["{root}"]',
+        'rules = [ { prefix = ["touch"], decision = "deny" } ]',
+        "exec_timeout_s = 60",
+        *(f"{key} = {value}" for key, value in extra.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Agentd:
+    """A daemon with agents, its workspace, and the stand-in its profile asks."""
+
+    daemon: Daemon
+    workspace: Path
+    standin: Standin
+
+    def client(self) -> Client:
+        return self.daemon.client()
+
+    def session(self, c: Client) -> str:
+        return c.new(agent="coder", workspace=self.workspace)
+
+
+def start(tmp_path: Path, standin: Standin, *args: str, env: dict[str, str] | None = None, **extra: str) -> Agentd:
+    workspace = tmp_path / "roots" / "ws"
+    workspace.mkdir(parents=True)
+    agents = tmp_path / "agents.toml"
+    agents.write_text(agents_toml(standin.url, tmp_path / "roots", **extra))
+    daemon = Daemon(tmp_path / "d", "--agents", str(agents), *args, env={"DEVD_TEST_KEY": SECRET, **(env or {})})
+    return Agentd(daemon.start(), workspace, standin)
+
+
+@pytest.fixture
+def agentd(tmp_path: Path, standin: Standin) -> Iterator[Agentd]:
+    running = start(tmp_path, standin)
+    with running.daemon:
+        yield running
+
+
+def watch_raw(c: Client, session: str, since: int | None = None) -> None:
+    params: dict[str, Any] = {"session": session}
+    if since is not None:
+        params["since"] = since
+    c.call("session/watch", params)
+
+
+def until_done(c: Client, turn: int) -> list[Reply]:
+    """The notices c receives (it watches the session) up to the step that answers the turn's Done."""
+    seen = []
+    while True:
+        notice = c.wait_notification(NOTICE_TIMEOUT_S)
+        seen.append(notice)
+        if notice.method == "session/actions" and any(
+            a["op"].get("Done", {}).get("turn") == turn for a in notice.params["actions"]
+        ):
+            return seen
+
+
+def run_turn(c: Client, session: str, prompt: str) -> list[Reply]:
+    """Prompt the session and wait (watching it from before the prompt) for the turn's Done; the notices."""
+    watch_raw(c, session, since=c.list().sessions[[s.session for s in c.list().sessions].index(session)].seq)
+    turn = c.prompt(session, prompt)
+    return until_done(c, turn)
+
+
+def conversation(c: Client, session: str) -> list[Any]:
+    """The session's transcript as plain JSON."""
+    import msgspec
+
+    return msgspec.to_builtins(c.transcript(session))  # type: ignore[no-any-return]

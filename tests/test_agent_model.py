@@ -1,0 +1,360 @@
+"""The model driver against the stand-in server over real HTTP: the request, the stream, retries, cancellation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+
+from devd.agent import http
+from devd.agent.model import (
+    Attempt,
+    Completion,
+    Inserted,
+    ModelUnavailable,
+    Rejected,
+    ToolCall,
+    Usage,
+    complete,
+    parse_sse,
+    rejected_messages,
+    request_body,
+    to_reply,
+)
+from devd.agent.profiles import Profile
+from devd.messages import Agent, Call, Dispatch, Exec, Message, Read, Reply, Tool, Write
+from tests.standin_model import Scripted, Standin, check_request, standin_fixture  # noqa: F401 (the fixture)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[http.Client]:
+    async with http.new_client() as c:
+        yield c
+
+
+def profile(base_url: str = "http://127.0.0.1:9/v1", **fields: Any) -> Profile:
+    base: dict[str, Any] = {"name": "coder", "base_url": base_url, "model": "m1", "workspace_roots": ("/",)}
+    return Profile(**(base | fields))
+
+
+CONVERSATION = [
+    Message(User="fix the build"),
+    Message(
+        Agent=Agent(
+            text="Looking.",
+            calls=[
+                Dispatch(id=2, call=Call(Exec=Exec(argv=["make"]))),
+                Dispatch(id=3, call=Call(Write=Write(path="a.c", text="int x;"))),
+            ],
+        )
+    ),
+    Message(Tool=Tool(id=2, text="cc: error", failed=True)),
+    Message(Tool=Tool(id=3, text="wrote a.c")),
+]
+
+
+def test_request_body_is_the_system_prompt_then_the_conversation() -> None:
+    body = request_body(profile(system="Be careful."), CONVERSATION, exec_available=True)
+    assert body["messages"] == [
+        {"role": "system", "content": "Be careful."},
+        {"role": "user", "content": "fix the build"},
+        {
+            "role": "assistant",
+            "content": "Looking.",
+            "tool_calls": [
+                {"id": "call_2", "type": "function", "function": {"name": "exec", "arguments": '{"argv":["make"]}'}},
+                {
+                    "id": "call_3",
+                    "type": "function",
+                    "function": {"name": "write", "arguments": '{"path":"a.c","text":"int x;"}'},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_2", "content": "error: cc: error"},
+        {"role": "tool", "tool_call_id": "call_3", "content": "wrote a.c"},
+    ]
+
+
+def test_request_body_streams_with_usage_and_the_profiles_max_tokens() -> None:
+    body = request_body(profile(max_tokens=99), CONVERSATION[:1])
+    assert {k: v for k, v in body.items() if k not in ("messages", "tools")} == {
+        "model": "m1",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 99,
+    }
+
+
+def test_the_tools_offered_are_those_the_profile_allows() -> None:
+    def names(p: Profile, exec_available: bool) -> list[str]:
+        return [t["function"]["name"] for t in request_body(p, [], exec_available=exec_available)["tools"]]
+
+    assert [
+        names(profile(), True),
+        names(profile(), False),
+        names(profile(exec="deny", write="deny", tools=("browse",)), True),
+    ] == [["exec", "read", "write", "git"], ["read", "write"], ["read", "browse"]]
+
+
+def test_a_tool_has_a_json_schema_of_its_parameters() -> None:
+    tools = request_body(profile(), [])["tools"]
+    assert tools[1] == {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "description": "Read a text file of the workspace.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string", "description": "a path relative to the workspace"}},
+                "required": ["path"],
+                "additionalProperties": False,
+            },
+        },
+    }
+
+
+def test_inserted_messages_go_before_their_index_and_the_request_stays_valid() -> None:
+    rejected = [Rejected(call_id="call_x", name="shell", arguments="{}", why="there is no tool named shell")]
+    extra = [Inserted(before=1, messages=rejected_messages(None, rejected))]
+    body = request_body(profile(), CONVERSATION, extra)
+    roles = [(m["role"], m.get("tool_call_id")) for m in body["messages"]]
+    assert (roles[:4], check_request(body)) == (
+        [("user", None), ("assistant", None), ("tool", "call_x"), ("assistant", None)],
+        None,
+    )
+
+
+SPLIT_STREAM = [
+    'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}',
+    "",
+    'data: {"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}',
+    ": keep-alive",
+    'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c0","type":"function",'
+    '"function":{"name":"read","arguments":"{\\"pa"}}]},"finish_reason":null}]}',
+    'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"id":"c1","type":"function",'
+    '"function":{"name":"exec","arguments":""}}]},"finish_reason":null}]}',
+    'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"th\\": \\"a\\"}"}}]},'
+    '"finish_reason":null}]}',
+    'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"function":{"arguments":"{\\"argv\\":[]}"}}]},'
+    '"finish_reason":"tool_calls"}]}',
+    'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,'
+    '"prompt_tokens_details":{"cached_tokens":8}}}',
+    "data: [DONE]",
+]
+
+
+def test_sse_concatenates_text_and_tool_call_fragments_by_index() -> None:
+    assert parse_sse(SPLIT_STREAM) == Completion(
+        text="Hello",
+        tool_calls=[
+            ToolCall(id="c0", name="read", arguments='{"path": "a"}'),
+            ToolCall(id="c1", name="exec", arguments='{"argv":[]}'),
+        ],
+        usage=Usage(prompt_tokens=12, completion_tokens=5, cached_tokens=8),
+        finish_reason="tool_calls",
+    )
+
+
+def completion(*calls: tuple[str, str], text: str | None = None) -> Completion:
+    return Completion(
+        text=text, tool_calls=[ToolCall(id=f"c{i}", name=n, arguments=a) for i, (n, a) in enumerate(calls)]
+    )
+
+
+def test_to_reply_maps_tool_calls_to_the_cores_calls() -> None:
+    reply, rejected = to_reply(completion(("read", '{"path": "a"}'), ("exec", '{"argv": ["ls"]}'), text="ok"))
+    assert (reply, rejected) == (
+        Reply(text="ok", calls=[Call(Read=Read(path="a")), Call(Exec=Exec(argv=["ls"]))]),
+        [],
+    )
+
+
+def test_an_unknown_tool_is_rejected_saying_which_tools_there_are() -> None:
+    _, rejected = to_reply(completion(("shell", "{}")))
+    assert rejected == [
+        Rejected("c0", "shell", "{}", 'there is no tool named "shell"; the tools are exec, read, write, git, browse')
+    ]
+
+
+def test_arguments_that_are_not_json_are_rejected_saying_what_is_expected() -> None:
+    _, rejected = to_reply(completion(("read", '{"path": ')))
+    assert rejected[0].why == (
+        'the arguments of read are not JSON (Expecting value: line 1 column 10 (char 9)); read expects {"path": '
+        '"relative/path"}'
+    )
+
+
+def test_arguments_that_do_not_fit_are_rejected_saying_what_is_wrong() -> None:
+    reply, rejected = to_reply(completion(("write", '{"path": "a"}'), ("read", '{"path": "b"}')))
+    assert (reply.calls, rejected[0].why) == (
+        [Call(Read=Read(path="b"))],
+        "the arguments of write do not fit (Object missing required field `text`); write expects "
+        '{"path": "relative/path", "text": "the whole new content"}',
+    )
+
+
+def test_an_exec_without_a_program_is_rejected() -> None:
+    _, rejected = to_reply(completion(("exec", '{"argv": []}')))
+    assert rejected[0].why.startswith("exec needs a program to run, argv is empty")
+
+
+async def test_complete_streams_each_fragment_in_order(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(text="The build is fixed now.", split=4))
+    fragments: list[str] = []
+    done = await complete(
+        client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, on_text=fragments.append
+    )
+    assert (fragments, "".join(fragments)) == (
+        ["The ", "buil", "d is", " fix", "ed n", "ow."],
+        done.text,
+    )
+
+
+async def test_complete_sends_the_key_as_a_bearer_token(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(text="hi"))
+    await complete(client, profile(standin.url), CONVERSATION[:1], api_key="sk-1", exec_available=True)
+    assert standin.requests[0].headers["authorization"] == "Bearer sk-1"
+
+
+async def test_complete_returns_tool_calls_and_usage(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(text="Reading.", tool_calls=[("read", {"path": "Makefile"})], usage=(30, 7, 16)))
+    done = await complete(client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True)
+    assert done == Completion(
+        text="Reading.",
+        tool_calls=[ToolCall(id="call_standin_0", name="read", arguments='{"path": "Makefile"}')],
+        usage=Usage(30, 7, 16),
+        finish_reason="tool_calls",
+        response_model="m1",
+    )
+
+
+async def test_a_500_is_retried_and_the_next_attempt_answers(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(status=500), Scripted(text="ok"))
+    outcomes: list[Attempt] = []
+    await complete(
+        client,
+        profile(standin.url),
+        CONVERSATION[:1],
+        api_key=None,
+        exec_available=True,
+        on_attempt=outcomes.append,
+        backoff_s=0,
+    )
+    assert ([(a.outcome, a.status) for a in outcomes], standin.count) == ([("retry", 500), ("ok", 200)], 2)
+
+
+async def test_a_429_waits_for_its_retry_after_not_the_backoff(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(status=429, retry_after="0"), Scripted(text="ok"))
+    with anyio.fail_after(30):  # the backoff would wait 100 s
+        done = await complete(
+            client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, backoff_s=100
+        )
+    assert (done.text, standin.count) == ("ok", 2)
+
+
+async def test_spent_attempts_raise_model_unavailable_saying_why(standin: Standin, client: http.Client) -> None:
+    standin.script(*[Scripted(status=503, message="overloaded")] * 3)
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(
+            client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, attempts=3, backoff_s=0
+        )
+    assert e.value.why == f"model server {standin.url}: 503 overloaded after 3 attempts"
+
+
+async def test_a_refused_connection_is_retried_then_unavailable(client: http.Client) -> None:
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(
+            client, profile("http://127.0.0.1:9/v1"), CONVERSATION[:1], api_key=None, exec_available=True, backoff_s=0
+        )
+    assert e.value.why.endswith("after 4 attempts")
+
+
+async def test_a_400_is_not_retried_and_says_the_servers_message(standin: Standin, client: http.Client) -> None:
+    bad = [Message(Tool=Tool(id=7, text="orphan"))]
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(client, profile(standin.url), bad, api_key=None, exec_available=True)
+    assert (e.value.why, standin.count) == (
+        f"model server {standin.url}: 400 Invalid parameter: messages with role 'tool' must be a response to a "
+        "preceeding message with 'tool_calls'. (messages[0].tool_call_id = \"call_7\")",
+        1,
+    )
+
+
+async def test_a_server_that_does_not_stream_is_read_whole(standin: Standin, client: http.Client) -> None:
+    def answer_whole(body: dict[str, Any]) -> Scripted:
+        return Scripted(text="whole")
+
+    standin.script(answer_whole)
+    async with http.post(
+        client,
+        f"{standin.url}/chat/completions",
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        {"Content-Type": "application/json"},
+    ) as response:
+        data, _ = await response.read(1 << 20)
+    assert json.loads(data)["choices"][0]["message"]["content"] == "whole"
+
+
+async def test_cancelling_closes_the_stream(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(text="never finished", hang=True))
+    started = anyio.Event()
+    outcomes: list[Attempt] = []
+
+    async def ask() -> None:
+        await complete(
+            client,
+            profile(standin.url),
+            CONVERSATION[:1],
+            api_key=None,
+            exec_available=True,
+            on_text=lambda _: started.set(),
+            on_attempt=outcomes.append,
+        )
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            await started.wait()
+            tg.cancel_scope.cancel()
+    closed = await anyio.to_thread.run_sync(standin.wait_closed)
+    assert (closed, [a.outcome for a in outcomes]) == (True, ["cancelled"])
+
+
+async def test_an_async_on_text_is_awaited_for_each_fragment(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(text="abcdef", split=2))
+    seen: list[str] = []
+
+    async def on_text(fragment: str) -> None:
+        await anyio.sleep(0)
+        seen.append(fragment)
+
+    await complete(client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, on_text=on_text)
+    assert seen == ["ab", "cd", "ef"]
+
+
+def test_the_standin_refuses_calls_without_their_results() -> None:
+    body = request_body(profile(), CONVERSATION[:3])
+    assert check_request(body) == (
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        "'tool_call_id'. The following tool_call_ids did not have response messages: call_3"
+    )
+
+
+def test_the_standin_refuses_a_result_not_answering_the_message_before_it() -> None:
+    body = request_body(profile(), [*CONVERSATION, Message(User="again"), Message(Tool=Tool(id=2, text="late"))])
+    assert check_request(body) == (
+        "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with "
+        "'tool_calls'. (messages[5].tool_call_id = \"call_2\")"
+    )
+
+
+def test_the_standin_refuses_a_request_without_a_model() -> None:
+    assert check_request({"messages": [{"role": "user", "content": "hi"}]}) == "you must provide a model parameter"

@@ -1,0 +1,565 @@
+"""The daemon carries out a session's actions itself (issue 17): end to end against the real daemon, the stand-in
+model server, real files and real bubblewrap."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from devd import errors
+from devd.client import Client
+from devd.messages import Cancel, Event
+from tests.agents import SECRET, SYSTEM, Agentd, agentd, conversation, run_turn, start, until_done, watch_raw
+from tests.daemon import ROOT
+from tests.standin_model import Scripted, Standin, standin_fixture
+
+__all__ = ["agentd", "standin_fixture"]
+
+INTERRUPTED = (
+    "interrupted: the daemon stopped while this {what} ran, so it may have partly run; it was not run again "
+    "(check the workspace before you run it again)"
+)
+
+
+def results(c: Client, session: str) -> list[tuple[int, str, bool]]:
+    """Every call's result in the session's conversation: (action id, text, failed)."""
+    return [
+        (m["Tool"]["id"], m["Tool"]["text"], m["Tool"].get("failed", False))
+        for m in conversation(c, session)
+        if "Tool" in m
+    ]
+
+
+def tool_messages(standin: Standin, request: int) -> list[str]:
+    return [m["content"] for m in standin.requests[request].body["messages"] if m["role"] == "tool"]
+
+
+def wait_for(predicate: object, what: str, timeout_s: float = 20.0) -> None:
+    """Poll a condition outside the daemon's protocol (a file, a process): a deadline, never a bare sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.01)
+
+
+# -- a whole turn -------------------------------------------------------------------------------------------------
+
+
+def test_a_turn_writes_a_file_runs_a_command_reads_it_and_finishes(agentd: Agentd) -> None:
+    agentd.standin.script(
+        Scripted(text="Writing the note.", tool_calls=[("write", {"path": "notes.txt", "text": "hello\n"})]),
+        Scripted(tool_calls=[("exec", {"argv": ["wc", "-c", "notes.txt"]})]),
+        Scripted(tool_calls=[("read", {"path": "notes.txt"})]),
+        Scripted(text="notes.txt holds hello."),
+    )
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "write a note")
+        assert conversation(c, session) == [
+            {"User": "write a note"},
+            {
+                "Agent": {
+                    "text": "Writing the note.",
+                    "calls": [{"id": 2, "call": {"Write": {"path": "notes.txt", "text": "hello\n"}}}],
+                }
+            },
+            {"Tool": {"id": 2, "text": "wrote 6 bytes to notes.txt"}},
+            {"Agent": {"calls": [{"id": 4, "call": {"Exec": {"argv": ["wc", "-c", "notes.txt"]}}}]}},
+            {"Tool": {"id": 4, "text": "6 notes.txt\n"}},
+            {"Agent": {"calls": [{"id": 6, "call": {"Read": {"path": "notes.txt"}}}]}},
+            {"Tool": {"id": 6, "text": "hello\n"}},
+            {"Agent": {"text": "notes.txt holds hello."}},
+        ]
+
+
+def test_each_request_carries_the_system_prompt_the_key_and_the_conversation(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(tool_calls=[("read", {"path": "missing.txt"})]), Scripted(text="none"))
+    with agentd.client() as c:
+        run_turn(c, agentd.session(c), "read it")
+    second = agentd.standin.requests[1]
+    assert (second.headers["authorization"], second.body["messages"][:2], tool_messages(agentd.standin, 1)) == (
+        f"Bearer {SECRET}",
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "read it"}],
+        ["error: missing.txt does not exist"],
+    )
+
+
+def test_the_secret_reaches_neither_the_journal_the_log_nor_the_list_nor_a_command(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": ["env"]})]), Scripted(text="ok"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "show the environment")
+        seen = json.dumps(conversation(c, session)) + c.call_raw("session/list").decode()
+    assert SECRET not in seen + agentd.daemon.log.read_text() + (agentd.daemon.state / "devd.sqlite3").read_text(
+        errors="replace"
+    )
+
+
+def test_a_second_connection_sees_the_text_stream_before_the_model_step(agentd: Agentd) -> None:
+    text = "Streaming this reply in many small pieces."
+    agentd.standin.script(Scripted(text=text, split=4, delay_s=0.01))
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        seen = until_done(ui, c.prompt(session, "stream"))
+    deltas = [n.params["text"] for n in seen if n.method == "session/delta"]
+    model_step = next(i for i, n in enumerate(seen) if n.method == "session/actions" and "Model" in n.params["event"])
+    last_delta = max(i for i, n in enumerate(seen) if n.method == "session/delta")
+    assert ("".join(deltas), last_delta < model_step) == (text, True)
+
+
+def test_text_written_beside_tool_calls_is_streamed_too(agentd: Agentd) -> None:
+    agentd.standin.script(
+        Scripted(text="Let me look.", tool_calls=[("read", {"path": "a.txt"})]), Scripted(text="Done.")
+    )
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        seen = until_done(ui, c.prompt(session, "look"))
+    assert "".join(n.params["text"] for n in seen if n.method == "session/delta") == "Let me look.Done."
+
+
+# -- sessions of an agent --------------------------------------------------------------------------------------------
+
+
+def test_an_unknown_agent_is_invalid_params_naming_the_agents_there_are(agentd: Agentd) -> None:
+    with agentd.client() as c, pytest.raises(errors.InvalidParamsError) as refused:
+        c.new(agent="nobody", workspace=agentd.workspace)
+    assert str(refused.value) == "there is no agent 'nobody'; the agents are coder"
+
+
+def test_a_workspace_outside_the_roots_is_invalid_params(agentd: Agentd, tmp_path: Path) -> None:
+    with agentd.client() as c, pytest.raises(errors.InvalidParamsError) as refused:
+        c.new(agent="coder", workspace=tmp_path)
+    assert str(refused.value).startswith(f"workspace {tmp_path} is not inside a workspace root of agent 'coder'")
+
+
+def test_prompt_on_a_session_without_an_agent_is_invalid_params(agentd: Agentd) -> None:
+    with agentd.client() as c:
+        session = c.new()
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.prompt(session, "hello")
+    assert str(refused.value).startswith(f"session {session!r} was not made with an agent")
+
+
+def test_a_prompt_retried_with_its_key_answers_the_same_turn_and_starts_nothing(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="once"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "hello", key="k1")
+        until_done(c, turn)
+        again = c.prompt(session, "hello", key="k1")
+    assert (again, agentd.standin.count) == (turn, 1)
+
+
+def test_turns_are_numbered_above_every_turn_the_session_had(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="one"), Scripted(text="two"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        first = c.prompt(session, "one")
+        until_done(c, first)
+        second = c.prompt(session, "two")
+        until_done(c, second)
+    assert (first, second) == (1, 3)
+
+
+def test_the_agent_and_workspace_survive_a_restart_and_a_fork_carries_them(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="before"), Scripted(text="in the fork"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "first")
+    agentd.daemon.stop()
+    agentd.daemon.start()
+    with agentd.client() as c:
+        fork = c.fork(session)
+        run_turn(c, fork, "second")
+        assert conversation(c, fork)[-1] == {"Agent": {"text": "in the fork"}}
+
+
+# -- confinement and policy ------------------------------------------------------------------------------------------
+
+
+def test_a_symlink_that_leaves_the_workspace_is_refused_and_nothing_outside_is_read(agentd: Agentd) -> None:
+    outside = agentd.workspace.parent.parent / "secret.txt"
+    outside.write_text("do not read\n")
+    (agentd.workspace / "link").symlink_to(outside)
+    agentd.standin.script(Scripted(tool_calls=[("read", {"path": "link"})]), Scripted(text="ok"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "read the link")
+        assert results(c, session) == [
+            (2, f"refused: link leads outside the workspace (to {outside}) through a symbolic link", True)
+        ]
+
+
+def test_dotdot_and_absolute_paths_are_refused_before_anything_is_touched(agentd: Agentd) -> None:
+    agentd.standin.script(
+        Scripted(tool_calls=[("write", {"path": "../escaped.txt", "text": "x"}), ("read", {"path": "/etc/hostname"})]),
+        Scripted(text="ok"),
+    )
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "escape")
+        refused = results(c, session)
+    assert ([failed for _, _, failed in refused], (agentd.workspace.parent / "escaped.txt").exists()) == (
+        [True, True],
+        False,
+    )
+
+
+def test_a_command_cannot_write_outside_the_workspace_under_the_sandbox(agentd: Agentd) -> None:
+    outside = ROOT / f".outside-{os.getpid()}.txt"  # not under /tmp, which the sandbox makes a private one
+    agentd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", f"echo x > {outside}"]})]), Scripted(text="ok")
+    )
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "write outside")
+        ((_, text, failed),) = results(c, session)
+    assert (failed, "Read-only file system" in text, outside.exists()) == (True, True, False)
+
+
+def test_a_command_cannot_reach_the_network_under_the_sandbox(agentd: Agentd) -> None:
+    port = agentd.standin.url.split(":")[2].split("/")[0]
+    connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5)"
+    agentd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": [sys.executable, "-c", connect]})]), Scripted(text="ok")
+    )
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "connect")
+        ((_, text, failed),) = results(c, session)
+    assert (failed, "ConnectionRefusedError" in text, agentd.standin.count) == (True, True, 2)
+
+
+def test_a_call_the_policy_denies_never_runs(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": ["touch", "marker"]})]), Scripted(text="ok"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "touch it")
+        assert (results(c, session), (agentd.workspace / "marker").exists()) == (
+            [(2, "denied by the policy: the rule prefix = ['touch'] of agent 'coder' says deny", True)],
+            False,
+        )
+
+
+def test_a_tool_call_the_core_cannot_take_is_answered_to_the_model_as_a_failed_call(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(tool_calls=[("delete_everything", {})]), Scripted(text="sorry"))
+    with agentd.client() as c:
+        run_turn(c, agentd.session(c), "go")
+    assert tool_messages(agentd.standin, 1) == [
+        'error: there is no tool named "delete_everything"; the tools are exec, read, write, git, browse'
+    ]
+
+
+def test_a_rejected_call_stays_in_every_later_request(agentd: Agentd) -> None:
+    agentd.standin.script(
+        Scripted(tool_calls=[("read", {"path": "a"}), ("exec", "not json")]),
+        Scripted(text="one"),
+        Scripted(text="two"),
+    )
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "first")
+        run_turn(c, session, "second")
+    first, last = agentd.standin.requests[1].body["messages"], agentd.standin.requests[2].body["messages"]
+    assert last[: len(first)] == first
+
+
+# -- stalls ----------------------------------------------------------------------------------------------------------
+
+
+def test_an_unreachable_model_stalls_the_session_until_it_is_resumed(agentd: Agentd) -> None:
+    agentd.standin.script(*[Scripted(status=500)] * 4)
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        c.prompt(session, "hello")
+        stalled = next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+        listed = c.list().sessions[0].stalled
+        agentd.standin.script(Scripted(text="back again"))
+        c.resume(session)
+        until_done(ui, 1)
+        assert (stalled.params["action"], listed, c.list().sessions[0].stalled, conversation(c, session)[-1]) == (
+            1,
+            stalled.params["why"],
+            None,
+            {"Agent": {"text": "back again"}},
+        )
+
+
+# -- crashes: nothing run twice, nothing acknowledged lost, every turn ends -------------------------------------------
+
+
+def test_a_command_the_daemon_was_killed_during_is_not_run_again_and_is_stepped_interrupted(agentd: Agentd) -> None:
+    marker = agentd.workspace / "runs"
+    agentd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs; sleep 60"]})]), Scripted(text="after")
+    )
+    with agentd.client() as c:
+        session = agentd.session(c)
+        c.prompt(session, "run it")
+    wait_for(marker.exists, "the command's first line")
+    agentd.daemon.kill()
+    agentd.daemon.start()
+    with agentd.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, 1)
+        assert (marker.read_text(), results(c, session)) == (
+            "run\n",
+            [(2, INTERRUPTED.format(what="command"), True)],
+        )
+
+
+@pytest.mark.parametrize(
+    ("point", "what"),
+    [("agent.claimed", "write"), ("agent.done", "write")],
+)
+def test_a_write_the_daemon_was_killed_around_is_not_done_again(
+    tmp_path: Path, standin: Standin, point: str, what: str
+) -> None:
+    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": f"{point}=kill@1"})
+    standin.script(Scripted(tool_calls=[("write", {"path": "w.txt", "text": "once"})]), Scripted(text="after"))
+    with running.client() as c:
+        session = running.session(c)
+        c.prompt(session, "write")
+    running.daemon.proc.wait(20)  # type: ignore[union-attr]
+    running.daemon.env = {k: v for k, v in running.daemon.env.items() if k != "DEVD_FAILPOINTS"}
+    with running.daemon.start(), running.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, 1)
+        assert results(c, session) == [(2, INTERRUPTED.format(what=what), True)]
+
+
+def test_a_model_stream_the_daemon_was_killed_during_is_asked_again(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="never finished", hang=True), Scripted(text="asked again"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        c.prompt(session, "think")
+    wait_for(lambda: agentd.standin.count == 1, "the first request")
+    agentd.daemon.kill()
+    agentd.daemon.start()
+    with agentd.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, 1)
+        assert (conversation(c, session)[-1], agentd.standin.count) == ({"Agent": {"text": "asked again"}}, 2)
+
+
+def test_a_result_whose_commit_the_daemon_was_killed_after_is_kept_and_not_run_again(
+    tmp_path: Path, standin: Standin
+) -> None:
+    # Commits, in order: the session, its agent record, the turn record, the Turn step, the Model answer, the claim,
+    # the Exec result (the 7th): killed once it is durable, before anyone is told.
+    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.after=kill@7"})
+    standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs"]})]), Scripted(text="after"))
+    with running.client() as c:
+        session = running.session(c)
+        c.prompt(session, "run")
+    running.daemon.proc.wait(20)  # type: ignore[union-attr]
+    running.daemon.env = {k: v for k, v in running.daemon.env.items() if k != "DEVD_FAILPOINTS"}
+    with running.daemon.start(), running.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, 1)
+        assert ((running.workspace / "runs").read_text(), results(c, session)) == ("run\n", [(2, "", False)])
+
+
+# -- cancel ----------------------------------------------------------------------------------------------------------
+
+
+def _sleepers(tag: str) -> list[int]:
+    """The processes (not zombies) whose command line is tag."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if cmdline.strip() == tag and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def test_cancel_kills_the_running_commands_process_group_and_steps_it_cancelled(agentd: Agentd) -> None:
+    tag = f"sleep {3000 + os.getpid() % 1000}"
+    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", f"{tag} & {tag}; wait"]})]))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "sleep")
+        wait_for(lambda: len(_sleepers(tag)) == 2, "both sleeps")
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        until_done(c, turn)
+        stepped = c.wait_notification(30).params["event"]
+        assert (stepped, _sleepers(tag)) == (
+            {
+                "Exec": {
+                    "id": 2,
+                    "text": "cancelled: the turn was cancelled while this command ran; its process group was killed",
+                    "failed": True,
+                }
+            },
+            [],
+        )
+
+
+# -- for people ------------------------------------------------------------------------------------------------------
+
+
+def test_devd_run_shows_the_turn_and_exits_0(agentd: Agentd) -> None:
+    agentd.standin.script(
+        Scripted(text="Reading.", tool_calls=[("read", {"path": "a.txt"})]), Scripted(text="a.txt says hi.")
+    )
+    (agentd.workspace / "a.txt").write_text("hi\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "devd",
+            "run",
+            "--connect",
+            str(agentd.daemon.socket),
+            "--agent",
+            "coder",
+            "--workspace",
+            str(agentd.workspace),
+            "what does a.txt say?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert (done.returncode, done.stdout) == (0, "Reading.\nread a.txt\n  hi\na.txt says hi.\n[turn 1 complete]\n")
+
+
+def test_a_bad_agents_file_refuses_to_start_naming_its_line(tmp_path: Path) -> None:
+    agents = tmp_path / "agents.toml"
+    agents.write_text(
+        f'[agent.coder]\nbase_url = "http://127.0.0.1:1/v1"\nmodel = 3\nworkspace_roots = ["{tmp_path}"]\n'
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "devd",
+            "serve",
+            "--agents",
+            str(agents),
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--socket",
+            str(tmp_path / "s.sock"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert (done.returncode, done.stderr) == (
+        2,
+        f"devd: cannot start: {agents}:3: agent.coder.model is 3; it must be a string\n",
+    )
+
+
+def test_a_stall_survives_a_restart_and_the_daemon_asks_again_at_start(agentd: Agentd) -> None:
+    agentd.standin.script(*[Scripted(status=503)] * 4)
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        c.prompt(session, "hello")
+        next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+    agentd.daemon.stop()
+    agentd.standin.script(Scripted(text="asked at start"))
+    agentd.daemon.start()
+    with agentd.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, 1)
+        assert conversation(c, session)[-1] == {"Agent": {"text": "asked at start"}}
+
+
+def test_cancel_during_the_model_stream_closes_it_and_nothing_of_the_turn_starts(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="thinking hard", hang=True))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "think")
+        wait_for(lambda: agentd.standin.count == 1, "the request")
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        until_done(c, turn)
+        assert (agentd.standin.wait_closed(), c.pending(session), agentd.standin.count) == (True, [], 1)
+
+
+def test_a_call_the_profile_would_ask_about_is_not_run_until_approvals_exist(tmp_path: Path, standin: Standin) -> None:
+    running = start(tmp_path, standin, write='"ask"')
+    standin.script(Scripted(tool_calls=[("write", {"path": "w.txt", "text": "x"})]), Scripted(text="ok"))
+    with running.daemon, running.client() as c:
+        session = running.session(c)
+        run_turn(c, session, "write")
+        assert (results(c, session), (running.workspace / "w.txt").exists()) == (
+            [
+                (
+                    2,
+                    "agent 'coder' has write = \"ask\"; approvals are not available yet (no one can be asked), so it "
+                    "was not run",
+                    True,
+                )
+            ],
+            False,
+        )
+
+
+def test_devd_run_ctrl_c_cancels_the_turn_and_exits_130(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="never done", hang=True))
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "devd",
+            "run",
+            "--connect",
+            str(agentd.daemon.socket),
+            "--session",
+            "ctrl-c",
+            "--workspace",
+            str(agentd.workspace),
+            "think",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    wait_for(lambda: agentd.standin.count == 1, "the request")
+    run.send_signal(signal.SIGINT)
+    out, _ = run.communicate(timeout=30)
+    with agentd.client() as c:
+        assert (run.returncode, out.decode().splitlines()[-1], c.pending("ctrl-c")) == (130, "[turn 1 cancelled]", [])
+
+
+def test_devd_attach_shows_a_turn_someone_else_prompted_until_it_ends(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="slowly written", split=1, delay_s=0.3))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        c.prompt(session, "go")
+        wait_for(lambda: agentd.standin.count == 1, "the request")
+        attach = subprocess.Popen(
+            [sys.executable, "-m", "devd", "attach", "--connect", str(agentd.daemon.socket), session],
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        out, _ = attach.communicate(timeout=60)
+    assert (attach.returncode, out.decode().splitlines()[-2:]) == (0, ["slowly written", "[turn 1 complete]"])

@@ -1,0 +1,254 @@
+"""The tools on real files, symlinks and subprocesses: confinement, atomic writes, commands' limits, Browse."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from devd.agent.profiles import Profile
+from devd.agent.tools import Refused, Result, browse, read_file, resolve, run_command, write_file
+from tests.standin_model import Standin, standin_fixture  # noqa: F401 (the fixture)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret").write_text("the secret")
+    return tmp_path / "ws"
+
+
+def profile(ws: Path, **fields: Any) -> Profile:
+    base: dict[str, Any] = {"name": "p", "base_url": "http://h/v1", "model": "m", "workspace_roots": (str(ws),)}
+    return Profile(**(base | fields))
+
+
+def refusal(ws: Path, path: str, *, for_write: bool = False) -> str:
+    with pytest.raises(Refused) as e:
+        resolve(ws, path, for_write=for_write)
+    return e.value.why
+
+
+def test_a_path_climbing_out_is_refused(ws: Path) -> None:
+    assert (
+        refusal(ws, "a/../../outside/secret")
+        == "a/../../outside/secret climbs out of the workspace; give a path inside it"
+    )
+
+
+def test_an_absolute_path_is_refused(ws: Path) -> None:
+    assert refusal(ws, "/etc/passwd") == "/etc/passwd is absolute; give a path relative to the workspace"
+
+
+def test_a_symlink_to_outside_is_refused(ws: Path) -> None:
+    os.symlink(ws.parent / "outside" / "secret", ws / "link")
+    assert refusal(ws, "link") == (
+        f"link leads outside the workspace (to {ws.parent}/outside/secret) through a symbolic link"
+    )
+
+
+def test_a_path_through_a_symlinked_parent_is_refused(ws: Path) -> None:
+    os.symlink(ws.parent / "outside", ws / "dir")
+    assert refusal(ws, "dir/new.txt", for_write=True).startswith("dir/new.txt leads outside the workspace")
+
+
+def test_a_symlink_inside_the_workspace_is_followed(ws: Path) -> None:
+    (ws / "real.txt").write_text("x")
+    os.symlink("real.txt", ws / "alias.txt")
+    assert resolve(ws, "alias.txt", for_write=True) == ws / "real.txt"
+
+
+async def test_reading_through_a_symlink_to_outside_reads_nothing(ws: Path) -> None:
+    os.symlink(ws.parent / "outside" / "secret", ws / "link")
+    result = await read_file(ws, "link", 1000)
+    assert result == Result(
+        f"refused: link leads outside the workspace (to {ws.parent}/outside/secret) through a symbolic link", True
+    )
+
+
+async def test_writing_through_a_symlink_to_outside_writes_nothing(ws: Path) -> None:
+    os.symlink(ws.parent / "outside" / "secret", ws / "link")
+    result = await write_file(ws, "link", "overwritten")
+    assert (result.failed, (ws.parent / "outside" / "secret").read_text()) == (True, "the secret")
+
+
+async def test_writing_into_a_symlinked_parent_dir_creates_nothing_outside(ws: Path) -> None:
+    os.symlink(ws.parent / "outside", ws / "dir")
+    await write_file(ws, "dir/planted.txt", "x")
+    assert sorted(os.listdir(ws.parent / "outside")) == ["secret"]
+
+
+async def test_a_read_gives_the_text(ws: Path) -> None:
+    (ws / "a.txt").write_text("héllo\n")
+    assert await read_file(ws, "a.txt", 1000) == Result("héllo\n")
+
+
+async def test_a_long_read_is_cut_with_a_note(ws: Path) -> None:
+    (ws / "a.txt").write_text("0123456789")
+    assert await read_file(ws, "a.txt", 4) == Result("0123\n[cut: 6 more bytes of a.txt were not read]")
+
+
+async def test_reading_a_missing_file_fails_saying_so(ws: Path) -> None:
+    assert await read_file(ws, "none.txt", 100) == Result("none.txt does not exist", True)
+
+
+async def test_reading_a_binary_file_fails_saying_so(ws: Path) -> None:
+    (ws / "a.bin").write_bytes(b"\x7fELF\x00\x01")
+    assert await read_file(ws, "a.bin", 100) == Result("a.bin is a binary file (6 bytes); it is not shown", True)
+
+
+async def test_invalid_utf8_is_read_with_replacement(ws: Path) -> None:
+    (ws / "a.txt").write_bytes(b"caf\xe9")
+    assert await read_file(ws, "a.txt", 100) == Result("caf\ufffd")
+
+
+async def test_a_write_creates_missing_directories_and_leaves_no_temp_file(ws: Path) -> None:
+    result = await write_file(ws, "src/deep/a.c", "int x;")
+    assert (result, (ws / "src" / "deep" / "a.c").read_text(), os.listdir(ws / "src" / "deep")) == (
+        Result("wrote 6 bytes to src/deep/a.c"),
+        "int x;",
+        ["a.c"],
+    )
+
+
+async def test_a_write_keeps_the_files_mode(ws: Path) -> None:
+    (ws / "run.sh").write_text("old")
+    os.chmod(ws / "run.sh", 0o755)
+    await write_file(ws, "run.sh", "new")
+    assert oct((ws / "run.sh").stat().st_mode & 0o777) == "0o755"
+
+
+@pytest.fixture
+def small_files() -> Iterator[None]:
+    """Files of this process may hold at most 4 bytes: a real write that fails half way (EFBIG)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, previous)
+
+
+async def test_a_write_that_fails_leaves_the_original_and_no_temp_file(ws: Path, small_files: None) -> None:
+    (ws / "a.txt").write_text("old")
+    result = await write_file(ws, "a.txt", "a much longer text")
+    assert (result, (ws / "a.txt").read_text(), os.listdir(ws)) == (
+        Result("cannot write a.txt: File too large; the file is as it was", True),
+        "old",
+        ["a.txt"],
+    )
+
+
+async def test_a_command_runs_in_the_workspace(ws: Path) -> None:
+    assert await run_command(["pwd"], workspace=ws, profile=profile(ws), sandbox=None) == Result(f"{ws}\n")
+
+
+async def test_a_failing_command_says_its_exit_status(ws: Path) -> None:
+    result = await run_command(
+        ["sh", "-c", "echo out; echo err >&2; exit 3"], workspace=ws, profile=profile(ws), sandbox=None
+    )
+    assert result == Result("out\nerr\n[exit status 3]", True)
+
+
+async def test_a_missing_program_fails_saying_so(ws: Path) -> None:
+    result = await run_command(["no-such-tool"], workspace=ws, profile=profile(ws), sandbox=None)
+    assert result == Result("no-such-tool: command not found (PATH is /usr/local/bin:/usr/bin:/bin)", True)
+
+
+async def test_the_environment_is_scrubbed(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    result = await run_command(["env"], workspace=ws, profile=profile(ws), sandbox=None)
+    assert sorted(result.text.splitlines()) == sorted(
+        [f"HOME={ws}", "LANG=C.UTF-8", "PATH=/usr/local/bin:/usr/bin:/bin", "TERM=dumb"]
+    )
+
+
+async def test_stdin_is_closed(ws: Path) -> None:
+    result = await run_command(["sh", "-c", "cat; echo end"], workspace=ws, profile=profile(ws), sandbox=None)
+    assert result == Result("end\n")
+
+
+async def test_output_past_the_cap_is_cut_with_a_note(ws: Path) -> None:
+    result = await run_command(
+        ["sh", "-c", "printf '%0100d' 0"], workspace=ws, profile=profile(ws, output_bytes_max=10), sandbox=None
+    )
+    assert result == Result("0000000000\n[output cut: 90 more bytes were not kept (output_bytes_max = 10)]")
+
+
+async def test_a_timeout_kills_the_whole_process_group(ws: Path) -> None:
+    script = "sleep 60 & echo $! > child.pid; wait"
+    result = await run_command(
+        ["sh", "-c", script], workspace=ws, profile=profile(ws, exec_timeout_s=0.5), sandbox=None
+    )
+    child = int((ws / "child.pid").read_text())
+    assert (result, _alive(child)) == (
+        Result("[timed out after 0.5 s; the command and all it started were killed]", True),
+        False,
+    )
+
+
+async def test_what_a_command_leaves_running_is_killed_when_it_exits(ws: Path) -> None:
+    await run_command(["sh", "-c", "sleep 60 & echo $! > child.pid"], workspace=ws, profile=profile(ws), sandbox=None)
+    assert _alive(int((ws / "child.pid").read_text())) is False
+
+
+async def test_cancelling_kills_the_command_and_raises(ws: Path) -> None:
+    os.mkfifo(
+        ws / "started"
+    )  # the command's write of its pid blocks until the test reads it: an event across processes
+    cancelled = False
+
+    async def run() -> None:
+        nonlocal cancelled
+        try:
+            await run_command(
+                ["sh", "-c", "echo $$ > started; sleep 60"], workspace=ws, profile=profile(ws), sandbox=None
+            )
+        except anyio.get_cancelled_exc_class():
+            cancelled = True
+            raise
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            pid = int(await anyio.to_thread.run_sync((ws / "started").read_text))
+            tg.cancel_scope.cancel()
+    assert (cancelled, _alive(pid)) == (True, False)
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid is a live process (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_browse_gets_the_page_text_capped(standin: Standin) -> None:
+    standin.pages["/docs"] = "0123456789"
+    result = await browse(standin.url.removesuffix("/v1") + "/docs", 4)
+    assert result == Result("0123\n[cut: the page is longer than 4 bytes; the rest was not read]")
+
+
+async def test_browse_of_a_missing_page_fails_with_its_status(standin: Standin) -> None:
+    result = await browse(standin.url.removesuffix("/v1") + "/none", 1000)
+    assert result == Result(f"GET {standin.url.removesuffix('/v1')}/none: HTTP 404\nno page /none", True)
+
+
+async def test_browse_of_a_url_that_is_not_http_fails_saying_so() -> None:
+    assert await browse("file:///etc/passwd", 100) == Result(
+        "cannot fetch 'file:///etc/passwd': it is not an http:// or https:// URL", True
+    )
