@@ -7,6 +7,8 @@ each request the way the service does (400 with an OpenAI-shaped error body) and
 `Scripted` replies (or functions of the request body giving one), one per request. It records every request, and
 notices a client that closes a stream early.
 
+    from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (the `standin` fixture)
+
     def test_x(standin: Standin) -> None:
         standin.script(Scripted(text="hello"), Scripted(status=500), Scripted(tool_calls=[("read", {"path": "a"})]))
         ... standin.url ...  # "http://127.0.0.1:PORT/v1"
@@ -46,6 +48,7 @@ class Scripted:
     hang: bool = False
     finish_reason: str | None = None  # default: tool_calls when there are calls, else stop
     model: str | None = None  # the answering model's name (default: the request's)
+    whole: bool = False  # answer one JSON object even when the request asks for a stream (as some servers do)
 
 
 Responder = Scripted | Callable[[dict[str, Any]], Scripted]
@@ -67,7 +70,7 @@ class Standin:
         self.requests: list[Recorded] = []
         self.closed_early = 0  # streams the client closed before the server had finished them
         self.closed = threading.Event()  # set at each early close
-        self.pages: dict[str, str] = {}  # path -> text served on GET (for Browse), e.g. pages["/docs"]
+        self.pages: dict[str, str | bytes] = {}  # path -> page served on GET (for Browse): text, or bytes (a PNG)
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -115,10 +118,15 @@ class Standin:
     # -- serving ---------------------------------------------------------------------------------------------------
 
     def _page(self, h: BaseHTTPRequestHandler) -> None:
-        text = self.pages.get(h.path)
-        data = (text if text is not None else f"no page {h.path}").encode()
-        h.send_response(200 if text is not None else 404)
-        h.send_header("Content-Type", "text/plain; charset=utf-8")
+        page = self.pages.get(h.path)
+        if isinstance(page, str) and page.startswith("redirect:"):
+            h.send_response(302)
+            h.send_header("Location", str(page).removeprefix("redirect:"))
+            h.send_header("Content-Length", "0")
+            return h.end_headers()
+        data = page if isinstance(page, bytes) else (page if page is not None else f"no page {h.path}").encode()
+        h.send_response(200 if page is not None else 404)
+        h.send_header("Content-Type", "image/png" if isinstance(page, bytes) else "text/plain; charset=utf-8")
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
         h.wfile.write(data)
@@ -145,7 +153,7 @@ class Standin:
         if reply.status is not None:
             headers = {"Retry-After": reply.retry_after} if reply.retry_after else {}
             return _json(h, reply.status, _error(reply.message, "server_error"), headers)
-        if not body.get("stream"):
+        if not body.get("stream") or reply.whole:
             return _json(h, 200, _whole(body, reply))
         try:
             self._stream(h, body, reply)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +15,7 @@ from devd.agent.model import (
     Inserted,
     ModelUnavailable,
     Rejected,
+    StreamError,
     ToolCall,
     Usage,
     complete,
@@ -289,18 +289,26 @@ async def test_a_400_is_not_retried_and_says_the_servers_message(standin: Standi
 
 
 async def test_a_server_that_does_not_stream_is_read_whole(standin: Standin, client: http.Client) -> None:
-    def answer_whole(body: dict[str, Any]) -> Scripted:
-        return Scripted(text="whole")
+    standin.script(Scripted(text="whole", tool_calls=[("read", {"path": "a"})], usage=(3, 2, None), whole=True))
+    fragments: list[str] = []
+    done = await complete(
+        client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, on_text=fragments.append
+    )
+    assert (done, fragments) == (
+        Completion(
+            text="whole",
+            tool_calls=[ToolCall(id="call_standin_0", name="read", arguments='{"path": "a"}')],
+            usage=Usage(3, 2),
+            finish_reason="tool_calls",
+            response_model="m1",
+        ),
+        ["whole"],
+    )
 
-    standin.script(answer_whole)
-    async with http.post(
-        client,
-        f"{standin.url}/chat/completions",
-        json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-        {"Content-Type": "application/json"},
-    ) as response:
-        data, _ = await response.read(1 << 20)
-    assert json.loads(data)["choices"][0]["message"]["content"] == "whole"
+
+def test_a_chunk_of_another_shape_is_a_stream_error() -> None:
+    with pytest.raises(StreamError, match="a chunk is not one of a chat completion"):
+        parse_sse(['data: {"choices": [{"delta": "text"}]}', "data: [DONE]"])
 
 
 async def test_cancelling_closes_the_stream(standin: Standin, client: http.Client) -> None:
@@ -358,3 +366,14 @@ def test_the_standin_refuses_a_result_not_answering_the_message_before_it() -> N
 
 def test_the_standin_refuses_a_request_without_a_model() -> None:
     assert check_request({"messages": [{"role": "user", "content": "hi"}]}) == "you must provide a model parameter"
+
+
+async def test_proxies_in_the_environment_are_not_used(standin: Standin, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    standin.script(Scripted(text="direct"))
+    async with http.new_client() as c:
+        done = await complete(c, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True)
+    assert done.text == "direct"

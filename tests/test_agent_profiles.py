@@ -111,8 +111,9 @@ BAD = [
     ("[agent.a]\nmodel = \n", "FILE:2: not valid TOML: Invalid value; fix the syntax"),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\ncolour = "red"\n',
-        "FILE:5: unknown key 'colour' in [agent.a]; the keys are base_url, model, workspace_roots, api_key_env, "
-        "system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, tools, max_tokens, budget",
+        "FILE:5: unknown key 'colour' in [agent.a]; remove it or fix its name (the keys are base_url, model, "
+        "workspace_roots, api_key_env, system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, "
+        "tools, max_tokens, budget)",
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = 7\nworkspace_roots = ["ROOT"]\n',
@@ -149,13 +150,13 @@ BAD = [
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\ntools = ["shell"]\n',
-        "FILE:5: agent.a.tools names 'shell'; the tools to enable are ('browse',)",
+        "FILE:5: agent.a.tools names 'shell'; the tools to enable are: browse",
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n\n[agent.a.budget]\n'
         "tokens_per_week = 5\n",
-        "FILE:7: unknown key 'tokens_per_week' in agent.a.budget; the keys are "
-        "('tokens_per_turn', 'tokens_per_session', 'tokens_per_day')",
+        "FILE:7: unknown key 'tokens_per_week' in agent.a.budget; remove it or use one of tokens_per_turn, "
+        "tokens_per_session, tokens_per_day",
     ),
     ('[agents.a]\nmodel = "m"\n', "FILE:1: unknown key 'agents'; profiles go in [agent.NAME] tables"),
 ]
@@ -255,3 +256,21 @@ def test_a_relative_workspace_is_refused(tmp_path: Path) -> None:
 def test_a_missing_workspace_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidParamsError, match="is not an existing directory"):
         check_workspace(profile(tmp_path), str(tmp_path / "none"))
+
+
+def test_a_missing_file_is_refused_saying_so(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_profiles(tmp_path / "agents.toml")
+    assert str(e.value) == (
+        f"{tmp_path}/agents.toml: cannot read the agents file (No such file or directory); "
+        "fix it or pass another --agents"
+    )
+
+
+def test_a_rule_in_an_array_of_tables_is_found_by_its_header(tmp_path: Path) -> None:
+    body = (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n\n[[agent.a.rules]]\nprefix = []\n'
+    )
+    assert error_of(tmp_path, body) == (
+        'FILE:6: agent.a.rules[0].prefix is an empty list; it must be a non-empty list of strings: ["rm"]'
+    )

@@ -16,6 +16,7 @@ import pytest
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Refusal, Sandbox, choose, probe, wrap
 from devd.agent.tools import Result, run_command
+from tests.test_agent_tools import gone
 
 
 @pytest.fixture
@@ -133,7 +134,7 @@ async def test_the_environment_inside_is_only_the_scrubbed_one(ws: Path, monkeyp
 async def test_a_timeout_under_the_sandbox_kills_what_runs_inside(ws: Path) -> None:
     marker = f"61.{uuid.uuid4().int % 10**9}"
     result = await sandboxed(ws, f"sleep {marker} & sleep {marker}", exec_timeout_s=0.5)
-    assert (result.failed, _running(marker)) == (True, [])
+    assert (result.failed, [pid for pid in _running(marker) if not await gone(pid)]) == (True, [])
 
 
 def _running(argument: str) -> list[int]:

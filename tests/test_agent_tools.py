@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-import resource
-import signal
-from collections.abc import Iterator
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -130,22 +129,24 @@ async def test_a_write_keeps_the_files_mode(ws: Path) -> None:
     assert oct((ws / "run.sh").stat().st_mode & 0o777) == "0o755"
 
 
-@pytest.fixture
-def small_files() -> Iterator[None]:
-    """Files of this process may hold at most 4 bytes: a real write that fails half way (EFBIG)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    signal.signal(signal.SIGXFSZ, previous)
+WRITE_WITH_SMALL_FILES = """
+import resource, signal, sys, anyio
+from pathlib import Path
+from devd.agent.tools import write_file
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+print(anyio.run(write_file, Path(sys.argv[1]), "a.txt", "a much longer text").text)
+"""
 
 
-async def test_a_write_that_fails_leaves_the_original_and_no_temp_file(ws: Path, small_files: None) -> None:
+def test_a_write_that_fails_leaves_the_original_and_no_temp_file(ws: Path) -> None:
+    """A real write that fails half way: a process whose files may hold at most 4 bytes (EFBIG)."""
     (ws / "a.txt").write_text("old")
-    result = await write_file(ws, "a.txt", "a much longer text")
-    assert (result, (ws / "a.txt").read_text(), os.listdir(ws)) == (
-        Result("cannot write a.txt: File too large; the file is as it was", True),
+    done = subprocess.run(
+        [sys.executable, "-c", WRITE_WITH_SMALL_FILES, str(ws)], capture_output=True, text=True, check=True
+    )
+    assert (done.stdout, (ws / "a.txt").read_text(), os.listdir(ws)) == (
+        "cannot write a.txt: File too large; the file is as it was\n",
         "old",
         ["a.txt"],
     )
@@ -193,15 +194,15 @@ async def test_a_timeout_kills_the_whole_process_group(ws: Path) -> None:
         ["sh", "-c", script], workspace=ws, profile=profile(ws, exec_timeout_s=0.5), sandbox=None
     )
     child = int((ws / "child.pid").read_text())
-    assert (result, _alive(child)) == (
+    assert (result, await gone(child)) == (
         Result("[timed out after 0.5 s; the command and all it started were killed]", True),
-        False,
+        True,
     )
 
 
 async def test_what_a_command_leaves_running_is_killed_when_it_exits(ws: Path) -> None:
     await run_command(["sh", "-c", "sleep 60 & echo $! > child.pid"], workspace=ws, profile=profile(ws), sandbox=None)
-    assert _alive(int((ws / "child.pid").read_text())) is False
+    assert await gone(int((ws / "child.pid").read_text())) is True
 
 
 async def test_cancelling_kills_the_command_and_raises(ws: Path) -> None:
@@ -225,22 +226,40 @@ async def test_cancelling_kills_the_command_and_raises(ws: Path) -> None:
             tg.start_soon(run)
             pid = int(await anyio.to_thread.run_sync((ws / "started").read_text))
             tg.cancel_scope.cancel()
-    assert (cancelled, _alive(pid)) == (True, False)
+    assert (cancelled, await gone(pid)) == (True, True)
 
 
-def _alive(pid: int) -> bool:
-    """Whether pid is a live process (a zombie awaiting its reaper counts as gone)."""
+async def gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether the process has ended (or ends within a few seconds: a SIGKILLed process closes its files, which
+    ends the output the tool waits for, a moment before it is a zombie). A pidfd turns readable when it ends."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        with anyio.move_on_after(within_s):
+            await anyio.wait_readable(fd)
+            return True
         return False
+    finally:
+        os.close(fd)
 
 
 async def test_browse_gets_the_page_text_capped(standin: Standin) -> None:
     standin.pages["/docs"] = "0123456789"
     result = await browse(standin.url.removesuffix("/v1") + "/docs", 4)
     assert result == Result("0123\n[cut: the page is longer than 4 bytes; the rest was not read]")
+
+
+async def test_browse_follows_a_redirect(standin: Standin) -> None:
+    standin.pages |= {"/old": "redirect:/new", "/new": "moved here"}
+    assert await browse(standin.url.removesuffix("/v1") + "/old", 100) == Result("moved here")
+
+
+async def test_browse_of_an_image_fails_saying_it_is_not_text(standin: Standin) -> None:
+    standin.pages["/logo"] = b"\x89PNG\r\n"
+    url = standin.url.removesuffix("/v1") + "/logo"
+    assert await browse(url, 100) == Result(f"{url} is image/png, not text; it is not shown", True)
 
 
 async def test_browse_of_a_missing_page_fails_with_its_status(standin: Standin) -> None:

@@ -9,12 +9,15 @@ Where bubblewrap is missing or cannot start
 With `sandbox = "auto"` (the default), devd tries bubblewrap once (`bwrap --ro-bind / / ... true`) the first time a
 profile needs it. If `bwrap` is not installed, or cannot start here (inside some containers it fails with
 "Failed to make / slave" or "No permissions to create new namespace"), devd does **not** fall back to running
-commands unconfined: every `Exec` and `Git` call of that profile is refused, and the model is told why, in a failed
-result such as "refused: bubblewrap cannot start here (...); install the `bubblewrap` package, or set
-sandbox = \"none\" in [agent.NAME] to run commands unconfined". `Read` and `Write` keep working (they are confined by
-devd itself, symlinks included), and Exec and Git are not offered to the model as tools at all. `sandbox = "bwrap"`
-refuses the same way; `sandbox = "none"` runs commands without bubblewrap (still in the workspace, with a scrubbed
-environment, stdin closed, the timeout and the output cap), which is for machines you would let the model use anyway.
+commands unconfined: every `Exec` and `Git` call of that profile is refused, and the model is told why in a failed
+result, for example: "commands cannot run: bubblewrap is not installed (no bwrap on the PATH), and [agent.coder]
+sets sandbox = "auto"; install the bubblewrap package (Debian: apt-get install bubblewrap), or set sandbox = "none"
+in [agent.coder] to run commands unconfined". `Read` and `Write` keep working (devd confines them itself, symlinks
+included), and exec and git are not offered to the model as tools (the runner passes `exec_available=False` to the
+model driver when `sandbox.choose` gives a `Refusal`). `sandbox = "bwrap"` refuses the same way; it differs from
+"auto" only in saying that the profile requires bubblewrap. `sandbox = "none"` runs commands without bubblewrap
+(still in the workspace, with a scrubbed environment, stdin closed, the timeout and the output cap): only for
+machines you would let the model use anyway.
 
 Under bubblewrap a command sees the whole file system read-only except its workspace, a private `/tmp`, its own pid
 namespace (it cannot see or signal the daemon's processes), and no network unless the profile says `network = true`.

@@ -76,10 +76,10 @@ async def post(client: Client, url: str, body: bytes, headers: Mapping[str, str]
 
 
 @asynccontextmanager
-async def get(client: Client, url: str) -> AsyncIterator[Response]:
-    """GET, as `post` does."""
+async def get(client: Client, url: str, *, max_redirects: int = 5) -> AsyncIterator[Response]:
+    """GET, as `post` does, following up to `max_redirects` redirects (a page's address often moved)."""
     try:
-        async with client.stream("GET", url) as response:
+        async with client.stream("GET", url, follow_redirects=max_redirects > 0) as response:
             yield Response(response)
     except httpx.HTTPError as e:
         raise TransportError(_why(e)) from None

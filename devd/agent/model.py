@@ -320,7 +320,13 @@ class StreamParser:
         return self.chunk(chunk)
 
     def chunk(self, chunk: dict[str, Any]) -> list[str]:
-        """One decoded chunk; its content fragments."""
+        """One decoded chunk; its content fragments. StreamError when it is not a chunk of a chat completion."""
+        try:
+            return self._chunk(chunk)
+        except (AttributeError, TypeError, ValueError) as e:  # a field of another type than the format's
+            raise StreamError(f"a chunk is not one of a chat completion ({e}): {json.dumps(chunk)[:200]}") from None
+
+    def _chunk(self, chunk: dict[str, Any]) -> list[str]:
         if "error" in chunk:
             raise StreamError(f"the server sent an error in the stream: {_error_message(chunk)}")
         self._model = chunk.get("model") or self._model
@@ -498,7 +504,10 @@ async def _attempt(
                 raise await _refusal(response)
             if response.headers.get("content-type", "").startswith("application/json"):
                 data, _ = await response.read(_ERROR_BODY_MAX * 256)
-                return parse_json(data)
+                whole = parse_json(data)
+                if whole.text and on_text is not None and inspect.isawaitable(pending := on_text(whole.text)):
+                    await pending
+                return whole
             parser = StreamParser()
             async for line in response.lines():
                 for fragment in parser.feed(line):

@@ -94,7 +94,8 @@ def load_profiles(path: Path) -> dict[str, Profile]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the agents file ({e}); fix it or pass another --agents") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"{path}: cannot read the agents file ({why}); fix it or pass another --agents") from None
     return parse_profiles(text, str(path))
 
 
@@ -124,7 +125,8 @@ def _profile(name: str, table: dict[str, Any], lines: _Lines) -> Profile:
     for key in table:
         if key not in _FIELDS:
             raise lines.error(
-                (*where, key), f"unknown key {key!r} in [agent.{name}]; the keys are {', '.join(_FIELDS)}"
+                (*where, key),
+                f"unknown key {key!r} in [agent.{name}]; remove it or fix its name (the keys are {', '.join(_FIELDS)})",
             )
     for key in _REQUIRED:
         if key not in table:
@@ -154,7 +156,9 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
     if key == "tools":
         for tool in value:
             if tool not in EXTRA_TOOLS:
-                raise lines.error(where, f"agent.{name}.tools names {tool!r}; the tools to enable are {EXTRA_TOOLS}")
+                raise lines.error(
+                    where, f"agent.{name}.tools names {tool!r}; the tools to enable are: {', '.join(EXTRA_TOOLS)}"
+                )
         return tuple(value)
     if key == "exec_timeout_s":
         if not value > 0:
@@ -194,7 +198,9 @@ def _budget(name: str, table: dict[str, Any], lines: _Lines) -> Budget:
     for key, value in table.items():
         where = ("agent", name, "budget", key)
         if key not in _BUDGET_KEYS:
-            raise lines.error(where, f"unknown key {key!r} in agent.{name}.budget; the keys are {_BUDGET_KEYS}")
+            raise lines.error(
+                where, f"unknown key {key!r} in agent.{name}.budget; remove it or use one of {', '.join(_BUDGET_KEYS)}"
+            )
         if not _fits(value, int) or value < 1:
             raise lines.error(where, f"agent.{name}.budget.{key} is {_show(value)}; it must be an integer above 0")
     return Budget(**table)
@@ -224,7 +230,7 @@ def _show(value: Any) -> str:
     if isinstance(value, dict):
         return "a table"
     if isinstance(value, list):
-        return "a list"
+        return "a list" if value else "an empty list"
     return str(value)
 
 

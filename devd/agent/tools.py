@@ -191,15 +191,10 @@ async def run_command(argv: Sequence[str], *, workspace: Path, profile: Profile,
     env = command_env(workspace)
     command = sandbox.wrap(argv, workspace, profile.network, env) if sandbox is not None else list(argv)
     try:
-        process = await anyio.open_process(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,  # interleaved as written
-            cwd=workspace,
-            env=env,
-            start_new_session=True,
-        )
+        # Shielded: cancelled half way, asyncio would kill the command but not what it already started; once it is
+        # started, a cancel lands in the supervision below, which kills the whole group.
+        with anyio.CancelScope(shield=True):
+            process = await _start(command, workspace, env)
     except FileNotFoundError:
         return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
     except OSError as e:
@@ -212,6 +207,18 @@ async def run_command(argv: Sequence[str], *, workspace: Path, profile: Profile,
             await _kill(process)
         raise
     return _outcome(process, output, timed_out, profile)
+
+
+async def _start(command: list[str], workspace: Path, env: dict[str, str]) -> Process:
+    return await anyio.open_process(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # interleaved as written
+        cwd=workspace,
+        env=env,
+        start_new_session=True,
+    )
 
 
 class _Capped:
@@ -255,7 +262,7 @@ async def _supervise(process: Process, output: _Capped, timeout_s: float) -> boo
             await process.wait()
             await eof.wait()
         tg.cancel_scope.cancel()
-    await stdout.aclose()
+    await process.aclose()  # its pipes' transports too, so nothing is left to the garbage collector
     return deadline.cancelled_caught
 
 
@@ -268,8 +275,7 @@ async def _kill(process: Process) -> None:
     _killpg(process)
     with anyio.move_on_after(KILL_WAIT_S):
         await process.wait()
-    if process.stdout is not None:
-        await process.stdout.aclose()
+        await process.aclose()
 
 
 def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profile) -> Result:
@@ -309,6 +315,8 @@ async def _browse(client: http.Client, url: str, limit_bytes: int) -> Result:
             status, kind = response.status, response.headers.get("content-type", "")
     except http.TransportError as e:
         return Result(f"cannot fetch {url}: {e.why}", failed=True)
+    if kind and not _textual(kind):
+        return Result(f"{url} is {kind.split(';')[0]}, not text; it is not shown", failed=True)
     charset = kind.partition("charset=")[2].split(";")[0].strip() or "utf-8"
     try:
         text = data.decode(charset, "replace")
@@ -319,3 +327,8 @@ async def _browse(client: http.Client, url: str, limit_bytes: int) -> Result:
     if status >= 400:
         return Result(f"GET {url}: HTTP {status}\n{text}", failed=True)
     return Result(text)
+
+
+def _textual(content_type: str) -> bool:
+    kind = content_type.split(";")[0].strip().lower()
+    return kind.startswith("text/") or kind.endswith(("json", "xml", "javascript")) or "+xml" in kind or "+json" in kind
