@@ -213,6 +213,37 @@ async def test_a_command_line_is_the_title_of_its_tool_call_and_its_output_the_c
     assert (start.title, done[-1].content[0].content.text) == ("cat hello.txt", "hi\n")
 
 
+async def test_the_prompts_answer_carries_the_turns_token_usage(devd: Setup) -> None:
+    devd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": ["true"]})], usage=(10, 5, None)),
+        Scripted(text="ok", usage=(20, 7, 3)),
+    )
+    async with editor_on(devd, Editor()) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("go"))
+    usage = answer.usage
+    assert usage is not None
+    assert (usage.input_tokens, usage.output_tokens, usage.cached_read_tokens, usage.total_tokens) == (30, 12, 3, 42)
+
+
+async def test_a_stalled_session_answers_the_prompt_refusal_with_the_reason(devd: Setup) -> None:
+    devd.standin.script(Scripted(status=400, message="no such model"))
+    async with editor_on(devd, Editor()) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("go"))
+    assert (answer.stop_reason, "no such model" in answer.field_meta["devd"]["stalled"]) == ("refusal", True)
+
+
+async def test_prompting_a_stalled_session_again_tries_its_model_again(devd: Setup) -> None:
+    devd.standin.script(Scripted(status=400, message="no such model"), Scripted(text="one"), Scripted(text="two"))
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=text("go"))
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("again"))
+    assert (answer.stop_reason, editor.text().endswith("onetwo")) == ("end_turn", True)
+
+
 # -- permissions -----------------------------------------------------------------------------------------------------
 
 RUN_THEN_END = [
@@ -344,13 +375,14 @@ async def test_a_second_editor_sees_the_turn_another_drives_and_answers_its_perm
         await b.resume_session(cwd=str(asking.workspace), session_id=session.session_id, mcp_servers=[])
         answer = await a.prompt(session_id=session.session_id, prompt=text("run it"))
         await second.until(lambda: "Finished." in second.text())
-    seen = [type(u).__name__ for u in second.updates if isinstance(u, UserMessageChunk)]
-    assert (answer.stop_reason, seen, first.statuses()[-1][2], (asking.workspace / "ran.txt").read_text()) == (
-        "end_turn",
-        ["UserMessageChunk"],
-        "completed",
-        "ran\n",
-    )
+    seen = [u.content.text for u in second.updates if isinstance(u, UserMessageChunk)]
+    assert (
+        answer.stop_reason,
+        seen,
+        (len(first.asked), len(second.asked)),
+        first.statuses()[-1][2],
+        (asking.workspace / "ran.txt").read_text(),
+    ) == ("end_turn", ["run it"], (1, 1), "completed", "ran\n")
 
 
 # -- the daemon going away -------------------------------------------------------------------------------------------
