@@ -16,6 +16,7 @@ from typing import Any
 import acp
 import anyio
 import pytest
+from acp.connection import StreamDirection
 from acp.schema import (
     AgentMessageChunk,
     AllowedOutcome,
@@ -96,6 +97,17 @@ class Editor:
     updates: list[Any] = field(default_factory=list)
     asked: list[Any] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    raw: list[dict[str, Any]] = field(default_factory=list)  # every message from devd acp, as it came
+
+    def observe(self, event: Any) -> None:
+        if event.direction == StreamDirection.INCOMING:
+            self.raw.append(event.message)
+
+    def permission_requests(self) -> list[Any]:
+        return [m["id"] for m in self.raw if m.get("method") == "session/request_permission"]
+
+    def withdrawn(self) -> list[Any]:
+        return [m["params"]["requestId"] for m in self.raw if m.get("method") == "$/cancel_request"]
 
     async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
         self.updates.append(update)
@@ -148,6 +160,7 @@ async def editor_on(setup: Setup, editor: Editor) -> AsyncIterator[acp.ClientSid
             "info",
             env={"PYTHONPATH": str(ROOT)},
             transport_kwargs={"stderr": log.fileno()},
+            observers=[editor.observe],
         ) as (conn, _process):
             await conn.initialize(protocol_version=1, client_info=Implementation(name="test-editor", version="1"))
             yield conn
@@ -298,6 +311,27 @@ async def test_cancel_mid_stream_answers_the_prompt_cancelled(devd: Setup) -> No
     assert answers[0].stop_reason == "cancelled"
 
 
+async def test_cancel_withdraws_a_pending_permission_request_and_runs_nothing(asking: Setup) -> None:
+    asking.standin.script(*RUN_THEN_END)
+    editor = Editor(answer=None)
+    async with editor_on(asking, editor) as conn:
+        session = await conn.new_session(cwd=str(asking.workspace), mcp_servers=[])
+        async with anyio.create_task_group() as tg:
+            answers: list[Any] = []
+
+            async def prompt() -> None:
+                answers.append(await conn.prompt(session_id=session.session_id, prompt=text("run it")))
+
+            tg.start_soon(prompt)
+            await editor.until(lambda: bool(editor.asked))
+            await conn.cancel(session_id=session.session_id)
+    assert (answers[0].stop_reason, editor.withdrawn(), (asking.workspace / "ran.txt").exists()) == (
+        "cancelled",
+        editor.permission_requests(),
+        False,
+    )
+
+
 # -- load, list, resume, close ---------------------------------------------------------------------------------------
 
 
@@ -379,10 +413,10 @@ async def test_a_second_editor_sees_the_turn_another_drives_and_answers_its_perm
     assert (
         answer.stop_reason,
         seen,
-        (len(first.asked), len(second.asked)),
+        (len(first.asked), len(second.asked), first.withdrawn() == first.permission_requests()),
         first.statuses()[-1][2],
         (asking.workspace / "ran.txt").read_text(),
-    ) == ("end_turn", ["run it"], (1, 1), "completed", "ran\n")
+    ) == ("end_turn", ["run it"], (1, 1, True), "completed", "ran\n")
 
 
 # -- the daemon going away -------------------------------------------------------------------------------------------
