@@ -400,7 +400,7 @@ class TokenBudget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class NewParams(_Params, frozen=True):
     """A new session, from a config (default `{}`), under a name (default: chosen by the daemon); with `agent` (a
     profile of the daemon's agents file) and `workspace` (an absolute directory inside the profile's roots), a session
-    the daemon drives itself (`session/prompt`); `budget`: its own spend ceiling."""
+    the daemon drives itself (`session/prompt`)."""
 
     config: Config | None = None
     session: SessionName | None = None

@@ -23,7 +23,7 @@ import itertools
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -51,6 +51,8 @@ log = structlog.get_logger("devd.acp")
 LIST_PAGE = 200  # daemon sessions scanned per `session/list` page
 RECONNECT_FIRST_S = 0.05  # backoff while the daemon is away: from this, doubling, up to RECONNECT_MAX_S
 RECONNECT_MAX_S = 1.0
+OFFLINE_PATIENCE_S = 60.0  # a prompt waiting on a daemon that has been away this long is answered with an error
+Stop = StopReason | Literal["refusal"]  # how a prompt ends: its turn's outcome, or a stall
 MCP_NOT_CONNECTED = "devd cannot call MCP tools yet; the server was not started"
 
 
@@ -118,13 +120,13 @@ class Waiter:
     key: str
     turn: int | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
-    stop: StopReason | None = None
+    stop: Stop | None = None
     stalled: str | None = None
     error: errors.DevdError | None = None
     cancel: bool = False  # the editor cancelled before the turn's id was known
 
     def end(
-        self, stop: StopReason | None, *, stalled: str | None = None, error: errors.DevdError | None = None
+        self, stop: Stop | None, *, stalled: str | None = None, error: errors.DevdError | None = None
     ) -> None:
         if not self.done.is_set():
             self.stop, self.stalled, self.error = stop, stalled, error
@@ -227,8 +229,11 @@ class Bridge:
             try:
                 return await self.client.call(method, params)
             except ConnectionError:
-                while self._generation == generation:
-                    await self._reconnected.wait()
+                with anyio.move_on_after(OFFLINE_PATIENCE_S):
+                    while self._generation == generation:
+                        await self._reconnected.wait()
+                if self._generation == generation:
+                    raise self._away() from None
             except errors.DeadlineError:
                 raise
             except errors.HandleError as e:
@@ -258,6 +263,8 @@ class Bridge:
 
     async def _reconnect(self) -> None:
         delay = RECONNECT_FIRST_S
+        away_since = anyio.current_time()
+        told = False
         while True:
             try:
                 await self.client.reconnect()
@@ -266,6 +273,19 @@ class Bridge:
             except (NotRunningError, ConnectionError, OSError):
                 await anyio.sleep(delay)  # the daemon is away: try again, less often as it stays away
                 delay = min(delay * 2, RECONNECT_MAX_S)
+            if not told and anyio.current_time() - away_since > OFFLINE_PATIENCE_S:
+                told = True  # the prompts waiting are answered; reconnecting goes on for the next ones
+                for attached in self.sessions.values():
+                    for waiter in attached.waiters:
+                        waiter.end(None, error=self._away())
+
+    @staticmethod
+    def _away() -> errors.InternalError:
+        return errors.InternalError(
+            f"the devd daemon went away and has not come back within {OFFLINE_PATIENCE_S:.0f} s; start it again "
+            "(`devd serve`, or `systemctl --user start devd`): its sessions and turns are kept, and loading the "
+            "session shows where it stands"
+        )
 
     async def _rewatch(self, name: str, attached: Attached) -> None:
         try:
@@ -332,7 +352,7 @@ class Bridge:
                 await self.editor.withdraw(asked.request)
         elif isinstance(n, StalledNotice):
             for waiter in attached.waiters:
-                waiter.end("refusal", stalled=n.why)  # type: ignore[arg-type]
+                waiter.end("refusal", stalled=n.why)
 
     def _settle(self, attached: Attached) -> None:
         """End the prompts whose turn is done."""
