@@ -51,6 +51,8 @@ log = structlog.get_logger("devd.acp")
 LIST_PAGE = 200  # daemon sessions scanned per `session/list` page
 RECONNECT_FIRST_S = 0.05  # backoff while the daemon is away: from this, doubling, up to RECONNECT_MAX_S
 RECONNECT_MAX_S = 1.0
+BUSY_FIRST_S = 0.005  # a call answered BUSY is sent again after this, doubling, until past BUSY_MAX_S
+BUSY_MAX_S = 2.0
 OFFLINE_PATIENCE_S = 60.0  # a prompt waiting on a daemon that has been away this long is answered with an error
 Stop = StopReason | Literal["refusal"]  # how a prompt ends: its turn's outcome, or a stall
 MCP_NOT_CONNECTED = "devd cannot call MCP tools yet; the server was not started"
@@ -125,9 +127,7 @@ class Waiter:
     error: errors.DevdError | None = None
     cancel: bool = False  # the editor cancelled before the turn's id was known
 
-    def end(
-        self, stop: Stop | None, *, stalled: str | None = None, error: errors.DevdError | None = None
-    ) -> None:
+    def end(self, stop: Stop | None, *, stalled: str | None = None, error: errors.DevdError | None = None) -> None:
         if not self.done.is_set():
             self.stop, self.stalled, self.error = stop, stalled, error
             self.done.set()
@@ -222,12 +222,18 @@ class Bridge:
     # -- the daemon connection
 
     async def call(self, method: str, params: dict[str, Any]) -> Any:
-        """A daemon call, sent again on the next connection when this one is lost (every call made here is
-        idempotent). An unknown session is the editor's -32602."""
+        """A daemon call, sent again on the next connection when this one is lost, and again while the session is
+        BUSY (the daemon stepping it; every call made here is idempotent). An unknown session is the editor's -32602."""
+        busy_wait = BUSY_FIRST_S
         while True:
             generation = self._generation
             try:
                 return await self.client.call(method, params)
+            except errors.BusyError:
+                if busy_wait > BUSY_MAX_S:
+                    raise
+                await anyio.sleep(busy_wait)  # the daemon's own step of the session takes a moment: ask again
+                busy_wait *= 2
             except ConnectionError:
                 with anyio.move_on_after(OFFLINE_PATIENCE_S):
                     while self._generation == generation:
