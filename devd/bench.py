@@ -2166,6 +2166,12 @@ def main(argv: list[str] | None = None) -> int:
     agent.add_argument("--calls", type=int, default=50, help="tool calls of the measured turn")
     agent.add_argument("--model-turns", type=int, default=30, help="turns of one model call each")
     agent.add_argument("--execs", type=int, default=10, help="Exec calls of `true` (under the sandbox)")
+    agent.add_argument(
+        "--oversight",
+        action="store_true",
+        help="instead, what approvals, spend ceilings and the trace add: a turn of --calls commands with and without "
+        "them, alternated (the same as `approvals`)",
+    )
     from devd import bench_fleet, bench_long  # here, not at the top: they import this module's helpers
 
     bench_long.add_arguments(sub.add_parser("long", help="one session's cost as it grows; exit 1 on error answers"))
@@ -2190,6 +2196,10 @@ def main(argv: list[str] | None = None) -> int:
         return approvals.run(args)
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
+    elif args.what == "agent" and args.oversight:
+        from devd import bench_approvals as approvals
+
+        return approvals.run(argparse.Namespace(calls=args.calls, rounds=3, turns=3))
     elif args.what == "agent":
         result = bench_agent(args.calls, args.model_turns, args.execs)
     elif args.what == "many":

@@ -14,7 +14,11 @@ connection or a restarting daemon does meanwhile.
   that one in the core, so run_turn carries out the earlier turn's actions too, then its own.
 
 A handler that raises stops the loop with its exception; the session still waits for that action, and the next
-run_turn on it carries it out. `run_turn_blocking` is the same loop for callers without an event loop.
+run_turn on it carries it out. `run_turn` started again with the same `turn` after a crash goes on from
+`session/pending` (its Turn step is answered `replayed`) and carries out nothing that already has a result;
+`resume_turn` does the same for whatever turn is running. Each handler gets the action's op and the action itself
+(a handler that takes only the op still works). `run_turn_blocking` is the same loop for callers without an event
+loop.
 
 A function rather than a `Driver` class: everything a turn needs in order to resume lives in the daemon (the
 journal, the keys, `session/pending`), so there is no state to keep between turns, and none to go stale across a

@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
+import anyio
 import msgspec
 import structlog
 from msgspec import Meta, Raw
@@ -25,7 +26,7 @@ from devd import ABI, __version__
 from devd.agent.oversight import APPROVAL_NOTICE
 from devd.agent.trace import TraceRecord
 from devd.config import Settings
-from devd.errors import ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
+from devd.errors import BusyError, ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
 from devd.messages import Config, decode_actions, encode, encode_actions
 from devd.registry import Registry
 from devd.rpc import Request, notification
@@ -451,7 +452,9 @@ async def session_step(call: Call, params: StepParams) -> StepResult:
     event = bytes(params.event)
     if call.app.oversight is not None and event.lstrip().startswith(b'{"Cancel"'):
         call.app.oversight.cancelling[params.session] = call.peer.client or "unknown"  # who withdraws approvals
-    answered = await call.app.registry.step(params.session, event, params.timeout_ms, params.key)
+    answered = await patient(
+        call.app, params.session, lambda r: r.step(params.session, event, params.timeout_ms, params.key)
+    )
     ignored = None if answered.ignored is None else [answered.ignored]
     return StepResult(Raw(answered.actions), answered.replayed, ignored)
 
@@ -465,7 +468,7 @@ class SnapshotResult(msgspec.Struct, frozen=True):
 @method("session/snapshot", SessionParams, SnapshotResult)
 async def session_snapshot(call: Call, params: SessionParams) -> SnapshotResult:
     """The session's state as the core encodes it."""
-    return SnapshotResult(await call.app.registry.snapshot(params.session))
+    return SnapshotResult(await patient(call.app, params.session, lambda r: r.snapshot(params.session)))
 
 
 class RestoreParams(_Params, frozen=True):
@@ -495,7 +498,7 @@ class ForkParams(_Params, frozen=True):
 async def session_fork(call: Call, params: ForkParams) -> SessionResult:
     """Start a session whose history is the source's up to step `at`, with its own name, journal and keys; the
     source is untouched."""
-    name = await call.app.registry.fork(params.session, params.at, params.as_)
+    name = await patient(call.app, params.session, lambda r: r.fork(params.session, params.at, params.as_))
     log.info("session.forked", session=name, source=params.session, at=params.at)
     return SessionResult(name)
 
@@ -510,7 +513,7 @@ class PendingResult(msgspec.Struct, frozen=True):
 @method("session/pending", SessionParams, PendingResult)
 async def session_pending(call: Call, params: SessionParams) -> PendingResult:
     """What the session still waits for, from the core itself: what a client that reconnects still owes."""
-    actions = await call.app.registry.pending(params.session)
+    actions = await patient(call.app, params.session, lambda r: r.pending(params.session))
     return PendingResult(Raw(await awaiting_approval(call.app, params.session, actions)))
 
 
@@ -535,7 +538,7 @@ class TranscriptResult(msgspec.Struct, frozen=True):
 async def session_transcript(call: Call, params: TranscriptParams) -> TranscriptResult:
     """The session's conversation, as a Model ask would carry it whole: what a client of a session whose asks carry
     only new messages (config `asks: "delta"`) reads when it starts, or has lost count."""
-    seq, messages = await call.app.registry.transcript(params.session, params.from_)
+    seq, messages = await patient(call.app, params.session, lambda r: r.transcript(params.session, params.from_))
     return TranscriptResult(seq, params.from_, Raw(messages))
 
 
@@ -651,6 +654,10 @@ async def session_unwatch(call: Call, params: SessionParams) -> Empty:
 # -- the agent runtime ----------------------------------------------------------------------------------------------
 
 
+PATIENCE_S = 2.0  # the longest a call waits for the daemon's own driver of its session to let go of it
+T = TypeVar("T")
+
+
 def agent_binding(app: App, params: NewParams) -> tuple[Binding | None, Config]:
     """A new session's agent and workspace, checked (INVALID_PARAMS naming what is wrong), and its config: the
     profile's model, unless the config names one."""
@@ -668,6 +675,21 @@ def agent_binding(app: App, params: NewParams) -> tuple[Binding | None, Config]:
     if config.model is None:
         config = Config(model=runtime.profiles[agent].model, asks=config.asks)
     return binding, config
+
+
+async def patient(app: App, session: str, call: Callable[[Registry], Awaitable[T]]) -> T:
+    """call(registry); a BUSY that comes from the daemon's own driver of the session (it holds the session while it
+    steps a result, a millisecond or so) is waited out briefly rather than answered: a client of a driven session
+    should not have to retry the daemon's own steps. BUSY from another client's call is answered as ever."""
+    waited = 0.0
+    while True:
+        try:
+            return await call(app.registry)
+        except BusyError:
+            if app.agents is None or not app.agents.driving(session) or waited >= PATIENCE_S:
+                raise
+        await anyio.sleep(0.002)
+        waited += 0.002
 
 
 def _runtime(app: App) -> Runtime:

@@ -15,7 +15,7 @@ import pytest
 
 from devd import errors
 from devd.client import Client
-from devd.messages import Cancel, Event
+from devd.messages import Cancel, Event, Turn
 from tests.agents import SECRET, SYSTEM, Agentd, agentd, conversation, run_turn, start, until_done, watch_raw
 from tests.daemon import ROOT
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -355,12 +355,43 @@ def test_a_model_stream_the_daemon_was_killed_during_is_asked_again(agentd: Agen
         assert (conversation(c, session)[-1], agentd.standin.count) == ({"Agent": {"text": "asked again"}}, 2)
 
 
+def test_a_result_whose_commit_the_daemon_was_killed_before_is_stepped_interrupted_not_run_again(
+    tmp_path: Path, standin: Standin
+) -> None:
+    # As below, killed as the Exec result's commit (the 7th) is about to be written: the result was never durable.
+    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.before=kill@7"})
+    standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs"]})]), Scripted(text="after"))
+    with running.client() as c:
+        session = running.session(c)
+        c.prompt(session, "run")
+    running.daemon.proc.wait(20)  # type: ignore[union-attr]
+    running.daemon.env = {k: v for k, v in running.daemon.env.items() if k != "DEVD_FAILPOINTS"}
+    with running.daemon.start(), running.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, 1)
+        assert ((running.workspace / "runs").read_text(), results(c, session)) == (
+            "run\n",
+            [(2, INTERRUPTED.format(what="command"), True)],
+        )
+
+
+def test_browse_is_refused_unless_the_profile_lists_it(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(tool_calls=[("browse", {"url": "http://127.0.0.1:1/"})]), Scripted(text="ok"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "browse")
+        assert results(c, session) == [
+            (2, "denied by the policy: agent 'coder' does not list \"browse\" in its tools", True)
+        ]
+
+
 def test_a_result_whose_commit_the_daemon_was_killed_after_is_kept_and_not_run_again(
     tmp_path: Path, standin: Standin
 ) -> None:
-    # Commits, in order: the session, its agent record, the turn record, the Turn step, the Model answer, the claim,
-    # the Exec result (the 7th): killed once it is durable, before anyone is told.
-    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.after=kill@7"})
+    # Commits, in order: the session, its agent record, the turn record, the Turn step, the model call's trace and
+    # usage records, the Model answer, the claim, the command's trace record, the Exec result (the 10th): killed once
+    # it is durable, before anyone is told.
+    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.after=kill@10"})
     standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs"]})]), Scripted(text="after"))
     with running.client() as c:
         session = running.session(c)
@@ -502,23 +533,18 @@ def test_cancel_during_the_model_stream_closes_it_and_nothing_of_the_turn_starts
         assert (agentd.standin.wait_closed(), c.pending(session), agentd.standin.count) == (True, [], 1)
 
 
-def test_a_call_the_profile_would_ask_about_is_not_run_until_approvals_exist(tmp_path: Path, standin: Standin) -> None:
+def test_a_write_the_profile_asks_about_is_not_run_until_a_client_allows_it(tmp_path: Path, standin: Standin) -> None:
     running = start(tmp_path, standin, write='"ask"')
     standin.script(Scripted(tool_calls=[("write", {"path": "w.txt", "text": "x"})]), Scripted(text="ok"))
     with running.daemon, running.client() as c:
         session = running.session(c)
-        run_turn(c, session, "write")
-        assert (results(c, session), (running.workspace / "w.txt").exists()) == (
-            [
-                (
-                    2,
-                    "agent 'coder' has write = \"ask\"; approvals are not available yet (no one can be asked), so it "
-                    "was not run",
-                    True,
-                )
-            ],
-            False,
-        )
+        watch_raw(c, session)
+        c.prompt(session, "write")
+        asked = next(n for n in iter(lambda: c.wait_notification(30), None) if n.method == "session/approval")
+        written_before = (running.workspace / "w.txt").exists()
+        c.call("session/approve", {k: asked.params[k] for k in ("session", "action", "digest")} | {"decision": "allow"})
+        until_done(c, 1)
+        assert (written_before, (running.workspace / "w.txt").read_text()) == (False, "x")
 
 
 def test_devd_run_ctrl_c_cancels_the_turn_and_exits_130(agentd: Agentd) -> None:
@@ -563,3 +589,33 @@ def test_devd_attach_shows_a_turn_someone_else_prompted_until_it_ends(agentd: Ag
         )
         out, _ = attach.communicate(timeout=60)
     assert (attach.returncode, out.decode().splitlines()[-2:]) == (0, ["slowly written", "[turn 1 complete]"])
+
+
+def test_a_clients_calls_on_a_driven_session_wait_out_the_daemons_own_steps_rather_than_busy(agentd: Agentd) -> None:
+    (agentd.workspace / "a.txt").write_text("a\n")
+    agentd.standin.script(*[Scripted(tool_calls=[("read", {"path": "a.txt"})])] * 20, Scripted(text="ok"))
+    with agentd.client() as c, agentd.client() as other:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "read it often")
+        answered = 0
+        while other.pending(session):  # every call answered, none BUSY, until the turn is over
+            answered += 1
+        until_done(c, turn)
+    assert (answered > 0, agentd.standin.count) == (True, 21)
+
+
+def test_a_prompt_after_a_restart_numbers_its_turn_above_one_a_client_stepped_itself(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="client turn"), Scripted(text="prompted"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        c.step(session, Event(Turn=Turn(id=100, prompt="mine")))
+        until_done(c, 100)
+    agentd.daemon.stop()
+    agentd.daemon.start()
+    with agentd.client() as c:
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "yours")
+        until_done(c, turn)
+        assert (turn, conversation(c, session)[-1]) == (101, {"Agent": {"text": "prompted"}})

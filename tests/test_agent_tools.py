@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from devd.agent.profiles import Profile
-from devd.agent.tools import Refused, Result, browse, read_file, resolve, run_command, write_file
+from devd.agent.tools import Refused, Result, _walk, browse, read_file, resolve, run_command, write_file
 from tests.standin_model import Standin, standin_fixture  # noqa: F401 (the fixture)
 
 
@@ -87,6 +87,23 @@ async def test_writing_into_a_symlinked_parent_dir_creates_nothing_outside(ws: P
     os.symlink(ws.parent / "outside", ws / "dir")
     await write_file(ws, "dir/planted.txt", "x")
     assert sorted(os.listdir(ws.parent / "outside")) == ["secret"]
+
+
+def test_a_directory_swapped_for_a_link_after_resolving_is_refused(ws: Path) -> None:
+    """The race a concurrent command could run: resolved while `dir` was a directory, used once it is a link out."""
+    (ws / "dir").mkdir()
+    real = resolve(ws, "dir/a.txt", for_write=True)
+    (ws / "dir").rmdir()
+    os.symlink(ws.parent / "outside", ws / "dir")
+    with pytest.raises(Refused) as e:
+        _walk(ws, real, create=True)
+    assert e.value.why == "dir became a link or a file while it was used; nothing was done"
+
+
+async def test_reading_the_workspace_itself_lists_it(ws: Path) -> None:
+    (ws / "src").mkdir()
+    (ws / "a.txt").write_text("")
+    assert await read_file(ws, ".", 100) == Result(". is a directory; it holds: a.txt, src/", True)
 
 
 async def test_a_read_gives_the_text(ws: Path) -> None:

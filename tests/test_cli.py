@@ -612,6 +612,7 @@ def test_every_serve_flag_shows_its_variable_in_its_help() -> None:
         ("--line-timeout", ["DEVD_LINE_TIMEOUT"]),
         ("--send-timeout", ["DEVD_SEND_TIMEOUT"]),
         ("--metrics", ["DEVD_METRICS"]),
+        ("--otel-endpoint", ["DEVD_OTEL_ENDPOINT"]),
         ("--agents", ["DEVD_AGENTS"]),
         ("--log-format", ["DEVD_LOG_FORMAT"]),
         ("--log-level", ["DEVD_LOG_LEVEL"]),

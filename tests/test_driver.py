@@ -173,7 +173,11 @@ async def test_each_handler_that_takes_two_arguments_gets_the_action_too(daemon:
         seen.append(action.id)
         return "cc -c main.c"
 
-    handlers = Handlers(model=model, exec=lambda op, action: str(seen.append(action.id)), read=read)
+    def exec(op: Exec, action: Action) -> str:
+        seen.append(action.id)
+        return ""
+
+    handlers = Handlers(model=model, exec=exec, read=read)
     async with AsyncClient.connect(daemon.socket) as c:
         await run_turn(c, await c.new(session="s"), FIX, handlers)
     assert seen == [1, 2, 3, 4]

@@ -409,7 +409,17 @@ def test_resolve_answers_plain_json_params_without_repeats_or_refuses_them_as_me
     resolve_or_refuse(method, render(params, ascii=ascii))
 
 
-REQUIRED_VALUES = {"session": "a", "event": Obj([("Timer", True)]), "snapshot": "REVWRA==", "path": "/tmp/b"}
+REQUIRED_VALUES = {
+    "session": "a",
+    "event": Obj([("Timer", True)]),
+    "snapshot": "REVWRA==",
+    "path": "/tmp/b",
+    "prompt": "hello",
+    "action": 2,
+    "digest": "0" * 64,
+    "decision": "allow",
+    "tokens": 1000,
+}
 
 
 def valid_params(method: str) -> list[tuple[str, Any]]:

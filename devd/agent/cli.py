@@ -30,7 +30,7 @@ import anyio.to_thread
 from devd.agent.approvals import ApprovalNotice, DecidedNotice
 from devd.agent.records import DeltaNotice, StalledNotice
 from devd.client import ActionsNotice, AsyncClient, Notice, UnwatchedNotice
-from devd.errors import ConflictError, HandleError
+from devd.errors import BusyError, ConflictError, HandleError
 from devd.messages import Action, Cancel, Event, Output
 
 EXIT_OK = 0
@@ -276,12 +276,23 @@ async def _cancel_on(
     async for _ in signals:
         screen.interrupted = True
         with anyio.CancelScope(shield=True):
-            await client.step(session, Event(Cancel=Cancel(turn=turn)), key=f"devd run:{session}:cancel:{turn}")
+            await _cancel(client, session, turn)
         if screen.outcome is None:
             screen.outcome = "cancelled"
             screen._line(f"[turn {turn} cancelled]")
         scope.cancel()
         return
+
+
+async def _cancel(client: AsyncClient, session: str, turn: int) -> None:
+    """Step the turn's Cancel (keyed: a retry sends nothing new), waiting out BUSY: the daemon may be stepping it."""
+    for delay in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 1.0, 1.0):
+        try:
+            await client.step(session, Event(Cancel=Cancel(turn=turn)), key=f"devd run:{session}:cancel:{turn}")
+            return
+        except BusyError:
+            await anyio.sleep(delay)
+    await client.step(session, Event(Cancel=Cancel(turn=turn)), key=f"devd run:{session}:cancel:{turn}")
 
 
 async def _attach(client: AsyncClient, args: argparse.Namespace, screen: Screen) -> int:

@@ -380,14 +380,12 @@ class ModelCall:
     async def done(self, completion: Completion | None) -> None:
         """The call is over: answered (`completion`), or not (None: it failed, or was withdrawn by a Cancel)."""
         used = None if completion is None else self._usage(completion)
-        # Handed to the store together, so that its group commit makes them durable in one write, not one each. The
-        # tasks start in order and each hands its record over before it first waits, so the records keep that order.
-        async with anyio.create_task_group() as tg:
+        # One after the other, in order: each on disk before the next, so that what a crash leaves is a prefix.
+        try:
             for number, attempt in enumerate(self.attempts, start=1):
-                tg.start_soon(self.oversight.trace, self.session, self._record(number, attempt, used))
-            tg.start_soon(
-                self.oversight.settle, self.session, self.profile, self.turn, self.action, self.reservation, used
-            )
+                await self.oversight.trace(self.session, self._record(number, attempt, used))
+        finally:
+            await self.oversight.settle(self.session, self.profile, self.turn, self.action, self.reservation, used)
 
     def cancelled(self) -> None:
         """The call was stopped with the daemon: its reservation goes, nothing is written (it is asked again)."""

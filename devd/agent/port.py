@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 import msgspec
 
 from devd.errors import BusyError
@@ -79,8 +80,8 @@ class Sessions(Protocol):
     def seq(self, session: str) -> int | None:
         """The session's last step, None if there is no such session here."""
 
-    async def steps(self, session: str, since: int, limit: int) -> list[bytes]:
-        """The events of up to `limit` journalled steps after `since`."""
+    async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
+        """(seq, event) of up to `limit` journalled steps after `since`, in order."""
 
     async def add_record(self, record: Record) -> None: ...
 
@@ -131,8 +132,8 @@ class RegistryPort:
         infos, _ = self.registry.page(1, _just_before(session))
         return infos[0].seq if infos and infos[0].name == session else None
 
-    async def steps(self, session: str, since: int, limit: int) -> list[bytes]:
-        return [row.event for row in await self.store.steps_since(session, since, limit)]
+    async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
+        return [(row.seq, row.event) for row in await self.store.steps_since(session, since, limit)]
 
     async def add_record(self, record: Record) -> None:
         await self.store.add_record(record)
@@ -151,11 +152,16 @@ class RegistryPort:
 
 
 async def _unbusy(call: Callable[[], Awaitable[T]]) -> T:
-    """call(), waiting out BUSY (another client's call on the session) with backoff, for BUSY_WAIT_MAX_S at most."""
+    """call(), waiting out BUSY (another client's call on the session) with backoff, for BUSY_WAIT_MAX_S at most.
+    The call itself is shielded: a registry call stopped half-way (between the core's step and its commit) would
+    leave the session's instance ahead of what it knows of the disk; a cancel lands once the call has answered."""
     delay, waited = BUSY_FIRST_DELAY_S, 0.0
     while True:
         try:
-            return await call()
+            with anyio.CancelScope(shield=True):
+                answered = await call()
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return answered
         except BusyError:
             if waited >= BUSY_WAIT_MAX_S:
                 raise

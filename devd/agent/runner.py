@@ -53,6 +53,7 @@ from devd.watchers import Stepped
 log = structlog.get_logger("devd.agent")
 T = TypeVar("T")
 
+SCAN_ROWS = 256  # journal rows read at a time when a session's turn ids are first looked for
 REASKS_MAX = 3  # asks again after a reply whose every call was rejected, before its text is taken as the answer
 EFFECTS = ("Exec", "Write", "Git")  # what is claimed before it starts: it changes something
 INTERRUPTED = (
@@ -101,6 +102,7 @@ class Runtime:
         self._turns: dict[str, int] = {}  # the highest turn id known of each session
         self._drivers: dict[str, Driver] = {}
         self._locks: dict[str, anyio.Lock] = {}
+        self._scanned: set[str] = set()  # sessions whose kept journal was read for turn ids
         self._tg: anyio.abc.TaskGroup | None = None
         self._sandboxes: dict[str, sandboxes.Sandbox | sandboxes.Refusal | None] = {}
         self.http: http.Client | None = None
@@ -144,6 +146,8 @@ class Runtime:
             if step_key is not None and (kept := await self.sessions.keyed_turn(session, step_key)) is not None:
                 self.drive(session)
                 return kept
+            if session not in self._scanned:
+                await self._scan_turns(session)
             seq = self.sessions.seq(session) or 0
             turn = max(seq, self._turns.get(session, 0)) + 1
             await self.sessions.add_record(Record(session, seq, records.TURN, 0, records.encode(TurnStarted(turn))))
@@ -151,6 +155,19 @@ class Runtime:
             await self.sessions.step(session, Event(Turn=Turn(id=turn, prompt=prompt)), step_key)
         self.drive(session)
         return turn
+
+    async def _scan_turns(self, session: str) -> None:
+        """Learn the highest turn id of the session's kept journal, once per daemon life: a client may have stepped a
+        Turn of its own with a higher id than any step count (the steps since are observed as they happen)."""
+        since, highest = 0, self._turns.get(session, 0)
+        while True:
+            rows = await self.sessions.steps(session, since, SCAN_ROWS)
+            highest = max([highest, *(_turn_id(e) for _, e in rows if e.startswith(b'{"Turn"'))])
+            if len(rows) < SCAN_ROWS:
+                break
+            since = rows[-1][0]
+        self._turns[session] = max(self._turns.get(session, 0), highest)
+        self._scanned.add(session)
 
     async def resume(self, session: str) -> None:
         """Try a stalled session again (or drive one that owes work and is not driven)."""
@@ -198,6 +215,10 @@ class Runtime:
         """Stop every driver where it stands (a claimed effect cut short is found interrupted at the next start)."""
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
+
+    def driving(self, session: str) -> bool:
+        """Whether a driver of the daemon's is carrying out the session's actions now."""
+        return session in self._drivers
 
     def drive(self, session: str) -> None:
         """Make sure a driver carries out what the session waits for."""
@@ -251,6 +272,7 @@ class Runtime:
         self._forget(session)
 
     def _forget(self, session: str) -> None:
+        self._scanned.discard(session)
         self._bindings.pop(session, None)
         self._turns.pop(session, None)
         self.stalled.pop(session, None)

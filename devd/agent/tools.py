@@ -17,6 +17,7 @@ command exits, so nothing it started outlives it), stdout and stderr interleaved
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import stat
@@ -80,23 +81,63 @@ async def read_file(workspace: Path, path: str, limit_bytes: int) -> Result:
     return await anyio.to_thread.run_sync(_read, workspace, path, limit_bytes)
 
 
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _walk(workspace: Path, real: Path, *, create: bool) -> tuple[int, str]:
+    """A descriptor of the directory `real` is in, reached from the workspace one directory at a time without
+    following a link (made when `create`), and real's name in it. `real` has no links (it was resolved), so a link
+    met on the way was swapped in since: it is refused rather than followed out of the workspace."""
+    root = Path(os.path.realpath(workspace))
+    parts = real.relative_to(root).parts
+    fd = os.open(root, _DIR)
+    try:
+        for part in parts[:-1]:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
+            try:
+                inner = os.open(part, _DIR, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise Refused(f"{part} became a link or a file while it was used; nothing was done") from None
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1] if parts else "."
+
+
 def _read(workspace: Path, path: str, limit_bytes: int) -> Result:
     try:
         real = resolve(workspace, path, for_write=False)
+        dir_fd, name = _walk(workspace, real, create=False)
     except Refused as e:
         return Result(f"refused: {e.why}", failed=True)
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return Result(f"{path} does not exist", failed=True)
     except OSError as e:
-        return Result(f"cannot read {path}: {e.strerror}", failed=True)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if stat.S_ISDIR(st.st_mode):
-            return Result(f"{path} is a directory; it holds: {_listing(real)}", failed=True)
-        if not stat.S_ISREG(st.st_mode):
+        return Result(f"cannot read {path}: {e.strerror or e}", failed=True)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return Result(f"{path} does not exist", failed=True)
+    except OSError as e:
+        why = "it became a link while it was used" if e.errno == errno.ELOOP else e.strerror
+        return Result(f"cannot read {path}: {why}", failed=True)
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a directory with an exception
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                return Result(f"{path} is a directory; it holds: {_listing(fd)}", failed=True)
             return Result(f"{path} is not a regular file", failed=True)
+        finally:
+            os.close(fd)
+    with os.fdopen(fd, "rb") as f:
         data = f.read(limit_bytes + 1)
     if b"\x00" in data:
         return Result(f"{path} is a binary file ({st.st_size} bytes); it is not shown", failed=True)
@@ -106,8 +147,9 @@ def _read(workspace: Path, path: str, limit_bytes: int) -> Result:
     return Result(text)
 
 
-def _listing(directory: Path, most: int = 50) -> str:
-    names = sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in os.scandir(directory))
+def _listing(directory_fd: int, most: int = 50) -> str:
+    with os.scandir(directory_fd) as entries:
+        names = sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries)
     shown = ", ".join(names[:most]) or "nothing"
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
@@ -124,8 +166,11 @@ def _write(workspace: Path, path: str, text: str) -> Result:
         return Result(f"the text for {path} is not valid Unicode ({e.reason} at {e.start}); nothing was written", True)
     try:
         real = resolve(workspace, path, for_write=True)
-        _make_parents(Path(os.path.realpath(workspace)), real.parent)
-        _replace(real, data)
+        dir_fd, name = _walk(workspace, real, create=True)
+        try:
+            _replace(dir_fd, name, data)
+        finally:
+            os.close(dir_fd)
     except Refused as e:
         return Result(f"refused: {e.why}", failed=True)
     except OSError as e:
@@ -133,46 +178,27 @@ def _write(workspace: Path, path: str, text: str) -> Result:
     return Result(f"wrote {len(data)} bytes to {path}")
 
 
-def _make_parents(root: Path, parent: Path) -> None:
-    """Make the directories between root and parent, one at a time, refusing a component that is not a directory
-    of the workspace by the time it is made (a link swapped in meanwhile)."""
-    missing = []
-    at = parent
-    while not at.exists() and at != root:
-        missing.append(at)
-        at = at.parent
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            d.mkdir()
-    if Path(os.path.realpath(parent)) != parent:
-        raise Refused(f"{parent} changed while it was being made; nothing was written")
-
-
-def _replace(target: Path, data: bytes) -> None:
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    dir_fd = os.open(target.parent, flags)
+def _replace(dir_fd: int, name: str, data: bytes) -> None:
+    """Write `name` in the directory whole or not at all: a temporary file, fsynced, renamed over it."""
+    mode = 0o644
+    with contextlib.suppress(FileNotFoundError):
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            raise Refused(f"{name} is a directory; a file cannot replace it")
+        mode = stat.S_IMODE(st.st_mode)
+    temp = f".{name}.devd-{uuid.uuid4().hex[:12]}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     try:
-        mode = 0o644
-        with contextlib.suppress(FileNotFoundError):
-            st = os.stat(target.name, dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                raise Refused(f"{target.name} is a directory; a file cannot replace it")
-            mode = stat.S_IMODE(st.st_mode)
-        temp = f".{target.name}.devd-{uuid.uuid4().hex[:12]}.tmp"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(temp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=dir_fd)
-            raise
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)
+        raise
+    os.fsync(dir_fd)
 
 
 # -- Exec and Git -------------------------------------------------------------------------------------------------
