@@ -5,7 +5,9 @@ or runs too long) is a failed Result that says so, never an exception. Cancellat
 raised: a cancelled command's process group is killed first.
 
 Paths: relative to the workspace, resolved with every symlink (parents and the last component); one that leads
-outside the workspace's real path is refused, and nothing outside is read or written. A write is atomic (a temporary
+outside the workspace's real path is refused, and nothing outside is read or written. The file is then reached from
+the workspace's descriptor one directory at a time without following links, so a directory swapped for a link in
+between (by a command running at the same time) is refused too. A write is atomic (a temporary
 file in the same directory, created exclusively and without following links, fsynced, renamed over the target, the
 directory fsynced), creating missing directories inside the workspace.
 
