@@ -144,7 +144,7 @@ class Editor:
 
 
 @contextlib.asynccontextmanager
-async def editor_on(setup: Setup, editor: Editor) -> AsyncIterator[acp.ClientSideConnection]:
+async def editor_on(setup: Setup, editor: Editor, *args: str) -> AsyncIterator[acp.ClientSideConnection]:
     """`devd acp` spawned as an editor spawns it, initialized."""
     setup.spawned += 1
     with open(setup.logs / f"acp-{setup.spawned}.log", "ab") as log:
@@ -158,6 +158,7 @@ async def editor_on(setup: Setup, editor: Editor) -> AsyncIterator[acp.ClientSid
             str(setup.daemon.socket),
             "--log-level",
             "info",
+            *args,
             env={"PYTHONPATH": str(ROOT)},
             transport_kwargs={"stderr": log.fileno()},
             observers=[editor.observe],
@@ -373,6 +374,21 @@ async def test_session_new_outside_the_profiles_roots_is_refused_naming_the_cwd(
         with pytest.raises(acp.RequestError) as refused:
             await conn.new_session(cwd=str(outside), mcp_servers=[])
     assert (refused.value.code, str(outside) in str(refused.value)) == (-32602, True)
+
+
+async def test_sessions_of_devd_acp_agent_name_are_driven_by_that_profile(devd: Setup) -> None:
+    async with editor_on(devd, Editor(), "--agent", "coder") as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+    with devd.daemon.client() as client:
+        bound = client.agent(session.session_id)
+    assert (bound.agent, bound.workspace) == ("coder", str(devd.workspace))
+
+
+async def test_an_agent_the_daemon_does_not_have_is_refused_naming_it(devd: Setup) -> None:
+    async with editor_on(devd, Editor(), "--agent", "nobody") as conn:
+        with pytest.raises(acp.RequestError) as refused:
+            await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+    assert (refused.value.code, "'nobody'" in str(refused.value)) == (-32602, True)
 
 
 async def test_mcp_servers_are_accepted_and_reported_not_connected(devd: Setup) -> None:
