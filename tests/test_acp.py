@@ -459,6 +459,25 @@ async def test_a_daemon_killed_and_restarted_mid_turn_still_answers_the_editors_
     assert (answers[0].stop_reason, editor.text()) == ("end_turn", "The command was cut short.")
 
 
+async def test_a_reply_streamed_again_after_a_restart_is_told_once(devd: Setup) -> None:
+    reply = " ".join(f"word{i}" for i in range(150))
+    devd.standin.script(Scripted(text=reply, split=6, delay_s=0.02), Scripted(text=reply, split=6))
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        async with anyio.create_task_group() as tg:
+            answers: list[Any] = []
+
+            async def prompt() -> None:
+                answers.append(await conn.prompt(session_id=session.session_id, prompt=text("talk")))
+
+            tg.start_soon(prompt)
+            await editor.until(lambda: editor.chunks() > 3)
+            devd.daemon.kill()
+            await anyio.to_thread.run_sync(devd.daemon.start)
+    assert (answers[0].stop_reason, editor.text()) == ("end_turn", reply)
+
+
 # -- no daemon -------------------------------------------------------------------------------------------------------
 
 
