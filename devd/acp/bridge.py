@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -68,7 +69,7 @@ class Withdrawn(Exception):
 class Editor:
     """Our end of the ACP connection: lines out, and the requests we sent, waiting for their answers."""
 
-    def __init__(self, write: Any) -> None:
+    def __init__(self, write: Callable[[bytes], Awaitable[None]]) -> None:
         self._write = write
         self._ids = itertools.count(1)
         self._waiting: dict[Id, tuple[anyio.Event, list[Response]]] = {}
@@ -178,7 +179,7 @@ class Bridge:
 
     # -- running
 
-    async def run(self, lines: Any) -> None:
+    async def run(self, lines: AsyncIterator[bytes]) -> None:
         """Serve the editor until its input ends; sessions go on in the daemon."""
         async with anyio.create_task_group() as tg:
             self._tasks = tg
