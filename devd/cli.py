@@ -1433,6 +1433,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     acp = sub.add_parser(
         "acp",
         help="be an Agent Client Protocol agent on stdin/stdout for an editor, backed by the daemon (docs/editors.md)",
+        description="Be an Agent Client Protocol (v1) agent on stdin/stdout, as an editor spawns one (Zed, Neovim's "
+        "CodeCompanion, Emacs' agent-shell: docs/editors.md), whose sessions are the running daemon's. Exit 0 when "
+        "the editor closes our input, 3 when no daemon answers at the start.",
         formatter_class=_Help,
     )
     _connection_flags(acp)
