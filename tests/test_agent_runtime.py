@@ -358,8 +358,8 @@ def test_a_model_stream_the_daemon_was_killed_during_is_asked_again(agentd: Agen
 def test_a_result_whose_commit_the_daemon_was_killed_before_is_stepped_interrupted_not_run_again(
     tmp_path: Path, standin: Standin
 ) -> None:
-    # As below, killed as the Exec result's commit (the 7th) is about to be written: the result was never durable.
-    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.before=kill@7"})
+    # As below, killed as the Exec result's commit (the 10th) is about to be written: the result was never durable.
+    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.before=kill@10"})
     standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs"]})]), Scripted(text="after"))
     with running.client() as c:
         session = running.session(c)
@@ -581,8 +581,9 @@ def test_devd_attach_shows_a_turn_someone_else_prompted_until_it_ends(agentd: Ag
         session = agentd.session(c)
         c.prompt(session, "go")
         wait_for(lambda: agentd.standin.count == 1, "the request")
+        # "--": a name the daemon makes up may begin with "-"
         attach = subprocess.Popen(
-            [sys.executable, "-m", "devd", "attach", "--connect", str(agentd.daemon.socket), session],
+            [sys.executable, "-m", "devd", "attach", "--connect", str(agentd.daemon.socket), "--", session],
             stdout=subprocess.PIPE,
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},

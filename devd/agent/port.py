@@ -17,7 +17,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from devd.errors import BusyError
+from devd.errors import BusyError, HandleError
 from devd.messages import Action, Event, Message, decode_actions, decode_messages, encode
 from devd.registry import Registry
 from devd.rpc import notification
@@ -80,6 +80,10 @@ class Sessions(Protocol):
     def seq(self, session: str) -> int | None:
         """The session's last step, None if there is no such session here."""
 
+    async def known(self, session: str) -> bool:
+        """Whether the session exists; in a fleet, one another daemon made (or held) is taken for this one first
+        (MovedError when a live daemon holds it)."""
+
     async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
         """(seq, event) of up to `limit` journalled steps after `since`, in order."""
 
@@ -131,6 +135,17 @@ class RegistryPort:
     def seq(self, session: str) -> int | None:
         infos, _ = self.registry.page(1, _just_before(session))
         return infos[0].seq if infos and infos[0].name == session else None
+
+    async def known(self, session: str) -> bool:
+        if self.seq(session) is not None:
+            return True
+        if self.registry.fleet is None:
+            return False
+        try:
+            await _unbusy(lambda: self.registry.pending(session))  # adopts it, as any call on it would
+        except HandleError:
+            return False
+        return True
 
     async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
         return [(row.seq, row.event) for row in await self.store.steps_since(session, since, limit)]

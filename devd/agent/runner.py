@@ -45,7 +45,7 @@ from devd.agent.port import Sessions, action_ids
 from devd.agent.profiles import Profile, api_key, check_workspace
 from devd.agent.records import Binding, Claim, DeltaNotice, StalledNotice, TurnStarted
 from devd.agent.trace import Outcome
-from devd.errors import DevdError, InvalidParamsError
+from devd.errors import DevdError, HandleError, InvalidParamsError
 from devd.messages import Action, Answer, Call, Event, Message, Output, Turn, encode
 from devd.store import Record
 from devd.watchers import Stepped
@@ -122,11 +122,12 @@ class Runtime:
         return Binding(agent, str(check_workspace(profile, workspace)))
 
     async def bind(self, session: str, binding: Binding | None) -> None:
-        """Keep the new session's binding (durably, when it has one)."""
+        """Keep the new session's binding, durably. A session of no agent is not remembered here at all (there may be
+        a million of them): what is known of a name made again is forgotten."""
         self._forget(session)
         if binding is not None:
             await self.sessions.add_record(Record(session, 0, records.AGENT, 0, records.encode(binding)))
-        self._bindings[session] = binding
+            self._bindings[session] = binding
 
     async def binding(self, session: str) -> Binding | None:
         if session not in self._bindings:
@@ -179,8 +180,8 @@ class Runtime:
         self.drive(session)
 
     async def _bound(self, session: str) -> Binding:
-        if self.sessions.seq(session) is None:
-            raise InvalidParamsError(f"no session is named {session!r}; `session/list` shows the sessions there are")
+        if not await self.sessions.known(session):
+            raise HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
         binding = await self.binding(session)
         if binding is None:
             raise InvalidParamsError(
@@ -206,7 +207,12 @@ class Runtime:
         async with http.new_client() as client, anyio.create_task_group() as tg:
             self.http, self._tg = client, tg
             task_status.started()
-            for name in await self.sessions.recorded(records.AGENT):
+            try:
+                owing = await self.sessions.recorded(records.AGENT)
+            except DevdError as e:  # the daemon serves anyway; each session is driven at its next prompt or resume
+                log.error("agent.resume_failed", error=f"{e.kind}: {e}"[:500])
+                owing = []
+            for name in owing:
                 if self.sessions.seq(name) is not None:
                     self.drive(name)
             await anyio.sleep_forever()
@@ -273,9 +279,11 @@ class Runtime:
 
     def _forget(self, session: str) -> None:
         self._scanned.discard(session)
+        self._locks.pop(session, None)
         self._bindings.pop(session, None)
         self._turns.pop(session, None)
         self.stalled.pop(session, None)
+        self.oversight.forget(session)  # a session made again under the name inherits no approvals nor spend
 
 
 _events = msgspec.json.Decoder(Event)
