@@ -23,6 +23,7 @@ import structlog
 from msgspec import Meta, Raw
 
 from devd import ABI, __version__
+from devd.agent import records
 from devd.agent.oversight import APPROVAL_NOTICE
 from devd.agent.trace import TraceRecord
 from devd.config import Settings
@@ -739,8 +740,13 @@ class AgentResult(msgspec.Struct, frozen=True):
 async def session_agent(call: Call, params: SessionParams) -> AgentResult:
     """Which agent drives the session, in which workspace (what an editor lists and attaches sessions by)."""
     _known(call.app, params.session)
-    binding = await call.app.agents.binding(params.session) if call.app.agents is not None else None
-    return AgentResult(None, None) if binding is None else AgentResult(binding.agent, binding.workspace)
+    if call.app.agents is None:
+        return AgentResult(None, None)
+    # Read from the record log, not through the runtime's cache, which keeps no session of no agent (there may be a
+    # million, and an editor's `session/list` asks of each).
+    found = await call.app.agents.sessions.records(params.session, (records.AGENT,))
+    bound = [records.decode(r.body, records.Binding) for r in found if r.kind == records.AGENT]
+    return AgentResult(bound[-1].agent, bound[-1].workspace) if bound else AgentResult(None, None)
 
 
 # -- approvals, spend and trace (devd.agent.oversight) -------------------------------------------------------------
