@@ -491,3 +491,14 @@ def test_without_a_daemon_devd_acp_says_how_to_start_one_and_exits_non_zero(tmp_
         timeout=30,
     )
     assert (done.returncode, "devd serve" in done.stderr, done.stdout) == (3, True, "")
+
+
+def test_devd_acp_exits_0_when_the_editor_closes_its_input(devd: Setup) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "devd", "acp", "--connect", str(devd.daemon.socket)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=30,
+    )
+    assert (done.returncode, done.stdout) == (0, b"")

@@ -1,8 +1,9 @@
 """This process's stdin and stdout as async line streams, on the event loop (no thread): ACP's transport.
 
-Reads wait for the descriptor to be readable and then take what is there; a regular file (input redirected from a
-file) is read directly, as it never blocks. Writes go out whole, in order, one writer at a time; stdout is made
-non-blocking when it is a pipe or a socket (what an editor gives us), so a slow reader holds up only the writer.
+Reads wait for the descriptor to be readable and then take what is there; a regular file or /dev/null (input
+redirected), which the event loop cannot wait on, is read directly, as it never blocks. Writes go out whole, in
+order, one writer at a time; stdout is made non-blocking when it is a pipe or a socket (what an editor gives us), so
+a slow reader holds up only the writer.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ class Stdio:
         wait = _streamlike(self.fd_in)
         while True:
             if wait:
-                await anyio.wait_readable(self.fd_in)
+                try:
+                    await anyio.wait_readable(self.fd_in)
+                except PermissionError:  # epoll refuses it (/dev/null): such a file never blocks a read
+                    wait = False
             else:
                 await anyio.lowlevel.checkpoint()
             data = os.read(self.fd_in, READ_BYTES)
