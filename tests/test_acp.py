@@ -502,3 +502,21 @@ def test_devd_acp_exits_0_when_the_editor_closes_its_input(devd: Setup) -> None:
         timeout=30,
     )
     assert (done.returncode, done.stdout) == (0, b"")
+
+
+def test_devd_acp_exits_0_when_the_editor_stops_reading(devd: Setup) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "devd", "acp", "--connect", str(devd.daemon.socket)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdout.close()  # the editor is gone: the answer below has nowhere to go
+    proc.stdin.write(b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":1}}\n')
+    proc.stdin.flush()  # and its input stays open: only the broken pipe can end the process
+    try:
+        assert proc.wait(30) == 0
+    finally:
+        proc.stdin.close()

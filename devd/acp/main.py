@@ -36,7 +36,10 @@ async def serve(address: str, token: str | None, agent: str | None) -> None:
     stdio = Stdio()
     async with AsyncClient.connect(address, token=token) as client:
         bridge = Bridge(client, Editor(stdio.write), agent=agent, token=token)
-        await bridge.run(stdio.lines())
+        try:
+            await bridge.run(stdio.lines())
+        except* BrokenPipeError:
+            pass  # the editor went away: nothing more to tell it, and its sessions go on in the daemon
 
 
 def main(args: argparse.Namespace) -> int:
