@@ -10,7 +10,8 @@ What it promises:
   `cancelled`), or `refusal` when the session stalls (its reason in `_meta.devd.stalled`).
 - A daemon that goes away is reconnected (retrying for as long as it takes); each session is watched again from the
   last step seen, so the turns in flight are still answered, and a call lost on the way is sent again (each is
-  idempotent: a prompt by its key, a cancel by its key, an approval by its digest).
+  idempotent: a prompt by its key, a cancel by its key, an approval by its digest). A prompt whose daemon stays away
+  past OFFLINE_PATIENCE_S is answered with an error saying how to start it; reconnecting goes on.
 - `session/load` replays the session's whole history (the daemon's journal) before it answers; after `load` or
   `resume`, the turns other clients drive on the session are told too, and either editor may answer a permission
   request: the first answer wins, and the other editor's request is withdrawn (`$/cancel_request`).
