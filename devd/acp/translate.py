@@ -4,8 +4,9 @@ The daemon says what happened (`session/actions` for each step, `session/delta` 
 `session/approval` and `session/decided` for approvals); this says it as an editor shows it:
 
 - a turn's prompt is a `user_message_chunk` (not for the prompts this editor sent itself: it shows those already);
-- the model's text is `agent_message_chunk`s, from the deltas as they stream, else from the step's `Emit` (only
-  what the deltas did not already say, so a reply streamed in part before a reconnect is finished, not repeated);
+- the model's text is `agent_message_chunk`s, from the deltas as they stream, else from the reply in the step that
+  answers the model (only what the deltas did not already say, so a reply streamed in part before a reconnect is
+  finished, not repeated; the core emits a reply's text only when it has no calls, so the reply is the source);
 - each call the core dispatches is a `tool_call` (`pending`, its kind, a title, absolute `locations` for files),
   then `tool_call_update`s: `in_progress` once it runs (at once for reads and fetches, which are never asked
   about; after an approval, or with its result, for the others), and `completed` or `failed` with its output (and
