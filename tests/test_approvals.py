@@ -518,3 +518,19 @@ def test_with_otel_endpoint_a_turn_arrives_as_genai_spans_at_a_collector(tmp_pat
         ["chat standin-model", "execute_tool exec", "chat standin-model"],
         {session},
     )
+
+
+def test_a_session_expired_and_made_again_under_its_name_spends_from_zero(tmp_path: Path, standin: Standin) -> None:
+    workspace = tmp_path / "roots" / "ws"
+    workspace.mkdir(parents=True)
+    (tmp_path / "agents.toml").write_text(agents_toml(standin.url, tmp_path / "roots", exec='"allow"'))
+    daemon = Daemon(tmp_path / "d", "--agents", str(tmp_path / "agents.toml"), "--expire-after", "3s")
+    standin.script(Scripted(text="hello", usage=(10, 2, None)))
+    with daemon.start(), daemon.client() as c:
+        session = c.new(agent="coder", workspace=workspace, session="again")
+        watch(c, session)
+        c.prompt(session, "hi")
+        until_done(c)
+        assert next_notice(c, "session/unwatched").params["reason"] == "expired"
+        c.new(agent="coder", workspace=workspace, session="again")
+        assert c.usage("again").calls == 0

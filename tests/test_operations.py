@@ -215,7 +215,7 @@ LOG_CALL = re.compile(r"\b(?:log|logger)\.(?:debug|info|warning|error|exception|
 
 def logged_events() -> set[str]:
     """Every event name the daemon's code logs."""
-    sources = [p for p in (ROOT / "devd").glob("*.py") if not p.name.startswith("bench")]
+    sources = [p for p in (ROOT / "devd").rglob("*.py") if not p.name.startswith("bench")]
     return {name for p in sources for name in LOG_CALL.findall(p.read_text())}
 
 

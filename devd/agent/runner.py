@@ -438,7 +438,6 @@ class Driver:
             how = "; its process group was killed" if kind in ("Exec", "Git") else ""
             text = CANCELLED.format(what=what, how=how)
             return await self._step(_result(kind, action.id, text, True), action.id)
-        log.debug("agent.tool", session=self.session, action=action.id, kind=kind, ms=took * 1e3)
         outcome: Outcome = "error" if result.failed else "ok"
         error = result.text if result.failed else None
         event = _result(kind, action.id, result.text, result.failed)
