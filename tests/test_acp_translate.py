@@ -14,6 +14,7 @@ from devd.acp.translate import (
     DecidedNotice,
     DeltaNotice,
     SessionView,
+    notice,
     replay,
     transcript_updates,
 )
@@ -291,3 +292,20 @@ def test_text_the_model_wrote_beside_its_calls_is_a_chunk_when_it_did_not_stream
     reply = answer(1, "Let me look.", calls=[Call(Read=Read(path="a"))])
     updates = view.take(step(2, reply, (2, Op(Read=Read(path="a")))))
     assert [type(u).__name__ for u in updates] == ["AgentMessageChunk", "ToolCall", "ToolCallUpdate"]
+
+
+def test_a_deny_decided_elsewhere_says_who_denied_it() -> None:
+    view = SessionView("s", WS)
+    view.take(step(2, answer(1, calls=[]), (2, Op(Exec=Exec(argv=["make"])))))
+    updates = view.take(DecidedNotice("s", 2, "deny", "zed"))
+    assert plain(updates) == [
+        {
+            "sessionUpdate": "tool_call_update",
+            "toolCallId": "call_2",
+            "content": [{"type": "content", "content": {"type": "text", "text": "denied by zed"}}],
+        }
+    ]
+
+
+def test_a_notice_this_layer_does_not_know_says_nothing() -> None:
+    assert notice("session/unknown", {"session": "s"}) is None
