@@ -171,6 +171,32 @@ def text(t: str) -> list[TextContentBlock]:
     return [TextContentBlock(type="text", text=t)]
 
 
+async def test_initialize_answers_protocol_1_with_load_list_resume_and_close(devd: Setup) -> None:
+    with open(devd.logs / "acp-init.log", "ab") as log:
+        async with acp.spawn_agent_process(
+            Editor(),  # type: ignore[arg-type]
+            sys.executable,
+            "-m",
+            "devd",
+            "acp",
+            "--connect",
+            str(devd.daemon.socket),
+            env={"PYTHONPATH": str(ROOT)},
+            transport_kwargs={"stderr": log.fileno()},
+        ) as (conn, _process):
+            hello = await conn.initialize(protocol_version=1)
+    caps = hello.agent_capabilities
+    assert caps is not None and caps.session_capabilities is not None
+    sessions = caps.session_capabilities
+    assert (hello.protocol_version, caps.load_session, sessions.list, sessions.resume, sessions.close) == (
+        1,
+        True,
+        acp.schema.SessionListCapabilities(),
+        acp.schema.SessionResumeCapabilities(),
+        acp.schema.SessionCloseCapabilities(),
+    )
+
+
 WRITE_THEN_CAT = [
     Scripted(text="I will write it.", tool_calls=[("write", {"path": "hello.txt", "text": "hi\n"})]),
     Scripted(tool_calls=[("exec", {"argv": ["cat", "hello.txt"]})]),
