@@ -53,6 +53,7 @@ from devd.messages import Action, Config, Event, Message, decode_actions, decode
 from devd.protocol import (
     METHODS,
     ActionsNotice,
+    AgentResult,
     ApprovalNotice,
     ApproveParams,
     BackupParams,
@@ -516,6 +517,11 @@ class Client:
         """Try a stalled session's model again."""
         self.request("session/resume", SessionParams(session))
 
+    def agent(self, session: str) -> AgentResult:
+        """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""
+        result: AgentResult = self.request("session/agent", SessionParams(session))
+        return result
+
     def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None
     ) -> list[Action]:
@@ -651,10 +657,12 @@ class _Connection:
         self.left: set[str] = set()  # sessions whose watch() was left early: their notices in flight are dropped
         self.unrouted = unrouted
         self.lost = False
+        self.gone = anyio.Event()  # set when lost: what `wait_lost()` waits for
 
     def lose(self) -> None:
         """The connection is gone: every call waiting fails, every watch loop ends."""
         self.lost = True
+        self.gone.set()
         for event, _ in self.waiting.values():
             event.set()
         self.waiting.clear()
@@ -757,6 +765,11 @@ class AsyncClient:
         self._tasks.start_soon(self._read, self._conn)
         if _greets(self._address, self._token):
             await self.initialize(token=self._token)
+
+    async def wait_lost(self) -> None:
+        """Return once this client's connection is lost (the daemon stopped, or closed it); then `reconnect()`.
+        For a client that must notice a daemon going away while it has no call in flight (it only listens)."""
+        await self._conn.gone.wait()
 
     async def _read(self, conn: _Connection) -> None:
         buffer = b""
@@ -872,6 +885,11 @@ class AsyncClient:
     async def resume(self, session: str) -> None:
         """Try a stalled session's model again."""
         await self.request("session/resume", SessionParams(session))
+
+    async def agent(self, session: str) -> AgentResult:
+        """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""
+        result: AgentResult = await self.request("session/agent", SessionParams(session))
+        return result
 
     async def step(
         self, session: str, event: Event | bytes, *, timeout_ms: int | None = None, key: str | None = None

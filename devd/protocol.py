@@ -433,6 +433,13 @@ class PromptResult(msgspec.Struct, frozen=True):
     turn: int
 
 
+class AgentResult(msgspec.Struct, frozen=True):
+    """The agent profile and workspace a session was made with; both null for a session the daemon does not drive."""
+
+    agent: str | None
+    workspace: str | None
+
+
 class ApproveParams(_Params, frozen=True):
     """A client's decision on an action that waits for approval, naming it by its `digest` (from its
     `session/approval`); `remember`: the same decision for later calls of that argv prefix (Exec, Git) or path
@@ -745,6 +752,13 @@ METHODS: dict[str, Spec] = {
             Empty,
             "resume",
             "Try a stalled session's model again (and drive a session of an agent that owes work).",
+        ),
+        _spec(
+            "session/agent",
+            SessionParams,
+            AgentResult,
+            "agent",
+            "Which agent drives the session, in which workspace (what an editor lists and attaches sessions by).",
         ),
         _spec(
             "session/approve",

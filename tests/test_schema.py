@@ -435,6 +435,7 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             assert client.call("session/recover", {"session": "copy"}) == {"session": "copy"}
             assert client.call("session/pending", {"session": "demo"}) == {"actions": []}
             assert client.call("session/info", {"session": "demo"})["waiting"] == []
+            assert client.call("session/agent", {"session": "demo"}) == {"agent": None, "workspace": None}
             assert client.call("session/transcript", {"session": "demo", "from": 4}) == {
                 "seq": 5,
                 "from": 4,

@@ -1586,6 +1586,19 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     _connection_flags(attach)
     attach.add_argument("session", help="the session's name")
 
+    from devd.acp.main import add_arguments as acp_arguments
+
+    acp = sub.add_parser(
+        "acp",
+        help="be an Agent Client Protocol agent on stdin/stdout for an editor, backed by the daemon (docs/editors.md)",
+        description="Be an Agent Client Protocol (v1) agent on stdin/stdout, as an editor spawns one (Zed, Neovim's "
+        "CodeCompanion, Emacs' agent-shell: docs/editors.md), whose sessions are the running daemon's. Exit 0 when "
+        "the editor closes our input, 3 when no daemon answers at the start.",
+        formatter_class=_Help,
+    )
+    _connection_flags(acp)
+    acp_arguments(acp)
+
     doctor = sub.add_parser(
         "doctor",
         help="check the daemon, its state directory, database and core",
@@ -1619,6 +1632,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "doctor":
         return _doctor(args)
+    if args.command == "acp":
+        from devd.acp.main import main as acp_main
+
+        return acp_main(args)
     if args.command in ("run", "attach"):
         return _run_agent(args)
     return _run_client(args)

@@ -22,6 +22,7 @@ import structlog
 from msgspec import Raw
 
 from devd import ABI, __version__, protocol
+from devd.agent import records
 from devd.agent.oversight import APPROVAL_NOTICE
 from devd.config import Settings, backup_dir
 from devd.errors import BusyError, ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
@@ -33,6 +34,7 @@ from devd.protocol import (  # noqa: F401
     SEQ_MAX,
     SESSION_NAME_PATTERN,
     TRANSCRIPT_INDEX_MAX,
+    AgentResult,
     ApproveParams,
     BackupParams,
     BackupResult,
@@ -527,6 +529,18 @@ async def session_prompt(call: Call, params: PromptParams) -> PromptResult:
 async def session_resume(call: Call, params: SessionParams) -> Empty:
     await _runtime(call.app).resume(params.session)
     return Empty()
+
+
+@method("session/agent")
+async def session_agent(call: Call, params: SessionParams) -> AgentResult:
+    _known(call.app, params.session)
+    if call.app.agents is None:
+        return AgentResult(None, None)
+    # Read from the record log, not through the runtime's cache, which keeps no session of no agent (there may be a
+    # million, and an editor's `session/list` asks of each).
+    found = await call.app.agents.sessions.records(params.session, (records.AGENT,))
+    bound = [records.decode(r.body, records.Binding) for r in found if r.kind == records.AGENT]
+    return AgentResult(bound[-1].agent, bound[-1].workspace) if bound else AgentResult(None, None)
 
 
 @method("session/approve")

@@ -78,6 +78,12 @@ export interface Agent {
   calls?: Dispatch[];
 }
 
+/** The agent profile and workspace a session was made with; both null for a session the daemon does not drive. */
+export interface AgentResult {
+  agent: string | null;
+  workspace: string | null;
+}
+
 /** The model's `reply` to the `Model` action numbered `id`. */
 export interface Answer {
   /**
@@ -577,6 +583,11 @@ export interface Methods {
   "session/resume": {
     params: SessionParams;
     result: Empty;
+  };
+  /** Which agent drives the session, in which workspace (what an editor lists and attaches sessions by). */
+  "session/agent": {
+    params: SessionParams;
+    result: AgentResult;
   };
   /**
    * Decide an action that waits for approval: the first valid answer wins (durable before every watcher gets

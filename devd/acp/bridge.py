@@ -1,0 +1,733 @@
+"""The `devd acp` process: ACP requests from the editor carried out on the daemon, and the daemon's notices of the
+sessions the editor attached told back to it as `session/update`s.
+
+What it promises:
+
+- The ACP `sessionId` is the devd session name; every session, turn, approval and result is the daemon's. What this
+  process holds (the sessions attached, the permission requests in flight, a `SessionView` per session) is derived
+  from the daemon's notices and can be derived again: a fresh process, or another one, shows the same session.
+- `session/prompt` starts a turn with an idempotency key and answers once the turn's `Done` is seen (`end_turn`,
+  `cancelled`), or `refusal` when the session stalls (its reason in `_meta.devd.stalled`).
+- A daemon that goes away is reconnected (retrying for as long as it takes); each session is watched again from the
+  last step seen, so the turns in flight are still answered, and a call lost on the way is sent again (each is
+  idempotent: a prompt by its key, a cancel by its key, an approval by its digest). A prompt whose daemon stays away
+  past OFFLINE_PATIENCE_S is answered with an error saying how to start it; reconnecting goes on.
+- `session/load` replays the session's whole history (the daemon's journal) before it answers; after `load` or
+  `resume`, the turns other clients drive on the session are told too, and either editor may answer a permission
+  request: the first answer wins, and the other editor's request is withdrawn (`$/cancel_request`).
+- Errors are JSON-RPC errors: an unknown session is -32602 naming it; the daemon's own errors keep their code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+
+from devd import errors
+from devd.acp import wire
+from devd.acp.translate import (
+    ApprovalNotice,
+    DecidedNotice,
+    Notice,
+    SessionView,
+    StalledNotice,
+    StopReason,
+    collapse,
+    notice,
+    transcript_updates,
+)
+from devd.acp.wire import Id, Request, Response, Update
+from devd.client import ActionsNotice, AsyncClient, NotRunningError, Reply
+
+log = structlog.get_logger("devd.acp")
+
+LIST_PAGE = 200  # daemon sessions scanned per `session/list` page
+RECONNECT_FIRST_S = 0.05  # backoff while the daemon is away: from this, doubling, up to RECONNECT_MAX_S
+RECONNECT_MAX_S = 1.0
+BUSY_FIRST_S = 0.005  # a call answered BUSY is sent again after this, doubling, until past BUSY_MAX_S
+BUSY_MAX_S = 2.0
+OFFLINE_PATIENCE_S = 60.0  # a prompt waiting on a daemon that has been away this long is answered with an error
+Stop = StopReason | Literal["refusal"]  # how a prompt ends: its turn's outcome, or a stall
+MCP_NOT_CONNECTED = "devd cannot call MCP tools yet; the server was not started"
+
+
+# -- the editor's side ----------------------------------------------------------------------------------------------
+
+
+class Withdrawn(Exception):
+    """A request of ours to the editor was withdrawn before it was answered."""
+
+
+class Editor:
+    """Our end of the ACP connection: lines out, and the requests we sent, waiting for their answers."""
+
+    def __init__(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+        self._write = write
+        self._ids = itertools.count(1)
+        self._waiting: dict[Id, tuple[anyio.Event, list[Response]]] = {}
+
+    async def send(self, line: bytes) -> None:
+        await self._write(line)
+
+    async def update(self, session: str, update: Update) -> None:
+        await self.send(
+            wire.notification_line("session/update", wire.to_builtins(wire.session_update(session, update)))
+        )
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    async def request(self, id: int, method: str, params: Any) -> Response:
+        """Send a request and wait for its answer; Withdrawn if `withdraw(id)` came first."""
+        event, slot = anyio.Event(), list[Response]()
+        self._waiting[id] = (event, slot)
+        try:
+            await self.send(wire.request_line(id, method, params))
+            await event.wait()
+        finally:
+            self._waiting.pop(id, None)
+        if not slot:
+            raise Withdrawn(id)
+        return slot[0]
+
+    def answered(self, response: Response) -> None:
+        waiter = self._waiting.pop(response.id, None)
+        if waiter is not None:  # else withdrawn already: its late answer has nothing left to decide
+            waiter[1].append(response)
+            waiter[0].set()
+
+    async def withdraw(self, id: int) -> None:
+        """Withdraw a request of ours (ACP's `$/cancel_request`); whoever waits on it gets Withdrawn."""
+        waiter = self._waiting.pop(id, None)
+        if waiter is None:
+            return
+        waiter[0].set()
+        await self.send(wire.notification_line("$/cancel_request", {"requestId": id}))
+
+
+# -- sessions attached ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Waiter:
+    """A `session/prompt` waiting for its turn's end."""
+
+    key: str
+    turn: int | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+    stop: Stop | None = None
+    stalled: str | None = None
+    error: errors.DevdError | None = None
+    cancel: bool = False  # the editor cancelled before the turn's id was known
+
+    def end(self, stop: Stop | None, *, stalled: str | None = None, error: errors.DevdError | None = None) -> None:
+        if not self.done.is_set():
+            self.stop, self.stalled, self.error = stop, stalled, error
+            self.done.set()
+
+
+@dataclass
+class Asked:
+    """A permission request in flight to the editor."""
+
+    request: int
+    digest: str
+
+
+@dataclass
+class Attached:
+    view: SessionView
+    held: list[Notice] | None = None  # while a load replays: the notices kept back until the replay is sent
+    waiters: list[Waiter] = field(default_factory=list)
+    asked: dict[int, Asked] = field(default_factory=dict)  # by action id
+    approvals: dict[int, ApprovalNotice] = field(default_factory=dict)  # undecided, by action id
+
+
+def _unknown(session: str) -> errors.InvalidParamsError:
+    return errors.InvalidParamsError(
+        f"no session is named {session!r} in the daemon; `session/list` shows the sessions there are"
+    )
+
+
+# -- the bridge -----------------------------------------------------------------------------------------------------
+
+
+class Bridge:
+    """One editor, one daemon connection, and the sessions the editor attached."""
+
+    def __init__(self, client: AsyncClient, editor: Editor, *, agent: str | None, token: str | None) -> None:
+        self.client = client
+        self.editor = editor
+        self.agent = agent
+        self.token = token
+        self.editor_name = "an editor"
+        self.sessions: dict[str, Attached] = {}
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._generation = 0  # connections made so far; a call that lost one waits for the next
+        self._reconnected = anyio.Event()
+        self._taken = 0  # notices taken from the client, and finished with: what `_caught_up()` compares
+        self._finished = 0
+        self._progress = anyio.Event()
+
+    # -- running
+
+    async def run(self, lines: AsyncIterator[bytes]) -> None:
+        """Serve the editor until its input ends; sessions go on in the daemon."""
+        async with anyio.create_task_group() as tg:
+            self._tasks = tg
+            tg.start_soon(self._pump)
+            tg.start_soon(self._supervise)
+            async for line in lines:
+                await self._incoming(line)
+            tg.cancel_scope.cancel()
+
+    async def _incoming(self, line: bytes) -> None:
+        assert self._tasks is not None
+        try:
+            message = wire.decode(line)
+        except errors.DevdError as e:
+            await self.editor.send(wire.error_line(None, e))
+            return
+        if isinstance(message, Response):
+            self.editor.answered(message)
+        elif isinstance(message, Request):
+            self._tasks.start_soon(self._answer, message)
+        elif message.method == "session/cancel":
+            self._tasks.start_soon(self._cancel_notified, message.params)
+
+    async def _answer(self, request: Request) -> None:
+        try:
+            result = await self.handle(request.method, request.params)
+        except errors.DevdError as e:
+            await self.editor.send(wire.error_line(request.id, e))
+        except Exception as e:  # a bug here must not end the editor's connection: say it, and go on
+            log.exception("acp.request_failed", method=request.method)
+            await self.editor.send(wire.error_line(request.id, errors.InternalError(f"devd acp failed: {e!r}")))
+        else:
+            await self.editor.send(wire.result_line(request.id, result))
+
+    async def handle(self, method: str, raw: msgspec.Raw) -> Any:
+        handler = METHODS.get(method)
+        if handler is None:
+            raise errors.MethodNotFoundError(f"devd acp does not implement {method!r}")
+        return await handler(self, raw)
+
+    # -- the daemon connection
+
+    async def call(self, method: str, params: dict[str, Any]) -> Any:
+        """A daemon call, sent again on the next connection when this one is lost, and again while the session is
+        BUSY (the daemon stepping it; every call made here is idempotent). An unknown session is the editor's -32602."""
+        busy_wait = BUSY_FIRST_S
+        while True:
+            generation = self._generation
+            try:
+                return await self.client.call(method, params)
+            except errors.BusyError:
+                if busy_wait > BUSY_MAX_S:
+                    raise
+                await anyio.sleep(busy_wait)  # the daemon's own step of the session takes a moment: ask again
+                busy_wait *= 2
+            except ConnectionError:
+                with anyio.move_on_after(OFFLINE_PATIENCE_S):
+                    while self._generation == generation:
+                        await self._reconnected.wait()
+                if self._generation == generation:
+                    raise self._away() from None
+            except errors.DeadlineError:
+                raise
+            except errors.HandleError as e:
+                session = params.get("session")
+                if isinstance(session, str) and "no session" in str(e):
+                    raise _unknown(session) from None
+                raise
+
+    async def hello(self) -> None:
+        client = {"name": f"devd acp ({self.editor_name})"}
+        await self.client.call("initialize", {"client": client, "token": self.token})
+
+    async def _supervise(self) -> None:
+        """Reconnect whenever the daemon goes away, and watch every attached session again from its last step."""
+        while True:
+            await self.client.wait_lost()
+            log.warning("acp.daemon_lost", sessions=len(self.sessions))
+            for attached in self.sessions.values():
+                attached.view.reconnected()
+            await self._reconnect()
+            for name, attached in list(self.sessions.items()):
+                await self._rewatch(name, attached)
+            self._generation += 1
+            self._reconnected.set()
+            self._reconnected = anyio.Event()
+            log.info("acp.daemon_back", sessions=len(self.sessions))
+
+    async def _reconnect(self) -> None:
+        delay = RECONNECT_FIRST_S
+        away_since = anyio.current_time()
+        told = False
+        while True:
+            try:
+                await self.client.reconnect()
+                await self.hello()
+                return
+            except (NotRunningError, ConnectionError, OSError):
+                await anyio.sleep(delay)  # the daemon is away: try again, less often as it stays away
+                delay = min(delay * 2, RECONNECT_MAX_S)
+            if not told and anyio.current_time() - away_since > OFFLINE_PATIENCE_S:
+                told = True  # the prompts waiting are answered; reconnecting goes on for the next ones
+                for attached in self.sessions.values():
+                    for waiter in attached.waiters:
+                        waiter.end(None, error=self._away())
+
+    @staticmethod
+    def _away() -> errors.InternalError:
+        return errors.InternalError(
+            f"the devd daemon went away and has not come back within {OFFLINE_PATIENCE_S:.0f} s; start it again "
+            "(`devd serve`, or `systemctl --user start devd`): its sessions and turns are kept, and loading the "
+            "session shows where it stands"
+        )
+
+    async def _rewatch(self, name: str, attached: Attached) -> None:
+        try:
+            await self.client.call("session/watch", {"session": name, "since": attached.view.last_seq})
+        except errors.HandleError:
+            self._gone(name, "it no longer exists in the daemon")
+        except errors.InvalidParamsError:  # history since then not kept: from now on
+            await self.client.call("session/watch", {"session": name})
+        except ConnectionError:
+            pass  # lost again: the next round watches it
+
+    # -- notices
+
+    async def _pump(self) -> None:
+        async for reply in self.client.notifications:
+            self._taken += 1
+            try:
+                await self._notice(reply)
+            except (msgspec.ValidationError, TypeError) as e:
+                log.warning("acp.notice_unreadable", method=reply.method, error=str(e))
+            finally:
+                self._finished += 1
+                self._progress.set()
+                self._progress = anyio.Event()
+
+    async def _caught_up(self) -> None:
+        """Wait until every notice received before now has been dealt with."""
+        target = self._taken + self.client.notifications.statistics().current_buffer_used
+        while self._finished < target:
+            await self._progress.wait()
+
+    async def _notice(self, reply: Reply) -> None:
+        params = reply.params if isinstance(reply.params, dict) else {}
+        name = params.get("session")
+        attached = self.sessions.get(name) if isinstance(name, str) else None
+        if attached is None or not isinstance(name, str):
+            return
+        if reply.method == "session/unwatched":
+            if params.get("reason") == "closed":
+                self._gone(name, "it was closed")
+            else:
+                assert self._tasks is not None
+                self._tasks.start_soon(self._rewatch, name, attached)
+            return
+        n = notice(reply.method or "", params)
+        if n is None:
+            return
+        if attached.held is not None:
+            attached.held.append(n)
+            return
+        await self._live(name, attached, n)
+
+    async def _live(self, name: str, attached: Attached, n: Notice) -> None:
+        for update in attached.view.take(n):
+            await self.editor.update(name, update)
+        if isinstance(n, ActionsNotice):
+            self._settle(attached)
+        elif isinstance(n, ApprovalNotice):
+            self._ask(name, attached, n)
+        elif isinstance(n, DecidedNotice):
+            attached.approvals.pop(n.action, None)
+            asked = attached.asked.pop(n.action, None)
+            if asked is not None:
+                await self.editor.withdraw(asked.request)
+        elif isinstance(n, StalledNotice):
+            for waiter in attached.waiters:
+                waiter.end("refusal", stalled=n.why)
+
+    def _settle(self, attached: Attached) -> None:
+        """End the prompts whose turn is done."""
+        for waiter in list(attached.waiters):
+            if waiter.turn is not None and waiter.turn in attached.view.outcomes:
+                waiter.end(attached.view.outcomes[waiter.turn])
+
+    def _gone(self, name: str, why: str) -> None:
+        attached = self.sessions.pop(name, None)
+        if attached is None:
+            return
+        for waiter in attached.waiters:
+            waiter.end(None, error=errors.InvalidParamsError(f"session {name!r} ended: {why}"))
+
+    # -- approvals
+
+    def _ask(self, name: str, attached: Attached, n: ApprovalNotice) -> None:
+        if n.action in attached.asked:
+            return  # announced again (a new watch after a reconnect): the editor is asked once
+        attached.approvals[n.action] = n
+        request = self.editor.new_id()
+        attached.asked[n.action] = Asked(request, n.digest)
+        assert self._tasks is not None
+        self._tasks.start_soon(self._permission, name, attached, n, request)
+
+    async def _permission(self, name: str, attached: Attached, n: ApprovalNotice, request: int) -> None:
+        params = {
+            "sessionId": name,
+            "toolCall": wire.to_builtins(attached.view.permission_call(n)),
+            "options": wire.to_builtins(wire.PERMISSION_OPTIONS),
+        }
+        try:
+            response = await self.editor.request(request, "session/request_permission", params)
+        except Withdrawn:
+            return
+        finally:
+            if (asked := attached.asked.get(n.action)) is not None and asked.request == request:
+                del attached.asked[n.action]
+        decision = _decision(response)
+        if decision is None:
+            return  # cancelled by the editor: its session/cancel says what to do
+        body: dict[str, Any] = {"session": name, "action": n.action, "digest": n.digest, "decision": decision[0]}
+        if decision[1]:
+            body["remember"] = True
+        try:
+            await self.call("session/approve", body)
+        except errors.ConflictError:
+            pass  # decided first elsewhere: its session/decided has told us
+        except errors.DevdError as e:
+            log.warning("acp.approve_failed", session=name, action=n.action, error=str(e))
+
+    # -- attaching
+
+    async def attach(self, name: str, workspace: str | None) -> Attached:
+        """Watch the session from now on (no replay)."""
+        old = self.sessions.get(name)
+        if old is not None and old.held is None:
+            return old
+        attached = Attached(SessionView(name, workspace))
+        self.sessions[name] = attached
+        try:
+            await self.call("session/watch", {"session": name})
+        except BaseException:
+            self.sessions.pop(name, None)
+            raise
+        return attached
+
+    async def load(self, name: str, workspace: str | None) -> None:
+        """Watch the session from its first step, and tell the editor its whole history before anything new."""
+        attached = Attached(SessionView(name, workspace), held=[])
+        previous = self.sessions.get(name)
+        if previous is not None:
+            attached.waiters = previous.waiters
+        self.sessions[name] = attached
+        try:
+            try:
+                await self.call("session/watch", {"session": name, "since": 0})
+            except errors.InvalidParamsError:  # the journal's oldest steps are pruned: the transcript tells them
+                await self.call("session/watch", {"session": name})
+                await self._caught_up()
+                messages = await self.call("session/transcript", {"session": name})
+                for update in transcript_updates(messages.get("messages", []), workspace):
+                    await self.editor.update(name, update)
+            await self._caught_up()
+        except BaseException:
+            self.sessions.pop(name, None)
+            raise
+        await self._replay(name, attached)
+
+    async def _replay(self, name: str, attached: Attached) -> None:
+        """Send what the watch's history said, collapsed, then go live (no await between the last batch and live)."""
+        first = True
+        while attached.held:
+            batch, attached.held = attached.held, []
+            updates: list[Update] = []
+            for n in batch:
+                updates += attached.view.take(n)
+                if isinstance(n, ApprovalNotice):
+                    attached.approvals[n.action] = n
+                elif isinstance(n, DecidedNotice):
+                    attached.approvals.pop(n.action, None)
+            for update in collapse(updates) if first else updates:
+                await self.editor.update(name, update)
+            first = False
+        attached.held = None
+        self._settle(attached)
+        for n in list(attached.approvals.values()):
+            self._ask(name, attached, n)
+
+    async def entry(self, name: str) -> dict[str, Any] | None:
+        """The daemon's `session/list` entry of one session, or None."""
+        cursor = _before(name)
+        while True:
+            page = await self.call("session/list", {"limit": 16, "cursor": cursor} if cursor else {"limit": 16})
+            for entry in page.get("sessions", []):
+                if entry.get("session") == name:
+                    return dict(entry)
+                if entry.get("session", "") > name:
+                    return None
+            cursor = page.get("next")
+            if not cursor:
+                return None
+
+    # -- cancel
+
+    async def _cancel_notified(self, raw: msgspec.Raw) -> None:
+        try:
+            p = wire.params(raw, wire.SessionIdParams, "session/cancel")
+            await self.cancel(p.session_id)
+        except errors.DevdError as e:
+            log.warning("acp.cancel_failed", error=str(e))
+
+    async def cancel(self, name: str) -> None:
+        """Cancel the session's turns in flight (Cancel stepped for each) and withdraw its permission requests."""
+        attached = self.sessions.get(name)
+        if attached is None:
+            return
+        turns = set(attached.view.running)
+        for waiter in attached.waiters:
+            if waiter.turn is None:
+                waiter.cancel = True
+            else:
+                turns.add(waiter.turn)
+        for asked in list(attached.asked.values()):
+            await self.editor.withdraw(asked.request)
+        attached.asked.clear()
+        for turn in sorted(turns):
+            await self._step_cancel(name, turn)
+
+    async def _step_cancel(self, name: str, turn: int) -> None:
+        event = {"Cancel": {"turn": turn}}
+        await self.call("session/step", {"session": name, "event": event, "key": f"acp:cancel:{turn}"})
+
+
+def _decision(response: Response) -> tuple[str, bool] | None:
+    """The approval an editor's answer means: (decision, remember), or None when it cancelled or failed."""
+    if response.error is not None or response.result is None:
+        return None
+    try:
+        result = msgspec.json.decode(response.result, type=wire.PermissionResult)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    option = result.outcome.option_id if result.outcome.outcome == "selected" else None
+    return {
+        "allow_once": ("allow", False),
+        "allow_always": ("allow", True),
+        "reject_once": ("deny", False),
+        "reject_always": ("deny", False),  # the daemon remembers allowances only; each denial is its own
+    }.get(option or "")
+
+
+def _before(name: str) -> str | None:
+    """A cursor just below name, so that a page of `session/list` from it begins at name (or what follows it)."""
+    if not name:
+        return None
+    last = name[-1]
+    return name[:-1] + chr(ord(last) - 1) + "\U0010ffff" if ord(last) > 0 else name[:-1] or None
+
+
+# -- the methods ----------------------------------------------------------------------------------------------------
+
+
+async def _initialize(bridge: Bridge, raw: msgspec.Raw) -> Any:
+    p = wire.params(raw, wire.InitializeParams, "initialize")
+    if p.client_info is not None:
+        bridge.editor_name = p.client_info.name
+        await bridge.hello()
+    from devd import __version__
+
+    return {
+        "protocolVersion": wire.PROTOCOL_VERSION,
+        "agentCapabilities": {
+            "loadSession": True,
+            "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
+            "mcpCapabilities": {"http": False, "sse": False},
+            "sessionCapabilities": {"list": {}, "resume": {}, "close": {}},
+        },
+        "authMethods": [],
+        "agentInfo": {"name": "devd", "title": "devd", "version": __version__},
+    }
+
+
+def _absolute(cwd: str | None, method: str) -> str | None:
+    if cwd is not None and not os.path.isabs(cwd):
+        raise errors.InvalidParamsError(f"{method}: cwd must be an absolute path, not {cwd!r}")
+    return os.path.normpath(cwd) if cwd else None
+
+
+def _mcp_meta(servers: list[dict[str, Any]], session: str) -> dict[str, Any]:
+    names = [str(s.get("name", "")) for s in servers]
+    if names:
+        log.warning("acp.mcp_not_connected", session=session, servers=names, why=MCP_NOT_CONNECTED)
+    return {"mcpServers": [{"name": n, "connected": False, "why": MCP_NOT_CONNECTED} for n in names]}
+
+
+async def _new(bridge: Bridge, raw: msgspec.Raw) -> Any:
+    p = wire.params(raw, wire.NewSessionParams, "session/new")
+    cwd = _absolute(p.cwd, "session/new")
+    body: dict[str, Any] = {"workspace": cwd}
+    if bridge.agent is not None:
+        body["agent"] = bridge.agent
+    try:
+        made = await bridge.call("session/new", body)
+    except errors.InvalidParamsError as e:
+        raise errors.InvalidParamsError(f"cannot start a devd session in {cwd}: {e}") from None
+    name = made["session"]
+    await bridge.attach(name, cwd)
+    return {"sessionId": name, "_meta": {"devd": _mcp_meta(p.mcp_servers, name)}}
+
+
+async def _known(bridge: Bridge, name: str) -> dict[str, Any]:
+    entry = await bridge.entry(name)
+    if entry is None:
+        raise _unknown(name)
+    return entry
+
+
+async def _workspace(bridge: Bridge, name: str, cwd: str | None) -> str | None:
+    """The session's workspace as the daemon has it (the editor's cwd for a session the daemon does not drive);
+    -32602 for a session that does not exist."""
+    bound = await bridge.call("session/agent", {"session": name})
+    workspace = bound.get("workspace") if isinstance(bound, dict) else None
+    return workspace if isinstance(workspace, str) else cwd
+
+
+async def _load(bridge: Bridge, raw: msgspec.Raw) -> Any:
+    p = wire.params(raw, wire.LoadSessionParams, "session/load")
+    await bridge.load(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/load")))
+    return {"_meta": {"devd": _mcp_meta(p.mcp_servers, p.session_id)}}
+
+
+async def _resume(bridge: Bridge, raw: msgspec.Raw) -> Any:
+    p = wire.params(raw, wire.LoadSessionParams, "session/resume")
+    await bridge.attach(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/resume")))
+    return {"_meta": {"devd": _mcp_meta(p.mcp_servers, p.session_id)}}
+
+
+async def _list(bridge: Bridge, raw: msgspec.Raw) -> Any:
+    p = wire.params(raw, wire.ListSessionsParams, "session/list")
+    cwd = _absolute(p.cwd, "session/list")
+    real = os.path.realpath(cwd) if cwd is not None else None  # the daemon keeps a workspace as its real path
+    query: dict[str, Any] = {"limit": LIST_PAGE}
+    if p.cursor:
+        query["cursor"] = p.cursor
+    page = await bridge.call("session/list", query)
+    sessions = []
+    for entry in page.get("sessions", []):
+        try:
+            bound = await bridge.call("session/agent", {"session": entry["session"]})
+        except errors.InvalidParamsError:
+            continue  # closed since the page was read
+        workspace = bound.get("workspace")
+        if not isinstance(workspace, str) or (real is not None and workspace != real):
+            continue  # not a session the daemon drives in a workspace, or another workspace's
+        meta = {k: entry[k] for k in ("state", "seq", "stalled") if k in entry} | {"agent": bound.get("agent")}
+        sessions.append(
+            {
+                "sessionId": entry["session"],
+                "cwd": workspace,
+                "updatedAt": entry.get("last_used"),
+                "_meta": {"devd": meta},
+            }
+        )
+    result: dict[str, Any] = {"sessions": sessions}
+    if page.get("next"):
+        result["nextCursor"] = page["next"]
+    return result
+
+
+async def _usage(bridge: Bridge, name: str) -> dict[str, int] | None:
+    try:
+        usage = await bridge.call("session/usage", {"session": name})
+    except errors.DevdError:  # a daemon without accounting
+        return None
+    return dict(usage) if isinstance(usage, dict) else None
+
+
+def _spent(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    if before is None or after is None:
+        return None
+    spent = {
+        k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("input_tokens", "output_tokens", "cached_tokens")
+    }
+    return {
+        "inputTokens": spent["input_tokens"],
+        "outputTokens": spent["output_tokens"],
+        "cachedReadTokens": spent["cached_tokens"],
+        "totalTokens": spent["input_tokens"] + spent["output_tokens"],
+    }
+
+
+async def _prompt(bridge: Bridge, raw: msgspec.Raw) -> Any:
+    p = wire.params(raw, wire.PromptParams, "session/prompt")
+    name = p.session_id
+    text = wire.prompt_text(p.prompt)
+    if not text:
+        raise errors.InvalidParamsError("session/prompt: the prompt has no text block")
+    attached = bridge.sessions.get(name) or await bridge.attach(name, await _workspace(bridge, name, None))
+    entry = await _known(bridge, name)
+    if entry.get("stalled"):  # typing again is asking it to try again
+        await bridge.call("session/resume", {"session": name})
+    before = await _usage(bridge, name)
+    waiter = Waiter(key=f"acp:{uuid.uuid4().hex}")
+    attached.waiters.append(waiter)
+    attached.view.expect_prompt(text)
+    try:
+        started = await bridge.call("session/prompt", {"session": name, "prompt": text, "key": waiter.key})
+        waiter.turn = int(started["turn"])
+        if waiter.cancel:
+            await bridge.cancel(name)
+        bridge._settle(attached)
+        await waiter.done.wait()
+    finally:
+        if waiter in attached.waiters:
+            attached.waiters.remove(waiter)
+    if waiter.error is not None:
+        raise waiter.error
+    meta: dict[str, Any] = {"turn": waiter.turn}
+    if waiter.stalled is not None:
+        meta["stalled"] = waiter.stalled
+        reason = f"devd: the session is stalled: {waiter.stalled}. Prompt again to retry."
+        await bridge.editor.update(name, wire.AgentMessageChunk(wire.TextBlock(reason)))
+    result: dict[str, Any] = {"stopReason": waiter.stop, "_meta": {"devd": meta}}
+    if (usage := _spent(before, await _usage(bridge, name))) is not None:
+        result["usage"] = usage
+    return result
+
+
+async def _close(bridge: Bridge, raw: msgspec.Raw) -> Any:
+    p = wire.params(raw, wire.SessionIdParams, "session/close")
+    name = p.session_id
+    await _known(bridge, name)
+    await bridge.cancel(name)
+    attached = bridge.sessions.pop(name, None)
+    await bridge.call("session/close", {"session": name})
+    if attached is not None:
+        for waiter in attached.waiters:
+            waiter.end("cancelled")
+    return {}
+
+
+METHODS = {
+    "initialize": _initialize,
+    "session/new": _new,
+    "session/load": _load,
+    "session/resume": _resume,
+    "session/list": _list,
+    "session/prompt": _prompt,
+    "session/close": _close,
+}

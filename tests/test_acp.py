@@ -1,0 +1,548 @@
+"""`devd acp` end to end, as an editor runs it: spawned by the Agent Client Protocol's own Python SDK
+(`agent-client-protocol`: `spawn_agent_process`, `ClientSideConnection`), against the real daemon started with an
+agents file whose profile asks the stand-in model server, and a real workspace on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import acp
+import anyio
+import pytest
+from acp.connection import StreamDirection
+from acp.schema import (
+    AgentMessageChunk,
+    AllowedOutcome,
+    Implementation,
+    RequestPermissionResponse,
+    TextContentBlock,
+    ToolCallProgress,
+    ToolCallStart,
+    UserMessageChunk,
+)
+
+from tests.daemon import ROOT, Daemon
+from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (the `standin` fixture)
+
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the SDK is asyncio's
+
+
+# -- the daemon, its agents file and a workspace ---------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    daemon: Daemon
+    workspace: Path
+    standin: Standin
+    logs: Path
+    spawned: int = 0
+
+
+def agents_toml(url: str, root: Path, exec: str) -> str:
+    return "\n".join(
+        [
+            "[agent.coder]",
+            f'base_url = "{url}"',
+            'model = "standin-model"',
+            f'workspace_roots = ["{root}"]',
+            f'exec = "{exec}"',
+            "exec_timeout_s = 60",
+            "",
+        ]
+    )
+
+
+def setup(tmp_path: Path, standin: Standin, exec: str = "allow") -> Iterator[Setup]:
+    workspace = tmp_path / "roots" / "app"
+    workspace.mkdir(parents=True)
+    agents = tmp_path / "agents.toml"
+    agents.write_text(agents_toml(standin.url, tmp_path / "roots", exec))
+    with Daemon(tmp_path / "d", "--agents", str(agents)) as daemon:
+        yield Setup(daemon, workspace.resolve(), standin, tmp_path)
+
+
+@pytest.fixture
+def devd(tmp_path: Path, standin: Standin) -> Iterator[Setup]:
+    yield from setup(tmp_path, standin)
+
+
+@pytest.fixture
+def asking(tmp_path: Path, standin: Standin) -> Iterator[Setup]:
+    """A daemon whose profile asks before every command."""
+    yield from setup(tmp_path, standin, exec="ask")
+
+
+# -- an editor -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Editor:
+    """The editor's side of ACP (the SDK's Client): what it was told, and how it answers permission requests
+    (`answer`: the option it picks; None: it never answers, and waits)."""
+
+    answer: str | None = None
+    updates: list[Any] = field(default_factory=list)
+    asked: list[Any] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    raw: list[dict[str, Any]] = field(default_factory=list)  # every message from devd acp, as it came
+
+    def observe(self, event: Any) -> None:
+        if event.direction == StreamDirection.INCOMING:
+            self.raw.append(event.message)
+
+    def permission_requests(self) -> list[Any]:
+        return [m["id"] for m in self.raw if m.get("method") == "session/request_permission"]
+
+    def withdrawn(self) -> list[Any]:
+        return [m["params"]["requestId"] for m in self.raw if m.get("method") == "$/cancel_request"]
+
+    async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
+        self.updates.append(update)
+        self.changed.set()
+
+    async def request_permission(
+        self, session_id: str, tool_call: Any, options: list[Any], **kwargs: Any
+    ) -> RequestPermissionResponse:
+        self.asked.append((tool_call, [o.kind for o in options]))
+        self.changed.set()
+        if self.answer is None:
+            await asyncio.Event().wait()  # another editor answers: this request is withdrawn
+        return RequestPermissionResponse(outcome=AllowedOutcome(outcome="selected", option_id=self.answer or ""))
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        with anyio.fail_after(WAIT_S):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+    def text(self) -> str:
+        return "".join(u.content.text for u in self.updates if isinstance(u, AgentMessageChunk))
+
+    def chunks(self) -> int:
+        return sum(isinstance(u, AgentMessageChunk) for u in self.updates)
+
+    def statuses(self) -> list[tuple[str, str | None, str | None]]:
+        """Each tool call update in order: (its kind, `tool_call` or `tool_call_update`, its status)."""
+        return [
+            (u.tool_call_id, u.session_update, u.status)
+            for u in self.updates
+            if isinstance(u, ToolCallStart | ToolCallProgress)
+        ]
+
+
+@contextlib.asynccontextmanager
+async def editor_on(setup: Setup, editor: Editor, *args: str) -> AsyncIterator[acp.ClientSideConnection]:
+    """`devd acp` spawned as an editor spawns it, initialized."""
+    setup.spawned += 1
+    with open(setup.logs / f"acp-{setup.spawned}.log", "ab") as log:
+        async with acp.spawn_agent_process(
+            editor,  # type: ignore[arg-type]
+            sys.executable,
+            "-m",
+            "devd",
+            "acp",
+            "--connect",
+            str(setup.daemon.socket),
+            "--log-level",
+            "info",
+            *args,
+            env={"PYTHONPATH": str(ROOT)},
+            transport_kwargs={"stderr": log.fileno()},
+            observers=[editor.observe],
+        ) as (conn, _process):
+            await conn.initialize(protocol_version=1, client_info=Implementation(name="test-editor", version="1"))
+            yield conn
+
+
+def text(t: str) -> list[TextContentBlock]:
+    return [TextContentBlock(type="text", text=t)]
+
+
+async def test_initialize_answers_protocol_1_with_load_list_resume_and_close(devd: Setup) -> None:
+    with open(devd.logs / "acp-init.log", "ab") as log:
+        async with acp.spawn_agent_process(
+            Editor(),  # type: ignore[arg-type]
+            sys.executable,
+            "-m",
+            "devd",
+            "acp",
+            "--connect",
+            str(devd.server.daemon.socket),
+            env={"PYTHONPATH": str(ROOT)},
+            transport_kwargs={"stderr": log.fileno()},
+        ) as (conn, _process):
+            hello = await conn.initialize(protocol_version=1)
+    caps = hello.agent_capabilities
+    assert caps is not None and caps.session_capabilities is not None
+    sessions = caps.session_capabilities
+    assert (hello.protocol_version, caps.load_session, sessions.list, sessions.resume, sessions.close) == (
+        1,
+        True,
+        acp.schema.SessionListCapabilities(),
+        acp.schema.SessionResumeCapabilities(),
+        acp.schema.SessionCloseCapabilities(),
+    )
+
+
+WRITE_THEN_CAT = [
+    Scripted(text="I will write it.", tool_calls=[("write", {"path": "hello.txt", "text": "hi\n"})]),
+    Scripted(tool_calls=[("exec", {"argv": ["cat", "hello.txt"]})]),
+    Scripted(text="hello.txt says hi.", split=2),
+]
+
+
+# -- a whole turn ----------------------------------------------------------------------------------------------------
+
+
+async def test_a_whole_turn_streams_its_text_tool_calls_and_updates_and_writes_the_file(devd: Setup) -> None:
+    devd.standin.script(*WRITE_THEN_CAT)
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("write hello.txt and show it"))
+    kinds = [u.kind for u in editor.updates if isinstance(u, ToolCallStart)]
+    assert (
+        answer.stop_reason,
+        editor.text(),
+        editor.chunks() > 2,
+        kinds,
+        [s for _, _, s in editor.statuses()],
+        (devd.workspace / "hello.txt").read_text(),
+    ) == (
+        "end_turn",
+        "I will write it.hello.txt says hi.",
+        True,
+        ["edit", "execute"],
+        ["pending", "in_progress", "completed", "pending", "in_progress", "completed"],
+        "hi\n",
+    )
+
+
+async def test_a_write_is_completed_with_a_diff_at_its_absolute_path(devd: Setup) -> None:
+    devd.standin.script(*WRITE_THEN_CAT)
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=text("write hello.txt"))
+    done = next(u for u in editor.updates if isinstance(u, ToolCallProgress) and u.status == "completed")
+    diff = done.content[0]
+    assert (diff.type, diff.path, diff.new_text) == ("diff", str(devd.workspace / "hello.txt"), "hi\n")
+
+
+async def test_a_command_line_is_the_title_of_its_tool_call_and_its_output_the_content(devd: Setup) -> None:
+    devd.standin.script(*WRITE_THEN_CAT)
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=text("write hello.txt"))
+    start = next(u for u in editor.updates if isinstance(u, ToolCallStart) and u.kind == "execute")
+    done = [u for u in editor.updates if isinstance(u, ToolCallProgress) and u.tool_call_id == start.tool_call_id]
+    assert (start.title, done[-1].content[0].content.text) == ("cat hello.txt", "hi\n")
+
+
+async def test_the_prompts_answer_carries_the_turns_token_usage(devd: Setup) -> None:
+    devd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": ["true"]})], usage=(10, 5, None)),
+        Scripted(text="ok", usage=(20, 7, 3)),
+    )
+    async with editor_on(devd, Editor()) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("go"))
+    usage = answer.usage
+    assert usage is not None
+    assert (usage.input_tokens, usage.output_tokens, usage.cached_read_tokens, usage.total_tokens) == (30, 12, 3, 42)
+
+
+async def test_a_stalled_session_answers_the_prompt_refusal_with_the_reason(devd: Setup) -> None:
+    devd.standin.script(Scripted(status=400, message="no such model"))
+    async with editor_on(devd, Editor()) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("go"))
+    assert (answer.stop_reason, "no such model" in answer.field_meta["devd"]["stalled"]) == ("refusal", True)
+
+
+async def test_prompting_a_stalled_session_again_tries_its_model_again(devd: Setup) -> None:
+    devd.standin.script(Scripted(status=400, message="no such model"), Scripted(text="one"), Scripted(text="two"))
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=text("go"))
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("again"))
+    assert (answer.stop_reason, editor.text().endswith("onetwo")) == ("end_turn", True)
+
+
+# -- permissions -----------------------------------------------------------------------------------------------------
+
+RUN_THEN_END = [
+    Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo ran >> ran.txt"]})]),
+    Scripted(text="Finished."),
+]
+
+
+async def test_a_permission_request_allowed_runs_the_command_once(asking: Setup) -> None:
+    asking.standin.script(*RUN_THEN_END)
+    editor = Editor(answer="allow_once")
+    async with editor_on(asking, editor) as conn:
+        session = await conn.new_session(cwd=str(asking.workspace), mcp_servers=[])
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("run it"))
+    assert (answer.stop_reason, [kinds for _, kinds in editor.asked], (asking.workspace / "ran.txt").read_text()) == (
+        "end_turn",
+        [["allow_once", "allow_always", "reject_once", "reject_always"]],
+        "ran\n",
+    )
+
+
+async def test_a_permission_request_rejected_fails_the_call_and_runs_nothing(asking: Setup) -> None:
+    asking.standin.script(*RUN_THEN_END)
+    editor = Editor(answer="reject_once")
+    async with editor_on(asking, editor) as conn:
+        session = await conn.new_session(cwd=str(asking.workspace), mcp_servers=[])
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("run it"))
+    assert (answer.stop_reason, editor.statuses()[-1][2], (asking.workspace / "ran.txt").exists()) == (
+        "end_turn",
+        "failed",
+        False,
+    )
+
+
+# -- cancel ----------------------------------------------------------------------------------------------------------
+
+
+async def test_cancel_mid_stream_answers_the_prompt_cancelled(devd: Setup) -> None:
+    devd.standin.script(Scripted(text="word " * 400, split=5, delay_s=0.02))
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        async with anyio.create_task_group() as tg:
+            answers: list[Any] = []
+
+            async def prompt() -> None:
+                answers.append(await conn.prompt(session_id=session.session_id, prompt=text("talk")))
+
+            tg.start_soon(prompt)
+            await editor.until(lambda: editor.chunks() > 0)
+            await conn.cancel(session_id=session.session_id)
+    assert answers[0].stop_reason == "cancelled"
+
+
+async def test_cancel_withdraws_a_pending_permission_request_and_runs_nothing(asking: Setup) -> None:
+    asking.standin.script(*RUN_THEN_END)
+    editor = Editor(answer=None)
+    async with editor_on(asking, editor) as conn:
+        session = await conn.new_session(cwd=str(asking.workspace), mcp_servers=[])
+        async with anyio.create_task_group() as tg:
+            answers: list[Any] = []
+
+            async def prompt() -> None:
+                answers.append(await conn.prompt(session_id=session.session_id, prompt=text("run it")))
+
+            tg.start_soon(prompt)
+            await editor.until(lambda: bool(editor.asked))
+            await conn.cancel(session_id=session.session_id)
+    assert (answers[0].stop_reason, editor.withdrawn(), (asking.workspace / "ran.txt").exists()) == (
+        "cancelled",
+        editor.permission_requests(),
+        False,
+    )
+
+
+# -- load, list, resume, close ---------------------------------------------------------------------------------------
+
+
+async def test_session_load_in_a_fresh_process_replays_the_conversation_before_it_answers(devd: Setup) -> None:
+    devd.standin.script(*WRITE_THEN_CAT)
+    async with editor_on(devd, Editor()) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=text("write hello.txt and show it"))
+    later = Editor()
+    async with editor_on(devd, later) as conn:
+        await conn.load_session(cwd=str(devd.workspace), session_id=session.session_id, mcp_servers=[])
+        replayed = list(later.updates)
+    assert [
+        (type(u).__name__, getattr(u, "status", None) or getattr(getattr(u, "content", None), "text", None))
+        for u in replayed
+    ] == [
+        ("UserMessageChunk", "write hello.txt and show it"),
+        ("AgentMessageChunk", "I will write it."),
+        ("ToolCallStart", "completed"),
+        ("ToolCallStart", "completed"),
+        ("AgentMessageChunk", "hello.txt says hi."),
+    ]
+
+
+async def test_session_list_lists_the_daemons_sessions_of_that_cwd(devd: Setup, tmp_path: Path) -> None:
+    other = tmp_path / "roots" / "other"
+    other.mkdir()
+    async with editor_on(devd, Editor()) as conn:
+        mine = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.new_session(cwd=str(other), mcp_servers=[])
+        listed = await conn.list_sessions(cwd=str(devd.workspace))
+    assert [(s.session_id, s.cwd) for s in listed.sessions] == [(mine.session_id, str(devd.workspace))]
+
+
+async def test_session_new_outside_the_profiles_roots_is_refused_naming_the_cwd(devd: Setup, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    async with editor_on(devd, Editor()) as conn:
+        with pytest.raises(acp.RequestError) as refused:
+            await conn.new_session(cwd=str(outside), mcp_servers=[])
+    assert (refused.value.code, str(outside) in str(refused.value)) == (-32602, True)
+
+
+async def test_sessions_of_devd_acp_agent_name_are_driven_by_that_profile(devd: Setup) -> None:
+    async with editor_on(devd, Editor(), "--agent", "coder") as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+    with devd.server.daemon.client() as client:
+        bound = client.agent(session.session_id)
+    assert (bound.agent, bound.workspace) == ("coder", str(devd.workspace))
+
+
+async def test_an_agent_the_daemon_does_not_have_is_refused_naming_it(devd: Setup) -> None:
+    async with editor_on(devd, Editor(), "--agent", "nobody") as conn:
+        with pytest.raises(acp.RequestError) as refused:
+            await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+    assert (refused.value.code, "'nobody'" in str(refused.value)) == (-32602, True)
+
+
+async def test_mcp_servers_are_accepted_and_reported_not_connected(devd: Setup) -> None:
+    server = acp.schema.McpServerStdio(name="files", command="/bin/true", args=[], env=[])
+    async with editor_on(devd, Editor()) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[server])
+    assert [(s["name"], s["connected"]) for s in session.field_meta["devd"]["mcpServers"]] == [("files", False)]
+
+
+async def test_a_prompt_to_a_session_that_does_not_exist_is_invalid_params_naming_it(devd: Setup) -> None:
+    async with editor_on(devd, Editor()) as conn:
+        with pytest.raises(acp.RequestError) as refused:
+            await conn.prompt(session_id="no-such-session", prompt=text("hello"))
+    assert (refused.value.code, "no-such-session" in str(refused.value)) == (-32602, True)
+
+
+async def test_session_close_ends_the_session_in_the_daemon(devd: Setup) -> None:
+    async with editor_on(devd, Editor()) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.close_session(session_id=session.session_id)
+        with pytest.raises(acp.RequestError) as gone:
+            await conn.load_session(cwd=str(devd.workspace), session_id=session.session_id, mcp_servers=[])
+    assert gone.value.code == -32602
+
+
+# -- shared sessions -------------------------------------------------------------------------------------------------
+
+
+async def test_a_second_editor_sees_the_turn_another_drives_and_answers_its_permission(asking: Setup) -> None:
+    asking.standin.script(*RUN_THEN_END)
+    first, second = Editor(answer=None), Editor(answer="allow_once")
+    async with editor_on(asking, first) as a, editor_on(asking, second) as b:
+        session = await a.new_session(cwd=str(asking.workspace), mcp_servers=[])
+        await b.resume_session(cwd=str(asking.workspace), session_id=session.session_id, mcp_servers=[])
+        answer = await a.prompt(session_id=session.session_id, prompt=text("run it"))
+        await second.until(lambda: "Finished." in second.text())
+    seen = [u.content.text for u in second.updates if isinstance(u, UserMessageChunk)]
+    assert (
+        answer.stop_reason,
+        seen,
+        (len(first.asked), len(second.asked), first.withdrawn() == first.permission_requests()),
+        first.statuses()[-1][2],
+        (asking.workspace / "ran.txt").read_text(),
+    ) == ("end_turn", ["run it"], (1, 1, True), "completed", "ran\n")
+
+
+# -- the daemon going away -------------------------------------------------------------------------------------------
+
+
+async def test_a_daemon_killed_and_restarted_mid_turn_still_answers_the_editors_prompt(devd: Setup) -> None:
+    devd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": ["sleep", "30"]})]),
+        Scripted(text="The command was cut short."),
+    )
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        async with anyio.create_task_group() as tg:
+            answers: list[Any] = []
+
+            async def prompt() -> None:
+                answers.append(await conn.prompt(session_id=session.session_id, prompt=text("sleep")))
+
+            tg.start_soon(prompt)
+            await editor.until(lambda: any(isinstance(u, ToolCallStart) for u in editor.updates))
+            devd.server.daemon.kill()
+            await anyio.to_thread.run_sync(devd.server.daemon.start)
+    assert (answers[0].stop_reason, editor.text()) == ("end_turn", "The command was cut short.")
+
+
+async def test_a_reply_streamed_again_after_a_restart_is_told_once(devd: Setup) -> None:
+    reply = " ".join(f"word{i}" for i in range(150))
+    devd.standin.script(Scripted(text=reply, split=6, delay_s=0.02), Scripted(text=reply, split=6))
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        async with anyio.create_task_group() as tg:
+            answers: list[Any] = []
+
+            async def prompt() -> None:
+                answers.append(await conn.prompt(session_id=session.session_id, prompt=text("talk")))
+
+            tg.start_soon(prompt)
+            await editor.until(lambda: editor.chunks() > 3)
+            devd.server.daemon.kill()
+            await anyio.to_thread.run_sync(devd.server.daemon.start)
+    assert (answers[0].stop_reason, editor.text()) == ("end_turn", reply)
+
+
+# -- no daemon -------------------------------------------------------------------------------------------------------
+
+
+def test_without_a_daemon_devd_acp_says_how_to_start_one_and_exits_non_zero(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "devd", "acp", "--connect", str(tmp_path / "none.sock")],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=30,
+    )
+    assert (done.returncode, "devd serve" in done.stderr, done.stdout) == (3, True, "")
+
+
+def test_devd_acp_exits_0_when_the_editor_closes_its_input(devd: Setup) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "devd", "acp", "--connect", str(devd.server.daemon.socket)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=30,
+    )
+    assert (done.returncode, done.stdout) == (0, b"")
+
+
+def test_devd_acp_exits_0_when_the_editor_stops_reading(devd: Setup) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "devd", "acp", "--connect", str(devd.server.daemon.socket)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdout.close()  # the editor is gone: the answer below has nowhere to go
+    proc.stdin.write(b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":1}}\n')
+    proc.stdin.flush()  # and its input stays open: only the broken pipe can end the process
+    try:
+        assert proc.wait(30) == 0
+    finally:
+        proc.stdin.close()
