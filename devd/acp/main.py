@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     import anyio
 
     from devd import log as logging_setup
-    from devd.cli import LocalError, _address, _token  # the same address and token rules as every client command
+    from devd.cli.common import LocalError, _address, _token  # the address and token rules of every client command
     from devd.client import NotRunningError
 
     logging_setup.configure("json" if not sys.stderr.isatty() else None, args.log_level)

@@ -1,0 +1,465 @@
+"""The command line: every subcommand's flags, and for `devd serve` each flag's environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from devd import __version__
+from devd.config import (
+    default,
+    default_socket_path,
+    default_state_dir,
+    parse_duration,
+    parse_size,
+    parse_tcp,
+)
+
+if TYPE_CHECKING:
+    pass
+from devd.cli.common import EXIT_CODES, _flag_value, _socket_path
+from devd.cli.serve import _metrics_address, _otel_endpoint, _store_url
+from devd.cli.sessions import PLAIN, _plain_arguments
+
+
+def _flags(command: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [action for action in command._actions if action.option_strings and action.dest != "help"]
+
+
+def flag_variable(action: argparse.Action) -> str:
+    """The environment variable a flag of `devd serve` is read from: --max-live from DEVD_MAX_LIVE."""
+    return "DEVD_" + max(action.option_strings, key=len).removeprefix("--").replace("-", "_").upper()
+
+
+_SWITCH = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def _from_environment(action: argparse.Action, variable: str, text: str) -> Any:
+    """text as the flag's value, checked as argparse checks one given on the command line; ValueError, naming the
+    variable, when the flag would refuse it."""
+    said = f"environment variable {variable} ({max(action.option_strings, key=len)})"
+    if action.nargs == 0:  # a switch, which takes no value on the command line
+        if text.lower() not in _SWITCH:
+            raise ValueError(f"{said}: 1, true or yes sets it, 0, false or no leaves it off; not {text!r}")
+        return _SWITCH[text.lower()]
+    convert = action.type if callable(action.type) else str
+    try:
+        value = convert(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{said}: {e}") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"{said}: invalid {getattr(convert, '__name__', 'value')} value: {text!r}") from None
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(repr(c) for c in action.choices)
+        raise ValueError(f"{said}: invalid choice: {text!r} (choose from {choices})")
+    return value
+
+
+def environment_defaults(command: argparse.ArgumentParser, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The values command's flags take from the environment, by dest: each from its variable (`flag_variable`) when
+    that is set and not empty (an empty one is unset, as an empty DEVD_SOCKET always was for the client commands, so
+    systemd's `Environment=DEVD_X=` clears one). ValueError, naming the variable, for a value the flag would refuse."""
+    values = {}
+    for action in _flags(command):
+        variable = flag_variable(action)
+        if text := environ.get(variable):
+            values[action.dest] = _from_environment(action, variable, text)
+    return values
+
+
+def parse_args(argv: list[str] | None, environ: Mapping[str, str]) -> argparse.Namespace:
+    """The command line. For `devd serve`, each flag left out takes its value from its variable in environ, when set:
+    the command line wins. A variable that is set must hold a value its flag takes, even when the flag is given too
+    (a typo in a systemd drop-in is reported at once, not left for the day the flag is dropped); otherwise this
+    exits 2, as for a bad flag, naming the variable."""
+    top, serve = _parsers()
+    args = top.parse_args(argv)
+    if args.command != "serve":
+        return args
+    try:
+        serve.set_defaults(**environment_defaults(serve, environ))
+    except ValueError as e:
+        serve.error(str(e))
+    return top.parse_args(argv)  # again, now that the environment's values are the defaults
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions and epilogs as written, and every flag's default after its help, except where there is none to
+    show (None, or a switch's False): those flags say in their help what leaving them out does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _escaped(text: object) -> str:
+    return str(text).replace("%", "%%")  # argparse %-formats help
+
+
+def _connection_flags(c: argparse.ArgumentParser) -> None:
+    c.add_argument(
+        "--connect",
+        metavar="ADDRESS",
+        help="the daemon's socket path, or tcp://HOST:PORT (default: $DEVD_SOCKET, else where `devd serve` listens "
+        f"by default; here {_escaped(os.environ.get('DEVD_SOCKET') or default_socket_path())})",
+    )
+    c.add_argument("--token", help="the daemon's TCP token (--token-file keeps it out of `ps`)")
+    c.add_argument(
+        "--token-file", metavar="PATH", help="read the TCP token from this file: the daemon's STATE_DIR/token"
+    )
+    c.add_argument(
+        "--peer",
+        metavar="ADDRESS",
+        action="append",
+        default=[],
+        help="another daemon of the fleet this command may follow MOVED to, and give the token (repeatable); "
+        "without it MOVED is followed only to Unix sockets of this machine (docs/fleet.md)",
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `devd` command line (for `devd serve`'s environment variables, see `parse_args`)."""
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `devd` command line, and its `serve` subcommand's, whose flags also read the environment."""
+    p = argparse.ArgumentParser(
+        prog="devd",
+        description="A session daemon for agent tools. `devd serve` runs it; the other commands talk to it.",
+        epilog=EXIT_CODES,
+        formatter_class=_Help,
+    )
+    p.add_argument("--version", action="version", version=f"devd {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon in the foreground",
+        description="Run the daemon in the foreground until SIGTERM or SIGINT (exit 0; 2 when it cannot start). "
+        "Each flag may be set in the environment instead, as its [env VARIABLE] says (--max-live as DEVD_MAX_LIVE; "
+        "1, true or yes for a switch); the command line wins.",
+        formatter_class=_Help,
+    )
+    serve.add_argument(
+        "--socket",
+        metavar="PATH",
+        type=_socket_path,
+        help="the Unix socket to listen on (default: $DEVD_SOCKET, which is also where the client commands look for "
+        "the daemon, else $RUNTIME_DIRECTORY/devd.sock, else $XDG_RUNTIME_DIR/devd/devd.sock, else "
+        f"/tmp/devd-UID/devd.sock; here {_escaped(os.environ.get('DEVD_SOCKET') or default_socket_path())}); "
+        "ignored when systemd passes the daemon its sockets",
+    )
+    serve.add_argument(
+        "--listen",
+        metavar="tcp://HOST:PORT",
+        type=_flag_value(parse_tcp),
+        help="also listen on TCP, where a connection must first present the token from STATE_DIR/token "
+        "(default: the Unix socket only)",
+    )
+    serve.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="where the sessions, the token and the lock are kept (default: $STATE_DIRECTORY, else "
+        f"$XDG_STATE_HOME/devd; here {_escaped(default_state_dir())})",
+    )
+    serve.add_argument(
+        "--backup-dir",
+        metavar="DIR",
+        help="where daemon/backup (devd backup NAME) writes its copies, each by a plain file name; made 0700, and "
+        "refused like the state directory when it is another user's or others may write it "
+        "(default: STATE_DIR/backups)",
+    )
+    serve.add_argument(
+        "--core", metavar="PATH", help="load this wasm module (ABI 1) instead of the packaged core (default: packaged)"
+    )
+    serve.add_argument(
+        "--call-timeout",
+        type=float,
+        metavar="S",
+        default=default("call_timeout_s"),
+        help="default deadline of a call, in seconds",
+    )
+    serve.add_argument(
+        "--max-call-timeout",
+        type=float,
+        metavar="S",
+        default=default("max_call_timeout_s"),
+        help="the longest deadline a client may ask for, in seconds (longer ones are cut to it)",
+    )
+    serve.add_argument(
+        "--max-sessions",
+        type=int,
+        metavar="N",
+        default=default("sessions_max"),
+        help="sessions kept, live or stored",
+    )
+    serve.add_argument(
+        "--max-live",
+        type=int,
+        metavar="N",
+        default=default("max_live"),
+        help="sessions held in memory; past it the least recently used idle one hibernates (to disk)",
+    )
+    serve.add_argument(
+        "--live-memory",
+        metavar="SIZE",
+        type=_flag_value(parse_size),
+        help="the sessions in memory together may use this much (e.g. 4G); past it the least recently used idle "
+        "ones hibernate. Default: half of this machine's memory (each session's own cap is --session-memory)",
+    )
+    serve.add_argument(
+        "--session-memory",
+        metavar="SIZE",
+        type=_flag_value(parse_size),
+        default=default("memory_bytes_per_session"),
+        help="the most memory one session's instance may use (e.g. 128M); a step that would need more is refused "
+        "(NULL) and the session goes on",
+    )
+    serve.add_argument(
+        "--store",
+        metavar="URL",
+        type=_store_url,
+        help="where sessions are kept: sqlite:PATH, or postgresql://USER@HOST/DB to share them with other daemons "
+        "(a fleet: see docs/fleet.md). Default: sqlite:STATE_DIR/devd.sqlite3",
+    )
+    serve.add_argument(
+        "--node",
+        metavar="NAME",
+        help="this daemon's name in a fleet (default: HOSTNAME-PID); it must be unique among the daemons",
+    )
+    serve.add_argument(
+        "--advertise",
+        metavar="ADDRESS",
+        help="where other daemons of a fleet send this one's clients: unix:PATH or tcp://HOST:PORT "
+        "(default: its first listener)",
+    )
+    serve.add_argument(
+        "--lease-ttl",
+        type=float,
+        metavar="SECONDS",
+        default=10.0,
+        help="a fleet daemon that cannot renew its lease for this long stops writing, and its sessions may be "
+        "taken over by others",
+    )
+    serve.add_argument(
+        "--snapshot-floor",
+        type=int,
+        metavar="BYTES",
+        default=default("snapshot_floor_bytes"),
+        help="journal bytes since a session's last snapshot below which no new one is taken (a replay of that "
+        "much is cheap); past it, one is taken at the end of a turn once the journal outgrows a quarter of the last "
+        "snapshot",
+    )
+    serve.add_argument(
+        "--expire-after",
+        metavar="DURATION",
+        type=_flag_value(parse_duration),
+        help="delete sessions no call has used for this long (e.g. 30d, 12h); default: keep them",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        default=default("connections_max"),
+        help="connections open at once, for each of the Unix socket and TCP; past it, a new one is refused (FULL)",
+    )
+    serve.add_argument(
+        "--max-line-bytes",
+        type=int,
+        metavar="BYTES",
+        default=default("line_bytes_max"),
+        help="the longest request line, in bytes; a longer one is discarded and answered TOO_LARGE",
+    )
+    serve.add_argument(
+        "--line-timeout",
+        type=float,
+        metavar="S",
+        default=default("line_timeout_s"),
+        help="seconds a request line may take to arrive",
+    )
+    serve.add_argument(
+        "--send-timeout",
+        type=float,
+        metavar="S",
+        default=default("send_timeout_s"),
+        help="seconds a client may take no bytes while the daemon has some for it, before it is disconnected",
+    )
+    serve.add_argument(
+        "--metrics",
+        metavar="tcp://HOST:PORT",
+        type=_metrics_address,
+        help="also answer HTTP GET /metrics there, in the Prometheus text format (as `devd status --prometheus`); "
+        "use a loopback address unless others should read the counters (default: off)",
+    )
+    serve.add_argument(
+        "--otel-endpoint",
+        metavar="URL",
+        type=_otel_endpoint,
+        help="also export the trace of the sessions the daemon drives as OpenTelemetry spans (GenAI conventions, no "
+        "message content) over OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318 (default: off)",
+    )
+    serve.add_argument(
+        "--agents",
+        metavar="FILE",
+        help="the agent profiles ([agent.NAME] tables, see the README's agent runtime section) of the sessions the "
+        "daemon drives itself (default: $CONFIGURATION_DIRECTORY/agents.toml under systemd, else "
+        "$XDG_CONFIG_HOME/devd/agents.toml, when there is one; else none)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="json: one object a line, for journald and containers; console: for people (default: console when "
+        "stderr is a terminal, else json)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default=default("log_level"),
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe events logged: info adds the daemon's and sessions' lifecycle to the warnings and "
+        "errors that need attention (docs/operations.md lists the events)",
+    )
+    for action in _flags(serve):
+        action.help = f"{action.help} [env {flag_variable(action)}]"
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of every message of the protocol")
+    form = schema.add_mutually_exclusive_group()
+    form.add_argument(
+        "--openrpc", action="store_true", help="print an OpenRPC 1.3 document instead: methods, params and results"
+    )
+    form.add_argument(
+        "--typescript", action="store_true", help="print the protocol's types as a TypeScript module instead"
+    )
+
+    def client(name: str, help: str, json: str = "") -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=_Help)
+        _connection_flags(c)
+        c.add_argument(
+            "--json",
+            action="store_true",
+            help=json or "print the daemon's answer exactly as it sent it, on one line (for scripts)",
+        )
+        return c
+
+    def session(c: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        c.add_argument("session", help="the session's name")
+        return c
+
+    status = client("status", "show the daemon's counters: sessions, steps, commits, errors, memory")
+    status.add_argument("--prometheus", action="store_true", help="in the Prometheus text format (--json wins)")
+    ls = client("ls", "list the sessions by name: a table of their state, last step, watchers and times")
+    ls.add_argument(
+        "--limit", type=int, metavar="N", help="at most this many sessions, 1-100000 (default: all of them)"
+    )
+    ls.add_argument("--cursor", metavar="NAME", help="start after this name (the page before says which)")
+    new = client("new", "start a session and print its name")
+    new.add_argument("--model", help="the model the session's Model actions name (default: none is named)")
+    new.add_argument("--session", help="name it (default: chosen by the daemon)")
+    step = session(client("step", "step a session with an event (JSON) and print the actions answered (JSON)"))
+    step.add_argument("event", help='the event, e.g. \'{"Turn":{"id":1,"prompt":"fix the build"}}\'')
+    step.add_argument(
+        "--key", help="idempotency key: the step sent again with it is answered from the journal, never run twice"
+    )
+    step.add_argument(
+        "--timeout-ms", type=int, help="this step's deadline in milliseconds (default: the daemon's --call-timeout)"
+    )
+    watch = session(
+        client(
+            "watch",
+            "print every step of a session as it happens, as JSON lines, until the session is closed",
+            json="accepted for uniformity: watch always prints the protocol's notifications as JSON lines",
+        )
+    )
+    watch.add_argument("--since", type=int, help="start after this step, 0 for all of them (default: from now on)")
+    restore = client("restore", "start a session from a snapshot and print its name")
+    restore.add_argument("snapshot", help="the snapshot (base64), or - to read it from stdin")
+    restore.add_argument("--session", help="name it (default: chosen by the daemon)")
+    fork = session(client("fork", "start a session from another's history (up to step --at) and print its name"))
+    fork.add_argument("--at", type=int, help="the step to fork at (default: the session's latest)")
+    fork.add_argument("--as", dest="name", help="name the fork (default: chosen by the daemon)")
+    session(
+        client(
+            "inspect",
+            "show one session at a glance: its state, step, watchers and times, and the actions a running turn "
+            "waits for (asking them loads a stored session)",
+            json='print {"session": its entry as `devd ls --json` has it, "pending": the actions, as `devd pending '
+            "--json` has them, or null for an ended or poisoned session} on one line",
+        )
+    )
+    for plain in PLAIN:
+        _plain_arguments(client(plain.command, plain.help), plain)
+    for verb, does in (("approve", "allow"), ("deny", "deny")):
+        decide = session(client(verb, f"{does} an action of a session the daemon drives that waits for approval"))
+        decide.add_argument("action", type=int, help="the action's id (`devd pending SESSION` shows it)")
+        decide.add_argument(
+            "--remember",
+            action="store_true",
+            help=f"{does} later calls of the same argv prefix (Exec, Git) or path (Write) in this session too",
+        )
+    session(client("usage", "show what a session's model calls used: tokens, calls, and calls a ceiling refused"))
+    trace = session(client("trace", "show a session's trace: one line per model call attempt and per tool run"))
+    trace.add_argument("--since", type=int, help="only the records after this record number")
+    backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
+    backup.add_argument(
+        "name",
+        help="the file name of the copy, in the daemon's backup directory (devd serve --backup-dir; default "
+        "STATE_DIR/backups); it must not exist there",
+    )
+    client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")
+    # The agent runtime's: a turn the daemon drives, shown as it happens (devd.agent.cli).
+    run = sub.add_parser(
+        "run",
+        help="have the daemon carry out a turn of an agent and show it as it happens",
+        description="Start a session of an agent (or continue --session) with PROMPT and show the turn as the daemon "
+        "carries it out: the model's text as it streams, each call and its result, the outcome. Exit 0 when the "
+        "turn is done, 1 when it ended otherwise, 130 after Ctrl-C (which cancels the turn).",
+        formatter_class=_Help,
+    )
+    _connection_flags(run)
+    run.add_argument("prompt", help="what to ask the agent")
+    run.add_argument("--agent", help="the agent profile (default: the daemon's only one, when it has one)")
+    run.add_argument("--workspace", metavar="DIR", help="the session's workspace (default: the current directory)")
+    run.add_argument("--session", help="continue this session (made, of --agent in --workspace, if there is none)")
+    attach = sub.add_parser(
+        "attach",
+        help="show the turn of a session the daemon drives as it happens, until it ends",
+        description="Show what the daemon does for a session (someone else prompted) as it happens, until its "
+        "running turn ends (exit 0) or Ctrl-C (130; the turn goes on).",
+        formatter_class=_Help,
+    )
+    _connection_flags(attach)
+    attach.add_argument("session", help="the session's name")
+
+    from devd.acp.main import add_arguments as acp_arguments
+
+    acp = sub.add_parser(
+        "acp",
+        help="be an Agent Client Protocol agent on stdin/stdout for an editor, backed by the daemon (docs/editors.md)",
+        description="Be an Agent Client Protocol (v1) agent on stdin/stdout, as an editor spawns one (Zed, Neovim's "
+        "CodeCompanion, Emacs' agent-shell: docs/editors.md), whose sessions are the running daemon's. Exit 0 when "
+        "the editor closes our input, 3 when no daemon answers at the start.",
+        formatter_class=_Help,
+    )
+    _connection_flags(acp)
+    acp_arguments(acp)
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check the daemon, its state directory, database and core",
+        description="Check the daemon, its state directory, database and core, one line per check: ok, FAIL and "
+        "what to do, or skip and why. Exit 0 when no check fails, else 1. The database's integrity is checked only "
+        "while no daemon holds the state directory (a running daemon keeps the file open exclusively).",
+        formatter_class=_Help,
+    )
+    _connection_flags(doctor)
+    doctor.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="the daemon's state directory (default: as `devd serve` chooses it; "
+        f"here {_escaped(default_state_dir())})",
+    )
+    doctor.add_argument("--core", metavar="PATH", help="the core `devd serve --core` loads (default: the packaged one)")
+    return p, serve

@@ -1,0 +1,246 @@
+"""`devd serve`: the daemon in the foreground, its settings from flags and environment, its store, its listeners."""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import re
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from devd import __version__, log
+from devd.config import (
+    Settings,
+    backup_dir,
+    default_live_memory,
+    default_socket_path,
+    default_state_dir,
+    parse_tcp,
+)
+from devd.errors import DevdError
+from devd.server import systemd
+
+if TYPE_CHECKING:
+    from devd.storage.store import Fleet, Store
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """`devd serve`'s flags as the daemon's settings (the defaults where a flag is not given)."""
+    return Settings(
+        state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),
+        socket_path=args.socket or default_socket_path(),
+        tcp=args.listen,
+        core_path=Path(args.core) if args.core else None,
+        backup_dir=Path(args.backup_dir) if args.backup_dir else None,
+        call_timeout_s=args.call_timeout,
+        sessions_max=args.max_sessions,
+        max_live=args.max_live,
+        snapshot_floor_bytes=args.snapshot_floor,
+        live_memory_bytes=args.live_memory or default_live_memory(),
+        memory_bytes_per_session=args.session_memory,
+        expire_after_s=args.expire_after,
+        connections_max=args.max_connections,
+        line_bytes_max=args.max_line_bytes,
+        line_timeout_s=args.line_timeout,
+        send_timeout_s=args.send_timeout,
+        max_call_timeout_s=args.max_call_timeout,
+        metrics=args.metrics,
+        otel_endpoint=args.otel_endpoint,
+        log_format=args.log_format,
+        log_level=args.log_level,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import anyio
+    import structlog
+
+    from devd import failpoints, files
+    from devd.errors import StoreError
+    from devd.host import Core
+    from devd.server.daemon import Daemon, build
+    from devd.server.listeners import (
+        StartupError,
+        bind_tcp,
+        bind_unix,
+        lock_state_dir,
+        prepare_state_dir,
+        read_token,
+        unlink_socket,
+    )
+    from devd.server.metrics import bind as bind_metrics
+
+    os.umask(0o077)  # state files, the token and the socket: this user's alone
+    # A fault SQLite's shared-memory mapping can raise (SIGBUS on a failed write or a read-only remount) kills the
+    # process; this leaves a traceback in the log rather than nothing. Enabled before the wasm engine exists, and
+    # wasmtime runs without signal-based traps, so the two handlers do not meet (see shared/WASM-HOST.md).
+    faulthandler.enable()
+    # The commit thread and the epoch ticker need the GIL promptly; the default 5 ms switch interval makes them
+    # wait behind the event loop (a convoy that stretched commits to ~4 ms here).
+    sys.setswitchinterval(0.0001)
+    log.configure(args.log_format, args.log_level)
+    logger = structlog.get_logger("devd")
+    try:
+        armed = failpoints.arm(os.environ)
+    except ValueError as e:
+        print(f"devd: cannot start: {e}", file=sys.stderr)
+        return 2
+    if armed is not None and armed[0] == "armed":
+        logger.warning("failpoints.armed", points=armed[1], note="a test: named writes will fail or kill the daemon")
+    elif armed is not None:
+        logger.warning("failpoints.ignored", points=armed[1], note="DEVD_FAILPOINTS is obeyed only with DEVD_TESTING=1")
+    try:
+        settings = settings_from(args)
+        prepare_state_dir(settings.state_dir)
+        lock_state_dir(settings.state_dir, settings.socket_path)  # held (by its open descriptor) until exit
+        prepare_state_dir(backup_dir(settings), "the backup directory", "--backup-dir")
+        files.remove_partials(backup_dir(settings))  # a backup a killed daemon was writing
+        core = Core.open(
+            settings.core_path,
+            call_timeout=settings.call_timeout_s,
+            memory_bytes=settings.memory_bytes_per_session,
+            cache_dir=settings.state_dir / "cache",
+        )
+        listeners = systemd.listen_sockets()
+        activated = [t for _, t in listeners]
+        listeners = [(s, "unix" if s.family == socket.AF_UNIX else "tcp") for s, _ in listeners]
+        bound_socket: tuple[Path, int] | None = None
+        if not listeners:
+            assert settings.socket_path is not None
+            unix, inode = bind_unix(settings.socket_path)
+            listeners.append((unix, "unix"))
+            bound_socket = settings.socket_path, inode
+            if settings.tcp:
+                listeners.append((bind_tcp(*settings.tcp), "tcp"))
+        token = read_token(settings.state_dir) if any(t == "tcp" for _, t in listeners) else None
+        metrics_socket = bind_metrics(*settings.metrics) if settings.metrics else None
+        agents = _agents(args)
+        store, fleet = _open_store(args, settings, listeners)
+    except (StartupError, ValueError, OSError, DevdError) as e:
+        print(f"devd: cannot start: {e}", file=sys.stderr)
+        return 2
+
+    registry, dispatcher = build(settings, core, store, fleet=fleet, agents=agents)
+    daemon = Daemon(settings, dispatcher, token)
+
+    def ready() -> None:
+        systemd.notify(f"READY=1\nSTATUS=serving {sum(registry.counts().values())} sessions")
+        logger.info(
+            "daemon.listening",
+            socket=str(bound_socket[0]) if bound_socket else None,
+            tcp=[f"{a[0]}:{a[1]}" for s, t in listeners if t == "tcp" for a in [s.getsockname()]] or None,
+            metrics="{}:{}".format(*metrics_socket.getsockname()[:2]) if metrics_socket else None,
+            activated=activated or None,
+            state_dir=str(settings.state_dir),
+            live_memory=settings.live_memory_bytes,
+            version=__version__,
+        )
+
+    try:
+        anyio.run(daemon.serve, listeners, ready, metrics_socket, backend="asyncio", backend_options=_backend_options())
+        # Everything is committed: a late SIGTERM must not cut the last tidying short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except StoreError as e:
+        logger.error("daemon.store_failed", error=str(e))
+        print(f"devd: stopped: {e}; the database was left as it is", file=sys.stderr)
+        return 2
+    finally:
+        registry.close_all()
+        store.close()
+        core.close()
+        for sock, _ in listeners:
+            sock.close()
+        if metrics_socket is not None:
+            metrics_socket.close()
+        if bound_socket is not None:
+            unlink_socket(*bound_socket)
+    logger.info("daemon.stopped")
+    return 0
+
+
+def _agents(args: argparse.Namespace) -> dict[str, Any]:
+    """The agent profiles of --agents (default: agents.toml where `default_agents_path` finds one; none there: no
+    agents); ConfigError (FILE:LINE: what is wrong) for a bad file."""
+    from devd.agent.profiles import default_agents_path, load_profiles
+
+    path = Path(args.agents) if args.agents else default_agents_path(os.environ)
+    return {} if path is None else dict(load_profiles(path))
+
+
+def _open_store(
+    args: argparse.Namespace, settings: Settings, listeners: list[tuple[socket.socket, str]]
+) -> tuple[Store, Fleet | None]:
+    """The store --store names (default: the state directory's SQLite file), and the fleet when it is shared."""
+    spec = args.store or f"sqlite:{settings.state_dir / 'devd.sqlite3'}"
+    if spec.startswith(_POSTGRES):
+        from devd.storage.postgres import PostgresStore
+
+        store = PostgresStore(
+            spec,
+            keys_kept=settings.keys_kept_per_session,
+            steps_kept=settings.steps_kept_per_session,
+            prune_every_steps=settings.prune_every_steps,
+            node=args.node,
+            advertise=args.advertise or _advertised(listeners),
+            lease_ttl_s=args.lease_ttl,
+        )
+        return store, store
+    from devd.server.listeners import check_database
+    from devd.storage.sqlite import SQLiteStore
+
+    path = Path(spec.removeprefix("sqlite:")).absolute()
+    check_database(path)
+    return SQLiteStore(
+        path,
+        keys_kept=settings.keys_kept_per_session,
+        steps_kept=settings.steps_kept_per_session,
+        prune_every_steps=settings.prune_every_steps,
+    ), None
+
+
+def _advertised(listeners: list[tuple[socket.socket, str]]) -> str:
+    """Where other daemons send this one's clients: its first listener, as a client addresses it."""
+    sock, kind = listeners[0]
+    if kind == "unix":
+        return f"unix:{sock.getsockname()}"
+    host, port = sock.getsockname()[:2]
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _backend_options() -> dict[str, Any]:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}
+
+
+def _otel_endpoint(text: str) -> str:
+    if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", text):
+        raise argparse.ArgumentTypeError(
+            f"--otel-endpoint takes a collector's OTLP/HTTP base URL (e.g. http://127.0.0.1:4318), not {text!r}"
+        )
+    return text
+
+
+def _metrics_address(text: str) -> tuple[str, int]:
+    try:
+        return parse_tcp(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--metrics takes tcp://HOST:PORT (e.g. tcp://127.0.0.1:9464), not {text!r}"
+        ) from None
+
+
+_POSTGRES = ("postgresql://", "postgres://")
+
+
+def _store_url(text: str) -> str:
+    if text.startswith(_POSTGRES) or (text.startswith("sqlite:") and len(text) > len("sqlite:")):
+        return text
+    raise argparse.ArgumentTypeError(f"--store takes postgresql://USER@HOST/DB (a fleet) or sqlite:PATH, not {text!r}")

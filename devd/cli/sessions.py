@@ -1,0 +1,376 @@
+"""The session commands (`devd ls`, `new`, `step`, `snapshot`, `restore`, `fork`, `pending`, `inspect`, `recover`,
+`close`, `watch`, ...): clients of the daemon, showing its answers for people or as they came (`--json`)."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from devd.errors import HandleError
+from devd.protocol import METHODS
+
+if TYPE_CHECKING:
+    from devd.client import Client
+    from devd.messages import Action
+from devd.cli.common import (
+    EXIT_ANSWERED_ERROR,
+    EXIT_OK,
+    LocalError,
+    _emit,
+    _pairs,
+    _params,
+    _pretty,
+    _token,
+    _when,
+    table,
+)
+
+
+def _ls(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/list", _params(limit=args.limit, cursor=args.cursor))
+    if args.json:
+        _emit(raw + b"\n")
+        return EXIT_OK
+    page = msgspec.json.decode(raw)
+    _emit(sessions_table(page["sessions"]).encode())
+    if page.get("next") is not None:
+        # On stderr, so that the table alone goes down a pipe.
+        print(f"devd: more sessions follow: devd ls --limit {args.limit} --cursor {page['next']}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _named(raw: bytes, args: argparse.Namespace) -> int:
+    """A result that names a session: the name alone, or the answer as it came."""
+    _emit(raw + b"\n" if args.json else msgspec.json.decode(raw)["session"].encode() + b"\n")
+    return EXIT_OK
+
+
+def _new(client: Client, args: argparse.Namespace) -> int:
+    config = {"model": args.model} if args.model else None
+    return _named(client.call_raw("session/new", _params(config=config, session=args.session)), args)
+
+
+def _step(client: Client, args: argparse.Namespace) -> int:
+    # An empty key and a zero timeout are sent as given: they are the daemon's to refuse, not ours to drop.
+    event = msgspec.Raw(args.event.encode())
+    raw = client.call_raw(
+        "session/step", _params(session=args.session, event=event, key=args.key, timeout_ms=args.timeout_ms)
+    )
+    _emit(raw + b"\n" if args.json else _pretty(raw))
+    return EXIT_OK
+
+
+def _restore(client: Client, args: argparse.Namespace) -> int:
+    data = sys.stdin.read().strip() if args.snapshot == "-" else args.snapshot
+    return _named(client.call_raw("session/restore", _params(snapshot=data, session=args.session)), args)
+
+
+def _fork(client: Client, args: argparse.Namespace) -> int:
+    params = _params(session=args.session, at=args.at)
+    if args.name is not None:
+        params["as"] = args.name  # a Python keyword, so not through _params
+    return _named(client.call_raw("session/fork", params), args)
+
+
+def _decision(decision: Literal["allow", "deny"]) -> Callable[[Client, argparse.Namespace], int]:
+    """`devd approve` / `devd deny`: answer an action that waits for approval, naming it by the digest of the action
+    the session shows as pending (the same digest its `session/approval` carried)."""
+
+    def run(client: Client, args: argparse.Namespace) -> int:
+        from devd.agent.approvals import action_digest
+
+        client.initialize(token=_token(args), name=cli_client_name())
+        found = [a for a in client.pending(args.session) if a.id == args.action]
+        if not found or found[0].awaiting != "approval":
+            raise LocalError(
+                f"action {args.action} of {args.session} is not waiting for approval; `devd pending {args.session}` "
+                "shows what the session waits for"
+            )
+        digest = action_digest(args.action, msgspec.structs.replace(found[0], awaiting=None).op)
+        client.approve(args.session, args.action, digest, decision, remember=args.remember)
+        if args.json:
+            _emit(b"{}\n")
+        else:
+            _emit(
+                f"action {args.action} of {args.session}: {'allowed' if decision == 'allow' else 'denied'}\n".encode()
+            )
+        return EXIT_OK
+
+    return run
+
+
+def cli_client_name() -> str:
+    """Who the command decides as (`by` of `session/decided`): the user, through devd's command line."""
+    return f"{getpass.getuser()} (devd cli)"
+
+
+def _usage(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/usage", {"session": args.session})
+    _emit(raw + b"\n" if args.json else _pretty(raw))
+    return EXIT_OK
+
+
+def _trace(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("session/trace", _params(session=args.session, since=args.since))
+    if args.json:
+        _emit(raw + b"\n")
+        return EXIT_OK
+    for record in msgspec.json.decode(raw)["records"]:
+        _emit(trace_line(record).encode())
+    return EXIT_OK
+
+
+def trace_line(r: dict[str, Any]) -> str:
+    """One trace record for people: number, start, action, kind, outcome, duration, model and tokens, error."""
+    what = r["kind"] if r.get("model") is None else f"{r['kind']} {r['model']}"
+    if r.get("attempt"):
+        what += f" (attempt {r['attempt']})"
+    tokens = f" {r['input_tokens']}+{r['output_tokens']} tokens" if r.get("input_tokens") is not None else ""
+    error = f": {r['error']}" if r.get("error") else ""
+    took = f"{r['duration_ms']:.1f} ms"
+    return f"{r['n']:>4} {r['started']} action {r['action']} {what} {r['outcome']} {took}{tokens}{error}\n"
+
+
+class _Page(msgspec.Struct):
+    """A `session/list` page, its entries kept as the daemon sent them."""
+
+    sessions: list[msgspec.Raw]
+
+
+class _Pending(msgspec.Struct):
+    """A `session/pending` answer, its actions kept as the daemon sent them."""
+
+    actions: msgspec.Raw
+
+
+def _listed(client: Client, session: str) -> msgspec.Raw | None:
+    """The session's entry in `session/list`, as the daemon sent it, or None when it lists no such session. Only that
+    entry is fetched: a page of one, from a cursor that sorts just below the name."""
+    from devd.driver import _just_before  # the driver finds a session's entry the same way
+
+    if not session:
+        return None  # nothing sorts below the empty name; the daemon refuses it by name when asked
+    page = msgspec.json.decode(
+        client.call_raw("session/list", {"limit": 1, "cursor": _just_before(session)}), type=_Page
+    )
+    if page.sessions and msgspec.json.decode(page.sessions[0])["session"] == session:
+        return page.sessions[0]
+    return None
+
+
+def _inspect(client: Client, args: argparse.Namespace) -> int:
+    entry = _listed(client, args.session)
+    if entry is None:
+        # Not among the sessions this daemon lists: `session/pending` says why in the daemon's own words (HANDLE: no
+        # such session), or, in a fleet, follows the session to the daemon that holds it, which lists it.
+        client.call_raw("session/pending", {"session": args.session})
+        entry = _listed(client, args.session)
+    if entry is None:  # closed between the two calls
+        raise HandleError(f"no session is named {args.session!r}; `session/list` shows the sessions there are")
+    info = msgspec.json.decode(entry)
+    pending: msgspec.Raw | None = None
+    if info["state"] in ("live", "stored"):  # an ended or poisoned session is refused until recovered: not asked
+        raw = client.call_raw("session/pending", {"session": args.session})
+        pending = msgspec.json.decode(raw, type=_Pending).actions
+    if args.json:
+        _emit(msgspec.json.encode({"session": entry, "pending": pending}) + b"\n")
+    else:
+        from devd.messages import decode_actions
+
+        _emit(inspection(info, None if pending is None else decode_actions(bytes(pending))).encode())
+    return EXIT_OK
+
+
+def _watch(client: Client, args: argparse.Namespace) -> int:
+    """Notifications as JSON lines (with or without --json: each is a message of the protocol) until the watch ends."""
+    client.call("session/watch", _params(session=args.session, since=args.since))
+    while True:
+        notice = client.wait_notification()
+        _emit(msgspec.json.encode({"method": notice.method, "params": notice.params}) + b"\n")
+        if notice.method == "session/unwatched":
+            # The session closed (or expired): the watch is over, normally. Dropped for falling behind: exit 1,
+            # and watch again with --since to catch up.
+            closed = notice.params.get("reason") in ("closed", "expired")
+            return EXIT_OK if closed else EXIT_ANSWERED_ERROR
+
+
+@dataclass(frozen=True)
+class Plain:
+    """A command that is one call of a method of `devd.protocol.METHODS`: its arguments are the method's params (a
+    required one positional, an optional one a flag), and for people it prints `show` of the answer (--json: the
+    answer as it came)."""
+
+    command: str
+    method: str
+    help: str
+    show: Callable[[bytes], bytes]
+
+
+def _member(member: str) -> Callable[[bytes], bytes]:
+    return lambda raw: str(msgspec.json.decode(raw)[member]).encode() + b"\n"
+
+
+def _nothing(raw: bytes) -> bytes:
+    return b""
+
+
+def _waits(raw: bytes) -> bytes:
+    entry = msgspec.json.decode(raw)
+    waits = ", ".join(f"{w['kind']} (id {w['id']})" for w in entry["waiting"]) or "nothing"
+    return sessions_table([entry]).encode() + f"waiting for: {waits}\n".encode()
+
+
+def _pretty_member(member: str) -> Callable[[bytes], bytes]:
+    return lambda raw: _pretty(msgspec.json.encode(msgspec.json.decode(raw)[member]))
+
+
+PLAIN: tuple[Plain, ...] = (
+    Plain("snapshot", "session/snapshot", "print a session's snapshot (base64)", _member("snapshot")),
+    Plain("pending", "session/pending", "print the actions a session still waits for (JSON)", _pretty),
+    Plain(
+        "info",
+        "session/info",
+        "show one session's entry (as `devd ls` has it) and the actions its turn waits for",
+        _waits,
+    ),
+    Plain(
+        "transcript",
+        "session/transcript",
+        "print a session's conversation (JSON), the whole of it or from message --from on",
+        _pretty_member("messages"),
+    ),
+    Plain(
+        "recover",
+        "session/recover",
+        "bring an ended or poisoned session back from its durable state",
+        _member("session"),
+    ),
+    Plain("close", "session/close", "end a session and delete its state", _nothing),
+)
+
+
+def _plain_params(plain: Plain, args: argparse.Namespace) -> dict[str, Any]:
+    """The method's params from the command's arguments, by the params' own names; a flag left out is not sent."""
+    fields = msgspec.structs.fields(METHODS[plain.method].params)
+    return _params(**{f.encode_name: getattr(args, f.name) for f in fields})
+
+
+def _run_plain(plain: Plain) -> Callable[[Client, argparse.Namespace], int]:
+    def run(client: Client, args: argparse.Namespace) -> int:
+        raw = client.call_raw(plain.method, _plain_params(plain, args))
+        _emit(raw + b"\n" if args.json else plain.show(raw))
+        return EXIT_OK
+
+    return run
+
+
+def _plain_arguments(c: argparse.ArgumentParser, plain: Plain) -> None:
+    """The method's params as arguments: `session` (and any other required one) positional, the rest flags."""
+    for f in msgspec.structs.fields(METHODS[plain.method].params):
+        doc = _param_help(f.type)
+        if f.required:
+            c.add_argument(f.name, help="the session's name" if f.name == "session" else doc)
+        else:
+            number = _is_int(f.type)
+            c.add_argument(
+                f"--{f.encode_name.replace('_', '-')}",
+                dest=f.name,
+                type=int if number else str,
+                metavar="N" if number else None,
+                help=doc,
+            )
+
+
+def _constraint(t: Any) -> tuple[msgspec.inspect.Type, str | None]:
+    """A param's type, `X | None` as its X, and the description its `Meta` gives it."""
+    info = msgspec.inspect.type_info(t)
+    if isinstance(info, msgspec.inspect.UnionType):
+        info = next(i for i in info.types if not isinstance(i, msgspec.inspect.NoneType))
+    if isinstance(info, msgspec.inspect.Metadata):
+        return info.type, (info.extra_json_schema or {}).get("description")
+    return info, None
+
+
+def _is_int(t: Any) -> bool:
+    return isinstance(_constraint(t)[0], msgspec.inspect.IntType)
+
+
+def _param_help(t: Any) -> str | None:
+    return _constraint(t)[1]
+
+
+def sessions_table(sessions: list[dict[str, Any]]) -> str:
+    """`devd ls`: a session a line, by name; REASON only when a session has one (why it ended or was poisoned)."""
+    if not sessions:
+        return "no sessions\n"
+    headers = ["NAME", "STATE", "SEQ", "WATCHERS", "CREATED", "LAST USED"]
+    rows = [
+        [s["session"], s["state"], str(s["seq"]), str(s.get("watchers", 0)), _when(s["created"]), _when(s["last_used"])]
+        for s in sessions
+    ]
+    if any(s.get("reason") for s in sessions):
+        headers.append("REASON")
+        for row, s in zip(rows, sessions, strict=True):
+            row.append(s.get("reason") or "")
+    return table(headers, rows, right=frozenset({2, 3}))
+
+
+SUMMARY_CHARS_MAX = 72  # an action's summary in `devd inspect`, so that each stays on one line
+
+
+def action_summary(action: Action) -> str:
+    """An action's kind and what it is about, on one line: `Read src/lib.rs`, `Model (12 messages)`."""
+    op = action.op
+    kind = next(name for name in op.__struct_fields__ if getattr(op, name) is not None)
+    if op.Model is not None:
+        n = len(op.Model.messages)
+        about = f"({n} message{'' if n == 1 else 's'})"
+    elif op.Exec is not None:
+        about = shlex.join(op.Exec.argv)
+    elif op.Git is not None:
+        about = shlex.join(op.Git.argv)
+    elif op.Read is not None:
+        about = op.Read.path
+    elif op.Write is not None:
+        about = f"{op.Write.path} ({len(op.Write.text)} characters)"
+    elif op.Browse is not None:
+        about = op.Browse.url
+    elif op.Done is not None:
+        about = f"turn {op.Done.turn}"
+    else:
+        about = op.Emit or ""
+    about = " ".join(about.split())
+    if len(about) > SUMMARY_CHARS_MAX:
+        about = about[: SUMMARY_CHARS_MAX - 3] + "..."
+    return f"{kind} {about}".rstrip()
+
+
+def inspection(entry: dict[str, Any], pending: list[Action] | None) -> str:
+    """`devd inspect`: a session's `session/list` entry as `key: value` lines, whether a turn is running, and the
+    actions it waits for (`pending`: None for an ended or poisoned session, which is not asked), one a line."""
+    name = entry["session"]
+    pairs = [("session", name), ("state", entry["state"])]
+    if entry.get("reason"):
+        pairs.append(("reason", entry["reason"]))
+    pairs += [
+        ("seq", str(entry["seq"])),
+        ("watchers", str(entry.get("watchers", 0))),
+        ("created", _when(entry["created"])),
+        ("last used", _when(entry["last_used"])),
+    ]
+    if pending is None:
+        pairs.append(("turn", f"none: the session is {entry['state']}; `devd recover {name}` brings it back"))
+    elif pending:
+        pairs.append(("turn", f"running, waiting for {len(pending)} action{'' if len(pending) == 1 else 's'}"))
+    else:
+        pairs.append(("turn", "none running"))
+    actions = pending or []
+    width = max((len(str(a.id)) for a in actions), default=0)
+    return _pairs(pairs) + "".join(f"  {a.id:>{width}}  {action_summary(a)}\n" for a in actions)
