@@ -51,6 +51,10 @@ function seq(notice: Notice): string {
       return `action ${notice.params.action} writes ${notice.params.text}`;
     case "session/stalled":
       return `action ${notice.params.action} stalled: ${notice.params.why}`;
+    case "session/approval":
+      return `action ${notice.params.action} waits for approval: ${notice.params.digest}`;
+    case "session/decided":
+      return `action ${notice.params.action}: ${notice.params.decision} by ${notice.params.by}`;
   }
 }
 
