@@ -199,9 +199,17 @@ def test_the_strictest_matching_rule_wins(tmp_path: Path) -> None:
     )
 
 
-def test_a_rule_cannot_loosen_exec(tmp_path: Path) -> None:
-    p = profile(tmp_path, exec="deny", rules=(Rule(prefix=("ls",), decision="allow"),))
-    assert decide(p, Call(Exec=Exec(argv=["ls"])))[0] == "deny"
+def test_a_matching_rule_decides_over_exec_so_an_allow_list_can_skip_asking(tmp_path: Path) -> None:
+    p = profile(tmp_path, exec="ask", rules=(Rule(prefix=("ls",), decision="allow"),))
+    assert [decide(p, Call(Exec=Exec(argv=argv)))[0] for argv in (["ls", "-l"], ["make"])] == ["allow", "ask"]
+
+
+def test_a_write_the_profile_denies_is_said_to_be_denied_by_the_policy(tmp_path: Path) -> None:
+    p = profile(tmp_path, write="deny")
+    assert decide(p, Call(Write=Write(path="a", text="b"))) == (
+        "deny",
+        "denied by the policy: agent 'p' has write = \"deny\"",
+    )
 
 
 def test_a_rule_matches_a_command_run_by_its_path(tmp_path: Path) -> None:

@@ -298,6 +298,20 @@ def test_an_unreachable_model_stalls_the_session_until_it_is_resumed(agentd: Age
         )
 
 
+def test_a_cancel_ends_a_stall_and_the_next_prompt_is_carried_out_without_a_resume(agentd: Agentd) -> None:
+    agentd.standin.script(*[Scripted(status=500)] * 4)
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        turn = c.prompt(session, "hello")
+        next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        agentd.standin.script(Scripted(text="back again"))
+        again = c.prompt(session, "again")
+        until_done(ui, again)
+        assert (c.info(session).stalled, conversation(c, session)[-1]) == (None, {"Agent": {"text": "back again"}})
+
+
 # -- crashes: nothing run twice, nothing acknowledged lost, every turn ends -------------------------------------------
 
 

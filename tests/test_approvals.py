@@ -297,6 +297,22 @@ def test_devd_approve_answers_from_the_command_line(agentd: Agentd) -> None:
     assert (status, agentd.marks()) == (0, 1)
 
 
+def test_devd_approve_of_an_action_decided_already_is_conflict_naming_who_decided(
+    agentd: Agentd, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from devd.cli import main
+
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        approval(c, session, "mark it")
+        assert main(["approve", "--connect", str(agentd.daemon.socket), session, "2"]) == 0
+        until_done(c)
+    status = main(["deny", "--connect", str(agentd.daemon.socket), session, "2"])
+    assert (status, "CONFLICT" in capsys.readouterr().err) == (1, True)
+
+
 # -- spend ----------------------------------------------------------------------------------------------------------
 
 

@@ -326,7 +326,10 @@ def main(args: argparse.Namespace, address: str, token: str | None) -> int:
     )
 
     async def go() -> int:
-        async with AsyncClient.connect(address, token=token) as client:
+        async with AsyncClient.connect(address, token=token, peers=args.peer or ()) as client:
+            from devd.cli.sessions import cli_client_name  # who answers approvals from here
+
+            await client.initialize(token=token, name=cli_client_name())
             return await command(client, args, Screen(sys.stdout))
 
     return anyio.run(go)

@@ -300,12 +300,14 @@ def default_agents_path(environ: Mapping[str, str]) -> Path | None:
 
 
 def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
-    """Whether the profile lets the call run, and why in words the model is shown. For Exec and Git the strictest of
-    `exec` and every rule whose prefix matches the argv wins (deny over ask over allow)."""
+    """Whether the profile lets the call run, and why in words the model is shown. For Exec and Git the rules whose
+    prefix matches the argv decide, the strictest of them winning (deny over ask over allow); a call no rule matches
+    is decided by `exec`."""
     if call.Read is not None:
         return "allow", "reads are always allowed"
     if call.Write is not None:
-        return profile.write, f'agent {profile.name!r} has write = "{profile.write}"'
+        reason = f'agent {profile.name!r} has write = "{profile.write}"'
+        return profile.write, f"denied by the policy: {reason}" if profile.write == "deny" else reason
     if call.Browse is not None:
         if "browse" in profile.tools:
             return "allow", f"agent {profile.name!r} lists browse in its tools"
@@ -313,10 +315,11 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
     argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv] if call.Git is not None else []
     decision: Decision = profile.exec
     reason = f'agent {profile.name!r} has exec = "{profile.exec}"'
-    for rule in profile.rules:
-        if _matches(rule.prefix, argv) and _STRICTNESS[rule.decision] > _STRICTNESS[decision]:
-            decision = rule.decision
-            reason = f"the rule prefix = {list(rule.prefix)} of agent {profile.name!r} says {rule.decision}"
+    matching = [rule for rule in profile.rules if _matches(rule.prefix, argv)]
+    if matching:
+        rule = max(matching, key=lambda r: _STRICTNESS[r.decision])
+        decision = rule.decision
+        reason = f"the rule prefix = {list(rule.prefix)} of agent {profile.name!r} says {rule.decision}"
     if decision == "deny":
         reason = f"denied by the policy: {reason}"
     return decision, reason

@@ -381,7 +381,12 @@ class Driver:
         the action no longer pending, and the work was stopped where it stood."""
         done: list[T] = []
         failed: list[Exception] = []
-        self._foreign = anyio.Event()
+        # A step of another client since the last look (a Cancel while the claim was written, say) is looked at
+        # before the work starts: it must not start at all for an action no longer pending.
+        if self._foreign.is_set():
+            self._foreign = anyio.Event()
+            if action not in action_ids(await self.sessions.pending(self.session)):
+                return None
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -460,10 +465,18 @@ class Driver:
         await self.runtime.oversight.trace(self.session, record)
 
     async def _stalled(self, action: int, why: str) -> None:
-        """The ask stays pending; carry on when the session is resumed."""
+        """The ask stays pending; carry on when the session is resumed, or when another client's step (a Cancel of
+        the turn) leaves it no longer pending: then the stall is over and what the session waits for comes next."""
         self.resumed = anyio.Event()
         self.runtime.stall(self.session, action, why)
-        await self.resumed.wait()
+        resumed = self.resumed
+
+        async def until_resumed() -> bool:
+            await resumed.wait()
+            return True
+
+        if await self._guarded(action, until_resumed) is None:
+            self.runtime.stalled.pop(self.session, None)
         self.dirty = True
 
     async def _admitted(

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 from devd.cli.common import (
     EXIT_ANSWERED_ERROR,
     EXIT_OK,
-    LocalError,
     _emit,
     _pairs,
     _params,
@@ -87,13 +86,10 @@ def _decision(decision: Literal["allow", "deny"]) -> Callable[[Client, argparse.
         from devd.agent.approvals import action_digest
 
         client.initialize(token=_token(args), name=cli_client_name())
-        found = [a for a in client.pending(args.session) if a.id == args.action]
-        if not found or found[0].awaiting != "approval":
-            raise LocalError(
-                f"action {args.action} of {args.session} is not waiting for approval; `devd pending {args.session}` "
-                "shows what the session waits for"
-            )
-        digest = action_digest(args.action, msgspec.structs.replace(found[0], awaiting=None).op)
+        found = [a for a in client.pending(args.session) if a.id == args.action and a.awaiting == "approval"]
+        # An action no longer waiting is still asked of the daemon, which says why: CONFLICT naming who decided it,
+        # or INVALID_PARAMS for one that never waited (no digest can match it).
+        digest = action_digest(args.action, msgspec.structs.replace(found[0], awaiting=None).op) if found else "0" * 64
         client.approve(args.session, args.action, digest, decision, remember=args.remember)
         if args.json:
             _emit(b"{}\n")

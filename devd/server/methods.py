@@ -401,8 +401,9 @@ async def session_info(call: Call, params: SessionParams) -> InfoResult:
         state = "stored"  # not held here: pending takes it from the fleet, or answers MOVED naming its owner
     waits: list[protocol.Waiting] = []
     if state in ("live", "stored"):  # an ended or poisoned turn waits for nothing
-        waits = protocol.waiting(decode_actions(await registry.pending(name)))
+        waits = protocol.waiting(decode_actions(await patient(call.app, name, lambda r: r.pending(name))))
     i = registry.info(name)  # after pending, which may have woken or adopted it
+    stalled = call.app.agents.stalled.get(name) if call.app.agents is not None else None
     return InfoResult(
         i.name,
         i.state.value,  # type: ignore[arg-type]
@@ -411,6 +412,8 @@ async def session_info(call: Call, params: SessionParams) -> InfoResult:
         rfc3339(i.last_used),
         i.watchers,
         i.reason,
+        i.held,
+        stalled,
         waiting=waits,
     )
 
