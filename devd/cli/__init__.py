@@ -103,12 +103,21 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
 
 
 def _run_client(args: argparse.Namespace) -> int:
-    from devd.client import Client, NotRunningError
+    from devd.client import Client
+
+    def run() -> int:
+        with Client.connect(_address(args), token=_token(args), peers=args.peer) as client:
+            return COMMANDS[args.command](client, args)
+
+    return _reported(args, run)
+
+
+def _reported(args: argparse.Namespace, run: Callable[[], int]) -> int:
+    """run()'s exit status, or the one its error means (EXIT_CODES), the error said in the command's terms."""
+    from devd.client import NotRunningError
 
     try:
-        token = _token(args)
-        with Client.connect(_address(args), token=token, peers=args.peer) as client:
-            return COMMANDS[args.command](client, args)
+        return run()
     except LocalError as e:
         print(f"devd: {e}", file=sys.stderr)
         return EXIT_LOCAL
@@ -155,21 +164,5 @@ def main(argv: list[str] | None = None) -> int:
 def _run_agent(args: argparse.Namespace) -> int:
     """`devd run` and `devd attach` (devd.agent.cli), with the errors and exit status of the other client commands."""
     from devd.agent import cli as agent_cli
-    from devd.client import NotRunningError
 
-    try:
-        return agent_cli.main(args, _address(args), _token(args))
-    except LocalError as e:
-        print(f"devd: {e}", file=sys.stderr)
-        return EXIT_LOCAL
-    except DevdError as e:
-        print(f"devd: {e.kind}: {in_cli_terms(e, args)}", file=sys.stderr)
-        return EXIT_ANSWERED_ERROR
-    except NotRunningError as e:
-        print(f"devd: {e.strerror}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except (OSError, ConnectionError) as e:
-        print(f"devd: cannot reach the daemon at {_address(args)}: {e}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+    return _reported(args, lambda: agent_cli.main(args, _address(args), _token(args)))

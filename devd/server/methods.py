@@ -403,19 +403,8 @@ async def session_info(call: Call, params: SessionParams) -> InfoResult:
     if state in ("live", "stored"):  # an ended or poisoned turn waits for nothing
         waits = protocol.waiting(decode_actions(await patient(call.app, name, lambda r: r.pending(name))))
     i = registry.info(name)  # after pending, which may have woken or adopted it
-    stalled = call.app.agents.stalled.get(name) if call.app.agents is not None else None
-    return InfoResult(
-        i.name,
-        i.state.value,  # type: ignore[arg-type]
-        i.seq,
-        rfc3339(i.created),
-        rfc3339(i.last_used),
-        i.watchers,
-        i.reason,
-        i.held,
-        stalled,
-        waiting=waits,
-    )
+    stalled = call.app.agents.stalled if call.app.agents is not None else None
+    return InfoResult(**msgspec.structs.asdict(_entry(i, stalled)), waiting=waits)
 
 
 @method("session/watch")
