@@ -180,7 +180,7 @@ async def test_initialize_answers_protocol_1_with_load_list_resume_and_close(dev
             "devd",
             "acp",
             "--connect",
-            str(devd.server.daemon.socket),
+            str(devd.daemon.socket),
             env={"PYTHONPATH": str(ROOT)},
             transport_kwargs={"stderr": log.fileno()},
         ) as (conn, _process):
@@ -405,7 +405,7 @@ async def test_session_new_outside_the_profiles_roots_is_refused_naming_the_cwd(
 async def test_sessions_of_devd_acp_agent_name_are_driven_by_that_profile(devd: Setup) -> None:
     async with editor_on(devd, Editor(), "--agent", "coder") as conn:
         session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
-    with devd.server.daemon.client() as client:
+    with devd.daemon.client() as client:
         bound = client.agent(session.session_id)
     assert (bound.agent, bound.workspace) == ("coder", str(devd.workspace))
 
@@ -480,8 +480,8 @@ async def test_a_daemon_killed_and_restarted_mid_turn_still_answers_the_editors_
 
             tg.start_soon(prompt)
             await editor.until(lambda: any(isinstance(u, ToolCallStart) for u in editor.updates))
-            devd.server.daemon.kill()
-            await anyio.to_thread.run_sync(devd.server.daemon.start)
+            devd.daemon.kill()
+            await anyio.to_thread.run_sync(devd.daemon.start)
     assert (answers[0].stop_reason, editor.text()) == ("end_turn", "The command was cut short.")
 
 
@@ -499,8 +499,8 @@ async def test_a_reply_streamed_again_after_a_restart_is_told_once(devd: Setup) 
 
             tg.start_soon(prompt)
             await editor.until(lambda: editor.chunks() > 3)
-            devd.server.daemon.kill()
-            await anyio.to_thread.run_sync(devd.server.daemon.start)
+            devd.daemon.kill()
+            await anyio.to_thread.run_sync(devd.daemon.start)
     assert (answers[0].stop_reason, editor.text()) == ("end_turn", reply)
 
 
@@ -521,7 +521,7 @@ def test_without_a_daemon_devd_acp_says_how_to_start_one_and_exits_non_zero(tmp_
 
 def test_devd_acp_exits_0_when_the_editor_closes_its_input(devd: Setup) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "devd", "acp", "--connect", str(devd.server.daemon.socket)],
+        [sys.executable, "-m", "devd", "acp", "--connect", str(devd.daemon.socket)],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
@@ -532,7 +532,7 @@ def test_devd_acp_exits_0_when_the_editor_closes_its_input(devd: Setup) -> None:
 
 def test_devd_acp_exits_0_when_the_editor_stops_reading(devd: Setup) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "devd", "acp", "--connect", str(devd.server.daemon.socket)],
+        [sys.executable, "-m", "devd", "acp", "--connect", str(devd.daemon.socket)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -69,7 +69,7 @@ class Step(msgspec.Struct, frozen=True):
     event: bytes
     actions: bytes | None  # None: not kept, derived again from the events when asked for
     key: str | None = None
-    digest: bytes | None = None  # of the event, for keys: see `devd.sessions.registry.digest`
+    digest: bytes | None = None  # of the event, for keys: see `devd.sessions.history.digest`
     snapshot: bytes | None = None  # the core's state after this step, when one was taken
     answer: bytes | None = None  # `answer_digest(actions)`; always set when the actions are not kept
 
