@@ -218,7 +218,8 @@ def test_dotdot_and_absolute_paths_are_refused_before_anything_is_touched(agentd
 
 
 def test_a_command_cannot_write_outside_the_workspace_under_the_sandbox(agentd: Agentd) -> None:
-    outside = ROOT / f".outside-{os.getpid()}.txt"  # not under /tmp, which the sandbox makes a private one
+    # Outside the workspace and not under /tmp (which the sandbox makes a private one), wherever the checkout is.
+    outside = Path("/var/tmp") / f".devd-outside-{os.getpid()}.txt"
     agentd.standin.script(
         Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", f"echo x > {outside}"]})]), Scripted(text="ok")
     )
@@ -231,15 +232,14 @@ def test_a_command_cannot_write_outside_the_workspace_under_the_sandbox(agentd: 
 
 def test_a_command_cannot_reach_the_network_under_the_sandbox(agentd: Agentd) -> None:
     port = agentd.standin.url.split(":")[2].split("/")[0]
-    connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5)"
-    agentd.standin.script(
-        Scripted(tool_calls=[("exec", {"argv": [sys.executable, "-c", connect]})]), Scripted(text="ok")
-    )
+    # bash from the read-only root: this interpreter may live under /tmp, which the sandbox makes a private one.
+    connect = ["/bin/bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"]
+    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": connect})]), Scripted(text="ok"))
     with agentd.client() as c:
         session = agentd.session(c)
         run_turn(c, session, "connect")
         ((_, text, failed),) = results(c, session)
-    assert (failed, "ConnectionRefusedError" in text, agentd.standin.count) == (True, True, 2)
+    assert (failed, "Connection refused" in text, agentd.standin.count) == (True, True, 2)
 
 
 def test_a_call_the_policy_denies_never_runs(agentd: Agentd) -> None:
