@@ -344,6 +344,14 @@ async def _open_stream(address: str) -> anyio.abc.ByteStream:
 # -- the blocking client --------------------------------------------------------------------------------------------
 
 
+def _new_params(
+    config: Config | None, session: str | None, agent: str | None, workspace: str | Path | None, budget: int | None
+) -> NewParams:
+    """`session/new`'s params as both clients' `new` take them."""
+    where = None if workspace is None else str(workspace)
+    return NewParams(config, session, agent, where, None if budget is None else TokenBudget(budget))
+
+
 class Client:
     """A blocking client: one request at a time; notifications received meanwhile are kept in `notifications`."""
 
@@ -500,9 +508,7 @@ class Client:
     ) -> str:
         """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
         `workspace`, a session the daemon drives itself (`prompt`), with its own spend ceiling of `budget` tokens."""
-        where = None if workspace is None else str(workspace)
-        tokens = None if budget is None else TokenBudget(budget)
-        result: SessionResult = self.request("session/new", NewParams(config, session, agent, where, tokens))
+        result: SessionResult = self.request("session/new", _new_params(config, session, agent, workspace, budget))
         return result.session
 
     # -- the agent runtime: sessions the daemon drives
@@ -869,9 +875,8 @@ class AsyncClient:
     ) -> str:
         """Start a session (named `session`, else the daemon chooses); its name. With `agent` (a profile) and
         `workspace`, a session the daemon drives itself (`prompt`), with its own spend ceiling of `budget` tokens."""
-        where = None if workspace is None else str(workspace)
-        tokens = None if budget is None else TokenBudget(budget)
-        result: SessionResult = await self.request("session/new", NewParams(config, session, agent, where, tokens))
+        params = _new_params(config, session, agent, workspace, budget)
+        result: SessionResult = await self.request("session/new", params)
         return result.session
 
     # -- the agent runtime: sessions the daemon drives
