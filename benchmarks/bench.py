@@ -2295,13 +2295,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "fleet":
         return bench_fleet.command(args)
     if args.what == "approvals":
-        from devd import bench_approvals as approvals  # the agent runtime's, loaded only when asked for
+        from benchmarks import bench_approvals as approvals  # the agent runtime's, loaded only when asked for
 
         return approvals.run(args)
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
     elif args.what == "agent" and args.oversight:
-        from devd import bench_approvals as approvals
+        from benchmarks import bench_approvals as approvals
 
         return approvals.run(argparse.Namespace(calls=args.calls, rounds=3, turns=3))
     elif args.what == "agent":
