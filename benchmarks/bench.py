@@ -13,6 +13,7 @@ python -m benchmarks.bench fleet    # one and two daemons on one PostgreSQL vs t
 python -m benchmarks.bench agent    # the agent runtime's own time per model call and per tool call, against the
                                     # stand-in model server's, and a turn of 50 tool calls end to end
 python -m benchmarks.bench approvals  # what approvals, spend ceilings and the trace add to a turn
+python -m benchmarks.bench start    # exec to the first answer: devd vs a minimal Python daemon; in bench_start.py
 """
 
 from __future__ import annotations
@@ -2284,6 +2285,9 @@ def main(argv: list[str] | None = None) -> int:
         "approvals", help="what approvals, spend ceilings and the trace add to a turn the daemon drives"
     )
     from benchmarks.bench_approvals import add_arguments as approvals_arguments
+    from benchmarks.bench_start import add_arguments as start_arguments
+
+    start_arguments(sub.add_parser("start", help="exec to the first answer: devd vs a minimal Python daemon"))
 
     approvals_arguments(approvals_parser)
 
@@ -2300,6 +2304,10 @@ def main(argv: list[str] | None = None) -> int:
         return approvals.run(args)
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
+    elif args.what == "start":
+        from benchmarks.bench_start import bench_start
+
+        result = bench_start(args.rounds)
     elif args.what == "agent" and args.oversight:
         from benchmarks import bench_approvals as approvals
 
