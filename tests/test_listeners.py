@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -61,3 +62,10 @@ def test_an_activated_socket_is_served_as_what_its_family_makes_it_and_left_in_p
     served = listening.served
     listening.close()
     assert (served, path.exists()) == (UnixListen(path), True)
+
+
+def test_an_activated_abstract_unix_socket_is_served_as_its_name() -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(f"\0devd-test-{os.getpid()}")
+        served = ActivatedListen(sock, "rpc").bind().served
+    assert served == UnixListen(Path(f"\0devd-test-{os.getpid()}"))

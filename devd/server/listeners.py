@@ -342,7 +342,7 @@ def address(text: str) -> UnixListen | TcpListen:
 def bound_as(sock: socket.socket) -> UnixListen | TcpListen:
     """What a listening socket is bound to, as its clients address it (a port 0 asked for is the port given)."""
     if sock.family == socket.AF_UNIX:
-        return UnixListen(Path(sock.getsockname()))
+        return UnixListen(Path(os.fsdecode(sock.getsockname())))  # an abstract name (systemd's @name) is bytes
     host, port = sock.getsockname()[:2]
     return TcpListen(host, port)
 
