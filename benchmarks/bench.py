@@ -182,7 +182,7 @@ def _echo_server(socket_path: str) -> None:
     from devd.config import Settings
     from devd.protocol import NewParams, SessionResult, StepParams, StepResult
     from devd.server.daemon import Daemon, build
-    from devd.server.listeners import bind_unix
+    from devd.server.listeners import UnixListen
     from devd.server.methods import METHODS, Call  # noqa: F401
     from devd.storage.memory import MemoryStore
 
@@ -201,7 +201,7 @@ def _echo_server(socket_path: str) -> None:
     settings = Settings(state_dir=Path(tempfile.mkdtemp()), socket_path=Path(socket_path))
     _, dispatcher = build(settings, None, MemoryStore(), methods=stubs)  # type: ignore[arg-type]
     daemon = Daemon(settings, dispatcher, None)
-    listeners = [(bind_unix(Path(socket_path))[0], "unix")]
+    listeners = [UnixListen(Path(socket_path)).bind()]
     ready = lambda: print("ready", flush=True)  # noqa: E731
     anyio.run(daemon.serve, listeners, ready, backend="asyncio", backend_options=_uvloop_options())
 

@@ -5,22 +5,22 @@ What it promises:
 - `prometheus(status)` is the one rendering of the counters: `devd status --prometheus` prints, and `GET /metrics`
   answers, the same text for the same `daemon/status`;
 - the listener answers `GET /metrics` (200), another path (404), another method on `/metrics` (405), a request
-  line that is not HTTP/1.x (400), a head longer than `metrics_head_bytes_max` (431), and one that is not whole
-  within `metrics_timeout_s` (408); each connection is closed after its one answer;
+  that is not HTTP/1.x as h11 reads it (400: an HTTP/1.1 one without Host included), a head longer than
+  `metrics_head_bytes_max` (431), and one that is not whole within `metrics_timeout_s` (408); each connection is
+  closed after its one answer;
 - it is bounded and kept apart from the JSON-RPC listeners: at most `metrics_connections_max` connections, each
   aborted `metrics_timeout_s` after it was accepted whatever it is doing, answered from asyncio's callbacks (no
   task, nothing queued), and what happens in one is logged and goes no further;
 - the text is rendered at most once per `metrics_interval_s` (1 s), whoever scrapes and however often;
 - an address that is not loopback is served, since it was given explicitly, and logged as `metrics.exposed`.
 
-The request handling is `answer`, a pure function of the bytes received; `Exchange` is the I/O around it.
+The request handling is `Scrape`, bytes in and its response out, on h11 (a well-kept sans-I/O HTTP/1.1 parser);
+`Exchange` is the I/O around it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import re
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -28,11 +28,12 @@ from http import HTTPStatus
 from typing import Any, cast
 
 import anyio
+import h11
 import structlog
 from anyio.abc import TaskStatus
 
 from devd.config import Settings
-from devd.server.listeners import listen_tcp
+from devd.server.listeners import TcpListen, listen_tcp
 
 log = structlog.get_logger("devd.server.metrics")
 
@@ -142,67 +143,88 @@ def prometheus(status: Mapping[str, Any]) -> str:
 
 # -- one HTTP exchange, without I/O ----------------------------------------------------------------------------------
 
-_HEAD_END = re.compile(rb"\r?\n\r?\n")  # the blank line that ends a request's head (bare LFs tolerated)
 
+class Scrape:
+    """One connection's HTTP/1.1, without I/O: bytes in, its one response out. h11 parses the request and frames the
+    response; what is answered is decided here. The head is read whole before answering (a client cut off mid-send
+    may not see the answer); a body is never read. `exposition` is called only for `GET /metrics`."""
 
-def response(status: HTTPStatus, body: str, content_type: str = "text/plain; charset=utf-8", **headers: str) -> bytes:
-    """A whole HTTP/1.1 response that tells the client the connection closes after it."""
-    data = body.encode()
-    lines = [
-        f"HTTP/1.1 {status.value} {status.phrase}",
-        f"Content-Type: {content_type}",
-        f"Content-Length: {len(data)}",
-        "Connection: close",
-        *(f"{name.replace('_', '-')}: {value}" for name, value in headers.items()),
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + data
+    def __init__(self, head_bytes_max: int, exposition: Callable[[], str]) -> None:
+        # h11 refuses an unfinished head past the bound (431); a finished one is measured in `_answer`.
+        self._http = h11.Connection(h11.SERVER, max_incomplete_event_size=head_bytes_max)
+        self._head_bytes_max = head_bytes_max
+        self._exposition = exposition
+        self._received = 0
+        self._head_only = False  # a HEAD request: its response has no body
 
+    def receive(self, data: bytes) -> bytes | None:
+        """None while the head is still coming and within the bound, else the one response the connection gets."""
+        self._received += len(data)
+        self._http.receive_data(data)
+        try:
+            event = self._http.next_event()
+        except h11.RemoteProtocolError as e:
+            if e.error_status_hint == HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE:
+                return self._too_large()
+            return self._respond(HTTPStatus(e.error_status_hint), f"not an HTTP/1.x request: {e}\n")
+        if event is h11.NEED_DATA:
+            return None
+        assert isinstance(event, h11.Request)  # the first event of a server's connection, short of an error
+        return self._answer(event)
 
-def answer(head: bytes, head_bytes_max: int, exposition: Callable[[], str]) -> bytes | None:
-    """What to send a connection that has sent `head` so far: None while its head is still coming and within
-    `head_bytes_max`, else the one response it gets. The head is read whole before answering (a client cut off
-    mid-send may not see the answer); a body is never read. `exposition` is called only for `GET /metrics`."""
-    end = _HEAD_END.search(head)
-    if (len(head) if end is None else end.end()) > head_bytes_max:
-        return response(
-            HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"a request's head is {head_bytes_max} bytes at most\n"
+    def timed_out(self) -> bytes:
+        """The response to a connection whose request did not arrive whole in time."""
+        return self._respond(HTTPStatus.REQUEST_TIMEOUT, "the request did not arrive in time\n")
+
+    def failed(self) -> bytes | None:
+        """The response when answering failed, or None when the response has already begun."""
+        if self._http.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return None
+        return self._respond(HTTPStatus.INTERNAL_SERVER_ERROR, "the daemon failed to render its metrics; see its log\n")
+
+    def _answer(self, request: h11.Request) -> bytes:
+        self._head_only = request.method == b"HEAD"
+        if self._received - len(self._http.trailing_data[0]) > self._head_bytes_max:
+            return self._too_large()
+        if request.http_version not in (b"1.0", b"1.1"):
+            return self._respond(HTTPStatus.BAD_REQUEST, "not an HTTP/1.x request line\n")
+        if request.target.split(b"?", 1)[0] != PATH:
+            return self._respond(HTTPStatus.NOT_FOUND, "devd serves GET /metrics only\n")
+        if request.method != b"GET":
+            return self._respond(HTTPStatus.METHOD_NOT_ALLOWED, "/metrics answers GET only\n", ("Allow", "GET"))
+        return self._respond(HTTPStatus.OK, self._exposition(), content_type=CONTENT_TYPE)
+
+    def _too_large(self) -> bytes:
+        return self._respond(
+            HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"a request's head is {self._head_bytes_max} bytes at most\n"
         )
-    if end is None:
-        return None
-    parts = head.split(b"\n", 1)[0].rstrip(b"\r").split(b" ")
-    if len(parts) != 3 or parts[2] not in (b"HTTP/1.0", b"HTTP/1.1"):
-        return response(HTTPStatus.BAD_REQUEST, "not an HTTP/1.x request line\n")
-    method, target = parts[0], parts[1].split(b"?", 1)[0]
-    if target != PATH:
-        return response(HTTPStatus.NOT_FOUND, "devd serves GET /metrics only\n")
-    if method != b"GET":
-        return response(HTTPStatus.METHOD_NOT_ALLOWED, "/metrics answers GET only\n", Allow="GET")
-    return response(HTTPStatus.OK, exposition(), CONTENT_TYPE)
+
+    def _respond(
+        self, status: HTTPStatus, body: str, *headers: tuple[str, str], content_type: str = "text/plain; charset=utf-8"
+    ) -> bytes:
+        """A whole response that tells the client the connection closes after it."""
+        data = body.encode()
+        head = [("Content-Type", content_type), ("Content-Length", str(len(data))), ("Connection", "close"), *headers]
+        events: list[h11.Event] = [h11.Response(status_code=status.value, reason=status.phrase, headers=head)]
+        if data and not self._head_only:
+            events.append(h11.Data(data=data))
+        events.append(h11.EndOfMessage())
+        return b"".join(self._http.send(event) or b"" for event in events)
 
 
 # -- the listener ----------------------------------------------------------------------------------------------------
 
 
-def is_loopback(host: str) -> bool:
-    """Whether host names this machine alone (a name other than localhost cannot be told, so it is not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def bind(host: str, port: int) -> socket.socket:
+def bind(where: TcpListen) -> socket.socket:
     """The metrics listener's socket, bound where it was told: an address other than loopback is served (it was
     given explicitly), with a warning, since anyone who reaches it reads the counters."""
-    if not is_loopback(host):
+    if not where.loopback:
         log.warning(
             "metrics.exposed",
-            address=f"{host}:{port}",
+            address=f"{where.host}:{where.port}",
             note="anyone who reaches this address reads the daemon's counters; listen on loopback unless that is meant",
         )
-    return listen_tcp(host, port, backlog=64)
+    return listen_tcp(where.host, where.port, backlog=64)
 
 
 class Exchange(asyncio.Protocol):
@@ -210,9 +232,8 @@ class Exchange(asyncio.Protocol):
 
     def __init__(self, settings: Settings, exposition: Callable[[], str], exchanges: set[Exchange]) -> None:
         self.settings = settings
-        self.exposition = exposition
         self.exchanges = exchanges
-        self.head = b""
+        self.scrape = Scrape(settings.metrics_head_bytes_max, exposition)
         self.answered = False
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -229,12 +250,15 @@ class Exchange(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.answered:
             return  # a body, or more requests: read and dropped until the client closes (see _send)
-        self.head += data
         try:
-            reply = answer(self.head, self.settings.metrics_head_bytes_max, self.exposition)
+            reply = self.scrape.receive(data)
         except Exception as e:  # the connection's boundary: whatever failed, this scrape alone fails
             log.error("metrics.failed", error=f"{type(e).__name__}: {e}"[:500])
-            reply = response(HTTPStatus.INTERNAL_SERVER_ERROR, "the daemon failed to render its metrics; see its log\n")
+            reply = self.scrape.failed()
+            if reply is None:
+                assert self.transport is not None
+                self.transport.abort()
+                return
         if reply is not None:
             self._send(reply)
 
@@ -251,7 +275,6 @@ class Exchange(asyncio.Protocol):
         its bytes unread would reset the connection, and the answer with it."""
         assert self.transport is not None
         self.answered = True
-        self.head = b""
         self.transport.write(reply)
         if self.transport.can_write_eof():
             self.transport.write_eof()
@@ -263,7 +286,7 @@ class Exchange(asyncio.Protocol):
         asyncio still holds, which a client too slow to take a few hundred bytes has not earned."""
         assert self.transport is not None
         if not self.answered:
-            self.transport.write(response(HTTPStatus.REQUEST_TIMEOUT, "the request did not arrive in time\n"))
+            self.transport.write(self.scrape.timed_out())
         self.transport.abort()
 
 
