@@ -1,7 +1,7 @@
-"""devd.server.metrics: daemon/status in the exact Prometheus text format; one HTTP exchange as bytes in and bytes
-out, with
-no socket; the listener's bounds in process (a head that never arrives whole, a flood of connections); and
-`devd serve --metrics` against the real daemon, scraped with urllib, beside its JSON-RPC socket."""
+"""devd.server.metrics and devd.server.scrape: daemon/status in the exact Prometheus text format; one HTTP exchange
+as bytes in and bytes out, with no socket; the listener's bounds in process (a head that never arrives whole, a flood
+of connections); and `devd serve --metrics` against the real daemon, scraped with urllib, beside its JSON-RPC
+socket."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from structlog.testing import capture_logs
 from devd import cli
 from devd.config import Settings
 from devd.messages import answer, turn
-from devd.server import metrics
+from devd.server import scrape as listener
 from devd.server.listeners import TcpListen
-from devd.server.metrics import CONTENT_TYPE, prometheus
+from devd.server.metrics import prometheus
+from devd.server.scrape import CONTENT_TYPE
 from tests.daemon import Daemon, free_port
 
 
@@ -133,7 +134,7 @@ HEAD_MAX = 8192
 
 
 def respond(head: bytes, exposition: Callable[[], str] = lambda: "") -> bytes | None:
-    return metrics.Scrape(HEAD_MAX, exposition).receive(head)
+    return listener.Scrape(HEAD_MAX, exposition).receive(head)
 
 
 def status_line(head: bytes) -> bytes:
@@ -252,7 +253,7 @@ def test_loopback_is_told_by_address_and_by_the_name_localhost_alone() -> None:
 def test_an_address_other_than_loopback_is_bound_with_a_warning_and_loopback_without() -> None:
     with capture_logs() as logs:
         for host in ("127.0.0.1", "0.0.0.0"):
-            metrics.bind(TcpListen(host, 0)).close()
+            listener.bind(TcpListen(host, 0)).close()
     assert [(e["event"], e["address"].rsplit(":", 1)[0]) for e in logs] == [("metrics.exposed", "0.0.0.0")]
 
 
@@ -268,9 +269,9 @@ async def received(stream: ByteStream) -> bytes:
 
 async def test_a_head_that_does_not_arrive_in_time_is_answered_408_and_closed(tmp_path: Path) -> None:
     settings = Settings(tmp_path, None, metrics_timeout_s=0.2)
-    sock = metrics.bind(TcpListen("127.0.0.1", 0))
+    sock = listener.bind(TcpListen("127.0.0.1", 0))
     async with anyio.create_task_group() as tg:
-        await tg.start(metrics.serve, sock, lambda: "", settings)
+        await tg.start(listener.serve, sock, lambda: "", settings)
         async with await anyio.connect_tcp(*sock.getsockname()[:2]) as stream:
             await stream.send(b"GET /metr")
             with anyio.fail_after(10):
@@ -283,10 +284,10 @@ async def test_past_the_connection_bound_a_new_connection_is_closed_and_the_open
     tmp_path: Path,
 ) -> None:
     settings = Settings(tmp_path, None, metrics_connections_max=1)
-    sock = metrics.bind(TcpListen("127.0.0.1", 0))
+    sock = listener.bind(TcpListen("127.0.0.1", 0))
     address = sock.getsockname()[:2]
     async with anyio.create_task_group() as tg:
-        await tg.start(metrics.serve, sock, lambda: "m 1\n", settings)
+        await tg.start(listener.serve, sock, lambda: "m 1\n", settings)
         async with await anyio.connect_tcp(*address) as first:
             await anyio.sleep(0.1)  # accepted before the second comes
             async with await anyio.connect_tcp(*address) as second:
@@ -303,7 +304,7 @@ async def test_scrapes_within_the_interval_share_one_rendering(tmp_path: Path) -
     """Anyone who reaches the port may scrape (there is no token): however many do, the daemon renders once a
     second, so scrapers cannot make it walk its sessions on the event loop more often than that."""
     settings = Settings(tmp_path, None, metrics_interval_s=60.0)
-    sock = metrics.bind(TcpListen("127.0.0.1", 0))
+    sock = listener.bind(TcpListen("127.0.0.1", 0))
     renders = []
 
     def render() -> str:
@@ -311,7 +312,7 @@ async def test_scrapes_within_the_interval_share_one_rendering(tmp_path: Path) -
         return f"m {len(renders)}\n"
 
     async with anyio.create_task_group() as tg:
-        await tg.start(metrics.serve, sock, render, settings)
+        await tg.start(listener.serve, sock, render, settings)
         bodies = set()
         for _ in range(16):
             async with await anyio.connect_tcp(*sock.getsockname()[:2]) as stream:
@@ -395,3 +396,9 @@ def test_a_metrics_flag_that_is_not_a_tcp_address_is_a_usage_error(capsys: pytes
         "devd serve: error: argument --metrics: --metrics takes tcp://HOST:PORT (e.g. tcp://127.0.0.1:9464), not "
         "'localhost:9464'",
     )
+
+
+def test_a_daemon_without_metrics_does_not_load_h11() -> None:
+    code = "import sys, devd.cli, devd.cli.serve, devd.server.daemon; print('h11' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "False\n"

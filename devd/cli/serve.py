@@ -64,7 +64,6 @@ def _serve(args: argparse.Namespace) -> int:
     from devd.host import Core
     from devd.server.daemon import Daemon, build
     from devd.server.listeners import StartupError, lock_state_dir, prepare_state_dir, read_token
-    from devd.server.metrics import bind as bind_metrics
 
     os.umask(0o077)  # state files, the token and the socket: this user's alone
     # A fault SQLite's shared-memory mapping can raise (SIGBUS on a failed write or a read-only remount) kills the
@@ -100,7 +99,11 @@ def _serve(args: argparse.Namespace) -> int:
         activated = [ActivatedListen(sock, name) for sock, name in systemd.listen_sockets()]
         listeners = [where.bind() for where in activated or _asked(settings)]
         token = read_token(settings.state_dir) if any(bound.served.needs_token for bound in listeners) else None
-        metrics_socket = bind_metrics(settings.metrics) if settings.metrics else None
+        metrics_socket = None
+        if settings.metrics:
+            from devd.server import scrape  # h11 loaded only by a daemon that serves metrics
+
+            metrics_socket = scrape.bind(settings.metrics)
         agents = _agents(args)
         store, fleet = _open_store(args, settings, listeners)
     except (StartupError, ValueError, OSError, DevdError) as e:

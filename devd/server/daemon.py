@@ -132,7 +132,9 @@ class Daemon:
                 servers = [await _listen(self.hub, listening) for listening in listeners]
                 if metrics_socket is not None:
                     # In the task group, so the group's cancel at the end stops it; started before ready.
-                    await tg.start(metrics.serve, metrics_socket, self._exposition, self.settings)
+                    from devd.server import scrape  # h11 loaded only by a daemon that serves metrics
+
+                    await tg.start(scrape.serve, metrics_socket, self._exposition, self.settings)
                 on_ready()
                 sessions = sum(app.registry.counts().values())
                 log.info(
