@@ -174,8 +174,6 @@ def bench_core(rounds: int, sessions: int) -> dict[str, float]:
 
 def _echo_server(socket_path: str) -> None:
     """devd's transport and dispatcher (`devd serve` minus the core and the store): steps answer [] at once."""
-    import dataclasses
-
     import anyio
 
     from devd import log
@@ -194,8 +192,8 @@ def _echo_server(socket_path: str) -> None:
 
     stubs = {
         **METHODS,
-        "session/new": dataclasses.replace(METHODS["session/new"], handler=new),
-        "session/step": dataclasses.replace(METHODS["session/step"], handler=step),
+        "session/new": msgspec.structs.replace(METHODS["session/new"], handler=new),
+        "session/step": msgspec.structs.replace(METHODS["session/step"], handler=step),
     }
     log.configure("json", "warning")
     settings = Settings(state_dir=Path(tempfile.mkdtemp()), socket_path=Path(socket_path))

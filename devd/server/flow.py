@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from devd.config import Settings
@@ -25,11 +25,10 @@ from devd.config import Settings
 log = structlog.get_logger("devd.server.flow")
 
 
-@dataclass
-class Outboxes:
+class Outboxes(msgspec.Struct):
     """Every connection's unsent bytes together, and the flows that hold them."""
 
-    flows: set[Flow] = field(default_factory=set)
+    flows: set[Flow] = msgspec.field(default_factory=set)
     _unsent: int = 0
     _unsent_at: float = 0.0
 

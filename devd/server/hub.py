@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 
 from devd.config import Settings
@@ -35,8 +35,7 @@ class Member(Protocol):
     def authenticated(self) -> bool: ...
 
 
-@dataclass
-class Hub:
+class Hub(msgspec.Struct):
     """A call's task is a bare asyncio task, held here until it ends and waited for by `drain`: it is a task group
     without per-task cancel scopes. anyio's `start_soon` cost three times what the rest of a request does (measured
     with py-spy on `python -m benchmarks.bench _echo`), and a call is never cancelled anyway (see
@@ -46,9 +45,9 @@ class Hub:
     settings: Settings
     dispatcher: Dispatcher
     token: str | None
-    connections: set[Member] = field(default_factory=set)
-    outboxes: Outboxes = field(default_factory=Outboxes)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    connections: set[Member] = msgspec.field(default_factory=set)
+    outboxes: Outboxes = msgspec.field(default_factory=Outboxes)
+    tasks: set[asyncio.Task[None]] = msgspec.field(default_factory=set)
 
     def refusal(self, served: UnixListen | TcpListen) -> str | None:
         """Why a new connection to `served` is refused, or None."""

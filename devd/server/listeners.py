@@ -22,10 +22,10 @@ import secrets
 import socket
 import stat
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import msgspec
 import structlog
 
 from devd.files import write_atomically
@@ -243,8 +243,7 @@ def is_loopback(host: str) -> bool:
 # -- listen addresses, as values --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class UnixListen:
+class UnixListen(msgspec.Struct, frozen=True):
     """A Unix socket's path. Its peers are told by uid (this user's or root's), so they present no token."""
 
     path: Path
@@ -270,8 +269,7 @@ class UnixListen:
         return None if uid in (os.getuid(), 0) else uid
 
 
-@dataclass(frozen=True)
-class TcpListen:
+class TcpListen(msgspec.Struct, frozen=True):
     """A TCP host and port. Its peers must present the token before anything else is read."""
 
     host: str
@@ -309,8 +307,7 @@ class TcpListen:
         return None
 
 
-@dataclass(frozen=True)
-class ActivatedListen:
+class ActivatedListen(msgspec.Struct, frozen=True):
     """A listening socket systemd passed (LISTEN_FDS), with its LISTEN_FDNAMES name: already bound, and served as
     what its family makes it (`served`), Unix or TCP, with that kind's peer rule."""
 
@@ -347,8 +344,7 @@ def bound_as(sock: socket.socket) -> UnixListen | TcpListen:
     return TcpListen(host, port)
 
 
-@dataclass(frozen=True)
-class Listening:
+class Listening(msgspec.Struct, frozen=True):
     """A listening socket and what it was bound as; `inode` is that of a Unix socket this daemon made, which
     `close` removes (unless someone has put something else there since)."""
 
