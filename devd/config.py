@@ -8,16 +8,16 @@ them keeps a default of its own. Also here: where state and sockets live by defa
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 if TYPE_CHECKING:
     from devd.server.listeners import TcpListen
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(msgspec.Struct, frozen=True):
     state_dir: Path
     socket_path: Path | None
     tcp: TcpListen | None = None
@@ -79,7 +79,8 @@ def default_live_memory() -> int:
 
 def default(name: str) -> Any:
     """The default of the setting `name`: argparse shows it and `Core` takes it, Settings owns it."""
-    return Settings.__dataclass_fields__[name].default
+    names, defaults = Settings.__struct_fields__, Settings.__struct_defaults__
+    return defaults[names.index(name) - (len(names) - len(defaults))]
 
 
 def default_state_dir() -> Path:
