@@ -1,9 +1,9 @@
-"""Fixtures shared by the tests: one Core for every test that does not close its own (a compile costs ~0.1 s), and a
-real daemon (in this process) with a client of it."""
+"""Fixtures shared by the tests: one Core for every test that does not close its own (a compile costs ~0.1 s), a
+real daemon (in this process) with a client of it, and a store of each backend of tests/stores.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,8 +11,11 @@ import pytest
 from devd.client import Client
 from devd.host import Core, Instance
 from devd.messages import Config
+from devd.storage.store import Store
 from tests.daemon import Daemon
 from tests.harness import InProcess
+from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures, for the postgres backend)
+from tests.stores import BACKENDS, Backend
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +53,21 @@ def process_daemon(tmp_path: Path) -> Iterator[Daemon]:
 def client(daemon: InProcess) -> Iterator[Client]:
     with daemon.client() as c:
         yield c
+
+
+@pytest.fixture(params=list(BACKENDS.values()), ids=list(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Each backend of `tests.stores.BACKENDS` in turn."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def store_factory(backend: Backend, tmp_path: Path, request: pytest.FixtureRequest) -> Callable[..., Awaitable[Store]]:
+    """Opens a store of the backend, always on the test's own place (so a second one opens the first one's data),
+    with the pruning limits given (`tests.stores.LIMITS` otherwise)."""
+    place = backend.place(request, tmp_path)
+
+    async def open_store(**limits: int) -> Store:
+        return await backend.open(place, **limits)
+
+    return open_store

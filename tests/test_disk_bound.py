@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES
+from tests.stores import CONFIG, append_all, running, sqlite_at, step
 from tests.test_snapshot_files import big, kept, snapshot_files
-from tests.test_store import CONFIG, append_all, running, sqlite_at, step
 
 WAL_BOUND = 8 << 20
 

@@ -21,7 +21,7 @@ from devd.server.daemon import build
 from devd.storage.postgres import MIGRATIONS, Owner, PostgresStore
 from devd.storage.store import Health, Step, Stored
 from tests import postgres as pg
-from tests.test_store import CONFIG, row, running, step
+from tests.stores import CONFIG, row, running, step
 
 postgres, postgres_url = pg.postgres, pg.postgres_url  # the fixtures
 
@@ -113,6 +113,34 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> N
     with anyio.fail_after(timeout_s):
         while not condition():
             await anyio.sleep(0.02)
+
+
+# -- forks -------------------------------------------------------------------------------------------------------------
+
+
+async def test_a_fork_being_copied_is_neither_listed_loaded_nor_taken_by_another_node(postgres_url: str) -> None:
+    async with running(await node(postgres_url, "a")) as a, running(await node(postgres_url, "b")) as b:
+        await a.create("f", CONFIG)
+        sql(postgres_url, "UPDATE sessions SET head_seq = -1 WHERE name = 'f'")  # as `fork` leaves it until its end
+        end_lease_in_database(postgres_url, "a")
+        assert (await b.sessions(), await b.load("f"), await b.acquire("f")) == ([], None, None)
+
+
+async def test_a_fork_left_unmade_is_removed_when_a_daemon_connects_once_its_owner_lease_ended(
+    postgres_url: str,
+) -> None:
+    async with running(await node(postgres_url, "a")) as a, running(await node(postgres_url, "b")) as b:
+        for name in ("f", "g"):
+            await a.create(name, CONFIG)
+            await a.append(step(1, session=name))
+        await b.create("h", CONFIG)
+        await b.append(step(1, session="h"))
+        sql(postgres_url, "UPDATE sessions SET head_seq = -1")  # three forks cut short by a crash
+        end_lease_in_database(postgres_url, "a")
+        async with running(await node(postgres_url, "c")):
+            left = sql(postgres_url, "SELECT name FROM sessions ORDER BY name")
+            copied = sql(postgres_url, "SELECT session FROM journal ORDER BY session")
+    assert (left, copied) == ([("h",)], [("h",)])  # b's lease is live: its fork may still be under way
 
 
 # -- ownership ---------------------------------------------------------------------------------------------------------

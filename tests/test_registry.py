@@ -43,7 +43,7 @@ from devd.storage.memory import MemoryStore
 from devd.storage.sqlite import SQLiteStore
 from devd.storage.store import Health, Store, Stored
 from tests import modules
-from tests.test_store import running
+from tests.stores import running
 
 SEED = _seed_turn(1, 1)  # a prompt, an answer with Exec and Read, their two results, a text answer (with Save)
 USER = b'{"User":"fix the build"}'

@@ -16,7 +16,7 @@ from devd import failpoints
 from devd.errors import StoreError
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES
 from devd.storage.store import Health, Stored
-from tests.test_store import CONFIG, append_all, row, running, sqlite_at, step
+from tests.stores import CONFIG, append_all, row, running, sqlite_at, step
 
 
 @pytest.fixture

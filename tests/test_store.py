@@ -6,25 +6,17 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TypeVar
 
 import anyio
 import pytest
 
 from devd import failpoints
 from devd.errors import StoreError
-from devd.storage.memory import MemoryStore
-from devd.storage.postgres import PostgresStore
-from devd.storage.sqlite import SQLiteStore
 from devd.storage.store import Health, Keyed, Record, Row, Step, Store, Stored
-from tests import postgres as pg
+from tests.stores import CONFIG, DURABLE, append_all, row, running, sqlite_at, step
 
-postgres, postgres_url = pg.postgres, pg.postgres_url  # the fixtures, for the tests of kind "postgres"
-
-S = TypeVar("S", bound=Store)
-CONFIG = b'{"model":"m"}'
+Factory = Callable[..., Awaitable[Store]]  # the `store_factory` fixture (tests/conftest.py): a store of each backend
 
 
 @pytest.fixture
@@ -32,74 +24,10 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@asynccontextmanager
-async def running(store: S) -> AsyncIterator[S]:
-    """The store with its group-commit task running (writes complete only then); closed at the end."""
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(store.run)
-            yield store
-            tg.cancel_scope.cancel()
-    finally:
-        store.close()
-
-
-def sqlite_at(
-    path: Path, *, keys_kept: int = 1000, steps_kept: int = 1000, prune_every_steps: int = 256
-) -> SQLiteStore:
-    return SQLiteStore(path, keys_kept=keys_kept, steps_kept=steps_kept, prune_every_steps=prune_every_steps)
-
-
-async def postgres_at(
-    url: str, *, keys_kept: int = 1000, steps_kept: int = 1000, prune_every_steps: int = 256
-) -> PostgresStore:
-    return await PostgresStore.open(
-        url, keys_kept=keys_kept, steps_kept=steps_kept, prune_every_steps=prune_every_steps, node="test"
-    )
-
-
-@pytest.fixture(params=["sqlite", "memory", "postgres"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
-def where(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    """Where a store of that kind keeps its data: a file, or a PostgreSQL database of its own (memory: nowhere)."""
-    if kind == "postgres":
-        return str(request.getfixturevalue("postgres_url"))
-    return str(tmp_path / "db.sqlite3")
-
-
-async def open_store(kind: str, where: str, **limits: int) -> Store:
-    """A store of that kind, opened on `where` with the pruning limits given (the defaults otherwise)."""
-    if kind == "sqlite":
-        return sqlite_at(Path(where), **limits)
-    if kind == "postgres":
-        return await postgres_at(where, **limits)
-    return MemoryStore()
-
-
-@pytest.fixture
-async def store(kind: str, where: str) -> AsyncIterator[Store]:
-    async with running(await open_store(kind, where)) as opened:
+async def store(store_factory: Factory) -> AsyncIterator[Store]:
+    async with running(await store_factory()) as opened:
         yield opened
-
-
-def step(seq: int, *, key: str | None = None, snapshot: bytes | None = None, session: str = "a") -> Step:
-    """Step `seq` of a session, with bytes that name it (the store never reads them)."""
-    digest = f"d{seq}".encode() if key is not None else None
-    return Step(session, seq, f"e{seq}".encode(), f"a{seq}".encode(), key, digest, snapshot, f"h{seq}".encode())
-
-
-def row(seq: int) -> Row:
-    """Step `seq` as the journal gives it back."""
-    return Row(seq, f"e{seq}".encode(), f"a{seq}".encode(), f"h{seq}".encode())
-
-
-async def append_all(store: Store, *steps: Step) -> None:
-    for s in steps:
-        await store.append(s)
 
 
 # -- the contract, for every implementation --------------------------------------------------------------------------
@@ -283,8 +211,8 @@ async def test_statistics_count_the_commits(store: Store) -> None:
     assert store.statistics().commits == 3
 
 
-async def test_flush_commits_what_is_pending_when_run_is_not_running(kind: str, where: str) -> None:
-    store = await open_store(kind, where)
+async def test_flush_commits_what_is_pending_when_run_is_not_running(store_factory: Factory) -> None:
+    store = await store_factory()
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(store.create, "a", CONFIG)  # queued: no `run` commits it (as at shutdown, after run ends)
@@ -298,16 +226,14 @@ async def test_flush_commits_what_is_pending_when_run_is_not_running(kind: str, 
 
 # -- durable stores: SQLite and PostgreSQL ---------------------------------------------------------------------------
 
-DURABLE = pytest.mark.parametrize("kind", ["sqlite", "postgres"])  # overrides the `kind` fixture
-
 
 @DURABLE
-async def test_data_survives_closing_and_reopening_the_store(kind: str, where: str) -> None:
-    async with running(await open_store(kind, where)) as before:
+async def test_data_survives_closing_and_reopening_the_store(store_factory: Factory) -> None:
+    async with running(await store_factory()) as before:
         await before.create("a", CONFIG)
         await append_all(before, step(1, key="k1"), step(2, snapshot=b"S2"), step(3))
         await before.set_health("a", Health.ENDED, "its deadline passed")
-    async with running(await open_store(kind, where)) as after:
+    async with running(await store_factory()) as after:
         listed = [(r.name, r.health, r.reason, r.seq) for r in await after.sessions()]
         assert (await after.load("a"), await after.keyed("a", "k1"), listed) == (
             Stored("a", CONFIG, b"S2", 2, Health.ENDED, "its deadline passed", [row(3)]),
@@ -362,10 +288,10 @@ async def test_sqlite_a_failed_commit_fails_every_write_in_its_batch(tmp_path: P
 
 
 @DURABLE
-async def test_pruning_keeps_the_newest_keys_and_what_derives_the_steps_promised(kind: str, where: str) -> None:
+async def test_pruning_keeps_the_newest_keys_and_what_derives_the_steps_promised(store_factory: Factory) -> None:
     # Two steps are promised behind the latest snapshot (7 and 8); the snapshot before them (S4) derives them, so it and
     # every step after it stay, and the older keyed steps beyond the two newest keys go.
-    async with running(await open_store(kind, where, keys_kept=2, steps_kept=2, prune_every_steps=1)) as store:
+    async with running(await store_factory(keys_kept=2, steps_kept=2, prune_every_steps=1)) as store:
         await store.create("a", CONFIG)
         await append_all(
             store,
@@ -390,8 +316,8 @@ async def test_pruning_keeps_the_newest_keys_and_what_derives_the_steps_promised
 
 
 @DURABLE
-async def test_pruning_moves_on_once_a_later_snapshot_derives_the_steps_promised(kind: str, where: str) -> None:
-    async with running(await open_store(kind, where, keys_kept=1, steps_kept=2, prune_every_steps=1)) as store:
+async def test_pruning_moves_on_once_a_later_snapshot_derives_the_steps_promised(store_factory: Factory) -> None:
+    async with running(await store_factory(keys_kept=1, steps_kept=2, prune_every_steps=1)) as store:
         await store.create("a", CONFIG)
         await append_all(store, step(1), step(2, snapshot=b"S2"), step(3), step(4, snapshot=b"S4"), step(5))
         await append_all(store, step(6), step(7, snapshot=b"S7"))
@@ -400,8 +326,8 @@ async def test_pruning_moves_on_once_a_later_snapshot_derives_the_steps_promised
 
 
 @DURABLE
-async def test_a_name_created_again_is_pruned_as_a_new_session(kind: str, where: str) -> None:
-    async with running(await open_store(kind, where, keys_kept=1, steps_kept=1, prune_every_steps=4)) as store:
+async def test_a_name_created_again_is_pruned_as_a_new_session(store_factory: Factory) -> None:
+    async with running(await store_factory(keys_kept=1, steps_kept=1, prune_every_steps=4)) as store:
         await store.create("a", CONFIG)
         await append_all(store, *(step(n) for n in range(1, 8)), step(8, snapshot=b"S8"))
         await store.delete("a")
@@ -419,7 +345,7 @@ async def test_an_answer_kept_as_its_digest_loads_back_as_its_digest(store: Stor
     )
 
 
-# -- SQLite: a fork of a long history ------------------------------------------------------------------------------
+# -- durable stores: a fork of a long history ----------------------------------------------------------------------
 
 
 def large(seq: int) -> Step:
@@ -427,10 +353,11 @@ def large(seq: int) -> Step:
     return Step("a", seq, b"x" * (1 << 20), f"a{seq}".encode(), None, None, None, f"h{seq}".encode())
 
 
+@DURABLE
 async def test_a_fork_copies_a_long_history_a_few_mib_a_commit_so_other_steps_commit_in_between(
-    tmp_path: Path,
+    store_factory: Factory,
 ) -> None:
-    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+    async with running(await store_factory()) as store:
         await store.create("a", CONFIG)
         await append_all(store, *(large(seq) for seq in range(1, 13)))
         before = store.statistics().commits
@@ -438,11 +365,29 @@ async def test_a_fork_copies_a_long_history_a_few_mib_a_commit_so_other_steps_co
         commits = store.statistics().commits - before
         forked = await store.load("f")
     assert forked is not None
-    # The note, three copies of 4 MiB (FORK_COPY_BYTES), and the session: never one commit of all 12 MiB.
+    # The claim (SQLite's note, PostgreSQL's unmade row), three copies of 4 MiB (FORK_COPY_BYTES), and the session:
+    # never one commit of all 12 MiB.
     assert (commits, forked.seq, len(forked.journal)) == (5, 12, 12)
 
 
-async def test_a_fork_cut_short_leaves_no_session_and_its_copied_rows_go_at_the_next_open(
+@DURABLE
+async def test_a_fork_cut_short_is_no_session_and_keeps_none_of_what_it_copied(
+    store_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running(await store_factory()) as store:
+        await store.create("a", CONFIG)
+        await append_all(store, *(large(seq) for seq in range(1, 13)))
+        third = failpoints._passes.get("commit.before", 0) + 3  # the claim, a copy, then this copy fails
+        monkeypatch.setitem(failpoints._POINTS, "commit.before", ("eio", third))
+        with pytest.raises(StoreError):
+            await store.fork("a", 12, "f", None)
+    monkeypatch.delitem(failpoints._POINTS, "commit.before")
+    async with running(await store_factory()) as store:
+        left = (await store.load("f"), await store.steps_since("f", 0, 100), [r.name for r in await store.sessions()])
+    assert left == (None, [], ["a"])
+
+
+async def test_sqlite_a_fork_cut_short_leaves_no_session_and_its_copied_rows_go_at_the_next_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "db.sqlite3"
@@ -529,9 +474,9 @@ async def test_a_fork_carries_the_records_written_up_to_its_step_and_the_source_
 
 
 @DURABLE
-async def test_records_survive_closing_and_reopening_the_store(kind: str, where: str) -> None:
-    async with running(await open_store(kind, where)) as store:
+async def test_records_survive_closing_and_reopening_the_store(store_factory: Factory) -> None:
+    async with running(await store_factory()) as store:
         await store.create("a", CONFIG)
         await store.add_record(record(0, "agent"))
-    async with running(await open_store(kind, where)) as store:
+    async with running(await store_factory()) as store:
         assert shown(await store.records("a")) == [("a", 1, 0, "agent", 0, b'{"at":0}', True)]

@@ -14,6 +14,7 @@ import anyio
 import msgspec
 
 from devd.errors import NullError
+from devd.storage.commits import CommitTimes
 from devd.storage.store import (
     Health,
     Keyed,
@@ -24,7 +25,6 @@ from devd.storage.store import (
     Stored,
     StoreError,
     StoreStats,
-    percentile_ms,
 )
 
 
@@ -45,8 +45,7 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}
-        self._commits = 0
-        self._commit_seconds: list[float] = []
+        self._times = CommitTimes()
         self.fail_writes: str | None = None  # tests: make every write fail with this message
 
     async def run(self) -> None:
@@ -59,8 +58,7 @@ class MemoryStore:
         pass
 
     def statistics(self) -> StoreStats:
-        s = self._commit_seconds
-        return StoreStats(self._commits, percentile_ms(s, 0.5), percentile_ms(s, 0.99))
+        return self._times.statistics()
 
     async def backup(self, path: str) -> int:
         raise NullError("this daemon keeps its sessions in memory: there is nothing on disk to back up")
@@ -68,9 +66,7 @@ class MemoryStore:
     def _committed(self, started: float) -> None:
         if self.fail_writes is not None:
             raise StoreError(f"the state could not be made durable and nothing of it was applied: {self.fail_writes}")
-        self._commits += 1
-        self._commit_seconds.append(time.perf_counter() - started)
-        del self._commit_seconds[:-1024]
+        self._times.add(time.perf_counter() - started)
 
     async def create(self, name: str, config: bytes, snapshot: bytes | None = None) -> None:
         self._committed(time.perf_counter())

@@ -20,13 +20,19 @@ ownership:
   group commit are one statement (arrays through `unnest`), fenced still row by row: a fenced row fails its own
   write, the others of the batch commit.
 - **Drain.** `release` and `release_all` set the owner to none, so another node takes the sessions at once.
+- **Forks.** A fork copies its source's journal a few MiB a commit (others' steps commit in between, rather than wait
+  behind one commit of the whole history): its session row is made first, claimed by this node under a new epoch with
+  head `UNMADE`, which no read lists, loads or takes; every copy is fenced on that claim, and the last commit sets the
+  head. A fork cut short is dropped then; one left by a crash, when a daemon next connects and its owner's lease has
+  ended (or the owner is that daemon).
 
-Writes go through a group commit like the SQLite store's: writes queued while a commit runs share the next one, and a
-write returns only once its transaction committed (PostgreSQL's own fsync; `synchronous_commit` must stay on). Every
-transaction runs READ COMMITTED on PostgreSQL (fencing is one statement each; see ISOLATIONS) or SERIALIZABLE (as
-CockroachDB always does), and is retried whole on a serialization failure (40001) or a deadlock (40P01). The SQL
-sticks to what CockroachDB and YugabyteDB also accept: no LISTEN/NOTIFY, no advisory locks, no stored procedures.
-Every failure crosses as `StoreError` (or `MovedError`), never as psycopg's own.
+Writes go through the group commit of `devd.storage.commits` (on the event loop): writes queued while a commit runs
+share the next one, and a write returns only once its transaction committed (PostgreSQL's own fsync;
+`synchronous_commit` must stay on). Every transaction runs READ COMMITTED on PostgreSQL (fencing is one statement
+each; see ISOLATIONS) or SERIALIZABLE (as CockroachDB always does), and is retried whole on a serialization failure
+(40001) or a deadlock (40P01). The SQL sticks to what CockroachDB and YugabyteDB also accept: no LISTEN/NOTIFY, no
+advisory locks, no stored procedures. Every failure crosses as `StoreError` (or `MovedError`), never as psycopg's
+own: `_failing` and `_failed` are the boundary.
 
 Connections are the store's own (psycopg 3, async, on anyio's asyncio backend): one for commits, one for the lease,
 a few for reads and acquisitions. No pool runs tasks of its own, so `close()` needs no event loop.
@@ -39,7 +45,7 @@ import random
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -50,19 +56,13 @@ import structlog
 from psycopg import pq
 from psycopg.rows import TupleRow
 
+from devd import failpoints
 from devd.errors import DevdError, MovedError, NullError
-from devd.storage.store import (
-    Health,
-    Keyed,
-    Record,
-    Row,
-    SessionRow,
-    Step,
-    Stored,
-    StoreError,
-    StoreStats,
-    percentile_ms,
-)
+from devd.storage.boundary import map_exceptions
+from devd.storage.commits import FORK_COPY_BYTES, GroupCommit, spans
+from devd.storage.migrations import Migrations
+from devd.storage.retention import Retention
+from devd.storage.store import Health, Keyed, Record, Row, SessionRow, Step, Stored, StoreError, StoreStats
 
 __all__ = ["MIGRATIONS", "Owner", "PostgresStore", "default_node"]
 
@@ -89,10 +89,9 @@ ROW = "seq, event, actions, answer"  # the columns of a `Row`
 # a write after every retry (measured by `bench fleet`), so PostgreSQL runs READ COMMITTED unless asked otherwise.
 ISOLATIONS = {"read committed": "read committed", "serializable": "serializable"}
 
-# The database's format, one migration per version; `devd_schema` records those applied, one row each. Each runs
-# once, in a transaction of its own, at open; daemons opening one database at once are safe (the version's row is
-# inserted first, so only one of them applies it). A database from a newer devd (a version past this list) is
-# refused. Never edit a migration that has shipped: add the next one.
+# The database's format, one migration per version; `devd_schema` records those applied, one row each, run by
+# `devd.storage.migrations` at open; daemons opening one database at once are safe (the version's row is inserted
+# first, so only one of them applies it). Never edit a migration that has shipped: add the next one.
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # 1: nodes and their leases, sessions with their owner and fencing epoch, the journal
     (
@@ -140,9 +139,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX records_kind ON records (kind, session)",
     ),
 )
+FORMAT = Migrations(MIGRATIONS)
 VERSIONS = (
     "CREATE TABLE IF NOT EXISTS devd_schema (version INT PRIMARY KEY, applied TIMESTAMPTZ NOT NULL DEFAULT now())"
 )
+UNMADE = -1  # the head of a fork being copied: no read lists, loads or takes the session until its last commit
 
 # A session this node may take: nobody owns it, this node does, or its owner's lease has ended (database clock).
 FREE = (
@@ -156,11 +157,11 @@ REGISTER = (
 )
 ACQUIRE = (
     "UPDATE sessions s SET owner = %(node)s, epoch = nextval('epochs') "
-    f"WHERE s.name = ANY(%(names)s) AND {FREE} RETURNING s.name, s.epoch"
+    f"WHERE s.name = ANY(%(names)s) AND s.head_seq <> {UNMADE} AND {FREE} RETURNING s.name, s.epoch"
 )
 OWNERS = (
     "SELECT s.name, s.owner, s.epoch, s.head_seq, n.address, COALESCE(n.lease_until > now(), false) "
-    "FROM sessions s LEFT JOIN nodes n ON n.id = s.owner WHERE s.name = ANY(%(names)s)"
+    f"FROM sessions s LEFT JOIN nodes n ON n.id = s.owner WHERE s.name = ANY(%(names)s) AND s.head_seq <> {UNMADE}"
 )
 # The appends of a batch: each row advances its session's head only if this node still owns it under the epoch it
 # holds and the row is the next step; only rows that advanced are inserted. One statement, one round trip.
@@ -185,12 +186,24 @@ MAKE = (
     "INSERT INTO sessions AS s (name, config, state, reason, created, last_used, owner, epoch, head_seq) {source} "
     "ON CONFLICT (name) DO UPDATE SET config = excluded.config, state = 'ok', reason = NULL, "
     "created = excluded.created, last_used = excluded.last_used, owner = excluded.owner, epoch = excluded.epoch, "
-    f"head_seq = 0 WHERE {FREE} RETURNING s.epoch"
+    f"head_seq = excluded.head_seq WHERE {FREE} RETURNING s.epoch"
 )
 CREATE = MAKE.format(source="VALUES (%(name)s, %(config)s, 'ok', NULL, %(at)s, %(at)s, %(node)s, nextval('epochs'), 0)")
 FORK = MAKE.format(
-    source="SELECT %(name)s, config, 'ok', NULL, %(at)s, %(at)s, %(node)s, nextval('epochs'), 0 FROM sessions "
-    "WHERE name = %(source)s"
+    source=f"SELECT %(name)s, config, 'ok', NULL, %(at)s, %(at)s, %(node)s, nextval('epochs'), {UNMADE} "
+    f"FROM sessions WHERE name = %(source)s AND head_seq <> {UNMADE}"
+)
+# Every write of a fork being copied holds its claim (the row locked until the commit): none lands once it is lost.
+CLAIM = (
+    f"UPDATE sessions SET head_seq = {UNMADE} WHERE name = %(name)s AND owner = %(node)s AND epoch = %(epoch)s "
+    f"AND head_seq = {UNMADE} RETURNING name"
+)
+# Unmade forks nobody is copying: left by a crash of their daemon (this one, or one whose lease has ended).
+UNMADE_LEFT = f"DELETE FROM sessions s WHERE s.head_seq = {UNMADE} AND {FREE} RETURNING s.name"
+SNAPSHOTS = (
+    "SELECT seq FROM journal WHERE session = %(name)s AND snapshot IS NOT NULL AND seq <= %(latest)s AND seq >= "
+    "COALESCE((SELECT seq FROM journal WHERE session = %(name)s AND snapshot IS NOT NULL AND seq < %(promised)s "
+    "ORDER BY seq DESC LIMIT 1), 0) ORDER BY seq"
 )
 
 
@@ -275,6 +288,16 @@ class _Connections:
         self._idle.clear()
 
 
+# -- the boundary: what psycopg and the network raise, and what crosses instead ----------------------------------------
+
+FAULTS: tuple[type[Exception], ...] = (psycopg.Error, OSError)  # OSError holds TimeoutError, anyio's `fail_after`'s
+
+
+def _failing(what: str) -> AbstractContextManager[None]:
+    """Every translation of a fault outside a commit: StoreError saying what failed and why."""
+    return map_exceptions(FAULTS, lambda e: f"{what} failed: {_describe(e)}")
+
+
 def _retryable(e: BaseException) -> bool:
     """Whether the transaction surely did not commit and may be tried again (on a new connection, if it was lost)."""
     return isinstance(e, psycopg.Error) and (e.sqlstate in RETRYABLE or e.sqlstate in ENDED)
@@ -298,13 +321,6 @@ async def _backoff(attempt: int) -> None:
 # -- the group commit -------------------------------------------------------------------------------------------------
 
 Op = Callable[[Conn, "_Batch"], Awaitable[DevdError | None]]  # a write other than an append; returns its refusal
-
-
-@dataclass
-class _Pending:
-    op: Op | Step
-    done: anyio.Event = field(default_factory=anyio.Event)
-    error: DevdError | None = None
 
 
 @dataclass
@@ -371,9 +387,7 @@ class PostgresStore:
     ) -> None:
         """No I/O: `open` connects, migrates and registers the node."""
         self.url = url
-        self.keys_kept = keys_kept
-        self.steps_kept = steps_kept
-        self.prune_every_steps = prune_every_steps
+        self.retention = Retention(keys_kept, steps_kept, prune_every_steps)
         self.node = node or default_node()
         self.advertise = advertise
         self.lease_ttl_s = lease_ttl_s
@@ -390,13 +404,7 @@ class PostgresStore:
         self._epoch_runs: dict[str, int] = {}  # the run each epoch of `_epochs` was taken in
         self._lease_deadline = float("-inf")  # monotonic
         self._lease_lost_logged = False
-        self._queue: list[_Pending] = []
-        self._queued = anyio.Event()
-        self._committing = False  # `run` is committing
-        self._outstanding = 0
-        self._settled = anyio.Event()
-        self._commits = 0
-        self._commit_seconds: list[float] = []
+        self._commits: GroupCommit[Op | Step] = GroupCommit()
         self._retries = 0
         self._pruned: dict[str, int] = {}  # the seq each session was last pruned at
 
@@ -440,14 +448,14 @@ class PostgresStore:
         the store is made, for a store made outside the event loop that will use it (the daemon's)."""
         await self._call(self._readers, migrate, "bringing the database's format up to date")
         await self.renew()
+        await self._call(self._readers, _drop_unmade_left(self.node), "removing forks cut short")
 
     def close(self) -> None:
         for connections in (self._committer, self._lessee, self._readers):
             connections.close()
 
     def statistics(self) -> StoreStats:
-        s = self._commit_seconds
-        return StoreStats(self._commits, percentile_ms(s, 0.5), percentile_ms(s, 0.99))
+        return self._commits.times.statistics()
 
     @property
     def retries(self) -> int:
@@ -622,58 +630,28 @@ class PostgresStore:
         cancelled finishes first (bounded by the timeout), so no write is left between the two."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._renew_forever)
-            self._committing = True
-            try:
-                while True:
-                    if not self._queue:
-                        self._queued = anyio.Event()
-                        await self._queued.wait()
-                    batch, self._queue = self._queue, []
-                    with anyio.CancelScope(shield=True):
-                        await self._commit(batch)
-            finally:
-                self._committing = False
+            await self._commits.serve(self._commit)
 
     async def flush(self) -> None:
-        if not self._committing:
-            # No `run` commits them (it ended, or never ran): commit what is queued here, or its writers wait for ever.
-            while self._queue:
-                batch, self._queue = self._queue, []
-                await self._commit(batch)
-        while self._outstanding:
-            self._settled = anyio.Event()
-            await self._settled.wait()
+        await self._commits.drain(self._commit)
 
     async def _write(self, op: Op | Step) -> None:
-        pending = _Pending(op)
-        self._outstanding += 1
-        self._queue.append(pending)
-        self._queued.set()
-        await pending.done.wait()
-        if pending.error is not None:
-            raise pending.error
+        error = await self._commits.write(op)
+        if error is not None:
+            raise error
 
-    async def _commit(self, batch: list[_Pending]) -> None:
-        """Commit a batch and settle every write in it: each with its own refusal (fenced, no such session) or none,
-        or all with the failure of the transaction."""
-        started = time.perf_counter()
-        outcome = await self._transact([p.op for p in batch])
-        self._commits += 1
-        self._commit_seconds.append(time.perf_counter() - started)
-        del self._commit_seconds[:-1024]
+    async def _commit(
+        self, ops: list[Op | Step]
+    ) -> tuple[list[DevdError | None], Callable[[], Awaitable[None]] | None]:
+        """A batch: each write's own refusal (fenced, no such session) or none, or all the failure of the transaction;
+        once committed, the pruning it calls for, before the writers hear of it, as the SQLite store does: a read
+        after a write sees the pruned history."""
+        outcome = await self._transact(ops)
         if isinstance(outcome, BaseException):
-            errors: list[DevdError | None] = [_failed(outcome) for _ in batch]
-        else:
-            errors, done = outcome
-            done.apply()
-            # Before the writers hear of it, as the SQLite store does: a read after a write sees the pruned history.
-            await self._prune_some(done.snapshots)
-        for p, error in zip(batch, errors, strict=True):
-            p.error = error
-            p.done.set()
-        self._outstanding -= len(batch)
-        if not self._outstanding:
-            self._settled.set()
+            return [_failed(outcome) for _ in ops], None
+        errors, done = outcome
+        done.apply()
+        return errors, partial(self._prune_some, done.snapshots)
 
     async def _transact(self, ops: list[Op | Step]) -> tuple[list[DevdError | None], _Batch] | BaseException:
         """The ops in one transaction, retried whole on serialization failures: each op's refusal and what the
@@ -686,8 +664,9 @@ class PostgresStore:
                     done = _Batch(self, self._lease_run)
                     try:
                         async with self._committer.take() as conn:
+                            failpoints.hit("commit.before")
                             return await self._apply(conn, ops, done), done
-                    except (psycopg.Error, OSError) as e:
+                    except FAULTS as e:
                         if not _retryable(e) or attempt == RETRIES_MAX - 1:
                             return e
                         self._retries += 1
@@ -847,30 +826,46 @@ class PostgresStore:
         await self._write(op)
 
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
-        """See `devd.storage.store.Store.fork`; the fork is owned by this node. Raises MovedError if another live
-        node owns a
-        session named `name`."""
+        """See `devd.storage.store.Store.fork`; the fork is owned by this node, and copied a few MiB a commit (see the
+        module). Raises MovedError if another live node owns a session named `name`."""
+        cut = await self._read(partial(_spans, source=source, at=at))
+        claimed: list[int] = []  # the fork's epoch, once its row is made
 
-        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
-            now = time.time()
-            params = {"name": name, "source": source, "at": now, "node": self.node}
+        async def begin(conn: Conn, batch: _Batch) -> DevdError | None:
+            params = {"name": name, "source": source, "at": time.time(), "node": self.node}
             made = await (await conn.execute(FORK, params)).fetchone()
             if made is None:
-                exists = await (await conn.execute("SELECT 1 FROM sessions WHERE name = %s", (source,))).fetchone()
+                exists = await (
+                    await conn.execute(f"SELECT 1 FROM sessions WHERE name = %s AND head_seq <> {UNMADE}", (source,))
+                ).fetchone()
                 if exists is None:
                     return StoreError(f"there is no session {source!r} to fork")
                 return await self._refusal(conn, name)
-            epoch = int(made[0])
-            batch.take(name, epoch)
+            claimed.append(int(made[0]))
+            batch.drop(name)  # whatever this node held of that name is gone; the fork is held once made
             batch.renewed.add(name)
             await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
-            await conn.execute(
-                "INSERT INTO journal (session, seq, epoch, key, digest, event, actions, answer, snapshot, at) "
-                "SELECT %s, seq, epoch, key, digest, event, actions, answer, snapshot, at FROM journal "
-                "WHERE session = %s AND seq <= %s",
-                (name, source, at),
-            )
             await conn.execute("DELETE FROM records WHERE session = %s", (name,))
+            return None
+
+        def copy(lo: int, hi: int) -> Op:
+            async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+                if not await self._claim(conn, name, claimed[0]):
+                    return await self._fork_lost(conn, name)
+                await conn.execute(
+                    "INSERT INTO journal (session, seq, epoch, key, digest, event, actions, answer, snapshot, at) "
+                    "SELECT %s, seq, epoch, key, digest, event, actions, answer, snapshot, at FROM journal "
+                    "WHERE session = %s AND seq BETWEEN %s AND %s",
+                    (name, source, lo, hi),
+                )
+                return None
+
+            return op
+
+        async def finish(conn: Conn, batch: _Batch) -> DevdError | None:
+            epoch = claimed[0]
+            if not await self._claim(conn, name, epoch):
+                return await self._fork_lost(conn, name)
             await conn.execute(
                 "INSERT INTO records (session, n, seq, kind, action, body, at) "
                 "SELECT %s, n, seq, kind, action, body, at FROM records WHERE session = %s AND seq <= %s",
@@ -880,16 +875,43 @@ class PostgresStore:
                 await conn.execute(
                     "INSERT INTO journal (session, seq, epoch, event, snapshot, at) VALUES (%s, %s, %s, '', %s, %s) "
                     "ON CONFLICT (session, seq) DO UPDATE SET snapshot = excluded.snapshot",
-                    (name, at, epoch, snapshot, now),
+                    (name, at, epoch, snapshot, time.time()),
                 )
             await conn.execute(
                 "UPDATE sessions SET head_seq = COALESCE((SELECT max(seq) FROM journal WHERE session = %s), 0) "
                 "WHERE name = %s",
                 (name, name),
             )
+            batch.take(name, epoch)
             return None
 
-        await self._write(op)
+        async def drop(conn: Conn, batch: _Batch) -> DevdError | None:
+            gone = await conn.execute(
+                f"DELETE FROM sessions WHERE name = %s AND epoch = %s AND head_seq = {UNMADE}", (name, claimed[0])
+            )
+            if gone.rowcount:
+                await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
+            return None
+
+        try:
+            await self._write(begin)
+            for lo, hi in cut:
+                await self._write(copy(lo, hi))
+            await self._write(finish)
+        except DevdError:
+            if claimed:  # its row was made: drop it and what was copied (if this fails, the next connect does)
+                with suppress(DevdError):
+                    await self._write(drop)
+            raise
+
+    async def _claim(self, conn: Conn, name: str, epoch: int) -> bool:
+        """Whether this node still holds the unmade fork under its epoch (its row locked until the commit)."""
+        params = {"name": name, "node": self.node, "epoch": epoch}
+        return await (await conn.execute(CLAIM, params)).fetchone() is not None
+
+    async def _fork_lost(self, conn: Conn, name: str) -> MovedError:
+        """The unmade fork was taken from this node (its lease lapsed) or released: MovedError, naming a live owner."""
+        return await self._refusal(conn, name) or self._moved(name, _Ownership(None, 0, 0, "", False))
 
     # -- pruning ----------------------------------------------------------------------------------------------------
 
@@ -897,7 +919,7 @@ class PostgresStore:
         """Maintenance after a commit: what it drops was already replaced by a later snapshot. A failure is logged,
         not raised: nothing acknowledged depends on it."""
         for s in steps:
-            if s.seq - self._pruned.get(s.session, 0) < self.prune_every_steps:
+            if not self.retention.due(s.seq, self._pruned.get(s.session, 0)):
                 continue
             try:
                 await self._call(self._committer, partial(self._prune, name=s.session, snapshot_seq=s.seq), "pruning")
@@ -906,19 +928,15 @@ class PostgresStore:
             self._pruned[s.session] = s.seq
 
     async def _prune(self, conn: Conn, *, name: str, snapshot_seq: int) -> None:
-        """Drop history beyond what watchers and keys are promised, keeping what derives what is kept: from the
-        newest snapshot before the oldest step promised (the anchor) on, every row and snapshot stays (the rules of
-        `devd.storage.sqlite.SQLiteStore._prune`)."""
+        """Drop history beyond what watchers and keys are promised (see `devd.storage.retention`; the snapshots kept
+        are not thinned here: none is in a file of its own)."""
         async with conn.transaction():
-            anchor = await (
-                await conn.execute(
-                    "SELECT seq FROM journal WHERE session = %s AND snapshot IS NOT NULL AND seq < %s "
-                    "ORDER BY seq DESC LIMIT 1",
-                    (name, snapshot_seq - self.steps_kept + 1),
-                )
-            ).fetchone()
-            if anchor is None:
+            params = {"name": name, "latest": snapshot_seq, "promised": self.retention.promised_from(snapshot_seq)}
+            seqs = [seq for (seq,) in await (await conn.execute(SNAPSHOTS, params)).fetchall()]
+            found = self.retention.plan(seqs, snapshot_seq).anchor
+            if found is None:
                 return  # everything kept is still derived from the config or the first snapshot
+            anchor = (found,)
             await conn.execute(
                 "UPDATE journal SET snapshot = NULL WHERE session = %s AND seq < %s AND snapshot IS NOT NULL",
                 (name, anchor[0]),
@@ -928,7 +946,7 @@ class PostgresStore:
             await conn.execute(
                 "DELETE FROM journal WHERE session = %s AND key IS NOT NULL AND seq < %s AND seq < ("
                 " SELECT seq FROM journal WHERE session = %s AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET %s)",
-                (name, anchor[0], name, self.keys_kept - 1),
+                (name, anchor[0], name, self.retention.keys_offset),
             )
 
     # -- reads ------------------------------------------------------------------------------------------------------
@@ -944,19 +962,16 @@ class PostgresStore:
         """fn on a connection of the set within the timeout, retried when the transaction surely did not commit, and
         once on a new connection when the one taken was lost (fn must be safe to run twice: reads, the lease, an
         acquisition, pruning); every failure as StoreError."""
-        try:
-            with anyio.fail_after(timeout_s or self.timeout_s):
-                for attempt in range(RETRIES_MAX):
-                    try:
-                        async with connections.take() as conn:
-                            return await fn(conn)
-                    except (psycopg.Error, OSError) as e:
-                        if not (_retryable(e) or (_lost(e) and attempt == 0)) or attempt == RETRIES_MAX - 1:
-                            raise StoreError(f"{what} failed: {_describe(e)}") from None
-                        self._retries += 1
-                        await _backoff(attempt)
-        except TimeoutError as e:
-            raise StoreError(f"{what} failed: {_describe(e)}") from None
+        with _failing(what), anyio.fail_after(timeout_s or self.timeout_s):
+            for attempt in range(RETRIES_MAX):
+                try:
+                    async with connections.take() as conn:
+                        return await fn(conn)
+                except FAULTS as e:
+                    if not (_retryable(e) or (_lost(e) and attempt == 0)) or attempt == RETRIES_MAX - 1:
+                        raise
+                    self._retries += 1
+                    await _backoff(attempt)
         raise AssertionError("unreachable")
 
     async def _read(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
@@ -969,7 +984,9 @@ class PostgresStore:
     async def sessions(self) -> list[SessionRow]:
         async def read(conn: Conn) -> list[SessionRow]:
             rows = await (
-                await conn.execute("SELECT name, state, reason, head_seq, created, last_used FROM sessions")
+                await conn.execute(
+                    f"SELECT name, state, reason, head_seq, created, last_used FROM sessions WHERE head_seq <> {UNMADE}"
+                )
             ).fetchall()
             return [SessionRow(name, Health(h), why, seq, created, used) for name, h, why, seq, created, used in rows]
 
@@ -1064,18 +1081,15 @@ async def migrate(conn: Conn) -> int:
             version = (
                 await (await conn.execute("SELECT COALESCE(max(version), 0) FROM devd_schema")).fetchone() or [0]
             )[0]
-            if version > len(MIGRATIONS):
-                raise StoreError(
-                    f"the database was written by a newer devd (format {version}; this one knows up to "
-                    f"{len(MIGRATIONS)}); run that devd or a newer one; the database was left as it is"
-                )
-            if version == len(MIGRATIONS):
+            due = FORMAT.next(int(version), "the database")
+            if due is None:
                 return int(version)
+            reached, statements = due
             async with conn.transaction():
-                await conn.execute("INSERT INTO devd_schema (version) VALUES (%s)", (version + 1,))
-                for statement in MIGRATIONS[version]:
+                await conn.execute("INSERT INTO devd_schema (version) VALUES (%s)", (reached,))
+                for statement in statements:
                     await conn.execute(statement)
-            log.info("store.migrated", version=version + 1)
+            FORMAT.applied(reached)
         except psycopg.Error as e:
             if e.sqlstate not in RACED:
                 raise
@@ -1085,7 +1099,8 @@ async def migrate(conn: Conn) -> int:
 
 async def _load(conn: Conn, name: str, at: int | None) -> Stored | None:
     """The session now (at None) or as it was at step `at`; None if there is no such session or history."""
-    row = await (await conn.execute("SELECT config, state, reason FROM sessions WHERE name = %s", (name,))).fetchone()
+    made = f"SELECT config, state, reason FROM sessions WHERE name = %s AND head_seq <> {UNMADE}"
+    row = await (await conn.execute(made, (name,))).fetchone()
     if row is None:
         return None
     config, state, reason = row
@@ -1111,6 +1126,29 @@ async def _load(conn: Conn, name: str, at: int | None) -> Stored | None:
     if at is not None and [r.seq for r in journal] != list(range(snapshot_seq + 1, at + 1)):
         return None  # pruned (or not yet written): that point cannot be rebuilt
     return Stored(name, config, snapshot, snapshot_seq, Health(state), reason, journal)
+
+
+async def _spans(conn: Conn, *, source: str, at: int) -> list[tuple[int, int]]:
+    """The source's journal up to `at` as ranges of seqs a fork copies a commit at a time."""
+    cursor = await conn.execute(
+        "SELECT seq, length(event) + COALESCE(length(actions), 0) + COALESCE(length(snapshot), 0) FROM journal "
+        "WHERE session = %s AND seq <= %s ORDER BY seq",
+        (source, at),
+    )
+    return spans(await cursor.fetchall(), at, FORK_COPY_BYTES)
+
+
+def _drop_unmade_left(node: str) -> Callable[[Conn], Awaitable[None]]:
+    """Remove the forks cut short by a crash of their daemon (see `UNMADE_LEFT`), with what they had copied."""
+
+    async def drop(conn: Conn) -> None:
+        async with conn.transaction():
+            names = [name for (name,) in await (await conn.execute(UNMADE_LEFT, {"node": node})).fetchall()]
+            if names:
+                await conn.execute("DELETE FROM journal WHERE session = ANY(%s)", (names,))
+                log.info("store.unmade_forks_removed", sessions=names)
+
+    return drop
 
 
 def _rounds(steps: list[tuple[int, Step]]) -> Iterable[list[tuple[int, Step]]]:

@@ -1,18 +1,19 @@
 """The embedded store: one SQLite file per daemon. The only module that touches SQLite.
 
-Writes go through one commit thread (group commit): every write waits until the transaction holding it has
-committed with `synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive while a commit runs share
-the next one. A batch of steps alone is one INSERT statement, so one transaction and one crossing of the GIL for the
-commit thread. A failed commit fails every write in it with `StoreError`; nothing is retried, so nothing is
-acknowledged that is not on disk. After a write fault (a failed write or fsync) every write fails until the store has
-reopened the database: a fresh connection, its identity, format and pages checked, its log checkpointed and fsync'd;
-it tries at the next write, backing off while the faults go on, and counts each reopen (`reopened`), so that the
-registry rebuilds its live sessions from what is on disk. Maintenance runs on the commit thread once a batch is
-answered, never inside a commit: the log is checkpointed and truncated past WAL_CHECKPOINT_BYTES (SQLite's own
-checkpoints are off), and each snapshot committed lets go of the ones its session's kept history no longer needs
-(`_thinned`), with their files, and prunes history every `prune_every_steps`. The file is
-opened in exclusive locking mode, through one connection that commits and reads take turns on; reads run on a worker
-thread under a limiter of their own, never on the event loop and never behind calls moved off it.
+Writes go through one commit thread (the group commit of `devd.storage.commits`): every write waits until the
+transaction holding it has committed with `synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive
+while a commit runs share the next one. A batch of steps alone is one INSERT statement, so one transaction and one
+crossing of the GIL for the commit thread. A failed commit fails every write in it with `StoreError`; nothing is
+retried, so nothing is acknowledged that is not on disk. After a write fault (a failed write or fsync) every write
+fails until the store has reopened the database: a fresh connection, its identity, format and pages checked, its log
+checkpointed and fsync'd; it tries at the next write, backing off while the faults go on, and counts each reopen
+(`reopened`), so that the registry rebuilds its live sessions from what is on disk. Maintenance runs on the commit
+thread once a batch is answered, never inside a commit: the log is checkpointed and truncated past
+WAL_CHECKPOINT_BYTES (SQLite's own checkpoints are off), and each snapshot committed lets go of the ones its session's
+kept history no longer needs, with their files, and prunes history every `prune_every_steps` (both decided by
+`devd.storage.retention`). The file is opened in exclusive locking mode, through one connection that commits and reads
+take turns on; reads run on a worker thread under a limiter of their own, never on the event loop and never behind
+calls moved off it.
 
 A large snapshot (`FILE_SNAPSHOT_BYTES` or more) is kept in a file of its own in `snapshots/` beside the database,
 so writing, fsyncing and checkpointing megabytes never holds up the commit thread: its step is committed and
@@ -33,12 +34,12 @@ import asyncio
 import contextlib
 import errno
 import os
-import queue
 import secrets
 import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -50,18 +51,11 @@ import structlog
 
 from devd import failpoints, files
 from devd.errors import ExistsError
-from devd.storage.store import (
-    Health,
-    Keyed,
-    Record,
-    Row,
-    SessionRow,
-    Step,
-    Stored,
-    StoreError,
-    StoreStats,
-    percentile_ms,
-)
+from devd.storage.boundary import map_exceptions
+from devd.storage.commits import FORK_COPY_BYTES, GroupCommit, spans
+from devd.storage.migrations import Migrations
+from devd.storage.retention import Retention
+from devd.storage.store import Health, Keyed, Record, Row, SessionRow, Step, Stored, StoreError, StoreStats
 
 log = structlog.get_logger("devd.storage.store")
 
@@ -78,12 +72,10 @@ SNAPSHOTS_AT_SHUTDOWN_S = 5  # how long a shutdown waits for the snapshot files 
 T = TypeVar("T")
 U = TypeVar("U")
 
-FORK_COPY_BYTES = 4 << 20  # a fork copies its source's journal a commit of about this much at a time
 FORK_NOTE = "fork:"  # a `meta` key: the fork of this name is being copied, not made yet
 
-# The on-disk format, one migration per version (`PRAGMA user_version` counts those applied). Each runs once, in a
-# transaction of its own, at start; a database from a newer devd (a version past this list) is refused. Never edit a
-# migration that has shipped: add the next one.
+# The on-disk format, one migration per version (`PRAGMA user_version` counts those applied), run by
+# `devd.storage.migrations` at start. Never edit a migration that has shipped: add the next one.
 MIGRATIONS: tuple[str, ...] = (
     # 1: sessions and their journal (the first release, which did not set user_version)
     """
@@ -142,22 +134,48 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX IF NOT EXISTS records_kind ON records (kind, session);
     """,
 )
+FORMAT = Migrations(MIGRATIONS)
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
 REOPEN_DELAY_S = (0.05, 5.0)  # after a fault a reopen is tried at once, then after each delay, doubled up to the cap
 
 Op = Callable[[sqlite3.Connection], None] | Step
 
+# -- the boundary: what SQLite and the file system raise, and what crosses instead ------------------------------------
 
-class _Pending:
-    """A write waiting for its commit: the commit thread's answer comes back on the loop as the future's result.
-    A plain future, not an anyio Event: one is made and awaited per step, and that is the step's hot path."""
+FAULTS: tuple[type[Exception], ...] = (sqlite3.Error, OSError)
 
-    __slots__ = ("op", "done", "error")
 
-    def __init__(self, op: Op, done: asyncio.Future[None]) -> None:
-        self.op = op
-        self.done = done
-        self.error: BaseException | None = None
+def _failing(
+    say: Callable[[Exception], str], faults: tuple[type[Exception], ...] = FAULTS
+) -> AbstractContextManager[None]:
+    """Every translation of this module's faults to StoreError goes through here."""
+    return map_exceptions(faults, say)
+
+
+def _read_failed(e: Exception) -> str:
+    return f"reading the database failed: {e}"
+
+
+def _commit_failure(e: BaseException) -> StoreError:
+    """What each write of a batch whose commit failed is answered."""
+    if _is_io_error(e):
+        # The log may hold the write even though its fsync failed: whether it survives is known once the store has
+        # reopened the database (at the next write), which then serves what is on disk.
+        return StoreError(
+            f"the write may or may not be on disk ({e}); the store reopens the database at the next write: "
+            "send it again then (a step with the same key answers replayed if it was kept)"
+        )
+    return StoreError(f"the state could not be made durable and nothing of it was applied: {e}")
+
+
+def _is_io_error(e: BaseException) -> bool:
+    if isinstance(e, sqlite3.Error):
+        return (getattr(e, "sqlite_errorcode", 0) & 0xFF) == SQLITE_IOERR
+    return isinstance(e, OSError) and e.errno == errno.EIO
+
+
+def _locked_hint(e: Exception) -> str:
+    return " (another process has it open: close it)" if "locked" in str(e) else ""
 
 
 class _SnapshotJob(msgspec.Struct, frozen=True):
@@ -226,14 +244,15 @@ class SQLiteStore:
 
     def __init__(self, path: Path, *, keys_kept: int, steps_kept: int, prune_every_steps: int) -> None:
         self.path = path
-        self.keys_kept = keys_kept
-        self.steps_kept = steps_kept
-        self.prune_every_steps = prune_every_steps
+        self.retention = Retention(keys_kept, steps_kept, prune_every_steps)
         self._snapshot_dir = path.parent / SNAPSHOTS_DIR
         self._wal_path = Path(f"{path}-wal")
         self.checkpoints = 0  # the log checkpointed and truncated by the commit thread
         self._released: list[str] = []  # snapshot files rows stopped naming in the commit running (commit thread only)
-        try:
+        with _failing(
+            lambda e: f"the database {path} cannot be opened: {e}{_locked_hint(e)}; it was left as it is",
+            (sqlite3.Error,),
+        ):
             _check_wal(path)
             self._db = _connect(path)
             _check_identity(self._db, path)  # before migrating: a database refused is left exactly as it was
@@ -244,9 +263,6 @@ class SQLiteStore:
                     _drop_unmade_fork(self._db, None, note.removeprefix(FORK_NOTE))
             self._thin_all()
             self._sweep_snapshot_files()
-        except sqlite3.Error as e:
-            hint = " (another process has it open: close it)" if "locked" in str(e) else ""
-            raise StoreError(f"the database {path} cannot be opened: {e}{hint}; it was left as it is") from None
         st = os.stat(path)
         self._inode = (st.st_dev, st.st_ino)
         # Set by a write fault: nothing more is acknowledged until the store has reopened itself (`_reopen`).
@@ -257,13 +273,8 @@ class SQLiteStore:
         self.reopened = 0  # reopens done, as the event loop has been told of them (see `devd.storage.store.Store`)
         self._read_limiter = anyio.CapacityLimiter(1)
         self._lock = threading.Lock()  # one connection: the commit thread and readers take turns
-        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._commits: GroupCommit[Op] = GroupCommit()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._outstanding = 0
-        self._settled = anyio.Event()
-        self._commits = 0
-        self._commit_seconds: list[float] = []
         self._pruned: dict[str, int] = {}  # the seq each session was last pruned at (commit thread only)
         # Set anew (from a counter) by every create and fork of a name, dropped by its delete, on the commit thread: a
         # snapshot file is pointed at only if its name's generation is still the one its step was appended under.
@@ -273,6 +284,7 @@ class SQLiteStore:
         self._snapshot_jobs_bytes = 0
         self._snapshots_pending = 0  # snapshots handed to `append` and not yet landed or dropped
         self._snapshots_changed = anyio.Event()  # a job queued or a snapshot no longer pending
+        self._snapshots_settled = anyio.Event()  # set when none is pending
         self._running = False
 
     def close(self) -> None:
@@ -280,8 +292,7 @@ class SQLiteStore:
             self._db.close()
 
     def statistics(self) -> StoreStats:
-        s = self._commit_seconds
-        return StoreStats(self._commits, percentile_ms(s, 0.5), percentile_ms(s, 0.99), self.reopened)
+        return self._commits.times.statistics(reopened=self.reopened)
 
     # -- writes ---------------------------------------------------------------------------------------------------
 
@@ -290,8 +301,7 @@ class SQLiteStore:
         write reaches it without a turn of the event loop. Writes queued while a commit runs share the next one.
         Meanwhile write the large snapshots' files, one at a time; cancelled, finish those queued (for a while)."""
         self._loop = asyncio.get_running_loop()
-        self._thread = thread = threading.Thread(target=self._commit_loop, name="devd-commit", daemon=True)
-        thread.start()
+        self._commits.start_thread(self._commit, name="devd-commit")
         self._running = True
         try:
             await self._write_snapshots(until_idle=False)
@@ -305,8 +315,7 @@ class SQLiteStore:
                         self._snapshot_done()
                     self._snapshot_jobs.clear()
                     self._snapshot_jobs_bytes = 0
-                self._queue.put(None)
-                await anyio.to_thread.run_sync(thread.join)
+                await self._commits.stop_thread()
                 self._running = False
 
     async def flush(self) -> None:
@@ -321,54 +330,25 @@ class SQLiteStore:
             tg.cancel_scope.cancel()
 
     async def _wait_idle(self) -> None:
-        while self._outstanding or self._snapshots_pending:
-            self._settled = anyio.Event()
-            await self._settled.wait()
+        while self._commits.outstanding or self._snapshots_pending:
+            await self._commits.wait_idle()
+            while self._snapshots_pending:
+                if self._snapshots_settled.is_set():
+                    self._snapshots_settled = anyio.Event()
+                await self._snapshots_settled.wait()
 
-    def _settle(self) -> None:
-        if not self._outstanding and not self._snapshots_pending:
-            self._settled.set()
+    def _commit(self, ops: list[Op]) -> tuple[list[BaseException | None], Callable[[], None]]:
+        """A batch, on the commit thread: one transaction under the lock; then, once its writers are answered,
+        the maintenance it calls for, between batches (what that writes holds up no step answered)."""
+        with self._lock:
+            error, snapshots = self._apply(ops)
 
-    def _commit_loop(self) -> None:
-        stop = False
-        while not stop:
-            first = self._queue.get()
-            if first is None:
-                break
-            batch = [first]
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-            started = time.perf_counter()
-            with self._lock:
-                try:
-                    error, snapshots = self._apply([p.op for p in batch])
-                except Exception as e:  # a bug, not a fault: the batch fails, and the thread lives on for the next
-                    log.error("store.commit_failed", error=f"{type(e).__name__}: {e}"[:500])
-                    error, snapshots = e, []
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._committed, batch, error, time.perf_counter() - started)
-            # Maintenance after the batch is answered, between batches: what it writes holds up no step answered.
+        def maintain() -> None:
             with self._lock:
                 self._prune_some(self._db, snapshots)
                 self._checkpoint_if_due()
 
-    def _committed(self, batch: list[_Pending], error: BaseException | None, seconds: float) -> None:
-        self._commits += 1
-        self._commit_seconds.append(seconds)
-        del self._commit_seconds[:-1024]
-        for p in batch:
-            p.error = error
-            if not p.done.done():  # cancelled meanwhile: its writer is gone, the write is committed anyway
-                p.done.set_result(None)
-        self._outstanding -= len(batch)
-        self._settle()
+        return [error] * len(ops), maintain
 
     def _apply(self, ops: list[Op]) -> tuple[BaseException | None, list[tuple[str, int]]]:
         """Commit `ops` in one transaction; the error that failed them all (or None), and the snapshots (session,
@@ -497,18 +477,17 @@ class SQLiteStore:
         if self._broken is not None:
             return
         for session, seq in snapshots:
-            due = seq - self._pruned.get(session, 0) >= self.prune_every_steps
+            due = self.retention.due(seq, self._pruned.get(session, 0))
             self._released.clear()
             try:
                 failpoints.hit("prune")
-                anchor = self._anchor(db, session, seq)
-                thin = self._thinned(db, session, anchor or 0, seq)
-                if not due and not thin:
+                plan = self.retention.plan(self._snapshots(db, session, seq), seq)
+                if not due and not plan.thinned:
                     continue
                 db.execute("BEGIN IMMEDIATE")  # one transaction, one fsync, for every statement
                 if due:
-                    self._prune(db, session, anchor)
-                self._drop_snapshots(db, session, thin)
+                    self._prune(db, session, plan.anchor)
+                self._drop_snapshots(db, session, plan.thinned)
                 db.execute("COMMIT")
                 self._remove_released(db)
             except (sqlite3.Error, OSError) as e:
@@ -521,29 +500,18 @@ class SQLiteStore:
             if due:
                 self._pruned[session] = seq
 
-    def _anchor(self, db: sqlite3.Connection, name: str, snapshot_seq: int) -> int | None:
-        """The newest snapshot before the oldest step promised (`steps_kept` back from the snapshot at
-        `snapshot_seq`): the kept history derives from it, or from the session's start when there is none."""
-        row = db.execute(
-            "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER BY seq DESC LIMIT 1",
-            (name, snapshot_seq - self.steps_kept + 1),
-        ).fetchone()
-        return None if row is None else int(row[0])
-
-    def _thinned(self, db: sqlite3.Connection, name: str, after: int, latest: int) -> list[int]:
-        """The snapshots strictly between `after` (the anchor, or the start) and `latest` that go. A rebuild starts
-        from the latest and any kept step derives from the anchor; of those between, only the oldest stays: it is
-        the next anchor once the kept window passes it (without it, nothing before the latest could be pruned).
-        So a session keeps at most three snapshots, none larger than its latest, and a fork or a retry's answer
-        from inside the window replays from the one before it."""
-        rows = db.execute(
-            "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq > ? AND seq <= ? "
-            "ORDER BY seq DESC",
-            (name, after, latest),
-        ).fetchall()
-        if len(rows) < 3 or rows[0][0] != latest:
-            return []
-        return [seq for (seq,) in rows[1:-1]]
+    def _snapshots(self, db: sqlite3.Connection, name: str, latest: int) -> list[int]:
+        """The seqs of the session's snapshots at or before `latest`, ascending, from the anchor on (the newest before
+        the oldest step promised): what `Retention.plan` decides from (older ones change nothing)."""
+        return [
+            seq
+            for (seq,) in db.execute(
+                "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? AND seq >= COALESCE(("
+                "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER BY seq DESC "
+                "LIMIT 1), 0) ORDER BY seq",
+                (name, latest, name, self.retention.promised_from(latest)),
+            )
+        ]
 
     def _drop_snapshots(self, db: sqlite3.Connection, name: str, seqs: list[int]) -> None:
         """Clear the snapshots of these steps of `name` (their rows stay); their files go once that is committed."""
@@ -564,7 +532,7 @@ class SQLiteStore:
             latest = self._db.execute(
                 "SELECT MAX(seq) FROM journal WHERE session = ? AND snapshot IS NOT NULL", (session,)
             ).fetchone()[0]
-            thin = self._thinned(self._db, session, self._anchor(self._db, session, latest) or 0, latest)
+            thin = self.retention.plan(self._snapshots(self._db, session, latest), latest).thinned
             if not thin:
                 continue
             self._released.clear()
@@ -574,8 +542,7 @@ class SQLiteStore:
             self._remove_released(self._db)
 
     def _prune(self, db: sqlite3.Connection, name: str, anchor_seq: int | None) -> None:
-        """Drop history beyond what watchers and keys are promised, keeping what derives what is kept: from the
-        newest snapshot before the oldest step promised (the anchor) on, every row stays."""
+        """Drop history beyond what watchers and keys are promised (see `devd.storage.retention`)."""
         if anchor_seq is None:
             return  # everything kept is still derived from the config or the first snapshot
         anchor = (anchor_seq,)
@@ -591,7 +558,7 @@ class SQLiteStore:
         db.execute(
             "DELETE FROM journal WHERE session = ? AND key IS NOT NULL AND seq < ? AND seq < ("
             " SELECT seq FROM journal WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)",
-            (name, anchor[0], name, self.keys_kept - 1),
+            (name, anchor[0], name, self.retention.keys_offset),
         )
 
     # -- snapshot files ---------------------------------------------------------------------------------------------
@@ -655,7 +622,8 @@ class SQLiteStore:
     def _snapshot_done(self) -> None:
         self._snapshots_pending -= 1
         self._snapshots_changed.set()
-        self._settle()
+        if not self._snapshots_pending:
+            self._snapshots_settled.set()
 
     async def _write_snapshots(self, *, until_idle: bool) -> None:
         """The writer: the queued snapshots' files, oldest first, one at a time; for ever, or until none is pending."""
@@ -720,21 +688,9 @@ class SQLiteStore:
             log.warning("store.snapshot_file_not_removed", file=name, error=str(e))
 
     async def _write(self, op: Op) -> None:
-        pending = _Pending(op, asyncio.get_running_loop().create_future())
-        self._outstanding += 1
-        self._queue.put(pending)
-        await pending.done
-        error = pending.error
-        if error is None:
-            return
-        if _is_io_error(error):
-            # The log may hold the write even though its fsync failed: whether it survives is known once the store
-            # has reopened the database (at the next write), which then serves what is on disk.
-            raise StoreError(
-                f"the write may or may not be on disk ({error}); the store reopens the database at the next write: "
-                "send it again then (a step with the same key answers replayed if it was kept)"
-            ) from error
-        raise StoreError(f"the state could not be made durable and nothing of it was applied: {error}") from error
+        error = await self._commits.write(op)
+        if error is not None:
+            raise _commit_failure(error) from error
 
     def _new_generation(self, name: str) -> None:
         """The name now stands for a new session (on the commit thread, in the op that makes it)."""
@@ -768,12 +724,8 @@ class SQLiteStore:
         the session never exists without it. A file whose commit then fails is swept at the next open."""
         if snapshot is None or len(snapshot) < FILE_SNAPSHOT_BYTES:
             return None
-        try:
+        with _failing(lambda e: f"the snapshot could not be written to {self._snapshot_dir} ({e}); nothing changed"):
             return await anyio.to_thread.run_sync(self._write_snapshot_file, snapshot)
-        except OSError as e:
-            raise StoreError(
-                f"the snapshot could not be written to {self._snapshot_dir} ({e}); nothing changed"
-            ) from None
 
     async def append(self, step: Step) -> None:
         """A large snapshot is left out of the step's commit and written to a file afterwards (see the module)."""
@@ -825,7 +777,7 @@ class SQLiteStore:
         the last commit makes the session and drops the note. Rows of a fork cut short (a failure, a crash) belong
         to no session: they are removed then, or at the next open."""
         file = await self._state_file(snapshot)
-        spans = await self._read(lambda db: _spans(db, source, at, FORK_COPY_BYTES))
+        cut = await self._read(lambda db: spans(_sizes(db, source, at), at, FORK_COPY_BYTES))
         note = f"{FORK_NOTE}{name}"
 
         def begin(db: sqlite3.Connection) -> None:
@@ -872,7 +824,7 @@ class SQLiteStore:
 
         try:
             await self._write(begin)
-            for lo, hi in spans:
+            for lo, hi in cut:
                 await self._write(copy(lo, hi))
             await self._write(op)
         except StoreError:
@@ -889,12 +841,10 @@ class SQLiteStore:
         """`fn` under the lock, then `then` of what it read once the lock is free (on the same worker thread)."""
 
         def run() -> U:
-            try:
+            with _failing(_read_failed):
                 failpoints.hit("read")
                 with self._lock:  # no commit in between: the whole read sees one state of the database
                     got = fn(self._db)
-            except (sqlite3.Error, OSError) as e:
-                raise StoreError(f"reading the database failed: {e}") from None
             return then(got)
 
         return await anyio.to_thread.run_sync(run, limiter=self._read_limiter)
@@ -932,9 +882,8 @@ class SQLiteStore:
         row = None
         if self._lock.acquire(blocking=False):
             try:
-                row = read(self._db, True)
-            except sqlite3.Error as e:
-                raise StoreError(f"reading the database failed: {e}") from None
+                with _failing(_read_failed):
+                    row = read(self._db, True)
             finally:
                 self._lock.release()
             if row is None:
@@ -953,10 +902,12 @@ class SQLiteStore:
         removed meanwhile); the copy is written to a new file of an unpredictable name beside `path` and linked into
         place once fsync'd, never over anything already at `path` (ExistsError)."""
         target = Path(path)
-        try:
+
+        def failed(e: Exception) -> str:
+            return f"the backup to {path} failed ({e}); nothing was left there"
+
+        with _failing(failed):
             partial = await anyio.to_thread.run_sync(files.new_partial, target)
-        except OSError as e:
-            raise StoreError(f"the backup to {path} failed ({e}); nothing was left there") from None
 
         def copy(db: sqlite3.Connection) -> None:
             failpoints.hit("backup")
@@ -981,12 +932,14 @@ class SQLiteStore:
             return size
 
         try:
-            await self._read(copy)
-            return await anyio.to_thread.run_sync(publish)
-        except FileExistsError:
-            raise ExistsError(f"{target.name} exists; choose a new name (a backup never overwrites a file)") from None
-        except (StoreError, OSError) as e:
-            raise StoreError(f"the backup to {path} failed ({e}); nothing was left there") from None
+            with _failing(failed, (StoreError, OSError)):
+                try:
+                    await self._read(copy)
+                    return await anyio.to_thread.run_sync(publish)
+                except FileExistsError:
+                    raise ExistsError(
+                        f"{target.name} exists; choose a new name (a backup never overwrites a file)"
+                    ) from None
         finally:
             partial.unlink(missing_ok=True)
             Path(f"{partial}-journal").unlink(missing_ok=True)  # SQLite's, should the copy have stopped mid-write
@@ -1053,14 +1006,10 @@ class SQLiteStore:
 def migrate(db: sqlite3.Connection, path: Path) -> None:
     """Bring the database to the format this devd writes, one migration at a time."""
     version = db.execute("PRAGMA user_version").fetchone()[0]
-    if version > len(MIGRATIONS):
-        raise StoreError(
-            f"{path} was written by a newer devd (format {version}; this one knows up to {len(MIGRATIONS)}); run that "
-            "devd or a newer one; the database was left as it is"
-        )
-    for n in range(version, len(MIGRATIONS)):
-        db.executescript(f"BEGIN IMMEDIATE; {MIGRATIONS[n]} PRAGMA user_version = {n + 1}; COMMIT;")
-        log.info("store.migrated", database=str(path), version=n + 1)
+    while (due := FORMAT.next(version, str(path))) is not None:
+        version, script = due
+        db.executescript(f"BEGIN IMMEDIATE; {script} PRAGMA user_version = {version}; COMMIT;")
+        FORMAT.applied(version, database=str(path))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -1069,12 +1018,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _is_io_error(e: BaseException) -> bool:
-    if isinstance(e, sqlite3.Error):
-        return (getattr(e, "sqlite_errorcode", 0) & 0xFF) == SQLITE_IOERR
-    return isinstance(e, OSError) and e.errno == errno.EIO
 
 
 def _reconnect(path: Path, id: str) -> sqlite3.Connection:
@@ -1086,7 +1029,7 @@ def _reconnect(path: Path, id: str) -> sqlite3.Connection:
         _configure(db)
         version = db.execute("PRAGMA user_version").fetchone()[0]
         row = db.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
-        if version != len(MIGRATIONS) or row is None or row[0] != id:
+        if version != FORMAT.latest or row is None or row[0] != id:
             raise StoreError(f"{path} is no longer the database this daemon opened (id {row[0] if row else None})")
         checked = db.execute("PRAGMA quick_check").fetchall()
         if checked != [("ok",)]:
@@ -1108,13 +1051,8 @@ def _check_wal(path: Path) -> None:
     if not wal.exists() or not id_file.exists():
         return
     expected = id_file.read_text().strip()
-    try:
-        ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            row = ro.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
-        finally:
-            ro.close()
-    except sqlite3.Error as e:
+
+    def unchecked(e: Exception) -> str:
         # Not a sign of a foreign log: a full disk, a daemon holding the database, a damaged file. Said as what it
         # is, and the log is never called foreign: moving it away would lose every step in it.
         hint = (
@@ -1122,10 +1060,17 @@ def _check_wal(path: Path) -> None:
             if "locked" in str(e)
             else "free disk space or fix what the error names, and start again"
         )
-        raise StoreError(
+        return (
             f"the database {path} and its write-ahead log could not be read to check that they belong together "
             f"({e}); both were left as they are (keep {wal.name}: it may hold acknowledged steps); {hint}"
-        ) from None
+        )
+
+    with _failing(unchecked, (sqlite3.Error,)):
+        ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            row = ro.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
+        finally:
+            ro.close()
     if row is None:
         raise StoreError(
             f"the database {path} read with its write-ahead log carries no id, though {id_file.name} names "
@@ -1143,24 +1088,13 @@ def _id_path(path: Path) -> Path:
     return path.with_name(path.name + ".id")
 
 
-def _spans(db: sqlite3.Connection, session: str, at: int, bytes_max: int) -> list[tuple[int, int]]:
-    """The session's journal up to `at` as ranges of seqs (first, last) of about `bytes_max` each."""
-    spans: list[tuple[int, int]] = []
-    size, lo = 0, None
-    rows = db.execute(
+def _sizes(db: sqlite3.Connection, session: str, at: int) -> sqlite3.Cursor:
+    """(seq, bytes) of each step of the session's journal up to `at`, in order: what a fork cuts into spans."""
+    return db.execute(
         "SELECT seq, length(event) + length(actions) + coalesce(length(snapshot), 0) FROM journal "
         "WHERE session = ? AND seq <= ? ORDER BY seq",
         (session, at),
     )
-    for seq, n in rows:
-        lo = seq if lo is None else lo
-        size += n
-        if size >= bytes_max:
-            spans.append((lo, seq))
-            size, lo = 0, None
-    if lo is not None:
-        spans.append((lo, at))
-    return spans
 
 
 def _drop_unmade_fork(db: sqlite3.Connection, store: SQLiteStore | None, name: str) -> None:
@@ -1245,10 +1179,8 @@ def _load(
     if snapshot_file is None:
         return stored, None
     path = snapshot_dir / snapshot_file
-    try:
+    with _failing(lambda e: _unreadable(stored, path, e), (OSError,)):
         return stored, open(path, "rb")  # closed by `_with_snapshot`, once the lock is free
-    except OSError as e:
-        raise StoreError(_unreadable(stored, path, e)) from None
 
 
 def _with_snapshot(loaded: tuple[Stored, IO[bytes] | None] | None) -> Stored | None:
@@ -1258,18 +1190,16 @@ def _with_snapshot(loaded: tuple[Stored, IO[bytes] | None] | None) -> Stored | N
     stored, file = loaded
     if file is None:
         return stored
-    with file:
-        try:
-            snapshot = file.read()
-        except OSError as e:
-            raise StoreError(_unreadable(stored, Path(file.name), e)) from None
+    with file, _failing(lambda e: _unreadable(stored, Path(file.name), e), (OSError,)):
+        snapshot = file.read()
     return msgspec.structs.replace(stored, snapshot=snapshot)
 
 
-def _unreadable(stored: Stored, path: Path, e: OSError) -> str:
+def _unreadable(stored: Stored, path: Path, e: Exception) -> str:
+    strerror = e.strerror if isinstance(e, OSError) else None
     return (
         f"the snapshot of session {stored.name!r} after step {stored.snapshot_seq} is kept in {path}, which cannot be "
-        f"read ({e.strerror or e}); the session cannot be rebuilt without it: put the file back (it is part of the "
+        f"read ({strerror or e}); the session cannot be rebuilt without it: put the file back (it is part of the "
         "state directory, like the database), or restore the state directory from a backup"
     )
 

@@ -1,0 +1,93 @@
+"""The backends the store conformance suite (tests/test_store.py) runs against, and what its cases share.
+
+A backend joins in one place, `BACKENDS`: how to find a place for its data in a test and how to open a store there
+with given pruning limits, and whether what it keeps outlives the store (`durable`). The `backend` and
+`store_factory` fixtures (tests/conftest.py) are parametrized over this table, so a new backend gets every case;
+the cases for durable stores run over `DURABLE`. PostgreSQL's place is a fresh database on the cluster
+tests/postgres.py starts (missing binaries fail its cases, as they do today: a skip would hide them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import pytest
+
+from devd.storage.memory import MemoryStore
+from devd.storage.postgres import PostgresStore
+from devd.storage.sqlite import SQLiteStore
+from devd.storage.store import Row, Step, Store
+
+S = TypeVar("S", bound=Store)
+CONFIG = b'{"model":"m"}'
+LIMITS = {"keys_kept": 1000, "steps_kept": 1000, "prune_every_steps": 256}  # unless a case says otherwise
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    durable: bool  # what it keeps outlives the store: a store opened again on the same place finds it
+    place: Callable[[pytest.FixtureRequest, Path], str]  # where a test's store keeps its data
+    open: Callable[..., Awaitable[Store]]  # (place, **limits): a store on that place, not yet running
+
+
+def sqlite_at(path: Path, **limits: int) -> SQLiteStore:
+    return SQLiteStore(path, **(LIMITS | limits))
+
+
+async def postgres_at(url: str, **limits: int) -> PostgresStore:
+    return await PostgresStore.open(url, **(LIMITS | limits), node="test")
+
+
+async def _sqlite(place: str, **limits: int) -> Store:
+    return sqlite_at(Path(place), **limits)
+
+
+async def _memory(place: str, **limits: int) -> Store:
+    return MemoryStore()
+
+
+BACKENDS = {
+    b.name: b
+    for b in (
+        Backend("sqlite", True, lambda request, tmp: str(tmp / "db.sqlite3"), _sqlite),
+        Backend("memory", False, lambda request, tmp: "", _memory),
+        Backend("postgres", True, lambda request, tmp: str(request.getfixturevalue("postgres_url")), postgres_at),
+    )
+}
+DURABLE = pytest.mark.parametrize(
+    "backend", [b for b in BACKENDS.values() if b.durable], ids=lambda b: str(b.name)
+)  # overrides the `backend` fixture
+
+
+@asynccontextmanager
+async def running(store: S) -> AsyncIterator[S]:
+    """The store with its group-commit task running (writes complete only then); closed at the end."""
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.run)
+            yield store
+            tg.cancel_scope.cancel()
+    finally:
+        store.close()
+
+
+def step(seq: int, *, key: str | None = None, snapshot: bytes | None = None, session: str = "a") -> Step:
+    """Step `seq` of a session, with bytes that name it (the store never reads them)."""
+    digest = f"d{seq}".encode() if key is not None else None
+    return Step(session, seq, f"e{seq}".encode(), f"a{seq}".encode(), key, digest, snapshot, f"h{seq}".encode())
+
+
+def row(seq: int) -> Row:
+    """Step `seq` as the journal gives it back."""
+    return Row(seq, f"e{seq}".encode(), f"a{seq}".encode(), f"h{seq}".encode())
+
+
+async def append_all(store: Store, *steps: Step) -> None:
+    for s in steps:
+        await store.append(s)
