@@ -32,7 +32,7 @@ from devd.protocol import METHODS, InfoResult, InitializeResult, Limits, Server,
 from devd.server import rpc
 from tests.daemon import Daemon, free_port
 from tests.harness import InProcess
-from tests.test_host import FIX, finish, user
+from tests.helpers import FIX, finish, user
 
 ASKED = [Action(id=1, op=ask(user(FIX)))]  # what a fresh session answers the turn "fix the build"
 TIMER = Event(Timer=True)

@@ -13,8 +13,7 @@ import msgspec
 import pytest
 
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES
-from tests.test_snapshot_files import big, kept, snapshot_files
-from tests.test_store import CONFIG, append_all, running, sqlite_at, step
+from tests.helpers import CONFIG, append_all, big, kept, running, snapshot_files, sqlite_at, step
 
 WAL_BOUND = 8 << 20
 

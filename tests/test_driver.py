@@ -35,7 +35,7 @@ from devd.messages import (
 )
 from tests.daemon import ROOT, Daemon, daemon_env
 from tests.harness import InProcess
-from tests.test_host import FIX, agent, tool, user
+from tests.helpers import FIX, agent, tool, user
 
 CALLS = [Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="build.log"))]
 SEED = [Reply(calls=CALLS), Reply(text="Declare x.")]  # the seed turn's model: two calls, then its answer

@@ -27,8 +27,8 @@ from devd.driver import Handlers, ToolOutput, run_turn
 from devd.messages import Ask, Call, Exec, Reply, answer, turn
 from tests.daemon import Daemon, free_port
 from tests.harness import InProcess
+from tests.helpers import Conversation
 from tests.postgres import Cluster, postgres, postgres_url  # noqa: F401  (the fixtures)
-from tests.test_crash import Conversation
 
 LEASE_TTL_S = 1.5
 

@@ -21,7 +21,7 @@ from devd.server.daemon import build
 from devd.storage.postgres import MIGRATIONS, Owner, PostgresStore
 from devd.storage.store import Health, Step, Stored
 from tests import postgres as pg
-from tests.test_store import CONFIG, row, running, step
+from tests.helpers import CONFIG, row, running, step
 
 postgres, postgres_url = pg.postgres, pg.postgres_url  # the fixtures
 

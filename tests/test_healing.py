@@ -13,7 +13,7 @@ from devd import errors, failpoints
 from devd.errors import StoreError
 from devd.messages import Call, Event, Exec, Output, answer, turn
 from tests.daemon import Daemon
-from tests.test_store import CONFIG, running, sqlite_at, step
+from tests.helpers import CONFIG, running, sqlite_at, step
 
 
 @pytest.fixture

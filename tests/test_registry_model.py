@@ -85,7 +85,7 @@ from devd.sessions.state import State
 from devd.storage.memory import MemoryStore
 from devd.storage.sqlite import SQLiteStore
 from devd.storage.store import Health, Row, Store, answer_digest
-from tests.test_store import running
+from tests.helpers import running
 
 T = TypeVar("T")
 # A known bug, kept out of the machine's way while it is open (its regression tests are at the end of this file):

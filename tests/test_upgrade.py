@@ -21,7 +21,7 @@ from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, MIGRATIONS
 from devd.storage.store import Health, Step, Stored
 from tests.daemon import Daemon
 from tests.harness import InProcess
-from tests.test_store import running, sqlite_at
+from tests.helpers import running, sqlite_at
 
 FIRST_RELEASE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
