@@ -15,6 +15,12 @@ from tests.daemon import Daemon
 from tests.harness import InProcess
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """The async tests' backend: asyncio, the one the daemon runs on."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def core() -> Iterator[Core]:
     c = Core.open()

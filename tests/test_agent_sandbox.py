@@ -20,11 +20,6 @@ from tests.helpers import gone
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def ws(tmp_path: Path) -> Path:
     (tmp_path / "ws").mkdir()
     (tmp_path / "outside").mkdir()

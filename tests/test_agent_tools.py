@@ -18,11 +18,6 @@ from tests.standin_model import Standin, standin_fixture  # noqa: F401 (the fixt
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def ws(tmp_path: Path) -> Path:
     (tmp_path / "ws").mkdir()
     (tmp_path / "outside").mkdir()

@@ -44,11 +44,6 @@ def untimed(notices: list[Notice]) -> list[Notice]:
     return [msgspec.structs.replace(n, at="") if isinstance(n, ActionsNotice) else n for n in notices]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 # -- the method table ------------------------------------------------------------------------------------------------
 
 

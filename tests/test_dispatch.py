@@ -27,11 +27,6 @@ STATUS = b'{"jsonrpc":"2.0","id":9,"method":"daemon/status"}'
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def dispatcher(tmp_path: Path, core: Core) -> Iterator[Dispatcher]:
     registry, d = build(Settings(state_dir=tmp_path, socket_path=None), core, MemoryStore())
     yield d

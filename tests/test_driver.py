@@ -44,11 +44,6 @@ QUICK = Retry(attempts=4, first_delay_s=0.001)
 PATIENT = Retry(attempts=30, max_delay_s=1.0)  # about 25 s for a daemon to come back, on a loaded machine
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Script:
     """Handlers that record each call in order, and a model that answers from a script: after n answers, the
     (n+1)th, whichever connection or retry asks."""

@@ -33,11 +33,6 @@ from tests.postgres import Cluster, postgres, postgres_url  # noqa: F401  (the f
 LEASE_TTL_S = 1.5
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def fleet_daemon(root: Path, url: str, node: str, *extra: str) -> InProcess:
     """A daemon of the fleet, in this process: for the tests that neither kill nor pause it."""
     return InProcess(root / node, *fleet_args(url, node, *extra))

@@ -68,11 +68,6 @@ TIMER = b'{"Timer":true}'  # SPIN_ON_TIMER spins on this (14 bytes) until its de
 CALM = b'{"Timer":false}'  # and answers [] to anything else
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 _AT = re.compile(rb',"at":"[^"]*"')  # a notice's time, checked where it is the point (tests/test_client.py)
 
 

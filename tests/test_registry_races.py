@@ -22,11 +22,6 @@ from tests.test_registry import opened
 TIMER = b'{"Timer":true}'
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def outcome(call: object) -> object:
     try:
         return await call  # type: ignore[misc]

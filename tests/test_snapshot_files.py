@@ -19,11 +19,6 @@ from devd.storage.store import Health, Stored
 from tests.helpers import CONFIG, append_all, big, kept, row, running, snapshot_files, sqlite_at, step
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @asynccontextmanager
 async def writer_held_back() -> AsyncIterator[None]:
     """Every worker thread of anyio's default limiter taken, so the snapshot writer (which writes on one) waits, while
