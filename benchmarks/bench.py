@@ -13,6 +13,7 @@ python -m benchmarks.bench fleet    # one and two daemons on one PostgreSQL vs t
 python -m benchmarks.bench agent    # the agent runtime's own time per model call and per tool call, against the
                                     # stand-in model server's, and a turn of 50 tool calls end to end
 python -m benchmarks.bench approvals  # what approvals, spend ceilings and the trace add to a turn
+python -m benchmarks.bench start    # exec to the first answer: devd vs a minimal Python daemon; in bench_start.py
 """
 
 from __future__ import annotations
@@ -162,15 +163,13 @@ def bench_core(rounds: int, sessions: int) -> dict[str, float]:
 
 def _echo_server(socket_path: str) -> None:
     """devd's transport and dispatcher (`devd serve` minus the core and the store): steps answer [] at once."""
-    import dataclasses
-
     import anyio
 
     from devd import log
     from devd.config import Settings
     from devd.protocol import NewParams, SessionResult, StepParams, StepResult
     from devd.server.daemon import Daemon, build
-    from devd.server.listeners import bind_unix
+    from devd.server.listeners import UnixListen
     from devd.server.methods import METHODS, Call  # noqa: F401
     from devd.storage.memory import MemoryStore
 
@@ -182,14 +181,14 @@ def _echo_server(socket_path: str) -> None:
 
     stubs = {
         **METHODS,
-        "session/new": dataclasses.replace(METHODS["session/new"], handler=new),
-        "session/step": dataclasses.replace(METHODS["session/step"], handler=step),
+        "session/new": msgspec.structs.replace(METHODS["session/new"], handler=new),
+        "session/step": msgspec.structs.replace(METHODS["session/step"], handler=step),
     }
     log.configure("json", "warning")
     settings = Settings(state_dir=Path(tempfile.mkdtemp()), socket_path=Path(socket_path))
     _, dispatcher = build(settings, None, MemoryStore(), methods=stubs)  # type: ignore[arg-type]
     daemon = Daemon(settings, dispatcher, None)
-    listeners = [(bind_unix(Path(socket_path))[0], "unix")]
+    listeners = [UnixListen(Path(socket_path)).bind()]
     ready = lambda: print("ready", flush=True)  # noqa: E731
     anyio.run(daemon.serve, listeners, ready, backend="asyncio", backend_options=_uvloop_options())
 
@@ -2273,6 +2272,9 @@ def main(argv: list[str] | None = None) -> int:
         "approvals", help="what approvals, spend ceilings and the trace add to a turn the daemon drives"
     )
     from benchmarks.bench_approvals import add_arguments as approvals_arguments
+    from benchmarks.bench_start import add_arguments as start_arguments
+
+    start_arguments(sub.add_parser("start", help="exec to the first answer: devd vs a minimal Python daemon"))
 
     approvals_arguments(approvals_parser)
 
@@ -2284,13 +2286,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "fleet":
         return bench_fleet.command(args)
     if args.what == "approvals":
-        from devd import bench_approvals as approvals  # the agent runtime's, loaded only when asked for
+        from benchmarks import bench_approvals as approvals  # the agent runtime's, loaded only when asked for
 
         return approvals.run(args)
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
+    elif args.what == "start":
+        from benchmarks.bench_start import bench_start
+
+        result = bench_start(args.rounds)
     elif args.what == "agent" and args.oversight:
-        from devd import bench_approvals as approvals
+        from benchmarks import bench_approvals as approvals
 
         return approvals.run(argparse.Namespace(calls=args.calls, rounds=3, turns=3))
     elif args.what == "agent":

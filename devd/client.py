@@ -48,7 +48,7 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
-from devd.config import default_socket_path, parse_tcp
+from devd.config import default_socket_path
 from devd.messages import Action, Config, Event, Message, decode_actions, decode_messages, encode
 from devd.protocol import (
     METHODS,
@@ -92,7 +92,8 @@ from devd.protocol import (
     WatchParams,
 )
 from devd.protocol import Client as ClientInfo
-from devd.server.listeners import peer_uid
+from devd.server.listeners import TcpListen, UnixListen, peer_uid
+from devd.server.listeners import address as parse_address
 
 
 def _classes_by_kind() -> dict[str, type[errors.DevdError]]:
@@ -211,7 +212,7 @@ def read_line(file: BinaryIO) -> bytes:
 
 def _greets(address: str, token: str | None) -> bool:
     """TCP connections must begin with `initialize` and the token; a Unix one does when a token is given."""
-    return address.startswith("tcp://") or token is not None
+    return parse_address(address).needs_token or token is not None
 
 
 class NotRunningError(ConnectionRefusedError):
@@ -245,18 +246,10 @@ def _refused(address: str, error: OSError) -> NotRunningError | None:
     return None
 
 
-def _path(address: str) -> str:
-    """A Unix socket's path, from a plain path or a fleet's advertised `unix:PATH`."""
-    return address.removeprefix("unix:")
-
-
-def _endpoint(address: str) -> tuple[str, str, int]:
+def _endpoint(address: str) -> UnixListen | TcpListen:
     """An address as what it reaches, so that `unix:PATH` and PATH, or `tcp://[::1]:P` and `tcp://::1:P`, compare
-    equal. Raises ValueError for an address that is neither."""
-    if address.startswith("tcp://"):
-        host, port = parse_tcp(address)
-        return "tcp", host.lower(), port
-    return "unix", os.path.abspath(_path(address)), 0
+    equal. Raises ValueError for a tcp:// address that is not HOST:PORT."""
+    return parse_address(address).canonical()
 
 
 @dataclass(frozen=True)
@@ -268,7 +261,7 @@ class MoveTrust:
     another TCP port. The token goes only to the first address and the peers, or with `share_token` to that host."""
 
     origin: str
-    peers: frozenset[tuple[str, str, int]] = frozenset()
+    peers: frozenset[UnixListen | TcpListen] = frozenset()
     share_token: bool = False
 
     @classmethod
@@ -285,9 +278,10 @@ class MoveTrust:
             raise self._refuse(moved) from None
         if target == origin or target in self.peers:
             return token
-        if target[0] == origin[0] == "unix":
+        if isinstance(target, UnixListen) and isinstance(origin, UnixListen):
             return None  # the same machine, and check_peer refuses a socket another user serves
-        if target[0] == origin[0] == "tcp" and target[1] == origin[1] and self.share_token:
+        same_host = isinstance(target, TcpListen) and isinstance(origin, TcpListen) and target.host == origin.host
+        if same_host and self.share_token:
             return token
         raise self._refuse(moved)
 
@@ -301,16 +295,16 @@ class MoveTrust:
 
 
 def _open_socket(address: str, timeout: float | None) -> socket.socket:
-    if address.startswith("tcp://"):
-        host, port = parse_tcp(address)
+    where = parse_address(address)
+    if isinstance(where, TcpListen):
         try:
-            return socket.create_connection((host, port), timeout=timeout)
+            return socket.create_connection((where.host, where.port), timeout=timeout)
         except ConnectionRefusedError as e:
             raise NotRunningError(address, e) from e
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect(_path(address))
+        sock.connect(str(where.path))
         check_peer(sock, address)
     except (FileNotFoundError, ConnectionRefusedError) as e:
         sock.close()
@@ -323,11 +317,11 @@ def _open_socket(address: str, timeout: float | None) -> socket.socket:
 
 async def _open_stream(address: str) -> anyio.abc.ByteStream:
     stream: anyio.abc.SocketStream
+    where = parse_address(address)
     try:
-        if address.startswith("tcp://"):
-            host, port = parse_tcp(address)
-            return await anyio.connect_tcp(host, port)
-        stream = await anyio.connect_unix(_path(address))
+        if isinstance(where, TcpListen):
+            return await anyio.connect_tcp(where.host, where.port)
+        stream = await anyio.connect_unix(where.path)
     except OSError as e:
         refused = _refused(address, e)
         if refused is None:

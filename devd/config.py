@@ -1,22 +1,26 @@
 """The daemon's settings: the one source of every default and limit, each named with its unit.
 
 argparse, `Core`, the registry, the store and the transport all receive their values from a `Settings`; none of
-them keeps a default of its own. Also here: where state and sockets live by default, and the `tcp://` syntax.
+them keeps a default of its own. Also here: where state and sockets live by default. Addresses are values of
+`devd.server.listeners` (`TcpListen`, parsed once from the flag).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from devd.server.listeners import TcpListen
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(msgspec.Struct, frozen=True):
     state_dir: Path
     socket_path: Path | None
-    tcp: tuple[str, int] | None = None
+    tcp: TcpListen | None = None
     core_path: Path | None = None
     backup_dir: Path | None = None  # where `daemon/backup` writes; None: STATE_DIR/backups
     # calls
@@ -49,7 +53,7 @@ class Settings:
     outboxes_bytes_max: int = 256 << 20  # every connection's unsent bytes together: past it, watchers are dropped
     shutdown_grace_s: float = 10.0
     # metrics over HTTP (`--metrics`): off unless an address is given
-    metrics: tuple[str, int] | None = None
+    metrics: TcpListen | None = None
     metrics_head_bytes_max: int = 8 << 10  # a scrape's request line and headers; past it, 431
     metrics_timeout_s: float = 5.0  # a scrape's whole connection, from accept to close
     metrics_connections_max: int = 16  # scrapes at once; past it, a new connection is closed at once
@@ -75,7 +79,8 @@ def default_live_memory() -> int:
 
 def default(name: str) -> Any:
     """The default of the setting `name`: argparse shows it and `Core` takes it, Settings owns it."""
-    return Settings.__dataclass_fields__[name].default
+    names, defaults = Settings.__struct_fields__, Settings.__struct_defaults__
+    return defaults[names.index(name) - (len(names) - len(defaults))]
 
 
 def default_state_dir() -> Path:
@@ -122,13 +127,3 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise ValueError(f"a size must be more than zero, not {text!r}")
     return size
-
-
-def parse_tcp(url: str) -> tuple[str, int]:
-    """`tcp://HOST:PORT` (HOST may be [v6]) as (host, port)."""
-    if not url.startswith("tcp://"):
-        raise ValueError(f"--listen takes tcp://HOST:PORT, not {url!r}")
-    host, sep, port = url[len("tcp://") :].rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"--listen takes tcp://HOST:PORT, not {url!r}")
-    return host.strip("[]"), int(port)

@@ -33,7 +33,7 @@ from devd.client import Client
 from devd.config import Settings, backup_dir
 from devd.host import Core
 from devd.server.daemon import Daemon, build
-from devd.server.listeners import bind_tcp, bind_unix, lock_state_dir, prepare_state_dir, read_token, unlink_socket
+from devd.server.listeners import UnixListen, lock_state_dir, prepare_state_dir, read_token
 
 START_TIMEOUT_S = 20.0
 _cores: dict[tuple[Path | None, float, int], Core] = {}
@@ -116,14 +116,13 @@ class _Running:
         files.remove_partials(backup_dir(settings))  # as devd serve does: a backup a killed daemon was writing
         opened.callback(os.close, lock_state_dir(settings.state_dir, settings.socket_path))
         assert settings.socket_path is not None
-        unix, inode = bind_unix(settings.socket_path)
-        opened.callback(unlink_socket, settings.socket_path, inode)
-        opened.callback(unix.close)
-        listeners = [(unix, "unix")]
+        unix = UnixListen(settings.socket_path).bind()
+        opened.callback(unix.close)  # and the socket removed
+        listeners = [unix]
         if settings.tcp:
-            tcp = bind_tcp(*settings.tcp)
+            tcp = settings.tcp.bind()
             opened.callback(tcp.close)
-            listeners.append((tcp, "tcp"))
+            listeners.append(tcp)
         token = read_token(settings.state_dir) if settings.tcp else None
         store, fleet = _open_store(args, settings, listeners)
         opened.callback(store.close)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -372,3 +374,9 @@ async def test_proxies_in_the_environment_are_not_used(standin: Standin, monkeyp
     async with http.new_client() as c:
         done = await complete(c, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True)
     assert done.text == "direct"
+
+
+def test_the_daemon_does_not_load_httpx_before_an_agent_first_calls_out() -> None:
+    code = "import sys, devd.cli, devd.cli.serve, devd.server.daemon; print('httpx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "False\n"

@@ -21,6 +21,7 @@ from devd import __version__, cli
 from devd.client import Client, NotRunningError
 from devd.errors import HandleError, InternalError, InvalidParamsError, UnauthorizedError
 from devd.messages import Action, Browse, Call, Exec, Git, Op, Read, Write, answer, ask, done, turn
+from devd.server.listeners import TcpListen
 from tests.daemon import Daemon, daemon_env, free_port, running, state_dir, stop, wait_connectable
 from tests.harness import InProcess
 from tests.helpers import devd, subcommands, until, user
@@ -494,13 +495,13 @@ def test_serve_flags_take_their_values_from_the_environment() -> None:
     }
     assert serve_values([], environ) == (
         Path("/run/devd/devd.sock"),
-        ("127.0.0.1", 7411),
+        TcpListen("127.0.0.1", 7411),
         5000,
         4 << 30,
         30 * 86400.0,
         2.5,
         "warning",
-        ("127.0.0.1", 9464),
+        TcpListen("127.0.0.1", 9464),
     )
 
 

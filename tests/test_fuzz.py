@@ -50,13 +50,11 @@ from devd.messages import (
 )
 from devd.server.connection import Event as ConnectionEvent
 from devd.server.connection import Rules
+from devd.server.framing import TOO_LONG, LineFramer, TooLong
 from devd.server.methods import METHODS, SEQ_MAX, resolve
 from devd.server.rpc import (
-    TOO_LONG,
-    LineFramer,
     Request,
     RequestError,
-    TooLong,
     decode_request,
     error_response,
     response,
@@ -151,7 +149,7 @@ def frame(limit: int, chunks: list[bytes]) -> tuple[list[bytes | TooLong], int]:
     """What a LineFramer yields for chunks, and what it holds after; checks the bound after every step."""
     framer, got = LineFramer(limit), []
     for chunk in chunks:
-        for item in framer.feed(chunk):
+        for item in framer.feed(chunk, 0.0):
             assert framer.pending_bytes <= limit
             got.append(item)
         assert framer.pending_bytes <= limit

@@ -1,7 +1,7 @@
-"""devd.server.metrics: daemon/status in the exact Prometheus text format; one HTTP exchange as bytes in and bytes
-out, with
-no socket; the listener's bounds in process (a head that never arrives whole, a flood of connections); and
-`devd serve --metrics` against the real daemon, scraped with urllib, beside its JSON-RPC socket."""
+"""devd.server.metrics and devd.server.scrape: daemon/status in the exact Prometheus text format; one HTTP exchange
+as bytes in and bytes out, with no socket; the listener's bounds in process (a head that never arrives whole, a flood
+of connections); and `devd serve --metrics` against the real daemon, scraped with urllib, beside its JSON-RPC
+socket."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,10 @@ from structlog.testing import capture_logs
 from devd import cli
 from devd.config import Settings
 from devd.messages import answer, turn
-from devd.server import metrics
-from devd.server.metrics import CONTENT_TYPE, prometheus
+from devd.server import scrape as listener
+from devd.server.listeners import TcpListen
+from devd.server.metrics import prometheus
+from devd.server.scrape import CONTENT_TYPE
 from tests.daemon import Daemon, free_port
 
 
@@ -130,14 +133,18 @@ def test_every_prometheus_metric_has_help_and_type_and_counters_end_in_total() -
 HEAD_MAX = 8192
 
 
+def respond(head: bytes, exposition: Callable[[], str] = lambda: "") -> bytes | None:
+    return listener.Scrape(HEAD_MAX, exposition).receive(head)
+
+
 def status_line(head: bytes) -> bytes:
-    reply = metrics.answer(head, HEAD_MAX, lambda: "devd_steps_total 2\n")
+    reply = respond(head, lambda: "devd_steps_total 2\n")
     assert reply is not None
     return reply.split(b"\r\n", 1)[0]
 
 
 def test_get_metrics_is_answered_with_the_exposition_its_content_type_and_connection_close() -> None:
-    reply = metrics.answer(b"GET /metrics HTTP/1.1\r\nHost: devd\r\n\r\n", HEAD_MAX, lambda: "devd_steps_total 2\n")
+    reply = respond(b"GET /metrics HTTP/1.1\r\nHost: devd\r\n\r\n", lambda: "devd_steps_total 2\n")
     assert reply == (
         b"HTTP/1.1 200 OK\r\n"
         b"Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
@@ -149,18 +156,18 @@ def test_get_metrics_is_answered_with_the_exposition_its_content_type_and_connec
 
 
 def test_a_head_still_coming_within_the_bound_is_not_answered_yet() -> None:
-    assert metrics.answer(b"GET /metrics HTTP/1.1\r\nHost: de", HEAD_MAX, lambda: "") is None
+    assert respond(b"GET /metrics HTTP/1.1\r\nHost: de") is None
 
 
 def test_other_paths_methods_and_request_lines_get_their_status_and_a_query_is_ignored() -> None:
-    heads = [
-        b"GET /metrics?name[]=devd_steps_total HTTP/1.1\r\n\r\n",
+    heads = [  # an HTTP/1.1 request names its Host (h11 holds to RFC 9112: one without is 400, tested below)
+        b"GET /metrics?name[]=devd_steps_total HTTP/1.1\r\nHost: devd\r\n\r\n",
         b"GET /metrics HTTP/1.0\n\n",
-        b"GET / HTTP/1.1\r\n\r\n",
-        b"GET /metrics/ HTTP/1.1\r\n\r\n",
-        b"POST /metrics HTTP/1.1\r\nContent-Length: 2\r\n\r\n",
-        b"HEAD /metrics HTTP/1.1\r\n\r\n",
-        b"GET /metrics HTTP/2.0\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: devd\r\n\r\n",
+        b"GET /metrics/ HTTP/1.1\r\nHost: devd\r\n\r\n",
+        b"POST /metrics HTTP/1.1\r\nHost: devd\r\nContent-Length: 2\r\n\r\n",
+        b"HEAD /metrics HTTP/1.1\r\nHost: devd\r\n\r\n",
+        b"GET /metrics HTTP/2.0\r\nHost: devd\r\n\r\n",
         b"GET /metrics\r\n\r\n",
         b'{"jsonrpc":"2.0","id":1,"method":"daemon/status"}\n\n',
     ]
@@ -178,7 +185,7 @@ def test_other_paths_methods_and_request_lines_get_their_status_and_a_query_is_i
 
 
 def test_a_405_says_which_method_is_allowed() -> None:
-    assert metrics.answer(b"DELETE /metrics HTTP/1.1\r\n\r\n", HEAD_MAX, lambda: "") == (
+    assert respond(b"DELETE /metrics HTTP/1.1\r\nHost: devd\r\n\r\n") == (
         b"HTTP/1.1 405 Method Not Allowed\r\n"
         b"Content-Type: text/plain; charset=utf-8\r\n"
         b"Content-Length: 26\r\n"
@@ -190,7 +197,7 @@ def test_a_405_says_which_method_is_allowed() -> None:
 
 
 def test_a_head_past_the_bound_is_answered_431_whether_it_ended_or_not() -> None:
-    long_header = b"GET /metrics HTTP/1.1\r\nX-Filler: " + b"a" * HEAD_MAX
+    long_header = b"GET /metrics HTTP/1.1\r\nHost: devd\r\nX-Filler: " + b"a" * HEAD_MAX
     assert [status_line(long_header), status_line(long_header + b"\r\n\r\n")] == [
         b"HTTP/1.1 431 Request Header Fields Too Large",
         b"HTTP/1.1 431 Request Header Fields Too Large",
@@ -201,8 +208,38 @@ def test_only_a_get_of_metrics_renders_them() -> None:
     def render() -> str:
         raise AssertionError("rendered")
 
-    heads = [b"GET / HTTP/1.1\r\n\r\n", b"POST /metrics HTTP/1.1\r\n\r\n", b"GET /metrics HTTP/9\r\n\r\n"]
-    assert [metrics.answer(head, HEAD_MAX, render) is not None for head in heads] == [True, True, True]
+    heads = [
+        b"GET / HTTP/1.1\r\nHost: devd\r\n\r\n",
+        b"POST /metrics HTTP/1.1\r\nHost: devd\r\n\r\n",
+        b"GET /metrics HTTP/9\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\n\r\n",
+    ]
+    assert [respond(head, render) is not None for head in heads] == [True, True, True, True]
+
+
+def test_an_http_1_1_request_without_host_is_answered_400_saying_so() -> None:
+    reply = respond(b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert reply is not None
+    assert (reply.split(b"\r\n", 1)[0], reply.rsplit(b"\r\n", 1)[-1]) == (
+        b"HTTP/1.1 400 Bad Request",
+        b"not an HTTP/1.x request: Missing mandatory Host: header\n",
+    )
+
+
+def test_a_response_to_head_has_no_body() -> None:
+    assert respond(b"HEAD /metrics HTTP/1.1\r\nHost: devd\r\n\r\n") == (
+        b"HTTP/1.1 405 Method Not Allowed\r\n"
+        b"Content-Type: text/plain; charset=utf-8\r\n"
+        b"Content-Length: 26\r\n"
+        b"Connection: close\r\n"
+        b"Allow: GET\r\n"
+        b"\r\n"
+    )
+
+
+def test_a_head_that_ended_within_the_bound_is_answered_whatever_body_follows() -> None:
+    head = b"POST /metrics HTTP/1.1\r\nHost: devd\r\nContent-Length: 9000\r\n\r\n"
+    assert status_line(head + b"b" * 9000) == b"HTTP/1.1 405 Method Not Allowed"
 
 
 # -- the listener, in process ----------------------------------------------------------------------------------------
@@ -210,13 +247,13 @@ def test_only_a_get_of_metrics_renders_them() -> None:
 
 def test_loopback_is_told_by_address_and_by_the_name_localhost_alone() -> None:
     hosts = ["127.0.0.1", "127.8.9.10", "::1", "localhost", "0.0.0.0", "::", "192.168.1.2", "devd.internal"]
-    assert [metrics.is_loopback(host) for host in hosts] == [True, True, True, True, False, False, False, False]
+    assert [TcpListen(host, 9464).loopback for host in hosts] == [True, True, True, True, False, False, False, False]
 
 
 def test_an_address_other_than_loopback_is_bound_with_a_warning_and_loopback_without() -> None:
     with capture_logs() as logs:
         for host in ("127.0.0.1", "0.0.0.0"):
-            metrics.bind(host, 0).close()
+            listener.bind(TcpListen(host, 0)).close()
     assert [(e["event"], e["address"].rsplit(":", 1)[0]) for e in logs] == [("metrics.exposed", "0.0.0.0")]
 
 
@@ -232,9 +269,9 @@ async def received(stream: ByteStream) -> bytes:
 
 async def test_a_head_that_does_not_arrive_in_time_is_answered_408_and_closed(tmp_path: Path) -> None:
     settings = Settings(tmp_path, None, metrics_timeout_s=0.2)
-    sock = metrics.bind("127.0.0.1", 0)
+    sock = listener.bind(TcpListen("127.0.0.1", 0))
     async with anyio.create_task_group() as tg:
-        await tg.start(metrics.serve, sock, lambda: "", settings)
+        await tg.start(listener.serve, sock, lambda: "", settings)
         async with await anyio.connect_tcp(*sock.getsockname()[:2]) as stream:
             await stream.send(b"GET /metr")
             with anyio.fail_after(10):
@@ -247,16 +284,16 @@ async def test_past_the_connection_bound_a_new_connection_is_closed_and_the_open
     tmp_path: Path,
 ) -> None:
     settings = Settings(tmp_path, None, metrics_connections_max=1)
-    sock = metrics.bind("127.0.0.1", 0)
+    sock = listener.bind(TcpListen("127.0.0.1", 0))
     address = sock.getsockname()[:2]
     async with anyio.create_task_group() as tg:
-        await tg.start(metrics.serve, sock, lambda: "m 1\n", settings)
+        await tg.start(listener.serve, sock, lambda: "m 1\n", settings)
         async with await anyio.connect_tcp(*address) as first:
             await anyio.sleep(0.1)  # accepted before the second comes
             async with await anyio.connect_tcp(*address) as second:
                 with anyio.fail_after(10):
                     refused = await received(second)
-            await first.send(b"GET /metrics HTTP/1.1\r\n\r\n")
+            await first.send(b"GET /metrics HTTP/1.1\r\nHost: devd\r\n\r\n")
             with anyio.fail_after(10):
                 served = await received(first)
         tg.cancel_scope.cancel()
@@ -267,7 +304,7 @@ async def test_scrapes_within_the_interval_share_one_rendering(tmp_path: Path) -
     """Anyone who reaches the port may scrape (there is no token): however many do, the daemon renders once a
     second, so scrapers cannot make it walk its sessions on the event loop more often than that."""
     settings = Settings(tmp_path, None, metrics_interval_s=60.0)
-    sock = metrics.bind("127.0.0.1", 0)
+    sock = listener.bind(TcpListen("127.0.0.1", 0))
     renders = []
 
     def render() -> str:
@@ -275,11 +312,11 @@ async def test_scrapes_within_the_interval_share_one_rendering(tmp_path: Path) -
         return f"m {len(renders)}\n"
 
     async with anyio.create_task_group() as tg:
-        await tg.start(metrics.serve, sock, render, settings)
+        await tg.start(listener.serve, sock, render, settings)
         bodies = set()
         for _ in range(16):
             async with await anyio.connect_tcp(*sock.getsockname()[:2]) as stream:
-                await stream.send(b"GET /metrics HTTP/1.1\r\n\r\n")
+                await stream.send(b"GET /metrics HTTP/1.1\r\nHost: devd\r\n\r\n")
                 with anyio.fail_after(10):
                     bodies.add((await received(stream)).rsplit(b"\r\n", 1)[-1])
         tg.cancel_scope.cancel()
@@ -359,3 +396,9 @@ def test_a_metrics_flag_that_is_not_a_tcp_address_is_a_usage_error(capsys: pytes
         "devd serve: error: argument --metrics: --metrics takes tcp://HOST:PORT (e.g. tcp://127.0.0.1:9464), not "
         "'localhost:9464'",
     )
+
+
+def test_a_daemon_without_metrics_does_not_load_h11() -> None:
+    code = "import sys, devd.cli, devd.cli.serve, devd.server.daemon; print('h11' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "False\n"

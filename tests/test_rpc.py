@@ -1,4 +1,4 @@
-"""JSON-RPC framing and request decoding, pure: bytes in, lines and errors out (no sockets)."""
+"""JSON-RPC request decoding and answers, pure: a line's bytes in, requests and errors out (no sockets)."""
 
 from __future__ import annotations
 
@@ -7,33 +7,11 @@ import pytest
 
 from devd import errors
 from devd.server.methods import METHODS, StepParams, StepResult, resolve
-from devd.server.rpc import TOO_LONG, LineFramer, RequestError, decode_request, error_response, response
+from devd.server.rpc import RequestError, decode_request, error_response, response
 
 
 def decode_params(request: object) -> object:
     return resolve(METHODS, request)[1]  # type: ignore[arg-type]
-
-
-def test_lines_split_across_reads_are_joined() -> None:
-    framer = LineFramer(100)
-    assert [*framer.feed(b'{"a":'), *framer.feed(b'1}\n{"b"'), *framer.feed(b":2}\n")] == [b'{"a":1}', b'{"b":2}']
-
-
-def test_a_line_over_the_limit_is_reported_once_and_the_rest_of_it_dropped() -> None:
-    framer = LineFramer(8)
-    got = [*framer.feed(b"0123456789"), *framer.feed(b"abcdef"), *framer.feed(b"tail\nok\n")]
-    assert got == [TOO_LONG, b"ok"]
-
-
-def test_a_whole_over_long_line_in_one_read_is_too_long_and_the_next_line_survives() -> None:
-    assert list(LineFramer(4).feed(b"0123456789\nabc\n")) == [TOO_LONG, b"abc"]
-
-
-def test_the_framer_never_holds_more_than_its_limit() -> None:
-    framer = LineFramer(1024)
-    for _ in range(1000):
-        list(framer.feed(b"x" * 4096))
-    assert framer.pending_bytes == 0
 
 
 def test_a_request_keeps_its_params_raw() -> None:

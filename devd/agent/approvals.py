@@ -12,7 +12,6 @@ anyone, and a ledger rebuilt from those records (`replay`) is the one that was l
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
@@ -77,13 +76,14 @@ def _subject(op: Op) -> tuple[str, tuple[str, ...]] | None:
     return None
 
 
-@dataclass
-class Ledger:
+class Ledger(msgspec.Struct):
     """One session's approvals."""
 
-    pending: dict[int, Asked] = field(default_factory=dict)
-    decided: dict[int, Decided] = field(default_factory=dict)
-    remembered: list[tuple[str, tuple[str, ...], Answer]] = field(default_factory=list)  # (what, prefix, decision)
+    pending: dict[int, Asked] = msgspec.field(default_factory=dict)
+    decided: dict[int, Decided] = msgspec.field(default_factory=dict)
+    remembered: list[tuple[str, tuple[str, ...], Answer]] = msgspec.field(
+        default_factory=list
+    )  # (what, prefix, decision)
 
     def ask(self, action: int, op: Op) -> Asked:
         """The action's approval, asked now or before (the same one, so a restart asks nothing new)."""

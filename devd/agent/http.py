@@ -1,17 +1,22 @@
-"""The only home of httpx: one client factory, a streamed POST and a capped GET, and one error for the network.
+"""The only home of httpx: one client, a streamed POST and a capped GET, and one error for the network.
 
 A client never reads proxies or certificates from the environment (`trust_env=False`): what the daemon reaches is
 what its profiles say. Every httpx error becomes a `TransportError`, so no other module needs to know httpx.
+
+httpx is imported, and its client (with the TLS context that loads the CA bundle) made, at the first request, not
+when the daemon starts: the two cost a start about 70 ms on this machine (half of what `devd serve` takes to its first
+answer), for a runtime that may never call out.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import TYPE_CHECKING
 
-import httpx
-
-Client = httpx.AsyncClient
+if TYPE_CHECKING:
+    import httpx
 
 
 class TransportError(Exception):
@@ -27,10 +32,37 @@ def _why(e: httpx.HTTPError) -> str:
     return f"{type(e).__name__}: {text}" if text != type(e).__name__ else text
 
 
+class Client:
+    """The agent runtime's connections, pooled; the httpx client behind them is made at the first request and closed
+    when the block using this one ends. `read_timeout_s` bounds the silence between two reads (a model may think)."""
+
+    def __init__(self, *, connect_timeout_s: float = 10.0, read_timeout_s: float = 300.0) -> None:
+        self._timeouts = connect_timeout_s, read_timeout_s
+        self._client: httpx.AsyncClient | None = None
+
+    def _httpx(self) -> httpx.AsyncClient:
+        if self._client is None:
+            import httpx
+
+            connect_timeout_s, read_timeout_s = self._timeouts
+            timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+            self._client = httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False)
+        return self._client
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
 def new_client(*, connect_timeout_s: float = 10.0, read_timeout_s: float = 300.0) -> Client:
-    """A client for the agent runtime. `read_timeout_s` bounds the silence between two reads (a model may think)."""
-    timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
-    return httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False)
+    """A client for the agent runtime (see `Client`)."""
+    return Client(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
 
 
 class Response:
@@ -43,6 +75,8 @@ class Response:
 
     async def lines(self) -> AsyncIterator[str]:
         """The body's lines as they arrive, without their line ends."""
+        import httpx
+
         try:
             async for line in self._response.aiter_lines():
                 yield line
@@ -51,6 +85,8 @@ class Response:
 
     async def read(self, limit_bytes: int) -> tuple[bytes, int]:
         """Up to `limit_bytes` of the body, and how many bytes past that were cut (the rest is not read)."""
+        import httpx
+
         kept = bytearray()
         cut = 0
         try:
@@ -68,8 +104,11 @@ class Response:
 @asynccontextmanager
 async def post(client: Client, url: str, body: bytes, headers: Mapping[str, str]) -> AsyncIterator[Response]:
     """POST and hand over the response as soon as its head is in; leaving the block (or being cancelled) closes it."""
+    streaming = client._httpx()
+    import httpx
+
     try:
-        async with client.stream("POST", url, content=body, headers=dict(headers)) as response:
+        async with streaming.stream("POST", url, content=body, headers=dict(headers)) as response:
             yield Response(response)
     except httpx.HTTPError as e:
         raise TransportError(_why(e)) from None
@@ -78,8 +117,11 @@ async def post(client: Client, url: str, body: bytes, headers: Mapping[str, str]
 @asynccontextmanager
 async def get(client: Client, url: str, *, max_redirects: int = 5) -> AsyncIterator[Response]:
     """GET, as `post` does, following up to `max_redirects` redirects (a page's address often moved)."""
+    streaming = client._httpx()
+    import httpx
+
     try:
-        async with client.stream("GET", url, follow_redirects=max_redirects > 0) as response:
+        async with streaming.stream("GET", url, follow_redirects=max_redirects > 0) as response:
             yield Response(response)
     except httpx.HTTPError as e:
         raise TransportError(_why(e)) from None
@@ -87,6 +129,8 @@ async def get(client: Client, url: str, *, max_redirects: int = 5) -> AsyncItera
 
 def valid_url(url: str) -> str | None:
     """None when httpx can send to `url` over http(s), else why not."""
+    import httpx
+
     try:
         parsed = httpx.URL(url)
     except httpx.InvalidURL as e:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
@@ -84,8 +83,7 @@ class Spans(Protocol):
     def shutdown(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class Gate:
+class Gate(msgspec.Struct, frozen=True):
     """Whether a call may start, and why in words the model is shown when it may not."""
 
     allowed: bool
@@ -93,12 +91,11 @@ class Gate:
     by: str | None = None  # the client that decided, when one did
 
 
-@dataclass
-class _Session:
-    ledger: Ledger = field(default_factory=Ledger)
+class _Session(msgspec.Struct):
+    ledger: Ledger = msgspec.field(default_factory=Ledger)
     budget: int | None = None
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
-    decided: dict[int, anyio.Event] = field(default_factory=dict)  # a waiter for each pending approval
+    lock: anyio.Lock = msgspec.field(default_factory=anyio.Lock)
+    decided: dict[int, anyio.Event] = msgspec.field(default_factory=dict)  # a waiter for each pending approval
 
 
 def today(now: float | None = None) -> str:
@@ -349,8 +346,7 @@ _OUTCOMES: dict[str, Outcome] = {"ok": "ok", "retry": "error", "failed": "error"
 TRACE_ERROR_CHARS = 500  # of a failed run's text kept as its trace record's error
 
 
-@dataclass
-class ModelCall:
+class ModelCall(msgspec.Struct):
     """One model call of a Model action, as the runner makes it: admitted before it is sent (`admit`), each of its
     attempts heard (`attempt`, the driver's `on_attempt`), and accounted once it is over (`done`): one trace record
     per attempt, its usage charged."""
@@ -361,7 +357,7 @@ class ModelCall:
     turn: int
     action: int
     request: bytes  # the request's body, for the estimate
-    attempts: list[Attempt] = field(default_factory=list)
+    attempts: list[Attempt] = msgspec.field(default_factory=list)
     reservation: Reservation | None = None
 
     async def admit(self) -> Refusal | None:

@@ -10,7 +10,6 @@ added, so the runner hears of steps other clients make (a `Cancel`) without a co
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import anyio
@@ -38,11 +37,10 @@ class Observer(Protocol):
         """The session was closed, expired or moved away."""
 
 
-@dataclass
 class ObservedFanout(Fanout):
     """The watcher fan-out, also telling in-process observers of every step and every session's end."""
 
-    observers: list[Observer] = field(default_factory=list)
+    observers: list[Observer] = msgspec.field(default_factory=list)
 
     def publish(self, stepped: Stepped) -> None:
         super().publish(stepped)

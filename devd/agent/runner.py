@@ -27,7 +27,6 @@ import json
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -310,19 +309,18 @@ def _turn_id(event: bytes) -> int:
     return 0 if turn is None else turn.id
 
 
-@dataclass(eq=False)
-class Driver:
+class Driver(msgspec.Struct, eq=False):
     """Carries out one session's pending actions, one at a time, until it waits for nothing."""
 
     runtime: Runtime
     session: str
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    scope: anyio.CancelScope = msgspec.field(default_factory=anyio.CancelScope)
     dirty: bool = False  # the session may wait for other things than the queue says: read pending again
     sent: bytes | None = None  # the event of the step this driver has in flight (its own, not another client's)
-    resumed: anyio.Event = field(default_factory=anyio.Event)
-    _foreign: anyio.Event = field(default_factory=anyio.Event)
-    _claims: set[int] = field(default_factory=set)
-    _inserted: list[Inserted] = field(default_factory=list)
+    resumed: anyio.Event = msgspec.field(default_factory=anyio.Event)
+    _foreign: anyio.Event = msgspec.field(default_factory=anyio.Event)
+    _claims: set[int] = msgspec.field(default_factory=set)
+    _inserted: list[Inserted] = msgspec.field(default_factory=list)
 
     @property
     def sessions(self) -> Sessions:

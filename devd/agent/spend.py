@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -93,8 +92,7 @@ class Refusal(msgspec.Struct, frozen=True):
         )
 
 
-@dataclass(frozen=True)
-class Scope:
+class Scope(msgspec.Struct, frozen=True):
     """Where a call's tokens count: its session, turn, profile and UTC day (YYYY-MM-DD)."""
 
     session: str
@@ -103,22 +101,20 @@ class Scope:
     day: str
 
 
-@dataclass(frozen=True)
-class Reservation:
+class Reservation(msgspec.Struct, frozen=True):
     number: int
     scope: Scope
     tokens: int
 
 
-@dataclass
-class SpendLedger:
+class SpendLedger(msgspec.Struct):
     """Every session's spend and every call in flight, for one daemon."""
 
-    sessions: dict[str, Totals] = field(default_factory=dict)
-    _spent: dict[tuple[str, ...], int] = field(default_factory=dict)  # by counter (see `_counters`)
-    _reserved: dict[tuple[str, ...], int] = field(default_factory=dict)
-    _open: dict[int, Reservation] = field(default_factory=dict)
-    _numbers: itertools.count[int] = field(default_factory=itertools.count)
+    sessions: dict[str, Totals] = msgspec.field(default_factory=dict)
+    _spent: dict[tuple[str, ...], int] = msgspec.field(default_factory=dict)  # by counter (see `_counters`)
+    _reserved: dict[tuple[str, ...], int] = msgspec.field(default_factory=dict)
+    _open: dict[int, Reservation] = msgspec.field(default_factory=dict)
+    _numbers: itertools.count[int] = msgspec.field(default_factory=itertools.count)
 
     def admit(self, scope: Scope, tokens: int, ceilings: Ceilings) -> Reservation | Refusal:
         """Reserve `tokens` for a call, or the refusal of the first ceiling it would pass (the call is not sent)."""

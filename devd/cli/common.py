@@ -18,6 +18,7 @@ from devd.config import (
     default_state_dir,
 )
 from devd.errors import DevdError
+from devd.server.listeners import UnixListen, address
 
 if TYPE_CHECKING:
     pass
@@ -218,9 +219,12 @@ def _socket_path(text: str) -> Path:
     """The socket `devd serve` listens on: a path, or a path as a client names it (`unix:PATH`). A TCP address is
     refused rather than made a file name: DEVD_SOCKET may hold one for the client commands, but serving TCP is
     --listen's."""
-    path = text.removeprefix("unix:")
-    if not path or text.startswith("tcp://"):
+    try:
+        where = address(text) if text not in ("", "unix:") else None
+    except ValueError:  # a tcp:// address, and not even a good one
+        where = None
+    if not isinstance(where, UnixListen):
         raise argparse.ArgumentTypeError(
             f"--socket takes the path of a Unix socket, not {text!r}; to serve TCP, pass --listen tcp://HOST:PORT"
         )
-    return Path(path)
+    return where.path

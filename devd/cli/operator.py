@@ -7,7 +7,6 @@ import argparse
 import fcntl
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote
@@ -87,8 +86,7 @@ def status_summary(status: dict[str, Any]) -> str:
 DATABASE_FILE = "devd.sqlite3"  # in the state directory, as `devd serve` names it
 
 
-@dataclass(frozen=True)
-class Check:
+class Check(msgspec.Struct, frozen=True):
     """One check of `devd doctor`: `ok`, `FAIL` (what is wrong and what to do), or `skip` (it could not be made
     now, and why: not a failure)."""
 

@@ -14,7 +14,6 @@ from devd.config import (
     default_state_dir,
     parse_duration,
     parse_size,
-    parse_tcp,
 )
 
 if TYPE_CHECKING:
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
 from devd.cli.common import EXIT_CODES, _flag_value, _socket_path
 from devd.cli.serve import _metrics_address, _otel_endpoint, _store_url
 from devd.cli.sessions import PLAIN, _plain_arguments
+from devd.server.listeners import TcpListen
 
 
 def _flags(command: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -156,7 +156,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument(
         "--listen",
         metavar="tcp://HOST:PORT",
-        type=_flag_value(parse_tcp),
+        type=_flag_value(TcpListen.parse),
         help="also listen on TCP, where a connection must first present the token from STATE_DIR/token "
         "(default: the Unix socket only)",
     )

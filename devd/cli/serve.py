@@ -7,7 +7,6 @@ import faulthandler
 import os
 import re
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,12 +18,13 @@ from devd.config import (
     default_live_memory,
     default_socket_path,
     default_state_dir,
-    parse_tcp,
 )
 from devd.errors import DevdError
 from devd.server import systemd
+from devd.server.listeners import ActivatedListen, Listen, TcpListen, UnixListen
 
 if TYPE_CHECKING:
+    from devd.server.listeners import Listening
     from devd.storage.store import Fleet, Store
 
 
@@ -63,16 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     from devd.errors import StoreError
     from devd.host import Core
     from devd.server.daemon import Daemon, build
-    from devd.server.listeners import (
-        StartupError,
-        bind_tcp,
-        bind_unix,
-        lock_state_dir,
-        prepare_state_dir,
-        read_token,
-        unlink_socket,
-    )
-    from devd.server.metrics import bind as bind_metrics
+    from devd.server.listeners import StartupError, lock_state_dir, prepare_state_dir, read_token
 
     os.umask(0o077)  # state files, the token and the socket: this user's alone
     # A fault SQLite's shared-memory mapping can raise (SIGBUS on a failed write or a read-only remount) kills the
@@ -105,19 +96,14 @@ def _serve(args: argparse.Namespace) -> int:
             memory_bytes=settings.memory_bytes_per_session,
             cache_dir=settings.state_dir / "cache",
         )
-        listeners = systemd.listen_sockets()
-        activated = [t for _, t in listeners]
-        listeners = [(s, "unix" if s.family == socket.AF_UNIX else "tcp") for s, _ in listeners]
-        bound_socket: tuple[Path, int] | None = None
-        if not listeners:
-            assert settings.socket_path is not None
-            unix, inode = bind_unix(settings.socket_path)
-            listeners.append((unix, "unix"))
-            bound_socket = settings.socket_path, inode
-            if settings.tcp:
-                listeners.append((bind_tcp(*settings.tcp), "tcp"))
-        token = read_token(settings.state_dir) if any(t == "tcp" for _, t in listeners) else None
-        metrics_socket = bind_metrics(*settings.metrics) if settings.metrics else None
+        activated = [ActivatedListen(sock, name) for sock, name in systemd.listen_sockets()]
+        listeners = [where.bind() for where in activated or _asked(settings)]
+        token = read_token(settings.state_dir) if any(bound.served.needs_token for bound in listeners) else None
+        metrics_socket = None
+        if settings.metrics:
+            from devd.server import scrape  # h11 loaded only by a daemon that serves metrics
+
+            metrics_socket = scrape.bind(settings.metrics)
         agents = _agents(args)
         store, fleet = _open_store(args, settings, listeners)
     except (StartupError, ValueError, OSError, DevdError) as e:
@@ -131,10 +117,10 @@ def _serve(args: argparse.Namespace) -> int:
         systemd.notify(f"READY=1\nSTATUS=serving {sum(registry.counts().values())} sessions")
         logger.info(
             "daemon.listening",
-            socket=str(bound_socket[0]) if bound_socket else None,
-            tcp=[f"{a[0]}:{a[1]}" for s, t in listeners if t == "tcp" for a in [s.getsockname()]] or None,
+            socket=next((str(b.listen.path) for b in listeners if isinstance(b.listen, UnixListen)), None),
+            tcp=[f"{t.host}:{t.port}" for b in listeners if isinstance(t := b.served, TcpListen)] or None,
             metrics="{}:{}".format(*metrics_socket.getsockname()[:2]) if metrics_socket else None,
-            activated=activated or None,
+            activated=[a.name for a in activated] or None,
             state_dir=str(settings.state_dir),
             live_memory=settings.live_memory_bytes,
             version=__version__,
@@ -153,14 +139,18 @@ def _serve(args: argparse.Namespace) -> int:
         registry.close_all()
         store.close()
         core.close()
-        for sock, _ in listeners:
-            sock.close()
+        for listening in listeners:
+            listening.close()  # and the Unix socket it bound removed
         if metrics_socket is not None:
             metrics_socket.close()
-        if bound_socket is not None:
-            unlink_socket(*bound_socket)
     logger.info("daemon.stopped")
     return 0
+
+
+def _asked(settings: Settings) -> list[Listen]:
+    """Where the flags say to listen, when systemd passed no sockets: the Unix socket, and TCP with --listen."""
+    assert settings.socket_path is not None
+    return [UnixListen(settings.socket_path), *([settings.tcp] if settings.tcp else [])]
 
 
 def _agents(args: argparse.Namespace) -> dict[str, Any]:
@@ -172,9 +162,7 @@ def _agents(args: argparse.Namespace) -> dict[str, Any]:
     return {} if path is None else dict(load_profiles(path))
 
 
-def _open_store(
-    args: argparse.Namespace, settings: Settings, listeners: list[tuple[socket.socket, str]]
-) -> tuple[Store, Fleet | None]:
+def _open_store(args: argparse.Namespace, settings: Settings, listeners: list[Listening]) -> tuple[Store, Fleet | None]:
     """The store --store names (default: the state directory's SQLite file), and the fleet when it is shared."""
     spec = args.store or f"sqlite:{settings.state_dir / 'devd.sqlite3'}"
     if spec.startswith(_POSTGRES):
@@ -186,7 +174,7 @@ def _open_store(
             steps_kept=settings.steps_kept_per_session,
             prune_every_steps=settings.prune_every_steps,
             node=args.node,
-            advertise=args.advertise or _advertised(listeners),
+            advertise=args.advertise or str(listeners[0].served),  # its first listener, as a client addresses it
             lease_ttl_s=args.lease_ttl,
         )
         return store, store
@@ -201,15 +189,6 @@ def _open_store(
         steps_kept=settings.steps_kept_per_session,
         prune_every_steps=settings.prune_every_steps,
     ), None
-
-
-def _advertised(listeners: list[tuple[socket.socket, str]]) -> str:
-    """Where other daemons send this one's clients: its first listener, as a client addresses it."""
-    sock, kind = listeners[0]
-    if kind == "unix":
-        return f"unix:{sock.getsockname()}"
-    host, port = sock.getsockname()[:2]
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def _backend_options() -> dict[str, Any]:
@@ -228,9 +207,9 @@ def _otel_endpoint(text: str) -> str:
     return text
 
 
-def _metrics_address(text: str) -> tuple[str, int]:
+def _metrics_address(text: str) -> TcpListen:
     try:
-        return parse_tcp(text)
+        return TcpListen.parse(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--metrics takes tcp://HOST:PORT (e.g. tcp://127.0.0.1:9464), not {text!r}"

@@ -8,7 +8,6 @@ import getpass
 import shlex
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -197,8 +196,7 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
             return EXIT_OK if closed else EXIT_ANSWERED_ERROR
 
 
-@dataclass(frozen=True)
-class Plain:
+class Plain(msgspec.Struct, frozen=True):
     """A command that is one call of a method of `devd.protocol.METHODS`: its arguments are the method's params (a
     required one positional, an optional one a flag), and for people it prints `show` of the answer (--json: the
     answer as it came)."""

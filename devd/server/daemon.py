@@ -36,9 +36,11 @@ from devd.config import Settings
 from devd.host import Core
 from devd.server import metrics, systemd
 from devd.server.dispatch import Dispatcher
+from devd.server.hub import Hub
+from devd.server.listeners import BACKLOG, Listening, UnixListen
 from devd.server.methods import METHODS, App, Method, status
+from devd.server.ndjson import Connection
 from devd.server.rpc import encode_notice
-from devd.server.transport import Connection, Hub
 from devd.sessions.calls import Runner
 from devd.sessions.registry import Registry
 from devd.storage.store import Fleet, Store
@@ -99,7 +101,7 @@ class Daemon:
 
     async def serve(
         self,
-        listeners: list[tuple[socket.socket, str]],
+        listeners: list[Listening],
         on_ready: Callable[[], None],
         metrics_socket: socket.socket | None = None,
         stops: AsyncIterator[int] | None = None,
@@ -127,13 +129,17 @@ class Daemon:
                 if app.registry.fleet is not None:
                     tg.start_soon(self._check_holds)
                 self.hub = Hub(self.settings, self.dispatcher, self.token)
-                servers = [await _listen(self.hub, sock, kind) for sock, kind in listeners]
+                servers = [await _listen(self.hub, listening) for listening in listeners]
                 if metrics_socket is not None:
                     # In the task group, so the group's cancel at the end stops it; started before ready.
-                    await tg.start(metrics.serve, metrics_socket, self._exposition, self.settings)
+                    from devd.server import scrape  # h11 loaded only by a daemon that serves metrics
+
+                    await tg.start(scrape.serve, metrics_socket, self._exposition, self.settings)
                 on_ready()
                 sessions = sum(app.registry.counts().values())
-                log.info("daemon.ready", sessions=sessions, listeners=[t for _, t in listeners])
+                log.info(
+                    "daemon.ready", sessions=sessions, listeners=[listening.served.kind for listening in listeners]
+                )
                 await self._until_signal(signals, servers)
                 if app.agents is not None:
                     app.agents.stop()  # nothing new starts while calls drain; an effect cut short is found claimed
@@ -199,20 +205,20 @@ class Daemon:
         never reads), for as long as the grace allows."""
         assert self.hub is not None
         stalled_after_s = 1.0
-        progress = {c: (c.unsent_bytes, time.monotonic()) for c in self.hub.connections}
+        flows = self.hub.outboxes.flows
+        progress = {f: (f.unsent_bytes, time.monotonic()) for f in flows}
         with anyio.move_on_after(self.settings.shutdown_grace_s):
             while progress:
                 await anyio.sleep(0.01)
                 now = time.monotonic()
-                for conn, (before, since) in list(progress.items()):
-                    unsent = conn.unsent_bytes
+                for flow, (before, since) in list(progress.items()):
+                    unsent = flow.unsent_bytes
                     if not unsent or (unsent >= before and now - since > stalled_after_s):
-                        del progress[conn]
+                        del progress[flow]
                     elif unsent < before:
-                        progress[conn] = (unsent, now)
-        for conn in list(self.hub.connections):
-            if conn.transport is not None:
-                conn.transport.close()
+                        progress[flow] = (unsent, now)
+        for flow in list(flows):
+            flow.transport.close()
 
     async def _expire(self, unused_for_s: float) -> None:
         """Delete sessions unused for longer than the daemon keeps them, checking a few times per that period."""
@@ -258,9 +264,10 @@ def _stop_requests(stops: AsyncIterator[int] | None) -> Iterator[AsyncIterator[i
         yield signals
 
 
-async def _listen(hub: Hub, sock: socket.socket, kind: str) -> asyncio.Server:
-    """Accept on sock; asyncio's accept loop backs off when out of descriptors (or memory) instead of dying."""
+async def _listen(hub: Hub, listening: Listening) -> asyncio.Server:
+    """Accept on the listener; asyncio's accept loop backs off when out of descriptors (or memory) instead of dying."""
     loop = asyncio.get_running_loop()
-    if kind == "unix":
-        return await loop.create_unix_server(lambda: Connection(hub, kind), sock=sock, backlog=512)
-    return await loop.create_server(lambda: Connection(hub, kind), sock=sock, backlog=512)
+    served, sock = listening.served, listening.sock
+    if isinstance(served, UnixListen):
+        return await loop.create_unix_server(lambda: Connection(hub, served), sock=sock, backlog=BACKLOG)
+    return await loop.create_server(lambda: Connection(hub, served), sock=sock, backlog=BACKLOG)

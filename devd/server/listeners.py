@@ -1,5 +1,10 @@
 """Where the daemon listens and keeps its state: the state directory, the TCP token, the Unix and TCP sockets.
 
+A listen address is a value, parsed once from a flag or a client's address and used as such everywhere after:
+`UnixListen` (a path), `TcpListen` (host and port) or `ActivatedListen` (a socket systemd passed). Each knows how to
+bind itself (`bind()`, giving a `Listening`), how it is written (`str()`: `unix:PATH`, `tcp://HOST:PORT`), whether
+it is loopback, and its peer rule: a Unix peer is told by its uid, a TCP peer must present the token (`needs_token`).
+
 What it promises: the state directory, the backup directory and a `--store` database (with its directory) are refused
 when they are not this user's or others can write them, and one daemon at a time holds the state directory; the token
 file is created 0600 atomically and refused when others can read it or it is too short; the Unix socket is 0600 in a
@@ -11,13 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import os
 import secrets
 import socket
 import stat
 import struct
 from pathlib import Path
+from typing import ClassVar
 
+import msgspec
 import structlog
 
 from devd.files import write_atomically
@@ -101,6 +109,7 @@ def lock_state_dir(path: Path, socket_path: Path | None) -> int:
 
 
 TOKEN_CHARS_MIN = 32
+BACKLOG = 512  # connections the kernel queues for accept, on every JSON-RPC listener
 
 
 def read_token(state_dir: Path) -> str:
@@ -177,7 +186,7 @@ def bind_unix(path: Path) -> tuple[socket.socket, int]:
     finally:
         os.umask(old)
     os.chmod(path, 0o600)
-    sock.listen(512)
+    sock.listen(BACKLOG)
     sock.setblocking(False)
     return sock, os.lstat(path).st_ino
 
@@ -193,7 +202,7 @@ def unlink_socket(path: Path, inode: int) -> None:
 def bind_tcp(host: str, port: int) -> socket.socket:
     """A listening TCP socket; a warning when it listens on every address, judged by the address it was bound to (so
     `0`, `0.0`, `[::0]` and any other spelling of it warn as `0.0.0.0` does)."""
-    sock = listen_tcp(host, port, backlog=512)
+    sock = listen_tcp(host, port, backlog=BACKLOG)
     bound = sock.getsockname()[0]
     if bound in ("0.0.0.0", "::"):
         log.warning(
@@ -219,3 +228,137 @@ def listen_tcp(host: str, port: int, *, backlog: int) -> socket.socket:
 def peer_uid(sock: socket.socket) -> int:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return int(struct.unpack("3i", creds)[1])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host names this machine alone (a name other than localhost cannot be told, so it is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# -- listen addresses, as values --------------------------------------------------------------------------------------
+
+
+class UnixListen(msgspec.Struct, frozen=True):
+    """A Unix socket's path. Its peers are told by uid (this user's or root's), so they present no token."""
+
+    path: Path
+    needs_token: ClassVar[bool] = False
+    loopback: ClassVar[bool] = True
+    kind: ClassVar[str] = "unix"  # connections are counted by kind (devd.server.hub.Hub.refusal)
+
+    def __str__(self) -> str:
+        return f"unix:{self.path}"
+
+    def canonical(self) -> UnixListen:
+        """The same socket, written one way (an absolute, normalized path), for telling whether two are one."""
+        return UnixListen(Path(os.path.abspath(self.path)))
+
+    def bind(self) -> Listening:
+        sock, inode = bind_unix(self.path)
+        return Listening(self, sock, inode)
+
+    def accepted(self, sock: socket.socket) -> int | None:
+        """A connection accepted on sock: the uid of its peer when it is to be turned away (not this user, nor root,
+        who can read the state directory anyway), else None."""
+        uid = peer_uid(sock)
+        return None if uid in (os.getuid(), 0) else uid
+
+
+class TcpListen(msgspec.Struct, frozen=True):
+    """A TCP host and port. Its peers must present the token before anything else is read."""
+
+    host: str
+    port: int
+    needs_token: ClassVar[bool] = True
+    kind: ClassVar[str] = "tcp"
+
+    @classmethod
+    def parse(cls, url: str) -> TcpListen:
+        """`tcp://HOST:PORT` (HOST may be [v6]); ValueError, in --listen's words, for anything else."""
+        if not url.startswith("tcp://"):
+            raise ValueError(f"--listen takes tcp://HOST:PORT, not {url!r}")
+        host, sep, port = url[len("tcp://") :].rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ValueError(f"--listen takes tcp://HOST:PORT, not {url!r}")
+        return cls(host.strip("[]"), int(port))
+
+    def __str__(self) -> str:
+        return f"tcp://[{self.host}]:{self.port}" if ":" in self.host else f"tcp://{self.host}:{self.port}"
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+    def canonical(self) -> TcpListen:
+        return TcpListen(self.host.lower(), self.port)
+
+    def bind(self) -> Listening:
+        return Listening(self, bind_tcp(self.host, self.port))
+
+    def accepted(self, sock: socket.socket) -> int | None:
+        """A connection accepted on sock, readied: its answers go out at once (no Nagle delay). None: a TCP peer is
+        judged by its token, later."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return None
+
+
+class ActivatedListen(msgspec.Struct, frozen=True):
+    """A listening socket systemd passed (LISTEN_FDS), with its LISTEN_FDNAMES name: already bound, and served as
+    what its family makes it (`served`), Unix or TCP, with that kind's peer rule."""
+
+    sock: socket.socket
+    name: str
+
+    @property
+    def served(self) -> UnixListen | TcpListen:
+        return bound_as(self.sock)
+
+    def __str__(self) -> str:
+        return f"{self.served} (activated: {self.name})"
+
+    def bind(self) -> Listening:
+        return Listening(self, self.sock)
+
+
+Listen = UnixListen | TcpListen | ActivatedListen
+
+
+def address(text: str) -> UnixListen | TcpListen:
+    """A client's address: `tcp://HOST:PORT`, or a Unix socket's path, plain or as `unix:PATH` (as a fleet
+    advertises it). ValueError for a tcp:// address that is not HOST:PORT."""
+    if text.startswith("tcp://"):
+        return TcpListen.parse(text)
+    return UnixListen(Path(text.removeprefix("unix:")))
+
+
+def bound_as(sock: socket.socket) -> UnixListen | TcpListen:
+    """What a listening socket is bound to, as its clients address it (a port 0 asked for is the port given)."""
+    if sock.family == socket.AF_UNIX:
+        return UnixListen(Path(os.fsdecode(sock.getsockname())))  # an abstract name (systemd's @name) is bytes
+    host, port = sock.getsockname()[:2]
+    return TcpListen(host, port)
+
+
+class Listening(msgspec.Struct, frozen=True):
+    """A listening socket and what it was bound as; `inode` is that of a Unix socket this daemon made, which
+    `close` removes (unless someone has put something else there since)."""
+
+    listen: Listen
+    sock: socket.socket
+    inode: int | None = None
+
+    @property
+    def served(self) -> UnixListen | TcpListen:
+        """Where clients reach it (the port given for a port 0), and so its kind and peer rule."""
+        return bound_as(self.sock)
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.inode is not None:
+            assert isinstance(self.listen, UnixListen)
+            unlink_socket(self.listen.path, self.inode)

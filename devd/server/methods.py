@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -95,27 +94,25 @@ log = structlog.get_logger("devd.server.methods")
 # -- the services a handler sees -----------------------------------------------------------------------------------
 
 
-@dataclass
-class Peer:
+class Peer(msgspec.Struct):
     """The calling connection: how it came in, where its notifications go, what it watches."""
 
     transport: str
     sink: Sink
-    watches: dict[str, Subscription] = field(default_factory=dict)
+    watches: dict[str, Subscription] = msgspec.field(default_factory=dict)
     closed: bool = False  # its subscriptions have been ended: a watch that finishes now must not outlive it
     client: str | None = None  # the client's name from `initialize`: who decided an approval
 
 
-@dataclass
-class App:
+class App(msgspec.Struct):
     """The daemon's services, as handlers use them."""
 
     settings: Settings
     registry: Registry
     store: Store
     connections: Callable[[], int]
-    started: float = field(default_factory=time.monotonic)
-    errors: dict[str, int] = field(default_factory=dict)  # answers by error kind
+    started: float = msgspec.field(default_factory=time.monotonic)
+    errors: dict[str, int] = msgspec.field(default_factory=dict)  # answers by error kind
     agents: Runtime | None = None  # the agent runtime (devd.agent.runner): the sessions the daemon drives
     oversight: Oversight | None = None  # approvals, spend and trace of the sessions the daemon drives
 
@@ -128,8 +125,7 @@ class Call(msgspec.Struct, frozen=True):
 Handler = Callable[[Call, Any], Awaitable[msgspec.Struct]]
 
 
-@dataclass(frozen=True)
-class Method:
+class Method(msgspec.Struct, frozen=True):
     """A method of the protocol bound to its handler: what dispatch looks up."""
 
     name: str

@@ -1,14 +1,13 @@
-"""JSON-RPC 2.0 over newline-delimited JSON: framing, request decoding, answers and notifications. No I/O.
+"""JSON-RPC 2.0 messages: request decoding, answers and notifications. No I/O, and no framing (a line's bytes in,
+a line's bytes out; splitting a stream into lines is `devd.server.framing`'s).
 
-`LineFramer` turns received bytes into lines, answering an over-long line once as too large and discarding the
-rest of it, so the stream stays in step. `decode_request` turns a line into a `Request` (or a `DevdError` that
-says which JSON-RPC error it is); `response` and `error_response` turn results and errors into lines. Events and
-actions cross as `msgspec.Raw`: what the core validates is never decoded and re-encoded here.
+`decode_request` turns a line into a `Request` (or a `DevdError` that says which JSON-RPC error it is); `response`
+and `error_response` turn results and errors into lines. Events and actions cross as `msgspec.Raw`: what the core
+validates is never decoded and re-encoded here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import msgspec
@@ -27,63 +26,6 @@ from devd.protocol import UnwatchedNotice as UnwatchedNotice
 from devd.sessions.watchers import Notice, Stepped
 
 Id = int | str | None
-
-
-# -- framing ------------------------------------------------------------------------------------------------------
-
-
-class TooLong:
-    """Marks a line that passed the limit; it is answered once, and its remaining bytes are dropped."""
-
-
-TOO_LONG = TooLong()
-
-
-class LineFramer:
-    """Splits a byte stream at b"\\n" with a bound on line length; never holds more than the bound."""
-
-    def __init__(self, line_bytes_max: int) -> None:
-        self.line_bytes_max = line_bytes_max
-        self._buffer = bytearray()
-        self._discarding = False
-
-    def feed(self, data: bytes) -> Iterator[bytes | TooLong]:
-        if data[-1:] == b"\n" and not self._buffer and not self._discarding and data.find(b"\n") == len(data) - 1:
-            # One whole line in one read, the usual case: no buffering, no scanning twice.
-            if len(data) - 1 > self.line_bytes_max:
-                yield TOO_LONG
-            else:
-                yield data[:-1]
-            return
-        start = 0
-        while True:
-            end = data.find(b"\n", start)
-            if end < 0:
-                break
-            if self._discarding:
-                self._discarding = False
-            elif len(self._buffer) + end - start > self.line_bytes_max:
-                self._buffer.clear()
-                yield TOO_LONG
-            else:
-                self._buffer += data[start:end]
-                line = bytes(self._buffer)
-                self._buffer.clear()
-                yield line
-            start = end + 1
-        rest = len(data) - start
-        if self._discarding or not rest:
-            return
-        if len(self._buffer) + rest > self.line_bytes_max:
-            self._buffer.clear()
-            self._discarding = True
-            yield TOO_LONG
-        else:
-            self._buffer += data[start:]
-
-    @property
-    def pending_bytes(self) -> int:
-        return len(self._buffer)
 
 
 # -- messages -----------------------------------------------------------------------------------------------------

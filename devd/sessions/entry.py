@@ -4,8 +4,9 @@ answer (`Answered`) and its counters (`Statistics`, frozen, as `Registry.statist
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import msgspec
 
 from devd.errors import HandleError
 from devd.host import Instance
@@ -15,8 +16,7 @@ from devd.storage.store import Health, Stored
 STEP_BYTES = 2048  # what a step costs a replay beyond its event's bytes (~45 us here), in bytes of events
 
 
-@dataclass
-class Entry:
+class Entry(msgspec.Struct):
     name: str
     state: State
     seq: int
@@ -25,7 +25,7 @@ class Entry:
     busy: bool = False  # inside a call: set and cleared by `Registry.entered` alone
     created: float = 0.0  # wall-clock seconds
     last_used: float = 0.0  # wall-clock seconds of the last call on it (shown; never used to decide expiry)
-    used_at: float = field(default_factory=time.monotonic)  # the same on the monotonic clock: what expiry reads
+    used_at: float = msgspec.field(default_factory=time.monotonic)  # the same on the monotonic clock: what expiry reads
     memory: int = 0  # bytes of its instance's memory when last measured (0: no instance)
     heavy: bool = False  # a call did not fit the inline budget, or its instance is large: calls run on a worker
     light_calls: int = 0  # calls in a row, since, that would have fitted it easily (enough of them end `heavy`)
@@ -38,8 +38,7 @@ class Entry:
         self.since_bytes = sum(len(row.event) + STEP_BYTES for row in stored.journal)
 
 
-@dataclass
-class Counters:
+class Counters(msgspec.Struct):
     """The registry's own counters, counted as they happen (`Statistics` is their frozen reading)."""
 
     steps: int = 0
@@ -49,8 +48,7 @@ class Counters:
     expired: int = 0  # sessions deleted for going unused longer than the daemon keeps them
 
 
-@dataclass(frozen=True, slots=True)
-class Statistics:
+class Statistics(msgspec.Struct, frozen=True):
     steps: int
     replayed: int
     deadline_hits: int
@@ -71,8 +69,7 @@ class Answered(NamedTuple):
     ignored: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Info:
+class Info(msgspec.Struct, frozen=True):
     name: str
     state: State
     seq: int

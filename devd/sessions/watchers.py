@@ -9,7 +9,6 @@ the stepping client never waits for a watcher. A watcher that cannot take a noti
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
@@ -41,8 +40,7 @@ class Sink(Protocol):
         """Queue data whatever the room (for the one notice that ends a subscription)."""
 
 
-@dataclass(eq=False)
-class Subscription:
+class Subscription(msgspec.Struct, eq=False):
     session: str
     sink: Sink
     last_seq: int
@@ -50,10 +48,9 @@ class Subscription:
     active: bool = True
 
 
-@dataclass
-class Fanout:
+class Fanout(msgspec.Struct):
     encode: Callable[[Notice], bytes]
-    _by_session: dict[str, set[Subscription]] = field(default_factory=dict)
+    _by_session: dict[str, set[Subscription]] = msgspec.field(default_factory=dict)
 
     def subscribe(self, session: str, sink: Sink, last_seq: int, *, catching_up: bool) -> Subscription:
         sub = Subscription(session, sink, last_seq, catching_up)

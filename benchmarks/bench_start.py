@@ -1,0 +1,119 @@
+"""`python -m benchmarks.bench start`: exec to the first answer, devd against the least a Python daemon can do.
+
+Each side is a fresh process, timed from just before its exec to the answer of an `initialize` sent as soon as its
+socket accepts: the floor is this interpreter with asyncio on uvloop and msgspec (what any daemon of ours must load)
+answering the line; devd is `python -m devd serve` on a state directory whose compiled core is already cached (a
+first start on an empty one, which compiles the core and every module's bytecode, is timed apart). Sides alternate
+round by round; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+INITIALIZE = b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"client":{"name":"bench"}}}\n'
+
+
+def _floor_server(socket_path: str) -> None:
+    """The least a daemon of ours starts with: the loop it runs on, the codec it speaks, one answer per line."""
+    import asyncio
+
+    import msgspec
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - devd runs on asyncio's own loop then too
+        uvloop = None
+
+    decode, encode = msgspec.json.Decoder().decode, msgspec.json.Encoder().encode
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while line := await reader.readline():
+            request = decode(line)
+            writer.write(encode({"jsonrpc": "2.0", "id": request["id"], "result": {"server": "floor"}}) + b"\n")
+        writer.close()
+
+    async def serve() -> None:
+        server = await asyncio.start_unix_server(answer, socket_path)
+        await server.serve_forever()
+
+    (uvloop.run if uvloop is not None else asyncio.run)(serve())
+
+
+def _first_answer_ms(argv: list[str], sock: Path, env: dict[str, str]) -> float:
+    """Milliseconds from just before the exec of argv to the answer of an initialize on sock."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv[2]} exited {proc.returncode}: {proc.stderr.read().decode()[-800:]}")  # type: ignore[union-attr]
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(sock))
+                    s.sendall(INITIALIZE)
+                    answered = b""
+                    while not answered.endswith(b"\n"):
+                        chunk = s.recv(65536)
+                        if not chunk:
+                            raise ConnectionError("the server closed the connection before answering")
+                        answered += chunk
+                    return (time.perf_counter() - t0) * 1000
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.0005)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stderr.close()  # type: ignore[union-attr]
+        sock.unlink(missing_ok=True)
+
+
+def _devd_argv(sock: Path, state: Path) -> list[str]:
+    return [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)] + [
+        "--log-level",
+        "warning",
+    ]
+
+
+def bench_start(rounds: int) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="devd-bench-start-"))
+    sock, state = root / "s.sock", root / "state"
+    # Bytecode cached as an installed wheel has it (pip compiles on install), kept apart from the checkout; the first
+    # start of each side writes it, and devd's first also compiles the core into the state directory's cache.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(root / "pycache")
+    floor_argv = [sys.executable, "-m", "benchmarks.bench_start", "_floor", str(sock)]
+    _first_answer_ms(floor_argv, sock, env)
+    compiling = _first_answer_ms(_devd_argv(sock, state), sock, env)
+    floor, devd = [], []
+    for _ in range(rounds):
+        floor.append(_first_answer_ms(floor_argv, sock, env))
+        devd.append(_first_answer_ms(_devd_argv(sock, state), sock, env))
+    floor_ms, devd_ms = statistics.median(floor), statistics.median(devd)
+    return {
+        "rounds": rounds,
+        "floor_ms": round(floor_ms, 1),
+        "devd_ms": round(devd_ms, 1),
+        "devd_over_floor": round(devd_ms / floor_ms, 2),
+        "devd_ms_min_max": [round(min(devd), 1), round(max(devd), 1)],
+        "devd_first_start_ms": round(compiling, 1),
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=9, help="alternations of the two sides (default 9)")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["_floor"]:
+    # The floor's own process: `python -m benchmarks.bench_start _floor SOCKET` (kept out of bench.py, whose imports
+    # the floor would otherwise pay for).
+    _floor_server(sys.argv[2])

@@ -1,0 +1,16 @@
+"""The benchmark commands run end to end: a bench whose module moved or whose import broke fails here, not when
+someone next measures with it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.daemon import daemon_env
+
+
+def test_bench_approvals_runs_a_round_and_prints_its_ratio() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "approvals", "--calls", "1", "--rounds", "1", "--turns", "1"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    assert set(json.loads(done.stdout.splitlines()[-1])) >= {"bare_turn_ms_p50", "overseen_turn_ms_p50", "ratio"}
