@@ -16,7 +16,6 @@ A test that kills the daemon, reads its log, passes it file descriptors, or arms
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import msgspec
 
 from devd import files
 from devd.cli import _agents, _backend_options, _open_store, parse_args, settings_from
@@ -110,7 +110,7 @@ class _Running:
             raise
 
     def _start(self, args: Any, overrides: dict[str, Any], opened: contextlib.ExitStack) -> None:
-        settings = dataclasses.replace(settings_from(args), **overrides)
+        settings = msgspec.structs.replace(settings_from(args), **overrides)
         prepare_state_dir(settings.state_dir)
         prepare_state_dir(backup_dir(settings), "the backup directory", "--backup-dir")
         files.remove_partials(backup_dir(settings))  # as devd serve does: a backup a killed daemon was writing
