@@ -24,8 +24,9 @@ build: devd/core.wasm
 run: setup
 	$(VENV)/bin/devd serve
 
+# One worker per core (pytest-xdist); the TypeScript tests share one worker, as they share clients/typescript.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 bench: setup
 	$(PY) -m benchmarks.bench core

@@ -44,21 +44,10 @@ from typing import Any, cast
 
 import msgspec
 
-from devd.messages import Call, Event, Exec, Output, Read, answer, encode, turn
+from devd.messages import Call
+from tests.helpers import seed_turn  # the seed turn the tests check, step for step
 
 TURNS_PER_SESSION = 20
-
-
-def _seed_turn(turn_id: int, first_id: int) -> list[bytes]:
-    """The seed's full turn: a prompt, an answer with two calls, their two results, a text answer."""
-    build, lib = Call(Exec=Exec(argv=["cargo", "build"])), Call(Read=Read(path="src/lib.rs"))
-    return [
-        encode(turn(turn_id, "fix the build")),
-        encode(answer(first_id, "Let me look.", [build, lib])),
-        encode(Event(Exec=Output(id=first_id + 1, text="error[E0425]", failed=True))),
-        encode(Event(File=Output(id=first_id + 2, text="pub fn f() -> u8 { x }"))),
-        encode(answer(first_id + 3, "`x` was never declared.")),
-    ]
 
 
 def _rss() -> int:
@@ -107,7 +96,7 @@ def bench_core(rounds: int, sessions: int) -> dict[str, float]:
 
     core = Core.open()
     # Each round: a fresh session runs the seed's turn once to warm its memory, then the same turn again, measured.
-    warm, turn_events = _seed_turn(1, 1), _seed_turn(2, 8)
+    warm, turn_events = seed_turn(1, 1), seed_turn(2, 8)
 
     def timed_turn(step: Callable[[bytes], bytes]) -> float:
         for e in warm:
@@ -378,7 +367,7 @@ def _conversation() -> list[bytes]:
     """The events of one conversation: TURNS_PER_SESSION seed turns, their ids continuing as a real session's do."""
     events, next_id = [], 1
     for t in range(1, TURNS_PER_SESSION + 1):
-        events += _seed_turn(t, next_id)
+        events += seed_turn(t, next_id)
         next_id += 7  # ask, two calls, ask, emit, save, done
     return events
 
@@ -941,7 +930,7 @@ class _SoakConv:
 
     def next_event(self) -> tuple[bytes, str | None]:
         turn, position = (self.turn + 1, 0) if self.position >= 5 else (self.turn, self.position)
-        event = _seed_turn(turn, 7 * (turn - 1) + 1)[position]  # ids go on as a real session's: 7 actions a turn
+        event = seed_turn(turn, 7 * (turn - 1) + 1)[position]  # ids go on as a real session's: 7 actions a turn
         return event, (f"t{turn}.{position}" if self.keyed else None)
 
     def advance(self) -> None:
@@ -1985,7 +1974,7 @@ async def _fill(address: str, sessions: int, clients: int) -> float:
 
     from devd.client import AsyncClient
 
-    turn_events = _seed_turn(1, 1)[:2]
+    turn_events = seed_turn(1, 1)[:2]
     started = time.monotonic()
 
     async def one(first: int) -> None:

@@ -59,7 +59,6 @@ from benchmarks.bench import (
     _median_row,
     _run_load,
     _run_split_load,
-    _seed_turn,
     _server_argv,
     _wait_socket,
     _write_stdout,
@@ -67,6 +66,7 @@ from benchmarks.bench import (
 from benchmarks.pg_local import Cluster
 from devd.client import Client
 from devd.errors import DevdError
+from tests.helpers import seed_turn
 
 CLIENTS = 16
 GENERATORS = 2  # in every setup: fleet-2 needs one per daemon, and the other rows get the same
@@ -278,7 +278,7 @@ def _move(pg: Cluster, root: Path, sessions: int) -> dict[str, Any]:
 
     conversation = _conversation()
     assert MOVE_TURNS < TURNS_PER_SESSION
-    steps = MOVE_TURNS * len(_seed_turn(1, 1))
+    steps = MOVE_TURNS * len(seed_turn(1, 1))
     history, next_turn = conversation[:steps], conversation[steps]  # the next seed turn's prompt
     moving = [f"move-{i:05}" for i in range(sessions)]
     staying = [f"stay-{i:05}" for i in range(sessions)]

@@ -12,6 +12,7 @@ import pytest
 
 from devd.client import Client, Reply
 from tests.daemon import Daemon
+from tests.harness import InProcess
 from tests.standin_model import Standin
 
 SECRET = "sk-devd-test-0123456789abcdef"  # the profile's API key: it must never show up anywhere but the request
@@ -39,7 +40,7 @@ def agents_toml(url: str, root: Path, **extra: str) -> str:
 class Agentd:
     """A daemon with agents, its workspace, and the stand-in its profile asks."""
 
-    daemon: Daemon
+    daemon: Daemon | InProcess
     workspace: Path
     standin: Standin
 
@@ -51,16 +52,32 @@ class Agentd:
 
 
 def start(tmp_path: Path, standin: Standin, *args: str, env: dict[str, str] | None = None, **extra: str) -> Agentd:
-    workspace = tmp_path / "roots" / "ws"
-    workspace.mkdir(parents=True)
+    """The daemon with agents as a process of its own (for a test that kills it or reads its log), started."""
+    agents = _agents_file(tmp_path, standin, **extra)
+    daemon = Daemon(tmp_path / "d", "--agents", str(agents), *args, env={"DEVD_TEST_KEY": SECRET, **(env or {})})
+    return Agentd(daemon.start(), tmp_path / "roots" / "ws", standin)
+
+
+def _agents_file(tmp_path: Path, standin: Standin, **extra: str) -> Path:
+    """The agents file of one profile asking the stand-in, and its workspace (tmp_path/roots/ws)."""
+    (tmp_path / "roots" / "ws").mkdir(parents=True)
     agents = tmp_path / "agents.toml"
     agents.write_text(agents_toml(standin.url, tmp_path / "roots", **extra))
-    daemon = Daemon(tmp_path / "d", "--agents", str(agents), *args, env={"DEVD_TEST_KEY": SECRET, **(env or {})})
-    return Agentd(daemon.start(), workspace, standin)
+    return agents
 
 
 @pytest.fixture
-def agentd(tmp_path: Path, standin: Standin) -> Iterator[Agentd]:
+def agentd(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> Iterator[Agentd]:
+    """The daemon with agents, in this process (the profile's key in this process's environment for the test)."""
+    monkeypatch.setenv("DEVD_TEST_KEY", SECRET)
+    agents = _agents_file(tmp_path, standin)
+    with InProcess(tmp_path / "d", "--agents", str(agents)) as daemon:
+        yield Agentd(daemon, tmp_path / "roots" / "ws", standin)
+
+
+@pytest.fixture(name="agentd_process")
+def agentd_process_fixture(tmp_path: Path, standin: Standin) -> Iterator[Agentd]:
+    """The daemon with agents as a process of its own, for a test that kills it or reads its log."""
     running = start(tmp_path, standin)
     with running.daemon:
         yield running

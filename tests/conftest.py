@@ -18,6 +18,12 @@ from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures, 
 from tests.stores import BACKENDS, Backend
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """The async tests' backend: asyncio, the one the daemon runs on."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def core() -> Iterator[Core]:
     c = Core.open()

@@ -6,6 +6,9 @@ thread of the test process; a stop is the daemon's own graceful shutdown, asked 
 What it saves is the interpreter's start and the core's compile for each daemon: the compiled core is shared by
 every in-process daemon of the run.
 
+Settings that `devd serve` has no flag for (the shutdown grace, the authentication deadline) can be given as
+`settings=`: a test of a timeout waits a fraction of a second, not the production default.
+
 A test that kills the daemon, reads its log, passes it file descriptors, or arms failure points needs a process:
 `tests.daemon.Daemon`, whose interface this one shares (start, stop, client, socket, state).
 """
@@ -22,6 +25,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import msgspec
 
 from devd import files
 from devd.cli import _agents, _backend_options, _open_store, parse_args, settings_from
@@ -46,11 +50,12 @@ def _core(settings: Settings) -> Core:
 
 
 class InProcess:
-    def __init__(self, root: Path, *args: str) -> None:
+    def __init__(self, root: Path, *args: str, settings: dict[str, Any] | None = None) -> None:
         self.root = root
         self.state = root / "state"
         self.socket = root / "run" / "devd.sock"
         self.args = args
+        self.settings = settings or {}  # Settings fields over what the flags give
         self._running: _Running | None = None
 
     def start(self) -> InProcess:
@@ -58,7 +63,7 @@ class InProcess:
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o700)
         argv = ["serve", "--socket", str(self.socket), "--state-dir", str(self.state), *self.args]
-        self._running = _Running(parse_args(argv, os.environ))
+        self._running = _Running(parse_args(argv, os.environ), self.settings)
         return self
 
     def client(self) -> Client:
@@ -69,6 +74,18 @@ class InProcess:
         assert self._running is not None, "the daemon is not running"
         running, self._running = self._running, None
         running.stop(sig, timeout)
+        return 0
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        """Ask for a stop as `sig` would, without waiting for it (a process's send_signal); `wait` then ends it."""
+        assert self._running is not None, "the daemon is not running"
+        self._running.signal(sig)
+
+    def wait(self, timeout: float = 20.0) -> int:
+        """Wait for a stop asked for by `signal`; 0, as the process exits."""
+        assert self._running is not None, "the daemon is not running"
+        running, self._running = self._running, None
+        running.wait(timeout)
         return 0
 
     def __enter__(self) -> InProcess:
@@ -84,16 +101,16 @@ class InProcess:
 class _Running:
     """One life of an in-process daemon, from its start to its stop."""
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, overrides: dict[str, Any]) -> None:
         self._opened = contextlib.ExitStack()  # what this life opened, closed in reverse at its end
         try:
-            self._start(args, self._opened)
+            self._start(args, overrides, self._opened)
         except BaseException:
             self._opened.close()
             raise
 
-    def _start(self, args: Any, opened: contextlib.ExitStack) -> None:
-        settings = settings_from(args)
+    def _start(self, args: Any, overrides: dict[str, Any], opened: contextlib.ExitStack) -> None:
+        settings = msgspec.structs.replace(settings_from(args), **overrides)
         prepare_state_dir(settings.state_dir)
         prepare_state_dir(backup_dir(settings), "the backup directory", "--backup-dir")
         files.remove_partials(backup_dir(settings))  # as devd serve does: a backup a killed daemon was writing
@@ -133,7 +150,16 @@ class _Running:
 
     def stop(self, sig: int, timeout: float) -> None:
         try:
-            self.portal.call(self.stops.send_nowait, sig)
+            self.signal(sig)
+            self.served.result(timeout)
+        finally:
+            self._opened.close()
+
+    def signal(self, sig: int) -> None:
+        self.portal.call(self.stops.send_nowait, sig)
+
+    def wait(self, timeout: float) -> None:
+        try:
             self.served.result(timeout)
         finally:
             self._opened.close()

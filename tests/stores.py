@@ -20,7 +20,7 @@ import pytest
 
 from devd.storage.memory import MemoryStore
 from devd.storage.postgres import PostgresStore
-from devd.storage.sqlite import SQLiteStore
+from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, SQLiteStore
 from devd.storage.store import Row, Step, Store
 
 S = TypeVar("S", bound=Store)
@@ -91,3 +91,19 @@ def row(seq: int) -> Row:
 async def append_all(store: Store, *steps: Step) -> None:
     for s in steps:
         await store.append(s)
+
+
+def big(n: int) -> bytes:
+    """A snapshot just large enough for a file, named by its first byte."""
+    return bytes([n]) * FILE_SNAPSHOT_BYTES
+
+
+def kept(state: Path) -> list[int]:
+    """The snapshots in files, by the byte that names them."""
+    return sorted((state / "snapshots" / name).read_bytes()[0] for name in snapshot_files(state))
+
+
+def snapshot_files(state: Path) -> list[str]:
+    """The snapshots a SQLite store in `state` keeps in files, by name."""
+    directory = state / "snapshots"
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []

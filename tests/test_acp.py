@@ -29,14 +29,10 @@ from acp.schema import (
 )
 
 from tests.daemon import ROOT, Daemon
+from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (the `standin` fixture)
 
 WAIT_S = 30.0
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the SDK is asyncio's
 
 
 # -- the daemon, its agents file and a workspace ---------------------------------------------------------------------
@@ -44,7 +40,7 @@ def anyio_backend() -> str:
 
 @dataclass
 class Setup:
-    daemon: Daemon
+    daemon: Daemon | InProcess
     workspace: Path
     standin: Standin
     logs: Path
@@ -65,18 +61,24 @@ def agents_toml(url: str, root: Path, exec: str) -> str:
     )
 
 
-def setup(tmp_path: Path, standin: Standin, exec: str = "allow") -> Iterator[Setup]:
+def setup(tmp_path: Path, standin: Standin, exec: str = "allow", process: bool = False) -> Iterator[Setup]:
+    """The daemon with agents: in this process, or (`process`) as a process of its own, for a test that kills it."""
     workspace = tmp_path / "roots" / "app"
     workspace.mkdir(parents=True)
     agents = tmp_path / "agents.toml"
     agents.write_text(agents_toml(standin.url, tmp_path / "roots", exec))
-    with Daemon(tmp_path / "d", "--agents", str(agents)) as daemon:
+    with (Daemon if process else InProcess)(tmp_path / "d", "--agents", str(agents)) as daemon:
         yield Setup(daemon, workspace.resolve(), standin, tmp_path)
 
 
 @pytest.fixture
 def devd(tmp_path: Path, standin: Standin) -> Iterator[Setup]:
     yield from setup(tmp_path, standin)
+
+
+@pytest.fixture
+def devd_process(tmp_path: Path, standin: Standin) -> Iterator[Setup]:
+    yield from setup(tmp_path, standin, process=True)
 
 
 @pytest.fixture
@@ -464,14 +466,14 @@ async def test_a_second_editor_sees_the_turn_another_drives_and_answers_its_perm
 # -- the daemon going away -------------------------------------------------------------------------------------------
 
 
-async def test_a_daemon_killed_and_restarted_mid_turn_still_answers_the_editors_prompt(devd: Setup) -> None:
-    devd.standin.script(
+async def test_a_daemon_killed_and_restarted_mid_turn_still_answers_the_editors_prompt(devd_process: Setup) -> None:
+    devd_process.standin.script(
         Scripted(tool_calls=[("exec", {"argv": ["sleep", "30"]})]),
         Scripted(text="The command was cut short."),
     )
     editor = Editor()
-    async with editor_on(devd, editor) as conn:
-        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+    async with editor_on(devd_process, editor) as conn:
+        session = await conn.new_session(cwd=str(devd_process.workspace), mcp_servers=[])
         async with anyio.create_task_group() as tg:
             answers: list[Any] = []
 
@@ -480,17 +482,17 @@ async def test_a_daemon_killed_and_restarted_mid_turn_still_answers_the_editors_
 
             tg.start_soon(prompt)
             await editor.until(lambda: any(isinstance(u, ToolCallStart) for u in editor.updates))
-            devd.daemon.kill()
-            await anyio.to_thread.run_sync(devd.daemon.start)
+            devd_process.daemon.kill()
+            await anyio.to_thread.run_sync(devd_process.daemon.start)
     assert (answers[0].stop_reason, editor.text()) == ("end_turn", "The command was cut short.")
 
 
-async def test_a_reply_streamed_again_after_a_restart_is_told_once(devd: Setup) -> None:
+async def test_a_reply_streamed_again_after_a_restart_is_told_once(devd_process: Setup) -> None:
     reply = " ".join(f"word{i}" for i in range(150))
-    devd.standin.script(Scripted(text=reply, split=6, delay_s=0.02), Scripted(text=reply, split=6))
+    devd_process.standin.script(Scripted(text=reply, split=6, delay_s=0.02), Scripted(text=reply, split=6))
     editor = Editor()
-    async with editor_on(devd, editor) as conn:
-        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+    async with editor_on(devd_process, editor) as conn:
+        session = await conn.new_session(cwd=str(devd_process.workspace), mcp_servers=[])
         async with anyio.create_task_group() as tg:
             answers: list[Any] = []
 
@@ -499,8 +501,8 @@ async def test_a_reply_streamed_again_after_a_restart_is_told_once(devd: Setup) 
 
             tg.start_soon(prompt)
             await editor.until(lambda: editor.chunks() > 3)
-            devd.daemon.kill()
-            await anyio.to_thread.run_sync(devd.daemon.start)
+            devd_process.daemon.kill()
+            await anyio.to_thread.run_sync(devd_process.daemon.start)
     assert (answers[0].stop_reason, editor.text()) == ("end_turn", reply)
 
 

@@ -32,11 +32,6 @@ from tests.standin_model import Scripted, Standin, check_request, standin_fixtur
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[http.Client]:
     async with http.new_client() as c:
         yield c

@@ -16,7 +16,18 @@ import pytest
 from devd import errors
 from devd.client import Client
 from devd.messages import Cancel, Event, Turn
-from tests.agents import SECRET, SYSTEM, Agentd, agentd, conversation, run_turn, start, until_done, watch_raw
+from tests.agents import (
+    SECRET,
+    SYSTEM,
+    Agentd,
+    agentd,
+    agentd_process_fixture,  # noqa: F401 (the fixture)
+    conversation,
+    run_turn,
+    start,
+    until_done,
+    watch_raw,
+)
 from tests.daemon import ROOT
 from tests.standin_model import Scripted, Standin, standin_fixture
 
@@ -92,15 +103,15 @@ def test_each_request_carries_the_system_prompt_the_key_and_the_conversation(age
     )
 
 
-def test_the_secret_reaches_neither_the_journal_the_log_nor_the_list_nor_a_command(agentd: Agentd) -> None:
-    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": ["env"]})]), Scripted(text="ok"))
-    with agentd.client() as c:
-        session = agentd.session(c)
+def test_the_secret_reaches_neither_the_journal_the_log_nor_the_list_nor_a_command(agentd_process: Agentd) -> None:
+    agentd_process.standin.script(Scripted(tool_calls=[("exec", {"argv": ["env"]})]), Scripted(text="ok"))
+    with agentd_process.client() as c:
+        session = agentd_process.session(c)
         run_turn(c, session, "show the environment")
         seen = json.dumps(conversation(c, session)) + c.call_raw("session/list").decode()
-    assert SECRET not in seen + agentd.daemon.log.read_text() + (agentd.daemon.state / "devd.sqlite3").read_text(
-        errors="replace"
-    )
+    assert SECRET not in seen + agentd_process.daemon.log.read_text() + (
+        agentd_process.daemon.state / "devd.sqlite3"
+    ).read_text(errors="replace")
 
 
 def test_a_second_connection_sees_the_text_stream_before_the_model_step(agentd: Agentd) -> None:
@@ -315,18 +326,20 @@ def test_a_cancel_ends_a_stall_and_the_next_prompt_is_carried_out_without_a_resu
 # -- crashes: nothing run twice, nothing acknowledged lost, every turn ends -------------------------------------------
 
 
-def test_a_command_the_daemon_was_killed_during_is_not_run_again_and_is_stepped_interrupted(agentd: Agentd) -> None:
-    marker = agentd.workspace / "runs"
-    agentd.standin.script(
+def test_a_command_the_daemon_was_killed_during_is_not_run_again_and_is_stepped_interrupted(
+    agentd_process: Agentd,
+) -> None:
+    marker = agentd_process.workspace / "runs"
+    agentd_process.standin.script(
         Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs; sleep 60"]})]), Scripted(text="after")
     )
-    with agentd.client() as c:
-        session = agentd.session(c)
+    with agentd_process.client() as c:
+        session = agentd_process.session(c)
         c.prompt(session, "run it")
     wait_for(marker.exists, "the command's first line")
-    agentd.daemon.kill()
-    agentd.daemon.start()
-    with agentd.client() as c:
+    agentd_process.daemon.kill()
+    agentd_process.daemon.start()
+    with agentd_process.client() as c:
         watch_raw(c, session, since=0)
         until_done(c, 1)
         assert (marker.read_text(), results(c, session)) == (
@@ -355,18 +368,18 @@ def test_a_write_the_daemon_was_killed_around_is_not_done_again(
         assert results(c, session) == [(2, INTERRUPTED.format(what=what), True)]
 
 
-def test_a_model_stream_the_daemon_was_killed_during_is_asked_again(agentd: Agentd) -> None:
-    agentd.standin.script(Scripted(text="never finished", hang=True), Scripted(text="asked again"))
-    with agentd.client() as c:
-        session = agentd.session(c)
+def test_a_model_stream_the_daemon_was_killed_during_is_asked_again(agentd_process: Agentd) -> None:
+    agentd_process.standin.script(Scripted(text="never finished", hang=True), Scripted(text="asked again"))
+    with agentd_process.client() as c:
+        session = agentd_process.session(c)
         c.prompt(session, "think")
-    wait_for(lambda: agentd.standin.count == 1, "the first request")
-    agentd.daemon.kill()
-    agentd.daemon.start()
-    with agentd.client() as c:
+    wait_for(lambda: agentd_process.standin.count == 1, "the first request")
+    agentd_process.daemon.kill()
+    agentd_process.daemon.start()
+    with agentd_process.client() as c:
         watch_raw(c, session, since=0)
         until_done(c, 1)
-        assert (conversation(c, session)[-1], agentd.standin.count) == ({"Agent": {"text": "asked again"}}, 2)
+        assert (conversation(c, session)[-1], agentd_process.standin.count) == ({"Agent": {"text": "asked again"}}, 2)
 
 
 def test_a_result_whose_commit_the_daemon_was_killed_before_is_stepped_interrupted_not_run_again(
@@ -435,11 +448,11 @@ def _sleepers(tag: str) -> list[int]:
     return found
 
 
-def test_cancel_kills_the_running_commands_process_group_and_steps_it_cancelled(agentd: Agentd) -> None:
+def test_cancel_kills_the_running_commands_process_group_and_steps_it_cancelled(agentd_process: Agentd) -> None:
     tag = f"sleep {3000 + os.getpid() % 1000}"
-    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", f"{tag} & {tag}; wait"]})]))
-    with agentd.client() as c:
-        session = agentd.session(c)
+    agentd_process.standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", f"{tag} & {tag}; wait"]})]))
+    with agentd_process.client() as c:
+        session = agentd_process.session(c)
         watch_raw(c, session, since=0)
         turn = c.prompt(session, "sleep")
         wait_for(lambda: len(_sleepers(tag)) == 2, "both sleeps")
@@ -461,11 +474,11 @@ def test_cancel_kills_the_running_commands_process_group_and_steps_it_cancelled(
 # -- for people ------------------------------------------------------------------------------------------------------
 
 
-def test_devd_run_shows_the_turn_and_exits_0(agentd: Agentd) -> None:
-    agentd.standin.script(
+def test_devd_run_shows_the_turn_and_exits_0(agentd_process: Agentd) -> None:
+    agentd_process.standin.script(
         Scripted(text="Reading.", tool_calls=[("read", {"path": "a.txt"})]), Scripted(text="a.txt says hi.")
     )
-    (agentd.workspace / "a.txt").write_text("hi\n")
+    (agentd_process.workspace / "a.txt").write_text("hi\n")
     done = subprocess.run(
         [
             sys.executable,
@@ -473,11 +486,11 @@ def test_devd_run_shows_the_turn_and_exits_0(agentd: Agentd) -> None:
             "devd",
             "run",
             "--connect",
-            str(agentd.daemon.socket),
+            str(agentd_process.daemon.socket),
             "--agent",
             "coder",
             "--workspace",
-            str(agentd.workspace),
+            str(agentd_process.workspace),
             "what does a.txt say?",
         ],
         capture_output=True,
@@ -561,8 +574,8 @@ def test_a_write_the_profile_asks_about_is_not_run_until_a_client_allows_it(tmp_
         assert (written_before, (running.workspace / "w.txt").read_text()) == (False, "x")
 
 
-def test_devd_run_ctrl_c_cancels_the_turn_and_exits_130(agentd: Agentd) -> None:
-    agentd.standin.script(Scripted(text="never done", hang=True))
+def test_devd_run_ctrl_c_cancels_the_turn_and_exits_130(agentd_process: Agentd) -> None:
+    agentd_process.standin.script(Scripted(text="never done", hang=True))
     run = subprocess.Popen(
         [
             sys.executable,
@@ -570,11 +583,11 @@ def test_devd_run_ctrl_c_cancels_the_turn_and_exits_130(agentd: Agentd) -> None:
             "devd",
             "run",
             "--connect",
-            str(agentd.daemon.socket),
+            str(agentd_process.daemon.socket),
             "--session",
             "ctrl-c",
             "--workspace",
-            str(agentd.workspace),
+            str(agentd_process.workspace),
             "think",
         ],
         stdout=subprocess.PIPE,
@@ -582,22 +595,22 @@ def test_devd_run_ctrl_c_cancels_the_turn_and_exits_130(agentd: Agentd) -> None:
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    wait_for(lambda: agentd.standin.count == 1, "the request")
+    wait_for(lambda: agentd_process.standin.count == 1, "the request")
     run.send_signal(signal.SIGINT)
     out, _ = run.communicate(timeout=30)
-    with agentd.client() as c:
+    with agentd_process.client() as c:
         assert (run.returncode, out.decode().splitlines()[-1], c.pending("ctrl-c")) == (130, "[turn 1 cancelled]", [])
 
 
-def test_devd_attach_shows_a_turn_someone_else_prompted_until_it_ends(agentd: Agentd) -> None:
-    agentd.standin.script(Scripted(text="slowly written", split=1, delay_s=0.3))
-    with agentd.client() as c:
-        session = agentd.session(c)
+def test_devd_attach_shows_a_turn_someone_else_prompted_until_it_ends(agentd_process: Agentd) -> None:
+    agentd_process.standin.script(Scripted(text="slowly written", split=1, delay_s=0.3))
+    with agentd_process.client() as c:
+        session = agentd_process.session(c)
         c.prompt(session, "go")
-        wait_for(lambda: agentd.standin.count == 1, "the request")
+        wait_for(lambda: agentd_process.standin.count == 1, "the request")
         # "--": a name the daemon makes up may begin with "-"
         attach = subprocess.Popen(
-            [sys.executable, "-m", "devd", "attach", "--connect", str(agentd.daemon.socket), "--", session],
+            [sys.executable, "-m", "devd", "attach", "--connect", str(agentd_process.daemon.socket), "--", session],
             stdout=subprocess.PIPE,
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -16,12 +16,7 @@ import pytest
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Refusal, Sandbox, choose, probe, wrap
 from devd.agent.tools import Result, run_command
-from tests.test_agent_tools import gone
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+from tests.helpers import gone
 
 
 @pytest.fixture

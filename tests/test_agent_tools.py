@@ -13,12 +13,8 @@ import pytest
 
 from devd.agent.profiles import Profile
 from devd.agent.tools import Refused, Result, _walk, browse, read_file, resolve, run_command, write_file
+from tests.helpers import gone
 from tests.standin_model import Standin, standin_fixture  # noqa: F401 (the fixture)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture
@@ -244,22 +240,6 @@ async def test_cancelling_kills_the_command_and_raises(ws: Path) -> None:
             pid = int(await anyio.to_thread.run_sync((ws / "started").read_text))
             tg.cancel_scope.cancel()
     assert (cancelled, await gone(pid)) == (True, True)
-
-
-async def gone(pid: int, within_s: float = 5.0) -> bool:
-    """Whether the process has ended (or ends within a few seconds: a SIGKILLed process closes its files, which
-    ends the output the tool waits for, a moment before it is a zombie). A pidfd turns readable when it ends."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        with anyio.move_on_after(within_s):
-            await anyio.wait_readable(fd)
-            return True
-        return False
-    finally:
-        os.close(fd)
 
 
 async def test_browse_gets_the_page_text_capped(standin: Standin) -> None:

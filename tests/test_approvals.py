@@ -25,6 +25,7 @@ from devd.client import Client, Reply
 from devd.messages import Cancel, Event, Op, Write
 from devd.protocol import ApprovalNotice
 from tests.daemon import ROOT, Daemon
+from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture
 
 __all__ = ["standin_fixture"]
@@ -48,7 +49,7 @@ def agents_toml(url: str, root: Path, **extra: str) -> str:
 
 @dataclass
 class Agentd:
-    daemon: Daemon
+    daemon: Daemon | InProcess
     workspace: Path
     standin: Standin
 
@@ -73,6 +74,17 @@ def start(tmp_path: Path, standin: Standin, **extra: str) -> Agentd:
 
 @pytest.fixture
 def agentd(tmp_path: Path, standin: Standin) -> Iterator[Agentd]:
+    """The daemon with agents, in this process."""
+    agents = tmp_path / "agents.toml"
+    agents.write_text(agents_toml(standin.url, tmp_path / "roots"))
+    (tmp_path / "roots" / "ws").mkdir(parents=True)
+    with InProcess(tmp_path / "d", "--agents", str(agents)) as daemon:
+        yield Agentd(daemon, tmp_path / "roots" / "ws", standin)
+
+
+@pytest.fixture
+def agentd_process(tmp_path: Path, standin: Standin) -> Iterator[Agentd]:
+    """The daemon with agents as a process of its own, for a test that kills it or runs `devd run` against it."""
     running = start(tmp_path, standin)
     with running.daemon:
         yield running
@@ -440,10 +452,10 @@ def test_a_tool_run_and_a_denied_one_each_leave_a_trace_record(agentd: Agentd) -
 # -- for people -----------------------------------------------------------------------------------------------------
 
 
-def test_devd_run_at_a_terminal_asks_y_n_a_and_a_y_runs_the_command_once(agentd: Agentd) -> None:
-    mark_then_finish(agentd.standin)
-    argv = [sys.executable, "-m", "devd", "run", "--connect", str(agentd.daemon.socket), "--agent", "coder"]
-    argv += ["--workspace", str(agentd.workspace), "mark it"]
+def test_devd_run_at_a_terminal_asks_y_n_a_and_a_y_runs_the_command_once(agentd_process: Agentd) -> None:
+    mark_then_finish(agentd_process.standin)
+    argv = [sys.executable, "-m", "devd", "run", "--connect", str(agentd_process.daemon.socket), "--agent", "coder"]
+    argv += ["--workspace", str(agentd_process.workspace), "mark it"]
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
         argv, stdin=follower, stdout=follower, stderr=follower, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
@@ -453,7 +465,7 @@ def test_devd_run_at_a_terminal_asks_y_n_a_and_a_y_runs_the_command_once(agentd:
         shown = read_until(leader, b"[y/N/a] ")
         os.write(leader, b"y\n")
         shown += read_until(leader, b"[turn 1 complete]")
-        assert (proc.wait(60), agentd.marks()) == (0, 1)
+        assert (proc.wait(60), agentd_process.marks()) == (0, 1)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,7 @@ from devd.messages import Action, Browse, Call, Exec, Git, Op, Read, Write, answ
 from devd.server.listeners import TcpListen
 from tests.daemon import Daemon, daemon_env, free_port, running, state_dir, stop, wait_connectable
 from tests.harness import InProcess
-from tests.test_host import user
-
-
-def devd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "devd", *args], capture_output=True, text=True, timeout=timeout)
+from tests.helpers import devd, subcommands, until, user
 
 
 def test_without_a_daemon_the_cli_says_how_to_start_one(tmp_path: Path) -> None:
@@ -61,14 +56,6 @@ def test_a_zero_timeout_is_sent_and_refused_not_dropped(daemon: InProcess) -> No
         1,
         "devd: INVALID_PARAMS: timeout_ms must be a positive number of milliseconds\n",
     )
-
-
-def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """Wait for a condition another process makes true (a watcher subscribed), polling."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not hold in time"
-        time.sleep(0.01)
 
 
 def test_watch_follows_a_session_and_exits_0_when_it_closes(daemon: InProcess) -> None:
@@ -456,11 +443,6 @@ def test_help_documents_the_exit_codes_and_devd_socket() -> None:
     codes = (cli.EXIT_OK, cli.EXIT_ANSWERED_ERROR, cli.EXIT_LOCAL, cli.EXIT_UNREACHABLE, cli.EXIT_INTERRUPTED)
     listed = [int(line.split()[0]) for line in cli.EXIT_CODES.splitlines() if line[:3].strip().isdigit()]
     assert (listed, "DEVD_SOCKET" in cli.EXIT_CODES) == (list(codes), True)
-
-
-def subcommands() -> dict[str, argparse.ArgumentParser]:
-    (sub,) = [a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(sub.choices)
 
 
 def test_every_flag_of_every_command_has_help() -> None:

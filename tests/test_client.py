@@ -32,7 +32,7 @@ from devd.protocol import METHODS, InfoResult, InitializeResult, Limits, Server,
 from devd.server import rpc
 from tests.daemon import Daemon, free_port
 from tests.harness import InProcess
-from tests.test_host import FIX, finish, user
+from tests.helpers import FIX, finish, user
 
 ASKED = [Action(id=1, op=ask(user(FIX)))]  # what a fresh session answers the turn "fix the build"
 TIMER = Event(Timer=True)
@@ -42,11 +42,6 @@ RFC3339_MS_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 def untimed(notices: list[Notice]) -> list[Notice]:
     """The notices, each `ActionsNotice`'s time left out (checked on its own), so the rest compares exactly."""
     return [msgspec.structs.replace(n, at="") if isinstance(n, ActionsNotice) else n for n in notices]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 # -- the method table ------------------------------------------------------------------------------------------------

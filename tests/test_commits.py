@@ -7,15 +7,9 @@ import threading
 from collections.abc import Awaitable, Callable
 
 import anyio
-import pytest
 
 from devd.errors import StoreError
 from devd.storage.commits import GroupCommit, spans
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 async def test_writes_queued_while_a_thread_commit_runs_share_the_next_and_each_hears_its_own_error() -> None:

@@ -16,54 +16,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from devd.messages import Action, answer, decode_actions, turn
+from devd.messages import decode_actions
 from tests.daemon import Daemon
-from tests.test_host import agent, ask, finish, user
+from tests.helpers import Conversation
 
 KILLS = 25
 CLIENTS = 4
-
-
-class Conversation:
-    """One client's session and the model of what it must be answered."""
-
-    def __init__(self, name: str, answer_bytes: int = 0) -> None:
-        self.name = name
-        self.pad = "." * answer_bytes  # on every answer: a long one makes its snapshots large
-        self.transcript: list = []
-        self.next_id = 1
-        self.turn = 0
-        self.asked = 0
-        self.pending: tuple[str, object, list[Action]] | None = None
-        self.acked = 0
-        self.replays = 0
-
-    def next_step(self) -> tuple[str, object, list[Action]]:
-        """The next (key, event, expected actions), advancing the model only once it is acknowledged."""
-        if self.pending is None:
-            if self.asked == 0:
-                t = self.turn + 1
-                prompt = f"{self.name} turn {t}"
-                expected = [Action(id=self.next_id, op=ask(*self.transcript, user(prompt)))]
-                self.pending = (f"turn-{t}", turn(t, prompt), expected)
-            else:
-                text = f"answer {self.turn}{self.pad}"
-                self.pending = (f"answer-{self.turn}", answer(self.asked, text), finish(self.next_id, self.turn, text))
-        return self.pending
-
-    def acknowledged(self) -> None:
-        key, event, expected = self.pending  # type: ignore[misc]
-        self.pending = None
-        self.acked += 1
-        if key.startswith("turn-"):
-            self.turn += 1
-            self.transcript.append(user(f"{self.name} turn {self.turn}"))
-            self.asked = self.next_id
-            self.next_id += 1
-        else:
-            self.transcript.append(agent(f"answer {self.turn}{self.pad}"))
-            self.asked = 0
-            self.next_id += 3
 
 
 def drive(daemon: Daemon, conv: Conversation, stop: threading.Event, wrong: list[str]) -> None:

@@ -21,11 +21,26 @@ import pytest
 
 from devd import errors
 from devd.client import Client
-from devd.messages import Action, Call, Cancel, Event, Exec, Op, Output, Read, answer, decode_actions, encode, turn
+from devd.messages import (
+    Action,
+    Call,
+    Cancel,
+    Event,
+    Exec,
+    Op,
+    Output,
+    Read,
+    answer,
+    ask,
+    decode_actions,
+    done,
+    encode,
+    turn,
+)
 from tests import modules
 from tests.daemon import Daemon, free_port
 from tests.harness import InProcess
-from tests.test_host import FIX, agent, ask, done, finish, tool, user
+from tests.helpers import FIX, agent, finish, tool, user
 
 TIMER = Event(Timer=True)
 

@@ -10,18 +10,11 @@ import sqlite3
 from pathlib import Path
 
 import msgspec
-import pytest
 
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES
-from tests.stores import CONFIG, append_all, running, sqlite_at, step
-from tests.test_snapshot_files import big, kept, snapshot_files
+from tests.stores import CONFIG, append_all, big, kept, running, snapshot_files, sqlite_at, step
 
 WAL_BOUND = 8 << 20
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 async def test_snapshots_between_the_oldest_and_the_latest_go_with_their_files(tmp_path: Path) -> None:

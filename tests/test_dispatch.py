@@ -20,15 +20,10 @@ from devd.server.daemon import build
 from devd.server.dispatch import Dispatcher
 from devd.server.methods import METHODS, Call, Empty, Method, Peer, SessionParams
 from devd.storage.memory import MemoryStore
-from tests.test_registry import Sink
+from tests.helpers import Sink
 
 PEER = Peer("unix", Sink())
 STATUS = b'{"jsonrpc":"2.0","id":9,"method":"daemon/status"}'
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture

@@ -35,18 +35,13 @@ from devd.messages import (
 )
 from tests.daemon import ROOT, Daemon, daemon_env
 from tests.harness import InProcess
-from tests.test_host import FIX, agent, tool, user
+from tests.helpers import FIX, agent, tool, user
 
 CALLS = [Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="build.log"))]
 SEED = [Reply(calls=CALLS), Reply(text="Declare x.")]  # the seed turn's model: two calls, then its answer
 COMPLETE = Done(turn=1, outcome=Outcome(Complete=True))
 QUICK = Retry(attempts=4, first_delay_s=0.001)
 PATIENT = Retry(attempts=30, max_delay_s=1.0)  # about 25 s for a daemon to come back, on a loaded machine
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 class Script:

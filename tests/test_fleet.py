@@ -26,25 +26,37 @@ from devd.client import AsyncClient, Client
 from devd.driver import Handlers, ToolOutput, run_turn
 from devd.messages import Ask, Call, Exec, Reply, answer, turn
 from tests.daemon import Daemon, free_port
+from tests.harness import InProcess
+from tests.helpers import Conversation
 from tests.postgres import Cluster, postgres, postgres_url  # noqa: F401  (the fixtures)
-from tests.test_crash import Conversation
 
 LEASE_TTL_S = 1.5
 
 
+def fleet_daemon(root: Path, url: str, node: str, *extra: str) -> InProcess:
+    """A daemon of the fleet, in this process: for the tests that neither kill nor pause it."""
+    return InProcess(root / node, *fleet_args(url, node, *extra))
+
+
+def fleet_process(root: Path, url: str, node: str, *extra: str) -> Daemon:
+    """A daemon of the fleet as a process of its own, for the tests that kill it or pause it (SIGSTOP)."""
+    return Daemon(root / node, *fleet_args(url, node, *extra))
+
+
+def fleet_args(url: str, node: str, *extra: str) -> tuple[str, ...]:
+    return ("--store", url, "--node", node, "--lease-ttl", str(LEASE_TTL_S), *extra)
+
+
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def fleet_daemon(root: Path, url: str, node: str, *extra: str) -> Daemon:
-    return Daemon(root / node, "--store", url, "--node", node, "--lease-ttl", str(LEASE_TTL_S), *extra)
+def two(tmp_path: Path, postgres_url: str) -> Iterator[tuple[InProcess, InProcess]]:  # noqa: F811
+    with fleet_daemon(tmp_path, postgres_url, "a") as a, fleet_daemon(tmp_path, postgres_url, "b") as b:
+        yield a, b
 
 
 @pytest.fixture
-def two(tmp_path: Path, postgres_url: str) -> Iterator[tuple[Daemon, Daemon]]:  # noqa: F811
-    a = fleet_daemon(tmp_path, postgres_url, "a").start()
-    b = fleet_daemon(tmp_path, postgres_url, "b").start()
+def two_processes(tmp_path: Path, postgres_url: str) -> Iterator[tuple[Daemon, Daemon]]:  # noqa: F811
+    a = fleet_process(tmp_path, postgres_url, "a").start()
+    b = fleet_process(tmp_path, postgres_url, "b").start()
     try:
         yield a, b
     finally:
@@ -61,7 +73,7 @@ def journal_epochs(url: str, session: str) -> dict[int, int]:
         return {int(epoch): int(n) for epoch, n in rows}
 
 
-def test_a_session_held_by_another_daemon_answers_moved_naming_it(two: tuple[Daemon, Daemon]) -> None:
+def test_a_session_held_by_another_daemon_answers_moved_naming_it(two: tuple[InProcess, InProcess]) -> None:
     a, b = two
     with a.client() as ca:
         ca.new(session="s")
@@ -71,7 +83,7 @@ def test_a_session_held_by_another_daemon_answers_moved_naming_it(two: tuple[Dae
     assert (moved.value.node, moved.value.address) == ("a", f"unix:{a.socket}")
 
 
-def test_info_of_a_session_held_by_another_daemon_answers_moved_naming_it(two: tuple[Daemon, Daemon]) -> None:
+def test_info_of_a_session_held_by_another_daemon_answers_moved_naming_it(two: tuple[InProcess, InProcess]) -> None:
     a, b = two
     with a.client() as ca:
         ca.new(session="s")
@@ -80,7 +92,7 @@ def test_info_of_a_session_held_by_another_daemon_answers_moved_naming_it(two: t
     assert moved.value.node == "a"
 
 
-def test_a_client_of_any_daemon_is_followed_to_the_one_that_holds_the_session(two: tuple[Daemon, Daemon]) -> None:
+def test_a_client_of_any_daemon_is_followed_to_the_one_that_holds_the_session(two: tuple[InProcess, InProcess]) -> None:
     a, b = two
     with a.client() as ca:
         ca.new(session="s")
@@ -93,7 +105,7 @@ def test_a_client_of_any_daemon_is_followed_to_the_one_that_holds_the_session(tw
 
 
 def test_a_stopped_daemon_gives_its_sessions_back_and_another_carries_on_at_once(
-    two: tuple[Daemon, Daemon],
+    two: tuple[InProcess, InProcess],
     postgres_url: str,  # noqa: F811
 ) -> None:
     a, b = two
@@ -110,7 +122,7 @@ def test_a_stopped_daemon_gives_its_sessions_back_and_another_carries_on_at_once
 
 
 def test_a_drained_daemon_keeps_serving_and_its_sessions_go_to_whoever_calls_them_next(
-    two: tuple[Daemon, Daemon],
+    two: tuple[InProcess, InProcess],
 ) -> None:
     a, b = two
     with a.client() as ca, b.client() as cb:
@@ -123,9 +135,9 @@ def test_a_drained_daemon_keeps_serving_and_its_sessions_go_to_whoever_calls_the
 
 
 def test_a_killed_daemons_sessions_are_taken_over_after_its_lease_with_no_acked_step_lost(
-    two: tuple[Daemon, Daemon],
+    two_processes: tuple[Daemon, Daemon],
 ) -> None:
-    a, b = two
+    a, b = two_processes
     with a.client() as ca:
         ca.new(session="s")
         first = ca.step_answer("s", turn(1, "x"), key="t1")
@@ -144,10 +156,10 @@ def test_a_killed_daemons_sessions_are_taken_over_after_its_lease_with_no_acked_
 
 
 def test_a_paused_daemon_that_lost_its_session_commits_nothing_for_it_and_never_acks(
-    two: tuple[Daemon, Daemon],
+    two_processes: tuple[Daemon, Daemon],
     postgres_url: str,  # noqa: F811
 ) -> None:
-    a, b = two
+    a, b = two_processes
     with Client.connect(a.socket, follow_moved=False) as ca:  # to see what a answers, rather than follow it
         ca.new(session="s")
         asked = ca.step("s", turn(1, "x"))
@@ -197,7 +209,7 @@ def test_three_daemons_serve_clients_spread_over_them_and_lose_nothing_when_one_
     tmp_path: Path,
     postgres_url: str,  # noqa: F811
 ) -> None:
-    daemons = [fleet_daemon(tmp_path, postgres_url, n).start() for n in ("a", "b", "c")]
+    daemons = [fleet_process(tmp_path, postgres_url, n).start() for n in ("a", "b", "c")]
     steps = 150
     try:
         convs = [Conversation(f"s{i}") for i in range(6)]
@@ -246,7 +258,7 @@ def test_a_database_restarted_under_load_loses_no_acked_step_and_the_daemon_carr
     postgres: Cluster,  # noqa: F811
     postgres_url: str,  # noqa: F811
 ) -> None:
-    daemon = fleet_daemon(tmp_path, postgres_url, "a").start()
+    daemon = fleet_process(tmp_path, postgres_url, "a").start()
     steps = 200
     try:
         convs = [Conversation(f"s{i}") for i in range(3)]
@@ -294,7 +306,7 @@ def test_a_daemon_expires_only_sessions_it_holds_not_those_it_saw_that_live_on_e
 
 
 @pytest.mark.anyio
-async def test_a_client_with_a_watch_loop_running_is_not_moved_away_from_it(two: tuple[Daemon, Daemon]) -> None:
+async def test_a_client_with_a_watch_loop_running_is_not_moved_away_from_it(two: tuple[InProcess, InProcess]) -> None:
     a, b = two
     with a.client() as ca, b.client() as cb:
         ca.new(session="there")
@@ -363,7 +375,7 @@ def test_drain_counts_the_sessions_it_gave_back_not_those_it_only_knew_of(
 TOKEN = "fleet-token-" + "t" * 40  # the fleet's daemons share one token, as an operator would set them up
 
 
-def tcp_fleet_daemon(root: Path, url: str, node: str, port: int, *extra: str) -> Daemon:
+def tcp_fleet_daemon(root: Path, url: str, node: str, port: int, *extra: str) -> InProcess:
     state = root / node / "state"
     state.mkdir(parents=True, mode=0o700)
     (state / "token").write_text(TOKEN)
@@ -494,9 +506,9 @@ def answered_after_renewal(call: Callable[[], object]) -> object:
 
 
 def test_a_daemon_that_lost_a_session_answers_reads_of_it_moved_not_from_its_old_instance(
-    two: tuple[Daemon, Daemon],
+    two_processes: tuple[Daemon, Daemon],
 ) -> None:
-    a, b = two
+    a, b = two_processes
     with Client.connect(a.socket, follow_moved=False) as ca:
         lose_to_b(a, b, ca)
         answers = [
@@ -507,8 +519,8 @@ def test_a_daemon_that_lost_a_session_answers_reads_of_it_moved_not_from_its_old
     assert answers == [("MovedError", "b")] * 3
 
 
-def test_a_daemon_lists_a_session_it_lost_as_not_held(two: tuple[Daemon, Daemon]) -> None:
-    a, b = two
+def test_a_daemon_lists_a_session_it_lost_as_not_held(two_processes: tuple[Daemon, Daemon]) -> None:
+    a, b = two_processes
     with Client.connect(a.socket, follow_moved=False) as ca:
         lose_to_b(a, b, ca)
         answered_after_renewal(lambda: ca.pending("s"))
@@ -526,8 +538,10 @@ def test_a_session_seen_at_start_but_held_elsewhere_is_listed_as_not_held(tmp_pa
             assert [(x["session"], x["held"]) for x in cb.call("session/list")["sessions"]] == [("s", False)]
 
 
-def test_the_watchers_of_a_session_a_paused_daemon_lost_are_told_it_moved(two: tuple[Daemon, Daemon]) -> None:
-    a, b = two
+def test_the_watchers_of_a_session_a_paused_daemon_lost_are_told_it_moved(
+    two_processes: tuple[Daemon, Daemon],
+) -> None:
+    a, b = two_processes
     with Client.connect(a.socket, follow_moved=False) as ca, Client.connect(a.socket) as watcher:
         ca.new(session="w")
         watcher.call("session/watch", {"session": "w"})
@@ -545,7 +559,9 @@ def test_the_watchers_of_a_session_a_paused_daemon_lost_are_told_it_moved(two: t
     )
 
 
-def test_a_watch_through_a_daemon_that_does_not_hold_the_session_answers_moved(two: tuple[Daemon, Daemon]) -> None:
+def test_a_watch_through_a_daemon_that_does_not_hold_the_session_answers_moved(
+    two: tuple[InProcess, InProcess],
+) -> None:
     a, b = two
     with a.client() as ca:
         ca.new(session="s")  # after b started: b has never heard of it
@@ -590,7 +606,7 @@ async def test_run_turn_through_a_daemon_that_does_not_hold_the_session_runs_eac
 
 @pytest.mark.anyio
 async def test_run_turn_through_a_daemon_started_before_the_session_was_made_finds_it(
-    two: tuple[Daemon, Daemon],
+    two: tuple[InProcess, InProcess],
 ) -> None:
     a, b = two
     tools = Tools()

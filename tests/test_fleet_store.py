@@ -26,11 +26,6 @@ from tests.stores import CONFIG, row, running, step
 postgres, postgres_url = pg.postgres, pg.postgres_url  # the fixtures
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def node(url: str, name: str, *, ttl: float = 10.0, isolation: str = "read committed") -> PostgresStore:
     """A daemon's store, as node `name` advertising tcp://NAME:7000."""
     return await PostgresStore.open(

@@ -20,6 +20,7 @@ from devd.client import Client
 from devd.server.listeners import TOKEN_CHARS_MIN
 from tests.daemon import Daemon, free_port, log_events
 from tests.harness import InProcess
+from tests.helpers import until
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="making files of another uid needs root (CI runs as root)")
 NOBODY = 65534
@@ -61,7 +62,7 @@ def test_a_token_file_without_a_usable_token_refuses_to_start(tmp_path: Path, to
 
 def test_a_new_token_is_written_whole_and_private(tmp_path: Path) -> None:
     port = free_port()
-    with Daemon(tmp_path, "--listen", f"tcp://127.0.0.1:{port}") as d:
+    with InProcess(tmp_path, "--listen", f"tcp://127.0.0.1:{port}") as d:
         token = d.state / "token"
         assert (oct(token.stat().st_mode & 0o777), len(token.read_text().strip()) >= TOKEN_CHARS_MIN) == (
             "0o600",
@@ -118,7 +119,7 @@ def test_a_store_database_anyone_may_write_refuses_to_start_saying_how_to_fix(tm
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o700)
     db = mine / "devd.sqlite3"
-    with Daemon(tmp_path / "d", "--store", f"sqlite:{db}"):
+    with InProcess(tmp_path / "d", "--store", f"sqlite:{db}"):
         pass
     db.chmod(0o666)
     status, said = serve(tmp_path, "--store", f"sqlite:{db}")
@@ -259,28 +260,32 @@ def test_listening_on_every_address_warns_that_the_token_crosses_in_clear(tmp_pa
 
 
 @pytest.fixture
-def tcp(tmp_path: Path) -> Iterator[tuple[Daemon, int]]:
+def tcp(tmp_path: Path) -> Iterator[tuple[InProcess, int]]:
     port = free_port()
-    with Daemon(tmp_path, "--listen", f"tcp://127.0.0.1:{port}") as d:
+    with InProcess(tmp_path, "--listen", f"tcp://127.0.0.1:{port}") as d:
         yield d, port
 
 
-def test_an_unauthenticated_peer_that_dribbles_bytes_is_closed_at_the_auth_deadline(tcp: tuple[Daemon, int]) -> None:
-    _, port = tcp
-    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
-        started = time.monotonic()
-        closed_after = None
-        for _ in range(20):  # a byte every second, never a whole line: each read alone would be in time
-            try:
-                s.sendall(b"{")
-            except (BrokenPipeError, ConnectionResetError):
-                closed_after = time.monotonic() - started
-                break
-            time.sleep(1)
-        assert closed_after is not None and closed_after < 8
+AUTH_TIMEOUT_S = 0.5  # the authentication deadline of the dribbling test's daemon (5 s in production)
 
 
-def test_tcp_peers_without_a_token_cannot_lock_out_the_unix_socket(tcp: tuple[Daemon, int]) -> None:
+def test_an_unauthenticated_peer_that_dribbles_bytes_is_closed_at_the_auth_deadline(tmp_path: Path) -> None:
+    port = free_port()
+    listen = ("--listen", f"tcp://127.0.0.1:{port}")
+    with InProcess(tmp_path, *listen, settings={"auth_timeout_s": AUTH_TIMEOUT_S}):
+        with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+            closed = False
+            for _ in range(80):  # a byte every AUTH/5, never a whole line, for 8 deadlines: each read alone in time
+                try:
+                    s.sendall(b"{")
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+                time.sleep(AUTH_TIMEOUT_S / 5)
+    assert closed
+
+
+def test_tcp_peers_without_a_token_cannot_lock_out_the_unix_socket(tcp: tuple[InProcess, int]) -> None:
     d, port = tcp
     idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(70)]
     try:
@@ -296,7 +301,7 @@ def test_a_client_deadline_is_cut_to_the_daemons_maximum(tmp_path: Path) -> None
 
     core = tmp_path / "spin.wasm"
     core.write_bytes(modules.SPIN_ON_TIMER)
-    with Daemon(tmp_path, "--core", str(core), "--max-call-timeout", "0.5") as d, d.client() as c:
+    with InProcess(tmp_path, "--core", str(core), "--max-call-timeout", "0.5") as d, d.client() as c:
         c.new(session="s")
         started = time.monotonic()
         with pytest.raises(errors.DeadlineError):
@@ -304,24 +309,28 @@ def test_a_client_deadline_is_cut_to_the_daemons_maximum(tmp_path: Path) -> None
         assert time.monotonic() - started < 3
 
 
+GRACE_S = 0.5  # the shutdown grace of the daemon below (10 s in production)
+
+
 def test_sigterm_ends_a_call_that_outlives_the_grace_as_deadline(tmp_path: Path) -> None:
     from tests import modules
 
     core = tmp_path / "spin.wasm"
     core.write_bytes(modules.SPIN_ON_TIMER)
-    with Daemon(tmp_path, "--core", str(core), "--max-call-timeout", "600") as d:
+    d = InProcess(tmp_path, "--core", str(core), "--max-call-timeout", "600", settings={"shutdown_grace_s": GRACE_S})
+    with d:
         c = d.client()
         c.new(session="s")
         c.send_line(
             b'{"jsonrpc":"2.0","id":9,"method":"session/step","params":'
             b'{"session":"s","event":{"Timer":true},"timeout_ms":600000}}\n'
         )
-        time.sleep(0.5)
+        time.sleep(0.2)
         started = time.monotonic()
-        d.proc.send_signal(15)
+        d.signal(15)
         reply = c.read_reply()
         assert (reply.error or {}).get("data") == {"kind": "DEADLINE"}
-        assert d.proc.wait(30) == 0 and time.monotonic() - started < 20
+        assert d.wait(30) == 0 and time.monotonic() - started < 20
         c.close()
         d.start()
         with d.client() as again:
@@ -362,7 +371,7 @@ def test_a_second_daemon_on_a_running_daemons_store_is_told_it_is_in_use_not_tha
 ) -> None:
     db = tmp_path / "shared" / "devd.sqlite3"
     db.parent.mkdir(mode=0o700)
-    with Daemon(tmp_path / "first", "--store", f"sqlite:{db}") as first, first.client() as c:
+    with InProcess(tmp_path / "first", "--store", f"sqlite:{db}") as first, first.client() as c:
         c.new(session="s")  # its write-ahead log is there, beside the database it holds
         status, said = serve(tmp_path / "second", "--store", f"sqlite:{db}")
     assert (status, "belongs to another database" in said, "another process has it open" in said) == (2, False, True)
@@ -523,12 +532,12 @@ def _watch_and_never_read(d: Daemon, stepper: Client) -> socket.socket:
 
 
 def test_a_watcher_that_never_reads_is_disconnected_after_the_send_timeout(tmp_path: Path) -> None:
-    with InProcess(tmp_path, "--send-timeout", "1") as d, d.client() as stepper:
+    with InProcess(tmp_path, "--send-timeout", "0.5") as d, d.client() as stepper:
         stepper.new(session="w")
         lazy = _watch_and_never_read(d, stepper)
         try:
-            time.sleep(2.5)
-            assert stepper.call("daemon/status")["connections"] == 1  # the stepper alone
+            # The stepper alone, once the lazy one is cut off: well within 2.5 s of its last step.
+            until(lambda: stepper.call("daemon/status")["connections"] == 1, timeout_s=2.5)
         finally:
             lazy.close()
 

@@ -16,11 +16,6 @@ from tests.daemon import Daemon
 from tests.stores import CONFIG, running, sqlite_at, step
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _turn(n: int) -> list[Event]:
     """A turn's two steps: the prompt, and the model's text answer (the ask is id 1 of the first turn, then +4)."""
     return [turn(n, f"prompt {n}"), answer(4 * n - 3, f"reply {n}")]

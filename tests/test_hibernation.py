@@ -24,11 +24,6 @@ from tests.daemon import Daemon, log_events
 from tests.harness import InProcess
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def listed(c: Client) -> list[tuple[str, str, int]]:
     return [(s["session"], s["state"], s["seq"]) for s in c.call("session/list")["sessions"]]
 

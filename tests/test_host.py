@@ -22,7 +22,6 @@ from devd.errors import (
 from devd.host import Core, Instance
 from devd.messages import (
     Action,
-    Agent,
     Browse,
     Call,
     Cancel,
@@ -35,7 +34,6 @@ from devd.messages import (
     Op,
     Output,
     Read,
-    Tool,
     Write,
     answer,
     ask,
@@ -44,28 +42,7 @@ from devd.messages import (
     turn,
 )
 from tests import modules
-
-FIX = "fix the build"
-
-
-def user(text: str) -> Message:
-    return Message(User=text)
-
-
-def agent(text: str | None = None, calls: list[Dispatch] | None = None) -> Message:
-    return Message(Agent=Agent(text=text, calls=calls))
-
-
-def tool(id: int, text: str, failed: bool = False) -> Message:
-    return Message(Tool=Tool(id=id, text=text, failed=failed))
-
-
-def finish(first_id: int, turn_id: int, text: str) -> list[Action]:
-    return [
-        Action(id=first_id, op=Op(Emit=text)),
-        Action(id=first_id + 1, op=Op(Save=True)),
-        Action(id=first_id + 2, op=done(turn_id)),
-    ]
+from tests.helpers import FIX, agent, finish, tool, user
 
 
 def test_a_turn_runs_to_done(session: Instance) -> None:

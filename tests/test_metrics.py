@@ -30,12 +30,6 @@ from devd.server.metrics import prometheus
 from devd.server.scrape import CONTENT_TYPE
 from tests.daemon import Daemon, free_port
 
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 # -- the text format -------------------------------------------------------------------------------------------------
 
 STATUS: dict[str, Any] = {

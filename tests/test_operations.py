@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,10 @@ from devd.server.metrics import prometheus
 from devd.storage.sqlite import MIGRATIONS
 from tests.daemon import ROOT, Daemon, log_events
 from tests.harness import InProcess
-from tests.test_cli import subcommands
+from tests.helpers import devd, subcommands
 from tests.test_metrics import STATUS
 
 DOC = ROOT / "docs" / "operations.md"
-
-
-def devd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "devd", *args], capture_output=True, text=True, timeout=timeout)
 
 
 # -- metrics ---------------------------------------------------------------------------------------------------------

@@ -29,11 +29,6 @@ MAKE = Op(Exec=Exec(argv=["make"]))
 STARTED = "2026-12-01T09:00:00.000Z"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def profile(**changes: Any) -> Profile:
     base = Profile(name="coder", base_url="http://127.0.0.1:9/v1", model="m", workspace_roots=("/tmp",), exec="ask")
     return msgspec.structs.replace(base, **changes)

@@ -17,7 +17,6 @@ import anyio.lowlevel
 import msgspec
 import pytest
 
-from benchmarks.bench import _seed_turn
 from devd.config import Settings
 from devd.errors import (
     BusyError,
@@ -43,9 +42,10 @@ from devd.storage.memory import MemoryStore
 from devd.storage.sqlite import SQLiteStore
 from devd.storage.store import Health, Store, Stored
 from tests import modules
+from tests.helpers import Sink, seed_turn
 from tests.stores import running
 
-SEED = _seed_turn(1, 1)  # a prompt, an answer with Exec and Read, their two results, a text answer (with Save)
+SEED = seed_turn(1, 1)  # a prompt, an answer with Exec and Read, their two results, a text answer (with Save)
 USER = b'{"User":"fix the build"}'
 CALLS = (
     b'{"Agent":{"text":"Let me look.","calls":[{"id":2,"call":{"Exec":{"argv":["cargo","build"]}}},'
@@ -67,28 +67,6 @@ AGAIN_ACTIONS = (
 )
 TIMER = b'{"Timer":true}'  # SPIN_ON_TIMER spins on this (14 bytes) until its deadline
 CALM = b'{"Timer":false}'  # and answers [] to anything else
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-class Sink:
-    """A watcher's connection that records every line it takes; one that refuses takes only what is forced on it."""
-
-    def __init__(self, *, refuses: bool = False) -> None:
-        self.lines: list[bytes] = []
-        self.refuses = refuses
-
-    def offer(self, data: bytes) -> bool:
-        if self.refuses:
-            return False
-        self.lines.append(data)
-        return True
-
-    def force(self, data: bytes) -> None:
-        self.lines.append(data)
 
 
 _AT = re.compile(rb',"at":"[^"]*"')  # a notice's time, checked where it is the point (tests/test_client.py)
@@ -428,7 +406,7 @@ async def test_an_ended_session_is_still_ended_after_a_rebuild(tmp_path: Path, s
 
 LONG = encode(turn(1, "p" * 2000))  # a turn cancelled at once: the transcript is now longer than any event after it
 CANCEL = b'{"Cancel":{"turn":1}}'
-SEED_2 = _seed_turn(2, 4)  # the seed's turn again, after LONG's ask (1), Save (2) and Done (3)
+SEED_2 = seed_turn(2, 4)  # the seed's turn again, after LONG's ask (1), Save (2) and Done (3)
 
 
 async def test_an_answer_as_large_as_the_transcript_is_journalled_as_its_digest(registry: Registry) -> None:

@@ -16,14 +16,10 @@ from devd.sessions.registry import Registry
 from devd.sessions.state import State
 from devd.storage.store import Step
 from tests import modules
-from tests.test_registry import Sink, opened
+from tests.helpers import Sink
+from tests.test_registry import opened
 
 TIMER = b'{"Timer":true}'
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 async def outcome(call: object) -> object:

@@ -16,27 +16,7 @@ from devd import failpoints
 from devd.errors import StoreError
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES
 from devd.storage.store import Health, Stored
-from tests.stores import CONFIG, append_all, row, running, sqlite_at, step
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def big(n: int) -> bytes:
-    """A snapshot just large enough for a file, named by its first byte."""
-    return bytes([n]) * FILE_SNAPSHOT_BYTES
-
-
-def snapshot_files(tmp_path: Path) -> list[str]:
-    directory = tmp_path / "snapshots"
-    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
-
-
-def kept(tmp_path: Path) -> list[int]:
-    """The snapshots in files, by the byte that names them."""
-    return sorted((tmp_path / "snapshots" / name).read_bytes()[0] for name in snapshot_files(tmp_path))
+from tests.stores import CONFIG, append_all, big, kept, row, running, snapshot_files, sqlite_at, step
 
 
 @asynccontextmanager

@@ -20,11 +20,6 @@ Factory = Callable[..., Awaitable[Store]]  # the `store_factory` fixture (tests/
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def store(store_factory: Factory) -> AsyncIterator[Store]:
     async with running(await store_factory()) as opened:
         yield opened

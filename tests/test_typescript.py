@@ -25,6 +25,10 @@ import referencing.jsonschema
 from devd.schema import openrpc, typescript
 from tests.daemon import ROOT, daemon_env
 
+# One worker runs them all under pytest-xdist (`make test`): `npm ci` and `tsc` write node_modules and dist/ in the
+# checkout, which two workers at once would tread on.
+pytestmark = pytest.mark.xdist_group("typescript")
+
 CLIENT = ROOT / "clients" / "typescript"
 TYPES = CLIENT / "src" / "types.ts"
 INSTALLED = CLIENT / "node_modules" / ".devd-lock-sha256"  # the lock file `npm ci` last installed

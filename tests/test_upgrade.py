@@ -44,11 +44,6 @@ CREATE INDEX IF NOT EXISTS journal_key ON journal (session, key) WHERE key IS NO
 """
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 EVENTS = [turn(1, "fix the build"), answer(1, "done"), turn(2, "and the tests")]
 KEYS = ["turn-1", "answer-1", "turn-2"]
 

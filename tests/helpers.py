@@ -1,0 +1,174 @@
+"""What many test modules build with: messages and the seed turn, store steps, a watcher's sink, a keyed conversation
+with its expected answers, and runners of the `devd` command and of waits.
+
+One home for each, so that a test module imports from here and never from another test module. The daemons
+themselves are `tests.harness` (in this process) and `tests.daemon` (a process of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import anyio
+
+from devd import cli
+from devd.messages import (
+    Action,
+    Agent,
+    Call,
+    Dispatch,
+    Event,
+    Exec,
+    Message,
+    Op,
+    Output,
+    Read,
+    Tool,
+    answer,
+    ask,
+    done,
+    encode,
+    turn,
+)
+
+# -- messages and the seed turn --------------------------------------------------------------------------------------
+
+FIX = "fix the build"
+
+
+def user(text: str) -> Message:
+    return Message(User=text)
+
+
+def agent(text: str | None = None, calls: list[Dispatch] | None = None) -> Message:
+    return Message(Agent=Agent(text=text, calls=calls))
+
+
+def tool(id: int, text: str, failed: bool = False) -> Message:
+    return Message(Tool=Tool(id=id, text=text, failed=failed))
+
+
+def finish(first_id: int, turn_id: int, text: str) -> list[Action]:
+    """The actions a text answer ends its turn with: Emit it, Save, Done."""
+    return [
+        Action(id=first_id, op=Op(Emit=text)),
+        Action(id=first_id + 1, op=Op(Save=True)),
+        Action(id=first_id + 2, op=done(turn_id)),
+    ]
+
+
+def seed_turn(turn_id: int, first_id: int) -> list[bytes]:
+    """The seed's full turn, as encoded events: a prompt, an answer with two calls, their two results, a text answer."""
+    build, lib = Call(Exec=Exec(argv=["cargo", "build"])), Call(Read=Read(path="src/lib.rs"))
+    return [
+        encode(turn(turn_id, FIX)),
+        encode(answer(first_id, "Let me look.", [build, lib])),
+        encode(Event(Exec=Output(id=first_id + 1, text="error[E0425]", failed=True))),
+        encode(Event(File=Output(id=first_id + 2, text="pub fn f() -> u8 { x }"))),
+        encode(answer(first_id + 3, "`x` was never declared.")),
+    ]
+
+
+class Conversation:
+    """One client's session and the model of what it must be answered, stepped under keys (turn-N, answer-N)."""
+
+    def __init__(self, name: str, answer_bytes: int = 0) -> None:
+        self.name = name
+        self.pad = "." * answer_bytes  # on every answer: a long one makes its snapshots large
+        self.transcript: list[Message] = []
+        self.next_id = 1
+        self.turn = 0
+        self.asked = 0
+        self.pending: tuple[str, object, list[Action]] | None = None
+        self.acked = 0
+        self.replays = 0
+
+    def next_step(self) -> tuple[str, object, list[Action]]:
+        """The next (key, event, expected actions), advancing the model only once it is acknowledged."""
+        if self.pending is None:
+            if self.asked == 0:
+                t = self.turn + 1
+                prompt = f"{self.name} turn {t}"
+                expected = [Action(id=self.next_id, op=ask(*self.transcript, user(prompt)))]
+                self.pending = (f"turn-{t}", turn(t, prompt), expected)
+            else:
+                text = f"answer {self.turn}{self.pad}"
+                self.pending = (f"answer-{self.turn}", answer(self.asked, text), finish(self.next_id, self.turn, text))
+        return self.pending
+
+    def acknowledged(self) -> None:
+        key, event, expected = self.pending  # type: ignore[misc]
+        self.pending = None
+        self.acked += 1
+        if key.startswith("turn-"):
+            self.turn += 1
+            self.transcript.append(user(f"{self.name} turn {self.turn}"))
+            self.asked = self.next_id
+            self.next_id += 1
+        else:
+            self.transcript.append(agent(f"answer {self.turn}{self.pad}"))
+            self.asked = 0
+            self.next_id += 3
+
+
+# -- a watcher's connection ------------------------------------------------------------------------------------------
+
+
+class Sink:
+    """A watcher's connection that records every line it takes; one that refuses takes only what is forced on it."""
+
+    def __init__(self, *, refuses: bool = False) -> None:
+        self.lines: list[bytes] = []
+        self.refuses = refuses
+
+    def offer(self, data: bytes) -> bool:
+        if self.refuses:
+            return False
+        self.lines.append(data)
+        return True
+
+    def force(self, data: bytes) -> None:
+        self.lines.append(data)
+
+
+# -- runners ---------------------------------------------------------------------------------------------------------
+
+
+def devd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The `devd` command as a user runs it (`python -m devd ARGS`): its exit status, stdout and stderr."""
+    return subprocess.run([sys.executable, "-m", "devd", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    """The `devd` command's subcommands by name, with their parsers."""
+    (sub,) = [a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait for a condition another process or thread makes true (a watcher subscribed), polling."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.01)
+
+
+async def gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether the process has ended (or ends within a few seconds: a SIGKILLed process closes its files, which
+    ends the output the tool waits for, a moment before it is a zombie). A pidfd turns readable when it ends."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        with anyio.move_on_after(within_s):
+            await anyio.wait_readable(fd)
+            return True
+        return False
+    finally:
+        os.close(fd)
