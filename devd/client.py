@@ -948,10 +948,16 @@ class AsyncClient:
         result: InfoResult = await self.request("session/info", SessionParams(session))
         return result
 
-    async def watch(self, session: str, since: int | None = None) -> AsyncGenerator[Notice, None]:
+    async def watch(
+        self, session: str, since: int | None = None, *, subscribed: anyio.Event | None = None
+    ) -> AsyncGenerator[Notice, None]:
         """Every step of session after `since` (default: from when the iteration starts), then the notice that ends
         the subscription. Raises ConnectionError if the connection is lost first; leaving the loop early
-        unsubscribes. One loop per session and connection (a second one is refused: RuntimeError)."""
+        unsubscribes. One loop per session and connection (a second one is refused: RuntimeError).
+
+        `subscribed` is set once the daemon has the subscription: from then on every notice of the session comes to
+        this loop, text streamed as `session/delta` included, which is not journalled and so never caught up on.
+        A caller that starts a turn (`prompt`) and wants all of its text starts the loop first and waits for it."""
         conn = self._conn
         if session in conn.watches:
             raise RuntimeError(f"session {session!r} is already watched by a loop on this connection")
@@ -961,6 +967,8 @@ class AsyncClient:
         ended = False
         try:
             await self.request("session/watch", WatchParams(session, since))
+            if subscribed is not None:
+                subscribed.set()
             while not ended:
                 try:
                     notice = await receive.receive()

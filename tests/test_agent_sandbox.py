@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from devd.agent.profiles import Profile
@@ -151,3 +152,33 @@ async def test_git_runs_in_the_sandbox(ws: Path) -> None:
     await run_command(["git", "init", "-q"], workspace=ws, profile=p, sandbox=sandbox())
     result = await run_command(["git", "status", "--porcelain=v1", "-b"], workspace=ws, profile=p, sandbox=sandbox())
     assert result.text.startswith("## No commits yet on ")
+
+
+async def test_a_cancelled_command_returns_only_once_all_it_started_in_the_sandbox_is_dead(ws: Path) -> None:
+    os.mkfifo(ws / "started")
+    tag = f"sleep {5000 + os.getpid() % 1000}"
+
+    async def run() -> None:
+        script = f"{tag} & {tag} & echo > started; wait"
+        await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=sandbox())
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.to_thread.run_sync((ws / "started").read_text)
+            tg.cancel_scope.cancel()
+    assert _running(tag) == []
+
+
+def _running(cmdline: str) -> list[int]:
+    """The processes (not zombies) whose command line is cmdline."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if command == cmdline and state not in (b"Z", b"X"):
+            found.append(int(pid))
+    return found

@@ -298,6 +298,20 @@ async def test_async_unwatch_ends_the_watch_loop_and_the_subscription(daemon: In
         assert (seen, (await c.list()).sessions[0].watchers) == ([1], 0)
 
 
+async def test_an_async_watch_sets_subscribed_once_the_daemon_has_the_subscription(daemon: InProcess) -> None:
+    async with AsyncClient.connect(daemon.socket) as c, AsyncClient.connect(daemon.socket) as watcher:
+        await c.new(session="s")
+        subscribed = anyio.Event()
+        notices = watcher.watch("s", subscribed=subscribed)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anext, notices)
+            await subscribed.wait()
+            watchers = (await c.list()).sessions[0].watchers
+            tg.cancel_scope.cancel()
+        await notices.aclose()
+        assert watchers == 1
+
+
 async def test_leaving_an_async_watch_loop_early_unsubscribes(daemon: InProcess) -> None:
     async with AsyncClient.connect(daemon.socket) as c, AsyncClient.connect(daemon.socket) as watcher:
         await c.new(session="s")

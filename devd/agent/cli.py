@@ -161,20 +161,27 @@ async def _progress(screen: Screen, err: TextIO) -> None:
         await anyio.sleep(PROGRESS_EVERY_S)
 
 
-async def _follow(client: AsyncClient, session: str, since: int | None, screen: Screen) -> int:
+async def _follow(
+    client: AsyncClient, session: str, since: int | None, screen: Screen, subscribed: anyio.Event | None = None
+) -> int:
     """Show the session's notices until the turn's Done, asking `[y/N/a]` for each approval when a terminal is
-    attached; the exit status."""
+    attached; the exit status. `subscribed` is set once the watch has begun."""
     async with anyio.create_task_group() as tg:
-        status = await _notices(client, session, since, screen, tg)
+        status = await _notices(client, session, since, screen, tg, subscribed)
         tg.cancel_scope.cancel()
     return status
 
 
 async def _notices(
-    client: AsyncClient, session: str, since: int | None, screen: Screen, tg: anyio.abc.TaskGroup
+    client: AsyncClient,
+    session: str,
+    since: int | None,
+    screen: Screen,
+    tg: anyio.abc.TaskGroup,
+    subscribed: anyio.Event | None,
 ) -> int:
     asking: dict[int, anyio.CancelScope] = {}
-    async for notice in client.watch(session, since=since):
+    async for notice in client.watch(session, since=since, subscribed=subscribed):
         screen.show(notice)
         if isinstance(notice, ApprovalNotice) and notice.action not in asking:
             if sys.stdin.isatty():
@@ -250,16 +257,29 @@ async def _run(client: AsyncClient, args: argparse.Namespace, screen: Screen) ->
         workspace = os.path.abspath(args.workspace or os.getcwd())
         session = await client.new(session=session, agent=args.agent, workspace=workspace)
         seq = 0
-    turn = await client.prompt(session, args.prompt)
-    screen.turn, screen.workspace = turn, os.path.abspath(args.workspace or os.getcwd())
-    status = EXIT_INTERRUPTED
+    screen.workspace = os.path.abspath(args.workspace or os.getcwd())
+    subscribed, prompted = anyio.Event(), anyio.Event()
+    statuses: list[int] = []
+
+    async def follow(scope: anyio.CancelScope) -> None:
+        statuses.append(await _follow(client, session, seq, screen, subscribed))
+        await prompted.wait()  # a turn done before its prompt's answer was read: the answer is read first
+        scope.cancel()
+
     async with anyio.create_task_group() as tg:
         if sys.stderr.isatty():
             tg.start_soon(_progress, screen, sys.stderr)
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            # Watched before the prompt: the text the model streams (`session/delta`) is not journalled, so what
+            # streamed before the watch began would never be shown. Until the prompt answers, the next Done is the
+            # turn's (the watch starts after the session's last step).
+            tg.start_soon(follow, tg.cancel_scope)
+            await subscribed.wait()
+            screen.turn = turn = await client.prompt(session, args.prompt)
+            prompted.set()
             tg.start_soon(_cancel_on, signals, client, session, turn, screen, tg.cancel_scope)
-            status = await _follow(client, session, seq, screen)
-        tg.cancel_scope.cancel()
+            await anyio.sleep_forever()
+    status = statuses[0] if statuses else EXIT_INTERRUPTED
     return EXIT_INTERRUPTED if screen.interrupted else status
 
 

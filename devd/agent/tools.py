@@ -300,10 +300,29 @@ def _killpg(process: Process) -> None:
 
 
 async def _kill(process: Process) -> None:
+    """Kill the command's group and wait (up to KILL_WAIT_S) until none of it runs: a cancel is answered "its
+    process group was killed", which must be so when it is said. SIGKILL is not instant, and what the command started
+    dies apart from it."""
     _killpg(process)
     with anyio.move_on_after(KILL_WAIT_S):
         await process.wait()
         await process.aclose()
+        while _group_running(process.pid):
+            await anyio.sleep(0.005)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group pgid runs still (a zombie does not: it waits for its parent or init to reap it,
+    which a container's init may never do, so `killpg(pgid, 0)` would wait on it for ever)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profile) -> Result:
