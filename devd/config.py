@@ -1,6 +1,6 @@
 """The daemon's settings: the one source of every default and limit, each named with its unit.
 
-argparse, `Core`, the registry, the store and the transport all receive their values from a `Settings`; none of
+argparse, `Core`, the registry, the store and the server all receive their values from a `Settings`; none of
 them keeps a default of its own. Also here: where state and sockets live by default. Addresses are values of
 `devd.server.listeners` (`TcpListen`, parsed once from the flag).
 """

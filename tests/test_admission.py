@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from devd.config import Settings
-from devd.server.admission import Admission, Close
+from devd.server.admission import SNIFF_BYTES_MAX, Admission, Close
 
 SETTINGS = Settings(
     state_dir=Path("/nonexistent"), socket_path=None, line_bytes_max=256, auth_line_bytes_max=96, auth_timeout_s=5.0
@@ -29,6 +29,16 @@ def test_an_http_request_split_across_reads_is_refused() -> None:
         None,
         Close("an HTTP request on the JSON-RPC socket"),
     ]
+
+
+def test_first_bytes_that_are_only_whitespace_are_held_no_longer_than_the_sniff_bound() -> None:
+    admission = tcp()
+    held = [admission.sniff(b"\n") for _ in range(SNIFF_BYTES_MAX)]
+    assert (held.count(None), admission.sniff(b"\n"), admission.sniffing) == (
+        SNIFF_BYTES_MAX,
+        b"\n" * (SNIFF_BYTES_MAX + 1),
+        False,
+    )
 
 
 def test_initialize_with_the_token_admits_and_lifts_the_message_bound() -> None:

@@ -75,3 +75,31 @@ async def test_on_the_loop_what_follows_a_commit_runs_before_its_writers_hear_of
 def test_a_journal_is_cut_into_spans_of_about_the_bytes_given_the_last_reaching_the_step_forked_at() -> None:
     sizes = [(1, 3), (2, 3), (3, 3), (4, 1), (5, 5)]
     assert spans(sizes, 6, 5) == [(1, 2), (3, 5)] and spans(sizes[:4], 6, 5) == [(1, 2), (3, 6)]
+
+
+async def test_a_thread_commit_whose_follow_up_fails_still_commits_the_next_batch() -> None:
+    def commit(ops: list[str]) -> tuple[list[BaseException | None], Callable[[], None]]:
+        def then() -> None:
+            raise RuntimeError("a bug in the maintenance")
+
+        return [None] * len(ops), then
+
+    group: GroupCommit[str] = GroupCommit()
+    group.start_thread(commit, name="test-commit")
+    with anyio.fail_after(10):
+        answers = [await group.write("a"), await group.write("b")]
+    await group.stop_thread()
+    assert answers == [None, None]
+
+
+async def test_a_loop_commit_that_raises_answers_its_writers_with_the_error() -> None:
+    async def commit(ops: list[str]) -> tuple[list[BaseException | None], None]:
+        raise RuntimeError("a bug in the commit")
+
+    group: GroupCommit[str] = GroupCommit()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(group.serve, commit)
+            error = await group.write("a")
+            tg.cancel_scope.cancel()
+    assert (type(error), str(error)) == (RuntimeError, "a bug in the commit")

@@ -4,6 +4,8 @@ connection."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -200,7 +202,7 @@ def test_a_handler_for_a_method_the_table_lacks_fails_the_binding_naming_it() ->
 def test_a_second_handler_for_a_method_is_refused_at_import() -> None:
     from devd.server import methods
 
-    with pytest.raises(AssertionError, match="session/step has two handlers"):
+    with pytest.raises(RuntimeError, match="session/step has two handlers"):
         methods.method("session/step")(boom)
 
 
@@ -227,3 +229,11 @@ async def test_a_long_list_page_lets_other_calls_run_while_it_is_built(tmp_path:
         tg.cancel_scope.cancel()
     registry.close_all()
     assert (len(reply["result"]["sessions"]), during >= 4) == (5000, True)
+
+
+def test_a_handler_for_a_method_not_in_the_table_is_refused_even_under_python_o() -> None:
+    code = "from devd.server import methods; methods.method('session/nope')"
+    done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
+    assert done.stderr.splitlines()[-1] == (
+        "RuntimeError: 'session/nope' is not in devd.protocol.METHODS: add it there first"
+    )

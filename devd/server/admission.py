@@ -24,6 +24,9 @@ from devd.server.rpc import RequestError, decode_request, error_response
 
 _HTTP_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE ")
 _initialize = msgspec.json.Decoder(InitializeParams)
+# The most first bytes held undecided: whitespace alone (blank lines, spaces) could begin a request for ever, and held
+# bytes are joined again at every read. Past this they are framed like any other (blank lines are skipped there).
+SNIFF_BYTES_MAX = 64
 
 
 class Close(msgspec.Struct, frozen=True):
@@ -60,13 +63,14 @@ class Admission:
 
     def sniff(self, data: bytes) -> bytes | Close | None:
         """The connection's first bytes: what to frame (data, after any held before it), a Close for an HTTP
-        request, or None while what arrived could still begin one ("G", "POS"), kept until more comes."""
+        request, or None while what arrived could still begin one ("G", "POS"), kept until more comes (at most
+        SNIFF_BYTES_MAX bytes)."""
         data, self._head = self._head + data, b""
         head = data.lstrip()
         if head.startswith(_HTTP_METHODS):
             self.sniffing = False
             return Close("an HTTP request on the JSON-RPC socket")
-        if any(m.startswith(head) for m in _HTTP_METHODS) and b"\n" not in head:
+        if len(data) <= SNIFF_BYTES_MAX and b"\n" not in head and any(m.startswith(head) for m in _HTTP_METHODS):
             self._head = data
             return None
         self.sniffing = False

@@ -148,13 +148,18 @@ def method(
     during_shutdown: bool | None = None,
 ) -> Callable[[Handler], Handler]:
     """The handler of the protocol's method `name`; the types and flags, when given, must be the table's."""
+    # Raised, not asserted: the check holds under `python -O` too, at import, before any call is served.
     spec = protocol.METHODS.get(name)
-    assert spec is not None, f"{name!r} is not in devd.protocol.METHODS: add it there first"
-    assert params in (None, spec.params) and result in (None, spec.result), f"{name}: not the table's types"
-    assert during_shutdown in (None, spec.during_shutdown), f"{name}: not the table's during_shutdown"
+    if spec is None:
+        raise RuntimeError(f"{name!r} is not in devd.protocol.METHODS: add it there first")
+    if params not in (None, spec.params) or result not in (None, spec.result):
+        raise RuntimeError(f"{name}: not the table's types")
+    if during_shutdown not in (None, spec.during_shutdown):
+        raise RuntimeError(f"{name}: not the table's during_shutdown")
 
     def register(handler: Handler) -> Handler:
-        assert name not in _HANDLERS, f"{name} has two handlers"
+        if name in _HANDLERS:
+            raise RuntimeError(f"{name} has two handlers")
         _HANDLERS[name] = handler
         return handler
 

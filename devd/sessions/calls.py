@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from devd.sessions.registry import Registry
     from devd.sessions.residency import Room
 
-log = structlog.get_logger("devd.sessions.registry")
+log = structlog.get_logger("devd.sessions.calls")
 T = TypeVar("T")
 HEAVY_MEMORY_BYTES = 8 << 20  # a rebuilt instance this large (a megabytes-long transcript) starts on a worker
 WHOLE_STATE_INLINE_BYTES = 4 << 20  # an instance this large is snapshotted on a worker (~1 ms a MB of transcript)

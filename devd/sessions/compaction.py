@@ -23,7 +23,7 @@ from devd.sessions.entry import Entry
 if TYPE_CHECKING:
     from devd.sessions.registry import Registry
 
-log = structlog.get_logger("devd.sessions.registry")
+log = structlog.get_logger("devd.sessions.compaction")
 SHUTDOWN_SNAPSHOT_BYTES = 16 << 10  # journal since its snapshot past which a stopping daemon snapshots a session
 
 

@@ -21,7 +21,7 @@ from devd.storage.store import Fleet
 if TYPE_CHECKING:
     from devd.sessions.registry import Registry
 
-log = structlog.get_logger("devd.sessions.registry")
+log = structlog.get_logger("devd.sessions.fleet")
 
 
 class FleetSessions:

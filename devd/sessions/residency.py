@@ -25,7 +25,7 @@ from devd.storage.store import Stored
 if TYPE_CHECKING:
     from devd.sessions.registry import Registry
 
-log = structlog.get_logger("devd.sessions.registry")
+log = structlog.get_logger("devd.sessions.residency")
 WAKE_BASE_BYTES = 1 << 20  # what a woken instance is reserved beyond its state: an empty one holds ~512 KiB
 WAKE_GROWTH = 4  # and per byte of its snapshot and journal (a 4 MiB prompt was seen to hold 15.4 MiB)
 ROOM_RECHECK_S = 0.005  # how often a wake waiting for room looks again

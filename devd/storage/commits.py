@@ -36,7 +36,7 @@ from devd.storage.store import StoreStats, percentile_ms
 
 __all__ = ["FORK_COPY_BYTES", "CommitTimes", "GroupCommit", "spans"]
 
-log = structlog.get_logger("devd.storage.store")
+log = structlog.get_logger("devd.storage.commits")
 
 OpT = TypeVar("OpT")
 TIMES_KEPT = 1024  # the commits whose durations the percentiles are taken over: the latest ones
@@ -167,7 +167,7 @@ class GroupCommit(Generic[OpT]):
                 errors = [e] * len(batch)
             loop.call_soon_threadsafe(self._answer, batch, errors, time.perf_counter() - started)
             if then is not None:
-                then()
+                _maintain(then)
 
     # -- on the event loop --------------------------------------------------------------------------------------
 
@@ -195,11 +195,28 @@ class GroupCommit(Generic[OpT]):
 
     async def _commit(self, commit: LoopCommit[OpT], batch: list[_Pending[OpT]]) -> None:
         started = time.perf_counter()
-        errors, then = await commit([p.op for p in batch])
+        then: Callable[[], Awaitable[None]] | None = None
+        try:
+            errors, then = await commit([p.op for p in batch])
+        except Exception as e:  # a bug, not a fault: the batch fails, and its writers hear so rather than wait
+            log.error("store.commit_failed", error=f"{type(e).__name__}: {e}"[:500])
+            errors = [e] * len(batch)
         seconds = time.perf_counter() - started
         if then is not None:
-            await then()
+            try:
+                await then()
+            except Exception as e:  # the batch is committed: a failed follow-up is logged, not the writers' error
+                log.error("store.maintenance_failed", error=f"{type(e).__name__}: {e}"[:500])
         self._answer(batch, errors, seconds)
+
+
+def _maintain(then: Callable[[], None]) -> None:
+    """What follows a commit on the commit thread; a failure is logged, and the thread lives on for the next batch
+    (were it to end, every later write would wait for ever)."""
+    try:
+        then()
+    except Exception as e:
+        log.error("store.maintenance_failed", error=f"{type(e).__name__}: {e}"[:500])
 
 
 def spans(sizes: Iterable[tuple[int, int]], at: int, bytes_max: int) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ from devd.errors import StoreError
 
 __all__ = ["Migrations"]
 
-log = structlog.get_logger("devd.storage.store")
+log = structlog.get_logger("devd.storage.migrations")
 
 StepT = TypeVar("StepT")
 

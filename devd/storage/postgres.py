@@ -66,7 +66,7 @@ from devd.storage.store import Health, Keyed, Record, Row, SessionRow, Step, Sto
 
 __all__ = ["MIGRATIONS", "Owner", "PostgresStore", "default_node"]
 
-log = structlog.get_logger("devd.storage.store")
+log = structlog.get_logger("devd.storage.postgres")
 
 T = TypeVar("T")
 Conn = psycopg.AsyncConnection[TupleRow]

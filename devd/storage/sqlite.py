@@ -57,7 +57,7 @@ from devd.storage.migrations import Migrations
 from devd.storage.retention import Retention
 from devd.storage.store import Health, Keyed, Record, Row, SessionRow, Step, Stored, StoreError, StoreStats
 
-log = structlog.get_logger("devd.storage.store")
+log = structlog.get_logger("devd.storage.sqlite")
 
 ROWS_PER_STATEMENT = 500  # 9 variables a row, well under SQLite's 32,766
 WAL_BYTES_KEPT = 4 << 20  # the log is cut back to this when SQLite resets it, so a burst does not keep its size
