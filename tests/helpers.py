@@ -1,5 +1,6 @@
-"""What many test modules build with: messages and the seed turn, store steps, a watcher's sink, a keyed conversation
-with its expected answers, and runners of the `devd` command and of waits.
+"""What many test modules build with: messages and the seed turn, a watcher's sink, a keyed conversation with its
+expected answers, runners of the `devd` command and of waits, a registry wired as the daemon wires it, the
+transcripts of docs/protocol.md, and a daemon/status answer with every field set. Store steps are `tests.stores`'.
 
 One home for each, so that a test module imports from here and never from another test module. The daemons
 themselves are `tests.harness` (in this process) and `tests.daemon` (a process of its own).
@@ -9,14 +10,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import anyio
 
 from devd import cli
+from devd.config import Settings
+from devd.host import Core
 from devd.messages import (
     Action,
     Agent,
@@ -35,6 +43,13 @@ from devd.messages import (
     encode,
     turn,
 )
+from devd.server.daemon import build
+from devd.sessions.registry import Registry
+from devd.storage.memory import MemoryStore
+from devd.storage.sqlite import SQLiteStore
+from devd.storage.store import Store
+from tests.daemon import ROOT
+from tests.stores import running
 
 # -- messages and the seed turn --------------------------------------------------------------------------------------
 
@@ -172,3 +187,85 @@ async def gone(pid: int, within_s: float = 5.0) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+# -- a registry as the daemon wires it ------------------------------------------------------------------------------
+
+
+def open_store(kind: str, tmp_path: Path, settings: Settings) -> Store:
+    if kind == "memory":
+        return MemoryStore()
+    return SQLiteStore(
+        tmp_path / "devd.sqlite3",
+        keys_kept=settings.keys_kept_per_session,
+        steps_kept=settings.steps_kept_per_session,
+        prune_every_steps=settings.prune_every_steps,
+    )
+
+
+@asynccontextmanager
+async def opened(kind: str, tmp_path: Path, core: Core, **limits: Any) -> AsyncIterator[Registry]:
+    """A registry as `devd.server.daemon.build` wires it, over a running store of that kind in tmp_path."""
+    settings = Settings(state_dir=tmp_path, socket_path=None, **limits)
+    async with running(open_store(kind, tmp_path, settings)) as store:
+        registry, _ = build(settings, core, store)
+        try:
+            yield registry
+        finally:
+            registry.close_all()
+
+
+# -- docs/protocol.md's transcripts ---------------------------------------------------------------------------------
+
+DOC = ROOT / "docs" / "protocol.md"
+LINE = re.compile(r"(\d*)([<>]) ?(.*)")
+
+
+@dataclass
+class Block:
+    start_line: int  # 1-based line of the opening fence, for messages
+    tcp: bool
+    lines: list[tuple[str, str, str]] = field(default_factory=list)  # (connection, ">" or "<", text)
+
+
+def transcripts(text: str) -> list[Block]:
+    blocks: list[Block] = []
+    current: Block | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if current is None:
+            words = line.strip().removeprefix("```").split()
+            if line.startswith("```") and words[:1] == ["jsonl"]:
+                assert words[1:] in ([], ["tcp"]), f"{DOC.name}:{number}: unknown block options {words[1:]}"
+                current = Block(number, tcp=words[1:] == ["tcp"])
+        elif line.startswith("```"):
+            blocks.append(current)
+            current = None
+        elif line.strip():
+            match = LINE.fullmatch(line)
+            assert match, f"{DOC.name}:{number}: a transcript line starts with >, <, N> or N<: {line!r}"
+            current.lines.append((match[1] or "1", match[2], match[3]))
+    assert current is None, f"{DOC.name}: the block at line {current.start_line} is not closed"
+    return blocks
+
+
+# -- a daemon/status answer, every field set ---------------------------------------------------------------------
+
+STATUS: dict[str, Any] = {
+    "server": {"name": "devd", "version": "0.1.0"},
+    "uptime_s": 12.5,
+    "sessions": {"live": 1, "stored": 2, "ended": 0, "poisoned": 3},
+    "connections": 4,
+    "steps": 5,
+    "durable_writes": 6,
+    "errors": {"INTERNAL": 1, "BUSY": 2},
+    "deadline_hits": 7,
+    "offloaded": 8,
+    "rebuilt": 9,
+    "hibernated": 10,
+    "live_memory_bytes": 1245184,
+    "expired": 11,
+    "store_reopened": 12,
+    "commit_ms_p50": 1.1,
+    "commit_ms_p99": 12.25,
+    "memory_rss_bytes": 63991808,
+}

@@ -11,44 +11,15 @@ from __future__ import annotations
 
 import re
 import socket
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.daemon import ROOT, devd, free_port, stop, wait_connectable, wait_token
+from tests.daemon import devd, free_port, stop, wait_connectable, wait_token
+from tests.helpers import DOC, Block, transcripts
 
-DOC = ROOT / "docs" / "protocol.md"
-LINE = re.compile(r"(\d*)([<>]) ?(.*)")
 READ_TIMEOUT_S = 10.0
 QUIET_S = 0.05  # how long a connection must stay silent after its block
-
-
-@dataclass
-class Block:
-    start_line: int  # 1-based line of the opening fence, for messages
-    tcp: bool
-    lines: list[tuple[str, str, str]] = field(default_factory=list)  # (connection, ">" or "<", text)
-
-
-def transcripts(text: str) -> list[Block]:
-    blocks: list[Block] = []
-    current: Block | None = None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if current is None:
-            words = line.strip().removeprefix("```").split()
-            if line.startswith("```") and words[:1] == ["jsonl"]:
-                assert words[1:] in ([], ["tcp"]), f"{DOC.name}:{number}: unknown block options {words[1:]}"
-                current = Block(number, tcp=words[1:] == ["tcp"])
-        elif line.startswith("```"):
-            blocks.append(current)
-            current = None
-        elif line.strip():
-            match = LINE.fullmatch(line)
-            assert match, f"{DOC.name}:{number}: a transcript line starts with >, <, N> or N<: {line!r}"
-            current.lines.append((match[1] or "1", match[2], match[3]))
-    assert current is None, f"{DOC.name}: the block at line {current.start_line} is not closed"
-    return blocks
 
 
 class Connection:

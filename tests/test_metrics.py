@@ -14,7 +14,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -29,28 +28,9 @@ from devd.server.listeners import TcpListen
 from devd.server.metrics import prometheus
 from devd.server.scrape import CONTENT_TYPE
 from tests.daemon import Daemon, free_port
+from tests.helpers import STATUS
 
 # -- the text format -------------------------------------------------------------------------------------------------
-
-STATUS: dict[str, Any] = {
-    "server": {"name": "devd", "version": "0.1.0"},
-    "uptime_s": 12.5,
-    "sessions": {"live": 1, "stored": 2, "ended": 0, "poisoned": 3},
-    "connections": 4,
-    "steps": 5,
-    "durable_writes": 6,
-    "errors": {"INTERNAL": 1, "BUSY": 2},
-    "deadline_hits": 7,
-    "offloaded": 8,
-    "rebuilt": 9,
-    "hibernated": 10,
-    "live_memory_bytes": 1245184,
-    "expired": 11,
-    "store_reopened": 12,
-    "commit_ms_p50": 1.1,
-    "commit_ms_p99": 12.25,
-    "memory_rss_bytes": 63991808,
-}
 
 PROMETHEUS = """\
 # HELP devd_build_info The daemon's version, as a label; always 1.

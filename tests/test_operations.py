@@ -18,8 +18,7 @@ from devd.server.metrics import prometheus
 from devd.storage.sqlite import MIGRATIONS
 from tests.daemon import ROOT, Daemon, log_events
 from tests.harness import InProcess
-from tests.helpers import devd, subcommands
-from tests.test_metrics import STATUS
+from tests.helpers import STATUS, devd, subcommands
 
 DOC = ROOT / "docs" / "operations.md"
 

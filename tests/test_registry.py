@@ -8,9 +8,7 @@ import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -40,9 +38,9 @@ from devd.sessions.state import State
 from devd.sessions.watchers import Stepped
 from devd.storage.memory import MemoryStore
 from devd.storage.sqlite import SQLiteStore
-from devd.storage.store import Health, Store, Stored
+from devd.storage.store import Health, Stored
 from tests import modules
-from tests.helpers import Sink, seed_turn
+from tests.helpers import Sink, opened, seed_turn
 from tests.stores import running
 
 SEED = seed_turn(1, 1)  # a prompt, an answer with Exec and Read, their two results, a text answer (with Save)
@@ -87,29 +85,6 @@ def unwatched(session: bytes, seq: int, reason: bytes) -> bytes:
         seq,
         reason,
     )
-
-
-def open_store(kind: str, tmp_path: Path, settings: Settings) -> Store:
-    if kind == "memory":
-        return MemoryStore()
-    return SQLiteStore(
-        tmp_path / "devd.sqlite3",
-        keys_kept=settings.keys_kept_per_session,
-        steps_kept=settings.steps_kept_per_session,
-        prune_every_steps=settings.prune_every_steps,
-    )
-
-
-@asynccontextmanager
-async def opened(kind: str, tmp_path: Path, core: Core, **limits: Any) -> AsyncIterator[Registry]:
-    """A registry as `devd.server.daemon.build` wires it, over a running store of that kind in tmp_path."""
-    settings = Settings(state_dir=tmp_path, socket_path=None, **limits)
-    async with running(open_store(kind, tmp_path, settings)) as store:
-        registry, _ = build(settings, core, store)
-        try:
-            yield registry
-        finally:
-            registry.close_all()
 
 
 @pytest.fixture(params=["memory", "sqlite"])

@@ -16,8 +16,7 @@ from devd.sessions.registry import Registry
 from devd.sessions.state import State
 from devd.storage.store import Step
 from tests import modules
-from tests.helpers import Sink
-from tests.test_registry import opened
+from tests.helpers import Sink, opened
 
 TIMER = b'{"Timer":true}'
 

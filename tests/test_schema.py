@@ -32,7 +32,7 @@ from devd.schema import (
 )
 from devd.server.methods import METHODS
 from tests.daemon import ROOT, daemon_env, devd, stop, wait_connectable
-from tests.test_docs import DOC, transcripts
+from tests.helpers import DOC, transcripts
 
 # The methods and notices of sessions the daemon drives need a daemon with --agents: tests/test_agent_runtime.py and
 # tests/test_approvals.py cover them.
