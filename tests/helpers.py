@@ -1,6 +1,6 @@
 """What many test modules build with: messages and the seed turn, a watcher's sink, a keyed conversation with its
-expected answers, runners of the `devd` command and of waits, a registry wired as the daemon wires it, the
-transcripts of docs/protocol.md, and a daemon/status answer with every field set. Store steps are `tests.stores`'.
+expected answers, runners of the `devd` command and of waits, the transcripts of docs/protocol.md, and a
+daemon/status answer with every field set. Store steps, and a registry wired over a store, are `tests.stores`'.
 
 One home for each, so that a test module imports from here and never from another test module. The daemons
 themselves are `tests.harness` (in this process) and `tests.daemon` (a process of its own).
@@ -14,17 +14,13 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
 
 from devd import cli
-from devd.config import Settings
-from devd.host import Core
 from devd.messages import (
     Action,
     Agent,
@@ -43,13 +39,7 @@ from devd.messages import (
     encode,
     turn,
 )
-from devd.server.daemon import build
-from devd.sessions.registry import Registry
-from devd.storage.memory import MemoryStore
-from devd.storage.sqlite import SQLiteStore
-from devd.storage.store import Store
 from tests.daemon import ROOT
-from tests.stores import running
 
 # -- messages and the seed turn --------------------------------------------------------------------------------------
 
@@ -187,32 +177,6 @@ async def gone(pid: int, within_s: float = 5.0) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-# -- a registry as the daemon wires it ------------------------------------------------------------------------------
-
-
-def open_store(kind: str, tmp_path: Path, settings: Settings) -> Store:
-    if kind == "memory":
-        return MemoryStore()
-    return SQLiteStore(
-        tmp_path / "devd.sqlite3",
-        keys_kept=settings.keys_kept_per_session,
-        steps_kept=settings.steps_kept_per_session,
-        prune_every_steps=settings.prune_every_steps,
-    )
-
-
-@asynccontextmanager
-async def opened(kind: str, tmp_path: Path, core: Core, **limits: Any) -> AsyncIterator[Registry]:
-    """A registry as `devd.server.daemon.build` wires it, over a running store of that kind in tmp_path."""
-    settings = Settings(state_dir=tmp_path, socket_path=None, **limits)
-    async with running(open_store(kind, tmp_path, settings)) as store:
-        registry, _ = build(settings, core, store)
-        try:
-            yield registry
-        finally:
-            registry.close_all()
 
 
 # -- docs/protocol.md's transcripts ---------------------------------------------------------------------------------

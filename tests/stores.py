@@ -4,7 +4,8 @@ A backend joins in one place, `BACKENDS`: how to find a place for its data in a 
 with given pruning limits, and whether what it keeps outlives the store (`durable`). The `backend` and
 `store_factory` fixtures (tests/conftest.py) are parametrized over this table, so a new backend gets every case;
 the cases for durable stores run over `DURABLE`. PostgreSQL's place is a fresh database on the cluster
-tests/postgres.py starts (missing binaries fail its cases, as they do today: a skip would hide them).
+tests/postgres.py starts (missing binaries fail its cases, as they do today: a skip would hide them). Also here: the
+steps and snapshots the store tests write, and a registry wired over a store as the daemon wires it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import pytest
 
+from devd.config import Settings
+from devd.host import Core
+from devd.server.daemon import build
+from devd.sessions.registry import Registry
 from devd.storage.memory import MemoryStore
 from devd.storage.postgres import PostgresStore
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, SQLiteStore
@@ -107,3 +112,26 @@ def snapshot_files(state: Path) -> list[str]:
     """The snapshots a SQLite store in `state` keeps in files, by name."""
     directory = state / "snapshots"
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def open_store(kind: str, tmp_path: Path, settings: Settings) -> Store:
+    if kind == "memory":
+        return MemoryStore()
+    return SQLiteStore(
+        tmp_path / "devd.sqlite3",
+        keys_kept=settings.keys_kept_per_session,
+        steps_kept=settings.steps_kept_per_session,
+        prune_every_steps=settings.prune_every_steps,
+    )
+
+
+@asynccontextmanager
+async def opened(kind: str, tmp_path: Path, core: Core, **limits: Any) -> AsyncIterator[Registry]:
+    """A registry as `devd.server.daemon.build` wires it, over a running store of that kind in tmp_path."""
+    settings = Settings(state_dir=tmp_path, socket_path=None, **limits)
+    async with running(open_store(kind, tmp_path, settings)) as store:
+        registry, _ = build(settings, core, store)
+        try:
+            yield registry
+        finally:
+            registry.close_all()

@@ -40,8 +40,8 @@ from devd.storage.memory import MemoryStore
 from devd.storage.sqlite import SQLiteStore
 from devd.storage.store import Health, Stored
 from tests import modules
-from tests.helpers import Sink, opened, seed_turn
-from tests.stores import running
+from tests.helpers import Sink, seed_turn
+from tests.stores import opened, running
 
 SEED = seed_turn(1, 1)  # a prompt, an answer with Exec and Read, their two results, a text answer (with Save)
 USER = b'{"User":"fix the build"}'

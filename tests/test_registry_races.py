@@ -16,7 +16,8 @@ from devd.sessions.registry import Registry
 from devd.sessions.state import State
 from devd.storage.store import Step
 from tests import modules
-from tests.helpers import Sink, opened
+from tests.helpers import Sink
+from tests.stores import opened
 
 TIMER = b'{"Timer":true}'
 
