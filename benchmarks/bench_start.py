@@ -78,9 +78,16 @@ def _first_answer_ms(argv: list[str], sock: Path, env: dict[str, str]) -> float:
 
 
 def _devd_argv(sock: Path, state: Path) -> list[str]:
-    return [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)] + [
-        "--log-level",
-        "warning",
+    return [
+        sys.executable,
+        "-m",
+        "devd",
+        "serve",
+        "--socket",
+        str(sock),
+        "--state-dir",
+        str(state),
+        "--log-level=warning",
     ]
 
 

@@ -31,11 +31,7 @@ def publish(written: Path, path: Path) -> None:
     with open(written, "rb") as f:
         os.fsync(f.fileno())
     os.rename(written, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
 
 
 def new_partial(beside: Path) -> Path:
@@ -54,11 +50,16 @@ def publish_new(written: Path, path: Path) -> None:
         os.fsync(f.fileno())
     os.link(written, path, follow_symlinks=False)
     os.unlink(written)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the directory's entries durable: a file created, renamed or removed in it survives a crash only then."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def remove_partials(directory: Path) -> int:

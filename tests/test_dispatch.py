@@ -18,9 +18,10 @@ from structlog.testing import capture_logs
 from devd import __version__
 from devd.config import Settings
 from devd.host import Core
+from devd.protocol import Empty, SessionParams
 from devd.server.daemon import build
 from devd.server.dispatch import Dispatcher
-from devd.server.methods import METHODS, Call, Empty, Method, Peer, SessionParams
+from devd.server.methods import METHODS, Call, Method, Peer
 from devd.storage.memory import MemoryStore
 from tests.helpers import Sink
 

@@ -48,10 +48,11 @@ from devd.messages import (
     encode,
     turn,
 )
+from devd.protocol import SEQ_MAX
 from devd.server.connection import Event as ConnectionEvent
 from devd.server.connection import Rules
 from devd.server.framing import TOO_LONG, LineFramer, TooLong
-from devd.server.methods import METHODS, SEQ_MAX, resolve
+from devd.server.methods import METHODS, resolve
 from devd.server.rpc import (
     Request,
     RequestError,

@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from devd import errors
-from devd.server.methods import METHODS, StepParams, StepResult, resolve
+from devd.protocol import StepParams, StepResult
+from devd.server.methods import METHODS, resolve
 from devd.server.rpc import RequestError, decode_request, error_response, response
 
 

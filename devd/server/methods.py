@@ -26,19 +26,12 @@ from devd.agent.oversight import APPROVAL_NOTICE
 from devd.config import Settings, backup_dir
 from devd.errors import BusyError, ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
 from devd.messages import Config, decode_actions, encode, encode_actions
-
-# Re-exported: the wire's names and rules were first defined here, and are still imported from here.
-from devd.protocol import (  # noqa: F401
-    KEY_BYTES_MAX,
-    SEQ_MAX,
-    SESSION_NAME_PATTERN,
-    TRANSCRIPT_INDEX_MAX,
+from devd.protocol import (
     AgentResult,
     ApproveParams,
     BackupParams,
     BackupResult,
     BudgetParams,
-    Client,
     DrainResult,
     Empty,
     ForkParams,
@@ -54,10 +47,8 @@ from devd.protocol import (  # noqa: F401
     PromptParams,
     PromptResult,
     RestoreParams,
-    Seq,
     Server,
     SessionInfo,
-    SessionName,
     SessionParams,
     SessionResult,
     SnapshotResult,
@@ -71,7 +62,6 @@ from devd.protocol import (  # noqa: F401
     TranscriptResult,
     UsageResult,
     WatchParams,
-    check,
     decode_params,
     rfc3339,
 )

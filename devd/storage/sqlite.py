@@ -666,7 +666,7 @@ class SQLiteStore:
         """A new file holding `snapshot`, durable under its name when this returns (on a worker thread); its name."""
         if not self._snapshot_dir.is_dir():
             self._snapshot_dir.mkdir(mode=0o700, exist_ok=True)
-            _fsync_dir(self._snapshot_dir.parent)  # the directory must outlast a crash before a file in it can
+            files.fsync_dir(self._snapshot_dir.parent)  # the directory must outlast a crash before a file in it can
         name = f"{self.id}-{secrets.token_hex(8)}.snap"
         partial = self._snapshot_dir / f".{name}.partial"
         try:
@@ -1010,14 +1010,6 @@ def migrate(db: sqlite3.Connection, path: Path) -> None:
         version, script = due
         db.executescript(f"BEGIN IMMEDIATE; {script} PRAGMA user_version = {version}; COMMIT;")
         FORMAT.applied(version, database=str(path))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _reconnect(path: Path, id: str) -> sqlite3.Connection:
