@@ -529,7 +529,8 @@ class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class DeltaNotice(msgspec.Struct, frozen=True):
     """`session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled.
-    The fragments of one action, in order, are its reply's text."""
+    The fragments of one action, in order, are its reply's text (a watcher that joins mid-stream is first sent the
+    text so far as one fragment)."""
 
     session: str
     action: int

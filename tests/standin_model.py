@@ -29,13 +29,16 @@ from typing import Any
 
 import pytest
 
+NOTICE_WAIT_S = 30.0  # a held reply is released by its test well before this
+
 
 @dataclass(frozen=True)
 class Scripted:
     """One reply: `text` and/or `tool_calls` (each `(name, arguments)`; arguments a dict, or a str sent as it is),
     `usage` `(prompt, completion, cached)` (default: counted from the sizes), `delay_s` before each chunk, `split`
     characters of text per chunk; or an error `status` (with `message` and `retry_after`); or `hang`: send the head,
-    the role chunk and the first fragment, then nothing until the client closes."""
+    the role chunk and the first fragment, then nothing until the client closes; or `held`: send `held_after` chunks
+    (the role chunk is the first), then wait until the event is set before the rest."""
 
     text: str | None = None
     tool_calls: list[tuple[str, dict[str, Any] | str]] = field(default_factory=list)
@@ -49,6 +52,8 @@ class Scripted:
     finish_reason: str | None = None  # default: tool_calls when there are calls, else stop
     model: str | None = None  # the answering model's name (default: the request's)
     whole: bool = False  # answer one JSON object even when the request asks for a stream (as some servers do)
+    held: threading.Event | None = None
+    held_after: int = 0
 
 
 Responder = Scripted | Callable[[dict[str, Any]], Scripted]
@@ -171,6 +176,8 @@ class Standin:
         for n, chunk in enumerate(_chunks(body, reply, usage)):
             if reply.hang and n == 2:  # after the role chunk and a first fragment
                 return self._hang(h)
+            if reply.held is not None and n == reply.held_after:
+                reply.held.wait(NOTICE_WAIT_S)
             if reply.delay_s:
                 time.sleep(reply.delay_s)
             h.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from devd import errors
 from devd.client import Client
 from devd.messages import Cancel, Event, Turn
 from tests.agents import (
+    NOTICE_TIMEOUT_S,
     SECRET,
     SYSTEM,
     Agentd,
@@ -125,6 +127,22 @@ def test_a_second_connection_sees_the_text_stream_before_the_model_step(agentd: 
     model_step = next(i for i, n in enumerate(seen) if n.method == "session/actions" and "Model" in n.params["event"])
     last_delta = max(i for i, n in enumerate(seen) if n.method == "session/delta")
     assert ("".join(deltas), last_delta < model_step) == (text, True)
+
+
+def test_a_watcher_that_joins_mid_stream_is_first_sent_the_text_so_far(agentd: Agentd) -> None:
+    text, held = "Streaming this reply in many small pieces.", threading.Event()
+    agentd.standin.script(Scripted(text=text, split=4, held=held, held_after=4))
+    with agentd.client() as c, agentd.client() as early, agentd.client() as late:
+        session = agentd.session(c)
+        watch_raw(early, session)
+        turn = c.prompt(session, "stream")
+        streamed = 0
+        while streamed < 3:  # the three fragments sent before the stand-in holds the rest
+            streamed += early.wait_notification(NOTICE_TIMEOUT_S).method == "session/delta"
+        watch_raw(late, session)
+        held.set()
+        seen = until_done(late, turn)
+    assert "".join(n.params["text"] for n in seen if n.method == "session/delta") == text
 
 
 def test_text_written_beside_tool_calls_is_streamed_too(agentd: Agentd) -> None:

@@ -18,12 +18,14 @@ import msgspec
 
 from devd.errors import BusyError, HandleError
 from devd.messages import Action, Event, Message, decode_actions, decode_messages, encode
+from devd.protocol import DeltaNotice
 from devd.server.rpc import notification
 from devd.sessions.port import SessionPort
-from devd.sessions.watchers import Fanout, Stepped
+from devd.sessions.watchers import Fanout, Stepped, Subscription
 from devd.storage.store import Record, Store
 
 T = TypeVar("T")
+DELTA_NOTICE = "session/delta"
 BUSY_FIRST_DELAY_S = 0.002
 BUSY_MAX_DELAY_S = 0.1
 BUSY_WAIT_MAX_S = 60.0  # a session held by other calls this long: the step gives up with the last BusyError
@@ -41,6 +43,7 @@ class ObservedFanout(Fanout):
     """The watcher fan-out, also telling in-process observers of every step and every session's end."""
 
     observers: list[Observer] = msgspec.field(default_factory=list)
+    streams: dict[str, dict[int, str]] = msgspec.field(default_factory=dict)  # per session: Model text so far
 
     def publish(self, stepped: Stepped) -> None:
         super().publish(stepped)
@@ -58,6 +61,27 @@ class ObservedFanout(Fanout):
         for sub in list(self._by_session.get(session, ())):
             if sub.active and not sub.catching_up and not sub.sink.offer(data):
                 self.end_one(sub, "fell too far behind")
+
+    def stream(self, session: str, action: int, text: str) -> None:
+        """Text the model wrote for the Model action `action`, told as a `session/delta` to the live watchers, and
+        kept: a watcher that joins before `streamed` is first told all of it, so the deltas any watcher gets are
+        its reply's whole text (a second UI, or an editor back after the daemon restarted, joins mid-stream)."""
+        so_far = self.streams.setdefault(session, {})
+        so_far[action] = so_far.get(action, "") + text
+        self.tell(session, notification(DELTA_NOTICE, DeltaNotice(session, action, text)))
+
+    def streamed(self, session: str, action: int) -> None:
+        """The stream of `action` is over: its answer was stepped, or the ask stalled or was stopped."""
+        so_far = self.streams.get(session, {})
+        so_far.pop(action, None)
+        if not so_far:
+            self.streams.pop(session, None)
+
+    def live(self, sub: Subscription) -> None:
+        for action, text in self.streams.get(sub.session, {}).items():
+            if not sub.sink.offer(notification(DELTA_NOTICE, DeltaNotice(sub.session, action, text))):
+                self.end_one(sub, "fell too far behind")
+                return
 
 
 class Sessions(Protocol):
@@ -94,6 +118,11 @@ class Sessions(Protocol):
     def observe(self, observer: Observer) -> None: ...
 
     def tell(self, session: str, method: str, params: msgspec.Struct) -> None: ...
+
+    def stream(self, session: str, action: int, text: str) -> None:
+        """Text the model wrote for `action`, to the watchers now and to those that join before `streamed`."""
+
+    def streamed(self, session: str, action: int) -> None: ...
 
 
 class RegistryPort:
@@ -164,6 +193,12 @@ class RegistryPort:
 
     def tell(self, session: str, method: str, params: msgspec.Struct) -> None:
         self.fanout.tell(session, notification(method, params))
+
+    def stream(self, session: str, action: int, text: str) -> None:
+        self.fanout.stream(session, action, text)
+
+    def streamed(self, session: str, action: int) -> None:
+        self.fanout.streamed(session, action)
 
 
 async def _unbusy(call: Callable[[], Awaitable[T]]) -> T:

@@ -45,7 +45,7 @@ from devd.agent.profiles import Profile, api_key, check_workspace
 from devd.agent.records import Binding, Claim, TurnStarted
 from devd.errors import DevdError, HandleError, InvalidParamsError
 from devd.messages import Action, Answer, Call, Event, Message, Output, Turn, encode
-from devd.protocol import DeltaNotice, Outcome, StalledNotice
+from devd.protocol import Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
 
@@ -512,49 +512,52 @@ class Driver(msgspec.Struct, eq=False):
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
         confined = await self.runtime.sandbox(profile)
         exec_available = not isinstance(confined, sandboxes.Refusal)
-        for attempt in range(REASKS_MAX + 1):
+        try:
+            for attempt in range(REASKS_MAX + 1):
 
-            def on_text(text: str) -> None:
-                self.sessions.tell(self.session, "session/delta", DeltaNotice(self.session, action.id, text))
+                def on_text(text: str) -> None:
+                    self.sessions.stream(self.session, action.id, text)
 
-            accounted = await self._admitted(profile, action, messages, exec_available)
-            if accounted is None:
-                return []  # refused by a spend ceiling: stalled until resumed
+                accounted = await self._admitted(profile, action, messages, exec_available)
+                if accounted is None:
+                    return []  # refused by a spend ceiling: stalled until resumed
 
-            async def ask_model(accounted: ModelCall = accounted) -> model.Completion:
-                assert self.runtime.http is not None
-                return await model.complete(
-                    self.runtime.http,
-                    accounted.profile,
-                    messages,
-                    api_key=api_key(profile, self.runtime.environ),
-                    exec_available=exec_available,
-                    extra=list(self._inserted),
-                    on_text=on_text,
-                    on_attempt=accounted.attempt,
-                )
+                async def ask_model(accounted: ModelCall = accounted) -> model.Completion:
+                    assert self.runtime.http is not None
+                    return await model.complete(
+                        self.runtime.http,
+                        accounted.profile,
+                        messages,
+                        api_key=api_key(profile, self.runtime.environ),
+                        exec_available=exec_available,
+                        extra=list(self._inserted),
+                        on_text=on_text,
+                        on_attempt=accounted.attempt,
+                    )
 
-            try:
-                completion = await self._guarded(action.id, ask_model)
-            except ModelUnavailable as e:
-                await accounted.done(None)
-                await self._stalled(action.id, e.why)
-                return []
-            except BaseException:
-                accounted.cancelled()
-                raise
-            if completion is None:
-                await accounted.done(None)
-                return []
-            reply, rejected = model.to_reply(completion)
-            await accounted.done(completion)  # durable before the answer: every step has its records already
-            if rejected:
-                again = reply.calls is None and attempt < REASKS_MAX
-                text = reply.text if again else None
-                inserted = Inserted(before=len(messages), messages=model.rejected_messages(text, rejected))
-                await self._record(records.INSERTED, action.id, records.encode(inserted))
-                self._inserted.append(inserted)
-                if again:
-                    continue
-            return await self._step(Event(Model=Answer(id=action.id, reply=reply)), action.id)
-        raise AssertionError("unreachable")
+                try:
+                    completion = await self._guarded(action.id, ask_model)
+                except ModelUnavailable as e:
+                    await accounted.done(None)
+                    await self._stalled(action.id, e.why)
+                    return []
+                except BaseException:
+                    accounted.cancelled()
+                    raise
+                if completion is None:
+                    await accounted.done(None)
+                    return []
+                reply, rejected = model.to_reply(completion)
+                await accounted.done(completion)  # durable before the answer: every step has its records already
+                if rejected:
+                    again = reply.calls is None and attempt < REASKS_MAX
+                    text = reply.text if again else None
+                    inserted = Inserted(before=len(messages), messages=model.rejected_messages(text, rejected))
+                    await self._record(records.INSERTED, action.id, records.encode(inserted))
+                    self._inserted.append(inserted)
+                    if again:
+                        continue
+                return await self._step(Event(Model=Answer(id=action.id, reply=reply)), action.id)
+            raise AssertionError("unreachable")
+        finally:
+            self.sessions.streamed(self.session, action.id)  # answered, stalled or stopped: no more text

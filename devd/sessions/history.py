@@ -132,7 +132,7 @@ class History:
             raise
         finally:
             deriver.close()
-        sub.catching_up = False
+        fanout.caught_up(sub)
         return sub
 
 

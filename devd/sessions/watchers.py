@@ -55,7 +55,17 @@ class Fanout(msgspec.Struct):
     def subscribe(self, session: str, sink: Sink, last_seq: int, *, catching_up: bool) -> Subscription:
         sub = Subscription(session, sink, last_seq, catching_up)
         self._by_session.setdefault(session, set()).add(sub)
+        if not catching_up:
+            self.live(sub)
         return sub
+
+    def caught_up(self, sub: Subscription) -> None:
+        """sub has been sent the history it asked for: live steps go to it from now on."""
+        sub.catching_up = False
+        self.live(sub)
+
+    def live(self, sub: Subscription) -> None:
+        """sub has begun to receive live notices (a subclass sends what a late watcher needs to make sense of them)."""
 
     def unsubscribe(self, sub: Subscription) -> None:
         sub.active = False

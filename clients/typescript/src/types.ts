@@ -249,7 +249,8 @@ export interface DecidedNotice {
 
 /**
  * `session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled. The
- * fragments of one action, in order, are its reply's text.
+ * fragments of one action, in order, are its reply's text (a watcher that joins mid-stream is first sent the text so
+ * far as one fragment).
  */
 export interface DeltaNotice {
   session: string;
