@@ -186,8 +186,8 @@ def _echo_server(socket_path: str) -> None:
     }
     log.configure("json", "warning")
     settings = Settings(state_dir=Path(tempfile.mkdtemp()), socket_path=Path(socket_path))
-    _, dispatcher = build(settings, None, MemoryStore(), methods=stubs)  # type: ignore[arg-type]
-    daemon = Daemon(settings, dispatcher, None)
+    registry, dispatcher = build(settings, None, MemoryStore(), methods=stubs)  # type: ignore[arg-type]
+    daemon = Daemon(settings, registry, dispatcher, None)
     listeners = [UnixListen(Path(socket_path)).bind()]
     ready = lambda: print("ready", flush=True)  # noqa: E731
     anyio.run(daemon.serve, listeners, ready, backend="asyncio", backend_options=_uvloop_options())

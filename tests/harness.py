@@ -133,7 +133,7 @@ class _Running:
         opened.callback(receive.close)
         opened.callback(self.stops.close)
         ready = threading.Event()
-        daemon = Daemon(settings, dispatcher, token)
+        daemon = Daemon(settings, registry, dispatcher, token)
         self.portal = portal
         self.served: Future[None] = portal.start_task_soon(daemon.serve, listeners, ready.set, None, receive)
         opened.callback(self._cancel_if_running)  # before the portal's end, which waits for its tasks

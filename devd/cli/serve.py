@@ -111,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     registry, dispatcher = build(settings, core, store, fleet=fleet, agents=agents)
-    daemon = Daemon(settings, dispatcher, token)
+    daemon = Daemon(settings, registry, dispatcher, token)
 
     def ready() -> None:
         systemd.notify(f"READY=1\nSTATUS=serving {sum(registry.counts().values())} sessions")

@@ -92,8 +92,9 @@ def build(
 
 
 class Daemon:
-    def __init__(self, settings: Settings, dispatcher: Dispatcher, token: str | None) -> None:
+    def __init__(self, settings: Settings, registry: Registry, dispatcher: Dispatcher, token: str | None) -> None:
         self.settings = settings
+        self.registry = registry  # the daemon's own jobs on the sessions (load, expiry, shutdown); handlers use a port
         self.dispatcher = dispatcher
         self.token = token
         self.hub: Hub | None = None
@@ -113,9 +114,9 @@ class Daemon:
         absorbed rather than killing the process half-way.
         """
         app = self.dispatcher.app
-        if app.registry.fleet is not None:
-            await app.registry.fleet.connect()
-        await app.registry.load()
+        if self.registry.fleet is not None:
+            await self.registry.fleet.connect()
+        await self.registry.load()
         with _stop_requests(stops) as signals:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app.store.run)
@@ -126,7 +127,7 @@ class Daemon:
                 tg.start_soon(self._watchdog)
                 if self.settings.expire_after_s is not None:
                     tg.start_soon(self._expire, self.settings.expire_after_s)
-                if app.registry.fleet is not None:
+                if self.registry.fleet is not None:
                     tg.start_soon(self._check_holds)
                 self.hub = Hub(self.settings, self.dispatcher, self.token)
                 servers = [await _listen(self.hub, listening) for listening in listeners]
@@ -136,7 +137,7 @@ class Daemon:
 
                     await tg.start(scrape.serve, metrics_socket, self._exposition, self.settings)
                 on_ready()
-                sessions = sum(app.registry.counts().values())
+                sessions = sum(self.registry.counts().values())
                 log.info(
                     "daemon.ready", sessions=sessions, listeners=[listening.served.kind for listening in listeners]
                 )
@@ -146,12 +147,13 @@ class Daemon:
                 if running := self.hub.running:
                     # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
                     log.warning("daemon.interrupting", calls=len(running))
-                    app.registry.core.interrupt_all(max(self.settings.max_call_timeout_s, self.settings.call_timeout_s))
+                    longest = max(self.settings.max_call_timeout_s, self.settings.call_timeout_s)
+                    self.registry.core.interrupt_all(longest)
                 await self.hub.drain()
                 if not running:  # after an interrupt every call ends as DEADLINE: no snapshot could be taken
-                    await self._snapshot_all(app.registry)
-                if app.registry.fleet is not None:
-                    await self._release(app.registry)
+                    await self._snapshot_all()
+                if self.registry.fleet is not None:
+                    await self._release()
                 await self._close_connections()
                 tg.cancel_scope.cancel()
             await app.store.flush()
@@ -175,12 +177,12 @@ class Daemon:
                 await self.hub.drain()
             return
 
-    async def _snapshot_all(self, registry: Registry) -> None:
+    async def _snapshot_all(self) -> None:
         """Snapshot the live sessions with steps since their last snapshot, for as long as the grace allows, so the
         next start resumes each without replaying them (a restart for an upgrade costs no replay)."""
         try:
             with anyio.move_on_after(SHUTDOWN_SNAPSHOTS_S) as scope:
-                taken = await registry.save_all()
+                taken = await self.registry.save_all()
                 log.info("daemon.snapshots_taken", sessions=taken)
         except Exception as e:  # only a cache: the stop goes on (every step was durable before it was answered)
             log.error("daemon.snapshots_failed", error=f"{type(e).__name__}: {e}"[:500])
@@ -188,14 +190,14 @@ class Daemon:
         if scope.cancelled_caught:
             log.warning("daemon.snapshots_cut_short", after_s=SHUTDOWN_SNAPSHOTS_S)
 
-    async def _release(self, registry: Registry) -> None:
+    async def _release(self) -> None:
         """Give the fleet back every session, now that no call runs, so other daemons take them at once rather than
         after this one's lease ends. A failure only costs them that wait."""
         try:
             with anyio.fail_after(self.settings.shutdown_grace_s):
-                await registry.drain()
-                assert registry.fleet is not None
-                await registry.fleet.release_all()  # and any session a write took without the registry knowing
+                await self.registry.drain()
+                assert self.registry.fleet is not None
+                await self.registry.fleet.release_all()  # and any session a write took without the registry knowing
         except Exception as e:
             log.error("fleet.release_failed", error=f"{type(e).__name__}: {e}"[:500])
 
@@ -222,34 +224,31 @@ class Daemon:
 
     async def _expire(self, unused_for_s: float) -> None:
         """Delete sessions unused for longer than the daemon keeps them, checking a few times per that period."""
-        registry = self.dispatcher.app.registry
         while True:
             await anyio.sleep(min(max(unused_for_s / 10, 0.1), 60.0))
             if self.dispatcher.draining:
                 continue
             try:
-                await registry.expire(unused_for_s)
+                await self.registry.expire(unused_for_s)
             except Exception as e:  # a failed round (the store refused a delete) must not end the daemon
                 log.error("sessions.expiry_failed", error=f"{type(e).__name__}: {e}"[:500])
 
     async def _check_holds(self) -> None:
         """In a fleet, find the watched sessions this daemon may have lost while its lease lapsed, so that their
         watchers hear of it."""
-        registry = self.dispatcher.app.registry
         while True:
             await anyio.sleep(FLEET_CHECK_S)
             try:
-                await registry.fleet_sessions.check_holds()
+                await self.registry.fleet_sessions.check_holds()
             except Exception as e:  # a failed round (the database is away) must not end the daemon
                 log.error("fleet.check_failed", error=f"{type(e).__name__}: {e}"[:500])
 
     async def _watchdog(self) -> None:
         interval = systemd.watchdog_interval()
-        registry = self.dispatcher.app.registry
         while True:
             connections = len(self.hub.connections) if self.hub else 0
             systemd.notify(
-                f"STATUS=sessions {sum(registry.counts().values())}, connections {connections}"
+                f"STATUS=sessions {sum(self.registry.counts().values())}, connections {connections}"
                 + ("\nWATCHDOG=1" if interval else "")
             )
             await anyio.sleep(interval or 10.0)

@@ -67,7 +67,7 @@ from devd.protocol import (
 )
 from devd.server.rpc import Request, notification
 from devd.sessions.entry import Info
-from devd.sessions.registry import Registry
+from devd.sessions.port import SessionPort
 from devd.sessions.watchers import Sink, Subscription
 from devd.storage.store import Store
 
@@ -98,7 +98,7 @@ class App(msgspec.Struct):
     """The daemon's services, as handlers use them."""
 
     settings: Settings
-    registry: Registry
+    sessions: SessionPort  # what handlers call: never the registry itself
     store: Store
     connections: Callable[[], int]
     started: float = msgspec.field(default_factory=time.monotonic)
@@ -202,11 +202,11 @@ async def initialize(call: Call, params: InitializeParams) -> InitializeResult:
 
 
 def status(app: App) -> StatusResult:
-    stats, store = app.registry.statistics(), app.store.statistics()
+    stats, store = app.sessions.statistics(), app.store.statistics()
     return StatusResult(
         server=Server("devd", __version__),
         uptime_s=round(time.monotonic() - app.started, 3),
-        sessions=app.registry.counts(),
+        sessions=app.sessions.counts(),
         connections=app.connections(),
         steps=stats.steps,
         durable_writes=store.commits,
@@ -268,9 +268,9 @@ def backup_name(params: BackupParams) -> str:
 
 @method("daemon/drain")
 async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
-    if call.app.registry.fleet is None:
+    if call.app.sessions.fleet is None:
         raise NullError("this daemon is not in a fleet (its store is its own): there is nothing to give back")
-    return DrainResult(await call.app.registry.drain())
+    return DrainResult(await call.app.sessions.drain())
 
 
 # -- sessions -----------------------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
 @method("session/new")
 async def session_new(call: Call, params: NewParams) -> SessionResult:
     binding, config = agent_binding(call.app, params)
-    name = await call.app.registry.new(params.session, encode(config))
+    name = await call.app.sessions.new(params.session, encode(config))
     if call.app.agents is not None:
         await call.app.agents.bind(name, binding)
     if params.budget is not None:
@@ -310,7 +310,7 @@ async def session_snapshot(call: Call, params: SessionParams) -> SnapshotResult:
 
 @method("session/restore")
 async def session_restore(call: Call, params: RestoreParams) -> SessionResult:
-    name = await call.app.registry.restore(params.snapshot, params.session)
+    name = await call.app.sessions.restore(params.snapshot, params.session)
     log.info("session.restored", session=name)
     return SessionResult(name)
 
@@ -336,14 +336,14 @@ async def session_transcript(call: Call, params: TranscriptParams) -> Transcript
 
 @method("session/recover")
 async def session_recover(call: Call, params: SessionParams) -> SessionResult:
-    await call.app.registry.recover(params.session)
+    await call.app.sessions.recover(params.session)
     log.info("session.recovered", session=params.session)
     return SessionResult(params.session)
 
 
 @method("session/close")
 async def session_close(call: Call, params: SessionParams) -> Empty:
-    await call.app.registry.close(params.session)
+    await call.app.sessions.close(params.session)
     if call.app.oversight is not None:
         call.app.oversight.forget(params.session)
     log.info("session.closed", session=params.session)
@@ -370,46 +370,46 @@ LIST_CHUNK = 1000  # sessions of a list page built between two turns of the even
 
 @method("session/list")
 async def session_list(call: Call, params: ListParams) -> ListResult:
-    registry = call.app.registry
+    port = call.app.sessions
     stalled = call.app.agents.stalled if call.app.agents is not None else None
-    names, after = registry.page_names(params.limit, params.cursor)
+    names, after = port.page_names(params.limit, params.cursor)
     sessions: list[SessionInfo] = []
     for start in range(0, len(names), LIST_CHUNK):
         if start:
             await anyio.lowlevel.checkpoint()  # a page of 100,000 must not stall every other call for a second
-        sessions += [_entry(i, stalled) for i in registry.infos(names[start : start + LIST_CHUNK])]
+        sessions += [_entry(i, stalled) for i in port.infos(names[start : start + LIST_CHUNK])]
     return ListResult(sessions, after)
 
 
 @method("session/info")
 async def session_info(call: Call, params: SessionParams) -> InfoResult:
-    registry, name = call.app.registry, params.session
+    sessions, name = call.app.sessions, params.session
     try:
-        state = registry.info(name).state.value
+        state = sessions.info(name).state.value
     except HandleError:
-        if registry.fleet is None:
+        if sessions.fleet is None:
             raise
         state = "stored"  # not held here: pending takes it from the fleet, or answers MOVED naming its owner
     waits: list[protocol.Waiting] = []
     if state in ("live", "stored"):  # an ended or poisoned turn waits for nothing
         waits = protocol.waiting(decode_actions(await patient(call.app, name, lambda r: r.pending(name))))
-    i = registry.info(name)  # after pending, which may have woken or adopted it
+    i = sessions.info(name)  # after pending, which may have woken or adopted it
     stalled = call.app.agents.stalled if call.app.agents is not None else None
     return InfoResult(**msgspec.structs.asdict(_entry(i, stalled)), waiting=waits)
 
 
 @method("session/watch")
 async def session_watch(call: Call, params: WatchParams) -> Empty:
-    peer, registry = call.peer, call.app.registry
-    sub = await registry.watch(params.session, peer.sink, params.since)
+    peer, sessions = call.peer, call.app.sessions
+    sub = await sessions.watch(params.session, peer.sink, params.since)
     # Whatever the connection did while the history was being sent (closed, or watched the same session again)
     # is settled now, after the await: one subscription per session and connection, none after it closes.
     if peer.closed:
-        registry.unwatch(sub)
+        sessions.unwatch(sub)
         return Empty()
     old = peer.watches.pop(params.session, None)
     if old is not None:
-        registry.unwatch(old)
+        sessions.unwatch(old)
     peer.watches[params.session] = sub
     await announce(call, params.session)
     return Empty()
@@ -419,7 +419,7 @@ async def session_watch(call: Call, params: WatchParams) -> Empty:
 async def session_unwatch(call: Call, params: SessionParams) -> Empty:
     sub = call.peer.watches.pop(params.session, None)
     if sub is not None:
-        call.app.registry.unwatch(sub)
+        call.app.sessions.unwatch(sub)
     return Empty()
 
 
@@ -449,14 +449,14 @@ def agent_binding(app: App, params: NewParams) -> tuple[Binding | None, Config]:
     return binding, config
 
 
-async def patient(app: App, session: str, call: Callable[[Registry], Awaitable[T]]) -> T:
-    """call(registry); a BUSY that comes from the daemon's own driver of the session (it holds the session while it
+async def patient(app: App, session: str, call: Callable[[SessionPort], Awaitable[T]]) -> T:
+    """call(sessions); a BUSY that comes from the daemon's own driver of the session (it holds the session while it
     steps a result, a millisecond or so) is waited out briefly rather than answered: a client of a driven session
     should not have to retry the daemon's own steps. BUSY from another client's call is answered as ever."""
     waited = 0.0
     while True:
         try:
-            return await call(app.registry)
+            return await call(app.sessions)
         except BusyError:
             if app.agents is None or not app.agents.driving(session) or waited >= PATIENCE_S:
                 raise
@@ -479,7 +479,7 @@ def _oversight(app: App) -> Oversight:
 
 
 def _known(app: App, session: str) -> None:
-    app.registry.info(session)  # HANDLE, naming it, when there is no such session
+    app.sessions.info(session)  # HANDLE, naming it, when there is no such session
 
 
 async def awaiting_approval(app: App, session: str, actions: bytes) -> bytes:

@@ -175,7 +175,7 @@ class Connection(asyncio.Protocol):
 
     def _unwatch_all(self) -> None:
         self.peer.closed = True
-        registry = self.hub.dispatcher.app.registry
+        sessions = self.hub.dispatcher.app.sessions
         for sub in self.peer.watches.values():
-            registry.unwatch(sub)
+            sessions.unwatch(sub)
         self.peer.watches.clear()

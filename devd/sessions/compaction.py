@@ -15,7 +15,7 @@ import anyio
 import anyio.lowlevel
 import structlog
 
-from devd.errors import DevdError
+from devd.errors import BusyError, DevdError
 from devd.messages import without_payload
 from devd.sessions.calls import WHOLE_STATE_INLINE_BYTES, saved
 from devd.sessions.entry import Entry
@@ -64,32 +64,26 @@ async def save_all(registry: Registry) -> int:
     taken: list[Entry] = []
     async with anyio.create_task_group() as tg:
         for entry in registry.entries():
-            instance = entry.instance
-            if entry.busy or instance is None or entry.since_bytes < SHUTDOWN_SNAPSHOT_BYTES:
+            if entry.busy or entry.instance is None or entry.since_bytes < SHUTDOWN_SNAPSHOT_BYTES:
                 continue
             # A turn of the loop a session: the stop's time limit can end this, and the saves run meanwhile.
             await anyio.lowlevel.checkpoint()
-            entry.busy = True
-            try:
-                take = functools.partial(instance.snapshot, timeout=registry.call_timeout_s)
-                snapshot = await registry.runner.off_loop(take) if entry.memory >= WHOLE_STATE_INLINE_BYTES else take()
-            except BaseException as e:  # cancelled too (the stop's time is up): the session is free again
-                entry.busy = False
-                if not isinstance(e, DevdError):
-                    raise
-                log.warning("session.snapshot_failed", session=entry.name, error=str(e))
-                continue
-            tg.start_soon(_save_snapshot, registry, entry, snapshot, taken)
+            tg.start_soon(_save_snapshot, registry, entry, taken)
     return len(taken)
 
 
-async def _save_snapshot(registry: Registry, entry: Entry, snapshot: bytes, taken: list[Entry]) -> None:
+async def _save_snapshot(registry: Registry, entry: Entry, taken: list[Entry]) -> None:
     try:
-        await registry.store.save_snapshot(entry.name, entry.seq, snapshot)
+        with registry.held(entry):
+            if entry.instance is None:  # dropped meanwhile: nothing to snapshot
+                return
+            take = functools.partial(entry.instance.snapshot, timeout=registry.call_timeout_s)
+            snapshot = await registry.runner.off_loop(take) if entry.memory >= WHOLE_STATE_INLINE_BYTES else take()
+            await registry.store.save_snapshot(entry.name, entry.seq, snapshot)
+    except BusyError:
+        return  # a call entered it meanwhile: its own commit keeps what it does
     except DevdError as e:
         log.warning("session.snapshot_failed", session=entry.name, error=str(e))
         return
-    finally:
-        entry.busy = False
     entry.snapshot_bytes, entry.since_bytes = len(snapshot), 0
     taken.append(entry)

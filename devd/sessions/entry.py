@@ -22,7 +22,7 @@ class Entry(msgspec.Struct):
     seq: int
     reason: str | None = None
     instance: Instance | None = None
-    busy: bool = False  # inside a call: set and cleared by `Registry.entered` alone
+    busy: bool = False  # inside a call or a job of the daemon: set and cleared by `Registry.held` and `claimed` alone
     created: float = 0.0  # wall-clock seconds
     last_used: float = 0.0  # wall-clock seconds of the last call on it (shown; never used to decide expiry)
     used_at: float = msgspec.field(default_factory=time.monotonic)  # the same on the monotonic clock: what expiry reads

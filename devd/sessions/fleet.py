@@ -43,15 +43,13 @@ class FleetSessions:
             return
         if entry.busy or self.fleet.current(name):
             return  # busy: the call inside holds it (and entering answers BUSY)
-        entry.busy = True
         try:
-            epoch = await self.fleet.acquire(name)
-            stored = await registry.store.load(name) if epoch is not None else None
+            with registry.held(entry):
+                epoch = await self.fleet.acquire(name)
+                stored = await registry.store.load(name) if epoch is not None else None
         except MovedError as e:
             self.moved(entry, e)
             raise
-        finally:
-            entry.busy = False
         registry.residency.detach(entry)  # it may be behind the journal: the next call rebuilds it from disk
         if stored is None:  # closed elsewhere
             registry.move(entry, Input.CLOSE)

@@ -1,11 +1,12 @@
 """The sessions' public face: what the method handlers call, and what an in-process component (the agent runtime)
-calls too, as a second client of the sessions beside the wire. `Registry` is the one implementation."""
+calls too, as a second client of the sessions beside the wire. `Registry` is the one implementation; the daemon's
+own jobs on the sessions (loading them, expiry, the shutdown's snapshots) use the registry itself."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from devd.sessions.entry import Answered, Info
+from devd.sessions.entry import Answered, Info, Statistics
 from devd.sessions.watchers import Fanout, Sink, Subscription
 from devd.storage.store import Fleet
 
@@ -15,6 +16,8 @@ class SessionPort(Protocol):
     fleet: Fleet | None  # the store shared with other daemons, when the sessions live in a fleet
 
     async def new(self, name: str | None, config: bytes) -> str: ...
+
+    async def restore(self, snapshot_b64: str, name: str | None) -> str: ...
 
     async def step(self, name: str, event: bytes, timeout_ms: int | None, key: str | None) -> Answered: ...
 
@@ -26,6 +29,8 @@ class SessionPort(Protocol):
 
     async def fork(self, source: str, at: int | None, name: str | None) -> str: ...
 
+    async def recover(self, name: str) -> None: ...
+
     async def close(self, name: str) -> None: ...
 
     async def watch(self, name: str, sink: Sink, since: int | None) -> Subscription: ...
@@ -35,3 +40,14 @@ class SessionPort(Protocol):
     def info(self, name: str) -> Info: ...
 
     def page(self, limit: int | None = None, after: str | None = None) -> tuple[list[Info], str | None]: ...
+
+    def page_names(self, limit: int | None = None, after: str | None = None) -> tuple[list[str], str | None]: ...
+
+    def infos(self, names: list[str]) -> list[Info]: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+    def statistics(self) -> Statistics: ...
+
+    async def drain(self) -> int:
+        """Give the sessions no call is inside back to the fleet (in a fleet only)."""

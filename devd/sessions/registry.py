@@ -23,7 +23,7 @@ import bisect
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import structlog
 
@@ -159,8 +159,10 @@ class Registry:
         if i < len(self._names) and self._names[i] == name:
             del self._names[i]
 
-    def _claim(self, name: str | None) -> Entry:
-        """A new name, entered (busy) until its session is durable or forgotten."""
+    @contextlib.contextmanager
+    def claimed(self, name: str | None) -> Iterator[Entry]:
+        """A new name, held (no call enters it) until its session is durable; forgotten, with any instance attached
+        to it, if the block raises."""
         if len(self._entries) >= self.sessions_max:
             raise FullError(f"the daemon holds {self.sessions_max} sessions, its limit; close one first")
         if name is None:
@@ -170,11 +172,26 @@ class Registry:
         now = time.time()
         entry = Entry(name, State.LIVE, 0, busy=True, created=now, last_used=now)
         self.add(entry)
-        return entry
+        try:
+            yield entry
+        except BaseException:
+            self.residency.detach(entry)
+            self.forget(entry.name)
+            raise
+        finally:
+            entry.busy = False
 
-    def _unclaim(self, entry: Entry) -> None:
-        self.residency.detach(entry)
-        self.forget(entry.name)
+    @contextlib.contextmanager
+    def held(self, entry: Entry) -> Iterator[Entry]:
+        """entry held for one call, or one job of the daemon's own (a snapshot at the stop, a fleet take, expiry):
+        no other may enter it meanwhile. The busy flag is set here and in `claimed`, nowhere else."""
+        if entry.busy:
+            raise BusyError(f"session {entry.name!r} is inside another call; retry when that call has answered")
+        entry.busy = True
+        try:
+            yield entry
+        finally:
+            entry.busy = False
 
     @contextlib.asynccontextmanager
     async def entered(self, name: str, *, any_state: bool = False) -> AsyncIterator[Entry]:
@@ -188,18 +205,13 @@ class Registry:
         entry = self._entries.get(name)
         if entry is None:
             raise no_such(name)
-        if entry.busy:
-            raise BusyError(f"session {name!r} is inside another call; retry when that call has answered")
-        if not any_state and entry.state not in CALLABLE:
-            kind = PoisonError if entry.state is State.POISONED else HandleError
-            raise kind(f"session {name!r} {entry.state.value} ({entry.reason}); `session/recover` brings it back")
-        entry.busy = True
-        entry.last_used, entry.used_at = time.time(), time.monotonic()
-        self.residency.touch(entry)
-        try:
+        with self.held(entry):
+            if not any_state and entry.state not in CALLABLE:
+                kind = PoisonError if entry.state is State.POISONED else HandleError
+                raise kind(f"session {name!r} {entry.state.value} ({entry.reason}); `session/recover` brings it back")
+            entry.last_used, entry.used_at = time.time(), time.monotonic()
+            self.residency.touch(entry)
             yield entry
-        finally:
-            entry.busy = False
 
     def move(self, entry: Entry, input: Input, reason: str | None = None, *, instance: Instance | None = None) -> None:
         """The one mover: the state table's edge, with the instance attached (given one) or detached (a state that
@@ -258,25 +270,21 @@ class Registry:
             take = (lambda i, t: i.snapshot(timeout=t)) if snapshot_needed else (lambda i, t: None)
             return rebuild_and(self.core, stored, self.call_timeout_s, self.call_timeout_s, take)
 
-        entry = self._claim(name)
-        instance: Instance | None = None
-        try:
+        with self.claimed(name) as entry:
             instance, snapshot = await self.runner.off_loop(build)
-            await self.store.fork(source, at, entry.name, snapshot)
-        except BaseException as e:
-            if instance is not None:
+            try:
+                await self.store.fork(source, at, entry.name, snapshot)
+            except BaseException as e:
                 instance.close()
-            self._unclaim(entry)
-            if isinstance(e, MovedError):
-                raise _made_elsewhere(entry.name) from None
-            raise
-        assert instance is not None
-        self.residency.attach(entry, instance)
-        if snapshot is None:
-            entry.rebased(stored)
-        else:
-            entry.snapshot_bytes = len(snapshot)
-        entry.seq, entry.busy = at, False
+                if isinstance(e, MovedError):
+                    raise _made_elsewhere(entry.name) from None
+                raise
+            self.residency.attach(entry, instance)
+            if snapshot is None:
+                entry.rebased(stored)
+            else:
+                entry.snapshot_bytes = len(snapshot)
+            entry.seq = at
         return entry.name
 
     async def _start(
@@ -286,25 +294,17 @@ class Registry:
         if self.store.reopened != self._reopened_seen:
             await self._heal()
         await self.fleet_sessions.refuse_if_in_fleet(name)
-        entry = self._claim(name)
-        try:
+        with self.claimed(name) as entry:
             instance = await start()
-        except BaseException:
-            self._unclaim(entry)
-            raise
-        try:
-            await self.store.create(entry.name, config, snapshot)
-        except MovedError:
-            instance.close()
-            self._unclaim(entry)
-            raise _made_elsewhere(entry.name) from None
-        except BaseException:
-            instance.close()
-            self._unclaim(entry)
-            raise
-        self.residency.attach(entry, instance)
-        entry.snapshot_bytes = len(snapshot or b"")
-        entry.busy = False
+            try:
+                await self.store.create(entry.name, config, snapshot)
+            except BaseException as e:
+                instance.close()
+                if isinstance(e, MovedError):
+                    raise _made_elsewhere(entry.name) from None
+                raise
+            self.residency.attach(entry, instance)
+            entry.snapshot_bytes = len(snapshot or b"")
         return entry.name
 
     # -- calls on a session -----------------------------------------------------------------------------------------
@@ -398,11 +398,8 @@ class Registry:
             await self.delete(entry, "closed")
 
     async def delete(self, entry: Entry, reason: str) -> None:
-        """Delete an entered session: durably first, then its instance, its watchers (told `reason`) and its name."""
-        try:
-            await self.store.delete(entry.name)
-        finally:
-            entry.busy = False
+        """Delete a held session: durably first, then its instance, its watchers (told `reason`) and its name."""
+        await self.store.delete(entry.name)
         self.move(entry, Input.CLOSE)
         self.fanout.end(entry.name, reason)
         self.forget(entry.name)

@@ -164,9 +164,9 @@ async def expire(registry: Registry, unused_for_s: float) -> list[str]:
             continue
         if registry.fleet is not None and registry.fleet.held(name) is None:
             continue  # in a fleet, only the daemon that holds a session knows when it was last used
-        entry.busy = True  # nothing may enter it while it is deleted
         try:
-            await registry.delete(entry, "expired")
+            with registry.held(entry):  # nothing may enter it while it is deleted
+                await registry.delete(entry, "expired")
         except MovedError as e:  # another daemon took it over meanwhile: it is theirs to keep
             registry.fleet_sessions.moved(entry, e)
             continue
