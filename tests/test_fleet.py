@@ -25,9 +25,11 @@ from devd import errors
 from devd.client import AsyncClient, Client
 from devd.driver import Handlers, ToolOutput, run_turn
 from devd.messages import Ask, Call, Exec, Reply, answer, turn
+from devd.storage import postgres_doctor
+from devd.storage.postgres import MIGRATIONS as PG_MIGRATIONS
 from tests.daemon import Daemon, free_port
 from tests.harness import InProcess
-from tests.helpers import Conversation
+from tests.helpers import Conversation, devd
 from tests.postgres import Cluster, postgres, postgres_url  # noqa: F401  (the fixtures)
 
 LEASE_TTL_S = 1.5
@@ -631,3 +633,36 @@ def test_the_cli_follows_moved_over_tcp_only_to_a_peer_it_was_given(
         timeout=60,
     )
     assert (run.returncode, "not followed" in run.stderr) == (status, status == 1)
+
+
+# -- devd doctor on a fleet's database --------------------------------------------------------------------------------
+
+
+def test_doctor_checks_a_fleets_database_its_format_and_the_daemons_holding_a_lease(
+    tmp_path: Path,
+    postgres_url: str,  # noqa: F811
+) -> None:
+    where = postgres_doctor.shown(postgres_url)
+    with fleet_daemon(tmp_path, postgres_url, "a") as a:
+        with a.client() as c:
+            c.new(session="s")
+        run = devd("doctor", "--connect", str(a.socket), "--state-dir", str(a.state), "--store", postgres_url)
+    lines = run.stdout.splitlines()
+    assert (run.returncode, lines[2].startswith(f"ok    database: {where} answers (PostgreSQL "), lines[4:]) == (
+        0,
+        True,
+        [
+            f"ok    format: {where} is format {len(PG_MIGRATIONS)}",
+            f"ok    fleet: 1 of 1 daemons hold a live lease (a at unix:{a.socket}); 1 sessions have an owner",
+        ],
+    )
+
+
+def test_doctor_says_what_to_do_when_the_fleets_database_does_not_answer_and_never_shows_its_password(
+    tmp_path: Path,
+) -> None:
+    url = f"postgresql://devd:hunter2@127.0.0.1:{free_port()}/fleet"
+    run = devd("doctor", "--connect", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path), "--store", url)
+    (database,) = [line for line in run.stdout.splitlines() if "database:" in line]
+    shown = database.startswith("FAIL  database: cannot connect to devd@127.0.0.1:")
+    assert (run.returncode, shown, "hunter2" in run.stdout + run.stderr) == (1, True, False)

@@ -287,3 +287,14 @@ def test_the_operations_doc_names_every_metric_there_is() -> None:
     documented = set(re.findall(r"^\| `([a-z_]+)[{`]", section, re.MULTILINE))
     exposed = {line.split()[2] for line in prometheus(STATUS).splitlines() if line.startswith("# TYPE ")}
     assert (sorted(exposed - documented), sorted(documented - exposed)) == ([], [])
+
+
+def test_doctor_checks_the_database_the_store_flag_names(tmp_path: Path) -> None:
+    db = tmp_path / "elsewhere" / "sessions.sqlite3"
+    run = devd(
+        "doctor", "--connect", str(tmp_path / "none.sock"), "--state-dir", str(tmp_path), "--store", f"sqlite:{db}"
+    )
+    assert run.stdout.splitlines()[2] == (
+        f"FAIL  database: {db} does not exist; `devd serve` makes it on first start (if this state directory held "
+        "sessions, they are gone: restore a backup into it)"
+    )

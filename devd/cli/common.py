@@ -190,14 +190,7 @@ def _duration(seconds: float) -> str:
     return " ".join(f"{n}{unit}" for n, unit in units[:2])
 
 
-def _size(n: int) -> str:
-    """Bytes in the largest binary unit that leaves at least 1 of it: 512 B, 4.0 KiB, 61.6 MiB, 1.5 GiB."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"
-
-
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")  # a --store URL of these names a fleet's database
 T = TypeVar("T")
 
 

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import fcntl
+import functools
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -18,19 +17,20 @@ from devd.config import (
 )
 from devd.errors import DevdError
 from devd.server.metrics import prometheus
+from devd.storage.doctor import Check, size
 
 if TYPE_CHECKING:
     from devd.client import Client
 from devd.cli.common import (
     EXIT_ANSWERED_ERROR,
     EXIT_OK,
+    POSTGRES_SCHEMES,
     LocalError,
     OutputClosed,
     _address,
     _duration,
     _emit,
     _pairs,
-    _size,
     _token,
     in_cli_terms,
 )
@@ -78,7 +78,7 @@ def status_summary(status: dict[str, Any]) -> str:
         ("hibernated", str(s["hibernated"])),
         ("expired", str(s["expired"])),
         ("errors", ", ".join(f"{n} {kind}" for kind, n in sorted(s["errors"].items())) or "none"),
-        ("memory", f"{_size(s['memory_rss_bytes'])} resident, {_size(s['live_memory_bytes'])} in live sessions"),
+        ("memory", f"{size(s['memory_rss_bytes'])} resident, {size(s['live_memory_bytes'])} in live sessions"),
     ]
     return _pairs(pairs)
 
@@ -86,22 +86,9 @@ def status_summary(status: dict[str, Any]) -> str:
 DATABASE_FILE = "devd.sqlite3"  # in the state directory, as `devd serve` names it
 
 
-class Check(msgspec.Struct, frozen=True):
-    """One check of `devd doctor`: `ok`, `FAIL` (what is wrong and what to do), or `skip` (it could not be made
-    now, and why: not a failure)."""
-
-    name: str
-    outcome: Literal["ok", "FAIL", "skip"]
-    says: str
-
-    def line(self) -> str:
-        """One line, whatever it says (wasmtime's errors span several)."""
-        return f"{self.outcome:<4}  {self.name}: {' '.join(self.says.split())}"
-
-
-def check_daemon(args: argparse.Namespace, state: Path | None = None) -> Check:
-    """The daemon answers `daemon/status` at the address the client commands use. One that does not, while no daemon
-    holds the state directory `state` and its database is there, is stopped (for a restore, or an upgrade): said, and
+def check_daemon(args: argparse.Namespace, stopped: Path | None = None) -> Check:
+    """The daemon answers `daemon/status` at the address the client commands use. One that does not, when its store
+    is there and no daemon holds its state directory `stopped`, is stopped (for a restore, or an upgrade): said, and
     not a failure."""
     from devd.client import Client, NotRunningError
 
@@ -114,11 +101,11 @@ def check_daemon(args: argparse.Namespace, state: Path | None = None) -> Check:
     except DevdError as e:
         return Check("daemon", "FAIL", f"the daemon at {address} answered {e.kind}: {in_cli_terms(e, args)}")
     except NotRunningError as e:
-        if state is not None and _stopped(state):
+        if stopped is not None:
             return Check(
                 "daemon",
                 "skip",
-                f"not running: nothing listens at {address}, and no daemon holds {state}: as expected while it is "
+                f"not running: nothing listens at {address}, and no daemon holds {stopped}: as expected while it is "
                 "stopped (to restore a backup, or to upgrade), so its database is checked below; start it with "
                 "`devd serve` (or its systemd unit) when you are done",
             )
@@ -130,14 +117,6 @@ def check_daemon(args: argparse.Namespace, state: Path | None = None) -> Check:
     return Check(
         "daemon", "ok", f"answers at {address} ({server}, up {_duration(status['uptime_s'])}, {sessions} sessions)"
     )
-
-
-def _stopped(state: Path) -> bool:
-    """The state directory holds a database and no daemon holds the directory."""
-    try:
-        return (state / DATABASE_FILE).is_file() and lock_holder(state) is None
-    except OSError:
-        return False
 
 
 def check_state_dir(state: Path) -> Check:
@@ -175,25 +154,6 @@ def check_state_dir(state: Path) -> Check:
     return Check("state dir", "ok", f"{state} is 0700 and {owner}")
 
 
-def check_database(state: Path) -> Check:
-    """The database file is there."""
-    db = state / DATABASE_FILE
-    try:
-        size = db.stat().st_size
-    except FileNotFoundError:
-        return Check(
-            "database",
-            "FAIL",
-            f"{db} does not exist; `devd serve` makes it on first start (if this "
-            "state directory held sessions, they are gone: restore a backup into it)",
-        )
-    except OSError as e:
-        return Check("database", "FAIL", f"{db} cannot be read: {e.strerror}; run devd doctor as its owner")
-    wal = Path(f"{db}-wal")
-    log = f", and a write-ahead log of {_size(wal.stat().st_size)}" if wal.exists() else ""
-    return Check("database", "ok", f"{db} ({_size(size)}{log})")
-
-
 def check_core(path: Path | None) -> Check:
     """The core compiles and speaks this devd's ABI."""
     from devd import ABI
@@ -212,124 +172,27 @@ def check_core(path: Path | None) -> Check:
     return Check("core", "ok", f"{which} loads and speaks ABI {ABI}")
 
 
-def lock_holder(state: Path) -> str | None:
-    """Who holds STATE_DIR/lock, as the daemon wrote it there (its pid and socket); None when no daemon does.
-    Probed with a shared lock taken and let go at once: nothing is written, and a daemon that starts meanwhile
-    waits on nothing."""
-    try:
-        fd = os.open(state / "lock", os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that did not say who it is"
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def check_integrity(state: Path) -> Check:
-    """With no daemon holding the state directory, the database passes `PRAGMA quick_check` through a read-only
-    connection, and is of a format this devd reads. A running daemon keeps the file open in exclusive mode, so then
-    the check is skipped: a second connection would be refused, and must not be tried."""
-    db = state / DATABASE_FILE
-    if not db.exists():
-        return Check("integrity", "skip", f"there is no {db} to check")
-    try:
-        holder = lock_holder(state)
-    except OSError as e:
-        return Check(
-            "integrity", "FAIL", f"{state / 'lock'} cannot be read: {e.strerror}; run devd doctor as its owner"
-        )
-    if holder is not None:
-        return Check(
-            "integrity",
-            "skip",
-            f"a daemon holds {state} ({holder}) and keeps its database open "
-            "exclusively; stop the daemon, then run devd doctor again to check the database",
-        )
-    return quick_check(db)
-
-
-def quick_check(db: Path) -> Check:
-    """`PRAGMA quick_check` and the format version, read only: nothing in the file or its log is changed."""
-    import sqlite3
-
-    from devd.storage.sqlite import MIGRATIONS, SNAPSHOTS_DIR
-
-    shm = Path(f"{db}-shm")
-    had_shm = shm.exists()
-    # With no write-ahead log beside it, the file is read as immutable: a read-only connection to a database in WAL
-    # mode would otherwise create an empty -wal (and a -shm), which a restore must not find beside the database it
-    # puts in place. With a log (a daemon that was killed), the log is read too, as the daemon will read it.
-    mode = "mode=ro" if Path(f"{db}-wal").exists() else "mode=ro&immutable=1"
-    try:
-        ro = sqlite3.connect(f"file:{quote(str(db))}?{mode}", uri=True)
-        try:
-            found = [str(row[0]) for row in ro.execute("PRAGMA quick_check")]
-            version = int(ro.execute("PRAGMA user_version").fetchone()[0])
-            named = _snapshot_files(ro) if found == ["ok"] else []
-        finally:
-            ro.close()
-    except sqlite3.Error as e:
-        return Check(
-            "integrity", "FAIL", f"{db} cannot be read: {e}; keep it as it is (copy it aside) and restore a backup"
-        )
-    finally:
-        # A read-only connection to a database with a write-ahead log makes a -shm file; the daemon (in exclusive
-        # mode) never uses one, so the directory is left as it was found.
-        if not had_shm:
-            shm.unlink(missing_ok=True)
-    if found != ["ok"]:
-        shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
-        return Check(
-            "integrity",
-            "FAIL",
-            f"PRAGMA quick_check on {db} found: {shown}; keep the file as it is (copy it aside) and restore a backup",
-        )
-    if version > len(MIGRATIONS):
-        return Check(
-            "integrity",
-            "FAIL",
-            f"{db} is format {version}, written by a newer devd (this one reads up to "
-            f"{len(MIGRATIONS)}); run that devd or a newer one",
-        )
-    directory = db.parent / SNAPSHOTS_DIR
-    missing = [name for name in named if not (directory / name).is_file()]
-    if missing:
-        return Check(
-            "integrity",
-            "FAIL",
-            f"{len(missing)} of the {len(named)} snapshot files {db.name} names are missing from {directory} (such as "
-            f"{missing[0]}); the sessions that need them cannot be rebuilt: put them back, or restore the state "
-            "directory from a backup",
-        )
-    upgrade = f"; this devd migrates it to format {len(MIGRATIONS)} when it starts" if version < len(MIGRATIONS) else ""
-    files = f"; every snapshot file it names ({len(named)}) is in {directory}" if named else ""
-    return Check("integrity", "ok", f"{db} passes PRAGMA quick_check (format {version}{upgrade}){files}")
-
-
-def _snapshot_files(db: Any) -> list[str]:
-    """The snapshot files the database names (none before format 5, which added them)."""
-    columns = {str(row[1]) for row in db.execute("PRAGMA table_info(journal)")}
-    if "snapshot_file" not in columns:
-        return []
-    return [
-        str(row[0]) for row in db.execute("SELECT DISTINCT snapshot_file FROM journal WHERE snapshot_file IS NOT NULL")
-    ]
-
-
 def _doctor(args: argparse.Namespace) -> int:
     state = Path(args.state_dir) if args.state_dir else default_state_dir()
+    spec = args.store or f"sqlite:{state / DATABASE_FILE}"
+    if spec.startswith(POSTGRES_SCHEMES):
+        from devd.storage import postgres_doctor
+
+        stopped, store = None, functools.partial(postgres_doctor.checks, spec)
+    else:
+        from devd.storage import sqlite_doctor
+
+        db = Path(spec.removeprefix("sqlite:")).absolute()
+        stopped = state if sqlite_doctor.stopped(db, state) else None
+        store = functools.partial(sqlite_doctor.checks, db, state)
+    # The store's first check says whether it is there (or answers); what it holds is checked after the core.
+    reached, *held = store()
     checks = [
-        check_daemon(args, state),
+        check_daemon(args, stopped),
         check_state_dir(state),
-        check_database(state),
+        reached,
         check_core(Path(args.core) if args.core else None),
-        check_integrity(state),
+        *held,
     ]
     try:
         _emit("".join(c.line() + "\n" for c in checks).encode())

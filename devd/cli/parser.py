@@ -462,4 +462,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         f"here {_escaped(default_state_dir())})",
     )
     doctor.add_argument("--core", metavar="PATH", help="the core `devd serve --core` loads (default: the packaged one)")
+    doctor.add_argument(
+        "--store",
+        metavar="URL",
+        type=_store_url,
+        help="the store `devd serve --store` is given: sqlite:PATH, or a fleet's postgresql://USER@HOST/DB "
+        "(default: sqlite:STATE_DIR/devd.sqlite3)",
+    )
     return p, serve

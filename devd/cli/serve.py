@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from devd import __version__, log
+from devd.cli.common import POSTGRES_SCHEMES
 from devd.config import (
     Settings,
     backup_dir,
@@ -165,7 +166,7 @@ def _agents(args: argparse.Namespace) -> dict[str, Any]:
 def _open_store(args: argparse.Namespace, settings: Settings, listeners: list[Listening]) -> tuple[Store, Fleet | None]:
     """The store --store names (default: the state directory's SQLite file), and the fleet when it is shared."""
     spec = args.store or f"sqlite:{settings.state_dir / 'devd.sqlite3'}"
-    if spec.startswith(_POSTGRES):
+    if spec.startswith(POSTGRES_SCHEMES):
         from devd.storage.postgres import PostgresStore
 
         store = PostgresStore(
@@ -216,10 +217,7 @@ def _metrics_address(text: str) -> TcpListen:
         ) from None
 
 
-_POSTGRES = ("postgresql://", "postgres://")
-
-
 def _store_url(text: str) -> str:
-    if text.startswith(_POSTGRES) or (text.startswith("sqlite:") and len(text) > len("sqlite:")):
+    if text.startswith(POSTGRES_SCHEMES) or (text.startswith("sqlite:") and len(text) > len("sqlite:")):
         return text
     raise argparse.ArgumentTypeError(f"--store takes postgresql://USER@HOST/DB (a fleet) or sqlite:PATH, not {text!r}")
