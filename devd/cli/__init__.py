@@ -30,7 +30,7 @@ from devd.cli.common import (
     _token,
     in_cli_terms,
 )
-from devd.cli.operator import _backup, _doctor, _drain, _status, status_summary
+from devd.cli.operator import _backup, _doctor, _status, status_summary
 from devd.cli.parser import environment_defaults, flag_variable, parse_args, parser
 from devd.cli.serve import _agents, _backend_options, _open_store, _serve, settings_from
 from devd.cli.sessions import (
@@ -43,8 +43,6 @@ from devd.cli.sessions import (
     _restore,
     _run_plain,
     _step,
-    _trace,
-    _usage,
     _watch,
     action_summary,
     inspection,
@@ -85,7 +83,6 @@ __all__ = [
 
 COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "backup": _backup,
-    "drain": _drain,
     "status": _status,
     "ls": _ls,
     "new": _new,
@@ -97,8 +94,6 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     **{plain.command: _run_plain(plain) for plain in PLAIN},
     "approve": _decision("allow"),
     "deny": _decision("deny"),
-    "usage": _usage,
-    "trace": _trace,
 }
 
 

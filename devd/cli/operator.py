@@ -57,12 +57,6 @@ def _backup(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _drain(client: Client, args: argparse.Namespace) -> int:
-    raw = client.call_raw("daemon/drain")
-    _emit(raw + b"\n" if args.json else f"{msgspec.json.decode(raw)['sessions']} sessions given back\n".encode())
-    return EXIT_OK
-
-
 def status_summary(status: dict[str, Any]) -> str:
     """`devd status`: daemon/status as `key: value` lines."""
     s = status

@@ -399,16 +399,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
             action="store_true",
             help=f"{does} later calls of the same argv prefix (Exec, Git) or path (Write) in this session too",
         )
-    session(client("usage", "show what a session's model calls used: tokens, calls, and calls a ceiling refused"))
-    trace = session(client("trace", "show a session's trace: one line per model call attempt and per tool run"))
-    trace.add_argument("--since", type=int, help="only the records after this record number")
     backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
     backup.add_argument(
         "name",
         help="the file name of the copy, in the daemon's backup directory (devd serve --backup-dir; default "
         "STATE_DIR/backups); it must not exist there",
     )
-    client("drain", "have a fleet daemon give its sessions back to the fleet, so others take them at once")
     # The agent runtime's: a turn the daemon drives, shown as it happens (devd.agent.cli).
     run = sub.add_parser(
         "run",

@@ -106,22 +106,6 @@ def cli_client_name() -> str:
     return f"{getpass.getuser()} (devd cli)"
 
 
-def _usage(client: Client, args: argparse.Namespace) -> int:
-    raw = client.call_raw("session/usage", {"session": args.session})
-    _emit(raw + b"\n" if args.json else _pretty(raw))
-    return EXIT_OK
-
-
-def _trace(client: Client, args: argparse.Namespace) -> int:
-    raw = client.call_raw("session/trace", _params(session=args.session, since=args.since))
-    if args.json:
-        _emit(raw + b"\n")
-        return EXIT_OK
-    for record in msgspec.json.decode(raw)["records"]:
-        _emit(trace_line(record).encode())
-    return EXIT_OK
-
-
 def trace_line(r: dict[str, Any]) -> str:
     """One trace record for people: number, start, action, kind, outcome, duration, model and tokens, error."""
     what = r["kind"] if r.get("model") is None else f"{r['kind']} {r['model']}"
@@ -221,6 +205,10 @@ def _waits(raw: bytes) -> bytes:
     return sessions_table([entry]).encode() + f"waiting for: {waits}\n".encode()
 
 
+def _trace_lines(raw: bytes) -> bytes:
+    return "".join(trace_line(record) for record in msgspec.json.decode(raw)["records"]).encode()
+
+
 def _pretty_member(member: str) -> Callable[[bytes], bytes]:
     return lambda raw: _pretty(msgspec.json.encode(msgspec.json.decode(raw)[member]))
 
@@ -247,6 +235,24 @@ PLAIN: tuple[Plain, ...] = (
         _member("session"),
     ),
     Plain("close", "session/close", "end a session and delete its state", _nothing),
+    Plain(
+        "usage",
+        "session/usage",
+        "show what a session's model calls used: tokens, calls, and calls a ceiling refused",
+        _pretty,
+    ),
+    Plain(
+        "trace",
+        "session/trace",
+        "show a session's trace: one line per model call attempt and per tool run (--since: after that record)",
+        _trace_lines,
+    ),
+    Plain(
+        "drain",
+        "daemon/drain",
+        "have a fleet daemon give its sessions back to the fleet, so others take them at once",
+        lambda raw: f"{msgspec.json.decode(raw)['sessions']} sessions given back\n".encode(),
+    ),
 )
 
 
