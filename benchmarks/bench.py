@@ -2275,6 +2275,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_start import add_arguments as start_arguments
 
     start_arguments(sub.add_parser("start", help="exec to the first answer: devd vs a minimal Python daemon"))
+    from benchmarks.bench_client import add_arguments as client_arguments
+
+    client_arguments(sub.add_parser("client", help="one call's round trip through each client, against a bare socket"))
 
     approvals_arguments(approvals_parser)
 
@@ -2295,6 +2298,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_start import bench_start
 
         result = bench_start(args.rounds)
+    elif args.what == "client":
+        from benchmarks.bench_client import bench_client
+
+        result = bench_client(args.rounds, args.calls)
     elif args.what == "agent" and args.oversight:
         from benchmarks import bench_approvals as approvals
 

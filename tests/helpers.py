@@ -11,16 +11,20 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from devd import cli
+from devd.client import Reply
 from devd.messages import (
     Action,
     Agent,
@@ -142,6 +146,48 @@ class Sink:
 
 
 # -- runners ---------------------------------------------------------------------------------------------------------
+
+
+class Wire:
+    """A bare connection to the daemon's socket, for the tests that send what no client would (half lines, bad JSON,
+    a request not waited for) and read each line as it comes: bytes out, replies in."""
+
+    def __init__(self, path: Path, timeout: float = 30.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        self.file = self.sock.makefile("rb")
+
+    def __enter__(self) -> Wire:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def line(self) -> bytes:
+        """The next whole line; ConnectionError when the daemon ends the connection first."""
+        line = self.file.readline()
+        if not line.endswith(b"\n"):
+            raise ConnectionError("the daemon closed the connection")
+        return line
+
+    def reply(self) -> Reply:
+        return msgspec.json.decode(self.line(), type=Reply)
+
+    def call(self, method: str, params: Any = None, id: int = 1) -> Reply:
+        """One request, and the first line that answers it (notices before it are skipped)."""
+        self.send(msgspec.json.encode({"jsonrpc": "2.0", "id": id, "method": method, "params": params or {}}) + b"\n")
+        while True:
+            reply = self.reply()
+            if reply.id == id:
+                return reply
 
 
 def devd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -32,7 +32,7 @@ from devd.protocol import METHODS, InfoResult, InitializeResult, Limits, Server,
 from devd.server import rpc
 from tests.daemon import Daemon, free_port
 from tests.harness import InProcess
-from tests.helpers import FIX, finish, user
+from tests.helpers import FIX, finish, until, user
 
 ASKED = [Action(id=1, op=ask(user(FIX)))]  # what a fresh session answers the turn "fix the build"
 TIMER = Event(Timer=True)
@@ -385,7 +385,7 @@ def test_a_reply_cut_mid_line_raises_connection_error_on_the_blocking_client(tmp
 async def test_a_reply_cut_mid_line_raises_connection_error_on_the_async_client(tmp_path: Path) -> None:
     with _server_that_dies_mid_reply(tmp_path / "s.sock") as server:
         async with AsyncClient.connect(tmp_path / "s.sock") as c:
-            with _write_half_a_reply_and_end(server), pytest.raises(ConnectionError):
+            with _write_half_a_reply_and_end(server), pytest.raises(ConnectionError, match="in the middle of a reply"):
                 await c.new(session="x")
 
 
@@ -437,3 +437,24 @@ def test_every_actions_notice_carries_when_its_step_was_answered(daemon: Daemon,
         client.step("s", answer(1, "done"))  # live
         second = next(notices)
     assert [bool(RFC3339_MS_UTC.fullmatch(n.at)) for n in (first, second)] == [True, True]  # type: ignore[union-attr]
+
+
+# -- the blocking client is the async one, driven ----------------------------------------------------------------------
+
+
+async def test_the_blocking_client_answers_when_called_from_async_code(daemon: InProcess) -> None:
+    with Client.connect(daemon.socket) as c:
+        assert c.new(session="from-a-notebook") == "from-a-notebook"
+
+
+def test_a_call_past_the_blocking_clients_timeout_leaves_the_next_call_its_own_answer(tmp_path: Path) -> None:
+    from tests import modules
+
+    core = tmp_path / "spin.wasm"
+    core.write_bytes(modules.SPIN_ON_TIMER)
+    with InProcess(tmp_path, "--core", str(core)) as d, Client.connect(d.socket, timeout=0.2) as c, d.client() as other:
+        c.new(session="spin")
+        with pytest.raises(TimeoutError):
+            c.step("spin", TIMER, timeout_ms=600)  # answered DEADLINE after the client stopped waiting
+        until(lambda: other.status().deadline_hits == 1)  # that late answer has been sent
+        assert c.list().sessions[0].session == "spin"

@@ -40,15 +40,9 @@ from devd.messages import (
 from tests import modules
 from tests.daemon import Daemon, free_port
 from tests.harness import InProcess
-from tests.helpers import FIX, agent, finish, tool, user
+from tests.helpers import FIX, Wire, agent, finish, tool, user
 
 TIMER = Event(Timer=True)
-
-
-def raw_request(c: Client, line: bytes) -> dict:
-    c.send_line(line)
-    reply = c.read_reply()
-    return {"id": reply.id, "error": reply.error}
 
 
 # -- the seed's loop through the socket -----------------------------------------------------------------------------
@@ -79,13 +73,16 @@ def test_a_turn_runs_to_done_through_the_socket(client: Client) -> None:
     assert client.step(s, answer(4, "done")) == finish(5, 1, "done")
 
 
-def test_the_actions_cross_as_the_core_wrote_them(client: Client) -> None:
-    client.new(session="raw")
-    client.send_line(
-        b'{"jsonrpc":"2.0","id":7,"method":"session/step",'
-        b'"params":{"session":"raw","event":{"Turn":{"id":1,"prompt":"hi"}}}}\n'
-    )
-    assert client._file.readline() == (
+def test_the_actions_cross_as_the_core_wrote_them(daemon: InProcess) -> None:
+    with daemon.client() as c:
+        c.new(session="raw")
+    with Wire(daemon.socket) as w:
+        w.send(
+            b'{"jsonrpc":"2.0","id":7,"method":"session/step",'
+            b'"params":{"session":"raw","event":{"Turn":{"id":1,"prompt":"hi"}}}}\n'
+        )
+        line = w.line()
+    assert line == (
         b'{"jsonrpc":"2.0","id":7,"result":{"actions":[{"id":1,"op":{"Model":{"messages":[{"User":"hi"}]}}}]}}\n'
     )
 
@@ -300,19 +297,19 @@ def test_a_spinning_session_start_holds_up_no_one(tmp_path: Path) -> None:
         assert (raised, worst < HELD_UP_S) == ([errors.DeadlineError], True)
 
 
-def send_spinning_step(c: Client, id: int, timeout_ms: int) -> None:
+def send_spinning_step(w: Wire, id: int, timeout_ms: int) -> None:
     """A step that spins until its deadline, sent without waiting for its answer."""
-    c.new(session="spin")
+    w.call("session/new", {"session": "spin"}, id=id - 1)
     params = {"session": "spin", "event": {"Timer": True}, "timeout_ms": timeout_ms}
-    c.send_line(msgspec.json.encode({"jsonrpc": "2.0", "id": id, "method": "session/step", "params": params}) + b"\n")
+    w.send(msgspec.json.encode({"jsonrpc": "2.0", "id": id, "method": "session/step", "params": params}) + b"\n")
 
 
 def test_a_step_in_flight_at_sigterm_is_answered(spinning: Daemon) -> None:
-    with spinning.client() as c:
-        send_spinning_step(c, 9, 600)
+    with Wire(spinning.socket) as w:
+        send_spinning_step(w, 9, 600)
         time.sleep(0.2)
         spinning.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        reply = c.read_reply()
+        reply = w.reply()
         assert (reply.id, reply.error["data"]["kind"], spinning.proc.wait(20)) == (9, "DEADLINE", 0)  # type: ignore[index,union-attr]
 
 
@@ -416,35 +413,37 @@ def test_a_watcher_that_stops_reading_is_dropped_and_the_stepper_is_not_slowed(d
         ),
     ],
 )
-def test_bad_input_gets_its_error_and_the_connection_stays_usable(client: Client, line: bytes, code: int) -> None:
-    client.send_line(line + b"\n")
-    reply = client.read_reply()
-    assert reply.error is not None and reply.error["code"] == code
-    assert client.call("daemon/status")["server"]["name"] == "devd"
+def test_bad_input_gets_its_error_and_the_connection_stays_usable(daemon: InProcess, line: bytes, code: int) -> None:
+    with Wire(daemon.socket) as w:
+        w.send(line + b"\n")
+        reply = w.reply()
+        assert reply.error is not None and reply.error["code"] == code
+        assert msgspec.json.decode(w.call("daemon/status", id=2).result)["server"]["name"] == "devd"
 
 
-def test_a_notification_gets_no_answer(client: Client) -> None:
-    client.send_line(b'{"jsonrpc":"2.0","method":"daemon/status"}\n{"jsonrpc":"2.0","method":"nope"}\n')
-    assert client.call("session/list") == {"sessions": []}
-    assert client.notifications == []
+def test_a_notification_gets_no_answer(daemon: InProcess) -> None:
+    with Wire(daemon.socket) as w:
+        w.send(b'{"jsonrpc":"2.0","method":"daemon/status"}\n{"jsonrpc":"2.0","method":"nope"}\n')
+        w.send(b'{"jsonrpc":"2.0","id":5,"method":"session/list"}\n')
+        assert w.line() == b'{"jsonrpc":"2.0","id":5,"result":{"sessions":[]}}\n'
 
 
 def test_a_line_over_the_limit_is_too_large_and_the_rest_is_discarded(tmp_path: Path) -> None:
-    with InProcess(tmp_path, "--max-line-bytes", "1024") as d, d.client() as c:
-        c.send_line(b'{"jsonrpc":"2.0","id":1,"method":"daemon/status","pad":"' + b"x" * 200_000 + b'"}\n')
-        reply = c.read_reply()
+    with InProcess(tmp_path, "--max-line-bytes", "1024") as d, Wire(d.socket) as w:
+        w.send(b'{"jsonrpc":"2.0","id":1,"method":"daemon/status","pad":"' + b"x" * 200_000 + b'"}\n')
+        reply = w.reply()
         assert (reply.id, reply.error["data"]["kind"]) == (None, "TOO_LARGE")  # type: ignore[index]
-        assert c.call("session/list") == {"sessions": []}
+        assert bytes(w.call("session/list", id=2).result) == b'{"sessions":[]}'
 
 
 def test_a_line_that_trickles_in_too_slowly_closes_its_connection(tmp_path: Path) -> None:
-    with InProcess(tmp_path, "--line-timeout", "0.5") as d, d.client() as slow, d.client() as idle:
-        slow.send_line(b'{"jsonrpc":"2.0",')
+    with InProcess(tmp_path, "--line-timeout", "0.5") as d, Wire(d.socket) as slow, d.client() as idle:
+        slow.send(b'{"jsonrpc":"2.0",')
         time.sleep(0.3)
-        slow.send_line(b'"id":1,')
+        slow.send(b'"id":1,')
         time.sleep(0.4)
         with pytest.raises(ConnectionError):
-            slow.read_reply()
+            slow.reply()
         assert idle.call("session/list") == {"sessions": []}
 
 
@@ -465,8 +464,8 @@ def test_a_taken_name_is_exists(client: Client) -> None:
 def test_too_many_connections_are_refused_politely(tmp_path: Path) -> None:
     with InProcess(tmp_path, "--max-connections", "1") as d, d.client() as first:
         first.call("session/list")
-        with d.client() as second:
-            reply = second.read_reply()
+        with Wire(d.socket) as second:
+            reply = second.reply()
             assert reply.error["data"]["kind"] == "FULL"  # type: ignore[index]
         for _ in range(20):  # refused peers that leave at once must not take the daemon with them
             s = socket.socket(socket.AF_UNIX)
@@ -588,13 +587,13 @@ def test_tcp_closes_an_http_request_without_acting(tcp: tuple[Daemon, int]) -> N
 
 
 def test_a_second_sigterm_during_shutdown_changes_nothing(spinning: Daemon) -> None:
-    with spinning.client() as c:
-        send_spinning_step(c, 3, 500)
+    with Wire(spinning.socket) as w:
+        send_spinning_step(w, 3, 500)
         time.sleep(0.1)
         for _ in range(3):
             spinning.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             time.sleep(0.05)
-        assert (c.read_reply().id, spinning.proc.wait(20)) == (3, 0)  # type: ignore[union-attr]
+        assert (w.reply().id, spinning.proc.wait(20)) == (3, 0)  # type: ignore[union-attr]
 
 
 def test_sigterm_finishes_and_exits_zero(tmp_path: Path) -> None:

@@ -553,7 +553,7 @@ def test_the_watchers_of_a_session_a_paused_daemon_lost_are_told_it_moved(
         with b.client() as cb:
             cb.step("w", turn(1, "x"))
         os.kill(a.proc.pid, signal.SIGCONT)
-        notice = watcher.read_reply()
+        notice = watcher.wait_notification(30)
     assert (notice.method, notice.params["reason"], notice.params["owner"]["node"]) == (
         "session/unwatched",
         "moved",

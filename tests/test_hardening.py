@@ -20,7 +20,7 @@ from devd.client import Client
 from devd.server.listeners import TOKEN_CHARS_MIN
 from tests.daemon import Daemon, free_port, log_events
 from tests.harness import InProcess
-from tests.helpers import until
+from tests.helpers import Wire, until
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="making files of another uid needs root (CI runs as root)")
 NOBODY = 65534
@@ -319,19 +319,19 @@ def test_sigterm_ends_a_call_that_outlives_the_grace_as_deadline(tmp_path: Path)
     core.write_bytes(modules.SPIN_ON_TIMER)
     d = InProcess(tmp_path, "--core", str(core), "--max-call-timeout", "600", settings={"shutdown_grace_s": GRACE_S})
     with d:
-        c = d.client()
-        c.new(session="s")
-        c.send_line(
+        w = Wire(d.socket)
+        w.call("session/new", {"session": "s"})
+        w.send(
             b'{"jsonrpc":"2.0","id":9,"method":"session/step","params":'
             b'{"session":"s","event":{"Timer":true},"timeout_ms":600000}}\n'
         )
         time.sleep(0.2)
         started = time.monotonic()
         d.signal(15)
-        reply = c.read_reply()
+        reply = w.reply()
         assert (reply.error or {}).get("data") == {"kind": "DEADLINE"}
         assert d.wait(30) == 0 and time.monotonic() - started < 20
-        c.close()
+        w.close()
         d.start()
         with d.client() as again:
             assert [(s["session"], s["state"]) for s in again.call("session/list")["sessions"]] == [("s", "ended")]

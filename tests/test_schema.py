@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import msgspec
 import pytest
 
 from devd import errors, messages
-from devd.client import Client, Reply
+from devd.client import Client
 from devd.messages import Call, Exec, Output, Read, answer, turn
 from devd.schema import (
     ERROR_EXAMPLE,
@@ -334,54 +335,56 @@ def test_typescript_members_carry_their_description_and_constraints_as_jsdoc() -
 # -- real traffic ------------------------------------------------------------------------------------------------
 
 
-class _Tap:
-    """The client's socket, keeping a copy of every line sent."""
+class Tee:
+    """A relay between one client and the daemon's socket, keeping a copy of every line each way: the client under
+    test is the real one, unchanged."""
 
-    def __init__(self, sock: socket.socket, sent: list[bytes]) -> None:
-        self._sock = sock
-        self._sent = sent
-
-    def sendall(self, data: bytes) -> None:
-        self._sent.append(data)
-        self._sock.sendall(data)
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def gettimeout(self) -> float | None:
-        return self._sock.gettimeout()
-
-    def settimeout(self, timeout: float | None) -> None:
-        self._sock.settimeout(timeout)
-
-
-class Recording(Client):
-    """A devd Client that keeps every line it sends and receives."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        super().__init__(sock)
+    def __init__(self, daemon: Path, at: Path) -> None:
         self.sent: list[bytes] = []
         self.received: list[bytes] = []
-        self._sock = _Tap(sock, self.sent)  # type: ignore[assignment]
+        self.path = at
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(at))
+        self._listener.listen(1)
+        self._daemon = daemon
+        self._relay = threading.Thread(target=self._serve, daemon=True)
+        self._relay.start()
 
-    def read_reply(self) -> Reply:
-        line = self._file.readline()
-        if not line:
-            raise ConnectionError("the daemon closed the connection")
-        self.received.append(line)
-        return msgspec.json.decode(line, type=Reply)
+    def _serve(self) -> None:
+        client, _ = self._listener.accept()
+        with client, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
+            upstream.connect(str(self._daemon))
+            back = threading.Thread(target=_pump, args=(upstream, client, self.received), daemon=True)
+            back.start()
+            _pump(client, upstream, self.sent)
+            back.join(10)
+
+    def lines(self) -> tuple[list[bytes], list[bytes]]:
+        """What was sent and received, once the client has closed its connection."""
+        self._relay.join(10)
+        self._listener.close()
+        return self.sent, self.received
 
 
-def check_traffic(client: Client) -> tuple[set[str], set[str], set[str]]:
+def _pump(source: socket.socket, sink: socket.socket, lines: list[bytes]) -> None:
+    buffer = b""
+    while data := source.recv(65536):
+        sink.sendall(data)
+        *whole, buffer = (buffer + data).split(b"\n")
+        lines += [line + b"\n" for line in whole]
+    sink.shutdown(socket.SHUT_WR)
+
+
+def check_traffic(tee: Tee) -> tuple[set[str], set[str], set[str]]:
     """Validate every line the client sent and received; the methods, notifications and error kinds seen.
 
     A request the daemon refused as MALFORMED or INVALID_PARAMS must be one the schema refuses too, and a request
     it answered must be one the schema accepts.
     """
-    assert isinstance(client, Recording)  # Client.connect is typed as Client's, and makes a Recording here
+    sent, received = tee.lines()
     replies: dict[Any, dict[str, Any]] = {}
     notices, kinds = set(), set()
-    for line in client.received:
+    for line in received:
         reply = json.loads(line)
         assert reply["jsonrpc"] == "2.0"
         if "method" in reply:
@@ -390,7 +393,7 @@ def check_traffic(client: Client) -> tuple[set[str], set[str], set[str]]:
         else:
             replies[reply["id"]] = reply
     methods = set()
-    for line in client.sent:
+    for line in sent:
         request = json.loads(line)
         assert request["jsonrpc"] == "2.0"
         reply = replies.pop(request["id"])
@@ -416,7 +419,8 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
     path = tmp_path / "run" / "devd.sock"
     with devd(tmp_path) as proc:
         wait_connectable(path, proc).close()
-        with Recording.connect(path) as client, Recording.connect(path) as watcher:
+        tapped, watched = Tee(path, tmp_path / "client.sock"), Tee(path, tmp_path / "watcher.sock")
+        with Client.connect(tapped.path) as client, Client.connect(watched.path) as watcher:
             client.call("initialize", {"client": {"name": "test_schema", "version": "1"}})
             assert client.new(session="demo") == "demo"
             watcher.call("session/watch", {"session": "demo"})
@@ -468,8 +472,8 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
                 ("session/unwatched", 5),
             ]
             watcher.call("session/unwatch", {"session": "demo"})
-            sent_methods, notice_methods, kinds = check_traffic(client)
-            watcher_methods, watcher_notices, _ = check_traffic(watcher)
+        sent_methods, notice_methods, kinds = check_traffic(tapped)
+        watcher_methods, watcher_notices, _ = check_traffic(watched)
         assert stop(proc) == 0
     # daemon/drain answers only in a fleet (tests/test_fleet.py); here it is refused, as NULL.
     assert sent_methods | watcher_methods == set(SCHEMA["methods"]) - {"daemon/drain"} - OVERSIGHT_METHODS
