@@ -1,0 +1,40 @@
+"""The agent runtime's fan-out keeps the text each Model action has streamed so far, so a watcher that joins while the
+model writes is sent it first as one `session/delta` (devd.agent.port.ObservedFanout): no daemon, no socket."""
+
+from __future__ import annotations
+
+import msgspec
+
+from devd.agent.port import ObservedFanout
+from devd.server.rpc import encode_notice
+from tests.helpers import Sink
+
+
+def deltas(sink: Sink) -> list[tuple[int, str]]:
+    return [(n["params"]["action"], n["params"]["text"]) for n in map(msgspec.json.decode, sink.lines)]
+
+
+def test_a_watcher_that_joins_mid_stream_is_sent_the_text_so_far_then_the_rest() -> None:
+    fanout, late = ObservedFanout(encode_notice), Sink()
+    fanout.stream("s", 3, "Hello, ")
+    fanout.stream("s", 3, "wor")
+    fanout.subscribe("s", late, 0, catching_up=False)
+    fanout.stream("s", 3, "ld.")
+    assert deltas(late) == [(3, "Hello, wor"), (3, "ld.")]
+
+
+def test_a_watcher_catching_up_on_history_is_sent_the_text_so_far_once_caught_up() -> None:
+    fanout, late = ObservedFanout(encode_notice), Sink()
+    sub = fanout.subscribe("s", late, 0, catching_up=True)
+    fanout.stream("s", 3, "Hi")
+    before = list(late.lines)
+    fanout.caught_up(sub)
+    assert (before, deltas(late)) == ([], [(3, "Hi")])
+
+
+def test_a_stream_that_is_over_is_not_sent_to_a_watcher_that_joins_after() -> None:
+    fanout, late = ObservedFanout(encode_notice), Sink()
+    fanout.stream("s", 3, "done")
+    fanout.streamed("s", 3)
+    fanout.subscribe("s", late, 0, catching_up=False)
+    assert (late.lines, fanout.streams) == ([], {})
