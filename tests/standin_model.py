@@ -54,6 +54,7 @@ class Scripted:
     whole: bool = False  # answer one JSON object even when the request asks for a stream (as some servers do)
     held: threading.Event | None = None
     held_after: int = 0
+    cut_after: int | None = None  # send this many chunks, then close the connection before data: [DONE]
 
 
 Responder = Scripted | Callable[[dict[str, Any]], Scripted]
@@ -176,6 +177,8 @@ class Standin:
         for n, chunk in enumerate(_chunks(body, reply, usage)):
             if reply.hang and n == 2:  # after the role chunk and a first fragment
                 return self._hang(h)
+            if reply.cut_after is not None and n == reply.cut_after:
+                return
             if reply.held is not None and n == reply.held_after:
                 reply.held.wait(NOTICE_WAIT_S)
             if reply.delay_s:

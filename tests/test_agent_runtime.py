@@ -145,6 +145,17 @@ def test_a_watcher_that_joins_mid_stream_is_first_sent_the_text_so_far(agentd: A
     assert "".join(n.params["text"] for n in seen if n.method == "session/delta") == text
 
 
+def test_a_stream_cut_and_retried_tells_its_watchers_the_reply_once(agentd: Agentd) -> None:
+    text = "Streaming this reply in many small pieces."
+    agentd.standin.script(Scripted(text=text, split=4, cut_after=5), Scripted(text=text, split=4))
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        seen = until_done(ui, c.prompt(session, "stream"))
+    told = "".join(n.params["text"] for n in seen if n.method == "session/delta")
+    assert (told, agentd.standin.count) == (text, 2)
+
+
 def test_text_written_beside_tool_calls_is_streamed_too(agentd: Agentd) -> None:
     agentd.standin.script(
         Scripted(text="Let me look.", tool_calls=[("read", {"path": "a.txt"})]), Scripted(text="Done.")

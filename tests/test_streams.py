@@ -38,3 +38,22 @@ def test_a_stream_that_is_over_is_not_sent_to_a_watcher_that_joins_after() -> No
     fanout.streamed("s", 3)
     fanout.subscribe("s", late, 0, catching_up=False)
     assert (late.lines, fanout.streams) == ([], {})
+
+
+def test_a_retry_that_repeats_the_text_told_is_told_only_past_it() -> None:
+    fanout, watcher = ObservedFanout(encode_notice), Sink()
+    fanout.subscribe("s", watcher, 0, catching_up=False)
+    fanout.stream("s", 3, "Hello, wo")
+    fanout.stream_again("s", 3)
+    for fragment in ("Hel", "lo, ", "world."):
+        fanout.stream("s", 3, fragment)
+    assert deltas(watcher) == [(3, "Hello, wo"), (3, "rld.")]
+
+
+def test_a_retry_that_says_something_else_is_told_as_it_comes() -> None:
+    fanout, watcher = ObservedFanout(encode_notice), Sink()
+    fanout.subscribe("s", watcher, 0, catching_up=False)
+    fanout.stream("s", 3, "Hello")
+    fanout.stream_again("s", 3)
+    fanout.stream("s", 3, "Bye")
+    assert deltas(watcher) == [(3, "Hello"), (3, "Bye")]

@@ -44,6 +44,9 @@ class ObservedFanout(Fanout):
 
     observers: list[Observer] = msgspec.field(default_factory=list)
     streams: dict[str, dict[int, str]] = msgspec.field(default_factory=dict)  # per session: Model text so far
+    # Per (session, action) streamed again from its beginning (a retried attempt): the new text, until it goes past
+    # what was told.
+    again: dict[tuple[str, int], str] = msgspec.field(default_factory=dict)
 
     def publish(self, stepped: Stepped) -> None:
         super().publish(stepped)
@@ -67,13 +70,30 @@ class ObservedFanout(Fanout):
         kept: a watcher that joins before `streamed` is first told all of it, so the deltas any watcher gets are
         its reply's whole text (a second UI, or an editor back after the daemon restarted, joins mid-stream)."""
         so_far = self.streams.setdefault(session, {})
-        so_far[action] = so_far.get(action, "") + text
+        told = so_far.get(action, "")
+        if (session, action) in self.again:
+            now = self.again[session, action] + text
+            if told.startswith(now):
+                self.again[session, action] = now  # the retry repeats what was told: nothing new yet
+                return
+            del self.again[session, action]
+            # Past what was told, only the rest is new; a retry that says something else is told as it comes (the
+            # step's reply is the text then).
+            text = now[len(told) :] if now.startswith(told) else text
+        so_far[action] = told + text
         self.tell(session, notification(DELTA_NOTICE, DeltaNotice(session, action, text)))
+
+    def stream_again(self, session: str, action: int) -> None:
+        """The text of `action` starts again from its beginning (an attempt that failed mid-stream is retried, or the
+        model is asked again): what it repeats of the text told is not told twice."""
+        if action in self.streams.get(session, {}):
+            self.again[session, action] = ""
 
     def streamed(self, session: str, action: int) -> None:
         """The stream of `action` is over: its answer was stepped, or the ask stalled or was stopped."""
         so_far = self.streams.get(session, {})
         so_far.pop(action, None)
+        self.again.pop((session, action), None)
         if not so_far:
             self.streams.pop(session, None)
 
@@ -121,6 +141,9 @@ class Sessions(Protocol):
 
     def stream(self, session: str, action: int, text: str) -> None:
         """Text the model wrote for `action`, to the watchers now and to those that join before `streamed`."""
+
+    def stream_again(self, session: str, action: int) -> None:
+        """The text of `action` starts again from its beginning (a retry): what repeats is not told twice."""
 
     def streamed(self, session: str, action: int) -> None: ...
 
@@ -196,6 +219,9 @@ class RegistryPort:
 
     def stream(self, session: str, action: int, text: str) -> None:
         self.fanout.stream(session, action, text)
+
+    def stream_again(self, session: str, action: int) -> None:
+        self.fanout.stream_again(session, action)
 
     def streamed(self, session: str, action: int) -> None:
         self.fanout.streamed(session, action)

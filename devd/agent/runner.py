@@ -522,6 +522,11 @@ class Driver(msgspec.Struct, eq=False):
                 if accounted is None:
                     return []  # refused by a spend ceiling: stalled until resumed
 
+                def on_attempt(tried: model.Attempt, accounted: ModelCall = accounted) -> None:
+                    accounted.attempt(tried)
+                    if tried.outcome == "retry":  # the next attempt streams the text again from its beginning
+                        self.sessions.stream_again(self.session, action.id)
+
                 async def ask_model(accounted: ModelCall = accounted) -> model.Completion:
                     assert self.runtime.http is not None
                     return await model.complete(
@@ -532,7 +537,7 @@ class Driver(msgspec.Struct, eq=False):
                         exec_available=exec_available,
                         extra=list(self._inserted),
                         on_text=on_text,
-                        on_attempt=accounted.attempt,
+                        on_attempt=on_attempt,
                     )
 
                 try:
@@ -556,6 +561,7 @@ class Driver(msgspec.Struct, eq=False):
                     await self._record(records.INSERTED, action.id, records.encode(inserted))
                     self._inserted.append(inserted)
                     if again:
+                        self.sessions.stream_again(self.session, action.id)
                         continue
                 return await self._step(Event(Model=Answer(id=action.id, reply=reply)), action.id)
             raise AssertionError("unreachable")
