@@ -272,14 +272,7 @@ class Registry:
 
         with self.claimed(name) as entry:
             instance, snapshot = await self.runner.off_loop(build)
-            try:
-                await self.store.fork(source, at, entry.name, snapshot)
-            except BaseException as e:
-                instance.close()
-                if isinstance(e, MovedError):
-                    raise _made_elsewhere(entry.name) from None
-                raise
-            self.residency.attach(entry, instance)
+            await self._made_durable(entry, instance, self.store.fork(source, at, entry.name, snapshot))
             if snapshot is None:
                 entry.rebased(stored)
             else:
@@ -296,16 +289,21 @@ class Registry:
         await self.fleet_sessions.refuse_if_in_fleet(name)
         with self.claimed(name) as entry:
             instance = await start()
-            try:
-                await self.store.create(entry.name, config, snapshot)
-            except BaseException as e:
-                instance.close()
-                if isinstance(e, MovedError):
-                    raise _made_elsewhere(entry.name) from None
-                raise
-            self.residency.attach(entry, instance)
+            await self._made_durable(entry, instance, self.store.create(entry.name, config, snapshot))
             entry.snapshot_bytes = len(snapshot or b"")
         return entry.name
+
+    async def _made_durable(self, entry: Entry, instance: Instance, write: Awaitable[None]) -> None:
+        """The claimed session's instance attached once `write` has made it durable; else the instance closed, and a
+        MOVED said as the name being made on another daemon."""
+        try:
+            await write
+        except BaseException as e:
+            instance.close()
+            if isinstance(e, MovedError):
+                raise _made_elsewhere(entry.name) from None
+            raise
+        self.residency.attach(entry, instance)
 
     # -- calls on a session -----------------------------------------------------------------------------------------
 
