@@ -77,3 +77,22 @@ def store_factory(backend: Backend, tmp_path: Path, request: pytest.FixtureReque
         return await backend.open(place, **limits)
 
     return open_store
+
+
+# The longest tests (10-18 s each, measured with --durations) start first, so that under pytest-xdist the short ones
+# fill the workers around them rather than one of them running alone at the end.
+LONGEST_FIRST = (
+    "test_bench_fleet.py",
+    "test_crash.py",
+    "test_registry_model.py",
+    "test_typescript.py",
+    "test_fuzz.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
