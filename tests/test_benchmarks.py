@@ -14,3 +14,10 @@ def test_bench_approvals_runs_a_round_and_prints_its_ratio() -> None:
     argv = [sys.executable, "-m", "benchmarks.bench", "approvals", "--calls", "1", "--rounds", "1", "--turns", "1"]
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     assert set(json.loads(done.stdout.splitlines()[-1])) >= {"bare_turn_ms_p50", "overseen_turn_ms_p50", "ratio"}
+
+
+def test_bench_client_measures_every_side_against_the_bare_socket() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "client", "--calls", "20", "--rounds", "1"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    ratios = json.loads(done.stdout)["ratio_to_bare_socket"]
+    assert (sorted(ratios), ratios["bare socket"]) == (["AsyncClient", "Client", "bare socket", "portal"], 1.0)
