@@ -58,6 +58,14 @@ def test_a_zero_timeout_is_sent_and_refused_not_dropped(daemon: InProcess) -> No
     )
 
 
+def test_fork_takes_its_step_and_name_as_flags_and_prints_the_forks_name(daemon: InProcess) -> None:
+    with daemon.client() as c:
+        c.new(session="s")
+        c.step("s", turn(1, "fix the build"))
+        run = devd("fork", "s", "--at", "1", "--as", "f", "--connect", str(daemon.socket))
+        assert (run.returncode, run.stdout, [a.id for a in c.pending("f")]) == (0, "f\n", [1])
+
+
 def test_watch_follows_a_session_and_exits_0_when_it_closes(daemon: InProcess) -> None:
     with daemon.client() as c:
         c.new(session="s")

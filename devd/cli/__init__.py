@@ -36,7 +36,6 @@ from devd.cli.serve import _agents, _backend_options, _open_store, _serve, setti
 from devd.cli.sessions import (
     PLAIN,
     _decision,
-    _fork,
     _inspect,
     _ls,
     _new,
@@ -88,7 +87,6 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "new": _new,
     "step": _step,
     "restore": _restore,
-    "fork": _fork,
     "inspect": _inspect,
     "watch": _watch,
     **{plain.command: _run_plain(plain) for plain in PLAIN},

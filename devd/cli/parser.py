@@ -377,9 +377,6 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     restore = client("restore", "start a session from a snapshot and print its name")
     restore.add_argument("snapshot", help="the snapshot (base64), or - to read it from stdin")
     restore.add_argument("--session", help="name it (default: chosen by the daemon)")
-    fork = session(client("fork", "start a session from another's history (up to step --at) and print its name"))
-    fork.add_argument("--at", type=int, help="the step to fork at (default: the session's latest)")
-    fork.add_argument("--as", dest="name", help="name the fork (default: chosen by the daemon)")
     session(
         client(
             "inspect",

@@ -70,13 +70,6 @@ def _restore(client: Client, args: argparse.Namespace) -> int:
     return _named(client.call_raw("session/restore", _params(snapshot=data, session=args.session)), args)
 
 
-def _fork(client: Client, args: argparse.Namespace) -> int:
-    params = _params(session=args.session, at=args.at)
-    if args.name is not None:
-        params["as"] = args.name  # a Python keyword, so not through _params
-    return _named(client.call_raw("session/fork", params), args)
-
-
 def _decision(decision: Literal["allow", "deny"]) -> Callable[[Client, argparse.Namespace], int]:
     """`devd approve` / `devd deny`: answer an action that waits for approval, naming it by the digest of the action
     the session shows as pending (the same digest its `session/approval` carried)."""
@@ -229,6 +222,12 @@ PLAIN: tuple[Plain, ...] = (
         _pretty_member("messages"),
     ),
     Plain(
+        "fork",
+        "session/fork",
+        "start a session from another's history (up to step --at, default its latest) and print its name",
+        _member("session"),
+    ),
+    Plain(
         "recover",
         "session/recover",
         "bring an ended or poisoned session back from its durable state",
@@ -283,7 +282,7 @@ def _plain_arguments(c: argparse.ArgumentParser, plain: Plain) -> None:
                 f"--{f.encode_name.replace('_', '-')}",
                 dest=f.name,
                 type=int if number else str,
-                metavar="N" if number else None,
+                metavar="N" if number else f.encode_name.upper(),
                 help=doc,
             )
 
