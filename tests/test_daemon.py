@@ -285,8 +285,9 @@ def test_an_ended_session_answers_handle_until_recovered(spinning: Daemon) -> No
         assert c.call("session/recover", {"session": "spin"}) == {"session": "spin"}
         assert c.step("spin", turn(2, "x")) == []
         status = c.call("daemon/status")
-        # Offloaded: the spin, and the step after it (its session's last call passed the budget: a worker at once).
-        assert (status["deadline_hits"], status["offloaded"]) == (1, 2)
+        # Offloaded: the spin, and the step after it (its session's last call passed the budget: a worker at once);
+        # on a loaded machine a quick call can miss its 2 ms inline budget and be offloaded too (CI saw 3).
+        assert (status["deadline_hits"], status["offloaded"] >= 2) == (1, True)
 
 
 def test_a_spinning_session_start_holds_up_no_one(tmp_path: Path) -> None:
