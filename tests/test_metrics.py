@@ -158,15 +158,19 @@ def test_other_paths_methods_and_request_lines_get_their_status_and_a_query_is_i
     ]
 
 
+METHOD_NOT_ALLOWED_HEAD = (
+    b"HTTP/1.1 405 Method Not Allowed\r\n"
+    b"Content-Type: text/plain; charset=utf-8\r\n"
+    b"Content-Length: 26\r\n"
+    b"Connection: close\r\n"
+    b"Allow: GET\r\n"
+    b"\r\n"
+)
+
+
 def test_a_405_says_which_method_is_allowed() -> None:
     assert respond(b"DELETE /metrics HTTP/1.1\r\nHost: devd\r\n\r\n") == (
-        b"HTTP/1.1 405 Method Not Allowed\r\n"
-        b"Content-Type: text/plain; charset=utf-8\r\n"
-        b"Content-Length: 26\r\n"
-        b"Connection: close\r\n"
-        b"Allow: GET\r\n"
-        b"\r\n"
-        b"/metrics answers GET only\n"
+        METHOD_NOT_ALLOWED_HEAD + b"/metrics answers GET only\n"
     )
 
 
@@ -201,14 +205,7 @@ def test_an_http_1_1_request_without_host_is_answered_400_saying_so() -> None:
 
 
 def test_a_response_to_head_has_no_body() -> None:
-    assert respond(b"HEAD /metrics HTTP/1.1\r\nHost: devd\r\n\r\n") == (
-        b"HTTP/1.1 405 Method Not Allowed\r\n"
-        b"Content-Type: text/plain; charset=utf-8\r\n"
-        b"Content-Length: 26\r\n"
-        b"Connection: close\r\n"
-        b"Allow: GET\r\n"
-        b"\r\n"
-    )
+    assert respond(b"HEAD /metrics HTTP/1.1\r\nHost: devd\r\n\r\n") == METHOD_NOT_ALLOWED_HEAD
 
 
 def test_a_head_that_ended_within_the_bound_is_answered_whatever_body_follows() -> None:

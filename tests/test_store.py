@@ -365,18 +365,24 @@ async def test_a_fork_copies_a_long_history_a_few_mib_a_commit_so_other_steps_co
     assert (commits, forked.seq, len(forked.journal)) == (5, 12, 12)
 
 
+async def fork_cut_short(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session "a" of 12 large steps, forked as "f" with the third of the fork's writes failing (its row or note, a
+    copy, then this copy): the fork raises StoreError."""
+    await store.create("a", CONFIG)
+    await append_all(store, *(large(seq) for seq in range(1, 13)))
+    third = failpoints._passes.get("commit.before", 0) + 3
+    monkeypatch.setitem(failpoints._POINTS, "commit.before", ("eio", third))
+    with pytest.raises(StoreError):
+        await store.fork("a", 12, "f", None)
+    monkeypatch.delitem(failpoints._POINTS, "commit.before")
+
+
 @DURABLE
 async def test_a_fork_cut_short_is_no_session_and_keeps_none_of_what_it_copied(
     store_factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with running(await store_factory()) as store:
-        await store.create("a", CONFIG)
-        await append_all(store, *(large(seq) for seq in range(1, 13)))
-        third = failpoints._passes.get("commit.before", 0) + 3  # the claim, a copy, then this copy fails
-        monkeypatch.setitem(failpoints._POINTS, "commit.before", ("eio", third))
-        with pytest.raises(StoreError):
-            await store.fork("a", 12, "f", None)
-    monkeypatch.delitem(failpoints._POINTS, "commit.before")
+        await fork_cut_short(store, monkeypatch)
     async with running(await store_factory()) as store:
         left = (await store.load("f"), await store.steps_since("f", 0, 100), [r.name for r in await store.sessions()])
     assert left == (None, [], ["a"])
@@ -387,13 +393,7 @@ async def test_sqlite_a_fork_cut_short_leaves_no_session_and_its_copied_rows_go_
 ) -> None:
     path = tmp_path / "db.sqlite3"
     async with running(sqlite_at(path)) as store:
-        await store.create("a", CONFIG)
-        await append_all(store, *(large(seq) for seq in range(1, 13)))
-        third = failpoints._passes.get("commit.before", 0) + 3  # the note, a copy, then this copy fails
-        monkeypatch.setitem(failpoints._POINTS, "commit.before", ("eio", third))
-        with pytest.raises(StoreError):
-            await store.fork("a", 12, "f", None)
-    monkeypatch.delitem(failpoints._POINTS, "commit.before")
+        await fork_cut_short(store, monkeypatch)
     async with running(sqlite_at(path)) as store:
         forked = await store.load("f")
     db = sqlite3.connect(path)

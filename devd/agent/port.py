@@ -43,10 +43,7 @@ class ObservedFanout(Fanout):
     """The watcher fan-out, also telling in-process observers of every step and every session's end."""
 
     observers: list[Observer] = msgspec.field(default_factory=list)
-    streams: dict[str, dict[int, str]] = msgspec.field(default_factory=dict)  # per session: Model text so far
-    # Per (session, action) streamed again from its beginning (a retried attempt): the new text, until it goes past
-    # what was told.
-    again: dict[tuple[str, int], str] = msgspec.field(default_factory=dict)
+    streams: dict[str, dict[int, Stream]] = msgspec.field(default_factory=dict)  # per session: Model text so far
 
     def publish(self, stepped: Stepped) -> None:
         super().publish(stepped)
@@ -69,39 +66,60 @@ class ObservedFanout(Fanout):
         """Text the model wrote for the Model action `action`, told as a `session/delta` to the live watchers, and
         kept: a watcher that joins before `streamed` is first told all of it, so the deltas any watcher gets are
         its reply's whole text (a second UI, or an editor back after the daemon restarted, joins mid-stream)."""
-        so_far = self.streams.setdefault(session, {})
-        told = so_far.get(action, "")
-        if (session, action) in self.again:
-            now = self.again[session, action] + text
-            if told.startswith(now):
-                self.again[session, action] = now  # the retry repeats what was told: nothing new yet
-                return
-            del self.again[session, action]
-            # Past what was told, only the rest is new; a retry that says something else is told as it comes (the
-            # step's reply is the text then).
-            text = now[len(told) :] if now.startswith(told) else text
-        so_far[action] = told + text
-        self.tell(session, notification(DELTA_NOTICE, DeltaNotice(session, action, text)))
+        kept = self.streams.setdefault(session, {}).setdefault(action, Stream())
+        fresh = kept.add(text)
+        if fresh:
+            self.tell(session, notification(DELTA_NOTICE, DeltaNotice(session, action, fresh)))
 
     def stream_again(self, session: str, action: int) -> None:
         """The text of `action` starts again from its beginning (an attempt that failed mid-stream is retried, or the
         model is asked again): what it repeats of the text told is not told twice."""
-        if action in self.streams.get(session, {}):
-            self.again[session, action] = ""
+        kept = self.streams.get(session, {}).get(action)
+        if kept is not None:
+            kept.again()
 
     def streamed(self, session: str, action: int) -> None:
         """The stream of `action` is over: its answer was stepped, or the ask stalled or was stopped."""
-        so_far = self.streams.get(session, {})
-        so_far.pop(action, None)
-        self.again.pop((session, action), None)
-        if not so_far:
+        kept = self.streams.get(session, {})
+        kept.pop(action, None)
+        if not kept:
             self.streams.pop(session, None)
 
     def live(self, sub: Subscription) -> None:
-        for action, text in self.streams.get(sub.session, {}).items():
-            if not sub.sink.offer(notification(DELTA_NOTICE, DeltaNotice(sub.session, action, text))):
+        for action, kept in self.streams.get(sub.session, {}).items():
+            if not sub.sink.offer(notification(DELTA_NOTICE, DeltaNotice(sub.session, action, kept.text()))):
                 self.end_one(sub, "fell too far behind")
                 return
+
+
+class Stream(msgspec.Struct):
+    """The text told of one Model action, kept as its fragments (a reply of many small ones is never copied whole per
+    fragment); while a retry repeats it, the text told and how far the retry has come."""
+
+    fragments: list[str] = msgspec.field(default_factory=list)
+    repeating: tuple[str, int] | None = None
+
+    def text(self) -> str:
+        return "".join(self.fragments)
+
+    def again(self) -> None:
+        self.repeating = (self.text(), 0)
+
+    def add(self, text: str) -> str:
+        """Keep `text`; what of it is new to the watchers (empty while a retry repeats what they were told). Past
+        what was told, only the rest is new; a retry that says something else is told as it comes (the step's reply
+        is the text then)."""
+        if self.repeating is not None:
+            told, at = self.repeating
+            end = at + len(text)
+            if end <= len(told) and told.startswith(text, at):
+                self.repeating = (told, end)  # nothing new yet
+                return ""
+            self.repeating = None
+            if told.startswith(text[: len(told) - at], at):
+                text = text[len(told) - at :]
+        self.fragments.append(text)
+        return text
 
 
 class Sessions(Protocol):
