@@ -467,8 +467,11 @@ async def test_a_second_editor_sees_the_turn_another_drives_and_answers_its_perm
 
 
 async def test_a_daemon_killed_and_restarted_mid_turn_still_answers_the_editors_prompt(devd_process: Setup) -> None:
+    # The kill comes once the command has started (it says so in the workspace): killed before, the command would
+    # rightly run after the restart, and the test would wait its 30 s out.
+    ran = devd_process.workspace / "ran"
     devd_process.standin.script(
-        Scripted(tool_calls=[("exec", {"argv": ["sleep", "30"]})]),
+        Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo ran >> ran; exec sleep 30"]})]),
         Scripted(text="The command was cut short."),
     )
     editor = Editor()
@@ -481,10 +484,16 @@ async def test_a_daemon_killed_and_restarted_mid_turn_still_answers_the_editors_
                 answers.append(await conn.prompt(session_id=session.session_id, prompt=text("sleep")))
 
             tg.start_soon(prompt)
-            await editor.until(lambda: any(isinstance(u, ToolCallStart) for u in editor.updates))
+            with anyio.fail_after(WAIT_S):
+                while not ran.exists():
+                    await anyio.sleep(0.01)
             devd_process.daemon.kill()
             await anyio.to_thread.run_sync(devd_process.daemon.start)
-    assert (answers[0].stop_reason, editor.text()) == ("end_turn", "The command was cut short.")
+    assert (answers[0].stop_reason, editor.text(), ran.read_text()) == (
+        "end_turn",
+        "The command was cut short.",
+        "ran\n",
+    )
 
 
 async def test_a_reply_streamed_again_after_a_restart_is_told_once(devd_process: Setup) -> None:
