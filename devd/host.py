@@ -55,6 +55,9 @@ from devd.messages import Action, Config, Event, decode_actions, encode, event_e
 MEMORY_BYTES_DEFAULT: int = default("memory_bytes_per_session")
 CALL_TIMEOUT_SECONDS_DEFAULT: float = default("call_timeout_s")
 TICK_SECONDS = 0.005
+# The deadline of the question asked after a trap (did the core run out of memory?): its own, for the call that trapped
+# may have passed its deadline meanwhile, and the question would then be interrupted and the trap called a PANIC.
+PROBE_SECONDS = 1.0
 OUT_BYTES = 12  # a dev_buf on wasm32: ptr, len, cap as three little-endian u32
 _DEV_BUF = struct.Struct("<III")
 OUT_SLOT_BYTES = 16  # the out slot, padded so the input buffer after it stays aligned
@@ -759,6 +762,7 @@ class Instance:
         the largest message the instance handled (an event copied in, or an ask carrying the whole transcript)."""
         if self._core.has_out_of_memory:
             try:
+                self._arm(time.monotonic() + PROBE_SECONDS)
                 self._args[0].i32 = 0
                 return bool(self._invoke(self._export("dev_out_of_memory")))
             except DevdError:
