@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +47,7 @@ class Daemon:
     def start(self, wait: bool = True) -> Daemon:
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o700)
+        seed_cache(self.state)
         self.socket.unlink(missing_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -76,6 +81,7 @@ class Daemon:
                 raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
             if self.log.read_text().count('"daemon.ready"') > self._ready_seen:
                 self._ready_seen += 1
+                keep_cache(self.state)
                 return
             time.sleep(0.02)
         raise TimeoutError(f"the daemon was not ready within {timeout}s:\n{self.log.read_text()}")
@@ -143,7 +149,43 @@ def state_dir(tmp_path: Path) -> Path:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     state.chmod(0o700)
+    seed_cache(state)
     return state
+
+
+# The compiled core, shared by the daemon processes of a run as one daemon's state directory keeps it across its
+# restarts: in a fresh state directory each start would compile the core (about 0.3 s of CPU, some 80 starts a run).
+# A daemon checks a copied file as it checks its own (the wasm's digest, the engine's, the payload's).
+CWASM_SEED = Path(tempfile.gettempdir()) / f"devd-tests-cwasm-{os.getuid()}"
+
+
+@functools.cache
+def _cwasm_pattern() -> str:
+    """The cache files of this checkout's core: named by the wasm's sha256, then wasmtime's version."""
+    return f"core-{hashlib.sha256((ROOT / 'devd' / 'core.wasm').read_bytes()).hexdigest()}-*.cwasm"
+
+
+def seed_cache(state: Path) -> None:
+    """Give a state directory no daemon has used the compiled core an earlier daemon kept (`keep_cache`), if any."""
+    kept = next(CWASM_SEED.glob(_cwasm_pattern()), None)
+    if (state / "cache").exists() or kept is None or kept.stat().st_uid != os.getuid():
+        return
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (state / "cache").mkdir(mode=0o700)
+    shutil.copyfile(kept, state / "cache" / kept.name)
+    (state / "cache" / kept.name).chmod(0o600)
+
+
+def keep_cache(state: Path) -> None:
+    """Keep the compiled core a daemon wrote in its state directory for the daemons after it."""
+    written = next((state / "cache").glob(_cwasm_pattern()), None)
+    if written is None or (CWASM_SEED / written.name).exists():
+        return
+    name, kept = written.name, CWASM_SEED / written.name
+    CWASM_SEED.mkdir(mode=0o700, exist_ok=True)
+    temporary = CWASM_SEED / f".{name}.{os.getpid()}"
+    shutil.copyfile(written, temporary)
+    os.replace(temporary, kept)
 
 
 def serve_args(tmp_path: Path, *extra: str) -> list[str]:
