@@ -50,14 +50,12 @@ class FleetSessions:
         except MovedError as e:
             self.moved(entry, e)
             raise
-        registry.residency.detach(entry)  # it may be behind the journal: the next call rebuilds it from disk
         if stored is None:  # closed elsewhere
             registry.move(entry, Input.CLOSE)
             registry.fanout.end(name, "closed")
             registry.forget(name)
             raise no_such(name)
-        registry.set_state(entry, FROM_HEALTH[stored.health])
-        entry.reason = stored.reason
+        registry.retaken(entry, stored.health, stored.reason)
         if stored.seq != entry.seq:
             registry.fanout.end(name, "moved")  # they missed the steps made elsewhere: watch again, with since
             entry.seq = stored.seq

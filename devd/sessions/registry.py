@@ -216,12 +216,20 @@ class Registry:
     def move(self, entry: Entry, input: Input, reason: str | None = None, *, instance: Instance | None = None) -> None:
         """The one mover: the state table's edge, with the instance attached (given one) or detached (a state that
         has none) to match."""
-        self.set_state(entry, next_state(entry.state, input))
+        self._set_state(entry, next_state(entry.state, input))
         entry.reason = reason
         if instance is not None:
             self.residency.attach(entry, instance)
         elif entry.state is not State.LIVE:
             self.residency.detach(entry)
+
+    def retaken(self, entry: Entry, health: Health, reason: str | None) -> None:
+        """The mover's one edge from outside the table, the fleet's: a session taken again is in the state its store
+        says (another daemon may have ended, poisoned or recovered it meanwhile), whatever this daemon knew, and has
+        no instance (the one here may be behind the journal) until its next call rebuilds one from disk."""
+        self.residency.detach(entry)
+        self._set_state(entry, FROM_HEALTH[health])
+        entry.reason = reason
 
     # -- starting sessions ------------------------------------------------------------------------------------------
 
@@ -479,7 +487,7 @@ class Registry:
         """The sessions in each state (closed ones are gone), from counts kept as states change: no walk."""
         return {s.value: n for s, n in self._by_state.items() if s is not State.CLOSED}
 
-    def set_state(self, entry: Entry, state: State) -> None:
+    def _set_state(self, entry: Entry, state: State) -> None:
         self._by_state[entry.state] -= 1
         self._by_state[state] += 1
         entry.state = state
