@@ -26,9 +26,11 @@ import dataclasses
 import gc
 import io
 import itertools
+import math
 import os
 import random
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -356,8 +358,9 @@ def _durable_floor_server(socket_path: str, db_path: str) -> None:
 # flight per client, the requests built from bytes encoded once (per process for the events, per conversation for
 # the session name), each reply checked by a prefix comparison and decoded only when that does not match.
 
-WARMUP_S = 2.0  # the generators start, connect and run this long before the measured window opens (1 s was too
-# short on a shared machine: a loaded generator connected after its window had opened and the round was lost)
+WARMUP_S = 2.0  # once every generator has connected, they run this long before the measured window opens
+READY = b"connected\n"  # a generator's first line when started --after-ready: its clients are connected
+READY_TIMEOUT_S = 120.0  # how long a generator may take to start and connect on a loaded machine
 _REQUEST_HEAD = b'{"jsonrpc":"2.0","id":%d'
 _NEW_TAIL = b',"method":"session/new","params":{"session":"%s"}}\n'
 _STEP_TAIL = b',"method":"session/step","params":{"session":"%s","event":%s}}\n'
@@ -513,15 +516,21 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-async def _generate(address: str, clients: int, first_client: int, seconds: float, start_at: float) -> LoadResult:
+async def _generate(address: str, clients: int, first_client: int, seconds: float, after_ready: bool) -> LoadResult:
     loop = asyncio.get_running_loop()
-    load = _Load(loop, clients, start_at, start_at + seconds)
+    load = _Load(loop, clients, math.inf, math.inf)
     load.clients = [_LoadClient(load, first_client + i) for i in range(clients)]
     # An exception in a protocol callback is only logged by the loop; here it must end the run, not stall a client.
     loop.set_exception_handler(lambda _, context: load.fail(f"generator callback failed: {context.get('exception')!r}"))
     await asyncio.gather(*(loop.create_unix_connection(lambda c=c: c, address) for c in load.clients))  # type: ignore[misc]
-    if time.monotonic() >= start_at:
-        raise RuntimeError(f"the generator connected after its window opened; raise WARMUP_S ({WARMUP_S} s)")
+    if after_ready:
+        # The window opens when the parent says, once every generator is connected: one loaded generator that was
+        # slow to start then delays the window instead of missing it (the loop waits meanwhile, its clients too).
+        _write_stdout(READY)
+        start_at = float(sys.stdin.readline())
+    else:
+        start_at = time.monotonic() + WARMUP_S
+    load.start, load.end = start_at, start_at + seconds
     loop.call_later(start_at - time.monotonic(), load.mark)
     loop.call_later(start_at + seconds - time.monotonic(), load.mark)
     try:
@@ -535,11 +544,9 @@ async def _generate(address: str, clients: int, first_client: int, seconds: floa
     return LoadResult(clients, seconds, steps, load.requests, cpu1 - cpu0, t1 - t0, load.latencies.tobytes())
 
 
-def _load_main(address: str, clients: int, first_client: int, seconds: float, start_at: float | None) -> None:
-    if start_at is None:
-        start_at = time.monotonic() + WARMUP_S
+def _load_main(address: str, clients: int, first_client: int, seconds: float, after_ready: bool) -> None:
     with asyncio.Runner(loop_factory=_new_loop) as runner:
-        result = runner.run(_generate(address, clients, first_client, seconds, start_at))
+        result = runner.run(_generate(address, clients, first_client, seconds, after_ready))
     _write_stdout(msgspec.json.encode(result) + b"\n")
 
 
@@ -583,13 +590,19 @@ def _run_load(address: str, clients: int, seconds: float, generators: int, serve
 def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids: list[int]) -> dict[str, float]:
     """One generator process per (address, clients), one window for all, while the servers' CPU (summed) is read
     from outside."""
-    start_at = time.monotonic() + WARMUP_S
     procs, first = [], 0
     for address, clients in targets:
         argv = [sys.executable, "-m", "benchmarks.bench", "_load", address, "--clients", str(clients)]
-        argv += ["--first-client", str(first), "--seconds", str(seconds), "--start-at", repr(start_at)]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        argv += ["--first-client", str(first), "--seconds", str(seconds), "--after-ready"]
+        procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         first += clients
+    ready = [_ready(p) for p in procs]  # each has connected, or failed (and says why below)
+    start_at = time.monotonic() + WARMUP_S
+    for p, connected in zip(procs, ready, strict=True):
+        if connected:
+            assert p.stdin is not None
+            p.stdin.write(f"{start_at!r}\n".encode())
+            p.stdin.flush()  # not closed: communicate() flushes it, then closes it
     server_cpu = machine_busy = float("nan")
     try:
         _sleep_until(start_at)
@@ -623,6 +636,15 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
         # the per-process figures are sampled at different ticks, so it is good to about 0.1 core (and can dip below 0).
         "other_cpu_share": machine_busy - server_cpu - generator_cpu,
     }
+
+
+def _ready(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether a generator said it connected (within READY_TIMEOUT_S); one that did not is killed."""
+    assert proc.stdout is not None
+    if select.select([proc.stdout], [], [], READY_TIMEOUT_S)[0] and proc.stdout.readline() == READY:
+        return True
+    proc.kill()
+    return False
 
 
 def _collect(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes]:
@@ -2236,7 +2258,9 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--clients", type=int, default=16)
     load.add_argument("--first-client", type=int, default=0)
     load.add_argument("--seconds", type=float, default=5.0)
-    load.add_argument("--start-at", type=float, help="time.monotonic() at which the window opens (all generators)")
+    load.add_argument(
+        "--after-ready", action="store_true", help="say when connected, then read the window's start from stdin"
+    )
     many = sub.add_parser("many", help="stored sessions at scale: restart, RSS, waking, list pages")
     many.add_argument("--sessions", type=int, default=100_000)
     many.add_argument("--clients", type=int, default=16)
@@ -2331,7 +2355,7 @@ def main(argv: list[str] | None = None) -> int:
         _durable_floor_server(args.socket, args.database)
         return 0
     else:
-        _load_main(args.address, args.clients, args.first_client, args.seconds, args.start_at)
+        _load_main(args.address, args.clients, args.first_client, args.seconds, args.after_ready)
         return 0
     _write_stdout(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")
     return 0
