@@ -66,6 +66,14 @@ from devd.storage.store import Fleet, Health, Step, Store, Stored
 log = structlog.get_logger("devd.sessions.registry")
 
 
+def made_up_name() -> str:
+    """A name for a session made without one: 128 random bits, URL-safe, and never starting with "-", which a
+    command line takes for a flag (`devd approve -TPD… 2` found no session to approve)."""
+    while (name := secrets.token_urlsafe(16)).startswith("-"):
+        pass
+    return name
+
+
 class Registry:
     def __init__(
         self,
@@ -166,7 +174,7 @@ class Registry:
         if len(self._entries) >= self.sessions_max:
             raise FullError(f"the daemon holds {self.sessions_max} sessions, its limit; close one first")
         if name is None:
-            name = secrets.token_urlsafe(16)
+            name = made_up_name()
         if name in self._entries:
             raise ExistsError(f"a session named {name!r} exists; choose another name or close it first")
         now = time.time()
