@@ -135,8 +135,16 @@ def read_token(state_dir: Path) -> str:
     return token
 
 
+def made_up_token() -> str:
+    """A new TCP token: 256 random bits, URL-safe, never starting with "-" (`--token -x…` is read as a flag with no
+    value, and one token in 64 started so)."""
+    while (token := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return token
+
+
 def _write_token(path: Path) -> str:
-    token = secrets.token_urlsafe(32)
+    token = made_up_token()
     write_atomically(path, token)
     return token
 
