@@ -186,8 +186,11 @@ class SessionView:
     workspace: str | None = None
     last_seq: int = 0  # the last step seen: a watch after a reconnect goes on from here
     calls: dict[int, Call] = field(default_factory=dict)  # calls not yet finished, by action id
-    said: dict[int, str] = field(default_factory=dict)  # per Model action: the text the editor was sent
-    again: dict[int, str] = field(default_factory=dict)  # per Model action streamed anew: its text so far
+    # Per Model action: the text the editor was sent, as its fragments (joined only when needed: one string grown by
+    # each fragment is copied whole each time, quadratic in a long reply).
+    said: dict[int, list[str]] = field(default_factory=dict)
+    # Per Model action streamed anew: the text said before, and how far the new stream has gone along it.
+    again: dict[int, tuple[str, int]] = field(default_factory=dict)
     own_prompts: list[str] = field(default_factory=list)  # prompts this editor sent, not yet seen as a Turn
     running: set[int] = field(default_factory=set)  # turns begun and not done
     outcomes: dict[int, StopReason] = field(default_factory=dict)  # turns done, and how
@@ -210,7 +213,7 @@ class SessionView:
 
     def reconnected(self) -> None:
         """The connection was lost: a model answer streamed again starts from its beginning."""
-        self.again = {action: "" for action in self.said}
+        self.again = {action: ("".join(parts), 0) for action, parts in self.said.items()}
 
     def permission_call(self, n: ApprovalNotice) -> PermissionToolCall:
         """The tool call of a permission request (as ACP's request has it: the fields, no `sessionUpdate`)."""
@@ -268,23 +271,24 @@ class SessionView:
     def _emit(self, text: str, answered: int | None) -> list[Update]:
         said = ""
         if answered is not None:
-            said = self.said.pop(answered, "")
+            said = "".join(self.said.pop(answered, []))
             self.again.pop(answered, None)
         rest = text[len(said) :] if text.startswith(said) else text
         return [AgentMessageChunk(TextBlock(rest))] if rest else []
 
     def _delta(self, n: DeltaNotice) -> list[Update]:
-        said = self.said.get(n.action, "")
+        parts = self.said.setdefault(n.action, [])
         if n.action in self.again:  # streamed anew after a reconnect: say only what goes past what was said
-            now = self.again[n.action] + n.text
-            if said.startswith(now):
-                self.again[n.action] = now
+            told, at = self.again[n.action]
+            if told.startswith(n.text, at):  # still within what was said
+                self.again[n.action] = (told, at + len(n.text))
                 return []
             del self.again[n.action]
-            fresh = now[len(said) :] if now.startswith(said) else n.text  # else it differs: say it as it comes
-            self.said[n.action] = said + fresh
+            rest = told[at:]  # what was said past the new stream so far
+            fresh = n.text[len(rest) :] if n.text.startswith(rest) else n.text  # else it differs: say it as it comes
+            parts.append(fresh)
             return [AgentMessageChunk(TextBlock(fresh))]
-        self.said[n.action] = said + n.text
+        parts.append(n.text)
         return [AgentMessageChunk(TextBlock(n.text))] if n.text else []
 
     def _finished(self, output: Output) -> list[Update]:
