@@ -94,8 +94,11 @@ def row(seq: int) -> Row:
 
 
 async def append_all(store: Store, *steps: Step) -> None:
+    """The steps, one after another, then a flush: the pruning they call for is done before the test reads (SQLite
+    prunes on its commit thread after answering the commit)."""
     for s in steps:
         await store.append(s)
+    await store.flush()
 
 
 def big(n: int) -> bytes:

@@ -41,6 +41,7 @@ log = structlog.get_logger("devd.storage.commits")
 OpT = TypeVar("OpT")
 TIMES_KEPT = 1024  # the commits whose durations the percentiles are taken over: the latest ones
 FORK_COPY_BYTES = 4 << 20  # a fork copies its source's journal a commit of about this much at a time
+MAINTENANCE_POLL_S = 0.001  # how often a wait for idle looks again while only a batch's follow-up runs
 
 Errors = Sequence[BaseException | None]  # what each write of a batch failed with, in order (None: committed)
 # Thread: the batch's errors, and what to do on the thread once it is answered (None: nothing).
@@ -87,6 +88,7 @@ class GroupCommit(Generic[OpT]):
         self._queued: anyio.Event | None = None  # set by a write while `serve` waits for one (loop mode only)
         self._serving = False
         self._outstanding = 0  # writes handed in and not yet answered
+        self._maintaining = False  # set by the thread while an answered batch's follow-up runs
         self._settled = anyio.Event()  # set when none is outstanding
         self._thread: threading.Thread | None = None
 
@@ -105,8 +107,14 @@ class GroupCommit(Generic[OpT]):
         return pending.error
 
     async def wait_idle(self) -> None:
-        """Return once every write handed in has been answered."""
-        while self._outstanding:
+        """Return once every write handed in has been answered and what its commit called for is done (a prune
+        that follows it: a read after this sees it)."""
+        while self._outstanding or self._maintaining:
+            if not self._outstanding:
+                # Only a follow-up is left, on the thread: it tells no one when it ends (that would wake the loop
+                # once more a batch, on the step path), so look again soon; this is for a flush, not a step.
+                await anyio.sleep(MAINTENANCE_POLL_S)
+                continue
             if self._settled.is_set():
                 self._settled = anyio.Event()
             await self._settled.wait()
@@ -165,9 +173,11 @@ class GroupCommit(Generic[OpT]):
             except Exception as e:  # a bug, not a fault: the batch fails, and the thread lives on for the next
                 log.error("store.commit_failed", error=f"{type(e).__name__}: {e}"[:500])
                 errors = [e] * len(batch)
+            self._maintaining = then is not None  # before the answer: a flush it lets through waits for this too
             loop.call_soon_threadsafe(self._answer, batch, errors, time.perf_counter() - started)
             if then is not None:
                 _maintain(then)
+                self._maintaining = False
 
     # -- on the event loop --------------------------------------------------------------------------------------
 

@@ -319,8 +319,9 @@ class SQLiteStore:
                 self._running = False
 
     async def flush(self) -> None:
-        """Wait until everything handed to the store is done: writes committed, snapshot files written and pointed
-        at. Without `run` (it ended, or never ran) run it meanwhile, or the writers wait for ever."""
+        """Wait until everything handed to the store is done: writes committed (and the pruning after them), snapshot
+        files written and pointed at. Without `run` (it ended, or never ran) run it meanwhile, or the writers wait for
+        ever."""
         if self._running:
             await self._wait_idle()
             return
@@ -330,9 +331,11 @@ class SQLiteStore:
             tg.cancel_scope.cancel()
 
     async def _wait_idle(self) -> None:
-        while self._commits.outstanding or self._snapshots_pending:
+        while True:
             await self._commits.wait_idle()
-            while self._snapshots_pending:
+            if not self._snapshots_pending:
+                return
+            while self._snapshots_pending:  # each ends in a pointer's commit: waited for on the next turn
                 if self._snapshots_settled.is_set():
                     self._snapshots_settled = anyio.Event()
                 await self._snapshots_settled.wait()

@@ -153,8 +153,8 @@ class Store(Protocol):
         """Complete writes for ever (group commit); cancelled at shutdown, after which `flush` commits the rest."""
 
     async def flush(self) -> None:
-        """Complete whatever was handed to the store: pending writes committed, snapshots written afterwards (SQLite's
-        files) written or dropped."""
+        """Complete whatever was handed to the store: pending writes committed and the pruning they call for done,
+        snapshots written afterwards (SQLite's files) written or dropped."""
 
     def close(self) -> None:
         """Release the store's resources; nothing may be called after."""
