@@ -42,6 +42,7 @@ from devd.acp.wire import (
     UserMessageChunk,
 )
 from devd.client import ActionsNotice
+from devd.deltas import Stream
 from devd.messages import Call as CoreCall
 from devd.messages import Message, Op, Output
 
@@ -186,11 +187,7 @@ class SessionView:
     workspace: str | None = None
     last_seq: int = 0  # the last step seen: a watch after a reconnect goes on from here
     calls: dict[int, Call] = field(default_factory=dict)  # calls not yet finished, by action id
-    # Per Model action: the text the editor was sent, as its fragments (joined only when needed: one string grown by
-    # each fragment is copied whole each time, quadratic in a long reply).
-    said: dict[int, list[str]] = field(default_factory=dict)
-    # Per Model action streamed anew: the text said before, and how far the new stream has gone along it.
-    again: dict[int, tuple[str, int]] = field(default_factory=dict)
+    said: dict[int, Stream] = field(default_factory=dict)  # per Model action: the text the editor was sent
     own_prompts: list[str] = field(default_factory=list)  # prompts this editor sent, not yet seen as a Turn
     running: set[int] = field(default_factory=set)  # turns begun and not done
     outcomes: dict[int, StopReason] = field(default_factory=dict)  # turns done, and how
@@ -213,7 +210,8 @@ class SessionView:
 
     def reconnected(self) -> None:
         """The connection was lost: a model answer streamed again starts from its beginning."""
-        self.again = {action: ("".join(parts), 0) for action, parts in self.said.items()}
+        for stream in self.said.values():
+            stream.again()
 
     def permission_call(self, n: ApprovalNotice) -> PermissionToolCall:
         """The tool call of a permission request (as ACP's request has it: the fields, no `sessionUpdate`)."""
@@ -269,27 +267,15 @@ class SessionView:
         return updates
 
     def _emit(self, text: str, answered: int | None) -> list[Update]:
-        said = ""
-        if answered is not None:
-            said = "".join(self.said.pop(answered, []))
-            self.again.pop(answered, None)
+        stream = self.said.pop(answered, None) if answered is not None else None
+        said = stream.text() if stream is not None else ""
         rest = text[len(said) :] if text.startswith(said) else text
         return [AgentMessageChunk(TextBlock(rest))] if rest else []
 
     def _delta(self, n: DeltaNotice) -> list[Update]:
-        parts = self.said.setdefault(n.action, [])
-        if n.action in self.again:  # streamed anew after a reconnect: say only what goes past what was said
-            told, at = self.again[n.action]
-            if told.startswith(n.text, at):  # still within what was said
-                self.again[n.action] = (told, at + len(n.text))
-                return []
-            del self.again[n.action]
-            rest = told[at:]  # what was said past the new stream so far
-            fresh = n.text[len(rest) :] if n.text.startswith(rest) else n.text  # else it differs: say it as it comes
-            parts.append(fresh)
-            return [AgentMessageChunk(TextBlock(fresh))]
-        parts.append(n.text)
-        return [AgentMessageChunk(TextBlock(n.text))] if n.text else []
+        # Streamed anew after a reconnect, only what goes past what was said is said (else it differs: as it comes).
+        fresh = self.said.setdefault(n.action, Stream()).add(n.text)
+        return [AgentMessageChunk(TextBlock(fresh))] if fresh else []
 
     def _finished(self, output: Output) -> list[Update]:
         call = self.calls.pop(output.id, None)

@@ -16,6 +16,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
+from devd.deltas import Stream
 from devd.errors import BusyError, HandleError
 from devd.messages import Action, Event, Message, decode_actions, decode_messages, encode
 from devd.protocol import DeltaNotice
@@ -90,36 +91,6 @@ class ObservedFanout(Fanout):
             if not sub.sink.offer(notification(DELTA_NOTICE, DeltaNotice(sub.session, action, kept.text()))):
                 self.end_one(sub, "fell too far behind")
                 return
-
-
-class Stream(msgspec.Struct):
-    """The text told of one Model action, kept as its fragments (a reply of many small ones is never copied whole per
-    fragment); while a retry repeats it, the text told and how far the retry has come."""
-
-    fragments: list[str] = msgspec.field(default_factory=list)
-    repeating: tuple[str, int] | None = None
-
-    def text(self) -> str:
-        return "".join(self.fragments)
-
-    def again(self) -> None:
-        self.repeating = (self.text(), 0)
-
-    def add(self, text: str) -> str:
-        """Keep `text`; what of it is new to the watchers (empty while a retry repeats what they were told). Past
-        what was told, only the rest is new; a retry that says something else is told as it comes (the step's reply
-        is the text then)."""
-        if self.repeating is not None:
-            told, at = self.repeating
-            end = at + len(text)
-            if end <= len(told) and told.startswith(text, at):
-                self.repeating = (told, end)  # nothing new yet
-                return ""
-            self.repeating = None
-            if told.startswith(text[: len(told) - at], at):
-                text = text[len(told) - at :]
-        self.fragments.append(text)
-        return text
 
 
 class Sessions(Protocol):
