@@ -18,6 +18,7 @@ import msgspec
 import pytest
 
 from devd import __version__, cli
+from devd.cli.parser import _parsers
 from devd.client import Client, NotRunningError
 from devd.errors import HandleError, InternalError, InvalidParamsError, UnauthorizedError
 from devd.messages import Action, Browse, Call, Exec, Git, Op, Read, Write, answer, ask, done, turn
@@ -461,6 +462,22 @@ def test_every_flag_of_every_command_has_help() -> None:
         if not action.help
     ]
     assert silent == []
+
+
+def test_each_command_built_alone_is_the_command_the_whole_command_line_has() -> None:
+    alone = {
+        name: [sub for sub in _parsers(name)[0]._actions if isinstance(sub, argparse._SubParsersAction)][0]
+        .choices[name]
+        .format_help()
+        for name in subcommands()
+    }
+    assert alone == {name: command.format_help() for name, command in subcommands().items()}
+
+
+def test_a_word_that_is_no_command_is_refused_naming_every_command() -> None:
+    run = devd("sevre")
+    named = re.search(r"invalid choice: 'sevre' \(choose from (.*)\)", run.stderr)
+    assert (run.returncode, named and named.group(1).count("'") // 2) == (2, len(subcommands()))
 
 
 def test_serve_help_shows_each_default() -> None:

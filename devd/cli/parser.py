@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from devd import __version__
+from devd.cli.common import EXIT_CODES, _flag_value, _socket_path
+from devd.cli.serve import _metrics_address, _otel_endpoint, _store_url
+from devd.cli.sessions import PLAIN, _plain_arguments
 from devd.config import (
     default,
     default_socket_path,
@@ -15,12 +19,6 @@ from devd.config import (
     parse_duration,
     parse_size,
 )
-
-if TYPE_CHECKING:
-    pass
-from devd.cli.common import EXIT_CODES, _flag_value, _socket_path
-from devd.cli.serve import _metrics_address, _otel_endpoint, _store_url
-from devd.cli.sessions import PLAIN, _plain_arguments
 from devd.server.listeners import TcpListen
 
 
@@ -74,15 +72,17 @@ def parse_args(argv: list[str] | None, environ: Mapping[str, str]) -> argparse.N
     the command line wins. A variable that is set must hold a value its flag takes, even when the flag is given too
     (a typo in a systemd drop-in is reported at once, not left for the day the flag is dropped); otherwise this
     exits 2, as for a bad flag, naming the variable."""
-    top, serve = _parsers()
-    args = top.parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    top, serve = _parsers(words[0] if words and not words[0].startswith("-") else None)
+    args = top.parse_args(words)
     if args.command != "serve":
         return args
+    assert serve is not None
     try:
         serve.set_defaults(**environment_defaults(serve, environ))
     except ValueError as e:
         serve.error(str(e))
-    return top.parse_args(argv)  # again, now that the environment's values are the defaults
+    return top.parse_args(words)  # again, now that the environment's values are the defaults
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -125,8 +125,11 @@ def parser() -> argparse.ArgumentParser:
     return _parsers()[0]
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The `devd` command line, and its `serve` subcommand's, whose flags also read the environment."""
+def _parsers(only: str | None = None) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser | None]:
+    """The `devd` command line, and its `serve` subcommand's, whose flags also read the environment (None when it
+    is not built). With `only` a command's name, that subcommand alone is built: argparse builds every subcommand's
+    flags in about 26 ms here, most of what a short command takes before it does anything (and a tenth of the
+    daemon's start). Another word gets the whole command line, so its error names the commands there are."""
     p = argparse.ArgumentParser(
         prog="devd",
         description="A session daemon for agent tools. `devd serve` runs it; the other commands talk to it.",
@@ -136,6 +139,27 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     p.add_argument("--version", action="version", version=f"devd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
+    def wanted(name: str) -> bool:
+        return only is None or name == only
+
+    serve = _add_serve(sub) if wanted("serve") else None
+    if wanted("schema"):
+        _add_schema(sub)
+    _add_clients(sub, wanted)
+    if wanted("run"):
+        _add_run(sub)
+    if wanted("attach"):
+        _add_attach(sub)
+    if wanted("acp"):
+        _add_acp(sub)
+    if wanted("doctor"):
+        _add_doctor(sub)
+    if only is not None and only not in sub.choices:
+        return _parsers()
+    return p, serve
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the daemon in the foreground",
@@ -324,7 +348,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     for action in _flags(serve):
         action.help = f"{action.help} [env {flag_variable(action)}]"
+    return serve
 
+
+def _add_schema(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     schema = sub.add_parser("schema", help="print the JSON Schema of every message of the protocol")
     form = schema.add_mutually_exclusive_group()
     form.add_argument(
@@ -334,7 +361,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--typescript", action="store_true", help="print the protocol's types as a TypeScript module instead"
     )
 
-    def client(name: str, help: str, json: str = "") -> argparse.ArgumentParser:
+
+def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wanted: Callable[[str], bool]) -> None:
+    """The commands that are one client call or a few (those `wanted` says)."""
+
+    def client(name: str, help: str, json: str = "") -> argparse.ArgumentParser | None:
+        if not wanted(name):
+            return None
         c = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=_Help)
         _connection_flags(c)
         c.add_argument(
@@ -344,28 +377,33 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         )
         return c
 
-    def session(c: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        c.add_argument("session", help="the session's name")
+    def session(c: argparse.ArgumentParser | None) -> argparse.ArgumentParser | None:
+        if c is not None:
+            c.add_argument("session", help="the session's name")
         return c
 
-    status = client("status", "show the daemon's counters: sessions, steps, commits, errors, memory")
-    status.add_argument("--prometheus", action="store_true", help="in the Prometheus text format (--json wins)")
-    ls = client("ls", "list the sessions by name: a table of their state, last step, watchers and times")
-    ls.add_argument(
-        "--limit", type=int, metavar="N", help="at most this many sessions, 1-100000 (default: all of them)"
-    )
-    ls.add_argument("--cursor", metavar="NAME", help="start after this name (the page before says which)")
-    new = client("new", "start a session and print its name")
-    new.add_argument("--model", help="the model the session's Model actions name (default: none is named)")
-    new.add_argument("--session", help="name it (default: chosen by the daemon)")
-    step = session(client("step", "step a session with an event (JSON) and print the actions answered (JSON)"))
-    step.add_argument("event", help='the event, e.g. \'{"Turn":{"id":1,"prompt":"fix the build"}}\'')
-    step.add_argument(
-        "--key", help="idempotency key: the step sent again with it is answered from the journal, never run twice"
-    )
-    step.add_argument(
-        "--timeout-ms", type=int, help="this step's deadline in milliseconds (default: the daemon's --call-timeout)"
-    )
+    if (status := client("status", "show the daemon's counters: sessions, steps, commits, errors, memory")) is not None:
+        status.add_argument("--prometheus", action="store_true", help="in the Prometheus text format (--json wins)")
+    if (
+        ls := client("ls", "list the sessions by name: a table of their state, last step, watchers and times")
+    ) is not None:
+        ls.add_argument(
+            "--limit", type=int, metavar="N", help="at most this many sessions, 1-100000 (default: all of them)"
+        )
+        ls.add_argument("--cursor", metavar="NAME", help="start after this name (the page before says which)")
+    if (new := client("new", "start a session and print its name")) is not None:
+        new.add_argument("--model", help="the model the session's Model actions name (default: none is named)")
+        new.add_argument("--session", help="name it (default: chosen by the daemon)")
+    if (
+        step := session(client("step", "step a session with an event (JSON) and print the actions answered (JSON)"))
+    ) is not None:
+        step.add_argument("event", help='the event, e.g. \'{"Turn":{"id":1,"prompt":"fix the build"}}\'')
+        step.add_argument(
+            "--key", help="idempotency key: the step sent again with it is answered from the journal, never run twice"
+        )
+        step.add_argument(
+            "--timeout-ms", type=int, help="this step's deadline in milliseconds (default: the daemon's --call-timeout)"
+        )
     watch = session(
         client(
             "watch",
@@ -373,10 +411,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
             json="accepted for uniformity: watch always prints the protocol's notifications as JSON lines",
         )
     )
-    watch.add_argument("--since", type=int, help="start after this step, 0 for all of them (default: from now on)")
-    restore = client("restore", "start a session from a snapshot and print its name")
-    restore.add_argument("snapshot", help="the snapshot (base64), or - to read it from stdin")
-    restore.add_argument("--session", help="name it (default: chosen by the daemon)")
+    if watch is not None:
+        watch.add_argument("--since", type=int, help="start after this step, 0 for all of them (default: from now on)")
+    if (restore := client("restore", "start a session from a snapshot and print its name")) is not None:
+        restore.add_argument("snapshot", help="the snapshot (base64), or - to read it from stdin")
+        restore.add_argument("--session", help="name it (default: chosen by the daemon)")
     session(
         client(
             "inspect",
@@ -387,21 +426,29 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         )
     )
     for plain in PLAIN:
-        _plain_arguments(client(plain.command, plain.help), plain)
+        if (command := client(plain.command, plain.help)) is not None:
+            _plain_arguments(command, plain)
     for verb, does in (("approve", "allow"), ("deny", "deny")):
         decide = session(client(verb, f"{does} an action of a session the daemon drives that waits for approval"))
+        if decide is None:
+            continue
         decide.add_argument("action", type=int, help="the action's id (`devd pending SESSION` shows it)")
         decide.add_argument(
             "--remember",
             action="store_true",
             help=f"{does} later calls of the same argv prefix (Exec, Git) or path (Write) in this session too",
         )
-    backup = client("backup", "have the daemon write a consistent copy of every session to a new file")
-    backup.add_argument(
-        "name",
-        help="the file name of the copy, in the daemon's backup directory (devd serve --backup-dir; default "
-        "STATE_DIR/backups); it must not exist there",
-    )
+    if (
+        backup := client("backup", "have the daemon write a consistent copy of every session to a new file")
+    ) is not None:
+        backup.add_argument(
+            "name",
+            help="the file name of the copy, in the daemon's backup directory (devd serve --backup-dir; default "
+            "STATE_DIR/backups); it must not exist there",
+        )
+
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # The agent runtime's: a turn the daemon drives, shown as it happens (devd.agent.cli).
     run = sub.add_parser(
         "run",
@@ -416,6 +463,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     run.add_argument("--agent", help="the agent profile (default: the daemon's only one, when it has one)")
     run.add_argument("--workspace", metavar="DIR", help="the session's workspace (default: the current directory)")
     run.add_argument("--session", help="continue this session (made, of --agent in --workspace, if there is none)")
+
+
+def _add_attach(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     attach = sub.add_parser(
         "attach",
         help="show the turn of a session the daemon drives as it happens, until it ends",
@@ -426,6 +476,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     _connection_flags(attach)
     attach.add_argument("session", help="the session's name")
 
+
+def _add_acp(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from devd.acp.main import add_arguments as acp_arguments
 
     acp = sub.add_parser(
@@ -439,6 +491,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     _connection_flags(acp)
     acp_arguments(acp)
 
+
+def _add_doctor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     doctor = sub.add_parser(
         "doctor",
         help="check the daemon, its state directory, database and core",
@@ -462,4 +516,3 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="the store `devd serve --store` is given: sqlite:PATH, or a fleet's postgresql://USER@HOST/DB "
         "(default: sqlite:STATE_DIR/devd.sqlite3)",
     )
-    return p, serve
