@@ -168,10 +168,11 @@ def _echo_server(socket_path: str) -> None:
     import anyio
 
     from devd import log
+    from devd.addresses import UnixListen
     from devd.config import Settings
     from devd.protocol import NewParams, SessionResult, StepParams, StepResult
     from devd.server.daemon import Daemon, build
-    from devd.server.listeners import UnixListen
+    from devd.server.listeners import bind
     from devd.server.methods import METHODS, Call  # noqa: F401
     from devd.storage.memory import MemoryStore
 
@@ -190,7 +191,7 @@ def _echo_server(socket_path: str) -> None:
     settings = Settings(state_dir=Path(tempfile.mkdtemp()), socket_path=Path(socket_path))
     registry, dispatcher = build(settings, None, MemoryStore(), methods=stubs)  # type: ignore[arg-type]
     daemon = Daemon(settings, registry, dispatcher, None)
-    listeners = [UnixListen(Path(socket_path)).bind()]
+    listeners = [bind(UnixListen(Path(socket_path)))]
     ready = lambda: print("ready", flush=True)  # noqa: E731
     anyio.run(daemon.serve, listeners, ready, backend="asyncio", backend_options=_uvloop_options())
 

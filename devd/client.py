@@ -52,6 +52,8 @@ import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from devd import errors
+from devd.addresses import TcpListen, UnixListen, peer_uid
+from devd.addresses import address as parse_address
 from devd.config import default_socket_path
 from devd.messages import Action, Config, Event, Message, decode_actions, decode_messages, encode
 from devd.protocol import (
@@ -96,8 +98,6 @@ from devd.protocol import (
     WatchParams,
 )
 from devd.protocol import Client as ClientInfo
-from devd.server.listeners import TcpListen, UnixListen, peer_uid
-from devd.server.listeners import address as parse_address
 
 
 def _classes_by_kind() -> dict[str, type[errors.DevdError]]:

@@ -2,7 +2,7 @@
 
 argparse, `Core`, the registry, the store and the server all receive their values from a `Settings`; none of
 them keeps a default of its own. Also here: where state and sockets live by default. Addresses are values of
-`devd.server.listeners` (`TcpListen`, parsed once from the flag).
+`devd.addresses` (`TcpListen`, parsed once from the flag).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    from devd.server.listeners import TcpListen
+    from devd.addresses import TcpListen
 
 
 class Settings(msgspec.Struct, frozen=True):

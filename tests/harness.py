@@ -28,12 +28,13 @@ import anyio.from_thread
 import msgspec
 
 from devd import files
+from devd.addresses import UnixListen
 from devd.cli import _agents, _backend_options, _open_store, parse_args, settings_from
 from devd.client import Client
 from devd.config import Settings, backup_dir
 from devd.host import Core
 from devd.server.daemon import Daemon, build
-from devd.server.listeners import UnixListen, lock_state_dir, prepare_state_dir, read_token
+from devd.server.listeners import bind, lock_state_dir, prepare_state_dir, read_token
 
 START_TIMEOUT_S = 20.0
 _cores: dict[tuple[Path | None, float, int], Core] = {}
@@ -116,11 +117,11 @@ class _Running:
         files.remove_partials(backup_dir(settings))  # as devd serve does: a backup a killed daemon was writing
         opened.callback(os.close, lock_state_dir(settings.state_dir, settings.socket_path))
         assert settings.socket_path is not None
-        unix = UnixListen(settings.socket_path).bind()
+        unix = bind(UnixListen(settings.socket_path))
         opened.callback(unix.close)  # and the socket removed
         listeners = [unix]
         if settings.tcp:
-            tcp = settings.tcp.bind()
+            tcp = bind(settings.tcp)
             opened.callback(tcp.close)
             listeners.append(tcp)
         token = read_token(settings.state_dir) if settings.tcp else None

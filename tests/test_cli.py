@@ -18,11 +18,11 @@ import msgspec
 import pytest
 
 from devd import __version__, cli
+from devd.addresses import TcpListen
 from devd.cli.parser import _parsers
 from devd.client import Client, NotRunningError
 from devd.errors import HandleError, InternalError, InvalidParamsError, UnauthorizedError
 from devd.messages import Action, Browse, Call, Exec, Git, Op, Read, Write, answer, ask, done, turn
-from devd.server.listeners import TcpListen
 from tests.daemon import Daemon, daemon_env, free_port, running, state_dir, stop, wait_connectable
 from tests.harness import InProcess
 from tests.helpers import devd, subcommands, until, user

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from devd.server.listeners import ActivatedListen, TcpListen, UnixListen, address, made_up_token
+from devd.addresses import TcpListen, UnixListen, address
+from devd.server.listeners import ActivatedListen, bind, made_up_token
 
 
 def test_addresses_parse_to_their_kind_and_write_back_as_clients_address_them() -> None:
@@ -39,14 +40,14 @@ def test_canonical_addresses_compare_equal_when_they_reach_the_same_socket() -> 
 
 def test_a_bound_unix_socket_is_served_as_its_path_and_removed_at_close(tmp_path: Path) -> None:
     path = tmp_path / "run" / "devd.sock"
-    listening = UnixListen(path).bind()
+    listening = bind(UnixListen(path))
     served, existed = listening.served, path.exists()
     listening.close()
     assert (served, existed, path.exists()) == (UnixListen(path), True, False)
 
 
 def test_a_tcp_port_0_is_served_as_the_port_given() -> None:
-    listening = TcpListen("127.0.0.1", 0).bind()
+    listening = bind(TcpListen("127.0.0.1", 0))
     try:
         served = listening.served
     finally:
@@ -58,7 +59,7 @@ def test_an_activated_socket_is_served_as_what_its_family_makes_it_and_left_in_p
     path = tmp_path / "activated.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(path))
-    listening = ActivatedListen(sock, "rpc").bind()
+    listening = bind(ActivatedListen(sock, "rpc"))
     served = listening.served
     listening.close()
     assert (served, path.exists()) == (UnixListen(path), True)
@@ -67,7 +68,7 @@ def test_an_activated_socket_is_served_as_what_its_family_makes_it_and_left_in_p
 def test_an_activated_abstract_unix_socket_is_served_as_its_name() -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.bind(f"\0devd-test-{os.getpid()}")
-        served = ActivatedListen(sock, "rpc").bind().served
+        served = bind(ActivatedListen(sock, "rpc")).served
     assert served == UnixListen(Path(f"\0devd-test-{os.getpid()}"))
 
 

@@ -21,10 +21,10 @@ from anyio.abc import ByteStream
 from structlog.testing import capture_logs
 
 from devd import cli
+from devd.addresses import TcpListen
 from devd.config import Settings
 from devd.messages import answer, turn
 from devd.server import scrape as listener
-from devd.server.listeners import TcpListen
 from devd.server.metrics import prometheus
 from devd.server.scrape import CONTENT_TYPE
 from tests.daemon import Daemon, free_port

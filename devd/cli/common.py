@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from devd.addresses import UnixListen, address
 from devd.config import (
     default_socket_path,
     default_state_dir,
 )
 from devd.errors import DevdError
-from devd.server.listeners import UnixListen, address
 
 if TYPE_CHECKING:
     pass

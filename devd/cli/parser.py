@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from devd import __version__
+from devd.addresses import TcpListen
 from devd.cli.common import EXIT_CODES, _flag_value, _socket_path
 from devd.cli.serve import _metrics_address, _otel_endpoint, _store_url
 from devd.cli.sessions import PLAIN, _plain_arguments
@@ -19,7 +20,6 @@ from devd.config import (
     parse_duration,
     parse_size,
 )
-from devd.server.listeners import TcpListen
 
 
 def _flags(command: argparse.ArgumentParser) -> list[argparse.Action]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from devd import __version__, log
+from devd.addresses import TcpListen, UnixListen
 from devd.cli.common import POSTGRES_SCHEMES
 from devd.config import (
     Settings,
@@ -22,7 +23,7 @@ from devd.config import (
 )
 from devd.errors import DevdError
 from devd.server import systemd
-from devd.server.listeners import ActivatedListen, Listen, TcpListen, UnixListen
+from devd.server.listeners import ActivatedListen, Listen, bind
 
 if TYPE_CHECKING:
     from devd.server.listeners import Listening
@@ -98,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
             cache_dir=settings.state_dir / "cache",
         )
         activated = [ActivatedListen(sock, name) for sock, name in systemd.listen_sockets()]
-        listeners = [where.bind() for where in activated or _asked(settings)]
+        listeners = [bind(where) for where in activated or _asked(settings)]
         token = read_token(settings.state_dir) if any(bound.served.needs_token for bound in listeners) else None
         metrics_socket = None
         if settings.metrics:

@@ -29,6 +29,7 @@ import anyio.to_thread
 import msgspec
 import structlog
 
+from devd.addresses import UnixListen
 from devd.agent.port import ObservedFanout, RegistryPort
 from devd.agent.profiles import Profile
 from devd.agent.runner import Runtime
@@ -37,7 +38,7 @@ from devd.host import Core
 from devd.server import metrics, systemd
 from devd.server.dispatch import Dispatcher
 from devd.server.hub import Hub
-from devd.server.listeners import BACKLOG, Listening, UnixListen
+from devd.server.listeners import BACKLOG, Listening
 from devd.server.methods import METHODS, App, Method, status
 from devd.server.ndjson import Connection
 from devd.server.rpc import encode_notice

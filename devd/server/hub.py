@@ -17,10 +17,10 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
+from devd.addresses import TcpListen, UnixListen
 from devd.config import Settings
 from devd.server.dispatch import Dispatcher
 from devd.server.flow import Outboxes
-from devd.server.listeners import TcpListen, UnixListen
 
 log = structlog.get_logger("devd.server.hub")
 

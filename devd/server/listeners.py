@@ -1,9 +1,8 @@
 """Where the daemon listens and keeps its state: the state directory, the TCP token, the Unix and TCP sockets.
 
-A listen address is a value, parsed once from a flag or a client's address and used as such everywhere after:
-`UnixListen` (a path), `TcpListen` (host and port) or `ActivatedListen` (a socket systemd passed). Each knows how to
-bind itself (`bind()`, giving a `Listening`), how it is written (`str()`: `unix:PATH`, `tcp://HOST:PORT`), whether
-it is loopback, and its peer rule: a Unix peer is told by its uid, a TCP peer must present the token (`needs_token`).
+Where to listen is a value: `UnixListen` or `TcpListen` (`devd.addresses`, shared with the clients) or
+`ActivatedListen` (a socket systemd passed). `bind` makes it a `Listening`, and `accepted` readies a connection by
+its kind's peer rule.
 
 What it promises: the state directory, the backup directory and a `--store` database (with its directory) are refused
 when they are not this user's or others can write them, and one daemon at a time holds the state directory; the token
@@ -16,18 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import ipaddress
 import os
 import secrets
 import socket
 import stat
-import struct
 from pathlib import Path
-from typing import ClassVar
 
 import msgspec
 import structlog
 
+from devd.addresses import TcpListen, UnixListen, peer_uid
 from devd.files import write_atomically
 
 log = structlog.get_logger("devd.server.listeners")
@@ -233,86 +230,25 @@ def listen_tcp(host: str, port: int, *, backlog: int) -> socket.socket:
     return sock
 
 
-def peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+def bind(where: Listen) -> Listening:
+    """Listen where the daemon was asked to: bind a Unix socket or a TCP port, or take a socket systemd bound."""
+    if isinstance(where, UnixListen):
+        sock, inode = bind_unix(where.path)
+        return Listening(where, sock, inode)
+    if isinstance(where, TcpListen):
+        return Listening(where, bind_tcp(where.host, where.port))
+    return Listening(where, where.sock)
 
 
-def is_loopback(host: str) -> bool:
-    """Whether host names this machine alone (a name other than localhost cannot be told, so it is not)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-# -- listen addresses, as values --------------------------------------------------------------------------------------
-
-
-class UnixListen(msgspec.Struct, frozen=True):
-    """A Unix socket's path. Its peers are told by uid (this user's or root's), so they present no token."""
-
-    path: Path
-    needs_token: ClassVar[bool] = False
-    loopback: ClassVar[bool] = True
-    kind: ClassVar[str] = "unix"  # connections are counted by kind (devd.server.hub.Hub.refusal)
-
-    def __str__(self) -> str:
-        return f"unix:{self.path}"
-
-    def canonical(self) -> UnixListen:
-        """The same socket, written one way (an absolute, normalized path), for telling whether two are one."""
-        return UnixListen(Path(os.path.abspath(self.path)))
-
-    def bind(self) -> Listening:
-        sock, inode = bind_unix(self.path)
-        return Listening(self, sock, inode)
-
-    def accepted(self, sock: socket.socket) -> int | None:
-        """A connection accepted on sock: the uid of its peer when it is to be turned away (not this user, nor root,
-        who can read the state directory anyway), else None."""
-        uid = peer_uid(sock)
-        return None if uid in (os.getuid(), 0) else uid
-
-
-class TcpListen(msgspec.Struct, frozen=True):
-    """A TCP host and port. Its peers must present the token before anything else is read."""
-
-    host: str
-    port: int
-    needs_token: ClassVar[bool] = True
-    kind: ClassVar[str] = "tcp"
-
-    @classmethod
-    def parse(cls, url: str) -> TcpListen:
-        """`tcp://HOST:PORT` (HOST may be [v6]); ValueError, in --listen's words, for anything else."""
-        if not url.startswith("tcp://"):
-            raise ValueError(f"--listen takes tcp://HOST:PORT, not {url!r}")
-        host, sep, port = url[len("tcp://") :].rpartition(":")
-        if not sep or not port.isdigit() or not host:
-            raise ValueError(f"--listen takes tcp://HOST:PORT, not {url!r}")
-        return cls(host.strip("[]"), int(port))
-
-    def __str__(self) -> str:
-        return f"tcp://[{self.host}]:{self.port}" if ":" in self.host else f"tcp://{self.host}:{self.port}"
-
-    @property
-    def loopback(self) -> bool:
-        return is_loopback(self.host)
-
-    def canonical(self) -> TcpListen:
-        return TcpListen(self.host.lower(), self.port)
-
-    def bind(self) -> Listening:
-        return Listening(self, bind_tcp(self.host, self.port))
-
-    def accepted(self, sock: socket.socket) -> int | None:
-        """A connection accepted on sock, readied: its answers go out at once (no Nagle delay). None: a TCP peer is
-        judged by its token, later."""
+def accepted(served: UnixListen | TcpListen, sock: socket.socket) -> int | None:
+    """A connection accepted on sock, readied by its kind's peer rule: the uid of a Unix peer to be turned away
+    (not this user, nor root, who can read the state directory anyway), else None. A TCP peer is judged by its
+    token, later; its answers go out at once (no Nagle delay)."""
+    if isinstance(served, TcpListen):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return None
+    uid = peer_uid(sock)
+    return None if uid in (os.getuid(), 0) else uid
 
 
 class ActivatedListen(msgspec.Struct, frozen=True):
@@ -329,19 +265,8 @@ class ActivatedListen(msgspec.Struct, frozen=True):
     def __str__(self) -> str:
         return f"{self.served} (activated: {self.name})"
 
-    def bind(self) -> Listening:
-        return Listening(self, self.sock)
-
 
 Listen = UnixListen | TcpListen | ActivatedListen
-
-
-def address(text: str) -> UnixListen | TcpListen:
-    """A client's address: `tcp://HOST:PORT`, or a Unix socket's path, plain or as `unix:PATH` (as a fleet
-    advertises it). ValueError for a tcp:// address that is not HOST:PORT."""
-    if text.startswith("tcp://"):
-        return TcpListen.parse(text)
-    return UnixListen(Path(text.removeprefix("unix:")))
 
 
 def bound_as(sock: socket.socket) -> UnixListen | TcpListen:

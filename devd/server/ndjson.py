@@ -27,11 +27,12 @@ from typing import cast
 
 import structlog
 
+from devd.addresses import TcpListen, UnixListen
 from devd.errors import FullError
 from devd.server.connection import Close, Line, Rules, Send
 from devd.server.flow import Flow
 from devd.server.hub import Hub
-from devd.server.listeners import TcpListen, UnixListen
+from devd.server.listeners import accepted
 from devd.server.methods import Peer
 from devd.server.rpc import error_response
 
@@ -55,7 +56,7 @@ class Connection(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
         sock: socket.socket = transport.get_extra_info("socket")
         hub, served = self.hub, self.served
-        uid = served.accepted(sock)
+        uid = accepted(served, sock)
         if uid is not None:
             log.warning("connection.refused", reason="peer of another uid", uid=uid)
             transport.abort()

@@ -30,8 +30,9 @@ import h11
 import structlog
 from anyio.abc import TaskStatus
 
+from devd.addresses import TcpListen
 from devd.config import Settings
-from devd.server.listeners import TcpListen, listen_tcp
+from devd.server.listeners import listen_tcp
 
 log = structlog.get_logger("devd.server.scrape")
 
