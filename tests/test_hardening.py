@@ -373,8 +373,12 @@ def test_a_second_daemon_on_a_running_daemons_store_is_told_it_is_in_use_not_tha
     db.parent.mkdir(mode=0o700)
     with InProcess(tmp_path / "first", "--store", f"sqlite:{db}") as first, first.client() as c:
         c.new(session="s")  # its write-ahead log is there, beside the database it holds
+        started = time.monotonic()
         status, said = serve(tmp_path / "second", "--store", f"sqlite:{db}")
-    assert (status, "belongs to another database" in said, "another process has it open" in said) == (2, False, True)
+        waited = time.monotonic() - started
+    # Told at once, not after a lock wait (it was sqlite3's 5 s default): the first daemon holds the file for its life.
+    told = (status, "belongs to another database" in said, "another process has it open" in said, waited < 4)
+    assert told == (2, False, True, True)
 
 
 def test_a_log_that_cannot_be_read_is_reported_as_it_is_and_never_called_foreign(tmp_path: Path) -> None:

@@ -137,6 +137,10 @@ MIGRATIONS: tuple[str, ...] = (
 )
 FORMAT = Migrations(MIGRATIONS)
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
+# How long an open waits for a lock someone else holds on the database. One daemon holds its file exclusively for
+# its life, so there is nothing worth waiting for: a second daemon on the same --store was told it is in use only
+# after sqlite3's 5 s default. A moment is kept for a brief reader (a `devd doctor` of the stopped daemon's file).
+BUSY_TIMEOUT_S = 0.25
 REOPEN_DELAY_S = (0.05, 5.0)  # after a fault a reopen is tried at once, then after each delay, doubled up to the cap
 
 Op = Callable[[sqlite3.Connection], None] | Step
@@ -221,7 +225,7 @@ class _Pointer(msgspec.Struct):
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
     _configure(db)
     return db
 
@@ -233,7 +237,6 @@ def _configure(db: sqlite3.Connection) -> None:
     db.execute("PRAGMA locking_mode=EXCLUSIVE")
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=FULL")
-    db.execute("PRAGMA busy_timeout=5000")
     db.execute(f"PRAGMA journal_size_limit={WAL_BYTES_KEPT}")
     # No checkpoint inside a commit (SQLite's default runs one in the commit that passes 1,000 pages, and every step
     # of that batch waits for it): the commit thread checkpoints after a batch is answered (`_checkpoint_if_due`).
@@ -1025,7 +1028,9 @@ def _reconnect(path: Path, id: str) -> sqlite3.Connection:
     """A fresh connection to the database a store opened (never a new file in its place), once it is known to be
     that database (its id, its format), its pages pass `quick_check`, and its log is checkpointed and truncated."""
     _check_wal(path)
-    db = sqlite3.connect(f"file:{path}?mode=rw", uri=True, isolation_level=None, check_same_thread=False)
+    db = sqlite3.connect(
+        f"file:{path}?mode=rw", uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+    )
     try:
         _configure(db)
         version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -1067,7 +1072,7 @@ def _check_wal(path: Path) -> None:
         )
 
     with _failing(unchecked, (sqlite3.Error,)):
-        ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        ro = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
         try:
             row = ro.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
         finally:
