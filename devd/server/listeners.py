@@ -230,27 +230,6 @@ def listen_tcp(host: str, port: int, *, backlog: int) -> socket.socket:
     return sock
 
 
-def bind(where: Listen) -> Listening:
-    """Listen where the daemon was asked to: bind a Unix socket or a TCP port, or take a socket systemd bound."""
-    if isinstance(where, UnixListen):
-        sock, inode = bind_unix(where.path)
-        return Listening(where, sock, inode)
-    if isinstance(where, TcpListen):
-        return Listening(where, bind_tcp(where.host, where.port))
-    return Listening(where, where.sock)
-
-
-def accepted(served: UnixListen | TcpListen, sock: socket.socket) -> int | None:
-    """A connection accepted on sock, readied by its kind's peer rule: the uid of a Unix peer to be turned away
-    (not this user, nor root, who can read the state directory anyway), else None. A TCP peer is judged by its
-    token, later; its answers go out at once (no Nagle delay)."""
-    if isinstance(served, TcpListen):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return None
-    uid = peer_uid(sock)
-    return None if uid in (os.getuid(), 0) else uid
-
-
 class ActivatedListen(msgspec.Struct, frozen=True):
     """A listening socket systemd passed (LISTEN_FDS), with its LISTEN_FDNAMES name: already bound, and served as
     what its family makes it (`served`), Unix or TCP, with that kind's peer rule."""
@@ -295,3 +274,24 @@ class Listening(msgspec.Struct, frozen=True):
         if self.inode is not None:
             assert isinstance(self.listen, UnixListen)
             unlink_socket(self.listen.path, self.inode)
+
+
+def bind(where: Listen) -> Listening:
+    """Listen where the daemon was asked to: bind a Unix socket or a TCP port, or take a socket systemd bound."""
+    if isinstance(where, UnixListen):
+        sock, inode = bind_unix(where.path)
+        return Listening(where, sock, inode)
+    if isinstance(where, TcpListen):
+        return Listening(where, bind_tcp(where.host, where.port))
+    return Listening(where, where.sock)
+
+
+def accepted(served: UnixListen | TcpListen, sock: socket.socket) -> int | None:
+    """A connection accepted on sock, readied by its kind's peer rule: the uid of a Unix peer to be turned away
+    (not this user, nor root, who can read the state directory anyway), else None. A TCP peer is judged by its
+    token, later; its answers go out at once (no Nagle delay)."""
+    if isinstance(served, TcpListen):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return None
+    uid = peer_uid(sock)
+    return None if uid in (os.getuid(), 0) else uid
