@@ -480,6 +480,12 @@ def test_a_word_that_is_no_command_is_refused_naming_every_command() -> None:
     assert (run.returncode, named and named.group(1).count("'") // 2) == (2, len(subcommands()))
 
 
+def test_an_argument_past_a_commands_own_is_refused_with_the_usage_naming_every_command() -> None:
+    run = devd("ls", "bogus")
+    refused = cli.parser().format_usage() + "devd: error: unrecognized arguments: bogus\n"
+    assert (run.returncode, run.stderr) == (2, refused)
+
+
 def test_serve_help_shows_each_default() -> None:
     text = " ".join(subcommands()["serve"].format_help().split())
     for flag, shown in [

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from devd import __version__
 from devd.addresses import TcpListen
@@ -130,14 +130,14 @@ def _parsers(only: str | None = None) -> tuple[argparse.ArgumentParser, argparse
     is not built). With `only` a command's name, that subcommand alone is built: argparse builds every subcommand's
     flags in about 26 ms here, most of what a short command takes before it does anything (and a tenth of the
     daemon's start). Another word gets the whole command line, so its error names the commands there are."""
-    p = argparse.ArgumentParser(
+    p = (argparse.ArgumentParser if only is None else _Lone)(
         prog="devd",
         description="A session daemon for agent tools. `devd serve` runs it; the other commands talk to it.",
         epilog=EXIT_CODES,
         formatter_class=_Help,
     )
     p.add_argument("--version", action="version", version=f"devd {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser)  # not _Lone
 
     def wanted(name: str) -> bool:
         return only is None or name == only
@@ -157,6 +157,14 @@ def _parsers(only: str | None = None) -> tuple[argparse.ArgumentParser, argparse
     if only is not None and only not in sub.choices:
         return _parsers()
     return p, serve
+
+
+class _Lone(argparse.ArgumentParser):
+    """The top level built with one subcommand: what it refuses (an argument past the command's) is said by the whole
+    command line, whose usage names every command, not that one alone."""
+
+    def error(self, message: str) -> NoReturn:
+        _parsers()[0].error(message)
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
