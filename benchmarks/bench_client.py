@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
+from benchmarks.bench import _wait_socket
 from devd.client import AsyncClient, Client
 
 STATUS = b'{"jsonrpc":"2.0","id":1,"method":"daemon/status","params":{}}\n'
@@ -83,20 +84,6 @@ SIDES: dict[str, Callable[[Path, int], float]] = {
 }
 
 
-def _wait_accepting(sock_path: Path, daemon: subprocess.Popen[bytes]) -> None:
-    """Until the daemon accepts a connection: its socket's file exists a moment before it listens."""
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.connect(str(sock_path))
-            return
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise RuntimeError("the daemon did not start") from None
-            time.sleep(0.01)
-
-
 def bench_client(rounds: int, calls: int) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="devd-bench-client-"))
     (root / "state").mkdir(mode=0o700)
@@ -104,7 +91,7 @@ def bench_client(rounds: int, calls: int) -> dict[str, Any]:
     argv = [sys.executable, "-m", "devd", "serve", "--socket", str(sock_path), "--state-dir", str(root / "state")]
     daemon = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
     try:
-        _wait_accepting(sock_path, daemon)
+        _wait_socket(sock_path, daemon)
         times: dict[str, list[float]] = {side: [] for side in SIDES}
         for _ in range(rounds):
             for side, measure in SIDES.items():
