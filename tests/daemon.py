@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from devd import compiled
 from devd.client import Client
 
 
@@ -161,8 +162,8 @@ CWASM_SEED = Path(tempfile.gettempdir()) / f"devd-tests-cwasm-{os.getuid()}"
 
 @functools.cache
 def _cwasm_pattern() -> str:
-    """The cache files of this checkout's core: named by the wasm's sha256, then wasmtime's version."""
-    return f"core-{hashlib.sha256((ROOT / 'devd' / 'core.wasm').read_bytes()).hexdigest()}-*.cwasm"
+    """The cache files of this checkout's core, on any wasmtime version (as devd.compiled names them)."""
+    return compiled.file_name(hashlib.sha256((ROOT / "devd" / "core.wasm").read_bytes()).digest(), "*")
 
 
 def seed_cache(state: Path) -> None:

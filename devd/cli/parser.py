@@ -371,9 +371,9 @@ def _add_schema(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wanted: Callable[[str], bool]) -> None:
-    """The commands that are one client call or a few (those `wanted` says)."""
+    """The commands that are one client call or a few (those `wanted` says; the others are not built)."""
 
-    def client(name: str, help: str, json: str = "") -> argparse.ArgumentParser | None:
+    def client(name: str, help: str, json: str = "", *, session: bool = False) -> argparse.ArgumentParser | None:
         if not wanted(name):
             return None
         c = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=_Help)
@@ -383,28 +383,23 @@ def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wante
             action="store_true",
             help=json or "print the daemon's answer exactly as it sent it, on one line (for scripts)",
         )
-        return c
-
-    def session(c: argparse.ArgumentParser | None) -> argparse.ArgumentParser | None:
-        if c is not None:
+        if session:
             c.add_argument("session", help="the session's name")
         return c
 
-    if (status := client("status", "show the daemon's counters: sessions, steps, commits, errors, memory")) is not None:
+    if status := client("status", "show the daemon's counters: sessions, steps, commits, errors, memory"):
         status.add_argument("--prometheus", action="store_true", help="in the Prometheus text format (--json wins)")
-    if (
-        ls := client("ls", "list the sessions by name: a table of their state, last step, watchers and times")
-    ) is not None:
+    if ls := client("ls", "list the sessions by name: a table of their state, last step, watchers and times"):
         ls.add_argument(
             "--limit", type=int, metavar="N", help="at most this many sessions, 1-100000 (default: all of them)"
         )
         ls.add_argument("--cursor", metavar="NAME", help="start after this name (the page before says which)")
-    if (new := client("new", "start a session and print its name")) is not None:
+    if new := client("new", "start a session and print its name"):
         new.add_argument("--model", help="the model the session's Model actions name (default: none is named)")
         new.add_argument("--session", help="name it (default: chosen by the daemon)")
-    if (
-        step := session(client("step", "step a session with an event (JSON) and print the actions answered (JSON)"))
-    ) is not None:
+    if step := client(
+        "step", "step a session with an event (JSON) and print the actions answered (JSON)", session=True
+    ):
         step.add_argument("event", help='the event, e.g. \'{"Turn":{"id":1,"prompt":"fix the build"}}\'')
         step.add_argument(
             "--key", help="idempotency key: the step sent again with it is answered from the journal, never run twice"
@@ -412,43 +407,38 @@ def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wante
         step.add_argument(
             "--timeout-ms", type=int, help="this step's deadline in milliseconds (default: the daemon's --call-timeout)"
         )
-    watch = session(
-        client(
-            "watch",
-            "print every step of a session as it happens, as JSON lines, until the session is closed",
-            json="accepted for uniformity: watch always prints the protocol's notifications as JSON lines",
-        )
-    )
-    if watch is not None:
+    if watch := client(
+        "watch",
+        "print every step of a session as it happens, as JSON lines, until the session is closed",
+        json="accepted for uniformity: watch always prints the protocol's notifications as JSON lines",
+        session=True,
+    ):
         watch.add_argument("--since", type=int, help="start after this step, 0 for all of them (default: from now on)")
-    if (restore := client("restore", "start a session from a snapshot and print its name")) is not None:
+    if restore := client("restore", "start a session from a snapshot and print its name"):
         restore.add_argument("snapshot", help="the snapshot (base64), or - to read it from stdin")
         restore.add_argument("--session", help="name it (default: chosen by the daemon)")
-    session(
-        client(
-            "inspect",
-            "show one session at a glance: its state, step, watchers and times, and the actions a running turn "
-            "waits for (asking them loads a stored session)",
-            json='print {"session": its entry as `devd ls --json` has it, "pending": the actions, as `devd pending '
-            "--json` has them, or null for an ended or poisoned session} on one line",
-        )
+    client(
+        "inspect",
+        "show one session at a glance: its state, step, watchers and times, and the actions a running turn "
+        "waits for (asking them loads a stored session)",
+        json='print {"session": its entry as `devd ls --json` has it, "pending": the actions, as `devd pending '
+        "--json` has them, or null for an ended or poisoned session} on one line",
+        session=True,
     )
     for plain in PLAIN:
-        if (command := client(plain.command, plain.help)) is not None:
+        if command := client(plain.command, plain.help):
             _plain_arguments(command, plain)
     for verb, does in (("approve", "allow"), ("deny", "deny")):
-        decide = session(client(verb, f"{does} an action of a session the daemon drives that waits for approval"))
-        if decide is None:
-            continue
-        decide.add_argument("action", type=int, help="the action's id (`devd pending SESSION` shows it)")
-        decide.add_argument(
-            "--remember",
-            action="store_true",
-            help=f"{does} later calls of the same argv prefix (Exec, Git) or path (Write) in this session too",
-        )
-    if (
-        backup := client("backup", "have the daemon write a consistent copy of every session to a new file")
-    ) is not None:
+        if decide := client(
+            verb, f"{does} an action of a session the daemon drives that waits for approval", session=True
+        ):
+            decide.add_argument("action", type=int, help="the action's id (`devd pending SESSION` shows it)")
+            decide.add_argument(
+                "--remember",
+                action="store_true",
+                help=f"{does} later calls of the same argv prefix (Exec, Git) or path (Write) in this session too",
+            )
+    if backup := client("backup", "have the daemon write a consistent copy of every session to a new file"):
         backup.add_argument(
             "name",
             help="the file name of the copy, in the daemon's backup directory (devd serve --backup-dir; default "
