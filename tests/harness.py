@@ -29,7 +29,8 @@ import msgspec
 
 from devd import files
 from devd.addresses import UnixListen
-from devd.cli import _agents, _backend_options, _open_store, parse_args, settings_from
+from devd.cli import parse_args
+from devd.cli.serve import _agents, _backend_options, _open_store, settings_from
 from devd.client import Client
 from devd.config import Settings, backup_dir
 from devd.host import Core

@@ -693,3 +693,15 @@ def test_every_plain_command_calls_a_method_of_the_table_with_its_params() -> No
     from devd.protocol import METHODS
 
     assert [p.method in METHODS for p in cli.PLAIN] == [True] * len(cli.PLAIN)
+
+
+def test_a_client_command_loads_none_of_the_daemons_logging_listeners_or_core() -> None:
+    """`devd ls` and its kind start as fast as a client can: the daemon's modules are loaded by `devd serve` alone
+    (the metrics text format, which `devd status --prometheus` prints, is the one server module a client needs)."""
+    code = (
+        "import sys, devd.cli; from devd.cli.parser import parse_args; parse_args(['ls'], {}); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('structlog', 'wasmtime') "
+        "or m.startswith(('devd.server', 'devd.log', 'devd.host', 'devd.storage.sqlite'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out == "['devd.server', 'devd.server.metrics']\n"

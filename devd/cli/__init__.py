@@ -32,7 +32,6 @@ from devd.cli.common import (
 )
 from devd.cli.operator import _backup, _doctor, _status, status_summary
 from devd.cli.parser import environment_defaults, flag_variable, parse_args, parser
-from devd.cli.serve import _agents, _backend_options, _open_store, _serve, settings_from
 from devd.cli.sessions import (
     PLAIN,
     _decision,
@@ -62,10 +61,7 @@ __all__ = [
     "LocalError",
     "PLAIN",
     "_address",
-    "_agents",
-    "_backend_options",
     "_duration",
-    "_open_store",
     "action_summary",
     "environment_defaults",
     "flag_variable",
@@ -74,7 +70,6 @@ __all__ = [
     "parse_args",
     "parser",
     "sessions_table",
-    "settings_from",
     "status_summary",
     "main",
 ]
@@ -134,6 +129,10 @@ def _reported(args: argparse.Namespace, run: Callable[[], int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, os.environ)
     if args.command == "serve":
+        # Here, not at the top: the daemon's logging, listeners and systemd glue are no client command's business,
+        # and each `devd ls` would load them (structlog alone is about 60 ms of a command's start).
+        from devd.cli.serve import _serve
+
         return _serve(args)
     if args.command == "schema":
         from devd.schema import openrpc_json, schema_json, typescript

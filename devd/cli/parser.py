@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from devd import __version__
 from devd.addresses import TcpListen
-from devd.cli.common import EXIT_CODES, _flag_value, _socket_path
-from devd.cli.serve import _metrics_address, _otel_endpoint, _store_url
+from devd.cli.common import EXIT_CODES, POSTGRES_SCHEMES, _flag_value, _socket_path
 from devd.cli.sessions import PLAIN, _plain_arguments
 from devd.config import (
     default,
@@ -29,6 +29,29 @@ def _flags(command: argparse.ArgumentParser) -> list[argparse.Action]:
 def flag_variable(action: argparse.Action) -> str:
     """The environment variable a flag of `devd serve` is read from: --max-live from DEVD_MAX_LIVE."""
     return "DEVD_" + max(action.option_strings, key=len).removeprefix("--").replace("-", "_").upper()
+
+
+def _otel_endpoint(text: str) -> str:
+    if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", text):
+        raise argparse.ArgumentTypeError(
+            f"--otel-endpoint takes a collector's OTLP/HTTP base URL (e.g. http://127.0.0.1:4318), not {text!r}"
+        )
+    return text
+
+
+def _metrics_address(text: str) -> TcpListen:
+    try:
+        return TcpListen.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--metrics takes tcp://HOST:PORT (e.g. tcp://127.0.0.1:9464), not {text!r}"
+        ) from None
+
+
+def _store_url(text: str) -> str:
+    if text.startswith(POSTGRES_SCHEMES) or (text.startswith("sqlite:") and len(text) > len("sqlite:")):
+        return text
+    raise argparse.ArgumentTypeError(f"--store takes postgresql://USER@HOST/DB (a fleet) or sqlite:PATH, not {text!r}")
 
 
 _SWITCH = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}

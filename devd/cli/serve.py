@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -199,26 +198,3 @@ def _backend_options() -> dict[str, Any]:
     except ImportError:
         return {}
     return {"use_uvloop": True}
-
-
-def _otel_endpoint(text: str) -> str:
-    if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", text):
-        raise argparse.ArgumentTypeError(
-            f"--otel-endpoint takes a collector's OTLP/HTTP base URL (e.g. http://127.0.0.1:4318), not {text!r}"
-        )
-    return text
-
-
-def _metrics_address(text: str) -> TcpListen:
-    try:
-        return TcpListen.parse(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--metrics takes tcp://HOST:PORT (e.g. tcp://127.0.0.1:9464), not {text!r}"
-        ) from None
-
-
-def _store_url(text: str) -> str:
-    if text.startswith(POSTGRES_SCHEMES) or (text.startswith("sqlite:") and len(text) > len("sqlite:")):
-        return text
-    raise argparse.ArgumentTypeError(f"--store takes postgresql://USER@HOST/DB (a fleet) or sqlite:PATH, not {text!r}")
