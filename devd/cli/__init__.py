@@ -30,20 +30,17 @@ from devd.cli.common import (
     _token,
     in_cli_terms,
 )
-from devd.cli.operator import _backup, _doctor, _status, status_summary
+from devd.cli.operator import _backup, _doctor, _inspect, _status, action_summary, inspection, status_summary
 from devd.cli.parser import environment_defaults, flag_variable, parse_args, parser
 from devd.cli.sessions import (
     PLAIN,
     _decision,
-    _inspect,
     _ls,
     _new,
     _restore,
     _run_plain,
     _step,
     _watch,
-    action_summary,
-    inspection,
     sessions_table,
 )
 from devd.errors import DevdError

@@ -1,28 +1,24 @@
-"""The session commands (`devd ls`, `new`, `step`, `snapshot`, `restore`, `fork`, `pending`, `inspect`, `recover`,
-`close`, `watch`, ...): clients of the daemon, showing its answers for people or as they came (`--json`)."""
+"""The session commands (`devd ls`, `new`, `step`, `snapshot`, `restore`, `fork`, `pending`, `recover`, `close`,
+`watch`, ...): clients of the daemon, showing its answers for people or as they came (`--json`)."""
 
 from __future__ import annotations
 
 import argparse
 import getpass
-import shlex
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from devd.errors import HandleError
 from devd.protocol import METHODS
 
 if TYPE_CHECKING:
     from devd.client import Client
-    from devd.messages import Action
 from devd.cli.common import (
     EXIT_ANSWERED_ERROR,
     EXIT_OK,
     _emit,
-    _pairs,
     _params,
     _pretty,
     _token,
@@ -108,56 +104,6 @@ def trace_line(r: dict[str, Any]) -> str:
     error = f": {r['error']}" if r.get("error") else ""
     took = f"{r['duration_ms']:.1f} ms"
     return f"{r['n']:>4} {r['started']} action {r['action']} {what} {r['outcome']} {took}{tokens}{error}\n"
-
-
-class _Page(msgspec.Struct):
-    """A `session/list` page, its entries kept as the daemon sent them."""
-
-    sessions: list[msgspec.Raw]
-
-
-class _Pending(msgspec.Struct):
-    """A `session/pending` answer, its actions kept as the daemon sent them."""
-
-    actions: msgspec.Raw
-
-
-def _listed(client: Client, session: str) -> msgspec.Raw | None:
-    """The session's entry in `session/list`, as the daemon sent it, or None when it lists no such session. Only that
-    entry is fetched: a page of one, from a cursor that sorts just below the name."""
-    from devd.driver import _just_before  # the driver finds a session's entry the same way
-
-    if not session:
-        return None  # nothing sorts below the empty name; the daemon refuses it by name when asked
-    page = msgspec.json.decode(
-        client.call_raw("session/list", {"limit": 1, "cursor": _just_before(session)}), type=_Page
-    )
-    if page.sessions and msgspec.json.decode(page.sessions[0])["session"] == session:
-        return page.sessions[0]
-    return None
-
-
-def _inspect(client: Client, args: argparse.Namespace) -> int:
-    entry = _listed(client, args.session)
-    if entry is None:
-        # Not among the sessions this daemon lists: `session/pending` says why in the daemon's own words (HANDLE: no
-        # such session), or, in a fleet, follows the session to the daemon that holds it, which lists it.
-        client.call_raw("session/pending", {"session": args.session})
-        entry = _listed(client, args.session)
-    if entry is None:  # closed between the two calls
-        raise HandleError(f"no session is named {args.session!r}; `session/list` shows the sessions there are")
-    info = msgspec.json.decode(entry)
-    pending: msgspec.Raw | None = None
-    if info["state"] in ("live", "stored"):  # an ended or poisoned session is refused until recovered: not asked
-        raw = client.call_raw("session/pending", {"session": args.session})
-        pending = msgspec.json.decode(raw, type=_Pending).actions
-    if args.json:
-        _emit(msgspec.json.encode({"session": entry, "pending": pending}) + b"\n")
-    else:
-        from devd.messages import decode_actions
-
-        _emit(inspection(info, None if pending is None else decode_actions(bytes(pending))).encode())
-    return EXIT_OK
 
 
 def _watch(client: Client, args: argparse.Namespace) -> int:
@@ -319,57 +265,3 @@ def sessions_table(sessions: list[dict[str, Any]]) -> str:
         for row, s in zip(rows, sessions, strict=True):
             row.append(s.get("reason") or "")
     return table(headers, rows, right=frozenset({2, 3}))
-
-
-SUMMARY_CHARS_MAX = 72  # an action's summary in `devd inspect`, so that each stays on one line
-
-
-def action_summary(action: Action) -> str:
-    """An action's kind and what it is about, on one line: `Read src/lib.rs`, `Model (12 messages)`."""
-    op = action.op
-    kind = next(name for name in op.__struct_fields__ if getattr(op, name) is not None)
-    if op.Model is not None:
-        n = len(op.Model.messages)
-        about = f"({n} message{'' if n == 1 else 's'})"
-    elif op.Exec is not None:
-        about = shlex.join(op.Exec.argv)
-    elif op.Git is not None:
-        about = shlex.join(op.Git.argv)
-    elif op.Read is not None:
-        about = op.Read.path
-    elif op.Write is not None:
-        about = f"{op.Write.path} ({len(op.Write.text)} characters)"
-    elif op.Browse is not None:
-        about = op.Browse.url
-    elif op.Done is not None:
-        about = f"turn {op.Done.turn}"
-    else:
-        about = op.Emit or ""
-    about = " ".join(about.split())
-    if len(about) > SUMMARY_CHARS_MAX:
-        about = about[: SUMMARY_CHARS_MAX - 3] + "..."
-    return f"{kind} {about}".rstrip()
-
-
-def inspection(entry: dict[str, Any], pending: list[Action] | None) -> str:
-    """`devd inspect`: a session's `session/list` entry as `key: value` lines, whether a turn is running, and the
-    actions it waits for (`pending`: None for an ended or poisoned session, which is not asked), one a line."""
-    name = entry["session"]
-    pairs = [("session", name), ("state", entry["state"])]
-    if entry.get("reason"):
-        pairs.append(("reason", entry["reason"]))
-    pairs += [
-        ("seq", str(entry["seq"])),
-        ("watchers", str(entry.get("watchers", 0))),
-        ("created", _when(entry["created"])),
-        ("last used", _when(entry["last_used"])),
-    ]
-    if pending is None:
-        pairs.append(("turn", f"none: the session is {entry['state']}; `devd recover {name}` brings it back"))
-    elif pending:
-        pairs.append(("turn", f"running, waiting for {len(pending)} action{'' if len(pending) == 1 else 's'}"))
-    else:
-        pairs.append(("turn", "none running"))
-    actions = pending or []
-    width = max((len(str(a.id)) for a in actions), default=0)
-    return _pairs(pairs) + "".join(f"  {a.id:>{width}}  {action_summary(a)}\n" for a in actions)
