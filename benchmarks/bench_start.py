@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,13 @@ def _floor_server(socket_path: str) -> None:
 
     import msgspec
 
+    run: Callable[[Coroutine[Any, Any, None]], None] = asyncio.run
     try:
         import uvloop
+
+        run = uvloop.run
     except ImportError:  # pragma: no cover - devd runs on asyncio's own loop then too
-        uvloop = None
+        pass
 
     decode, encode = msgspec.json.Decoder().decode, msgspec.json.Encoder().encode
 
@@ -46,7 +50,7 @@ def _floor_server(socket_path: str) -> None:
         server = await asyncio.start_unix_server(answer, socket_path)
         await server.serve_forever()
 
-    (uvloop.run if uvloop is not None else asyncio.run)(serve())
+    run(serve())
 
 
 def _first_answer_ms(argv: list[str], sock: Path, env: dict[str, str]) -> float:
