@@ -349,7 +349,7 @@ class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     # In a fleet only: whether this daemon holds the session. When false, `state` and `seq` are what this daemon
     # last knew (another daemon may have stepped it since); a call naming the session takes it, or answers MOVED.
     held: bool | None = None
-    stalled: str | None = None  # the daemon drives it and cannot reach its model: why (`session/resume` tries again)
+    stalled: str | None = None  # the daemon drives it and cannot carry out what it waits for: why (`session/resume`)
 
 
 class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -538,8 +538,9 @@ class DeltaNotice(msgspec.Struct, frozen=True):
 
 
 class StalledNotice(msgspec.Struct, frozen=True):
-    """`session/stalled`: the model could not be reached for the Model action `action` after its retries (`why`);
-    the ask stays pending until `session/resume`."""
+    """`session/stalled`: the daemon cannot carry out action `action` by itself (`why`: the model could not be reached
+    after its retries, a spend ceiling refused the call, or carrying it out failed); it stays pending until
+    `session/resume`."""
 
     session: str
     action: int
@@ -752,7 +753,7 @@ METHODS: dict[str, Spec] = {
             SessionParams,
             Empty,
             "resume",
-            "Try a stalled session's model again (and drive a session of an agent that owes work).",
+            "Try a stalled session's action again (and drive a session of an agent that owes work).",
         ),
         _spec(
             "session/agent",

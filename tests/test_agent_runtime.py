@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from devd import errors
+from devd import errors, failpoints
 from devd.client import Client
 from devd.messages import Cancel, Event, Turn
 from tests.agents import (
@@ -350,6 +350,33 @@ def test_a_cancel_ends_a_stall_and_the_next_prompt_is_carried_out_without_a_resu
         again = c.prompt(session, "again")
         until_done(ui, again)
         assert (c.info(session).stalled, conversation(c, session)[-1]) == (None, {"Agent": {"text": "back again"}})
+
+
+def test_a_driver_that_fails_stalls_the_session_saying_why_and_a_resume_carries_on(
+    agentd: Agentd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the failed driver left the turn waiting for a command no one ran, and no one was told: an editor's
+    prompt waited for ever (seen once in a full run, where the interpreter raised a SystemError in the driver)."""
+    claimed = failpoints._passes.get("agent.claimed", 0) + 1  # passes are counted for the process: the next one
+    monkeypatch.setitem(failpoints._POINTS, "agent.claimed", ("eio", claimed))
+    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs"]})]), Scripted())
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        c.prompt(session, "run it")
+        stalled = next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+        c.resume(session)
+        until_done(ui, 1)
+        assert (stalled.params, results(c, session), (agentd.workspace / "runs").exists()) == (
+            {
+                "session": session,
+                "action": 2,
+                "why": "the daemon failed carrying out action 2 (OSError: [Errno 5] Input/output error (failpoint "
+                "agent.claimed)); `session/resume` retries",
+            },
+            [(2, INTERRUPTED.format(what="command"), True)],
+            False,
+        )
 
 
 # -- crashes: nothing run twice, nothing acknowledged lost, every turn ends -------------------------------------------

@@ -43,7 +43,7 @@ from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import Sessions, action_ids
 from devd.agent.profiles import Profile, api_key, check_workspace
 from devd.agent.records import Binding, Claim, TurnStarted
-from devd.errors import DevdError, HandleError, InvalidParamsError
+from devd.errors import DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Call, Event, Message, Output, Turn, encode
 from devd.protocol import Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
@@ -239,10 +239,16 @@ class Runtime:
     async def _run_driver(self, driver: Driver) -> None:
         try:
             await driver.run()
-        except DevdError as e:  # the session was closed, ended or moved away meanwhile: its next prompt drives it
+        except (HandleError, PoisonError, MovedError) as e:  # closed, ended or moved away: its next prompt drives it
             log.warning("agent.driver_stopped", session=driver.session, error=f"{e.kind}: {e}"[:500])
-        except Exception as e:  # a bug here must not end the daemon: the session waits, `session/resume` retries
-            log.error("agent.driver_failed", session=driver.session, error=f"{type(e).__name__}: {e}"[:500])
+        except Exception as e:
+            # A fault (the store refused a write) or a bug must not end the daemon, nor leave the turn waiting with
+            # no word to anyone (a prompt waited for ever): the session is stalled, its watchers are told why, and
+            # `session/resume` carries on from what is durable (a claimed effect is not run again).
+            error = f"{e.kind}: {e}" if isinstance(e, DevdError) else f"{type(e).__name__}: {e}"
+            log.error("agent.driver_failed", session=driver.session, action=driver.carrying, error=error[:500])
+            why = f"the daemon failed carrying out action {driver.carrying} ({error[:300]}); `session/resume` retries"
+            self.stall(driver.session, driver.carrying, why)
         finally:
             if self._drivers.get(driver.session) is driver:
                 del self._drivers[driver.session]
@@ -317,6 +323,7 @@ class Driver(msgspec.Struct, eq=False):
     scope: anyio.CancelScope = msgspec.field(default_factory=anyio.CancelScope)
     dirty: bool = False  # the session may wait for other things than the queue says: read pending again
     sent: bytes | None = None  # the event of the step this driver has in flight (its own, not another client's)
+    carrying: int = 0  # the action being carried out (0 before the first): what a stall after a failure names
     resumed: anyio.Event = msgspec.field(default_factory=anyio.Event)
     _foreign: anyio.Event = msgspec.field(default_factory=anyio.Event)
     _claims: set[int] = msgspec.field(default_factory=set)
@@ -351,6 +358,7 @@ class Driver(msgspec.Struct, eq=False):
                         continue
                     return
                 action = queue.popleft()
+                self.carrying = action.id
                 answered = await self._carry(profile, binding, action)
                 queue.extend(a for a in answered if _awaited(a))
 

@@ -580,7 +580,7 @@ export interface Methods {
     params: PromptParams;
     result: PromptResult;
   };
-  /** Try a stalled session's model again (and drive a session of an agent that owes work). */
+  /** Try a stalled session's action again (and drive a session of an agent that owes work). */
   "session/resume": {
     params: SessionParams;
     result: Empty;
@@ -808,8 +808,9 @@ export interface SnapshotResult {
 }
 
 /**
- * `session/stalled`: the model could not be reached for the Model action `action` after its retries (`why`); the ask
- * stays pending until `session/resume`.
+ * `session/stalled`: the daemon cannot carry out action `action` by itself (`why`: the model could not be reached
+ * after its retries, a spend ceiling refused the call, or carrying it out failed); it stays pending until
+ * `session/resume`.
  */
 export interface StalledNotice {
   session: string;
