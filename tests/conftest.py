@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
+import anyio
+import anyio.abc
 import pytest
 
 from devd.client import Client
@@ -16,6 +18,15 @@ from tests.daemon import Daemon
 from tests.harness import InProcess
 from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures, for the postgres backend)
 from tests.stores import BACKENDS, Backend
+
+# anyio loads most of its names on first use, and pytest rewrites the asserts of the anyio package (a plugin of its
+# own) as it loads: a first `anyio.open_process` on an in-process daemon's thread parsed a module's source into an
+# AST while the main thread parsed another, and CPython 3.11's AST constructor is not safe across threads ("SystemError:
+# AST constructor recursion depth mismatch", raised in the daemon's agent driver: a full run saw it once). Every name
+# is loaded here, on the main thread, before any test starts a thread. A daemon outside pytest is not rewritten.
+for _module in (anyio, anyio.abc):
+    for _name in dir(_module):
+        getattr(_module, _name)
 
 
 @pytest.fixture
