@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from devd import compiled
+from devd import compiled, host
 from devd.client import Client
 
 
@@ -156,8 +156,17 @@ def state_dir(tmp_path: Path) -> Path:
 
 # The compiled core, shared by the daemon processes of a run as one daemon's state directory keeps it across its
 # restarts: in a fresh state directory each start would compile the core (about 0.3 s of CPU, some 80 starts a run).
-# A daemon checks a copied file as it checks its own (the wasm's digest, the engine's, the payload's).
+# A daemon checks a copied file as it checks its own (the wasm's digest, the engine's, the payload's). The copies are
+# kept by engine: the engine's digest names its wasmtime library's size and time, so another checkout's virtualenv
+# (a CI clone's) is another engine, whose daemons refused a copy kept here by the first and compiled the core at
+# every start (CI's suite ran 20 s longer than a checkout's, with 45 s more CPU).
 CWASM_SEED = Path(tempfile.gettempdir()) / f"devd-tests-cwasm-{os.getuid()}"
+
+
+@functools.cache
+def _seed_dir() -> Path:
+    """Where the copies for this interpreter's engine are kept."""
+    return CWASM_SEED / host._engine_digest(host._engine_version()).hex()[:16]
 
 
 @functools.cache
@@ -168,7 +177,7 @@ def _cwasm_pattern() -> str:
 
 def seed_cache(state: Path) -> None:
     """Give a state directory no daemon has used the compiled core an earlier daemon kept (`keep_cache`), if any."""
-    kept = next(CWASM_SEED.glob(_cwasm_pattern()), None)
+    kept = next(_seed_dir().glob(_cwasm_pattern()), None)
     if (state / "cache").exists() or kept is None or kept.stat().st_uid != os.getuid():
         return
     state.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -180,11 +189,13 @@ def seed_cache(state: Path) -> None:
 def keep_cache(state: Path) -> None:
     """Keep the compiled core a daemon wrote in its state directory for the daemons after it."""
     written = next((state / "cache").glob(_cwasm_pattern()), None)
-    if written is None or (CWASM_SEED / written.name).exists():
+    seeds = _seed_dir()
+    if written is None or (seeds / written.name).exists():
         return
-    name, kept = written.name, CWASM_SEED / written.name
+    name, kept = written.name, seeds / written.name
     CWASM_SEED.mkdir(mode=0o700, exist_ok=True)
-    temporary = CWASM_SEED / f".{name}.{os.getpid()}"
+    seeds.mkdir(mode=0o700, exist_ok=True)
+    temporary = seeds / f".{name}.{os.getpid()}"
     shutil.copyfile(written, temporary)
     os.replace(temporary, kept)
 

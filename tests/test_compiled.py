@@ -13,6 +13,7 @@ from devd import compiled
 from devd.errors import DeadlineError
 from devd.host import Core, _engine_digest, _engine_version, packaged_module
 from tests import modules
+from tests.daemon import keep_cache, seed_cache
 
 
 def _cache_file(cache: Path) -> Path:
@@ -87,3 +88,17 @@ def test_the_open_deadline_bounds_dev_abi_and_not_compiling() -> None:
 def test_a_module_that_never_answers_dev_abi_is_still_stopped_with_a_cache(tmp_path: Path) -> None:
     with pytest.raises(DeadlineError):
         Core.open(bytes(modules.SPIN_ABI), timeout=0.1, cache_dir=tmp_path / "cache")
+
+
+def test_the_compiled_core_the_test_daemons_are_seeded_with_is_one_this_engine_loads(tmp_path: Path) -> None:
+    """tests/daemon.py shares one compiled core among a run's daemons. The copy was kept by file name alone, so one
+    another virtualenv's engine kept (a CI clone's) was handed to every daemon here, refused, and compiled again."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(mode=0o700)
+    second.mkdir(mode=0o700)
+    _open_and_close(first / "cache")
+    keep_cache(first)
+    seed_cache(second)
+    version = _engine_version()
+    wasm_digest = hashlib.sha256(packaged_module()).digest()
+    assert compiled.load(second / "cache", wasm_digest, version, _engine_digest(version)) is not None
