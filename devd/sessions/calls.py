@@ -200,19 +200,25 @@ class Calls:
         entry.heavy, entry.light_calls = True, 0
         registry.move(entry, Input.DROP)
         stored = await registry.stored(entry.name)
-        try:
-            # On the quick lane: this session's calls fitted the budget until now (it may only have missed it for
-            # the contention), so it must not wait behind the heavy sessions' calls.
-            instance, result = await runner.off_loop(
-                lambda: rebuild_and(registry.core, stored, registry.call_timeout_s, deadline - time.monotonic(), call),
-                quick=True,
-            )
-        except OutOfMemoryError:
-            raise self._does_not_fit(entry) from None
-        except DevdError as e:
-            await registry.lost(entry, e)
-            raise
-        registry.move(entry, Input.LOAD, instance=instance)
+        # The rebuild holds room as a wake does: the room the dropped instance left would otherwise go to another
+        # wake meanwhile, and this instance be attached beside live sessions all inside calls, past --max-live.
+        async with registry.residency.room_for_wake(entry, stored, registry.call_timeout_s) as room:
+            try:
+                # On the quick lane: this session's calls fitted the budget until now (it may only have missed it for
+                # the contention), so it must not wait behind the heavy sessions' calls.
+                instance, result = await runner.off_loop(
+                    lambda: rebuild_and(
+                        registry.core, stored, registry.call_timeout_s, deadline - time.monotonic(), call
+                    ),
+                    quick=True,
+                )
+            except OutOfMemoryError:
+                raise self._does_not_fit(entry) from None
+            except DevdError as e:
+                await registry.lost(entry, e)
+                raise
+            with room.taken():  # its room is its instance's now, as a wake's
+                registry.move(entry, Input.LOAD, instance=instance)
         entry.rebased(stored)
         return result
 
