@@ -651,25 +651,32 @@ async def test_a_quick_call_that_missed_its_budget_does_not_wait_behind_slow_cal
     assert answered[0] == "fast"
 
 
+async def most_live_while_eight_sessions_step_at_once(registry: Registry) -> int:
+    """Make eight sessions (each new one hibernates the oldest past max_live), step them all at once, and return the
+    most instances live or being rebuilt at any point meanwhile."""
+    names = [f"s{n}" for n in range(8)]
+    for name in names:
+        await registry.new(name, b"{}")
+    most = 0
+
+    async def watch_live() -> None:
+        nonlocal most
+        while True:
+            most = max(most, len(registry.residency.names()) + registry.residency.waking)
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_live)
+        async with anyio.create_task_group() as steps:
+            for name in names:
+                steps.start_soon(registry.step, name, encode(turn(1, "x")), None, None)
+        tg.cancel_scope.cancel()
+    return most
+
+
 async def test_concurrent_wakes_never_hold_more_instances_than_max_live(tmp_path: Path, core: Core) -> None:
     async with opened("sqlite", tmp_path, core, max_live=2) as registry:
-        names = [f"s{n}" for n in range(8)]
-        for name in names:
-            await registry.new(name, b"{}")  # each new one hibernates the oldest: six are stored
-        most = 0
-
-        async def watch_live() -> None:
-            nonlocal most
-            while True:
-                most = max(most, len(registry.residency.names()) + registry.residency.waking)
-                await anyio.lowlevel.checkpoint()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_live)
-            async with anyio.create_task_group() as wakes:
-                for name in names:
-                    wakes.start_soon(registry.step, name, encode(turn(1, "x")), None, None)
-            tg.cancel_scope.cancel()
+        most = await most_live_while_eight_sessions_step_at_once(registry)
     assert most <= 2
 
 
@@ -683,21 +690,5 @@ async def test_calls_stopped_at_their_inline_budget_are_rebuilt_within_max_live(
     the room meanwhile, and the rebuilt instance was attached beside live sessions all inside calls (3 of 2; CI saw
     it once under load, where the 2 ms budget is missed)."""
     async with opened("sqlite", tmp_path, core, max_live=2, inline_budget_s=1e-9) as registry:
-        names = [f"s{n}" for n in range(8)]
-        for name in names:
-            await registry.new(name, b"{}")
-        most = 0
-
-        async def watch_live() -> None:
-            nonlocal most
-            while True:
-                most = max(most, len(registry.residency.names()) + registry.residency.waking)
-                await anyio.lowlevel.checkpoint()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_live)
-            async with anyio.create_task_group() as steps:
-                for name in names:
-                    steps.start_soon(registry.step, name, encode(turn(1, "x")), None, None)
-            tg.cancel_scope.cancel()
+        most = await most_live_while_eight_sessions_step_at_once(registry)
     assert most <= 2
