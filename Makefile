@@ -30,7 +30,9 @@ run: setup
 # three, 2 min 47 s with four). The TypeScript tests share one worker, as they share clients/typescript.
 # The package is byte-compiled first, as an installed wheel is: a run starts about 170 daemon and CLI processes, and
 # where PYTHONDONTWRITEBYTECODE is set each compiled devd's modules again (0.2 s of CPU a process).
+# The core's own unit tests (its logic and its allocator, run natively) come first: a few seconds.
 test: setup
+	cd core && ../$(PY) -m ziglang build test
 	$(PY) -m compileall -q devd benchmarks
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 

@@ -72,7 +72,8 @@ def backup_dir(settings: Settings) -> Path:
 
 def default_live_memory() -> int:
     """The instances' memory together when `--live-memory` is not given: half of this machine's memory. A session's
-    instance holds several times what it was sent (a 4 MiB prompt: 15 MiB), so `--max-live` times the session cap is
+    instance holds up to three times what it was sent (a 4 MiB prompt: the input it was lent, the message it keeps,
+    and the ask it answered, 12.8 MiB; resumed from its snapshot, 8.6 MiB), so `--max-live` times the session cap is
     far past any machine; past this, idle sessions hibernate."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 

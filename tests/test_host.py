@@ -641,6 +641,32 @@ def test_the_memory_cap_is_configurable() -> None:
         c.close()
 
 
+def test_a_4_mib_prompt_leaves_its_instance_at_most_three_times_as_large(core: Core) -> None:
+    # The input the host keeps lent, the message the session keeps, and its ask (freed, but linear memory keeps its
+    # high-water mark), each in the pages it needs: std's allocator rounded each up to a power of two (25 MiB before).
+    s = core.new()
+    s.step(turn(1, "x" * (4 << 20)))
+    assert s.memory_bytes() <= (3 * 4 + 1) << 20
+
+
+def test_reading_a_2_mib_tool_output_full_of_escapes_grows_its_instance_at_most_10_mib(core: Core) -> None:
+    # The 3 MiB event lent, its text unescaped into room taken once, and the copy the session keeps: std's reader
+    # grew the text piece by piece, every old copy kept in the call's arena (18 MiB before).
+    s = core.new()
+    s.step(turn(1, FIX))
+    s.step(answer(1, calls=[BUILD, LIB]))
+    before = s.memory_bytes()
+    s.step(Event(Exec=Output(id=2, text="z\n" * (1 << 20))))
+    assert s.memory_bytes() - before <= 10 << 20
+
+
+def test_a_session_resumed_from_a_4_mib_snapshot_holds_at_most_twice_as_much(core: Core) -> None:
+    # The snapshot lent in and the session decoded from it (17 MiB before).
+    source = core.new()
+    source.step(turn(1, "x" * (4 << 20)))
+    assert core.resume(source.snapshot()).memory_bytes() <= (2 * 4 + 1) << 20
+
+
 BUILD, LIB = Call(Exec=Exec(argv=["cargo", "build"])), Call(Read=Read(path="src/lib.rs"))
 LIB_PENDING = b'[{"id":3,"op":{"Read":{"path":"src/lib.rs"}}}]'
 

@@ -3,8 +3,8 @@
 //! anything else reads it. The logic lives in session.zig (the state
 //! machine), snapshot.zig (the codec) and messages.zig (the messages).
 //!
-//! One session per instance. Persistent state lives in
-//! `std.heap.wasm_allocator`; each call's scratch lives in an arena that is
+//! One session per instance. Persistent state lives in the core's allocator
+//! (pages.zig); each call's scratch lives in an arena that is
 //! reset (keeping at most 64 KiB) when the call returns; answers are handed
 //! over as a `dev_buf` {ptr, len, cap: u32 LE} written at `out` and given
 //! back with `dev_free(out)`.
@@ -17,7 +17,7 @@ const Session = session.Session;
 const Writer = std.Io.Writer;
 const oom = msg.oom;
 
-const gpa = std.heap.wasm_allocator;
+const gpa = @import("pages.zig").allocator;
 
 pub const ABI: i32 = 1;
 

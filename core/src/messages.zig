@@ -99,11 +99,34 @@ const Parser = struct {
         return .{ .sc = Scanner.initCompleteInput(arena, src), .arena = arena };
     }
 
+    /// The next token. A string with escapes is unescaped into room for its
+    /// raw length, taken at once: std grows it by half again piece by piece,
+    /// and in the arena every growth kept the old copy as well (a 2 MiB tool
+    /// output with a newline every other byte took 18 MiB to read).
     fn next(p: *Parser) Error!Token {
-        return p.sc.nextAllocMax(p.arena, .alloc_if_needed, std.math.maxInt(usize)) catch |e| switch (e) {
+        const raw = if (try p.peek() == .string) escapedLength(p.sc.input, p.sc.cursor) else null;
+        const n = raw orelse return p.sc.nextAllocMax(p.arena, .alloc_if_needed, std.math.maxInt(usize)) catch |e| switch (e) {
             error.OutOfMemory => oom(),
             else => error.Malformed,
         };
+        var list = std.array_list.Managed(u8).initCapacity(p.arena, n) catch oom();
+        const plain = p.sc.allocNextIntoArrayListMax(&list, .alloc_if_needed, std.math.maxInt(usize)) catch |e| switch (e) {
+            error.OutOfMemory => oom(),
+            else => return error.Malformed,
+        };
+        return if (plain) |slice| .{ .string = slice } else .{ .allocated_string = list.items };
+    }
+
+    /// The length between the quotes of the string opening at `at`, when it
+    /// has an escape (unescaped, it is no longer); null when it has none.
+    fn escapedLength(input: []const u8, at: usize) ?usize {
+        if (at >= input.len or input[at] != '"') return null;
+        var i = std.mem.indexOfAnyPos(u8, input, at + 1, "\"\\") orelse return null;
+        if (input[i] == '"') return null;
+        while (input[i] == '\\') {
+            i = std.mem.indexOfAnyPos(u8, input, i + 2, "\"\\") orelse return null;
+        }
+        return i - (at + 1);
     }
 
     fn peek(p: *Parser) Error!std.json.TokenType {
@@ -532,9 +555,16 @@ pub fn writeMessage(w: *Writer, m: Message) Writer.Error!void {
     try w.writeByte('}');
 }
 
-/// A Message encoded into a fresh exact-size allocation from `gpa`.
+/// A Message encoded into a fresh exact-size allocation from `gpa`. Room for
+/// its text is taken at once: growing a large one step by step held the old
+/// buffer and the new together, and linear memory keeps its high-water mark.
 pub fn encodeMessage(gpa: Allocator, m: Message) []u8 {
-    var out: Writer.Allocating = .init(gpa);
+    const text = switch (m) {
+        .user => |u| u,
+        .tool => |o| o.text,
+        .agent => |a| a.text orelse "",
+    };
+    var out = Writer.Allocating.initCapacity(gpa, 64 +| text.len) catch oom();
     writeMessage(&out.writer, m) catch oom();
     return out.toOwnedSlice() catch oom();
 }

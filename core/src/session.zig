@@ -46,9 +46,10 @@ pub const Answer = struct {
     }
 
     /// Room for n more bytes at once, so a large ask is not built by repeated
-    /// growth (which would hold the old and the new buffer together).
+    /// growth (which would hold the old and the new buffer together), and no
+    /// more: std's growth would take half as much again.
     fn reserve(a: *Answer, n: usize) void {
-        a.buf.ensureUnusedCapacity(n) catch oom();
+        a.buf.ensureTotalCapacityPrecise(a.buf.writer.end +| n) catch oom();
     }
 
     pub fn begin(a: *Answer) void {
@@ -274,7 +275,7 @@ pub const Session = struct {
         const messages = s.transcript.items[@min(from, s.transcript.items.len)..];
         var need: usize = 2;
         for (messages) |f| need +|= f.len + 1;
-        buf.ensureUnusedCapacity(need) catch oom();
+        buf.ensureTotalCapacityPrecise(buf.writer.end +| need) catch oom();
         writeMessages(&buf.writer, messages);
     }
 

@@ -238,3 +238,83 @@ test "a default session's snapshot keeps layout 1, and a delta one whose range i
     defer arena.deinit();
     try std.testing.expectError(error.Malformed, snapshot.decode(gpa, arena.allocator(), snap.written()));
 }
+
+// ---------------------------------------------------------------- the core's allocator
+
+const pages = @import("pages.zig");
+const page = pages.page;
+
+test "the core's allocator passes std's allocator tests" {
+    pages.native.reset();
+    try std.heap.testAllocator(pages.allocator);
+    try std.heap.testAllocatorAligned(pages.allocator);
+}
+
+test "a large allocation takes the pages it needs, not the next power of two" {
+    pages.native.reset();
+    const start = pages.memoryEnd();
+    const a = try pages.allocator.alloc(u8, 64 * page + 1);
+    defer pages.allocator.free(a);
+    try std.testing.expectEqual(65 * page, pages.memoryEnd() - start);
+}
+
+test "a run freed between two free runs merges with both, and holds allocations of other sizes" {
+    pages.native.reset();
+    const a = try pages.allocator.alloc(u8, 8 * page);
+    const b = try pages.allocator.alloc(u8, 8 * page);
+    const c = try pages.allocator.alloc(u8, 8 * page);
+    const guard = try pages.allocator.alloc(u8, 2 * page);
+    defer pages.allocator.free(guard);
+    const end = pages.memoryEnd();
+    pages.allocator.free(a);
+    pages.allocator.free(c);
+    pages.allocator.free(b);
+    const x = try pages.allocator.alloc(u8, 20 * page);
+    defer pages.allocator.free(x);
+    const y = try pages.allocator.alloc(u8, 4 * page);
+    defer pages.allocator.free(y);
+    const at = @intFromPtr(a.ptr);
+    try std.testing.expectEqual([3]usize{ end, at, at + 20 * page }, [3]usize{ pages.memoryEnd(), @intFromPtr(x.ptr), @intFromPtr(y.ptr) });
+}
+
+test "the allocation at the end of memory grows in place, and a shrink gives its tail back" {
+    pages.native.reset();
+    const start = pages.memoryEnd();
+    var a = try pages.allocator.alloc(u8, 4 * page);
+    a = try pages.allocator.realloc(a, 12 * page);
+    const grown_at = @intFromPtr(a.ptr);
+    a = try pages.allocator.realloc(a, 2 * page);
+    const tail = try pages.allocator.alloc(u8, 10 * page);
+    defer pages.allocator.free(tail);
+    defer pages.allocator.free(a);
+    try std.testing.expectEqual([3]usize{ start, start + 2 * page, start + 12 * page }, [3]usize{ grown_at, @intFromPtr(tail.ptr), pages.memoryEnd() });
+}
+
+test "random allocations, resizes and frees keep every byte, and all freed is one run" {
+    pages.native.reset();
+    const gpa = pages.allocator;
+    var prng = std.Random.DefaultPrng.init(20261202);
+    const rand = prng.random();
+    var live: [24][]u8 = @splat(&.{});
+    for (0..3000) |n| {
+        const i = rand.uintLessThan(usize, live.len);
+        const mark: u8 = @truncate(i *% 31 +% 7);
+        try std.testing.expect(std.mem.allEqual(u8, live[i], mark));
+        const len = if (rand.boolean()) rand.uintLessThan(usize, 4 * page) else rand.uintLessThan(usize, 40 * page);
+        if (live[i].len == 0) {
+            live[i] = try gpa.alloc(u8, len + 1);
+        } else if (n % 3 == 0) {
+            gpa.free(live[i]);
+            live[i] = &.{};
+            continue;
+        } else {
+            live[i] = try gpa.realloc(live[i], len + 1);
+        }
+        @memset(live[i], mark);
+    }
+    for (live) |b| if (b.len != 0) gpa.free(b);
+    const end = pages.memoryEnd();
+    const all = try gpa.alloc(u8, end - @intFromPtr(&pages.native.memory));
+    defer gpa.free(all);
+    try std.testing.expectEqual(end, pages.memoryEnd());
+}
