@@ -7,6 +7,8 @@ import time
 import zlib
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from devd.errors import (
     AbiError,
@@ -658,6 +660,38 @@ def test_reading_a_2_mib_tool_output_full_of_escapes_grows_its_instance_at_most_
     before = s.memory_bytes()
     s.step(Event(Exec=Output(id=2, text="z\n" * (1 << 20))))
     assert s.memory_bytes() - before <= 10 << 20
+
+
+# Texts from nothing to a few 64 KiB pages, plain or full of escapes: each size class of the core's allocator, and
+# its runs of pages taken, grown, shrunk, freed and merged in every order.
+TEXTS = st.builds(lambda n, escaped: ("z\n" if escaped else "y") * n, st.integers(0, 200_000), st.booleans())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(st.tuples(TEXTS, st.lists(TEXTS, min_size=1, max_size=4)), min_size=1, max_size=4))
+def test_a_session_fed_texts_of_every_size_asks_with_every_byte_and_resumes_the_same(
+    core: Core, turns: list[tuple[str, list[str]]]
+) -> None:
+    s, transcript, next_id = core.new(), [], 1
+    for n, (prompt, outputs) in enumerate(turns, start=1):
+        transcript.append(user(prompt))
+        s.step(turn(n, prompt))
+        calls = [Call(Exec=Exec(argv=["cat", str(k)])) for k in range(len(outputs))]
+        s.step(answer(next_id, calls=calls))
+        transcript.append(agent(calls=[Dispatch(id=next_id + 1 + k, call=c) for k, c in enumerate(calls)]))
+        for k, text in enumerate(outputs):
+            actions = s.step(Event(Exec=Output(id=next_id + 1 + k, text=text)))
+            transcript.append(tool(next_id + 1 + k, text))
+        assert actions == [Action(id=next_id + 1 + len(outputs), op=ask(*transcript))]
+        next_id += 2 + len(outputs)
+        s.step(answer(next_id - 1, "done"))
+        transcript.append(agent("done"))
+        next_id += 3  # its Emit, Save and Done
+    snapshot = s.snapshot()
+    s.close()
+    resumed = core.resume(snapshot)
+    assert resumed.snapshot() == snapshot
+    resumed.close()
 
 
 def test_a_session_resumed_from_a_4_mib_snapshot_holds_at_most_twice_as_much(core: Core) -> None:
