@@ -160,14 +160,71 @@ async def test_a_cancelled_command_returns_only_once_all_it_started_in_the_sandb
 
     async def run() -> None:
         script = f"{tag} & {tag} & echo > started; wait"
-        await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=sandbox())
+        result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=sandbox())
+        pytest.fail(f"the command ended before it was cancelled: {result.text}")
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
-            await anyio.to_thread.run_sync((ws / "started").read_text)
+            await _written(ws / "started")
             tg.cancel_scope.cancel()
     assert _running(tag) == []
+
+
+async def _written(fifo: Path) -> None:
+    """Wait until something writes to fifo, cancellably: a blocking read in a worker thread outlives any cancel (the
+    test held its worker until the run's timeout when the command never started)."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+def _running(argument: str) -> list[int]:
+    """The pids of live processes with this argument."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (FileNotFoundError, NotADirectoryError, ProcessLookupError, PermissionError):
+            continue
+        if argument.encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+async def test_git_runs_in_the_sandbox(ws: Path) -> None:
+    p = profile(ws)
+    await run_command(["git", "init", "-q"], workspace=ws, profile=p, sandbox=sandbox())
+    result = await run_command(["git", "status", "--porcelain=v1", "-b"], workspace=ws, profile=p, sandbox=sandbox())
+    assert result.text.startswith("## No commits yet on ")
+
+
+async def test_a_cancelled_command_returns_only_once_all_it_started_in_the_sandbox_is_dead(ws: Path) -> None:
+    os.mkfifo(ws / "started")
+    tag = f"sleep {5000 + os.getpid() % 1000}"
+
+    async def run() -> None:
+        script = f"{tag} & {tag} & echo > started; wait"
+        result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=sandbox())
+        pytest.fail(f"the command ended before it was cancelled: {result.text}")
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await _written(ws / "started")
+            tg.cancel_scope.cancel()
+    assert _running(tag) == []
+
+
+def _free_reader(fifo: Path) -> None:
+    """Open fifo to write and close it, so that a reader blocked opening it reads its end; nothing if none waits."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # ENXIO: no reader
+        pass
 
 
 def _running(cmdline: str) -> list[int]:
