@@ -540,12 +540,22 @@ def bench_big_turn(
             stepper = _Stepper(client, client.new(_config(asks), session="big"), max_errors)
             result["stopped"] = _run_big_turn(daemon, stepper, calls, output_bytes, every, result, progress)
             result["errors"], result["error_log"] = dict(stepper.errors), stepper.error_log
-            result["snapshot_bytes"] = None if result["stopped"] else stepper.snapshot_bytes()[0]
+            result["snapshot_bytes"] = None if result["stopped"] else _snapshot_at_end(stepper, result)
             result["sent_bytes"] = stepper.sent_bytes
     finally:
         daemon.kill()
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _snapshot_at_end(stepper: _Stepper, result: dict[str, Any]) -> int | None:
+    """The length of the session's snapshot once the turn is done; None, and why in result, when it is refused (a
+    session too large to snapshot within its memory is answered NULL, and the run's figures still stand)."""
+    try:
+        return stepper.snapshot_bytes()[0]
+    except errors.DevdError as e:
+        result["snapshot_error"] = f"{e.kind}: {e}"
+        return None
 
 
 def _run_big_turn(
@@ -693,6 +703,7 @@ def report_big_turn(r: dict[str, Any]) -> str:
         "",
         f"the turn's first step: {_cell(r.get('turn_step_ms'))} ms; the final answer: {_cell(r.get('final_step_ms'))}"
         f" ms; snapshot at the end: {_cell(r.get('snapshot_bytes'))} B; events sent: {_cell(r.get('sent_bytes'))} B",
+        *([f"the snapshot at the end was refused: {r['snapshot_error']}"] if "snapshot_error" in r else []),
     ]
     out += _errors_report(r)
     return "\n".join(out)

@@ -662,6 +662,19 @@ def test_reading_a_2_mib_tool_output_full_of_escapes_grows_its_instance_at_most_
     assert s.memory_bytes() - before <= 10 << 20
 
 
+def test_a_turn_whose_ask_grows_by_a_20_kb_result_at_every_call_runs_250_calls_in_32_mib() -> None:
+    # bench long --big-turn's turn, smaller: each ask is freed and the next is a little larger. Slots whose pages were
+    # grown at the end of memory walled in each freed ask, so every ask took new pages (out of memory by call 90).
+    c = Core.open(memory_bytes=32 << 20)
+    s = c.new()
+    s.step(turn(1, FIX))
+    for k in range(250):
+        s.step(answer(1 + 2 * k, calls=[Call(Exec=Exec(argv=["cat", str(k)]))]))
+        s.step(Event(Exec=Output(id=2 + 2 * k, text="r" * 20480)))
+    assert s.memory_bytes() <= 24 << 20
+    c.close()
+
+
 # Texts from nothing to a few 64 KiB pages, plain or full of escapes: each size class of the core's allocator, and
 # its runs of pages taken, grown, shrunk, freed and merged in every order.
 TEXTS = st.builds(lambda n, escaped: ("z\n" if escaped else "y") * n, st.integers(0, 200_000), st.booleans())

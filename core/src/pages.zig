@@ -1,14 +1,21 @@
-//! The core's allocator. What fits in a 64 KiB wasm page is std's
-//! (`std.heap.wasm_allocator`: size classes, quick). Anything larger is an
-//! exact run of pages, taken first-fit from the runs freed before (merged
-//! with their free neighbours) or grown at the end of memory, and grown or
-//! shrunk in place where the pages beside it allow.
+//! The core's allocator: slots for what is small, runs of pages for the rest,
+//! every page taken from one list of free runs.
 //!
-//! Why: std rounds a large allocation up to a power of two pages and reuses
-//! it only for that same power, so a 4 MiB prompt held 8 MiB, each copy of it
-//! as much again, and pages freed by one size were never used by another.
-//! Linear memory never shrinks, so its high-water mark is what a session costs
-//! the host; this keeps it near what the session holds.
+//! Up to 32 KiB, a slot of the next power of two (16 B at least), cut from
+//! pages of its own size and kept on that size's free list once freed. Past
+//! that, an exact run of 64 KiB pages: taken first-fit from the free runs
+//! (merged with their free neighbours), else by growing the last free run
+//! when it ends memory, else grown at the end; and grown or shrunk in place
+//! where the pages beside it allow.
+//!
+//! Why: linear memory never shrinks, so its high-water mark is what a session
+//! costs the host. std's wasm allocator rounds a large allocation up to a
+//! power of two pages and reuses it only for that same power (a 4 MiB prompt
+//! held 8 MiB, each copy of it as much again); and exact runs alone, beside
+//! std's slots, fragment: std grows memory for each new page of slots, which
+//! walls in the run freed before it, so an ask that grows a little at every
+//! step took new pages at every step (a turn of 20 KB results ran out of its
+//! 64 MiB at call 132). Here the slots' pages come from the free runs too.
 const std = @import("std");
 const builtin = @import("builtin");
 const Allocator = std.mem.Allocator;
@@ -16,7 +23,6 @@ const Alignment = std.mem.Alignment;
 
 pub const page = std.wasm.page_size;
 const wasm = builtin.cpu.arch.isWasm();
-const small = if (wasm) std.heap.wasm_allocator else std.heap.page_allocator;
 
 pub const allocator: Allocator = .{
     .ptr = undefined,
@@ -28,10 +34,21 @@ pub const allocator: Allocator = .{
 const Run = struct { pages: usize, next: ?*Run };
 var free_runs: ?*Run = null;
 
-/// Whether std would leave its size classes for len (it keeps a word beside
-/// each slot), so std is only ever asked for what fits a page.
-fn large(len: usize) bool {
-    return len +| @sizeOf(usize) > page;
+const min_slot_log2 = 4;
+const max_slot_log2 = 15;
+const classes = max_slot_log2 - min_slot_log2 + 1;
+
+/// A free slot, its first word linking the next free one of its size.
+const Slot = struct { next: ?*Slot };
+var free_slots: [classes]?*Slot = @splat(null);
+/// The next slot never used in each size's newest page; 0 when there is none.
+var fresh: [classes]usize = @splat(0);
+
+/// The slot size class of an allocation, or null when it takes pages.
+fn slotClass(len: usize, alignment: Alignment) ?usize {
+    const size = @max(len, alignment.toByteUnits(), 1 << min_slot_log2);
+    if (size > 1 << max_slot_log2) return null;
+    return std.math.log2_int_ceil(usize, size) - min_slot_log2;
 }
 
 fn pagesFor(len: usize) usize {
@@ -66,6 +83,8 @@ pub const native = struct {
     pub fn reset() void {
         pages = 0;
         free_runs = null;
+        free_slots = @splat(null);
+        fresh = @splat(0);
     }
 
     fn grow(n: usize) ?usize {
@@ -75,15 +94,15 @@ pub const native = struct {
     }
 };
 
-fn alloc(_: *anyopaque, len: usize, alignment: Alignment, ret_addr: usize) ?[*]u8 {
-    if (!large(len)) return small.rawAlloc(len, alignment, ret_addr);
+fn alloc(_: *anyopaque, len: usize, alignment: Alignment, _: usize) ?[*]u8 {
+    if (slotClass(len, alignment)) |c| return @ptrFromInt(takeSlot(c) orelse return null);
     if (alignment.toByteUnits() > page) return null;
     return @ptrFromInt(take(pagesFor(len)) orelse return null);
 }
 
-fn resize(_: *anyopaque, memory: []u8, alignment: Alignment, new_len: usize, ret_addr: usize) bool {
-    if (!large(memory.len)) return !large(new_len) and small.rawResize(memory, alignment, new_len, ret_addr);
-    if (!large(new_len)) return false;
+fn resize(_: *anyopaque, memory: []u8, alignment: Alignment, new_len: usize, _: usize) bool {
+    if (slotClass(memory.len, alignment)) |c| return slotClass(new_len, alignment) == c;
+    if (slotClass(new_len, alignment) != null) return false;
     const addr = @intFromPtr(memory.ptr);
     const have = pagesFor(memory.len);
     const want = pagesFor(new_len);
@@ -95,9 +114,28 @@ fn remap(ctx: *anyopaque, memory: []u8, alignment: Alignment, new_len: usize, re
     return if (resize(ctx, memory, alignment, new_len, ret_addr)) memory.ptr else null;
 }
 
-fn free(_: *anyopaque, memory: []u8, alignment: Alignment, ret_addr: usize) void {
-    if (!large(memory.len)) return small.rawFree(memory, alignment, ret_addr);
+fn free(_: *anyopaque, memory: []u8, alignment: Alignment, _: usize) void {
+    if (slotClass(memory.len, alignment)) |c| {
+        const slot: *Slot = @ptrCast(@alignCast(memory.ptr));
+        slot.* = .{ .next = free_slots[c] };
+        free_slots[c] = slot;
+        return;
+    }
     give(@intFromPtr(memory.ptr), pagesFor(memory.len));
+}
+
+/// A slot of class c: a freed one, else the next in its size's newest page,
+/// else the first of a new page.
+fn takeSlot(c: usize) ?usize {
+    if (free_slots[c]) |slot| {
+        free_slots[c] = slot.next;
+        return @intFromPtr(slot);
+    }
+    if (fresh[c] == 0) fresh[c] = take(1) orelse return null;
+    const addr = fresh[c];
+    const size = @as(usize, 1) << @intCast(c + min_slot_log2);
+    fresh[c] = if ((addr + size) % page == 0) 0 else addr + size;
+    return addr;
 }
 
 /// The address of n pages: the first free run with room, else the last run
