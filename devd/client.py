@@ -763,17 +763,22 @@ class AsyncClient:
         await self._conn.gone.wait()
 
     async def _read(self, conn: _Connection) -> None:
-        buffer = b""
+        # What has come of a line is held and split only once a read brings a newline: joining and splitting it at
+        # every read made a long reply (a large session's ask or snapshot) cost the square of its length.
+        partial = bytearray()
         try:
             while True:
-                buffer += await conn.stream.receive(65536)
-                *lines, buffer = buffer.split(b"\n")
+                chunk = await conn.stream.receive(65536)
+                partial += chunk
+                if b"\n" not in chunk:
+                    continue
+                *lines, partial = partial.split(b"\n")
                 for line in lines:
                     await conn.deliver(_reply.decode(line))
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, msgspec.DecodeError):
             # A line that is not JSON is no daemon's: the connection is as good as lost (and the task group, which
             # would otherwise raise the error out of `connect`, stays whole). Half a line is no reply at all.
-            conn.cut = bool(buffer)
+            conn.cut = bool(partial)
             conn.lose()
 
     async def call_raw(self, method: str, params: Any = None) -> bytes:

@@ -144,6 +144,14 @@ def test_step_still_answers_the_list_of_actions(client: Client) -> None:
     assert client.step("s", turn(1, FIX)) == ASKED
 
 
+def test_a_reply_of_megabytes_read_in_many_pieces_arrives_whole(client: Client) -> None:
+    # The reader splits what it holds only when a read brings a newline (it used to join and split at every read,
+    # which made a long reply cost the square of its length: bench long --big-turn measures that).
+    client.new(session="big")
+    prompt = "x" * (4 << 20)
+    assert client.step("big", turn(1, prompt)) == [Action(id=1, op=ask(user(prompt)))]
+
+
 def test_step_answer_keeps_replayed_for_a_keyed_step_sent_again(client: Client) -> None:
     client.new(session="s")
     first = client.step_answer("s", turn(1, FIX), key="k")

@@ -38,7 +38,7 @@ class Stdio:
 
     async def lines(self) -> AsyncIterator[bytes]:
         """Each line from stdin, without its newline, until end of input."""
-        buffer = b""
+        buffer = bytearray()  # split only when a read brings a newline: a long line costs its length, not its square
         wait = _streamlike(self.fd_in)
         while True:
             if wait:
@@ -51,13 +51,14 @@ class Stdio:
             data = os.read(self.fd_in, READ_BYTES)
             if not data:
                 if buffer.strip():
-                    yield buffer
+                    yield bytes(buffer)
                 return
             buffer += data
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if line.strip():
-                    yield line
+            if b"\n" in data:
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield bytes(line)
             if len(buffer) > LINE_BYTES_MAX:
                 raise LineTooLong(f"a line from the editor passed {LINE_BYTES_MAX} bytes")
 
