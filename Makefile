@@ -32,7 +32,7 @@ run: setup
 # where PYTHONDONTWRITEBYTECODE is set each compiled devd's modules again (0.2 s of CPU a process).
 # The core's own unit tests (its logic and its allocator, run natively) come first: a few seconds.
 test: setup
-	cd core && ../$(PY) -m ziglang build test
+	cd core && $(abspath $(PY)) -m ziglang build test
 	$(PY) -m compileall -q devd benchmarks
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 

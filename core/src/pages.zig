@@ -51,7 +51,7 @@ fn slotClass(len: usize, alignment: Alignment) ?usize {
     return std.math.log2_int_ceil(usize, size) - min_slot_log2;
 }
 
-fn pagesFor(len: usize) usize {
+pub fn pagesFor(len: usize) usize {
     return len / page + @intFromBool(len % page != 0);
 }
 
@@ -144,11 +144,7 @@ fn take(n: usize) ?usize {
     var link: *?*Run = &free_runs;
     while (link.*) |r| : (link = &r.next) {
         if (r.pages >= n) return cut(link, r, n);
-        if (r.next == null and endOf(r) == memoryEnd()) {
-            _ = grow(n - r.pages) orelse return null;
-            link.* = null;
-            return @intFromPtr(r);
-        }
+        if (takeGrown(link, r, n)) return @intFromPtr(r);
     }
     return grow(n);
 }
@@ -165,12 +161,18 @@ fn takeAt(addr: usize, n: usize) bool {
             _ = cut(link, r, n);
             return true;
         }
-        if (r.next != null or endOf(r) != memoryEnd()) return false;
-        _ = grow(n - r.pages) orelse return false;
-        link.* = null;
-        return true;
+        return takeGrown(link, r, n);
     }
     return false;
+}
+
+/// Whether the free run r (found at link), too short for n pages, is now
+/// taken whole, grown to n: only when it is the last run and ends memory.
+fn takeGrown(link: *?*Run, r: *Run, n: usize) bool {
+    if (r.next != null or endOf(r) != memoryEnd()) return false;
+    _ = grow(n - r.pages) orelse return false;
+    link.* = null;
+    return true;
 }
 
 /// Takes the first n pages of the free run r (found at link) and returns

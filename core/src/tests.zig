@@ -340,10 +340,6 @@ test "an ask that grows a little at every step, with slots taken between, grows 
     }
     defer for (kept) |message| gpa.free(message);
     const slot_pages = (kept.len + 1) / 2; // two 32 KiB slots a page
-    const ask_pages = pagesFor(kept.len * 20 * 1024);
+    const ask_pages = pages.pagesFor(kept.len * 20 * 1024);
     try std.testing.expectEqual((slot_pages + ask_pages) * page, pages.memoryEnd() - @intFromPtr(&pages.native.memory));
-}
-
-fn pagesFor(len: usize) usize {
-    return (len + page - 1) / page;
 }
