@@ -286,11 +286,12 @@ class _FloorConnection(asyncio.Protocol):
         *lines, self.buffer = (self.buffer + data).split(b"\n")
         for line in lines:
             if line:
-                self.floor.queue.put((line, self))
+                row, reply = self.floor.take(line)
+                self.floor.queue.put((row, reply, self))
 
-    def answer(self, request_id: int | str | None) -> None:
+    def answer(self, reply: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(self.floor.encode(_EchoResponse("2.0", request_id, self.floor.empty)) + b"\n")
+            self.transport.write(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -304,13 +305,17 @@ class _DurableFloor:
         self.decode = msgspec.json.Decoder(_EchoRequest).decode
         self.encode = msgspec.json.Encoder().encode
         self.empty = _EchoActions()
-        self.queue: queue.SimpleQueue[tuple[bytes, _FloorConnection]] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[tuple[bytes, bytes, _FloorConnection]] = queue.SimpleQueue()
         self.db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA locking_mode=EXCLUSIVE")
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("CREATE TABLE IF NOT EXISTS requests (id INTEGER PRIMARY KEY, line BLOB NOT NULL)")
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def take(self, line: bytes) -> tuple[bytes, bytes]:
+        """What a request's row holds (its line), and its answer (made once the row is committed: b"")."""
+        return line, b""
 
     def commit_loop(self) -> None:
         import queue
@@ -324,22 +329,63 @@ class _DurableFloor:
                     break
             # One statement, its own transaction: one fsync of the WAL for the batch.
             self.db.execute(
-                "INSERT INTO requests (line) VALUES " + ",".join(["(?)"] * len(batch)), [line for line, _ in batch]
+                "INSERT INTO requests (line) VALUES " + ",".join(["(?)"] * len(batch)), [row for row, _, _ in batch]
             )
             assert self.loop is not None
             self.loop.call_soon_threadsafe(self.answer, batch)
 
-    def answer(self, batch: list[tuple[bytes, _FloorConnection]]) -> None:
-        for line, connection in batch:
-            connection.answer(self.decode(line).id)
+    def answer(self, batch: list[tuple[bytes, bytes, _FloorConnection]]) -> None:
+        for row, reply, connection in batch:
+            connection.answer(reply or self.encode(_EchoResponse("2.0", self.decode(row).id, self.empty)) + b"\n")
 
 
-def _durable_floor_server(socket_path: str, db_path: str) -> None:
-    """The durable floor (above): answers every request with no actions, once its row is committed."""
+class _CoreRequest(msgspec.Struct):
+    id: int
+    method: str
+    params: _CoreParams
+
+
+class _CoreParams(msgspec.Struct):
+    session: str
+    event: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class _DurableFloorWithCore(_DurableFloor):
+    """The durable floor that also steps each session's own instance of the core, inline on the loop as devd does,
+    and keeps the core's answer in the request's row: the least any daemon of this design can do, so that what
+    separates it from the durable floor is the core, and what separates devd from it is devd's own code."""
+
+    def __init__(self, db_path: str) -> None:
+        from devd.host import Core, Instance
+        from devd.sessions.compaction import kept_answer
+        from devd.storage.store import answer_digest
+
+        super().__init__(db_path)
+        self.kept_answer, self.answer_digest = kept_answer, answer_digest
+        self.core = Core.open()
+        self.instances: dict[str, Instance] = {}
+        self.decode_core = msgspec.json.Decoder(_CoreRequest).decode
+
+    def take(self, line: bytes) -> tuple[bytes, bytes]:
+        request = self.decode_core(line)
+        session = request.params.session
+        if request.method == "session/new":
+            self.instances[session] = self.core.new()
+            actions = b"[]"
+        else:
+            actions = self.instances[session].step_raw(bytes(request.params.event))
+        # The row holds the request (its event) and the answer as devd's journal keeps it (whole, or its digest).
+        row = line + (self.kept_answer(line, actions) or self.answer_digest(actions))
+        return row, b'{"jsonrpc":"2.0","id":%d,"result":{"actions":%s}}\n' % (request.id, actions)
+
+
+def _durable_floor_server(socket_path: str, db_path: str, *, core: bool = False) -> None:
+    """The durable floor (above): answers every request with no actions, once its row is committed; with `core`,
+    each step is stepped by its session's instance first and answered with the core's actions."""
     import threading
 
     sys.setswitchinterval(0.0001)  # as devd serve does, so that the commit thread gets the GIL as promptly
-    floor = _DurableFloor(db_path)
+    floor = _DurableFloorWithCore(db_path) if core else _DurableFloor(db_path)
 
     async def serve() -> None:
         floor.loop = asyncio.get_running_loop()
@@ -672,8 +718,18 @@ def _wait_socket(path: Path, proc: subprocess.Popen[bytes]) -> None:
     raise TimeoutError(f"the server did not listen on {path} within 30 s")
 
 
-SERVERS = ("anyio-echo", "durable-floor", "dispatch", "devd", "durable-floor-1-client", "devd-1-client")
-SINGLE_CLIENT = ("durable-floor-1-client", "devd-1-client")  # one client alone: the latency, nothing queued before
+SERVERS = (
+    "anyio-echo",
+    "durable-floor",
+    "durable-floor-core",
+    "dispatch",
+    "devd",
+    "durable-floor-1-client",
+    "durable-floor-core-1-client",
+    "devd-1-client",
+)
+# One client alone: the latency, nothing queued before.
+SINGLE_CLIENT = ("durable-floor-1-client", "durable-floor-core-1-client", "devd-1-client")
 
 
 def _server_argv(name: str, sock: Path, state: Path) -> list[str]:
@@ -683,7 +739,8 @@ def _server_argv(name: str, sock: Path, state: Path) -> list[str]:
         return [sys.executable, "-m", "benchmarks.bench", "_echo", str(sock)]
     if name.startswith("durable-floor"):
         state.mkdir(mode=0o700)
-        return [sys.executable, "-m", "benchmarks.bench", "_durable_floor", str(sock), str(state / "floor.sqlite3")]
+        argv = [sys.executable, "-m", "benchmarks.bench", "_durable_floor", str(sock), str(state / "floor.sqlite3")]
+        return argv + (["--core"] if name.startswith("durable-floor-core") else [])
     argv = [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)]
     return argv + ["--log-level", "warning"]
 
@@ -725,7 +782,12 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         "devd_over_anyio_echo": over("devd", "anyio-echo"),
         "devd_over_dispatch": over("devd", "dispatch"),
         "devd_over_durable_floor": over("devd", "durable-floor"),
+        "durable_floor_core_over_durable_floor": over("durable-floor-core", "durable-floor"),
+        "devd_over_durable_floor_core": over("devd", "durable-floor-core"),
         "single_client_p50_devd_over_durable_floor": p50_over("devd-1-client", "durable-floor-1-client"),
+        "single_client_p50_durable_floor_core_over_durable_floor": p50_over(
+            "durable-floor-core-1-client", "durable-floor-1-client"
+        ),
     }
 
 
@@ -2254,6 +2316,7 @@ def main(argv: list[str] | None = None) -> int:
     durable_floor = sub.add_parser("_durable_floor")
     durable_floor.add_argument("socket")
     durable_floor.add_argument("database")
+    durable_floor.add_argument("--core", action="store_true", help="step each session's instance of the core too")
     load = sub.add_parser("_load")
     load.add_argument("address")
     load.add_argument("--clients", type=int, default=16)
@@ -2353,7 +2416,7 @@ def main(argv: list[str] | None = None) -> int:
         _anyio_echo_server(args.socket)
         return 0
     elif args.what == "_durable_floor":
-        _durable_floor_server(args.socket, args.database)
+        _durable_floor_server(args.socket, args.database, core=args.core)
         return 0
     else:
         _load_main(args.address, args.clients, args.first_client, args.seconds, args.after_ready)

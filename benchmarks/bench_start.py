@@ -2,9 +2,10 @@
 
 Each side is a fresh process, timed from just before its exec to the answer of an `initialize` sent as soon as its
 socket accepts: the floor is this interpreter with asyncio on uvloop and msgspec (what any daemon of ours must load)
-answering the line; devd is `python -m devd serve` on a state directory whose compiled core is already cached (a
-first start on an empty one, which compiles the core and every module's bytecode, is timed apart). Sides alternate
-round by round; medians.
+answering the line; the floor with the core is that, having first loaded the compiled core from the state directory's
+cache and opened a SQLite file (what any daemon of this design has ready before it answers); devd is `python -m devd
+serve` on a state directory whose compiled core is already cached (a first start on an empty one, which compiles the
+core and every module's bytecode, is timed apart). Sides alternate round by round; medians.
 """
 
 from __future__ import annotations
@@ -24,11 +25,23 @@ from typing import Any
 INITIALIZE = b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"client":{"name":"bench"}}}\n'
 
 
-def _floor_server(socket_path: str) -> None:
-    """The least a daemon of ours starts with: the loop it runs on, the codec it speaks, one answer per line."""
+def _floor_server(socket_path: str, state: str | None = None) -> None:
+    """The least a daemon of ours starts with: the loop it runs on, the codec it speaks, one answer per line. With a
+    state directory, also what any daemon of this design has ready before it answers: the core, loaded from that
+    directory's compiled cache (which devd's first start filled), and a SQLite file opened in WAL mode."""
     import asyncio
 
     import msgspec
+
+    if state is not None:
+        import sqlite3
+        from pathlib import Path
+
+        from devd.host import Core
+
+        Core.open(cache_dir=Path(state) / "cache")
+        db = sqlite3.connect(Path(state).parent / "floor.sqlite3", isolation_level=None)  # not in devd's directory
+        db.execute("PRAGMA journal_mode=WAL")
 
     run: Callable[[Coroutine[Any, Any, None]], None] = asyncio.run
     try:
@@ -103,18 +116,24 @@ def bench_start(rounds: int) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = str(root / "pycache")
     floor_argv = [sys.executable, "-m", "benchmarks.bench_start", "_floor", str(sock)]
+    floor_core_argv = floor_argv + [str(state)]
     _first_answer_ms(floor_argv, sock, env)
-    compiling = _first_answer_ms(_devd_argv(sock, state), sock, env)
-    floor, devd = [], []
+    compiling = _first_answer_ms(_devd_argv(sock, state), sock, env)  # fills the state's compiled cache
+    _first_answer_ms(floor_core_argv, sock, env)
+    floor, floor_core, devd = [], [], []
     for _ in range(rounds):
         floor.append(_first_answer_ms(floor_argv, sock, env))
+        floor_core.append(_first_answer_ms(floor_core_argv, sock, env))
         devd.append(_first_answer_ms(_devd_argv(sock, state), sock, env))
-    floor_ms, devd_ms = statistics.median(floor), statistics.median(devd)
+    floor_ms, floor_core_ms, devd_ms = statistics.median(floor), statistics.median(floor_core), statistics.median(devd)
     return {
         "rounds": rounds,
         "floor_ms": round(floor_ms, 1),
+        "floor_core_ms": round(floor_core_ms, 1),
         "devd_ms": round(devd_ms, 1),
         "devd_over_floor": round(devd_ms / floor_ms, 2),
+        "floor_core_over_floor": round(floor_core_ms / floor_ms, 2),
+        "devd_over_floor_core": round(devd_ms / floor_core_ms, 2),
         "devd_ms_min_max": [round(min(devd), 1), round(max(devd), 1)],
         "devd_first_start_ms": round(compiling, 1),
     }
@@ -125,6 +144,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_floor"]:
-    # The floor's own process: `python -m benchmarks.bench_start _floor SOCKET` (kept out of bench.py, whose imports
-    # the floor would otherwise pay for).
-    _floor_server(sys.argv[2])
+    # The floor's own process: `python -m benchmarks.bench_start _floor SOCKET [STATE_DIR]` (kept out of bench.py,
+    # whose imports the floor would otherwise pay for).
+    _floor_server(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
