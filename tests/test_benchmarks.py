@@ -21,3 +21,9 @@ def test_bench_client_measures_every_side_against_the_bare_socket() -> None:
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     ratios = json.loads(done.stdout)["ratio_to_bare_socket"]
     assert (sorted(ratios), ratios["bare socket"]) == (["AsyncClient", "Client", "bare socket", "portal"], 1.0)
+
+
+def test_bench_start_times_devd_against_both_floors() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "start", "--rounds", "1"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    assert set(json.loads(done.stdout)) >= {"floor_ms", "floor_core_ms", "devd_ms", "devd_over_floor_core"}
