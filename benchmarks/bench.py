@@ -2,8 +2,9 @@
 
 python -m benchmarks.bench core     # devd's step vs the naive ABI dance, session creation, RSS per idle session
 python -m benchmarks.bench daemon   # N clients in another process: devd vs the durable floor (a minimal server
-                                    # committing each request to SQLite before it answers) vs devd's dispatch with stub
-                                    # handlers vs a minimal anyio echo, each server its own process, rounds alternated
+                                    # committing each request to SQLite before it answers) vs that floor stepping the
+                                    # core too vs devd's dispatch with stub handlers vs a minimal anyio echo, each
+                                    # server its own process, rounds alternated
 python -m benchmarks.bench soak --minutes N  # the daemon for N minutes under mixed clients and watchers, restarted
                                     # every minute (SIGTERM, SIGKILL by turns): its resources' curve and lost answers
 python -m benchmarks.bench long     # one session's cost as it grows, turn after turn, and after a restart; or one
@@ -13,7 +14,8 @@ python -m benchmarks.bench fleet    # one and two daemons on one PostgreSQL vs t
 python -m benchmarks.bench agent    # the agent runtime's own time per model call and per tool call, against the
                                     # stand-in model server's, and a turn of 50 tool calls end to end
 python -m benchmarks.bench approvals  # what approvals, spend ceilings and the trace add to a turn
-python -m benchmarks.bench start    # exec to the first answer: devd vs a minimal Python daemon; in bench_start.py
+python -m benchmarks.bench start    # exec to the first answer: devd vs a minimal Python daemon, without and with the
+                                    # core loaded; in bench_start.py
 """
 
 from __future__ import annotations
