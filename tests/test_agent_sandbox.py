@@ -50,8 +50,9 @@ def test_the_command_line_binds_the_workspace_over_a_read_only_root() -> None:
     assert wrap(["make"], Path("/w"), False, {"PATH": "/bin"}) == [
         "bwrap",
         *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", "/w", "/w"),
-        *("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--die-with-parent", "--new-session"),
-        *("--chdir", "/w", "--clearenv", "--setenv", "PATH", "/bin", "--", "make"),
+        *("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--cap-drop", "ALL"),
+        *("--die-with-parent", "--new-session", "--chdir", "/w"),
+        *("--clearenv", "--setenv", "PATH", "/bin", "--", "make"),
     ]
 
 
@@ -95,6 +96,18 @@ async def test_tmp_is_private(ws: Path) -> None:
     finally:
         (Path("/tmp") / name).unlink()
     assert (result, os.path.exists(f"/tmp/x-{name}")) == (Result("wrote\n"), False)
+
+
+async def test_a_command_holds_no_capabilities_even_when_the_daemon_runs_as_root(ws: Path) -> None:
+    result = await sandboxed(ws, "grep -E '^Cap(Prm|Eff|Amb)' /proc/self/status")
+    assert result == Result("CapPrm:\t0000000000000000\nCapEff:\t0000000000000000\nCapAmb:\t0000000000000000\n")
+
+
+async def test_a_command_cannot_remount_the_root_writable_to_write_outside(ws: Path, outside: Path) -> None:
+    # What a command of a daemon run as root did before its capabilities were dropped: remount / read-write, then
+    # write on the host.
+    await sandboxed(ws, f"mount -o remount,bind,rw / 2>/dev/null; echo x > {outside}/planted 2>/dev/null")
+    assert os.listdir(outside) == []
 
 
 @pytest.fixture

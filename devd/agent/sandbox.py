@@ -2,8 +2,9 @@
 
 Under `wrap`, a command sees the whole file system read-only, its workspace writable, a private `/tmp`, fresh
 `/dev` and `/proc`, new pid, ipc and uts namespaces (it cannot see or signal anything outside), no network unless
-the profile says `network = true` (a new network namespace has only its own loopback), and no terminal to push
-input into (`--new-session`). It dies with its parent (`--die-with-parent`), so killing bwrap ends the command and
+the profile says `network = true` (a new network namespace has only its own loopback), no capabilities even when the
+daemon runs as root (`--cap-drop ALL`: none to undo the rest with), and no terminal to push input into
+(`--new-session`). It dies with its parent (`--die-with-parent`), so killing bwrap ends the command and
 everything it started. Reads are not restricted, as in Codex's Linux sandbox. `.git` stays writable because Git is
 one of the tools.
 
@@ -63,7 +64,10 @@ def wrap(
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     if not network:
         args.append("--unshare-net")
-    args += ["--die-with-parent", "--new-session", "--chdir", ws]
+    # No capabilities inside, from the bounding set up: a daemon run as root would otherwise hand its command
+    # CAP_SYS_ADMIN, with which it remounts / writable, unmounts the private /tmp and /proc, and enters the host's
+    # network namespace. Without root it changes nothing (an unprivileged sandbox has none to drop).
+    args += ["--cap-drop", "ALL", "--die-with-parent", "--new-session", "--chdir", ws]
     if env is not None:
         args.append("--clearenv")
         for name, value in env.items():
