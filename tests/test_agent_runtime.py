@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from tests.agents import (
     Agentd,
     agentd,
     agentd_process_fixture,  # noqa: F401 (the fixture)
+    agents_toml,
     conversation,
     run_turn,
     start,
@@ -31,6 +33,7 @@ from tests.agents import (
     watch_raw,
 )
 from tests.daemon import ROOT
+from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture
 
 __all__ = ["agentd", "standin_fixture"]
@@ -703,3 +706,22 @@ def test_a_prompt_after_a_restart_numbers_its_turn_above_one_a_client_stepped_it
         turn = c.prompt(session, "yours")
         until_done(c, turn)
         assert (turn, conversation(c, session)[-1]) == (101, {"Agent": {"text": "prompted"}})
+
+
+def test_a_command_cannot_reach_the_daemons_socket_nor_its_state_directory(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both outside /tmp (whose sandbox copy is private anyway), as a daemon's are: a command that reached the socket
+    # could approve its own actions and drive any session; the state directory holds the token and the database.
+    monkeypatch.setenv("DEVD_TEST_KEY", SECRET)
+    (tmp_path / "roots" / "ws").mkdir(parents=True)
+    agents = tmp_path / "agents.toml"
+    agents.write_text(agents_toml(standin.url, tmp_path / "roots"))
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="devd-test-") as root:
+        with InProcess(Path(root) / "d", "--agents", str(agents)) as daemon:
+            probe = f"test -S {daemon.socket} && echo socket; ls -A {daemon.state}; echo looked"
+            standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", probe]})]), Scripted(text="Done."))
+            with daemon.client() as c:
+                session = c.new(agent="coder", workspace=tmp_path / "roots" / "ws")
+                run_turn(c, session, "look around")
+                assert results(c, session) == [(2, "looked\n", False)]

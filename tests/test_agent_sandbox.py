@@ -56,6 +56,15 @@ def test_the_command_line_binds_the_workspace_over_a_read_only_root() -> None:
     ]
 
 
+def test_the_daemons_own_paths_are_covered_once_the_workspace_is_bound() -> None:
+    hidden = [("/w/devd.sock", False), ("/var/lib/devd", True)]
+    assert wrap(["make"], Path("/w"), True, bwrap="b", hidden=hidden)[:18] == [
+        "b",
+        *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", "/w", "/w"),
+        *("--ro-bind", "/dev/null", "/w/devd.sock", "--tmpfs", "/var/lib/devd"),
+    ]
+
+
 def test_sandbox_none_runs_unconfined(ws: Path) -> None:
     assert choose(profile(ws, sandbox="none")) is None
 

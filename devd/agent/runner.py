@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -92,8 +92,15 @@ def _result(kind: str, action: int, text: str, failed: bool) -> Event:
 class Runtime:
     """The agent profiles, the sessions driven, and the task group their drivers run in."""
 
-    def __init__(self, profiles: Mapping[str, Profile], sessions: Sessions, environ: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        profiles: Mapping[str, Profile],
+        sessions: Sessions,
+        environ: Mapping[str, str],
+        private: Sequence[Path] = (),
+    ) -> None:
         self.profiles = dict(profiles)
+        self.private = tuple(str(p) for p in private)  # the daemon's own paths, hidden from its commands
         self.sessions = sessions
         self.environ = environ  # where API keys are read from, when a request is made; never copied elsewhere
         self.stalled: dict[str, str] = {}
@@ -261,7 +268,9 @@ class Runtime:
     async def sandbox(self, profile: Profile) -> sandboxes.Sandbox | sandboxes.Refusal | None:
         """How the profile's commands run; bubblewrap is probed the first time, on a worker thread."""
         if profile.name not in self._sandboxes:
-            self._sandboxes[profile.name] = await anyio.to_thread.run_sync(sandboxes.choose, profile)
+            self._sandboxes[profile.name] = await anyio.to_thread.run_sync(
+                lambda: sandboxes.choose(profile, hidden=self.private)
+            )
         return self._sandboxes[profile.name]
 
     # -- observing the sessions ---------------------------------------------------------------------------------

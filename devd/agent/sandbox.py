@@ -31,14 +31,15 @@ _SEARCH = "/usr/bin:/bin:/usr/local/bin"
 
 
 class Sandbox(msgspec.Struct, frozen=True):
-    """bubblewrap, found at `bwrap`, known to start here."""
+    """bubblewrap, found at `bwrap`, known to start here; `hidden`, the daemon's own paths (see `wrap`)."""
 
     bwrap: str
+    hidden: tuple[str, ...] = ()
 
     def wrap(
         self, argv: Sequence[str], workspace: Path, network: bool, env: Mapping[str, str] | None = None
     ) -> list[str]:
-        return wrap(argv, workspace, network, env, bwrap=self.bwrap)
+        return wrap(argv, workspace, network, env, bwrap=self.bwrap, hidden=present(self.hidden))
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -54,13 +55,20 @@ def wrap(
     env: Mapping[str, str] | None = None,
     *,
     bwrap: str = "bwrap",
+    hidden: Sequence[tuple[str, bool]] = (),
 ) -> list[str]:
     """The bwrap command line that runs argv confined to workspace. With `env`, the command gets exactly that
-    environment (`--clearenv`, then a `--setenv` per variable)."""
+    environment (`--clearenv`, then a `--setenv` per variable). Each of `hidden` (a path, and whether it is a
+    directory) is covered: a directory by an empty tmpfs, anything else by /dev/null. They are the daemon's own (its
+    socket, its state directory with the token and the database): a command that reached the socket could approve
+    its own actions and drive any session, as the daemon's user."""
     ws = str(workspace)
     # Order matters: the read-only root first, then what is mounted over it; /tmp before the workspace, so a
-    # workspace under /tmp is bound on top of the private /tmp rather than hidden by it.
+    # workspace under /tmp is bound on top of the private /tmp rather than hidden by it; the hidden paths last, so
+    # that a socket or a state directory inside the workspace is covered too.
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", ws, ws]
+    for path, directory in hidden:
+        args += ["--tmpfs", path] if directory else ["--ro-bind", "/dev/null", path]
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     if not network:
         args.append("--unshare-net")
@@ -73,6 +81,17 @@ def wrap(
         for name, value in env.items():
             args += ["--setenv", name, value]
     return [*args, "--", *argv]
+
+
+def present(paths: Sequence[str]) -> list[tuple[str, bool]]:
+    """Those of paths that exist now, outside /tmp (the sandbox's /tmp is its own already), each with whether it is a
+    directory: bubblewrap cannot cover what is not there, on a read-only root."""
+    found = []
+    for path in paths:
+        if path == "/tmp" or path.startswith("/tmp/") or not os.path.lexists(path):
+            continue
+        found.append((path, os.path.isdir(path) and not os.path.islink(path)))
+    return found
 
 
 def find_bwrap() -> str | None:
@@ -105,15 +124,16 @@ def probe(bwrap: str | None = None) -> str | None:
     return None
 
 
-def choose(profile: Profile, *, bwrap: str | None = None) -> Sandbox | None | Refusal:
+def choose(profile: Profile, *, bwrap: str | None = None, hidden: Sequence[str] = ()) -> Sandbox | None | Refusal:
     """How the profile's Exec and Git run: under a Sandbox, unconfined (None: `sandbox = "none"`), or not at all.
-    `bwrap` is the program to use (default: bwrap on the PATH)."""
+    `bwrap` is the program to use (default: bwrap on the PATH); `hidden`, the daemon's own paths, which its commands
+    must not see (see `wrap`)."""
     if profile.sandbox == "none":
         return None
     bwrap = bwrap or find_bwrap()
     why = probe(bwrap)
     if why is None and bwrap is not None:
-        return Sandbox(bwrap=bwrap)
+        return Sandbox(bwrap=bwrap, hidden=tuple(str(p) for p in hidden))
     setting = f'[agent.{profile.name}] sets sandbox = "{profile.sandbox}"'
     return Refusal(
         f"commands cannot run: {why}, and {setting}; install the bubblewrap package (Debian: apt-get install "

@@ -23,6 +23,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from pathlib import Path
 
 import anyio
 import anyio.to_thread
@@ -33,7 +34,7 @@ from devd.addresses import UnixListen
 from devd.agent.port import ObservedFanout, RegistryPort
 from devd.agent.profiles import Profile
 from devd.agent.runner import Runtime
-from devd.config import Settings
+from devd.config import Settings, backup_dir
 from devd.host import Core
 from devd.server import metrics, systemd
 from devd.server.dispatch import Dispatcher
@@ -44,6 +45,7 @@ from devd.server.ndjson import Connection
 from devd.server.rpc import encode_notice
 from devd.sessions.calls import Runner
 from devd.sessions.registry import Registry
+from devd.storage.sqlite import SQLiteStore
 from devd.storage.store import Fleet, Store
 
 FLEET_CHECK_S = 0.5  # how often a fleet daemon looks for watched sessions it may have lost
@@ -83,13 +85,24 @@ def build(
         fleet=fleet,
     )
     app = App(settings, registry, store, connections=lambda: 0)
-    app.agents = Runtime(agents or {}, RegistryPort(registry, store), os.environ)
+    app.agents = Runtime(agents or {}, RegistryPort(registry, store), os.environ, private_paths(settings, store))
     app.oversight = app.agents.oversight
     if settings.otel_endpoint is not None:
         from devd.agent.otel import Exporter  # imported only when asked for: the SDK takes a while to load
 
         app.oversight.spans = Exporter(settings.otel_endpoint)
     return registry, Dispatcher(methods, app)
+
+
+def private_paths(settings: Settings, store: Store) -> list[Path]:
+    """What only the daemon may reach, hidden from the commands it runs: its state directory (the token, the
+    database), its backups, its socket, and a SQLite store kept elsewhere (the directory given to it)."""
+    paths = [settings.state_dir, backup_dir(settings)]
+    if settings.socket_path is not None:
+        paths.append(settings.socket_path)
+    if isinstance(store, SQLiteStore):
+        paths.append(store.path.parent)
+    return paths
 
 
 class Daemon:
