@@ -308,6 +308,57 @@ def test_a_chunk_of_another_shape_is_a_stream_error() -> None:
         parse_sse(['data: {"choices": [{"delta": "text"}]}', "data: [DONE]"])
 
 
+def _usage_stream(usage: str) -> list[str]:
+    return ['data: {"choices":[{"delta":{"content":"hi"}}]}', f'data: {{"choices":[],"usage":{usage}}}', "data: [DONE]"]
+
+
+def test_a_negative_token_count_is_a_stream_error_not_spend_given_back() -> None:
+    with pytest.raises(StreamError) as raised:
+        parse_sse(_usage_stream('{"prompt_tokens":-1000000,"completion_tokens":0}'))
+    assert str(raised.value) == (
+        "a chunk is not one of a chat completion (the usage's prompt_tokens is -1000000, not a whole number of "
+        'tokens 0 or more): {"choices": [], "usage": {"prompt_tokens": -1000000, "completion_tokens": 0}}'
+    )
+
+
+def test_an_infinite_or_fractional_token_count_is_a_stream_error() -> None:
+    refused = []
+    for count in ("1e999", "2.5", '"12"', "true"):
+        with pytest.raises(StreamError) as raised:
+            parse_sse(_usage_stream(f'{{"prompt_tokens":1,"completion_tokens":{count}}}'))
+        refused.append("the usage's completion_tokens is" in str(raised.value))
+    assert refused == [True, True, True, True]
+
+
+def test_a_token_count_written_as_a_whole_float_counts() -> None:
+    assert parse_sse(_usage_stream('{"prompt_tokens":12.0,"completion_tokens":5}')).usage == Usage(12, 5)
+
+
+def test_a_tool_call_index_that_is_not_a_whole_number_is_a_stream_error() -> None:
+    call = '"id":"a","function":{"name":"read","arguments":"{}"}'
+    stream = [
+        'data: {"choices":[{"delta":{"tool_calls":[{"index":0,' + call + "}]}}]}",
+        'data: {"choices":[{"delta":{"tool_calls":[{"index":"x",' + call + "}]}}]}",
+        "data: [DONE]",
+    ]
+    with pytest.raises(StreamError, match='a tool call\'s index is "x", not a whole number 0 or more'):
+        parse_sse(stream)
+
+
+def test_a_pair_of_surrogates_split_across_chunks_is_joined_and_a_lone_one_made_a_replacement() -> None:
+    stream = [
+        'data: {"choices":[{"delta":{"content":"a\\ud83d"}}]}',
+        'data: {"choices":[{"delta":{"content":"\\ude00b\\ud800c"}}]}',
+        'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"id":"i\\udc00","function":{"name":"read",'
+        '"arguments":"{\\"path\\": \\"x\\ud800\\"}"}}]}}]}',
+        "data: [DONE]",
+    ]
+    assert parse_sse(stream) == Completion(
+        text="a\U0001f600b\ufffdc",
+        tool_calls=[ToolCall(id="i\ufffd", name="read", arguments='{"path": "x\ufffd"}')],
+    )
+
+
 async def test_cancelling_closes_the_stream(standin: Standin, client: http.Client) -> None:
     standin.script(Scripted(text="never finished", hang=True))
     started = anyio.Event()

@@ -302,6 +302,7 @@ class StreamParser:
         self._usage: Usage | None = None
         self._finish: str | None = None
         self._model: str | None = None
+        self._held = ""  # a high surrogate that ended the last content fragment: its low half may start the next
 
     def feed(self, line: str) -> list[str]:
         line = line.rstrip("\r")
@@ -328,7 +329,7 @@ class StreamParser:
 
     def _chunk(self, chunk: dict[str, Any]) -> list[str]:
         if "error" in chunk:
-            raise StreamError(f"the server sent an error in the stream: {_error_message(chunk)}")
+            raise StreamError(f"the server sent an error in the stream: {well_formed(_error_message(chunk))}")
         self._model = chunk.get("model") or self._model
         if isinstance(usage := chunk.get("usage"), dict):
             self._usage = _usage(usage)
@@ -336,15 +337,29 @@ class StreamParser:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or choice.get("message") or {}
             if isinstance(content := delta.get("content"), str) and content:
-                self._text.append(content)
-                fragments.append(content)
+                content = self._whole(content)
+                if content:
+                    self._text.append(content)
+                    fragments.append(content)
             for position, fragment in enumerate(delta.get("tool_calls") or []):
                 self._tool_fragment(fragment, position)
             self._finish = choice.get("finish_reason") or self._finish
         return fragments
 
+    def _whole(self, content: str) -> str:
+        """A content fragment made fit to carry: a surrogate pair split across two chunks is joined (its high half
+        held back until the next), any other lone surrogate becomes U+FFFD."""
+        content, self._held = self._held + content, ""
+        if "\ud800" <= content[-1] <= "\udbff":
+            content, self._held = content[:-1], content[-1]
+        return well_formed(content)
+
     def _tool_fragment(self, fragment: dict[str, Any], position: int) -> None:
-        index = fragment.get("index", position)  # some servers send whole calls without an index
+        index = fragment.get("index")
+        if index is None:
+            index = position  # some servers send whole calls without an index
+        elif type(index) is not int or index < 0:
+            raise ValueError(f"a tool call's index is {json.dumps(index)}, not a whole number 0 or more")
         call = self._calls.setdefault(index, {"id": "", "name": "", "arguments": []})
         function = fragment.get("function") or {}
         call["id"] = call["id"] or fragment.get("id") or ""
@@ -357,10 +372,14 @@ class StreamParser:
     def completion(self) -> Completion:
         calls = [
             # A server that gives no id: one that cannot be taken for a `call_<action id>` of the conversation.
-            ToolCall(id=c["id"] or f"call_noid_{i}", name=c["name"], arguments="".join(c["arguments"]))
+            ToolCall(
+                id=well_formed(c["id"]) or f"call_noid_{i}",
+                name=well_formed(c["name"]),
+                arguments=well_formed("".join(c["arguments"])),
+            )
             for i, c in sorted(self._calls.items())
         ]
-        text = "".join(self._text) or None
+        text = "".join(self._text) + ("\ufffd" if self._held else "") or None
         return Completion(
             text=text, tool_calls=calls, usage=self._usage, finish_reason=self._finish, response_model=self._model
         )
@@ -393,10 +412,33 @@ def _usage(usage: dict[str, Any]) -> Usage:
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Usage(
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-        cached_tokens=cached if isinstance(cached, int) else None,
+        prompt_tokens=_count(usage, "prompt_tokens"),
+        completion_tokens=_count(usage, "completion_tokens"),
+        cached_tokens=cached if type(cached) is int and cached >= 0 else None,
     )
+
+
+def _count(usage: dict[str, Any], field: str) -> int:
+    """A token count the spend ceilings can trust: a whole number, 0 or more (absent: 0). A negative one would take
+    spend back below a ceiling; an infinite or fractional one is no count."""
+    n = usage.get(field)
+    if n is None:
+        return 0
+    if type(n) is float and n.is_integer():  # 12.0 from a server that writes every number as a float
+        n = int(n)
+    if type(n) is not int or n < 0:
+        raise ValueError(f"the usage's {field} is {json.dumps(n)}, not a whole number of tokens 0 or more")
+    return n
+
+
+def well_formed(text: str) -> str:
+    """text with every surrogate that is not half of a pair made U+FFFD: JSON can escape one alone (\\ud800), which
+    no UTF-8 can carry, and the two halves of a pair escaped apart are two code points here until joined."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
 
 
 def _error_message(doc: Any) -> str:
@@ -527,7 +569,7 @@ async def _attempt(
 async def _refusal(response: http.Response) -> _Failed:
     data, _ = await response.read(_ERROR_BODY_MAX)
     try:
-        message = _error_message(json.loads(data))
+        message = well_formed(_error_message(json.loads(data)))
     except json.JSONDecodeError:
         message = data.decode("utf-8", "replace").strip()[:500] or "(no body)"
     status = response.status
