@@ -725,3 +725,26 @@ def test_a_command_cannot_reach_the_daemons_socket_nor_its_state_directory(
                 session = c.new(agent="coder", workspace=tmp_path / "roots" / "ws")
                 run_turn(c, session, "look around")
                 assert results(c, session) == [(2, "looked\n", False)]
+
+
+def test_devd_run_whose_daemon_dies_mid_turn_says_so_in_a_line_and_how_to_follow_the_turn_again(
+    agentd_process: Agentd,
+) -> None:
+    agentd_process.standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs; sleep 60"]})]))
+    socket = str(agentd_process.daemon.socket)
+    argv = [sys.executable, "-m", "devd", "run", "--connect", socket, "--session", "gone", "--workspace"]
+    run = subprocess.Popen(
+        [*argv, str(agentd_process.workspace), "run it"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    wait_for((agentd_process.workspace / "runs").exists, "the command's start")
+    agentd_process.daemon.kill()
+    _, err = run.communicate(timeout=30)
+    assert (run.returncode, err.decode()) == (
+        3,
+        f"devd: cannot reach the daemon at {socket}: the connection was lost while watching session 'gone'; the turn "
+        "is the daemon's: once it answers again, `devd attach -- gone` shows it\n",
+    )

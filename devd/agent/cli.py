@@ -266,19 +266,22 @@ async def _run(client: AsyncClient, args: argparse.Namespace, screen: Screen) ->
         await prompted.wait()  # a turn done before its prompt's answer was read: the answer is read first
         scope.cancel()
 
-    async with anyio.create_task_group() as tg:
-        if sys.stderr.isatty():
-            tg.start_soon(_progress, screen, sys.stderr)
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            # Watched before the prompt: the text the model streams (`session/delta`) is not journalled, so what
-            # streamed before the watch began would never be shown. Until the prompt answers, the next Done is the
-            # turn's (the watch starts after the session's last step).
-            tg.start_soon(follow, tg.cancel_scope)
-            await subscribed.wait()
-            screen.turn = turn = await client.prompt(session, args.prompt)
-            prompted.set()
-            tg.start_soon(_cancel_on, signals, client, session, turn, screen, tg.cancel_scope)
-            await anyio.sleep_forever()
+    try:
+        async with anyio.create_task_group() as tg:
+            if sys.stderr.isatty():
+                tg.start_soon(_progress, screen, sys.stderr)
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                # Watched before the prompt: the text the model streams (`session/delta`) is not journalled, so
+                # what streamed before the watch began would never be shown. Until the prompt answers, the next Done
+                # is the turn's (the watch starts after the session's last step).
+                tg.start_soon(follow, tg.cancel_scope)
+                await subscribed.wait()
+                screen.turn = turn = await client.prompt(session, args.prompt)
+                prompted.set()
+                tg.start_soon(_cancel_on, signals, client, session, turn, screen, tg.cancel_scope)
+                await anyio.sleep_forever()
+    except* ConnectionError as lost:
+        raise _lost(lost, session) from None
     status = statuses[0] if statuses else EXIT_INTERRUPTED
     return EXIT_INTERRUPTED if screen.interrupted else status
 
@@ -323,14 +326,28 @@ async def _attach(client: AsyncClient, args: argparse.Namespace, screen: Screen)
     else:
         screen.asking = next((a.id for a in owed if a.op.Model is not None), None)
     status = EXIT_INTERRUPTED
-    async with anyio.create_task_group() as tg:
-        if sys.stderr.isatty():
-            tg.start_soon(_progress, screen, sys.stderr)
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            tg.start_soon(_stop_on, signals, tg.cancel_scope)
-            status = await _follow(client, args.session, None, screen)
-        tg.cancel_scope.cancel()
+    try:
+        async with anyio.create_task_group() as tg:
+            if sys.stderr.isatty():
+                tg.start_soon(_progress, screen, sys.stderr)
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                tg.start_soon(_stop_on, signals, tg.cancel_scope)
+                status = await _follow(client, args.session, None, screen)
+            tg.cancel_scope.cancel()
+    except* ConnectionError as lost:
+        raise _lost(lost, args.session) from None
     return status
+
+
+def _lost(group: BaseExceptionGroup[ConnectionError], session: str) -> ConnectionError:
+    """The daemon went away while a turn was shown: one error (not the task groups' nesting), saying that the turn
+    is the daemon's and how to follow it again."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return ConnectionError(
+        f"{first}; the turn is the daemon's: once it answers again, `devd attach -- {session}` shows it"
+    )
 
 
 async def _stop_on(signals: AsyncIterator[int], scope: anyio.CancelScope) -> None:
