@@ -93,7 +93,14 @@ def test_a_directory_swapped_for_a_link_after_resolving_is_refused(ws: Path) -> 
     os.symlink(ws.parent / "outside", ws / "dir")
     with pytest.raises(Refused) as e:
         _walk(ws, real, create=True)
-    assert e.value.why == "dir became a link or a file while it was used; nothing was done"
+    assert e.value.why == "dir became a link while it was used; nothing was done"
+
+
+async def test_a_write_below_a_file_is_refused_saying_it_is_a_file(ws: Path) -> None:
+    (ws / "dir").mkdir()
+    (ws / "dir" / "f").write_text("plain")
+    result = await write_file(ws, "a/../dir/f/g", "x")
+    assert result == Result("refused: f is a file, not a directory; nothing was done", failed=True)
 
 
 async def test_reading_the_workspace_itself_lists_it(ws: Path) -> None:

@@ -103,7 +103,9 @@ def _walk(workspace: Path, real: Path, *, create: bool) -> tuple[int, str]:
             except OSError as e:
                 if e.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
-                raise Refused(f"{part} became a link or a file while it was used; nothing was done") from None
+                if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise Refused(f"{part} became a link while it was used; nothing was done") from None
+                raise Refused(f"{part} is a file, not a directory; nothing was done") from None
             os.close(fd)
             fd = inner
     except BaseException:
