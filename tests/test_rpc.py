@@ -44,12 +44,32 @@ def test_a_request_without_an_id_is_a_notification() -> None:
         (b'{"jsonrpc":"2.1","id":"a","method":"x"}', errors.InvalidRequestError, "a"),
         (b'{"id":4,"method":"x"}', errors.InvalidRequestError, 4),
         (b'{"jsonrpc":"2.0","id":5}', errors.InvalidRequestError, 5),
+        (b'{"jsonrpc":"2.0","id":42,"method":"x","params":{"prompt":"fix \\ud83d"}}', errors.InvalidRequestError, 42),
+        (b'{"jsonrpc":"2.0","id":"\\ud800","method":"x"}', errors.InvalidRequestError, None),
     ],
 )
 def test_a_bad_request_names_its_error_and_its_id(line: bytes, kind: type, id: object) -> None:
     with pytest.raises(RequestError) as bad:
         decode_request(line)
     assert (type(bad.value.error), bad.value.id) == (kind, id)
+
+
+@pytest.mark.parametrize(
+    "line", [b"{}", b'{"jsonrpc":"2.0"}', b'{"method":"daemon/status"}', b'{"jsonrpc":"2.0","method":5}']
+)
+def test_a_line_without_an_id_that_is_not_a_request_is_answered_not_taken_for_a_notification(line: bytes) -> None:
+    with pytest.raises(RequestError) as bad:
+        decode_request(line)
+    assert (type(bad.value.error), bad.value.id, bad.value.notification) == (errors.InvalidRequestError, None, False)
+
+
+def test_a_lone_surrogate_is_named_with_what_to_send_instead() -> None:
+    with pytest.raises(RequestError) as bad:
+        decode_request(b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"prompt":"\\ud83d"}}')
+    assert str(bad.value.error) == (
+        "a string in the request holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair), which "
+        "no UTF-8 text can carry; send well-formed Unicode (a character past U+FFFF as its whole pair)"
+    )
 
 
 @pytest.mark.parametrize(

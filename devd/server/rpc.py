@@ -8,6 +8,7 @@ validates is never decoded and re-encoded here.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import msgspec
@@ -101,14 +102,14 @@ def decode_request(line: bytes) -> Request:
         )
         raise RequestError(InvalidRequestError(f"the request is {what}"), None) from None
     except msgspec.DecodeError as e:
-        raise RequestError(
-            ParseError(f"the line is not UTF-8 JSON ({e}); send one JSON object per line"), None
-        ) from None
-    notification = env.id is UNSET
+        raise _undecodable(line, e) from None
+    # A line without an id is a notification only once it is a request: one that is not is answered (id null), as
+    # JSON-RPC 2.0 answers its Invalid Request, or a client that forgot "jsonrpc" would hear nothing at all.
+    notification = env.id is UNSET and _text(env.jsonrpc) == "2.0" and _text(env.method) is not None
     id: Id = None
-    if not notification:
+    if env.id is not UNSET:
         try:
-            id = _id.decode(env.id)  # type: ignore[arg-type]
+            id = _id.decode(env.id)
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise RequestError(InvalidRequestError("the id must be a string, an integer or null"), None) from None
     if _text(env.jsonrpc) != "2.0":
@@ -118,6 +119,34 @@ def decode_request(line: bytes) -> Request:
         raise RequestError(InvalidRequestError("the request needs a method, as a string"), id, notification)
     params = env.params if env.params is not UNSET else Raw(b"{}")
     return Request(method=method, params=params, id=id, notification=notification)
+
+
+def _undecodable(line: bytes, error: msgspec.DecodeError) -> RequestError:
+    """The error for a line msgspec cannot decode. JSON that only escapes a lone UTF-16 surrogate (`\\ud83d` without
+    its pair: what JavaScript's JSON.stringify writes for half an emoji) is JSON all the same, but no UTF-8 string
+    can hold it: that is said as such, under the request's id when it has one, rather than as a parse error."""
+    try:
+        doc = json.loads(line)  # the standard library reads lone surrogates; only reached for a line that failed
+    except (ValueError, RecursionError):
+        return RequestError(ParseError(f"the line is not UTF-8 JSON ({error}); send one JSON object per line"), None)
+    raw_id = doc.get("id") if isinstance(doc, dict) else None
+    usable = isinstance(raw_id, int | str) and not isinstance(raw_id, bool) and _well_formed(raw_id)
+    id = raw_id if usable else None
+    return RequestError(
+        InvalidRequestError(
+            "a string in the request holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair), "
+            "which no UTF-8 text can carry; send well-formed Unicode (a character past U+FFFF as its whole pair)"
+        ),
+        id,
+    )
+
+
+def _well_formed(value: int | str) -> bool:
+    try:
+        str(value).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _text(member: Raw | UnsetType) -> str | None:
