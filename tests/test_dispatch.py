@@ -241,3 +241,10 @@ def test_a_handler_for_a_method_not_in_the_table_is_refused_even_under_python_o(
     assert done.stderr.splitlines()[-1] == (
         "RuntimeError: 'session/nope' is not in devd.protocol.METHODS: add it there first"
     )
+
+
+async def test_a_cancel_that_fails_leaves_nothing_kept_of_who_stepped_it(dispatcher: Dispatcher) -> None:
+    step = b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"ghost%d","event":%s}}'
+    for n in range(3):  # no such sessions: each answered HANDLE, none may leave an entry behind
+        await dispatcher.answer(PEER, step % (n, b'{"Cancel":{"turn":1}}'))
+    assert dispatcher.app.oversight is not None and dispatcher.app.oversight.cancelling == {}

@@ -66,7 +66,7 @@ from devd.protocol import (
     rfc3339,
 )
 from devd.server.rpc import Request, notification
-from devd.sessions.entry import Info
+from devd.sessions.entry import Answered, Info
 from devd.sessions.port import SessionPort
 from devd.sessions.watchers import Sink, Subscription
 from devd.storage.store import Store
@@ -294,13 +294,33 @@ async def session_new(call: Call, params: NewParams) -> SessionResult:
 @method("session/step")
 async def session_step(call: Call, params: StepParams) -> StepResult:
     event = bytes(params.event)
-    if call.app.oversight is not None and event.lstrip().startswith(b'{"Cancel"'):
-        call.app.oversight.cancelling[params.session] = call.peer.client or "unknown"  # who withdraws approvals
-    answered = await patient(
-        call.app, params.session, lambda r: r.step(params.session, event, params.timeout_ms, params.key)
-    )
+    oversight = call.app.oversight
+    if oversight is None or not event.lstrip().startswith(b'{"Cancel"'):
+        answered = await patient(
+            call.app, params.session, lambda r: r.step(params.session, event, params.timeout_ms, params.key)
+        )
+    else:
+        answered = await _cancel(call, params, event, oversight)
     ignored = None if answered.ignored is None else [answered.ignored]
     return StepResult(Raw(answered.actions), answered.replayed, ignored)
+
+
+async def _cancel(call: Call, params: StepParams, event: bytes, oversight: Oversight) -> Answered:
+    """A Cancel step, with its client kept as who withdrew the turn's approvals (read when the driver withdraws them,
+    after the step); a step that fails (no such session, a malformed Cancel) leaves what was kept as it was, so that
+    no bad request leaves an entry behind."""
+    before = oversight.cancelling.get(params.session)
+    oversight.cancelling[params.session] = call.peer.client or "unknown"
+    try:
+        return await patient(
+            call.app, params.session, lambda r: r.step(params.session, event, params.timeout_ms, params.key)
+        )
+    except BaseException:
+        if before is None:
+            oversight.cancelling.pop(params.session, None)
+        else:
+            oversight.cancelling[params.session] = before
+        raise
 
 
 @method("session/snapshot")
