@@ -201,6 +201,19 @@ async def test_a_deadline_ends_the_session_until_it_is_recovered(kind: str, tmp_
         )
 
 
+async def test_a_deadline_says_that_session_recover_brings_the_session_back(
+    kind: str, tmp_path: Path, spin_core: Core
+) -> None:
+    async with opened(kind, tmp_path, spin_core) as registry:
+        await registry.new("spin", b"{}")
+        with pytest.raises(DeadlineError) as stopped:
+            await registry.step("spin", TIMER, 50, None)
+        assert str(stopped.value) == (
+            "the call ran past its deadline and was stopped; session 'spin' ended: `session/recover` brings it back "
+            "from its last step"
+        )
+
+
 async def test_a_deadline_a_client_asks_for_is_cut_to_the_longest_allowed(
     kind: str, tmp_path: Path, spin_core: Core
 ) -> None:

@@ -188,11 +188,9 @@ class Calls:
             raise self._does_not_fit(entry) from None
         except DeadlineError as e:
             if final:
-                await registry.lost(entry, e)
-                raise
+                raise await registry.lost(entry, e) from None
         except DevdError as e:
-            await registry.lost(entry, e)
-            raise
+            raise await registry.lost(entry, e) from None
         # The inline attempt was stopped mid-call; its instance is gone. What is durable is exactly the state
         # before this call, so rebuild from it and run the call where it cannot hold up the event loop.
         runner.offloaded += 1
@@ -215,8 +213,7 @@ class Calls:
             except OutOfMemoryError:
                 raise self._does_not_fit(entry) from None
             except DevdError as e:
-                await registry.lost(entry, e)
-                raise
+                raise await registry.lost(entry, e) from None
             with room.taken():  # its room is its instance's now, as a wake's
                 registry.move(entry, Input.LOAD, instance=instance)
         entry.rebased(stored)
@@ -247,8 +244,7 @@ class Calls:
             registry.move(entry, Input.DROP)
             raise self._does_not_fit(entry) from None
         except DevdError as e:
-            await registry.lost(entry, e)
-            raise
+            raise await registry.lost(entry, e) from None
         # A long transcript makes only some calls slow (a Model ask); a run of quick ones is needed before the session
         # is trusted inline again, or each slow one would be stopped inline and rebuilt.
         if counted:

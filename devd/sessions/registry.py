@@ -424,8 +424,10 @@ class Registry:
             raise no_such(name)
         return stored
 
-    async def lost(self, entry: Entry, error: DevdError) -> None:
-        """The instance is gone after a deadline, a trap or a lost answer: record why, durably."""
+    async def lost(self, entry: Entry, error: DevdError) -> DevdError:
+        """The instance is gone after a deadline, a trap or a lost answer: record why, durably; the error to answer.
+        A deadline is answered in the daemon's terms: the host's says to restore a snapshot, which a client of the
+        daemon does with `session/recover`."""
         if isinstance(error, DeadlineError):
             self.stats.deadline_hits += 1
         if isinstance(error, DeadlineError | PanicError | PoisonError) or (
@@ -434,6 +436,12 @@ class Registry:
             how = Input.POISON if isinstance(error, PanicError | PoisonError) else Input.END
             self.move(entry, how, str(error))
             await self.set_health(entry)
+        if isinstance(error, DeadlineError):
+            return DeadlineError(
+                f"the call ran past its deadline and was stopped; session {entry.name!r} ended: `session/recover` "
+                "brings it back from its last step"
+            )
+        return error
 
     async def set_health(self, entry: Entry) -> None:
         """Record entry's standing durably. In a fleet, a session another daemon took meanwhile is forgotten here, and
