@@ -63,6 +63,12 @@ def test_a_line_without_an_id_that_is_not_a_request_is_answered_not_taken_for_a_
     assert (type(bad.value.error), bad.value.id, bad.value.notification) == (errors.InvalidRequestError, None, False)
 
 
+def test_a_line_that_is_not_an_object_says_what_to_send() -> None:
+    with pytest.raises(RequestError) as bad:
+        decode_request(b"42")
+    assert str(bad.value.error) == "the request is not an object (send one JSON-RPC request object per line)"
+
+
 def test_a_lone_surrogate_is_named_with_what_to_send_instead() -> None:
     with pytest.raises(RequestError) as bad:
         decode_request(b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"prompt":"\\ud83d"}}')

@@ -98,7 +98,7 @@ def decode_request(line: bytes) -> Request:
         what = (
             "a batch (batches are not supported: send one request per line)"
             if line.lstrip()[:1] == b"["
-            else "not an object"
+            else "not an object (send one JSON-RPC request object per line)"
         )
         raise RequestError(InvalidRequestError(f"the request is {what}"), None) from None
     except msgspec.DecodeError as e:
