@@ -199,7 +199,19 @@ def _hello(token: str | None, name: str | None = None) -> InitializeParams:
 
 
 def _step(session: str, event: Event | bytes, timeout_ms: int | None, key: str | None) -> StepParams:
-    return StepParams(session, msgspec.Raw(event if isinstance(event, bytes) else encode(event)), timeout_ms, key)
+    raw = one_line(event) if isinstance(event, bytes) else encode(event)
+    return StepParams(session, msgspec.Raw(raw), timeout_ms, key)
+
+
+def one_line(event: bytes) -> bytes:
+    """An event given as bytes, as the wire carries it: one JSON value, on one line. Anything else is refused
+    (ValueError) before it is sent: a newline in it would end the request there, and what followed would be read as
+    a request of its own (an event could carry a `session/close` of another session)."""
+    try:
+        value = msgspec.json.decode(event)
+    except msgspec.DecodeError as e:
+        raise ValueError(f'the event is not one JSON value ({e}); give it as JSON, such as {{"Timer":true}}') from None
+    return msgspec.json.encode(value) if b"\n" in event or b"\r" in event else event
 
 
 def _answer(result: StepResult) -> StepAnswer:

@@ -6,6 +6,7 @@ following a session for as long as it lasts."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -705,3 +706,34 @@ def test_a_client_command_loads_none_of_the_daemons_logging_listeners_or_core() 
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "['devd.server', 'devd.server.metrics']\n"
+
+
+def test_an_event_that_carries_a_second_request_is_refused_and_nothing_runs(daemon: InProcess) -> None:
+    with daemon.client() as c:
+        c.new(session="victim")
+        c.new(session="stepper")
+    smuggled = '{"Timer":true}}}\n{"jsonrpc":"2.0","id":99,"method":"session/close","params":{"session":"victim"'
+    run = devd("step", "stepper", smuggled, "--connect", str(daemon.socket))
+    with daemon.client() as c:
+        names = [s.session for s in c.list().sessions]
+    assert (run.returncode, run.stderr, names) == (
+        2,
+        "devd: the event is not one JSON value (JSON is malformed: trailing characters (byte 15)); give it as JSON, "
+        'such as {"Timer":true}\n',
+        ["stepper", "victim"],
+    )
+
+
+def test_an_event_written_over_several_lines_is_stepped(daemon: InProcess) -> None:
+    with daemon.client() as c:
+        c.new(session="s")
+    run = devd("step", "s", '{\n  "Timer": true\n}', "--json", "--connect", str(daemon.socket))
+    assert (run.returncode, run.stdout) == (0, '{"actions":[]}\n')
+
+
+def test_an_argument_that_is_not_utf8_is_refused_in_a_line(daemon: InProcess) -> None:
+    run = devd("new", "--session", os.fsdecode(b"a\xff"), "--connect", str(daemon.socket))
+    assert (run.returncode, run.stderr) == (
+        2,
+        "devd: an argument is not UTF-8 text (the bytes b'\\xff'); give it as UTF-8\n",
+    )

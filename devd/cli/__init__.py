@@ -106,6 +106,10 @@ def _reported(args: argparse.Namespace, run: Callable[[], int]) -> int:
     except LocalError as e:
         print(f"devd: {e}", file=sys.stderr)
         return EXIT_LOCAL
+    except UnicodeEncodeError as e:  # an argument of bytes that are not UTF-8, which the protocol cannot carry
+        bad = e.object[e.start : e.end].encode("utf-8", "surrogateescape")
+        print(f"devd: an argument is not UTF-8 text (the bytes {bad!r}); give it as UTF-8", file=sys.stderr)
+        return EXIT_LOCAL
     except OutputClosed:
         # Whatever is still buffered for stdout has nowhere to go: let the interpreter's last flush find nothing.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

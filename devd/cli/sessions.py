@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 from devd.cli.common import (
     EXIT_ANSWERED_ERROR,
     EXIT_OK,
+    LocalError,
     _emit,
     _params,
     _pretty,
@@ -53,7 +54,12 @@ def _new(client: Client, args: argparse.Namespace) -> int:
 
 def _step(client: Client, args: argparse.Namespace) -> int:
     # An empty key and a zero timeout are sent as given: they are the daemon's to refuse, not ours to drop.
-    event = msgspec.Raw(args.event.encode())
+    from devd.client import one_line
+
+    try:
+        event = msgspec.Raw(one_line(args.event.encode()))
+    except ValueError as e:
+        raise LocalError(str(e)) from None
     raw = client.call_raw(
         "session/step", _params(session=args.session, event=event, key=args.key, timeout_ms=args.timeout_ms)
     )
