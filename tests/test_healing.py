@@ -117,3 +117,25 @@ def test_a_step_whose_commit_failed_after_it_landed_is_answered_replayed_when_se
         c.step("a", _turn(2)[1], key="k4")  # and the session goes on from it, rebuilt from disk
         listed = c.call("session/list")["sessions"]
     assert (again.replayed, [(s["session"], s["seq"]) for s in listed]) == (True, [("a", 4)])
+
+
+def test_a_log_deleted_under_the_daemon_loses_no_acknowledged_step_across_a_kill(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start()
+    acknowledged = 0
+    with d.client() as c:
+        c.new(session="a")
+        events = _turn(1) + _turn(2) + _turn(3)
+        for n, event in enumerate(events[:2], start=1):
+            c.step("a", event, key=f"k{n}")
+            acknowledged += 1
+        (d.state / "devd.sqlite3-wal").unlink()
+        for n, event in enumerate(events[2:], start=3):
+            try:
+                c.step("a", event, key=f"k{n}")  # the first after the deletion is refused; the store then reopens
+            except errors.InternalError:
+                c.step("a", event, key=f"k{n}")
+            acknowledged += 1
+    d.kill()
+    with d.start(), d.client() as c:
+        listed = [(s["session"], s["seq"]) for s in c.call("session/list")["sessions"]]
+    assert (acknowledged, listed) == (6, [("a", 6)])

@@ -269,6 +269,7 @@ class SQLiteStore:
             self._sweep_snapshot_files()
         st = os.stat(path)
         self._inode = (st.st_dev, st.st_ino)
+        self._wal_inode = _identity(self._wal_path)  # None until the log exists (its first commit makes it)
         # Set by a write fault: nothing more is acknowledged until the store has reopened itself (`_reopen`).
         self._broken: str | None = None
         self._reopen_at = 0.0  # monotonic time before which no reopen is tried (backing off while the disk fails)
@@ -429,7 +430,9 @@ class SQLiteStore:
         self.checkpoints += 1
 
     def _check_file(self) -> None:
-        """The database file must still be the one opened: steps written to a deleted or replaced file are lost."""
+        """The database file and its log must still be the ones opened: steps written to a deleted or replaced file
+        are lost. A log deleted or replaced is first checkpointed through the connection, which still holds the one
+        it wrote (so the steps it acknowledged reach the database file), and the store then reopens itself."""
         try:
             st = os.stat(self.path)
             same = (st.st_dev, st.st_ino) == self._inode
@@ -437,6 +440,16 @@ class SQLiteStore:
             same = False
         if not same:
             self._break(f"the database file {self.path} was deleted or replaced while the daemon ran")
+            raise StoreError(self._broken or "")
+        wal = _identity(self._wal_path)
+        if self._wal_inode is None:
+            self._wal_inode = wal
+        elif wal != self._wal_inode:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            except sqlite3.Error as e:
+                log.error("store.log_rescue_failed", error=str(e))
+            self._break(f"the database's log {self._wal_path} was deleted or replaced while the daemon ran")
             raise StoreError(self._broken or "")
 
     def _break(self, why: str) -> None:
@@ -471,6 +484,7 @@ class SQLiteStore:
             return False
         st = os.stat(self.path)
         self._db, self._inode, self._broken = db, (st.st_dev, st.st_ino), None
+        self._wal_inode = _identity(self._wal_path)
         self._pruned.clear()  # their seqs are those before the fault: pruned again at their next snapshot
         self._reopened_thread += 1
         log.warning("store.reopened", database=str(self.path), reopens=self._reopened_thread)
@@ -1187,6 +1201,15 @@ def _load(
     path = snapshot_dir / snapshot_file
     with _failing(lambda e: _unreadable(stored, path, e), (OSError,)):
         return stored, open(path, "rb")  # closed by `_with_snapshot`, once the lock is free
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """A file's device and inode, or None when there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _with_snapshot(loaded: tuple[Stored, IO[bytes] | None] | None) -> Stored | None:
