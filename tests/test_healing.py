@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anyio
 import pytest
 
 from devd import errors, failpoints
 from devd.errors import StoreError
 from devd.messages import Call, Event, Exec, Output, answer, turn
+from devd.storage.sqlite import REOPEN_DELAY_S
 from tests.daemon import Daemon
 from tests.stores import CONFIG, running, sqlite_at, step
 
@@ -91,6 +93,23 @@ async def test_a_deleted_database_is_never_made_again_by_a_reopen(tmp_path: Path
                 await store.append(step(1))
         exists = path.exists()
     assert (exists, store.reopened) == (False, 0)
+
+
+async def test_a_store_whose_reopen_failed_heals_at_a_read_once_the_file_is_back(tmp_path: Path) -> None:
+    path, held = tmp_path / "db.sqlite3", tmp_path / "held"
+    async with running(sqlite_at(path)) as store:
+        await store.create("a", CONFIG)
+        await store.append(step(1))
+        path.rename(held)
+        for _ in range(2):  # the fault, then a reopen that fails: the file is not there
+            with pytest.raises(StoreError):
+                await store.append(step(2))
+            await anyio.sleep(REOPEN_DELAY_S[0] * 2)  # past the backoff
+        held.rename(path)
+        await anyio.sleep(REOPEN_DELAY_S[0] * 2)  # past the backoff
+        loaded = await store.load("a")  # no write comes: the read reopens
+        await anyio.sleep(0)  # the event loop is told of the reopen
+    assert ([r.seq for r in loaded.journal], store.reopened) == ([1], 1)  # type: ignore[union-attr]
 
 
 def test_tool_output_after_a_fault_is_taken_once(tmp_path: Path) -> None:

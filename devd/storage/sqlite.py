@@ -6,9 +6,9 @@ while a commit runs share the next one. A batch of steps alone is one INSERT sta
 crossing of the GIL for the commit thread. A failed commit fails every write in it with `StoreError`; nothing is
 retried, so nothing is acknowledged that is not on disk. After a write fault (a failed write or fsync) every write
 fails until the store has reopened the database: a fresh connection, its identity, format and pages checked, its log
-checkpointed and fsync'd; it tries at the next write, backing off while the faults go on, and counts each reopen
-(`reopened`), so that the registry rebuilds its live sessions from what is on disk. Maintenance runs on the commit
-thread once a batch is answered, never inside a commit: the log is checkpointed once its file has grown past
+checkpointed and fsync'd; it tries at the next write or read, backing off while the faults go on, and counts each
+reopen (`reopened`), so that the registry rebuilds its live sessions from what is on disk. Maintenance runs on the
+commit thread once a batch is answered, never inside a commit: the log is checkpointed once its file has grown past
 WAL_BYTES_KEPT (SQLite's own checkpoints are off) and then written again from its start, and each snapshot
 committed lets go of the ones its session's kept history no longer needs, with their files, and prunes history
 every `prune_every_steps` (both decided by `devd.storage.retention`). The file is opened in exclusive locking
@@ -458,7 +458,7 @@ class SQLiteStore:
         if self._broken is None:
             self._broken = (
                 f"{why}; the store acknowledges no more writes until it has reopened the database (it tries at the "
-                "next write, then backs off while the disk fails; what was acknowledged before is on disk)"
+                "next call, then backs off while the disk fails; what was acknowledged before is on disk)"
             )
             log.error("store.broken", error=self._broken)
         self._reopen_at = time.monotonic() + self._reopen_delay_s
@@ -870,6 +870,10 @@ class SQLiteStore:
             with _failing(_read_failed):
                 failpoints.hit("read")
                 with self._lock:  # no commit in between: the whole read sees one state of the database
+                    # A broken store heals at a read too: a client that only reads, or whose keyed steps read
+                    # their key first, would otherwise wait for ever for someone else's write to reopen it.
+                    if self._broken is not None and not self._reopen():
+                        raise StoreError(self._broken)
                     got = fn(self._db)
             return then(got)
 
