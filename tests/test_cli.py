@@ -737,3 +737,29 @@ def test_an_argument_that_is_not_utf8_is_refused_in_a_line(daemon: InProcess) ->
         2,
         "devd: an argument is not UTF-8 text (the bytes b'\\xff'); give it as UTF-8\n",
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--call-timeout", "0", "0 is not a number of seconds above 0"),
+        ("--call-timeout", "-1", "-1 is not a number of seconds above 0"),
+        ("--line-timeout", "inf", "inf is not a number of seconds above 0"),
+        (
+            "--max-line-bytes",
+            "10",
+            "10 is less than 1024: a line this short cannot hold a request, nor its answer be matched to it",
+        ),
+        ("--max-live", "0", "0 is less than 1: no session could be held in memory to take a call"),
+        ("--max-connections", "0", "0 is less than 1: no client could connect"),
+    ],
+)
+def test_serve_refuses_a_value_that_would_leave_the_daemon_unusable(
+    flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        cli.parse_args(["serve", "--socket", "/run/x.sock", flag, value], {})
+    assert (exit.value.code, capsys.readouterr().err.splitlines()[-1]) == (
+        2,
+        f"devd serve: error: argument {flag}: {said}",
+    )

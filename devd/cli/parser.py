@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -55,6 +56,30 @@ def _store_url(text: str) -> str:
 
 
 _SWITCH = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def _at_least(minimum: int, why: str) -> Callable[[str], int]:
+    """An int flag refused below `minimum` (`why`: what a smaller one would do to the daemon)."""
+
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{n} is less than {minimum}: {why}")
+        return n
+
+    parse.__name__ = "int"  # argparse names a value it cannot parse by its type's name: "invalid int value"
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """A duration flag in seconds: a number above 0 (at 0 or below, every call would be past its deadline)."""
+    s = float(text)
+    if not 0 < s < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0")
+    return s
+
+
+_seconds.__name__ = "float"
 
 
 def _from_environment(action: argparse.Action, variable: str, text: str) -> Any:
@@ -233,28 +258,28 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     )
     serve.add_argument(
         "--call-timeout",
-        type=float,
+        type=_seconds,
         metavar="S",
         default=default("call_timeout_s"),
         help="default deadline of a call, in seconds",
     )
     serve.add_argument(
         "--max-call-timeout",
-        type=float,
+        type=_seconds,
         metavar="S",
         default=default("max_call_timeout_s"),
         help="the longest deadline a client may ask for, in seconds (longer ones are cut to it)",
     )
     serve.add_argument(
         "--max-sessions",
-        type=int,
+        type=_at_least(1, "the daemon could keep no session"),
         metavar="N",
         default=default("sessions_max"),
         help="sessions kept, live or stored",
     )
     serve.add_argument(
         "--max-live",
-        type=int,
+        type=_at_least(1, "no session could be held in memory to take a call"),
         metavar="N",
         default=default("max_live"),
         help="sessions held in memory; past it the least recently used idle one hibernates (to disk)",
@@ -294,7 +319,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     )
     serve.add_argument(
         "--lease-ttl",
-        type=float,
+        type=_seconds,
         metavar="SECONDS",
         default=10.0,
         help="a fleet daemon that cannot renew its lease for this long stops writing, and its sessions may be "
@@ -302,7 +327,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     )
     serve.add_argument(
         "--snapshot-floor",
-        type=int,
+        type=_at_least(0, "a size of journal cannot be negative"),
         metavar="BYTES",
         default=default("snapshot_floor_bytes"),
         help="journal bytes since a session's last snapshot below which no new one is taken (a replay of that "
@@ -317,28 +342,28 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     )
     serve.add_argument(
         "--max-connections",
-        type=int,
+        type=_at_least(1, "no client could connect"),
         metavar="N",
         default=default("connections_max"),
         help="connections open at once, for each of the Unix socket and TCP; past it, a new one is refused (FULL)",
     )
     serve.add_argument(
         "--max-line-bytes",
-        type=int,
+        type=_at_least(1024, "a line this short cannot hold a request, nor its answer be matched to it"),
         metavar="BYTES",
         default=default("line_bytes_max"),
         help="the longest request line, in bytes; a longer one is discarded and answered TOO_LARGE",
     )
     serve.add_argument(
         "--line-timeout",
-        type=float,
+        type=_seconds,
         metavar="S",
         default=default("line_timeout_s"),
         help="seconds a request line may take to arrive",
     )
     serve.add_argument(
         "--send-timeout",
-        type=float,
+        type=_seconds,
         metavar="S",
         default=default("send_timeout_s"),
         help="seconds a client may take no bytes while the daemon has some for it, before it is disconnected",
