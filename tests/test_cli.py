@@ -763,3 +763,22 @@ def test_serve_refuses_a_value_that_would_leave_the_daemon_unusable(
         2,
         f"devd serve: error: argument {flag}: {said}",
     )
+
+
+def test_a_start_that_fails_leaves_no_socket_behind(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "devd.sqlite3").write_bytes(b"not a database")
+    run = devd("serve", "--socket", str(tmp_path / "d.sock"), "--state-dir", str(state))
+    assert (run.returncode, (tmp_path / "d.sock").exists()) == (2, False)
+
+
+def test_a_core_that_cannot_be_read_is_refused_naming_the_flag_and_what_to_pass(tmp_path: Path) -> None:
+    missing = tmp_path / "none.wasm"
+    where = ("--socket", str(tmp_path / "d.sock"), "--state-dir", str(tmp_path / "s"))
+    run = devd("serve", *where, "--core", str(missing))
+    assert (run.returncode, run.stderr.splitlines()[-1]) == (
+        2,
+        f"devd: cannot start: the core {missing} (--core) cannot be loaded: No such file or directory; pass a wasm "
+        "module built from core/ (ABI 1), or leave --core out for the packaged one",
+    )

@@ -25,6 +25,7 @@ from devd.server import systemd
 from devd.server.listeners import ActivatedListen, Listen, bind
 
 if TYPE_CHECKING:
+    from devd.host import Core
     from devd.server.listeners import Listening
     from devd.storage.store import Fleet, Store
 
@@ -62,7 +63,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from devd import failpoints, files
     from devd.errors import StoreError
-    from devd.host import Core
     from devd.server.daemon import Daemon, build
     from devd.server.listeners import StartupError, lock_state_dir, prepare_state_dir, read_token
 
@@ -85,18 +85,14 @@ def _serve(args: argparse.Namespace) -> int:
         logger.warning("failpoints.armed", points=armed[1], note="a test: named writes will fail or kill the daemon")
     elif armed is not None:
         logger.warning("failpoints.ignored", points=armed[1], note="DEVD_FAILPOINTS is obeyed only with DEVD_TESTING=1")
+    listeners: list[Listening] = []
     try:
         settings = settings_from(args)
         prepare_state_dir(settings.state_dir)
         lock_state_dir(settings.state_dir, settings.socket_path)  # held (by its open descriptor) until exit
         prepare_state_dir(backup_dir(settings), "the backup directory", "--backup-dir")
         files.remove_partials(backup_dir(settings))  # a backup a killed daemon was writing
-        core = Core.open(
-            settings.core_path,
-            call_timeout=settings.call_timeout_s,
-            memory_bytes=settings.memory_bytes_per_session,
-            cache_dir=settings.state_dir / "cache",
-        )
+        core = _core(settings)
         activated = [ActivatedListen(sock, name) for sock, name in systemd.listen_sockets()]
         listeners = [bind(where) for where in activated or _asked(settings)]
         token = read_token(settings.state_dir) if any(bound.served.needs_token for bound in listeners) else None
@@ -108,6 +104,8 @@ def _serve(args: argparse.Namespace) -> int:
         agents = _agents(args)
         store, fleet = _open_store(args, settings, listeners)
     except (StartupError, ValueError, OSError, DevdError) as e:
+        for bound in listeners:  # a socket made for a start that failed must not be left behind, stale
+            bound.close()
         print(f"devd: cannot start: {e}", file=sys.stderr)
         return 2
 
@@ -161,6 +159,29 @@ def _agents(args: argparse.Namespace) -> dict[str, Any]:
 
     path = Path(args.agents) if args.agents else default_agents_path(os.environ)
     return {} if path is None else dict(load_profiles(path))
+
+
+def _core(settings: Settings) -> Core:
+    """The core, compiled (or loaded from the state directory's cache); a --core that cannot be read or compiled is
+    refused saying which file and what to pass instead."""
+    from devd.host import Core
+    from devd.server.listeners import StartupError
+
+    try:
+        return Core.open(
+            settings.core_path,
+            call_timeout=settings.call_timeout_s,
+            memory_bytes=settings.memory_bytes_per_session,
+            cache_dir=settings.state_dir / "cache",
+        )
+    except (OSError, DevdError) as e:
+        if settings.core_path is None:
+            raise
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise StartupError(
+            f"the core {settings.core_path} (--core) cannot be loaded: {why}; pass a wasm module built from core/ "
+            "(ABI 1), or leave --core out for the packaged one"
+        ) from None
 
 
 def _open_store(args: argparse.Namespace, settings: Settings, listeners: list[Listening]) -> tuple[Store, Fleet | None]:

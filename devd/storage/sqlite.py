@@ -183,6 +183,13 @@ def _locked_hint(e: Exception) -> str:
     return " (another process has it open: close it)" if "locked" in str(e) else ""
 
 
+def _next(e: Exception) -> str:
+    """What to do about a database that cannot be opened for what it holds (not for a lock, which says its own)."""
+    if "locked" in str(e):
+        return ""
+    return "; `devd doctor` checks it, and a backup restores it (docs/operations.md, Backups)"
+
+
 class _SnapshotJob(msgspec.Struct, frozen=True):
     """A large snapshot waiting for its file: taken after step `seq` of `session` while the session's name was at
     `generation` (see `SQLiteStore._generations`)."""
@@ -254,7 +261,7 @@ class SQLiteStore:
         self.checkpoints = 0  # the log checkpointed by the commit thread
         self._released: list[str] = []  # snapshot files rows stopped naming in the commit running (commit thread only)
         with _failing(
-            lambda e: f"the database {path} cannot be opened: {e}{_locked_hint(e)}; it was left as it is",
+            lambda e: f"the database {path} cannot be opened: {e}{_locked_hint(e)}; it was left as it is{_next(e)}",
             (sqlite3.Error,),
         ):
             _check_wal(path)
