@@ -329,7 +329,7 @@ class StreamParser:
 
     def _chunk(self, chunk: dict[str, Any]) -> list[str]:
         if "error" in chunk:
-            raise StreamError(f"the server sent an error in the stream: {well_formed(_error_message(chunk))}")
+            raise StreamError(f"the server sent an error in the stream: {_well_formed(_error_message(chunk))}")
         self._model = chunk.get("model") or self._model
         if isinstance(usage := chunk.get("usage"), dict):
             self._usage = _usage(usage)
@@ -352,7 +352,7 @@ class StreamParser:
         content, self._held = self._held + content, ""
         if "\ud800" <= content[-1] <= "\udbff":
             content, self._held = content[:-1], content[-1]
-        return well_formed(content)
+        return _well_formed(content)
 
     def _tool_fragment(self, fragment: dict[str, Any], position: int) -> None:
         index = fragment.get("index")
@@ -373,9 +373,9 @@ class StreamParser:
         calls = [
             # A server that gives no id: one that cannot be taken for a `call_<action id>` of the conversation.
             ToolCall(
-                id=well_formed(c["id"]) or f"call_noid_{i}",
-                name=well_formed(c["name"]),
-                arguments=well_formed("".join(c["arguments"])),
+                id=_well_formed(c["id"]) or f"call_noid_{i}",
+                name=_well_formed(c["name"]),
+                arguments=_well_formed("".join(c["arguments"])),
             )
             for i, c in sorted(self._calls.items())
         ]
@@ -431,7 +431,7 @@ def _count(usage: dict[str, Any], field: str) -> int:
     return n
 
 
-def well_formed(text: str) -> str:
+def _well_formed(text: str) -> str:
     """text with every surrogate that is not half of a pair made U+FFFD: JSON can escape one alone (\\ud800), which
     no UTF-8 can carry, and the two halves of a pair escaped apart are two code points here until joined."""
     try:
@@ -569,7 +569,7 @@ async def _attempt(
 async def _refusal(response: http.Response) -> _Failed:
     data, _ = await response.read(_ERROR_BODY_MAX)
     try:
-        message = well_formed(_error_message(json.loads(data)))
+        message = _well_formed(_error_message(json.loads(data)))
     except json.JSONDecodeError:
         message = data.decode("utf-8", "replace").strip()[:500] or "(no body)"
     status = response.status
