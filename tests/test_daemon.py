@@ -414,7 +414,7 @@ def test_a_watcher_that_stops_reading_is_dropped_and_the_stepper_is_not_slowed(d
         ),
         (
             b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"s","event":{"Timer":true},"key":"\\ud800"}}',
-            -32700,
+            -32600,  # JSON all the same, but no UTF-8 text can hold a lone surrogate: an invalid request
         ),
     ],
 )

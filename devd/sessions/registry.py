@@ -430,17 +430,16 @@ class Registry:
         daemon does with `session/recover`."""
         if isinstance(error, DeadlineError):
             self.stats.deadline_hits += 1
+            error = DeadlineError(
+                f"the call ran past its deadline and was stopped; session {entry.name!r} ended: `session/recover` "
+                "brings it back from its last step"
+            )
         if isinstance(error, DeadlineError | PanicError | PoisonError) or (
             isinstance(error, HandleError) and (entry.instance is None or not entry.instance.alive)
         ):
             how = Input.POISON if isinstance(error, PanicError | PoisonError) else Input.END
             self.move(entry, how, str(error))
             await self.set_health(entry)
-        if isinstance(error, DeadlineError):
-            return DeadlineError(
-                f"the call ran past its deadline and was stopped; session {entry.name!r} ended: `session/recover` "
-                "brings it back from its last step"
-            )
         return error
 
     async def set_health(self, entry: Entry) -> None:
