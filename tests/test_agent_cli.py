@@ -47,10 +47,11 @@ def test_a_long_result_is_cut_to_its_first_lines_and_counted() -> None:
     assert text.splitlines()[-2:] == ["  line 7", "  … 4 more lines"]
 
 
-def test_a_stall_says_why_and_what_tries_again() -> None:
-    assert shown(StalledNotice("s", 1, "503 busy after 4 attempts")) == (
-        "[the model cannot be reached: 503 busy after 4 attempts; the turn waits: `session/resume` tries again]\n"
+def test_a_stall_is_shown_in_its_own_words() -> None:
+    spend = (
+        "spend ceiling reached: the turn's ceiling is 1000 tokens; the call was not sent: raise it, then session/resume"
     )
+    assert shown(StalledNotice("s", 1, spend)) == f"[the turn waits: {spend}]\n"
 
 
 def test_the_done_of_another_turn_does_not_end_this_one() -> None:

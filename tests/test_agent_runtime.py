@@ -333,11 +333,14 @@ def test_an_unreachable_model_stalls_the_session_until_it_is_resumed(agentd: Age
         agentd.standin.script(Scripted(text="back again"))
         c.resume(session)
         until_done(ui, 1)
-        assert (stalled.params["action"], listed, c.list().sessions[0].stalled, conversation(c, session)[-1]) == (
+        why = stalled.params["why"]
+        said = (why.startswith("the model cannot be reached: "), why.endswith("; `session/resume` tries again"))
+        assert (stalled.params["action"], listed, c.list().sessions[0].stalled, conversation(c, session)[-1], said) == (
             1,
-            stalled.params["why"],
+            why,
             None,
             {"Agent": {"text": "back again"}},
+            (True, True),
         )
 
 

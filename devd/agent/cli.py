@@ -92,7 +92,7 @@ class Screen:
             self.texts[notice.action] = self.texts.get(notice.action, "") + notice.text
             self._write(notice.text)
         elif isinstance(notice, StalledNotice):
-            self._line(f"[the model cannot be reached: {notice.why}; the turn waits: `session/resume` tries again]")
+            self._line(f"[the turn waits: {notice.why}]")  # each why says what stalled it and what carries on
         elif isinstance(notice, ApprovalNotice):
             self._line(f"[approval needed for action {notice.action}]")
             for line in approval_lines(notice, self.workspace):

@@ -561,7 +561,9 @@ class Driver(msgspec.Struct, eq=False):
                     completion = await self._guarded(action.id, ask_model)
                 except ModelUnavailable as e:
                     await accounted.done(None)
-                    await self._stalled(action.id, e.why)
+                    await self._stalled(
+                        action.id, f"the model cannot be reached: {e.why}; `session/resume` tries again"
+                    )
                     return []
                 except BaseException:
                     accounted.cancelled()
