@@ -46,6 +46,7 @@ def test_a_request_without_an_id_is_a_notification() -> None:
         (b'{"jsonrpc":"2.0","id":5}', errors.InvalidRequestError, 5),
         (b'{"jsonrpc":"2.0","id":42,"method":"x","params":{"prompt":"fix \\ud83d"}}', errors.InvalidRequestError, 42),
         (b'{"jsonrpc":"2.0","id":"\\ud800","method":"x"}', errors.InvalidRequestError, None),
+        (b'{"jsonrpc":"2.0","id":7,"method":"x","params":{"p":"\\ud83d","n":NaN}}', errors.ParseError, None),
     ],
 )
 def test_a_bad_request_names_its_error_and_its_id(line: bytes, kind: type, id: object) -> None:

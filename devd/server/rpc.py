@@ -9,6 +9,7 @@ validates is never decoded and re-encoded here.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 import msgspec
@@ -125,10 +126,15 @@ def _undecodable(line: bytes, error: msgspec.DecodeError) -> RequestError:
     """The error for a line msgspec cannot decode. JSON that only escapes a lone UTF-16 surrogate (`\\ud83d` without
     its pair: what JavaScript's JSON.stringify writes for half an emoji) is JSON all the same, but no UTF-8 string
     can hold it: that is said as such, under the request's id when it has one, rather than as a parse error."""
+    parse_error = RequestError(ParseError(f"the line is not UTF-8 JSON ({error}); send one JSON object per line"), None)
+    if _SURROGATE_ESCAPE.search(line) is None:
+        return parse_error
     try:
-        doc = json.loads(line)  # the standard library reads lone surrogates; only reached for a line that failed
+        # The standard library reads lone surrogates (and, unlike JSON, NaN: refused here too); only reached for a
+        # line that failed.
+        doc = json.loads(line, parse_constant=_no_constant)
     except (ValueError, RecursionError):
-        return RequestError(ParseError(f"the line is not UTF-8 JSON ({error}); send one JSON object per line"), None)
+        return parse_error
     raw_id = doc.get("id") if isinstance(doc, dict) else None
     usable = isinstance(raw_id, int | str) and not isinstance(raw_id, bool) and _well_formed(raw_id)
     id = raw_id if usable else None
@@ -139,6 +145,13 @@ def _undecodable(line: bytes, error: msgspec.DecodeError) -> RequestError:
         ),
         id,
     )
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _well_formed(value: int | str) -> bool:
