@@ -208,10 +208,12 @@ def one_line(event: bytes) -> bytes:
     (ValueError) before it is sent: a newline in it would end the request there, and what followed would be read as
     a request of its own (an event could carry a `session/close` of another session)."""
     try:
-        value = msgspec.json.decode(event)
+        msgspec.json.decode(event, type=msgspec.Raw)  # checked, not built: a long tool output costs little
     except msgspec.DecodeError as e:
         raise ValueError(f'the event is not one JSON value ({e}); give it as JSON, such as {{"Timer":true}}') from None
-    return msgspec.json.encode(value) if b"\n" in event or b"\r" in event else event
+    if b"\n" not in event and b"\r" not in event:
+        return event
+    return msgspec.json.encode(msgspec.json.decode(event))  # JSON over several lines, written again on one
 
 
 def _answer(result: StepResult) -> StepAnswer:
