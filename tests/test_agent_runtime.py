@@ -751,3 +751,20 @@ def test_devd_run_whose_daemon_dies_mid_turn_says_so_in_a_line_and_how_to_follow
         f"devd: cannot reach the daemon at {socket}: the connection was lost while watching session 'gone'; the turn "
         "is the daemon's: once it answers again, `devd attach -- gone` shows it\n",
     )
+
+
+def test_a_workspace_inside_the_daemons_state_directory_is_refused_saying_why(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DEVD_TEST_KEY", SECRET)
+    agents = tmp_path / "agents.toml"
+    agents.write_text(agents_toml(standin.url, tmp_path))  # a root holding the daemon's state directory too
+    with InProcess(tmp_path / "d", "--agents", str(agents)) as daemon, daemon.client() as c:
+        inside = daemon.state / "ws"
+        inside.mkdir()
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.new(agent="coder", workspace=inside)
+    assert str(refused.value) == (
+        f"workspace {inside} is inside the daemon's own {daemon.state}, which its commands cannot see; use a "
+        "directory outside it"
+    )

@@ -24,6 +24,7 @@ What it promises:
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -125,7 +126,15 @@ class Runtime:
             raise InvalidParamsError(f"there is no agent {agent!r}; the agents are {known}")
         if workspace is None:
             raise InvalidParamsError(f"a session of agent {agent!r} needs a workspace: an absolute directory path")
-        return Binding(agent, str(check_workspace(profile, workspace)))
+        real = check_workspace(profile, workspace)
+        for private in self.private:  # covered under the sandbox: its commands would find nothing there
+            own = Path(os.path.realpath(private))
+            if real == own or real.is_relative_to(own):
+                raise InvalidParamsError(
+                    f"workspace {real} is inside the daemon's own {own}, which its commands cannot see; use a "
+                    "directory outside it"
+                )
+        return Binding(agent, str(real))
 
     async def bind(self, session: str, binding: Binding | None) -> None:
         """Keep the new session's binding, durably. A session of no agent is not remembered here at all (there may be
