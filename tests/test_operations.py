@@ -156,6 +156,17 @@ def test_doctor_finds_a_database_that_is_not_one(tmp_path: Path) -> None:
     )
 
 
+def test_doctor_fails_a_database_others_can_write_as_the_daemon_refuses_it(tmp_path: Path) -> None:
+    d = InProcess(tmp_path)
+    d.start().stop()
+    (d.state / "devd.sqlite3").chmod(0o666)
+    run = doctor(d)
+    assert run.stdout.splitlines()[2] == (
+        f"FAIL  database: {d.state / 'devd.sqlite3'} is writable by group or others (mode 0666), so the daemon "
+        f"refuses it; run `chmod go-w {d.state / 'devd.sqlite3'}`"
+    )
+
+
 def test_doctor_fails_a_state_dir_others_can_read_and_says_to_chmod_it(tmp_path: Path) -> None:
     d = InProcess(tmp_path)
     d.state.mkdir(mode=0o700, parents=True)

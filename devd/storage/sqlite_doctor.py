@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import os
 import sqlite3
+import stat
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -31,9 +32,9 @@ def stopped(db: Path, state: Path) -> bool:
 
 
 def check_database(db: Path) -> Check:
-    """The database file is there."""
+    """The database file is there, and no one but its owner may write it (the daemon refuses it otherwise)."""
     try:
-        bytes_ = db.stat().st_size
+        st = db.stat()
     except FileNotFoundError:
         return Check(
             "database",
@@ -43,9 +44,16 @@ def check_database(db: Path) -> Check:
         )
     except OSError as e:
         return Check("database", "FAIL", f"{db} cannot be read: {e.strerror}; run devd doctor as its owner")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        return Check(
+            "database",
+            "FAIL",
+            f"{db} is writable by group or others (mode {mode:04o}), so the daemon refuses it; run `chmod go-w {db}`",
+        )
     wal = Path(f"{db}-wal")
     log = f", and a write-ahead log of {size(wal.stat().st_size)}" if wal.exists() else ""
-    return Check("database", "ok", f"{db} ({size(bytes_)}{log})")
+    return Check("database", "ok", f"{db} ({size(st.st_size)}{log})")
 
 
 def lock_holder(state: Path) -> str | None:
