@@ -9,9 +9,10 @@ is for a method the table lacks. `METHODS` binds the two, for dispatch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -295,31 +296,32 @@ async def session_new(call: Call, params: NewParams) -> SessionResult:
 async def session_step(call: Call, params: StepParams) -> StepResult:
     event = bytes(params.event)
     oversight = call.app.oversight
+    step: Callable[[SessionPort], Awaitable[Answered]] = lambda r: r.step(  # noqa: E731
+        params.session, event, params.timeout_ms, params.key
+    )
     if oversight is None or not event.lstrip().startswith(b'{"Cancel"'):
-        answered = await patient(
-            call.app, params.session, lambda r: r.step(params.session, event, params.timeout_ms, params.key)
-        )
-    else:
-        answered = await _cancel(call, params, event, oversight)
+        answered = await patient(call.app, params.session, step)
+    else:  # apart, so that no other step pays for it
+        with _cancelling(oversight, params.session, call.peer.client):
+            answered = await patient(call.app, params.session, step)
     ignored = None if answered.ignored is None else [answered.ignored]
     return StepResult(Raw(answered.actions), answered.replayed, ignored)
 
 
-async def _cancel(call: Call, params: StepParams, event: bytes, oversight: Oversight) -> Answered:
-    """A Cancel step, with its client kept as who withdrew the turn's approvals (read when the driver withdraws them,
-    after the step); a step that fails (no such session, a malformed Cancel) leaves what was kept as it was, so that
-    no bad request leaves an entry behind."""
-    before = oversight.cancelling.get(params.session)
-    oversight.cancelling[params.session] = call.peer.client or "unknown"
+@contextlib.contextmanager
+def _cancelling(oversight: Oversight, session: str, client: str | None) -> Iterator[None]:
+    """Around a Cancel step: its client kept as who withdrew the turn's approvals (read when the driver withdraws
+    them, after the step). A step that fails (no such session, a malformed Cancel) leaves what was kept as it was,
+    so that no bad request leaves an entry behind."""
+    before = oversight.cancelling.get(session)
+    oversight.cancelling[session] = client or "unknown"
     try:
-        return await patient(
-            call.app, params.session, lambda r: r.step(params.session, event, params.timeout_ms, params.key)
-        )
+        yield
     except BaseException:
         if before is None:
-            oversight.cancelling.pop(params.session, None)
+            oversight.cancelling.pop(session, None)
         else:
-            oversight.cancelling[params.session] = before
+            oversight.cancelling[session] = before
         raise
 
 

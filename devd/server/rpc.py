@@ -104,22 +104,21 @@ def decode_request(line: bytes) -> Request:
         raise RequestError(InvalidRequestError(f"the request is {what}"), None) from None
     except msgspec.DecodeError as e:
         raise _undecodable(line, e) from None
-    # A line without an id is a notification only once it is a request: one that is not is answered (id null), as
-    # JSON-RPC 2.0 answers its Invalid Request, or a client that forgot "jsonrpc" would hear nothing at all.
-    notification = env.id is UNSET and _text(env.jsonrpc) == "2.0" and _text(env.method) is not None
     id: Id = None
     if env.id is not UNSET:
         try:
             id = _id.decode(env.id)
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise RequestError(InvalidRequestError("the id must be a string, an integer or null"), None) from None
+    # A line that is not a request is answered (id null when it has none), as JSON-RPC 2.0 answers its Invalid
+    # Request: without an id it is no notification, or a client that forgot "jsonrpc" would hear nothing at all.
     if _text(env.jsonrpc) != "2.0":
-        raise RequestError(InvalidRequestError('the request must say "jsonrpc": "2.0"'), id, notification)
+        raise RequestError(InvalidRequestError('the request must say "jsonrpc": "2.0"'), id)
     method = _text(env.method)
     if method is None:
-        raise RequestError(InvalidRequestError("the request needs a method, as a string"), id, notification)
+        raise RequestError(InvalidRequestError("the request needs a method, as a string"), id)
     params = env.params if env.params is not UNSET else Raw(b"{}")
-    return Request(method=method, params=params, id=id, notification=notification)
+    return Request(method=method, params=params, id=id, notification=env.id is UNSET)
 
 
 def _undecodable(line: bytes, error: msgspec.DecodeError) -> RequestError:

@@ -274,8 +274,7 @@ class SQLiteStore:
                     _drop_unmade_fork(self._db, None, note.removeprefix(FORK_NOTE))
             self._thin_all()
             self._sweep_snapshot_files()
-        st = os.stat(path)
-        self._inode = (st.st_dev, st.st_ino)
+        self._inode = _identity(path)
         self._wal_inode = _identity(self._wal_path)  # None until the log exists (its first commit makes it)
         # Set by a write fault: nothing more is acknowledged until the store has reopened itself (`_reopen`).
         self._broken: str | None = None
@@ -440,12 +439,7 @@ class SQLiteStore:
         """The database file and its log must still be the ones opened: steps written to a deleted or replaced file
         are lost. A log deleted or replaced is first checkpointed through the connection, which still holds the one
         it wrote (so the steps it acknowledged reach the database file), and the store then reopens itself."""
-        try:
-            st = os.stat(self.path)
-            same = (st.st_dev, st.st_ino) == self._inode
-        except FileNotFoundError:
-            same = False
-        if not same:
+        if _identity(self.path) != self._inode:
             self._break(f"the database file {self.path} was deleted or replaced while the daemon ran")
             raise StoreError(self._broken or "")
         wal = _identity(self._wal_path)
@@ -489,8 +483,7 @@ class SQLiteStore:
             self._break(f"reopening the database failed ({e})")
             log.warning("store.reopen_failed", error=str(e), retry_in_s=round(self._reopen_at - time.monotonic(), 3))
             return False
-        st = os.stat(self.path)
-        self._db, self._inode, self._broken = db, (st.st_dev, st.st_ino), None
+        self._db, self._inode, self._broken = db, _identity(self.path), None
         self._wal_inode = _identity(self._wal_path)
         self._pruned.clear()  # their seqs are those before the fault: pruned again at their next snapshot
         self._reopened_thread += 1
