@@ -4,18 +4,30 @@ the store on a real SQLite file."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import pytest
+from structlog.testing import capture_logs
 
 from devd import errors, failpoints
 from devd.errors import StoreError
 from devd.messages import Call, Event, Exec, Output, answer, turn
-from devd.storage.sqlite import REOPEN_DELAY_S
-from tests.daemon import Daemon
+from devd.storage.sqlite import REOPEN_DELAY_S, SQLiteStore
+from devd.storage.store import Keyed
+from tests.daemon import Daemon, log_events
 from tests.stores import CONFIG, running, sqlite_at, step
+
+T = TypeVar("T")
 
 
 def _turn(n: int) -> list[Event]:
@@ -95,21 +107,134 @@ async def test_a_deleted_database_is_never_made_again_by_a_reopen(tmp_path: Path
     assert (exists, store.reopened) == (False, 0)
 
 
-async def test_a_store_whose_reopen_failed_heals_at_a_read_once_the_file_is_back(tmp_path: Path) -> None:
-    path, held = tmp_path / "db.sqlite3", tmp_path / "held"
-    async with running(sqlite_at(path)) as store:
-        await store.create("a", CONFIG)
-        await store.append(step(1))
-        path.rename(held)
-        for _ in range(2):  # the fault, then a reopen that fails: the file is not there
+def _arm(monkeypatch: pytest.MonkeyPatch, point: str, action: str, after: int | None = None) -> None:
+    """Arm `point` in this process: on its `after`-th pass from now, or (None) on every pass."""
+    nth = None if after is None else failpoints._passes.get(point, 0) + after  # passes are counted for the process
+    monkeypatch.setitem(failpoints._POINTS, point, (action, nth))
+
+
+async def _wait_for(done: Callable[[], bool], within_s: float) -> None:
+    with anyio.fail_after(within_s):
+        while not done():
+            await anyio.sleep(0.01)
+
+
+async def test_a_store_whose_reopens_keep_failing_serves_again_once_the_fault_clears_with_no_call_between(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _arm(monkeypatch, "commit.before", "eio", after=3)
+    _arm(monkeypatch, "reopen", "eio")
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        with capture_logs() as logs:
+            await store.create("a", CONFIG)
+            await store.append(step(1, key="k1"))
             with pytest.raises(StoreError):
-                await store.append(step(2))
-            await anyio.sleep(REOPEN_DELAY_S[0] * 2)  # past the backoff
-        held.rename(path)
-        await anyio.sleep(REOPEN_DELAY_S[0] * 2)  # past the backoff
-        loaded = await store.load("a")  # no write comes: the read reopens
+                await store.append(step(2, key="k2"))  # the fault
+            await _wait_for(lambda: [e["event"] for e in logs].count("store.reopen_failed") >= 3, 10)
+            monkeypatch.delitem(failpoints._POINTS, "reopen")  # the disk takes writes again; nobody calls
+            await _wait_for(lambda: store.reopened == 1, 2 * REOPEN_DELAY_S[1])
+        await store.append(step(2, key="k2"))
+        keyed = await store.keyed("a", "k2")
+    assert keyed == Keyed(2, b"d2", b"a2", b"h2")
+
+
+async def _served(call: Callable[[], Awaitable[T]]) -> T:
+    """What `call` answers once it no longer fails (the store is broken until it reopens: retried, within the most
+    two backoffs can take)."""
+    with anyio.fail_after(2 * REOPEN_DELAY_S[1]):
+        while True:
+            with contextlib.suppress(StoreError):
+                return await call()
+            await anyio.sleep(0.02)
+
+
+@asynccontextmanager
+async def _broken_then_stopped(store: SQLiteStore, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
+    """Inside: `store` running, with every reopen failing. After: the store broken, a reopen of it failed (its
+    connection closed), `run` (and with it the healer) stopped, and the reopens no longer failing: only a call can
+    reopen it now."""
+    _arm(monkeypatch, "reopen", "eio")
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.run)
+            yield
+            await _wait_for(lambda: any(e["event"] == "store.reopen_failed" for e in logs), 10)
+            tg.cancel_scope.cancel()
+    monkeypatch.delitem(failpoints._POINTS, "reopen")
+
+
+async def test_a_keyed_read_of_a_store_whose_reopen_failed_reopens_it_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It read the closed connection inline instead: a client of keyed steps (which read their key before they
+    # write) was answered 'Cannot operate on a closed database' for ever.
+    store = sqlite_at(tmp_path / "db.sqlite3")
+    try:
+        async with _broken_then_stopped(store, monkeypatch):
+            await store.create("a", CONFIG)
+            await store.append(step(1, key="k1"))
+            _arm(monkeypatch, "commit.before", "eio", after=1)
+            with pytest.raises(StoreError):
+                await store.append(step(2))  # the fault
+        keyed = await _served(lambda: store.keyed("a", "k1"))
         await anyio.sleep(0)  # the event loop is told of the reopen
+    finally:
+        store.close()
+    assert (keyed, store.reopened) == (Keyed(1, b"d1", b"a1", b"h1"), 1)
+
+
+async def test_a_store_whose_reopen_failed_heals_at_a_read_once_the_file_is_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, held = tmp_path / "db.sqlite3", tmp_path / "held"
+    store = sqlite_at(path)
+    try:
+        async with _broken_then_stopped(store, monkeypatch):
+            await store.create("a", CONFIG)
+            await store.append(step(1))
+            path.rename(held)
+            with pytest.raises(StoreError):
+                await store.append(step(2))  # the fault: the file is gone
+        held.rename(path)
+        loaded = await _served(lambda: store.load("a"))  # no write comes: the read reopens
+        await anyio.sleep(0)  # the event loop is told of the reopen
+    finally:
+        store.close()
     assert ([r.seq for r in loaded.journal], store.reopened) == ([1], 1)  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("chattr") is None, reason="chattr +i needs root")
+def test_a_daemon_whose_database_was_immutable_for_a_while_serves_keyed_steps_again_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    with Daemon(tmp_path) as d, d.client() as c:
+        c.new(session="a")
+        c.step("a", _turn(1)[0], key="k1")
+        files = [str(d.state / "devd.sqlite3"), str(d.state / "devd.sqlite3-wal")]
+        if subprocess.run(["chattr", "+i", *files], capture_output=True).returncode != 0:
+            pytest.skip("this file system has no immutable flag")
+        try:
+            failed = 0
+            for _ in range(5):  # the first fault breaks the store, the reopens after it fail
+                with contextlib.suppress(errors.InternalError):
+                    c.step("a", _turn(1)[1], key="k2")
+                    break
+                failed += 1
+                time.sleep(0.3)
+        finally:
+            subprocess.run(["chattr", "-i", *files], check=True)
+        deadline = time.monotonic() + 2 * REOPEN_DELAY_S[1]
+        while True:
+            try:
+                answered = c.step_answer("a", _turn(1)[1], key="k2")
+                break
+            except errors.InternalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        served = c.step_answer("a", _turn(2)[0], key="k3")
+    events = [e["event"] for e in log_events(d.log)]
+    assert (failed, answered.replayed, served.replayed, events.count("store.reopened")) == (5, False, False, 1)
 
 
 def test_tool_output_after_a_fault_is_taken_once(tmp_path: Path) -> None:

@@ -6,8 +6,9 @@ while a commit runs share the next one. A batch of steps alone is one INSERT sta
 crossing of the GIL for the commit thread. A failed commit fails every write in it with `StoreError`; nothing is
 retried, so nothing is acknowledged that is not on disk. After a write fault (a failed write or fsync) every write
 fails until the store has reopened the database: a fresh connection, its identity, format and pages checked, its log
-checkpointed and fsync'd; it tries at the next write or read, backing off while the faults go on, and counts each
-reopen (`reopened`), so that the registry rebuilds its live sessions from what is on disk. Maintenance runs on the
+checkpointed and fsync'd; it tries at every write and read, and on its own while none comes, backing off (up to
+REOPEN_DELAY_S apart) for as long as the faults go on, and counts each reopen (`reopened`), so that the registry
+rebuilds its live sessions from what is on disk. Maintenance runs on the
 commit thread once a batch is answered, never inside a commit: the log is checkpointed once its file has grown past
 WAL_BYTES_KEPT (SQLite's own checkpoints are off) and then written again from its start, and each snapshot
 committed lets go of the ones its session's kept history no longer needs, with their files, and prunes history
@@ -165,10 +166,10 @@ def _commit_failure(e: BaseException) -> StoreError:
     """What each write of a batch whose commit failed is answered."""
     if _is_io_error(e):
         # The log may hold the write even though its fsync failed: whether it survives is known once the store has
-        # reopened the database (at the next write), which then serves what is on disk.
+        # reopened the database, which then serves what is on disk.
         return StoreError(
-            f"the write may or may not be on disk ({e}); the store reopens the database at the next write: "
-            "send it again then (a step with the same key answers replayed if it was kept)"
+            f"the write may or may not be on disk ({e}); the store reopens the database (at the next call, or on "
+            "its own shortly): send it again then (a step with the same key answers replayed if it was kept)"
         )
     return StoreError(f"the state could not be made durable and nothing of it was applied: {e}")
 
@@ -229,6 +230,10 @@ class _Pointer(msgspec.Struct):
             ),
         )
         self.landed = pointed.rowcount == 1
+
+
+def _try_reopen(db: sqlite3.Connection) -> None:
+    """The healer's write: nothing, committed once the store has reopened (a batch of a broken store tries first)."""
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -297,6 +302,7 @@ class SQLiteStore:
         self._snapshots_changed = anyio.Event()  # a job queued or a snapshot no longer pending
         self._snapshots_settled = anyio.Event()  # set when none is pending
         self._running = False
+        self._faulted = anyio.Event()  # set (on the event loop) when the store breaks: the healer starts trying
 
     def close(self) -> None:
         with self._lock:
@@ -315,7 +321,9 @@ class SQLiteStore:
         self._commits.start_thread(self._commit, name="devd-commit")
         self._running = True
         try:
-            await self._write_snapshots(until_idle=False)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._heal)
+                await self._write_snapshots(until_idle=False)
         finally:
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(SNAPSHOTS_AT_SHUTDOWN_S):
@@ -350,6 +358,16 @@ class SQLiteStore:
                 if self._snapshots_settled.is_set():
                     self._snapshots_settled = anyio.Event()
                 await self._snapshots_settled.wait()
+
+    async def _heal(self) -> None:
+        """While the store is broken, try to reopen it each time its backoff ends, as a call would: service resumes
+        once the disk takes writes again (and the registry rebuilds from it), whether or not calls come meanwhile."""
+        while True:
+            await self._faulted.wait()
+            self._faulted = anyio.Event()  # before the tries: a fault during them is waited for again
+            while self._broken is not None:
+                await anyio.sleep(max(0.0, self._reopen_at - time.monotonic()))
+                await self._commits.write(_try_reopen)  # its error is the fault's, answered to nobody
 
     def _commit(self, ops: list[Op]) -> tuple[list[BaseException | None], Callable[[], None]]:
         """A batch, on the commit thread: one transaction under the lock; then, once its writers are answered,
@@ -454,14 +472,17 @@ class SQLiteStore:
             raise StoreError(self._broken or "")
 
     def _break(self, why: str) -> None:
-        """A write fault: every write fails until the store has reopened itself (at the next batch, backing off
-        while the faults go on). Nothing more is acknowledged meanwhile."""
+        """A write fault: every call fails until the store has reopened itself (tried at every call and by the healer,
+        backing off while the faults go on). Nothing more is acknowledged meanwhile."""
         if self._broken is None:
             self._broken = (
-                f"{why}; the store acknowledges no more writes until it has reopened the database (it tries at the "
-                "next call, then backs off while the disk fails; what was acknowledged before is on disk)"
+                f"{why}; the store acknowledges no more writes until it has reopened the database (it keeps trying, "
+                f"at every call and on its own, at most {REOPEN_DELAY_S[1]:g} s apart while the disk fails; what was "
+                "acknowledged before is on disk): send the call again shortly"
             )
             log.error("store.broken", error=self._broken)
+            if self._loop is not None:  # the healer (in `run`) starts trying
+                self._loop.call_soon_threadsafe(lambda: self._faulted.set())
         self._reopen_at = time.monotonic() + self._reopen_delay_s
         self._reopen_delay_s = min(max(2 * self._reopen_delay_s, REOPEN_DELAY_S[0]), REOPEN_DELAY_S[1])
 
@@ -908,15 +929,18 @@ class SQLiteStore:
             ).fetchone()
 
         # One indexed row: read here when the connection is free (most of the time, it is), rather than pay a
-        # thread's round trip; while a commit holds it, wait for it on a worker thread, never on the event loop.
-        row = None
+        # thread's round trip; while a commit holds it, wait for it on a worker thread, never on the event loop. A
+        # broken store is read on the worker too, which reopens it: its connection may be closed by a reopen that
+        # failed, and a keyed step reads its key before it writes, so read here it would never heal.
+        row, inline = None, False
         if self._lock.acquire(blocking=False):
             try:
-                with _failing(_read_failed):
-                    row = read(self._db, True)
+                if self._broken is None:
+                    with _failing(_read_failed):
+                        row, inline = read(self._db, True), True
             finally:
                 self._lock.release()
-            if row is None:
+            if inline and row is None:
                 return None
         if row is None or row[2] is None and row[4] > 0:
             row = await self._read(lambda db: read(db, False))
