@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -70,6 +71,37 @@ def test_a_hibernated_session_wakes_and_continues_exactly(tmp_path: Path, core: 
             expected,
             [("a", "live", 2), ("b", "stored", 0)],
         )
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """Process pid's resident memory (`VmRSS`) and its peak since it was last reset (`VmHWM`), in KiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {name: int(fields[name].split()[0]) for name in ("VmRSS", "VmHWM")}
+
+
+def test_many_sessions_woken_at_once_stay_within_the_live_memory_budget(tmp_path: Path) -> None:
+    # 32 sessions of 4 MiB each (64 steps of 64 KiB), all stored, then woken at once under a 32 MiB budget: each wake
+    # loaded its state before waiting for room, and the daemon grew by 119 MiB here (309 MiB in the attack's run).
+    d = Daemon(tmp_path, "--max-live", "2", "--live-memory", "32M")
+    with d, d.client() as c:
+        for i in range(32):
+            c.new(session=f"s{i}")
+            for k in range(1, 65):
+                c.step(f"s{i}", turn(k, "x" * (64 << 10)))
+    d.stop()
+    with d.start():
+        assert d.proc is not None
+        Path(f"/proc/{d.proc.pid}/clear_refs").write_text("5")  # the peak is counted from here (not the start's)
+        before = memory_kib(d.proc.pid)["VmRSS"]
+
+        def wake(name: str) -> int:
+            with d.client() as c:
+                return len(c.step(name, turn(65, "wake up")))
+
+        with ThreadPoolExecutor(32) as pool:
+            answered = list(pool.map(wake, [f"s{i}" for i in range(32)]))
+        grown_kib = memory_kib(d.proc.pid)["VmHWM"] - before
+        assert (answered, grown_kib < 48 << 10) == ([1] * 32, True), f"the daemon grew by {grown_kib} KiB at its peak"
 
 
 def test_keys_outlive_hibernation(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ A rebuild costs what the journal since the snapshot costs: every step is applied
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -197,10 +198,10 @@ class Calls:
         registry.stats.rebuilt += 1
         entry.heavy, entry.light_calls = True, 0
         registry.move(entry, Input.DROP)
-        stored = await registry.stored(entry.name)
         # The rebuild holds room as a wake does: the room the dropped instance left would otherwise go to another
         # wake meanwhile, and this instance be attached beside live sessions all inside calls, past --max-live.
-        async with registry.residency.room_for_wake(entry, stored, registry.call_timeout_s) as room:
+        load = functools.partial(registry.stored, entry.name)
+        async with registry.residency.room_for_wake(entry, load, registry.call_timeout_s) as (room, stored):
             try:
                 # On the quick lane: this session's calls fitted the budget until now (it may only have missed it for
                 # the contention), so it must not wait behind the heavy sessions' calls.
@@ -266,10 +267,10 @@ class Calls:
         registry = self.registry
         await registry.fleet_sessions.acquire(entry)  # before its state is read: what is read is then this daemon's
         started = time.perf_counter()
-        stored = await registry.stored(entry.name)
-        loaded = time.perf_counter()
+        load = functools.partial(registry.stored, entry.name)
         registry.stats.rebuilt += 1
-        async with registry.residency.room_for_wake(entry, stored, registry.call_timeout_s) as room:
+        async with registry.residency.room_for_wake(entry, load, registry.call_timeout_s) as (room, stored):
+            loaded = time.perf_counter()
             await self._rebuild(entry, how, stored, room)
         log.info(
             "session.rebuilt",

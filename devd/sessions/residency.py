@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
 import anyio
@@ -42,6 +42,7 @@ class Residency:
         self.waking = 0  # sessions being rebuilt, counted against max_live before their instance exists
         self._reserved = 0  # and the memory reserved for them against the budget
         self._room: anyio.Event | None = None  # set when an instance is let go or a wake ends: room may be free
+        self._loading = anyio.Lock()  # wakes load their state one at a time (see `room_for_wake`)
 
     def names(self) -> list[str]:
         return list(self._live)
@@ -83,36 +84,52 @@ class Residency:
                 pass
 
     @contextlib.asynccontextmanager
-    async def room_for_wake(self, entry: Entry, stored: Stored, timeout_s: float) -> AsyncIterator[Room]:
-        """Wait until one more instance fits `max_live` and the memory budget, hibernating idle sessions to make room
-        and, when every live one is inside a call, waiting for one to end (up to `timeout_s`: BUSY past it), then
-        hold the room for the wake: concurrent wakes so never build more instances than the caps hold. A session
-        larger than the memory budget alone still wakes once nothing else is live."""
-        need = WAKE_BASE_BYTES + WAKE_GROWTH * (len(stored.snapshot or b"") + sum(len(r.event) for r in stored.journal))
-        with anyio.move_on_after(timeout_s) as scope:
-            while True:
-                while not self._fits(need) and self._hibernate_one():
-                    pass
-                if self._fits(need) or not (self._live or self.waking):
-                    break
-                if self._room is None or self._room.is_set():
-                    self._room = anyio.Event()
-                # Woken when an instance is let go or a wake ends; a call's end is not signalled, so look again soon.
-                with anyio.move_on_after(ROOM_RECHECK_S):
-                    await self._room.wait()
-        if scope.cancelled_caught:
+    async def room_for_wake(
+        self, entry: Entry, load: Callable[[], Awaitable[Stored]], timeout_s: float
+    ) -> AsyncIterator[tuple[Room, Stored]]:
+        """Load what entry is rebuilt from (`load`), wait until one more instance of it fits `max_live` and the memory
+        budget, hibernating idle sessions to make room and, when every live one is inside a call, waiting for one to
+        end (up to `timeout_s`: BUSY past it), then hold the room for the wake: concurrent wakes so never build more
+        instances than the caps hold. Wakes load one at a time, each once the one before holds its room: what waits
+        beside the caps is never more than one session's state (32 wakes at once each loaded theirs first, and took a
+        daemon under a 32 MiB budget up by 309 MiB). A session larger than the memory budget alone still wakes once
+        nothing else is live."""
+        held = False
+        with anyio.move_on_after(timeout_s):
+            async with self._loading:
+                stored = await load()
+                need = WAKE_BASE_BYTES + WAKE_GROWTH * (
+                    len(stored.snapshot or b"") + sum(len(r.event) for r in stored.journal)
+                )
+                await self._wait_for_room(need)
+                # No await from here to the yield: once the room is counted, nothing can cancel the wake before it
+                # is held, and so released.
+                self.waking += 1
+                self._reserved += need
+                held = True
+        if not held:
             raise BusyError(
                 f"session {entry.name!r} cannot be woken: the {len(self._live)} sessions in memory (--max-live "
                 f"{self.max_live}, --live-memory) are all inside calls; retry when one has answered"
             )
-        self.waking += 1
-        self._reserved += need
         try:
-            yield Room(self)
+            yield Room(self), stored
         finally:
             self.waking -= 1
             self._reserved -= need
             self._room_freed()
+
+    async def _wait_for_room(self, need: int) -> None:
+        while True:
+            while not self._fits(need) and self._hibernate_one():
+                pass
+            if self._fits(need) or not (self._live or self.waking):
+                return
+            if self._room is None or self._room.is_set():
+                self._room = anyio.Event()
+            # Woken when an instance is let go or a wake ends; a call's end is not signalled, so look again soon.
+            with anyio.move_on_after(ROOM_RECHECK_S):
+                await self._room.wait()
 
     def _fits(self, need: int) -> bool:
         if len(self._live) + self.waking >= self.max_live:
