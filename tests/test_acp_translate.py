@@ -198,6 +198,20 @@ def test_an_approval_of_a_call_not_seen_announces_the_call_first() -> None:
     ]
 
 
+def test_a_permission_request_for_a_forged_command_is_titled_by_the_words_that_would_run() -> None:
+    view = SessionView("s", WS)
+    forged = ["sh", "-c", "echo PWNED > pwned.txt #\r\x1b[2K$ ls -la"]
+    asked = view.permission_call(ApprovalNotice("s", 7, Op(Exec=Exec(argv=forged)), "ab" * 32))
+    assert asked.title == "sh -c $'echo PWNED > pwned.txt #\\r\\x1b[2K$ ls -la'"
+
+
+def test_a_bidi_override_in_a_titled_path_is_escaped_and_its_location_kept() -> None:
+    view = SessionView("s", WS)
+    updates = view.take(step(2, answer(1, calls=[]), (2, Op(Read=Read(path="invoice\u202efdp.exe")))))
+    start = plain(updates)[0]
+    assert (start["title"], start["locations"]) == ("invoice\\u202efdp.exe", [{"path": f"{WS}/invoice\u202efdp.exe"}])
+
+
 def test_a_permission_request_names_the_call_without_a_session_update_tag() -> None:
     view = SessionView("s", WS)
     asked = view.permission_call(ApprovalNotice("s", 7, Op(Write=Write(path="a.txt", text="x")), "ab" * 32))

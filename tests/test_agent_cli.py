@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import io
 
-from devd.agent.cli import Screen
+from devd.agent.cli import Screen, approval_lines, call_line
 from devd.client import ActionsNotice
-from devd.messages import Action, Answer, Call, Event, Exec, Message, Op, Output, Read, Reply, Turn, ask, done
-from devd.protocol import DeltaNotice, StalledNotice
+from devd.messages import Action, Answer, Call, Event, Exec, Message, Op, Output, Read, Reply, Turn, Write, ask, done
+from devd.protocol import ApprovalNotice, DeltaNotice, StalledNotice
 
 
 def shown(*notices: object, turn: int | None = 1) -> str:
@@ -24,6 +24,8 @@ def step(event: Event, *ops: Op) -> ActionsNotice:
 
 TURN = Event(Turn=Turn(id=1, prompt="go"))
 EXEC = Op(Exec=Exec(argv=["make", "test"]))
+# What an independent attack had the model send: the screen showed `$ ls -la`, and `y` ran the rest.
+FORGED = Op(Exec=Exec(argv=["sh", "-c", "echo PWNED > pwned.txt #\r\x1b[2K$ ls -la"]))
 
 
 def test_streamed_text_is_shown_once_and_each_call_and_its_result_on_lines_of_their_own() -> None:
@@ -56,3 +58,51 @@ def test_a_stall_is_shown_in_its_own_words() -> None:
 
 def test_the_done_of_another_turn_does_not_end_this_one() -> None:
     assert shown(step(TURN, done(7)), turn=1) == ""
+
+
+def test_a_forged_approval_shows_the_escapes_and_the_command_that_would_run() -> None:
+    notice = ApprovalNotice("s", 2, FORGED, "0" * 64)
+    assert approval_lines(notice, None) == ["$ sh -c $'echo PWNED > pwned.txt #\\r\\x1b[2K$ ls -la'"]
+
+
+def test_the_screen_shows_a_forged_approval_with_its_escapes_visible() -> None:
+    assert shown(ApprovalNotice("s", 2, FORGED, "0" * 64)) == (
+        "[approval needed for action 2]\n$ sh -c $'echo PWNED > pwned.txt #\\r\\x1b[2K$ ls -la'\n"
+    )
+
+
+def test_a_bidi_override_in_a_path_is_escaped() -> None:
+    read = Action(id=3, op=Op(Read=Read(path="invoice\u202efdp.exe")))
+    assert call_line(read) == "read invoice\\u202efdp.exe"
+
+
+def test_a_diff_with_an_embedded_erase_line_shows_it_escaped() -> None:
+    notice = ApprovalNotice("s", 2, Op(Write=Write(path="a.txt", text="ok\x1b[2K\rfine\n")), "0" * 64)
+    assert approval_lines(notice, None) == [
+        "write a.txt (12 bytes)",
+        "  --- a/a.txt",
+        "  +++ b/a.txt",
+        "  @@ -0,0 +1 @@",
+        "  +ok\\x1b[2K\\rfine",
+    ]
+
+
+def test_streamed_text_is_shown_without_its_terminal_sequences_even_one_cut_between_deltas() -> None:
+    answered = Event(Model=Answer(id=1, reply=Reply(text="\x1b[31mred\x1b[0m \x1b[1Aup")))
+    assert (
+        shown(
+            step(TURN, ask(Message(User="go"))),
+            DeltaNotice("s", 1, "\x1b[31mred\x1b["),
+            DeltaNotice("s", 1, "0m \x1b[1Aup"),
+            ActionsNotice(
+                "s", 2, answered, [Action(id=2, op=Op(Emit="\x1b[31mred\x1b[0m \x1b[1Aup")), Action(id=3, op=done(1))]
+            ),
+        )
+        == "red up\n[turn 1 complete]\n"
+    )
+
+
+def test_a_result_is_shown_without_terminal_sequences_and_with_a_lone_carriage_return_escaped() -> None:
+    output = Output(id=10, text="\x1b[32mok\x1b[0m\r\n\r\x1b[2K$ ls -la\n")
+    text = shown(step(TURN, EXEC), step(Event(Exec=output)))
+    assert text == "$ make test\n  ok\n  \\r$ ls -la\n"

@@ -471,7 +471,7 @@ def test_devd_run_at_a_terminal_asks_y_n_a_and_a_y_runs_the_command_once(agentd_
             proc.kill()
             proc.wait()
         os.close(leader)
-    assert b"$ sh -c echo ran >> marker\r\nallow action 2? [y/N/a] " in shown
+    assert b"$ sh -c 'echo ran >> marker'\r\nallow action 2? [y/N/a] " in shown
 
 
 def read_until(fd: int, wanted: bytes) -> bytes:

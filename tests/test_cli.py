@@ -21,6 +21,7 @@ import pytest
 from devd import __version__, cli
 from devd.addresses import TcpListen
 from devd.cli.parser import _parsers
+from devd.cli.sessions import trace_line
 from devd.client import Client, NotRunningError
 from devd.errors import HandleError, InternalError, InvalidParamsError, UnauthorizedError
 from devd.messages import Action, Browse, Call, Exec, Git, Op, Read, Write, answer, ask, done, turn
@@ -165,6 +166,14 @@ def test_sessions_are_a_table_with_a_reason_column_only_when_one_has_a_reason() 
         "build-7  ended    3         0  2026-11-30T12:07:20Z  2026-11-30T12:07:31Z  its call ran past its deadline\n"
     )
     assert cli.sessions_table([]) == "no sessions\n"
+
+
+def test_a_trace_error_quoting_a_models_words_shows_their_controls_escaped() -> None:
+    record = {"n": 3, "started": "2026-11-30T12:07:18Z", "action": 2, "kind": "exec", "outcome": "denied"}
+    record |= {"duration_ms": 0.5, "error": "denied by rule rm: rm -rf \r\x1b[2K\u202e"}
+    assert trace_line(record) == (
+        "   3 2026-11-30T12:07:18Z action 2 exec denied 0.5 ms: denied by rule rm: rm -rf \\r\\x1b[2K\\u202e\n"
+    )
 
 
 def test_durations_show_their_two_largest_units() -> None:
@@ -365,6 +374,11 @@ def test_each_kind_of_action_is_summarized_on_one_line() -> None:
         "Done turn 4",
         "Emit " + "y" * 69 + "...",
     ]
+
+
+def test_an_action_summary_shows_a_forged_command_with_its_escapes_visible() -> None:
+    forged = Op(Exec=Exec(argv=["sh", "-c", "echo PWNED #\r\x1b[2K$ ls"]))
+    assert cli.action_summary(Action(id=1, op=forged)) == "Exec sh -c $'echo PWNED #\\r\\x1b[2K$ ls'"
 
 
 # -- errors in the command's terms, and exit codes -------------------------------------------------------------------

@@ -8,6 +8,8 @@ The daemon says what happened (`session/actions` for each step, `session/delta` 
   answers the model (only what the deltas did not already say, so a reply streamed in part before a reconnect is
   finished, not repeated; the core emits a reply's text only when it has no calls, so the reply is the source);
 - each call the core dispatches is a `tool_call` (`pending`, its kind, a title, absolute `locations` for files),
+  its title shown safely (devd.render: a command's words as a shell takes them, a control or bidi character in a
+  path or URL escaped: editors show titles in a terminal-like panel), its raw input as the model gave it;
   then `tool_call_update`s: `in_progress` once it runs (at once for reads and fetches, which are never asked
   about; after an approval, or with its result, for the others), and `completed` or `failed` with its output (and
   a diff for a write);
@@ -20,7 +22,6 @@ The view keeps only what it derives from the notices (the last step seen, the ca
 from __future__ import annotations
 
 import os
-import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,6 +46,7 @@ from devd.client import ActionsNotice
 from devd.deltas import Stream
 from devd.messages import Call as CoreCall
 from devd.messages import Message, Op, Output
+from devd.render import argv, inline
 
 StopReason = Literal["end_turn", "cancelled"]
 
@@ -146,16 +148,16 @@ def call_of(action: int, op: Op, workspace: str | None) -> Call | None:
         return [Location(full)]
 
     if op.Exec is not None:
-        return Call(action, "execute", shlex.join(op.Exec.argv), None, {"argv": op.Exec.argv}, asked=True)
+        return Call(action, "execute", argv(op.Exec.argv), None, {"argv": op.Exec.argv}, asked=True)
     if op.Git is not None:
-        return Call(action, "execute", shlex.join(["git", *op.Git.argv]), None, {"argv": op.Git.argv}, asked=True)
+        return Call(action, "execute", argv(["git", *op.Git.argv]), None, {"argv": op.Git.argv}, asked=True)
     if op.Read is not None:
-        return Call(action, "read", op.Read.path, where(op.Read.path), {"path": op.Read.path})
+        return Call(action, "read", inline(op.Read.path), where(op.Read.path), {"path": op.Read.path})
     if op.Write is not None:
         path = op.Write.path
-        return Call(action, "edit", path, where(path), {"path": path}, new_text=op.Write.text, asked=True)
+        return Call(action, "edit", inline(path), where(path), {"path": path}, new_text=op.Write.text, asked=True)
     if op.Browse is not None:
-        return Call(action, "fetch", op.Browse.url, None, {"url": op.Browse.url})
+        return Call(action, "fetch", inline(op.Browse.url), None, {"url": op.Browse.url})
     return None
 
 
@@ -317,7 +319,7 @@ class SessionView:
         if n.decision == "allow":
             return [self._status(call, "in_progress")] if call.status == "pending" else []
         if n.decision == "deny":
-            return [ToolCallUpdate(tool_call_id(call.action), content=_text(f"denied by {n.by}"))]
+            return [ToolCallUpdate(tool_call_id(call.action), content=_text(f"denied by {inline(n.by)}"))]
         return []
 
     @staticmethod

@@ -7,7 +7,9 @@ It exits 0 when the turn is done, 1 when it ended otherwise (cancelled by anothe
 130 after Ctrl-C, which cancels the turn (a `Cancel` step). `devd attach SESSION` shows the same of a session someone
 else drives, until its running turn ends (or Ctrl-C, which leaves the turn alone).
 
-Rendering is a pure function of the notices (`Screen`), so that what people see is tested without a terminal.
+Rendering is a pure function of the notices (`Screen`), so that what people see is tested without a terminal. What
+a model chose (its text, a command's words, paths, URLs, what its calls printed, a reason quoting them) is shown
+through devd.render, so that nothing in it acts on the terminal: an approval shows the command that `y` runs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from devd.client import ActionsNotice, AsyncClient, Notice, UnwatchedNotice
 from devd.errors import BusyError, ConflictError, HandleError
 from devd.messages import Action, Cancel, Event, Output
 from devd.protocol import ApprovalNotice, DecidedNotice, DeltaNotice, StalledNotice
+from devd.render import Streamed, argv, block, inline, prose
 
 EXIT_OK = 0
 EXIT_ENDED = 1
@@ -45,24 +48,31 @@ def _result(event: Event) -> Output | None:
 
 
 def call_line(action: Action) -> str | None:
-    """A call the model made, as a line: `$ make test`, `read src/a.py`, `write notes.txt (12 bytes)`."""
+    """A call the model made, as a line: `$ make -C 'my dir'` (the words a shell would take), `read src/a.py`,
+    `write notes.txt (12 bytes)`; any control or bidi character in it escaped."""
     op = action.op
     if op.Exec is not None:
-        return "$ " + " ".join(op.Exec.argv)
+        return "$ " + argv(op.Exec.argv)
     if op.Git is not None:
-        return "$ git " + " ".join(op.Git.argv)
+        return "$ " + argv(["git", *op.Git.argv])
     if op.Read is not None:
-        return f"read {op.Read.path}"
+        return f"read {inline(op.Read.path)}"
     if op.Write is not None:
-        return f"write {op.Write.path} ({len(op.Write.text.encode())} bytes)"
+        return f"write {inline(op.Write.path)} ({len(op.Write.text.encode())} bytes)"
     if op.Browse is not None:
-        return f"browse {op.Browse.url}"
+        return f"browse {inline(op.Browse.url)}"
     return None
 
 
+def _lines(text: str) -> list[str]:
+    """text's lines, split at line feeds alone: a carriage return or another separator stays in its line, shown."""
+    return text.removesuffix("\n").split("\n") if text else []
+
+
 def result_lines(output: Output) -> list[str]:
-    """A call's result, indented: its first lines, how many more, and whether it failed."""
-    lines = output.text.rstrip("\n").splitlines() or ["(no output)"]
+    """A call's result, indented: its first lines, how many more, and whether it failed; read as prose (terminal
+    sequences removed, other controls escaped)."""
+    lines = _lines(prose(output.text).rstrip("\n")) or ["(no output)"]
     shown = [f"  {line}" for line in lines[:RESULT_LINES]]
     if len(lines) > RESULT_LINES:
         shown.append(f"  … {len(lines) - RESULT_LINES} more lines")
@@ -84,22 +94,23 @@ class Screen:
     outcome: str | None = None  # "complete" or "cancelled", once the turn's Done came
     interrupted: bool = False  # Ctrl-C: the turn was cancelled from here
     texts: dict[int, str] = field(default_factory=dict)  # what was streamed of each Model action
+    streams: dict[int, Streamed] = field(default_factory=dict)  # each Model action's text being shown as it streams
     workspace: str | None = None  # where a write's diff is taken against, when known
 
     def show(self, notice: Notice) -> None:
         if isinstance(notice, DeltaNotice):
             self.asking = None
             self.texts[notice.action] = self.texts.get(notice.action, "") + notice.text
-            self._write(notice.text)
+            self._write(self.streams.setdefault(notice.action, Streamed()).add(notice.text))
         elif isinstance(notice, StalledNotice):
-            self._line(f"[the turn waits: {notice.why}]")  # each why says what stalled it and what carries on
+            self._line(f"[the turn waits: {inline(notice.why)}]")  # each why says what stalled it and what carries on
         elif isinstance(notice, ApprovalNotice):
             self._line(f"[approval needed for action {notice.action}]")
             for line in approval_lines(notice, self.workspace):
                 self._line(line)
         elif isinstance(notice, DecidedNotice):
             said = {"allow": "allowed", "deny": "denied", "cancelled": "withdrawn: its turn was cancelled"}
-            self._line(f"[action {notice.action} {said[notice.decision]} by {notice.by}]")
+            self._line(f"[action {notice.action} {said[notice.decision]} by {inline(notice.by)}]")
         elif isinstance(notice, ActionsNotice):
             self._step(notice)
         self.out.flush()
@@ -109,6 +120,8 @@ class Screen:
         answered = event.Model.id if event.Model is not None else None
         if answered is not None and self.asking == answered:
             self.asking = None
+        if answered is not None and answered in self.streams:
+            self._write(self.streams.pop(answered).end())  # a sequence its stream left unfinished, shown
         output = _result(event)
         if output is not None and output.id in self.calls:
             for line in result_lines(output):
@@ -121,9 +134,12 @@ class Screen:
                 streamed = self.texts.get(answered, "") if answered is not None else ""
                 if streamed != op.Emit:  # not streamed here, or only its end (attached while it was written)
                     self._end_line()
-                    self._write(op.Emit)
+                    self._write(prose(op.Emit))
                 self._end_line()
             elif op.Done is not None and (self.turn is None or op.Done.turn == self.turn):
+                for stream in self.streams.values():  # cut off by a cancel: what they hold is shown
+                    self._write(stream.end())
+                self.streams.clear()
                 self.outcome = "complete" if op.Done.outcome.Complete else "cancelled"
                 self._line(f"[turn {op.Done.turn} {self.outcome}]")
             elif (called := call_line(action)) is not None:
@@ -194,13 +210,14 @@ async def _notices(
         if screen.outcome is not None:
             return EXIT_OK if screen.outcome == "complete" else EXIT_ENDED
         if isinstance(notice, UnwatchedNotice):
-            screen._line(f"[the watch ended: {notice.reason}]")
+            screen._line(f"[the watch ended: {inline(notice.reason)}]")
             return EXIT_ENDED
     return EXIT_ENDED
 
 
 def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:
-    """What an approval would do: the command, or a diff of the write (against the file, when it can be read)."""
+    """What an approval would do: the command, or a diff of the write (against the file, when it can be read), shown
+    exactly: a control or bidi character in it is escaped, never taken by the terminal."""
     op = notice.op
     if op.Write is None:
         line = call_line(Action(id=notice.action, op=op))
@@ -208,16 +225,15 @@ def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:
     before = ""
     if workspace is not None:
         try:
-            before = (Path(workspace) / op.Write.path).read_text(errors="replace")
+            before = (Path(workspace) / op.Write.path).read_bytes().decode(errors="replace")  # its \r\n as it is
         except OSError:
             before = ""
-    diff = difflib.unified_diff(
-        before.splitlines(), op.Write.text.splitlines(), f"a/{op.Write.path}", f"b/{op.Write.path}", lineterm=""
-    )
-    lines = [f"  {line}" for line in diff]
+    path = inline(op.Write.path)
+    diff = difflib.unified_diff(_lines(before), _lines(op.Write.text), f"a/{path}", f"b/{path}", lineterm="")
+    lines = [f"  {block(line)}" for line in diff]
     if len(lines) > DIFF_LINES:
         lines = [*lines[:DIFF_LINES], f"  … {len(lines) - DIFF_LINES} more lines"]
-    return [f"write {op.Write.path} ({len(op.Write.text.encode())} bytes)", *lines]
+    return [f"write {path} ({len(op.Write.text.encode())} bytes)", *lines]
 
 
 def decision_of(answer: str) -> tuple[Literal["allow", "deny"], bool]:
@@ -240,7 +256,7 @@ async def _ask(client: AsyncClient, notice: ApprovalNotice, screen: Screen, scop
         try:
             await client.approve(notice.session, notice.action, notice.digest, decision, remember=remember)
         except ConflictError as e:
-            screen._line(f"[{e}]")
+            screen._line(f"[{inline(str(e))}]")
 
 
 async def _seq(client: AsyncClient, session: str) -> int | None:

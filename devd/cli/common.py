@@ -19,6 +19,7 @@ from devd.config import (
     default_state_dir,
 )
 from devd.errors import DevdError
+from devd.render import inline, json_safe
 
 if TYPE_CHECKING:
     pass
@@ -98,7 +99,8 @@ def _emit(data: bytes) -> None:
 
 
 def _pretty(raw: bytes) -> bytes:
-    return msgspec.json.format(raw, indent=2) + b"\n"
+    """JSON for people: indented, and nothing in a model's strings acts on their terminal (devd.render)."""
+    return json_safe(msgspec.json.format(raw, indent=2)) + b"\n"
 
 
 def _params(**members: Any) -> dict[str, Any]:
@@ -132,7 +134,8 @@ _METHOD_NAMED = re.compile(r"`?\b((?:session|daemon)/[a-z]+)\b`?")
 
 def in_cli_terms(error: DevdError, args: argparse.Namespace) -> str:
     """The daemon's message as a user of the command reads it: the commands for the methods it names, the flags for
-    the token it wants, and where the daemon's log is when it failed."""
+    the token it wants, and where the daemon's log is when it failed; a control or bidi character it quotes (a
+    model's words, a reason) escaped (devd.render)."""
     if error.kind == "UNAUTHORIZED":
         return _unauthorized(args)
     session = getattr(args, "session", None) or "SESSION"
@@ -141,7 +144,7 @@ def in_cli_terms(error: DevdError, args: argparse.Namespace) -> str:
         template = METHOD_COMMANDS.get(found[1])
         return found[0] if template is None else f"`{template.format(session=session)}`"
 
-    message = _METHOD_NAMED.sub(command, str(error))
+    message = _METHOD_NAMED.sub(command, inline(str(error)))
     if error.kind == "INTERNAL":
         message += " (the daemon's log: `journalctl -u devd`, with --user for a daemon of yours, or its stderr)"
     return message

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import shlex
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +16,7 @@ from devd.config import (
     default_state_dir,
 )
 from devd.errors import DevdError, HandleError
+from devd.render import argv, inline
 from devd.server.metrics import prometheus
 from devd.storage.doctor import Check, size
 
@@ -252,26 +252,27 @@ SUMMARY_CHARS_MAX = 72  # an action's summary in `devd inspect`, so that each st
 
 
 def action_summary(action: Action) -> str:
-    """An action's kind and what it is about, on one line: `Read src/lib.rs`, `Model (12 messages)`."""
+    """An action's kind and what it is about, on one line: `Read src/lib.rs`, `Model (12 messages)`; what a model chose
+    in it shown safely (devd.render: a command as a shell takes it, a control or bidi character escaped)."""
     op = action.op
     kind = next(name for name in op.__struct_fields__ if getattr(op, name) is not None)
     if op.Model is not None:
         n = len(op.Model.messages)
         about = f"({n} message{'' if n == 1 else 's'})"
     elif op.Exec is not None:
-        about = shlex.join(op.Exec.argv)
+        about = argv(op.Exec.argv)
     elif op.Git is not None:
-        about = shlex.join(op.Git.argv)
+        about = argv(op.Git.argv)
     elif op.Read is not None:
-        about = op.Read.path
+        about = inline(op.Read.path)
     elif op.Write is not None:
-        about = f"{op.Write.path} ({len(op.Write.text)} characters)"
+        about = f"{inline(op.Write.path)} ({len(op.Write.text)} characters)"
     elif op.Browse is not None:
-        about = op.Browse.url
+        about = inline(op.Browse.url)
     elif op.Done is not None:
         about = f"turn {op.Done.turn}"
     else:
-        about = op.Emit or ""
+        about = inline(" ".join((op.Emit or "").split()))  # its lines run together before any is escaped
     about = " ".join(about.split())
     if len(about) > SUMMARY_CHARS_MAX:
         about = about[: SUMMARY_CHARS_MAX - 3] + "..."
@@ -284,7 +285,7 @@ def inspection(entry: dict[str, Any], pending: list[Action] | None) -> str:
     name = entry["session"]
     pairs = [("session", name), ("state", entry["state"])]
     if entry.get("reason"):
-        pairs.append(("reason", entry["reason"]))
+        pairs.append(("reason", inline(entry["reason"])))
     pairs += [
         ("seq", str(entry["seq"])),
         ("watchers", str(entry.get("watchers", 0))),

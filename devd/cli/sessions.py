@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from devd.protocol import METHODS
+from devd.render import inline, json_safe
 
 if TYPE_CHECKING:
     from devd.client import Client
@@ -107,7 +108,7 @@ def trace_line(r: dict[str, Any]) -> str:
     if r.get("attempt"):
         what += f" (attempt {r['attempt']})"
     tokens = f" {r['input_tokens']}+{r['output_tokens']} tokens" if r.get("input_tokens") is not None else ""
-    error = f": {r['error']}" if r.get("error") else ""
+    error = f": {inline(r['error'])}" if r.get("error") else ""  # it may quote what a model chose
     took = f"{r['duration_ms']:.1f} ms"
     return f"{r['n']:>4} {r['started']} action {r['action']} {what} {r['outcome']} {took}{tokens}{error}\n"
 
@@ -117,7 +118,8 @@ def _watch(client: Client, args: argparse.Namespace) -> int:
     client.call("session/watch", _params(session=args.session, since=args.since))
     while True:
         notice = client.wait_notification()
-        _emit(msgspec.json.encode({"method": notice.method, "params": notice.params}) + b"\n")
+        line = msgspec.json.encode({"method": notice.method, "params": notice.params})
+        _emit(json_safe(line) + b"\n")  # the model's text in it cannot act on a terminal
         if notice.method == "session/unwatched":
             # The session closed (or expired): the watch is over, normally. Dropped for falling behind: exit 1,
             # and watch again with --since to catch up.
@@ -269,5 +271,5 @@ def sessions_table(sessions: list[dict[str, Any]]) -> str:
     if any(s.get("reason") for s in sessions):
         headers.append("REASON")
         for row, s in zip(rows, sessions, strict=True):
-            row.append(s.get("reason") or "")
+            row.append(inline(s.get("reason") or ""))  # it may quote what a model (or its server) said
     return table(headers, rows, right=frozenset({2, 3}))
