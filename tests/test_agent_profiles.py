@@ -44,6 +44,7 @@ network = true
 exec_timeout_s = 30
 output_bytes_max = 4096
 tools = ["browse"]
+browse_private = true
 max_tokens = 2000
 
 [agent.coder.budget]
@@ -91,6 +92,7 @@ def test_a_good_file_gives_every_setting(tmp_path: Path) -> None:
         exec_timeout_s=30.0,
         output_bytes_max=4096,
         tools=("browse",),
+        browse_private=True,
         max_tokens=2000,
         budget=Budget(tokens_per_turn=10000, tokens_per_day=1000000),
     )
@@ -113,7 +115,7 @@ BAD = [
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\ncolour = "red"\n',
         "FILE:5: unknown key 'colour' in [agent.a]; remove it or fix its name (the keys are base_url, model, "
         "workspace_roots, api_key_env, system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, "
-        "tools, max_tokens, budget)",
+        "tools, browse_private, max_tokens, budget)",
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = 7\nworkspace_roots = ["ROOT"]\n',

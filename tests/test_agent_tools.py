@@ -1,4 +1,5 @@
-"""The tools on real files, symlinks and subprocesses: confinement, atomic writes, commands' limits, Browse."""
+"""The tools on real files, symlinks and subprocesses: confinement, atomic writes, commands' limits (Browse is in
+test_agent_browse.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import anyio
 import pytest
 
 from devd.agent.profiles import Profile
-from devd.agent.tools import Refused, Result, _walk, browse, read_file, resolve, run_command, write_file
+from devd.agent.tools import Refused, Result, _walk, read_file, resolve, run_command, write_file
 from tests.helpers import gone
-from tests.standin_model import Standin, standin_fixture  # noqa: F401 (the fixture)
 
 
 @pytest.fixture
@@ -247,31 +247,3 @@ async def test_cancelling_kills_the_command_and_raises(ws: Path) -> None:
             pid = int(await anyio.to_thread.run_sync((ws / "started").read_text))
             tg.cancel_scope.cancel()
     assert (cancelled, await gone(pid)) == (True, True)
-
-
-async def test_browse_gets_the_page_text_capped(standin: Standin) -> None:
-    standin.pages["/docs"] = "0123456789"
-    result = await browse(standin.url.removesuffix("/v1") + "/docs", 4)
-    assert result == Result("0123\n[cut: the page is longer than 4 bytes; the rest was not read]")
-
-
-async def test_browse_follows_a_redirect(standin: Standin) -> None:
-    standin.pages |= {"/old": "redirect:/new", "/new": "moved here"}
-    assert await browse(standin.url.removesuffix("/v1") + "/old", 100) == Result("moved here")
-
-
-async def test_browse_of_an_image_fails_saying_it_is_not_text(standin: Standin) -> None:
-    standin.pages["/logo"] = b"\x89PNG\r\n"
-    url = standin.url.removesuffix("/v1") + "/logo"
-    assert await browse(url, 100) == Result(f"{url} is image/png, not text; it is not shown", True)
-
-
-async def test_browse_of_a_missing_page_fails_with_its_status(standin: Standin) -> None:
-    result = await browse(standin.url.removesuffix("/v1") + "/none", 1000)
-    assert result == Result(f"GET {standin.url.removesuffix('/v1')}/none: HTTP 404\nno page /none", True)
-
-
-async def test_browse_of_a_url_that_is_not_http_fails_saying_so() -> None:
-    assert await browse("file:///etc/passwd", 100) == Result(
-        "cannot fetch 'file:///etc/passwd': it is not an http:// or https:// URL", True
-    )

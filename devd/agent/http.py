@@ -1,4 +1,4 @@
-"""The only home of httpx: one client, a streamed POST and a capped GET, and one error for the network.
+"""The only home of httpx: one client, a streamed POST and a GET from checked addresses, and one error for the network.
 
 A client never reads proxies or certificates from the environment (`trust_env=False`): what the daemon reaches is
 what its profiles say. Every httpx error becomes a `TransportError`, so no other module needs to know httpx.
@@ -10,7 +10,7 @@ answer), for a runtime that may never call out.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -115,16 +115,53 @@ async def post(client: Client, url: str, body: bytes, headers: Mapping[str, str]
 
 
 @asynccontextmanager
-async def get(client: Client, url: str, *, max_redirects: int = 5) -> AsyncIterator[Response]:
-    """GET, as `post` does, following up to `max_redirects` redirects (a page's address often moved)."""
+async def get(client: Client, url: str, addresses: Sequence[str]) -> AsyncIterator[Response]:
+    """GET `url` from one of `addresses` (checked by the caller; tried in order until one connects), as `post` hands
+    over its response. The host is not resolved again, so what is reached is what was checked; its name still goes
+    in the Host header and, for https, in the TLS server name, against which the certificate is verified. No redirect
+    is followed (the caller checks each hop), and the connection is closed after the response: one opened, and its
+    certificate verified, for one name is never reused for another name at the same address."""
+    import httpx
+
     streaming = client._httpx()
+    target = httpx.URL(url)
+    headers = {"Host": target.netloc.decode("ascii"), "Connection": "close"}
+    extensions = {"sni_hostname": target.raw_host.decode("ascii")} if target.scheme == "https" else {}
+    refused: httpx.ConnectError | None = None
+    for address in addresses:
+        request = streaming.build_request("GET", target.copy_with(host=address), headers=headers, extensions=extensions)
+        try:
+            response = await streaming.send(request, stream=True)
+        except httpx.ConnectError as e:
+            refused = e  # the next address may answer
+            continue
+        except httpx.HTTPError as e:
+            raise TransportError(_why(e)) from None
+        try:
+            yield Response(response)
+        finally:
+            await response.aclose()
+        return
+    raise TransportError(_why(refused) if refused is not None else "no address to connect to")
+
+
+def host_port(url: str) -> tuple[str, int]:
+    """The host of a valid http(s) URL as it is resolved (an internationalized name in its IDNA form, an IPv6
+    address without brackets) and its port (the scheme's when none is given)."""
+    import httpx
+
+    parsed = httpx.URL(url)
+    return parsed.raw_host.decode("ascii"), parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+def join(url: str, location: str) -> str | None:
+    """Where a redirect's `Location` leads from `url` (it may be relative); None when it is not a URL."""
     import httpx
 
     try:
-        async with streaming.stream("GET", url, follow_redirects=max_redirects > 0) as response:
-            yield Response(response)
-    except httpx.HTTPError as e:
-        raise TransportError(_why(e)) from None
+        return str(httpx.URL(url).join(location))
+    except httpx.InvalidURL:
+        return None
 
 
 def valid_url(url: str) -> str | None:

@@ -60,6 +60,7 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     exec_timeout_s: float = 120.0
     output_bytes_max: int = 1048576
     tools: tuple[str, ...] = ()
+    browse_private: bool = False  # Browse runs in the daemon: only public addresses, unless this says otherwise
     max_tokens: int | None = None
     budget: Budget | None = None
 
@@ -81,6 +82,7 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "exec_timeout_s": (float, "a number of seconds"),
     "output_bytes_max": (int, "an integer number of bytes"),
     "tools": (list[str], f"a list of tool names ({', '.join(repr(t) for t in EXTRA_TOOLS)})"),
+    "browse_private": (bool, "true or false"),
     "max_tokens": (int, "an integer"),
     "budget": (dict[str, Any], "a table with tokens_per_turn, tokens_per_session, tokens_per_day"),
 }

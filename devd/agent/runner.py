@@ -525,7 +525,7 @@ class Driver(msgspec.Struct, eq=False):
         if call.Write is not None:
             return await tools.write_file(workspace, call.Write.path, call.Write.text)
         if call.Browse is not None:
-            return await tools.browse(call.Browse.url, profile.output_bytes_max, client=self.runtime.http)
+            return await tools.browse(call.Browse.url, profile)
         argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv]  # type: ignore[union-attr]
         confined = await self.runtime.sandbox(profile)
         if isinstance(confined, sandboxes.Refusal):

@@ -32,7 +32,7 @@ import anyio
 import msgspec
 from anyio.abc import Process
 
-from devd.agent import http
+from devd.agent import addresses, http
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Sandbox
 
@@ -347,23 +347,77 @@ def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profil
 # -- Browse -------------------------------------------------------------------------------------------------------
 
 
-async def browse(url: str, limit_bytes: int, *, client: http.Client | None = None) -> Result:
-    """GET the page and give its text (as sent: HTML stays HTML), capped at limit_bytes with a note."""
+BROWSE_REDIRECTS_MAX = 5  # a page that moved is found in one or two; a longer chain is a loop or a detour
+BROWSE_DEADLINE_S = 60.0  # a whole Browse call: every lookup, connection, redirect and read
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+async def browse(
+    url: str,
+    profile: Profile,
+    *,
+    policy: addresses.Policy | None = None,
+    resolve: addresses.Resolver = addresses.resolve,
+) -> Result:
+    """GET the page and give its text (as sent: HTML stays HTML), capped at the profile's output_bytes_max with a
+    note. Browse runs in the daemon, not in the sandbox, so `network` does not apply to it: it reaches public
+    addresses only, at the URL and at every redirect, unless the profile has `browse_private = true` (`policy`, when
+    given, decides instead). A name is resolved once (by `resolve`), and the address checked is the one connected
+    to. At most BROWSE_REDIRECTS_MAX redirects are followed, all within BROWSE_DEADLINE_S, on connections of the
+    call's own (never the model's, never kept)."""
     if (why := http.valid_url(url)) is not None:
         return Result(f"cannot fetch {url!r}: {why}", failed=True)
-    if client is None:
-        async with http.new_client(read_timeout_s=30.0) as own:
-            return await _browse(own, url, limit_bytes)
-    return await _browse(client, url, limit_bytes)
-
-
-async def _browse(client: http.Client, url: str, limit_bytes: int) -> Result:
+    allowed = policy or (addresses.anywhere if profile.browse_private else addresses.public_only)
     try:
-        async with http.get(client, url) as response:
-            data, cut = await response.read(limit_bytes)
-            status, kind = response.status, response.headers.get("content-type", "")
-    except http.TransportError as e:
-        return Result(f"cannot fetch {url}: {e.why}", failed=True)
+        with anyio.fail_after(BROWSE_DEADLINE_S):
+            async with http.new_client(read_timeout_s=30.0) as client:
+                return await _browse(client, url, profile, allowed, resolve)
+    except TimeoutError:
+        why = f"no answer within {BROWSE_DEADLINE_S:g} s (its lookups, connections, redirects and reads in all)"
+        return Result(f"cannot fetch {url}: {why}; try again later, or another address", failed=True)
+
+
+async def _browse(
+    client: http.Client, url: str, profile: Profile, policy: addresses.Policy, resolve: addresses.Resolver
+) -> Result:
+    here, came_from, redirects = url, "", 0
+    while True:
+        what = f"fetch {here}" if not came_from else f"follow the redirect from {came_from} to {here}"
+        host, port = http.host_port(here)
+        try:
+            reachable = await anyio.to_thread.run_sync(
+                addresses.check, host, port, resolve, policy, abandon_on_cancel=True
+            )
+        except addresses.Unreachable as e:
+            if not e.private:
+                return Result(f"cannot {what}: {e.why}", failed=True)
+            allow = f"browse_private = true in [agent.{profile.name}]"
+            why = f"Browse reaches only public addresses unless the agent's profile allows private ones ({allow})"
+            return Result(f"refused to {what}: {e.why}; {why}", failed=True)
+        try:
+            async with http.get(client, here, [str(address) for address in reachable]) as response:
+                location = response.headers.get("location") if response.status in _REDIRECTS else None
+                if location is None:
+                    data, cut = await response.read(profile.output_bytes_max)
+                    kind = response.headers.get("content-type", "")
+                    return _page(here, response.status, kind, data, cut, profile.output_bytes_max)
+        except http.TransportError as e:
+            return Result(f"cannot {what}: {e.why}", failed=True)
+        following = http.join(here, location)
+        if following is None or (unusable := http.valid_url(following)) is not None:
+            reason = "it is not a URL" if following is None else unusable
+            return Result(f"refused to follow the redirect from {here} to {location!r}: {reason}", failed=True)
+        if redirects == BROWSE_REDIRECTS_MAX:
+            return Result(
+                f"cannot fetch {url}: it redirects more than {BROWSE_REDIRECTS_MAX} times (the next, from {here}, "
+                f"to {following}); Browse follows at most {BROWSE_REDIRECTS_MAX}: browse {following} itself if it "
+                "is the page you want",
+                failed=True,
+            )
+        here, came_from, redirects = following, here, redirects + 1
+
+
+def _page(url: str, status: int, kind: str, data: bytes, cut: int, limit_bytes: int) -> Result:
     if kind and not _textual(kind):
         return Result(f"{url} is {kind.split(';')[0]}, not text; it is not shown", failed=True)
     charset = kind.partition("charset=")[2].split(";")[0].strip() or "utf-8"
