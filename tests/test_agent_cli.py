@@ -6,7 +6,23 @@ import io
 
 from devd.agent.cli import Screen, approval_lines, call_line
 from devd.client import ActionsNotice
-from devd.messages import Action, Answer, Call, Event, Exec, Message, Op, Output, Read, Reply, Turn, Write, ask, done
+from devd.messages import (
+    Action,
+    Answer,
+    Call,
+    Cancel,
+    Event,
+    Exec,
+    Message,
+    Op,
+    Output,
+    Read,
+    Reply,
+    Turn,
+    Write,
+    ask,
+    done,
+)
 from devd.protocol import ApprovalNotice, DeltaNotice, StalledNotice
 
 
@@ -106,3 +122,14 @@ def test_a_result_is_shown_without_terminal_sequences_and_with_a_lone_carriage_r
     output = Output(id=10, text="\x1b[32mok\x1b[0m\r\n\r\x1b[2K$ ls -la\n")
     text = shown(step(TURN, EXEC), step(Event(Exec=output)))
     assert text == "$ make test\n  ok\n  \\r$ ls -la\n"
+
+
+def test_what_a_stream_held_when_its_turn_was_cancelled_is_shown_escaped() -> None:
+    assert (
+        shown(
+            step(TURN, ask(Message(User="go"))),
+            DeltaNotice("s", 1, "see \x1b]8;;http://x"),
+            step(Event(Cancel=Cancel(turn=1)), done(1, cancelled=True)),
+        )
+        == "see \\x1b]8;;http://x\n[turn 1 cancelled]\n"
+    )
