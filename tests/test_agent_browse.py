@@ -308,6 +308,23 @@ async def test_a_name_that_does_not_resolve_fails_without_mentioning_browse_priv
     )
 
 
+async def test_a_name_the_resolver_cannot_encode_fails_saying_why() -> None:
+    url = "http://docs..example.com/"
+    assert await browse(url, profile()) == Result(
+        f"cannot fetch {url}: docs..example.com is not a name that can be resolved (a part of it is empty or longer "
+        "than 63 characters)",
+        True,
+    )
+
+
+async def test_a_name_that_is_not_valid_idna_is_looked_up_as_written() -> None:
+    url = "http://xn--zz.example.com/"
+    assert await browse(url, profile(), resolve=resolver({})) == Result(
+        f"cannot fetch {url}: xn--zz.example.com does not resolve (xn--zz.example.com is not in this test's resolver)",
+        True,
+    )
+
+
 async def test_browse_gets_the_page_text_capped(pages: Pages) -> None:
     pages.pages["/docs"] = "0123456789"
     result = await browse(pages.origin + "/docs", profile(browse_private=True, output_bytes_max=4))

@@ -97,6 +97,9 @@ def check(host: str, port: int, resolve: Resolver, policy: Policy) -> list[Addre
         found = [ipaddress.ip_address(text) for text in resolve(host, port)]
     except OSError as e:
         raise Unreachable(f"{host} does not resolve ({e.strerror or e})", private=False) from None
+    except UnicodeError:  # the resolver's IDNA step refuses a name before any lookup
+        parts = "a part of it is empty or longer than 63 characters"
+        raise Unreachable(f"{host} is not a name that can be resolved ({parts})", private=False) from None
     if not found:
         raise Unreachable(f"{host} resolves to no address", private=False)
     for address in found:

@@ -172,6 +172,6 @@ def valid_url(url: str) -> str | None:
         parsed = httpx.URL(url)
     except httpx.InvalidURL as e:
         return str(e)
-    if parsed.scheme not in ("http", "https") or not parsed.host:
+    if parsed.scheme not in ("http", "https") or not parsed.raw_host:  # `host` would decode IDNA, which may fail
         return "it is not an http:// or https:// URL"
     return None
