@@ -5,6 +5,7 @@ redirects, the checked address connected to, and the page's text), and the profi
 from __future__ import annotations
 
 import ipaddress
+import socket
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from devd.agent import addresses
+from devd.agent import addresses, tools
 from devd.agent.addresses import Unreachable, check, kind, public_only
 from devd.agent.profiles import Profile
 from devd.agent.tools import Result, browse
@@ -323,6 +324,17 @@ async def test_a_name_that_is_not_valid_idna_is_looked_up_as_written() -> None:
         f"cannot fetch {url}: xn--zz.example.com does not resolve (xn--zz.example.com is not in this test's resolver)",
         True,
     )
+
+
+async def test_a_server_that_never_answers_fails_the_call_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tools, "BROWSE_DEADLINE_S", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts the connection; nothing answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/"
+        assert await browse(url, profile(browse_private=True)) == Result(
+            f"cannot fetch {url}: no answer within 0.5 s (its lookups, connections, redirects and reads in all); "
+            "try again later, or another address",
+            True,
+        )
 
 
 async def test_browse_gets_the_page_text_capped(pages: Pages) -> None:
