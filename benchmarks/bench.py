@@ -2174,7 +2174,7 @@ def _stand_in_ms(url: str, rounds: int) -> list[float]:
         async with http.new_client() as client:
             for _ in range(rounds):
                 started = time.perf_counter()
-                await model.complete(client, profile, [Message(User="hi")], api_key=None, exec_available=True)
+                await model.complete(client, profile, [Message(User="hi")], environ={}, exec_available=True)
                 times.append((time.perf_counter() - started) * 1000)
 
     anyio.run(ask)

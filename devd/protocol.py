@@ -497,6 +497,7 @@ class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True)
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    estimated: bool = False  # the token counts are devd's estimate: the server sent none (a stream cut short, say)
     name: str | None = None  # a tool run's command (argv[0]) or path, for people and span names
 
 
@@ -788,7 +789,7 @@ METHODS: dict[str, Spec] = {
             "trace",
             """What the daemon did for the session, one durable record per model call attempt and tool run, success
             or failure: `{n, action, kind, started, duration_ms, outcome, error?, attempt?, model?, input_tokens?,
-            output_tokens?, cached_tokens?, name?}`.""",
+            output_tokens?, cached_tokens?, estimated?, name?}`.""",
         ),
     ]
 }

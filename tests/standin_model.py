@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -38,7 +38,7 @@ class Scripted:
     `usage` `(prompt, completion, cached)` (default: counted from the sizes), `delay_s` before each chunk, `split`
     characters of text per chunk; or an error `status` (with `message` and `retry_after`); or `hang`: send the head,
     the role chunk and the first fragment, then nothing until the client closes; or `held`: send `held_after` chunks
-    (the role chunk is the first), then wait until the event is set before the rest."""
+    (the role chunk is the first), then wait until the event is set before the rest; or `endless` (see there)."""
 
     text: str | None = None
     tool_calls: list[tuple[str, dict[str, Any] | str]] = field(default_factory=list)
@@ -55,6 +55,9 @@ class Scripted:
     held: threading.Event | None = None
     held_after: int = 0
     cut_after: int | None = None  # send this many chunks, then close the connection before data: [DONE]
+    # After the role chunk, until the client closes: "line", one data line that never ends; "chunks", content chunks
+    # without data: [DONE]; "trickle", a one-character content chunk every `delay_s`.
+    endless: Literal["line", "chunks", "trickle"] | None = None
 
 
 Responder = Scripted | Callable[[dict[str, Any]], Scripted]
@@ -76,6 +79,7 @@ class Standin:
         self.requests: list[Recorded] = []
         self.closed_early = 0  # streams the client closed before the server had finished them
         self.closed = threading.Event()  # set at each early close
+        self.sent_bytes = 0  # of streamed replies' bodies, all told
         self.pages: dict[str, str | bytes] = {}  # path -> page served on GET (for Browse): text, or bytes (a PNG)
         standin = self
 
@@ -173,6 +177,8 @@ class Standin:
         h.send_header("Connection", "close")
         h.end_headers()
         h.close_connection = True
+        if reply.endless is not None:
+            return self._endless(h, body, reply)
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         for n, chunk in enumerate(_chunks(body, reply, usage)):
             if reply.hang and n == 2:  # after the role chunk and a first fragment
@@ -183,10 +189,27 @@ class Standin:
                 reply.held.wait(NOTICE_WAIT_S)
             if reply.delay_s:
                 time.sleep(reply.delay_s)
-            h.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            h.wfile.flush()
-        h.wfile.write(b"data: [DONE]\n\n")
+            self._send(h, b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self._send(h, b"data: [DONE]\n\n")
+
+    def _send(self, h: BaseHTTPRequestHandler, data: bytes) -> None:
+        h.wfile.write(data)
         h.wfile.flush()
+        with self._lock:
+            self.sent_bytes += len(data)
+
+    def _endless(self, h: BaseHTTPRequestHandler, body: dict[str, Any], reply: Scripted) -> None:
+        """Stream for ever (see `Scripted.endless`); a closed client ends it (BrokenPipeError), as does shutdown."""
+        role = next(_chunks(body, reply, False))
+        self._send(h, b"data: " + json.dumps(role).encode() + b"\n\n")
+        text = {"line": "x" * 65536, "chunks": "x" * 1000, "trickle": "x"}[reply.endless or "chunks"]
+        piece = json.dumps(role | {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})
+        if reply.endless == "line":
+            self._send(h, b'data: {"choices":[{"index":0,"delta":{"content":"')
+        while self._server.socket.fileno() >= 0:
+            if reply.endless == "trickle":
+                time.sleep(reply.delay_s)
+            self._send(h, text.encode() if reply.endless == "line" else b"data: " + piece.encode() + b"\n\n")
 
     def _hang(self, h: BaseHTTPRequestHandler) -> None:
         """Send nothing more; return once the client has closed the connection."""

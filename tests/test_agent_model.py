@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from structlog.testing import capture_logs
 
 from devd.agent import http
 from devd.agent.model import (
@@ -26,9 +32,16 @@ from devd.agent.model import (
     request_body,
     to_reply,
 )
+from devd.agent.otel import Exporter
 from devd.agent.profiles import Profile
-from devd.messages import Agent, Call, Dispatch, Exec, Message, Read, Reply, Tool, Write
-from tests.standin_model import Scripted, Standin, check_request, standin_fixture  # noqa: F401 (the fixture)
+from devd.agent.spend import Usage as SpendUsage
+from devd.agent.spend import estimate_tokens
+from devd.client import Client
+from devd.messages import Agent, Call, Cancel, Dispatch, Event, Exec, Message, Read, Reply, Tool, Write
+from tests.agents import SECRET, Agentd, agentd, run_turn, watch_raw
+from tests.standin_model import Scripted, Standin, check_request, standin_fixture
+
+__all__ = ["agentd", "standin_fixture"]  # the fixtures
 
 
 @pytest.fixture
@@ -207,7 +220,7 @@ async def test_complete_streams_each_fragment_in_order(standin: Standin, client:
     standin.script(Scripted(text="The build is fixed now.", split=4))
     fragments: list[str] = []
     done = await complete(
-        client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, on_text=fragments.append
+        client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True, on_text=fragments.append
     )
     assert (fragments, "".join(fragments)) == (
         ["The ", "buil", "d is", " fix", "ed n", "ow."],
@@ -217,13 +230,14 @@ async def test_complete_streams_each_fragment_in_order(standin: Standin, client:
 
 async def test_complete_sends_the_key_as_a_bearer_token(standin: Standin, client: http.Client) -> None:
     standin.script(Scripted(text="hi"))
-    await complete(client, profile(standin.url), CONVERSATION[:1], api_key="sk-1", exec_available=True)
+    keyed = profile(standin.url, api_key_env="MODEL_KEY")
+    await complete(client, keyed, CONVERSATION[:1], environ={"MODEL_KEY": "sk-1"}, exec_available=True)
     assert standin.requests[0].headers["authorization"] == "Bearer sk-1"
 
 
 async def test_complete_returns_tool_calls_and_usage(standin: Standin, client: http.Client) -> None:
     standin.script(Scripted(text="Reading.", tool_calls=[("read", {"path": "Makefile"})], usage=(30, 7, 16)))
-    done = await complete(client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True)
+    done = await complete(client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True)
     assert done == Completion(
         text="Reading.",
         tool_calls=[ToolCall(id="call_standin_0", name="read", arguments='{"path": "Makefile"}')],
@@ -240,7 +254,7 @@ async def test_a_500_is_retried_and_the_next_attempt_answers(standin: Standin, c
         client,
         profile(standin.url),
         CONVERSATION[:1],
-        api_key=None,
+        environ={},
         exec_available=True,
         on_attempt=outcomes.append,
         backoff_s=0,
@@ -252,7 +266,7 @@ async def test_a_429_waits_for_its_retry_after_not_the_backoff(standin: Standin,
     standin.script(Scripted(status=429, retry_after="0"), Scripted(text="ok"))
     with anyio.fail_after(30):  # the backoff would wait 100 s
         done = await complete(
-            client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, backoff_s=100
+            client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True, backoff_s=100
         )
     assert (done.text, standin.count) == ("ok", 2)
 
@@ -261,7 +275,7 @@ async def test_spent_attempts_raise_model_unavailable_saying_why(standin: Standi
     standin.script(*[Scripted(status=503, message="overloaded")] * 3)
     with pytest.raises(ModelUnavailable) as e:
         await complete(
-            client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, attempts=3, backoff_s=0
+            client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True, attempts=3, backoff_s=0
         )
     assert e.value.why == f"model server {standin.url}: 503 overloaded after 3 attempts"
 
@@ -269,7 +283,7 @@ async def test_spent_attempts_raise_model_unavailable_saying_why(standin: Standi
 async def test_a_refused_connection_is_retried_then_unavailable(client: http.Client) -> None:
     with pytest.raises(ModelUnavailable) as e:
         await complete(
-            client, profile("http://127.0.0.1:9/v1"), CONVERSATION[:1], api_key=None, exec_available=True, backoff_s=0
+            client, profile("http://127.0.0.1:9/v1"), CONVERSATION[:1], environ={}, exec_available=True, backoff_s=0
         )
     assert e.value.why.endswith("after 4 attempts")
 
@@ -277,7 +291,7 @@ async def test_a_refused_connection_is_retried_then_unavailable(client: http.Cli
 async def test_a_400_is_not_retried_and_says_the_servers_message(standin: Standin, client: http.Client) -> None:
     bad = [Message(Tool=Tool(id=7, text="orphan"))]
     with pytest.raises(ModelUnavailable) as e:
-        await complete(client, profile(standin.url), bad, api_key=None, exec_available=True)
+        await complete(client, profile(standin.url), bad, environ={}, exec_available=True)
     assert (e.value.why, standin.count) == (
         f"model server {standin.url}: 400 Invalid parameter: messages with role 'tool' must be a response to a "
         "preceeding message with 'tool_calls'. (messages[0].tool_call_id = \"call_7\")",
@@ -289,7 +303,7 @@ async def test_a_server_that_does_not_stream_is_read_whole(standin: Standin, cli
     standin.script(Scripted(text="whole", tool_calls=[("read", {"path": "a"})], usage=(3, 2, None), whole=True))
     fragments: list[str] = []
     done = await complete(
-        client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, on_text=fragments.append
+        client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True, on_text=fragments.append
     )
     assert (done, fragments) == (
         Completion(
@@ -369,7 +383,7 @@ async def test_cancelling_closes_the_stream(standin: Standin, client: http.Clien
             client,
             profile(standin.url),
             CONVERSATION[:1],
-            api_key=None,
+            environ={},
             exec_available=True,
             on_text=lambda _: started.set(),
             on_attempt=outcomes.append,
@@ -392,7 +406,7 @@ async def test_an_async_on_text_is_awaited_for_each_fragment(standin: Standin, c
         await anyio.sleep(0)
         seen.append(fragment)
 
-    await complete(client, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True, on_text=on_text)
+    await complete(client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True, on_text=on_text)
     assert seen == ["ab", "cd", "ef"]
 
 
@@ -423,7 +437,7 @@ async def test_proxies_in_the_environment_are_not_used(standin: Standin, monkeyp
     monkeypatch.delenv("no_proxy", raising=False)
     standin.script(Scripted(text="direct"))
     async with http.new_client() as c:
-        done = await complete(c, profile(standin.url), CONVERSATION[:1], api_key=None, exec_available=True)
+        done = await complete(c, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True)
     assert done.text == "direct"
 
 
@@ -431,3 +445,330 @@ def test_the_daemon_does_not_load_httpx_before_an_agent_first_calls_out() -> Non
     code = "import sys, devd.cli, devd.cli.serve, devd.server.daemon; print('httpx' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "False\n"
+
+
+# -- secrets ------------------------------------------------------------------------------------------------------
+
+KEY = "sk-live-0123456789abcdef"
+
+
+async def test_a_key_ending_in_cr_is_refused_naming_its_variable_and_never_sent(
+    standin: Standin, client: http.Client
+) -> None:
+    keyed = profile(standin.url, api_key_env="MODEL_KEY")
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(client, keyed, CONVERSATION[:1], environ={"MODEL_KEY": KEY + "\r"}, exec_available=True)
+    assert (e.value.why, standin.count) == (
+        f"model server {standin.url}: the API key in MODEL_KEY (api_key_env of agent 'coder') holds a carriage "
+        "return (CR) (the key is not shown); a key is printable ASCII without spaces: set the variable again without "
+        "it (a file written with Windows line ends adds one) and restart the daemon",
+        0,
+    )
+
+
+async def test_a_key_variable_that_is_not_set_is_refused_saying_so(standin: Standin, client: http.Client) -> None:
+    keyed = profile(standin.url, api_key_env="MODEL_KEY")
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(client, keyed, CONVERSATION[:1], environ={}, exec_available=True)
+    assert (e.value.why, standin.count) == (
+        f"model server {standin.url}: the API key variable MODEL_KEY (api_key_env of agent 'coder') is not set in "
+        "the daemon's environment; set it where the daemon starts and restart the daemon, or remove api_key_env if "
+        "the server needs no key",
+        0,
+    )
+
+
+async def test_a_key_the_server_echoes_is_redacted_from_the_error_and_the_attempt(
+    standin: Standin, client: http.Client
+) -> None:
+    standin.script(Scripted(status=401, message=f"Incorrect API key provided: {KEY}"))
+    attempts: list[Attempt] = []
+    keyed = profile(standin.url, api_key_env="MODEL_KEY")
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(
+            client, keyed, CONVERSATION[:1], environ={"MODEL_KEY": KEY}, exec_available=True, on_attempt=attempts.append
+        )
+    assert (e.value.why, [a.error for a in attempts]) == (
+        f"model server {standin.url}: 401 Incorrect API key provided: [redacted]",
+        ["401 Incorrect API key provided: [redacted]"],
+    )
+
+
+async def test_a_base_urls_user_and_password_are_in_no_error_text(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(status=400, message="no user me:hunter22 here, nor hunter22"))
+    attempts: list[Attempt] = []
+    with_userinfo = profile(standin.url.replace("http://", "http://me:hunter22@"))
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(
+            client, with_userinfo, CONVERSATION[:1], environ={}, exec_available=True, on_attempt=attempts.append
+        )
+    assert (e.value.why, [a.error for a in attempts]) == (
+        f"model server {standin.url}: 400 no user [redacted] here, nor [redacted]",
+        ["400 no user [redacted] here, nor [redacted]"],
+    )
+
+
+# -- bounds -------------------------------------------------------------------------------------------------------
+
+REPLY_BYTES_MAX = 1024 * 1024
+
+
+async def _bounded(standin: Standin, client: http.Client, **fields: Any) -> tuple[str, list[Attempt], int]:
+    """complete() against the stand-in's script, which must fail: why, the attempts, and the peak of the memory
+    Python allocated meanwhile (the stand-in's thread included)."""
+    attempts: list[Attempt] = []
+    tracemalloc.start()
+    try:
+        with anyio.fail_after(60), pytest.raises(ModelUnavailable) as e:
+            await complete(
+                client,
+                profile(standin.url, **fields),
+                CONVERSATION[:1],
+                environ={},
+                exec_available=True,
+                on_attempt=attempts.append,
+                backoff_s=0,
+            )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return e.value.why, attempts, peak
+
+
+async def test_a_line_that_never_ends_fails_at_reply_bytes_max_without_a_retry(
+    standin: Standin, client: http.Client
+) -> None:
+    standin.script(Scripted(endless="line"))
+    why, attempts, peak = await _bounded(standin, client, reply_bytes_max=REPLY_BYTES_MAX)
+    assert (why, [(a.outcome, a.status) for a in attempts], standin.count, peak < 8 * REPLY_BYTES_MAX) == (
+        f"model server {standin.url}: a line of the reply passed reply_bytes_max (1048576 bytes) and was dropped; "
+        "it is not asked for again: if agent 'coder' needs replies this large, raise its reply_bytes_max in the "
+        "agents file",
+        [("failed", 200)],
+        1,
+        True,
+    )
+
+
+async def test_chunks_without_done_fail_at_reply_bytes_max_without_a_retry(
+    standin: Standin, client: http.Client
+) -> None:
+    standin.script(Scripted(endless="chunks"))
+    why, attempts, peak = await _bounded(standin, client, reply_bytes_max=REPLY_BYTES_MAX)
+    assert (why, [(a.outcome, a.status) for a in attempts], standin.count, peak < 8 * REPLY_BYTES_MAX) == (
+        f"model server {standin.url}: the reply passed reply_bytes_max (1048576 bytes) and was dropped; it is not "
+        "asked for again: if agent 'coder' needs replies this large, raise its reply_bytes_max in the agents file",
+        [("failed", 200)],
+        1,
+        True,
+    )
+
+
+async def test_a_reply_that_trickles_on_fails_at_model_timeout_s_without_a_retry(
+    standin: Standin, client: http.Client
+) -> None:
+    standin.script(Scripted(endless="trickle", delay_s=0.05))
+    t0 = time.monotonic()
+    why, attempts, _ = await _bounded(standin, client, model_timeout_s=1.0)
+    took = time.monotonic() - t0
+    assert (why, [(a.outcome, a.status) for a in attempts], standin.count, 1.0 <= took < 10) == (
+        f"model server {standin.url}: the reply took longer than model_timeout_s (1 s) and was dropped; it is not "
+        "asked for again: if agent 'coder' needs longer, raise its model_timeout_s in the agents file",
+        [("failed", 200)],
+        1,
+        True,
+    )
+
+
+async def test_a_whole_reply_past_reply_bytes_max_fails_without_a_retry(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(text="x" * 5000, whole=True))
+    why, attempts, _ = await _bounded(standin, client, reply_bytes_max=4096)
+    assert (why, [a.outcome for a in attempts]) == (
+        f"model server {standin.url}: the reply passed reply_bytes_max (4096 bytes) and was dropped; it is not "
+        "asked for again: if agent 'coder' needs replies this large, raise its reply_bytes_max in the agents file",
+        ["failed"],
+    )
+
+
+# -- what an attempt is charged -----------------------------------------------------------------------------------
+
+
+def _request_tokens(standin: Standin, n: int = 0) -> int:
+    return estimate_tokens(json.dumps(standin.requests[n].body, ensure_ascii=False).encode())
+
+
+async def test_a_stream_cut_short_is_charged_the_request_and_what_streamed_as_estimated(
+    standin: Standin, client: http.Client
+) -> None:
+    # The role chunk, then 4 chunks of 40 characters: 160 characters streamed, 40 tokens.
+    standin.script(*[Scripted(text="y" * 400, split=40, cut_after=5)] * 2)
+    attempts: list[Attempt] = []
+    with pytest.raises(ModelUnavailable):
+        await complete(
+            client,
+            profile(standin.url),
+            CONVERSATION[:1],
+            environ={},
+            exec_available=True,
+            on_attempt=attempts.append,
+            attempts=2,
+            backoff_s=0,
+        )
+    charged = SpendUsage(_request_tokens(standin), 40, estimated=True)
+    assert [(a.outcome, a.usage) for a in attempts] == [("retry", charged), ("failed", charged)]
+
+
+async def test_an_attempt_the_server_refused_is_charged_nothing(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(status=429, retry_after="0"), Scripted(text="ok", usage=(30, 7, None)))
+    attempts: list[Attempt] = []
+    await complete(
+        client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True, on_attempt=attempts.append
+    )
+    assert [(a.outcome, a.usage) for a in attempts] == [("retry", None), ("ok", SpendUsage(30, 7))]
+
+
+async def test_a_cancelled_attempt_is_charged_the_request_and_what_streamed(
+    standin: Standin, client: http.Client
+) -> None:
+    standin.script(Scripted(text="abcdefgh", split=8, hang=True))
+    started = anyio.Event()
+    attempts: list[Attempt] = []
+
+    async def ask() -> None:
+        await complete(
+            client,
+            profile(standin.url),
+            CONVERSATION[:1],
+            environ={},
+            exec_available=True,
+            on_text=lambda _: started.set(),
+            on_attempt=attempts.append,
+        )
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            await started.wait()
+            tg.cancel_scope.cancel()
+    assert [(a.outcome, a.usage) for a in attempts] == [
+        ("cancelled", SpendUsage(_request_tokens(standin), 2, estimated=True))
+    ]
+
+
+# -- through the daemon -------------------------------------------------------------------------------------------
+
+
+def _stalled(ui: Client) -> str:
+    notice = next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+    return str(notice.params["why"])
+
+
+def _traced(c: Client, session: str, count: int) -> list[dict[str, Any]]:
+    """The session's trace records, once there are `count` (they are written after the step that ends a call)."""
+    deadline = time.monotonic() + 30
+    while len(records := c.call("session/trace", {"session": session})["records"]) < count:
+        assert time.monotonic() < deadline, records
+        time.sleep(0.02)
+    return list(records)
+
+
+def _usage(c: Client, session: str) -> dict[str, int]:
+    """The session's usage, once a call is charged (after its trace records are written)."""
+    deadline = time.monotonic() + 30
+    while (usage := msgspec.to_builtins(c.usage(session)))["calls"] == 0:
+        assert time.monotonic() < deadline, usage
+        time.sleep(0.02)
+    return dict(usage)
+
+
+def test_a_key_ending_in_cr_stalls_the_session_naming_its_variable_and_shows_the_key_nowhere(
+    agentd: Agentd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DEVD_TEST_KEY", SECRET + "\r")  # read when the request is made
+    with capture_logs() as logs, agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        c.prompt(session, "hello")
+        why = _stalled(ui)
+        shown = [why, str(c.list().sessions[0].stalled), str(c.call("session/trace", {"session": session})), str(logs)]
+    assert (why, [SECRET in text for text in shown], agentd.standin.count) == (
+        f"the model cannot be reached: model server {agentd.standin.url}: the API key in DEVD_TEST_KEY (api_key_env "
+        "of agent 'coder') holds a carriage return (CR) (the key is not shown); a key is printable ASCII without "
+        "spaces: set the variable again without it (a file written with Windows line ends adds one) and restart the "
+        "daemon; `session/resume` tries again",
+        [False, False, False, False],
+        0,
+    )
+
+
+def test_a_key_the_server_echoes_is_in_no_stall_trace_or_log(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(status=401, message=f"Incorrect API key provided: {SECRET}"))
+    with capture_logs() as logs, agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        c.prompt(session, "hello")
+        why = _stalled(ui)
+        [record] = _traced(c, session, 1)
+        listed = str(c.list().sessions[0].stalled)
+    assert (why, record["error"], SECRET in listed + str(logs)) == (
+        f"the model cannot be reached: model server {agentd.standin.url}: 401 Incorrect API key provided: [redacted]; "
+        "`session/resume` tries again",
+        "401 Incorrect API key provided: [redacted]",
+        False,
+    )
+
+
+def test_every_attempt_of_a_stream_cut_short_is_charged_and_the_usage_is_their_sum(agentd: Agentd) -> None:
+    # Each attempt: the role chunk, then 4 chunks of 40 characters (160 characters: 40 tokens), then the cut.
+    agentd.standin.script(*[Scripted(text="y" * 400, split=40, cut_after=5)] * 4)
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        c.prompt(session, "hello")
+        _stalled(ui)
+        records = _traced(c, session, 4)
+        usage = _usage(c, session)
+    request = _request_tokens(agentd.standin)
+    tokens = [(r["outcome"], r.get("input_tokens"), r.get("output_tokens"), r.get("estimated")) for r in records]
+    assert (tokens, usage) == (
+        [("error", request, 40, True)] * 4,
+        {"input_tokens": 4 * request, "output_tokens": 160, "cached_tokens": 0, "calls": 1, "refused": 0},
+    )
+
+
+def test_a_call_cancelled_while_it_streams_is_charged(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="abcdefgh", split=8, hang=True))
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        watch_raw(ui, session)
+        turn = c.prompt(session, "hello")
+        next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/delta")
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        [record] = _traced(c, session, 1)
+        usage = _usage(c, session)
+    request = _request_tokens(agentd.standin)
+    assert ((record["outcome"], record["input_tokens"], record["output_tokens"], record["estimated"]), usage) == (
+        ("interrupted", request, 2, True),
+        {"input_tokens": request, "output_tokens": 2, "cached_tokens": 0, "calls": 1, "refused": 0},
+    )
+
+
+def test_a_failing_commands_trace_error_is_its_exit_status_and_its_span_holds_no_output(agentd: Agentd) -> None:
+    printed = "sk-live-PRINTED-0123456789"
+    argv = ["sh", "-c", f"echo {printed}; exit 1"]
+    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": argv})]), Scripted(text="done"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "run it")
+        record = next(r for r in c.trace(session) if r.kind == "exec")
+    spans = InMemorySpanExporter()
+    exporter = Exporter(exporter=spans)
+    exporter.export(session, record)
+    exporter.shutdown()
+    [span] = spans.get_finished_spans()
+    assert (record.outcome, record.error, span.status.description, printed in span.to_json()) == (
+        "error",
+        "exit status 1",
+        "exit status 1",
+        False,
+    )

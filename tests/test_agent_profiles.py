@@ -112,10 +112,19 @@ def test_omitted_settings_take_their_defaults(tmp_path: Path) -> None:
 BAD = [
     ("[agent.a]\nmodel = \n", "FILE:2: not valid TOML: Invalid value; fix the syntax"),
     (
+        '[agent.a]\nbase_url = "https://me:hunter22@h/v1"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n',
+        "FILE:2: agent.a.base_url holds a user name or password (USER:PASSWORD@ before the host); remove it: devd "
+        "keeps no secret in the agents file (the key goes in the variable api_key_env names)",
+    ),
+    (
+        '[agent.a]\nbase_url = "ftp://me:hunter22@h/v1"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n',
+        "FILE:2: agent.a.base_url 'ftp://h/v1' is not an http:// or https:// URL; give one",
+    ),
+    (
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\ncolour = "red"\n',
         "FILE:5: unknown key 'colour' in [agent.a]; remove it or fix its name (the keys are base_url, model, "
         "workspace_roots, api_key_env, system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, "
-        "tools, browse_private, max_tokens, budget)",
+        "tools, browse_private, max_tokens, reply_bytes_max, model_timeout_s, budget)",
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = 7\nworkspace_roots = ["ROOT"]\n',

@@ -180,7 +180,7 @@ async def test_a_failing_command_says_its_exit_status(ws: Path) -> None:
     result = await run_command(
         ["sh", "-c", "echo out; echo err >&2; exit 3"], workspace=ws, profile=profile(ws), sandbox=None
     )
-    assert result == Result("out\nerr\n[exit status 3]", True)
+    assert result == Result("out\nerr\n[exit status 3]", True, "exit status 3")
 
 
 async def test_a_missing_program_fails_saying_so(ws: Path) -> None:
@@ -215,7 +215,7 @@ async def test_a_timeout_kills_the_whole_process_group(ws: Path) -> None:
     )
     child = int((ws / "child.pid").read_text())
     assert (result, await gone(child)) == (
-        Result("[timed out after 0.5 s; the command and all it started were killed]", True),
+        Result("[timed out after 0.5 s; the command and all it started were killed]", True, "timed out after 0.5 s"),
         True,
     )
 

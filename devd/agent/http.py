@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     import httpx
 
 
+class TooLarge(Exception):
+    """A body passed the bound its reader was given (`bytes_max`); `line_bytes`: how long its unfinished line was."""
+
+    def __init__(self, bytes_max: int, line_bytes: int) -> None:
+        super().__init__(f"the body passed {bytes_max} bytes")
+        self.bytes_max, self.line_bytes = bytes_max, line_bytes
+
+
 class TransportError(Exception):
     """The request did not get an answer (refused, reset, timed out, cut short); `why` says which."""
 
@@ -73,13 +81,29 @@ class Response:
         self.status = response.status_code
         self.headers: Mapping[str, str] = response.headers
 
-    async def lines(self) -> AsyncIterator[str]:
-        """The body's lines as they arrive, without their line ends."""
+    async def lines(self, bytes_max: int) -> AsyncIterator[str]:
+        """The body's lines as they arrive, without their line ends (LF, CRLF or CR, as server-sent events end them),
+        decoded as UTF-8. `TooLarge` once more than `bytes_max` bytes of body came, line ends or not: what is held is at
+        most `bytes_max` and one read (the caller asks for no content encoding, so a read is what the network gave)."""
         import httpx
 
+        held = bytearray()  # the line not yet ended
+        received = 0
         try:
-            async for line in self._response.aiter_lines():
-                yield line
+            async for chunk in self._response.aiter_bytes():
+                received += len(chunk)
+                if received > bytes_max:
+                    raise TooLarge(bytes_max, len(held) + len(chunk))
+                # Only the new bytes are split (a long line is not scanned again at each read). A CRLF split across
+                # two reads ends a line at the CR and adds an empty one, which server-sent events ignore.
+                for piece in chunk.splitlines(keepends=True):
+                    held += piece
+                    if held.endswith((b"\n", b"\r")):
+                        line = held.rstrip(b"\r\n").decode("utf-8", "replace")
+                        held.clear()
+                        yield line
+            if held:
+                yield held.decode("utf-8", "replace")
         except httpx.HTTPError as e:
             raise TransportError(_why(e)) from None
 

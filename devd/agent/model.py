@@ -2,7 +2,14 @@
 
 Pure parts first (the request body, the stream parser, the reply the core is stepped with), then `complete`, the one
 place that talks to a model server: one POST per attempt, each content fragment handed on as it arrives, transport
-errors, 408/409/429 and 5xx retried with bounded backoff, each attempt reported, and cancellation closing the stream.
+errors, 408/409/429 and 5xx retried with bounded backoff, each attempt reported with what it is charged, and
+cancellation closing the stream.
+
+What it promises at its edges: a reply is bounded (`reply_bytes_max` bytes, a line of it included; `model_timeout_s`
+seconds an attempt) and a reply past a bound fails without a retry; the API key is read when sent and refused,
+naming its variable, when it is missing or holds what a header cannot carry; no error text it gives out holds the key
+or the `user:password` of a URL, and no URL it shows holds a user or password; every attempt the server took is
+charged (its usage, else devd's estimate of the request and of what streamed), cut short or cancelled as well.
 
 Wire choices: a tool call's id is `call_<action id>` (the Dispatch id); a failed result is sent as
 `error: <text>`, so the model sees that the call failed; an assistant turn without text or calls is sent with
@@ -14,15 +21,16 @@ from __future__ import annotations
 import inspect
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
 
-from devd.agent import http
-from devd.agent.profiles import Profile
+from devd.agent import http, spend
+from devd.agent.profiles import Profile, api_key, shown_url
 from devd.messages import Browse, Call, Exec, Git, Message, Read, Reply, Write
 
 # The core's call kinds as the model sees them: name -> (the Call member, its Struct, what its arguments look like).
@@ -127,7 +135,8 @@ class Rejected(msgspec.Struct, frozen=True):
 
 
 class ModelUnavailable(Exception):
-    """No completion could be had: the attempts are spent, or the server refused the request (a 4xx)."""
+    """No completion could be had: the key cannot be sent, the attempts are spent, the server refused the request (a
+    4xx), or a reply passed a bound of the profile."""
 
     def __init__(self, why: str, *, status: int | None = None) -> None:
         super().__init__(why)
@@ -139,14 +148,17 @@ Outcome = Literal["ok", "retry", "failed", "cancelled"]
 
 
 class Attempt(msgspec.Struct, frozen=True):
-    """One POST: when it started (Unix time), how long it took, how it ended, the HTTP status and error if any."""
+    """One POST: when it started (Unix time), how long it took, how it ended, the HTTP status and error if any, and
+    what it is charged (`usage`): the server's count when it sent one, else devd's estimate of the request and of
+    what streamed (`estimated`). None when the server did not take the request (no connection, or an error status):
+    it did no work to pay for."""
 
     started_at: float
     duration_s: float
     outcome: Outcome
     status: int | None = None
     error: str | None = None
-    usage: Usage | None = None
+    usage: spend.Usage | None = None
 
 
 # -- the request --------------------------------------------------------------------------------------------------
@@ -395,7 +407,7 @@ def parse_sse(lines: Iterable[str]) -> Completion:
     return parser.completion()
 
 
-def parse_json(body: bytes) -> Completion:
+def _whole(body: bytes, parser: StreamParser) -> Completion:
     """A completion answered as one JSON object (a server that does not stream)."""
     try:
         doc = json.loads(body)
@@ -403,7 +415,6 @@ def parse_json(body: bytes) -> Completion:
         raise StreamError(f"the answer is not JSON ({e})") from None
     if not isinstance(doc, dict):
         raise StreamError("the answer is not a JSON object")
-    parser = StreamParser()
     parser.chunk(doc)
     return parser.completion()
 
@@ -459,12 +470,22 @@ _RETRIED = {408, 409, 429}
 RETRY_AFTER_MAX_S = 20.0  # a Retry-After longer than this is not waited for (the exponential backoff is)
 BACKOFF_MAX_S = 8.0
 _ERROR_BODY_MAX = 64 * 1024
+REDACTED = "[redacted]"
+_SECRET_CHARS_MIN = 4  # a shorter "secret" (a one-letter password) would blank ordinary words of every message
 
 
 class _Failed(Exception):
     def __init__(self, why: str, *, status: int | None = None, retry: bool, after_s: float | None = None) -> None:
         super().__init__(why)
         self.why, self.status, self.retry, self.after_s = why, status, retry, after_s
+
+
+class _Progress:
+    """What one attempt got so far: the response's status once its head came, and the stream parsed."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.parser = StreamParser()
 
 
 TextSink = Callable[[str], Awaitable[None] | None]
@@ -476,7 +497,7 @@ async def complete(
     profile: Profile,
     messages: Sequence[Message],
     *,
-    api_key: str | None,
+    environ: Mapping[str, str],
     exec_available: bool,
     extra: Iterable[Inserted] = (),
     on_text: TextSink | None = None,
@@ -486,49 +507,114 @@ async def complete(
 ) -> Completion:
     """Ask the profile's model server; `on_text(fragment)` for each content fragment as it arrives (after a failed
     attempt, the next attempt's fragments start the text again: `on_attempt` has said "retry" before), and
-    `on_attempt` once per attempt. ModelUnavailable when the attempts are spent or the server refuses the request."""
+    `on_attempt` once per attempt. The API key is read from `environ` (the variable the profile names) now.
+    ModelUnavailable when the key cannot be sent, the attempts are spent, the server refuses the request, or a reply
+    passes `reply_bytes_max` or `model_timeout_s` (those two are not retried: the next reply would do the same).
+
+    Every error text leaving here (ModelUnavailable's, each Attempt's) has the key and any `user:password` of
+    `base_url` replaced by [redacted]: a server may echo what it was sent."""
+    server = shown_url(profile.base_url)
+    try:
+        key = api_key(profile, environ)
+    except ValueError as e:  # its message names the variable, never the key
+        raise ModelUnavailable(f"model server {server}: {e}") from None
+    redact = _redactor(profile.base_url, key)
+
+    def report(attempt: Attempt) -> None:
+        if on_attempt is not None:
+            on_attempt(msgspec.structs.replace(attempt, error=None if attempt.error is None else redact(attempt.error)))
+
+    try:
+        return await _exchange(
+            client, profile, messages, key, exec_available, extra, on_text, report, attempts, backoff_s
+        )
+    except ModelUnavailable as e:
+        raise ModelUnavailable(redact(e.why), status=e.status) from None
+
+
+def _redactor(base_url: str, key: str | None) -> Callable[[str], str]:
+    """The one redaction of the model driver: text with the key and the URL's user name and password replaced."""
+    userinfo, _, _ = urlsplit(base_url).netloc.rpartition("@")
+    secrets = [key or "", userinfo, *userinfo.split(":", 1)]
+    # Longest first: the whole `user:password` goes before its parts do.
+    kept = sorted({s for s in secrets if len(s) >= _SECRET_CHARS_MIN}, key=len, reverse=True)
+
+    def redact(text: str) -> str:
+        for secret in kept:
+            text = text.replace(secret, REDACTED)
+        return text
+
+    return redact
+
+
+async def _exchange(
+    client: http.Client,
+    profile: Profile,
+    messages: Sequence[Message],
+    key: str | None,
+    exec_available: bool,
+    extra: Iterable[Inserted],
+    on_text: TextSink | None,
+    report: AttemptSink,
+    attempts: int,
+    backoff_s: float,
+) -> Completion:
+    server = shown_url(profile.base_url)
     url = f"{profile.base_url}/chat/completions"
     body = json.dumps(
         request_body(profile, messages, list(extra), exec_available=exec_available), ensure_ascii=False
     ).encode()
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    request_tokens = spend.estimate_tokens(body)
+    # No content encoding: a compressed body would be inflated a read at a time past what `reply_bytes_max` holds.
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream", "Accept-Encoding": "identity"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     for attempt in range(1, attempts + 1):
         started_at, t0 = time.time(), time.monotonic()
+        progress = _Progress()
         try:
-            completion = await _attempt(client, url, body, headers, on_text)
+            with anyio.move_on_after(profile.model_timeout_s) as deadline:
+                completion = await _attempt(client, url, body, headers, on_text, profile, progress)
+            if deadline.cancelled_caught:
+                raise _Failed(_too_long(profile), status=progress.status, retry=False)
         except _Failed as failed:
             last = attempt == attempts or not failed.retry
-            _report(on_attempt, started_at, t0, "failed" if last else "retry", failed)
+            taken = progress.status == 200 or deadline.cancelled_caught
+            usage = _charged(progress, request_tokens) if taken else None
+            report(_attempted(started_at, t0, "failed" if last else "retry", failed.status, failed.why, usage))
             if not failed.retry:
-                raise ModelUnavailable(f"model server {profile.base_url}: {failed.why}", status=failed.status) from None
+                raise ModelUnavailable(f"model server {server}: {failed.why}", status=failed.status) from None
             if last:
                 raise ModelUnavailable(
-                    f"model server {profile.base_url}: {failed.why} after {attempts} attempts", status=failed.status
+                    f"model server {server}: {failed.why} after {attempts} attempts", status=failed.status
                 ) from None
             await anyio.sleep(_delay(failed.after_s, backoff_s, attempt))
         except anyio.get_cancelled_exc_class():
-            _report(on_attempt, started_at, t0, "cancelled", _Failed("cancelled", retry=False))
+            # The server may be working on it whether or not a byte came back: the request is charged.
+            usage = _charged(progress, request_tokens)
+            report(_attempted(started_at, t0, "cancelled", progress.status, "cancelled", usage))
             raise
         else:
-            _report(on_attempt, started_at, t0, "ok", usage=completion.usage)
+            report(_attempted(started_at, t0, "ok", 200, None, _charged(progress, request_tokens)))
             return completion
-    raise ModelUnavailable(f"model server {profile.base_url}: no attempt was allowed (attempts = {attempts})")
+    raise ModelUnavailable(f"model server {server}: no attempt was allowed (attempts = {attempts})")
 
 
-def _report(
-    on_attempt: AttemptSink | None,
-    started_at: float,
-    t0: float,
-    outcome: Outcome,
-    failed: _Failed | None = None,
-    usage: Usage | None = None,
-) -> None:
-    if on_attempt is not None:
-        status = failed.status if failed else 200
-        error = failed.why if failed else None
-        on_attempt(Attempt(started_at, time.monotonic() - t0, outcome, status, error, usage))
+def _attempted(
+    started_at: float, t0: float, outcome: Outcome, status: int | None, error: str | None, usage: spend.Usage | None
+) -> Attempt:
+    return Attempt(started_at, time.monotonic() - t0, outcome, status, error, usage)
+
+
+def _charged(progress: _Progress, request_tokens: int) -> spend.Usage:
+    """What an attempt the server took is charged: its usage when it sent one, else devd's estimate of the request
+    and of what streamed (so a stream cut short, or cancelled, still counts against the ceilings)."""
+    so_far = progress.parser.completion()
+    given = so_far.usage
+    if given is not None:
+        return spend.Usage(given.prompt_tokens, given.completion_tokens, given.cached_tokens or 0)
+    streamed = (so_far.text or "") + "".join(c.name + c.arguments for c in so_far.tool_calls)
+    return spend.Usage(request_tokens, spend.estimate_tokens(streamed), estimated=True)
 
 
 def _delay(after_s: float | None, backoff_s: float, attempt: int) -> float:
@@ -537,21 +623,45 @@ def _delay(after_s: float | None, backoff_s: float, attempt: int) -> float:
     return float(min(backoff_s * 2 ** (attempt - 1), BACKOFF_MAX_S))
 
 
+def _too_large(profile: Profile, line: bool) -> str:
+    what = "a line of the reply" if line else "the reply"
+    return (
+        f"{what} passed reply_bytes_max ({profile.reply_bytes_max} bytes) and was dropped; it is not asked for again: "
+        f"if agent {profile.name!r} needs replies this large, raise its reply_bytes_max in the agents file"
+    )
+
+
+def _too_long(profile: Profile) -> str:
+    return (
+        f"the reply took longer than model_timeout_s ({profile.model_timeout_s:g} s) and was dropped; it is not asked "
+        f"for again: if agent {profile.name!r} needs longer, raise its model_timeout_s in the agents file"
+    )
+
+
 async def _attempt(
-    client: http.Client, url: str, body: bytes, headers: dict[str, str], on_text: TextSink | None
+    client: http.Client,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    on_text: TextSink | None,
+    profile: Profile,
+    progress: _Progress,
 ) -> Completion:
+    parser = progress.parser
     try:
         async with http.post(client, url, body, headers) as response:
             if response.status != 200:
                 raise await _refusal(response)
+            progress.status = 200
             if response.headers.get("content-type", "").startswith("application/json"):
-                data, _ = await response.read(_ERROR_BODY_MAX * 256)
-                whole = parse_json(data)
+                data, cut = await response.read(profile.reply_bytes_max)
+                if cut:
+                    raise _Failed(_too_large(profile, line=False), status=200, retry=False)
+                whole = _whole(data, parser)
                 if whole.text and on_text is not None and inspect.isawaitable(pending := on_text(whole.text)):
                     await pending
                 return whole
-            parser = StreamParser()
-            async for line in response.lines():
+            async for line in response.lines(profile.reply_bytes_max):
                 for fragment in parser.feed(line):
                     if on_text is not None and inspect.isawaitable(pending := on_text(fragment)):
                         await pending
@@ -560,6 +670,9 @@ async def _attempt(
             if not parser.done:
                 raise _Failed("the stream ended before data: [DONE]", status=200, retry=True)
             return parser.completion()
+    except http.TooLarge as e:
+        # Most of what came being one unended line: that line is the problem, not the reply's length.
+        raise _Failed(_too_large(profile, line=e.line_bytes > e.bytes_max // 2), status=200, retry=False) from None
     except http.TransportError as e:
         raise _Failed(e.why, retry=True) from None
     except StreamError as e:

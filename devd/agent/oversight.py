@@ -374,12 +374,13 @@ class ModelCall(msgspec.Struct):
         self.attempts.append(attempt)
 
     async def done(self, completion: Completion | None) -> None:
-        """The call is over: answered (`completion`), or not (None: it failed, or was withdrawn by a Cancel)."""
-        used = None if completion is None else self._usage(completion)
+        """The call is over: answered (`completion`), or not (None: it failed, or was withdrawn by a Cancel). Every
+        attempt is charged what the model driver says it cost (a stream cut short, a cancelled one, included)."""
+        used = _total([a.usage for a in self.attempts if a.usage is not None])
         # One after the other, in order: each on disk before the next, so that what a crash leaves is a prefix.
         try:
             for number, attempt in enumerate(self.attempts, start=1):
-                await self.oversight.trace(self.session, self._record(number, attempt, used))
+                await self.oversight.trace(self.session, self._record(number, attempt))
         finally:
             await self.oversight.settle(self.session, self.profile, self.turn, self.action, self.reservation, used)
 
@@ -388,16 +389,9 @@ class ModelCall(msgspec.Struct):
         if self.reservation is not None:
             self.oversight.spend.settle(self.reservation, None)
 
-    def _usage(self, completion: Completion) -> Usage:
-        given = completion.usage
-        if given is not None:
-            return Usage(given.prompt_tokens, given.completion_tokens, given.cached_tokens or 0)
-        reply = (completion.text or "") + "".join(c.name + c.arguments for c in completion.tool_calls)
-        return Usage(spend.estimate_tokens(self.request), spend.estimate_tokens(reply), estimated=True)
-
-    def _record(self, number: int, attempt: Attempt, used: Usage | None) -> TraceRecord:
+    def _record(self, number: int, attempt: Attempt) -> TraceRecord:
         ok = attempt.outcome == "ok"
-        tokens = used if ok else None
+        tokens = attempt.usage
         return TraceRecord(
             action=self.action,
             kind="model",
@@ -410,7 +404,20 @@ class ModelCall(msgspec.Struct):
             input_tokens=None if tokens is None else tokens.input_tokens,
             output_tokens=None if tokens is None else tokens.output_tokens,
             cached_tokens=None if tokens is None or not tokens.cached_tokens else tokens.cached_tokens,
+            estimated=tokens is not None and tokens.estimated,
         )
+
+
+def _total(usages: list[Usage]) -> Usage | None:
+    """The usage of a call's attempts together (None: none was charged); estimated if any part was."""
+    if not usages:
+        return None
+    return Usage(
+        sum(u.input_tokens for u in usages),
+        sum(u.output_tokens for u in usages),
+        sum(u.cached_tokens for u in usages),
+        estimated=any(u.estimated for u in usages),
+    )
 
 
 def tool_record(

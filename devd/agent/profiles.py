@@ -63,6 +63,8 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     browse_private: bool = False  # Browse runs in the daemon: only public addresses, unless this says otherwise
     max_tokens: int | None = None
     budget: Budget | None = None
+    reply_bytes_max: int = 8 * 1024 * 1024  # a model reply's body (a line of it too) is dropped past this
+    model_timeout_s: float = 600.0  # an attempt of a model call is given up past this, however it trickles
 
 
 # -- loading ------------------------------------------------------------------------------------------------------
@@ -84,6 +86,8 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "tools": (list[str], f"a list of tool names ({', '.join(repr(t) for t in EXTRA_TOOLS)})"),
     "browse_private": (bool, "true or false"),
     "max_tokens": (int, "an integer"),
+    "reply_bytes_max": (int, "an integer number of bytes"),
+    "model_timeout_s": (float, "a number of seconds"),
     "budget": (dict[str, Any], "a table with tokens_per_turn, tokens_per_session, tokens_per_day"),
 }
 _REQUIRED = ("base_url", "model", "workspace_roots")
@@ -147,7 +151,16 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
     if key == "base_url":
         split = urlsplit(value)
         if split.scheme not in ("http", "https") or not split.netloc:
-            raise lines.error(where, f"agent.{name}.base_url {value!r} is not an http:// or https:// URL; give one")
+            raise lines.error(
+                where, f"agent.{name}.base_url {shown_url(value)!r} is not an http:// or https:// URL; give one"
+            )
+        if "@" in split.netloc:
+            # Not sent as Basic auth: a secret in the agents file would reach every message that names the server.
+            raise lines.error(
+                where,
+                f"agent.{name}.base_url holds a user name or password (USER:PASSWORD@ before the host); remove it: "
+                "devd keeps no secret in the agents file (the key goes in the variable api_key_env names)",
+            )
         return value.rstrip("/")
     if key == "workspace_roots":
         return tuple(_root(name, root, lines) for root in value)
@@ -162,11 +175,11 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
                     where, f"agent.{name}.tools names {tool!r}; the tools to enable are: {', '.join(EXTRA_TOOLS)}"
                 )
         return tuple(value)
-    if key == "exec_timeout_s":
+    if key in ("exec_timeout_s", "model_timeout_s"):
         if not value > 0:
-            raise lines.error(where, f"agent.{name}.exec_timeout_s is {value}; it must be above 0")
+            raise lines.error(where, f"agent.{name}.{key} is {value}; it must be above 0")
         return float(value)
-    if key in ("output_bytes_max", "max_tokens") and value < 1:
+    if key in ("output_bytes_max", "max_tokens", "reply_bytes_max") and value < 1:
         raise lines.error(where, f"agent.{name}.{key} is {value}; it must be at least 1")
     if key == "budget":
         return _budget(name, value, lines)
@@ -336,10 +349,40 @@ def _matches(prefix: tuple[str, ...], argv: list[str]) -> bool:
 
 
 def api_key(profile: Profile, environ: Mapping[str, str]) -> str | None:
-    """The profile's API key, read now from the environment (None when it names none or the variable is unset)."""
-    if profile.api_key_env is None:
+    """The profile's API key, read now from the environment (None when it names none). ValueError, naming the
+    variable and never its value, when the variable is unset or empty, or holds what an HTTP header cannot carry
+    (whitespace, a control character, non-ASCII): sent, such a key fails in a way whose message holds it whole."""
+    name = profile.api_key_env
+    if name is None:
         return None
-    return environ.get(profile.api_key_env) or None
+    key = environ.get(name)
+    where = f"{name} (api_key_env of agent {profile.name!r})"
+    if not key:
+        state = "is not set" if key is None else "is empty"
+        raise ValueError(
+            f"the API key variable {where} {state} in the daemon's environment; set it where the daemon starts and "
+            "restart the daemon, or remove api_key_env if the server needs no key"
+        )
+    bad = next((c for c in key if not "!" <= c <= "~"), None)
+    if bad is not None:
+        what = _KEY_CHARACTERS.get(bad, "a control character" if bad < "\x80" else "a character outside ASCII")
+        hint = " (a file written with Windows line ends adds one)" if bad == "\r" else ""
+        raise ValueError(
+            f"the API key in {where} holds {what} (the key is not shown); a key is printable ASCII without spaces: "
+            f"set the variable again without it{hint} and restart the daemon"
+        )
+    return key
+
+
+_KEY_CHARACTERS = {"\r": "a carriage return (CR)", "\n": "a line feed (LF)", " ": "a space", "\t": "a tab"}
+
+
+def shown_url(url: str) -> str:
+    """url as it may be shown: without a user name or password (`user:password@`)."""
+    split = urlsplit(url)
+    if "@" not in split.netloc:
+        return url
+    return split._replace(netloc=split.netloc.rpartition("@")[2]).geturl()
 
 
 def check_workspace(profile: Profile, workspace: str) -> Path:

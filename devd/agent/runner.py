@@ -42,7 +42,7 @@ from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import Sessions, action_ids
-from devd.agent.profiles import Profile, api_key, check_workspace
+from devd.agent.profiles import Profile, check_workspace
 from devd.agent.records import Binding, Claim, TurnStarted
 from devd.errors import DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Call, Event, Message, Output, Turn, encode
@@ -468,7 +468,8 @@ class Driver(msgspec.Struct, eq=False):
             text = CANCELLED.format(what=what, how=how)
             return await self._step(_result(kind, action.id, text, True), action.id)
         outcome: Outcome = "error" if result.failed else "ok"
-        error = result.text if result.failed else None
+        # What failed, never what the command printed: the record is exported (OTel) and shown beside others'.
+        error = (result.why or result.text) if result.failed else None
         event = _result(kind, action.id, result.text, result.failed)
         await self._traced(action, kind, call, started, took, outcome, error)  # durable before the result's step
         return await self._step(event, action.id)
@@ -559,7 +560,7 @@ class Driver(msgspec.Struct, eq=False):
                         self.runtime.http,
                         accounted.profile,
                         messages,
-                        api_key=api_key(profile, self.runtime.environ),
+                        environ=self.runtime.environ,
                         exec_available=exec_available,
                         extra=list(self._inserted),
                         on_text=on_text,

@@ -42,8 +42,12 @@ KILL_WAIT_S = 5.0
 
 
 class Result(msgspec.Struct, frozen=True):
+    """What the model is told (`text`), whether the call failed, and when its text holds output (a command's, a
+    page's), `why` it failed as a description for the trace (`exit status 1`): the trace never holds output."""
+
     text: str
     failed: bool = False
+    why: str | None = None
 
 
 class Refused(Exception):
@@ -333,15 +337,19 @@ def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profil
     if output.cut:
         notes.append(f"[output cut: {output.cut} more bytes were not kept (output_bytes_max = {output.limit})]")
     code = process.returncode
+    why = None
     if timed_out:
-        notes.append(f"[timed out after {profile.exec_timeout_s:g} s; the command and all it started were killed]")
+        why = f"timed out after {profile.exec_timeout_s:g} s"
+        notes.append(f"[{why}; the command and all it started were killed]")
     elif code is not None and code < 0:
-        notes.append(f"[killed by signal {signal.Signals(-code).name}]")
+        why = f"killed by signal {signal.Signals(-code).name}"
+        notes.append(f"[{why}]")
     elif code:
-        notes.append(f"[exit status {code}]")
+        why = f"exit status {code}"
+        notes.append(f"[{why}]")
     if notes:
         text = text + ("\n" if text and not text.endswith("\n") else "") + "\n".join(notes)
-    return Result(text, failed=timed_out or bool(code))
+    return Result(text, failed=why is not None, why=why)
 
 
 # -- Browse -------------------------------------------------------------------------------------------------------
@@ -428,7 +436,7 @@ def _page(url: str, status: int, kind: str, data: bytes, cut: int, limit_bytes: 
     if cut:
         text += f"\n[cut: the page is longer than {limit_bytes} bytes; the rest was not read]"
     if status >= 400:
-        return Result(f"GET {url}: HTTP {status}\n{text}", failed=True)
+        return Result(f"GET {url}: HTTP {status}\n{text}", failed=True, why=f"HTTP {status}")
     return Result(text)
 
 
