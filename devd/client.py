@@ -79,6 +79,7 @@ from devd.protocol import (
     PendingResult,
     PromptParams,
     PromptResult,
+    Remember,
     RestoreParams,
     SessionParams,
     SessionResult,
@@ -628,7 +629,13 @@ class Client:
         self._run(self._client.unwatch(session), self._timeout)
 
     def approve(
-        self, session: str, action: int, digest: str, decision: Literal["allow", "deny"], *, remember: bool = False
+        self,
+        session: str,
+        action: int,
+        digest: str,
+        decision: Literal["allow", "deny"],
+        *,
+        remember: bool | Remember = False,
     ) -> None:
         """Decide an action that waits for approval (`digest` from its `session/approval`)."""
         self.request("session/approve", ApproveParams(session, action, digest, decision, remember))
@@ -1037,7 +1044,13 @@ class AsyncClient:
         await self.request("session/unwatch", SessionParams(session))
 
     async def approve(
-        self, session: str, action: int, digest: str, decision: Literal["allow", "deny"], *, remember: bool = False
+        self,
+        session: str,
+        action: int,
+        digest: str,
+        decision: Literal["allow", "deny"],
+        *,
+        remember: bool | Remember = False,
     ) -> None:
         """Decide an action that waits for approval (`digest` from its `session/approval`)."""
         await self.request("session/approve", ApproveParams(session, action, digest, decision, remember))

@@ -440,16 +440,20 @@ class AgentResult(msgspec.Struct, frozen=True):
     workspace: str | None
 
 
+Remember = Literal["exact", "prefix"]
+
+
 class ApproveParams(_Params, frozen=True):
     """A client's decision on an action that waits for approval, naming it by its `digest` (from its
-    `session/approval`); `remember`: the same decision for later calls of that argv prefix (Exec, Git) or path
-    (Write) in this session."""
+    `session/approval`); `remember`: the same decision for later calls of this session without asking: `true` or
+    `"exact"` for calls of exactly this argv (Exec, Git) or path (Write), `"prefix"` for calls of this argv followed
+    by more words, none of which starts with `-` (a remembered denial covers every such extension)."""
 
     session: SessionName
     action: Annotated[int, Meta(ge=0, le=SEQ_MAX, description="the action's id")]
     digest: Annotated[str, Meta(min_length=1, max_length=128, description="the hex SHA-256 of its session/approval")]
     decision: Literal["allow", "deny"]
-    remember: bool = False
+    remember: bool | Remember = False
 
 
 class BudgetParams(_Params, frozen=True):
@@ -550,22 +554,36 @@ class StalledNotice(msgspec.Struct, frozen=True):
 
 class ApprovalNotice(msgspec.Struct, frozen=True):
     """`session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision;
-    answer it with `session/approve` and this `digest`."""
+    answer it with `session/approve` and this `digest`. `why`: why the policy asks (the profile says `ask`, a rule
+    does, or the command may run what its argv does not show)."""
 
     session: str
     action: int
     op: Op
     digest: str
+    why: str | None = None
+
+
+class Remembered(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a remembered decision settles in the rest of the session without asking: calls of exactly this `argv`
+    (`scope` "exact"), or of this `argv` followed by more words none of which starts with `-` (`scope` "prefix"; a
+    remembered denial covers every extension); or writes of exactly this `path`."""
+
+    scope: Remember
+    argv: list[str] | None = None
+    path: str | None = None
 
 
 class DecidedNotice(msgspec.Struct, frozen=True):
-    """`session/decided`: action `action` was decided: `allow` or `deny` by the client `by` (its name from
-    `initialize`, or "unknown"), or `cancelled` (its turn was cancelled)."""
+    """`session/decided`: action `action` was decided: `allow` or `deny` by `by`, the client's name from `initialize`
+    (or "unknown") and the peer it spoke from (`NAME (uid U, pid P)` on a Unix socket, `NAME (HOST:PORT)` on TCP), or
+    `cancelled` (its turn was cancelled); `remembered`: what the decision settles later without asking, if anything."""
 
     session: str
     action: int
     decision: Literal["allow", "deny", "cancelled"]
     by: str
+    remembered: Remembered | None = None
 
 
 NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {

@@ -29,7 +29,6 @@ def agents_toml(url: str, root: Path, **extra: str) -> str:
         'api_key_env = "DEVD_TEST_KEY"',
         f'system = "{SYSTEM}"',
         f'workspace_roots = ["{root}"]',
-        'rules = [ { prefix = ["touch"], decision = "deny" } ]',
         "exec_timeout_s = 60",
         *(f"{key} = {value}" for key, value in extra.items()),
     ]

@@ -124,7 +124,7 @@ BAD = [
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\ncolour = "red"\n',
         "FILE:5: unknown key 'colour' in [agent.a]; remove it or fix its name (the keys are base_url, model, "
         "workspace_roots, api_key_env, system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, "
-        "tools, browse_private, max_tokens, reply_bytes_max, model_timeout_s, budget)",
+        "tools, browse_private, max_tokens, max_calls_per_reply, reply_bytes_max, model_timeout_s, budget)",
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = 7\nworkspace_roots = ["ROOT"]\n',
@@ -292,4 +292,124 @@ def test_a_rule_in_an_array_of_tables_is_found_by_its_header(tmp_path: Path) -> 
     )
     assert error_of(tmp_path, body) == (
         'FILE:6: agent.a.rules[0].prefix is an empty list; it must be a non-empty list of strings: ["rm"]'
+    )
+
+
+# -- rules seen through wrappers ------------------------------------------------------------------------------------
+
+DENY_RM = (Rule(prefix=("rm",), decision="deny"),)
+
+
+@pytest.mark.parametrize(
+    ("argv", "decision"),
+    [
+        (["rm", "x"], "deny"),
+        (["/bin/rm", "x"], "deny"),
+        (["/usr/bin/rm", "x"], "deny"),
+        (["./rm", "x"], "deny"),
+        (["env", "rm", "x"], "deny"),
+        (["env", "-i", "--", "rm", "x"], "deny"),
+        (["env", "-u", "HOME", "rm", "x"], "deny"),
+        (["env", "A=1", "rm", "x"], "deny"),
+        (["sh", "-c", "rm -rf src"], "deny"),
+        (["bash", "-ec", "'rm' -rf src"], "deny"),
+        (["nice", "rm", "x"], "deny"),
+        (["nice", "-n", "5", "rm", "x"], "deny"),
+        (["nice", "-10", "rm", "x"], "deny"),
+        (["timeout", "5", "rm", "x"], "deny"),
+        (["timeout", "-s", "KILL", "--kill-after=1", "5", "rm", "x"], "deny"),
+        (["xargs", "rm"], "deny"),
+        (["xargs", "-0", "-I{}", "rm", "{}"], "deny"),
+        (["command", "rm", "x"], "deny"),
+        (["exec", "-a", "ls", "rm", "x"], "deny"),
+        (["nohup", "rm", "x"], "deny"),
+        (["stdbuf", "-oL", "rm", "x"], "deny"),
+        (["ionice", "-c", "3", "rm", "x"], "deny"),
+        (["setsid", "-f", "rm", "x"], "deny"),
+        (["busybox", "rm", "x"], "deny"),
+        (["nice", "timeout", "5", "env", "busybox", "rm", "x"], "deny"),
+        (["sh", "-c", "exec nice rm x"], "deny"),
+        (["rm\0", "x"], "deny"),
+        (["ls", "x\0-rf"], "deny"),
+        (["ls", "-l"], "allow"),
+        (["env", "ls"], "allow"),
+        (["sh", "-c", "ls -l"], "allow"),
+        (["timeout", "5", "make", "test"], "allow"),
+        (["xargs"], "allow"),
+        (["sh", "-c", "ls; rm x"], "ask"),
+        (["sh", "-c", "$(echo rm) x"], "ask"),
+        (["sh", "script.sh"], "ask"),
+        (["sh", "-c", "A=1 ls"], "ask"),
+        (["env", "LD_PRELOAD=./evil.so", "ls"], "ask"),
+        (["env", "-S", "rm x"], "ask"),
+        (["timeout", "--bogus", "5", "ls"], "ask"),
+        (["python3", "-c", "import os; os.remove('x')"], "ask"),
+        (["python3.12", "script.py"], "ask"),
+        (["perl", "-e", "unlink 'x'"], "ask"),
+        (["node", "-e", "x"], "ask"),
+        (["./myrm", "x"], "ask"),
+        (["/tmp/copy", "x"], "ask"),
+        (["sh", "-c", "trap 'rm x' EXIT"], "ask"),
+        (["sudo", "ls"], "ask"),
+    ],
+)
+def test_a_deny_rule_sees_through_wrappers_and_asks_where_it_cannot_see(
+    tmp_path: Path, argv: list[str], decision: str
+) -> None:
+    assert decide(profile(tmp_path, rules=DENY_RM), Call(Exec=Exec(argv=argv)))[0] == decision
+
+
+def test_a_command_that_cannot_be_seen_into_is_allowed_when_no_rule_denies_or_asks(tmp_path: Path) -> None:
+    p = profile(tmp_path, rules=(Rule(prefix=("ls",), decision="allow"),))
+    assert decide(p, Call(Exec=Exec(argv=["python3", "-c", "print(1)"]))) == ("allow", "agent 'p' has exec = \"allow\"")
+
+
+def test_an_allow_rule_for_that_very_command_allows_it_though_it_cannot_be_seen_into(tmp_path: Path) -> None:
+    p = profile(tmp_path, rules=(*DENY_RM, Rule(prefix=("python3", "-m", "pytest"), decision="allow")))
+    assert decide(p, Call(Exec=Exec(argv=["python3", "-m", "pytest", "-q"])))[0] == "allow"
+
+
+def test_an_allow_rule_of_a_wrapper_does_not_allow_what_it_wraps(tmp_path: Path) -> None:
+    p = profile(tmp_path, exec="ask", rules=(Rule(prefix=("timeout",), decision="allow"),))
+    assert decide(p, Call(Exec=Exec(argv=["timeout", "5", "curl", "x"]))) == ("ask", "agent 'p' has exec = \"ask\"")
+
+
+def test_an_allow_list_sees_through_a_harmless_wrapper(tmp_path: Path) -> None:
+    p = profile(tmp_path, exec="ask", rules=(Rule(prefix=("ls",), decision="allow"),))
+    assert decide(p, Call(Exec=Exec(argv=["nice", "ls"])))[0] == "allow"
+
+
+def test_a_denial_through_a_wrapper_names_the_command_it_runs(tmp_path: Path) -> None:
+    assert decide(profile(tmp_path, rules=DENY_RM), Call(Exec=Exec(argv=["timeout", "5", "rm", "-rf", "src"]))) == (
+        "deny",
+        "denied by the policy: the rule prefix = ['rm'] of agent 'p' says deny (the command runs rm -rf src)",
+    )
+
+
+def test_asking_about_what_cannot_be_seen_into_says_why(tmp_path: Path) -> None:
+    assert decide(profile(tmp_path, rules=DENY_RM), Call(Exec=Exec(argv=["sh", "-c", "ls; rm x"]))) == (
+        "ask",
+        "sh -c runs a script that is not one simple command, which is not read here, and agent 'p' has rules that "
+        "deny or ask (prefix = ['rm']) which what it runs could match: a person decides",
+    )
+
+
+def test_a_nul_in_an_argument_is_refused_saying_so(tmp_path: Path) -> None:
+    assert decide(profile(tmp_path), Call(Exec=Exec(argv=["echo", "a\0b"]))) == (
+        "deny",
+        "refused: argument 1 of the command holds a NUL character, which no program can be given (what ran would "
+        "differ from what was asked); send the command without it",
+    )
+
+
+def test_a_nul_in_a_git_argument_or_a_path_is_refused(tmp_path: Path) -> None:
+    calls = [Call(Git=Git(argv=["log", "\0"])), Call(Read=Read(path="a\0")), Call(Write=Write(path="\0", text=""))]
+    assert [decide(profile(tmp_path), call)[0] for call in calls] == ["deny", "deny", "deny"]
+
+
+def test_max_calls_per_reply_defaults_to_100_and_must_be_at_least_1(tmp_path: Path) -> None:
+    body = GOOD.replace("max_tokens = 2000", "max_tokens = 2000\nmax_calls_per_reply = 0")
+    assert (profile(tmp_path).max_calls_per_reply, error_of(tmp_path, body)) == (
+        100,
+        "FILE:18: agent.coder.max_calls_per_reply is 0; it must be at least 1 (a tool call per reply)",
     )

@@ -23,6 +23,7 @@ from tests.agents import (
     SECRET,
     SYSTEM,
     Agentd,
+    _agents_file,
     agentd,
     agentd_process_fixture,  # noqa: F401 (the fixture)
     agents_toml,
@@ -204,6 +205,22 @@ def test_a_prompt_retried_with_its_key_answers_the_same_turn_and_starts_nothing(
     assert (again, agentd.standin.count) == (turn, 1)
 
 
+def test_a_prompt_key_reused_for_another_prompt_is_conflict_and_starts_nothing(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="once"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "hello", key="k1")
+        until_done(c, turn)
+        with pytest.raises(errors.ConflictError) as refused:
+            c.prompt(session, "delete everything", key="k1")
+    assert (refused.value.kind, str(refused.value), agentd.standin.count) == (
+        "CONFLICT",
+        f"key 'k1' was used for another prompt (turn {turn}); use a new key for a new prompt",
+        1,
+    )
+
+
 def test_turns_are_numbered_above_every_turn_the_session_had(agentd: Agentd) -> None:
     agentd.standin.script(Scripted(text="one"), Scripted(text="two"))
     with agentd.client() as c:
@@ -285,15 +302,49 @@ def test_a_command_cannot_reach_the_network_under_the_sandbox(agentd: Agentd) ->
     assert (failed, "Connection refused" in text, agentd.standin.count) == (True, True, 2)
 
 
-def test_a_call_the_policy_denies_never_runs(agentd: Agentd) -> None:
-    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": ["touch", "marker"]})]), Scripted(text="ok"))
-    with agentd.client() as c:
-        session = agentd.session(c)
+DENY_TOUCH = '[ { prefix = ["touch"], decision = "deny" } ]'
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["touch", "marker"], ""),
+        (["env", "touch", "marker"], " (the command runs touch marker)"),
+        (["sh", "-c", "timeout 5 /usr/bin/touch marker"], " (the command runs /usr/bin/touch marker)"),
+    ],
+)
+def test_a_call_the_policy_denies_never_runs_even_through_a_wrapper(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, argv: list[str], why: str
+) -> None:
+    monkeypatch.setenv("DEVD_TEST_KEY", SECRET)
+    standin.script(Scripted(tool_calls=[("exec", {"argv": argv})]), Scripted(text="ok"))
+    agents = _agents_file(tmp_path, standin, rules=DENY_TOUCH)
+    with InProcess(tmp_path / "d", "--agents", str(agents)) as daemon, daemon.client() as c:
+        session = c.new(agent="coder", workspace=tmp_path / "roots" / "ws")
         run_turn(c, session, "touch it")
-        assert (results(c, session), (agentd.workspace / "marker").exists()) == (
-            [(2, "denied by the policy: the rule prefix = ['touch'] of agent 'coder' says deny", True)],
+        assert (results(c, session), (tmp_path / "roots" / "ws" / "marker").exists()) == (
+            [(2, f"denied by the policy: the rule prefix = ['touch'] of agent 'coder' says deny{why}", True)],
             False,
         )
+
+
+def test_at_most_max_calls_per_reply_calls_of_one_reply_run_and_the_rest_are_answered_refused_in_order(
+    agentd: Agentd,
+) -> None:
+    (agentd.workspace / "a.txt").write_text("a\n")
+    agentd.standin.script(Scripted(tool_calls=[("read", {"path": "a.txt"})] * 150), Scripted(text="read"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "read it 150 times")
+        runs = [text for _, text, failed in results(c, session) if (text, failed) == ("a\n", False)]
+    request = agentd.standin.requests[1].body["messages"]
+    refused = [m["tool_call_id"] for m in request if m["role"] == "tool" and m["content"].startswith("error: not run")]
+    assert (len(runs), refused, tool_messages(agentd.standin, 1)[0]) == (
+        100,
+        [f"call_standin_{n}" for n in range(100, 150)],
+        "error: not run: the reply made 150 tool calls and at most 100 of one reply are carried out (agent 'coder' "
+        "has max_calls_per_reply = 100); make the calls still needed in your next reply",
+    )
 
 
 def test_a_tool_call_the_core_cannot_take_is_answered_to_the_model_as_a_failed_call(agentd: Agentd) -> None:

@@ -3,8 +3,10 @@ end to end against the real daemon, the stand-in model server, real files and re
 
 from __future__ import annotations
 
+import io
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -20,10 +22,10 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from devd import errors
-from devd.agent.cli import approval_lines, decision_of
+from devd.agent.cli import Screen, approval_lines, call_line, decision_of, prompt_line
 from devd.client import Client, Reply
-from devd.messages import Cancel, Event, Op, Write
-from devd.protocol import ApprovalNotice
+from devd.messages import Action, Cancel, Event, Exec, Op, Write
+from devd.protocol import ApprovalNotice, DecidedNotice, Remembered
 from tests.daemon import ROOT, Daemon
 from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -31,6 +33,7 @@ from tests.standin_model import Scripted, Standin, standin_fixture
 __all__ = ["standin_fixture"]
 
 NOTICE_TIMEOUT_S = 30.0
+PEER = f"(uid {os.getuid()}, pid {os.getpid()})"  # this process, as the daemon knows it over its Unix socket
 T = TypeVar("T")
 MARK = ["sh", "-c", "echo ran >> marker"]  # a command whose every run leaves a line
 
@@ -172,7 +175,7 @@ def test_one_ui_approves_the_other_is_told_conflict_naming_who_and_the_command_r
         params = approval(one, session, "mark it")
         next_notice(two, "session/approval")
         answer(one, params, "allow")
-        with pytest.raises(errors.ConflictError, match="already decided: allow by ui-1"):
+        with pytest.raises(errors.ConflictError, match=re.escape(f"already decided: allow by ui-1 {PEER};")):
             answer(two, params, "deny")
         until_done(two)
     assert agentd.marks() == 1
@@ -187,7 +190,7 @@ def test_every_watcher_is_told_who_decided(agentd: Agentd) -> None:
         params = approval(one, session, "mark it")
         answer(one, params, "allow")
         decided = next_notice(two, "session/decided").params
-    assert decided == {"session": session, "action": 2, "decision": "allow", "by": "ui-1"}
+    assert decided == {"session": session, "action": 2, "decision": "allow", "by": f"ui-1 {PEER}", "remembered": None}
 
 
 def test_a_denied_command_never_runs_and_the_model_is_told_who_denied_it(agentd: Agentd) -> None:
@@ -200,7 +203,7 @@ def test_a_denied_command_never_runs_and_the_model_is_told_who_denied_it(agentd:
         until_done(one)
     assert (agentd.marks(), tool_texts(agentd.standin, 1)) == (
         0,
-        ["error: denied by ui-2: the user did not approve this call"],
+        [f"error: denied by ui-2 {PEER}: the user did not approve this call"],
     )
 
 
@@ -279,7 +282,10 @@ def test_cancel_withdraws_the_pending_approval(agentd: Agentd) -> None:
         approval(one, session, "mark it")
         two.step(session, Event(Cancel=Cancel(turn=1)))
         decided = next_notice(one, "session/decided").params
-    assert (decided, agentd.marks()) == ({"session": session, "action": 2, "decision": "cancelled", "by": "ui-2"}, 0)
+    assert (decided, agentd.marks()) == (
+        {"session": session, "action": 2, "decision": "cancelled", "by": f"ui-2 {PEER}", "remembered": None},
+        0,
+    )
 
 
 def test_remember_lets_the_same_command_run_again_without_asking(agentd: Agentd) -> None:
@@ -294,6 +300,40 @@ def test_remember_lets_the_same_command_run_again_without_asking(agentd: Agentd)
         answer(c, approval(c, session, "mark twice"), "allow", remember=True)
         seen = until_done(c)
     assert (agentd.marks(), [n.method for n in seen].count("session/approval")) == (2, 0)
+
+
+def test_remember_true_lets_only_that_exact_command_run_again_without_asking(agentd: Agentd) -> None:
+    agentd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": MARK})]),
+        Scripted(tool_calls=[("exec", {"argv": [*MARK, "-rf"]})]),
+        Scripted(text="done"),
+    )
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        answer(c, approval(c, session, "mark twice"), "allow", remember=True)
+        decided = next_notice(c, "session/decided").params
+        again = next_notice(c, "session/approval").params
+        answer(c, again, "deny")
+        until_done(c)
+    assert (decided["remembered"], again["action"], agentd.marks()) == ({"scope": "exact", "argv": MARK}, 4, 1)
+
+
+def test_a_prefix_grant_covers_more_words_but_never_one_starting_with_a_dash(agentd: Agentd) -> None:
+    agentd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": MARK})]),
+        Scripted(tool_calls=[("exec", {"argv": [*MARK, "more"]})]),
+        Scripted(tool_calls=[("exec", {"argv": [*MARK, "more", "-rf"]})]),
+        Scripted(text="done"),
+    )
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        answer(c, approval(c, session, "mark thrice"), "allow", remember="prefix")
+        asked = next_notice(c, "session/approval").params
+        answer(c, asked, "deny")
+        until_done(c)
+    assert (asked["action"], asked["op"], agentd.marks()) == (6, {"Exec": {"argv": [*MARK, "more", "-rf"]}}, 2)
 
 
 def test_devd_approve_answers_from_the_command_line(agentd: Agentd) -> None:
@@ -444,7 +484,7 @@ def test_a_tool_run_and_a_denied_one_each_leave_a_trace_record(agentd: Agentd) -
         until_done(c)
         records = c.call("session/trace", {"session": session, "since": 1})["records"]
     assert [(r["kind"], r["outcome"], r.get("error")) for r in records] == [
-        ("exec", "denied", "denied by ui-1: the user did not approve this call"),
+        ("exec", "denied", f"denied by ui-1 {PEER}: the user did not approve this call"),
         ("model", "ok", None),
     ]
 
@@ -462,7 +502,7 @@ def test_devd_run_at_a_terminal_asks_y_n_a_and_a_y_runs_the_command_once(agentd_
     )
     os.close(follower)
     try:
-        shown = read_until(leader, b"[y/N/a] ")
+        shown = read_until(leader, b'not starting with "-") ')
         os.write(leader, b"y\n")
         shown += read_until(leader, b"[turn 1 complete]")
         assert (proc.wait(60), agentd_process.marks()) == (0, 1)
@@ -471,7 +511,8 @@ def test_devd_run_at_a_terminal_asks_y_n_a_and_a_y_runs_the_command_once(agentd_
             proc.kill()
             proc.wait()
         os.close(leader)
-    assert b"$ sh -c 'echo ran >> marker'\r\nallow action 2? [y/N/a] " in shown
+    asked = ApprovalNotice("s", 2, Op(Exec=Exec(argv=MARK)), "0" * 64)
+    assert f"{call_line(Action(id=2, op=asked.op))}\r\n{prompt_line(asked)}".encode() in shown
 
 
 def read_until(fd: int, wanted: bytes) -> bytes:
@@ -486,9 +527,30 @@ def read_until(fd: int, wanted: bytes) -> bytes:
     return seen
 
 
-def test_y_allows_a_allows_and_remembers_anything_else_denies() -> None:
-    answers = [decision_of(a) for a in ("y\n", "a\n", "\n", "no\n")]
-    assert answers == [("allow", False), ("allow", True), ("deny", False), ("deny", False)]
+def test_y_allows_a_remembers_the_exact_call_p_the_prefix_anything_else_denies() -> None:
+    answers = [decision_of(a) for a in ("y\n", "a\n", "p\n", "\n", "no\n")]
+    assert answers == [("allow", False), ("allow", "exact"), ("allow", "prefix"), ("deny", False), ("deny", False)]
+
+
+def test_the_question_says_what_a_and_p_would_remember() -> None:
+    asked = [
+        prompt_line(ApprovalNotice("s", 2, op, "0" * 64))
+        for op in (Op(Exec=Exec(argv=["rm", "a.o"])), Op(Write=Write(path="a.txt", text="")))
+    ]
+    assert asked == [
+        "allow action 2? [y/N/a/p] (a: always, this exact command; p: always, also followed by more words not "
+        'starting with "-") ',
+        "allow action 2? [y/N/a] (a: always, writes to a.txt) ",
+    ]
+
+
+def test_the_decided_line_says_what_is_remembered() -> None:
+    screen = Screen(out=io.StringIO())
+    screen.show(DecidedNotice("s", 2, "allow", "ui (uid 0, pid 7)", Remembered("prefix", argv=["rm", "a.o"])))
+    assert screen.out.getvalue() == (
+        "[action 2 allowed by ui (uid 0, pid 7); remembered: $ rm a.o, also followed by more words not starting "
+        'with "-"]\n'
+    )
 
 
 def test_a_write_waiting_for_approval_is_shown_as_a_diff_of_the_file(tmp_path: Path) -> None:

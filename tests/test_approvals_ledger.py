@@ -8,10 +8,11 @@ import msgspec
 import pytest
 
 from devd.agent import approvals, spend, trace
-from devd.agent.approvals import Decided, Ledger, action_digest
+from devd.agent.approvals import Answer, Asked, Decided, Grant, Ledger, action_digest
 from devd.agent.spend import Ceilings, Refusal, Reservation, Scope, SpendLedger, Usage
 from devd.errors import ConflictError, InvalidParamsError
 from devd.messages import Exec, Git, Op, Write
+from devd.protocol import Remember, Remembered
 
 RM = Op(Exec=Exec(argv=["rm", "-rf", "build"]))
 SCOPE = Scope(session="s", profile="coder", turn=1, day="2026-12-01")
@@ -73,27 +74,88 @@ def test_an_answer_after_cancel_is_a_conflict_saying_so() -> None:
         ledger.answer(5, asked.digest, "allow", "ui-2")
 
 
-def test_remember_allows_that_argv_prefix_for_later_calls() -> None:
+def remembered(op: Op, decision: Answer = "allow", remember: bool | Remember = True) -> Ledger:
+    """A ledger where op was decided with remember."""
     ledger = Ledger()
-    ledger.answer(5, ledger.ask(5, Op(Exec=Exec(argv=["make", "test"]))).digest, "allow", "ui", remember=True)
-    assert ledger.recall(Op(Exec=Exec(argv=["make", "test", "-j4"]))) == "allow"
+    ledger.answer(5, ledger.ask(5, op).digest, decision, "ui", remember=remember)
+    return ledger
+
+
+def argv(*words: str) -> Op:
+    return Op(Exec=Exec(argv=list(words)))
+
+
+RM_AO = argv("rm", "a.o")
+
+
+@pytest.mark.parametrize(
+    ("remember", "later", "recalled"),
+    [
+        (True, RM_AO, "allow"),
+        (True, argv("rm", "a.o", "b.o"), None),
+        (True, argv("rm", "a.o", "-rf", "src"), None),
+        ("exact", argv("rm", "a.o", "-rf", "src"), None),
+        ("exact", argv("rm"), None),
+        ("prefix", RM_AO, "allow"),
+        ("prefix", argv("rm", "a.o", "b.o"), "allow"),
+        ("prefix", argv("rm", "a.o", "-rf", "src"), None),
+        ("prefix", argv("rm", "a.o", "b.o", "--force"), None),
+        ("prefix", argv("rm", "a.o", "--", "b.o"), None),
+        ("prefix", argv("rm", "a.obj"), None),
+        ("prefix", argv("/bin/rm", "a.o"), None),
+        (False, RM_AO, None),
+    ],
+)
+def test_an_allowance_remembered_covers_exactly_what_its_scope_says(
+    remember: bool | Remember, later: Op, recalled: Answer | None
+) -> None:
+    assert remembered(RM_AO, remember=remember).recall(later) == recalled
+
+
+def test_a_remembered_prefix_denial_covers_every_extension_even_options() -> None:
+    assert remembered(RM_AO, "deny", "prefix").recall(argv("rm", "a.o", "-rf", "src")) == "deny"
+
+
+def test_a_remembered_exact_denial_covers_only_that_argv() -> None:
+    assert remembered(RM_AO, "deny", "exact").recall(argv("rm", "a.o", "b.o")) is None
+
+
+def test_a_remembered_denial_wins_over_a_remembered_allowance() -> None:
+    ledger = remembered(RM_AO, "allow", "prefix")
+    ledger.answer(6, ledger.ask(6, argv("rm", "a.o", "b.o")).digest, "deny", "ui", remember="prefix")
+    assert ledger.recall(argv("rm", "a.o", "b.o", "c.o")) == "deny"
+
+
+def test_remember_true_is_kept_as_exact() -> None:
+    ledger = Ledger()
+    assert ledger.answer(5, ledger.ask(5, RM_AO).digest, "allow", "ui", remember=True) == Decided(
+        5, "allow", "ui", "exact"
+    )
+
+
+def test_an_old_record_of_remember_true_replays_as_an_exact_grant() -> None:
+    ledger = Ledger()
+    ledger.replay(approvals.ASKED, msgspec.json.encode(Asked(5, RM_AO, action_digest(5, RM_AO))))
+    ledger.replay(approvals.DECIDED, b'{"action":5,"decision":"allow","by":"ui","remember":true}')
+    assert ledger.remembered == [Grant("argv", ("rm", "a.o"), "exact", "allow")]
+
+
+def test_a_grant_is_shown_as_its_scope_and_argv() -> None:
+    assert Grant("argv", ("rm", "a.o"), "prefix", "allow").shown() == Remembered("prefix", argv=["rm", "a.o"])
 
 
 def test_remember_does_not_reach_another_command() -> None:
-    ledger = Ledger()
-    ledger.answer(5, ledger.ask(5, Op(Exec=Exec(argv=["make", "test"]))).digest, "allow", "ui", remember=True)
-    assert ledger.recall(Op(Exec=Exec(argv=["make", "install"]))) is None
+    ledger = remembered(argv("make", "test"), remember="prefix")
+    assert ledger.recall(argv("make", "install")) is None
 
 
 def test_remember_of_a_git_call_is_the_git_argv() -> None:
-    ledger = Ledger()
-    ledger.answer(5, ledger.ask(5, Op(Git=Git(argv=["status"]))).digest, "allow", "ui", remember=True)
-    assert ledger.recall(Op(Exec=Exec(argv=["git", "status", "-s"]))) == "allow"
+    ledger = remembered(Op(Git=Git(argv=["status"])))
+    assert ledger.recall(argv("git", "status")) == "allow"
 
 
-def test_remember_of_a_write_is_that_path_only() -> None:
-    ledger = Ledger()
-    ledger.answer(5, ledger.ask(5, Op(Write=Write(path="a.txt", text="1"))).digest, "allow", "ui", remember=True)
+def test_remember_of_a_write_is_that_path_only_even_as_a_prefix() -> None:
+    ledger = remembered(Op(Write=Write(path="a.txt", text="1")), remember="prefix")
     assert ledger.recall(Op(Write=Write(path="a.txt.bak", text="2"))) is None
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from devd.addresses import TcpListen, UnixListen, address
-from devd.server.listeners import ActivatedListen, bind, made_up_token
+from devd.server.listeners import ActivatedListen, bind, made_up_token, origin
 
 
 def test_addresses_parse_to_their_kind_and_write_back_as_clients_address_them() -> None:
@@ -75,3 +75,16 @@ def test_an_activated_abstract_unix_socket_is_served_as_its_name() -> None:
 def test_a_made_up_token_never_starts_with_a_dash_which_a_command_line_takes_for_a_flag() -> None:
     # One token in 64 started so; of 2,000 tokens, none does.
     assert [t for t in (made_up_token() for _ in range(2000)) if t.startswith("-") or len(t) != 43] == []
+
+
+def test_a_unix_peer_is_named_by_its_uid_and_pid() -> None:
+    one, two = socket.socketpair(socket.AF_UNIX)
+    with one, two:
+        assert origin(one) == f"uid {os.getuid()}, pid {os.getpid()}"
+
+
+def test_a_tcp_peer_is_named_by_its_address() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
+        accepted, _ = server.accept()
+        with accepted:
+            assert origin(accepted) == f"127.0.0.1:{client.getsockname()[1]}"

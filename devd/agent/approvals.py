@@ -5,8 +5,11 @@ anyone, and a ledger rebuilt from those records (`replay`) is the one that was l
 - a digest names one exact action and its arguments (the action id and the op, canonically encoded);
 - the first valid answer decides; a later one is `ConflictError` naming who decided, a digest that does not match is
   `InvalidParamsError`, and neither changes anything;
-- a decision remembered (`remember`) settles later calls of the same argv prefix (Exec, Git) or path (Write) of the
-  session without asking; a profile's `deny` is never overridden by it (the ledger is asked only about `ask` calls).
+- a decision remembered (`remember`) settles later calls of the session without asking, and no others: by default
+  (`"exact"`, or `true`) calls of exactly the argv (Exec; Git's as `git ...`) or path (Write) decided; a `"prefix"`
+  grant also calls of that argv followed by more words, none of which starts with `-` (so `rm a.o` never grows into
+  `rm a.o -rf src`), while a remembered denial covers every extension; a profile's `deny` is never overridden by it
+  (the ledger is asked only about `ask` calls). A `true` kept before `"prefix"` existed is read as `"exact"`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import msgspec
 
 from devd.errors import ConflictError, InvalidParamsError
 from devd.messages import Call, Op
+from devd.protocol import Remember, Remembered
 
 Verdict = Literal["allow", "deny", "cancelled"]
 Answer = Literal["allow", "deny"]
@@ -27,21 +31,63 @@ ASKED = "approval"
 DECIDED = "decided"
 
 
-class Asked(msgspec.Struct, frozen=True):
-    """An action that waits for a decision: its id, what it would do, and the digest an answer must name."""
+class Asked(msgspec.Struct, frozen=True, omit_defaults=True):
+    """An action that waits for a decision: its id, what it would do, the digest an answer must name, and why the
+    policy asks (not part of the digest: the digest names the action, whatever the policy said)."""
 
     action: int
     op: Op
     digest: str
+    why: str | None = None
 
 
 class Decided(msgspec.Struct, frozen=True, omit_defaults=True):
-    """How an action was decided: `allow`, `deny` (by a client) or `cancelled` (its turn was), and by whom."""
+    """How an action was decided: `allow`, `deny` (by a client) or `cancelled` (its turn was), by whom, and what of
+    it is remembered (`remember`: False, or the scope; a `true` of an older record is read as "exact")."""
 
     action: int
     decision: Verdict
     by: str
-    remember: bool = False
+    remember: bool | Remember = False
+
+    @property
+    def scope(self) -> Remember | None:
+        """What the decision settles later: "exact", "prefix", or None (nothing)."""
+        return scope_of(self.remember)
+
+
+class Grant(msgspec.Struct, frozen=True):
+    """A remembered decision: the argv or path it was about (`kind`, `words`), its scope, and the decision."""
+
+    kind: Literal["argv", "path"]
+    words: tuple[str, ...]
+    scope: Remember
+    decision: Answer
+
+    def covers(self, kind: str, words: tuple[str, ...]) -> bool:
+        """Whether this grant settles a call of these words: the same words, or (a prefix grant, or any remembered
+        denial of an argv) those words followed by more; an allowance never by a word starting with `-`."""
+        if kind != self.kind or words[: len(self.words)] != self.words:
+            return False
+        extra = words[len(self.words) :]
+        if not extra:
+            return True
+        if kind == "path" or self.scope == "exact":
+            return False
+        return self.decision == "deny" or not any(word.startswith("-") for word in extra)
+
+    def shown(self) -> Remembered:
+        """The grant as `session/decided` states it."""
+        if self.kind == "path":
+            return Remembered(self.scope, path=self.words[0])
+        return Remembered(self.scope, argv=list(self.words))
+
+
+def scope_of(remember: bool | Remember) -> Remember | None:
+    """The scope a `remember` asks for: `true` is "exact" (the safe reading), `false` none."""
+    if remember is True:
+        return "exact"
+    return None if remember is False else remember
 
 
 def action_digest(action: int, op: Op) -> str:
@@ -65,7 +111,7 @@ def call_of(op: Op) -> Call | None:
     return None
 
 
-def _subject(op: Op) -> tuple[str, tuple[str, ...]] | None:
+def _subject(op: Op) -> tuple[Literal["argv", "path"], tuple[str, ...]] | None:
     """What a remembered decision is about: an argv (Git's as `git ...`) or a Write's path."""
     if op.Exec is not None:
         return "argv", tuple(op.Exec.argv)
@@ -81,23 +127,21 @@ class Ledger(msgspec.Struct):
 
     pending: dict[int, Asked] = msgspec.field(default_factory=dict)
     decided: dict[int, Decided] = msgspec.field(default_factory=dict)
-    remembered: list[tuple[str, tuple[str, ...], Answer]] = msgspec.field(
-        default_factory=list
-    )  # (what, prefix, decision)
+    remembered: list[Grant] = msgspec.field(default_factory=list)
 
-    def ask(self, action: int, op: Op) -> Asked:
+    def ask(self, action: int, op: Op, why: str | None = None) -> Asked:
         """The action's approval, asked now or before (the same one, so a restart asks nothing new)."""
         if action in self.pending:
             return self.pending[action]
-        asked = Asked(action, op, action_digest(action, op))
+        asked = Asked(action, op, action_digest(action, op), why)
         self.pending[action] = asked
         return asked
 
-    def answer(self, action: int, digest: str, decision: Answer, by: str, remember: bool = False) -> Decided:
+    def answer(self, action: int, digest: str, decision: Answer, by: str, remember: bool | Remember = False) -> Decided:
         """Decide a pending action, or raise: CONFLICT when it is decided already, INVALID_PARAMS when it never
         waited for a decision or the digest names another action."""
         self.check(action, digest)
-        return self.settle(Decided(action, decision, by, remember))
+        return self.settle(Decided(action, decision, by, scope_of(remember) or False))
 
     def check(self, action: int, digest: str) -> None:
         """Raise what an answer for this action and digest would be refused with; nothing changes."""
@@ -124,24 +168,22 @@ class Ledger(msgspec.Struct):
         """Record a decision (made here, or replayed from the record log)."""
         asked = self.pending.pop(decided.action, None)
         self.decided[decided.action] = decided
-        if decided.remember and asked is not None and decided.decision != "cancelled":
-            subject = _subject(asked.op)
-            if subject is not None:
-                self.remembered.append((*subject, decided.decision))
+        grant = None if asked is None else grant_of(asked.op, decided)
+        if grant is not None:
+            self.remembered.append(grant)
         return decided
 
     def recall(self, op: Op) -> Answer | None:
-        """What a remembered decision says of this op (the strictest that matches), or None: ask."""
+        """What a remembered decision says of this op (the strictest that covers it), or None: ask."""
         subject = _subject(op)
         if subject is None:
             return None
-        what, value = subject
         found: Answer | None = None
-        for kind, prefix, decision in self.remembered:
-            if kind == what and value[: len(prefix)] == prefix and (kind == "argv" or value == prefix):
-                if decision == "deny":
+        for grant in self.remembered:
+            if grant.covers(*subject):
+                if grant.decision == "deny":
                     return "deny"
-                found = decision
+                found = grant.decision
         return found
 
     def replay(self, kind: str, body: bytes) -> None:
@@ -152,6 +194,14 @@ class Ledger(msgspec.Struct):
                 self.pending[asked.action] = asked
         elif kind == DECIDED:
             self.settle(_decided.decode(body))
+
+
+def grant_of(op: Op, decided: Decided) -> Grant | None:
+    """What a decision on this op remembers, if anything (a cancellation, or a Read, remembers nothing)."""
+    scope, subject = decided.scope, _subject(op)
+    if scope is None or subject is None or decided.decision == "cancelled":
+        return None
+    return Grant(*subject, scope, decided.decision)
 
 
 def _conflict(done: Decided) -> str:

@@ -32,7 +32,7 @@ import anyio.to_thread
 from devd.client import ActionsNotice, AsyncClient, Notice, UnwatchedNotice
 from devd.errors import BusyError, ConflictError, HandleError
 from devd.messages import Action, Cancel, Event, Output
-from devd.protocol import ApprovalNotice, DecidedNotice, DeltaNotice, StalledNotice
+from devd.protocol import ApprovalNotice, DecidedNotice, DeltaNotice, Remember, StalledNotice
 from devd.render import Streamed, argv, block, inline, prose
 
 EXIT_OK = 0
@@ -110,7 +110,7 @@ class Screen:
                 self._line(line)
         elif isinstance(notice, DecidedNotice):
             said = {"allow": "allowed", "deny": "denied", "cancelled": "withdrawn: its turn was cancelled"}
-            self._line(f"[action {notice.action} {said[notice.decision]} by {inline(notice.by)}]")
+            self._line(f"[action {notice.action} {said[notice.decision]} by {inline(notice.by)}{_kept(notice)}]")
         elif isinstance(notice, ActionsNotice):
             self._step(notice)
         self.out.flush()
@@ -236,18 +236,47 @@ def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:
     return [f"write {path} ({len(op.Write.text.encode())} bytes)", *lines]
 
 
-def decision_of(answer: str) -> tuple[Literal["allow", "deny"], bool]:
-    """`[y/N/a]`: y allows once, a allows and remembers, anything else denies."""
+def decision_of(answer: str) -> tuple[Literal["allow", "deny"], Remember | Literal[False]]:
+    """`[y/N/a/p]`: y allows once, a allows and remembers exactly this call, p this command followed by more words
+    (none starting with `-`), anything else denies."""
     word = answer.strip().lower()
     if word in ("a", "always"):
-        return "allow", True
+        return "allow", "exact"
+    if word in ("p", "prefix"):
+        return "allow", "prefix"
     return ("allow" if word in ("y", "yes") else "deny"), False
+
+
+def prompt_line(notice: ApprovalNotice) -> str:
+    """The question an approval is asked with, saying what `a` (and, for a command, `p`) would remember."""
+    op = notice.op
+    if op.Exec is not None or op.Git is not None:
+        return (
+            f"allow action {notice.action}? [y/N/a/p] (a: always, this exact command; p: always, also followed by "
+            'more words not starting with "-") '
+        )
+    if op.Write is not None:
+        return f"allow action {notice.action}? [y/N/a] (a: always, writes to {inline(op.Write.path)}) "
+    return f"allow action {notice.action}? [y/N] "
+
+
+def _kept(notice: DecidedNotice) -> str:
+    """What a decision remembers, as the line that reports it says it."""
+    kept = notice.remembered
+    if kept is None:
+        return ""
+    if kept.path is not None:
+        return f"; remembered: writes to {inline(kept.path)}"
+    shown = "$ " + argv(kept.argv or [])
+    if kept.scope == "exact":
+        return f"; remembered: exactly {shown}"
+    return f'; remembered: {shown}, also followed by more words not starting with "-"'
 
 
 async def _ask(client: AsyncClient, notice: ApprovalNotice, screen: Screen, scope: anyio.CancelScope) -> None:
     """Ask the person at the terminal; their answer goes to the daemon unless another client decided first."""
     with scope:
-        screen.out.write(f"allow action {notice.action}? [y/N/a] ")
+        screen.out.write(prompt_line(notice))
         screen.out.flush()
         screen.at_line_start = False
         answer = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)

@@ -30,7 +30,7 @@ from devd.agent.profiles import Budget, Profile, decide
 from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, SpendLedger, Usage
 from devd.errors import HandleError
 from devd.messages import Op
-from devd.protocol import ApprovalNotice, DecidedNotice, Outcome, TraceRecord
+from devd.protocol import ApprovalNotice, DecidedNotice, Outcome, Remember, Remembered, TraceRecord
 from devd.storage.store import Record
 
 if TYPE_CHECKING:
@@ -180,38 +180,41 @@ class Oversight:
             remembered = state.ledger.recall(op)
             if remembered is not None:
                 return Gate(remembered == "allow", f"a decision remembered in this session says {remembered}")
-            done = await self._wait(session, state, action, op)
+            done = await self._wait(session, state, action, op, reason)
         if done.decision == "allow":
             return Gate(True, f"allowed by {done.by}", done.by)
         if done.decision == "cancelled":
             return Gate(False, "not run: its turn was cancelled while it waited for approval", done.by)
         return Gate(False, f"denied by {done.by}: the user did not approve this call", done.by)
 
-    async def _wait(self, session: str, state: _Session, action: int, op: Op) -> Decided:
+    async def _wait(self, session: str, state: _Session, action: int, op: Op, why: str) -> Decided:
         async with state.lock:
             done = state.ledger.decided.get(action)
             if done is not None:  # answered (from a record read at start) before this driver came to ask
                 return done
             if action not in state.ledger.pending:
-                asked = state.ledger.ask(action, op)
+                asked = state.ledger.ask(action, op, why)
                 await self._keep(session, approvals.ASKED, action, asked)
             asked = state.ledger.pending[action]
             event = state.decided.setdefault(action, anyio.Event())
-        self.keeper.tell(session, APPROVAL_NOTICE, ApprovalNotice(session, action, asked.op, asked.digest))
+        notice = ApprovalNotice(session, action, asked.op, asked.digest, asked.why)
+        self.keeper.tell(session, APPROVAL_NOTICE, notice)
         await event.wait()
         return state.ledger.decided[action]
 
     async def answer(
-        self, session: str, action: int, digest: str, decision: Answer, by: str, remember: bool = False
+        self, session: str, action: int, digest: str, decision: Answer, by: str, remember: bool | Remember = False
     ) -> Decided:
-        """A client's answer: durable before anyone is told; CONFLICT or INVALID_PARAMS decides nothing."""
+        """A client's answer: durable before anyone is told (with what it remembers, if anything); CONFLICT or
+        INVALID_PARAMS decides nothing."""
         state = await self._state(session)
         async with state.lock:  # one answer at a time: the first is durable before a second is checked
             state.ledger.check(action, digest)
-            done = Decided(action, decision, by, remember)
+            done = Decided(action, decision, by, approvals.scope_of(remember) or False)
+            grant = approvals.grant_of(state.ledger.pending[action].op, done)
             await self._keep(session, approvals.DECIDED, action, done)
             state.ledger.settle(done)
-        self._told(session, state, done)
+        self._told(session, state, done, None if grant is None else grant.shown())
         return done
 
     async def withdraw(self, session: str, actions: list[int], by: str | None = None) -> list[Decided]:
@@ -227,8 +230,9 @@ class Oversight:
             self._told(session, state, done)
         return withdrawn
 
-    def _told(self, session: str, state: _Session, done: Decided) -> None:
-        self.keeper.tell(session, DECIDED_NOTICE, DecidedNotice(session, done.action, done.decision, done.by))
+    def _told(self, session: str, state: _Session, done: Decided, remembered: Remembered | None = None) -> None:
+        notice = DecidedNotice(session, done.action, done.decision, done.by, remembered)
+        self.keeper.tell(session, DECIDED_NOTICE, notice)
         event = state.decided.pop(done.action, None)
         if event is not None:
             event.set()
@@ -241,7 +245,8 @@ class Oversight:
     async def announcements(self, session: str) -> list[bytes]:
         """The `session/approval` params of every pending approval, for a watcher that has just started watching."""
         return [
-            msgspec.json.encode(ApprovalNotice(session, a.action, a.op, a.digest)) for a in await self.awaiting(session)
+            msgspec.json.encode(ApprovalNotice(session, a.action, a.op, a.digest, a.why))
+            for a in await self.awaiting(session)
         ]
 
     # -- spend ----------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import msgspec
 
 from devd.deltas import Stream
 from devd.errors import BusyError, HandleError
-from devd.messages import Action, Event, Message, decode_actions, decode_messages, encode
+from devd.messages import Action, Event, Message, Turn, decode_actions, decode_messages, encode
 from devd.protocol import DeltaNotice
 from devd.server.rpc import notification
 from devd.sessions.port import SessionPort
@@ -101,8 +101,8 @@ class Sessions(Protocol):
     async def step_bytes(self, session: str, event: bytes, key: str | None) -> list[Action]:
         """`step` of an event already encoded: observers see these very bytes (`Stepped.event is event`)."""
 
-    async def keyed_turn(self, session: str, key: str) -> int | None:
-        """The turn id of the `Turn` step journalled under key; None if no step has that key."""
+    async def keyed_turn(self, session: str, key: str) -> Turn | None:
+        """The `Turn` step journalled under key; None if no step has that key."""
 
     async def pending(self, session: str) -> list[Action]: ...
 
@@ -154,15 +154,14 @@ class RegistryPort:
         answered = await _unbusy(lambda: self.registry.step(session, event, None, key))
         return decode_actions(answered.actions)
 
-    async def keyed_turn(self, session: str, key: str) -> int | None:
+    async def keyed_turn(self, session: str, key: str) -> Turn | None:
         kept = await self.store.keyed(session, key)
         if kept is None:
             return None
         rows = await self.store.steps_since(session, kept.seq - 1, 1)
         if not rows or rows[0].seq != kept.seq:
             return None
-        turn = _turns.decode(rows[0].event).Turn
-        return None if turn is None else turn.id
+        return _turns.decode(rows[0].event).Turn
 
     async def pending(self, session: str) -> list[Action]:
         return decode_actions(await _unbusy(lambda: self.registry.pending(session)))

@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
 from urllib.parse import urlsplit
 
 import msgspec
 
+from devd.agent import wrappers
 from devd.errors import ConfigError, InvalidParamsError
 from devd.messages import Call
 
@@ -62,6 +64,7 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     tools: tuple[str, ...] = ()
     browse_private: bool = False  # Browse runs in the daemon: only public addresses, unless this says otherwise
     max_tokens: int | None = None
+    max_calls_per_reply: int = 100  # tool calls of one model reply carried out; the rest are answered refused
     budget: Budget | None = None
     reply_bytes_max: int = 8 * 1024 * 1024  # a model reply's body (a line of it too) is dropped past this
     model_timeout_s: float = 600.0  # an attempt of a model call is given up past this, however it trickles
@@ -86,6 +89,7 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "tools": (list[str], f"a list of tool names ({', '.join(repr(t) for t in EXTRA_TOOLS)})"),
     "browse_private": (bool, "true or false"),
     "max_tokens": (int, "an integer"),
+    "max_calls_per_reply": (int, "an integer number of tool calls"),
     "reply_bytes_max": (int, "an integer number of bytes"),
     "model_timeout_s": (float, "a number of seconds"),
     "budget": (dict[str, Any], "a table with tokens_per_turn, tokens_per_session, tokens_per_day"),
@@ -181,6 +185,8 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
         return float(value)
     if key in ("output_bytes_max", "max_tokens", "reply_bytes_max") and value < 1:
         raise lines.error(where, f"agent.{name}.{key} is {value}; it must be at least 1")
+    if key == "max_calls_per_reply" and value < 1:
+        raise lines.error(where, f"agent.{name}.{key} is {value}; it must be at least 1 (a tool call per reply)")
     if key == "budget":
         return _budget(name, value, lines)
     return value
@@ -315,9 +321,16 @@ def default_agents_path(environ: Mapping[str, str]) -> Path | None:
 
 
 def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
-    """Whether the profile lets the call run, and why in words the model is shown. For Exec and Git the rules whose
-    prefix matches the argv decide, the strictest of them winning (deny over ask over allow); a call no rule matches
-    is decided by `exec`."""
+    """Whether the profile lets the call run, and why in words the model is shown. A NUL in an argument or path is
+    refused (no program can be given one: what ran would differ from what was asked). For Exec and Git the rules
+    whose prefix matches the command that runs in the end (seen through wrappers, `devd.agent.wrappers`) decide, and
+    a deny or ask rule matching a wrapper of it too, the strictest winning (deny over ask over allow); a call no rule
+    matches is decided by `exec`. A command that may run what its argv does not show (`sh -c` of more than one
+    simple command, `python -c`, a program in the workspace) is asked about rather than allowed when the profile
+    has a deny or ask rule, unless an allow rule matches that very command."""
+    refused = _nul(call)
+    if refused is not None:
+        return "deny", refused
     if call.Read is not None:
         return "allow", "reads are always allowed"
     if call.Write is not None:
@@ -330,17 +343,54 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
     argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv] if call.Git is not None else []
     decision: Decision = profile.exec
     reason = f'agent {profile.name!r} has exec = "{profile.exec}"'
-    matching = [rule for rule in profile.rules if _matches(rule.prefix, argv)]
+    seen = wrappers.see(argv)
+    last = len(seen.layers) - 1
+    # An allow rule counts for the command that runs in the end only: one of a wrapper would allow what it wraps.
+    matching = [
+        (rule, at)
+        for rule in profile.rules
+        for at, layer in enumerate(seen.layers)
+        if (at == last or rule.decision != "allow") and _matches(rule.prefix, layer)
+    ]
     if matching:
-        rule = max(matching, key=lambda r: _STRICTNESS[r.decision])
+        rule, at = max(matching, key=lambda m: _STRICTNESS[m[0].decision])
         decision = rule.decision
         reason = f"the rule prefix = {list(rule.prefix)} of agent {profile.name!r} says {rule.decision}"
+        if at > 0:
+            reason += f" (the command runs {shlex.join(seen.layers[at])})"
+        allowed_as_is = decision == "allow" and at == seen.blind_at
+    else:
+        allowed_as_is = False
+    stricter = [r for r in profile.rules if r.decision != "allow"]
+    if decision == "allow" and seen.blind is not None and stricter and not allowed_as_is:
+        decision = "ask"
+        reason = (
+            f"{seen.blind}, and agent {profile.name!r} has rules that deny or ask (prefix = "
+            f"{list(stricter[0].prefix)}) which what it runs could match: a person decides"
+        )
     if decision == "deny":
         reason = f"denied by the policy: {reason}"
     return decision, reason
 
 
-def _matches(prefix: tuple[str, ...], argv: list[str]) -> bool:
+def _nul(call: Call) -> str | None:
+    """Why the call is refused for a NUL in an argument or path, or None."""
+    if call.Exec is not None or call.Git is not None:
+        argv = call.Exec.argv if call.Exec is not None else call.Git.argv  # type: ignore[union-attr]
+        at = next((i for i, word in enumerate(argv) if "\0" in word), None)
+        if at is not None:
+            return (
+                f"refused: argument {at} of the command holds a NUL character, which no program can be given (what "
+                "ran would differ from what was asked); send the command without it"
+            )
+        return None
+    path = call.Read.path if call.Read is not None else call.Write.path if call.Write is not None else ""
+    if "\0" in path:
+        return "refused: the path holds a NUL character, which no file name can; send the path without it"
+    return None
+
+
+def _matches(prefix: tuple[str, ...], argv: Sequence[str]) -> bool:
     """Whether argv starts with prefix; a bare command name also matches it run by path (["rm"] matches /bin/rm)."""
     if len(argv) < len(prefix) or not prefix:
         return False

@@ -2,15 +2,17 @@
 
 What it promises:
 - A session made with `agent` and `workspace` keeps both (an `agent` record, which a fork carries); `prompt` starts a
-  turn above every turn id the session had and answers once its `Turn` step is durable; the runtime then carries out
+  turn above every turn id the session had and answers once its `Turn` step is durable (a key used before answers
+  that turn again, or CONFLICT when it was used for another prompt); the runtime then carries out
   every action the core waits for, in order, stepping each result as a client would (`agent:<turn>:<action>` keys),
   until nothing is pending. One driver task per session does so, in the runtime's task group.
 - An Exec, Write or Git starts only after its claim is durable; a claim found without its result (a restart, a move)
   is never run again: the call is stepped as failed, saying it may have partly run. Read and Model are carried out
   again.
-- A call the profile denies (or would ask about: approvals do not exist yet) is never started; it is stepped as
-  failed, with why. A tool call the core cannot take is answered to the model as a failed call, kept in an `inserted`
-  record so that every later request carries it at the same place.
+- A call the profile denies (or, when it asks, a client denies) is never started; it is stepped as failed, with
+  why. A tool call the core cannot take, and every tool call of a reply past the profile's
+  `max_calls_per_reply`, is answered to the model as a failed call, kept in an `inserted` record so that every later
+  request carries it at the same place.
 - While the model streams, the session's watchers receive `session/delta`. When the model cannot be reached after
   the retries, the ask stays pending, the session is stalled (`stalled`, and `session/stalled` to its watchers) until
   `resume`.
@@ -44,8 +46,8 @@ from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import Sessions, action_ids
 from devd.agent.profiles import Profile, check_workspace
 from devd.agent.records import Binding, Claim, TurnStarted
-from devd.errors import DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
-from devd.messages import Action, Answer, Call, Event, Message, Output, Turn, encode
+from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
+from devd.messages import Action, Answer, Call, Event, Message, Output, Reply, Turn, encode
 from devd.protocol import Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
@@ -160,8 +162,12 @@ class Runtime:
         async with self._locks.setdefault(session, anyio.Lock()):
             step_key = None if key is None else f"prompt:{key}"
             if step_key is not None and (kept := await self.sessions.keyed_turn(session, step_key)) is not None:
+                if kept.prompt != prompt:  # as a keyed step with another event is: never the old turn, silently
+                    raise ConflictError(
+                        f"key {key!r} was used for another prompt (turn {kept.id}); use a new key for a new prompt"
+                    )
                 self.drive(session)
-                return kept
+                return kept.id
             if session not in self._scanned:
                 await self._scan_turns(session)
             seq = self.sessions.seq(session) or 0
@@ -323,6 +329,19 @@ def _subject(call: Call) -> str | None:
     if call.Write is not None:
         return call.Write.path
     return None if call.Browse is None else call.Browse.url
+
+
+def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list[model.Rejected]]:
+    """The reply the core is stepped with and the calls it does not take: of the reply's tool calls, the first
+    `max_calls_per_reply` are taken (those it can take); the rest, in order, are answered refused, never run."""
+    limit = profile.max_calls_per_reply
+    calls = completion.tool_calls
+    reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]))
+    why = (
+        f"not run: the reply made {len(calls)} tool calls and at most {limit} of one reply are carried out (agent "
+        f"{profile.name!r} has max_calls_per_reply = {limit}); make the calls still needed in your next reply"
+    )
+    return reply, [*rejected, *(model.Rejected(tc.id, tc.name, tc.arguments, why) for tc in calls[limit:])]
 
 
 def _turn_id(event: bytes) -> int:
@@ -581,7 +600,7 @@ class Driver(msgspec.Struct, eq=False):
                 if completion is None:
                     await accounted.done(None)
                     return []
-                reply, rejected = model.to_reply(completion)
+                reply, rejected = _capped(profile, completion)
                 await accounted.done(completion)  # durable before the answer: every step has its records already
                 if rejected:
                     again = reply.calls is None and attempt < REASKS_MAX

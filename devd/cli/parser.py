@@ -483,8 +483,17 @@ def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wante
             decide.add_argument("action", type=int, help="the action's id (`devd pending SESSION` shows it)")
             decide.add_argument(
                 "--remember",
-                action="store_true",
-                help=f"{does} later calls of the same argv prefix (Exec, Git) or path (Write) in this session too",
+                action="store_const",
+                const="exact",
+                default=False,
+                help=f"{does} later calls of exactly the same argv (Exec, Git) or path (Write) in this session too",
+            )
+            decide.add_argument(
+                "--remember-prefix",
+                dest="remember",
+                action="store_const",
+                const="prefix",
+                help=f'{does} later calls of the same argv followed by more words, none starting with "-", too',
             )
     if backup := client("backup", "have the daemon write a consistent copy of every session to a new file"):
         backup.add_argument(

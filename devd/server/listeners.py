@@ -8,7 +8,7 @@ What it promises: the state directory, the backup directory and a `--store` data
 when they are not this user's or others can write them, and one daemon at a time holds the state directory; the token
 file is created 0600 atomically and refused when others can read it or it is too short; the Unix socket is 0600 in a
 directory of this user's that no one else can swap it in, a live daemon's socket is never taken over, and a path that
-is not a socket is never removed; peers are identified by uid.
+is not a socket is never removed; peers are identified by uid, and named in records by `origin`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import secrets
 import socket
 import stat
+import struct
 from pathlib import Path
 
 import msgspec
@@ -284,6 +285,20 @@ def bind(where: Listen) -> Listening:
     if isinstance(where, TcpListen):
         return Listening(where, bind_tcp(where.host, where.port))
     return Listening(where, where.sock)
+
+
+def origin(sock: socket.socket) -> str:
+    """Where a connection comes from, as records name it beside the client's chosen name: `uid U, pid P` of a Unix
+    peer (the kernel's credentials of the process that connected, which it cannot choose), `HOST:PORT` of a TCP one."""
+    if sock.family == socket.AF_UNIX:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _ = struct.unpack("3i", creds)
+        return f"uid {uid}, pid {pid}"
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:  # it closed before it was accepted: nothing it asks will be answered anyway
+        return "gone"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def accepted(served: UnixListen | TcpListen, sock: socket.socket) -> int | None:

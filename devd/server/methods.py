@@ -93,6 +93,12 @@ class Peer(msgspec.Struct):
     watches: dict[str, Subscription] = msgspec.field(default_factory=dict)
     closed: bool = False  # its subscriptions have been ended: a watch that finishes now must not outlive it
     client: str | None = None  # the client's name from `initialize`: who decided an approval
+    origin: str | None = None  # where it connected from (`uid U, pid P`, `HOST:PORT`): a name it cannot choose
+
+    def who(self) -> str:
+        """Who this peer is, for the records: the name it chose beside where it connected from."""
+        name = self.client or "unknown"
+        return name if self.origin is None else f"{name} ({self.origin})"
 
 
 class App(msgspec.Struct):
@@ -302,7 +308,7 @@ async def session_step(call: Call, params: StepParams) -> StepResult:
     if oversight is None or not event.lstrip().startswith(b'{"Cancel"'):
         answered = await patient(call.app, params.session, step)
     else:  # apart, so that no other step pays for it
-        with _cancelling(oversight, params.session, call.peer.client):
+        with _cancelling(oversight, params.session, call.peer.who()):
             answered = await patient(call.app, params.session, step)
     ignored = None if answered.ignored is None else [answered.ignored]
     return StepResult(Raw(answered.actions), answered.replayed, ignored)
@@ -551,7 +557,7 @@ async def session_agent(call: Call, params: SessionParams) -> AgentResult:
 @method("session/approve")
 async def session_approve(call: Call, params: ApproveParams) -> Empty:
     _known(call.app, params.session)
-    by = call.peer.client or "unknown"
+    by = call.peer.who()
     await _oversight(call.app).answer(
         params.session, params.action, params.digest, params.decision, by, params.remember
     )

@@ -32,7 +32,7 @@ from devd.errors import FullError
 from devd.server.connection import Close, Line, Rules, Send
 from devd.server.flow import Flow
 from devd.server.hub import Hub
-from devd.server.listeners import accepted
+from devd.server.listeners import accepted, origin
 from devd.server.methods import Peer
 from devd.server.rpc import error_response
 
@@ -66,6 +66,7 @@ class Connection(asyncio.Protocol):
             transport.write(error_response(None, FullError(f"connection refused: {reason}; try again later")))
             transport.close()
             return
+        self.peer.origin = origin(sock)
         hub.connections.add(self)
         self.flow = Flow(transport, self.settings, hub.outboxes)
         self.rules = Rules(self.settings, authenticated=not served.needs_token, token=hub.token, now=time.monotonic())

@@ -1,0 +1,70 @@
+"""What a command runs as far as its argv shows (devd.agent.wrappers), pure: exact layers and exact reasons."""
+
+from __future__ import annotations
+
+import pytest
+
+from devd.agent.wrappers import LAYERS_MAX, Seen, see
+
+
+@pytest.mark.parametrize(
+    ("argv", "seen"),
+    [
+        (["rm", "x"], Seen((("rm", "x"),))),
+        (["env", "-i", "rm", "x"], Seen((("env", "-i", "rm", "x"), ("rm", "x")))),
+        (["timeout", "-k", "1", "5", "rm"], Seen((("timeout", "-k", "1", "5", "rm"), ("rm",)))),
+        (["nice", "-n5", "rm"], Seen((("nice", "-n5", "rm"), ("rm",)))),
+        (["xargs", "-I", "{}", "rm", "{}"], Seen((("xargs", "-I", "{}", "rm", "{}"), ("rm", "{}")))),
+        (["/usr/bin/busybox", "rm"], Seen((("/usr/bin/busybox", "rm"), ("rm",)))),
+        (["sh", "-c", "rm 'a b'"], Seen((("sh", "-c", "rm 'a b'"), ("rm", "a b")))),
+        (["env"], Seen((("env",),))),
+        (
+            ["env", "PATH=/tmp", "ls"],
+            Seen(
+                (("env", "PATH=/tmp", "ls"), ("ls",)),
+                "env sets PATH in the environment, which can change what a command runs",
+                0,
+            ),
+        ),
+        (
+            ["nice", "python3", "-c", "x"],
+            Seen(
+                (("nice", "python3", "-c", "x"), ("python3", "-c", "x")),
+                "python3 runs code that its arguments do not show as a command",
+                1,
+            ),
+        ),
+        (
+            ["sh", "-c", "ls | rm"],
+            Seen(
+                (("sh", "-c", "ls | rm"),),
+                "sh -c runs a script that is not one simple command, which is not read here",
+                0,
+            ),
+        ),
+        (["bash"], Seen((("bash",),), "bash runs a script that its arguments do not show", 0)),
+        (
+            ["workspace/tool", "x"],
+            Seen(
+                (("workspace/tool", "x"),),
+                "workspace/tool is a program at a path outside the system's directories: what it runs cannot be seen",
+                0,
+            ),
+        ),
+        (
+            ["timeout", "--frobnicate", "5", "rm"],
+            Seen(
+                (("timeout", "--frobnicate", "5", "rm"),),
+                "timeout's option --frobnicate is not known here, so the command it runs cannot be told",
+                0,
+            ),
+        ),
+    ],
+)
+def test_see_finds_each_command_inside_and_where_it_is_blind(argv: list[str], seen: Seen) -> None:
+    assert see(argv) == seen
+
+
+def test_wrappers_nested_past_the_bound_are_blind() -> None:
+    seen = see(["nice"] * (LAYERS_MAX + 5) + ["ls"])
+    assert (len(seen.layers), seen.blind) == (LAYERS_MAX + 1, f"it wraps commands more than {LAYERS_MAX} deep")
