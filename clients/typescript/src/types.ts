@@ -96,18 +96,22 @@ export interface Answer {
 
 /**
  * `session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision; answer it
- * with `session/approve` and this `digest`.
+ * with `session/approve` and this `digest`. `why`: why the policy asks (the profile says `ask`, a rule does, or the
+ * command may run what its argv does not show).
  */
 export interface ApprovalNotice {
   session: string;
   action: number;
   op: Op;
   digest: string;
+  why?: string | null;
 }
 
 /**
  * A client's decision on an action that waits for approval, naming it by its `digest` (from its `session/approval`);
- * `remember`: the same decision for later calls of that argv prefix (Exec, Git) or path (Write) in this session.
+ * `remember`: the same decision for later calls of this session without asking: `true` or `"exact"` for calls of
+ * exactly this argv (Exec, Git) or path (Write), `"prefix"` for calls of this argv followed by more words, none of
+ * which starts with `-` (a remembered denial covers every such extension).
  */
 export interface ApproveParams {
   /**
@@ -132,7 +136,7 @@ export interface ApproveParams {
   digest: string;
   decision: "allow" | "deny";
   /** @default false */
-  remember?: boolean;
+  remember?: boolean | "exact" | "prefix";
 }
 
 /**
@@ -237,14 +241,16 @@ export interface Config {
 }
 
 /**
- * `session/decided`: action `action` was decided: `allow` or `deny` by the client `by` (its name from `initialize`, or
- * "unknown"), or `cancelled` (its turn was cancelled).
+ * `session/decided`: action `action` was decided: `allow` or `deny` by `by`, the client's name from `initialize` (or
+ * "unknown") and the peer it spoke from (`NAME (uid U, pid P)` on a Unix socket, `NAME (HOST:PORT)` on TCP), or
+ * `cancelled` (its turn was cancelled); `remembered`: what the decision settles later without asking, if anything.
  */
 export interface DecidedNotice {
   session: string;
   action: number;
   decision: "allow" | "cancelled" | "deny";
   by: string;
+  remembered?: Remembered | null;
 }
 
 /**
@@ -615,7 +621,7 @@ export interface Methods {
   /**
    * What the daemon did for the session, one durable record per model call attempt and tool run, success or failure:
    * `{n, action, kind, started, duration_ms, outcome, error?, attempt?, model?, input_tokens?, output_tokens?,
-   * cached_tokens?, name?}`.
+   * cached_tokens?, estimated?, name?}`.
    */
   "session/trace": {
     params: TraceParams;
@@ -737,6 +743,17 @@ export interface PromptResult {
 /** Read the file at `path`, relative to the workspace. Answered by a `File` event with the action's id. */
 export interface Read {
   path: string;
+}
+
+/**
+ * What a remembered decision settles in the rest of the session without asking: calls of exactly this `argv` (`scope`
+ * "exact"), or of this `argv` followed by more words none of which starts with `-` (`scope` "prefix"; a remembered
+ * denial covers every extension); or writes of exactly this `path`.
+ */
+export interface Remembered {
+  scope: "exact" | "prefix";
+  argv?: string[] | null;
+  path?: string | null;
 }
 
 /** What the model answered: `text`, and the `calls` it wants carried out (none: the turn ends with the text). */
@@ -955,6 +972,8 @@ export interface TraceRecord {
   input_tokens?: number | null;
   output_tokens?: number | null;
   cached_tokens?: number | null;
+  /** @default false */
+  estimated?: boolean;
   name?: string | null;
 }
 
