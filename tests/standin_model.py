@@ -58,6 +58,7 @@ class Scripted:
     # After the role chunk, until the client closes: "line", one data line that never ends; "chunks", content chunks
     # without data: [DONE]; "trickle", a one-character content chunk every `delay_s`.
     endless: Literal["line", "chunks", "trickle"] | None = None
+    garbage: str | None = None  # a line sent as it is after the role chunk (a server that breaks the format)
 
 
 Responder = Scripted | Callable[[dict[str, Any]], Scripted]
@@ -185,6 +186,8 @@ class Standin:
                 return self._hang(h)
             if reply.cut_after is not None and n == reply.cut_after:
                 return
+            if reply.garbage is not None and n == 1:
+                self._send(h, reply.garbage.encode() + b"\n\n")
             if reply.held is not None and n == reply.held_after:
                 reply.held.wait(NOTICE_WAIT_S)
             if reply.delay_s:

@@ -508,6 +508,28 @@ async def test_a_base_urls_user_and_password_are_in_no_error_text(standin: Stand
     )
 
 
+async def test_what_a_broken_stream_sent_is_said_in_the_error_but_kept_from_the_attempts_record(
+    standin: Standin, client: http.Client
+) -> None:
+    standin.script(Scripted(text="hi", garbage="data: {the model's own words}"))
+    attempts: list[Attempt] = []
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(
+            client,
+            profile(standin.url),
+            CONVERSATION[:1],
+            environ={},
+            exec_available=True,
+            on_attempt=attempts.append,
+            attempts=1,
+        )
+    why = "a stream line is not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"
+    assert (e.value.why, [a.error for a in attempts]) == (
+        f"model server {standin.url}: {why} after 1 attempts (it sent: {{the model's own words}})",
+        [why],
+    )
+
+
 # -- bounds -------------------------------------------------------------------------------------------------------
 
 REPLY_BYTES_MAX = 1024 * 1024

@@ -300,7 +300,12 @@ def _call(tc: ToolCall) -> Call | str:
 
 
 class StreamError(Exception):
-    """The server sent something that is not a chat-completions stream, or an error inside it."""
+    """The server sent something that is not a chat-completions stream, or an error inside it: `why`, a description,
+    and `sample`, the start of what it sent (kept apart: a trace record holds the description only, never content)."""
+
+    def __init__(self, why: str, sample: str | None = None) -> None:
+        super().__init__(why if sample is None else f"{why}: {sample}")
+        self.why, self.sample = why, sample
 
 
 class StreamParser:
@@ -327,9 +332,9 @@ class StreamParser:
         try:
             chunk = json.loads(data)
         except json.JSONDecodeError as e:
-            raise StreamError(f"a stream line is not JSON ({e}): {data[:200]}") from None
+            raise StreamError(f"a stream line is not JSON ({e})", data[:200]) from None
         if not isinstance(chunk, dict):
-            raise StreamError(f"a stream chunk is not an object: {data[:200]}")
+            raise StreamError("a stream chunk is not an object", data[:200])
         return self.chunk(chunk)
 
     def chunk(self, chunk: dict[str, Any]) -> list[str]:
@@ -337,7 +342,7 @@ class StreamParser:
         try:
             return self._chunk(chunk)
         except (AttributeError, TypeError, ValueError) as e:  # a field of another type than the format's
-            raise StreamError(f"a chunk is not one of a chat completion ({e}): {json.dumps(chunk)[:200]}") from None
+            raise StreamError(f"a chunk is not one of a chat completion ({e})", json.dumps(chunk)[:200]) from None
 
     def _chunk(self, chunk: dict[str, Any]) -> list[str]:
         if "error" in chunk:
@@ -475,9 +480,24 @@ _SECRET_CHARS_MIN = 4  # a shorter "secret" (a one-letter password) would blank 
 
 
 class _Failed(Exception):
-    def __init__(self, why: str, *, status: int | None = None, retry: bool, after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        why: str,
+        *,
+        status: int | None = None,
+        retry: bool,
+        after_s: float | None = None,
+        sample: str | None = None,
+    ) -> None:
         super().__init__(why)
-        self.why, self.status, self.retry, self.after_s = why, status, retry, after_s
+        self.why, self.status, self.retry, self.after_s, self.sample = why, status, retry, after_s, sample
+
+    def said(self, server: str, attempts: int | None = None) -> str:
+        """What ModelUnavailable says: the description, how many attempts, and what the server sent when it was no
+        stream (for a person; the trace record has the description alone)."""
+        after = "" if attempts is None else f" after {attempts} attempts"
+        sample = "" if self.sample is None else f" (it sent: {self.sample})"
+        return f"model server {server}: {self.why}{after}{sample}"
 
 
 class _Progress:
@@ -583,11 +603,9 @@ async def _exchange(
             usage = _charged(progress, request_tokens) if taken else None
             report(_attempted(started_at, t0, "failed" if last else "retry", failed.status, failed.why, usage))
             if not failed.retry:
-                raise ModelUnavailable(f"model server {server}: {failed.why}", status=failed.status) from None
+                raise ModelUnavailable(failed.said(server), status=failed.status) from None
             if last:
-                raise ModelUnavailable(
-                    f"model server {server}: {failed.why} after {attempts} attempts", status=failed.status
-                ) from None
+                raise ModelUnavailable(failed.said(server, attempts), status=failed.status) from None
             await anyio.sleep(_delay(failed.after_s, backoff_s, attempt))
         except anyio.get_cancelled_exc_class():
             # The server may be working on it whether or not a byte came back: the request is charged.
@@ -676,7 +694,7 @@ async def _attempt(
     except http.TransportError as e:
         raise _Failed(e.why, retry=True) from None
     except StreamError as e:
-        raise _Failed(str(e), status=200, retry=True) from None
+        raise _Failed(e.why, status=200, retry=True, sample=e.sample) from None
 
 
 async def _refusal(response: http.Response) -> _Failed:

@@ -5,8 +5,9 @@ Each trace record becomes one span, by the GenAI semantic conventions: a model c
 `chat {model}` (`gen_ai.operation.name` "chat", `gen_ai.provider.name`, `gen_ai.request.model`,
 `gen_ai.usage.input_tokens` / `output_tokens`), a tool run an INTERNAL span `execute_tool {name}`
 (`gen_ai.tool.name`); both carry `gen_ai.conversation.id` (the session) and, when they did not end `ok`,
-`error.type` (the outcome) and an error status. Message content (prompts, replies, arguments, outputs) is never
-exported: the records do not hold it. Spans are sent over OTLP/HTTP (protobuf) to `{endpoint}/v1/traces` by the
+`error.type` (the outcome) and an error status whose description is the record's error. Message content (prompts,
+replies, arguments, outputs) is never exported: the records do not hold it (a tool run's error is what failed, `exit
+status 1`, never what it printed). Spans are sent over OTLP/HTTP (protobuf) to `{endpoint}/v1/traces` by the
 SDK's batch processor, on its own worker thread, so the daemon never waits for the collector; a collector that is
 down loses spans, never a step.
 """
