@@ -58,6 +58,7 @@ from devd.config import default_socket_path
 from devd.messages import Action, Config, Event, Message, decode_actions, decode_messages, encode
 from devd.protocol import (
     METHODS,
+    TRACE_PAGE_MAX,
     ActionsNotice,
     AgentResult,
     ApprovalNotice,
@@ -650,9 +651,14 @@ class Client:
         return result
 
     def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:
-        """The session's trace records after record `since`, in order."""
-        result: TraceResult = self.request("session/trace", TraceParams(session, since))
-        return result.records
+        """The session's trace records after record `since`, in order (asked for a page at a time)."""
+        found: builtins.list[TraceRecord] = []
+        while True:
+            result: TraceResult = self.request("session/trace", TraceParams(session, since, TRACE_PAGE_MAX))
+            found += result.records
+            if result.next is None:
+                return found
+            since = result.next
 
 
 # -- the async client -----------------------------------------------------------------------------------------------
@@ -1065,9 +1071,14 @@ class AsyncClient:
         return result
 
     async def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:
-        """The session's trace records after record `since`, in order."""
-        result: TraceResult = await self.request("session/trace", TraceParams(session, since))
-        return result.records
+        """The session's trace records after record `since`, in order (asked for a page at a time)."""
+        found: builtins.list[TraceRecord] = []
+        while True:
+            result: TraceResult = await self.request("session/trace", TraceParams(session, since, TRACE_PAGE_MAX))
+            found += result.records
+            if result.next is None:
+                return found
+            since = result.next
 
 
 __all__ = [

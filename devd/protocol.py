@@ -30,6 +30,8 @@ SESSION_NAME_PATTERN = r"^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$"
 KEY_BYTES_MAX = 256
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 SEQ_MAX = (1 << 63) - 1  # what SQLite's INTEGER (and PostgreSQL's bigint) holds
+TRACE_PAGE = 1_000  # the trace records `session/trace` answers unless asked for fewer or more
+TRACE_PAGE_MAX = 10_000  # the most it answers at once (about 2 MB of JSON)
 
 SessionName = Annotated[
     str, Meta(pattern=SESSION_NAME_PATTERN, description="1-64 of A-Z a-z 0-9 . _ -, and not . or ..")
@@ -475,10 +477,12 @@ class UsageResult(msgspec.Struct, frozen=True):
 
 
 class TraceParams(_Params, frozen=True):
-    """The session, and the number of the last trace record already seen (default 0: all of them)."""
+    """The session, the number of the last trace record already seen (default 0: from the first), and the most
+    records to answer (default 1,000, at most 10,000)."""
 
     session: SessionName
     since: Annotated[int, Meta(ge=0, le=SEQ_MAX, description="a trace record's `n`")] = 0
+    limit: Annotated[int, Meta(ge=1, le=TRACE_PAGE_MAX, description="1 to 10,000 records")] = TRACE_PAGE
 
 
 Kind = Literal["model", "exec", "read", "write", "git", "browse"]
@@ -486,7 +490,8 @@ Outcome = Literal["ok", "error", "denied", "refused", "interrupted"]
 
 
 class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
-    """One model call attempt or tool run. `n` numbers the session's trace records from 1 (`session/trace` `since`);
+    """One model call attempt or tool run. `n` is its number in the session's record log, increasing but not
+    consecutive (other records are numbered between; old trace records go): `session/trace` pages by it;
     `started` is RFC 3339 in UTC to the millisecond; `attempt` counts a model call's attempts from 1."""
 
     n: int = 0
@@ -506,9 +511,11 @@ class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True)
 
 
 class TraceResult(msgspec.Struct, frozen=True):
-    """The session's trace records after `since`, in order: one per model call attempt and per tool run."""
+    """The session's trace records after `since`, in order, at most `limit`: one per model call attempt and per tool
+    run. `next`: the `since` of the next page; null when there are no more records (yet)."""
 
     records: list[TraceRecord]
+    next: int | None = None
 
 
 class StepNotice(msgspec.Struct, frozen=True):

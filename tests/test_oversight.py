@@ -16,9 +16,10 @@ import msgspec
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from devd.agent import oversight as oversight_module
 from devd.agent.oversight import Oversight
 from devd.agent.profiles import Budget, Profile
-from devd.agent.spend import Usage
+from devd.agent.spend import Totals, Usage
 from devd.errors import ConflictError
 from devd.messages import Exec, Op
 from devd.protocol import ApprovalNotice, DecidedNotice, TraceRecord
@@ -44,11 +45,16 @@ class Keeper:
     async def add_record(self, record: Record) -> None:
         await self.store.add_record(record)
 
-    async def records(self, session: str, kinds: tuple[str, ...]) -> list[Record]:
-        return await self.store.records(session, kinds)
+    async def records(
+        self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
+    ) -> list[Record]:
+        return await self.store.records(session, kinds, after, limit)
 
     async def recorded(self, kind: str) -> list[str]:
         return await self.store.recorded(kind)
+
+    async def trim_records(self, session: str, kind: str, kept: int) -> int:
+        return await self.store.trim_records(session, kind, kept)
 
     def seq(self, session: str) -> int | None:
         return 0
@@ -185,7 +191,7 @@ async def test_a_refused_call_leaves_a_refused_trace_record_saying_why(tmp_path:
         oversight = Oversight(keeper)
         await oversight.set_budget("s", 10)
         await oversight.admit("s", profile(), 1, 2, b"x" * 400)
-        [record] = await oversight.records("s")
+        [record], _ = await oversight.traces("s")
         assert (record.outcome, record.error) == (
             "refused",
             "spend ceiling reached: the session's budget is 10 tokens, 0 spent, and the next model call needs up to "
@@ -201,13 +207,38 @@ async def test_a_call_without_max_tokens_is_sent_with_the_headroom_left(tmp_path
         assert max_tokens == 900
 
 
-async def test_trace_records_are_in_order_and_since_skips_those_seen(tmp_path: Path) -> None:
+def _traced(action: int) -> TraceRecord:
+    return TraceRecord(action=action, kind="model", started=STARTED, duration_ms=1.0, outcome="ok")
+
+
+async def test_trace_records_come_a_page_at_a_time_with_the_since_of_the_next(tmp_path: Path) -> None:
     async with opened(tmp_path / "db", ("s",)) as keeper:
         oversight = Oversight(keeper)
-        for action in (2, 2, 3):
-            record = TraceRecord(action=action, kind="model", started=STARTED, duration_ms=1.0, outcome="ok")
-            await oversight.trace("s", record)
-        assert [(r.n, r.action) for r in await oversight.records("s", since=1)] == [(2, 2), (3, 3)]
+        await oversight.set_budget("s", 100)  # record 1, not a trace record
+        for action in (2, 2, 3, 4):
+            await oversight.trace("s", _traced(action))  # records 2 to 5
+        pages = [await oversight.traces("s", since, 2) for since in (0, 3, 5)]
+    assert [([(r.n, r.action) for r in page], following) for page, following in pages] == [
+        ([(2, 2), (3, 2)], 3),
+        ([(4, 3), (5, 4)], None),
+        ([], None),
+    ]
+
+
+async def test_old_trace_records_go_and_the_usage_they_told_of_stays_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(oversight_module, "TRACE_TRIM_EVERY", 4)
+    monkeypatch.setattr(oversight_module, "TRACE_RECORDS_KEPT", 2)
+    async with opened(tmp_path / "db", ("s",)) as keeper:
+        oversight = Oversight(keeper)
+        for action in (1, 2, 3, 4):  # a model call's usage, then its trace record
+            await oversight.settle("s", profile(), 1, action, None, Usage(10, action))
+            await oversight.trace("s", _traced(action))
+        kept, _ = await oversight.traces("s")
+        restarted = Oversight(keeper)
+        await restarted.load()
+    assert ([r.action for r in kept], restarted.usage("s")) == ([3, 4], Totals(40, 10, 0, 4, 0))
 
 
 # -- OpenTelemetry, to a stand-in OTLP/HTTP receiver on loopback ---------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 from devd import failpoints
 from devd.errors import StoreError
+from devd.storage.sqlite import SQLiteStore
 from devd.storage.store import Health, Keyed, Record, Row, Step, Store, Stored
 from tests.stores import CONFIG, DURABLE, append_all, row, running, sqlite_at, step
 
@@ -475,3 +476,73 @@ async def test_records_survive_closing_and_reopening_the_store(store_factory: Fa
         await store.add_record(record(0, "agent"))
     async with running(await store_factory()) as store:
         assert shown(await store.records("a")) == [("a", 1, 0, "agent", 0, b'{"at":0}', True)]
+
+
+async def _mixed_log(store: Store) -> None:
+    """Session a's log: 1 agent, then 2 trace, 3 claim (action 5), 4 trace, 5 trace, 6 claim (action 6), 7 trace."""
+    await store.create("a", CONFIG)
+    for kind, action in (("agent", 0), ("trace", 1), ("claim", 5), ("trace", 2), ("trace", 3), ("claim", 6)):
+        await store.add_record(record(action, kind, action))
+    await store.add_record(record(4, "trace", 4))
+
+
+async def test_records_of_a_kind_are_paged_by_their_number(store: Store) -> None:
+    await _mixed_log(store)
+    first = await store.records("a", ("trace",), 0, 2)
+    second = await store.records("a", ("trace",), first[-1].n, 2)
+    last = await store.records("a", ("trace",), second[-1].n, 2)
+    assert ([r.n for r in first], [r.n for r in second], [r.n for r in last]) == ([2, 4], [5, 7], [])
+
+
+async def test_records_of_several_kinds_come_in_the_order_they_were_kept(store: Store) -> None:
+    await _mixed_log(store)
+    found = await store.records("a", ("claim", "agent"), 1)
+    assert [(r.n, r.kind) for r in found] == [(3, "claim"), (6, "claim")]
+
+
+async def test_forgotten_records_go_but_the_newest_stays_so_no_number_is_given_twice(store: Store) -> None:
+    await _mixed_log(store)
+    await store.forget_records("a", "claim", [5, 6])
+    await store.forget_records("a", "trace", [4])  # the newest record: it stays
+    await store.add_record(record(5, "trace", 8))
+    assert [(r.n, r.kind) for r in await store.records("a")] == [
+        (1, "agent"), (2, "trace"), (4, "trace"), (5, "trace"), (7, "trace"), (8, "trace"),
+    ]  # fmt: skip
+
+
+async def test_trimming_keeps_the_newest_records_of_the_kind_and_leaves_the_others(store: Store) -> None:
+    await _mixed_log(store)
+    trimmed = await store.trim_records("a", "trace", 2)
+    assert (trimmed, [r.n for r in await store.records("a")]) == (2, [1, 3, 5, 6, 7])
+
+
+def _vm_steps(store: SQLiteStore) -> Callable[[], int]:
+    """The SQLite virtual machine's steps on the store's connection from now: what a read costs, with no clock."""
+    steps = [0]
+
+    def count() -> int:
+        steps[0] += 1
+        return 0
+
+    store._db.set_progress_handler(count, 1)
+    return lambda: steps[0]
+
+
+async def test_sqlite_reading_a_binding_costs_the_same_beside_10_or_10000_trace_records(tmp_path: Path) -> None:
+    costs = []
+    for traces in (10, 10_000):
+        path = tmp_path / f"{traces}.sqlite3"
+        async with running(sqlite_at(path)) as store:
+            await store.create("a", CONFIG)
+            await store.add_record(record(0, "agent"))
+        with sqlite3.connect(path) as db:
+            db.executemany(
+                "INSERT INTO records (session, n, seq, kind, action, body, at) VALUES ('a', ?, 0, 'trace', 1, x'', 0)",
+                [(n,) for n in range(2, traces + 2)],
+            )
+        db.close()
+        async with running(sqlite_at(path)) as store:
+            steps = _vm_steps(store)
+            found = await store.records("a", ("agent",))
+            costs.append((len(found), steps()))
+    assert costs[0] == costs[1]

@@ -8,10 +8,12 @@ What it promises:
 - a model call is reserved against every ceiling before it is sent, and a call a ceiling forbids is never sent: a
   refusal record and a `refused` trace record are written instead;
 - a session's usage counts only the calls made in it (a fork starts from zero), and a profile's day counts every
-  session of that profile.
+  session of that profile;
+- a session keeps its newest TRACE_RECORDS_KEPT trace records (older ones go, TRACE_TRIM_EVERY at a time), read a
+  page at a time by their number in the record log.
 
 The runner calls `gate` before a call starts, `admit`/`settle` around a model call and `trace` after every attempt
-and run; the wire's methods call `answer`, `withdraw`, `usage`, `records` and `set_budget`.
+and run; the wire's methods call `answer`, `withdraw`, `usage`, `traces` and `set_budget`.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from devd.agent.profiles import Budget, Profile, decide
 from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, SpendLedger, Usage
 from devd.errors import HandleError
 from devd.messages import Op
-from devd.protocol import ApprovalNotice, DecidedNotice, Outcome, Remember, Remembered, TraceRecord
+from devd.protocol import TRACE_PAGE, ApprovalNotice, DecidedNotice, Outcome, Remember, Remembered, TraceRecord
 from devd.storage.store import Record
 
 if TYPE_CHECKING:
     from devd.agent.model import Attempt, Completion
 
+TRACE_RECORDS_KEPT = 10_000  # a session's newest trace records kept; older ones go
+TRACE_TRIM_EVERY = 1_000  # trace records kept between two trims of a session's
 APPROVAL_NOTICE = "session/approval"
 DECIDED_NOTICE = "session/decided"
 __all__ = ["ApprovalNotice", "DecidedNotice", "Oversight"]
@@ -66,9 +70,13 @@ class Keeper(Protocol):
 
     async def add_record(self, record: Record) -> None: ...
 
-    async def records(self, session: str, kinds: tuple[str, ...]) -> list[Record]: ...
+    async def records(
+        self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
+    ) -> list[Record]: ...
 
     async def recorded(self, kind: str) -> list[str]: ...
+
+    async def trim_records(self, session: str, kind: str, kept: int) -> int: ...
 
     def seq(self, session: str) -> int | None: ...
 
@@ -118,6 +126,7 @@ class Oversight:
         self.spend = SpendLedger()
         self._sessions: dict[str, _Session] = {}
         self._loading: dict[str, anyio.Event] = {}
+        self._traced: dict[str, int] = {}  # trace records kept per session by this daemon: trimmed every so many
         self.cancelling: dict[str, str] = {}  # who last stepped a Cancel of each session: who withdrew its approvals
 
     async def load(self) -> None:
@@ -160,6 +169,7 @@ class Oversight:
     def forget(self, session: str) -> None:
         """The session was closed: what is kept of it in memory goes (its records went with it)."""
         self._sessions.pop(session, None)
+        self._traced.pop(session, None)
         self.cancelling.pop(session, None)
         self.spend.forget(session)
 
@@ -317,15 +327,23 @@ class Oversight:
     # -- trace ----------------------------------------------------------------------------------------------------
 
     async def trace(self, session: str, record: TraceRecord) -> None:
-        """Keep one trace record (durable when this returns)."""
+        """Keep one trace record (durable when this returns); every TRACE_TRIM_EVERY of a session's, those older
+        than its newest TRACE_RECORDS_KEPT go (what they say of usage stays counted: usage is kept apart)."""
         await self._keep(session, trace.TRACE, record.action, record, trace.encode(record))
         if self.spans is not None:
             self.spans.export(session, record)
+        self._traced[session] = traced = self._traced.get(session, 0) + 1
+        if traced % TRACE_TRIM_EVERY == 0:
+            await self.keeper.trim_records(session, trace.TRACE, TRACE_RECORDS_KEPT)
 
-    async def records(self, session: str, since: int = 0) -> list[TraceRecord]:
-        """The session's trace records after record `since`, in order."""
-        found = await self.keeper.records(session, (trace.TRACE,))
-        return [trace.decode(r.body, n) for n, r in enumerate(found, start=1) if n > since]
+    async def traces(
+        self, session: str, since: int = 0, limit: int = TRACE_PAGE
+    ) -> tuple[list[TraceRecord], int | None]:
+        """Up to `limit` of the session's trace records numbered past `since`, in order, and the `since` of the page
+        after them (None: there is none yet)."""
+        found = await self.keeper.records(session, (trace.TRACE,), since, limit + 1)
+        page = [trace.decode(r.body, r.n) for r in found[:limit]]
+        return page, page[-1].n if len(found) > limit else None
 
     # -- the record log -------------------------------------------------------------------------------------------
 

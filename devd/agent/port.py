@@ -9,7 +9,7 @@ added, so the runner hears of steps other clients make (a `Cancel`) without a co
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Protocol, TypeVar
 
 import anyio
@@ -120,9 +120,16 @@ class Sessions(Protocol):
 
     async def add_record(self, record: Record) -> None: ...
 
-    async def records(self, session: str, kinds: tuple[str, ...]) -> list[Record]: ...
+    async def records(
+        self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
+    ) -> list[Record]: ...
 
     async def recorded(self, kind: str) -> list[str]: ...
+
+    async def forget_records(self, session: str, kind: str, actions: Collection[int]) -> None:
+        """Records that no longer say anything (claims whose actions have their results), gone."""
+
+    async def trim_records(self, session: str, kind: str, kept: int) -> int: ...
 
     def observe(self, observer: Observer) -> None: ...
 
@@ -193,11 +200,19 @@ class RegistryPort:
     async def add_record(self, record: Record) -> None:
         await self.store.add_record(record)
 
-    async def records(self, session: str, kinds: tuple[str, ...]) -> list[Record]:
-        return await self.store.records(session, kinds)
+    async def records(
+        self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
+    ) -> list[Record]:
+        return await self.store.records(session, kinds, after, limit)
 
     async def recorded(self, kind: str) -> list[str]:
         return await self.store.recorded(kind)
+
+    async def forget_records(self, session: str, kind: str, actions: Collection[int]) -> None:
+        await self.store.forget_records(session, kind, actions)
+
+    async def trim_records(self, session: str, kind: str, kept: int) -> int:
+        return await self.store.trim_records(session, kind, kept)
 
     def observe(self, observer: Observer) -> None:
         self.fanout.observers.append(observer)

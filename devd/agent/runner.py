@@ -382,6 +382,7 @@ class Driver(msgspec.Struct, eq=False):
             profile = self.runtime._profile(self.session, binding)
             await self._load()
             queue = deque(await self.sessions.pending(self.session))
+            await self._forget_dead_claims(queue)
             while True:
                 if self.dirty:
                     # Another client stepped the session (or a prompt came): what it waits for is the truth.
@@ -403,6 +404,14 @@ class Driver(msgspec.Struct, eq=False):
         found = await self.sessions.records(self.session, (records.CLAIM, records.INSERTED))
         self._claims = {r.action for r in found if r.kind == records.CLAIM}
         self._inserted = [records.decode(r.body, Inserted) for r in found if r.kind == records.INSERTED]
+
+    async def _forget_dead_claims(self, pending: Sequence[Action]) -> None:
+        """A claim of an action no longer pending is of an effect whose result was stepped: it says nothing now, and
+        a session of many turns would read more of them at every start."""
+        dead = self._claims - action_ids(pending)
+        if dead:
+            await self.sessions.forget_records(self.session, records.CLAIM, dead)
+            self._claims -= dead
 
     def _key(self, action: int) -> str:
         return f"agent:{self.runtime._turns.get(self.session, 0)}:{action}"

@@ -153,7 +153,9 @@ def _waits(raw: bytes) -> bytes:
 
 
 def _trace_lines(raw: bytes) -> bytes:
-    return "".join(trace_line(record) for record in msgspec.json.decode(raw)["records"]).encode()
+    page = msgspec.json.decode(raw)
+    more = "" if page.get("next") is None else f"(more: --since {page['next']})\n"
+    return ("".join(trace_line(record) for record in page["records"]) + more).encode()
 
 
 def _pretty_member(member: str) -> Callable[[bytes], bytes]:

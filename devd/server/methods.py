@@ -581,7 +581,8 @@ async def session_usage(call: Call, params: SessionParams) -> UsageResult:
 @method("session/trace")
 async def session_trace(call: Call, params: TraceParams) -> TraceResult:
     _known(call.app, params.session)
-    return TraceResult(await _oversight(call.app).records(params.session, params.since))
+    page, following = await _oversight(call.app).traces(params.session, params.since, params.limit)
+    return TraceResult(page, following)
 
 
 METHODS: dict[str, Method] = bind(protocol.METHODS, _HANDLERS)  # import fails if a method lacks its one handler

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import anyio
@@ -170,9 +171,30 @@ class MemoryStore:
         n = session.records[-1].n + 1 if session.records else 1
         session.records.append(dataclasses.replace(record, at=time.time(), n=n))
 
-    async def records(self, name: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
+    async def records(
+        self, name: str, kinds: tuple[str, ...] | None = None, after: int = 0, limit: int | None = None
+    ) -> list[Record]:
         session = self._sessions.get(name)
-        return [r for r in (session.records if session else ()) if kinds is None or r.kind in kinds]
+        found = [r for r in (session.records if session else ()) if r.n > after and (kinds is None or r.kind in kinds)]
+        return found if limit is None else found[:limit]
+
+    async def forget_records(self, name: str, kind: str, actions: Collection[int]) -> None:
+        self._committed(time.perf_counter())
+        session = self._sessions.get(name)
+        if session is None or not session.records:
+            return
+        newest = session.records[-1]
+        session.records = [r for r in session.records if r is newest or r.kind != kind or r.action not in actions]
+
+    async def trim_records(self, name: str, kind: str, kept: int) -> int:
+        self._committed(time.perf_counter())
+        session = self._sessions.get(name)
+        if session is None:
+            return 0
+        of_kind = [r.n for r in session.records if r.kind == kind]
+        going = set(of_kind[: max(0, len(of_kind) - max(1, kept))])
+        session.records = [r for r in session.records if r.n not in going]
+        return len(going)
 
     async def recorded(self, kind: str) -> list[str]:
         return [name for name, s in sorted(self._sessions.items()) if any(r.kind == kind for r in s.records)]

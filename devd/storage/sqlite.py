@@ -39,7 +39,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -135,8 +135,14 @@ MIGRATIONS: tuple[str, ...] = (
     ) WITHOUT ROWID;
     CREATE INDEX IF NOT EXISTS records_kind ON records (kind, session);
     """,
+    # 7: a session's records of a kind found without reading its others (a trace of 300,000 records made every read
+    # of its binding read them all, under the connection's lock)
+    """
+    CREATE INDEX IF NOT EXISTS records_session_kind ON records (session, kind, n);
+    """,
 )
 FORMAT = Migrations(MIGRATIONS)
+BY_KIND = "records_session_kind"  # the index of a session's records by kind (7)
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
 # How long an open waits for a lock someone else holds on the database. One daemon holds its file exclusively for
 # its life, so there is nothing worth waiting for: a second daemon on the same --store was told it is in use only
@@ -1020,14 +1026,51 @@ class SQLiteStore:
 
         await self._write(op)
 
-    async def records(self, name: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
+    async def records(
+        self, name: str, kinds: tuple[str, ...] | None = None, after: int = 0, limit: int | None = None
+    ) -> list[Record]:
+        # By kind through its index, named: without statistics SQLite takes the primary key (session, n) for the
+        # order, and reads every record of the session to find a kind's few.
+        by_kind = "" if kinds is None else f" INDEXED BY {BY_KIND} WHERE kind IN ({', '.join('?' * len(kinds))}) AND"
+
         def read(db: sqlite3.Connection) -> list[Record]:
             rows = db.execute(
-                "SELECT seq, kind, action, body, at, n FROM records WHERE session = ? ORDER BY n", (name,)
+                f"SELECT seq, kind, action, body, at, n FROM records{by_kind or ' WHERE'} session = ? AND n > ? "
+                "ORDER BY n LIMIT ?",
+                (*(kinds or ()), name, after, -1 if limit is None else limit),
             ).fetchall()
-            return [Record(name, *row) for row in rows if kinds is None or row[1] in kinds]
+            return [Record(name, *row) for row in rows]
 
         return await self._read(read)
+
+    async def forget_records(self, name: str, kind: str, actions: Collection[int]) -> None:
+        listed = list(actions)
+        if not listed:
+            return
+
+        def op(db: sqlite3.Connection) -> None:
+            for i in range(0, len(listed), ROWS_PER_STATEMENT):
+                some = listed[i : i + ROWS_PER_STATEMENT]
+                db.execute(
+                    f"DELETE FROM records INDEXED BY {BY_KIND} WHERE session = ? AND kind = ? AND action IN "
+                    f"({', '.join('?' * len(some))}) AND n < (SELECT MAX(n) FROM records WHERE session = ?)",
+                    (name, kind, *some, name),
+                )
+
+        await self._write(op)
+
+    async def trim_records(self, name: str, kind: str, kept: int) -> int:
+        trimmed = [0]
+
+        def op(db: sqlite3.Connection) -> None:
+            trimmed[0] = db.execute(
+                f"DELETE FROM records INDEXED BY {BY_KIND} WHERE session = ? AND kind = ? AND n < (SELECT n FROM "
+                f"records INDEXED BY {BY_KIND} WHERE session = ? AND kind = ? ORDER BY n DESC LIMIT 1 OFFSET ?)",
+                (name, kind, name, kind, max(1, kept) - 1),
+            ).rowcount
+
+        await self._write(op)
+        return trimmed[0]
 
     async def recorded(self, kind: str) -> list[str]:
         def read(db: sqlite3.Connection) -> list[str]:

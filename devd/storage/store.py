@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -201,14 +201,25 @@ class Store(Protocol):
 
     def statistics(self) -> StoreStats: ...
 
-    # -- the record log: durable like steps, deleted with the session, carried by a fork up to its step
+    # -- the record log: durable like steps, deleted with the session, carried by a fork up to its step; a record's
+    # number (`Record.n`) is never given twice in a session, so a reader may page by it
 
     async def add_record(self, record: Record) -> None:
         """Keep a record in its session's log; returns once it is durable. A record of a session that does not exist
         (deleted meanwhile) is dropped."""
 
-    async def records(self, name: str, kinds: tuple[str, ...] | None = None) -> list[Record]:
-        """The session's records (those of `kinds`, or all), in the order they were written."""
+    async def records(
+        self, name: str, kinds: tuple[str, ...] | None = None, after: int = 0, limit: int | None = None
+    ) -> list[Record]:
+        """The session's records (those of `kinds`, or all) numbered past `after`, in the order they were written, at
+        most `limit` of them. Found by (session, kind): records of other kinds cost nothing to skip."""
+
+    async def forget_records(self, name: str, kind: str, actions: Collection[int]) -> None:
+        """The session's records of `kind` about these actions, gone (a claim whose action has its result). Its
+        newest record always stays, so a record's number is never given again."""
+
+    async def trim_records(self, name: str, kind: str, kept: int) -> int:
+        """Of the session's records of `kind` only the newest `kept` (at least 1) stay; how many went."""
 
     async def recorded(self, kind: str) -> list[str]:
         """The sessions with at least one record of `kind`, by name."""

@@ -936,7 +936,10 @@ export interface Tool {
   failed?: boolean;
 }
 
-/** The session, and the number of the last trace record already seen (default 0: all of them). */
+/**
+ * The session, the number of the last trace record already seen (default 0: from the first), and the most records to
+ * answer (default 1,000, at most 10,000).
+ */
 export interface TraceParams {
   /**
    * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
@@ -952,11 +955,20 @@ export interface TraceParams {
    * @default 0
    */
   since?: number;
+  /**
+   * 1 to 10,000 records
+   *
+   * @minimum 1
+   * @maximum 10000
+   * @default 1000
+   */
+  limit?: number;
 }
 
 /**
- * One model call attempt or tool run. `n` numbers the session's trace records from 1 (`session/trace` `since`);
- * `started` is RFC 3339 in UTC to the millisecond; `attempt` counts a model call's attempts from 1.
+ * One model call attempt or tool run. `n` is its number in the session's record log, increasing but not consecutive
+ * (other records are numbered between; old trace records go): `session/trace` pages by it; `started` is RFC 3339 in
+ * UTC to the millisecond; `attempt` counts a model call's attempts from 1.
  */
 export interface TraceRecord {
   /** @default 0 */
@@ -977,9 +989,13 @@ export interface TraceRecord {
   name?: string | null;
 }
 
-/** The session's trace records after `since`, in order: one per model call attempt and per tool run. */
+/**
+ * The session's trace records after `since`, in order, at most `limit`: one per model call attempt and per tool run.
+ * `next`: the `since` of the next page; null when there are no more records (yet).
+ */
 export interface TraceResult {
   records: TraceRecord[];
+  next?: number | null;
 }
 
 /**
