@@ -166,6 +166,23 @@ def test_the_approval_every_watcher_gets_names_the_action_its_op_and_a_digest(ag
     )
 
 
+def test_a_command_the_rules_cannot_see_into_is_asked_about_saying_why_though_exec_allows(
+    tmp_path: Path, standin: Standin
+) -> None:
+    agentd = start(tmp_path, standin, exec='"allow"', rules='[ { prefix = ["rm"], decision = "deny" } ]')
+    standin.script(Scripted(tool_calls=[("exec", {"argv": ["python3", "-c", "print(1)"]})]), Scripted(text="done"))
+    with agentd.daemon, agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        params = approval(c, session, "run it")
+        answer(c, params, "deny")
+        until_done(c)
+    assert params["why"] == (
+        "python3 runs code that its arguments do not show as a command, and agent 'coder' has rules that deny or ask "
+        "(prefix = ['rm']) which what it runs could match: a person decides"
+    )
+
+
 def test_one_ui_approves_the_other_is_told_conflict_naming_who_and_the_command_runs_once(agentd: Agentd) -> None:
     mark_then_finish(agentd.standin)
     with agentd.client("ui-1") as one, agentd.client("ui-2") as two:
