@@ -562,6 +562,12 @@ def test_the_question_says_what_a_and_p_would_remember() -> None:
     ]
 
 
+def test_devd_run_says_why_the_policy_asks() -> None:
+    screen = Screen(out=io.StringIO())
+    screen.show(ApprovalNotice("s", 2, Op(Exec=Exec(argv=["python3", "-c", "x"])), "0" * 64, "python3 runs code"))
+    assert screen.out.getvalue() == "[approval needed for action 2: python3 runs code]\n$ python3 -c x\n"
+
+
 def test_the_decided_line_says_what_is_remembered() -> None:
     screen = Screen(out=io.StringIO())
     screen.show(DecidedNotice("s", 2, "allow", "ui (uid 0, pid 7)", Remembered("prefix", argv=["rm", "a.o"])))

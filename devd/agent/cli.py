@@ -105,7 +105,8 @@ class Screen:
         elif isinstance(notice, StalledNotice):
             self._line(f"[the turn waits: {inline(notice.why)}]")  # each why says what stalled it and what carries on
         elif isinstance(notice, ApprovalNotice):
-            self._line(f"[approval needed for action {notice.action}]")
+            why = "" if notice.why is None else f": {inline(notice.why)}"  # the policy's reason for asking
+            self._line(f"[approval needed for action {notice.action}{why}]")
             for line in approval_lines(notice, self.workspace):
                 self._line(line)
         elif isinstance(notice, DecidedNotice):
