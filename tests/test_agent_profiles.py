@@ -351,6 +351,14 @@ DENY_RM = (Rule(prefix=("rm",), decision="deny"),)
         (["/tmp/copy", "x"], "ask"),
         (["sh", "-c", "trap 'rm x' EXIT"], "ask"),
         (["sudo", "ls"], "ask"),
+        (["ksh93", "-c", "rm x"], "deny"),
+        (["python3.12-dbg", "x.py"], "ask"),
+        (["find", ".", "-name", "*.o", "-exec", "rm", "{}", ";"], "deny"),
+        (["find", ".", "-exec", "ls", "{}", ";", "-exec", "touch", "{}", "+"], "ask"),
+        (["find", ".", "-name", "*.o"], "allow"),
+        (["git", "-c", "alias.x=!rm -rf src", "x"], "ask"),
+        (["git", "-C", "sub", "-c", "core.pager=rm", "log"], "ask"),
+        (["git", "-C", "sub", "status"], "allow"),
     ],
 )
 def test_a_deny_rule_sees_through_wrappers_and_asks_where_it_cannot_see(

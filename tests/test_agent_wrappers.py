@@ -65,6 +65,16 @@ def test_see_finds_each_command_inside_and_where_it_is_blind(argv: list[str], se
     assert see(argv) == seen
 
 
+def test_find_runs_the_command_after_exec() -> None:
+    assert see(["find", ".", "-exec", "rm", "{}", "+"]).layers[1:] == (("rm", "{}"),)
+
+
+def test_git_is_blind_where_an_option_names_a_command_for_it_to_run() -> None:
+    assert see(["git", "--config-env=core.pager=PAGER", "log"]).blind == (
+        "git --config-env=core.pager=PAGER can name a command git runs (an alias, a pager, an ssh command)"
+    )
+
+
 def test_wrappers_nested_past_the_bound_are_blind() -> None:
     seen = see(["nice"] * (LAYERS_MAX + 5) + ["ls"])
     assert (len(seen.layers), seen.blind) == (LAYERS_MAX + 1, f"it wraps commands more than {LAYERS_MAX} deep")

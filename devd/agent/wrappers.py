@@ -89,7 +89,14 @@ BLIND = frozenset(
     "sudo doas su runuser chroot chrt taskset flock unshare nsenter strace ltrace gdb valgrind watch parallel "
     "systemd-run script expect fakeroot proot firejail bwrap numactl prlimit cgexec".split()
 )
-_VERSIONED = re.compile(r"[0-9.]+$")  # python3.12, perl5.36, lua5.4: named without their version
+_VERSIONED = re.compile(r"[0-9.]+$")  # python3.12, perl5.36, lua5.4, ksh93: named without their version
+_INTERPRETER = re.compile(r"(python|pypy|perl|ruby|node|php|lua)[0-9.]*[-_.]")  # python3.12-dbg, php-cgi
+# find's actions that run a command: the words after one, up to `;` or `+`.
+FIND_RUNS = frozenset(("-exec", "-execdir", "-ok", "-okdir"))
+# git's options that name a command git runs (an alias `!cmd`, core.pager, core.sshCommand; a directory of its own
+# subcommands): what it runs is not its argv.
+GIT_RUNS = ("-c", "--config-env", "--exec-path")
+_GIT_VALUED = frozenset("-C --git-dir --work-tree --namespace --super-prefix --attr-source".split())
 # Where a program named by path is one of the system's, named by its basename; anywhere else (the workspace, /tmp)
 # it may be any program copied or written there.
 SYSTEM_DIRS = frozenset("/bin /sbin /usr/bin /usr/sbin /usr/local/bin /usr/local/sbin".split())
@@ -140,10 +147,14 @@ def _inside(argv: tuple[str, ...]) -> Inside:
     name = program(first)
     if "/" in first and os.path.dirname(os.path.normpath(first)) not in SYSTEM_DIRS:
         return None, f"{first} is a program at a path outside the system's directories: what it runs cannot be seen"
-    if name in SHELLS:
+    if name in SHELLS or _VERSIONED.sub("", name) in SHELLS:
         return _script(name, argv[1:])
-    if name in BLIND or _VERSIONED.sub("", name) in BLIND:
+    if name in BLIND or _VERSIONED.sub("", name) in BLIND or _INTERPRETER.match(name):
         return None, f"{name} runs code that its arguments do not show as a command"
+    if name == "find":
+        return _find(argv[1:])
+    if name == "git":
+        return _git(argv[1:])
     options = WRAPPERS.get(name)
     if options is None:
         return None, None
@@ -199,6 +210,33 @@ def _option(options: Options, word: str, following: tuple[str, ...]) -> int | No
         if short not in options.flags:
             return None
     return 1
+
+
+def _find(args: tuple[str, ...]) -> Inside:
+    """The command find runs for each file (`-exec CMD ... ;`): the first one; more than one is blind."""
+    runs: list[tuple[str, ...]] = []
+    i = 0
+    while i < len(args):
+        if args[i] in FIND_RUNS:
+            end = next((j for j in range(i + 1, len(args)) if args[j] in (";", "+")), len(args))
+            runs.append(args[i + 1 : end])
+            i = end
+        i += 1
+    runs = [run for run in runs if run]
+    if len(runs) > 1:
+        return runs[0], "find runs more than one command (-exec), and only the first is read here"
+    return (runs[0] if runs else None), None
+
+
+def _git(args: tuple[str, ...]) -> Inside:
+    """git runs what its argv shows, unless an option names a command for it to run."""
+    i = 0
+    while i < len(args) and args[i].startswith("-"):  # git's own options end at the subcommand
+        word = args[i]
+        if word in GIT_RUNS or word.startswith(tuple(f"{o}=" for o in GIT_RUNS[1:])) or word.startswith("-c"):
+            return None, f"git {word} can name a command git runs (an alias, a pager, an ssh command)"
+        i += 2 if word in _GIT_VALUED else 1
+    return None, None
 
 
 def _script(shell: str, args: tuple[str, ...]) -> Inside:
