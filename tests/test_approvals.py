@@ -4,10 +4,12 @@ end to end against the real daemon, the stand-in model server, real files and re
 from __future__ import annotations
 
 import io
+import json
 import os
 import pty
 import re
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +28,7 @@ from devd.agent.cli import Screen, approval_lines, call_line, decision_of, promp
 from devd.client import Client, Reply
 from devd.messages import Action, Cancel, Event, Exec, Op, Write
 from devd.protocol import ApprovalNotice, DecidedNotice, Remembered
-from tests.daemon import ROOT, Daemon
+from tests.daemon import ROOT, Daemon, free_port
 from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture
 
@@ -208,6 +210,31 @@ def test_every_watcher_is_told_who_decided(agentd: Agentd) -> None:
         answer(one, params, "allow")
         decided = next_notice(two, "session/decided").params
     assert decided == {"session": session, "action": 2, "decision": "allow", "by": f"ui-1 {PEER}", "remembered": None}
+
+
+def test_an_approval_over_tcp_is_by_its_name_and_address(tmp_path: Path, standin: Standin) -> None:
+    mark_then_finish(standin)
+    workspace = tmp_path / "roots" / "ws"
+    workspace.mkdir(parents=True)
+    (tmp_path / "agents.toml").write_text(agents_toml(standin.url, tmp_path / "roots"))
+    port = free_port()
+    tcp = ["--listen", f"tcp://127.0.0.1:{port}"]
+    with InProcess(tmp_path / "d", "--agents", str(tmp_path / "agents.toml"), *tcp) as daemon:
+        token = (daemon.state / "token").read_text().strip()
+        with daemon.client() as c, socket.create_connection(("127.0.0.1", port)) as raw:
+            session = c.new(agent="coder", workspace=workspace)
+            watch(c, session)
+            params = approval(c, session, "mark it")
+            lines = raw.makefile("rwb")
+            hello = {"client": {"name": "ui-tcp"}, "token": token}
+            approve = {**_named(params), "decision": "allow"}
+            for n, (method, call_params) in enumerate([("initialize", hello), ("session/approve", approve)], 1):
+                lines.write(json.dumps({"jsonrpc": "2.0", "id": n, "method": method, "params": call_params}).encode())
+                lines.write(b"\n")
+                lines.flush()
+                assert "result" in json.loads(lines.readline())
+            decided = next_notice(c, "session/decided").params
+            assert decided["by"] == f"ui-tcp (127.0.0.1:{raw.getsockname()[1]})"
 
 
 def test_a_denied_command_never_runs_and_the_model_is_told_who_denied_it(agentd: Agentd) -> None:
