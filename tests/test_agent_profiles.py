@@ -359,6 +359,10 @@ DENY_RM = (Rule(prefix=("rm",), decision="deny"),)
         (["git", "-c", "alias.x=!rm -rf src", "x"], "ask"),
         (["git", "-C", "sub", "-c", "core.pager=rm", "log"], "ask"),
         (["git", "-C", "sub", "status"], "allow"),
+        (["zsh", "-c", "ls"], "ask"),
+        (["bash", "-lc", "ls"], "ask"),
+        (["bash", "--login", "-c", "rm x"], "deny"),
+        (["bash", "-o", "pipefail", "-c", "ls"], "allow"),
     ],
 )
 def test_a_deny_rule_sees_through_wrappers_and_asks_where_it_cannot_see(

@@ -75,6 +75,12 @@ def test_git_is_blind_where_an_option_names_a_command_for_it_to_run() -> None:
     )
 
 
+def test_a_login_shell_reads_its_homes_startup_files_so_is_blind_though_its_script_is_read() -> None:
+    assert see(["sh", "-lc", "ls"]) == Seen(
+        (("sh", "-lc", "ls"), ("ls",)), "sh reads startup files from its home (the workspace) before its script", 0
+    )
+
+
 def test_wrappers_nested_past_the_bound_are_blind() -> None:
     seen = see(["nice"] * (LAYERS_MAX + 5) + ["ls"])
     assert (len(seen.layers), seen.blind) == (LAYERS_MAX + 1, f"it wraps commands more than {LAYERS_MAX} deep")

@@ -80,6 +80,10 @@ WRAPPERS: dict[str, Options] = {
 # Shells: `-c SCRIPT` is read when it is one simple command; any other use runs what argv does not show.
 SHELLS = frozenset("sh bash dash zsh ksh mksh ash yash fish csh tcsh".split())
 _SHELL_VALUED = frozenset("-o +o -O +O --rcfile --init-file".split())
+# Shells that read startup files from their home (a command's HOME is its workspace) before any script: zsh's
+# .zshenv, fish's config.fish, csh's .cshrc. Any other shell does so as a login (-l) or interactive (-i) shell.
+_STARTUP_ALWAYS = frozenset("zsh fish csh tcsh".split())
+_STARTUP_OPTIONS = frozenset("--login --rcfile --init-file --interactive".split())
 
 # Programs that run code their argv does not show as a command: interpreters (inline code or a file), the shell's
 # builtins that run a string, and runners that take a command in a form not read here.
@@ -242,9 +246,12 @@ def _git(args: tuple[str, ...]) -> Inside:
 def _script(shell: str, args: tuple[str, ...]) -> Inside:
     """The command of `SHELL -c SCRIPT` when SCRIPT is one simple command; else none, and why."""
     command = False
+    startup = _VERSIONED.sub("", shell) in _STARTUP_ALWAYS
     i = 0
     while i < len(args) and args[i][:1] in ("-", "+") and args[i] not in ("-", "--"):
         word = args[i]
+        short = word[:1] == "-" and word[1:2] != "-"  # a cluster of letters: -lc is -l -c
+        startup = startup or word in _STARTUP_OPTIONS or (short and not {"l", "i"}.isdisjoint(word[1:]))
         if word in _SHELL_VALUED:
             i += 2
             continue
@@ -268,4 +275,6 @@ def _script(shell: str, args: tuple[str, ...]) -> Inside:
         while words and _ASSIGNMENT.match(words[0]):
             name = words.pop(0).split("=")[0]
         return tuple(words) or None, f"{shell} -c sets {name}, which can change what a command runs"
+    if startup:
+        return tuple(words), f"{shell} reads startup files from its home (the workspace) before its script"
     return tuple(words), None
