@@ -91,8 +91,12 @@ def test_a_directory_swapped_for_a_link_after_resolving_is_refused(ws: Path) -> 
     real = resolve(ws, "dir/a.txt", for_write=True)
     (ws / "dir").rmdir()
     os.symlink(ws.parent / "outside", ws / "dir")
-    with pytest.raises(Refused) as e:
-        _walk(ws, real, create=True)
+    root = os.open(ws, os.O_PATH | os.O_DIRECTORY)
+    try:
+        with pytest.raises(Refused) as e:
+            _walk(root, real.relative_to(ws).parts, create=True)
+    finally:
+        os.close(root)
     assert e.value.why == "dir became a link while it was used; nothing was done"
 
 

@@ -2,7 +2,8 @@
 watchers.
 
 Kinds, each a msgspec Struct encoded as the record's body:
-- `agent` (`Binding`, action 0): the profile and workspace a session was made with; a fork carries it.
+- `agent` (`Binding`, action 0): the profile and workspace a session was made with, and the workspace's identity;
+  a fork carries it. The last one is the session's.
 - `turn` (`TurnStarted`, action 0): a turn the daemon started with `session/prompt`.
 - `claim` (`Claim`, the action's id): an Exec, Write or Git is about to start. Written durably before it starts, so a
   restart that finds it without the action's result knows the effect may have happened, and never runs it again.
@@ -25,10 +26,13 @@ INSERTED = "inserted"
 
 
 class Binding(msgspec.Struct, frozen=True):
-    """The session's agent profile (by name) and its workspace (a real, absolute path)."""
+    """The session's agent profile (by name), its workspace (a real, absolute path), and the workspace directory's
+    identity (st_dev, st_ino) when the session was made, which every tool call checks. None: a session made before
+    identities were recorded; the runtime records the directory found at its first call (another `agent` record)."""
 
     agent: str
     workspace: str
+    identity: tuple[int, int] | None = None
 
 
 class TurnStarted(msgspec.Struct, frozen=True):

@@ -6,6 +6,9 @@ What it promises:
   that turn again, or CONFLICT when it was used for another prompt); the runtime then carries out
   every action the core waits for, in order, stepping each result as a client would (`agent:<turn>:<action>` keys),
   until nothing is pending. One driver task per session does so, in the runtime's task group.
+- The workspace is pinned: its directory's identity is kept in the `agent` record and checked at every Read, Write,
+  Exec and Git (`tools.Workspace`); a session recorded before identities were takes the directory at its path at its
+  first call. `check` refuses a workspace inside the daemon's own paths or holding one of them.
 - An Exec, Write or Git starts only after its claim is durable; a claim found without its result (a restart, a move)
   is never run again: the call is stepped as failed, saying it may have partly run. Read and Model are carried out
   again.
@@ -104,6 +107,7 @@ class Runtime:
     ) -> None:
         self.profiles = dict(profiles)
         self.private = tuple(str(p) for p in private)  # the daemon's own paths, hidden from its commands
+        self._private_real = tuple(Path(os.path.realpath(p)) for p in private)  # and never a tool's, nor in a workspace
         self.sessions = sessions
         self.environ = environ  # where API keys are read from, when a request is made; never copied elsewhere
         self.stalled: dict[str, str] = {}
@@ -129,14 +133,22 @@ class Runtime:
         if workspace is None:
             raise InvalidParamsError(f"a session of agent {agent!r} needs a workspace: an absolute directory path")
         real = check_workspace(profile, workspace)
-        for private in self.private:  # covered under the sandbox: its commands would find nothing there
-            own = Path(os.path.realpath(private))
-            if real == own or real.is_relative_to(own):
+        for own in self._private_real:
+            if real == own or real.is_relative_to(own):  # covered under the sandbox: its commands would find nothing
                 raise InvalidParamsError(
                     f"workspace {real} is inside the daemon's own {own}, which its commands cannot see; use a "
                     "directory outside it"
                 )
-        return Binding(agent, str(real))
+            if own.is_relative_to(real):  # its token, database, socket or backups within reach of Read and a command
+                raise InvalidParamsError(
+                    f"workspace {real} holds the daemon's own {own}, which no session may reach; use a directory "
+                    "that does not hold it"
+                )
+        try:
+            identity = tools.pin(real)
+        except tools.Refused as e:  # changed since check_workspace looked: a link swapped in meanwhile, say
+            raise InvalidParamsError(f"workspace {real} changed as the session was made ({e.why}); try again") from None
+        return Binding(agent, str(real), identity)
 
     async def bind(self, session: str, binding: Binding | None) -> None:
         """Keep the new session's binding, durably. A session of no agent is not remembered here at all (there may be
@@ -154,6 +166,29 @@ class Runtime:
             self._turns[session] = max([self._turns.get(session, 0), *turns])
             self._bindings[session] = bound[-1] if bound else None
         return self._bindings[session]
+
+    async def workspace(self, session: str) -> tools.Workspace:
+        """The session's workspace as its tools reach it (see `tools.Workspace`). A session made before identities
+        were recorded takes the directory at its path now, reached without following a link, as its own: recorded
+        durably at this first call (a record of seq 0, which every fork carries, as the first) and checked at every
+        call after. Refused when no directory can be reached there that way."""
+        binding = await self.binding(session)
+        assert binding is not None, "a driver runs only for a session made with an agent"
+        identity = binding.identity
+        if identity is None:
+            try:
+                identity = await anyio.to_thread.run_sync(tools.pin, Path(binding.workspace))
+            except tools.Refused as e:
+                raise tools.Refused(
+                    f"the workspace {binding.workspace} of this session (made before workspaces were pinned) cannot "
+                    f"be reached without following a link ({e.why}); nothing was done: make a new session "
+                    "(session/new) with the workspace as it is now"
+                ) from None
+            binding = msgspec.structs.replace(binding, identity=identity)
+            await self.sessions.add_record(Record(session, 0, records.AGENT, 0, records.encode(binding)))
+            self._bindings[session] = binding
+            log.info("agent.workspace_pinned", session=session, workspace=binding.workspace, identity=identity)
+        return tools.Workspace(Path(binding.workspace), identity, self._private_real)
 
     async def prompt(self, session: str, prompt: str, key: str | None) -> int:
         """Start a turn of the session with prompt (once per key); its id, once its Turn step is durable."""
@@ -548,13 +583,16 @@ class Driver(msgspec.Struct, eq=False):
         return None
 
     async def _tool(self, profile: Profile, binding: Binding, kind: str, call: Call) -> tools.Result:
-        workspace = Path(binding.workspace)
+        if call.Browse is not None:
+            return await tools.browse(call.Browse.url, profile)
+        try:
+            workspace = await self.runtime.workspace(self.session)
+        except tools.Refused as e:
+            return tools.Result(f"refused: {e.why}", failed=True)
         if call.Read is not None:
             return await tools.read_file(workspace, call.Read.path, profile.output_bytes_max)
         if call.Write is not None:
             return await tools.write_file(workspace, call.Write.path, call.Write.text)
-        if call.Browse is not None:
-            return await tools.browse(call.Browse.url, profile)
         argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv]  # type: ignore[union-attr]
         confined = await self.runtime.sandbox(profile)
         if isinstance(confined, sandboxes.Refusal):
@@ -604,7 +642,7 @@ class Driver(msgspec.Struct, eq=False):
                     )
                     return []
                 except BaseException:
-                    accounted.cancelled()
+                    await accounted.cancelled()
                     raise
                 if completion is None:
                     await accounted.done(None)

@@ -37,9 +37,17 @@ class Sandbox(msgspec.Struct, frozen=True):
     hidden: tuple[str, ...] = ()
 
     def wrap(
-        self, argv: Sequence[str], workspace: Path, network: bool, env: Mapping[str, str] | None = None
+        self,
+        argv: Sequence[str],
+        workspace: Path,
+        network: bool,
+        env: Mapping[str, str] | None = None,
+        *,
+        workspace_fd: int | None = None,
     ) -> list[str]:
-        return wrap(argv, workspace, network, env, bwrap=self.bwrap, hidden=present(self.hidden))
+        return wrap(
+            argv, workspace, network, env, bwrap=self.bwrap, hidden=present(self.hidden), workspace_fd=workspace_fd
+        )
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -56,17 +64,20 @@ def wrap(
     *,
     bwrap: str = "bwrap",
     hidden: Sequence[tuple[str, bool]] = (),
+    workspace_fd: int | None = None,
 ) -> list[str]:
     """The bwrap command line that runs argv confined to workspace. With `env`, the command gets exactly that
     environment (`--clearenv`, then a `--setenv` per variable). Each of `hidden` (a path, and whether it is a
     directory) is covered: a directory by an empty tmpfs, anything else by /dev/null. They are the daemon's own (its
     socket, its state directory with the token and the database): a command that reached the socket could approve
-    its own actions and drive any session, as the daemon's user."""
+    its own actions and drive any session, as the daemon's user. With `workspace_fd` (a descriptor of the workspace,
+    checked, passed to bwrap), that directory is what is bound: bwrap would follow a link at the path."""
     ws = str(workspace)
     # Order matters: the read-only root first, then what is mounted over it; /tmp before the workspace, so a
     # workspace under /tmp is bound on top of the private /tmp rather than hidden by it; the hidden paths last, so
     # that a socket or a state directory inside the workspace is covered too.
-    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", ws, ws]
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    args += ["--bind", ws, ws] if workspace_fd is None else ["--bind-fd", str(workspace_fd), ws]
     for path, directory in hidden:
         args += ["--tmpfs", path] if directory else ["--ro-bind", "/dev/null", path]
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts"]

@@ -4,16 +4,24 @@ Every tool answers a `Result` (text, failed); what goes wrong (a refused path, a
 or runs too long) is a failed Result that says so, never an exception. Cancellation is the one thing that is
 raised: a cancelled command's process group is killed first.
 
+The workspace is pinned: a `Workspace` carries the identity (device, inode) its directory had when the session was
+made, and every Read, Write, Exec and Git first opens it from / one component at a time without following a link
+and checks that identity. A workspace, or a directory above it, swapped for a link or for another directory since
+(by another session's command, say) is refused, saying so, and nothing is done; every call then starts from that
+checked descriptor, never from the path again.
+
 Paths: relative to the workspace, resolved with every symlink (parents and the last component); one that leads
 outside the workspace's real path is refused, and nothing outside is read or written. The file is then reached from
 the workspace's descriptor one directory at a time without following links, so a directory swapped for a link in
-between (by a command running at the same time) is refused too. A write is atomic (a temporary
-file in the same directory, created exclusively and without following links, fsynced, renamed over the target, the
-directory fsynced), creating missing directories inside the workspace.
+between (by a command running at the same time) is refused too. A path in one of the daemon's own paths (its state
+directory with the token and the database, its socket, its backups) is refused, whatever the workspace holds. A
+write is atomic (a temporary file in the same directory, created exclusively and without following links, fsynced,
+renamed over the target, the directory fsynced), creating missing directories inside the workspace.
 
-Commands: the workspace as working directory, an environment of only PATH, HOME (the workspace), LANG and TERM,
-stdin from /dev/null, a process group of their own (killed whole at the timeout, at cancellation, and when the
-command exits, so nothing it started outlives it), stdout and stderr interleaved and capped.
+Commands: the checked workspace as working directory (under bubblewrap, the checked directory is what is bound),
+an environment of only PATH, HOME (the workspace), LANG and TERM, stdin from /dev/null, a process group of their own
+(killed whole at the timeout, at cancellation, and when the command exits, so nothing it started outlives it), stdout
+and stderr interleaved and capped.
 """
 
 from __future__ import annotations
@@ -58,31 +66,130 @@ class Refused(Exception):
         self.why = why
 
 
+# -- the workspace ------------------------------------------------------------------------------------------------
+
+Identity = tuple[int, int]  # a directory's (st_dev, st_ino): which directory it is, wherever a path now leads
+
+
+class Workspace(msgspec.Struct, frozen=True):
+    """A session's workspace as its tools reach it: its real path, the identity of the directory that was there when
+    the session was made, and the daemon's own paths (real paths), which Read and Write never touch."""
+
+    path: Path
+    identity: Identity
+    private: tuple[Path, ...] = ()
+
+    def open(self) -> int:
+        """An O_PATH descriptor of the workspace, reached from / without following a link and checked to be the
+        directory the session was made with; Refused otherwise. Every call starts from it, so a workspace (or a
+        directory above it) swapped for a link or another directory since is never used."""
+        try:
+            fd = _reach(self.path)
+        except Refused as e:
+            raise Refused(_moved(self.path, e.why)) from None
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.identity:
+            os.close(fd)
+            raise Refused(_moved(self.path, "another directory is there now"))
+        return fd
+
+
+def pin(path: Path) -> Identity:
+    """The identity of the directory at `path` (absolute, with no link in it) now, reached from / without following
+    a link; Refused saying what is in the way."""
+    fd = _reach(path)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return st.st_dev, st.st_ino
+
+
+def _pinned(workspace: Workspace | Path) -> Workspace:
+    """A bare path is taken as the directory its real path names now (a caller that kept no identity)."""
+    if isinstance(workspace, Workspace):
+        return workspace
+    real = Path(os.path.realpath(workspace))
+    return Workspace(real, pin(real))
+
+
+def _moved(path: Path, what: str) -> str:
+    return (
+        f"the workspace {path} was moved or replaced since the session was made ({what}); nothing was done: make a "
+        "new session (session/new) with the workspace as it is now"
+    )
+
+
+_PATH_DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC  # search permission is enough
+
+
+def _reach(path: Path) -> int:
+    """An O_PATH descriptor of the directory at the absolute `path`, opened from / one component at a time, each
+    without following a link; Refused saying which component is in the way (a link, a file, nothing)."""
+    fd = os.open("/", _PATH_DIR)
+    try:
+        for i, part in enumerate(path.parts[1:], start=2):
+            try:
+                inner = os.open(part, _PATH_DIR, dir_fd=fd)
+            except OSError as e:
+                raise Refused(_in_the_way(Path(*path.parts[:i]), part, fd, e)) from None
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _in_the_way(where: Path, name: str, dir_fd: int, error: OSError) -> str:
+    if error.errno == errno.ENOENT:
+        return f"{where} does not exist"
+    if error.errno == errno.ENOTDIR:  # O_NOFOLLOW with O_DIRECTORY: a link is "not a directory" too
+        link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        return f"{where} is a symbolic link" if link else f"{where} is not a directory"
+    return f"{where} cannot be opened: {error.strerror or error}"
+
+
 # -- paths --------------------------------------------------------------------------------------------------------
 
 
 def resolve(workspace: Path, path: str, *, for_write: bool) -> Path:
-    """The real path `path` names inside the workspace; Refused when it is absolute, climbs out, or leads outside
-    through a symlink. For a write, a symlink as the last component is followed, and must stay inside too."""
-    root = Path(os.path.realpath(workspace))
+    """The real path `path` names inside the workspace (its real path, as recorded); Refused when it is absolute,
+    climbs out, or leads outside through a symlink. For a write, a symlink as the last component is followed, and
+    must stay inside too. A workspace whose own path now leads elsewhere leads every path outside."""
     if not path or "\x00" in path:
         raise Refused(f"{path!r} is not a usable path; give a path relative to the workspace")
     if os.path.isabs(path):
         raise Refused(f"{path} is absolute; give a path relative to the workspace")
     if os.path.normpath(path).split(os.sep)[0] == "..":
         raise Refused(f"{path} climbs out of the workspace; give a path inside it")
-    real = Path(os.path.realpath(root / path))
-    if real != root and not real.is_relative_to(root):
+    real = Path(os.path.realpath(workspace / path))
+    if real != workspace and not real.is_relative_to(workspace):
         raise Refused(f"{path} leads outside the workspace (to {real}) through a symbolic link")
-    if for_write and real == root:
+    if for_write and real == workspace:
         raise Refused(f"{path} is the workspace itself, not a file in it")
     return real
+
+
+def _reach_file(workspace: Workspace, path: str, *, for_write: bool) -> tuple[int, str]:
+    """A descriptor of the directory the file `path` names is in, and its name there: reached from the checked
+    workspace (see `Workspace.open`), never in one of the daemon's own paths."""
+    root = workspace.open()
+    try:
+        real = resolve(workspace.path, path, for_write=for_write)
+        for own in workspace.private:  # refused at session/new already; here whatever a workspace came to hold
+            if real == own or real.is_relative_to(own):
+                inside = "" if real == own else "inside "
+                raise Refused(f"{path} is {inside}the daemon's own {own}, which no tool reads or writes; give another")
+        return _walk(root, real.relative_to(workspace.path).parts, create=for_write)
+    finally:
+        os.close(root)
 
 
 # -- Read and Write -----------------------------------------------------------------------------------------------
 
 
-async def read_file(workspace: Path, path: str, limit_bytes: int) -> Result:
+async def read_file(workspace: Workspace | Path, path: str, limit_bytes: int) -> Result:
     """The file's text (invalid UTF-8 replaced), at most `limit_bytes` of it with a note saying what was cut."""
     return await anyio.to_thread.run_sync(_read, workspace, path, limit_bytes)
 
@@ -90,13 +197,12 @@ async def read_file(workspace: Path, path: str, limit_bytes: int) -> Result:
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _walk(workspace: Path, real: Path, *, create: bool) -> tuple[int, str]:
-    """A descriptor of the directory `real` is in, reached from the workspace one directory at a time without
-    following a link (made when `create`), and real's name in it. `real` has no links (it was resolved), so a link
-    met on the way was swapped in since: it is refused rather than followed out of the workspace."""
-    root = Path(os.path.realpath(workspace))
-    parts = real.relative_to(root).parts
-    fd = os.open(root, _DIR)
+def _walk(workspace_fd: int, parts: Sequence[str], *, create: bool) -> tuple[int, str]:
+    """A descriptor of the directory the last of `parts` is in, reached from the workspace's descriptor one directory
+    at a time without following a link (made when `create`), and that last part (`.` for none). The parts come from
+    a resolved path, which has no links, so a link met on the way was swapped in since: it is refused rather than
+    followed out of the workspace."""
+    fd = os.open(".", _DIR, dir_fd=workspace_fd)
     try:
         for part in parts[:-1]:
             if create:
@@ -118,10 +224,9 @@ def _walk(workspace: Path, real: Path, *, create: bool) -> tuple[int, str]:
     return fd, parts[-1] if parts else "."
 
 
-def _read(workspace: Path, path: str, limit_bytes: int) -> Result:
+def _read(workspace: Workspace | Path, path: str, limit_bytes: int) -> Result:
     try:
-        real = resolve(workspace, path, for_write=False)
-        dir_fd, name = _walk(workspace, real, create=False)
+        dir_fd, name = _reach_file(_pinned(workspace), path, for_write=False)
     except Refused as e:
         return Result(f"refused: {e.why}", failed=True)
     except FileNotFoundError:
@@ -162,19 +267,18 @@ def _listing(directory_fd: int, most: int = 50) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-async def write_file(workspace: Path, path: str, text: str) -> Result:
+async def write_file(workspace: Workspace | Path, path: str, text: str) -> Result:
     """Replace (or create) the file with `text`, atomically; missing directories inside the workspace are made."""
     return await anyio.to_thread.run_sync(_write, workspace, path, text)
 
 
-def _write(workspace: Path, path: str, text: str) -> Result:
+def _write(workspace: Workspace | Path, path: str, text: str) -> Result:
     try:
         data = text.encode("utf-8")
     except UnicodeEncodeError as e:
         return Result(f"the text for {path} is not valid Unicode ({e.reason} at {e.start}); nothing was written", True)
     try:
-        real = resolve(workspace, path, for_write=True)
-        dir_fd, name = _walk(workspace, real, create=True)
+        dir_fd, name = _reach_file(_pinned(workspace), path, for_write=True)
         try:
             _replace(dir_fd, name, data)
         finally:
@@ -217,22 +321,37 @@ def command_env(workspace: Path) -> dict[str, str]:
     return {"PATH": ENV_PATH, "HOME": str(workspace), "LANG": "C.UTF-8", "TERM": "dumb"}
 
 
-async def run_command(argv: Sequence[str], *, workspace: Path, profile: Profile, sandbox: Sandbox | None) -> Result:
+async def run_command(
+    argv: Sequence[str], *, workspace: Workspace | Path, profile: Profile, sandbox: Sandbox | None
+) -> Result:
     """Run argv in the workspace (under `sandbox` when given) as the profile allows: its timeout, its output cap.
     Git is `run_command(["git", *argv], ...)`. Cancelled: the process group is killed, then the cancel is raised."""
     if not argv:
         return Result("there is no command to run (argv is empty)", failed=True)
-    env = command_env(workspace)
-    command = sandbox.wrap(argv, workspace, profile.network, env) if sandbox is not None else list(argv)
     try:
-        # Shielded: cancelled half way, asyncio would kill the command but not what it already started; once it is
-        # started, a cancel lands in the supervision below, which kills the whole group.
-        with anyio.CancelScope(shield=True):
-            process = await _start(command, workspace, env)
-    except FileNotFoundError:
-        return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
-    except OSError as e:
-        return Result(f"{argv[0]}: cannot start: {e.strerror or e}", failed=True)
+        pinned = _pinned(workspace)
+        root = pinned.open()
+    except Refused as e:
+        return Result(f"refused: {e.why}", failed=True)
+    try:
+        env = command_env(pinned.path)
+        command = list(argv)
+        passed: tuple[int, ...] = ()
+        if sandbox is not None:
+            # bubblewrap binds the directory checked (by its descriptor), never the path, which may lead elsewhere.
+            command = sandbox.wrap(argv, pinned.path, profile.network, env, workspace_fd=root)
+            passed = (root,)
+        try:
+            # Shielded: cancelled half way, asyncio would kill the command but not what it already started; once it
+            # is started, a cancel lands in the supervision below, which kills the whole group.
+            with anyio.CancelScope(shield=True):
+                process = await _start(command, root, env, passed)
+        except FileNotFoundError:
+            return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
+        except OSError as e:
+            return Result(f"{argv[0]}: cannot start: {e.strerror or e}", failed=True)
+    finally:
+        os.close(root)  # the command has its own (bwrap closes it once bound: the command never holds it)
     output = _Capped(profile.output_bytes_max)
     try:
         timed_out = await _supervise(process, output, profile.exec_timeout_s)
@@ -243,15 +362,16 @@ async def run_command(argv: Sequence[str], *, workspace: Path, profile: Profile,
     return _outcome(process, output, timed_out, profile)
 
 
-async def _start(command: list[str], workspace: Path, env: dict[str, str]) -> Process:
+async def _start(command: list[str], workspace_fd: int, env: dict[str, str], pass_fds: Sequence[int]) -> Process:
     return await anyio.open_process(
         command,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,  # interleaved as written
-        cwd=workspace,
+        cwd=f"/proc/self/fd/{workspace_fd}",  # the checked directory: the child changes to it before it execs
         env=env,
         start_new_session=True,
+        pass_fds=pass_fds,
     )
 
 

@@ -95,8 +95,9 @@ def build(
 
 
 def private_paths(settings: Settings, store: Store) -> list[Path]:
-    """What only the daemon may reach, hidden from the commands it runs: its state directory (the token, the
-    database), its backups, its socket, and a SQLite store kept elsewhere (the directory given to it)."""
+    """What only the daemon may reach: its state directory (the token, the database, the lock), its backups, its
+    socket, and a SQLite store kept elsewhere (the directory given to it). Hidden from the commands it runs, never
+    read or written by Read and Write, and no session's workspace may be inside one or hold one."""
     paths = [settings.state_dir, backup_dir(settings)]
     if settings.socket_path is not None:
         paths.append(settings.socket_path)
@@ -134,8 +135,6 @@ class Daemon:
         with _stop_requests(stops) as signals:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app.store.run)
-                if app.oversight is not None:
-                    await app.oversight.load()  # what was spent before this start counts against the ceilings
                 if app.agents is not None:
                     await tg.start(app.agents.run)
                 tg.start_soon(self._watchdog)
