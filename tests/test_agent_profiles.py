@@ -124,7 +124,16 @@ BAD = [
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\ncolour = "red"\n',
         "FILE:5: unknown key 'colour' in [agent.a]; remove it or fix its name (the keys are base_url, model, "
         "workspace_roots, api_key_env, system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, "
-        "tools, browse_private, max_tokens, max_calls_per_reply, reply_bytes_max, model_timeout_s, budget)",
+        "run_as, processes_max, memory_bytes_max, tmp_bytes_max, tools, browse_private, max_tokens, "
+        "max_calls_per_reply, reply_bytes_max, model_timeout_s, budget)",
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\nrun_as = "root"\n',
+        'FILE:5: agent.a.run_as is "root"; commands never run as root: name an unprivileged user',
+    ),
+    (
+        '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\nprocesses_max = 0\n',
+        "FILE:5: agent.a.processes_max is 0; it must be at least 1",
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = 7\nworkspace_roots = ["ROOT"]\n',

@@ -1,11 +1,14 @@
 """Commands under the real bubblewrap: the workspace writable and nothing else, a private /tmp, a new pid namespace,
-no network unless the profile allows it; and what happens where bubblewrap is missing."""
+no network unless the profile allows it, never root, within the profile's limits; and what happens where bubblewrap
+is missing, and under `sandbox = "none"`."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +17,18 @@ from typing import Any
 import anyio
 import pytest
 
+from devd.agent import runas
 from devd.agent.profiles import Profile
-from devd.agent.sandbox import Refusal, Sandbox, choose, probe, wrap
-from devd.agent.tools import Result, run_command
+from devd.agent.sandbox import Refusal, Sandbox, choose, contain, limits, probe, wrap
+from devd.agent.tools import Result, command_env, run_command
+from tests.agents import Agentd, run_turn, start
 from tests.helpers import gone
+from tests.standin_model import Scripted, Standin, standin_fixture
+
+__all__ = ["standin_fixture"]
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="what a daemon run as root does")
+NOBODY = 65534
 
 
 @pytest.fixture
@@ -46,10 +57,16 @@ def test_bubblewrap_starts_here() -> None:
     assert probe() is None
 
 
+# What a command running as run_as in root's workspace (these tests' ws, under root) is told besides, for Git.
+GUEST_GIT = "GIT_CONFIG_COUNT=1\nGIT_CONFIG_KEY_0=safe.directory\nGIT_CONFIG_VALUE_0=*\n" if os.geteuid() == 0 else ""
+PROC_READ_ONLY = ("--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger")
+TMP = ("--perms", "1777", "--tmpfs", "/tmp")
+
+
 def test_the_command_line_binds_the_workspace_over_a_read_only_root() -> None:
     assert wrap(["make"], Path("/w"), False, {"PATH": "/bin"}) == [
         "bwrap",
-        *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", "/w", "/w"),
+        *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *PROC_READ_ONLY, *TMP, "--bind", "/w", "/w"),
         *("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--cap-drop", "ALL"),
         *("--die-with-parent", "--new-session", "--chdir", "/w"),
         *("--clearenv", "--setenv", "PATH", "/bin", "--", "make"),
@@ -58,9 +75,9 @@ def test_the_command_line_binds_the_workspace_over_a_read_only_root() -> None:
 
 def test_the_daemons_own_paths_are_covered_once_the_workspace_is_bound() -> None:
     hidden = [("/w/devd.sock", False), ("/var/lib/devd", True)]
-    assert wrap(["make"], Path("/w"), True, bwrap="b", hidden=hidden)[:18] == [
+    assert wrap(["make"], Path("/w"), True, bwrap="b", hidden=hidden)[:26] == [
         "b",
-        *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", "/w", "/w"),
+        *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *PROC_READ_ONLY, *TMP, "--bind", "/w", "/w"),
         *("--ro-bind", "/dev/null", "/w/devd.sock", "--tmpfs", "/var/lib/devd"),
     ]
 
@@ -86,13 +103,16 @@ async def test_the_workspace_is_writable(ws: Path) -> None:
 def outside() -> Iterator[Path]:
     """A directory of the host outside /tmp (which the sandbox replaces), writable outside the sandbox."""
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="devd-test-") as d:
+        os.chmod(d, 0o777)  # anyone's to write: only the sandbox's read-only root stands in the way
         yield Path(d)
 
 
 async def test_writing_outside_the_workspace_fails_read_only(ws: Path, outside: Path) -> None:
     result = await sandboxed(ws, f"echo x > {outside}/planted")
     assert (result, os.listdir(outside)) == (
-        Result(f"sh: 1: cannot create {outside}/planted: Read-only file system\n[exit status 2]", True),
+        Result(
+            f"sh: 1: cannot create {outside}/planted: Read-only file system\n[exit status 2]", True, "exit status 2"
+        ),
         [],
     )
 
@@ -146,7 +166,9 @@ async def test_the_pid_namespace_is_new(ws: Path) -> None:
 async def test_the_environment_inside_is_only_the_scrubbed_one(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     result = await sandboxed(ws, "env | sort")
-    assert result == Result(f"HOME={ws}\nLANG=C.UTF-8\nPATH=/usr/local/bin:/usr/bin:/bin\nPWD={ws}\nTERM=dumb\n")
+    assert result == Result(
+        f"{GUEST_GIT}HOME={ws}\nLANG=C.UTF-8\nPATH=/usr/local/bin:/usr/bin:/bin\nPWD={ws}\nTERM=dumb\n"
+    )
 
 
 async def test_a_timeout_under_the_sandbox_kills_what_runs_inside(ws: Path) -> None:
@@ -176,7 +198,7 @@ async def test_a_cancelled_command_returns_only_once_all_it_started_in_the_sandb
             tg.start_soon(run)
             await _written(ws / "started")
             tg.cancel_scope.cancel()
-    assert _running(marker) == []
+    assert [pid for pid in _running(marker) if not await gone(pid)] == []
 
 
 async def _written(fifo: Path) -> None:
@@ -201,3 +223,152 @@ def _running(argument: str) -> list[int]:
         if argument.encode() in argv and state not in (b"Z", b"X"):
             found.append(int(pid))
     return found
+
+
+# -- never root ---------------------------------------------------------------------------------------------------
+
+
+def confined(ws: Path, script: str, **fields: Any) -> subprocess.CompletedProcess[str]:
+    """The script run as run_command runs it, by the sandbox layer alone: `wrap` and a real subprocess."""
+    p = profile(ws, **fields)
+    fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
+    try:
+        who = runas.account(p, fd, str(ws))
+    finally:
+        os.close(fd)
+    command = sandbox().wrap(["sh", "-c", script], ws, False, command_env(ws), account=who, limits=limits(p))
+    return subprocess.run(command, cwd=ws, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+
+
+@as_root
+async def test_a_command_of_a_root_daemon_runs_as_nobody_with_no_other_group(ws: Path) -> None:
+    assert await sandboxed(ws, "id -u; id -G") == Result(f"{NOBODY}\n{NOBODY}\n")
+
+
+@as_root
+def test_a_command_cannot_set_a_kernel_setting_and_core_pattern_stays_as_it_was(ws: Path) -> None:
+    # What the command of a root daemon did: set core_pattern to a pipe into the workspace, crash, and have the
+    # kernel run the workspace's script as root on the host. The value written here is harmless, and put back.
+    core_pattern = Path("/proc/sys/kernel/core_pattern")
+    before = core_pattern.read_text()
+    try:
+        done = confined(ws, f"echo devd-test-core > {core_pattern}")
+    finally:
+        after = core_pattern.read_text()
+        if after != before:
+            core_pattern.write_text(before)
+    assert (done.returncode, done.stderr, after) == (
+        2,
+        f"sh: 1: cannot create {core_pattern}: Read-only file system\n",
+        before,
+    )
+
+
+@as_root
+def test_a_command_cannot_write_sysrq_trigger(ws: Path) -> None:
+    # Where the kernel has no sysrq, there is none to write; where it has, it is read-only ('h' only prints help).
+    why = "Read-only file system" if os.path.exists("/proc/sysrq-trigger") else "Directory nonexistent"
+    done = confined(ws, "echo h > /proc/sysrq-trigger")
+    assert (done.returncode, done.stderr) == (2, f"sh: 1: cannot create /proc/sysrq-trigger: {why}\n")
+
+
+@as_root
+def test_roots_workspace_is_written_as_run_as_through_an_acl_and_no_owner_changes(ws: Path) -> None:
+    (ws / "old.txt").write_text("old\n")
+    (ws / "sub").mkdir()
+    done = confined(ws, "id -u; echo new >> old.txt; echo made > sub/made.txt; mkdir sub/dir && echo in > sub/dir/f")
+    owners = {p.relative_to(ws).as_posix(): p.stat().st_uid for p in [ws, *sorted(ws.rglob("*"))]}
+    assert (done.stdout, done.stderr, (ws / "old.txt").read_text(), owners) == (
+        f"{NOBODY}\n",
+        "",
+        "old\nnew\n",
+        {".": 0, "old.txt": 0, "sub": 0, "sub/dir": NOBODY, "sub/dir/f": NOBODY, "sub/made.txt": NOBODY},
+    )
+
+
+@as_root
+def test_a_workspace_a_user_owns_runs_its_commands_as_that_user_and_gets_no_acl(ws: Path) -> None:
+    os.chown(ws, 4242, 4242)
+    done = confined(ws, "id -u; id -g; echo made > made.txt")
+    assert (done.stdout, (ws / "made.txt").stat().st_uid, runas.ACCESS in os.listxattr(ws)) == (
+        "4242\n4242\n",
+        4242,
+        False,
+    )
+
+
+@as_root
+async def test_git_works_as_run_as_in_roots_workspace(ws: Path) -> None:
+    await sandboxed(ws, "git init -q && echo a > a && git add a")
+    assert await sandboxed(ws, "git status --porcelain=v1") == Result("A  a\n")
+
+
+# -- limits -------------------------------------------------------------------------------------------------------
+
+
+@as_root
+async def test_a_fork_bomb_stops_at_processes_max_leaving_nothing_and_the_next_command_runs(ws: Path) -> None:
+    marker = f"63.{uuid.uuid4().int % 10**9}"
+    bomb = await sandboxed(ws, f"i=0; while [ $i -lt 400 ]; do sleep {marker} & i=$((i+1)); done")
+    assert ("Cannot fork" in bomb.text, await _ended(marker), await sandboxed(ws, "echo fine")) == (
+        True,
+        [],
+        Result("fine\n"),
+    )
+
+
+async def test_a_600_mib_write_to_tmp_fails_at_tmp_bytes_max(ws: Path) -> None:
+    result = await sandboxed(ws, f"head -c {600 * 2**20} /dev/zero > /tmp/big")
+    assert result == Result(
+        "head: error writing 'standard output': No space left on device\n[exit status 1]", True, "exit status 1"
+    )
+
+
+async def test_memory_past_memory_bytes_max_is_refused_to_the_process(ws: Path) -> None:
+    result = await sandboxed(ws, "python3 -c 'bytearray(256 * 2**20)' 2>&1 | tail -n 1", memory_bytes_max=64 * 2**20)
+    assert result == Result("MemoryError\n")
+
+
+# -- sandbox = "none" ---------------------------------------------------------------------------------------------
+
+
+def test_under_none_a_command_runs_in_a_pid_namespace_of_its_own_as_an_init_shells_child() -> None:
+    assert contain(["make"]) == [
+        *("/usr/bin/setpriv", "--pdeathsig=KILL", "--", "/usr/bin/unshare", "--pid", "--kill-child"),
+        *([] if os.geteuid() == 0 else ["--map-current-user"]),
+        *("--", "/bin/sh", "-c", 'unset PWD; "$@"; exit $?', "sh", "make"),
+    ]
+
+
+async def test_under_none_a_command_that_left_its_session_is_gone_when_the_call_ends(ws: Path) -> None:
+    marker = f"64.{uuid.uuid4().int % 10**9}"
+    script = f"setsid sh -c 'echo > up; exec sleep {marker}' & until [ -e up ]; do sleep 0.01; done"
+    result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=None)
+    assert (result, await _ended(marker)) == (Result(""), [])
+
+
+@as_root
+async def test_under_none_a_command_runs_as_nobody(ws: Path) -> None:
+    result = await run_command(["id", "-u"], workspace=ws, profile=profile(ws), sandbox=None)
+    assert result == Result(f"{NOBODY}\n")
+
+
+def test_under_none_a_command_cannot_read_the_daemons_environment(tmp_path: Path, standin: Standin) -> None:
+    agentd: Agentd = start(tmp_path, standin, sandbox='"none"')
+    with agentd.daemon:
+        assert agentd.daemon.proc is not None
+        environ = f"/proc/{agentd.daemon.proc.pid}/environ"
+        standin.script(Scripted(tool_calls=[("exec", {"argv": ["cat", environ]})]), Scripted(text="ok"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "read the daemon's environment")
+    assert standin.requests[1].body["messages"][-1]["content"] == (
+        f"error: cat: {environ}: Permission denied\n[exit status 1]"
+    )
+
+
+async def _ended(argument: str, within_s: float = 10.0) -> list[int]:
+    """The processes with this argument still running once they have had `within_s` to be killed and reaped."""
+    deadline = time.monotonic() + within_s
+    while (left := _running(argument)) and time.monotonic() < deadline:
+        await anyio.sleep(0.02)
+    return left

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,20 @@ def test_a_write_that_fails_leaves_the_original_and_no_temp_file(ws: Path) -> No
     )
 
 
+# What a command running as run_as in root's workspace (these tests' ws, under root) is told besides, for Git.
+GUEST_GIT = (
+    ["GIT_CONFIG_COUNT=1", "GIT_CONFIG_KEY_0=safe.directory", "GIT_CONFIG_VALUE_0=*"] if os.geteuid() == 0 else []
+)
+# A command runs in a pid namespace of its own, where $$ and $! are that namespace's numbers; /proc is the host's, so
+# /proc/self/stat names the process as the host sees it.
+OWN_PID = "read -r pid rest < /proc/self/stat; echo $pid"
+# A child left running in the background, its (host) pid in child.pid once it runs.
+BACKGROUND = (
+    f"sh -c '{OWN_PID} > child.tmp; mv child.tmp child.pid; exec sleep 60' & "
+    "until [ -e child.pid ]; do sleep 0.01; done"
+)
+
+
 async def test_a_command_runs_in_the_workspace(ws: Path) -> None:
     assert await run_command(["pwd"], workspace=ws, profile=profile(ws), sandbox=None) == Result(f"{ws}\n")
 
@@ -196,7 +211,7 @@ async def test_the_environment_is_scrubbed(ws: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     result = await run_command(["env"], workspace=ws, profile=profile(ws), sandbox=None)
     assert sorted(result.text.splitlines()) == sorted(
-        [f"HOME={ws}", "LANG=C.UTF-8", "PATH=/usr/local/bin:/usr/bin:/bin", "TERM=dumb"]
+        [f"HOME={ws}", "LANG=C.UTF-8", "PATH=/usr/local/bin:/usr/bin:/bin", "TERM=dumb", *GUEST_GIT]
     )
 
 
@@ -209,11 +224,29 @@ async def test_output_past_the_cap_is_cut_with_a_note(ws: Path) -> None:
     result = await run_command(
         ["sh", "-c", "printf '%0100d' 0"], workspace=ws, profile=profile(ws, output_bytes_max=10), sandbox=None
     )
-    assert result == Result("0000000000\n[output cut: 90 more bytes were not kept (output_bytes_max = 10)]")
+    assert result == Result(
+        "0000000000\n[output cut at 10 bytes (output_bytes_max): the rest was not read, and the output was closed "
+        "there, as `| head -c 10` would]"
+    )
+
+
+async def test_output_past_the_cap_is_not_read_so_an_endless_writer_ends_at_once(ws: Path) -> None:
+    # It was read and thrown away on the event loop until the command ended: `yes` ran to the timeout, 3.3 GB in 3 s.
+    started = time.monotonic()
+    result = await run_command(["yes"], workspace=ws, profile=profile(ws, output_bytes_max=10), sandbox=None)
+    assert (result, time.monotonic() - started < 5.0) == (
+        Result(
+            "y\ny\ny\ny\ny\n[output cut at 10 bytes (output_bytes_max): the rest was not read, and the output was "
+            "closed there, as `| head -c 10` would]\n[exit status 141]",
+            True,
+            "exit status 141",
+        ),
+        True,
+    )
 
 
 async def test_a_timeout_kills_the_whole_process_group(ws: Path) -> None:
-    script = "sleep 60 & echo $! > child.pid; wait"
+    script = f"{BACKGROUND}; wait"
     result = await run_command(
         ["sh", "-c", script], workspace=ws, profile=profile(ws, exec_timeout_s=0.5), sandbox=None
     )
@@ -225,7 +258,7 @@ async def test_a_timeout_kills_the_whole_process_group(ws: Path) -> None:
 
 
 async def test_what_a_command_leaves_running_is_killed_when_it_exits(ws: Path) -> None:
-    await run_command(["sh", "-c", "sleep 60 & echo $! > child.pid"], workspace=ws, profile=profile(ws), sandbox=None)
+    await run_command(["sh", "-c", BACKGROUND], workspace=ws, profile=profile(ws), sandbox=None)
     assert await gone(int((ws / "child.pid").read_text())) is True
 
 
@@ -239,7 +272,7 @@ async def test_cancelling_kills_the_command_and_raises(ws: Path) -> None:
         nonlocal cancelled
         try:
             await run_command(
-                ["sh", "-c", "echo $$ > started; sleep 60"], workspace=ws, profile=profile(ws), sandbox=None
+                ["sh", "-c", f"{OWN_PID} > started; sleep 60"], workspace=ws, profile=profile(ws), sandbox=None
             )
         except anyio.get_cancelled_exc_class():
             cancelled = True

@@ -61,6 +61,10 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     network: bool = False
     exec_timeout_s: float = 120.0
     output_bytes_max: int = 1048576
+    run_as: str | int = "nobody"  # under a root daemon, who a command of a root-owned workspace runs as (never root)
+    processes_max: int = 256  # a command's processes and threads (RLIMIT_NPROC of the user it runs as)
+    memory_bytes_max: int = 4 * 1024**3  # a command's process's data memory (RLIMIT_DATA, each process)
+    tmp_bytes_max: int = 256 * 1024**2  # the size of a command's private /tmp (under bubblewrap)
     tools: tuple[str, ...] = ()
     browse_private: bool = False  # Browse runs in the daemon: only public addresses, unless this says otherwise
     max_tokens: int | None = None
@@ -86,6 +90,10 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "network": (bool, "true or false"),
     "exec_timeout_s": (float, "a number of seconds"),
     "output_bytes_max": (int, "an integer number of bytes"),
+    "run_as": (str | int, "a user name or a uid, not root"),
+    "processes_max": (int, "an integer number of processes"),
+    "memory_bytes_max": (int, "an integer number of bytes"),
+    "tmp_bytes_max": (int, "an integer number of bytes"),
     "tools": (list[str], f"a list of tool names ({', '.join(repr(t) for t in EXTRA_TOOLS)})"),
     "browse_private": (bool, "true or false"),
     "max_tokens": (int, "an integer"),
@@ -187,6 +195,14 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
         raise lines.error(where, f"agent.{name}.{key} is {value}; it must be at least 1")
     if key == "max_calls_per_reply" and value < 1:
         raise lines.error(where, f"agent.{name}.{key} is {value}; it must be at least 1 (a tool call per reply)")
+    if key in ("processes_max", "memory_bytes_max", "tmp_bytes_max") and value < 1:
+        raise lines.error(where, f"agent.{name}.{key} is {value}; it must be at least 1")
+    if key == "run_as" and value in ("root", 0):
+        raise lines.error(
+            where, f"agent.{name}.run_as is {_show(value)}; commands never run as root: name an unprivileged user"
+        )
+    if key == "run_as" and isinstance(value, int) and value < 0:
+        raise lines.error(where, f"agent.{name}.run_as is {value}; a uid is at least 1")
     if key == "budget":
         return _budget(name, value, lines)
     return value

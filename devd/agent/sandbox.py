@@ -1,12 +1,36 @@
-"""The sandbox for Exec and Git: bubblewrap, and whether it can start on this machine.
+"""The sandbox for Exec and Git: bubblewrap, and whether it can start on this machine; and the containment of a
+command under `sandbox = "none"`.
 
-Under `wrap`, a command sees the whole file system read-only, its workspace writable, a private `/tmp`, fresh
-`/dev` and `/proc`, new pid, ipc and uts namespaces (it cannot see or signal anything outside), no network unless
-the profile says `network = true` (a new network namespace has only its own loopback), no capabilities even when the
-daemon runs as root (`--cap-drop ALL`: none to undo the rest with), and no terminal to push input into
-(`--new-session`). It dies with its parent (`--die-with-parent`), so killing bwrap ends the command and
-everything it started. Reads are not restricted, as in Codex's Linux sandbox. `.git` stays writable because Git is
-one of the tools.
+Under `wrap`, a command sees the whole file system read-only, its workspace writable, a private `/tmp` of at most
+`tmp_bytes_max`, fresh `/dev` and `/proc` (with `/proc/sys` and `/proc/sysrq-trigger` read-only: bubblewrap's fresh
+/proc leaves every sysctl writable), new pid, ipc and uts namespaces (it cannot see or signal anything outside), no
+network unless the profile says `network = true` (a new network namespace has only its own loopback), no
+capabilities even when the daemon runs as root (`--cap-drop ALL`: none to undo the rest with), and no terminal to
+push input into (`--new-session`). It dies with its parent (`--die-with-parent`), so killing bwrap ends the command
+and everything it started. Reads are not restricted, as in Codex's Linux sandbox. `.git` stays writable because Git
+is one of the tools.
+
+A command never runs as root. Under a daemon run as root, bubblewrap is started as root (it needs no user namespace
+then, so it starts wherever it did before) and keeps only CAP_SETUID and CAP_SETGID for util-linux's `setpriv`, the
+first program inside, which drops to the unprivileged user of `devd.agent.runas` (no supplementary groups, no
+capability, no_new_privs) before the command is run: nothing the model chose runs as uid 0, even for an instant.
+A daemon that is not root is unchanged: its commands run as itself.
+
+Limits, per command, from the profile (util-linux's `prlimit`, the last program before the command, sets them):
+`processes_max` is RLIMIT_NPROC, which counts the processes and threads of the user the command runs as: under a
+non-root daemon's bubblewrap (a user namespace of its own) that is the command's alone; under a root daemon, every
+process of that user on the host counts (see `run_as`). `memory_bytes_max` is RLIMIT_DATA, each process's data
+(heap and private writable mappings): unlike RLIMIT_AS it lets runtimes reserve address space they do not use (V8,
+the JVM, wasm engines). Neither is a cgroup (a memory or pids cgroup would bound the command as a whole, but is not
+there to be had on every machine devd runs on). `tmp_bytes_max` is the size of the private /tmp (a tmpfs).
+
+Under `contain` (`sandbox = "none"`), a command is not confined: it sees and may write what its user may. It is
+contained: it runs in a pid namespace of its own (util-linux's `unshare --pid --fork --kill-child`; as root, else in
+a user namespace mapping the daemon's user to itself), so when the command ends, or is killed, or the daemon dies
+(`setpriv --pdeathsig KILL` on unshare), every process it started dies with it, even one that left its process group
+and session (`setsid`); it runs as the same unprivileged user as above, with the same limits (but no private /tmp);
+and it cannot read the daemon's environment (its API keys) through /proc, as the daemon makes itself non-dumpable
+when it starts. Where that pid namespace cannot be made, `sandbox = "none"` is refused, saying so.
 
 `choose` never falls back to running a command unconfined: a profile that wants bubblewrap where it cannot start
 gets a `Refusal` that says why and what to do.
@@ -25,9 +49,25 @@ from pathlib import Path
 import msgspec
 
 from devd.agent.profiles import Profile
+from devd.agent.runas import Account
 
 PROBE_TIMEOUT_S = 10.0
 _SEARCH = "/usr/bin:/bin:/usr/local/bin"
+# Whom the probes drop to, under a root daemon: the user every system has (which user a command runs as is decided
+# per call; whether setpriv can drop to one is what is probed).
+_PROBE_ACCOUNT = Account(65534, 65534)
+
+
+class Limits(msgspec.Struct, frozen=True):
+    """A command's resource limits, from the profile (see the module's docstring)."""
+
+    processes: int
+    memory_bytes: int
+    tmp_bytes: int
+
+
+def limits(profile: Profile) -> Limits:
+    return Limits(profile.processes_max, profile.memory_bytes_max, profile.tmp_bytes_max)
 
 
 class Sandbox(msgspec.Struct, frozen=True):
@@ -44,9 +84,19 @@ class Sandbox(msgspec.Struct, frozen=True):
         env: Mapping[str, str] | None = None,
         *,
         workspace_fd: int | None = None,
+        account: Account | None = None,
+        limits: Limits | None = None,
     ) -> list[str]:
         return wrap(
-            argv, workspace, network, env, bwrap=self.bwrap, hidden=present(self.hidden), workspace_fd=workspace_fd
+            argv,
+            workspace,
+            network,
+            env,
+            bwrap=self.bwrap,
+            hidden=present(self.hidden),
+            workspace_fd=workspace_fd,
+            account=account,
+            limits=limits,
         )
 
 
@@ -65,18 +115,26 @@ def wrap(
     bwrap: str = "bwrap",
     hidden: Sequence[tuple[str, bool]] = (),
     workspace_fd: int | None = None,
+    account: Account | None = None,
+    limits: Limits | None = None,
 ) -> list[str]:
     """The bwrap command line that runs argv confined to workspace. With `env`, the command gets exactly that
     environment (`--clearenv`, then a `--setenv` per variable). Each of `hidden` (a path, and whether it is a
     directory) is covered: a directory by an empty tmpfs, anything else by /dev/null. They are the daemon's own (its
     socket, its state directory with the token and the database): a command that reached the socket could approve
     its own actions and drive any session, as the daemon's user. With `workspace_fd` (a descriptor of the workspace,
-    checked, passed to bwrap), that directory is what is bound: bwrap would follow a link at the path."""
+    checked, passed to bwrap), that directory is what is bound: bwrap would follow a link at the path. With
+    `account`, the command runs as that user (bwrap run as root: see the module's docstring); with `limits`, within
+    them."""
     ws = str(workspace)
     # Order matters: the read-only root first, then what is mounted over it; /tmp before the workspace, so a
     # workspace under /tmp is bound on top of the private /tmp rather than hidden by it; the hidden paths last, so
     # that a socket or a state directory inside the workspace is covered too.
-    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *_PROC_READ_ONLY]
+    # /tmp is everyone's, as on the host: the command may run as a user other than the one that made it.
+    args += ["--perms", "1777", *(["--size", str(limits.tmp_bytes)] if limits else []), "--tmpfs", "/tmp"]
+    for parent in _made_in_tmp(workspace):  # bwrap would make them 0700, root's: a command could not pass them
+        args += ["--perms", "0755", "--dir", parent]
     args += ["--bind", ws, ws] if workspace_fd is None else ["--bind-fd", str(workspace_fd), ws]
     for path, directory in hidden:
         args += ["--tmpfs", path] if directory else ["--ro-bind", "/dev/null", path]
@@ -86,12 +144,83 @@ def wrap(
     # No capabilities inside, from the bounding set up: a daemon run as root would otherwise hand its command
     # CAP_SYS_ADMIN, with which it remounts / writable, unmounts the private /tmp and /proc, and enters the host's
     # network namespace. Without root it changes nothing (an unprivileged sandbox has none to drop).
-    args += ["--cap-drop", "ALL", "--die-with-parent", "--new-session", "--chdir", ws]
+    args += ["--cap-drop", "ALL"]
+    if account is not None:  # for setpriv alone, which gives them up with root before it runs the command
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    args += ["--die-with-parent", "--new-session", "--chdir", ws]
     if env is not None:
         args.append("--clearenv")
         for name, value in env.items():
             args += ["--setenv", name, value]
-    return [*args, "--", *argv]
+    return [*args, "--", *_drop(account), *_limit(limits), *argv]
+
+
+# bubblewrap makes /proc/irq and /proc/bus read-only itself, but not /proc/sys (it asks whether the directory is
+# writable, which it never is, while the files in it are): as root a command wrote kernel.core_pattern there.
+_PROC_READ_ONLY = ("--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger")
+
+
+def _made_in_tmp(workspace: Path) -> list[str]:
+    """The directories between /tmp and a workspace under it, which bubblewrap makes in the private /tmp."""
+    if not workspace.is_relative_to("/tmp") or workspace == Path("/tmp"):
+        return []
+    parts = workspace.relative_to("/tmp").parts[:-1]
+    return [str(Path("/tmp", *parts[: i + 1])) for i in range(len(parts))]
+
+
+def _drop(account: Account | None) -> list[str]:
+    """setpriv's command line that runs the rest as `account`: no supplementary group, no capability (inheritable
+    ones included), no_new_privs (a set-user-ID program cannot bring root back)."""
+    if account is None:
+        return []
+    return [
+        program("setpriv"),
+        f"--reuid={account.uid}",
+        f"--regid={account.gid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--no-new-privs",
+        "--",
+    ]
+
+
+def _limit(limits: Limits | None) -> list[str]:
+    if limits is None:
+        return []
+    return [program("prlimit"), f"--nproc={limits.processes}", f"--data={limits.memory_bytes}", "--"]
+
+
+def contain(argv: Sequence[str], *, account: Account | None = None, limits: Limits | None = None) -> list[str]:
+    """The command line that runs argv unconfined (`sandbox = "none"`) but contained, as `account` within `limits`
+    (see the module's docstring)."""
+    unshare = [program("unshare"), "--pid", "--kill-child"]
+    if os.geteuid() != 0:
+        unshare.append("--map-current-user")  # a pid namespace needs CAP_SYS_ADMIN: that of a user namespace
+    # A shell as the namespace's init, waiting for the command: as init itself, the command would ignore every
+    # signal it has no handler for (SIGPIPE, SIGTERM), as the kernel spares an init. argv is the shell's arguments,
+    # never its script; `exit` after it keeps the shell from exec'ing it in its place; the PWD it sets is unset, so
+    # the environment is still only the one given.
+    init = ["/bin/sh", "-c", 'unset PWD; "$@"; exit $?', "sh"]
+    return [
+        program("setpriv"),
+        "--pdeathsig=KILL",
+        "--",
+        *unshare,
+        "--",
+        *_drop(account),
+        *_limit(limits),
+        *init,
+        *argv,
+    ]
+
+
+_HELPERS = ("setpriv", "prlimit", "unshare")  # util-linux's
+
+
+@functools.cache
+def program(name: str) -> str:
+    """Where one of util-linux's programs is (its name, to fail saying so, where it is not)."""
+    return shutil.which(name, path=_SEARCH) or name
 
 
 def present(paths: Sequence[str]) -> list[tuple[str, bool]]:
@@ -118,29 +247,65 @@ def probe(bwrap: str | None = None) -> str | None:
         return "bubblewrap is not installed (no bwrap on the PATH)"
     if not os.access(bwrap, os.X_OK):
         return f"bubblewrap is not installed (no {bwrap})"
+    if (missing := _missing()) is not None:
+        return missing
     with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
-        try:
-            done = subprocess.run(
-                wrap(["true"], Path(ws), False, {"PATH": _SEARCH}, bwrap=bwrap),
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                timeout=PROBE_TIMEOUT_S,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"bubblewrap cannot start here ({e})"
+        command = wrap(["true"], Path(ws), False, {"PATH": _SEARCH}, bwrap=bwrap, account=_probe_account())
+        return _tried(command, ws, "bubblewrap")
+
+
+@functools.cache
+def probe_containment() -> str | None:
+    """None when `contain` runs `true` here, else why not; tried once per process, like `probe`."""
+    if (missing := _missing()) is not None:
+        return missing
+    with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
+        return _tried(contain(["true"], account=_probe_account()), ws, "a pid namespace")
+
+
+def _missing() -> str | None:
+    absent = [name for name in _HELPERS if not os.path.isabs(program(name))]
+    if absent:
+        return f"util-linux's {' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} not installed"
+    return None
+
+
+def _probe_account() -> Account | None:
+    return _PROBE_ACCOUNT if os.geteuid() == 0 else None
+
+
+def _tried(command: list[str], cwd: str, what: str) -> str | None:
+    try:
+        done = subprocess.run(
+            command,
+            cwd=cwd,
+            env={"PATH": _SEARCH},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{what} cannot be made here ({e})"
     if done.returncode != 0:
         said = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        return f"bubblewrap cannot start here ({said[-1] if said else f'exit status {done.returncode}'})"
+        return f"{what} cannot be made here ({said[-1] if said else f'exit status {done.returncode}'})"
     return None
 
 
 def choose(profile: Profile, *, bwrap: str | None = None, hidden: Sequence[str] = ()) -> Sandbox | None | Refusal:
-    """How the profile's Exec and Git run: under a Sandbox, unconfined (None: `sandbox = "none"`), or not at all.
-    `bwrap` is the program to use (default: bwrap on the PATH); `hidden`, the daemon's own paths, which its commands
-    must not see (see `wrap`)."""
+    """How the profile's Exec and Git run: under a Sandbox, unconfined but contained (None: `sandbox = "none"`), or
+    not at all. `bwrap` is the program to use (default: bwrap on the PATH); `hidden`, the daemon's own paths, which
+    its commands must not see (see `wrap`)."""
     if profile.sandbox == "none":
-        return None
+        why = probe_containment()
+        if why is None:
+            return None
+        return Refusal(
+            f'commands cannot run: [agent.{profile.name}] sets sandbox = "none", which runs a command in a pid '
+            f"namespace of its own so that nothing it starts outlives it, and {why}; install util-linux, or use "
+            f'bubblewrap (sandbox = "auto")'
+        )
     bwrap = bwrap or find_bwrap()
     why = probe(bwrap)
     if why is None and bwrap is not None:

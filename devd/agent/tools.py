@@ -21,7 +21,11 @@ renamed over the target, the directory fsynced), creating missing directories in
 Commands: the checked workspace as working directory (under bubblewrap, the checked directory is what is bound),
 an environment of only PATH, HOME (the workspace), LANG and TERM, stdin from /dev/null, a process group of their own
 (killed whole at the timeout, at cancellation, and when the command exits, so nothing it started outlives it), stdout
-and stderr interleaved and capped.
+and stderr interleaved and capped: past `output_bytes_max` nothing more is read and the pipe is closed, so the
+command's next write fails, as under `| head -c N`. Never as root: under a daemon run as root, as the user
+`devd.agent.runas` picks (a command's environment then also tells Git to trust repositories it does not own), within
+the profile's limits, under bubblewrap or, with `sandbox = "none"`, in a pid namespace of its own
+(`devd.agent.sandbox`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -40,7 +45,8 @@ import anyio
 import msgspec
 from anyio.abc import Process
 
-from devd.agent import addresses, http
+from devd.agent import addresses, http, runas
+from devd.agent import sandbox as sandboxes
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Sandbox
 
@@ -316,9 +322,15 @@ def _replace(dir_fd: int, name: str, data: bytes) -> None:
 # -- Exec and Git -------------------------------------------------------------------------------------------------
 
 
-def command_env(workspace: Path) -> dict[str, str]:
-    """The whole environment a command gets: nothing of the daemon's (no API key can leak into it)."""
-    return {"PATH": ENV_PATH, "HOME": str(workspace), "LANG": "C.UTF-8", "TERM": "dumb"}
+def command_env(workspace: Path, *, guest: bool = False) -> dict[str, str]:
+    """The whole environment a command gets: nothing of the daemon's (no API key can leak into it). A `guest` (a
+    command that runs as `run_as` in root's workspace) is also told to trust repositories that are not its own:
+    Git refuses them otherwise ("dubious ownership"), and that check guards a user against another's repository
+    hooks, which a command that runs what it likes does not need (git reads this as command-line configuration)."""
+    env = {"PATH": ENV_PATH, "HOME": str(workspace), "LANG": "C.UTF-8", "TERM": "dumb"}
+    if guest:
+        env |= {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory", "GIT_CONFIG_VALUE_0": "*"}
+    return env
 
 
 async def run_command(
@@ -334,25 +346,35 @@ async def run_command(
     except Refused as e:
         return Result(f"refused: {e.why}", failed=True)
     try:
-        env = command_env(pinned.path)
-        command = list(argv)
+        if "/" not in argv[0] and shutil.which(argv[0], path=ENV_PATH) is None:
+            return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
+        try:
+            who = await anyio.to_thread.run_sync(runas.account, profile, root, str(pinned.path))
+        except runas.Unusable as e:
+            return Result(f"cannot run {argv[0]}: {e.why}", failed=True)
+        env = command_env(pinned.path, guest=who is not None and who.uid != os.fstat(root).st_uid)
+        bounds = sandboxes.limits(profile)
         passed: tuple[int, ...] = ()
-        if sandbox is not None:
+        if sandbox is None:
+            command = sandboxes.contain(argv, account=who, limits=bounds)
+        else:
             # bubblewrap binds the directory checked (by its descriptor), never the path, which may lead elsewhere.
-            command = sandbox.wrap(argv, pinned.path, profile.network, env, workspace_fd=root)
+            command = sandbox.wrap(
+                argv, pinned.path, profile.network, env, workspace_fd=root, account=who, limits=bounds
+            )
             passed = (root,)
         try:
             # Shielded: cancelled half way, asyncio would kill the command but not what it already started; once it
             # is started, a cancel lands in the supervision below, which kills the whole group.
             with anyio.CancelScope(shield=True):
-                process = await _start(command, root, env, passed)
+                process, output_fd = await _start(command, root, env, passed)
         except FileNotFoundError:
             return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
         except OSError as e:
             return Result(f"{argv[0]}: cannot start: {e.strerror or e}", failed=True)
     finally:
         os.close(root)  # the command has its own (bwrap closes it once bound: the command never holds it)
-    output = _Capped(profile.output_bytes_max)
+    output = _Capped(profile.output_bytes_max, output_fd)
     try:
         timed_out = await _supervise(process, output, profile.exec_timeout_s)
     except BaseException:
@@ -362,61 +384,95 @@ async def run_command(
     return _outcome(process, output, timed_out, profile)
 
 
-async def _start(command: list[str], workspace_fd: int, env: dict[str, str], pass_fds: Sequence[int]) -> Process:
-    return await anyio.open_process(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,  # interleaved as written
-        cwd=f"/proc/self/fd/{workspace_fd}",  # the checked directory: the child changes to it before it execs
-        env=env,
-        start_new_session=True,
-        pass_fds=pass_fds,
-    )
+async def _start(
+    command: list[str], workspace_fd: int, env: dict[str, str], pass_fds: Sequence[int]
+) -> tuple[Process, int]:
+    """The started command, and the read end (non-blocking) of the pipe its stdout and stderr share: the daemon's own
+    pipe, which it can close when it has read enough (closing asyncio's would not close the pipe)."""
+    read, write = os.pipe()
+    try:
+        process = await anyio.open_process(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=write,
+            stderr=subprocess.STDOUT,  # interleaved as written
+            cwd=f"/proc/self/fd/{workspace_fd}",  # the checked directory: the child changes to it before it execs
+            env=env,
+            start_new_session=True,
+            pass_fds=pass_fds,
+        )
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)  # the command holds its own
+    os.set_blocking(read, False)
+    return process, read
 
 
 class _Capped:
-    """The first `limit` bytes of a command's output, and how many more there were."""
+    """The first `limit` bytes of a command's output, read from `fd` (which it owns), and whether there was more: past
+    the cap nothing more is read (it once was, and thrown away on the event loop: gigabytes a second, a whole core),
+    and the pipe is closed, so the command's next write fails (EPIPE, or SIGPIPE), as under `| head -c N`."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, fd: int) -> None:
         self.limit = limit
+        self.fd: int | None = fd
         self.kept = bytearray()
-        self.cut = 0
+        self.cut = False
 
-    def add(self, chunk: bytes) -> None:
-        room = self.limit - len(self.kept)
-        self.kept += chunk[: max(room, 0)]
-        self.cut += max(len(chunk) - max(room, 0), 0)
+    async def read_all(self) -> None:
+        """Read until the end of the output or the cap; either way, close the pipe."""
+        try:
+            while self.fd is not None:
+                await anyio.wait_readable(self.fd)
+                try:
+                    # Never more than one byte past the cap: that byte says there was more.
+                    chunk = os.read(self.fd, min(65536, self.limit + 1 - len(self.kept)))
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    break
+                self.kept += chunk
+                if len(self.kept) > self.limit:
+                    del self.kept[self.limit :]
+                    self.cut = True
+                    break
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 async def _supervise(process: Process, output: _Capped, timeout_s: float) -> bool:
-    """Read the output until the command exits or its time is up; then kill its group. True when it timed out."""
-    assert process.stdout is not None
-    stdout = process.stdout
-
+    """Read the output until the command exits or its time is up (past the cap, no more: see _Capped); then kill its
+    group. True when it timed out."""
     eof = anyio.Event()
 
     async def read_all() -> None:
         try:
-            while True:
-                output.add(await stdout.receive(65536))
-        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
+            await output.read_all()
         finally:
             eof.set()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(read_all)
-        with anyio.move_on_after(timeout_s) as deadline:
-            await process.wait()
-        # Whatever of its group is still alive goes now: at the timeout, the command too; after it exited, what it
-        # left behind (which would hold the output pipe open).
-        _killpg(process)
-        with anyio.move_on_after(DRAIN_AFTER_EXIT_S):
-            await process.wait()
-            await eof.wait()
-        tg.cancel_scope.cancel()
-    await process.aclose()  # its pipes' transports too, so nothing is left to the garbage collector
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_all)
+            with anyio.move_on_after(timeout_s) as deadline:
+                await process.wait()
+            # Whatever of its group is still alive goes now: at the timeout, the command too; after it exited, what
+            # it left behind (which would hold the output pipe open).
+            _killpg(process)
+            with anyio.move_on_after(DRAIN_AFTER_EXIT_S):
+                await process.wait()
+                await eof.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        output.close()  # when read_all never ran: cancelled before it started
+    await process.aclose()
     return deadline.cancelled_caught
 
 
@@ -455,7 +511,10 @@ def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profil
     text = output.kept.decode("utf-8", "replace")
     notes = []
     if output.cut:
-        notes.append(f"[output cut: {output.cut} more bytes were not kept (output_bytes_max = {output.limit})]")
+        notes.append(
+            f"[output cut at {output.limit} bytes (output_bytes_max): the rest was not read, and the output was "
+            f"closed there, as `| head -c {output.limit}` would]"
+        )
     code = process.returncode
     why = None
     if timed_out:

@@ -102,6 +102,8 @@ def _serve(args: argparse.Namespace) -> int:
 
             metrics_socket = scrape.bind(settings.metrics)
         agents = _agents(args)
+        if agents:
+            _seal()  # its /proc/PID/environ holds the API keys: no agent's command may read it
         store, fleet = _open_store(args, settings, listeners)
     except (StartupError, ValueError, OSError, DevdError) as e:
         for bound in listeners:  # a socket made for a start that failed must not be left behind, stale
@@ -144,6 +146,20 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_socket.close()
     logger.info("daemon.stopped")
     return 0
+
+
+def _seal() -> None:
+    """Make the daemon non-dumpable: its /proc/PID files (environ with the API keys, mem, fd) become root's and need
+    ptrace access, which an agent's command never has (it never runs as root, nor in an ancestor's user namespace).
+    Under `sandbox = "none"` a command sees the daemon's /proc; under bubblewrap this is a second wall. What it
+    trades: no core dump of the daemon, and a debugger (or a tool reading /proc/PID/fd) must be root; so only a
+    daemon that runs agents does it. Its children are dumpable again once they exec."""
+    import ctypes
+
+    pr_set_dumpable = 4
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_dumpable, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
 def _asked(settings: Settings) -> list[Listen]:

@@ -1,0 +1,237 @@
+"""Who a command runs as: never root. Under a daemon run as root, Exec and Git run as an unprivileged user, and that
+user is given write access to a root-owned workspace with a POSIX ACL; no file's owner is ever changed.
+
+Why not root: uid 0 is more than capabilities. A command that is still uid 0 after `--cap-drop ALL` can write
+`/proc/sys/kernel/core_pattern` (bubblewrap's fresh /proc leaves /proc/sys writable) and have the kernel run its
+script as full root on the host; it can also connect to any root-owned socket on the file system. A user-namespace
+mapping to 0 does not help: the kernel still sees the global root.
+
+Who, under a root daemon (a non-root daemon's commands run as itself; nothing here applies):
+- the workspace's owner, when that is not root: the command writes its workspace as its owner would, with the
+  owner's primary group and no supplementary groups;
+- else the profile's `run_as` (a user name or a uid; never root), by default `nobody`. `nobody` is on every system and
+  is mapped in every user namespace; it owns nothing by convention. What it trades: every command of every profile
+  that runs as `nobody` shares that uid (and so the `processes_max` count, see `devd.agent.sandbox`) with each other
+  and with any service of the host that runs as `nobody`; a host that runs such services should make a user of its
+  own for devd (`useradd --system --no-create-home devd-run`) and name it in `run_as`.
+
+Writing a root-owned workspace as `run_as`: the first time it is needed, the workspace's tree is given an ACL entry
+for that user (`user:U:rwX`, and on directories the same as a default entry, so what is made there later is the
+user's to write too), written directly as the kernel's `system.posix_acl_access` and `system.posix_acl_default`
+extended attributes (no `acl` package needed). The workspace directory is done last, so its entry says the tree is
+done. What it trades: the owners stay as they were, but `ls -l` shows a `+` and the group bits show the ACL mask
+(`rw-rw-r--+`; the owning group's own entry is unchanged). Only root's own files are given the entry (another
+user's file in the workspace stays theirs), and a file with more than one hard link is left alone (its other name
+may be outside the workspace). A file written later by root (the daemon's Write tool, say) takes the default entry
+as its mode allows: 0644 gives the user read only (it can still replace the file, as it may write the directory).
+A file system without ACLs (mounted `noacl`) is refused, saying so. An id-mapped mount would need no ACL, but
+bubblewrap 0.8 cannot make one and the kernel's mount API for it is not reachable from here without a helper.
+
+The workspace's parent directories are the host's: the user needs search (x) permission on them to reach the
+workspace by its absolute path (the command starts inside it either way). A workspace under /root (0700) reached as
+`nobody` works by relative paths only; put such workspaces where their parents are searchable (/srv, /var/lib).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pwd
+import stat
+import struct
+
+import msgspec
+
+from devd.agent.profiles import Profile
+
+ACCESS = "system.posix_acl_access"
+DEFAULT = "system.posix_acl_default"
+# The kernel's ACL format (include/uapi/linux/posix_acl_xattr.h): a version, then (tag, perm, id) entries sorted by
+# tag and id, little-endian. The id of an entry that names nobody in particular is -1.
+_VERSION = 2
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+_NO_ID = 0xFFFFFFFF
+_ENTRY = struct.Struct("<HHI")
+_READ_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+Acl = dict[tuple[int, int], int]  # (tag, id) -> permission bits (4 read, 2 write, 1 execute/search)
+
+
+class Account(msgspec.Struct, frozen=True):
+    """The unprivileged user and group a command runs as (no supplementary groups)."""
+
+    uid: int
+    gid: int
+
+
+class Unusable(Exception):
+    """A command cannot run as it should here; `why` says why and what to do (it is what the model is told)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def account(profile: Profile, workspace_fd: int, workspace: str) -> Account | None:
+    """Who a command of `profile` in the workspace (its checked descriptor, and its path for messages) runs as: None
+    when the daemon is not root (as itself), else the workspace's owner when not root, else `run_as`, after giving
+    it the workspace (see the module's docstring). Unusable when `run_as` names no user here, or the workspace's
+    file system takes no ACL. Touches the file system: call it off the event loop."""
+    if os.geteuid() != 0:
+        return None
+    st = os.fstat(workspace_fd)
+    if st.st_uid != 0:
+        return Account(st.st_uid, _primary_gid(st.st_uid, st.st_gid))
+    user = run_as(profile)
+    grant(workspace_fd, workspace, user.uid)
+    return user
+
+
+def run_as(profile: Profile) -> Account:
+    """The profile's `run_as` user; Unusable when it is not a user of this machine (a uid need not be)."""
+    name = profile.run_as
+    if isinstance(name, int):
+        return Account(name, _primary_gid(name, name))
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise Unusable(
+            f"[agent.{profile.name}] sets run_as = {name!r}, and there is no such user on this machine; make it "
+            f"(useradd --system --no-create-home {name}) or name another unprivileged user or a uid"
+        ) from None
+    return Account(entry.pw_uid, entry.pw_gid)
+
+
+def _primary_gid(uid: int, otherwise: int) -> int:
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return otherwise
+
+
+def grant(workspace_fd: int, workspace: str, uid: int) -> None:
+    """Give `uid` read, write and search of root's own files in the workspace tree (rwX), and the same as a default
+    entry on its directories; once: a workspace whose directory holds the entry is done."""
+    top = os.open(".", _READ_DIR, dir_fd=workspace_fd)
+    try:
+        if _entry(_read(top, ACCESS), uid) == 7:
+            return
+        if os.statvfs(top).f_flag & os.ST_RDONLY:
+            return  # nothing a command could write there, whoever it runs as
+        try:
+            _grant_tree(top, uid)
+            _grant(top, uid, directory=True)  # last: its entry says the whole tree is done
+        except OSError as e:
+            if e.errno == errno.EOPNOTSUPP:
+                raise Unusable(
+                    f"the workspace {workspace} is root's and its file system takes no ACLs, so a command running as "
+                    f"uid {uid} could not write it; give the workspace to that user (or any other, then commands "
+                    "run as its owner), or mount the file system with ACLs"
+                ) from None
+            raise Unusable(f"cannot give uid {uid} write access to the workspace {workspace}: {e.strerror or e}") from e
+    finally:
+        os.close(top)
+
+
+def _grant_tree(top: int, uid: int) -> None:
+    """Grant every directory and file below `top` (not `top` itself), depth first, holding a descriptor per level
+    only; each reached without following a link, so a link swapped in meanwhile is never followed."""
+    stack = [(os.dup(top), _grant_files(top, uid))]
+    try:
+        while stack:
+            fd, subdirectories = stack[-1]
+            if not subdirectories:
+                os.close(fd)
+                stack.pop()
+                continue
+            name = subdirectories.pop()
+            try:
+                inner = os.open(name, _READ_DIR, dir_fd=fd)
+            except OSError:
+                continue  # gone or swapped meanwhile: nothing to grant
+            try:
+                if os.fstat(inner).st_uid == 0:
+                    _grant_one(inner, uid, directory=True)
+                    stack.append((inner, _grant_files(inner, uid)))
+                    continue
+            except BaseException:
+                os.close(inner)
+                raise
+            os.close(inner)  # another user's directory: theirs, and all below it
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+
+
+def _grant_files(directory: int, uid: int) -> list[str]:
+    """Grant the root-owned regular files (and named pipes) of the directory that have a single link; never a device
+    (a disk's node made in a workspace would be the whole disk's). The directory's subdirectories' names."""
+    subdirectories = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                subdirectories.append(entry.name)
+            elif entry.is_file(follow_symlinks=False) or stat.S_ISFIFO(entry.stat(follow_symlinks=False).st_mode):
+                try:
+                    fd = os.open(entry.name, _READ_FILE, dir_fd=directory)
+                except OSError:
+                    continue  # gone, or swapped for a link, meanwhile
+                try:
+                    st = os.fstat(fd)
+                    if (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)) and st.st_uid == 0 and st.st_nlink == 1:
+                        _grant_one(fd, uid, directory=False)
+                finally:
+                    os.close(fd)
+    return subdirectories
+
+
+def _grant_one(fd: int, uid: int, *, directory: bool) -> None:
+    """Grant one file below the workspace; one the kernel will not change (immutable, say) stays as it is, unwritable
+    to the user as it would be anyway. A file system without ACLs fails the whole grant."""
+    try:
+        _grant(fd, uid, directory=directory)
+    except OSError as e:
+        if e.errno == errno.EOPNOTSUPP:
+            raise
+
+
+def _grant(fd: int, uid: int, *, directory: bool) -> None:
+    mode = os.fstat(fd).st_mode
+    perm = 7 if directory or mode & 0o111 else 6
+    os.setxattr(fd, ACCESS, _encode(_with_user(_read(fd, ACCESS), mode, uid, perm)))
+    if directory:
+        os.setxattr(fd, DEFAULT, _encode(_with_user(_read(fd, DEFAULT), mode, uid, 7)))
+
+
+def _with_user(acl: Acl | None, mode: int, uid: int, perm: int) -> Acl:
+    """acl (or the one the mode stands for, when there is none) with `uid` given `perm`, and a mask that lets it: the
+    old mask (or the owning group's bits) widened by `perm` only, so no other entry gains anything."""
+    entries = dict(acl) if acl else {}
+    if not entries:
+        entries = {(_USER_OBJ, _NO_ID): mode >> 6 & 7, (_GROUP_OBJ, _NO_ID): mode >> 3 & 7, (_OTHER, _NO_ID): mode & 7}
+    entries[(_USER, uid)] = perm
+    entries[(_MASK, _NO_ID)] = entries.get((_MASK, _NO_ID), entries[(_GROUP_OBJ, _NO_ID)]) | perm
+    return entries
+
+
+def _read(fd: int, name: str) -> Acl | None:
+    try:
+        data = os.getxattr(fd, name)
+    except OSError as e:
+        if e.errno == errno.ENODATA:
+            return None
+        raise
+    (version,) = struct.unpack_from("<I", data)
+    if version != _VERSION:
+        return None
+    return {(tag, ident): perm for tag, perm, ident in _ENTRY.iter_unpack(data[4:])}
+
+
+def _entry(acl: Acl | None, uid: int) -> int | None:
+    return None if acl is None else acl.get((_USER, uid))
+
+
+def _encode(acl: Acl) -> bytes:
+    entries = b"".join(_ENTRY.pack(tag, perm, ident) for (tag, ident), perm in sorted(acl.items()))
+    return struct.pack("<I", _VERSION) + entries
