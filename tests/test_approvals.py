@@ -393,6 +393,21 @@ def test_devd_approve_answers_from_the_command_line(agentd: Agentd) -> None:
     assert (status, agentd.marks()) == (0, 1)
 
 
+@pytest.mark.parametrize(("flag", "scope"), [("--remember", "exact"), ("--remember-prefix", "prefix")])
+def test_devd_approve_remembers_what_its_flag_says(agentd: Agentd, flag: str, scope: str) -> None:
+    from devd.cli import main
+
+    mark_then_finish(agentd.standin)
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        approval(c, session, "mark it")
+        main(["approve", "--connect", str(agentd.daemon.socket), session, "2", flag])
+        remembered = next_notice(c, "session/decided").params["remembered"]
+        until_done(c)
+    assert remembered == {"scope": scope, "argv": MARK}
+
+
 def test_devd_approve_of_an_action_decided_already_is_conflict_naming_who_decided(
     agentd: Agentd, capsys: pytest.CaptureFixture[str]
 ) -> None:
