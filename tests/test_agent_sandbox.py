@@ -20,7 +20,7 @@ import pytest
 from devd.agent import runas
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Refusal, Sandbox, choose, contain, limits, probe, wrap
-from devd.agent.tools import Result, command_env, run_command
+from devd.agent.tools import Result, command_env, run_command, write_file
 from tests.agents import Agentd, run_turn, start
 from tests.helpers import gone
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -372,3 +372,22 @@ async def _ended(argument: str, within_s: float = 10.0) -> list[int]:
     while (left := _running(argument)) and time.monotonic() < deadline:
         await anyio.sleep(0.02)
     return left
+
+
+@as_root
+async def test_what_the_write_tool_makes_in_a_users_workspace_is_that_users_for_its_commands(ws: Path) -> None:
+    os.chown(ws, 4242, 4242)
+    await write_file(ws, "sub/a.txt", "written\n")
+    result = await sandboxed(ws, "echo appended >> sub/a.txt && echo b > sub/b.txt && cat sub/a.txt")
+    assert (result, (ws / "sub").stat().st_uid, (ws / "sub" / "a.txt").stat().st_uid) == (
+        Result("written\nappended\n"),
+        4242,
+        4242,
+    )
+
+
+@as_root
+async def test_a_file_the_write_tool_makes_in_roots_workspace_is_writable_as_run_as(ws: Path) -> None:
+    await sandboxed(ws, "true")  # the workspace is given to run_as (its ACL) by the first command
+    await write_file(ws, "a.txt", "written\n")
+    assert await sandboxed(ws, "echo appended >> a.txt && cat a.txt") == Result("written\nappended\n")

@@ -214,6 +214,8 @@ def _walk(workspace_fd: int, parts: Sequence[str], *, create: bool) -> tuple[int
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, dir_fd=fd)
+                    if (owner := _owner_of(fd)) is not None:
+                        os.chown(part, *owner, dir_fd=fd, follow_symlinks=False)
             try:
                 inner = os.open(part, _DIR, dir_fd=fd)
             except OSError as e:
@@ -297,16 +299,21 @@ def _write(workspace: Workspace | Path, path: str, text: str) -> Result:
 
 
 def _replace(dir_fd: int, name: str, data: bytes) -> None:
-    """Write `name` in the directory whole or not at all: a temporary file, fsynced, renamed over it."""
-    mode = 0o644
+    """Write `name` in the directory whole or not at all: a temporary file, fsynced, renamed over it. A new file is
+    made as open() makes one (0666, less the umask, or as a default ACL says), and belongs to whoever `_owner_of`
+    says; one replaced keeps its mode and its owner."""
+    mode, owner = 0o666, _owner_of(dir_fd)
     with contextlib.suppress(FileNotFoundError):
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
             raise Refused(f"{name} is a directory; a file cannot replace it")
         mode = stat.S_IMODE(st.st_mode)
+        owner = (st.st_uid, st.st_gid) if os.geteuid() == 0 and st.st_uid != 0 else None
     temp = f".{name}.devd-{uuid.uuid4().hex[:12]}.tmp"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     try:
+        if owner is not None:
+            os.fchown(fd, *owner)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -317,6 +324,16 @@ def _replace(dir_fd: int, name: str, data: bytes) -> None:
             os.unlink(temp, dir_fd=dir_fd)
         raise
     os.fsync(dir_fd)
+
+
+def _owner_of(dir_fd: int) -> tuple[int, int] | None:
+    """Whom a file or directory the daemon makes in the directory is given to: under a daemon run as root, the
+    directory's owner when that is not root, as that user's commands run as that user (`devd.agent.runas`) and must
+    be able to use what the daemon wrote for them; else nobody (it stays as made)."""
+    if os.geteuid() != 0:
+        return None
+    st = os.fstat(dir_fd)
+    return None if st.st_uid == 0 else (st.st_uid, st.st_gid)
 
 
 # -- Exec and Git -------------------------------------------------------------------------------------------------
