@@ -22,8 +22,9 @@ extended attributes (no `acl` package needed). The workspace directory is done l
 done. What it trades: the owners stay as they were, but `ls -l` shows a `+` and the group bits show the ACL mask
 (`rw-rw-r--+`; the owning group's own entry is unchanged). Only root's own files are given the entry (another
 user's file in the workspace stays theirs), and a file with more than one hard link is left alone (its other name
-may be outside the workspace). A file written later by root (the daemon's Write tool, say) takes the default entry
-as its mode allows: 0644 gives the user read only (it can still replace the file, as it may write the directory).
+may be outside the workspace). A file made there later takes the default entry as its mode allows: the Write tool
+makes files as open() does (0666), so they are the user's to write; one another program makes 0644 is read-only to
+the user (who may still replace it, as it may write the directory).
 A file system without ACLs (mounted `noacl`) is refused, saying so. An id-mapped mount would need no ACL, but
 bubblewrap 0.8 cannot make one and the kernel's mount API for it is not reachable from here without a helper.
 
