@@ -308,8 +308,11 @@ async def test_git_works_as_run_as_in_roots_workspace(ws: Path) -> None:
 
 @as_root
 async def test_a_fork_bomb_stops_at_processes_max_leaving_nothing_and_the_next_command_runs(ws: Path) -> None:
+    # A limit below the default: RLIMIT_NPROC counts every process of the user, so a bomb at the default would
+    # starve the commands other tests run as nobody meanwhile (as it would other sessions' of a daemon).
     marker = f"63.{uuid.uuid4().int % 10**9}"
-    bomb = await sandboxed(ws, f"i=0; while [ $i -lt 400 ]; do sleep {marker} & i=$((i+1)); done")
+    script = f"i=0; while [ $i -lt 400 ]; do sleep {marker} & i=$((i+1)); done"
+    bomb = await sandboxed(ws, script, processes_max=64)
     assert ("Cannot fork" in bomb.text, await _ended(marker), await sandboxed(ws, "echo fine")) == (
         True,
         [],
