@@ -5,6 +5,7 @@ is missing, and under `sandbox = "none"`."""
 from __future__ import annotations
 
 import os
+import pwd
 import socket
 import subprocess
 import tempfile
@@ -394,3 +395,16 @@ async def test_a_file_the_write_tool_makes_in_roots_workspace_is_writable_as_run
     await sandboxed(ws, "true")  # the workspace is given to run_as (its ACL) by the first command
     await write_file(ws, "a.txt", "written\n")
     assert await sandboxed(ws, "echo appended >> a.txt && cat a.txt") == Result("written\nappended\n")
+
+
+@as_root
+async def test_a_run_as_name_that_is_uid_0_here_is_refused_and_nothing_runs(ws: Path) -> None:
+    result = await sandboxed(ws, "echo ran > ran.txt", run_as=pwd.getpwuid(0).pw_name)
+    assert (result, (ws / "ran.txt").exists()) == (
+        Result(
+            f"cannot run sh: [agent.p] sets run_as = {pwd.getpwuid(0).pw_name!r}, which is uid 0 (root) here; "
+            "commands never run as root: name an unprivileged user",
+            True,
+        ),
+        False,
+    )

@@ -101,6 +101,11 @@ def run_as(profile: Profile) -> Account:
             f"[agent.{profile.name}] sets run_as = {name!r}, and there is no such user on this machine; make it "
             f"(useradd --system --no-create-home {name}) or name another unprivileged user or a uid"
         ) from None
+    if entry.pw_uid == 0:
+        raise Unusable(
+            f"[agent.{profile.name}] sets run_as = {name!r}, which is uid 0 (root) here; commands never run as root: "
+            "name an unprivileged user"
+        )
     return Account(entry.pw_uid, entry.pw_gid)
 
 
