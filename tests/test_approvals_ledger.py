@@ -1,4 +1,4 @@
-"""The approval ledger, the spend ledger and trace records, pure: exact outcomes with exact numbers."""
+"""The approval ledger, the spend ceilings and trace records, pure: exact outcomes with exact numbers."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pytest
 
 from devd.agent import approvals, spend, trace
 from devd.agent.approvals import Answer, Asked, Decided, Grant, Ledger, action_digest
-from devd.agent.spend import Ceilings, Refusal, Reservation, Scope, SpendLedger, Usage
+from devd.agent.spend import Ceilings, Refusal, Scope
 from devd.errors import ConflictError, InvalidParamsError
 from devd.messages import Exec, Git, Op, Write
 from devd.protocol import Remember, Remembered
+from devd.storage.store import Counter
 
 RM = Op(Exec=Exec(argv=["rm", "-rf", "build"]))
 SCOPE = Scope(session="s", profile="coder", turn=1, day="2026-12-01")
@@ -171,77 +172,24 @@ def test_a_ledger_replayed_from_its_records_is_the_one_lost() -> None:
     assert (again.pending, again.decided) == ({5: asked}, {6: decided})
 
 
-# -- spend ---------------------------------------------------------------------------------------------------------
+# -- spend (the counters themselves are the store's: tests/test_store.py) -------------------------------------------
 
 
-def test_a_call_within_every_ceiling_is_admitted() -> None:
-    assert isinstance(SpendLedger().admit(SCOPE, 100, Ceilings(session_budget=100)), Reservation)
-
-
-def test_a_call_that_would_pass_the_session_budget_is_refused_with_the_numbers() -> None:
-    ledger = SpendLedger()
-    ledger.charge(SCOPE, Usage(input_tokens=60, output_tokens=30))
-    refusal = ledger.admit(SCOPE, 20, Ceilings(session_budget=100))
-    assert refusal == Refusal("the session's budget", 100, 90, 0, 20, "raise it with session/budget")
+def test_the_ceilings_set_are_checked_the_sessions_own_budget_first_each_on_its_counter() -> None:
+    found = [(c.ceiling, c.limit, c.counter) for c in spend.checks(SCOPE, Ceilings(100, None, 300, 50))]
+    assert found == [
+        ("the session's budget", 50, Counter("session", "s", "")),
+        ("tokens_per_turn of agent 'coder'", 100, Counter("turn", "s", "1")),
+        ("tokens_per_day of agent 'coder' (UTC day 2026-12-01)", 300, Counter("day", "coder", "2026-12-01")),
+    ]
 
 
 def test_a_refusal_says_which_ceiling_what_is_spent_and_the_limit() -> None:
-    ledger = SpendLedger()
-    ledger.charge(SCOPE, Usage(input_tokens=60, output_tokens=30))
-    refusal = ledger.admit(SCOPE, 20, Ceilings(session_budget=100))
-    assert isinstance(refusal, Refusal)
+    refusal = Refusal("the session's budget", 100, 90, 0, 20, "raise it with session/budget")
     assert refusal.message == (
         "spend ceiling reached: the session's budget is 100 tokens, 90 spent, and the next model call needs up to "
         "20; the call was not sent: raise it with session/budget, then session/resume"
     )
-
-
-def test_calls_in_flight_hold_their_reservation_so_two_cannot_pass_together() -> None:
-    ledger = SpendLedger()
-    ceilings = Ceilings(tokens_per_day=150)
-    ledger.admit(SCOPE, 100, ceilings)
-    other = Scope(session="t", profile="coder", turn=1, day="2026-12-01")
-    refusal = ledger.admit(other, 100, ceilings)
-    assert isinstance(refusal, Refusal) and (refusal.spent, refusal.reserved) == (0, 100)
-
-
-def test_the_daily_ceiling_is_per_profile_and_day() -> None:
-    ledger = SpendLedger()
-    ledger.charge(SCOPE, Usage(input_tokens=100, output_tokens=0))
-    tomorrow = Scope(session="s", profile="coder", turn=1, day="2026-12-02")
-    assert isinstance(ledger.admit(tomorrow, 100, Ceilings(tokens_per_day=100)), Reservation)
-
-
-def test_settling_releases_the_reservation_and_charges_the_usage() -> None:
-    ledger = SpendLedger()
-    reservation = ledger.admit(SCOPE, 100, Ceilings(tokens_per_session=150))
-    assert isinstance(reservation, Reservation)
-    ledger.settle(reservation, Usage(input_tokens=40, output_tokens=10, cached_tokens=8))
-    assert isinstance(ledger.admit(SCOPE, 100, Ceilings(tokens_per_session=150)), Reservation)
-
-
-def test_usage_totals_count_calls_and_refusals() -> None:
-    ledger = SpendLedger()
-    reservation = ledger.admit(SCOPE, 10, Ceilings(session_budget=60))
-    assert isinstance(reservation, Reservation)
-    ledger.settle(reservation, Usage(input_tokens=40, output_tokens=10, cached_tokens=8))
-    ledger.admit(SCOPE, 20, Ceilings(session_budget=60))
-    assert ledger.totals("s") == spend.Totals(40, 10, 8, 1, 1)
-
-
-def test_a_failed_call_releases_its_reservation_and_charges_nothing() -> None:
-    ledger = SpendLedger()
-    reservation = ledger.admit(SCOPE, 100, Ceilings(tokens_per_turn=100))
-    assert isinstance(reservation, Reservation)
-    ledger.settle(reservation, None)
-    assert isinstance(ledger.admit(SCOPE, 100, Ceilings(tokens_per_turn=100)), Reservation)
-
-
-def test_the_turn_ceiling_counts_only_its_turn() -> None:
-    ledger = SpendLedger()
-    ledger.charge(SCOPE, Usage(input_tokens=100, output_tokens=0))
-    next_turn = Scope(session="s", profile="coder", turn=2, day="2026-12-01")
-    assert isinstance(ledger.admit(next_turn, 100, Ceilings(tokens_per_turn=100)), Reservation)
 
 
 def test_the_estimate_is_four_characters_a_token_rounded_up() -> None:

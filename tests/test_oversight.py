@@ -4,7 +4,7 @@ gives the same answers. The only stand-in is the keeper's `tell`, which keeps th
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -19,12 +19,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from devd.agent import oversight as oversight_module
 from devd.agent.oversight import Oversight
 from devd.agent.profiles import Budget, Profile
-from devd.agent.spend import Totals, Usage
+from devd.agent.spend import Usage
 from devd.errors import ConflictError
 from devd.messages import Exec, Op
 from devd.protocol import ApprovalNotice, DecidedNotice, TraceRecord
 from devd.storage.sqlite import SQLiteStore
-from devd.storage.store import Record
+from devd.storage.store import Counter, Over, Record, Tally
 
 MAKE = Op(Exec=Exec(argv=["make"]))
 STARTED = "2026-12-01T09:00:00.000Z"
@@ -55,6 +55,23 @@ class Keeper:
 
     async def trim_records(self, session: str, kind: str, kept: int) -> int:
         return await self.store.trim_records(session, kind, kept)
+
+    async def reserve(
+        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
+    ) -> int | Over:
+        return await self.store.reserve(session, counters, checks, tokens)
+
+    async def unreserve(self, reservation: int) -> None:
+        await self.store.unreserve(reservation)
+
+    async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
+        await self.store.charge(reservation, counters, tally, record)
+
+    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]:
+        return await self.store.counted(counters)
+
+    async def tally(self, session: str) -> Tally:
+        return await self.store.tally(session)
 
     def seq(self, session: str) -> int | None:
         return 0
@@ -176,8 +193,7 @@ async def test_usage_and_refusals_are_counted_again_after_a_restart(tmp_path: Pa
         await oversight.admit("s", coder, 1, 3, b"x" * 400)
     async with opened(tmp_path / "db") as keeper:
         oversight = Oversight(keeper)
-        await oversight.load()
-        assert msgspec.to_builtins(oversight.usage("s")) == {
+        assert msgspec.to_builtins(await oversight.usage("s")) == {
             "input_tokens": 90,
             "output_tokens": 20,
             "cached_tokens": 4,
@@ -225,7 +241,7 @@ async def test_trace_records_come_a_page_at_a_time_with_the_since_of_the_next(tm
     ]
 
 
-async def test_old_trace_records_go_and_the_usage_they_told_of_stays_counted(
+async def test_old_trace_and_usage_records_go_and_the_usage_they_told_of_stays_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(oversight_module, "TRACE_TRIM_EVERY", 4)
@@ -236,9 +252,13 @@ async def test_old_trace_records_go_and_the_usage_they_told_of_stays_counted(
             await oversight.settle("s", profile(), 1, action, None, Usage(10, action))
             await oversight.trace("s", _traced(action))
         kept, _ = await oversight.traces("s")
-        restarted = Oversight(keeper)
-        await restarted.load()
-    assert ([r.action for r in kept], restarted.usage("s")) == ([3, 4], Totals(40, 10, 0, 4, 0))
+        kept_usage = await keeper.records("s", ("usage",))
+        restarted = await Oversight(keeper).usage("s")
+    assert ([r.action for r in kept], [r.action for r in kept_usage], restarted) == (
+        [3, 4],
+        [3, 4],
+        Tally(40, 10, 0, 4, 0),
+    )
 
 
 # -- OpenTelemetry, to a stand-in OTLP/HTTP receiver on loopback ---------------------------------------------------

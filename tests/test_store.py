@@ -13,9 +13,10 @@ import pytest
 
 from devd import failpoints
 from devd.errors import StoreError
+from devd.storage.postgres import PostgresStore
 from devd.storage.sqlite import SQLiteStore
-from devd.storage.store import Health, Keyed, Record, Row, Step, Store, Stored
-from tests.stores import CONFIG, DURABLE, append_all, row, running, sqlite_at, step
+from devd.storage.store import Counter, Health, Keyed, Over, Record, Row, Step, Store, Stored, Tally
+from tests.stores import CONFIG, DURABLE, LIMITS, append_all, row, running, sqlite_at, step
 
 Factory = Callable[..., Awaitable[Store]]  # the `store_factory` fixture (tests/conftest.py): a store of each backend
 
@@ -546,3 +547,111 @@ async def test_sqlite_reading_a_binding_costs_the_same_beside_10_or_10000_trace_
             found = await store.records("a", ("agent",))
             costs.append((len(found), steps()))
     assert costs[0] == costs[1]
+
+
+# -- spend counters ----------------------------------------------------------------------------------------------------
+
+DAY = Counter("day", "coder", "2026-12-01")
+SESSION = Counter("session", "a", "")
+TURN = Counter("turn", "a", "1")
+COUNTERS = (TURN, SESSION, DAY)
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0, session: str = "a") -> tuple[Tally, Record]:
+    """What a call used, and its usage record."""
+    return Tally(input_tokens, output_tokens, cached_tokens, calls=1), record(1, "usage", 2, session)
+
+
+async def test_a_reservation_within_every_limit_holds_its_tokens_on_every_counter(store: Store) -> None:
+    await store.create("a", CONFIG)
+    number = await store.reserve("a", COUNTERS, [(SESSION, 100), (DAY, 500)], 100)
+    assert (isinstance(number, int), await store.counted(COUNTERS)) == (True, [(0, 100), (0, 100), (0, 100)])
+
+
+async def test_a_reservation_that_would_pass_a_limit_is_refused_with_the_numbers_and_counted(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await store.charge(None, COUNTERS, *usage(60, 30))
+    over = await store.reserve("a", COUNTERS, [(DAY, 500), (SESSION, 100)], 20)
+    assert (over, await store.counted(COUNTERS), await store.tally("a")) == (
+        Over(1, 90, 0),
+        [(90, 0), (90, 0), (90, 0)],
+        Tally(60, 30, 0, 1, 1),
+    )
+
+
+async def test_calls_in_flight_hold_their_reservations_so_two_cannot_pass_a_limit_together(store: Store) -> None:
+    for name in ("a", "b"):
+        await store.create(name, CONFIG)
+    await store.reserve("a", COUNTERS, [(DAY, 150)], 100)
+    other = (Counter("turn", "b", "1"), Counter("session", "b", ""), DAY)
+    assert await store.reserve("b", other, [(DAY, 150)], 100) == Over(0, 0, 100)
+
+
+async def test_a_charge_releases_its_reservation_and_adds_its_usage(store: Store) -> None:
+    await store.create("a", CONFIG)
+    number = await store.reserve("a", COUNTERS, [(SESSION, 150)], 100)
+    assert isinstance(number, int)
+    await store.charge(number, COUNTERS, *usage(40, 10, 8))
+    again = await store.reserve("a", COUNTERS, [(SESSION, 150)], 100)
+    kept = [(r.kind, r.action) for r in await store.records("a")]
+    assert (isinstance(again, int), await store.tally("a"), kept) == (True, Tally(40, 10, 8, 1, 0), [("usage", 2)])
+
+
+async def test_an_unreserved_call_charges_nothing_and_a_second_unreserve_changes_nothing(store: Store) -> None:
+    await store.create("a", CONFIG)
+    first = await store.reserve("a", COUNTERS, [(TURN, 100)], 100)
+    assert isinstance(first, int)
+    await store.unreserve(first)
+    second = await store.reserve("a", COUNTERS, [(TURN, 100)], 60)
+    await store.unreserve(first)
+    assert (isinstance(second, int), await store.counted(COUNTERS)) == (True, [(0, 60), (0, 60), (0, 60)])
+
+
+async def test_a_days_spend_outlives_its_session_and_a_fork_or_a_name_made_again_spends_from_zero(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await store.charge(None, COUNTERS, *usage(100, 50))
+    await store.fork("a", 0, "f", None)
+    await store.delete("a")
+    await store.create("a", CONFIG)
+    forked = (Counter("turn", "f", "1"), Counter("session", "f", ""), DAY)
+    assert (await store.counted(COUNTERS), await store.counted(forked), await store.tally("f")) == (
+        [(0, 0), (0, 0), (150, 0)],
+        [(0, 0), (0, 0), (150, 0)],
+        Tally(),
+    )
+
+
+@DURABLE
+async def test_spend_survives_a_restart_and_what_stopped_calls_held_is_released(store_factory: Factory) -> None:
+    async with running(await store_factory()) as store:
+        await store.create("a", CONFIG)
+        await store.charge(None, COUNTERS, *usage(100, 50))
+        await store.reserve("a", COUNTERS, [(DAY, 1000)], 300)  # in flight as the daemon stops
+    async with running(await store_factory()) as store:
+        assert (await store.counted(COUNTERS), await store.tally("a")) == (
+            [(150, 0), (150, 0), (150, 0)],
+            Tally(100, 50, 0, 1, 0),
+        )
+
+
+async def test_postgres_two_daemons_reserving_at_once_cannot_both_pass_a_limit(postgres_url: str) -> None:
+    stores = [await PostgresStore.open(postgres_url, **LIMITS, node=node) for node in ("one", "two")]
+    admitted: list[int | Over] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            for store in stores:
+                tg.start_soon(store.run)
+            await stores[0].create("a", CONFIG)
+
+            async def reserve(store: Store) -> None:
+                admitted.append(await store.reserve("a", COUNTERS, [(DAY, 1000)], 100))
+
+            async with anyio.create_task_group() as calls:
+                for n in range(30):
+                    calls.start_soon(reserve, stores[n % 2])
+            counted = await stores[1].counted([DAY])
+            tg.cancel_scope.cancel()
+    finally:
+        for store in stores:
+            store.close()
+    assert (sum(isinstance(a, int) for a in admitted), counted) == (10, [(0, 1000)])

@@ -18,7 +18,7 @@ from devd.host import Core
 from devd.messages import answer, decode_actions, encode, turn
 from devd.sessions.history import digest
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, MIGRATIONS
-from devd.storage.store import Health, Step, Stored
+from devd.storage.store import Counter, Health, Step, Stored, Tally
 from tests.daemon import Daemon
 from tests.harness import InProcess
 from tests.stores import running, sqlite_at
@@ -144,3 +144,30 @@ async def test_a_format_4_database_keeps_its_snapshots_and_takes_large_ones_in_f
         Stored("old", b"{}", b"S1", 1, Health.OK, None, []),
         Stored("old", b"{}", large, 2, Health.OK, None, []),
     )
+
+
+async def test_a_format_7_database_counts_the_spend_its_usage_records_kept(tmp_path: Path) -> None:
+    """Format 8 keeps spend in counters: a format-7 database's usage and refusal records are counted into them once,
+    a fork's copies for its source only, so a day's ceiling still refuses after the upgrade."""
+    path = tmp_path / "devd.sqlite3"
+    with closing(sqlite3.connect(path, isolation_level=None)) as db:
+        for version, migration in enumerate(MIGRATIONS[:7], start=1):
+            db.executescript(f"BEGIN; {migration} PRAGMA user_version = {version}; COMMIT;")
+        for name in ("a", "f"):
+            db.execute("INSERT INTO sessions (name, config, created) VALUES (?, x'7b7d', 0)", (name,))
+        used = (
+            b'{"session":"a","profile":"coder","turn":2,"day":"2026-12-01",'
+            b'"usage":{"input_tokens":%d,"output_tokens":5}}'
+        )
+        refused = b'{"session":"a","turn":2,"ceiling":"c","limit":1,"spent":0,"reserved":0,"needed":9,"message":"m"}'
+        rows = [("a", 1, "usage", used % 100), ("a", 2, "usage", used % 200), ("a", 3, "refusal", refused)]
+        rows += [("f", 1, "usage", used % 100)]  # the fork's copy of a's first
+        db.executemany(
+            "INSERT INTO records (session, n, seq, kind, action, body, at) VALUES (?, ?, 0, ?, 0, ?, 0)", rows
+        )
+    async with running(sqlite_at(path)) as store:
+        counted = await store.counted(
+            [Counter("turn", "a", "2"), Counter("session", "a", ""), Counter("day", "coder", "2026-12-01")]
+        )
+        tallies = (await store.tally("a"), await store.tally("f"))
+    assert (counted, tallies) == ([(310, 0), (310, 0), (310, 0)], (Tally(300, 10, 0, 2, 1), Tally()))

@@ -8,7 +8,8 @@ What it promises:
 - a model call is reserved against every ceiling before it is sent, and a call a ceiling forbids is never sent: a
   refusal record and a `refused` trace record are written instead;
 - a session's usage counts only the calls made in it (a fork starts from zero), and a profile's day counts every
-  session of that profile;
+  session of that profile, closed ones too; the counters are the store's, charged in the transaction that keeps the
+  usage record, so a restart, another daemon of a fleet or a session it takes over counts what was spent;
 - a session keeps its newest TRACE_RECORDS_KEPT trace records (older ones go, TRACE_TRIM_EVERY at a time), read a
   page at a time by their number in the record log.
 
@@ -18,8 +19,9 @@ and run; the wire's methods call `answer`, `withdraw`, `usage`, `traces` and `se
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,17 +31,18 @@ import msgspec
 from devd.agent import approvals, spend, trace
 from devd.agent.approvals import Answer, Asked, Decided, Ledger
 from devd.agent.profiles import Budget, Profile, decide
-from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, SpendLedger, Usage
+from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, Usage
 from devd.errors import HandleError
 from devd.messages import Op
 from devd.protocol import TRACE_PAGE, ApprovalNotice, DecidedNotice, Outcome, Remember, Remembered, TraceRecord
-from devd.storage.store import Record
+from devd.storage.store import Counter, Over, Record, StoreError, Tally
 
 if TYPE_CHECKING:
     from devd.agent.model import Attempt, Completion
 
 TRACE_RECORDS_KEPT = 10_000  # a session's newest trace records kept; older ones go
 TRACE_TRIM_EVERY = 1_000  # trace records kept between two trims of a session's
+RELEASE_S = 5.0  # the most a stopping daemon waits to release a call's reservation
 APPROVAL_NOTICE = "session/approval"
 DECIDED_NOTICE = "session/decided"
 __all__ = ["ApprovalNotice", "DecidedNotice", "Oversight"]
@@ -74,9 +77,21 @@ class Keeper(Protocol):
         self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
     ) -> list[Record]: ...
 
-    async def recorded(self, kind: str) -> list[str]: ...
-
     async def trim_records(self, session: str, kind: str, kept: int) -> int: ...
+
+    async def reserve(
+        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
+    ) -> int | Over: ...
+
+    async def unreserve(self, reservation: int) -> None: ...
+
+    async def charge(
+        self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record
+    ) -> None: ...
+
+    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]: ...
+
+    async def tally(self, session: str) -> Tally: ...
 
     def seq(self, session: str) -> int | None: ...
 
@@ -123,24 +138,10 @@ class Oversight:
         self.keeper = keeper
         self.clock = clock
         self.spans = spans
-        self.spend = SpendLedger()
         self._sessions: dict[str, _Session] = {}
         self._loading: dict[str, anyio.Event] = {}
         self._traced: dict[str, int] = {}  # trace records kept per session by this daemon: trimmed every so many
         self.cancelling: dict[str, str] = {}  # who last stepped a Cancel of each session: who withdrew its approvals
-
-    async def load(self) -> None:
-        """Count what was spent before this start: every session's usage and refusals (at start, once)."""
-        for name in await self.keeper.recorded(spend.USAGE):
-            for record in await self.keeper.records(name, (spend.USAGE,)):
-                charged = _charged.decode(record.body)
-                if charged.session == name:  # a fork's copies of its source's records count for the source only
-                    scope = Scope(name, charged.profile, charged.turn, charged.day)
-                    self.spend.charge(scope, charged.usage)
-        for name in await self.keeper.recorded(spend.REFUSAL):
-            for record in await self.keeper.records(name, (spend.REFUSAL,)):
-                if _refusal.decode(record.body).session == name:
-                    self.spend.totals(name).refused += 1
 
     async def _state(self, session: str) -> _Session:
         """The session's approvals and budget, read from its record log the first time they are needed."""
@@ -171,7 +172,6 @@ class Oversight:
         self._sessions.pop(session, None)
         self._traced.pop(session, None)
         self.cancelling.pop(session, None)
-        self.spend.forget(session)
 
     # -- approvals ----------------------------------------------------------------------------------------------
 
@@ -280,13 +280,20 @@ class Oversight:
             return None, profile.max_tokens, None
         estimate = spend.estimate_tokens(request)
         scope = Scope(session, profile.name, turn, today(self.clock()))
+        checks = spend.checks(scope, limits)
         max_tokens = profile.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.spend.headroom(scope, limits) - estimate)
-        admitted = self.spend.admit(scope, estimate + max_tokens, limits)
-        if isinstance(admitted, Reservation):
-            return admitted, max_tokens, None
-        body = RefusalBody(session, turn, *_refusal_fields(admitted), admitted.message)
+        if max_tokens is None:  # the headroom under the tightest ceiling, as the store counts it now
+            counted = await self.keeper.counted([c.counter for c in checks])
+            headroom = min(c.limit - spent - reserved for c, (spent, reserved) in zip(checks, counted, strict=True))
+            max_tokens = max(1, headroom - estimate)
+        tokens = estimate + max_tokens
+        limited = [(c.counter, c.limit) for c in checks]
+        admitted = await self.keeper.reserve(session, spend.counters(scope), limited, tokens)
+        if isinstance(admitted, int):
+            return Reservation(admitted, scope, tokens), max_tokens, None
+        check = checks[admitted.check]
+        refusal = Refusal(check.ceiling, check.limit, admitted.spent, admitted.reserved, tokens, check.fix)
+        body = RefusalBody(session, turn, *_refusal_fields(refusal), refusal.message)
         await self._keep(session, spend.REFUSAL, action, body)
         now = self.clock()
         refused = TraceRecord(
@@ -295,11 +302,11 @@ class Oversight:
             started=trace.rfc3339(now),
             duration_ms=0.0,
             outcome="refused",
-            error=admitted.message,
+            error=refusal.message,
             model=profile.model,
         )
         await self.trace(session, refused)
-        return None, None, admitted
+        return None, None, refusal
 
     async def settle(
         self,
@@ -310,19 +317,43 @@ class Oversight:
         reservation: Reservation | None,
         used: Usage | None,
     ) -> None:
-        """The model call is over: its usage (None: it used nothing) is durable, and its reservation released."""
-        try:
-            if used is not None:
-                charged = Charged(session, profile.name, turn, today(self.clock()), used)
-                await self._keep(session, spend.USAGE, action, charged)
-        finally:
+        """The model call is over: its usage (None: it used nothing) charged to its counters in the transaction that
+        keeps its usage record, and its reservation released with it."""
+        if used is None:
             if reservation is not None:
-                self.spend.settle(reservation, used)
-            elif used is not None:
-                self.spend.charge(Scope(session, profile.name, turn, today(self.clock())), used)
+                await self.keeper.unreserve(reservation.number)
+            return
+        scope = Scope(session, profile.name, turn, today(self.clock())) if reservation is None else reservation.scope
+        seq = self.keeper.seq(session)
+        if seq is None:
+            raise HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
+        record = Record(
+            session,
+            seq,
+            spend.USAGE,
+            action,
+            _encoder.encode(Charged(session, scope.profile, scope.turn, scope.day, used)),
+        )
+        tally = Tally(used.input_tokens, used.output_tokens, used.cached_tokens, calls=1)
+        number = None if reservation is None else reservation.number
+        try:
+            await self.keeper.charge(number, spend.counters(scope), tally, record)
+        except BaseException:
+            if number is not None:  # not charged: at least its tokens are not held for ever
+                with anyio.CancelScope(shield=True), contextlib.suppress(StoreError):
+                    await self.keeper.unreserve(number)
+            raise
 
-    def usage(self, session: str) -> spend.Totals:
-        return self.spend.totals(session)
+    async def release(self, reservation: Reservation | None) -> None:
+        """A call stopped with the daemon: its reservation goes, nothing is charged (it is asked again). Shielded,
+        and a store that cannot is let be: a daemon that starts again releases what its stopped calls held."""
+        if reservation is None:
+            return
+        with anyio.move_on_after(RELEASE_S, shield=True), contextlib.suppress(StoreError):
+            await self.keeper.unreserve(reservation.number)
+
+    async def usage(self, session: str) -> Tally:
+        return await self.keeper.tally(session)
 
     # -- trace ----------------------------------------------------------------------------------------------------
 
@@ -333,8 +364,9 @@ class Oversight:
         if self.spans is not None:
             self.spans.export(session, record)
         self._traced[session] = traced = self._traced.get(session, 0) + 1
-        if traced % TRACE_TRIM_EVERY == 0:
-            await self.keeper.trim_records(session, trace.TRACE, TRACE_RECORDS_KEPT)
+        if traced % TRACE_TRIM_EVERY == 0:  # usage records too: the store's counters hold what they add up to
+            for kind in (trace.TRACE, spend.USAGE):
+                await self.keeper.trim_records(session, kind, TRACE_RECORDS_KEPT)
 
     async def traces(
         self, session: str, since: int = 0, limit: int = TRACE_PAGE
@@ -360,9 +392,8 @@ def _refusal_fields(r: Refusal) -> tuple[str, int, int, int, int]:
     return r.ceiling, r.limit, r.spent, r.reserved, r.needed
 
 
-_charged = msgspec.json.Decoder(Charged)
-_refusal = msgspec.json.Decoder(RefusalBody)
 _budget = msgspec.json.Decoder(BudgetBody)
+_encoder = msgspec.json.Encoder()
 
 
 _OUTCOMES: dict[str, Outcome] = {"ok": "ok", "retry": "error", "failed": "error", "cancelled": "interrupted"}
@@ -407,10 +438,9 @@ class ModelCall(msgspec.Struct):
         finally:
             await self.oversight.settle(self.session, self.profile, self.turn, self.action, self.reservation, used)
 
-    def cancelled(self) -> None:
-        """The call was stopped with the daemon: its reservation goes, nothing is written (it is asked again)."""
-        if self.reservation is not None:
-            self.oversight.spend.settle(self.reservation, None)
+    async def cancelled(self) -> None:
+        """The call was stopped with the daemon: its reservation goes, nothing is charged (it is asked again)."""
+        await self.oversight.release(self.reservation)
 
     def _record(self, number: int, attempt: Attempt) -> TraceRecord:
         ok = attempt.outcome == "ok"

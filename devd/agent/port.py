@@ -1,7 +1,8 @@
 """The agent runtime's port onto the sessions: a second client of them beside the wire, through the registry.
 
 The runner sees the sessions only through `Sessions`: step an event under a key (as a client does: same events, same
-journal, same keys, BUSY retried), read what a session waits for and its conversation, keep and read records, learn of
+journal, same keys, BUSY retried), read what a session waits for and its conversation, keep and read records and
+spend counters, learn of
 every step and of a session's end, and send a session's watchers notices that are not steps. `RegistryPort` is that
 port over the daemon's `Registry` and `Store`; `ObservedFanout` is the registry's watcher fan-out with observers
 added, so the runner hears of steps other clients make (a `Cancel`) without a connection of its own.
@@ -23,7 +24,7 @@ from devd.protocol import DeltaNotice
 from devd.server.rpc import notification
 from devd.sessions.port import SessionPort
 from devd.sessions.watchers import Fanout, Stepped, Subscription
-from devd.storage.store import Record, Store
+from devd.storage.store import Counter, Over, Record, Store, Tally
 
 T = TypeVar("T")
 DELTA_NOTICE = "session/delta"
@@ -131,6 +132,21 @@ class Sessions(Protocol):
 
     async def trim_records(self, session: str, kind: str, kept: int) -> int: ...
 
+    async def reserve(
+        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
+    ) -> int | Over:
+        """Spend counters, kept by the store (see `devd.storage.store.Store.reserve` and the methods after it)."""
+
+    async def unreserve(self, reservation: int) -> None: ...
+
+    async def charge(
+        self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record
+    ) -> None: ...
+
+    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]: ...
+
+    async def tally(self, session: str) -> Tally: ...
+
     def observe(self, observer: Observer) -> None: ...
 
     def tell(self, session: str, method: str, params: msgspec.Struct) -> None: ...
@@ -213,6 +229,23 @@ class RegistryPort:
 
     async def trim_records(self, session: str, kind: str, kept: int) -> int:
         return await self.store.trim_records(session, kind, kept)
+
+    async def reserve(
+        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
+    ) -> int | Over:
+        return await self.store.reserve(session, counters, checks, tokens)
+
+    async def unreserve(self, reservation: int) -> None:
+        await self.store.unreserve(reservation)
+
+    async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
+        await self.store.charge(reservation, counters, tally, record)
+
+    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]:
+        return await self.store.counted(counters)
+
+    async def tally(self, session: str) -> Tally:
+        return await self.store.tally(session)
 
     def observe(self, observer: Observer) -> None:
         self.fanout.observers.append(observer)

@@ -1,11 +1,13 @@
 """Spend: what each model call used, and the ceilings a call is checked against before it is sent.
 
-Pure (no I/O, no clock: the day is given). A call is admitted only if, for every ceiling that applies, what is spent
-plus what is reserved by calls in flight plus this call's own reservation (the estimate of its request plus its
+Pure (no I/O, no clock: the day is given): the counters themselves are kept by the store (`devd.storage.store`,
+`reserve`, `charge`), shared by every daemon of it, so a restart, a second daemon of a fleet or a session taken over
+by another daemon spends nothing twice. A call is admitted only if, for every ceiling that applies, what is spent plus
+what is reserved by calls in flight plus this call's own reservation (the estimate of its request plus its
 `max_tokens`) stays within the limit; the reservation is held until the call settles (its usage charged) or is
 released (it failed, nothing charged). So calls running at once, in one session or in many sessions of a profile,
-cannot pass a ceiling together: the second is refused while the first holds its share. A refusal changes nothing but
-the session's `refused` count.
+in one daemon or in several, cannot pass a ceiling together: the second is refused while the first holds its share.
+A refusal changes nothing but the session's `refused` count.
 
 Tokens are `input_tokens + output_tokens` (cached tokens are part of the input, as providers count them). The
 ceilings: a profile's `tokens_per_turn`, `tokens_per_session` and `tokens_per_day` (UTC days, shared by every
@@ -14,10 +16,11 @@ session of the profile), and the session's own `budget.tokens` (`session/new`, `
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import msgspec
+
+from devd.storage.store import Counter
 
 USAGE = "usage"  # record kinds in the session's record log
 REFUSAL = "refusal"
@@ -63,16 +66,6 @@ class Ceilings(msgspec.Struct, frozen=True, omit_defaults=True):
     session_budget: int | None = None
 
 
-class Totals(msgspec.Struct, omit_defaults=False):
-    """A session's spend, as `session/usage` answers it."""
-
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    calls: int = 0
-    refused: int = 0
-
-
 class Refusal(msgspec.Struct, frozen=True):
     """Why a call was not sent: the ceiling, its limit, what was spent, reserved by calls in flight, and needed."""
 
@@ -102,82 +95,40 @@ class Scope(msgspec.Struct, frozen=True):
 
 
 class Reservation(msgspec.Struct, frozen=True):
+    """A call's tokens held on its scope's counters until it settles: `number` is the store's."""
+
     number: int
     scope: Scope
     tokens: int
 
 
-class SpendLedger(msgspec.Struct):
-    """Every session's spend and every call in flight, for one daemon."""
+class Check(msgspec.Struct, frozen=True):
+    """One ceiling that applies to a call: its name, limit, the counter it limits, and how to raise it."""
 
-    sessions: dict[str, Totals] = msgspec.field(default_factory=dict)
-    _spent: dict[tuple[str, ...], int] = msgspec.field(default_factory=dict)  # by counter (see `_counters`)
-    _reserved: dict[tuple[str, ...], int] = msgspec.field(default_factory=dict)
-    _open: dict[int, Reservation] = msgspec.field(default_factory=dict)
-    _numbers: itertools.count[int] = msgspec.field(default_factory=itertools.count)
-
-    def admit(self, scope: Scope, tokens: int, ceilings: Ceilings) -> Reservation | Refusal:
-        """Reserve `tokens` for a call, or the refusal of the first ceiling it would pass (the call is not sent)."""
-        for ceiling, limit, counter, fix in _checks(scope, ceilings):
-            spent, reserved = self._spent.get(counter, 0), self._reserved.get(counter, 0)
-            if spent + reserved + tokens > limit:
-                self.totals(scope.session).refused += 1
-                return Refusal(ceiling, limit, spent, reserved, tokens, fix)
-        reservation = Reservation(next(self._numbers), scope, tokens)
-        self._open[reservation.number] = reservation
-        for counter in _counters(scope):
-            self._reserved[counter] = self._reserved.get(counter, 0) + tokens
-        return reservation
-
-    def headroom(self, scope: Scope, ceilings: Ceilings) -> int:
-        """The tokens a call could still reserve under the tightest ceiling (none set: a very large number)."""
-        left = [limit - self._spent.get(c, 0) - self._reserved.get(c, 0) for _, limit, c, _ in _checks(scope, ceilings)]
-        return min(left, default=1 << 62)
-
-    def settle(self, reservation: Reservation, usage: Usage | None) -> None:
-        """The call is over: its reservation is released, and its usage (None: it used nothing) charged."""
-        if self._open.pop(reservation.number, None) is None:
-            return
-        for counter in _counters(reservation.scope):
-            self._reserved[counter] -= reservation.tokens
-        if usage is not None:
-            self.charge(reservation.scope, usage)
-
-    def charge(self, scope: Scope, usage: Usage) -> None:
-        """Count a call's usage (settled now, or replayed from the record log at start)."""
-        totals = self.totals(scope.session)
-        totals.input_tokens += usage.input_tokens
-        totals.output_tokens += usage.output_tokens
-        totals.cached_tokens += usage.cached_tokens
-        totals.calls += 1
-        for counter in _counters(scope):
-            self._spent[counter] = self._spent.get(counter, 0) + usage.tokens
-
-    def totals(self, session: str) -> Totals:
-        return self.sessions.setdefault(session, Totals())
-
-    def forget(self, session: str) -> None:
-        """A closed session's totals go; what it spent still counts for its profile's day."""
-        self.sessions.pop(session, None)
+    ceiling: str
+    limit: int
+    counter: Counter
+    fix: str
 
 
-def _counters(scope: Scope) -> tuple[tuple[str, ...], ...]:
+def counters(scope: Scope) -> tuple[Counter, Counter, Counter]:
+    """Where a call's tokens count: its turn, its session, its profile's day."""
     return (
-        ("turn", scope.session, str(scope.turn)),
-        ("session", scope.session),
-        ("day", scope.profile, scope.day),
+        Counter("turn", scope.session, str(scope.turn)),
+        Counter("session", scope.session, ""),
+        Counter("day", scope.profile, scope.day),
     )
 
 
-def _checks(scope: Scope, c: Ceilings) -> list[tuple[str, int, tuple[str, ...], str]]:
-    """(ceiling, limit, counter, how to raise it) of each ceiling set, the session's own budget first."""
-    turn, session, day = _counters(scope)
+def checks(scope: Scope, c: Ceilings) -> list[Check]:
+    """The ceilings set, the session's own budget first."""
+    turn, session, day = counters(scope)
     agent = f"agent {scope.profile!r}"
     raise_profile = f"raise it in [agent.{scope.profile}] budget of agents.toml and restart the daemon"
-    checks = [
+    each = [
         ("the session's budget", c.session_budget, session, "raise it with session/budget"),
         (f"tokens_per_turn of {agent}", c.tokens_per_turn, turn, f"{raise_profile}, or start a new turn"),
         (f"tokens_per_session of {agent}", c.tokens_per_session, session, raise_profile),
         (f"tokens_per_day of {agent} (UTC day {scope.day})", c.tokens_per_day, day, f"{raise_profile}, or wait"),
     ]
-    return [(name, limit, counter, fix) for name, limit, counter, fix in checks if limit is not None]
+    return [Check(name, limit, counter, fix) for name, limit, counter, fix in each if limit is not None]

@@ -7,8 +7,9 @@ history (it never prunes) and counts each write as one commit.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -17,8 +18,10 @@ import msgspec
 from devd.errors import NullError
 from devd.storage.commits import CommitTimes
 from devd.storage.store import (
+    Counter,
     Health,
     Keyed,
+    Over,
     Record,
     Row,
     SessionRow,
@@ -26,6 +29,7 @@ from devd.storage.store import (
     Stored,
     StoreError,
     StoreStats,
+    Tally,
 )
 
 
@@ -37,6 +41,8 @@ class _Session:
     journal: dict[int, Step] = field(default_factory=dict)
     at: dict[int, float] = field(default_factory=dict)  # when each step was journalled
     records: list[Record] = field(default_factory=list)
+    spend: dict[Counter, list[int]] = field(default_factory=dict)  # its turns' and its own: [spent, reserved]
+    tally: Tally = field(default_factory=Tally)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
@@ -48,6 +54,9 @@ class MemoryStore:
         self._sessions: dict[str, _Session] = {}
         self._times = CommitTimes()
         self.fail_writes: str | None = None  # tests: make every write fail with this message
+        self._days: dict[Counter, list[int]] = {}  # [spent, reserved] of each profile's day
+        self._reservations: dict[int, tuple[list[Counter], int]] = {}
+        self._numbers = itertools.count(1)
 
     async def run(self) -> None:
         await anyio.sleep_forever()
@@ -198,6 +207,61 @@ class MemoryStore:
 
     async def recorded(self, kind: str) -> list[str]:
         return [name for name, s in sorted(self._sessions.items()) if any(r.kind == kind for r in s.records)]
+
+    def _counter(self, counter: Counter) -> list[int] | None:
+        """[spent, reserved] of the counter, made on first use; None for one of a session that does not exist."""
+        if counter.scope == "day":
+            return self._days.setdefault(counter, [0, 0])
+        session = self._sessions.get(counter.owner)
+        return None if session is None else session.spend.setdefault(counter, [0, 0])
+
+    async def reserve(
+        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
+    ) -> int | Over:
+        self._committed(time.perf_counter())
+        for check, (counter, limit) in enumerate(checks):
+            spent, reserved = self._counter(counter) or (0, 0)
+            if spent + reserved + tokens > limit:
+                if owner := self._sessions.get(session):
+                    owner.tally = msgspec.structs.replace(owner.tally, refused=owner.tally.refused + 1)
+                return Over(check, spent, reserved)
+        number = next(self._numbers)
+        held = list(dict.fromkeys(counters))
+        for counter in held:
+            if (kept := self._counter(counter)) is not None:
+                kept[1] += tokens
+        self._reservations[number] = (held, tokens)
+        return number
+
+    async def unreserve(self, reservation: int) -> None:
+        self._committed(time.perf_counter())
+        self._release(reservation)
+
+    def _release(self, reservation: int) -> None:
+        held, tokens = self._reservations.pop(reservation, ([], 0))
+        for counter in held:
+            if (kept := self._counter(counter)) is not None:
+                kept[1] = max(0, kept[1] - tokens)  # a session made again meanwhile starts from 0
+
+    async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
+        self._committed(time.perf_counter())
+        await self.add_record(record)
+        if reservation is not None:
+            self._release(reservation)
+        for counter in dict.fromkeys(counters):
+            if (kept := self._counter(counter)) is not None:
+                kept[0] += tally.input_tokens + tally.output_tokens
+        if session := self._sessions.get(record.session):
+            summed = zip(msgspec.structs.astuple(session.tally), msgspec.structs.astuple(tally), strict=True)
+            session.tally = Tally(*(a + b for a, b in summed))
+
+    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]:
+        found = [self._counter(counter) or [0, 0] for counter in counters]
+        return [(spent, reserved) for spent, reserved in found]
+
+    async def tally(self, session: str) -> Tally:
+        owner = self._sessions.get(session)
+        return Tally() if owner is None else owner.tally
 
 
 def _row(step: Step) -> Row:

@@ -44,13 +44,14 @@ import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 import psycopg
 import structlog
 from psycopg import pq
@@ -62,7 +63,20 @@ from devd.storage.boundary import map_exceptions
 from devd.storage.commits import FORK_COPY_BYTES, GroupCommit, spans
 from devd.storage.migrations import Migrations
 from devd.storage.retention import Retention
-from devd.storage.store import Health, Keyed, Record, Row, SessionRow, Step, Stored, StoreError, StoreStats
+from devd.storage.store import (
+    Counter,
+    Health,
+    Keyed,
+    Over,
+    Record,
+    Row,
+    SessionRow,
+    Step,
+    Stored,
+    StoreError,
+    StoreStats,
+    Tally,
+)
 
 __all__ = ["MIGRATIONS", "Owner", "PostgresStore", "default_node"]
 
@@ -141,6 +155,51 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # 3: a session's records of a kind found without reading its others (a trace of 300,000 records made every read
     # of its binding read them all)
     ("CREATE INDEX records_session_kind ON records (session, kind, n)",),
+    # 4: spend counters (devd.storage.store.Counter) shared by the fleet, and the reservations of calls in flight (by
+    # node, released when it joins again or by any node joining after its lease lapsed); counted at once from the
+    # usage and refusal records kept so far (a fork's copies of its source's records count for the source only)
+    (
+        """CREATE TABLE spend (
+            scope TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            part TEXT NOT NULL,
+            spent BIGINT NOT NULL DEFAULT 0,
+            reserved BIGINT NOT NULL DEFAULT 0,
+            input_tokens BIGINT NOT NULL DEFAULT 0,
+            output_tokens BIGINT NOT NULL DEFAULT 0,
+            cached_tokens BIGINT NOT NULL DEFAULT 0,
+            calls BIGINT NOT NULL DEFAULT 0,
+            refused BIGINT NOT NULL DEFAULT 0,
+            PRIMARY KEY (scope, owner, part)
+        )""",
+        """CREATE TABLE reservations (
+            id BIGINT NOT NULL,
+            scope TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            part TEXT NOT NULL,
+            tokens BIGINT NOT NULL,
+            node TEXT NOT NULL,
+            PRIMARY KEY (id, scope, owner, part)
+        )""",
+        "CREATE INDEX reservations_node ON reservations (node)",
+        "CREATE SEQUENCE reservation_numbers",
+        """CREATE TEMP VIEW used AS SELECT session, b->>'profile' AS profile, b->>'turn' AS turn, b->>'day' AS day,
+            (b->'usage'->>'input_tokens')::bigint AS i, (b->'usage'->>'output_tokens')::bigint AS o,
+            COALESCE((b->'usage'->>'cached_tokens')::bigint, 0) AS c
+            FROM (SELECT session, convert_from(body, 'UTF8')::jsonb AS b FROM records WHERE kind = 'usage') AS u
+            WHERE b->>'session' = session""",
+        """INSERT INTO spend (scope, owner, part, spent, input_tokens, output_tokens, cached_tokens, calls)
+            SELECT 'session', session, '', SUM(i + o), SUM(i), SUM(o), SUM(c), COUNT(*) FROM used GROUP BY session""",
+        "INSERT INTO spend (scope, owner, part, spent) SELECT 'turn', session, turn, SUM(i + o) FROM used "
+        "GROUP BY session, turn",
+        "INSERT INTO spend (scope, owner, part, spent) SELECT 'day', profile, day, SUM(i + o) FROM used "
+        "GROUP BY profile, day",
+        """INSERT INTO spend (scope, owner, part, refused) SELECT 'session', session, '', COUNT(*)
+            FROM (SELECT session, convert_from(body, 'UTF8')::jsonb AS b FROM records WHERE kind = 'refusal') AS r
+            WHERE b->>'session' = session GROUP BY session
+            ON CONFLICT (scope, owner, part) DO UPDATE SET refused = excluded.refused""",
+        "DROP VIEW used",
+    ),
 )
 FORMAT = Migrations(MIGRATIONS)
 VERSIONS = (
@@ -452,6 +511,7 @@ class PostgresStore:
         await self._call(self._readers, migrate, "bringing the database's format up to date")
         await self.renew()
         await self._call(self._readers, _drop_unmade_left(self.node), "removing forks cut short")
+        await self._call(self._readers, _release_left(self.node), "releasing the reservations of stopped daemons")
 
     def close(self) -> None:
         for connections in (self._committer, self._lessee, self._readers):
@@ -757,6 +817,7 @@ class PostgresStore:
             batch.renewed.add(name)
             await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
             await conn.execute("DELETE FROM records WHERE session = %s", (name,))
+            await conn.execute(OWN_SPEND, (name,))
             if snapshot is not None:
                 await conn.execute(
                     "INSERT INTO journal (session, seq, epoch, event, snapshot, at) VALUES (%s, 0, %s, '', %s, %s)",
@@ -822,6 +883,7 @@ class PostgresStore:
                 return await self._lost(conn, batch, name)
             await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
             await conn.execute("DELETE FROM records WHERE session = %s", (name,))
+            await conn.execute(OWN_SPEND, (name,))
             batch.drop(name)
             batch.renewed.add(name)
             return None
@@ -849,6 +911,7 @@ class PostgresStore:
             batch.renewed.add(name)
             await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
             await conn.execute("DELETE FROM records WHERE session = %s", (name,))
+            await conn.execute(OWN_SPEND, (name,))  # a fork spends from zero
             return None
 
         def copy(lo: int, hi: int) -> Op:
@@ -1020,22 +1083,108 @@ class PostgresStore:
         the session next; a record of a session that does not exist is dropped."""
 
         async def op(conn: Conn, batch: _Batch) -> DevdError | None:
-            await conn.execute(
-                "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT %(session)s, "
-                "COALESCE((SELECT max(n) FROM records WHERE session = %(session)s), 0) + 1, %(seq)s, %(kind)s, "
-                "%(action)s, %(body)s, %(at)s WHERE EXISTS (SELECT 1 FROM sessions WHERE name = %(session)s)",
-                {
-                    "session": record.session,
-                    "seq": record.seq,
-                    "kind": record.kind,
-                    "action": record.action,
-                    "body": record.body,
-                    "at": time.time(),
-                },
-            )
+            await _add_record(conn, record)
             return None
 
         await self._write(op)
+
+    # -- spend: not fenced (what was spent stays spent whoever holds the session next) ------------------------------
+
+    async def reserve(
+        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
+    ) -> int | Over:
+        """Each counter's row is made if new, then reserved on by a conditional update, in one order (two daemons
+        reserving at once wait for each other's row, never deadlock): `reserved = reserved + tokens WHERE spent +
+        reserved + tokens <= limit`, which PostgreSQL checks again on the row it locks. One that matches no row
+        undoes the reservation's updates (a savepoint: the rest of the batch stands) and refuses it."""
+        held = sorted(dict.fromkeys(counters))
+        limits: dict[Counter, int] = {}
+        for counter, limit in checks:
+            limits[counter] = min(limit, limits.get(counter, limit))
+        got: list[int | Over] = []
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            got.clear()  # a batch may be tried again
+            for counter in sorted({*held, *limits}):
+                await conn.execute(f"{SPEND} DO NOTHING", (*counter, 0, 0))
+            try:
+                async with conn.transaction():
+                    for counter in held:
+                        limit = limits.get(counter)
+                        updated = await conn.execute(
+                            "UPDATE spend SET reserved = reserved + %s WHERE scope = %s AND owner = %s AND part = %s "
+                            "AND (%s::bigint IS NULL OR spent + reserved + %s <= %s)",
+                            (tokens, *counter, limit, tokens, limit),
+                        )
+                        if updated.rowcount == 0:
+                            raise _Refused
+                    for counter in limits.keys() - set(held):  # checked, not reserved on
+                        if not await _within(conn, counter, tokens, limits[counter]):
+                            raise _Refused
+                    number = (await (await conn.execute("SELECT nextval('reservation_numbers')")).fetchone() or [0])[0]
+                    for counter in held:
+                        await conn.execute(
+                            "INSERT INTO reservations (id, scope, owner, part, tokens, node) "
+                            "VALUES (%s, %s, %s, %s, %s, %s)",
+                            (number, *counter, tokens, self.node),
+                        )
+                    got.append(int(number))
+            except _Refused:
+                got.append(await _over(conn, session, checks, tokens))
+            return None
+
+        await self._write(op)
+        return got[0]
+
+    async def unreserve(self, reservation: int) -> None:
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            await _release(conn, "id = %s", (reservation,))
+            return None
+
+        await self._write(op)
+
+    async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            await _add_record(conn, record)
+            if reservation is not None:
+                await _release(conn, "id = %s", (reservation,))
+            exists = await _exists(conn, record.session)
+            tokens = tally.input_tokens + tally.output_tokens
+            for counter in sorted(dict.fromkeys(counters)):
+                if counter.scope == "day" or exists:
+                    await conn.execute(
+                        f"{SPEND} DO UPDATE SET spent = spend.spent + excluded.spent", (*counter, tokens, 0)
+                    )
+            if exists:
+                await conn.execute(
+                    f"{TALLY} DO UPDATE SET input_tokens = spend.input_tokens + excluded.input_tokens, output_tokens = "
+                    "spend.output_tokens + excluded.output_tokens, cached_tokens = spend.cached_tokens + "
+                    "excluded.cached_tokens, calls = spend.calls + excluded.calls, refused = spend.refused + "
+                    "excluded.refused",
+                    ("session", record.session, "", *msgspec.structs.astuple(tally)),
+                )
+            return None
+
+        await self._write(op)
+
+    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]:
+        async def read(conn: Conn) -> list[tuple[int, int]]:
+            return [await _counted(conn, counter) for counter in counters]
+
+        return await self._call(self._readers, read, "reading the database")
+
+    async def tally(self, session: str) -> Tally:
+        async def read(conn: Conn) -> Tally:
+            row = await (
+                await conn.execute(
+                    "SELECT input_tokens, output_tokens, cached_tokens, calls, refused FROM spend "
+                    "WHERE scope = 'session' AND owner = %s AND part = ''",
+                    (session,),
+                )
+            ).fetchone()
+            return Tally() if row is None else Tally(*(int(v) for v in row))
+
+        return await self._call(self._readers, read, "reading the database")
 
     async def records(
         self, name: str, kinds: tuple[str, ...] | None = None, after: int = 0, limit: int | None = None
@@ -1176,6 +1325,93 @@ async def _spans(conn: Conn, *, source: str, at: int) -> list[tuple[int, int]]:
         (source, at),
     )
     return spans(await cursor.fetchall(), at, FORK_COPY_BYTES)
+
+
+async def _add_record(conn: Conn, record: Record) -> None:
+    await conn.execute(
+        "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT %(session)s, "
+        "COALESCE((SELECT max(n) FROM records WHERE session = %(session)s), 0) + 1, %(seq)s, %(kind)s, "
+        "%(action)s, %(body)s, %(at)s WHERE EXISTS (SELECT 1 FROM sessions WHERE name = %(session)s)",
+        {
+            "session": record.session,
+            "seq": record.seq,
+            "kind": record.kind,
+            "action": record.action,
+            "body": record.body,
+            "at": time.time(),
+        },
+    )
+
+
+# A counter's row, made with what it adds when it is new, else as the statement's ON CONFLICT says.
+SPEND = (
+    "INSERT INTO spend (scope, owner, part, spent, reserved) VALUES (%s, %s, %s, %s, %s) "
+    "ON CONFLICT (scope, owner, part)"
+)
+TALLY = (
+    "INSERT INTO spend (scope, owner, part, input_tokens, output_tokens, cached_tokens, calls, refused) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (scope, owner, part)"
+)
+OWN_SPEND = "DELETE FROM spend WHERE scope IN ('session', 'turn') AND owner = %s"  # a session's own counters
+
+
+class _Refused(Exception):
+    """A reservation that would pass a limit: its savepoint is rolled back."""
+
+
+async def _counted(conn: Conn, counter: Counter) -> tuple[int, int]:
+    row = await (
+        await conn.execute("SELECT spent, reserved FROM spend WHERE scope = %s AND owner = %s AND part = %s", counter)
+    ).fetchone()
+    return (0, 0) if row is None else (int(row[0]), int(row[1]))
+
+
+async def _within(conn: Conn, counter: Counter, tokens: int, limit: int) -> bool:
+    spent, reserved = await _counted(conn, counter)
+    return spent + reserved + tokens <= limit
+
+
+async def _exists(conn: Conn, session: str) -> bool:
+    return await (await conn.execute("SELECT 1 FROM sessions WHERE name = %s", (session,))).fetchone() is not None
+
+
+async def _over(conn: Conn, session: str, checks: Sequence[tuple[Counter, int]], tokens: int) -> Over:
+    """A refused reservation: the first check it passes now (the last, should another call have settled since), and
+    the session's `refused` counted."""
+    if await _exists(conn, session):
+        await conn.execute(
+            f"{TALLY} DO UPDATE SET refused = spend.refused + 1", ("session", session, "", 0, 0, 0, 0, 1)
+        )
+    found = [(await _counted(conn, counter), limit) for counter, limit in checks]
+    check = next((i for i, ((s, r), limit) in enumerate(found) if s + r + tokens > limit), len(found) - 1)
+    (spent, reserved), _ = found[check]
+    return Over(check, spent, reserved)
+
+
+async def _release(conn: Conn, where: str, params: tuple[object, ...]) -> None:
+    """Release the reservations `where` says (once: their rows go as they are subtracted)."""
+    await conn.execute(
+        f"WITH gone AS (DELETE FROM reservations WHERE {where} RETURNING scope, owner, part, tokens) "
+        "UPDATE spend SET reserved = spend.reserved - g.tokens FROM (SELECT scope, owner, part, SUM(tokens) AS tokens "
+        "FROM gone GROUP BY scope, owner, part) AS g WHERE spend.scope = g.scope AND spend.owner = g.owner "
+        "AND spend.part = g.part",
+        params,
+    )
+
+
+def _release_left(node: str) -> Callable[[Conn], Awaitable[None]]:
+    """Release the reservations this node left when it stopped, and those of nodes whose lease has lapsed: their
+    calls are over (a node whose lease lapsed and that settles later finds its reservation gone, and only charges)."""
+
+    async def free(conn: Conn) -> None:
+        async with conn.transaction():
+            await _release(
+                conn,
+                "node = %s OR node NOT IN (SELECT id FROM nodes WHERE lease_until > now())",
+                (node,),
+            )
+
+    return free
 
 
 def _drop_unmade_left(node: str) -> Callable[[Conn], Awaitable[None]]:

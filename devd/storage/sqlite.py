@@ -39,7 +39,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -56,7 +56,20 @@ from devd.storage.boundary import map_exceptions
 from devd.storage.commits import FORK_COPY_BYTES, GroupCommit, spans
 from devd.storage.migrations import Migrations
 from devd.storage.retention import Retention
-from devd.storage.store import Health, Keyed, Record, Row, SessionRow, Step, Stored, StoreError, StoreStats
+from devd.storage.store import (
+    Counter,
+    Health,
+    Keyed,
+    Over,
+    Record,
+    Row,
+    SessionRow,
+    Step,
+    Stored,
+    StoreError,
+    StoreStats,
+    Tally,
+)
 
 log = structlog.get_logger("devd.storage.sqlite")
 
@@ -140,9 +153,54 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE INDEX IF NOT EXISTS records_session_kind ON records (session, kind, n);
     """,
+    # 8: spend counters (devd.storage.store.Counter) and the reservations of calls in flight, which lived in one
+    # daemon's memory (a restart spent the day again); counted at once from the usage and refusal records kept so far
+    # (a fork's copies of its source's records count for the source only)
+    """
+    CREATE TABLE spend (
+        scope TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        part TEXT NOT NULL,
+        spent INTEGER NOT NULL DEFAULT 0,
+        reserved INTEGER NOT NULL DEFAULT 0,
+        input_tokens INTEGER NOT NULL DEFAULT 0,
+        output_tokens INTEGER NOT NULL DEFAULT 0,
+        cached_tokens INTEGER NOT NULL DEFAULT 0,
+        calls INTEGER NOT NULL DEFAULT 0,
+        refused INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (scope, owner, part)
+    ) WITHOUT ROWID;
+    CREATE TABLE reservations (
+        id INTEGER NOT NULL,
+        scope TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        part TEXT NOT NULL,
+        tokens INTEGER NOT NULL,
+        PRIMARY KEY (id, scope, owner, part)
+    ) WITHOUT ROWID;
+    CREATE TEMP VIEW used AS SELECT session,
+        json_extract(CAST(body AS TEXT), '$.profile') AS profile,
+        CAST(json_extract(CAST(body AS TEXT), '$.turn') AS TEXT) AS turn,
+        json_extract(CAST(body AS TEXT), '$.day') AS day,
+        json_extract(CAST(body AS TEXT), '$.usage.input_tokens') AS i,
+        json_extract(CAST(body AS TEXT), '$.usage.output_tokens') AS o,
+        COALESCE(json_extract(CAST(body AS TEXT), '$.usage.cached_tokens'), 0) AS c
+        FROM records WHERE kind = 'usage' AND json_extract(CAST(body AS TEXT), '$.session') = session;
+    INSERT INTO spend (scope, owner, part, spent, input_tokens, output_tokens, cached_tokens, calls)
+        SELECT 'session', session, '', SUM(i + o), SUM(i), SUM(o), SUM(c), COUNT(*) FROM used GROUP BY session;
+    INSERT INTO spend (scope, owner, part, spent) SELECT 'turn', session, turn, SUM(i + o) FROM used
+        GROUP BY session, turn;
+    INSERT INTO spend (scope, owner, part, spent) SELECT 'day', profile, day, SUM(i + o) FROM used
+        GROUP BY profile, day;
+    INSERT INTO spend (scope, owner, part, refused) SELECT 'session', session, '', COUNT(*) FROM records
+        WHERE kind = 'refusal' AND json_extract(CAST(body AS TEXT), '$.session') = session GROUP BY session
+        ON CONFLICT (scope, owner, part) DO UPDATE SET refused = excluded.refused;
+    DROP VIEW used;
+    """,
 )
 FORMAT = Migrations(MIGRATIONS)
 BY_KIND = "records_session_kind"  # the index of a session's records by kind (7)
+OWN_SPEND = "DELETE FROM spend WHERE scope IN ('session', 'turn') AND owner = ?"  # a session's own counters (8)
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
 # How long an open waits for a lock someone else holds on the database. One daemon holds its file exclusively for
 # its life, so there is nothing worth waiting for: a second daemon on the same --store was told it is in use only
@@ -283,6 +341,9 @@ class SQLiteStore:
             with self._db:
                 for (note,) in self._db.execute("SELECT key FROM meta WHERE key LIKE 'fork:%'").fetchall():
                     _drop_unmade_fork(self._db, None, note.removeprefix(FORK_NOTE))
+                # Calls in flight when the daemon stopped: none is now (one daemon has the file), so none holds tokens.
+                self._db.execute("UPDATE spend SET reserved = 0 WHERE reserved != 0")
+                self._db.execute("DELETE FROM reservations")
             self._thin_all()
             self._sweep_snapshot_files()
         self._inode = _identity(path)
@@ -759,6 +820,7 @@ class SQLiteStore:
             self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
+            db.execute(OWN_SPEND, (name,))
             db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
             )
@@ -820,6 +882,7 @@ class SQLiteStore:
             self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
+            db.execute(OWN_SPEND, (name,))
             db.execute("DELETE FROM sessions WHERE name = ?", (name,))
 
         await self._write(op)
@@ -862,6 +925,7 @@ class SQLiteStore:
                 raise StoreError(f"there is no session {source!r} to fork")
             db.execute("DELETE FROM meta WHERE key = ?", (note,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
+            db.execute(OWN_SPEND, (name,))  # a fork spends from zero
             db.execute(
                 "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT ?, n, seq, kind, action, body, "
                 "at FROM records WHERE session = ? AND seq <= ?",
@@ -1005,26 +1069,74 @@ class SQLiteStore:
             Path(f"{partial}-journal").unlink(missing_ok=True)  # SQLite's, should the copy have stopped mid-write
 
     async def add_record(self, record: Record) -> None:
+        await self._write(lambda db: _add_record(db, record))
+
+    # -- spend ----------------------------------------------------------------------------------------------------
+
+    async def reserve(
+        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
+    ) -> int | Over:
+        got: list[int | Over] = []
+
         def op(db: sqlite3.Connection) -> None:
-            # A record of a session deleted meanwhile is dropped rather than refused: a refusal would fail every write
-            # of its batch.
-            db.execute(
-                "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT ?, "
-                "COALESCE((SELECT MAX(n) FROM records WHERE session = ?), 0) + 1, ?, ?, ?, ?, ? "
-                "WHERE EXISTS (SELECT 1 FROM sessions WHERE name = ?)",
-                (
-                    record.session,
-                    record.session,
-                    record.seq,
-                    record.kind,
-                    record.action,
-                    record.body,
-                    time.time(),
-                    record.session,
-                ),
-            )
+            got.clear()  # a batch may be tried again
+            for check, (counter, limit) in enumerate(checks):
+                spent, reserved = _counted(db, counter)
+                if spent + reserved + tokens > limit:
+                    if _exists(db, session):
+                        db.execute(
+                            f"{TALLY} DO UPDATE SET refused = refused + 1", ("session", session, "", 0, 0, 0, 0, 1)
+                        )
+                    got.append(Over(check, spent, reserved))
+                    return
+            number = secrets.randbits(62)  # never given again, so a late release cannot take another call's
+            for counter in dict.fromkeys(counters):
+                db.execute(
+                    "INSERT INTO reservations (id, scope, owner, part, tokens) VALUES (?, ?, ?, ?, ?)",
+                    (number, *counter, tokens),
+                )
+                db.execute(f"{SPEND} DO UPDATE SET reserved = reserved + excluded.reserved", (*counter, 0, tokens))
+            got.append(number)
 
         await self._write(op)
+        return got[0]
+
+    async def unreserve(self, reservation: int) -> None:
+        await self._write(lambda db: _release(db, reservation))
+
+    async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            _add_record(db, record)
+            if reservation is not None:
+                _release(db, reservation)
+            exists = _exists(db, record.session)
+            tokens = tally.input_tokens + tally.output_tokens
+            for counter in dict.fromkeys(counters):
+                if counter.scope == "day" or exists:
+                    db.execute(f"{SPEND} DO UPDATE SET spent = spent + excluded.spent", (*counter, tokens, 0))
+            if exists:
+                db.execute(
+                    f"{TALLY} DO UPDATE SET input_tokens = input_tokens + excluded.input_tokens, output_tokens = "
+                    "output_tokens + excluded.output_tokens, cached_tokens = cached_tokens + excluded.cached_tokens, "
+                    "calls = calls + excluded.calls, refused = refused + excluded.refused",
+                    ("session", record.session, "", *msgspec.structs.astuple(tally)),
+                )
+
+        await self._write(op)
+
+    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]:
+        return await self._read(lambda db: [_counted(db, counter) for counter in counters])
+
+    async def tally(self, session: str) -> Tally:
+        def read(db: sqlite3.Connection) -> Tally:
+            row = db.execute(
+                "SELECT input_tokens, output_tokens, cached_tokens, calls, refused FROM spend WHERE scope = 'session' "
+                "AND owner = ? AND part = ''",
+                (session,),
+            ).fetchone()
+            return Tally() if row is None else Tally(*row)
+
+        return await self._read(read)
 
     async def records(
         self, name: str, kinds: tuple[str, ...] | None = None, after: int = 0, limit: int | None = None
@@ -1098,6 +1210,54 @@ class SQLiteStore:
                 )
             )
         )
+
+
+def _add_record(db: sqlite3.Connection, record: Record) -> None:
+    # A record of a session deleted meanwhile is dropped rather than refused: a refusal would fail every write of its
+    # batch.
+    db.execute(
+        "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT ?, "
+        "COALESCE((SELECT MAX(n) FROM records WHERE session = ?), 0) + 1, ?, ?, ?, ?, ? "
+        "WHERE EXISTS (SELECT 1 FROM sessions WHERE name = ?)",
+        (
+            record.session,
+            record.session,
+            record.seq,
+            record.kind,
+            record.action,
+            record.body,
+            time.time(),
+            record.session,
+        ),
+    )
+
+
+# A counter's row, made with what it adds when it is new, else updated as the statement's ON CONFLICT says.
+SPEND = (
+    "INSERT INTO spend (scope, owner, part, spent, reserved) VALUES (?, ?, ?, ?, ?) ON CONFLICT (scope, owner, part)"
+)
+TALLY = (
+    "INSERT INTO spend (scope, owner, part, input_tokens, output_tokens, cached_tokens, calls, refused) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (scope, owner, part)"
+)
+
+
+def _counted(db: sqlite3.Connection, counter: Counter) -> tuple[int, int]:
+    row = db.execute("SELECT spent, reserved FROM spend WHERE scope = ? AND owner = ? AND part = ?", counter).fetchone()
+    return (0, 0) if row is None else (row[0], row[1])
+
+
+def _exists(db: sqlite3.Connection, session: str) -> bool:
+    return db.execute("SELECT 1 FROM sessions WHERE name = ?", (session,)).fetchone() is not None
+
+
+def _release(db: sqlite3.Connection, reservation: int) -> None:
+    db.execute(
+        "UPDATE spend SET reserved = reserved - r.tokens FROM reservations AS r WHERE r.id = ? AND spend.scope = "
+        "r.scope AND spend.owner = r.owner AND spend.part = r.part",
+        (reservation,),
+    )
+    db.execute("DELETE FROM reservations WHERE id = ?", (reservation,))
 
 
 def migrate(db: sqlite3.Connection, path: Path) -> None:

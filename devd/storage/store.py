@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -33,9 +33,11 @@ import msgspec
 from devd.errors import StoreError
 
 __all__ = [
+    "Counter",
     "Fleet",
     "Health",
     "Keyed",
+    "Over",
     "Record",
     "Row",
     "SessionRow",
@@ -44,6 +46,7 @@ __all__ = [
     "StoreError",
     "StoreStats",
     "Stored",
+    "Tally",
     "answer_digest",
 ]
 
@@ -134,6 +137,35 @@ class Record:
     body: bytes
     at: float = 0.0
     n: int = 0
+
+
+class Counter(NamedTuple):
+    """A spend counter: what one scope has spent (tokens) and has reserved for calls in flight. `scope` is "turn"
+    (`owner` the session, `part` the turn), "session" (`part` "") or "day" (`owner` the agent profile, `part` the UTC
+    day). A session's own counters go with it; a day's stay."""
+
+    scope: str
+    owner: str
+    part: str
+
+
+class Tally(msgspec.Struct, frozen=True):
+    """A session's usage, kept on its "session" counter: tokens (the provider's counts, else devd's estimate),
+    calls charged, and calls a ceiling refused."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    calls: int = 0
+    refused: int = 0
+
+
+class Over(NamedTuple):
+    """A reservation refused: the check (its index) it would pass, and what that counter had spent and reserved."""
+
+    check: int
+    spent: int
+    reserved: int
 
 
 class StoreStats(msgspec.Struct, frozen=True):
@@ -227,6 +259,32 @@ class Store(Protocol):
     async def backup(self, path: str) -> int:
         """A consistent copy of everything stored, written to the new file `path` (made atomically, fsync'd), while
         the store keeps serving; its size in bytes. A store with nothing on disk of its own raises NullError."""
+
+    # -- spend: counters shared by every daemon of the store, so a restart, a second daemon of a fleet or a session
+    # taken over by another one spends nothing twice. A reservation is a call in flight; one left by a daemon that
+    # stopped is released when it starts again (in a fleet, also by any daemon that joins after its lease lapsed).
+
+    async def reserve(
+        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
+    ) -> int | Over:
+        """Reserve `tokens` on every one of `counters` if, for each check (a counter and its limit, in order), what
+        it has spent and reserved plus `tokens` stays within the limit: the reservation's number. Else nothing is
+        reserved, the session's `refused` counts one more, and the first check it would pass is told. Atomic against
+        every other daemon of the store: two calls cannot pass a limit together."""
+
+    async def unreserve(self, reservation: int) -> None:
+        """The call is over and charged nothing: its reservation goes (once; again, nothing happens)."""
+
+    async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
+        """A call's usage, in one transaction: `record` kept (as `add_record`), the reservation (if any) released, its
+        tokens (input + output) added to every counter, and `tally` to the session's. Counters of a session that no
+        longer exists are left alone; a day's always counts."""
+
+    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]:
+        """What each counter has spent and reserved (0 and 0 for one never used)."""
+
+    async def tally(self, session: str) -> Tally:
+        """The session's usage (zeros for one with none)."""
 
 
 class Fleet(Protocol):
