@@ -309,8 +309,8 @@ async def test_git_works_as_run_as_in_roots_workspace(ws: Path) -> None:
 
 @as_root
 async def test_a_fork_bomb_stops_at_processes_max_leaving_nothing_and_the_next_command_runs(ws: Path) -> None:
-    # A limit below the default: RLIMIT_NPROC counts every process of the user, so a bomb at the default would
-    # starve the commands other tests run as nobody meanwhile (as it would other sessions' of a daemon).
+    # A limit below the default: where user namespaces are turned off, RLIMIT_NPROC counts every process of nobody,
+    # and a bomb at the default would starve the commands other tests run as nobody meanwhile.
     marker = f"63.{uuid.uuid4().int % 10**9}"
     script = f"i=0; while [ $i -lt 400 ]; do sleep {marker} & i=$((i+1)); done"
     bomb = await sandboxed(ws, script, processes_max=64)
@@ -408,3 +408,21 @@ async def test_a_run_as_name_that_is_uid_0_here_is_refused_and_nothing_runs(ws: 
         ),
         False,
     )
+
+
+@as_root
+async def test_processes_max_counts_the_commands_processes_not_its_users_others(ws: Path) -> None:
+    # RLIMIT_NPROC counts every process of a user: a workspace owner with a desktop session's threads running, or
+    # other sessions' commands as run_as, left a command no fork at all. Each command has a user namespace of its own.
+    os.chown(ws, 4242, 4242)
+    drop = ["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "sleep", "60"]
+    elsewhere = [subprocess.Popen(drop) for _ in range(40)]
+    try:
+        result = await sandboxed(
+            ws, "for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.1 & done; wait; echo forked", processes_max=20
+        )
+    finally:
+        for process in elsewhere:
+            process.kill()
+            process.wait()
+    assert result == Result("forked\n")

@@ -11,9 +11,10 @@ Who, under a root daemon (a non-root daemon's commands run as itself; nothing he
   owner's primary group and no supplementary groups;
 - else the profile's `run_as` (a user name or a uid; never root), by default `nobody`. `nobody` is on every system and
   is mapped in every user namespace; it owns nothing by convention. What it trades: every command of every profile
-  that runs as `nobody` shares that uid (and so the `processes_max` count, see `devd.agent.sandbox`) with each other
-  and with any service of the host that runs as `nobody`; a host that runs such services should make a user of its
-  own for devd (`useradd --system --no-create-home devd-run`) and name it in `run_as`.
+  that runs as `nobody` shares that uid with each other and with any service of the host that runs as `nobody` (what
+  one may write, another may; and where user namespaces are turned off, the `processes_max` count, see
+  `devd.agent.sandbox`); a host that runs such services should make a user of its own for devd (`useradd --system
+  --no-create-home devd-run`) and name it in `run_as`.
 
 Writing a root-owned workspace as `run_as`: the first time it is needed, the workspace's tree is given an ACL entry
 for that user (`user:U:rwX`, and on directories the same as a default entry, so what is made there later is the

@@ -17,9 +17,11 @@ capability, no_new_privs) before the command is run: nothing the model chose run
 A daemon that is not root is unchanged: its commands run as itself.
 
 Limits, per command, from the profile (util-linux's `prlimit`, the last program before the command, sets them):
-`processes_max` is RLIMIT_NPROC, which counts the processes and threads of the user the command runs as: under a
-non-root daemon's bubblewrap (a user namespace of its own) that is the command's alone; under a root daemon, every
-process of that user on the host counts (see `run_as`). `memory_bytes_max` is RLIMIT_DATA, each process's data
+`processes_max` is RLIMIT_NPROC, which counts the processes and threads of the command's user in its user namespace:
+a command has a user namespace of its own (bubblewrap's, under a non-root daemon; under a root daemon, one mapping
+its user to itself: see `_drop`), so the count is the command's alone. Where unprivileged user namespaces are turned
+off, a root daemon's command has none, and every process of its user on the host counts (a workspace owner's desktop
+session, other commands running as `run_as`). `memory_bytes_max` is RLIMIT_DATA, each process's data
 (heap and private writable mappings): unlike RLIMIT_AS it lets runtimes reserve address space they do not use (V8,
 the JVM, wasm engines). Neither is a cgroup (a memory or pids cgroup would bound the command as a whole, but is not
 there to be had on every machine devd runs on). `tmp_bytes_max` is the size of the private /tmp (a tmpfs).
@@ -86,6 +88,7 @@ class Sandbox(msgspec.Struct, frozen=True):
         workspace_fd: int | None = None,
         account: Account | None = None,
         limits: Limits | None = None,
+        user_namespace: bool = False,
     ) -> list[str]:
         return wrap(
             argv,
@@ -97,6 +100,7 @@ class Sandbox(msgspec.Struct, frozen=True):
             workspace_fd=workspace_fd,
             account=account,
             limits=limits,
+            user_namespace=user_namespace,
         )
 
 
@@ -117,6 +121,7 @@ def wrap(
     workspace_fd: int | None = None,
     account: Account | None = None,
     limits: Limits | None = None,
+    user_namespace: bool = False,
 ) -> list[str]:
     """The bwrap command line that runs argv confined to workspace. With `env`, the command gets exactly that
     environment (`--clearenv`, then a `--setenv` per variable). Each of `hidden` (a path, and whether it is a
@@ -124,8 +129,8 @@ def wrap(
     socket, its state directory with the token and the database): a command that reached the socket could approve
     its own actions and drive any session, as the daemon's user. With `workspace_fd` (a descriptor of the workspace,
     checked, passed to bwrap), that directory is what is bound: bwrap would follow a link at the path. With
-    `account`, the command runs as that user (bwrap run as root: see the module's docstring); with `limits`, within
-    them."""
+    `account`, the command runs as that user (bwrap run as root: see the module's docstring), in a user namespace of
+    its own with `user_namespace`; with `limits`, within them."""
     ws = str(workspace)
     # Order matters: the read-only root first, then what is mounted over it; /tmp before the workspace, so a
     # workspace under /tmp is bound on top of the private /tmp rather than hidden by it; the hidden paths last, so
@@ -152,7 +157,7 @@ def wrap(
         args.append("--clearenv")
         for name, value in env.items():
             args += ["--setenv", name, value]
-    return [*args, "--", *_drop(account), *_limit(limits), *argv]
+    return [*args, "--", *_drop(account, user_namespace), *_limit(limits), *argv]
 
 
 # bubblewrap makes /proc/irq and /proc/bus read-only itself, but not /proc/sys (it asks whether the directory is
@@ -168,12 +173,15 @@ def _made_in_tmp(workspace: Path) -> list[str]:
     return [str(Path("/tmp", *parts[: i + 1])) for i in range(len(parts))]
 
 
-def _drop(account: Account | None) -> list[str]:
+def _drop(account: Account | None, user_namespace: bool) -> list[str]:
     """setpriv's command line that runs the rest as `account`: no supplementary group, no capability (inheritable
-    ones included), no_new_privs (a set-user-ID program cannot bring root back)."""
+    ones included), no_new_privs (a set-user-ID program cannot bring root back). With `user_namespace`, the rest then
+    runs in a user namespace of its own, mapping the user to itself (it holds no capability there either, once it
+    execs): RLIMIT_NPROC then counts the command's processes alone, not every process of that user on the host (a
+    desktop user's thousand threads, or the commands of other sessions running as run_as)."""
     if account is None:
         return []
-    return [
+    drop = [
         program("setpriv"),
         f"--reuid={account.uid}",
         f"--regid={account.gid}",
@@ -182,6 +190,9 @@ def _drop(account: Account | None) -> list[str]:
         "--no-new-privs",
         "--",
     ]
+    if user_namespace:
+        drop += [program("unshare"), "--user", "--map-current-user", "--"]
+    return drop
 
 
 def _limit(limits: Limits | None) -> list[str]:
@@ -190,9 +201,11 @@ def _limit(limits: Limits | None) -> list[str]:
     return [program("prlimit"), f"--nproc={limits.processes}", f"--data={limits.memory_bytes}", "--"]
 
 
-def contain(argv: Sequence[str], *, account: Account | None = None, limits: Limits | None = None) -> list[str]:
-    """The command line that runs argv unconfined (`sandbox = "none"`) but contained, as `account` within `limits`
-    (see the module's docstring)."""
+def contain(
+    argv: Sequence[str], *, account: Account | None = None, limits: Limits | None = None, user_namespace: bool = False
+) -> list[str]:
+    """The command line that runs argv unconfined (`sandbox = "none"`) but contained, as `account` (in a user namespace
+    of its own with `user_namespace`: see `_drop`) within `limits` (see the module's docstring)."""
     unshare = [program("unshare"), "--pid", "--kill-child"]
     if os.geteuid() != 0:
         unshare.append("--map-current-user")  # a pid namespace needs CAP_SYS_ADMIN: that of a user namespace
@@ -207,7 +220,7 @@ def contain(argv: Sequence[str], *, account: Account | None = None, limits: Limi
         "--",
         *unshare,
         "--",
-        *_drop(account),
+        *_drop(account, user_namespace),
         *_limit(limits),
         *init,
         *argv,
@@ -261,6 +274,17 @@ def probe_containment() -> str | None:
         return missing
     with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
         return _tried(contain(["true"], account=_probe_account()), ws, "a pid namespace")
+
+
+@functools.cache
+def user_namespaces() -> bool:
+    """Whether an unprivileged user can make a user namespace here (they may be turned off): then a root daemon's
+    commands get one each (see `_drop`); else processes_max counts every process of their user. Tried once."""
+    if _missing() is not None:
+        return False
+    command = [*_drop(_PROBE_ACCOUNT, True), "true"]
+    with tempfile.TemporaryDirectory(prefix="devd-probe-") as cwd:
+        return _tried(command, cwd, "a user namespace") is None
 
 
 def _missing() -> str | None:

@@ -366,18 +366,25 @@ async def run_command(
         if "/" not in argv[0] and shutil.which(argv[0], path=ENV_PATH) is None:
             return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
         try:
-            who = await anyio.to_thread.run_sync(runas.account, profile, root, str(pinned.path))
+            who, alone = await anyio.to_thread.run_sync(_who, profile, root, str(pinned.path))
         except runas.Unusable as e:
             return Result(f"cannot run {argv[0]}: {e.why}", failed=True)
         env = command_env(pinned.path, guest=who is not None and who.uid != os.fstat(root).st_uid)
         bounds = sandboxes.limits(profile)
         passed: tuple[int, ...] = ()
         if sandbox is None:
-            command = sandboxes.contain(argv, account=who, limits=bounds)
+            command = sandboxes.contain(argv, account=who, limits=bounds, user_namespace=alone)
         else:
             # bubblewrap binds the directory checked (by its descriptor), never the path, which may lead elsewhere.
             command = sandbox.wrap(
-                argv, pinned.path, profile.network, env, workspace_fd=root, account=who, limits=bounds
+                argv,
+                pinned.path,
+                profile.network,
+                env,
+                workspace_fd=root,
+                account=who,
+                limits=bounds,
+                user_namespace=alone,
             )
             passed = (root,)
         try:
@@ -399,6 +406,13 @@ async def run_command(
             await _kill(process)
         raise
     return _outcome(process, output, timed_out, profile)
+
+
+def _who(profile: Profile, workspace_fd: int, workspace: str) -> tuple[runas.Account | None, bool]:
+    """Who the command runs as (`runas.account`), and whether in a user namespace of its own (`_drop` in
+    devd.agent.sandbox says why). Touches the file system and may probe once: off the event loop."""
+    who = runas.account(profile, workspace_fd, workspace)
+    return who, who is not None and sandboxes.user_namespaces()
 
 
 async def _start(
