@@ -31,8 +31,9 @@ contained: it runs in a pid namespace of its own (util-linux's `unshare --pid --
 a user namespace mapping the daemon's user to itself), so when the command ends, or is killed, or the daemon dies
 (`setpriv --pdeathsig KILL` on unshare), every process it started dies with it, even one that left its process group
 and session (`setsid`); it runs as the same unprivileged user as above, with the same limits (but no private /tmp);
-and it cannot read the daemon's environment (its API keys) through /proc, as the daemon makes itself non-dumpable
-when it starts. Where that pid namespace cannot be made, `sandbox = "none"` is refused, saying so.
+and it cannot read the daemon's environment (its API keys) through /proc, as a daemon with agents makes itself
+non-dumpable when it starts (`devd serve`). A shell is the namespace's first process and the command its child, so
+signals act on it as usual. Where that pid namespace cannot be made, `sandbox = "none"` is refused, saying so.
 
 `choose` never falls back to running a command unconfined: a profile that wants bubblewrap where it cannot start
 gets a `Refusal` that says why and what to do.
