@@ -18,8 +18,8 @@ from devd.errors import ExistsError, MovedError, NullError, StoreError
 from devd.host import Core
 from devd.messages import encode, turn
 from devd.server.daemon import build
-from devd.storage.postgres import MIGRATIONS, Owner, PostgresStore
-from devd.storage.store import Health, Step, Stored
+from devd.storage.postgres import MIGRATIONS, VERSIONS, Owner, PostgresStore
+from devd.storage.store import Counter, Health, Step, Stored, Tally
 from tests import postgres as pg
 from tests.stores import CONFIG, row, running, step
 
@@ -353,6 +353,36 @@ async def test_nodes_opening_an_empty_database_at_once_all_find_it_migrated(post
             store.close()
     assert sorted(s.node for s in opened) == ["a", "b", "c"]
     assert sql(postgres_url, "SELECT version FROM devd_schema") == [(n,) for n in range(1, len(MIGRATIONS) + 1)]
+
+
+async def test_a_format_3_database_counts_the_spend_its_usage_records_kept(postgres_url: str) -> None:
+    """Format 4 keeps spend in shared counters: a format-3 database's usage and refusal records are counted into them
+    once (a fork's copies for its source only), so the fleet's ceilings still refuse after the upgrade."""
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(VERSIONS)
+        for version, statements in enumerate(MIGRATIONS[:3], start=1):
+            with conn.transaction():
+                conn.execute("INSERT INTO devd_schema (version) VALUES (%s)", (version,))
+                for statement in statements:
+                    conn.execute(statement.encode())
+        used = (
+            '{"session":"a","profile":"coder","turn":2,"day":"2026-12-01",'
+            '"usage":{"input_tokens":%d,"output_tokens":5}}'
+        )
+        refused = '{"session":"a","turn":2,"ceiling":"c","limit":1,"spent":0,"reserved":0,"needed":9,"message":"m"}'
+        rows = [("a", 1, "usage", used % 100), ("a", 2, "usage", used % 200), ("a", 3, "refusal", refused)]
+        rows += [("f", 1, "usage", used % 100)]  # the fork's copy of a's first
+        for session, n, kind, body in rows:
+            conn.execute(
+                "INSERT INTO records (session, n, seq, kind, action, body, at) VALUES (%s, %s, 0, %s, 0, %s, 0)",
+                (session, n, kind, body.encode()),
+            )
+    async with running(await node(postgres_url, "a")) as store:
+        counted = await store.counted(
+            [Counter("turn", "a", "2"), Counter("session", "a", ""), Counter("day", "coder", "2026-12-01")]
+        )
+        tallies = (await store.tally("a"), await store.tally("f"))
+    assert (counted, tallies) == ([(310, 0), (310, 0), (310, 0)], (Tally(300, 10, 0, 2, 1), Tally()))
 
 
 # -- the append must be the next step ----------------------------------------------------------------------------------
