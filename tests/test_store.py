@@ -655,3 +655,15 @@ async def test_postgres_two_daemons_reserving_at_once_cannot_both_pass_a_limit(p
         for store in stores:
             store.close()
     assert (sum(isinstance(a, int) for a in admitted), counted) == (10, [(0, 1000)])
+
+
+async def test_a_charge_for_a_session_deleted_meanwhile_still_counts_for_its_day(store: Store) -> None:
+    await store.create("a", CONFIG)
+    number = await store.reserve("a", COUNTERS, [(DAY, 1000)], 300)
+    await store.delete("a")
+    await store.charge(number if isinstance(number, int) else None, COUNTERS, *usage(100, 50))
+    assert (await store.counted(COUNTERS), await store.tally("a"), await store.records("a")) == (
+        [(0, 0), (0, 0), (150, 0)],
+        Tally(),
+        [],
+    )

@@ -324,9 +324,7 @@ class Oversight:
                 await self.keeper.unreserve(reservation.number)
             return
         scope = Scope(session, profile.name, turn, today(self.clock())) if reservation is None else reservation.scope
-        seq = self.keeper.seq(session)
-        if seq is None:
-            raise HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
+        seq = self.keeper.seq(session) or 0  # a session closed meanwhile: its record is dropped, its day charged
         record = Record(
             session,
             seq,
