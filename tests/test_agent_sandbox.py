@@ -370,6 +370,23 @@ def test_under_none_a_command_cannot_read_the_daemons_environment(tmp_path: Path
     )
 
 
+@as_root  # a non-root daemon's unshare enters its user namespace itself, which forgets the death signal (docstring)
+async def test_under_none_what_a_command_started_dies_with_the_daemon(tmp_path: Path, standin: Standin) -> None:
+    # It kept running, and writing, after the daemon was killed and a restart said "interrupted".
+    marker = f"65.{uuid.uuid4().int % 10**9}"
+    agentd: Agentd = start(tmp_path, standin, sandbox='"none"')
+    script = f"setsid sh -c 'echo > up; exec sleep {marker}' & sleep {marker}"
+    with agentd.daemon:
+        standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", script]})]))
+        with agentd.client() as c:
+            c.prompt(agentd.session(c), "start it")
+        with anyio.fail_after(20):
+            while not (agentd.workspace / "up").exists():
+                await anyio.sleep(0.02)
+        agentd.daemon.kill()
+    assert await _ended(marker) == []
+
+
 async def _ended(argument: str, within_s: float = 10.0) -> list[int]:
     """The processes with this argument still running once they have had `within_s` to be killed and reaped."""
     deadline = time.monotonic() + within_s

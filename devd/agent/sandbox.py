@@ -29,11 +29,14 @@ there to be had on every machine devd runs on). `tmp_bytes_max` is the size of t
 Under `contain` (`sandbox = "none"`), a command is not confined: it sees and may write what its user may. It is
 contained: it runs in a pid namespace of its own (util-linux's `unshare --pid --fork --kill-child`; as root, else in
 a user namespace mapping the daemon's user to itself), so when the command ends, or is killed, or the daemon dies
-(`setpriv --pdeathsig KILL` on unshare), every process it started dies with it, even one that left its process group
-and session (`setsid`); it runs as the same unprivileged user as above, with the same limits (but no private /tmp);
-and it cannot read the daemon's environment (its API keys) through /proc, as a daemon with agents makes itself
-non-dumpable when it starts (`devd serve`). A shell is the namespace's first process and the command its child, so
-signals act on it as usual. Where that pid namespace cannot be made, `sandbox = "none"` is refused, saying so.
+(`setpriv --pdeathsig KILL` on unshare, and on the namespace's first process), every process it started dies with
+it, even one that left its process group and session (`setsid`). Not quite for a daemon that is not root: its
+unshare enters the user namespace itself, which makes the kernel forget unshare's death signal, so a command of such
+a daemon killed by SIGKILL lives on until it ends (a daemon stopped ends its commands first; systemd's stop of the
+unit kills what is left in its cgroup). It runs as the same unprivileged user as above, with the same limits (but
+no private /tmp), and it cannot read the daemon's environment (its API keys) through /proc, as a daemon with agents
+makes itself non-dumpable when it starts (`devd serve`). A shell is the namespace's first process and the command
+its child, so signals act on it as usual. Where that pid namespace cannot be made, `sandbox = "none"` is refused, saying so.
 
 `choose` never falls back to running a command unconfined: a profile that wants bubblewrap where it cannot start
 gets a `Refusal` that says why and what to do.
@@ -215,13 +218,15 @@ def contain(
     # never its script; `exit` after it keeps the shell from exec'ing it in its place; the PWD it sets is unset, so
     # the environment is still only the one given.
     init = ["/bin/sh", "-c", 'unset PWD; "$@"; exit $?', "sh"]
+    # The kernel forgets a process's death signal when its credentials change: the drop to `account` and a user
+    # namespace forget the one --kill-child gave the namespace's first process, so it is given again after them.
+    die_with_parent = [program("setpriv"), "--pdeathsig=KILL", "--"]
     return [
-        program("setpriv"),
-        "--pdeathsig=KILL",
-        "--",
+        *die_with_parent,
         *unshare,
         "--",
         *_drop(account, user_namespace),
+        *(die_with_parent if account is not None else []),
         *_limit(limits),
         *init,
         *argv,
