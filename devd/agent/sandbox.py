@@ -36,7 +36,8 @@ a daemon killed by SIGKILL lives on until it ends (a daemon stopped ends its com
 unit kills what is left in its cgroup). It runs as the same unprivileged user as above, with the same limits (but
 no private /tmp), and it cannot read the daemon's environment (its API keys) through /proc, as a daemon with agents
 makes itself non-dumpable when it starts (`devd serve`). A shell is the namespace's first process and the command
-its child, so signals act on it as usual. Where that pid namespace cannot be made, `sandbox = "none"` is refused, saying so.
+its child, so signals act on it as usual. Where that pid namespace cannot be made, `sandbox = "none"` is refused,
+saying so.
 
 `choose` never falls back to running a command unconfined: a profile that wants bubblewrap where it cannot start
 gets a `Refusal` that says why and what to do.
