@@ -270,7 +270,9 @@ def probe(bwrap: str | None = None) -> str | None:
     if (missing := _missing()) is not None:
         return missing
     with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
-        command = wrap(["true"], Path(ws), False, {"PATH": _SEARCH}, bwrap=bwrap, account=_probe_account())
+        account = _probe_account()  # as a command is run: the drop, and its user namespace where there are any
+        alone = account is not None and user_namespaces()
+        command = wrap(["true"], Path(ws), False, {"PATH": _SEARCH}, bwrap=bwrap, account=account, user_namespace=alone)
         return _tried(command, ws, "bubblewrap")
 
 
@@ -280,7 +282,9 @@ def probe_containment() -> str | None:
     if (missing := _missing()) is not None:
         return missing
     with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
-        return _tried(contain(["true"], account=_probe_account()), ws, "a pid namespace")
+        account = _probe_account()
+        alone = account is not None and user_namespaces()
+        return _tried(contain(["true"], account=account, user_namespace=alone), ws, "a pid namespace")
 
 
 @functools.cache
