@@ -358,7 +358,7 @@ async def test_browse_of_an_image_fails_saying_it_is_not_text(pages: Pages) -> N
 
 async def test_browse_of_a_missing_page_fails_with_its_status(pages: Pages) -> None:
     result = await browse(pages.origin + "/none", profile(browse_private=True))
-    assert result == Result(f"GET {pages.origin}/none: HTTP 404\nno page /none", True)
+    assert result == Result(f"GET {pages.origin}/none: HTTP 404\nno page /none", True, why="HTTP 404")
 
 
 async def test_browse_of_a_url_that_is_not_http_fails_saying_so() -> None:
