@@ -667,3 +667,14 @@ async def test_a_charge_for_a_session_deleted_meanwhile_still_counts_for_its_day
         Tally(),
         [],
     )
+
+
+async def test_a_late_release_of_a_call_of_a_session_made_again_since_takes_nothing_from_the_new_one(
+    store: Store,
+) -> None:
+    await store.create("a", CONFIG)
+    old = await store.reserve("a", COUNTERS, [(DAY, 1000)], 300)
+    await store.create("a", CONFIG)
+    await store.reserve("a", COUNTERS, [(DAY, 1000)], 100)
+    await store.unreserve(old if isinstance(old, int) else 0)
+    assert await store.counted(COUNTERS) == [(0, 100), (0, 100), (0, 100)]

@@ -55,7 +55,8 @@ class MemoryStore:
         self._times = CommitTimes()
         self.fail_writes: str | None = None  # tests: make every write fail with this message
         self._days: dict[Counter, list[int]] = {}  # [spent, reserved] of each profile's day
-        self._reservations: dict[int, tuple[list[Counter], int]] = {}
+        # Each call's counters and tokens, and the sessions it reserved on (one made again since is another's).
+        self._reservations: dict[int, tuple[list[Counter], int, list[_Session | None]]] = {}
         self._numbers = itertools.count(1)
 
     async def run(self) -> None:
@@ -230,7 +231,7 @@ class MemoryStore:
         for counter in held:
             if (kept := self._counter(counter)) is not None:
                 kept[1] += tokens
-        self._reservations[number] = (held, tokens)
+        self._reservations[number] = (held, tokens, [self._sessions.get(c.owner) for c in held])
         return number
 
     async def unreserve(self, reservation: int) -> None:
@@ -238,10 +239,11 @@ class MemoryStore:
         self._release(reservation)
 
     def _release(self, reservation: int) -> None:
-        held, tokens = self._reservations.pop(reservation, ([], 0))
-        for counter in held:
-            if (kept := self._counter(counter)) is not None:
-                kept[1] = max(0, kept[1] - tokens)  # a session made again meanwhile starts from 0
+        held, tokens, owners = self._reservations.pop(reservation, ([], 0, []))
+        for counter, owner in zip(held, owners, strict=True):
+            mine = counter.scope == "day" or self._sessions.get(counter.owner) is owner
+            if mine and (kept := self._counter(counter)) is not None:
+                kept[1] -= tokens
 
     async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
         self._committed(time.perf_counter())

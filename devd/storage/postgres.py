@@ -817,7 +817,7 @@ class PostgresStore:
             batch.renewed.add(name)
             await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
             await conn.execute("DELETE FROM records WHERE session = %s", (name,))
-            await conn.execute(OWN_SPEND, (name,))
+            await _drop_own_spend(conn, name)
             if snapshot is not None:
                 await conn.execute(
                     "INSERT INTO journal (session, seq, epoch, event, snapshot, at) VALUES (%s, 0, %s, '', %s, %s)",
@@ -883,7 +883,7 @@ class PostgresStore:
                 return await self._lost(conn, batch, name)
             await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
             await conn.execute("DELETE FROM records WHERE session = %s", (name,))
-            await conn.execute(OWN_SPEND, (name,))
+            await _drop_own_spend(conn, name)
             batch.drop(name)
             batch.renewed.add(name)
             return None
@@ -911,7 +911,7 @@ class PostgresStore:
             batch.renewed.add(name)
             await conn.execute("DELETE FROM journal WHERE session = %s", (name,))
             await conn.execute("DELETE FROM records WHERE session = %s", (name,))
-            await conn.execute(OWN_SPEND, (name,))  # a fork spends from zero
+            await _drop_own_spend(conn, name)  # a fork spends from zero
             return None
 
         def copy(lo: int, hi: int) -> Op:
@@ -1352,11 +1352,21 @@ TALLY = (
     "INSERT INTO spend (scope, owner, part, input_tokens, output_tokens, cached_tokens, calls, refused) "
     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (scope, owner, part)"
 )
-OWN_SPEND = "DELETE FROM spend WHERE scope IN ('session', 'turn') AND owner = %s"  # a session's own counters
+# A session's own counters, and its calls' reservations on them: a late release of a call of the session before must
+# not take from the counters of one made again under its name.
+OWN_SPEND = (
+    "DELETE FROM spend WHERE scope IN ('session', 'turn') AND owner = %s",
+    "DELETE FROM reservations WHERE scope IN ('session', 'turn') AND owner = %s",
+)
 
 
 class _Refused(Exception):
     """A reservation that would pass a limit: its savepoint is rolled back."""
+
+
+async def _drop_own_spend(conn: Conn, session: str) -> None:
+    for statement in OWN_SPEND:
+        await conn.execute(statement, (session,))
 
 
 async def _counted(conn: Conn, counter: Counter) -> tuple[int, int]:

@@ -200,7 +200,12 @@ MIGRATIONS: tuple[str, ...] = (
 )
 FORMAT = Migrations(MIGRATIONS)
 BY_KIND = "records_session_kind"  # the index of a session's records by kind (7)
-OWN_SPEND = "DELETE FROM spend WHERE scope IN ('session', 'turn') AND owner = ?"  # a session's own counters (8)
+# A session's own counters (8), and its calls' reservations on them: a late release of a call of the session before
+# must not take from the counters of one made again under its name.
+OWN_SPEND = (
+    "DELETE FROM spend WHERE scope IN ('session', 'turn') AND owner = ?",
+    "DELETE FROM reservations WHERE scope IN ('session', 'turn') AND owner = ?",
+)
 SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's included
 # How long an open waits for a lock someone else holds on the database. One daemon holds its file exclusively for
 # its life, so there is nothing worth waiting for: a second daemon on the same --store was told it is in use only
@@ -820,7 +825,7 @@ class SQLiteStore:
             self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
-            db.execute(OWN_SPEND, (name,))
+            _drop_own_spend(db, name)
             db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
             )
@@ -882,7 +887,7 @@ class SQLiteStore:
             self._release_files(db, "session = ?", (name,))
             db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
-            db.execute(OWN_SPEND, (name,))
+            _drop_own_spend(db, name)
             db.execute("DELETE FROM sessions WHERE name = ?", (name,))
 
         await self._write(op)
@@ -925,7 +930,7 @@ class SQLiteStore:
                 raise StoreError(f"there is no session {source!r} to fork")
             db.execute("DELETE FROM meta WHERE key = ?", (note,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
-            db.execute(OWN_SPEND, (name,))  # a fork spends from zero
+            _drop_own_spend(db, name)  # a fork spends from zero
             db.execute(
                 "INSERT INTO records (session, n, seq, kind, action, body, at) SELECT ?, n, seq, kind, action, body, "
                 "at FROM records WHERE session = ? AND seq <= ?",
@@ -1240,6 +1245,11 @@ TALLY = (
     "INSERT INTO spend (scope, owner, part, input_tokens, output_tokens, cached_tokens, calls, refused) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (scope, owner, part)"
 )
+
+
+def _drop_own_spend(db: sqlite3.Connection, session: str) -> None:
+    for statement in OWN_SPEND:
+        db.execute(statement, (session,))
 
 
 def _counted(db: sqlite3.Connection, counter: Counter) -> tuple[int, int]:
