@@ -2,7 +2,8 @@
 
 Building blocks, each self-contained: `profiles` (agents.toml and the policy it sets), `http` (the one home of
 httpx), `model` (the OpenAI-compatible chat-completions driver, streamed), `tools` (Read, Write, Exec, Git, Browse,
-confined to a session's workspace) and `sandbox` (bubblewrap).
+confined to a session's workspace), `sandbox` (bubblewrap, and the containment of `sandbox = "none"`) and `runas`
+(who a command runs as).
 
 Where bubblewrap is missing or cannot start
 -------------------------------------------
@@ -16,10 +17,12 @@ in [agent.coder] to run commands unconfined". `Read` and `Write` keep working (d
 included), and exec and git are not offered to the model as tools (the runner passes `exec_available=False` to the
 model driver when `sandbox.choose` gives a `Refusal`). `sandbox = "bwrap"` refuses the same way; it differs from
 "auto" only in saying that the profile requires bubblewrap. `sandbox = "none"` runs commands without bubblewrap
-(still in the workspace, with a scrubbed environment, stdin closed, the timeout and the output cap): only for
-machines you would let the model use anyway.
+(still in the workspace, with a scrubbed environment, stdin closed, the timeout, the output cap and the limits, in a
+pid namespace of its own so that nothing it starts outlives it): only for machines you would let the model use
+anyway. It is refused where that pid namespace cannot be made.
 
 Under bubblewrap a command sees the whole file system read-only except its workspace, a private `/tmp`, its own pid
 namespace (it cannot see or signal the daemon's processes), and no network unless the profile says `network = true`.
-Reads are not restricted: a command may read whatever the daemon's user may read.
+Reads are not restricted: a command may read whatever its user may read. A command never runs as root: under a
+daemon run as root it runs as the workspace's owner, or the profile's `run_as` (`runas`).
 """
