@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 CORE_SRC := $(wildcard core/build.zig core/build.zig.zon core/src/*.zig)
 
-.PHONY: setup build run test bench clean typescript
+.PHONY: setup build run test prerequisites bench clean typescript
 
 setup: $(VENV)/.installed devd/core.wasm
 
@@ -31,10 +31,16 @@ run: setup
 # The package is byte-compiled first, as an installed wheel is: a run starts about 170 daemon and CLI processes, and
 # where PYTHONDONTWRITEBYTECODE is set each compiled devd's modules again (0.2 s of CPU a process).
 # The core's own unit tests (its logic and its allocator, run natively) come first: a few seconds.
-test: setup
+# A hung test fails within its own timeout and a minute, and a worker lost to one fails the run then (pyproject.toml).
+test: setup prerequisites
 	cd core && $(abspath $(PY)) -m ziglang build test
 	$(PY) -m compileall -q devd benchmarks
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
+
+# What the suite needs from outside the virtualenv (bubblewrap, git, Node.js, PostgreSQL): installs bubblewrap and git
+# where it can (root or password-less sudo, apt-get), else says in one line what is missing and how to get it.
+prerequisites: setup
+	.ci/prerequisites $(PY)
 
 bench: setup
 	$(PY) -m benchmarks.bench core

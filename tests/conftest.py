@@ -1,7 +1,55 @@
 """Fixtures shared by the tests: one Core for every test that does not close its own (a compile costs ~0.1 s), a
-real daemon (in this process) with a client of it, and a store of each backend of tests/stores.py."""
+real daemon (in this process) with a client of it, and a store of each backend of tests/stores.py.
 
+The suite is hermetic: before anything else is imported, the variables by which devd finds a user's configuration,
+state and socket (XDG_CONFIG_HOME, XDG_STATE_HOME, XDG_RUNTIME_DIR) point into a directory of this run, and the ones
+systemd or the user set for a daemon (CONFIGURATION_DIRECTORY, NOTIFY_SOCKET, LISTEN_FDS, every DEVD_ variable but the
+suite's own knobs) are dropped. Every daemon and CLI a test starts as a process inherits this environment, as do
+pytest-xdist's workers. HOME is kept: devd reads it only when XDG_CONFIG_HOME or XDG_STATE_HOME is unset (never, here),
+and npm keeps its package cache there for tests/test_typescript.py."""
+
+# ruff: noqa: E402  (the environment is made hermetic before devd, or anything that may import it, is imported)
 from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+SUITE_KNOBS = ("DEVD_FUZZ", "DEVD_PG_BIN")  # read by the tests and benchmarks themselves, never by devd
+SYSTEMD_VARIABLES = (
+    "CONFIGURATION_DIRECTORY",
+    "STATE_DIRECTORY",
+    "RUNTIME_DIRECTORY",
+    "CREDENTIALS_DIRECTORY",
+    "NOTIFY_SOCKET",
+    "LISTEN_FDS",
+    "LISTEN_PID",
+    "LISTEN_FDNAMES",
+    "WATCHDOG_USEC",
+    "WATCHDOG_PID",
+)
+
+
+def _hermetic_environment() -> None:
+    """Point devd's XDG directories into a fresh directory of this run (removed at exit) and drop the variables a
+    daemon would otherwise obey. pytest-xdist's workers find the controller's directory already set and keep it."""
+    if not os.environ.get("DEVD_SUITE_HOME"):
+        home = tempfile.mkdtemp(prefix="devd-suite-")
+        atexit.register(shutil.rmtree, home, ignore_errors=True)
+        os.environ["DEVD_SUITE_HOME"] = home
+    home = os.environ["DEVD_SUITE_HOME"]
+    for name in ("config", "state", "run"):
+        os.makedirs(os.path.join(home, name), mode=0o700, exist_ok=True)
+    os.environ["XDG_CONFIG_HOME"] = os.path.join(home, "config")
+    os.environ["XDG_STATE_HOME"] = os.path.join(home, "state")
+    os.environ["XDG_RUNTIME_DIR"] = os.path.join(home, "run")
+    for name in list(os.environ):
+        if name in SYSTEMD_VARIABLES or (name.startswith("DEVD_") and name not in (*SUITE_KNOBS, "DEVD_SUITE_HOME")):
+            del os.environ[name]
+
+
+_hermetic_environment()
 
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path

@@ -1,0 +1,73 @@
+"""The suite's own promises, each checked by running pytest in a subprocess as a user would: it is hermetic (no test
+reads the user's devd configuration, tests/conftest.py), and a hung test fails the run in bounded time rather than
+holding it (the timeouts in pyproject.toml)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.daemon import ROOT
+
+# An agents file that stops any daemon that reads it (exit status 2): what a user's own file does to a test whose
+# daemon finds it.
+BROKEN_AGENTS = "[agents.mine\n"
+
+
+# A test whose daemon process finds the agents file where devd looks by default.
+STARTS_A_DAEMON = "tests/test_systemd.py::test_sockets_passed_to_another_pid_are_ignored"
+
+
+def test_a_users_own_agents_file_and_devd_variables_reach_no_test(tmp_path: Path) -> None:
+    """With an agents file where devd looks by default ($XDG_CONFIG_HOME/devd, ~/.config/devd) and DEVD_AGENTS
+    naming it, a test whose daemon process would read it passes; without tests/conftest.py (--noconftest) the same
+    run fails, so the file is one a daemon would have read (a docs test failed so once a user made agents.toml)."""
+    home, config = tmp_path / "home", tmp_path / "config"
+    for agents in (home / ".config" / "devd" / "agents.toml", config / "devd" / "agents.toml"):
+        agents.parent.mkdir(parents=True)
+        agents.write_text(BROKEN_AGENTS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "DEVD_"))}
+    env.update(HOME=str(home), XDG_CONFIG_HOME=str(config), DEVD_AGENTS=str(config / "devd" / "agents.toml"))
+
+    def run(*flags: str) -> int:
+        argv = [sys.executable, "-m", "pytest", "-q", "-n", "0", *flags, STARTS_A_DAEMON]
+        return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=120).returncode
+
+    assert (run("--noconftest"), run()) == (1, 0)
+
+
+HANGS = """
+import signal
+import time
+
+
+def test_sleeps():
+    time.sleep(600)
+
+
+def test_stuck_where_no_signal_reaches():
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+    time.sleep(600)
+"""
+
+
+def test_hung_tests_fail_a_parallel_run_within_their_timeout_and_a_minute(tmp_path: Path) -> None:
+    """Under the suite's own settings (pyproject.toml, timeouts scaled from 180 and 240 s to 2 and 4 s) and
+    `make test`'s scheduling, one test that sleeps and one stuck where SIGALRM cannot reach both fail, and the run
+    ends: the thread method with pytest-xdist's loadgroup scheduler waited for ever once a worker was ended."""
+    (tmp_path / "test_hangs.py").write_text(HANGS)
+    argv = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "-q"]
+    argv += ["-n", "2", "--dist", "loadgroup", "-o", "timeout=2", "-o", "faulthandler_timeout=4", "test_hangs.py"]
+    started = time.monotonic()
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    failed = sorted(re.findall(r"^FAILED (\S+) - .*?(Timeout|crash)", done.stdout, re.M))
+    assert (done.returncode, failed, elapsed < 60) == (
+        1,
+        [("test_hangs.py::test_sleeps", "Timeout"), ("test_hangs.py::test_stuck_where_no_signal_reaches", "crash")],
+        True,
+    ), done.stdout
