@@ -83,6 +83,19 @@ def test_the_daemons_own_paths_are_covered_once_the_workspace_is_bound() -> None
     ]
 
 
+async def test_a_daemon_path_reached_through_a_link_is_covered_where_it_leads(ws: Path, outside: Path) -> None:
+    """systemd's DynamicUser= makes the state directory /var/lib/devd a link to /var/lib/private/devd: it was covered
+    as a file, bubblewrap followed the link, and every command of the shipped unit failed ("Can't create file at
+    /var/lib/devd: Is a directory"). Covered where it leads, neither path shows the token."""
+    (outside / "private").mkdir(mode=0o755)
+    (outside / "private" / "token").write_text("secret\n")
+    (outside / "state").symlink_to(outside / "private")
+    box = Sandbox(bwrap=sandbox().bwrap, hidden=(str(outside / "state"),))
+    script = f"cat {outside}/state/token {outside}/private/token 2>/dev/null; echo $?"
+    result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=box)
+    assert result == Result("1\n")
+
+
 def test_sandbox_none_runs_unconfined(ws: Path) -> None:
     assert choose(profile(ws, sandbox="none")) is None
 

@@ -245,12 +245,14 @@ def program(name: str) -> str:
 
 def present(paths: Sequence[str]) -> list[tuple[str, bool]]:
     """Those of paths that exist now, outside /tmp (the sandbox's /tmp is its own already), each with whether it is a
-    directory: bubblewrap cannot cover what is not there, on a read-only root."""
+    directory: bubblewrap cannot cover what is not there, on a read-only root. A path reached through a link is
+    covered where it leads (systemd's DynamicUser= makes the state directory /var/lib/devd a link to
+    /var/lib/private/devd): bubblewrap follows a link it mounts over, and the link's target holds what is private."""
     found = []
-    for path in paths:
+    for path in map(os.path.realpath, paths):
         if path == "/tmp" or path.startswith("/tmp/") or not os.path.lexists(path):
             continue
-        found.append((path, os.path.isdir(path) and not os.path.islink(path)))
+        found.append((path, os.path.isdir(path)))
     return found
 
 
