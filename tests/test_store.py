@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import anyio
+import psycopg
 import pytest
 
 from devd import failpoints
@@ -678,3 +679,19 @@ async def test_a_late_release_of_a_call_of_a_session_made_again_since_takes_noth
     await store.reserve("a", COUNTERS, [(DAY, 1000)], 100)
     await store.unreserve(old if isinstance(old, int) else 0)
     assert await store.counted(COUNTERS) == [(0, 100), (0, 100), (0, 100)]
+
+
+async def test_postgres_what_a_stopped_daemons_calls_held_is_released_once_its_lease_lapsed_and_room_is_needed(
+    postgres_url: str,
+) -> None:
+    async with running(await PostgresStore.open(postgres_url, **LIMITS, node="other")) as other:
+        stopped = await PostgresStore.open(postgres_url, **LIMITS, node="stopped")
+        async with running(stopped):
+            await stopped.create("a", CONFIG)
+            await stopped.reserve("a", COUNTERS, [(DAY, 1000)], 900)  # in flight as the daemon dies
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute("UPDATE nodes SET lease_until = now() - interval '1 second' WHERE id = 'stopped'")
+        await other.create("b", CONFIG)
+        admitted = await other.reserve("b", (Counter("session", "b", ""), DAY), [(DAY, 1000)], 500)
+        counted = await other.counted([DAY])
+    assert (isinstance(admitted, int), counted) == (True, [(0, 500)])

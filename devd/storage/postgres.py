@@ -1096,7 +1096,8 @@ class PostgresStore:
         """Each counter's row is made if new, then reserved on by a conditional update, in one order (two daemons
         reserving at once wait for each other's row, never deadlock): `reserved = reserved + tokens WHERE spent +
         reserved + tokens <= limit`, which PostgreSQL checks again on the row it locks. One that matches no row
-        undoes the reservation's updates (a savepoint: the rest of the batch stands) and refuses it."""
+        undoes the reservation's updates (a savepoint: the rest of the batch stands) and refuses it, unless releasing
+        the reservations of daemons whose lease lapsed (calls that ended with them) makes room."""
         held = sorted(dict.fromkeys(counters))
         limits: dict[Counter, int] = {}
         for counter, limit in checks:
@@ -1107,34 +1108,42 @@ class PostgresStore:
             got.clear()  # a batch may be tried again
             for counter in sorted({*held, *limits}):
                 await conn.execute(f"{SPEND} DO NOTHING", (*counter, 0, 0))
-            try:
-                async with conn.transaction():
-                    for counter in held:
-                        limit = limits.get(counter)
-                        updated = await conn.execute(
-                            "UPDATE spend SET reserved = reserved + %s WHERE scope = %s AND owner = %s AND part = %s "
-                            "AND (%s::bigint IS NULL OR spent + reserved + %s <= %s)",
-                            (tokens, *counter, limit, tokens, limit),
-                        )
-                        if updated.rowcount == 0:
-                            raise _Refused
-                    for counter in limits.keys() - set(held):  # checked, not reserved on
-                        if not await _within(conn, counter, tokens, limits[counter]):
-                            raise _Refused
-                    number = (await (await conn.execute("SELECT nextval('reservation_numbers')")).fetchone() or [0])[0]
-                    for counter in held:
-                        await conn.execute(
-                            "INSERT INTO reservations (id, scope, owner, part, tokens, node) "
-                            "VALUES (%s, %s, %s, %s, %s, %s)",
-                            (number, *counter, tokens, self.node),
-                        )
-                    got.append(int(number))
-            except _Refused:
-                got.append(await _over(conn, session, checks, tokens))
+            for attempt in range(2):
+                try:
+                    got.append(await self._reserve(conn, held, limits, tokens))
+                    return None
+                except _Refused:
+                    # Calls of a daemon whose lease lapsed hold nothing any more: released, and tried once again.
+                    if attempt == 0 and await _release(conn, LAPSED, ()):
+                        continue
+                    got.append(await _over(conn, session, checks, tokens))
             return None
 
         await self._write(op)
         return got[0]
+
+    async def _reserve(self, conn: Conn, held: list[Counter], limits: dict[Counter, int], tokens: int) -> int:
+        """The reservation's number; _Refused, with nothing of it left (its savepoint rolled back), past a limit."""
+        async with conn.transaction():
+            for counter in held:
+                limit = limits.get(counter)
+                updated = await conn.execute(
+                    "UPDATE spend SET reserved = reserved + %s WHERE scope = %s AND owner = %s AND part = %s "
+                    "AND (%s::bigint IS NULL OR spent + reserved + %s <= %s)",
+                    (tokens, *counter, limit, tokens, limit),
+                )
+                if updated.rowcount == 0:
+                    raise _Refused
+            for counter in limits.keys() - set(held):  # checked, not reserved on
+                if not await _within(conn, counter, tokens, limits[counter]):
+                    raise _Refused
+            number = int((await (await conn.execute("SELECT nextval('reservation_numbers')")).fetchone() or [0])[0])
+            for counter in held:
+                await conn.execute(
+                    "INSERT INTO reservations (id, scope, owner, part, tokens, node) VALUES (%s, %s, %s, %s, %s, %s)",
+                    (number, *counter, tokens, self.node),
+                )
+        return number
 
     async def unreserve(self, reservation: int) -> None:
         async def op(conn: Conn, batch: _Batch) -> DevdError | None:
@@ -1360,6 +1369,9 @@ OWN_SPEND = (
 )
 
 
+LAPSED = "node NOT IN (SELECT id FROM nodes WHERE lease_until > now())"  # reservations of daemons no longer live
+
+
 class _Refused(Exception):
     """A reservation that would pass a limit: its savepoint is rolled back."""
 
@@ -1398,15 +1410,17 @@ async def _over(conn: Conn, session: str, checks: Sequence[tuple[Counter, int]],
     return Over(check, spent, reserved)
 
 
-async def _release(conn: Conn, where: str, params: tuple[object, ...]) -> None:
-    """Release the reservations `where` says (once: their rows go as they are subtracted)."""
-    await conn.execute(
+async def _release(conn: Conn, where: str, params: tuple[object, ...]) -> int:
+    """Release the reservations `where` says (once: their rows go as they are subtracted); how many counters had
+    some."""
+    released = await conn.execute(
         f"WITH gone AS (DELETE FROM reservations WHERE {where} RETURNING scope, owner, part, tokens) "
         "UPDATE spend SET reserved = spend.reserved - g.tokens FROM (SELECT scope, owner, part, SUM(tokens) AS tokens "
         "FROM gone GROUP BY scope, owner, part) AS g WHERE spend.scope = g.scope AND spend.owner = g.owner "
         "AND spend.part = g.part",
         params,
     )
+    return released.rowcount
 
 
 def _release_left(node: str) -> Callable[[Conn], Awaitable[None]]:
@@ -1415,11 +1429,7 @@ def _release_left(node: str) -> Callable[[Conn], Awaitable[None]]:
 
     async def free(conn: Conn) -> None:
         async with conn.transaction():
-            await _release(
-                conn,
-                "node = %s OR node NOT IN (SELECT id FROM nodes WHERE lease_until > now())",
-                (node,),
-            )
+            await _release(conn, f"node = %s OR {LAPSED}", (node,))
 
     return free
 
