@@ -456,3 +456,29 @@ async def test_processes_max_counts_the_commands_processes_not_its_users_others(
             process.kill()
             process.wait()
     assert result == Result("forked\n")
+
+
+@as_root
+async def test_a_workspace_below_a_directory_run_as_cannot_search_is_reached_by_its_path() -> None:
+    # As under /root (0700): nobody could not pass it, so $HOME, Git and every absolute path into the workspace failed.
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="devd-test-") as d:
+        (Path(d) / "ws").mkdir()
+        (Path(d) / "beside").write_text("root's\n")
+        ws = Path(d) / "ws"
+        result = await sandboxed(ws, 'cd / && echo made > "$HOME/made" && ls -A "$(dirname "$HOME")"')
+        assert (result, (ws / "made").read_text()) == (Result("ws\n"), "made\n")
+
+
+@as_root
+def test_a_directory_whose_acl_lets_run_as_search_it_is_not_veiled() -> None:
+    nobody = runas.Account(NOBODY, NOBODY)
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="devd-test-") as d:
+        os.chmod(d, 0o700)
+        (Path(d) / "ws").mkdir()
+        before = runas.veil(Path(d) / "ws", nobody)
+        fd = os.open(d, os.O_PATH | os.O_DIRECTORY)
+        try:
+            runas.grant(fd, d, NOBODY)
+        finally:
+            os.close(fd)
+        assert (before, runas.veil(Path(d) / "ws", nobody)) == (Path(d), None)

@@ -29,9 +29,11 @@ the user (who may still replace it, as it may write the directory).
 A file system without ACLs (mounted `noacl`) is refused, saying so. An id-mapped mount would need no ACL, but
 bubblewrap 0.8 cannot make one and the kernel's mount API for it is not reachable from here without a helper.
 
-The workspace's parent directories are the host's: the user needs search (x) permission on them to reach the
-workspace by its absolute path (the command starts inside it either way). A workspace under /root (0700) reached as
-`nobody` works by relative paths only; put such workspaces where their parents are searchable (/srv, /var/lib).
+The workspace's parent directories are the host's, and the user may not be able to search one (a workspace under
+/root, 0700, run as `nobody`). `veil` finds the highest such directory; under bubblewrap it is covered by an empty
+tmpfs holding only the way to the workspace (the user could see nothing under it anyway), so the workspace is
+reached by its path. Under `sandbox = "none"` nothing can be mounted: such a workspace is reached by relative paths
+only (the command starts inside it); put it where its parents are searchable (/srv, /var/lib).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import os
 import pwd
 import stat
 import struct
+from pathlib import Path
 
 import msgspec
 
@@ -108,6 +111,39 @@ def run_as(profile: Profile) -> Account:
             "name an unprivileged user"
         )
     return Account(entry.pw_uid, entry.pw_gid)
+
+
+def veil(workspace: Path, user: Account) -> Path | None:
+    """The highest directory above the workspace (a real path) that `user` cannot search, or None."""
+    for depth in range(2, len(workspace.parts)):
+        directory = Path(*workspace.parts[:depth])
+        try:
+            st = os.stat(directory)
+            acl = _read_path(directory)
+        except OSError:
+            return None  # gone or swapped meanwhile: the workspace's own check refuses the call
+        if not _searchable(st, acl, user):
+            return directory
+    return None
+
+
+def _searchable(st: os.stat_result, acl: Acl | None, user: Account) -> bool:
+    """Whether `user` (with no supplementary group) may search the directory, as the kernel decides (acl(5))."""
+    if st.st_uid == user.uid:
+        return bool(st.st_mode & 0o100)
+    if acl is None:
+        return bool(st.st_mode & (0o010 if st.st_gid == user.gid else 0o001))
+    mask = acl.get((_MASK, _NO_ID), 7)
+    if (_USER, user.uid) in acl:
+        return bool(acl[(_USER, user.uid)] & mask & 1)
+    groups = [
+        perm
+        for (tag, ident), perm in acl.items()
+        if (tag == _GROUP_OBJ and st.st_gid == user.gid) or (tag == _GROUP and ident == user.gid)
+    ]
+    if groups:
+        return any(perm & mask & 1 for perm in groups)
+    return bool(acl.get((_OTHER, _NO_ID), 0) & 1)
 
 
 def _primary_gid(uid: int, otherwise: int) -> int:
@@ -222,6 +258,15 @@ def _with_user(acl: Acl | None, mode: int, uid: int, perm: int) -> Acl:
     return entries
 
 
+def _read_path(directory: Path) -> Acl | None:
+    try:
+        return _decode(os.getxattr(directory, ACCESS))
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.EOPNOTSUPP):
+            return None
+        raise
+
+
 def _read(fd: int, name: str) -> Acl | None:
     try:
         data = os.getxattr(fd, name)
@@ -229,6 +274,10 @@ def _read(fd: int, name: str) -> Acl | None:
         if e.errno == errno.ENODATA:
             return None
         raise
+    return _decode(data)
+
+
+def _decode(data: bytes) -> Acl | None:
     (version,) = struct.unpack_from("<I", data)
     if version != _VERSION:
         return None

@@ -94,6 +94,7 @@ class Sandbox(msgspec.Struct, frozen=True):
         account: Account | None = None,
         limits: Limits | None = None,
         user_namespace: bool = False,
+        veil: Path | None = None,
     ) -> list[str]:
         return wrap(
             argv,
@@ -106,6 +107,7 @@ class Sandbox(msgspec.Struct, frozen=True):
             account=account,
             limits=limits,
             user_namespace=user_namespace,
+            veil=veil,
         )
 
 
@@ -127,6 +129,7 @@ def wrap(
     account: Account | None = None,
     limits: Limits | None = None,
     user_namespace: bool = False,
+    veil: Path | None = None,
 ) -> list[str]:
     """The bwrap command line that runs argv confined to workspace. With `env`, the command gets exactly that
     environment (`--clearenv`, then a `--setenv` per variable). Each of `hidden` (a path, and whether it is a
@@ -135,7 +138,9 @@ def wrap(
     its own actions and drive any session, as the daemon's user. With `workspace_fd` (a descriptor of the workspace,
     checked, passed to bwrap), that directory is what is bound: bwrap would follow a link at the path. With
     `account`, the command runs as that user (bwrap run as root: see the module's docstring), in a user namespace of
-    its own with `user_namespace`; with `limits`, within them."""
+    its own with `user_namespace`; with `limits`, within them. `veil` is a directory above the workspace that the
+    command's user cannot search (`runas.veil`): it is covered by an empty tmpfs holding the way to the workspace, so
+    the workspace is reached by its path (HOME, Git, absolute paths), and nothing the user could see is hidden."""
     ws = str(workspace)
     # Order matters: the read-only root first, then what is mounted over it; /tmp before the workspace, so a
     # workspace under /tmp is bound on top of the private /tmp rather than hidden by it; the hidden paths last, so
@@ -143,7 +148,10 @@ def wrap(
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *_PROC_READ_ONLY]
     # /tmp is everyone's, as on the host: the command may run as a user other than the one that made it.
     args += ["--perms", "1777", *(["--size", str(limits.tmp_bytes)] if limits else []), "--tmpfs", "/tmp"]
-    for parent in _made_in_tmp(workspace):  # bwrap would make them 0700, root's: a command could not pass them
+    base = Path("/tmp") if workspace.is_relative_to("/tmp") else veil
+    if base == veil and veil is not None:
+        args += ["--perms", "0755", "--tmpfs", str(veil)]
+    for parent in _made_between(base, workspace):  # bwrap would make them 0700, root's: a command could not pass
         args += ["--perms", "0755", "--dir", parent]
     args += ["--bind", ws, ws] if workspace_fd is None else ["--bind-fd", str(workspace_fd), ws]
     for path, directory in hidden:
@@ -170,12 +178,13 @@ def wrap(
 _PROC_READ_ONLY = ("--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger")
 
 
-def _made_in_tmp(workspace: Path) -> list[str]:
-    """The directories between /tmp and a workspace under it, which bubblewrap makes in the private /tmp."""
-    if not workspace.is_relative_to("/tmp") or workspace == Path("/tmp"):
+def _made_between(base: Path | None, workspace: Path) -> list[str]:
+    """The directories between a fresh tmpfs at `base` (the private /tmp, or a veil) and the workspace below it,
+    which bubblewrap makes there."""
+    if base is None or workspace == base or not workspace.is_relative_to(base):
         return []
-    parts = workspace.relative_to("/tmp").parts[:-1]
-    return [str(Path("/tmp", *parts[: i + 1])) for i in range(len(parts))]
+    parts = workspace.relative_to(base).parts[:-1]
+    return [str(Path(base, *parts[: i + 1])) for i in range(len(parts))]
 
 
 def _drop(account: Account | None, user_namespace: bool) -> list[str]:
