@@ -1117,7 +1117,8 @@ class PostgresStore:
                     if attempt == 0 and await _release(conn, LAPSED, ()):
                         continue
                     got.append(await _over(conn, session, checks, tokens))
-            return None
+                    return None
+            raise AssertionError("unreachable")
 
         await self._write(op)
         return got[0]
