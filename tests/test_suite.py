@@ -1,17 +1,46 @@
-"""The suite's own promises, each checked by running pytest in a subprocess as a user would: it is hermetic (no test
-reads the user's devd configuration, tests/conftest.py), and a hung test fails the run in bounded time rather than
-holding it (the timeouts in pyproject.toml)."""
+"""The suite's own promises, each checked by running it in a subprocess as a user would: on a machine without what it
+needs, `make test` stops before any test with one line saying what is missing (.ci/prerequisites); it is hermetic (no
+test reads the user's devd configuration, tests/conftest.py); and a hung test fails the run in bounded time rather
+than holding it (the timeouts in pyproject.toml)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tests.daemon import ROOT
+
+
+def test_without_bubblewrap_node_and_postgresql_make_test_stops_first_with_one_line_saying_how_to_get_them() -> None:
+    """.ci/prerequisites --check (what `make test` runs, without installing) in a bubblewrap sandbox where bwrap and
+    node are empty files and DEVD_PG_BIN names no directory."""
+    bwrap, node = shutil.which("bwrap"), shutil.which("node")
+    assert bwrap is not None and node is not None
+    argv = [bwrap, "--dev-bind", "/", "/", "--ro-bind", "/dev/null", bwrap, "--ro-bind", "/dev/null", node]
+    argv += [
+        "--setenv",
+        "DEVD_PG_BIN",
+        "/nowhere",
+        "--",
+        str(ROOT / ".ci" / "prerequisites"),
+        "--check",
+        sys.executable,
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        1,
+        "",
+        "make test cannot run here; missing: [bubblewrap is not installed (no bwrap on the PATH); as root: apt-get "
+        "install bubblewrap (or dnf install bubblewrap)] [Node.js 20 or later with npm (for clients/typescript): found "
+        "no node; install it from nodejs.org or your distribution] [PostgreSQL 15's server programs (no "
+        "/nowhere/initdb): as root, apt-get install postgresql-15, or set DEVD_PG_BIN to their directory]\n",
+    )
+
 
 # An agents file that stops any daemon that reads it (exit status 2): what a user's own file does to a test whose
 # daemon finds it.
