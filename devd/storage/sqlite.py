@@ -8,13 +8,15 @@ retried, so nothing is acknowledged that is not on disk. After a write fault (a 
 fails until the store has reopened the database: a fresh connection, its identity, format and pages checked, its log
 checkpointed and fsync'd; it tries at every write and read, and on its own while none comes, backing off (up to
 REOPEN_DELAY_S apart) for as long as the faults go on, and counts each reopen (`reopened`), so that the registry
-rebuilds its live sessions from what is on disk. Maintenance runs on the
-commit thread once a batch is answered, never inside a commit: the log is checkpointed once its file has grown past
-WAL_BYTES_KEPT (SQLite's own checkpoints are off) and then written again from its start, and each snapshot
-committed lets go of the ones its session's kept history no longer needs, with their files, and prunes history
-every `prune_every_steps` (both decided by `devd.storage.retention`). The file is opened in exclusive locking
-mode, through one connection that commits and reads take turns on; reads run on a worker thread under a limiter of
-their own, never on the event loop and never behind calls moved off it.
+rebuilds its live sessions from what is on disk. Maintenance runs on the commit thread once a batch is answered,
+never inside a commit: the log is checkpointed once its file has grown past WAL_BYTES_KEPT (SQLite's own
+checkpoints are off) and then written again from its start, and each snapshot committed lets go of the ones its
+session's kept history no longer needs, with their files, and prunes history every `prune_every_steps` (both decided
+by `devd.storage.retention`). The file is opened in exclusive locking mode, through one connection that commits and
+reads take turns on; reads run on a worker thread under a limiter of their own, never on the event loop and never
+behind calls moved off it. Spend counters are updated on the commit thread too, so a reservation's check and its
+update are one step no other write comes between (one daemon has the file); reservations left by a daemon that
+stopped are released when it opens the file again.
 
 A large snapshot (`FILE_SNAPSHOT_BYTES` or more) is kept in a file of its own in `snapshots/` beside the database,
 so writing, fsyncing and checkpointing megabytes never holds up the commit thread: its step is committed and
