@@ -25,6 +25,11 @@ ownership:
   head `UNMADE`, which no read lists, loads or takes; every copy is fenced on that claim, and the last commit sets the
   head. A fork cut short is dropped then; one left by a crash, when a daemon next connects and its owner's lease has
   ended (or the owner is that daemon).
+- **Spend.** The spend counters are rows every node shares, not fenced (what was spent stays spent whoever holds
+  the session next). A reservation is one conditional `UPDATE … SET reserved = reserved + n WHERE spent + reserved +
+  n <= limit` per counter, in one order, under a savepoint: two nodes cannot pass a limit together. A reservation
+  row names its node: a node joining releases its own left from before and those of nodes whose lease ended, and a
+  reservation that would pass a limit first releases those of nodes whose lease ended.
 
 Writes go through the group commit of `devd.storage.commits` (on the event loop): writes queued while a commit runs
 share the next one, and a write returns only once its transaction committed (PostgreSQL's own fsync;
