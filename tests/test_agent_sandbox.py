@@ -428,11 +428,13 @@ async def test_a_file_the_write_tool_makes_in_roots_workspace_is_writable_as_run
 
 
 @as_root
-async def test_a_run_as_name_that_is_uid_0_here_is_refused_and_nothing_runs(ws: Path) -> None:
-    result = await sandboxed(ws, "echo ran > ran.txt", run_as=pwd.getpwuid(0).pw_name)
+@pytest.mark.parametrize("run_as", [pwd.getpwuid(0).pw_name, 0])
+async def test_a_run_as_that_is_uid_0_here_is_refused_and_nothing_runs(ws: Path, run_as: str | int) -> None:
+    # The agents file refuses "root" and 0; a profile made otherwise, or another name for uid 0, is refused here.
+    result = await sandboxed(ws, "echo ran > ran.txt", run_as=run_as)
     assert (result, (ws / "ran.txt").exists()) == (
         Result(
-            f"cannot run sh: [agent.p] sets run_as = {pwd.getpwuid(0).pw_name!r}, which is uid 0 (root) here; "
+            f"cannot run sh: [agent.p] sets run_as = {run_as!r}, which is uid 0 (root) here; "
             "commands never run as root: name an unprivileged user",
             True,
         ),

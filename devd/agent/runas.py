@@ -94,23 +94,25 @@ def account(profile: Profile, workspace_fd: int, workspace: str) -> Account | No
 
 
 def run_as(profile: Profile) -> Account:
-    """The profile's `run_as` user; Unusable when it is not a user of this machine (a uid need not be)."""
+    """The profile's `run_as` user; Unusable when it is not a user of this machine (a uid need not be), or is root."""
     name = profile.run_as
     if isinstance(name, int):
-        return Account(name, _primary_gid(name, name))
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        raise Unusable(
-            f"[agent.{profile.name}] sets run_as = {name!r}, and there is no such user on this machine; make it "
-            f"(useradd --system --no-create-home {name}) or name another unprivileged user or a uid"
-        ) from None
-    if entry.pw_uid == 0:
+        user = Account(name, _primary_gid(name, name))
+    else:
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            raise Unusable(
+                f"[agent.{profile.name}] sets run_as = {name!r}, and there is no such user on this machine; make it "
+                f"(useradd --system --no-create-home {name}) or name another unprivileged user or a uid"
+            ) from None
+        user = Account(entry.pw_uid, entry.pw_gid)
+    if user.uid == 0:
         raise Unusable(
             f"[agent.{profile.name}] sets run_as = {name!r}, which is uid 0 (root) here; commands never run as root: "
             "name an unprivileged user"
         )
-    return Account(entry.pw_uid, entry.pw_gid)
+    return user
 
 
 def veil(workspace: Path, user: Account) -> Path | None:
