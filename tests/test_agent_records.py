@@ -67,3 +67,19 @@ def test_a_claim_goes_once_its_action_has_its_result_and_the_session_is_driven_a
 
 
 LIMITS = {"keys_kept": 1000, "steps_kept": 1000, "prune_every_steps": 256}
+
+
+def test_devd_trace_shows_a_page_and_says_how_to_ask_for_the_next(
+    agentd: Agentd, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from devd.cli import main
+
+    agentd.standin.script(Scripted(tool_calls=[("read", {"path": "a.txt"})]), Scripted(text="done"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "read it")
+        first = c.call("session/trace", {"session": session})["records"][0]["n"]
+    capsys.readouterr()
+    status = main(["trace", "--connect", str(agentd.daemon.socket), session, "--limit", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert (status, len(lines), lines[1]) == (0, 2, f"(more: --since {first})")
