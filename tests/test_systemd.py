@@ -1,4 +1,5 @@
-"""sd_notify, the watchdog, socket activation and the container's entry command, against the real daemon, no systemd.
+"""sd_notify, the watchdog, socket activation and the container's entry command, against the real daemon, no systemd;
+and that the shipped units keep what the agent needs of them (.ci/units-live runs the system unit under systemd).
 
 The test plays systemd's part: it binds the datagram socket named by NOTIFY_SOCKET and reads what the daemon says
 there, or creates the listening socket and hands it over as fd 3 with LISTEN_FDS, LISTEN_PID and LISTEN_FDNAMES.
