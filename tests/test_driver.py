@@ -1,16 +1,20 @@
 """devd.driver against the real daemon: a turn carried out through handlers, one keyed step per result, a turn that
-outlives a daemon restart and a lost answer, and the worked example; the retry policy with small fakes."""
+outlives a daemon restart and a lost answer, the scenarios both drivers play (tests/driver_scenarios.json), and the
+worked example; the retry policy with small fakes."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from devd import errors
@@ -36,6 +40,8 @@ from devd.messages import (
 from tests.daemon import ROOT, Daemon, daemon_env
 from tests.harness import InProcess
 from tests.helpers import FIX, agent, tool, user
+from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures: the fleet scenario's store)
+from tests.test_fleet import fleet_process
 
 CALLS = [Call(Exec=Exec(argv=["make"])), Call(Read=Read(path="build.log"))]
 SEED = [Reply(calls=CALLS), Reply(text="Declare x.")]  # the seed turn's model: two calls, then its answer
@@ -294,6 +300,129 @@ async def test_a_result_whose_answer_died_with_the_daemon_is_replayed_not_steppe
         with d.client() as c2:
             steps = journal(c2, "s")
     assert (killed, done, script.calls, steps) == ([(-9, 2)], COMPLETE, SEED_CALLS, (SEED_JOURNAL, 5))
+
+
+# -- the scenarios both drivers play -------------------------------------------------------------------------------
+
+SCENARIOS: dict[str, Any] = json.loads((ROOT / "tests" / "driver_scenarios.json").read_text())
+
+
+class Scenario:
+    """One scenario of tests/driver_scenarios.json (its `about` says how they are played) on its daemons: what the
+    drivers carried out, and how each driver call ended, in the order they ended."""
+
+    def __init__(self, spec: dict[str, Any], daemons: dict[str, Daemon]) -> None:
+        self.session: str = spec["session"]
+        self.daemons = daemons
+        self.replies = [msgspec.convert(r, Reply) for r in SCENARIOS["model"]]
+        self.carried: list[list[object]] = []
+        self.ended: list[list[object]] = []
+
+    async def run(self, spec: dict[str, Any]) -> None:
+        """Make one driver call on a connection of its own, and note how it ended."""
+        handlers = self.handlers(spec["driver"], spec.get("at", {}))
+        ended: object
+        async with AsyncClient.connect(self.daemons[spec.get("via", "a")].socket) as c:
+            try:
+                if spec["call"] == "run_turn":
+                    prompt, turn = spec["prompt"], spec.get("turn")
+                    ended = msgspec.to_builtins(
+                        await run_turn(c, self.session, prompt, handlers, turn=turn, retry=PATIENT)
+                    )
+                else:
+                    ended = msgspec.to_builtins(await resume_turn(c, self.session, handlers, retry=PATIENT))
+            except Crash:
+                ended = "crash"
+            except TurnError:
+                ended = "TurnError"
+        self.ended.append([spec["driver"], ended])
+
+    def handlers(self, driver: str, at: dict[str, Any]) -> Handlers:
+        """Handlers that answer as the file says, note what they carry out, and meet the hooks of `at`."""
+
+        async def hook(point: str) -> None:
+            what = at.get(point)
+            if what == "crash":
+                raise Crash
+            if what is not None:
+                await self.run(what)
+
+        async def carry(kind: str, action: Action) -> None:
+            await hook(f"before {action.id}")
+            self.carried.append([driver, kind, action.id])
+            await hook(f"after {action.id}")
+
+        async def model(ask: Ask, action: Action) -> Reply:
+            last_user = max(i for i, m in enumerate(ask.messages) if m.User is not None)
+            await carry("model", action)
+            return self.replies[sum(m.Agent is not None for m in ask.messages[last_user:])]
+
+        async def exec(op: Exec, action: Action) -> ToolOutput:
+            await carry("exec", action)
+            return msgspec.convert(SCENARIOS["exec"], ToolOutput)
+
+        async def read(op: Read, action: Action) -> ToolOutput:
+            await carry("read", action)
+            return msgspec.convert(SCENARIOS["read"], ToolOutput)
+
+        async def emit(text: str, action: Action) -> None:
+            await carry("emit", action)
+
+        return Handlers(model=model, exec=exec, read=read, emit=emit)
+
+
+def ends(runs: list[dict[str, Any]]) -> list[list[object]]:
+    """How each driver call of runs should end, in the order they end: a call made in a hook before its caller."""
+    order: list[list[object]] = []
+    for run in runs:
+        order += ends([hooked for hooked in run.get("at", {}).values() if hooked != "crash"])
+        order.append([run["driver"], run["ends"]])
+    return order
+
+
+@pytest.mark.parametrize("spec", SCENARIOS["scenarios"], ids=[s["name"] for s in SCENARIOS["scenarios"]])
+async def test_the_shared_driver_scenario_carries_out_each_action_as_written(
+    spec: dict[str, Any], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if spec.get("fleet"):
+        url: str = request.getfixturevalue("postgres_url")
+        a, b = fleet_process(tmp_path, url, "a"), fleet_process(tmp_path, url, "b")
+    else:
+        a, b = Daemon(tmp_path / "a", env={"DEVD_FAILPOINTS": spec["failpoints"]} if "failpoints" in spec else {}), None
+    restarts: list[int] = []
+    with a:
+        with a.client() as c:
+            c.new(session=spec["session"])
+        if b is not None:
+            b.start()
+
+        def restart_each_death() -> None:  # the daemon armed with failpoints, started again without them
+            assert a.proc is not None
+            while "failpoints" in spec and a.proc.wait() == -9 and not stopped.is_set():
+                restarts.append(1)
+                a.env = {}
+                a.start()
+
+        stopped = threading.Event()
+        supervisor = threading.Thread(target=restart_each_death, daemon=True)
+        supervisor.start()
+        try:
+            scenario = Scenario(spec, {"a": a} if b is None else {"a": a, "b": b})
+            for run in spec["runs"]:
+                await scenario.run(run)
+            with a.client() as c:
+                seq = c.info(spec["session"]).seq
+        finally:
+            stopped.set()
+            if b is not None:
+                b.stop()
+    supervisor.join(timeout=30)
+    assert (scenario.ended, scenario.carried, len(restarts), seq) == (
+        ends(spec["runs"]),
+        spec["carried"],
+        spec.get("restarts", 0),
+        spec["seq"],
+    )
 
 
 # -- the retry policy, with fakes: a real BUSY cannot be had on cue --------------------------------------------------

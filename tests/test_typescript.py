@@ -1,5 +1,6 @@
 """The TypeScript client (clients/typescript): its types are what `devd schema --typescript` prints, it compiles under
-`tsc --strict`, its Node tests pass against a real daemon, and `devd schema --openrpc` is a valid OpenRPC document
+`tsc --strict`, its Node tests pass against a real daemon (the driver's shared scenarios, tests/driver_scenarios.json,
+among them, their fleet on a PostgreSQL database made here), and `devd schema --openrpc` is a valid OpenRPC document
 by the OpenRPC project's own meta-schema.
 
 npm packages come from `npm ci` (clients/typescript/package-lock.json), run here once and again only when the lock
@@ -24,6 +25,7 @@ import referencing.jsonschema
 
 from devd.schema import openrpc, typescript
 from tests.daemon import ROOT, daemon_env
+from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures: the fleet scenario's store)
 
 # One worker runs them all under pytest-xdist (`make test`): `npm ci` and `tsc` write node_modules and dist/ in the
 # checkout, which two workers at once would tread on.
@@ -94,15 +96,23 @@ def test_the_client_and_its_narrowing_tests_compile_under_strict(compiled: Path)
     assert (compiled / "test" / "narrowing.test.js").exists()
 
 
-def test_the_node_tests_pass_against_a_real_daemon(compiled: Path) -> None:
-    """`node --test`: the client and the turn driver against a daemon each test file starts (with this Python)."""
+def test_the_node_tests_pass_against_a_real_daemon(compiled: Path, postgres_url: str) -> None:  # noqa: F811
+    """`node --test`: the client and the turn driver against a daemon each test file starts (with this Python), and
+    one test per shared driver scenario (scenarios.test.ts declares them in a loop)."""
     files = sorted((compiled / "test").glob("*.test.js"))
     declared = sum(len(re.findall(r"^test\(", p.read_text(), re.M)) for p in (CLIENT / "test").glob("*.test.ts"))
+    declared += len(json.loads((ROOT / "tests" / "driver_scenarios.json").read_text())["scenarios"])
     output = run(
         [tool("node"), "--test", "--test-reporter=tap", *(str(f.relative_to(CLIENT)) for f in files)],
-        env={**daemon_env(), "DEVD_PYTHON": sys.executable},
+        env={**daemon_env(), "DEVD_PYTHON": sys.executable, "DEVD_TEST_POSTGRES_URL": postgres_url},
     )
-    assert [f.name for f in files] == ["client.test.js", "driver.test.js", "kit.test.js", "narrowing.test.js"]
+    assert [f.name for f in files] == [
+        "client.test.js",
+        "driver.test.js",
+        "kit.test.js",
+        "narrowing.test.js",
+        "scenarios.test.js",
+    ]
     assert re.search(r"^# fail 0$", output, re.M), output
     assert re.search(rf"^# pass {declared}$", output, re.M), output
 

@@ -11,14 +11,22 @@
  *   `Browse`).
  * - No step runs twice. Each step carries a key derived from the session and what it answers (`turnKey`,
  *   `resultKey`), so a step sent again after a lost connection is answered from the journal (`replayed`) instead.
+ * - Nothing that has its result is carried out again. A step answered `replayed` ran before, and the actions its
+ *   answer gave may have been carried out since (by this driver before a crash, or by another at work on the same
+ *   session), so the work left after it is what the core itself still waits for (`session/pending`), plus the text
+ *   and `Done` of that answer; a turn started again under its own id carries on the same way.
  * - `BUSY` is retried with bounded exponential backoff (`Retry`). A lost connection (a daemon restart, say) is
  *   reconnected with the same bounded backoff; the step in flight is sent again under its key, and the work left is
  *   what the core itself still waits for (`session/pending`), plus the text and `Done` of the answer that was lost.
  * - A session in the middle of another turn (a UI that stopped half-way) is carried along: the new turn waits behind
  *   that one in the core, so runTurn carries out the earlier turn's actions too, then its own.
- * - Beyond devd/driver.py: a turn started again under its own id (its start `replayed`) carries on from
- *   `session/pending` rather than doing its first actions again; a result another driver reported first (`CONFLICT`
- *   on its key) is left to that driver; and `resumeTurn` carries out what a session waits for, whatever the turn.
+ * - In a fleet, a turn's default id comes from a daemon that holds the session: one that lists it `held: false` (or
+ *   not at all) is first asked for it by name, which takes it or follows MOVED to its owner.
+ * - A result another driver reported first (`CONFLICT` on its key) is left to that driver, and `resumeTurn` carries
+ *   out what a session waits for, whatever the turn.
+ *
+ * tests/driver_scenarios.json holds the cases both drivers play, with the same expected outcome (a replayed report,
+ * a reconnect, a fleet session held false, a crash between a result and its report).
  *
  * A handler that throws stops the loop with its exception; the session still waits for that action, and the next
  * runTurn (or resumeTurn) on it carries it out.
@@ -169,12 +177,19 @@ export async function resumeTurn(
 
 /**
  * The session's last step number plus one: each turn takes at least one step, so turns numbered this way always
- * rise (a turn id not above one the session has had is ignored by the core).
+ * rise (a turn id not above one the session has had is ignored by the core). In a fleet, from a daemon that holds
+ * the session: one that does not (it lists the session `held: false`, or not at all when it was made elsewhere since)
+ * knows only an old number, so the session is first called by name there (`session/pending`), which takes it or
+ * follows MOVED to its owner.
  */
 export async function nextTurn(client: Connection, session: string, retry: Retry = RETRY): Promise<number> {
   const params = { limit: 1, cursor: justBefore(session) };
-  const [page] = await retried(client, retry, () => client.call("session/list", params));
-  const found = page.sessions[0];
+  const listed = async () => (await retried(client, retry, () => client.call("session/list", params)))[0].sessions[0];
+  let found = await listed();
+  if (found?.session !== session || found.held === false) {
+    await pending(client, session, retry); // HANDLE if there is no such session
+    found = await listed();
+  }
   if (found?.session !== session) {
     const message = `no session is named '${session}'; \`session/list\` shows the sessions there are`;
     throw new DevdError("session/list", { code: -32001, message, data: { kind: "HANDLE" } });
@@ -237,9 +252,10 @@ async function carryOut(
 
 /**
  * Step event under key; the work left after it: the queue, then the answer. After a reconnect, the queue is stale
- * (the step may or may not have run before the connection went), so the work left is the answer's own text and
- * Done (its asks and calls are waited for, so pending has them), then what the core waits for now. A result some
- * other driver reported first (CONFLICT on its key) is left to it: the queue goes on, and pending catches up.
+ * (the step may or may not have run before the connection went), and so is a replayed answer's (the step ran before,
+ * and its actions may have been carried out since), so the work left is the answer's own text and Done (its asks
+ * and calls are waited for, so pending has them), then what the core waits for now. A result some other driver
+ * reported first (CONFLICT on its key) is left to it: the queue goes on, and pending catches up.
  */
 async function report(
   client: Connection,
@@ -257,7 +273,7 @@ async function report(
     if (error instanceof DevdError && error.kind === "CONFLICT") return queue;
     throw error;
   }
-  if (!reconnected) return [...queue, ...answer.actions];
+  if (!reconnected && answer.replayed !== true) return [...queue, ...answer.actions];
   return [...answer.actions.filter((a) => !awaited(a.op)), ...(await pending(client, session, retry))];
 }
 

@@ -1,20 +1,36 @@
 /**
  * The real daemon for the tests: `python -m devd serve` on a socket and state directory of its own, in a temporary
- * directory. The Python is `$DEVD_PYTHON`, else the repository's `.venv/bin/python` (what `make setup` makes).
+ * directory, with the flags and environment a test gives it (a fleet's `--store`, `DEVD_FAILPOINTS`). The Python is
+ * `$DEVD_PYTHON`, else the repository's `.venv/bin/python` (what `make setup` makes).
  */
 
 import { spawn, type ChildProcess } from "node:child_process";
 import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
-import { createConnection, createServer } from "node:net";
+import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 
 /** The repository's root, from dist/test/ (where this file runs, compiled). */
-const ROOT = fileURLToPath(new URL("../../../../", import.meta.url));
+export const ROOT = fileURLToPath(new URL("../../../../", import.meta.url));
 const PYTHON = process.env.DEVD_PYTHON ?? join(ROOT, ".venv", "bin", "python");
 const START_TIMEOUT_MS = 20_000; // a cold start compiles the core: well under a second here, generous for a loaded CI
 const STOP_TIMEOUT_MS = 15_000;
+
+export interface DaemonOptions {
+  /** Listen on TCP too. */
+  tcp?: boolean;
+  /** Flags after `serve`'s own (a fleet's `--store URL --node NAME`, say). */
+  args?: string[];
+  /** Variables over this process's environment; `DEVD_FAILPOINTS` brings `DEVD_TESTING=1`, as tests/daemon.py's. */
+  env?: Record<string, string>;
+}
+
+/** How the daemon's process ended: its exit status, or the signal that ended it. */
+export interface Exit {
+  code: number | null;
+  signal: NodeJS.Signals | null;
+}
 
 export class Daemon {
   readonly socket: string;
@@ -22,22 +38,28 @@ export class Daemon {
   /** `tcp://127.0.0.1:PORT` when it listens on TCP too. */
   readonly tcp: string | undefined;
   readonly log: string[] = [];
+  /** The environment of the next `launch` (set it to {} to start again without failpoints). */
+  env: Record<string, string>;
   private child: ChildProcess | null = null;
-  private exited: Promise<number | null> = Promise.resolve(null);
+  private exited: Promise<Exit> = Promise.resolve({ code: null, signal: null });
 
   private constructor(
     readonly root: string,
     port: number | undefined,
+    readonly args: readonly string[],
+    env: Record<string, string>,
   ) {
+    this.env = env;
     this.socket = join(root, "run", "devd.sock");
     this.state = join(root, "state");
     this.tcp = port === undefined ? undefined : `tcp://127.0.0.1:${port}`;
   }
 
   /** A daemon that accepts on its Unix socket (and on TCP, with `tcp: true`). */
-  static async start(options: { tcp?: boolean } = {}): Promise<Daemon> {
+  static async start(options: DaemonOptions = {}): Promise<Daemon> {
     const root = mkdtempSync(join(tmpdir(), "devd-ts-")); // 0700, as the daemon requires of its directories
-    const daemon = new Daemon(root, options.tcp === true ? await freePort() : undefined);
+    const port = options.tcp === true ? await freePort() : undefined;
+    const daemon = new Daemon(root, port, options.args ?? [], options.env ?? {});
     await daemon.launch();
     return daemon;
   }
@@ -46,15 +68,18 @@ export class Daemon {
   async launch(): Promise<void> {
     const args = ["-m", "devd", "serve", "--socket", this.socket, "--state-dir", this.state, "--log-format", "json"];
     if (this.tcp !== undefined) args.push("--listen", this.tcp);
-    const env: NodeJS.ProcessEnv = { ...process.env, PYTHONPATH: ROOT };
+    args.push(...this.args);
+    const env: NodeJS.ProcessEnv = { ...process.env, PYTHONPATH: ROOT, ...this.env };
     for (const name of ["LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "NOTIFY_SOCKET", "WATCHDOG_USEC"]) {
       delete env[name]; // this daemon binds its own sockets, whatever started the tests
     }
+    if ("DEVD_FAILPOINTS" in this.env) env.DEVD_TESTING = "1"; // a daemon obeys failpoints only in a test
+    const readyBefore = this.readyLines();
     const child = spawn(PYTHON, args, { cwd: ROOT, env, stdio: ["ignore", "ignore", "pipe"] });
     this.child = child;
-    this.exited = new Promise((resolve) => child.once("exit", (code) => resolve(code)));
+    this.exited = new Promise((resolve) => child.once("exit", (code, signal) => resolve({ code, signal })));
     child.stderr?.on("data", (data: Buffer) => this.log.push(data.toString()));
-    await this.waitConnectable(child);
+    await this.waitReady(child, readyBefore);
   }
 
   /** The TCP token, once the daemon has written it in its state directory. */
@@ -75,10 +100,17 @@ export class Daemon {
     if (child === null) return null;
     child.kill("SIGTERM");
     const timer = setTimeout(() => child.kill("SIGKILL"), STOP_TIMEOUT_MS);
-    const code = await this.exited;
+    const { code } = await this.exited;
     clearTimeout(timer);
     this.child = null;
     return code;
+  }
+
+  /** Wait for the running daemon to end by itself (a failpoint's kill, say); how it ended. */
+  async exit(): Promise<Exit> {
+    const exit = await this.exited;
+    this.child = null;
+    return exit;
   }
 
   /** Stop, and delete the directory: the end of a test file. */
@@ -88,26 +120,23 @@ export class Daemon {
     return code;
   }
 
-  private async waitConnectable(child: ChildProcess): Promise<void> {
+  /**
+   * Wait for this start's `daemon.ready` log line, as tests/daemon.py does: a socket that accepts is not enough (in a
+   * fleet, the daemon reads the store's sessions after it binds, and a test that went on then saw a later step).
+   */
+  private async waitReady(child: ChildProcess, readyBefore: number): Promise<void> {
     const deadline = Date.now() + START_TIMEOUT_MS;
     for (;;) {
       if (child.exitCode !== null) throw new Error(`the daemon exited with ${child.exitCode}:\n${this.log.join("")}`);
-      if (await accepts(this.socket)) return;
-      if (Date.now() > deadline) throw new Error(`the daemon did not accept within ${START_TIMEOUT_MS} ms`);
+      if (this.readyLines() > readyBefore) return;
+      if (Date.now() > deadline) throw new Error(`the daemon was not ready within ${START_TIMEOUT_MS} ms`);
       await sleep(20);
     }
   }
-}
 
-function accepts(path: string): Promise<boolean> {
-  return new Promise((resolve) => {
-    const probe = createConnection({ path });
-    probe.once("connect", () => {
-      probe.end();
-      resolve(true);
-    });
-    probe.once("error", () => resolve(false));
-  });
+  private readyLines(): number {
+    return this.log.join("").split('"daemon.ready"').length - 1;
+  }
 }
 
 function freePort(): Promise<number> {
