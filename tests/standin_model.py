@@ -59,6 +59,8 @@ class Scripted:
     # without data: [DONE]; "trickle", a one-character content chunk every `delay_s`.
     endless: Literal["line", "chunks", "trickle"] | None = None
     garbage: str | None = None  # a line sent as it is after the role chunk (a server that breaks the format)
+    # (Content-Encoding, body): the answer (of `status`, else 200) is these bytes under that header, as sent (a bomb)
+    encoded: tuple[str, bytes] | None = None
 
 
 Responder = Scripted | Callable[[dict[str, Any]], Scripted]
@@ -161,6 +163,8 @@ class Standin:
         if responder is None:
             return _json(h, 400, _error("the stand-in's script has no reply left for this request", "standin"))
         reply = responder if isinstance(responder, Scripted) else responder(body)
+        if reply.encoded is not None:
+            return _encoded(h, reply.status or 200, *reply.encoded)
         if reply.status is not None:
             headers = {"Retry-After": reply.retry_after} if reply.retry_after else {}
             return _json(h, reply.status, _error(reply.message, "server_error"), headers)
@@ -237,6 +241,15 @@ def _json(h: BaseHTTPRequestHandler, status: int, doc: Any, headers: dict[str, s
     h.send_header("Content-Length", str(len(data)))
     for name, value in (headers or {}).items():
         h.send_header(name, value)
+    h.end_headers()
+    h.wfile.write(data)
+
+
+def _encoded(h: BaseHTTPRequestHandler, status: int, encoding: str, data: bytes) -> None:
+    h.send_response(status)
+    h.send_header("Content-Type", "text/event-stream" if status == 200 else "application/json")
+    h.send_header("Content-Encoding", encoding)
+    h.send_header("Content-Length", str(len(data)))
     h.end_headers()
     h.wfile.write(data)
 

@@ -4,9 +4,11 @@ redirects, the checked address connected to, and the page's text), and the profi
 
 from __future__ import annotations
 
+import gzip
 import ipaddress
 import socket
 import threading
+import tracemalloc
 from collections.abc import Iterator, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -28,11 +30,14 @@ REFUSAL = "Browse reaches only public addresses unless the agent's profile allow
 
 class Pages:
     """A page server on one loopback address. `pages` maps a path to its text, to bytes (served as a PNG), or to
-    `redirect:LOCATION`; `hosts` holds the Host header of each request, in order."""
+    `redirect:LOCATION`; `encoded` a path to (Content-Encoding, body), a text page sent so; `hosts` holds the Host
+    header of each request, in order; `encodings` the Accept-Encoding of each."""
 
     def __init__(self, address: str) -> None:
         self.pages: dict[str, str | bytes] = {}
+        self.encoded: dict[str, tuple[str, bytes]] = {}
         self.hosts: list[str] = []
+        self.encodings: list[str | None] = []
         pages = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -61,6 +66,16 @@ class Pages:
 
     def _serve(self, h: BaseHTTPRequestHandler) -> None:
         self.hosts.append(h.headers.get("Host", ""))
+        self.encodings.append(h.headers.get("Accept-Encoding"))
+        if h.path in self.encoded:
+            encoding, body = self.encoded[h.path]
+            h.send_response(200)
+            h.send_header("Content-Type", "text/plain; charset=utf-8")
+            h.send_header("Content-Encoding", encoding)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+            return
         page = self.pages.get(h.path)
         if isinstance(page, str) and page.startswith("redirect:"):
             h.send_response(302)
@@ -359,6 +374,26 @@ async def test_browse_of_an_image_fails_saying_it_is_not_text(pages: Pages) -> N
 async def test_browse_of_a_missing_page_fails_with_its_status(pages: Pages) -> None:
     result = await browse(pages.origin + "/none", profile(browse_private=True))
     assert result == Result(f"GET {pages.origin}/none: HTTP 404\nno page /none", True, why="HTTP 404")
+
+
+async def test_a_gzip_bomb_page_is_refused_unread_and_identity_was_asked_for(pages: Pages) -> None:
+    pages.encoded["/bomb"] = ("gzip, gzip", gzip.compress(gzip.compress(b"A" * (32 << 20), 9), 9))
+    tracemalloc.start()
+    try:
+        result = await browse(pages.origin + "/bomb", profile(browse_private=True))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (result, pages.encodings, peak < 4 << 20) == (
+        Result(
+            f"cannot fetch {pages.origin}/bomb: the server sent its answer in content encoding 'gzip, gzip', which "
+            "devd does not decode (it asks for identity: a compressed body can inflate past every bound); make the "
+            "server answer uncompressed",
+            True,
+        ),
+        ["identity"],
+        True,
+    )
 
 
 async def test_browse_of_a_url_that_is_not_http_fails_saying_so() -> None:

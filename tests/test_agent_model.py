@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -609,6 +610,41 @@ async def test_a_whole_reply_past_reply_bytes_max_fails_without_a_retry(standin:
         f"model server {standin.url}: the reply passed reply_bytes_max (4096 bytes) and was dropped; it is not "
         "asked for again: if agent 'coder' needs replies this large, raise its reply_bytes_max in the agents file",
         ["failed"],
+    )
+
+
+def gzip_bomb(mib: int = 32) -> bytes:
+    """`mib` MiB of one letter under two layers of gzip: about 2 KiB on the wire (`Content-Encoding: gzip, gzip`)."""
+    return gzip.compress(gzip.compress(b"data: " + b"A" * (mib << 20), 9), 9)
+
+
+ENCODED = (
+    "the server sent its answer in content encoding 'gzip, gzip', which devd does not decode (it asks for identity: "
+    "a compressed body can inflate past every bound); make the server answer uncompressed"
+)
+
+
+async def test_a_gzip_bomb_is_refused_unread_without_a_retry(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(encoded=("gzip, gzip", gzip_bomb())))
+    why, attempts, peak = await _bounded(standin, client, reply_bytes_max=REPLY_BYTES_MAX)
+    assert (why, [(a.outcome, a.status) for a in attempts], standin.count, peak < 4 * REPLY_BYTES_MAX) == (
+        f"model server {standin.url}: {ENCODED}",
+        [("failed", 200)],
+        1,
+        True,
+    )
+
+
+async def test_a_gzip_bomb_in_an_error_answer_is_refused_unread_without_a_retry(
+    standin: Standin, client: http.Client
+) -> None:
+    standin.script(Scripted(status=503, encoded=("gzip, gzip", gzip_bomb())))
+    why, attempts, peak = await _bounded(standin, client)
+    assert (why, [(a.outcome, a.status) for a in attempts], standin.count, peak < 4 * REPLY_BYTES_MAX) == (
+        f"model server {standin.url}: 503 {ENCODED}",
+        [("failed", 503)],
+        1,
+        True,
     )
 
 

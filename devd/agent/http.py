@@ -35,6 +35,11 @@ class TransportError(Exception):
         self.why = why
 
 
+class Encoded(TransportError):
+    """The body came in a content encoding (gzip, say) though none was asked for: it is not read (a few KiB of gzip
+    inflate to GiB), and the same request would be answered the same way."""
+
+
 def _why(e: httpx.HTTPError) -> str:
     text = str(e) or type(e).__name__
     return f"{type(e).__name__}: {text}" if text != type(e).__name__ else text
@@ -74,23 +79,35 @@ def new_client(*, connect_timeout_s: float = 10.0, read_timeout_s: float = 300.0
 
 
 class Response:
-    """A response whose body is still arriving."""
+    """A response whose body is still arriving. Its body is read as it came (httpx never decodes it): a body in a
+    content encoding other than identity is refused (`Encoded`) before a byte of it is read, since every request
+    asks for none (`Accept-Encoding: identity`) and a compressed body could inflate past every bound."""
 
     def __init__(self, response: httpx.Response) -> None:
         self._response = response
         self.status = response.status_code
         self.headers: Mapping[str, str] = response.headers
 
+    def _chunks(self) -> AsyncIterator[bytes]:
+        encodings = [e.strip().lower() for e in self.headers.get("content-encoding", "").split(",")]
+        if any(e not in ("", "identity") for e in encodings):
+            shown = self.headers.get("content-encoding", "")[:100].encode("ascii", "backslashreplace").decode()
+            raise Encoded(
+                f"the server sent its answer in content encoding {shown!r}, which devd does not decode (it asks for "
+                "identity: a compressed body can inflate past every bound); make the server answer uncompressed"
+            )
+        return self._response.aiter_raw()
+
     async def lines(self, bytes_max: int) -> AsyncIterator[str]:
         """The body's lines as they arrive, without their line ends (LF, CRLF or CR, as server-sent events end them),
         decoded as UTF-8. `TooLarge` once more than `bytes_max` bytes of body came, line ends or not: what is held is at
-        most `bytes_max` and one read (the caller asks for no content encoding, so a read is what the network gave)."""
+        most `bytes_max` and one read (the body is never decoded, so a read is what the network gave)."""
         import httpx
 
         held = bytearray()  # the line not yet ended
         received = 0
         try:
-            async for chunk in self._response.aiter_bytes():
+            async for chunk in self._chunks():
                 received += len(chunk)
                 if received > bytes_max:
                     raise TooLarge(bytes_max, len(held) + len(chunk))
@@ -114,7 +131,7 @@ class Response:
         kept = bytearray()
         cut = 0
         try:
-            async for chunk in self._response.aiter_bytes():
+            async for chunk in self._chunks():
                 room = limit_bytes - len(kept)
                 kept += chunk[:room]
                 cut += max(0, len(chunk) - room)
@@ -149,7 +166,7 @@ async def get(client: Client, url: str, addresses: Sequence[str]) -> AsyncIterat
 
     streaming = client._httpx()
     target = httpx.URL(url)
-    headers = {"Host": target.netloc.decode("ascii"), "Connection": "close"}
+    headers = {"Host": target.netloc.decode("ascii"), "Connection": "close", "Accept-Encoding": "identity"}
     extensions = {"sni_hostname": target.raw_host.decode("ascii")} if target.scheme == "https" else {}
     refused: httpx.ConnectError | None = None
     for address in addresses:

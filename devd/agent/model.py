@@ -691,6 +691,8 @@ async def _attempt(
     except http.TooLarge as e:
         # Most of what came being one unended line: that line is the problem, not the reply's length.
         raise _Failed(_too_large(profile, line=e.line_bytes > e.bytes_max // 2), status=200, retry=False) from None
+    except http.Encoded as e:  # refused unread: asking again would be answered the same
+        raise _Failed(e.why, status=200, retry=False) from None
     except http.TransportError as e:
         raise _Failed(e.why, retry=True) from None
     except StreamError as e:
@@ -698,7 +700,10 @@ async def _attempt(
 
 
 async def _refusal(response: http.Response) -> _Failed:
-    data, _ = await response.read(_ERROR_BODY_MAX)
+    try:
+        data, _ = await response.read(_ERROR_BODY_MAX)
+    except http.Encoded as e:  # its body is not read, and a server that compresses one will compress the next
+        return _Failed(f"{response.status} {e.why}", status=response.status, retry=False)
     try:
         message = _well_formed(_error_message(json.loads(data)))
     except json.JSONDecodeError:
