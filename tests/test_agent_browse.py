@@ -218,6 +218,17 @@ def test_every_kind_of_address_that_is_not_public_is_named() -> None:
     }
 
 
+def test_a_6to4_or_teredo_address_carrying_a_private_ipv4_one_is_refused_as_that_address() -> None:
+    """2002:7f00:1:: passed as public (an independent attack): a 6to4 relay delivers it to 127.0.0.1."""
+    examples = ["2002:7f00:1::", "2002:a00:1::", "2001:0:808:808::f5ff:fffe", "2002:808:808::"]
+    assert {a: kind(ipaddress.ip_address(a)) for a in examples} == {
+        "2002:7f00:1::": "a loopback address (IPv4 127.0.0.1, carried by 6to4)",
+        "2002:a00:1::": "a private address (RFC 1918) (IPv4 10.0.0.1, carried by 6to4)",
+        "2001:0:808:808::f5ff:fffe": "a private address (RFC 1918) (IPv4 10.0.0.1, the Teredo client)",
+        "2002:808:808::": None,
+    }
+
+
 def test_public_addresses_are_allowed_however_they_are_written() -> None:
     public = ["8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"]
     assert [kind(ipaddress.ip_address(a)) for a in public] == [None, None, None, None]

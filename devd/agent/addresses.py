@@ -59,17 +59,22 @@ def kind(address: Address) -> str | None:
     """What kind of address that is not public `address` is (`a loopback address`), or None when it is public. An
     IPv6 address that carries an IPv4 one is what that IPv4 address is: an IPv4-mapped one (`::ffff:127.0.0.1`),
     since connecting to it reaches the IPv4 address; a NAT64 one (`64:ff9b::7f00:1`), since on an IPv6-only network
-    DNS64 gives every IPv4-only site such an address, and refusing the prefix whole would refuse them all."""
+    DNS64 gives every IPv4-only site such an address, and refusing the prefix whole would refuse them all. A 6to4
+    (2002::/16) or Teredo (2001::/32) address is refused when an IPv4 address it carries is not public (a relay
+    delivers it there: `2002:7f00:1::` is 127.0.0.1's), else judged as itself (Teredo's prefix is special-purpose, so
+    refused)."""
     if isinstance(address, ipaddress.IPv6Address):
+        inner: ipaddress.IPv4Address | None = None
         if address.ipv4_mapped is not None:
             inner, how = address.ipv4_mapped, "mapped into IPv6"
         elif address in _NAT64:
             inner, how = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF), "through NAT64"
-        else:
-            inner = None
         if inner is not None:
             why = kind(inner)
             return None if why is None else f"{why} (IPv4 {inner}, {how})"
+        for carried, how in _tunnelled(address):
+            if (why := kind(carried)) is not None:
+                return f"{why} (IPv4 {carried}, {how})"
     for network, name in _NOT_PUBLIC:
         if address in network:
             return name
@@ -78,6 +83,16 @@ def kind(address: Address) -> str | None:
     if not address.is_global:
         return "a special-purpose address, not a public one"
     return None
+
+
+def _tunnelled(address: ipaddress.IPv6Address) -> list[tuple[ipaddress.IPv4Address, str]]:
+    """The IPv4 addresses a 6to4 or Teredo address carries, each with how (the Teredo client's, then its server's)."""
+    if address.sixtofour is not None:
+        return [(address.sixtofour, "carried by 6to4")]
+    if address.teredo is not None:
+        server, client = address.teredo
+        return [(client, "the Teredo client"), (server, "the Teredo server")]
+    return []
 
 
 def public_only(address: Address) -> str | None:
