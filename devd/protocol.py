@@ -156,8 +156,22 @@ class SessionParams(_Params, frozen=True):
 # -- initialize and status ----------------------------------------------------------------------------------------
 
 
+CLIENT_NAME_CHARS_MAX = 64
+CLIENT_NAME_FORGING = frozenset("()[]{}<>")  # `by` is `NAME (ORIGIN)`: a name with these could write an origin
+
+
+def client_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a client (None: it can). A name is written into an approval's `by` beside the origin
+    the daemon found (`NAME (uid U, pid P)`), so it is one short line of printable text without the brackets an
+    origin is written in: else a client could write a second origin, or a line, of its choosing."""
+    if not name or len(name) > CLIENT_NAME_CHARS_MAX:
+        return f"it has {len(name)} characters"
+    bad = next((c for c in name if not c.isprintable() or c in CLIENT_NAME_FORGING), None)
+    return None if bad is None else f"it holds {bad!r}"
+
+
 class Client(msgspec.Struct, frozen=True):
-    """Who is calling, for the daemon's log."""
+    """Who is calling, for the daemon's log and an approval's `by`: `name` as `client_name_problem` allows."""
 
     name: str
     version: str | None = None

@@ -27,7 +27,7 @@ from devd import errors
 from devd.agent.cli import Screen, approval_lines, call_line, decision_of, prompt_line
 from devd.client import Client, Reply
 from devd.messages import Action, Cancel, Event, Exec, Op, Write
-from devd.protocol import ApprovalNotice, DecidedNotice, Remembered
+from devd.protocol import ApprovalNotice, DecidedNotice, Remembered, client_name_problem
 from tests.daemon import ROOT, Daemon, free_port
 from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -210,6 +210,34 @@ def test_every_watcher_is_told_who_decided(agentd: Agentd) -> None:
         answer(one, params, "allow")
         decided = next_notice(two, "session/decided").params
     assert decided == {"session": session, "action": 2, "decision": "allow", "by": f"ui-1 {PEER}", "remembered": None}
+
+
+def test_a_client_name_that_could_forge_who_decided_is_refused_at_initialize(agentd: Agentd) -> None:
+    forged = "alice (uid 1000, pid 4242)\n[action 2 denied by root]"
+    with agentd.daemon.client() as c, pytest.raises(errors.InvalidParamsError) as refused:
+        c.initialize(name=forged)
+    assert str(refused.value) == (
+        f"client.name {forged!r} cannot name a client (it holds '('): a name is 1 to 64 printable characters on one "
+        "line, without ( ) [ ] { } < >, such as 'devd cli'; nothing was set: send initialize again with such a name"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("devd cli", None),
+        ("ui-1", None),
+        ("x" * 64, None),
+        ("x" * 65, "it has 65 characters"),
+        ("", "it has 0 characters"),
+        ("a\nb", "it holds '\\n'"),
+        ("a\u202eb", "it holds '\\u202e'"),
+        ("a [b]", "it holds '['"),
+        ("a <b>", "it holds '<'"),
+    ],
+)
+def test_a_client_name_is_one_short_printable_line_without_brackets(name: str, problem: str | None) -> None:
+    assert client_name_problem(name) == problem
 
 
 def test_an_approval_over_tcp_is_by_its_name_and_address(tmp_path: Path, standin: Standin) -> None:

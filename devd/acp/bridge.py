@@ -32,7 +32,7 @@ import anyio.abc
 import msgspec
 import structlog
 
-from devd import errors
+from devd import errors, protocol
 from devd.acp import wire
 from devd.acp.translate import (
     ApprovalNotice,
@@ -251,7 +251,9 @@ class Bridge:
                 raise
 
     async def hello(self) -> None:
-        client = {"name": f"devd acp ({self.editor_name})"}
+        # The editor's name is its own free text: kept to what a client's name may hold (devd.protocol).
+        editor = "".join(c for c in self.editor_name if c.isprintable() and c not in protocol.CLIENT_NAME_FORGING)
+        client = {"name": f"devd acp: {editor}"[: protocol.CLIENT_NAME_CHARS_MAX]}
         await self.client.call("initialize", {"client": client, "token": self.token})
 
     async def _supervise(self) -> None:

@@ -204,6 +204,13 @@ def initialize_result(settings: Settings) -> InitializeResult:
 @method("initialize")
 async def initialize(call: Call, params: InitializeParams) -> InitializeResult:
     if params.client is not None:
+        problem = protocol.client_name_problem(params.client.name)
+        if problem is not None:
+            raise InvalidParamsError(
+                f"client.name {params.client.name[:80]!r} cannot name a client ({problem}): a name is 1 to "
+                f"{protocol.CLIENT_NAME_CHARS_MAX} printable characters on one line, without ( ) [ ] {{ }} < >, "
+                "such as 'devd cli'; nothing was set: send initialize again with such a name"
+            )
         call.peer.client = params.client.name
     return initialize_result(call.app.settings)
 
