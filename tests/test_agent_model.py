@@ -217,6 +217,25 @@ def test_an_exec_without_a_program_is_rejected() -> None:
     assert rejected[0].why.startswith("exec needs a program to run, argv is empty")
 
 
+DEEP = 200_000  # levels of JSON nesting: far past Python's recursion limit
+
+
+def test_arguments_nested_past_the_recursion_limit_are_rejected_saying_so() -> None:
+    _, rejected = to_reply(completion(("exec", '{"argv": ' + "[" * DEEP + "]" * DEEP + "}")))
+    assert rejected[0].why == (
+        'the arguments of exec are nested too deeply to be read; exec expects {"argv": ["command", "arg", ...]}'
+    )
+
+
+def test_arguments_with_an_escaped_lone_surrogate_are_rejected_saying_so() -> None:
+    reply, rejected = to_reply(completion(("exec", '{"argv": ["echo", "\\udcff"]}')))
+    assert (reply.calls, rejected[0].why) == (
+        None,
+        "the arguments of exec hold an escaped lone surrogate (a \\ud800-\\udfff escape not part of a pair), which "
+        'is no character; write the text as it is; exec expects {"argv": ["command", "arg", ...]}',
+    )
+
+
 async def test_complete_streams_each_fragment_in_order(standin: Standin, client: http.Client) -> None:
     standin.script(Scripted(text="The build is fixed now.", split=4))
     fragments: list[str] = []
@@ -332,8 +351,31 @@ def test_a_negative_token_count_is_a_stream_error_not_spend_given_back() -> None
         parse_sse(_usage_stream('{"prompt_tokens":-1000000,"completion_tokens":0}'))
     assert str(raised.value) == (
         "a chunk is not one of a chat completion (the usage's prompt_tokens is -1000000, not a whole number of "
-        'tokens 0 or more): {"choices": [], "usage": {"prompt_tokens": -1000000, "completion_tokens": 0}}'
+        'tokens from 0 to 1000000000): {"choices": [], "usage": {"prompt_tokens": -1000000, "completion_tokens": 0}}'
     )
+
+
+def test_a_token_count_past_a_billion_is_a_stream_error_however_it_is_written() -> None:
+    refused = []
+    for usage in (
+        f'{{"prompt_tokens":{2**70},"completion_tokens":1}}',
+        '{"prompt_tokens":1,"completion_tokens":1e300}',
+        f'{{"prompt_tokens":1,"completion_tokens":1,"prompt_tokens_details":{{"cached_tokens":{2**63}}}}}',
+    ):
+        with pytest.raises(StreamError) as raised:
+            parse_sse(_usage_stream(usage))
+        refused.append(raised.value.why.removeprefix("a chunk is not one of a chat completion (the usage's "))
+    assert refused == [
+        "prompt_tokens is a number of 22 digits, not a whole number of tokens from 0 to 1000000000)",
+        "completion_tokens is a number of 301 digits, not a whole number of tokens from 0 to 1000000000)",
+        "cached_tokens is 9223372036854775808, not a whole number of tokens from 0 to 1000000000)",
+    ]
+
+
+def test_a_stream_line_nested_past_the_recursion_limit_is_a_stream_error() -> None:
+    with pytest.raises(StreamError) as raised:
+        parse_sse(['data: {"choices": [{"delta": {"content": ' + "[" * DEEP + "]" * DEEP + "}}]}", "data: [DONE]"])
+    assert raised.value.why == "a stream line is JSON nested too deeply to be read"
 
 
 def test_an_infinite_or_fractional_token_count_is_a_stream_error() -> None:
@@ -674,6 +716,15 @@ async def test_a_stream_cut_short_is_charged_the_request_and_what_streamed_as_es
         )
     charged = SpendUsage(_request_tokens(standin), 40, estimated=True)
     assert [(a.outcome, a.usage) for a in attempts] == [("retry", charged), ("failed", charged)]
+
+
+async def test_an_attempt_with_a_token_count_past_the_bound_is_charged_the_estimate(
+    standin: Standin, client: http.Client
+) -> None:
+    standin.script(*[Scripted(text="y" * 40, usage=(2**70, 1, None))] * 4)
+    _, attempts, _ = await _bounded(standin, client)
+    charged = SpendUsage(_request_tokens(standin), 10, estimated=True)
+    assert [(a.outcome, a.usage) for a in attempts] == [("retry", charged)] * 3 + [("failed", charged)]
 
 
 async def test_an_attempt_the_server_refused_is_charged_nothing(standin: Standin, client: http.Client) -> None:

@@ -287,10 +287,21 @@ def _call(tc: ToolCall) -> Call | str:
         args = json.loads(tc.arguments or "{}")
     except json.JSONDecodeError as e:
         return f"the arguments of {tc.name} are not JSON ({e}); {tc.name} expects {shape}"
+    except RecursionError:
+        return f"the arguments of {tc.name} are nested too deeply to be read; {tc.name} expects {shape}"
     try:
         msgspec.convert(args, struct, strict=True)
     except msgspec.ValidationError as e:
         return f"the arguments of {tc.name} do not fit ({e}); {tc.name} expects {shape}"
+    try:  # an escaped lone surrogate ("\\udcff") is no character: it cannot be run, written or kept
+        json.dumps(args, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        return f"the arguments of {tc.name} are nested too deeply to be read; {tc.name} expects {shape}"
+    except UnicodeEncodeError:
+        return (
+            f"the arguments of {tc.name} hold an escaped lone surrogate (a \\ud800-\\udfff escape not part of a "
+            f"pair), which is no character; write the text as it is; {tc.name} expects {shape}"
+        )
     if member == "Exec" and not args["argv"]:
         return f"exec needs a program to run, argv is empty; exec expects {shape}"
     return msgspec.convert({member: args}, Call, strict=True)
@@ -333,6 +344,8 @@ class StreamParser:
             chunk = json.loads(data)
         except json.JSONDecodeError as e:
             raise StreamError(f"a stream line is not JSON ({e})", data[:200]) from None
+        except RecursionError:
+            raise StreamError("a stream line is JSON nested too deeply to be read", data[:200]) from None
         if not isinstance(chunk, dict):
             raise StreamError("a stream chunk is not an object", data[:200])
         return self.chunk(chunk)
@@ -341,8 +354,8 @@ class StreamParser:
         """One decoded chunk; its content fragments. StreamError when it is not a chunk of a chat completion."""
         try:
             return self._chunk(chunk)
-        except (AttributeError, TypeError, ValueError) as e:  # a field of another type than the format's
-            raise StreamError(f"a chunk is not one of a chat completion ({e})", json.dumps(chunk)[:200]) from None
+        except (AttributeError, TypeError, ValueError, RecursionError) as e:  # a field not of the format's type
+            raise StreamError(f"a chunk is not one of a chat completion ({e})", _sample(chunk)) from None
 
     def _chunk(self, chunk: dict[str, Any]) -> list[str]:
         if "error" in chunk:
@@ -418,10 +431,24 @@ def _whole(body: bytes, parser: StreamParser) -> Completion:
         doc = json.loads(body)
     except json.JSONDecodeError as e:
         raise StreamError(f"the answer is not JSON ({e})") from None
+    except RecursionError:
+        raise StreamError("the answer is JSON nested too deeply to be read") from None
     if not isinstance(doc, dict):
         raise StreamError("the answer is not a JSON object")
     parser.chunk(doc)
     return parser.completion()
+
+
+def _sample(chunk: Any) -> str:
+    try:
+        return json.dumps(chunk)[:200]
+    except (RecursionError, ValueError):
+        return "(a chunk that cannot be shown)"
+
+
+# A count past this is no count of one reply (the largest context is some millions of tokens): stored, a count near
+# 2**63 would not fit the store's integers, and summed with others it would overflow them.
+TOKEN_COUNT_MAX = 10**9
 
 
 def _usage(usage: dict[str, Any]) -> Usage:
@@ -430,20 +457,21 @@ def _usage(usage: dict[str, Any]) -> Usage:
     return Usage(
         prompt_tokens=_count(usage, "prompt_tokens"),
         completion_tokens=_count(usage, "completion_tokens"),
-        cached_tokens=cached if type(cached) is int and cached >= 0 else None,
+        cached_tokens=_count(details, "cached_tokens") if type(cached) in (int, float) else None,
     )
 
 
 def _count(usage: dict[str, Any], field: str) -> int:
-    """A token count the spend ceilings can trust: a whole number, 0 or more (absent: 0). A negative one would take
-    spend back below a ceiling; an infinite or fractional one is no count."""
+    """A token count the spend ceilings can trust: a whole number from 0 to TOKEN_COUNT_MAX (absent: 0). A negative
+    one would take spend back below a ceiling; an infinite, fractional or larger one is no count."""
     n = usage.get(field)
     if n is None:
         return 0
     if type(n) is float and n.is_integer():  # 12.0 from a server that writes every number as a float
         n = int(n)
-    if type(n) is not int or n < 0:
-        raise ValueError(f"the usage's {field} is {json.dumps(n)}, not a whole number of tokens 0 or more")
+    if type(n) is not int or not 0 <= n <= TOKEN_COUNT_MAX:
+        shown = json.dumps(n) if type(n) is not int or n < 10**20 else f"a number of {len(str(n))} digits"
+        raise ValueError(f"the usage's {field} is {shown}, not a whole number of tokens from 0 to {TOKEN_COUNT_MAX}")
     return n
 
 
@@ -706,7 +734,7 @@ async def _refusal(response: http.Response) -> _Failed:
         return _Failed(f"{response.status} {e.why}", status=response.status, retry=False)
     try:
         message = _well_formed(_error_message(json.loads(data)))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         message = data.decode("utf-8", "replace").strip()[:500] or "(no body)"
     status = response.status
     retry = status in _RETRIED or status >= 500
