@@ -184,6 +184,36 @@ async def test_a_link_in_the_workspace_to_the_state_directory_reads_nothing_of_i
     )
 
 
+def test_a_directory_write_makes_swapped_for_a_hard_link_to_roots_file_leaves_that_file_roots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write makes `d/new` in `d`, which is uid 65534's, and gives it to that user. d's owner may swap the new
+    directory for a hard link to any file between the mkdir and the owner change (as root, a command that won the
+    race owned a root 0600 file after 52 writes, and could have owned /etc/passwd): the swap is done here in the
+    mkdir itself, so the window is hit every time. Root's file keeps its owner, and the write is refused."""
+    (tmp_path / "vault").mkdir()
+    secret = tmp_path / "vault" / "secret"
+    secret.write_text("root only")
+    secret.chmod(0o600)
+    ws = tmp_path / "ws"
+    (ws / "d").mkdir(parents=True)
+    os.chown(ws / "d", 65534, 65534)
+    mkdir = os.mkdir
+
+    def mkdir_then_swapped(path: str, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        mkdir(path, mode, dir_fd=dir_fd)
+        os.rename(path, f"{path}.made", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.link(secret, path, dst_dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_swapped)
+    result = _write(Workspace(ws, pin(ws)), "d/new/f", "x")
+    monkeypatch.undo()
+    assert (os.stat(secret).st_uid, result) == (
+        0,
+        Result("refused: new is a file, not a directory; nothing was done", failed=True),
+    )
+
+
 # A command racing the tools: it swaps each pair of names atomically (renameat2's RENAME_EXCHANGE), for ever; a pair
 # one of whose names is gone meanwhile (inside a workspace swapped away) is skipped.
 SWAPPER = """

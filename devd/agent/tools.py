@@ -211,11 +211,11 @@ def _walk(workspace_fd: int, parts: Sequence[str], *, create: bool) -> tuple[int
     fd = os.open(".", _DIR, dir_fd=workspace_fd)
     try:
         for part in parts[:-1]:
+            made = False
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, dir_fd=fd)
-                    if (owner := _owner_of(fd)) is not None:
-                        os.chown(part, *owner, dir_fd=fd, follow_symlinks=False)
+                    made = True
             try:
                 inner = os.open(part, _DIR, dir_fd=fd)
             except OSError as e:
@@ -224,8 +224,11 @@ def _walk(workspace_fd: int, parts: Sequence[str], *, create: bool) -> tuple[int
                 if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
                     raise Refused(f"{part} became a link while it was used; nothing was done") from None
                 raise Refused(f"{part} is a file, not a directory; nothing was done") from None
+            owner = _owner_of(fd) if made else None
             os.close(fd)
             fd = inner
+            if owner is not None:
+                _give(fd, part, owner)
     except BaseException:
         os.close(fd)
         raise
@@ -334,6 +337,19 @@ def _owner_of(dir_fd: int) -> tuple[int, int] | None:
         return None
     st = os.fstat(dir_fd)
     return None if st.st_uid == 0 else (st.st_uid, st.st_gid)
+
+
+def _give(made_fd: int, name: str, owner: tuple[int, int]) -> None:
+    """Give the directory just made (`made_fd`, opened without following a link) to `owner`, by its descriptor: never
+    by name, as the directory it is in is the owner's, who could swap the name for a hard link to any file between
+    the mkdir and a chown by name (and would own /etc/passwd). What the descriptor holds is checked to be the
+    directory made: the daemon's, empty (a directory the owner moved there instead stays as it is, refused)."""
+    st = os.fstat(made_fd)
+    with os.scandir(made_fd) as entries:
+        empty = next(entries, None) is None
+    if st.st_uid != os.geteuid() or st.st_nlink != 2 or not empty:
+        raise Refused(f"{name} was replaced while it was made; nothing was done")
+    os.fchown(made_fd, *owner)
 
 
 # -- Exec and Git -------------------------------------------------------------------------------------------------
