@@ -154,6 +154,15 @@ async def test_a_write_keeps_the_files_mode(ws: Path) -> None:
     assert oct((ws / "run.sh").stat().st_mode & 0o777) == "0o755"
 
 
+async def test_a_write_over_a_set_user_id_program_leaves_an_ordinary_file(ws: Path) -> None:
+    """A command may hard-link root's set-user-ID program into the workspace; the daemon, as root, wrote the model's
+    text over it and kept the bit (-rwsr-xr-x root): a set-user-ID root program anyone could run."""
+    (ws / "x").write_text("old")
+    os.chmod(ws / "x", 0o6755)
+    await write_file(ws, "x", "#!/bin/sh\nid\n")
+    assert oct((ws / "x").stat().st_mode & 0o7777) == "0o755"
+
+
 WRITE_WITH_SMALL_FILES = """
 import resource, signal, sys, anyio
 from pathlib import Path

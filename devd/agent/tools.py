@@ -304,13 +304,16 @@ def _write(workspace: Workspace | Path, path: str, text: str) -> Result:
 def _replace(dir_fd: int, name: str, data: bytes) -> None:
     """Write `name` in the directory whole or not at all: a temporary file, fsynced, renamed over it. A new file is
     made as open() makes one (0666, less the umask, or as a default ACL says), and belongs to whoever `_owner_of`
-    says; one replaced keeps its mode and its owner."""
+    says; one replaced keeps its permission bits and its owner, never set-user-ID, set-group-ID or sticky: the file
+    replaced may be a hard link to a set-user-ID program of root's (/usr/bin/passwd) that a command made, and root
+    writing it would keep the bit (writing clears it only for a writer without CAP_FSETID), leaving a set-user-ID
+    root program of the model's text in the workspace."""
     mode, owner = 0o666, _owner_of(dir_fd)
     with contextlib.suppress(FileNotFoundError):
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
             raise Refused(f"{name} is a directory; a file cannot replace it")
-        mode = stat.S_IMODE(st.st_mode)
+        mode = stat.S_IMODE(st.st_mode) & 0o777
         owner = (st.st_uid, st.st_gid) if os.geteuid() == 0 and st.st_uid != 0 else None
     temp = f".{name}.devd-{uuid.uuid4().hex[:12]}.tmp"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
