@@ -131,21 +131,38 @@ def veil(workspace: Path, user: Account) -> Path | None:
 
 def _searchable(st: os.stat_result, acl: Acl | None, user: Account) -> bool:
     """Whether `user` (with no supplementary group) may search the directory, as the kernel decides (acl(5))."""
+    return _permits(st, acl, user, 1)
+
+
+def readable(fd: int, user: Account) -> bool:
+    """Whether `user` (with no supplementary group, as commands run) may read the file open at `fd`, by its mode and
+    ACL, as the kernel decides (acl(5)); a file system without ACLs has only the mode."""
+    try:
+        acl = _read(fd, ACCESS)
+    except OSError as e:
+        if e.errno != errno.EOPNOTSUPP:
+            raise
+        acl = None
+    return _permits(os.fstat(fd), acl, user, 4)
+
+
+def _permits(st: os.stat_result, acl: Acl | None, user: Account, perm: int) -> bool:
+    """Whether the file's mode and ACL give `user` (no supplementary group) `perm` (4 read, 1 execute/search)."""
     if st.st_uid == user.uid:
-        return bool(st.st_mode & 0o100)
+        return bool(st.st_mode >> 6 & perm)
     if acl is None:
-        return bool(st.st_mode & (0o010 if st.st_gid == user.gid else 0o001))
+        return bool(st.st_mode >> (3 if st.st_gid == user.gid else 0) & perm)
     mask = acl.get((_MASK, _NO_ID), 7)
     if (_USER, user.uid) in acl:
-        return bool(acl[(_USER, user.uid)] & mask & 1)
+        return bool(acl[(_USER, user.uid)] & mask & perm)
     groups = [
-        perm
-        for (tag, ident), perm in acl.items()
+        bits
+        for (tag, ident), bits in acl.items()
         if (tag == _GROUP_OBJ and st.st_gid == user.gid) or (tag == _GROUP and ident == user.gid)
     ]
     if groups:
-        return any(perm & mask & 1 for perm in groups)
-    return bool(acl.get((_OTHER, _NO_ID), 0) & 1)
+        return any(bits & mask & perm for bits in groups)
+    return bool(acl.get((_OTHER, _NO_ID), 0) & perm)
 
 
 def _primary_gid(uid: int, otherwise: int) -> int:
