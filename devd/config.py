@@ -1,13 +1,14 @@
 """The daemon's settings: the one source of every default and limit, each named with its unit.
 
 argparse, `Core`, the registry, the store and the server all receive their values from a `Settings`; none of
-them keeps a default of its own. Also here: where state and sockets live by default. Addresses are values of
-`devd.addresses` (`TcpListen`, parsed once from the flag).
+them keeps a default of its own. Also here: where configuration, state and sockets live by default. Addresses are
+values of `devd.addresses` (`TcpListen`, parsed once from the flag).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,20 @@ def default(name: str) -> Any:
     """The default of the setting `name`: argparse shows it and `Core` takes it, Settings owns it."""
     names, defaults = Settings.__struct_fields__, Settings.__struct_defaults__
     return defaults[names.index(name) - (len(names) - len(defaults))]
+
+
+def configuration_dirs(environ: Mapping[str, str]) -> list[Path]:
+    """Where the daemon's configuration is: systemd's configuration directories (ConfigurationDirectory=devd:
+    /etc/devd for the system unit, ~/.config/devd for the user unit), else `$XDG_CONFIG_HOME/devd` (a relative value
+    is ignored, as the XDG spec says). The agents file is read from the first, and the units read the API keys from
+    an environment file there: its commands must never see it (`devd.server.daemon.private_paths`)."""
+    if d := environ.get("CONFIGURATION_DIRECTORY"):
+        return [Path(part) for part in d.split(":") if part]
+    base = environ.get("XDG_CONFIG_HOME", "")
+    if not os.path.isabs(base):
+        home = environ.get("HOME") or str(Path.home())
+        base = os.path.join(home, ".config")
+    return [Path(base) / "devd"]
 
 
 def default_state_dir() -> Path:

@@ -22,7 +22,7 @@ from devd.agent import runas
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Refusal, Sandbox, choose, contain, limits, probe, wrap
 from devd.agent.tools import Result, command_env, run_command, write_file
-from tests.agents import Agentd, run_turn, start
+from tests.agents import SECRET, Agentd, run_turn, start
 from tests.helpers import gone
 from tests.standin_model import Scripted, Standin, standin_fixture
 
@@ -61,7 +61,7 @@ def test_bubblewrap_starts_here() -> None:
 # What a command running as run_as in root's workspace (these tests' ws, under root) is told besides, for Git.
 GUEST_GIT = "GIT_CONFIG_COUNT=1\nGIT_CONFIG_KEY_0=safe.directory\nGIT_CONFIG_VALUE_0=*\n" if os.geteuid() == 0 else ""
 PROC_READ_ONLY = ("--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger")
-TMP = ("--perms", "1777", "--tmpfs", "/tmp")
+TMP = ("--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--tmpfs", "/run")
 
 
 def test_the_command_line_binds_the_workspace_over_a_read_only_root() -> None:
@@ -76,7 +76,7 @@ def test_the_command_line_binds_the_workspace_over_a_read_only_root() -> None:
 
 def test_the_daemons_own_paths_are_covered_once_the_workspace_is_bound() -> None:
     hidden = [("/w/devd.sock", False), ("/var/lib/devd", True)]
-    assert wrap(["make"], Path("/w"), True, bwrap="b", hidden=hidden)[:26] == [
+    assert wrap(["make"], Path("/w"), False, bwrap="b", hidden=hidden)[:30] == [
         "b",
         *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *PROC_READ_ONLY, *TMP, "--bind", "/w", "/w"),
         *("--ro-bind", "/dev/null", "/w/devd.sock", "--tmpfs", "/var/lib/devd"),
@@ -94,6 +94,47 @@ async def test_a_daemon_path_reached_through_a_link_is_covered_where_it_leads(ws
     script = f"cat {outside}/state/token {outside}/private/token 2>/dev/null; echo $?"
     result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=box)
     assert result == Result("1\n")
+
+
+@pytest.fixture
+def bus() -> Iterator[Path]:
+    """A socket anyone may connect to in the host's /run, where the session bus ($XDG_RUNTIME_DIR/bus) and systemd's
+    user manager listen: `systemd-run --user` through them runs anything outside the sandbox."""
+    if not os.access("/run", os.W_OK):
+        pytest.skip("needs to make a socket in /run (as root)")
+    with tempfile.TemporaryDirectory(dir="/run", prefix="devd-test-") as d:
+        os.chmod(d, 0o755)
+        with socket.socket(socket.AF_UNIX) as listening:
+            listening.bind(f"{d}/bus")
+            os.chmod(f"{d}/bus", 0o777)
+            listening.listen()
+            yield Path(d) / "bus"
+
+
+@pytest.mark.parametrize("network", [False, True])
+async def test_a_command_cannot_reach_a_socket_in_run(ws: Path, bus: Path, network: bool) -> None:
+    connect = f"import socket; socket.socket(socket.AF_UNIX).connect('{bus}')"
+    result = await sandboxed(ws, f'python3 -c "{connect}" 2>/dev/null || echo refused', network=network)
+    assert result == Result("refused\n")
+
+
+@as_root  # a non-root daemon's configuration directory is its own user's, which its commands run as
+def test_a_command_cannot_read_the_environment_file_in_the_daemons_configuration_directory(
+    tmp_path: Path, standin: Standin
+) -> None:
+    """The systemd units read the API keys from CONFIGURATION_DIRECTORY/environment: an independent attack's command
+    read it (0644 here, so that only the sandbox stands in the way of run_as)."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="devd-test-") as conf:
+        os.chmod(conf, 0o755)
+        (Path(conf) / "environment").write_text(f"OPENAI_API_KEY={SECRET}\n")
+        os.chmod(Path(conf) / "environment", 0o644)
+        agentd = start(tmp_path, standin, env={"CONFIGURATION_DIRECTORY": conf})
+        with agentd.daemon:
+            argv = ["sh", "-c", f"cat {conf}/environment 2>/dev/null; echo $?"]
+            standin.script(Scripted(tool_calls=[("exec", {"argv": argv})]), Scripted(text="ok"))
+            with agentd.client() as c:
+                run_turn(c, agentd.session(c), "read the keys")
+    assert standin.requests[1].body["messages"][-1]["content"] == "1\n"
 
 
 def test_sandbox_none_runs_unconfined(ws: Path) -> None:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from devd.agent import wrappers
+from devd.config import configuration_dirs
 from devd.errors import ConfigError, InvalidParamsError
 from devd.messages import Call
 
@@ -321,15 +322,9 @@ def _split_dotted(key: str) -> tuple[str, ...]:
 
 
 def default_agents_path(environ: Mapping[str, str]) -> Path | None:
-    """agents.toml in systemd's configuration directory, else in `$XDG_CONFIG_HOME/devd`; None unless it exists."""
-    if d := environ.get("CONFIGURATION_DIRECTORY"):
-        path = Path(d.split(":")[0]) / "agents.toml"
-    else:
-        base = environ.get("XDG_CONFIG_HOME", "")
-        if not os.path.isabs(base):  # the XDG spec: a relative value is ignored
-            home = environ.get("HOME") or str(Path.home())
-            base = os.path.join(home, ".config")
-        path = Path(base) / "devd" / "agents.toml"
+    """agents.toml in systemd's configuration directory, else in `$XDG_CONFIG_HOME/devd` (`configuration_dirs`);
+    None unless it exists."""
+    path = configuration_dirs(environ)[0] / "agents.toml"
     return path if path.is_file() else None
 
 

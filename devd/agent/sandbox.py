@@ -2,13 +2,15 @@
 command under `sandbox = "none"`.
 
 Under `wrap`, a command sees the whole file system read-only, its workspace writable, a private `/tmp` of at most
-`tmp_bytes_max`, fresh `/dev` and `/proc` (with `/proc/sys` and `/proc/sysrq-trigger` read-only: bubblewrap's fresh
-/proc leaves every sysctl writable), new pid, ipc and uts namespaces (it cannot see or signal anything outside), no
-network unless the profile says `network = true` (a new network namespace has only its own loopback), no
-capabilities even when the daemon runs as root (`--cap-drop ALL`: none to undo the rest with), and no terminal to
-push input into (`--new-session`). It dies with its parent (`--die-with-parent`), so killing bwrap ends the command
-and everything it started. Reads are not restricted, as in Codex's Linux sandbox. `.git` stays writable because Git
-is one of the tools.
+`tmp_bytes_max`, an empty `/run` (the host's holds the sockets of the session bus and of systemd's user manager in
+/run/user/UID, whose `systemd-run --user` would run anything outside the sandbox, and the system bus's; with `network =
+true`, the resolver's files in it are kept), fresh `/dev` and `/proc` (with `/proc/sys` and `/proc/sysrq-trigger`
+read-only: bubblewrap's fresh /proc leaves every sysctl writable), new pid, ipc and uts namespaces (it cannot see or
+signal anything outside), no network unless the profile says `network = true` (a new network namespace has only its own
+loopback), no capabilities even when the daemon runs as root (`--cap-drop ALL`: none to undo the rest with), and no
+terminal to push input into (`--new-session`). It dies with its parent (`--die-with-parent`), so killing bwrap ends the
+command and everything it started. Reads are not restricted, as in Codex's Linux sandbox. `.git` stays writable because
+Git is one of the tools.
 
 A command never runs as root. Under a daemon run as root, bubblewrap is started as root (it needs no user namespace
 then, so it starts wherever it did before) and keeps only CAP_SETUID and CAP_SETGID for util-linux's `setpriv`, the
@@ -142,13 +144,14 @@ def wrap(
     command's user cannot search (`runas.veil`): it is covered by an empty tmpfs holding the way to the workspace, so
     the workspace is reached by its path (HOME, Git, absolute paths), and nothing the user could see is hidden."""
     ws = str(workspace)
-    # Order matters: the read-only root first, then what is mounted over it; /tmp before the workspace, so a
-    # workspace under /tmp is bound on top of the private /tmp rather than hidden by it; the hidden paths last, so
+    # Order matters: the read-only root first, then what is mounted over it; /tmp and /run before the workspace, so a
+    # workspace under either is bound on top of the fresh one rather than hidden by it; the hidden paths last, so
     # that a socket or a state directory inside the workspace is covered too.
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *_PROC_READ_ONLY]
     # /tmp is everyone's, as on the host: the command may run as a user other than the one that made it.
     args += ["--perms", "1777", *(["--size", str(limits.tmp_bytes)] if limits else []), "--tmpfs", "/tmp"]
-    base = Path("/tmp") if workspace.is_relative_to("/tmp") else veil
+    args += _fresh_run(network)
+    base = next((Path(d) for d in _FRESH if workspace.is_relative_to(d)), veil)
     if base == veil and veil is not None:
         args += ["--perms", "0755", "--tmpfs", str(veil)]
     for parent in _made_between(base, workspace):  # bwrap would make them 0700, root's: a command could not pass
@@ -178,8 +181,31 @@ def wrap(
 _PROC_READ_ONLY = ("--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger")
 
 
+# Replaced by fresh directories inside: /tmp (private, sized), and /run, which holds the sockets of whatever runs on
+# the host (the session bus and systemd's user manager in /run/user/UID, whose `systemd-run --user` runs anything
+# outside the sandbox; the system bus; Docker's), reachable by path whoever the command runs as.
+_FRESH = ("/tmp", "/run")
+# What a command that may reach the network needs of /run: the resolver's files (systemd-resolved's stub
+# resolv.conf, and the varlink socket glibc's nss-resolve asks; gone, it falls back to DNS).
+_RESOLVER = "/run/systemd/resolve"
+
+
+def _fresh_run(network: bool) -> list[str]:
+    """An empty /run (and /var/run, where it is a directory rather than a link to /run), with, given `network`, the
+    resolver's files of it: /etc/resolv.conf is a link into /run on many systems."""
+    args = ["--perms", "0755", "--tmpfs", "/run"]
+    if not os.path.islink("/var/run") and os.path.isdir("/var/run"):
+        args += ["--perms", "0755", "--tmpfs", "/var/run"]
+    if network:
+        args += ["--ro-bind-try", _RESOLVER, _RESOLVER]
+        resolv = os.path.realpath("/etc/resolv.conf")
+        if resolv.startswith("/run/") and not resolv.startswith(_RESOLVER + "/"):
+            args += ["--ro-bind-try", resolv, resolv]  # NetworkManager's or resolvconf's
+    return args
+
+
 def _made_between(base: Path | None, workspace: Path) -> list[str]:
-    """The directories between a fresh tmpfs at `base` (the private /tmp, or a veil) and the workspace below it,
+    """The directories between a fresh tmpfs at `base` (/tmp, /run, or a veil) and the workspace below it,
     which bubblewrap makes there."""
     if base is None or workspace == base or not workspace.is_relative_to(base):
         return []
@@ -253,13 +279,13 @@ def program(name: str) -> str:
 
 
 def present(paths: Sequence[str]) -> list[tuple[str, bool]]:
-    """Those of paths that exist now, outside /tmp (the sandbox's /tmp is its own already), each with whether it is a
-    directory: bubblewrap cannot cover what is not there, on a read-only root. A path reached through a link is
+    """Those of paths that exist now, outside /tmp and /run (the sandbox's are its own already), each with whether it
+    is a directory: bubblewrap cannot cover what is not there, on a read-only root. A path reached through a link is
     covered where it leads (systemd's DynamicUser= makes the state directory /var/lib/devd a link to
     /var/lib/private/devd): bubblewrap follows a link it mounts over, and the link's target holds what is private."""
     found = []
     for path in map(os.path.realpath, paths):
-        if path == "/tmp" or path.startswith("/tmp/") or not os.path.lexists(path):
+        if any(path == d or path.startswith(d + "/") for d in _FRESH) or not os.path.lexists(path):
             continue
         found.append((path, os.path.isdir(path)))
     return found

@@ -34,7 +34,7 @@ from devd.addresses import UnixListen
 from devd.agent.port import ObservedFanout, RegistryPort
 from devd.agent.profiles import Profile
 from devd.agent.runner import Runtime
-from devd.config import Settings, backup_dir
+from devd.config import Settings, backup_dir, configuration_dirs
 from devd.host import Core
 from devd.server import metrics, systemd
 from devd.server.dispatch import Dispatcher
@@ -96,9 +96,10 @@ def build(
 
 def private_paths(settings: Settings, store: Store) -> list[Path]:
     """What only the daemon may reach: its state directory (the token, the database, the lock), its backups, its
-    socket, and a SQLite store kept elsewhere (the directory given to it). Hidden from the commands it runs, never
+    socket, a SQLite store kept elsewhere (the directory given to it), and its configuration directory (the agents
+    file, and the environment file with the API keys the systemd units read). Hidden from the commands it runs, never
     read or written by Read and Write, and no session's workspace may be inside one or hold one."""
-    paths = [settings.state_dir, backup_dir(settings)]
+    paths = [settings.state_dir, backup_dir(settings), *configuration_dirs(os.environ)]
     if settings.socket_path is not None:
         paths.append(settings.socket_path)
     if isinstance(store, SQLiteStore):
