@@ -26,6 +26,9 @@ def ws(tmp_path: Path) -> Path:
     return tmp_path / "ws"
 
 
+PROFILE = Profile(name="p", base_url="http://h/v1", model="m", workspace_roots=())  # Read's: commands run as nobody
+
+
 def profile(ws: Path, **fields: Any) -> Profile:
     base: dict[str, Any] = {"name": "p", "base_url": "http://h/v1", "model": "m", "workspace_roots": (str(ws),)}
     return Profile(**(base | fields))
@@ -68,7 +71,7 @@ def test_a_symlink_inside_the_workspace_is_followed(ws: Path) -> None:
 
 async def test_reading_through_a_symlink_to_outside_reads_nothing(ws: Path) -> None:
     os.symlink(ws.parent / "outside" / "secret", ws / "link")
-    result = await read_file(ws, "link", 1000)
+    result = await read_file(ws, "link", 1000, profile=PROFILE)
     assert result == Result(
         f"refused: link leads outside the workspace (to {ws.parent}/outside/secret) through a symbolic link", True
     )
@@ -111,31 +114,66 @@ async def test_a_write_below_a_file_is_refused_saying_it_is_a_file(ws: Path) -> 
 async def test_reading_the_workspace_itself_lists_it(ws: Path) -> None:
     (ws / "src").mkdir()
     (ws / "a.txt").write_text("")
-    assert await read_file(ws, ".", 100) == Result(". is a directory; it holds: a.txt, src/", True)
+    assert await read_file(ws, ".", 100, profile=PROFILE) == Result(". is a directory; it holds: a.txt, src/", True)
 
 
 async def test_a_read_gives_the_text(ws: Path) -> None:
     (ws / "a.txt").write_text("héllo\n")
-    assert await read_file(ws, "a.txt", 1000) == Result("héllo\n")
+    assert await read_file(ws, "a.txt", 1000, profile=PROFILE) == Result("héllo\n")
 
 
 async def test_a_long_read_is_cut_with_a_note(ws: Path) -> None:
     (ws / "a.txt").write_text("0123456789")
-    assert await read_file(ws, "a.txt", 4) == Result("0123\n[cut: 6 more bytes of a.txt were not read]")
+    assert await read_file(ws, "a.txt", 4, profile=PROFILE) == Result(
+        "0123\n[cut: 6 more bytes of a.txt were not read]"
+    )
+
+
+@pytest.mark.parametrize("owner", [0, 65534], ids=["root's workspace", "nobody's workspace"])
+async def test_a_hard_link_to_a_root_only_file_outside_is_refused_to_read(ws: Path, owner: int) -> None:
+    """A command (as nobody: the workspace's owner, or run_as in root's) links a file it cannot read into the
+    workspace, as the kernel lets it where fs.protected_hardlinks is 0 (its default): `ln /etc/shadow stolen`. Read,
+    which runs as root, gave the model the file. The link is made here by the test, so as on any host."""
+    os.chown(ws, owner, owner)
+    secret = ws.parent / "outside" / "secret"
+    secret.chmod(0o600)
+    os.link(secret, ws / "stolen")
+    assert await read_file(ws, "stolen", 100, profile=PROFILE) == Result(
+        "refused: stolen is uid 0's (mode 0600, 2 links), and uid 65534, as whom this workspace's commands run, may "
+        "not read it; Read shows only what those commands could read (a hard link to a file outside the workspace "
+        "reads nothing of it): make it readable to uid 65534 first if it should be read",
+        True,
+    )
+
+
+async def test_a_workspace_file_with_two_links_its_user_may_read_reads(ws: Path) -> None:
+    (ws / "a.txt").write_text("shared")
+    os.link(ws / "a.txt", ws / "b.txt")
+    assert await read_file(ws, "b.txt", 100, profile=PROFILE) == Result("shared")
+
+
+async def test_roots_own_private_file_in_roots_workspace_reads(ws: Path) -> None:
+    """A single link of root's in root's workspace is the commands' user's to read by the grant (devd.agent.runas)
+    made as the first command runs, whether or not one ran yet."""
+    (ws / "a.txt").write_text("root's")
+    (ws / "a.txt").chmod(0o600)
+    assert await read_file(ws, "a.txt", 100, profile=PROFILE) == Result("root's")
 
 
 async def test_reading_a_missing_file_fails_saying_so(ws: Path) -> None:
-    assert await read_file(ws, "none.txt", 100) == Result("none.txt does not exist", True)
+    assert await read_file(ws, "none.txt", 100, profile=PROFILE) == Result("none.txt does not exist", True)
 
 
 async def test_reading_a_binary_file_fails_saying_so(ws: Path) -> None:
     (ws / "a.bin").write_bytes(b"\x7fELF\x00\x01")
-    assert await read_file(ws, "a.bin", 100) == Result("a.bin is a binary file (6 bytes); it is not shown", True)
+    assert await read_file(ws, "a.bin", 100, profile=PROFILE) == Result(
+        "a.bin is a binary file (6 bytes); it is not shown", True
+    )
 
 
 async def test_invalid_utf8_is_read_with_replacement(ws: Path) -> None:
     (ws / "a.txt").write_bytes(b"caf\xe9")
-    assert await read_file(ws, "a.txt", 100) == Result("caf\ufffd")
+    assert await read_file(ws, "a.txt", 100, profile=PROFILE) == Result("caf\ufffd")
 
 
 async def test_a_write_creates_missing_directories_and_leaves_no_temp_file(ws: Path) -> None:

@@ -37,6 +37,9 @@ def moved(workspace: Path, what: str) -> str:
     )
 
 
+PROFILE = Profile(name="p", base_url="http://h/v1", model="m", workspace_roots=())  # Read's: commands run as nobody
+
+
 def profile(root: Path) -> Profile:
     return Profile(name="p", base_url="http://h/v1", model="m", workspace_roots=(str(root),))
 
@@ -80,7 +83,7 @@ async def test_a_write_into_a_workspace_swapped_for_a_link_to_root_is_refused(
 
 
 async def test_a_read_in_a_workspace_swapped_for_a_link_to_root_is_refused(swapped: Workspace) -> None:
-    assert await read_file(swapped, "etc/hostname", 1000) == Result(
+    assert await read_file(swapped, "etc/hostname", 1000, profile=PROFILE) == Result(
         moved(swapped.path, f"{swapped.path} is a symbolic link"), True
     )
 
@@ -115,7 +118,7 @@ async def test_a_directory_above_the_workspace_swapped_for_a_link_is_refused_eve
     workspace = Workspace(tmp_path / "a" / "c", pin(tmp_path / "a" / "c"))
     (tmp_path / "a").rename(tmp_path / "a.old")
     (tmp_path / "a").symlink_to(tmp_path / "a.old")  # the same directory, now reached through a link
-    assert await read_file(workspace, ".", 100) == Result(
+    assert await read_file(workspace, ".", 100, profile=PROFILE) == Result(
         moved(workspace.path, f"{tmp_path / 'a'} is a symbolic link"), True
     )
 
@@ -124,7 +127,7 @@ async def test_a_workspace_removed_is_refused_saying_it_does_not_exist(tmp_path:
     (tmp_path / "c").mkdir()
     workspace = Workspace(tmp_path / "c", pin(tmp_path / "c"))
     (tmp_path / "c").rmdir()
-    assert await read_file(workspace, "a.txt", 100) == Result(
+    assert await read_file(workspace, "a.txt", 100, profile=PROFILE) == Result(
         moved(tmp_path / "c", f"{tmp_path / 'c'} does not exist"), True
     )
 
@@ -153,7 +156,7 @@ async def test_reading_the_token_through_a_workspace_holding_the_state_directory
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "token").write_text("the token")
     workspace = Workspace(tmp_path, pin(tmp_path), private=(tmp_path / "state",))
-    assert await read_file(workspace, "state/token", 100) == Result(
+    assert await read_file(workspace, "state/token", 100, profile=PROFILE) == Result(
         f"refused: state/token is inside the daemon's own {tmp_path}/state, which no tool reads or writes; give "
         "another",
         True,
@@ -179,7 +182,7 @@ async def test_a_link_in_the_workspace_to_the_state_directory_reads_nothing_of_i
     (tmp_path / "ws").mkdir()
     (tmp_path / "ws" / "st").symlink_to(tmp_path / "state")
     workspace = Workspace(tmp_path / "ws", pin(tmp_path / "ws"), private=(tmp_path / "state",))
-    assert await read_file(workspace, "st/token", 100) == Result(
+    assert await read_file(workspace, "st/token", 100, profile=PROFILE) == Result(
         f"refused: st/token leads outside the workspace (to {tmp_path}/state/token) through a symbolic link", True
     )
 
@@ -242,7 +245,7 @@ def test_reads_and_writes_racing_1500_swaps_for_links_out_stay_inside(tmp_path: 
     try:
         for i in range(1500):
             seen.append(_write(workspace, "dir/f", f"inside {i}").text)
-            seen.append(_read(workspace, "dir/f", 100).text)
+            seen.append(_read(workspace, "dir/f", 100, PROFILE).text)
     finally:
         swapper.kill()
         swapper.wait()

@@ -590,7 +590,7 @@ class Driver(msgspec.Struct, eq=False):
         except tools.Refused as e:
             return tools.Result(f"refused: {e.why}", failed=True)
         if call.Read is not None:
-            return await tools.read_file(workspace, call.Read.path, profile.output_bytes_max)
+            return await tools.read_file(workspace, call.Read.path, profile.output_bytes_max, profile=profile)
         if call.Write is not None:
             return await tools.write_file(workspace, call.Write.path, call.Write.text)
         argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv]  # type: ignore[union-attr]

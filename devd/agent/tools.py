@@ -195,9 +195,10 @@ def _reach_file(workspace: Workspace, path: str, *, for_write: bool) -> tuple[in
 # -- Read and Write -----------------------------------------------------------------------------------------------
 
 
-async def read_file(workspace: Workspace | Path, path: str, limit_bytes: int) -> Result:
-    """The file's text (invalid UTF-8 replaced), at most `limit_bytes` of it with a note saying what was cut."""
-    return await anyio.to_thread.run_sync(_read, workspace, path, limit_bytes)
+async def read_file(workspace: Workspace | Path, path: str, limit_bytes: int, *, profile: Profile) -> Result:
+    """The file's text (invalid UTF-8 replaced), at most `limit_bytes` of it with a note saying what was cut; only
+    what the user the profile's commands run as could read (see `_unreadable`)."""
+    return await anyio.to_thread.run_sync(_read, workspace, path, limit_bytes, profile)
 
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -235,9 +236,10 @@ def _walk(workspace_fd: int, parts: Sequence[str], *, create: bool) -> tuple[int
     return fd, parts[-1] if parts else "."
 
 
-def _read(workspace: Workspace | Path, path: str, limit_bytes: int) -> Result:
+def _read(workspace: Workspace | Path, path: str, limit_bytes: int, profile: Profile) -> Result:
     try:
-        dir_fd, name = _reach_file(_pinned(workspace), path, for_write=False)
+        pinned = _pinned(workspace)
+        dir_fd, name = _reach_file(pinned, path, for_write=False)
     except Refused as e:
         return Result(f"refused: {e.why}", failed=True)
     except FileNotFoundError:
@@ -254,6 +256,13 @@ def _read(workspace: Workspace | Path, path: str, limit_bytes: int) -> Result:
     finally:
         os.close(dir_fd)
     st = os.fstat(fd)
+    try:
+        unreadable = _unreadable(pinned, profile, path, fd, st)
+    except (Refused, runas.Unusable) as e:
+        unreadable = f"cannot read {path}: {e.why}"
+    if unreadable is not None:
+        os.close(fd)
+        return Result(unreadable, failed=True)
     if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a directory with an exception
         try:
             if stat.S_ISDIR(st.st_mode):
@@ -269,6 +278,37 @@ def _read(workspace: Workspace | Path, path: str, limit_bytes: int) -> Result:
     if len(data) > limit_bytes:
         text += f"\n[cut: {st.st_size - limit_bytes} more bytes of {path} were not read]"
     return Result(text)
+
+
+def _unreadable(workspace: Workspace, profile: Profile, path: str, fd: int, st: os.stat_result) -> str | None:
+    """Why Read refuses the file open at `fd` (what the model is told), or None. Read runs in the daemon, as root
+    under a root daemon, and the model must not get from it what the workspace's commands could not read themselves:
+    a command that hard-links /etc/shadow into the workspace (the kernel lets it where fs.protected_hardlinks is 0,
+    its default), or moves a file it cannot read there, would have Read show it. So a file or directory that the
+    commands' user (`devd.agent.runas`) neither owns nor may read by its mode and ACL is refused. Root's own files
+    in root's workspace are not asked: those with a single link (and directories) are the user's to read by the
+    grant made as its first command runs; a multi-link one, which the grant leaves alone, is asked like any other.
+    Under a daemon that is not root, commands run as the daemon, and Read reads with their rights already."""
+    if os.geteuid() != 0 or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return None
+    root = workspace.open()
+    try:
+        owner = os.fstat(root).st_uid
+        if owner == 0 and st.st_uid == 0 and (st.st_nlink == 1 or stat.S_ISDIR(st.st_mode)):
+            return None
+        # A workspace that is not root's runs its commands as its owner (runas.account gives nothing then).
+        user = runas.account(profile, root, str(workspace.path)) if owner != 0 else runas.run_as(profile)
+    finally:
+        os.close(root)
+    if user is None or st.st_uid == user.uid or runas.readable(fd, user):
+        return None
+    links = "one link" if st.st_nlink == 1 else f"{st.st_nlink} links"
+    return (
+        f"refused: {path} is uid {st.st_uid}'s (mode {stat.S_IMODE(st.st_mode):04o}, {links}), and uid {user.uid}, "
+        "as whom this workspace's commands run, may not read it; Read shows only what those commands could read (a "
+        f"hard link to a file outside the workspace reads nothing of it): make it readable to uid {user.uid} first "
+        "if it should be read"
+    )
 
 
 def _listing(directory_fd: int, most: int = 50) -> str:
