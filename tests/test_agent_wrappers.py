@@ -84,3 +84,48 @@ def test_a_login_shell_reads_its_homes_startup_files_so_is_blind_though_its_scri
 def test_wrappers_nested_past_the_bound_are_blind() -> None:
     seen = see(["nice"] * (LAYERS_MAX + 5) + ["ls"])
     assert (len(seen.layers), seen.blind) == (LAYERS_MAX + 1, f"it wraps commands more than {LAYERS_MAX} deep")
+
+
+def test_gits_own_options_are_stripped_so_a_rule_sees_the_subcommand() -> None:
+    assert see(["git", "-C", ".", "--no-pager", "push", "origin"]) == Seen(
+        (("git", "-C", ".", "--no-pager", "push", "origin"), ("git", "push", "origin"))
+    )
+
+
+def test_a_shells_valued_option_in_a_cluster_takes_its_value_before_the_script() -> None:
+    assert see(["bash", "-oc", "posix", "rm x"]).layers[1:] == (("rm", "x"),)
+
+
+def test_an_argument_naming_a_watched_program_makes_a_program_not_known_inert_blind() -> None:
+    assert (
+        see(["ssh", "h", "rm", "x"], frozenset({"rm"})).blind
+        == "ssh's argument 'rm' names the program rm, which ssh may run"
+    )
+
+
+def test_an_argument_with_shell_syntax_makes_a_program_not_known_inert_blind() -> None:
+    assert (
+        see(["curl", "a;b"]).blind == "curl's argument 'a;b' holds shell syntax (';'), which curl may run as a command"
+    )
+
+
+def test_an_option_that_names_a_command_is_blind() -> None:
+    assert see(["tar", "-xIf", "./x", "a.tar"]).blind == (
+        "tar's option -I names a command for it to run, which is not read here"
+    )
+
+
+def test_a_program_whose_arguments_are_data_is_not_blind_for_them() -> None:
+    assert see(["grep", "-E", "rm|sh", "f"], frozenset({"rm"})) == Seen((("grep", "-E", "rm|sh", "f"),))
+
+
+def test_xargs_command_is_blind_unless_inert_as_it_is_given_words_from_the_input() -> None:
+    assert see(["xargs", "-I", "X", "sh", "-c", "X"]).blind == (
+        "xargs gives sh words read from its input, which may name a command for it to run"
+    )
+
+
+def test_a_git_subcommand_that_runs_a_command_it_is_given_is_blind() -> None:
+    assert see(["git", "rebase", "-x", "make", "main"]).blind == (
+        "git rebase -x names a command for git to run, which is not read here"
+    )

@@ -185,6 +185,34 @@ def test_a_command_the_rules_cannot_see_into_is_asked_about_saying_why_though_ex
     )
 
 
+def test_a_deny_rule_sees_through_a_shells_valued_options_and_asks_about_setpriv_and_neither_runs(
+    tmp_path: Path, standin: Standin
+) -> None:
+    agentd = start(tmp_path, standin, exec='"allow"', rules='[ { prefix = ["touch"], decision = "deny" } ]')
+    calls = [
+        ("exec", {"argv": ["bash", "-oc", "posix", "touch marker"]}),
+        ("exec", {"argv": ["setpriv", "touch", "marker"]}),
+    ]
+    standin.script(Scripted(tool_calls=calls), Scripted(text="done"))
+    with agentd.daemon, agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        params = approval(c, session, "touch it")
+        answer(c, params, "deny")
+        until_done(c)
+    assert (params["op"], params["why"], tool_texts(standin, 1), (agentd.workspace / "marker").exists()) == (
+        {"Exec": {"argv": ["setpriv", "touch", "marker"]}},
+        "setpriv runs code that its arguments do not show as a command, and agent 'coder' has rules that deny or ask "
+        "(prefix = ['touch']) which what it runs could match: a person decides",
+        [
+            "error: denied by the policy: the rule prefix = ['touch'] of agent 'coder' says deny (the command runs "
+            "touch marker)",
+            f"error: denied by ui-1 {PEER}: the user did not approve this call",
+        ],
+        False,
+    )
+
+
 def test_one_ui_approves_the_other_is_told_conflict_naming_who_and_the_command_runs_once(agentd: Agentd) -> None:
     mark_then_finish(agentd.standin)
     with agentd.client("ui-1") as one, agentd.client("ui-2") as two:

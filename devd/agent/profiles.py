@@ -337,8 +337,9 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
     whose prefix matches the command that runs in the end (seen through wrappers, `devd.agent.wrappers`) decide, and
     a deny or ask rule matching a wrapper of it too, the strictest winning (deny over ask over allow); a call no rule
     matches is decided by `exec`. A command that may run what its argv does not show (`sh -c` of more than one
-    simple command, `python -c`, a program in the workspace) is asked about rather than allowed when the profile
-    has a deny or ask rule, unless an allow rule matches that very command."""
+    simple command, `python -c`, a program in the workspace, a program not known to be inert given an argument that
+    names a program a deny or ask rule names) is asked about rather than allowed when the profile has a deny or ask
+    rule, unless an allow rule matches that very command."""
     refused = _nul(call)
     if refused is not None:
         return "deny", refused
@@ -354,7 +355,9 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
     argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv] if call.Git is not None else []
     decision: Decision = profile.exec
     reason = f'agent {profile.name!r} has exec = "{profile.exec}"'
-    seen = wrappers.see(argv)
+    stricter = [r for r in profile.rules if r.decision != "allow"]
+    # An argument naming a program a deny or ask rule names may be a command that program runs (`ssh-agent rm x`).
+    seen = wrappers.see(argv, frozenset(wrappers.program(r.prefix[0]) for r in stricter))
     last = len(seen.layers) - 1
     # An allow rule counts for the command that runs in the end only: one of a wrapper would allow what it wraps.
     matching = [
@@ -372,7 +375,6 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
         allowed_as_is = decision == "allow" and at == seen.blind_at
     else:
         allowed_as_is = False
-    stricter = [r for r in profile.rules if r.decision != "allow"]
     if decision == "allow" and seen.blind is not None and stricter and not allowed_as_is:
         decision = "ask"
         reason = (

@@ -1,12 +1,24 @@
 """What a command runs, as far as its argv shows: the commands a wrapper runs (`env rm`, `timeout 5 rm`, `sh -c
-'rm x'`), and where the argv stops showing it (`python -c`, a program at a path of the workspace). Pure: no I/O.
+'rm x'`, `git -C . push`), and where the argv stops showing it (`python -c`, a program at a path of the workspace,
+`tar --to-command=...`). Pure: no I/O.
 
 The policy's rules (`devd.agent.profiles.decide`) match every command `see` finds, so a deny rule is not bypassed by a
-wrapper; where it is blind, the policy asks instead of allowing. What it promises, and no more: each wrapper of
-`WRAPPERS` is stripped with its options (an option it does not know makes it blind rather than guess), a program is
-named by its basename, a shell's `-c` script that is one simple command (words, quotes, no expansion, redirection or
-second command) is read as that command and anything else it is given is blind, and every program of `BLIND` is
-blind. Rules are advice to the model's commands, not a boundary: a program can run another in ways no argv shows
+wrapper; where it is blind, the policy asks instead of allowing. What it promises, and no more:
+- each wrapper of `WRAPPERS` is stripped with its options (an option it does not know makes it blind rather than
+  guess); a program is named by its basename; git's own options before its subcommand are stripped (`git -C . push`
+  is `git push`), and what it runs besides (`GIT_RUNS`, `GIT_SUBCOMMAND_RUNS`: `rebase -x`, `bisect run`, ...) is blind;
+- a shell's options are read (`-o VALUE`, `-O VALUE` in a cluster too: `-oc posix 'rm x'`); its `-c` script that is
+  one simple command (words, quotes, globs in its arguments; no expansion, redirection, keyword or second command) is
+  read as that command, and anything else it is given is blind;
+- every program of `BLIND` is blind (interpreters, runners that take a command in a form not read here);
+- the one rule for every other program: it is taken to run nothing else when it is one of `INERT` (programs whose
+  arguments are data, never a command), and otherwise it is blind when an argument looks like a command: it holds
+  shell syntax (`;`, `|`, `&`, `$`, a backquote, a newline), or a word of it names a program that runs commands (a
+  shell, a wrapper, a program of `BLIND`) or one the caller watches (the programs its deny and ask rules name), or it
+  is an option of `COMMAND_OPTIONS` (`tar -I`, `rsync -e`, `sort --compress-program`), or a sed script's `e`;
+- xargs's command is blind unless it is one of `INERT`, since words from its input are added to it, and so is one
+  whose program is xargs's `-I` placeholder (as find's `{}`).
+Rules are advice to the model's commands, not a boundary: a program can run another in ways no argv shows
 (a Makefile, a test suite, a git hook), which is what the sandbox is for.
 """
 
@@ -78,8 +90,21 @@ WRAPPERS: dict[str, Options] = {
 }
 
 # Shells: `-c SCRIPT` is read when it is one simple command; any other use runs what argv does not show.
-SHELLS = frozenset("sh bash dash zsh ksh mksh ash yash fish csh tcsh".split())
-_SHELL_VALUED = frozenset("-o +o -O +O --rcfile --init-file".split())
+SHELLS = frozenset("sh bash rbash dash zsh ksh mksh lksh oksh loksh posh ash yash fish csh tcsh".split())
+# Their options (bash's, which the others' are a part of): letters alone or in a cluster, `o` and `O` taking the next
+# word as their value for each time they occur in it (`-oc posix` is `-o posix -c`); an option not here is blind.
+_SHELL_LETTERS = frozenset("abcefhiklmnprstuvxBCDEHPT")
+_SHELL_LETTERS_VALUED = frozenset("oO")
+_SHELL_LONG = frozenset(
+    "--login --noprofile --norc --posix --restricted --verbose --noediting --debugger --dump-strings --dump-po-strings "
+    "--wordexp --protected --help --version".split()
+)
+_SHELL_LONG_VALUED = frozenset("--rcfile --init-file".split())
+# Words that begin a shell's compound command or change what the next word is: a script starting with one is not
+# one simple command.
+_SHELL_KEYWORDS = frozenset(
+    "if then else elif fi case esac for select while until do done in function time coproc ! { } [[ ]]".split()
+)
 # Shells that read startup files from their home (a command's HOME is its workspace) before any script: zsh's
 # .zshenv, fish's config.fish, csh's .cshrc. Any other shell does so as a login (-l) or interactive (-i) shell.
 _STARTUP_ALWAYS = frozenset("zsh fish csh tcsh".split())
@@ -88,25 +113,114 @@ _STARTUP_OPTIONS = frozenset("--login --rcfile --init-file --interactive".split(
 # Programs that run code their argv does not show as a command: interpreters (inline code or a file), the shell's
 # builtins that run a string, and runners that take a command in a form not read here.
 BLIND = frozenset(
-    "python pypy perl ruby node nodejs deno bun php lua luajit tclsh wish Rscript awk gawk mawk nawk jq "
-    "eval trap source . fc "
-    "sudo doas su runuser chroot chrt taskset flock unshare nsenter strace ltrace gdb valgrind watch parallel "
-    "systemd-run script expect fakeroot proot firejail bwrap numactl prlimit cgexec".split()
+    "python pypy perl ruby node nodejs deno bun php lua luajit tclsh wish Rscript awk gawk mawk nawk busybox-awk jq "
+    "pwsh nu elvish xonsh rc es "
+    "eval trap source . fc enable coproc "
+    "sudo doas su runuser pkexec sg newgrp setpriv runcon chroot chrt taskset flock unshare nsenter prlimit "
+    "strace ltrace gdb lldb valgrind perf catchsegv watch parallel systemd-run systemd-inhibit caffeinate script "
+    "expect fakeroot proot firejail bwrap numactl cgexec logsave ssh-agent dbus-run-session dbus-launch eatmydata "
+    "faketime unbuffer rlwrap torsocks proxychains proxychains4 tsocks chpst setuidgid softlimit envdir daemonize "
+    "start-stop-daemon tmux screen at batch entr "
+    "setarch linux32 linux64 uname26 "
+    "vi vim nvim view ex vimdiff rvim gvim emacs emacsclient nano".split()
 )
 _VERSIONED = re.compile(r"[0-9.]+$")  # python3.12, perl5.36, lua5.4, ksh93: named without their version
 _INTERPRETER = re.compile(r"(python|pypy|perl|ruby|node|php|lua)[0-9.]*[-_.]")  # python3.12-dbg, php-cgi
+# The dynamic loader runs the program it is given (ld.so, ld-linux-x86-64.so.2, ld-musl-x86_64.so.1), and setarch's
+# names for an architecture run theirs (`x86_64 rm x`, `i386 sh`).
+_LOADER = re.compile(r"ld([-.].*)?\.so(\.[0-9]+)*")
+_ARCH = re.compile(
+    r"i[3-6]86|x86_64|amd64|aarch64|arm(v[0-9]+[a-z]*)?|ppc(32|64)?(le)?|s390x?|sparc(32|64)?|mips(64)?(el)?|"
+    r"parisc(32|64)?|ia64|alpha|riscv(32|64)|loongarch64|m68k|sh[0-9]+"
+)
+
+# Programs whose arguments are data, never a command (coreutils and the like): an argument naming a program, or
+# holding shell syntax, is not run by them. Any other program with such an argument is blind.
+INERT = frozenset(
+    "ls cat tac head tail wc cut paste join tr uniq comm fold fmt nl od expand unexpand rev column echo printf pwd "
+    "true false test [ mkdir rmdir touch cp mv ln rm unlink chmod chown chgrp stat du df basename dirname realpath "
+    "readlink date sleep seq tee diff cmp md5sum sha1sum sha224sum sha256sum sha384sum sha512sum b2sum cksum sum "
+    "base32 base64 xxd hexdump file which whoami id uname hostname grep egrep fgrep mktemp truncate shred sync split "
+    "csplit yes expr tree nproc arch printenv dd".split()
+)
+# Options that name a command the program runs (`tar --to-command=CMD`, `rsync -e CMD`), by program. A long option
+# matches itself and `OPTION=VALUE`, a short one also with its value attached (`-Icmd`), and in a cluster of letters
+# (`tar -xIf`) for the programs of `_CLUSTERING`; `+` matches any word starting with it (less's `+!cmd`).
+COMMAND_OPTIONS: dict[str, frozenset[str]] = {
+    name: frozenset(options.split())
+    for names, options in (
+        (
+            "tar",
+            "--to-command --use-compress-program --checkpoint-action --info-script --new-volume-script "
+            "--rmt-command --rsh-command -I -F",
+        ),
+        ("rsync", "-e --rsh --rsync-path"),
+        ("man", "-P --pager -H --html"),
+        ("less more most", "+"),
+        ("sort", "--compress-program"),
+        ("cc gcc g++ c++ clang clang++", "-wrapper -B -specs --specs -fplugin -fuse-ld --ld-path"),
+        ("make gmake", "--eval -E"),
+        ("ssh scp sftp", "-o -F -S"),
+        ("zip", "-TT --unzip-command"),
+        ("sdiff diff3", "--diff-program"),
+        ("wget", "--use-askpass"),
+        ("rg", "--pre"),
+        ("install", "--strip-program"),
+    )
+    for name in names.split()
+}
+_CLUSTERING = frozenset("tar rsync ssh scp sftp zip sort man".split())
+# Names of programs that run commands which are as often plain words of an argument (`make -C .`, `--when at`):
+# not taken for a program there (the rules' own programs always are).
+_PLAIN_WORDS = frozenset(". .. at batch es rc nu ex view alpha arm".split())
+# Characters with which a string is a shell's script rather than words: a program given it may hand it to a shell.
+_SHELL_SYNTAX = frozenset(";|&`$\n")
+# sed's `e` command (`1e CMD`) and `s///e` flag run a command.
+_SED_RUNS = (
+    re.compile(r"(^|[;\n{}!0-9$/,~])\s*e(\s|$|[;}])"),
+    re.compile(r"s(.)(?:\\.|(?!\1).)*\1(?:\\.|(?!\1).)*\1[^;\n}]*e"),
+)
 # find's actions that run a command: the words after one, up to `;` or `+`.
 FIND_RUNS = frozenset(("-exec", "-execdir", "-ok", "-okdir"))
 # git's options that name a command git runs (an alias `!cmd`, core.pager, core.sshCommand; a directory of its own
 # subcommands): what it runs is not its argv.
 GIT_RUNS = ("-c", "--config-env", "--exec-path")
-_GIT_VALUED = frozenset("-C --git-dir --work-tree --namespace --super-prefix --attr-source".split())
+_GIT_VALUED = frozenset("-C --git-dir --work-tree --namespace --super-prefix --attr-source --list-cmds".split())
+_GIT_FLAGS = frozenset(
+    "--no-pager -P -p --paginate --bare --no-replace-objects --literal-pathspecs --glob-pathspecs --noglob-pathspecs "
+    "--icase-pathspecs --no-optional-locks --no-advice --no-lazy-fetch --version --help -h --html-path --man-path "
+    "--info-path".split()
+)
+# git's subcommands that run a command they are given: by an option (`rebase -x CMD`), by a word (`bisect run CMD`,
+# `submodule foreach CMD`), or always (`mergetool`, `filter-branch`'s filters, `instaweb`'s server).
+GIT_SUBCOMMAND_RUNS: dict[str, frozenset[str]] = {
+    sub: frozenset(runs.split())
+    for subs, runs in (
+        ("rebase", "-x --exec"),
+        ("bisect", "run"),
+        ("submodule", "foreach"),
+        ("difftool", "-x --extcmd"),
+        ("mergetool filter-branch instaweb daemon web--browse", "*"),
+        ("fetch pull clone ls-remote archive", "--upload-pack -u --exec"),
+        ("push send-pack", "--receive-pack --exec"),
+        ("send-email", "--smtp-server --to-cmd --cc-cmd --sendmail-cmd"),
+        ("grep", "-O --open-files-in-pager"),
+    )
+    for sub in subs.split()
+}
+# `git config KEY VALUE` setting a key that names a command git runs later (core.pager, core.sshCommand, alias.x,
+# a hook, an editor, a filter or diff driver), or editing the file (`-e`: the editor), is blind.
+_GIT_CONFIG_RUNS = re.compile(
+    r"(?i)command|cmd|hook|editor|edit|pager|ssh|program|helper|alias|textconv|filter|driver|tool|browser|askpass|"
+    r"exec|sendmail|proxy|fsmonitor|gpg|include|credential|^-e$"
+)
 # Where a program named by path is one of the system's, named by its basename; anywhere else (the workspace, /tmp)
 # it may be any program copied or written there.
 SYSTEM_DIRS = frozenset("/bin /sbin /usr/bin /usr/sbin /usr/local/bin /usr/local/sbin".split())
 # A shell script read as one simple command: words of these characters, quoted or not; nothing the shell expands,
 # redirects, joins or comments.
-_SIMPLE_SCRIPT = re.compile(r"""[A-Za-z0-9_./=:,+@%^ \t'"-]*""")
+_SIMPLE_SCRIPT = re.compile(r"""[A-Za-z0-9_./=:,+@%^*?\[\] \t'"-]*""")
+_GLOB = frozenset("*?[")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
@@ -125,8 +239,9 @@ def program(word: str) -> str:
     return os.path.basename(word)
 
 
-def see(argv: list[str] | tuple[str, ...]) -> Seen:
-    """The commands argv runs, through every wrapper it can see through, and why it is blind where it is."""
+def see(argv: list[str] | tuple[str, ...], watched: frozenset[str] = frozenset()) -> Seen:
+    """The commands argv runs, through every wrapper it can see through, and why it is blind where it is. `watched`
+    names programs an argument of a program not `INERT` must not name (the policy's deny and ask rules')."""
     layers: list[tuple[str, ...]] = []
     blind: tuple[str, int] | None = None
     current: tuple[str, ...] | None = tuple(argv)
@@ -135,16 +250,33 @@ def see(argv: list[str] | tuple[str, ...]) -> Seen:
         if len(layers) > LAYERS_MAX:
             blind = blind or (f"it wraps commands more than {LAYERS_MAX} deep", len(layers) - 1)
             break
-        current, why = _inside(current)
+        current, why = _inside(current, watched)
         if why is not None:
             blind = blind or (why, len(layers) - 1)
     return Seen(tuple(layers), *(blind or (None, None)))
 
 
+def runs_commands(name: str) -> bool:
+    """Whether a program of this name runs a command given in its arguments: a shell, a wrapper, find, git,
+    a program of `BLIND` (an interpreter, a runner), the loader or an architecture's name (setarch)."""
+    bare = _VERSIONED.sub("", name)
+    return (
+        name in SHELLS
+        or bare in SHELLS
+        or name in BLIND
+        or bare in BLIND
+        or name in WRAPPERS
+        or name in ("find", "git")
+        or _INTERPRETER.match(name) is not None
+        or _LOADER.fullmatch(name) is not None
+        or _ARCH.fullmatch(name) is not None
+    )
+
+
 Inside = tuple[tuple[str, ...] | None, str | None]  # the command run inside (None: none), and why more may run
 
 
-def _inside(argv: tuple[str, ...]) -> Inside:
+def _inside(argv: tuple[str, ...], watched: frozenset[str]) -> Inside:
     """The command argv runs inside it (None: it is the command itself), and why it may run what argv does not
     show (None: it does not)."""
     first = argv[0]
@@ -153,18 +285,86 @@ def _inside(argv: tuple[str, ...]) -> Inside:
         return None, f"{first} is a program at a path outside the system's directories: what it runs cannot be seen"
     if name in SHELLS or _VERSIONED.sub("", name) in SHELLS:
         return _script(name, argv[1:])
-    if name in BLIND or _VERSIONED.sub("", name) in BLIND or _INTERPRETER.match(name):
-        return None, f"{name} runs code that its arguments do not show as a command"
     if name == "find":
         return _find(argv[1:])
     if name == "git":
         return _git(argv[1:])
-    options = WRAPPERS.get(name)
-    if options is None:
-        return None, None
-    if name in ("busybox", "toybox"):
+    if name in ("busybox", "toybox"):  # `busybox rm`: the next word is the program
         return argv[1:] or None, None
-    return _unwrap(name, options, argv[1:])
+    options = WRAPPERS.get(name)
+    if options is not None:
+        inner, why = _unwrap(name, options, argv[1:])
+        return inner, why if why is not None or name != "xargs" else _fed(argv[1:], inner)
+    if runs_commands(name):
+        return None, f"{name} runs code that its arguments do not show as a command"
+    if name in INERT:
+        return None, None
+    return None, _looks_like_a_command(name, argv[1:], watched)
+
+
+def _looks_like_a_command(name: str, args: tuple[str, ...], watched: frozenset[str]) -> str | None:
+    """Why a program not known to be inert may run a command one of its arguments gives, or None: an option that
+    names one (`COMMAND_OPTIONS`, sed's `e`), shell syntax, or a word naming a program that runs commands or one
+    the rules watch."""
+    options = COMMAND_OPTIONS.get(name, frozenset())
+    for at, word in enumerate(args):
+        option = _command_option(name, options, word, first=at == 0)
+        if option is not None:
+            return f"{name}'s option {option} names a command for it to run, which is not read here"
+        if name == "sed" and any(runs.search(word) for runs in _SED_RUNS):
+            return f"sed's script {_short(word)} may hold its e command, which runs a command"
+        value = word.partition("=")[2] if word.startswith("-") else word
+        syntax = next((c for c in value if c in _SHELL_SYNTAX), None)
+        if syntax is not None:
+            return (
+                f"{name}'s argument {_short(word)} holds shell syntax ({syntax!r}), which {name} may run as a command"
+            )
+        for part in value.split():
+            named = program(part.lstrip("+!:'\""))
+            if named in watched or (named not in _PLAIN_WORDS and runs_commands(named)):
+                return f"{name}'s argument {_short(word)} names the program {named}, which {name} may run"
+    return None
+
+
+def _command_option(name: str, options: frozenset[str], word: str, first: bool) -> str | None:
+    """The option of `COMMAND_OPTIONS` this word is or holds, or None."""
+    if "+" in options and word.startswith("+"):
+        return word
+    key = word.partition("=")[0]
+    if key in options:
+        return key
+    for option in options:
+        if len(option) == 2 and option[0] == "-" and word.startswith(option):  # `-Icmd`
+            return option
+    cluster = word[1:] if word[:1] == "-" and word[1:2] != "-" else word if first and name == "tar" else ""
+    if name in _CLUSTERING and cluster.isalpha():  # `tar -xIf`, `tar xIf` (its old first word), `rsync -avze`
+        return next((f"-{c}" for c in cluster if f"-{c}" in options), None)
+    return None
+
+
+def _short(word: str) -> str:
+    """A word as a reason quotes it: at most 60 characters of it."""
+    return repr(word) if len(word) <= 60 else f"{word[:60]!r}..."
+
+
+def _fed(args: tuple[str, ...], inner: tuple[str, ...] | None) -> str | None:
+    """Why xargs's command may run what its argv does not show: words from xargs's input are added to it, or its
+    program is the `-I` placeholder, unless it is a program of `INERT`."""
+    if inner is None:
+        return None
+    options = args[: len(args) - len(inner)]
+    replace = None
+    for at, word in enumerate(options):
+        if word == "-I" and at + 1 < len(options):
+            replace = options[at + 1]
+        elif word.startswith(("-I", "-i", "--replace")):
+            replace = word[2:] if word[1] != "-" else word.partition("=")[2]
+            replace = replace or "{}"
+    if replace is not None and replace in inner[0]:
+        return f"xargs takes the program it runs from its input (its placeholder {replace!r})"
+    if program(inner[0]) not in INERT:
+        return f"xargs gives {program(inner[0])} words read from its input, which may name a command for it to run"
+    return None
 
 
 def _unwrap(name: str, options: Options, args: tuple[str, ...]) -> Inside:
@@ -217,7 +417,8 @@ def _option(options: Options, word: str, following: tuple[str, ...]) -> int | No
 
 
 def _find(args: tuple[str, ...]) -> Inside:
-    """The command find runs for each file (`-exec CMD ... ;`): the first one; more than one is blind."""
+    """The command find runs for each file (`-exec CMD ... ;`): the first one; more than one is blind, and so is
+    one whose program is the file found (`-exec {} ;`)."""
     runs: list[tuple[str, ...]] = []
     i = 0
     while i < len(args):
@@ -227,19 +428,47 @@ def _find(args: tuple[str, ...]) -> Inside:
             i = end
         i += 1
     runs = [run for run in runs if run]
+    if not runs:
+        return None, None
+    if "{}" in runs[0][0]:
+        return None, "find runs the files it finds as the program (-exec {}), which the argv does not show"
     if len(runs) > 1:
         return runs[0], "find runs more than one command (-exec), and only the first is read here"
-    return (runs[0] if runs else None), None
+    return runs[0], None
 
 
 def _git(args: tuple[str, ...]) -> Inside:
-    """git runs what its argv shows, unless an option names a command for it to run."""
+    """git runs what its argv shows, unless an option names a command for it to run. Its own options before the
+    subcommand are stripped (`git -C . push` runs `git push`, which a rule for ["git", "push"] matches)."""
     i = 0
     while i < len(args) and args[i].startswith("-"):  # git's own options end at the subcommand
         word = args[i]
-        if word in GIT_RUNS or word.startswith(tuple(f"{o}=" for o in GIT_RUNS[1:])) or word.startswith("-c"):
+        key = word.partition("=")[0]
+        if key in GIT_RUNS or (word.startswith("-c") and word != "-C"):
             return None, f"git {word} can name a command git runs (an alias, a pager, an ssh command)"
-        i += 2 if word in _GIT_VALUED else 1
+        if key in _GIT_VALUED:
+            i += 1 if "=" in word else 2
+        elif word in _GIT_FLAGS:
+            i += 1
+        elif word.startswith("-C"):  # -Cdir
+            i += 1
+        else:
+            return None, f"git's option {word} is not known here, so what it runs cannot be told"
+    if i > 0:
+        return (("git", *args[i:]) if i < len(args) else None), None
+    if not args:
+        return None, None
+    sub, rest = args[0], args[1:]
+    runs = GIT_SUBCOMMAND_RUNS.get(sub, frozenset())
+    if "*" in runs:
+        return None, f"git {sub} runs commands its arguments or configuration name"
+    for word in rest:
+        key = word.partition("=")[0]
+        short = word[:1] == "-" and word[1:2] != "-"
+        if key in runs or (short and any(len(r) == 2 and r[1] in word[1:] for r in runs if r[:2] != "--")):
+            return None, f"git {sub} {word} names a command for git to run, which is not read here"
+    if sub == "config" and any(_GIT_CONFIG_RUNS.search(word) for word in rest):
+        return None, "git config sets a key that can name a command git runs later (a pager, an alias, a hook)"
     return None, None
 
 
@@ -250,14 +479,22 @@ def _script(shell: str, args: tuple[str, ...]) -> Inside:
     i = 0
     while i < len(args) and args[i][:1] in ("-", "+") and args[i] not in ("-", "--"):
         word = args[i]
-        short = word[:1] == "-" and word[1:2] != "-"  # a cluster of letters: -lc is -l -c
-        startup = startup or word in _STARTUP_OPTIONS or (short and not {"l", "i"}.isdisjoint(word[1:]))
-        if word in _SHELL_VALUED:
-            i += 2
-            continue
-        if not word.startswith("--"):
-            command = command or "c" in word[1:]
         i += 1
+        if word.startswith("--"):
+            key = word.partition("=")[0]
+            startup = startup or key in _STARTUP_OPTIONS
+            if key in _SHELL_LONG_VALUED:
+                i += 0 if "=" in word else 1
+            elif word not in _SHELL_LONG:
+                return None, f"{shell}'s option {word} is not known here, so the script it runs cannot be told"
+            continue
+        for letter in word[1:]:  # a cluster: -lc is -l -c, -oc posix is -o posix -c
+            if letter in _SHELL_LETTERS_VALUED:
+                i += 1
+            elif letter not in _SHELL_LETTERS:
+                return None, f"{shell}'s option {word} is not known here, so the script it runs cannot be told"
+        startup = startup or (word[0] == "-" and not {"l", "i"}.isdisjoint(word[1:]))
+        command = command or (word[0] == "-" and "c" in word[1:])
     if i < len(args) and args[i] == "--":
         i += 1
     if not command or i >= len(args):
@@ -269,7 +506,8 @@ def _script(shell: str, args: tuple[str, ...]) -> Inside:
             words = shlex.split(script)
         except ValueError:  # an unclosed quote: the shell refuses it too, but it is not read as a command here
             words = []
-    if not words:
+    # A keyword begins a compound command; a glob in the program's name could match any program.
+    if not words or words[0] in _SHELL_KEYWORDS or (words[0] != "[" and not _GLOB.isdisjoint(words[0])):
         return None, f"{shell} -c runs a script that is not one simple command, which is not read here"
     if _ASSIGNMENT.match(words[0]):
         while words and _ASSIGNMENT.match(words[0]):
