@@ -16,9 +16,14 @@ what its commands print, a reason that quotes any of these) is shown through one
 - `json_safe(raw)`: JSON for people: the characters below that JSON leaves raw, as `\\uXXXX` (the same value).
 
 The characters: the C0 controls, DEL, the C1 controls, the line and paragraph separators U+2028/U+2029, the bidi
-controls (U+061C, U+200E/U+200F, U+202A–U+202E, U+2066–U+2069 and the deprecated U+206A–U+206F), the invisible
-U+200B, U+2060–U+2064 and U+FEFF, and lone surrogates (which cannot be written at all). Every other character (é, 日本,
-emoji, and the joiners U+200C/U+200D that emoji and scripts need) is shown as it is.
+controls (U+061C, U+200E/U+200F, U+202A–U+202E, U+2066–U+2069 and the deprecated U+206A–U+206F), the default-ignorable
+and invisible code points that could make a changed text read the same (U+00AD, U+034F, the Hangul fillers U+115F,
+U+1160, U+3164 and U+FFA0, U+17B4/5, U+180B–U+180F, U+200B, U+2060–U+2064, U+FEFF, U+1D173–U+1D17A, the tags
+U+E0000–U+E007F and the rest of U+E0000–U+E0FFF), and lone surrogates (which cannot be written at all). Where a text
+is shown exactly (`argv`, `inline`, `block`, `json_safe`), also the joiners U+200C/U+200D, the variation selectors and
+the spaces other than U+0020 (U+00A0, U+2000–U+200A, U+3000, ...); prose keeps these, which scripts and emoji need.
+An emoji sequence (pictographs joined by U+200D, with a variation selector, a skin tone, a keycap or a flag's tags) is
+shown as it is everywhere. Every other character (é, 日本) is shown as it is.
 """
 
 from __future__ import annotations
@@ -29,11 +34,35 @@ from collections.abc import Sequence
 
 __all__ = ["Streamed", "argv", "block", "inline", "json_safe", "prose"]
 
-# Beside the controls: what reorders text or hides in it.
-_UNSEEN = "\u061c\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ud800-\udfff"
-_INLINE = re.compile(f"[\x00-\x1f\x7f-\x9f{_UNSEEN}]")
-_BLOCK = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_UNSEEN}]")  # keeps \t and \n
-_JSON = re.compile(f"[\x7f-\x9f{_UNSEEN}]")  # JSON escapes the C0 controls itself; outside strings it has only ASCII
+# Beside the controls: what reorders text or hides in it, escaped wherever it is shown. The bidi controls; the line
+# and paragraph separators; the default-ignorable code points that no text shown here needs (a soft hyphen, the
+# combining grapheme joiner, the Hangul fillers, Khmer's inherent vowels, Mongolian's selectors and vowel separator,
+# U+200B, the invisible operators U+2060-U+206F, U+FEFF, U+FFF0-U+FFF8, the shorthand and musical format controls, the
+# unassigned U+E0000-U+E0FFF), and lone surrogates. Each can make two different texts read the same.
+_UNSEEN = (
+    "\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b\u200e\u200f\u2028-\u202e\u2060-\u206f"
+    "\u3164\ufeff\uffa0\ufff0-\ufff8\ud800-\udfff\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e001f"
+    "\U000e0080-\U000e00ff\U000e01f0-\U000e0fff"
+)
+# The tag characters, which hide whole ASCII texts: shown only as the end of an emoji flag (see _EMOJI).
+_TAGS = "\U000e0020-\U000e007f"
+# What emoji and some scripts need but reads as nothing alone (ZWNJ, ZWJ, the variation selectors), and the spaces
+# other than U+0020 that read as one: kept in prose, escaped where a text is shown exactly (a path, a command, a diff)
+# unless they are part of an emoji.
+_EXACT_ONLY = "\u200c\u200d\ufe00-\ufe0f\U000e0100-\U000e01ef\u00a0\u1680\u2000-\u200a\u202f\u205f\u2800\u3000"
+# An emoji sequence (approximately Unicode's: pictographs, a keycap, a presentation selector or skin tone, joined by
+# ZWJ, a flag's tags), kept whole: what it holds is part of one picture.
+_PICTOGRAPH = (
+    "\u00a9\u00ae\u203c\u2049\u2122\u2139\u2194-\u21aa\u231a-\u23ff\u24c2\u25aa-\u27bf\u2934\u2935\u2b05-\u2b55"
+    "\u3030\u303d\u3297\u3299\U0001f000-\U0001faff"
+)
+_ELEMENT = f"(?:[{_PICTOGRAPH}][\ufe0f\U0001f3fb-\U0001f3ff]?|[0-9#*]\ufe0f?\u20e3)"
+_EMOJI = f"(?P<emoji>{_ELEMENT}(?:\u200d{_ELEMENT})*(?:[\U000e0020-\U000e007e]+\U000e007f)?)"
+_INLINE = re.compile(f"{_EMOJI}|[\x00-\x1f\x7f-\x9f{_UNSEEN}{_TAGS}{_EXACT_ONLY}]")
+_BLOCK = re.compile(f"{_EMOJI}|[\x00-\x08\x0b-\x1f\x7f-\x9f{_UNSEEN}{_TAGS}{_EXACT_ONLY}]")  # keeps \t and \n
+_PROSE = re.compile(f"{_EMOJI}|[\x00-\x08\x0b-\x1f\x7f-\x9f{_UNSEEN}{_TAGS}]")  # keeps joiners and spaces too
+# JSON escapes the C0 controls itself; outside strings it has only ASCII
+_JSON = re.compile(f"{_EMOJI}|[\x7f-\x9f{_UNSEEN}{_TAGS}{_EXACT_ONLY}]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 # ECMA-48's sequences: a CSI (ESC [, parameters, intermediates, a final byte); a control string (OSC ESC ], DCS ESC P,
@@ -51,7 +80,11 @@ HELD_CHARS_MAX = 4096  # of a sequence begun and not finished, held for the next
 
 def _escaped(found: re.Match[str]) -> str:
     char = found[0]
+    if found["emoji"] is not None:
+        return char
     code = ord(char)
+    if code > 0xFFFF:
+        return f"\\U{code:08x}"  # as bash's $'...' and Python write it
     return _NAMED.get(char) or (f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}")
 
 
@@ -66,7 +99,7 @@ def block(text: str) -> str:
 
 
 def _word(word: str) -> str:
-    if _INLINE.search(word) is None:
+    if inline(word) == word:
         return shlex.quote(word)
     # bash's ANSI-C quoting, which a shell reads back as the same word: \\ and \' first, then the escapes.
     return "$'" + _INLINE.sub(_escaped, word.replace("\\", "\\\\").replace("'", "\\'")) + "'"
@@ -98,7 +131,7 @@ def _read(text: str, final: bool) -> tuple[str, int]:
 
 
 def _prose_chars(text: str) -> str:
-    return _BLOCK.sub(_escaped, text.replace("\r\n", "\n"))
+    return _PROSE.sub(_escaped, text.replace("\r\n", "\n"))
 
 
 def prose(text: str) -> str:
@@ -130,6 +163,15 @@ class Streamed:
 def json_safe(raw: bytes) -> bytes:
     """JSON (UTF-8) with the characters above that JSON leaves raw written as `\\uXXXX`: the same value."""
     text = raw.decode()
-    if _JSON.search(text) is None:
-        return raw
-    return _JSON.sub(lambda found: f"\\u{ord(found[0]):04x}", text).encode()
+    shown = _JSON.sub(_json_escaped, text)
+    return raw if shown == text else shown.encode()
+
+
+def _json_escaped(found: re.Match[str]) -> str:
+    if found["emoji"] is not None:
+        return found[0]
+    code = ord(found[0])
+    if code > 0xFFFF:  # JSON writes it as its UTF-16 surrogate pair
+        code -= 0x10000
+        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+    return f"\\u{code:04x}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from devd.agent.cli import Screen, approval_lines, call_line
 from devd.client import ActionsNotice
@@ -133,3 +134,9 @@ def test_what_a_stream_held_when_its_turn_was_cancelled_is_shown_escaped() -> No
         )
         == "see \\x1b]8;;http://x\n[turn 1 cancelled]\n"
     )
+
+
+def test_a_change_made_with_a_soft_hyphen_shows_in_the_diff(tmp_path: Path) -> None:
+    (tmp_path / "deploy.sh").write_text("HOST=prod.example.com\n")
+    notice = ApprovalNotice("s", 2, Op(Write=Write(path="deploy.sh", text="HOST=prod.example.com\u00ad\n")), "0" * 64)
+    assert approval_lines(notice, str(tmp_path))[-2:] == ["  -HOST=prod.example.com", "  +HOST=prod.example.com\\u00ad"]

@@ -13,7 +13,8 @@ FORGED = ["sh", "-c", "echo PWNED > pwned.txt #\r\x1b[2K$ ls -la"]
 
 
 def test_a_command_shown_is_read_back_by_a_shell_as_the_same_words() -> None:
-    words = [*FORGED, "it's", "a b", "back\\slash", "\u202eevil", "\x85", "tab\there", "", "x\x1b1"]
+    words = [*FORGED, "it's", "a b", "back\\slash", "\u202eevil", "\x85", "tab\there", "", "x\x1b1", "a\u00adb"]
+    words += ["tag\U000e0041", "nb\u00a0sp"]
     printed = subprocess.run(
         ["bash", "-c", f"printf '%s\\0' {argv(words)}"], capture_output=True, check=True, env={"LANG": "C.UTF-8"}
     ).stdout
@@ -30,6 +31,26 @@ def test_every_control_bidi_and_invisible_character_of_a_line_is_escaped() -> No
         "\\x00\\t\\n\\r\\x1b\\x7f\\u0080\\u009b\\u009f\\u061c\\u200b\\u200e\\u200f\\u2028\\u2029\\u202a\\u202e"
         "\\u2060\\u2066\\u2069\\ufeff"
     )
+
+
+def test_default_ignorable_and_invisible_characters_are_escaped_wherever_they_are_shown() -> None:
+    text = "\u00ad\u034f\u115f\u1160\u17b4\u180b\u180e\u2061\u2064\u3164\uffa0\U0001d173\U000e0001\U000e0041"
+    escaped = (
+        "\\u00ad\\u034f\\u115f\\u1160\\u17b4\\u180b\\u180e\\u2061\\u2064\\u3164\\uffa0\\U0001d173\\U000e0001\\U000e0041"
+    )
+    assert (inline(text), prose(text)) == (escaped, escaped)
+
+
+def test_joiners_selectors_and_other_spaces_are_escaped_in_a_line_but_kept_in_prose() -> None:
+    text = "a\u200cb\u200dc\ufe0fd\ufe00e\u00a0f\u3000g\u2800h"
+    assert (inline(text), prose(text)) == ("a\\u200cb\\u200dc\\ufe0fd\\ufe00e\\u00a0f\\u3000g\\u2800h", text)
+
+
+def test_an_emoji_keeps_its_joiners_selectors_skin_tone_and_flag_tags() -> None:
+    text = (
+        "👨\u200d👩\u200d👧 ❤\ufe0f 1\ufe0f\u20e3 👍🏽 🏴\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f"
+    )
+    assert (inline(text), json_safe(f'"{text}"'.encode()).decode()) == (text, f'"{text}"')
 
 
 def test_ordinary_unicode_passes_unchanged() -> None:
@@ -63,9 +84,9 @@ def test_a_stream_holds_an_unfinished_sequence_no_longer_than_its_bound() -> Non
 
 
 def test_json_for_people_escapes_what_json_leaves_raw_and_means_the_same() -> None:
-    raw = msgspec.json.encode({"argv": ["\u202e", "\x85", "\x1b", "é"]})
+    raw = msgspec.json.encode({"argv": ["\u202e", "\x85", "\x1b", "é", "\u00ad", "\U000e0041"]})
     safe = json_safe(raw)
     assert (safe, msgspec.json.decode(safe)) == (
-        b'{"argv":["\\u202e","\\u0085","\\u001b","\xc3\xa9"]}',
-        {"argv": ["\u202e", "\x85", "\x1b", "é"]},
+        b'{"argv":["\\u202e","\\u0085","\\u001b","\xc3\xa9","\\u00ad","\\udb40\\udc41"]}',
+        {"argv": ["\u202e", "\x85", "\x1b", "é", "\u00ad", "\U000e0041"]},
     )
