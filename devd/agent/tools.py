@@ -14,9 +14,12 @@ Paths: relative to the workspace, resolved with every symlink (parents and the l
 outside the workspace's real path is refused, and nothing outside is read or written. The file is then reached from
 the workspace's descriptor one directory at a time without following links, so a directory swapped for a link in
 between (by a command running at the same time) is refused too. A path in one of the daemon's own paths (its state
-directory with the token and the database, its socket, its backups) is refused, whatever the workspace holds. A
-write is atomic (a temporary file in the same directory, created exclusively and without following links, fsynced,
-renamed over the target, the directory fsynced), creating missing directories inside the workspace.
+directory with the token and the database, its socket, its backups) is refused, whatever the workspace holds. Read
+gives only what the workspace's commands could read themselves (a file linked in from outside that they cannot read
+is refused), and of a directory, at most its first LISTING_READ_MAX entries are read. A write is atomic (a temporary
+file in the same directory, created exclusively and without following links, fsynced, renamed over the target, the
+directory fsynced), creating missing directories inside the workspace; what it makes in a user's directory is given
+to that user by its descriptor, never by name.
 
 Commands: the checked workspace as working directory (under bubblewrap, the checked directory is what is bound),
 an environment of only PATH, HOME (the workspace), LANG and TERM, stdin from /dev/null, a process group of their own
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import shutil
 import signal
@@ -266,7 +270,7 @@ def _read(workspace: Workspace | Path, path: str, limit_bytes: int, profile: Pro
     if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a directory with an exception
         try:
             if stat.S_ISDIR(st.st_mode):
-                return Result(f"{path} is a directory; it holds: {_listing(fd)}", failed=True)
+                return Result(f"{path} is a directory; {_listing(fd)}", failed=True)
             return Result(f"{path} is not a regular file", failed=True)
         finally:
             os.close(fd)
@@ -311,11 +315,28 @@ def _unreadable(workspace: Workspace, profile: Profile, path: str, fd: int, st: 
     )
 
 
-def _listing(directory_fd: int, most: int = 50) -> str:
+LISTING_SHOWN = 50  # names a Read of a directory shows
+LISTING_READ_MAX = 1000  # entries it reads at most: a directory of a million names took 5.9 s and 165 MiB to sort
+
+
+def _listing(directory_fd: int) -> str:
+    """What the directory holds: every name, sorted, when it has at most LISTING_SHOWN; else the first LISTING_SHOWN
+    sorted and how many more, counted up to LISTING_READ_MAX entries; past that, the reading stops, and what is
+    said is the first names read (in the directory's own order, sorted among themselves) of at least that many."""
     with os.scandir(directory_fd) as entries:
-        names = sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries)
-    shown = ", ".join(names[:most]) or "nothing"
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+        read = [
+            e.name + ("/" if e.is_dir(follow_symlinks=False) else "")
+            for e in itertools.islice(entries, LISTING_READ_MAX + 1)
+        ]
+    if len(read) <= LISTING_SHOWN:
+        return f"it holds: {', '.join(sorted(read)) or 'nothing'}"
+    if len(read) <= LISTING_READ_MAX:
+        return f"it holds: {', '.join(sorted(read)[:LISTING_SHOWN])} and {len(read) - LISTING_SHOWN} more"
+    shown = ", ".join(sorted(read[:LISTING_SHOWN]))
+    return (
+        f"it holds more than {LISTING_READ_MAX} entries, too many to read here; the first {LISTING_SHOWN} entries "
+        f"read, of at least {LISTING_READ_MAX + 1}: {shown}; list it with a command (Exec) to see more"
+    )
 
 
 async def write_file(workspace: Workspace | Path, path: str, text: str) -> Result:
