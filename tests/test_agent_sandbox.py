@@ -8,6 +8,7 @@ import os
 import pwd
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -23,6 +24,7 @@ from devd.agent.profiles import Profile
 from devd.agent.sandbox import Refusal, Sandbox, choose, contain, limits, probe, wrap
 from devd.agent.tools import Result, command_env, run_command, write_file
 from tests.agents import SECRET, Agentd, run_turn, start
+from tests.daemon import ROOT
 from tests.helpers import gone
 from tests.standin_model import Scripted, Standin, standin_fixture
 
@@ -350,6 +352,68 @@ def test_a_workspace_a_user_owns_runs_its_commands_as_that_user_and_gets_no_acl(
         4242,
         False,
     )
+
+
+def granted(ws: Path) -> None:
+    fd = os.open(ws, os.O_PATH | os.O_DIRECTORY)
+    try:
+        runas.grant(fd, str(ws), NOBODY)
+    finally:
+        os.close(fd)
+
+
+def acl(path: Path) -> dict[tuple[int, int], int]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        found = runas._read(fd, runas.ACCESS)
+    finally:
+        os.close(fd)
+    assert found is not None
+    return found
+
+
+USER_OBJ, USER, GROUP_OBJ, GROUP, MASK, OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20  # acl(5)'s tags
+ANY = 0xFFFFFFFF
+
+
+@as_root
+def test_a_file_root_makes_with_umask_077_in_a_granted_workspace_is_only_its_owners_and_run_as(ws: Path) -> None:
+    """The default entries copied the directory's group and other bits, and any default ACL makes the kernel ignore
+    the umask: root's `umask 077; echo KEY > .env` came out -rw-rw-r--+ (an independent attack)."""
+    granted(ws)
+    old = os.umask(0o077)
+    try:
+        (ws / ".env").write_text("KEY=secret\n")
+    finally:
+        os.umask(old)
+    private = {(USER_OBJ, ANY): 6, (GROUP_OBJ, ANY): 0, (OTHER, ANY): 0}
+    assert acl(ws / ".env") == private | {(USER, NOBODY): 7, (MASK, ANY): 6}
+
+
+@as_root
+def test_the_grant_never_widens_a_files_acl_mask(ws: Path) -> None:
+    """0640 root:staff with group staff rw-, group users rw- and mask r--: the grant made the mask rw-, and both
+    groups could write (an independent attack). run_as gets what the mask allows, and the mask stays."""
+    payroll = ws / "payroll.csv"
+    payroll.write_text("salaries\n")
+    before = {(USER_OBJ, ANY): 6, (GROUP_OBJ, ANY): 6, (GROUP, 100): 6, (MASK, ANY): 4, (OTHER, ANY): 0}
+    os.setxattr(payroll, runas.ACCESS, runas._encode(before))
+    granted(ws)
+    assert acl(payroll) == before | {(USER, NOBODY): 6}
+
+
+@as_root
+def test_the_grant_leaves_what_is_mounted_in_the_workspace_alone(ws: Path) -> None:
+    """A directory bind-mounted into root's workspace (same file system, same device) was granted, and its 0600 file
+    read and appended to as nobody; the ACL stayed after the unmount (an independent attack)."""
+    outside = ws.parent / "outside"
+    (outside / "keys").write_text("root's\n")
+    os.chmod(outside / "keys", 0o600)
+    (ws / "data").mkdir()
+    script = f"import os; from devd.agent import runas; runas.grant(os.open('{ws}', os.O_PATH), '{ws}', {NOBODY})"
+    grant = f'mount --bind {outside} {ws}/data && {sys.executable} -c "{script}"'
+    subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", grant], check=True, cwd=ROOT, timeout=30)
+    assert (os.listxattr(outside / "keys"), os.listxattr(outside)) == ([], [])
 
 
 @as_root

@@ -23,9 +23,15 @@ extended attributes (no `acl` package needed). The workspace directory is done l
 done. What it trades: the owners stay as they were, but `ls -l` shows a `+` and the group bits show the ACL mask
 (`rw-rw-r--+`; the owning group's own entry is unchanged). Only root's own files are given the entry (another
 user's file in the workspace stays theirs), and a file with more than one hard link is left alone (its other name
-may be outside the workspace). A file made there later takes the default entry as its mode allows: the Write tool
-makes files as open() does (0666), so they are the user's to write; one another program makes 0644 is read-only to
-the user (who may still replace it, as it may write the directory).
+may be outside the workspace), as is whatever is mounted below the workspace (another file system, or a bind mount
+of a directory from elsewhere: the mount table says which). A mask an ACL already has is never widened (it bounds
+the named entries and the owning group: widening it for the user would give them more too), so on such a file the
+user gets what that mask allows. A directory without a default ACL is given one that grants its group and others
+nothing: any default ACL makes the kernel ignore the umask of whoever makes a file there, and one copied from the
+directory's bits made root's `umask 077` secrets readable to every local user; so files made later in the
+workspace are their owner's and the user's only (`chmod` shares one). A file made there later takes the default
+entry as its mode allows: the Write tool makes files as open() does (0666), so they are the user's to write; one
+another program makes 0644 is read-only to the user (who may still replace it, as it may write the directory).
 A file system without ACLs (mounted `noacl`) is refused, saying so. An id-mapped mount would need no ACL, but
 bubblewrap 0.8 cannot make one and the kernel's mount API for it is not reachable from here without a helper.
 
@@ -41,6 +47,7 @@ from __future__ import annotations
 import errno
 import os
 import pwd
+import re
 import stat
 import struct
 from pathlib import Path
@@ -182,7 +189,7 @@ def grant(workspace_fd: int, workspace: str, uid: int) -> None:
         if os.statvfs(top).f_flag & os.ST_RDONLY:
             return  # nothing a command could write there, whoever it runs as
         try:
-            _grant_tree(top, uid)
+            _grant_tree(top, uid, _mounts_below(workspace))
             _grant(top, uid, directory=True)  # last: its entry says the whole tree is done
         except OSError as e:
             if e.errno == errno.EOPNOTSUPP:
@@ -196,56 +203,81 @@ def grant(workspace_fd: int, workspace: str, uid: int) -> None:
         os.close(top)
 
 
-def _grant_tree(top: int, uid: int) -> None:
+def _grant_tree(top: int, uid: int, mounts: frozenset[str]) -> None:
     """Grant every directory and file below `top` (not `top` itself), depth first, holding a descriptor per level
-    only; each reached without following a link, so a link swapped in meanwhile is never followed."""
-    stack = [(os.dup(top), _grant_files(top, uid))]
+    only; each reached without following a link, so a link swapped in meanwhile is never followed. What is mounted
+    below it (`mounts`: paths relative to `top`; or on another device) is not the workspace's and is left alone."""
+    device = os.fstat(top).st_dev
+    stack = [(os.dup(top), "", _grant_files(top, "", uid, mounts, device))]
     try:
         while stack:
-            fd, subdirectories = stack[-1]
+            fd, where, subdirectories = stack[-1]
             if not subdirectories:
                 os.close(fd)
                 stack.pop()
                 continue
             name = subdirectories.pop()
+            inside = f"{where}{name}"
+            if inside in mounts:
+                continue
             try:
                 inner = os.open(name, _READ_DIR, dir_fd=fd)
             except OSError:
                 continue  # gone or swapped meanwhile: nothing to grant
             try:
-                if os.fstat(inner).st_uid == 0:
+                st = os.fstat(inner)
+                if st.st_uid == 0 and st.st_dev == device:
                     _grant_one(inner, uid, directory=True)
-                    stack.append((inner, _grant_files(inner, uid)))
+                    stack.append((inner, f"{inside}/", _grant_files(inner, f"{inside}/", uid, mounts, device)))
                     continue
             except BaseException:
                 os.close(inner)
                 raise
-            os.close(inner)  # another user's directory: theirs, and all below it
+            os.close(inner)  # another user's directory (theirs, and all below it), or another file system's
     finally:
-        for fd, _ in stack:
+        for fd, _, _ in stack:
             os.close(fd)
 
 
-def _grant_files(directory: int, uid: int) -> list[str]:
-    """Grant the root-owned regular files (and named pipes) of the directory that have a single link; never a device
-    (a disk's node made in a workspace would be the whole disk's). The directory's subdirectories' names."""
+def _grant_files(directory: int, where: str, uid: int, mounts: frozenset[str], device: int) -> list[str]:
+    """Grant the root-owned regular files (and named pipes) of the directory (at `where` below the workspace) that
+    have a single link and are the workspace's own (not mounted there, on its device); never a device node (a disk's
+    node made in a workspace would be the whole disk's). The directory's subdirectories' names."""
     subdirectories = []
     with os.scandir(directory) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
                 subdirectories.append(entry.name)
             elif entry.is_file(follow_symlinks=False) or stat.S_ISFIFO(entry.stat(follow_symlinks=False).st_mode):
+                if f"{where}{entry.name}" in mounts:
+                    continue
                 try:
                     fd = os.open(entry.name, _READ_FILE, dir_fd=directory)
                 except OSError:
                     continue  # gone, or swapped for a link, meanwhile
                 try:
                     st = os.fstat(fd)
-                    if (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)) and st.st_uid == 0 and st.st_nlink == 1:
+                    kind_ok = stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)
+                    if kind_ok and st.st_uid == 0 and st.st_nlink == 1 and st.st_dev == device:
                         _grant_one(fd, uid, directory=False)
                 finally:
                     os.close(fd)
     return subdirectories
+
+
+def _mounts_below(workspace: str) -> frozenset[str]:
+    """The mount points below the workspace in the daemon's mount namespace, relative to it (a bind mount of another
+    directory of the same file system has the same device: only the mount table tells). Only root mounts, so none
+    appears or goes meanwhile that a command could have made."""
+    top = os.path.realpath(workspace).rstrip("/") + "/"
+    found = set()
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+        for line in table:
+            # Field 5 is the mount point, with space, tab, newline and backslash escaped as octal (\040).
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split(" ")[4])
+            if point.startswith(top):
+                found.add(point[len(top) :])
+    return frozenset(found)
 
 
 def _grant_one(fd: int, uid: int, *, directory: bool) -> None:
@@ -263,17 +295,23 @@ def _grant(fd: int, uid: int, *, directory: bool) -> None:
     perm = 7 if directory or mode & 0o111 else 6
     os.setxattr(fd, ACCESS, _encode(_with_user(_read(fd, ACCESS), mode, uid, perm)))
     if directory:
-        os.setxattr(fd, DEFAULT, _encode(_with_user(_read(fd, DEFAULT), mode, uid, 7)))
+        # Any default ACL makes the kernel ignore the umask of whoever later makes a file there: one made from the
+        # directory's bits would make root's `umask 077; echo KEY > .env` world-readable. So a directory without one
+        # gets a default that gives its group and others nothing (its owner's bits, and the user's rwx, only).
+        os.setxattr(fd, DEFAULT, _encode(_with_user(_read(fd, DEFAULT), mode & 0o700, uid, 7)))
 
 
 def _with_user(acl: Acl | None, mode: int, uid: int, perm: int) -> Acl:
-    """acl (or the one the mode stands for, when there is none) with `uid` given `perm`, and a mask that lets it: the
-    old mask (or the owning group's bits) widened by `perm` only, so no other entry gains anything."""
+    """acl (or the one the mode stands for, when there is none) with `uid` given `perm`. The mask is never widened
+    where the ACL has one: it bounds the named entries and the owning group, which would gain what it gained (a
+    file's mask r-- with group staff and users rw- made both writable). So the user gets `perm` as far as that mask
+    allows (read, say), and nobody else gains anything. Without an ACL, the mask made is the owning group's bits and
+    `perm`: it bounds no entry but the user's and the group's own, which it does not narrow."""
     entries = dict(acl) if acl else {}
     if not entries:
         entries = {(_USER_OBJ, _NO_ID): mode >> 6 & 7, (_GROUP_OBJ, _NO_ID): mode >> 3 & 7, (_OTHER, _NO_ID): mode & 7}
     entries[(_USER, uid)] = perm
-    entries[(_MASK, _NO_ID)] = entries.get((_MASK, _NO_ID), entries[(_GROUP_OBJ, _NO_ID)]) | perm
+    entries.setdefault((_MASK, _NO_ID), entries[(_GROUP_OBJ, _NO_ID)] | perm)
     return entries
 
 
