@@ -727,6 +727,63 @@ async def test_an_attempt_with_a_token_count_past_the_bound_is_charged_the_estim
     assert [(a.outcome, a.usage) for a in attempts] == [("retry", charged)] * 3 + [("failed", charged)]
 
 
+async def test_a_reply_is_charged_at_least_the_estimate_of_what_streamed_whatever_usage_says(
+    standin: Standin, client: http.Client
+) -> None:
+    standin.script(Scripted(text="y" * 400, usage=(10, 1, None)))
+    attempts: list[Attempt] = []
+    await complete(
+        client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True, on_attempt=attempts.append
+    )
+    assert [(a.outcome, a.usage) for a in attempts] == [("ok", SpendUsage(10, 100, estimated=True))]
+
+
+async def test_a_reply_streaming_past_its_reserved_tokens_fails_there_charged_what_streamed(
+    standin: Standin, client: http.Client
+) -> None:
+    # 40 characters (10 tokens) a chunk: the sixth passes 50 tokens, and nothing after it is read.
+    standin.script(Scripted(text="y" * 400_000, split=40))
+    shown: list[str] = []
+    attempts: list[Attempt] = []
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(
+            client,
+            profile(standin.url, max_tokens=50),
+            CONVERSATION[:1],
+            environ={},
+            exec_available=True,
+            on_text=shown.append,
+            on_attempt=attempts.append,
+            output_max=50,
+        )
+    assert (e.value.why, [(a.outcome, a.usage) for a in attempts], "".join(shown), standin.count) == (
+        f"model server {standin.url}: the reply passed the 50 tokens reserved for it (the max_tokens sent, by devd's "
+        "estimate of 4 characters a token) and was dropped, charged what streamed; it is not asked for again: the "
+        "server may ignore max_tokens; if agent 'coder' needs longer replies, raise its max_tokens in the agents file",
+        [("failed", SpendUsage(_request_tokens(standin), 60, estimated=True))],
+        "y" * 200,
+        1,
+    )
+
+
+async def test_a_retry_the_ceilings_refuse_is_not_sent(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(text="y" * 400, split=40, cut_after=3), Scripted(text="never sent"))
+    asked: list[int] = []
+
+    async def readmit() -> str | None:
+        asked.append(standin.count)
+        return "spend ceiling reached: (the test's)"
+
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True, readmit=readmit)
+    assert (e.value.why, asked, standin.count) == (
+        f"model server {standin.url}: the stream ended before data: [DONE]; it was not tried again: spend ceiling "
+        "reached: (the test's)",
+        [1],
+        1,
+    )
+
+
 async def test_an_attempt_the_server_refused_is_charged_nothing(standin: Standin, client: http.Client) -> None:
     standin.script(Scripted(status=429, retry_after="0"), Scripted(text="ok", usage=(30, 7, None)))
     attempts: list[Attempt] = []

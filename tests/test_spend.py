@@ -4,9 +4,14 @@ profile's day (devd.agent.oversight, devd.storage)."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from pathlib import Path
 
+from devd.agent.spend import MAX_TOKENS_DEFAULT, estimate_tokens
 from devd.client import Client
+from devd.messages import Agent, Message
 from tests.agents import NOTICE_TIMEOUT_S, SECRET, agents_toml, run_turn, start, watch_raw
 from tests.daemon import Daemon
 from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures)
@@ -103,4 +108,74 @@ def test_what_one_daemon_spent_of_a_day_counts_for_another_daemons_sessions(
         1,
         "spend ceiling reached: tokens_per_day of agent 'coder'",
         "4500 spent",
+    )
+
+
+def _request_tokens(standin: Standin, n: int = 0) -> int:
+    return estimate_tokens(json.dumps(standin.requests[n].body, ensure_ascii=False).encode())
+
+
+def test_each_retry_is_reserved_again_so_the_attempts_of_a_call_stay_within_the_ceiling(
+    tmp_path: Path, standin: Standin
+) -> None:
+    # Each attempt streams 36,000 characters (9,000 tokens) of its 10,000 reserved, then is cut before [DONE]: the
+    # third attempt would need 10,000 more than the 2 * (request + 9,000) spent, past 25,000.
+    agentd = start(tmp_path, standin, max_tokens="10000", budget="{ tokens_per_session = 25000 }")
+    standin.script(*[Scripted(text="y" * 36_000, split=400, cut_after=91)] * 4)
+    with agentd.daemon, agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        c.prompt(session, "hello")
+        why = stalled(c)
+        spent = c.call("session/usage", {"session": session})
+    request = _request_tokens(standin)
+    assert (standin.count, spent["input_tokens"] + spent["output_tokens"], why.split("; ")[1].split(", ")[:2]) == (
+        2,
+        2 * (request + 9000),
+        [
+            "it was not tried again: spend ceiling reached: tokens_per_session of agent 'coder' is 25000 tokens",
+            f"{2 * (request + 9000)} spent",
+        ],
+    )
+
+
+def test_a_call_without_max_tokens_reserves_a_bounded_reply_so_the_days_other_sessions_go_on(
+    tmp_path: Path, standin: Standin
+) -> None:
+    agentd = start(tmp_path, standin, budget="{ tokens_per_day = 100000 }")
+    release = threading.Event()
+    standin.script(Scripted(text="slow", held=release, held_after=1), Scripted(text="quick"))
+    try:
+        with agentd.daemon, agentd.client() as c:
+            c.prompt(agentd.session(c), "first")  # held in flight, its reservation with it
+            deadline = time.monotonic() + NOTICE_TIMEOUT_S
+            while standin.count < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            other = agentd.session(c)
+            run_turn(c, other, "second")
+            answered = c.transcript(other)[-1]
+    finally:
+        release.set()
+    assert ([r.body.get("max_tokens") for r in standin.requests], answered) == (
+        [MAX_TOKENS_DEFAULT, MAX_TOKENS_DEFAULT],
+        Message(Agent=Agent(text="quick")),
+    )
+
+
+def test_a_server_that_ignores_max_tokens_is_read_no_further_than_the_reservation(
+    tmp_path: Path, standin: Standin
+) -> None:
+    # 1,000 characters a chunk: the 17th passes the 4,096 tokens (16,384 characters) sent and reserved.
+    agentd = start(tmp_path, standin, budget="{ tokens_per_session = 20000 }")
+    standin.script(Scripted(endless="chunks"))
+    with agentd.daemon, agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        c.prompt(session, "hello")
+        why = stalled(c)
+        spent = c.call("session/usage", {"session": session})
+    assert (spent["output_tokens"], why.split(": ", 2)[2].split(";")[0]) == (
+        4250,
+        "the reply passed the 4096 tokens reserved for it (the max_tokens sent, by devd's estimate of 4 characters a "
+        "token) and was dropped, charged what streamed",
     )

@@ -331,6 +331,7 @@ class StreamParser:
         self._finish: str | None = None
         self._model: str | None = None
         self._held = ""  # a high surrogate that ended the last content fragment: its low half may start the next
+        self.streamed = 0  # characters of text, tool names and arguments so far: what devd's estimate counts
 
     def feed(self, line: str) -> list[str]:
         line = line.rstrip("\r")
@@ -367,6 +368,7 @@ class StreamParser:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or choice.get("message") or {}
             if isinstance(content := delta.get("content"), str) and content:
+                self.streamed += len(content)
                 content = self._whole(content)
                 if content:
                     self._text.append(content)
@@ -393,11 +395,14 @@ class StreamParser:
         call = self._calls.setdefault(index, {"id": "", "name": "", "arguments": []})
         function = fragment.get("function") or {}
         call["id"] = call["id"] or fragment.get("id") or ""
-        call["name"] = call["name"] or function.get("name") or ""
+        if not call["name"] and isinstance(name := function.get("name"), str):
+            call["name"] = name
+            self.streamed += len(name)
         if isinstance(arguments := function.get("arguments"), str):
             call["arguments"].append(arguments)
         elif isinstance(arguments, dict):  # a server that sends the arguments parsed
-            call["arguments"].append(json.dumps(arguments))
+            call["arguments"].append(arguments := json.dumps(arguments))
+        self.streamed += len(arguments) if isinstance(arguments, str) else 0
 
     def completion(self) -> Completion:
         calls = [
@@ -538,6 +543,7 @@ class _Progress:
 
 TextSink = Callable[[str], Awaitable[None] | None]
 AttemptSink = Callable[[Attempt], None]
+Readmit = Callable[[], Awaitable[str | None]]  # before a retry: None when it may be sent, else why not
 
 
 async def complete(
@@ -550,14 +556,19 @@ async def complete(
     extra: Iterable[Inserted] = (),
     on_text: TextSink | None = None,
     on_attempt: AttemptSink | None = None,
+    output_max: int | None = None,
+    readmit: Readmit | None = None,
     attempts: int = 4,
     backoff_s: float = 0.25,
 ) -> Completion:
     """Ask the profile's model server; `on_text(fragment)` for each content fragment as it arrives (after a failed
     attempt, the next attempt's fragments start the text again: `on_attempt` has said "retry" before), and
     `on_attempt` once per attempt. The API key is read from `environ` (the variable the profile names) now.
-    ModelUnavailable when the key cannot be sent, the attempts are spent, the server refuses the request, or a reply
-    passes `reply_bytes_max` or `model_timeout_s` (those two are not retried: the next reply would do the same).
+    ModelUnavailable when the key cannot be sent, the attempts are spent, the server refuses the request, a reply
+    passes `reply_bytes_max` or `model_timeout_s`, or what streamed passes `output_max` tokens by devd's estimate
+    (the tokens reserved for the reply: a server that ignores max_tokens); those three are not retried, the next
+    reply would do the same. Before each retry `readmit()` is awaited (the spend ceilings, again): a retry it
+    refuses is not sent, and its why is ModelUnavailable's.
 
     Every error text leaving here (ModelUnavailable's, each Attempt's) has the key and any `user:password` of
     `base_url` replaced by [redacted]: a server may echo what it was sent."""
@@ -574,7 +585,18 @@ async def complete(
 
     try:
         return await _exchange(
-            client, profile, messages, key, exec_available, extra, on_text, report, attempts, backoff_s
+            client,
+            profile,
+            messages,
+            key,
+            exec_available,
+            extra,
+            on_text,
+            report,
+            output_max,
+            readmit,
+            attempts,
+            backoff_s,
         )
     except ModelUnavailable as e:
         raise ModelUnavailable(redact(e.why), status=e.status) from None
@@ -604,6 +626,8 @@ async def _exchange(
     extra: Iterable[Inserted],
     on_text: TextSink | None,
     report: AttemptSink,
+    output_max: int | None,
+    readmit: Readmit | None,
     attempts: int,
     backoff_s: float,
 ) -> Completion:
@@ -622,7 +646,7 @@ async def _exchange(
         progress = _Progress()
         try:
             with anyio.move_on_after(profile.model_timeout_s) as deadline:
-                completion = await _attempt(client, url, body, headers, on_text, profile, progress)
+                completion = await _attempt(client, url, body, headers, on_text, profile, output_max, progress)
             if deadline.cancelled_caught:
                 raise _Failed(_too_long(profile), status=progress.status, retry=False)
         except _Failed as failed:
@@ -635,6 +659,10 @@ async def _exchange(
             if last:
                 raise ModelUnavailable(failed.said(server, attempts), status=failed.status) from None
             await anyio.sleep(_delay(failed.after_s, backoff_s, attempt))
+            if readmit is not None and (refused := await readmit()) is not None:
+                raise ModelUnavailable(
+                    f"{failed.said(server)}; it was not tried again: {refused}", status=failed.status
+                ) from None
         except anyio.get_cancelled_exc_class():
             # The server may be working on it whether or not a byte came back: the request is charged.
             usage = _charged(progress, request_tokens)
@@ -654,13 +682,15 @@ def _attempted(
 
 def _charged(progress: _Progress, request_tokens: int) -> spend.Usage:
     """What an attempt the server took is charged: its usage when it sent one, else devd's estimate of the request
-    and of what streamed (so a stream cut short, or cancelled, still counts against the ceilings)."""
-    so_far = progress.parser.completion()
-    given = so_far.usage
-    if given is not None:
-        return spend.Usage(given.prompt_tokens, given.completion_tokens, given.cached_tokens or 0)
-    streamed = (so_far.text or "") + "".join(c.name + c.arguments for c in so_far.tool_calls)
-    return spend.Usage(request_tokens, spend.estimate_tokens(streamed), estimated=True)
+    and of what streamed (so a stream cut short, or cancelled, still counts against the ceilings). Its output is at
+    least the estimate of what streamed (`estimated` when that was more than the server said): a server's usage is
+    its word, what streamed was seen."""
+    streamed = spend.tokens_of(progress.parser.streamed)
+    given = progress.parser.completion().usage
+    if given is None:
+        return spend.Usage(request_tokens, streamed, estimated=True)
+    output = max(given.completion_tokens, streamed)
+    return spend.Usage(given.prompt_tokens, output, given.cached_tokens or 0, output > given.completion_tokens)
 
 
 def _delay(after_s: float | None, backoff_s: float, attempt: int) -> float:
@@ -674,6 +704,15 @@ def _too_large(profile: Profile, line: bool) -> str:
     return (
         f"{what} passed reply_bytes_max ({profile.reply_bytes_max} bytes) and was dropped; it is not asked for again: "
         f"if agent {profile.name!r} needs replies this large, raise its reply_bytes_max in the agents file"
+    )
+
+
+def _past_reservation(profile: Profile, output_max: int) -> str:
+    return (
+        f"the reply passed the {output_max} tokens reserved for it (the max_tokens sent, by devd's estimate of "
+        f"{spend.CHARS_PER_TOKEN} characters a token) and was dropped, charged what streamed; it is not asked for "
+        f"again: the server may ignore max_tokens; if agent {profile.name!r} needs longer replies, raise its "
+        "max_tokens in the agents file"
     )
 
 
@@ -691,9 +730,15 @@ async def _attempt(
     headers: dict[str, str],
     on_text: TextSink | None,
     profile: Profile,
+    output_max: int | None,
     progress: _Progress,
 ) -> Completion:
     parser = progress.parser
+
+    def within_reservation() -> None:
+        if output_max is not None and spend.tokens_of(parser.streamed) > output_max:
+            raise _Failed(_past_reservation(profile, output_max), status=200, retry=False)
+
     try:
         async with http.post(client, url, body, headers) as response:
             if response.status != 200:
@@ -704,11 +749,14 @@ async def _attempt(
                 if cut:
                     raise _Failed(_too_large(profile, line=False), status=200, retry=False)
                 whole = _whole(data, parser)
+                within_reservation()
                 if whole.text and on_text is not None and inspect.isawaitable(pending := on_text(whole.text)):
                     await pending
                 return whole
             async for line in response.lines(profile.reply_bytes_max):
-                for fragment in parser.feed(line):
+                fragments = parser.feed(line)
+                within_reservation()  # before the text goes on: what passes the reservation is not shown
+                for fragment in fragments:
                     if on_text is not None and inspect.isawaitable(pending := on_text(fragment)):
                         await pending
                 if parser.done:

@@ -30,7 +30,7 @@ import msgspec
 
 from devd.agent import approvals, spend, trace
 from devd.agent.approvals import Answer, Asked, Decided, Ledger
-from devd.agent.profiles import Budget, Profile, decide
+from devd.agent.profiles import Budget, Profile, decide, watched
 from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, Usage
 from devd.errors import HandleError
 from devd.messages import Op
@@ -187,7 +187,7 @@ class Oversight:
         state = await self._state(session)
         done = state.ledger.decided.get(action)
         if done is None:
-            remembered = state.ledger.recall(op)
+            remembered = state.ledger.recall(op, watched(profile))
             if remembered is not None:
                 return Gate(remembered == "allow", f"a decision remembered in this session says {remembered}")
             done = await self._wait(session, state, action, op, reason)
@@ -272,8 +272,8 @@ class Oversight:
     ) -> tuple[Reservation | None, int | None, Refusal | None]:
         """Reserve a model call before it is sent: (the reservation, the `max_tokens` to send, None), or (None, None,
         the refusal), durable as a refusal record and a `refused` trace record. With no ceiling, nothing is reserved.
-        A call the profile gives no `max_tokens` is sent with the headroom the tightest ceiling leaves, so that what
-        it may write is bounded by what was reserved."""
+        A call the profile gives no `max_tokens` is sent with MAX_TOKENS_DEFAULT, or the headroom the tightest
+        ceiling leaves when that is less, so that what it may write is bounded by what was reserved."""
         state = await self._state(session)
         limits = ceilings(profile, state.budget)
         if limits == Ceilings():
@@ -285,7 +285,7 @@ class Oversight:
         if max_tokens is None:  # the headroom under the tightest ceiling, as the store counts it now
             counted = await self.keeper.counted([c.counter for c in checks])
             headroom = min(c.limit - spent - reserved for c, (spent, reserved) in zip(checks, counted, strict=True))
-            max_tokens = max(1, headroom - estimate)
+            max_tokens = max(1, min(spend.MAX_TOKENS_DEFAULT, headroom - estimate))
         tokens = estimate + max_tokens
         limited = [(c.counter, c.limit) for c in checks]
         admitted = await self.keeper.reserve(session, spend.counters(scope), limited, tokens)
@@ -316,9 +316,11 @@ class Oversight:
         action: int,
         reservation: Reservation | None,
         used: Usage | None,
+        calls: int = 1,
     ) -> None:
         """The model call is over: its usage (None: it used nothing) charged to its counters in the transaction that
-        keeps its usage record, and its reservation released with it."""
+        keeps its usage record, and its reservation released with it. `calls`: the model calls it counts as (0 for
+        the rest of a call charged before a retry)."""
         if used is None:
             if reservation is not None:
                 await self.keeper.unreserve(reservation.number)
@@ -332,7 +334,7 @@ class Oversight:
             action,
             _encoder.encode(Charged(session, scope.profile, scope.turn, scope.day, used)),
         )
-        tally = Tally(used.input_tokens, used.output_tokens, used.cached_tokens, calls=1)
+        tally = Tally(used.input_tokens, used.output_tokens, used.cached_tokens, calls=calls)
         number = None if reservation is None else reservation.number
         try:
             await self.keeper.charge(number, spend.counters(scope), tally, record)
@@ -400,8 +402,9 @@ TRACE_ERROR_CHARS = 500  # of a failed run's text kept as its trace record's err
 
 class ModelCall(msgspec.Struct):
     """One model call of a Model action, as the runner makes it: admitted before it is sent (`admit`), each of its
-    attempts heard (`attempt`, the driver's `on_attempt`), and accounted once it is over (`done`): one trace record
-    per attempt, its usage charged."""
+    attempts heard (`attempt`, the driver's `on_attempt`), admitted again before each retry (`again`, what the
+    attempts so far cost charged first), and accounted once it is over (`done`): one trace record per attempt, its
+    usage charged."""
 
     oversight: Oversight
     session: str
@@ -411,6 +414,13 @@ class ModelCall(msgspec.Struct):
     request: bytes  # the request's body, for the estimate
     attempts: list[Attempt] = msgspec.field(default_factory=list)
     reservation: Reservation | None = None
+    charged: int = 0  # of `attempts`, those charged already (before a retry)
+    counted: bool = False  # whether a charge counted the call in the session's `calls`
+
+    @property
+    def output_max(self) -> int | None:
+        """The tokens of reply the reservation holds (None: nothing is reserved): reading stops past them."""
+        return None if self.reservation is None else self.profile.max_tokens
 
     async def admit(self) -> Refusal | None:
         """None when the call may be sent (`profile` then carries the `max_tokens` to send), else the refusal."""
@@ -425,20 +435,35 @@ class ModelCall(msgspec.Struct):
     def attempt(self, attempt: Attempt) -> None:
         self.attempts.append(attempt)
 
+    async def again(self) -> str | None:
+        """Before a retry: the attempts so far are charged (their reservation released in the same transaction), and
+        the next is reserved as the first was; None when it may be sent, else the refusal's message (durable as
+        `admit`'s). One reservation covered every attempt before, and each was charged against it."""
+        await self._settle()
+        refusal = await self.admit()
+        return None if refusal is None else refusal.message
+
     async def done(self, completion: Completion | None) -> None:
         """The call is over: answered (`completion`), or not (None: it failed, or was withdrawn by a Cancel). Every
         attempt is charged what the model driver says it cost (a stream cut short, a cancelled one, included)."""
-        used = _total([a.usage for a in self.attempts if a.usage is not None])
         # One after the other, in order: each on disk before the next, so that what a crash leaves is a prefix.
         try:
             for number, attempt in enumerate(self.attempts, start=1):
                 await self.oversight.trace(self.session, self._record(number, attempt))
         finally:
-            await self.oversight.settle(self.session, self.profile, self.turn, self.action, self.reservation, used)
+            await self._settle()
 
     async def cancelled(self) -> None:
         """The call was stopped with the daemon: its reservation goes, nothing is charged (it is asked again)."""
         await self.oversight.release(self.reservation)
+
+    async def _settle(self) -> None:
+        """Charge the attempts not charged yet, releasing the reservation with them."""
+        used = _total([a.usage for a in self.attempts[self.charged :] if a.usage is not None])
+        reservation, self.reservation, self.charged = self.reservation, None, len(self.attempts)
+        calls = 0 if self.counted else 1
+        self.counted = self.counted or used is not None
+        await self.oversight.settle(self.session, self.profile, self.turn, self.action, reservation, used, calls)
 
     def _record(self, number: int, attempt: Attempt) -> TraceRecord:
         ok = attempt.outcome == "ok"

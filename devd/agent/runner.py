@@ -631,6 +631,8 @@ class Driver(msgspec.Struct, eq=False):
                         extra=list(self._inserted),
                         on_text=on_text,
                         on_attempt=on_attempt,
+                        output_max=accounted.output_max,
+                        readmit=accounted.again,
                     )
 
                 try:

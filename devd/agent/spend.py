@@ -4,10 +4,11 @@ Pure (no I/O, no clock: the day is given): the counters themselves are kept by t
 `reserve`, `charge`), shared by every daemon of it, so a restart, a second daemon of a fleet or a session taken over
 by another daemon spends nothing twice. A call is admitted only if, for every ceiling that applies, what is spent plus
 what is reserved by calls in flight plus this call's own reservation (the estimate of its request plus its
-`max_tokens`) stays within the limit; the reservation is held until the call settles (its usage charged) or is
-released (it failed, nothing charged). So calls running at once, in one session or in many sessions of a profile,
-in one daemon or in several, cannot pass a ceiling together: the second is refused while the first holds its share.
-A refusal changes nothing but the session's `refused` count.
+`max_tokens`, MAX_TOKENS_DEFAULT when the profile sets none) stays within the limit; the reservation is held until the
+call settles (its usage charged) or is released (it failed, nothing charged). A reservation covers one attempt: a
+call is reserved again before each retry, what its attempts so far cost charged first. So calls running at once, in
+one session or in many sessions of a profile, in one daemon or in several, cannot pass a ceiling together: the second
+is refused while the first holds its share. A refusal changes nothing but the session's `refused` count.
 
 Tokens are `input_tokens + output_tokens` (cached tokens are part of the input, as providers count them). The
 ceilings: a profile's `tokens_per_turn`, `tokens_per_session` and `tokens_per_day` (UTC days, shared by every
@@ -26,11 +27,20 @@ USAGE = "usage"  # record kinds in the session's record log
 REFUSAL = "refusal"
 BUDGET = "budget"
 CHARS_PER_TOKEN = 4  # devd's estimate when a provider reports no usage: about four characters of JSON a token
+# What a call of a profile without `max_tokens` is sent as its max_tokens, and reserves for its reply, under a ceiling
+# (less when less is left): a reply of some pages, not the whole headroom of a day, which would hold every other
+# session of the profile back while it streams.
+MAX_TOKENS_DEFAULT = 4096
 
 
 def estimate_tokens(text: bytes | str) -> int:
     """devd's estimate of the tokens of a request or a reply: its length over four, rounded up."""
-    return math.ceil(len(text) / CHARS_PER_TOKEN)
+    return tokens_of(len(text))
+
+
+def tokens_of(chars: int) -> int:
+    """devd's estimate of the tokens of `chars` characters."""
+    return math.ceil(chars / CHARS_PER_TOKEN)
 
 
 class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
