@@ -98,6 +98,17 @@ async def test_a_daemon_path_reached_through_a_link_is_covered_where_it_leads(ws
     assert result == Result("1\n")
 
 
+def test_a_command_of_a_daemon_not_run_as_root_cannot_make_a_user_namespace(outside: Path) -> None:
+    """In one it holds every capability over what it makes (mounts, network namespaces): kernel attack surface. As
+    root, the daemon is played by nobody (its workspace its own), with the sandbox `choose` gives a non-root daemon."""
+    root = os.geteuid() == 0
+    box = Sandbox(bwrap=sandbox().bwrap, userns_closed=True) if root else sandbox()
+    command = box.wrap(["sh", "-c", "unshare -Ur true 2>&1; echo $?"], outside, False, command_env(outside))
+    as_daemon = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if root else []
+    done = subprocess.run([*as_daemon, *command], cwd=outside, capture_output=True, text=True, timeout=60, check=False)
+    assert (done.stdout, done.stderr) == ("unshare: unshare failed: No space left on device\n1\n", "")
+
+
 @pytest.fixture
 def bus() -> Iterator[Path]:
     """A socket anyone may connect to in the host's /run, where the session bus ($XDG_RUNTIME_DIR/bus) and systemd's

@@ -12,6 +12,15 @@ terminal to push input into (`--new-session`). It dies with its parent (`--die-w
 command and everything it started. Reads are not restricted, as in Codex's Linux sandbox. `.git` stays writable because
 Git is one of the tools.
 
+Nested user namespaces: in a user namespace of its own a command holds every capability over what it makes there
+(mounts, network namespaces), never over the host's files, but with the kernel code that opens to it. A command of a
+daemon not run as root cannot make one (bubblewrap 0.8's `--disable-userns`, where it works: `closes_userns`). A
+root daemon's command can: it runs in a user namespace of its own (see `_drop`) that bubblewrap, started as root
+without one, cannot close (its `--disable-userns` needs its own user namespace, which as root maps the command to
+uid 0 of the host), and nothing in util-linux can (the sysctl that would is under the read-only /proc/sys). A host
+that wants none sets `user.max_user_namespaces = 0`: its commands then have none at all, and `processes_max`
+counts every process of their user (see below).
+
 A command never runs as root. Under a daemon run as root, bubblewrap is started as root (it needs no user namespace
 then, so it starts wherever it did before) and keeps only CAP_SETUID and CAP_SETGID for util-linux's `setpriv`, the
 first program inside, which drops to the unprivileged user of `devd.agent.runas` (no supplementary groups, no
@@ -80,10 +89,12 @@ def limits(profile: Profile) -> Limits:
 
 
 class Sandbox(msgspec.Struct, frozen=True):
-    """bubblewrap, found at `bwrap`, known to start here; `hidden`, the daemon's own paths (see `wrap`)."""
+    """bubblewrap, found at `bwrap`, known to start here; `hidden`, the daemon's own paths; `userns_closed`, whether
+    commands are kept from making user namespaces of their own (see `wrap`)."""
 
     bwrap: str
     hidden: tuple[str, ...] = ()
+    userns_closed: bool = False
 
     def wrap(
         self,
@@ -110,6 +121,7 @@ class Sandbox(msgspec.Struct, frozen=True):
             limits=limits,
             user_namespace=user_namespace,
             veil=veil,
+            close_userns=self.userns_closed,
         )
 
 
@@ -132,6 +144,7 @@ def wrap(
     limits: Limits | None = None,
     user_namespace: bool = False,
     veil: Path | None = None,
+    close_userns: bool = False,
 ) -> list[str]:
     """The bwrap command line that runs argv confined to workspace. With `env`, the command gets exactly that
     environment (`--clearenv`, then a `--setenv` per variable). Each of `hidden` (a path, and whether it is a
@@ -142,7 +155,10 @@ def wrap(
     `account`, the command runs as that user (bwrap run as root: see the module's docstring), in a user namespace of
     its own with `user_namespace`; with `limits`, within them. `veil` is a directory above the workspace that the
     command's user cannot search (`runas.veil`): it is covered by an empty tmpfs holding the way to the workspace, so
-    the workspace is reached by its path (HOME, Git, absolute paths), and nothing the user could see is hidden."""
+    the workspace is reached by its path (HOME, Git, absolute paths), and nothing the user could see is hidden. With
+    `close_userns` (a daemon not run as root: bubblewrap's own user namespace), the command cannot make a user
+    namespace (`--disable-userns`), in which it would hold every capability over what it then makes (mounts, network
+    namespaces: the kernel's attack surface that unprivileged user namespaces open)."""
     ws = str(workspace)
     # Order matters: the read-only root first, then what is mounted over it; /tmp and /run before the workspace, so a
     # workspace under either is bound on top of the fresh one rather than hidden by it; the hidden paths last, so
@@ -162,6 +178,8 @@ def wrap(
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     if not network:
         args.append("--unshare-net")
+    if close_userns:
+        args += ["--unshare-user", "--disable-userns"]
     # No capabilities inside, from the bounding set up: a daemon run as root would otherwise hand its command
     # CAP_SYS_ADMIN, with which it remounts / writable, unmounts the private /tmp and /proc, and enters the host's
     # network namespace. Without root it changes nothing (an unprivileged sandbox has none to drop).
@@ -314,6 +332,18 @@ def probe(bwrap: str | None = None) -> str | None:
 
 
 @functools.cache
+def closes_userns(bwrap: str) -> bool:
+    """Whether bubblewrap can keep a command from making user namespaces here: a daemon not run as root, a bubblewrap
+    of 0.8 or later, not set-user-ID. A root daemon's commands each run in a user namespace of their own (see
+    `_drop`), and can make more there: see the module's docstring. Tried once per process."""
+    if os.geteuid() == 0:
+        return False
+    with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
+        command = wrap(["true"], Path(ws), False, {"PATH": _SEARCH}, bwrap=bwrap, close_userns=True)
+        return _tried(command, ws, "bubblewrap without user namespaces") is None
+
+
+@functools.cache
 def probe_containment() -> str | None:
     """None when `contain` runs `true` here, else why not; tried once per process, like `probe`."""
     if (missing := _missing()) is not None:
@@ -381,7 +411,7 @@ def choose(profile: Profile, *, bwrap: str | None = None, hidden: Sequence[str] 
     bwrap = bwrap or find_bwrap()
     why = probe(bwrap)
     if why is None and bwrap is not None:
-        return Sandbox(bwrap=bwrap, hidden=tuple(str(p) for p in hidden))
+        return Sandbox(bwrap=bwrap, hidden=tuple(str(p) for p in hidden), userns_closed=closes_userns(bwrap))
     setting = f'[agent.{profile.name}] sets sandbox = "{profile.sandbox}"'
     return Refusal(
         f"commands cannot run: {why}, and {setting}; install the bubblewrap package (Debian: apt-get install "
