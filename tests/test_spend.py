@@ -12,7 +12,7 @@ from pathlib import Path
 from devd.agent.spend import MAX_TOKENS_DEFAULT, estimate_tokens
 from devd.client import Client
 from devd.messages import Agent, Message
-from tests.agents import NOTICE_TIMEOUT_S, SECRET, agents_toml, run_turn, start, watch_raw
+from tests.agents import NOTICE_TIMEOUT_S, SECRET, agents_toml, run_turn, start, until_done, watch_raw
 from tests.daemon import Daemon
 from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures)
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -179,3 +179,30 @@ def test_a_server_that_ignores_max_tokens_is_read_no_further_than_the_reservatio
         "the reply passed the 4096 tokens reserved for it (the max_tokens sent, by devd's estimate of 4 characters a "
         "token) and was dropped, charged what streamed",
     )
+
+
+def test_a_call_stopped_with_the_daemon_is_charged_what_streamed_before_it_stopped(
+    tmp_path: Path, standin: Standin
+) -> None:
+    agentd = start(tmp_path, standin)
+    standin.script(Scripted(text="abcdefgh", split=8, hang=True), Scripted(text="done", usage=(100, 1, None)))
+    with agentd.daemon:
+        with agentd.client() as c:
+            session = agentd.session(c)
+            watch_raw(c, session, since=0)
+            turn = c.prompt(session, "hello")
+            while c.wait_notification(NOTICE_TIMEOUT_S).method != "session/delta":
+                pass  # "abcdefgh" streamed: 2 tokens
+        agentd.daemon.stop()
+        agentd.daemon.start()  # asks again, answered "done"
+        with agentd.client() as c:
+            watch_raw(c, session, since=0)
+            until_done(c, turn)
+            spent = c.call("session/usage", {"session": session})
+    assert spent == {
+        "input_tokens": _request_tokens(standin) + 100,
+        "output_tokens": 2 + 1,
+        "cached_tokens": 0,
+        "calls": 2,
+        "refused": 0,
+    }

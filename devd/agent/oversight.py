@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 TRACE_RECORDS_KEPT = 10_000  # a session's newest trace records kept; older ones go
 TRACE_TRIM_EVERY = 1_000  # trace records kept between two trims of a session's
-RELEASE_S = 5.0  # the most a stopping daemon waits to release a call's reservation
+RELEASE_S = 5.0  # the most a stopping daemon waits to charge a call's attempts and release its reservation
 APPROVAL_NOTICE = "session/approval"
 DECIDED_NOTICE = "session/decided"
 __all__ = ["ApprovalNotice", "DecidedNotice", "Oversight"]
@@ -344,14 +344,6 @@ class Oversight:
                     await self.keeper.unreserve(number)
             raise
 
-    async def release(self, reservation: Reservation | None) -> None:
-        """A call stopped with the daemon: its reservation goes, nothing is charged (it is asked again). Shielded,
-        and a store that cannot is let be: a daemon that starts again releases what its stopped calls held."""
-        if reservation is None:
-            return
-        with anyio.move_on_after(RELEASE_S, shield=True), contextlib.suppress(StoreError):
-            await self.keeper.unreserve(reservation.number)
-
     async def usage(self, session: str) -> Tally:
         return await self.keeper.tally(session)
 
@@ -403,8 +395,8 @@ TRACE_ERROR_CHARS = 500  # of a failed run's text kept as its trace record's err
 class ModelCall(msgspec.Struct):
     """One model call of a Model action, as the runner makes it: admitted before it is sent (`admit`), each of its
     attempts heard (`attempt`, the driver's `on_attempt`), admitted again before each retry (`again`, what the
-    attempts so far cost charged first), and accounted once it is over (`done`): one trace record per attempt, its
-    usage charged."""
+    attempts so far cost charged first), and accounted once it is over (`done`, or `cancelled` when the daemon
+    stops): one trace record per attempt, its usage charged."""
 
     oversight: Oversight
     session: str
@@ -454,8 +446,11 @@ class ModelCall(msgspec.Struct):
             await self._settle()
 
     async def cancelled(self) -> None:
-        """The call was stopped with the daemon: its reservation goes, nothing is charged (it is asked again)."""
-        await self.oversight.release(self.reservation)
+        """The call was stopped with the daemon (it is asked again when it starts): what its attempts streamed is
+        charged and traced as `done` does, shielded and within RELEASE_S; a store that cannot meanwhile is let be,
+        and the daemon that starts again releases the reservation (what streamed then goes uncharged)."""
+        with anyio.move_on_after(RELEASE_S, shield=True), contextlib.suppress(StoreError, HandleError):
+            await self.done(None)
 
     async def _settle(self) -> None:
         """Charge the attempts not charged yet, releasing the reservation with them."""
