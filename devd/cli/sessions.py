@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from devd.protocol import METHODS
+from devd.protocol import CLIENT_NAME_CHARS_MAX, METHODS
 from devd.render import inline, json_safe
 
 if TYPE_CHECKING:
@@ -98,8 +98,10 @@ def _decision(decision: Literal["allow", "deny"]) -> Callable[[Client, argparse.
 
 
 def cli_client_name() -> str:
-    """Who the command decides as (`by` of `session/decided`): the user, through devd's command line."""
-    return f"{getpass.getuser()} (devd cli)"
+    """Who the command decides as (`by` of `session/decided`): the user, through devd's command line, in the
+    characters a client's name may hold (`devd.protocol.client_name_problem`: no brackets; the daemon adds the
+    peer's uid and pid itself), as `devd acp` names itself `devd acp: EDITOR`."""
+    return f"devd cli: {getpass.getuser()}"[:CLIENT_NAME_CHARS_MAX]
 
 
 def trace_line(r: dict[str, Any]) -> str:
