@@ -34,8 +34,13 @@ its user to itself: see `_drop`), so the count is the command's alone. Where unp
 off, a root daemon's command has none, and every process of its user on the host counts (a workspace owner's desktop
 session, other commands running as `run_as`). `memory_bytes_max` is RLIMIT_DATA, each process's data
 (heap and private writable mappings): unlike RLIMIT_AS it lets runtimes reserve address space they do not use (V8,
-the JVM, wasm engines). Neither is a cgroup (a memory or pids cgroup would bound the command as a whole, but is not
-there to be had on every machine devd runs on). `tmp_bytes_max` is the size of the private /tmp (a tmpfs).
+the JVM, wasm engines). It is not a bound on a command's memory: it is per process (up to `processes_max` of them),
+and shared memory is not counted at all (a memfd written to, a shared mapping, files in a non-root daemon's
+commands' /dev/shm: an independent attack held 6 GiB under a 64 MiB limit); RLIMIT_AS would not count a memfd
+written to either. Only a memory cgroup bounds a command as a whole: devd makes none (not every machine it runs on
+delegates one: cgroup v1, containers without systemd, as here when this was written), so the bound is the cgroup
+the daemon runs in (the shipped units' `MemoryMax=`, which its commands share). `tmp_bytes_max` is the size of the
+private /tmp (a tmpfs).
 
 Under `contain` (`sandbox = "none"`), a command is not confined: it sees and may write what its user may. It is
 contained: it runs in a pid namespace of its own (util-linux's `unshare --pid --fork --kill-child`; as root, else in
