@@ -588,11 +588,13 @@ class ApprovalNotice(msgspec.Struct, frozen=True):
 class Remembered(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a remembered decision settles in the rest of the session without asking: calls of exactly this `argv`
     (`scope` "exact"), or of this `argv` followed by more words none of which starts with `-` (`scope` "prefix"; a
-    remembered denial covers every extension); or writes of exactly this `path`."""
+    remembered denial covers every extension); or writes of exactly this `path`. `narrowed` says why a "prefix" asked
+    for was kept "exact" (the argv runs a command given in its arguments: `env`, `timeout 60`, `ssh host`)."""
 
     scope: Remember
     argv: list[str] | None = None
     path: str | None = None
+    narrowed: str | None = None
 
 
 class DecidedNotice(msgspec.Struct, frozen=True):

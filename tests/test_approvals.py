@@ -419,21 +419,55 @@ def test_remember_true_lets_only_that_exact_command_run_again_without_asking(age
     assert (decided["remembered"], again["action"], agentd.marks()) == ({"scope": "exact", "argv": MARK}, 4, 1)
 
 
+TOUCH = ["touch", "a"]  # a command that runs no other: one a prefix grant may be kept for
+
+
 def test_a_prefix_grant_covers_more_words_but_never_one_starting_with_a_dash(agentd: Agentd) -> None:
     agentd.standin.script(
-        Scripted(tool_calls=[("exec", {"argv": MARK})]),
-        Scripted(tool_calls=[("exec", {"argv": [*MARK, "more"]})]),
-        Scripted(tool_calls=[("exec", {"argv": [*MARK, "more", "-rf"]})]),
+        Scripted(tool_calls=[("exec", {"argv": TOUCH})]),
+        Scripted(tool_calls=[("exec", {"argv": [*TOUCH, "more"]})]),
+        Scripted(tool_calls=[("exec", {"argv": [*TOUCH, "more", "-rf"]})]),
         Scripted(text="done"),
     )
     with agentd.client("ui-1") as c:
         session = c.new(agent="coder", workspace=agentd.workspace)
         watch(c, session)
-        answer(c, approval(c, session, "mark thrice"), "allow", remember="prefix")
+        answer(c, approval(c, session, "touch thrice"), "allow", remember="prefix")
         asked = next_notice(c, "session/approval").params
         answer(c, asked, "deny")
         until_done(c)
-    assert (asked["action"], asked["op"], agentd.marks()) == (6, {"Exec": {"argv": [*MARK, "more", "-rf"]}}, 2)
+    assert (asked["action"], asked["op"], (agentd.workspace / "more").exists()) == (
+        6,
+        {"Exec": {"argv": [*TOUCH, "more", "-rf"]}},
+        True,
+    )
+
+
+def test_a_prefix_grant_of_a_command_runner_is_kept_exact_saying_why_so_what_it_runs_is_asked_again(
+    agentd: Agentd,
+) -> None:
+    agentd.standin.script(
+        Scripted(tool_calls=[("exec", {"argv": ["env"]})]),
+        Scripted(tool_calls=[("exec", {"argv": ["env", "touch", "marker"]})]),
+        Scripted(text="done"),
+    )
+    with agentd.client("ui-1") as c:
+        session = c.new(agent="coder", workspace=agentd.workspace)
+        watch(c, session)
+        answer(c, approval(c, session, "show the environment"), "allow", remember="prefix")
+        decided = next_notice(c, "session/decided").params
+        asked = next_notice(c, "session/approval").params
+        answer(c, asked, "deny")
+        until_done(c)
+    assert (decided["remembered"], asked["op"], (agentd.workspace / "marker").exists()) == (
+        {
+            "scope": "exact",
+            "argv": ["env"],
+            "narrowed": "kept exact, not as a prefix: env runs a command given in its arguments",
+        },
+        {"Exec": {"argv": ["env", "touch", "marker"]}},
+        False,
+    )
 
 
 def test_devd_approve_answers_from_the_command_line(agentd: Agentd) -> None:
@@ -453,15 +487,15 @@ def test_devd_approve_answers_from_the_command_line(agentd: Agentd) -> None:
 def test_devd_approve_remembers_what_its_flag_says(agentd: Agentd, flag: str, scope: str) -> None:
     from devd.cli import main
 
-    mark_then_finish(agentd.standin)
+    agentd.standin.script(Scripted(tool_calls=[("exec", {"argv": TOUCH})]), Scripted(text="done"))
     with agentd.client("ui-1") as c:
         session = c.new(agent="coder", workspace=agentd.workspace)
         watch(c, session)
-        approval(c, session, "mark it")
+        approval(c, session, "touch it")
         main(["approve", "--connect", str(agentd.daemon.socket), session, "2", flag])
         remembered = next_notice(c, "session/decided").params["remembered"]
         until_done(c)
-    assert remembered == {"scope": scope, "argv": MARK}
+    assert remembered == {"scope": scope, "argv": TOUCH}
 
 
 def test_devd_approve_of_an_action_decided_already_is_conflict_naming_who_decided(

@@ -113,6 +113,41 @@ def test_an_allowance_remembered_covers_exactly_what_its_scope_says(
     assert remembered(RM_AO, remember=remember).recall(later) == recalled
 
 
+@pytest.mark.parametrize(
+    ("granted", "later", "recalled"),
+    [
+        (("env",), ("env", "rm", "x"), None),
+        (("env",), ("env",), "allow"),
+        (("timeout", "60", "make"), ("timeout", "60", "make", "install"), None),
+        (("ssh", "devbox"), ("ssh", "devbox", "reboot"), None),
+        (("watch", "date"), ("watch", "date", "; rm -rf src"), None),
+        (("sh", "-c", "ls"), ("sh", "-c", "ls", "x"), None),
+        (("python3", "x.py"), ("python3", "x.py", "y"), None),
+        (("make",), ("make", "test"), "allow"),
+        (("make",), ("make", "x;rm -rf src"), None),
+        (("make",), ("make", "rm"), None),
+        (("git", "add"), ("git", "add", "a.txt"), "allow"),
+        (("git", "bisect"), ("git", "bisect", "run", "make"), None),
+    ],
+)
+def test_a_prefix_allowance_never_settles_a_command_runners_or_an_argv_the_policy_cannot_see_through(
+    granted: tuple[str, ...], later: tuple[str, ...], recalled: Answer | None
+) -> None:
+    assert remembered(argv(*granted), remember="prefix").recall(argv(*later), frozenset({"rm"})) == recalled
+
+
+def test_a_prefix_allowance_of_a_command_runner_is_kept_exact_saying_why() -> None:
+    assert remembered(argv("timeout", "60", "make"), remember="prefix").remembered == [
+        Grant(
+            "argv",
+            ("timeout", "60", "make"),
+            "exact",
+            "allow",
+            "kept exact, not as a prefix: timeout runs a command given in its arguments",
+        )
+    ]
+
+
 def test_a_remembered_prefix_denial_covers_every_extension_even_options() -> None:
     assert remembered(RM_AO, "deny", "prefix").recall(argv("rm", "a.o", "-rf", "src")) == "deny"
 

@@ -8,8 +8,12 @@ anyone, and a ledger rebuilt from those records (`replay`) is the one that was l
 - a decision remembered (`remember`) settles later calls of the session without asking, and no others: by default
   (`"exact"`, or `true`) calls of exactly the argv (Exec; Git's as `git ...`) or path (Write) decided; a `"prefix"`
   grant also calls of that argv followed by more words, none of which starts with `-` (so `rm a.o` never grows into
-  `rm a.o -rf src`), while a remembered denial covers every extension; a profile's `deny` is never overridden by it
-  (the ledger is asked only about `ask` calls). A `true` kept before `"prefix"` existed is read as `"exact"`.
+  `rm a.o -rf src`), and never a call whose argv the policy cannot see through (`devd.agent.wrappers.see` is blind
+  at it: `make 'x;rm -rf src'`), while a remembered denial covers every extension; a profile's `deny` is never
+  overridden by it (the ledger is asked only about `ask` calls). A `"prefix"` allowance of an argv that runs a
+  command given in its arguments (`env`, `timeout 60 make`, `ssh host`, `watch date`:
+  `devd.agent.wrappers.runs_later_words`) is kept `"exact"`, saying why. A `true` kept before `"prefix"` existed is
+  read as `"exact"`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Literal
 
 import msgspec
 
+from devd.agent import wrappers
 from devd.errors import ConflictError, InvalidParamsError
 from devd.messages import Call, Op
 from devd.protocol import Remember, Remembered
@@ -57,16 +62,19 @@ class Decided(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Grant(msgspec.Struct, frozen=True):
-    """A remembered decision: the argv or path it was about (`kind`, `words`), its scope, and the decision."""
+    """A remembered decision: the argv or path it was about (`kind`, `words`), its scope, the decision, and why a
+    "prefix" asked for was kept "exact" (`narrowed`)."""
 
     kind: Literal["argv", "path"]
     words: tuple[str, ...]
     scope: Remember
     decision: Answer
+    narrowed: str | None = None
 
-    def covers(self, kind: str, words: tuple[str, ...]) -> bool:
+    def covers(self, kind: str, words: tuple[str, ...], watched: frozenset[str] = frozenset()) -> bool:
         """Whether this grant settles a call of these words: the same words, or (a prefix grant, or any remembered
-        denial of an argv) those words followed by more; an allowance never by a word starting with `-`."""
+        denial of an argv) those words followed by more; an allowance never by a word starting with `-`, nor when
+        the argv cannot be seen through (`watched`: the programs the profile's deny and ask rules name)."""
         if kind != self.kind or words[: len(self.words)] != self.words:
             return False
         extra = words[len(self.words) :]
@@ -74,13 +82,15 @@ class Grant(msgspec.Struct, frozen=True):
             return True
         if kind == "path" or self.scope == "exact":
             return False
-        return self.decision == "deny" or not any(word.startswith("-") for word in extra)
+        if self.decision == "deny":
+            return True
+        return not any(word.startswith("-") for word in extra) and wrappers.see(words, watched).blind is None
 
     def shown(self) -> Remembered:
         """The grant as `session/decided` states it."""
         if self.kind == "path":
             return Remembered(self.scope, path=self.words[0])
-        return Remembered(self.scope, argv=list(self.words))
+        return Remembered(self.scope, argv=list(self.words), narrowed=self.narrowed)
 
 
 def scope_of(remember: bool | Remember) -> Remember | None:
@@ -173,14 +183,15 @@ class Ledger(msgspec.Struct):
             self.remembered.append(grant)
         return decided
 
-    def recall(self, op: Op) -> Answer | None:
-        """What a remembered decision says of this op (the strictest that covers it), or None: ask."""
+    def recall(self, op: Op, watched: frozenset[str] = frozenset()) -> Answer | None:
+        """What a remembered decision says of this op (the strictest that covers it), or None: ask. `watched`: the
+        programs the profile's deny and ask rules name (`Grant.covers`)."""
         subject = _subject(op)
         if subject is None:
             return None
         found: Answer | None = None
         for grant in self.remembered:
-            if grant.covers(*subject):
+            if grant.covers(*subject, watched):
                 if grant.decision == "deny":
                     return "deny"
                 found = grant.decision
@@ -201,7 +212,11 @@ def grant_of(op: Op, decided: Decided) -> Grant | None:
     scope, subject = decided.scope, _subject(op)
     if scope is None or subject is None or decided.decision == "cancelled":
         return None
-    return Grant(*subject, scope, decided.decision)
+    kind, words = subject
+    runs = wrappers.runs_later_words(words) if kind == "argv" and scope == "prefix" else None
+    if runs is not None and decided.decision == "allow":  # a prefix of it would allow any command given after it
+        return Grant(kind, words, "exact", "allow", f"kept exact, not as a prefix: {runs}")
+    return Grant(kind, words, scope, decided.decision)
 
 
 def _conflict(done: Decided) -> str:

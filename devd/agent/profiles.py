@@ -356,8 +356,7 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
     decision: Decision = profile.exec
     reason = f'agent {profile.name!r} has exec = "{profile.exec}"'
     stricter = [r for r in profile.rules if r.decision != "allow"]
-    # An argument naming a program a deny or ask rule names may be a command that program runs (`ssh-agent rm x`).
-    seen = wrappers.see(argv, frozenset(wrappers.program(r.prefix[0]) for r in stricter))
+    seen = wrappers.see(argv, watched(profile))
     last = len(seen.layers) - 1
     # An allow rule counts for the command that runs in the end only: one of a wrapper would allow what it wraps.
     matching = [
@@ -384,6 +383,12 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
     if decision == "deny":
         reason = f"denied by the policy: {reason}"
     return decision, reason
+
+
+def watched(profile: Profile) -> frozenset[str]:
+    """The programs the profile's deny and ask rules name: an argument naming one may be a command that a program
+    runs (`ssh-agent rm x`), so `devd.agent.wrappers.see` is blind at it."""
+    return frozenset(wrappers.program(r.prefix[0]) for r in profile.rules if r.decision != "allow")
 
 
 def _nul(call: Call) -> str | None:

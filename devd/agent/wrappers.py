@@ -273,6 +273,29 @@ def runs_commands(name: str) -> bool:
     )
 
 
+# Programs that run a command given as later words elsewhere or in an environment they make (`ssh host CMD`,
+# `docker exec c CMD`, `uv run CMD`): a remembered prefix of their argv would settle any command.
+RUN_LATER_WORDS = frozenset(
+    "ssh rsh docker podman kubectl npx uvx pipx uv npm pnpm yarn poetry pipenv bundle conda mamba nix nix-shell".split()
+)
+
+
+def runs_later_words(words: tuple[str, ...]) -> str | None:
+    """Why these words followed by more may run any command given in them (so that a remembered prefix of them
+    would settle every command), or None: a wrapper, shell, interpreter or other runner, or a program of
+    `RUN_LATER_WORDS`. find and git are not: what they run is only after an option (`-exec`, `-c`) or a
+    subcommand that `see` is blind at."""
+    if not words:
+        return None
+    name = program(words[0])
+    seen = see(words)
+    if len(seen.layers) > 1 or seen.blind is not None or name in RUN_LATER_WORDS:
+        return f"{name} runs a command given in its arguments"
+    if name not in ("find", "git") and runs_commands(name):
+        return f"{name} runs a command given in its arguments"
+    return None
+
+
 Inside = tuple[tuple[str, ...] | None, str | None]  # the command run inside (None: none), and why more may run
 
 
