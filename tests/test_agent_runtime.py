@@ -328,7 +328,7 @@ def test_a_call_the_policy_denies_never_runs_even_through_a_wrapper(
         )
 
 
-def test_at_most_max_calls_per_reply_calls_of_one_reply_run_and_the_rest_are_answered_refused_in_order(
+def test_at_most_max_calls_per_reply_calls_of_one_reply_run_and_the_rest_are_answered_as_one_refused_call(
     agentd: Agentd,
 ) -> None:
     (agentd.workspace / "a.txt").write_text("a\n")
@@ -338,12 +338,19 @@ def test_at_most_max_calls_per_reply_calls_of_one_reply_run_and_the_rest_are_ans
         run_turn(c, session, "read it 150 times")
         runs = [text for _, text, failed in results(c, session) if (text, failed) == ("a\n", False)]
     request = agentd.standin.requests[1].body["messages"]
-    refused = [m["tool_call_id"] for m in request if m["role"] == "tool" and m["content"].startswith("error: not run")]
-    assert (len(runs), refused, tool_messages(agentd.standin, 1)[0]) == (
+    calls = [call["id"] for m in request if m["role"] == "assistant" for call in m.get("tool_calls") or []]
+    refused = [(m["tool_call_id"], m["content"]) for m in request if m["role"] == "tool" and "not run" in m["content"]]
+    assert (len(runs), len(calls), refused) == (
         100,
-        [f"call_standin_{n}" for n in range(100, 150)],
-        "error: not run: the reply made 150 tool calls and at most 100 of one reply are carried out (agent 'coder' "
-        "has max_calls_per_reply = 100); make the calls still needed in your next reply",
+        101,
+        [
+            (
+                "call_standin_100",
+                "error: not run: the reply made 150 tool calls and at most 100 of one reply are carried out (agent "
+                "'coder' has max_calls_per_reply = 100); this call and the 49 after it were not run, and are left out "
+                "of the conversation; make the calls still needed in your next reply",
+            )
+        ],
     )
 
 

@@ -13,9 +13,9 @@ What it promises:
   is never run again: the call is stepped as failed, saying it may have partly run. Read and Model are carried out
   again.
 - A call the profile denies (or, when it asks, a client denies) is never started; it is stepped as failed, with
-  why. A tool call the core cannot take, and every tool call of a reply past the profile's
-  `max_calls_per_reply`, is answered to the model as a failed call, kept in an `inserted` record so that every later
-  request carries it at the same place.
+  why. A tool call the core cannot take is answered to the model as a failed call, and the tool calls of a reply past
+  the profile's `max_calls_per_reply` as one failed call (the first of them, without its arguments, saying how many
+  were not run), kept in an `inserted` record so that every later request carries it at the same place.
 - While the model streams, the session's watchers receive `session/delta`. When the model cannot be reached after
   the retries, the ask stays pending, the session is stalled (`stalled`, and `session/stalled` to its watchers) until
   `resume`.
@@ -368,15 +368,21 @@ def _subject(call: Call) -> str | None:
 
 def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list[model.Rejected]]:
     """The reply the core is stepped with and the calls it does not take: of the reply's tool calls, the first
-    `max_calls_per_reply` are taken (those it can take); the rest, in order, are answered refused, never run."""
+    `max_calls_per_reply` are taken (those it can take); the rest are never run, answered as one: the first of them,
+    its arguments left out, refused for all (what is kept in the conversation, and sent in every later request, stays
+    bounded however many calls a reply makes)."""
     limit = profile.max_calls_per_reply
     calls = completion.tool_calls
     reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]))
+    if len(calls) <= limit:
+        return reply, rejected
     why = (
         f"not run: the reply made {len(calls)} tool calls and at most {limit} of one reply are carried out (agent "
-        f"{profile.name!r} has max_calls_per_reply = {limit}); make the calls still needed in your next reply"
+        f"{profile.name!r} has max_calls_per_reply = {limit}); this call and the {len(calls) - limit - 1} after it "
+        "were not run, and are left out of the conversation; make the calls still needed in your next reply"
     )
-    return reply, [*rejected, *(model.Rejected(tc.id, tc.name, tc.arguments, why) for tc in calls[limit:])]
+    first = calls[limit]
+    return reply, [*rejected, model.Rejected(first.id, first.name, "{}", why)]
 
 
 def _turn_id(event: bytes) -> int:
