@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
-from devd.agent.cli import Screen, approval_lines, call_line
+from devd.agent.cli import DIFF_BYTES_MAX, Screen, approval_lines, call_line
 from devd.client import ActionsNotice
 from devd.messages import (
     Action,
@@ -97,6 +98,7 @@ def test_a_diff_with_an_embedded_erase_line_shows_it_escaped() -> None:
     notice = ApprovalNotice("s", 2, Op(Write=Write(path="a.txt", text="ok\x1b[2K\rfine\n")), "0" * 64)
     assert approval_lines(notice, None) == [
         "write a.txt (12 bytes)",
+        "  (no old content shown: the session's workspace is not known here)",
         "  --- a/a.txt",
         "  +++ b/a.txt",
         "  @@ -0,0 +1 @@",
@@ -140,3 +142,54 @@ def test_a_change_made_with_a_soft_hyphen_shows_in_the_diff(tmp_path: Path) -> N
     (tmp_path / "deploy.sh").write_text("HOST=prod.example.com\n")
     notice = ApprovalNotice("s", 2, Op(Write=Write(path="deploy.sh", text="HOST=prod.example.com\u00ad\n")), "0" * 64)
     assert approval_lines(notice, str(tmp_path))[-2:] == ["  -HOST=prod.example.com", "  +HOST=prod.example.com\\u00ad"]
+
+
+# -- the file a write's diff is taken against: reached as the Write tool reaches it --------------------------------
+
+
+def write_of(path: str, text: str = "x\n") -> ApprovalNotice:
+    return ApprovalNotice("s", 2, Op(Write=Write(path=path, text=text)), "0" * 64)
+
+
+def test_a_write_to_a_link_out_of_the_workspace_shows_none_of_its_target_and_says_the_write_is_refused(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "secret").write_text("root:hash\n")
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "z").symlink_to(tmp_path / "secret")
+    assert approval_lines(write_of("z"), str(tmp_path / "ws"))[:2] == [
+        "write z (2 bytes)",
+        f"  (no old content shown: the Write tool will refuse this path: z leads outside the workspace (to "
+        f"{tmp_path}/secret) through a symbolic link)",
+    ]
+
+
+def test_a_write_over_a_fifo_shows_without_waiting_that_it_replaces_a_fifo(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    assert approval_lines(write_of("pipe"), str(tmp_path))[1] == (
+        "  (no old content shown: it is a FIFO, not a regular file; the write would replace it with a regular file)"
+    )
+
+
+def test_a_write_over_a_link_inside_the_workspace_is_diffed_against_the_file_it_writes(tmp_path: Path) -> None:
+    (tmp_path / "real.txt").write_text("old\n")
+    (tmp_path / "z").symlink_to("real.txt")
+    assert approval_lines(write_of("z"), str(tmp_path))[-2:] == ["  -old", "  +x"]
+
+
+def test_a_workspace_reached_through_a_link_is_not_read(tmp_path: Path) -> None:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "a.txt").write_text("old\n")
+    (tmp_path / "link").symlink_to("ws")
+    assert approval_lines(write_of("a.txt"), str(tmp_path / "link"))[1] == (
+        f"  (no old content shown: the workspace cannot be reached here: {tmp_path}/link is a symbolic link)"
+    )
+
+
+def test_a_large_file_is_read_only_to_its_bound_and_the_diff_says_so(tmp_path: Path) -> None:
+    (tmp_path / "big.txt").write_text("same\n" * (DIFF_BYTES_MAX // 5 + 100))
+    lines = approval_lines(write_of("big.txt", "same\n" * (DIFF_BYTES_MAX // 5 + 100)), str(tmp_path))
+    assert lines == [
+        f"write big.txt ({5 * (DIFF_BYTES_MAX // 5 + 100)} bytes)",
+        f"  (only the first {DIFF_BYTES_MAX:,} bytes of the file and characters of the text compared)",
+    ]

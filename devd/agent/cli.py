@@ -9,7 +9,10 @@ else drives, until its running turn ends (or Ctrl-C, which leaves the turn alone
 
 Rendering is a pure function of the notices (`Screen`), so that what people see is tested without a terminal. What
 a model chose (its text, a command's words, paths, URLs, what its calls printed, a reason quoting them) is shown
-through devd.render, so that nothing in it acts on the terminal: an approval shows the command that `y` runs.
+through devd.render, so that nothing in it acts on the terminal: an approval shows the command that `y` runs. A
+write's diff is taken against the file the Write tool would replace, in the workspace the session's binding names,
+reached as that tool reaches it and read only when it is a regular file, at most DIFF_BYTES_MAX of it (`replaced`):
+a link out of the workspace, a FIFO or a device is said to be one, never read.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import difflib
 import os
 import signal
+import stat
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +33,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
+from devd.agent import tools
 from devd.client import ActionsNotice, AsyncClient, Notice, UnwatchedNotice
 from devd.errors import BusyError, ConflictError, HandleError
 from devd.messages import Action, Cancel, Event, Output
@@ -40,6 +45,7 @@ EXIT_ENDED = 1
 EXIT_INTERRUPTED = 130
 RESULT_LINES = 8  # of a call's output shown; the rest is counted
 DIFF_LINES = 40  # of a write's diff shown when it waits for approval
+DIFF_BYTES_MAX = 256 * 1024  # of the file a write's diff reads, and characters of the text it compares
 PROGRESS_EVERY_S = 0.25
 
 
@@ -217,24 +223,81 @@ async def _notices(
 
 
 def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:
-    """What an approval would do: the command, or a diff of the write (against the file, when it can be read), shown
-    exactly: a control or bidi character in it is escaped, never taken by the terminal."""
+    """What an approval would do: the command, or a diff of the write (against the file it would replace, when that
+    can be read: see `replaced`), shown exactly: a control or bidi character in it is escaped, never taken by the
+    terminal."""
     op = notice.op
     if op.Write is None:
         line = call_line(Action(id=notice.action, op=op))
         return [line] if line is not None else []
-    before = ""
-    if workspace is not None:
-        try:
-            before = (Path(workspace) / op.Write.path).read_bytes().decode(errors="replace")  # its \r\n as it is
-        except OSError:
-            before = ""
+    data, why = replaced(workspace, op.Write.path)
+    before = data[:DIFF_BYTES_MAX].decode(errors="replace")  # its \r\n as it is
+    after = op.Write.text[:DIFF_BYTES_MAX]
     path = inline(op.Write.path)
-    diff = difflib.unified_diff(_lines(before), _lines(op.Write.text), f"a/{path}", f"b/{path}", lineterm="")
+    shown = [f"write {path} ({len(op.Write.text.encode(errors='surrogatepass'))} bytes)"]
+    if why is not None:
+        shown.append(f"  (no old content shown: {inline(why)})")
+    if len(data) > DIFF_BYTES_MAX or len(op.Write.text) > DIFF_BYTES_MAX:
+        before, after = _to_line_end(before), _to_line_end(after)  # a line cut short would read as changed
+        shown.append(f"  (only the first {DIFF_BYTES_MAX:,} bytes of the file and characters of the text compared)")
+    diff = difflib.unified_diff(_lines(before), _lines(after), f"a/{path}", f"b/{path}", lineterm="")
     lines = [f"  {block(line)}" for line in diff]
     if len(lines) > DIFF_LINES:
         lines = [*lines[:DIFF_LINES], f"  … {len(lines) - DIFF_LINES} more lines"]
-    return [f"write {path} ({len(op.Write.text.encode())} bytes)", *lines]
+    return [*shown, *lines]
+
+
+def _to_line_end(text: str) -> str:
+    return text[: text.rfind("\n") + 1]
+
+
+def replaced(workspace: str | None, path: str) -> tuple[bytes, str | None]:
+    """What a write to `path` would replace: its first DIFF_BYTES_MAX + 1 bytes (none for a new file), and why
+    nothing was read when it was not. The file is reached as the Write tool reaches it (`devd.agent.tools`: the
+    workspace, as the session's binding names it, opened from / without following a link; the path resolved inside
+    it, then opened from it one directory at a time without following a link), and read only when it is a regular
+    file (opened without following a link or waiting, and checked again once open): a path the Write tool would
+    refuse, a link out of the workspace, a FIFO or a device is never read. `devd run` runs where the daemon does, as
+    a person who may read less (or more) than it: what it cannot read is said so."""
+    if workspace is None:
+        return b"", "the session's workspace is not known here"
+    try:
+        place = tools.Workspace(Path(workspace), tools.pin(Path(workspace)))
+    except tools.Refused as e:
+        return b"", f"the workspace cannot be reached here: {e.why}"
+    try:
+        dir_fd, name = tools._reach_file(place, path, for_write=False)  # the Write tool's way, making nothing
+    except tools.Refused as e:
+        return b"", f"the Write tool will refuse this path: {e.why}"
+    except FileNotFoundError:
+        return b"", None  # a directory on the way is missing: the write makes it, and a new file
+    except OSError as e:
+        return b"", f"it cannot be read here: {e.strerror or e}"
+    try:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)  # a device is never opened, even to be checked
+        except FileNotFoundError:
+            return b"", None
+        if not stat.S_ISREG(st.st_mode):
+            return b"", _not_regular(st.st_mode)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        return b"", f"it cannot be read here: {e.strerror or e}"
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):  # made something else between the look and the open
+            return b"", _not_regular(st.st_mode)
+        return f.read(DIFF_BYTES_MAX + 1), None
+
+
+def _not_regular(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "it is a directory; the Write tool will refuse it"
+    kinds = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+    kind = kinds.get(stat.S_IFMT(mode), "a socket")
+    return f"it is {kind}, not a regular file; the write would replace it with a regular file"
 
 
 def decision_of(answer: str) -> tuple[Literal["allow", "deny"], Remember | Literal[False]]:
@@ -303,7 +366,7 @@ async def _run(client: AsyncClient, args: argparse.Namespace, screen: Screen) ->
         workspace = os.path.abspath(args.workspace or os.getcwd())
         session = await client.new(session=session, agent=args.agent, workspace=workspace)
         seq = 0
-    screen.workspace = os.path.abspath(args.workspace or os.getcwd())
+    screen.workspace = (await client.agent(session)).workspace  # the binding's: --workspace is only for a new one
     subscribed, prompted = anyio.Event(), anyio.Event()
     statuses: list[int] = []
 
@@ -366,6 +429,7 @@ async def _cancel(client: AsyncClient, session: str, turn: int) -> None:
 async def _attach(client: AsyncClient, args: argparse.Namespace, screen: Screen) -> int:
     if await _seq(client, args.session) is None:
         raise HandleError(f"no session is named {args.session!r}; `devd ls` shows the sessions there are")
+    screen.workspace = (await client.agent(args.session)).workspace
     owed = await client.pending(args.session)
     if not owed:
         screen._line(f"[session {args.session} has no turn running; waiting for one, Ctrl-C to stop]")
