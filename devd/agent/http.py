@@ -1,7 +1,8 @@
 """The only home of httpx: one client, a streamed POST and a GET from checked addresses, and one error for the network.
 
 A client never reads proxies or certificates from the environment (`trust_env=False`): what the daemon reaches is
-what its profiles say. Every httpx error becomes a `TransportError`, so no other module needs to know httpx.
+what its profiles say. Every httpx error becomes a `TransportError`, so no other module needs to know httpx. Every
+request asks for no content encoding, and a body in one is refused unread (`Encoded`): a body is never decoded.
 
 httpx is imported, and its client (with the TLS context that loads the CA bundle) made, at the first request, not
 when the daemon starts: the two cost a start about 70 ms on this machine (half of what `devd serve` takes to its first

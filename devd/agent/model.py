@@ -6,10 +6,14 @@ errors, 408/409/429 and 5xx retried with bounded backoff, each attempt reported 
 cancellation closing the stream.
 
 What it promises at its edges: a reply is bounded (`reply_bytes_max` bytes, a line of it included; `model_timeout_s`
-seconds an attempt) and a reply past a bound fails without a retry; the API key is read when sent and refused,
-naming its variable, when it is missing or holds what a header cannot carry; no error text it gives out holds the key
-or the `user:password` of a URL, and no URL it shows holds a user or password; every attempt the server took is
-charged (its usage, else devd's estimate of the request and of what streamed), cut short or cancelled as well.
+seconds an attempt; the tokens reserved for it, by devd's estimate; never a content encoding, which is refused unread)
+and a reply past a bound fails without a retry; a retry is sent only once the spend ceilings admit it again; the API
+key is read when sent and refused, naming its variable, when it is missing or holds what a header cannot carry; no
+error text it gives out holds the key or the `user:password` of a URL, and no URL it shows holds a user or password;
+every attempt the server took is charged (its usage, its output at least the estimate of what streamed; else devd's
+estimate of the request and of what streamed), cut short or cancelled as well; what a server sends that cannot be read
+(counts past TOKEN_COUNT_MAX, JSON nested past the recursion limit, lone surrogates in arguments) fails the attempt
+or is a rejected call, never the driver.
 
 Wire choices: a tool call's id is `call_<action id>` (the Dispatch id); a failed result is sent as
 `error: <text>`, so the model sees that the call failed; an assistant turn without text or calls is sent with

@@ -5,8 +5,9 @@ What it promises:
 - an action that needs a decision is announced (`session/approval`) only once its approval is durable, stays pending
   across restarts and hibernation (every new watcher is told again), and is decided once: the first valid answer is
   made durable before anyone is told (`session/decided`) or the action runs;
-- a model call is reserved against every ceiling before it is sent, and a call a ceiling forbids is never sent: a
-  refusal record and a `refused` trace record are written instead;
+- a model call is reserved against every ceiling before it is sent, and again before each retry (what its attempts
+  so far cost charged first), and a call a ceiling forbids is never sent: a refusal record and a `refused` trace
+  record are written instead; a call stopped with the daemon is charged what it streamed as the daemon stops;
 - a session's usage counts only the calls made in it (a fork starts from zero), and a profile's day counts every
   session of that profile, closed ones too; the counters are the store's, charged in the transaction that keeps the
   usage record, so a restart, another daemon of a fleet or a session it takes over counts what was spent;
