@@ -577,6 +577,26 @@ def test_an_allow_rule_for_that_very_command_allows_it_though_it_cannot_be_seen_
     assert decide(p, Call(Exec=Exec(argv=["python3", "-m", "pytest", "-q"])))[0] == "allow"
 
 
+@pytest.mark.parametrize(
+    ("allowed", "argv", "decision"),
+    [
+        (["python3", "-m", "pytest"], ["python3", "-m", "pytest", "-q"], "allow"),
+        (["./build.sh"], ["./build.sh", "all"], "allow"),
+        (["git"], ["git", "-c", "alias.x=!rm -rf src", "x"], "ask"),
+        (["git"], ["git", "rebase", "-x", "rm -rf src", "main"], "ask"),
+        (["make"], ["make", "--eval=x:;rm -rf src", "x"], "ask"),
+        (["tar"], ["tar", "--to-command=./x", "-xf", "a.tar"], "ask"),
+        (["sh"], ["sh", "-c", "ls; rm x"], "ask"),
+        (["sh", "-c", "ls; ls"], ["sh", "-c", "ls; ls"], "allow"),
+    ],
+)
+def test_an_allow_rule_lets_a_command_it_cannot_see_into_run_only_when_it_names_what_makes_it_so(
+    tmp_path: Path, allowed: list[str], argv: list[str], decision: str
+) -> None:
+    p = profile(tmp_path, exec="ask", rules=(*DENY_RM, Rule(prefix=tuple(allowed), decision="allow")))
+    assert decide(p, Call(Exec=Exec(argv=argv)))[0] == decision
+
+
 def test_an_allow_rule_of_a_wrapper_does_not_allow_what_it_wraps(tmp_path: Path) -> None:
     p = profile(tmp_path, exec="ask", rules=(Rule(prefix=("timeout",), decision="allow"),))
     assert decide(p, Call(Exec=Exec(argv=["timeout", "5", "curl", "x"]))) == ("ask", "agent 'p' has exec = \"ask\"")

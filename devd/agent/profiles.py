@@ -339,7 +339,8 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
     matches is decided by `exec`. A command that may run what its argv does not show (`sh -c` of more than one
     simple command, `python -c`, a program in the workspace, a program not known to be inert given an argument that
     names a program a deny or ask rule names) is asked about rather than allowed when the profile has a deny or ask
-    rule, unless an allow rule matches that very command."""
+    rule, unless an allow rule matches that very command (a prefix of it when its program is what cannot be seen
+    into, `wrappers.blind_by_itself`; else all of it)."""
     refused = _nul(call)
     if refused is not None:
         return "deny", refused
@@ -371,7 +372,11 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
         reason = f"the rule prefix = {list(rule.prefix)} of agent {profile.name!r} says {rule.decision}"
         if at > 0:
             reason += f" (the command runs {shlex.join(seen.layers[at])})"
-        allowed_as_is = decision == "allow" and at == seen.blind_at
+        # An allow rule lets a command it cannot see into run as it is only when it names what makes it so: the
+        # program itself (["python3", "-m", "pytest"]), or the whole command; allowing git does not allow `git -c`.
+        layer = seen.layers[at]
+        names_it = wrappers.blind_by_itself(layer) or len(rule.prefix) == len(layer)
+        allowed_as_is = decision == "allow" and at == seen.blind_at and names_it
     else:
         allowed_as_is = False
     if decision == "allow" and seen.blind is not None and stricter and not allowed_as_is:

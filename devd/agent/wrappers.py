@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from collections.abc import Sequence
 
 import msgspec
 
@@ -254,6 +255,19 @@ def see(argv: list[str] | tuple[str, ...], watched: frozenset[str] = frozenset()
         if why is not None:
             blind = blind or (why, len(layers) - 1)
     return Seen(tuple(layers), *(blind or (None, None)))
+
+
+def blind_by_itself(layer: Sequence[str]) -> bool:
+    """Whether a command is blind for what its program is (an interpreter, a runner of `BLIND`, a program at a path
+    outside the system's directories), not for an argument it was given (`git -c`, `make --eval`, `sh -c 'a; b'`):
+    only then does a rule naming the program and some of its arguments name what it may run."""
+    first = layer[0]
+    name = program(first)
+    if "/" in first and os.path.dirname(os.path.normpath(first)) not in SYSTEM_DIRS:
+        return True
+    bare = _VERSIONED.sub("", name)
+    shell_or_wrapper = name in SHELLS or bare in SHELLS or name in WRAPPERS or name in ("find", "git")
+    return runs_commands(name) and not shell_or_wrapper
 
 
 def runs_commands(name: str) -> bool:
