@@ -131,12 +131,12 @@ async def test_a_command_cannot_reach_a_socket_in_run(ws: Path, bus: Path, netwo
     assert result == Result("refused\n")
 
 
-@as_root  # a non-root daemon's configuration directory is its own user's, which its commands run as
 def test_a_command_cannot_read_the_environment_file_in_the_daemons_configuration_directory(
     tmp_path: Path, standin: Standin
 ) -> None:
     """The systemd units read the API keys from CONFIGURATION_DIRECTORY/environment: an independent attack's command
-    read it (0644 here, so that only the sandbox stands in the way of run_as)."""
+    read it (0644 here, so that under a root daemon only the sandbox stands in the way of run_as; a daemon not run as
+    root runs its commands as itself)."""
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="devd-test-") as conf:
         os.chmod(conf, 0o755)
         (Path(conf) / "environment").write_text(f"OPENAI_API_KEY={SECRET}\n")
