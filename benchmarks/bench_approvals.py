@@ -56,6 +56,7 @@ class Bare(Oversight):
         action: int,
         reservation: Reservation | None,
         used: Usage | None,
+        calls: int = 1,
     ) -> None:
         return None
 
