@@ -13,6 +13,9 @@ what its commands print, a reason that quotes any of these) is shown through one
 - `prose(text)` and `Streamed`: text to be read (the model's words, a command's output, whole or as it streams):
   terminal sequences (CSI, OSC such as a hyperlink, any other ESC sequence) removed, so that coloured or linked text
   still reads well; a line end written `\\r\\n` is a line end; any other character below is shown as an escape;
+- `brief(shown, chars_max)`: one of these lines, shortened when it is too long to be seen whole on a screen (a
+  command of 200,000 spaces): long runs of spaces and long words cut, each cut counted where it was
+  (`…[199,980 spaces]…`), so that every word's start and end can still be seen;
 - `json_safe(raw)`: JSON for people: the characters below that JSON leaves raw, as `\\uXXXX` (the same value).
 
 The characters: the C0 controls, DEL, the C1 controls, the line and paragraph separators U+2028/U+2029, the bidi
@@ -32,7 +35,7 @@ import re
 import shlex
 from collections.abc import Sequence
 
-__all__ = ["Streamed", "argv", "block", "inline", "json_safe", "prose"]
+__all__ = ["Streamed", "argv", "block", "brief", "inline", "json_safe", "prose"]
 
 # Beside the controls: what reorders text or hides in it, escaped wherever it is shown. The bidi controls; the line
 # and paragraph separators; the default-ignorable code points that no text shown here needs (a soft hyphen, the
@@ -108,6 +111,46 @@ def _word(word: str) -> str:
 def argv(words: Sequence[str]) -> str:
     """A command as a shell would take it: `shlex.join`'s quoting, and `$'...'` for a word that needs escapes."""
     return " ".join(_word(word) for word in words)
+
+
+SPACES_RUN_MAX = 8  # spaces in a row that a shortened line keeps as they are
+WORD_CHARS_MAX = 160  # of a word that a shortened line keeps whole; a longer one keeps its first 100 and last 40
+_WORD_HEAD, _WORD_TAIL = 100, 40
+
+
+def brief(shown: str, chars_max: int) -> str:
+    """A line as shown (by `argv`, `inline` or `block`), shortened when it is longer than `chars_max` characters so
+    that its whole shape fits on a screen: each run of more than SPACES_RUN_MAX spaces becomes `…[N spaces]…`, each
+    word longer than WORD_CHARS_MAX keeps its start and end around `…[N characters]…`, and when that is still too
+    long, the words in the middle become `…[N words, M characters]…`. What was cut is always counted where it was."""
+    if len(shown) <= chars_max:
+        return shown
+    tokens = re.findall(r" +|[^ ]+", shown)
+    pieces = [_shortened(token) for token in tokens]
+    if sum(map(len, pieces)) <= chars_max:
+        return "".join(pieces)
+    room = max(chars_max - 40, 0)  # 40 for the count of what is cut
+    head_max, tail_max = room * 2 // 3, room // 3
+    start, used = 0, 0
+    while used + len(pieces[start]) <= head_max:
+        used += len(pieces[start])
+        start += 1
+    end, used = len(pieces), 0
+    while end > start and used + len(pieces[end - 1]) <= tail_max:
+        used += len(pieces[end - 1])
+        end -= 1
+    cut = tokens[start:end]
+    words = sum(1 for token in cut if token[0] != " ")
+    counted = f"…[{words:,} word{'' if words == 1 else 's'}, {sum(map(len, cut)):,} characters]…"
+    return "".join(pieces[:start]) + counted + "".join(pieces[end:])
+
+
+def _shortened(token: str) -> str:
+    if token[0] == " ":
+        return token if len(token) <= SPACES_RUN_MAX else f"…[{len(token):,} spaces]…"
+    if len(token) <= WORD_CHARS_MAX:
+        return token
+    return f"{token[:_WORD_HEAD]}…[{len(token) - _WORD_HEAD - _WORD_TAIL:,} characters]…{token[-_WORD_TAIL:]}"
 
 
 def _read(text: str, final: bool) -> tuple[str, int]:

