@@ -19,12 +19,13 @@ from typing import Any
 import anyio
 import pytest
 
+from devd import errors
 from devd.agent import runas
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Refusal, Sandbox, choose, contain, limits, probe, wrap
 from devd.agent.tools import Result, command_env, run_command, write_file
-from tests.agents import SECRET, Agentd, run_turn, start
-from tests.daemon import ROOT
+from tests.agents import SECRET, Agentd, agents_toml, run_turn, start
+from tests.daemon import ROOT, Daemon
 from tests.helpers import gone
 from tests.standin_model import Scripted, Standin, standin_fixture
 
@@ -148,6 +149,21 @@ def test_a_command_cannot_read_the_environment_file_in_the_daemons_configuration
             with agentd.client() as c:
                 run_turn(c, agentd.session(c), "read the keys")
     assert standin.requests[1].body["messages"][-1]["content"] == "1\n"
+
+
+def test_a_workspace_holding_the_agents_file_is_refused_saying_why(tmp_path: Path, standin: Standin) -> None:
+    """A command, or Write, could otherwise rewrite the profile's rules for the daemon's next start (under a root
+    daemon the grant even gave run_as the file)."""
+    ws = tmp_path / "roots" / "ws"
+    ws.mkdir(parents=True)
+    (ws / "agents.toml").write_text(agents_toml(standin.url, tmp_path / "roots"))
+    daemon = Daemon(tmp_path / "d", "--agents", str(ws / "agents.toml"), env={"DEVD_TEST_KEY": SECRET})
+    with daemon.start(), daemon.client() as c, pytest.raises(errors.InvalidParamsError) as refused:
+        c.new(agent="coder", workspace=ws)
+    assert str(refused.value) == (
+        f"workspace {ws} holds the daemon's own {ws / 'agents.toml'}, which no session may reach; use a directory "
+        "that does not hold it"
+    )
 
 
 def test_sandbox_none_runs_unconfined(ws: Path) -> None:

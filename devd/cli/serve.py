@@ -111,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"devd: cannot start: {e}", file=sys.stderr)
         return 2
 
-    registry, dispatcher = build(settings, core, store, fleet=fleet, agents=agents)
+    registry, dispatcher = build(settings, core, store, fleet=fleet, agents=agents, agents_file=_agents_path(args))
     daemon = Daemon(settings, registry, dispatcher, token)
 
     def ready() -> None:
@@ -171,10 +171,16 @@ def _asked(settings: Settings) -> list[Listen]:
 def _agents(args: argparse.Namespace) -> dict[str, Any]:
     """The agent profiles of --agents (default: agents.toml where `default_agents_path` finds one; none there: no
     agents); ConfigError (FILE:LINE: what is wrong) for a bad file."""
-    from devd.agent.profiles import default_agents_path, load_profiles
+    from devd.agent.profiles import load_profiles
 
-    path = Path(args.agents) if args.agents else default_agents_path(os.environ)
+    path = _agents_path(args)
     return {} if path is None else dict(load_profiles(path))
+
+
+def _agents_path(args: argparse.Namespace) -> Path | None:
+    from devd.agent.profiles import default_agents_path
+
+    return Path(args.agents) if args.agents else default_agents_path(os.environ)
 
 
 def _core(settings: Settings) -> Core:

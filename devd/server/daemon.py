@@ -61,10 +61,12 @@ def build(
     methods: Mapping[str, Method] = METHODS,
     fleet: Fleet | None = None,
     agents: Mapping[str, Profile] | None = None,
+    agents_file: Path | None = None,
 ) -> tuple[Registry, Dispatcher]:
     """The parts of a daemon, wired: registry over core and store (and the fleet, when the store is shared with
     other daemons), dispatcher over the methods, and the agent runtime with the agent profiles given (none: sessions
-    of an agent are refused), a second client of the sessions beside the wire."""
+    of an agent are refused; `agents_file`, where they were read, one of the daemon's private paths), a second client
+    of the sessions beside the wire."""
     runner = Runner(
         core,
         inline_budget_s=settings.inline_budget_s,
@@ -85,7 +87,8 @@ def build(
         fleet=fleet,
     )
     app = App(settings, registry, store, connections=lambda: 0)
-    app.agents = Runtime(agents or {}, RegistryPort(registry, store), os.environ, private_paths(settings, store))
+    private = private_paths(settings, store, agents_file)
+    app.agents = Runtime(agents or {}, RegistryPort(registry, store), os.environ, private)
     app.oversight = app.agents.oversight
     if settings.otel_endpoint is not None:
         from devd.agent.otel import Exporter  # imported only when asked for: the SDK takes a while to load
@@ -94,16 +97,19 @@ def build(
     return registry, Dispatcher(methods, app)
 
 
-def private_paths(settings: Settings, store: Store) -> list[Path]:
+def private_paths(settings: Settings, store: Store, agents_file: Path | None = None) -> list[Path]:
     """What only the daemon may reach: its state directory (the token, the database, the lock), its backups, its
-    socket, a SQLite store kept elsewhere (the directory given to it), and its configuration directory (the agents
-    file, and the environment file with the API keys the systemd units read). Hidden from the commands it runs, never
+    socket, a SQLite store kept elsewhere (the directory given to it), its configuration directory (the agents
+    file, and the environment file with the API keys the systemd units read), and its agents file wherever it is (a
+    command that rewrote it would choose its own rules from the next start). Hidden from the commands it runs, never
     read or written by Read and Write, and no session's workspace may be inside one or hold one."""
     paths = [settings.state_dir, backup_dir(settings), *configuration_dirs(os.environ)]
     if settings.socket_path is not None:
         paths.append(settings.socket_path)
     if isinstance(store, SQLiteStore):
         paths.append(store.path.parent)
+    if agents_file is not None:
+        paths.append(agents_file)
     return paths
 
 
