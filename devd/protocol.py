@@ -171,7 +171,8 @@ def client_name_problem(name: str) -> str | None:
 
 
 class Client(msgspec.Struct, frozen=True):
-    """Who is calling, for the daemon's log and an approval's `by`: `name` as `client_name_problem` allows."""
+    """Who is calling, for the daemon's log and an approval's `by`: `name` is 1 to 64 printable characters without
+    `( ) [ ] { } < >` (`client_name_problem`), else `initialize` is INVALID_PARAMS."""
 
     name: str
     version: str | None = None

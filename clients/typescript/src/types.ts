@@ -224,7 +224,10 @@ export interface Cancel {
   turn: number;
 }
 
-/** Who is calling, for the daemon's log. */
+/**
+ * Who is calling, for the daemon's log and an approval's `by`: `name` is 1 to 64 printable characters without `( ) [ ]
+ * { } < >` (`client_name_problem`), else `initialize` is INVALID_PARAMS.
+ */
 export interface Client {
   name: string;
   version?: string | null;
@@ -748,12 +751,14 @@ export interface Read {
 /**
  * What a remembered decision settles in the rest of the session without asking: calls of exactly this `argv` (`scope`
  * "exact"), or of this `argv` followed by more words none of which starts with `-` (`scope` "prefix"; a remembered
- * denial covers every extension); or writes of exactly this `path`.
+ * denial covers every extension); or writes of exactly this `path`. `narrowed` says why a "prefix" asked for was kept
+ * "exact" (the argv runs a command given in its arguments: `env`, `timeout 60`, `ssh host`).
  */
 export interface Remembered {
   scope: "exact" | "prefix";
   argv?: string[] | null;
   path?: string | null;
+  narrowed?: string | null;
 }
 
 /** What the model answered: `text`, and the `calls` it wants carried out (none: the turn ends with the text). */
