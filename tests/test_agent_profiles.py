@@ -453,6 +453,8 @@ DENY_RM_AND_PUSH = (*DENY_RM, Rule(prefix=("git", "push"), decision="deny"))
         (["sh", "-c", "rm *.o"], "deny"),
         (["sh", "-c", "ls *.o"], "allow"),
         (["sh", "-c", "r? x"], "ask"),
+        (["sh", "-c", "timeout 5 /usr/bin/r[m] x"], "ask"),
+        (["sh", "-c", "env /usr/bin/r* x"], "ask"),
         (["bash", "-c", "coproc rm -rf src"], "ask"),
         (["bash", "-c", "coproc ls"], "ask"),
         (["bash", "-c", "eval rm x"], "ask"),

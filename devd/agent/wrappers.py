@@ -318,6 +318,8 @@ def _inside(argv: tuple[str, ...], watched: frozenset[str]) -> Inside:
     show (None: it does not)."""
     first = argv[0]
     name = program(first)
+    if first != "[" and not _GLOB.isdisjoint(first):  # from a shell's script, `/usr/bin/r[m]` is rm
+        return None, f"{first} is a pattern the shell expands, which may name any program"
     if "/" in first and os.path.dirname(os.path.normpath(first)) not in SYSTEM_DIRS:
         return None, f"{first} is a program at a path outside the system's directories: what it runs cannot be seen"
     if name in SHELLS or _VERSIONED.sub("", name) in SHELLS:
@@ -543,8 +545,7 @@ def _script(shell: str, args: tuple[str, ...]) -> Inside:
             words = shlex.split(script)
         except ValueError:  # an unclosed quote: the shell refuses it too, but it is not read as a command here
             words = []
-    # A keyword begins a compound command; a glob in the program's name could match any program.
-    if not words or words[0] in _SHELL_KEYWORDS or (words[0] != "[" and not _GLOB.isdisjoint(words[0])):
+    if not words or words[0] in _SHELL_KEYWORDS:  # a keyword begins a compound command
         return None, f"{shell} -c runs a script that is not one simple command, which is not read here"
     if _ASSIGNMENT.match(words[0]):
         while words and _ASSIGNMENT.match(words[0]):
