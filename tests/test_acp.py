@@ -257,7 +257,8 @@ async def test_a_command_line_is_the_title_of_its_tool_call_and_its_output_the_c
 
 async def test_the_prompts_answer_carries_the_turns_token_usage(devd: Setup) -> None:
     devd.standin.script(
-        Scripted(tool_calls=[("exec", {"argv": ["true"]})], usage=(10, 5, None)),
+        # 6 output tokens: no fewer than devd's estimate of the call streamed (22 characters), which is charged.
+        Scripted(tool_calls=[("exec", {"argv": ["true"]})], usage=(10, 6, None)),
         Scripted(text="ok", usage=(20, 7, 3)),
     )
     async with editor_on(devd, Editor()) as conn:
@@ -265,7 +266,7 @@ async def test_the_prompts_answer_carries_the_turns_token_usage(devd: Setup) -> 
         answer = await conn.prompt(session_id=session.session_id, prompt=text("go"))
     usage = answer.usage
     assert usage is not None
-    assert (usage.input_tokens, usage.output_tokens, usage.cached_read_tokens, usage.total_tokens) == (30, 12, 3, 42)
+    assert (usage.input_tokens, usage.output_tokens, usage.cached_read_tokens, usage.total_tokens) == (30, 13, 3, 43)
 
 
 async def test_a_stalled_session_answers_the_prompt_refusal_with_the_reason(devd: Setup) -> None:
