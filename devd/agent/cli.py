@@ -12,9 +12,13 @@ a model chose (its text, a command's words, paths, URLs, what its calls printed,
 through devd.render, so that nothing in it acts on the terminal: an approval shows the command that `y` runs. A
 write's diff is taken against the file the Write tool would replace, in the workspace the session's binding names,
 reached as that tool reaches it and read only when it is a regular file, at most DIFF_BYTES_MAX of it (`replaced`):
-a link out of the workspace, a FIFO or a device is said to be one, never read. A command, path or reason longer than
-LINE_CHARS_MAX, and a diff line longer than DIFF_LINE_CHARS_MAX, is shortened to its shape (devd.render.brief: long
-words and runs of spaces cut, each cut counted), and an approval says so and that `devd pending` shows it whole.
+a link out of the workspace, a FIFO or a device is said to be one, never read. The diff shows every change with its
+context and counts the unchanged lines between, in at most about DIFF_LINES lines: what does not fit is counted where
+it is (`… 12 more changed lines here`, `… 40 more changed lines in 20 more places, from line 37`), never left unsaid;
+difflib's work is bounded by DIFF_COMPARED_LINES_MAX, and the approval says when it compared only part. A command,
+path or reason longer than LINE_CHARS_MAX, and a diff line longer than DIFF_LINE_CHARS_MAX, is shortened to its shape
+(devd.render.brief: long words and runs of spaces cut, each cut counted), and an approval says so and that
+`devd pending` shows it whole.
 """
 
 from __future__ import annotations
@@ -46,7 +50,11 @@ EXIT_OK = 0
 EXIT_ENDED = 1
 EXIT_INTERRUPTED = 130
 RESULT_LINES = 8  # of a call's output shown; the rest is counted
-DIFF_LINES = 40  # of a write's diff shown when it waits for approval
+DIFF_LINES = 50  # of a write's diff shown (hunk headers, changed lines, context), every change counted where it is
+DIFF_CONTEXT = 3  # unchanged lines shown around a change, while the diff fits in DIFF_LINES
+# Lines of the file and of the text compared past what they begin and end with alike: difflib's time grows with
+# their product when changes are many (30,000 lines, every third changed: 154 s; 2,000: 0.25 s).
+DIFF_COMPARED_LINES_MAX = 2000
 DIFF_BYTES_MAX = 256 * 1024  # of the file a write's diff reads, and characters of the text it compares
 LINE_CHARS_MAX = 1000  # of a command, path, URL or reason shown (13 rows of 80 columns); a longer one is shortened
 DIFF_LINE_CHARS_MAX = 320  # of one line of a diff shown (4 rows of 80 columns)
@@ -251,17 +259,128 @@ def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:
     shown = [f"write {path} ({len(op.Write.text.encode(errors='surrogatepass'))} bytes)"]
     if why is not None:
         shown.append(f"  (no old content shown: {inline(why)})")
-    if len(data) > DIFF_BYTES_MAX or len(op.Write.text) > DIFF_BYTES_MAX:
+    cut = len(data) > DIFF_BYTES_MAX or len(op.Write.text) > DIFF_BYTES_MAX
+    if cut:
         before, after = _to_line_end(before), _to_line_end(after)  # a line cut short would read as changed
         shown.append(f"  (only the first {DIFF_BYTES_MAX:,} bytes of the file and characters of the text compared)")
-    diff = difflib.unified_diff(_lines(before), _lines(after), f"a/{path}", f"b/{path}", lineterm="")
-    exact = [block(line) for line in diff]
-    lines = [f"  {brief(line, DIFF_LINE_CHARS_MAX)}" for line in exact]
-    if len(lines) > DIFF_LINES:
-        lines = [*lines[:DIFF_LINES], f"  … {len(lines) - DIFF_LINES} more lines"]
-    if any(len(line) > DIFF_LINE_CHARS_MAX for line in exact) or path != inline(op.Write.path):
+    if why is None and before == after:
+        return [*shown, "  (no change in what was compared)" if cut else "  (no change: the file holds this text)"]
+    old, new = _lines(before), _lines(after)
+    if old == new:  # split at line feeds, they differ only there
+        return [*shown, "  (the only change: whether the last line ends with a line feed)"]
+    old, new, compared = _compared(old, new)
+    if compared is not None:
+        shown.append(f"  (only the first {compared:,} lines of the file and of the text compared)")
+    lines, long, hidden = _diff(old, new)
+    lines = [f"  --- a/{path}", f"  +++ b/{path}", *lines]
+    if hidden:
+        pending = argv(["devd", "pending", notice.session])
+        lines.append(f"  ({_count(hidden, 'changed line')} not shown: `{pending}` shows the whole text)")
+    elif long or path != inline(op.Write.path):
         lines.append(_whole_elsewhere(notice, "text"))
     return [*shown, *lines]
+
+
+def _compared(old: list[str], new: list[str]) -> tuple[list[str], list[str], int | None]:
+    """The lines of each to compare: all of them when what differs between the lines they begin and end with alike
+    is at most DIFF_COMPARED_LINES_MAX lines, else the first lines up to that much past the beginning alike, and how
+    many lines that is (None: all)."""
+    same = 0
+    for a, b in zip(old, new, strict=False):
+        if a != b:
+            break
+        same += 1
+    ends = 0
+    for a, b in zip(reversed(old[same:]), reversed(new[same:]), strict=False):
+        if a != b:
+            break
+        ends += 1
+    if max(len(old), len(new)) - same - ends <= DIFF_COMPARED_LINES_MAX:
+        return old, new, None
+    upto = same + DIFF_COMPARED_LINES_MAX
+    return old[:upto], new[:upto], upto
+
+
+class _Hunk:
+    """Changed lines and their context, as a unified diff shows them: its `@@` header and lines."""
+
+    def __init__(self, group: list[tuple[str, int, int, int, int]], old: list[str], new: list[str]) -> None:
+        (_, i1, _, j1, _), (_, _, i2, _, j2) = group[0], group[-1]
+        self.first, self.last = i1, i2  # of the old lines it covers
+        self.header = f"@@ -{_span(i1, i2 - i1)} +{_span(j1, j2 - j1)} @@"
+        self.body: list[str] = []
+        for tag, a1, a2, b1, b2 in group:
+            if tag == "equal":
+                self.body += [" " + line for line in old[a1:a2]]
+                continue
+            self.body += ["-" + line for line in old[a1:a2]]
+            self.body += ["+" + line for line in new[b1:b2]]
+
+    def changed(self, start: int = 0) -> int:
+        return sum(1 for line in self.body[start:] if line[0] != " ")
+
+
+def _span(start: int, length: int) -> str:
+    """A unified diff's range, as difflib writes it: `3` for one line, `3,4`, and `2,0` for none after line 2."""
+    if length == 1:
+        return f"{start + 1}"
+    return f"{start + 1 if length else start},{length}"
+
+
+def _diff(old: list[str], new: list[str]) -> tuple[list[str], bool, int]:
+    """Every change between `old` and `new`, in at most about DIFF_LINES lines (escaped, each shortened): with
+    DIFF_CONTEXT lines of context, less when that does not fit, none when that does not either; then each change
+    gets a fair share of the lines, and what does not fit is counted where it was. Unchanged stretches are counted
+    too. The lines, whether one was shortened, and how many changed lines were not shown."""
+    matcher = difflib.SequenceMatcher(None, old, new)
+    for context in (DIFF_CONTEXT, 1, 0):
+        hunks = [_Hunk(group, old, new) for group in matcher.get_grouped_opcodes(context)]
+        if sum(1 + len(hunk.body) for hunk in hunks) <= DIFF_LINES:
+            break
+    shown: list[str] = []
+    at, hidden = 0, 0
+    shares = _shares([1 + len(hunk.body) for hunk in hunks], DIFF_LINES)
+    for hunk, share in zip(hunks, shares, strict=True):
+        if share == 0:  # this and every later one: counted below
+            break
+        if hunk.first > at:
+            shown.append(f"… {_count(hunk.first - at, 'unchanged line')}")
+        shown.append(hunk.header)
+        if share > len(hunk.body):
+            shown += [block(line) for line in hunk.body]
+        else:
+            kept = share - 2  # the header and the count
+            shown += [block(line) for line in hunk.body[:kept]]
+            shown.append(f"… {_count(hunk.changed(kept), 'more changed line')} here")
+            hidden += hunk.changed(kept)
+        at = hunk.last
+    unshown = hunks[shares.index(0) :] if 0 in shares else []
+    if unshown:
+        changed = sum(hunk.changed() for hunk in unshown)
+        hidden += changed
+        places = _count(len(unshown), "more place")
+        shown.append(f"… {_count(changed, 'more changed line')} in {places}, from line {unshown[0].first + 1}")
+    elif at < len(old):
+        shown.append(f"… {_count(len(old) - at, 'unchanged line')}")
+    long = any(len(line) > DIFF_LINE_CHARS_MAX for line in shown)
+    return [f"  {brief(line, DIFF_LINE_CHARS_MAX)}" for line in shown], long, hidden
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n:,} {thing}{'' if n == 1 else 's'}"
+
+
+def _shares(sizes: list[int], total: int) -> list[int]:
+    """Lines for each hunk of `sizes` lines, `total` in all with the count of unchanged lines before each: as many
+    hunks as can have 3 (a header, a line and a count), in order, each its whole when it fits and otherwise an even
+    share of what the smaller ones left."""
+    shares = [0] * len(sizes)
+    fitting = min(len(sizes), total // 4)
+    left = total - fitting  # a line for the unchanged ones before each
+    for k, i in enumerate(sorted(range(fitting), key=lambda i: sizes[i])):
+        shares[i] = min(sizes[i], left // (fitting - k))
+        left -= shares[i]
+    return shares
 
 
 def _whole_elsewhere(notice: ApprovalNotice, what: str) -> str:
