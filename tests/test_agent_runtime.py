@@ -456,7 +456,8 @@ def test_a_command_the_daemon_was_killed_during_is_not_run_again_and_is_stepped_
     with agentd_process.client() as c:
         session = agentd_process.session(c)
         c.prompt(session, "run it")
-    wait_for(marker.exists, "the command's first line")
+    # Its line, not the file alone: the shell makes the file before it writes, and the command dies with the daemon.
+    wait_for(lambda: marker.exists() and marker.read_text() == "run\n", "the command's first line")
     agentd_process.daemon.kill()
     agentd_process.daemon.start()
     with agentd_process.client() as c:
