@@ -1,5 +1,5 @@
 //! Builds the devd reasoning core: `zig build --prefix <DIR>` writes
-//! <DIR>/bin/devd_core.wasm (wasm32-freestanding, no imports, ABI 1).
+//! <DIR>/bin/devd_core.wasm (wasm32-freestanding, no imports, ABI 2).
 const std = @import("std");
 
 /// Every symbol the module exports besides `memory`, and nothing else.

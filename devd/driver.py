@@ -313,6 +313,8 @@ async def _carry(handlers: Handlers, action: Action) -> Event | None:
         return Event(Git=await _tool(handlers.git, op.Git, action, "run git"))
     if op.Browse is not None:
         return Event(Browse=await _tool(handlers.browse, op.Browse, action, "browse the web"))
+    if op.Tool is not None:  # answered, never left waiting: no handler here is named for a tool
+        return Event(Tool=Output(id=id, text=f"this client has no tool named {op.Tool.name}", failed=True))
     return None  # Save: the daemon has saved the session already
 
 

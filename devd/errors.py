@@ -1,7 +1,7 @@
 """One exception family for devd, each class mapped to exactly one protocol error kind and JSON-RPC code.
 
-The first seven mirror the core's status table (ABI 1); the rest are the daemon's own. Every message says what
-happened and what to do next; `kind` and `code` are what crosses the wire.
+The first seven mirror the core's status table (ABI 2, the same as ABI 1's); the rest are the daemon's own. Every
+message says what happened and what to do next; `kind` and `code` are what crosses the wire.
 """
 
 from __future__ import annotations

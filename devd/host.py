@@ -1,7 +1,7 @@
 """The wasm host: the only module that imports wasmtime.
 
-`Core` is one compiled module (ABI 1) on one Engine; `Instance` is one instance of it in a Store of its own, holding
-one conversation. What this module promises:
+`Core` is one compiled module (ABI 2, or 1 which it extends) on one Engine; `Instance` is one instance of it in a
+Store of its own, holding one conversation. What this module promises:
 
 - every call into the core runs under a deadline (epoch interruption with a catch-up ticker); a call that passes it
   is stopped where it stands and ends its session (`DeadlineError`, then `HandleError`);
@@ -32,7 +32,7 @@ import msgspec
 import wasmtime
 from wasmtime import _ffi as ffi
 
-from devd import ABI, compiled
+from devd import ABI, ABIS, compiled
 from devd.config import default
 from devd.errors import (
     STATUS,
@@ -290,8 +290,10 @@ class Core:
         ticker: _Ticker,
         memory_bytes: int,
         call_timeout: float,
+        abi: int = ABI,
     ) -> None:
         self._engine = engine
+        self.abi = abi  # the module's own (devd.ABIS): an ABI-1 module never dispatches a Tool call
         self._module = module
         self._ticker = ticker
         self._pre = wasmtime.Linker(engine).instantiate_pre(module)
@@ -323,7 +325,8 @@ class Core:
         call_timeout: float = CALL_TIMEOUT_SECONDS_DEFAULT,
         cache_dir: Path | None = None,
     ) -> Core:
-        """Compile the module (the packaged core by default), check that it speaks ABI 1, and return it.
+        """Compile the module (the packaged core by default), check that it speaks ABI 2 (or 1, which 2 extends), and
+        return it.
 
         `timeout` bounds the module's own `dev_abi`, from when it is asked: a module that never answers raises
         `DeadlineError` when it passes. Compiling is not under it: on a loaded machine it takes seconds, and a
@@ -340,12 +343,12 @@ class Core:
         _check_memory_cap(module, memory_bytes)
         ticker = _Ticker(engine)
         try:
-            _probe_abi(engine, module, ticker, _deadline(timeout), memory_bytes)
+            abi = _probe_abi(engine, module, ticker, _deadline(timeout), memory_bytes)
             names = {e.name for e in module.exports}
             missing = [n for n in ("memory", *_REQUIRED) if n not in names]
             if missing:
                 raise AbiError(f"the module does not export {', '.join(missing)}, which ABI {ABI} needs")
-            return cls(engine, module, ticker, memory_bytes, call_timeout)
+            return cls(engine, module, ticker, memory_bytes, call_timeout, abi)
         except BaseException:
             ticker.stop()
             raise
@@ -357,7 +360,7 @@ class Core:
         memories = [e.type for e in self._module.exports if e.name == "memory"]
         most = next((m.limits.max for m in memories if isinstance(m, wasmtime.MemoryType)), None)
         ceiling = (most if most is not None else 65536) * 65536 - 65536
-        return Core(self._engine, self._module, self._ticker, min(memory_bytes, ceiling), self.call_timeout)
+        return Core(self._engine, self._module, self._ticker, min(memory_bytes, ceiling), self.call_timeout, self.abi)
 
     def new(self, config: Config | bytes | None = None, *, timeout: float | None = None) -> Instance:
         """Start a session in an instance of its own; config as a Struct or as the JSON the core reads."""
@@ -368,7 +371,7 @@ class Core:
         """Rebuild a session from its snapshot; a damaged snapshot is `MalformedError`."""
         if not self.has_snapshots:
             raise NullError(
-                "this core exports no dev_restore, so it cannot restore a snapshot; use a core with all of ABI 1"
+                "this core exports no dev_restore, so it cannot restore a snapshot; use a core with all of ABI 2"
             )
         return self._start("dev_restore", state, timeout)
 
@@ -415,8 +418,8 @@ class Core:
 
 def _probe_abi(
     engine: wasmtime.Engine, module: wasmtime.Module, ticker: _Ticker, deadline: float, memory_bytes: int
-) -> None:
-    """Ask a throwaway instance for its ABI version, under the caller's deadline."""
+) -> int:
+    """Ask a throwaway instance for its ABI version, under the caller's deadline; one of devd.ABIS, or AbiError."""
     if deadline <= time.monotonic():
         raise DeadlineError("opening the core ran out of time before dev_abi was asked")
     store = wasmtime.Store(engine)
@@ -435,8 +438,12 @@ def _probe_abi(
                     "the module's dev_abi did not answer before the deadline; it is not a usable core"
                 ) from None
             raise AbiError(f"the module trapped when asked its ABI: {e.message}") from None
-        if abi != ABI:
-            raise AbiError(f"the module speaks ABI {abi}, and devd speaks ABI {ABI}")
+        if abi not in ABIS:
+            raise AbiError(
+                f"the module speaks ABI {abi}, and devd speaks ABI {ABI} (or {', '.join(map(str, ABIS[:-1]))}); "
+                "build the core from this devd's core/, or leave --core out for the packaged one"
+            )
+        return int(abi)
     finally:
         store.close()
 
@@ -779,7 +786,7 @@ class Instance:
             )
         kind = STATUS[-rc] if -len(STATUS) < rc < 0 else None
         if kind is None:
-            self._end(HandleError, "the core answered a status ABI 1 does not have")
+            self._end(HandleError, "the core answered a status the ABI does not have")
             raise HandleError(f"the core answered status {rc}, which ABI {ABI} does not have; the session ended")
         if kind in (PoisonError, PanicError, HandleError):
             self._end(PoisonError if kind is not HandleError else HandleError, STATUS_MESSAGES[kind])

@@ -1,13 +1,14 @@
-"""The core's messages (ABI 1) as msgspec Structs: Config, Event, Call, Action, Op, Message.
+"""The core's messages (ABI 2) as msgspec Structs: Config, Event, Call, Action, Op, Message.
 
 A union on the wire is an object with exactly one member, so each union here is a Struct whose members are all
 optional and whose `__post_init__` insists that exactly one is set. Optional members are omitted, never null, and
-`encode` writes members in the order the core does, so a Struct round-trips to the core's exact bytes.
+`encode` writes members in the order the core does, so a Struct round-trips to the core's exact bytes. A Tool call's
+`input` is `msgspec.Raw`: the JSON the model wrote, kept byte for byte through the core and the daemon.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -68,11 +69,24 @@ class Browse(_Wire, frozen=True):
     url: str
 
 
+# A Tool call's input: any JSON value as the model wrote it (the core dispatches only an object), kept byte for byte.
+ToolInput = Annotated[msgspec.Raw, msgspec.Meta(description="The tool's input, a JSON object, byte for byte.")]
+
+
+class ToolCall(_Wire, frozen=True):
+    """Call the tool named `name` (1-128 bytes of `[A-Za-z0-9_.:/-]`) with `input`, a JSON object kept byte for byte as
+    the model wrote it. Answered by a `Tool` event with the action's id."""
+
+    name: str
+    input: ToolInput
+
+
 class Call(_OneOf, frozen=True):
-    """A call the model asks for; exactly one member: `Exec`, `Read`, `Write`, `Git` or `Browse`.
+    """A call the model asks for; exactly one member: `Exec`, `Read`, `Write`, `Git`, `Browse` or `Tool`.
 
     A `Read` or `Write` whose path leaves the workspace (absolute, or climbing out with `..`) is never dispatched: the
-    core records it as failed ("refused: ... is not inside the workspace") and the model sees that.
+    core records it as failed ("refused: ... is not inside the workspace") and the model sees that. So is a `Tool`
+    whose name is not one or whose input is not a JSON object (`refused: ...`, saying which).
     """
 
     Exec: Exec | None = None
@@ -80,6 +94,7 @@ class Call(_OneOf, frozen=True):
     Write: Write | None = None
     Git: Git | None = None
     Browse: Browse | None = None
+    Tool: ToolCall | None = None
 
 
 class Turn(_Wire, frozen=True):
@@ -122,8 +137,8 @@ class Cancel(_Wire, frozen=True):
 class Event(_OneOf, frozen=True):
     """What a session is stepped with; exactly one member.
 
-    `Turn` starts a turn; `Model` answers a `Model` action; `Exec`, `File` (for `Read` and `Write`), `Git` and `Browse`
-    answer those calls, each with the action's id; `Cancel` cancels a turn; `Timer` is a timer tick.
+    `Turn` starts a turn; `Model` answers a `Model` action; `Exec`, `File` (for `Read` and `Write`), `Git`, `Browse`
+    and `Tool` answer those calls, each with the action's id; `Cancel` cancels a turn; `Timer` is a timer tick.
     """
 
     Turn: Turn | None = None
@@ -132,6 +147,7 @@ class Event(_OneOf, frozen=True):
     File: Output | None = None
     Git: Output | None = None
     Browse: Output | None = None
+    Tool: Output | None = None
     Cancel: Cancel | None = None
     Timer: Literal[True] | None = None
 
@@ -197,7 +213,8 @@ class Done(_Wire, frozen=True):
 class Op(_OneOf, frozen=True):
     """What an action asks for; exactly one member.
 
-    `Model`, `Exec`, `Read`, `Write`, `Git` and `Browse`: carry it out, and step its result under the action's id.
+    `Model`, `Exec`, `Read`, `Write`, `Git`, `Browse` and `Tool`: carry it out, and step its result under the action's
+    id.
     `Emit`: text for the user. `Save`: the daemon has saved a snapshot (nothing to do). `Done`: the turn is over.
     """
 
@@ -207,6 +224,7 @@ class Op(_OneOf, frozen=True):
     Write: Write | None = None
     Git: Git | None = None
     Browse: Browse | None = None
+    Tool: ToolCall | None = None
     Emit: str | None = None
     Save: Literal[True] | None = None
     Done: Done | None = None
@@ -251,6 +269,9 @@ def decode_messages(data: bytes) -> list[Message]:
 
 _event = msgspec.json.Decoder(Event)
 
+# The Event members that answer a call, each with an Output.
+RESULTS = ("Exec", "File", "Git", "Browse", "Tool")
+
 
 def event_error(data: bytes) -> str | None:
     """What is wrong with an event, in msgspec's words ("Expected `int`, got `str` - at `$.Turn.id`"), or None
@@ -274,7 +295,7 @@ def without_payload(data: bytes) -> bytes | None:
         return None
     if event.Model is not None:
         return encode(Event(Model=Answer(id=event.Model.id, reply=Reply(text=""))))
-    for kind in ("Exec", "File", "Git", "Browse"):
+    for kind in RESULTS:
         output: Output | None = getattr(event, kind)
         if output is not None:
             return encode(msgspec.structs.replace(event, **{kind: Output(id=output.id, text="", failed=output.failed)}))

@@ -123,7 +123,7 @@ EXCHANGES: tuple[Exchange, ...] = (
         "say hello",
         "initialize",
         {"client": {"name": "example", "version": "1.0"}},
-        {"server": {"name": "devd", "version": "0.1.0"}, "protocol": 1, "abi": 1, "limits": _LIMITS},
+        {"server": {"name": "devd", "version": "0.1.0"}, "protocol": 1, "abi": 2, "limits": _LIMITS},
     ),
     Exchange("a new session", "session/new", {"session": "demo", "config": {"model": "small"}}, {"session": "demo"}),
     Exchange(

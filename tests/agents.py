@@ -112,4 +112,5 @@ def conversation(c: Client, session: str) -> list[Any]:
     """The session's transcript as plain JSON."""
     import msgspec
 
-    return msgspec.to_builtins(c.transcript(session))  # type: ignore[no-any-return]
+    # Through JSON, not to_builtins: a Tool call's input is msgspec.Raw, which to_builtins does not take.
+    return msgspec.json.decode(msgspec.json.encode(c.transcript(session)))  # type: ignore[no-any-return]

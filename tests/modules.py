@@ -24,8 +24,8 @@ AHEAD = wasmtime.wat2wasm(
 )
 
 
-def core_with(step_body: str, abi: int = 1, extra: str = "", new_body: str = "i32.const 0") -> bytes:
-    """A minimal ABI-1 core whose dev_step runs `step_body` (which must leave an i32 status)."""
+def core_with(step_body: str, abi: int = 2, extra: str = "", new_body: str = "i32.const 0") -> bytes:
+    """A minimal ABI-2 core whose dev_step runs `step_body` (which must leave an i32 status)."""
     return wasmtime.wat2wasm(
         f"""(module
   {extra}
@@ -50,8 +50,10 @@ SPIN_ON_TIMER = core_with("(if (i32.eq (local.get 2) (i32.const 14)) (then (loop
 SPIN_STEP = core_with("(loop (br 0)) i32.const 0")
 # dev_step executes `unreachable`, as a Zig panic does.
 PANIC_STEP = core_with("unreachable")
-# A module that speaks another ABI.
-ABI_2 = core_with("i32.const 0", abi=2)
+# A module that speaks an ABI devd does not: one past its own.
+ABI_3 = core_with("i32.const 0", abi=3)
+# A module that speaks ABI 1, which ABI 2 extends.
+ABI_1 = core_with("i32.const 0", abi=1)
 # A module that imports something.
 IMPORTS = wasmtime.wat2wasm(
     '(module (import "env" "clock" (func (result i64))) (func (export "dev_abi") (result i32) i32.const 1))'

@@ -13,11 +13,12 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from devd import errors, failpoints
 from devd.client import Client
-from devd.messages import Cancel, Event, Turn
+from devd.messages import Call, Cancel, Event, ToolCall, Turn, answer
 from tests.agents import (
     NOTICE_TIMEOUT_S,
     SECRET,
@@ -361,6 +362,27 @@ def test_a_tool_call_the_core_cannot_take_is_answered_to_the_model_as_a_failed_c
     assert tool_messages(agentd.standin, 1) == [
         'error: there is no tool named "delete_everything"; the tools are exec, read, write, git, browse'
     ]
+
+
+def test_a_tool_action_is_answered_at_once_as_a_failed_call_naming_it(agentd: Agentd) -> None:
+    """No kind of tool answers to a name yet: a Tool call another client's answer dispatched is never left waiting."""
+    held = threading.Event()
+    agentd.standin.script(Scripted(text="late", held=held, held_after=1), Scripted(text="done"))
+    search = Call(Tool=ToolCall(name="search", input=msgspec.Raw(b'{"q": 1}')))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "search")
+        wait_for(lambda: agentd.standin.count == 1, "the model's stream")
+        c.step(session, answer(1, calls=[search]))
+        held.set()
+        until_done(c, turn)
+        assert conversation(c, session) == [
+            {"User": "search"},
+            {"Agent": {"calls": [{"id": 2, "call": {"Tool": {"name": "search", "input": {"q": 1}}}}]}},
+            {"Tool": {"id": 2, "text": "no tool is named search", "failed": True}},
+            {"Agent": {"text": "done"}},
+        ]
 
 
 def test_a_rejected_call_stays_in_every_later_request(agentd: Agentd) -> None:

@@ -794,5 +794,5 @@ def test_a_core_that_cannot_be_read_is_refused_naming_the_flag_and_what_to_pass(
     assert (run.returncode, run.stderr.splitlines()[-1]) == (
         2,
         f"devd: cannot start: the core {missing} (--core) cannot be loaded: No such file or directory; pass a wasm "
-        "module built from core/ (ABI 1), or leave --core out for the packaged one",
+        "module built from core/ (ABI 2), or leave --core out for the packaged one",
     )

@@ -123,7 +123,7 @@ def test_initialize_answers_the_daemons_limits(client: Client) -> None:
     assert client.initialize() == InitializeResult(
         server=Server("devd", "0.1.0"),
         protocol=1,
-        abi=1,
+        abi=2,
         limits=Limits(16777216, 1000000, 1024, 5000, 67108864, 1000),
     )
 

@@ -34,6 +34,7 @@ from devd.messages import (
     Output,
     Read,
     Reply,
+    ToolCall,
     answer,
     turn,
 )
@@ -234,6 +235,15 @@ async def test_a_call_of_a_kind_without_a_handler_is_answered_as_failed(daemon: 
         await run_turn(c, await c.new(session="s"), FIX, script.handlers())
     last_ask: list[Message] = script.calls[1][1]  # type: ignore[assignment]
     assert last_ask[-1] == tool(2, "this client cannot browse the web", True)
+
+
+async def test_a_tool_call_is_answered_as_failed_naming_the_tool(daemon: InProcess) -> None:
+    search = Call(Tool=ToolCall(name="search", input=msgspec.Raw(b"{}")))
+    script = Script([Reply(calls=[search]), Reply(text="ok")])
+    async with AsyncClient.connect(daemon.socket) as c:
+        await run_turn(c, await c.new(session="s"), FIX, script.handlers())
+    last_ask: list[Message] = script.calls[1][1]  # type: ignore[assignment]
+    assert last_ask[-1] == tool(2, "this client has no tool named search", True)
 
 
 async def test_coroutine_handlers_are_awaited(daemon: InProcess) -> None:

@@ -6,6 +6,7 @@ import threading
 import time
 import zlib
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,6 +37,7 @@ from devd.messages import (
     Op,
     Output,
     Read,
+    ToolCall,
     Write,
     answer,
     ask,
@@ -137,6 +139,106 @@ def test_a_path_out_of_the_workspace_is_refused(session: Instance) -> None:
         tool(5, "refused: /etc/hosts is not inside the workspace", failed=True),
     ]
     assert session.step(answer(4, calls=[hosts])) == [Action(id=6, op=ask(*told))]
+
+
+# -- the generic Tool call (ABI 2) -----------------------------------------------------------------------------------
+
+SEARCH_INPUT = b'{ "q" : ["caf\\u00e9", 2.50e3], "z":{}, "a":null }'
+
+
+def test_a_tool_call_round_trips_in_the_exact_bytes_the_model_wrote(session: Instance) -> None:
+    """Its input byte for byte in the action, in what is pending, and in the ask that carries its result."""
+    session.step(turn(1, FIX))
+    call = b'{"Tool":{"name":"mcp:docs/search.v2-x_y","input":' + SEARCH_INPUT + b"}}"
+    reply = b'{"Model":{"id":1,"reply":{"calls":[{"Tool":{"input":' + SEARCH_INPUT
+    reply += b',"name":"mcp:docs/search.v2-x_y"}}]}}}'
+    dispatched = b'[{"id":2,"op":' + call + b"}]"
+    assert (session.step_raw(reply), session.pending()) == (dispatched, dispatched)
+    assert session.step_raw(b'{"Tool":{"id":2,"text":"3 pages","failed":false}}') == (
+        b'[{"id":3,"op":{"Model":{"messages":[{"User":"fix the build"},{"Agent":{"calls":[{"id":2,"call":'
+        + call
+        + b'}]}},{"Tool":{"id":2,"text":"3 pages"}}]}}}]'
+    )
+
+
+def test_a_tool_call_decodes_to_its_types_and_encodes_back_to_the_same_bytes(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    search = Call(Tool=ToolCall(name="search", input=msgspec.Raw(SEARCH_INPUT)))
+    assert session.step(answer(1, calls=[search])) == [Action(id=2, op=Op(Tool=search.Tool))]
+    assert session.step(Event(Tool=Output(id=2, text="none", failed=True))) == [
+        Action(id=3, op=ask(user(FIX), agent(calls=[Dispatch(id=2, call=search)]), tool(2, "none", failed=True)))
+    ]
+
+
+def test_a_result_of_another_family_or_a_closed_id_changes_nothing_for_a_tool_call(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    search, build = Call(Tool=ToolCall(name="search", input=msgspec.Raw(b"{}"))), Call(Exec=Exec(argv=["make"]))
+    session.step(answer(1, calls=[search, build]))
+    # 2 went out as a Tool and 3 as an Exec; 1 is answered; 99 never went out.
+    forged = [
+        *(Event(**{kind: Output(id=2, text="forged")}) for kind in ("Exec", "File", "Git", "Browse")),
+        Event(Tool=Output(id=3, text="forged")),
+        Event(Tool=Output(id=1, text="forged")),
+        Event(Tool=Output(id=99, text="forged")),
+    ]
+    assert [(session.step(e), session.ignored()) for e in forged] == [([], 2)] * 4 + [([], 3), ([], 1), ([], 99)]
+    assert session.step(Event(Tool=Output(id=2, text="found"))) == []
+    assert (session.step(Event(Tool=Output(id=2, text="again"))), session.ignored()) == ([], 2)
+    assert session.step(Event(Exec=Output(id=3, text="made"))) == [
+        Action(
+            id=4,
+            op=ask(
+                user(FIX),
+                agent(calls=[Dispatch(id=2, call=search), Dispatch(id=3, call=build)]),
+                tool(2, "found"),
+                tool(3, "made"),
+            ),
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "input", "why"),
+    [
+        ("", b"{}", 'refused: "" is not a tool name (1-128 bytes of A-Z a-z 0-9 _ . : / -)'),
+        ("a b", b"{}", 'refused: "a b" is not a tool name (1-128 bytes of A-Z a-z 0-9 _ . : / -)'),
+        ("caf\u00e9", b"{}", 'refused: "caf\u00e9" is not a tool name (1-128 bytes of A-Z a-z 0-9 _ . : / -)'),
+        ("x" * 129, b"{}", "refused: a tool name is at most 128 bytes, and this one is 129"),
+        ("search", b"[1]", "refused: the input of search is not a JSON object"),
+        ("search", b'"{}"', "refused: the input of search is not a JSON object"),
+        ("search", b"null", "refused: the input of search is not a JSON object"),
+    ],
+)
+def test_a_malformed_tool_call_is_refused_to_the_model(session: Instance, name: str, input: bytes, why: str) -> None:
+    """Never dispatched: the model is told why under the call's id, and asked again at once when nothing else runs."""
+    session.step(turn(1, FIX))
+    bad = Call(Tool=ToolCall(name=name, input=msgspec.Raw(input)))
+    assert session.step(answer(1, calls=[bad])) == [
+        Action(id=3, op=ask(user(FIX), agent(calls=[Dispatch(id=2, call=bad)]), tool(2, why, failed=True)))
+    ]
+
+
+def test_a_tool_name_of_128_bytes_is_dispatched(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    longest = Call(Tool=ToolCall(name="a.b:c/d-e_" + "x" * 118, input=msgspec.Raw(b"{}")))
+    assert session.step(answer(1, calls=[longest])) == [Action(id=2, op=Op(Tool=longest.Tool))]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        b'{"Tool":{"name":"t"}}',
+        b'{"Tool":{"input":{}}}',
+        b'{"Tool":{"name":"t","input":{},"x":1}}',
+        b'{"Tool":{"name":1,"input":{}}}',
+        b'{"Tool":{"name":"t","input":{"a":}}}',
+    ],
+)
+def test_a_tool_call_of_the_wrong_shape_is_malformed_and_changes_nothing(session: Instance, call: bytes) -> None:
+    session.step(turn(1, FIX))
+    with pytest.raises(MalformedError):
+        session.step_raw(b'{"Model":{"id":1,"reply":{"calls":[' + call + b"]}}}")
+    assert session.step(answer(1, "ok")) == finish(2, 1, "ok")
 
 
 @pytest.mark.parametrize(
@@ -421,15 +523,25 @@ def test_open_stops_a_module_that_never_answers() -> None:
 @pytest.mark.parametrize(
     ("module", "why"),
     [
-        (modules.ABI_2, "ABI 2"),
+        (modules.ABI_3, "speaks ABI 3, and devd speaks ABI 2 \\(or 1\\)"),
         (modules.IMPORTS, "import nothing"),
         (modules.WRONG_TYPE, "dev_step has type"),
         (modules.MEMORY_NOT_MEMORY, "memory export is not a memory"),
     ],
 )
-def test_open_refuses_a_module_that_does_not_speak_abi_1(module: bytes, why: str) -> None:
+def test_open_refuses_a_module_that_does_not_speak_abi_2(module: bytes, why: str) -> None:
     with pytest.raises(AbiError, match=why):
         Core.open(module)
+
+
+def test_the_packaged_core_speaks_abi_2_and_a_module_of_abi_1_still_opens() -> None:
+    """ABI 2 extends ABI 1 (the Tool call): a module built for ABI 1 runs, and says which it speaks."""
+    opened = [Core.open(), Core.open(modules.ABI_1)]
+    try:
+        assert [c.abi for c in opened] == [2, 1]
+    finally:
+        for c in opened:
+            c.close()
 
 
 def test_a_session_answers_one_call_at_a_time(session: Instance) -> None:

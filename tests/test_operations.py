@@ -76,7 +76,7 @@ def test_doctor_passes_against_a_running_daemon_and_skips_the_integrity_check_sa
     assert lines[0].endswith(", 1 sessions)")
     assert lines[1] == f"ok    state dir: {process_daemon.state} is 0700 and yours"
     assert lines[2].startswith(f"ok    database: {process_daemon.state / 'devd.sqlite3'} (")
-    assert lines[3] == "ok    core: the packaged core loads and speaks ABI 1"
+    assert lines[3] == "ok    core: the packaged core loads and speaks ABI 2"
     assert lines[4] == (
         f"skip  integrity: a daemon holds {process_daemon.state} (pid {process_daemon.proc.pid}, "
         f"socket {process_daemon.socket}) and keeps its database open exclusively; stop the daemon, then run devd "

@@ -314,6 +314,7 @@ def test_the_generated_unions_are_unions_of_single_member_objects() -> None:
         "  | { Write: Write }",
         "  | { Git: Git }",
         "  | { Browse: Browse }",
+        "  | { Tool: ToolCall }",
         "  | { Emit: string }",
         "  | { Save: true }",
         "  | { Done: Done };",

@@ -1,4 +1,4 @@
-//! The C ABI of the devd core, version 1: every export of the module lives
+//! The C ABI of the devd core, version 2: every export of the module lives
 //! here, and every pointer and length the host passes is checked here before
 //! anything else reads it. The logic lives in session.zig (the state
 //! machine), snapshot.zig (the codec) and messages.zig (the messages).
@@ -19,7 +19,10 @@ const oom = msg.oom;
 
 const gpa = @import("pages.zig").allocator;
 
-pub const ABI: i32 = 1;
+/// ABI 2 is ABI 1 with the generic Tool call (a reply's `{"Tool":{"name","input"}}`,
+/// its action and its `Tool` result event): the same exports, and every
+/// snapshot and event of ABI 1 reads the same.
+pub const ABI: i32 = 2;
 
 const OK: i32 = 0;
 const HANDLE: i32 = -1;
@@ -170,7 +173,7 @@ export fn dev_restore(ptr: i32, len: i32, out: i32) i32 {
 /// store: the frame, the checksum and the state's invariants are checked,
 /// the messages are not parsed again (that costs what the transcript costs,
 /// at every wake and restart). Never for a snapshot a client hands over.
-/// Optional in ABI 1: a host must not count on it.
+/// Optional (ABI 1 and 2): a host must not count on it.
 export fn dev_resume(ptr: i32, len: i32, out: i32) i32 {
     return restoreAs(ptr, len, out, .own);
 }
@@ -218,7 +221,7 @@ export fn dev_step(handle: i64, ptr: i32, len: i32, out: i32) i32 {
 /// Steps the session with one Event as dev_step does, and writes no answer:
 /// a host replaying its journal already has the answers, and writing each
 /// Model ask again (the whole transcript) would make a replay cost the square
-/// of its length. Optional in ABI 1: a host must not count on it.
+/// of its length. Optional (ABI 1 and 2): a host must not count on it.
 export fn dev_apply(handle: i64, ptr: i32, len: i32) i32 {
     if (in_call) return POISON;
     in_call = true;
@@ -241,15 +244,15 @@ export fn dev_apply(handle: i64, ptr: i32, len: i32) i32 {
 /// 1 when the instance trapped because its memory cap refused what it asked
 /// for, else 0: the host tells that from a bug, and refuses the call as too
 /// large for the session instead of poisoning it. Callable after a trap: it
-/// reads one flag and skips the in_call guard a trap leaves set. Optional in
-/// ABI 1.
+/// reads one flag and skips the in_call guard a trap leaves set. Optional (ABI 1
+/// and 2).
 export fn dev_out_of_memory() i32 {
     return @intFromBool(msg.out_of_memory);
 }
 
 /// The action id the last dev_step or dev_apply ignored (a Model answer or
 /// a result for an action the session did not dispatch, or already had the
-/// answer of), or -1 when it ignored none. Optional in ABI 1.
+/// answer of), or -1 when it ignored none. Optional (ABI 1 and 2).
 export fn dev_ignored(handle: i64) i64 {
     if (in_call) return -1;
     const s = live(handle) orelse return -1;
@@ -260,7 +263,7 @@ export fn dev_ignored(handle: i64) i64 {
 /// Writes the actions the session has dispatched and still waits for, a JSON
 /// array in the bytes dev_step wrote them, as a dev_buf at `out`: the running
 /// turn's Model ask, or its calls without a result in id order; `[]` when no
-/// turn runs. Optional in ABI 1: a host must not count on it.
+/// turn runs. Optional (ABI 1 and 2): a host must not count on it.
 export fn dev_pending(handle: i64, out: i32) i32 {
     if (in_call) return POISON;
     in_call = true;
@@ -281,8 +284,8 @@ export fn dev_pending(handle: i64, out: i32) i32 {
 }
 
 /// Writes the session's transcript from message `from` on (0: all of it; none
-/// past its end) as a JSON array of Messages, a dev_buf at `out`. Optional in
-/// ABI 1: a host must not count on it.
+/// past its end) as a JSON array of Messages, a dev_buf at `out`. Optional (ABI 1
+/// and 2): a host must not count on it.
 export fn dev_transcript(handle: i64, from: i32, out: i32) i32 {
     if (in_call) return POISON;
     in_call = true;

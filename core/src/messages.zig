@@ -30,9 +30,28 @@ pub fn oom() noreturn {
 }
 
 /// The result family a call's outcome comes back under.
-pub const Family = enum(u8) { exec = 0, file = 1, git = 2, browse = 3 };
+pub const Family = enum(u8) { exec = 0, file = 1, git = 2, browse = 3, tool = 4 };
 
 pub const Write = struct { path: []const u8, text: []const u8 };
+
+/// A generic call (ABI 2): a tool by `name`, with `input` as the model gave
+/// it, the raw bytes of one JSON value. Decoded leniently (any string, any
+/// value) so that a malformed one is refused to the model, not the event to
+/// the host: see `refusal`.
+pub const Named = struct { name: []const u8, input: []const u8 };
+
+/// The longest tool name, in bytes.
+pub const tool_name_bytes_max = 128;
+
+/// Whether `name` is a tool's name: 1-128 bytes of `[A-Za-z0-9_.:/-]`.
+pub fn isToolName(name: []const u8) bool {
+    if (name.len == 0 or name.len > tool_name_bytes_max) return false;
+    for (name) |c| switch (c) {
+        'A'...'Z', 'a'...'z', '0'...'9', '_', '.', ':', '/', '-' => {},
+        else => return false,
+    };
+    return true;
+}
 
 pub const Call = union(enum) {
     exec: []const []const u8, // argv
@@ -40,6 +59,7 @@ pub const Call = union(enum) {
     write: Write,
     git: []const []const u8, // argv
     browse: []const u8, // url
+    tool: Named,
 
     pub fn family(c: Call) Family {
         return switch (c) {
@@ -47,6 +67,7 @@ pub const Call = union(enum) {
             .read, .write => .file,
             .git => .git,
             .browse => .browse,
+            .tool => .tool,
         };
     }
 
@@ -57,6 +78,36 @@ pub const Call = union(enum) {
             .write => |w| w.path,
             else => null,
         };
+    }
+
+    /// Why the call is never dispatched, written to `w`, or false when it
+    /// may be: a path outside the workspace, a tool name that is not one,
+    /// a tool input that is not a JSON object. The model is told this text
+    /// as the call's failed result.
+    pub fn refusal(c: Call, w: *Writer) Writer.Error!bool {
+        if (c.path()) |p| if (!insideWorkspace(p)) {
+            try w.print("refused: {s} is not inside the workspace", .{p});
+            return true;
+        };
+        const t = switch (c) {
+            .tool => |t| t,
+            else => return false,
+        };
+        if (t.name.len > tool_name_bytes_max) {
+            try w.print("refused: a tool name is at most {d} bytes, and this one is {d}", .{ tool_name_bytes_max, t.name.len });
+            return true;
+        }
+        if (!isToolName(t.name)) {
+            try w.writeAll("refused: ");
+            try writeString(w, t.name);
+            try w.writeAll(" is not a tool name (1-128 bytes of A-Z a-z 0-9 _ . : / -)");
+            return true;
+        }
+        if (t.input[0] != '{') {
+            try w.print("refused: the input of {s} is not a JSON object", .{t.name});
+            return true;
+        }
+        return false;
     }
 };
 
@@ -192,6 +243,18 @@ const Parser = struct {
         try p.expect(.end_of_document);
     }
 
+    /// The next value, any JSON, as its raw bytes in the input (checked, not
+    /// decoded): what a Tool call's input is kept as.
+    fn rawValue(p: *Parser) Error![]const u8 {
+        _ = try p.peek(); // past the whitespace: the cursor is at the value
+        const from = p.sc.cursor;
+        p.sc.skipValue() catch |e| switch (e) {
+            error.OutOfMemory => oom(),
+            else => return error.Malformed,
+        };
+        return p.sc.input[from..p.sc.cursor];
+    }
+
     fn strings(p: *Parser) Error![]const []const u8 {
         try p.expect(.array_begin);
         var list: std.ArrayList([]const u8) = .empty;
@@ -260,6 +323,19 @@ fn parseCall(p: *Parser) Error!Call {
         .{ .read = try parseOne(p, "path") }
     else if (std.mem.eql(u8, k, "Browse"))
         .{ .browse = try parseOne(p, "url") }
+    else if (std.mem.eql(u8, k, "Tool")) blk: {
+        try p.expect(.object_begin);
+        var m: Members(&.{ "name", "input" }) = .{};
+        var t: Named = .{ .name = "", .input = "" };
+        while (try p.key()) |name| switch (try m.take(name)) {
+            0 => t.name = try p.string(),
+            1 => t.input = try p.rawValue(),
+            else => unreachable,
+        };
+        try m.require("name");
+        try m.require("input");
+        break :blk .{ .tool = t };
+    }
     else if (std.mem.eql(u8, k, "Write")) blk: {
         try p.expect(.object_begin);
         var m: Members(&.{ "path", "text" }) = .{};
@@ -392,6 +468,7 @@ fn familyOf(k: []const u8) ?Family {
     if (std.mem.eql(u8, k, "File")) return .file;
     if (std.mem.eql(u8, k, "Git")) return .git;
     if (std.mem.eql(u8, k, "Browse")) return .browse;
+    if (std.mem.eql(u8, k, "Tool")) return .tool;
     return null;
 }
 
@@ -502,6 +579,13 @@ pub fn writeCall(w: *Writer, c: Call) Writer.Error!void {
         .browse => |u| {
             try w.writeAll("{\"Browse\":{\"url\":");
             try writeString(w, u);
+            try w.writeByte('}');
+        },
+        .tool => |t| {
+            try w.writeAll("{\"Tool\":{\"name\":");
+            try writeString(w, t.name);
+            try w.writeAll(",\"input\":");
+            try w.writeAll(t.input); // byte for byte, as the model gave it
             try w.writeByte('}');
         },
     }

@@ -416,8 +416,8 @@ pub const Session = struct {
         }
     }
 
-    /// The model answered with calls: record them, dispatch the ones inside
-    /// the workspace, and ask again at once if none was.
+    /// The model answered with calls: record them, dispatch the ones that may
+    /// be (see `Call.refusal`), and ask again at once if none was.
     fn dispatch(s: *Session, r: *Running, reply: msg.Reply, a: *Answer) void {
         const gpa = s.gpa;
         const n = reply.calls.len;
@@ -434,9 +434,8 @@ pub const Session = struct {
         var pending: usize = 0;
         for (reply.calls, 0..) |c, i| {
             const id = first + i;
-            if (c.path()) |p| if (!msg.insideWorkspace(p)) {
-                var text: Writer.Allocating = .init(gpa);
-                text.writer.print("refused: {s} is not inside the workspace", .{p}) catch oom();
+            var text: Writer.Allocating = .init(gpa);
+            if (c.refusal(&text.writer) catch oom()) {
                 slots.appendAssumeCapacity(.{
                     .id = id,
                     .family = c.family(),
@@ -445,7 +444,7 @@ pub const Session = struct {
                     .text = text.toOwnedSlice() catch oom(),
                 });
                 continue;
-            };
+            }
             slots.appendAssumeCapacity(.{ .id = id, .family = c.family(), .pending = true, .failed = false, .text = &.{} });
             pending += 1;
             a.call(id, c);

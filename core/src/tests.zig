@@ -343,3 +343,144 @@ test "an ask that grows a little at every step, with slots taken between, grows 
     const ask_pages = pages.pagesFor(kept.len * 20 * 1024);
     try std.testing.expectEqual((slot_pages + ask_pages) * page, pages.memoryEnd() - @intFromPtr(&pages.native.memory));
 }
+
+// ---------------------------------------------------------------- the generic Tool call (ABI 2)
+
+/// The core's answer to `event` is the empty array, and it says it ignored `id`.
+fn expectIgnored(s: *session.Session, event: []const u8, id: u64) !void {
+    try expectStep(s, event, "[]");
+    try std.testing.expectEqual(@as(?u64, id), s.ignored);
+}
+
+test "a Tool call round trips exactly: its input byte for byte, its result a Tool message, across a snapshot" {
+    var s: session.Session = .init(std.testing.allocator, .{});
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"look it up\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"messages\":[{\"User\":\"look it up\"}]}}}]");
+
+    // The input is kept as the model wrote it: its spaces, its escapes, its numbers' spelling, its key order.
+    const input = "{ \"q\" : [1, 2.50e3, \"\\u00e9\\n\"], \"b\":{}, \"a\":null }";
+    const call = "{\"Tool\":{\"name\":\"mcp:docs/search.v2-x_y\",\"input\":" ++ input ++ "}}";
+    const dispatched = "[{\"id\":2,\"op\":" ++ call ++ "},{\"id\":3,\"op\":{\"Read\":{\"path\":\"a\"}}}]";
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"text\":\"t\",\"calls\":[{\"Tool\":{\"input\":" ++ input ++ ",\"name\":\"mcp:docs/search.v2-x_y\"}},{\"Read\":{\"path\":\"a\"}}]}}}", dispatched);
+    try expectPending(&s, dispatched);
+    try expectPendingRestored(&s, dispatched);
+
+    try expectStep(&s, "{\"Tool\":{\"id\":2,\"text\":\"found \\\"x\\\"\",\"failed\":false}}", "[]");
+    try expectPending(&s, "[{\"id\":3,\"op\":{\"Read\":{\"path\":\"a\"}}}]");
+    try expectStep(&s, "{\"File\":{\"id\":3,\"text\":\"A\"}}", "[{\"id\":4,\"op\":{\"Model\":{\"messages\":[{\"User\":\"look it up\"},{\"Agent\":{\"text\":\"t\",\"calls\":[{\"id\":2,\"call\":" ++ call ++ "},{\"id\":3,\"call\":{\"Read\":{\"path\":\"a\"}}}]}},{\"Tool\":{\"id\":2,\"text\":\"found \\\"x\\\"\"}},{\"Tool\":{\"id\":3,\"text\":\"A\"}}]}}}]");
+
+    // A failed Tool result is a failed Tool message, as every family's is.
+    try expectStep(&s, "{\"Model\":{\"id\":4,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"n\",\"input\":{}}}]}}}", "[{\"id\":5,\"op\":{\"Tool\":{\"name\":\"n\",\"input\":{}}}}]");
+    try expectStep(&s, "{\"Tool\":{\"id\":5,\"text\":\"no\",\"failed\":true}}", "[{\"id\":6,\"op\":{\"Model\":{\"messages\":[{\"User\":\"look it up\"},{\"Agent\":{\"text\":\"t\",\"calls\":[{\"id\":2,\"call\":" ++ call ++ "},{\"id\":3,\"call\":{\"Read\":{\"path\":\"a\"}}}]}},{\"Tool\":{\"id\":2,\"text\":\"found \\\"x\\\"\"}},{\"Tool\":{\"id\":3,\"text\":\"A\"}},{\"Agent\":{\"calls\":[{\"id\":5,\"call\":{\"Tool\":{\"name\":\"n\",\"input\":{}}}}]}},{\"Tool\":{\"id\":5,\"text\":\"no\",\"failed\":true}}]}}}]");
+
+    // The snapshot of a session with Tool calls in its transcript is taken back, checked, as it was.
+    var snap = snapshot.encode(std.testing.allocator, &s);
+    defer snap.deinit();
+    var arena: std.heap.ArenaAllocator = .init(std.testing.allocator);
+    defer arena.deinit();
+    var r = try snapshot.decode(std.testing.allocator, arena.allocator(), snap.written());
+    defer r.deinit();
+    try expectTranscript(&r, 4, "[{\"Agent\":{\"calls\":[{\"id\":5,\"call\":{\"Tool\":{\"name\":\"n\",\"input\":{}}}}]}},{\"Tool\":{\"id\":5,\"text\":\"no\",\"failed\":true}}]");
+}
+
+test "a result of the wrong family, or for a closed id, changes nothing for a Tool call or beside it" {
+    var s: session.Session = .init(std.testing.allocator, .{});
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"messages\":[{\"User\":\"p\"}]}}}]");
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"t\",\"input\":{\"k\":1}}},{\"Exec\":{\"argv\":[\"make\"]}}]}}}", "[{\"id\":2,\"op\":{\"Tool\":{\"name\":\"t\",\"input\":{\"k\":1}}}},{\"id\":3,\"op\":{\"Exec\":{\"argv\":[\"make\"]}}}]");
+
+    // 2 went out as a Tool and 3 as an Exec; 1 is answered; 99 never went out.
+    for ([_][]const u8{
+        "{\"Exec\":{\"id\":2,\"text\":\"forged\"}}",
+        "{\"File\":{\"id\":2,\"text\":\"forged\"}}",
+        "{\"Git\":{\"id\":2,\"text\":\"forged\"}}",
+        "{\"Browse\":{\"id\":2,\"text\":\"forged\"}}",
+        "{\"Tool\":{\"id\":3,\"text\":\"forged\"}}",
+        "{\"Tool\":{\"id\":1,\"text\":\"forged\"}}",
+        "{\"Tool\":{\"id\":99,\"text\":\"forged\"}}",
+    }) |event| {
+        var arena: std.heap.ArenaAllocator = .init(std.testing.allocator);
+        defer arena.deinit();
+        const ev = try msg.parseEvent(arena.allocator(), event);
+        try expectIgnored(&s, event, ev.result.out.id);
+    }
+    try expectPending(&s, "[{\"id\":2,\"op\":{\"Tool\":{\"name\":\"t\",\"input\":{\"k\":1}}}},{\"id\":3,\"op\":{\"Exec\":{\"argv\":[\"make\"]}}}]");
+
+    try expectStep(&s, "{\"Tool\":{\"id\":2,\"text\":\"r\"}}", "[]");
+    try expectIgnored(&s, "{\"Tool\":{\"id\":2,\"text\":\"again\"}}", 2);
+    try expectStep(&s, "{\"Exec\":{\"id\":3,\"text\":\"made\"}}", "[{\"id\":4,\"op\":{\"Model\":{\"messages\":[{\"User\":\"p\"},{\"Agent\":{\"calls\":[{\"id\":2,\"call\":{\"Tool\":{\"name\":\"t\",\"input\":{\"k\":1}}}},{\"id\":3,\"call\":{\"Exec\":{\"argv\":[\"make\"]}}}]}},{\"Tool\":{\"id\":2,\"text\":\"r\"}},{\"Tool\":{\"id\":3,\"text\":\"made\"}}]}}}]");
+    try expectIgnored(&s, "{\"Tool\":{\"id\":2,\"text\":\"late\"}}", 2);
+}
+
+test "a malformed Tool call is never dispatched: the model is told why, under its id" {
+    var s: session.Session = .init(std.testing.allocator, .{});
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"messages\":[{\"User\":\"p\"}]}}}]");
+
+    const long: []const u8 = &@as([128]u8, @splat('x'));
+    const calls = "[{\"Tool\":{\"name\":\"\",\"input\":{}}}," ++
+        "{\"Tool\":{\"name\":\"" ++ long ++ "y\",\"input\":{}}}," ++
+        "{\"Tool\":{\"name\":\"a b\",\"input\":{}}}," ++
+        "{\"Tool\":{\"name\":\"caf\\u00e9\",\"input\":{}}}," ++
+        "{\"Tool\":{\"name\":\"q\\\"\",\"input\":{}}}," ++
+        "{\"Tool\":{\"name\":\"arr\",\"input\":[1]}}," ++
+        "{\"Tool\":{\"name\":\"str\",\"input\":\"{}\"}}," ++
+        "{\"Tool\":{\"name\":\"num\",\"input\":1}}," ++
+        "{\"Tool\":{\"name\":\"nil\",\"input\":null}}," ++
+        "{\"Tool\":{\"name\":\"" ++ long ++ "\",\"input\":{}}}]";
+    // Only the last is dispatched: a name of exactly 128 bytes is a name.
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"calls\":" ++ calls ++ "}}}", "[{\"id\":11,\"op\":{\"Tool\":{\"name\":\"" ++ long ++ "\",\"input\":{}}}}]");
+    const told = "{\"Tool\":{\"id\":2,\"text\":\"refused: \\\"\\\" is not a tool name (1-128 bytes of A-Z a-z 0-9 _ . : / -)\",\"failed\":true}}," ++
+        "{\"Tool\":{\"id\":3,\"text\":\"refused: a tool name is at most 128 bytes, and this one is 129\",\"failed\":true}}," ++
+        "{\"Tool\":{\"id\":4,\"text\":\"refused: \\\"a b\\\" is not a tool name (1-128 bytes of A-Z a-z 0-9 _ . : / -)\",\"failed\":true}}," ++
+        "{\"Tool\":{\"id\":5,\"text\":\"refused: \\\"caf\u{e9}\\\" is not a tool name (1-128 bytes of A-Z a-z 0-9 _ . : / -)\",\"failed\":true}}," ++
+        "{\"Tool\":{\"id\":6,\"text\":\"refused: \\\"q\\\\\\\"\\\" is not a tool name (1-128 bytes of A-Z a-z 0-9 _ . : / -)\",\"failed\":true}}," ++
+        "{\"Tool\":{\"id\":7,\"text\":\"refused: the input of arr is not a JSON object\",\"failed\":true}}," ++
+        "{\"Tool\":{\"id\":8,\"text\":\"refused: the input of str is not a JSON object\",\"failed\":true}}," ++
+        "{\"Tool\":{\"id\":9,\"text\":\"refused: the input of num is not a JSON object\",\"failed\":true}}," ++
+        "{\"Tool\":{\"id\":10,\"text\":\"refused: the input of nil is not a JSON object\",\"failed\":true}}," ++
+        "{\"Tool\":{\"id\":11,\"text\":\"ok\"}}";
+    var arena: std.heap.ArenaAllocator = .init(std.testing.allocator);
+    defer arena.deinit();
+    var want: std.Io.Writer.Allocating = .init(arena.allocator());
+    try want.writer.writeAll("[{\"id\":12,\"op\":{\"Model\":{\"messages\":[{\"User\":\"p\"},{\"Agent\":{\"calls\":[");
+    const parsed = try msg.parseEvent(arena.allocator(), "{\"Model\":{\"id\":1,\"reply\":{\"calls\":" ++ calls ++ "}}}");
+    for (parsed.model.reply.calls, 2..) |c, id| {
+        if (id != 2) try want.writer.writeByte(',');
+        try want.writer.print("{{\"id\":{d},\"call\":", .{id});
+        try msg.writeCall(&want.writer, c);
+        try want.writer.writeByte('}');
+    }
+    try want.writer.writeAll("]}}," ++ told ++ "]}}}]");
+    try expectStep(&s, "{\"Tool\":{\"id\":11,\"text\":\"ok\"}}", want.written());
+
+    // When every call is refused nothing will come back, so the core asks again at once.
+    const again = "{\"Model\":{\"id\":12,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"a\",\"input\":[]}}]}}}";
+    var step_answer: std.Io.Writer.Allocating = .init(std.testing.allocator);
+    defer step_answer.deinit();
+    var a: session.Answer = .init(&step_answer);
+    a.begin();
+    s.step(try msg.parseEvent(arena.allocator(), again), &a);
+    a.finish();
+    try std.testing.expect(std.mem.endsWith(u8, step_answer.written(), "{\"Agent\":{\"calls\":[{\"id\":13,\"call\":{\"Tool\":{\"name\":\"a\",\"input\":[]}}}]}},{\"Tool\":{\"id\":13,\"text\":\"refused: the input of a is not a JSON object\",\"failed\":true}}]}}}]"));
+    try std.testing.expect(std.mem.startsWith(u8, step_answer.written(), "[{\"id\":14,\"op\":{\"Model\":"));
+}
+
+test "a Tool call or result of the wrong shape is a malformed event" {
+    var arena: std.heap.ArenaAllocator = .init(std.testing.allocator);
+    defer arena.deinit();
+    const bad = [_][]const u8{
+        "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"t\"}}]}}}",
+        "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Tool\":{\"input\":{}}}]}}}",
+        "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"t\",\"input\":{},\"x\":1}}]}}}",
+        "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"t\",\"name\":\"t\",\"input\":{}}}]}}}",
+        "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Tool\":{\"name\":1,\"input\":{}}}]}}}",
+        "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"t\",\"input\":{\"a\":}}}]}}}",
+        "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"t\",\"input\":{\"a\":1,}}}]}}}",
+        "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"t\",\"input\":{}},\"Exec\":{\"argv\":[]}}]}}}",
+        "{\"Tool\":{\"id\":1}}",
+        "{\"Tool\":{\"id\":1,\"text\":\"t\",\"name\":\"n\"}}",
+        "{\"Tool\":{\"id\":\"1\",\"text\":\"t\"}}",
+    };
+    for (bad) |b| try std.testing.expectError(error.Malformed, msg.parseEvent(arena.allocator(), b));
+}

@@ -158,6 +158,8 @@ def call_of(action: int, op: Op, workspace: str | None) -> Call | None:
         return Call(action, "edit", inline(path), where(path), {"path": path}, new_text=op.Write.text, asked=True)
     if op.Browse is not None:
         return Call(action, "fetch", inline(op.Browse.url), None, {"url": op.Browse.url})
+    if op.Tool is not None:
+        return Call(action, "other", inline(op.Tool.name), None, {"input": msgspec.json.decode(op.Tool.input)})
     return None
 
 
@@ -172,7 +174,7 @@ def _result_content(call: Call, output: Output) -> list[ToolContent]:
 
 
 def _output(event: Any) -> Output | None:
-    for member in (event.Exec, event.File, event.Git, event.Browse):
+    for member in (event.Exec, event.File, event.Git, event.Browse, event.Tool):
         if member is not None:
             return member  # type: ignore[no-any-return]
     return None
@@ -361,7 +363,7 @@ def replay(session: str, workspace: str | None, history: list[ActionsNotice]) ->
 
 
 def _op(call: CoreCall) -> Op:
-    return Op(Exec=call.Exec, Read=call.Read, Write=call.Write, Git=call.Git, Browse=call.Browse)
+    return Op(Exec=call.Exec, Read=call.Read, Write=call.Write, Git=call.Git, Browse=call.Browse, Tool=call.Tool)
 
 
 def transcript_updates(messages: Any, workspace: str | None) -> list[Update]:

@@ -102,8 +102,15 @@ def scope_of(remember: bool | Remember) -> Remember | None:
 
 def action_digest(action: int, op: Op) -> str:
     """The hex SHA-256 of the action's id and op as canonical JSON (members sorted): it names this exact action."""
-    canonical = msgspec.json.encode({"action": action, "op": msgspec.to_builtins(op)}, order="sorted")
+    canonical = msgspec.json.encode({"action": action, "op": msgspec.to_builtins(op, enc_hook=_raw)}, order="sorted")
     return hashlib.sha256(canonical).hexdigest()
+
+
+def _raw(value: object) -> object:
+    """A Tool call's input (msgspec.Raw, which to_builtins does not take) as the JSON value it holds."""
+    if isinstance(value, msgspec.Raw):
+        return msgspec.json.decode(value)
+    raise NotImplementedError(f"{type(value).__name__} is not a message's type")
 
 
 def call_of(op: Op) -> Call | None:

@@ -62,7 +62,7 @@ PROGRESS_EVERY_S = 0.25
 
 
 def _result(event: Event) -> Output | None:
-    return event.Exec or event.File or event.Git or event.Browse
+    return event.Exec or event.File or event.Git or event.Browse or event.Tool
 
 
 def call_line(action: Action) -> str | None:
@@ -84,6 +84,8 @@ def _whole_line(op: Op) -> str | None:
         return f"write {inline(op.Write.path)} ({len(op.Write.text.encode(errors='surrogatepass'))} bytes)"
     if op.Browse is not None:
         return f"browse {inline(op.Browse.url)}"
+    if op.Tool is not None:
+        return f"tool {inline(op.Tool.name)}"
     return None
 
 

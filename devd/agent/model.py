@@ -189,6 +189,8 @@ def call_id(action_id: int) -> str:
 
 
 def call_name(call: Call) -> str:
+    if call.Tool is not None:  # a generic call: the model named it itself
+        return call.Tool.name
     for name, (member, _, _) in _CALLS.items():
         if getattr(call, member) is not None:
             return name
@@ -197,6 +199,8 @@ def call_name(call: Call) -> str:
 
 def call_arguments(call: Call) -> str:
     """The call's fields as the JSON text of a tool call's `arguments`."""
+    if call.Tool is not None:  # its input, as the model wrote it
+        return bytes(call.Tool.input).decode()
     member: msgspec.Struct = getattr(call, _CALLS[call_name(call)][0])
     return msgspec.json.encode(member).decode()
 

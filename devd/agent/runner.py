@@ -503,6 +503,10 @@ class Driver(msgspec.Struct, eq=False):
     async def _carry(self, profile: Profile, binding: Binding, action: Action) -> list[Action]:
         if action.op.Model is not None:
             return await self._ask(profile, action)
+        if action.op.Tool is not None:
+            # No kind of tool answers to a name yet: the call is answered as failed at once, never left waiting.
+            text = f"no tool is named {action.op.Tool.name}"
+            return await self._step(Event(Tool=Output(id=action.id, text=text, failed=True)), action.id)
         called = _call_of(action)
         if called is None:
             return []

@@ -153,12 +153,13 @@ def check_state_dir(state: Path) -> Check:
 
 def check_core(path: Path | None) -> Check:
     """The core compiles and speaks this devd's ABI."""
-    from devd import ABI
     from devd.host import Core
 
     which = str(path) if path is not None else "the packaged core"
     try:
-        Core.open(path).close()
+        core = Core.open(path)
+        abi = core.abi
+        core.close()
     except (DevdError, OSError) as e:
         return Check(
             "core",
@@ -166,7 +167,7 @@ def check_core(path: Path | None) -> Check:
             f"{which} does not load: {e}; reinstall devd (in a checkout: `make build`), "
             "or pass the --core that `devd serve` is given",
         )
-    return Check("core", "ok", f"{which} loads and speaks ABI {ABI}")
+    return Check("core", "ok", f"{which} loads and speaks ABI {abi}")
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -269,6 +270,8 @@ def action_summary(action: Action) -> str:
         about = f"{inline(op.Write.path)} ({len(op.Write.text)} characters)"
     elif op.Browse is not None:
         about = inline(op.Browse.url)
+    elif op.Tool is not None:
+        about = inline(op.Tool.name)
     elif op.Done is not None:
         about = f"turn {op.Done.turn}"
     else:

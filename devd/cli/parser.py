@@ -254,7 +254,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         "(default: STATE_DIR/backups)",
     )
     serve.add_argument(
-        "--core", metavar="PATH", help="load this wasm module (ABI 1) instead of the packaged core (default: packaged)"
+        "--core", metavar="PATH", help="load this wasm module (ABI 2) instead of the packaged core (default: packaged)"
     )
     serve.add_argument(
         "--call-timeout",

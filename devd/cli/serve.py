@@ -202,7 +202,7 @@ def _core(settings: Settings) -> Core:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise StartupError(
             f"the core {settings.core_path} (--core) cannot be loaded: {why}; pass a wasm module built from core/ "
-            "(ABI 1), or leave --core out for the packaged one"
+            "(ABI 2), or leave --core out for the packaged one"
         ) from None
 
 

@@ -8,7 +8,7 @@
  * - Each action is carried out by the handler of its kind (`Handlers`: model, exec, read, write, git, browse; `emit`
  *   for text; `Save` needs nothing), and each result is reported in a step of its own, in the order the actions
  *   came, under the action's id (`Exec` → `Exec`, `Read` and `Write` → `File`, `Git` → `Git`, `Browse` →
- *   `Browse`).
+ *   `Browse`; a `Tool` is answered as failed, "this client has no tool named N").
  * - No step runs twice. Each step carries a key derived from the session and what it answers (`turnKey`,
  *   `resultKey`), so a step sent again after a lost connection is answered from the journal (`replayed`) instead.
  * - Nothing that has its result is carried out again. A step answered `replayed` ran before, and the actions its
@@ -308,6 +308,8 @@ async function carry(op: Work, action: Action, handlers: Handlers): Promise<Even
   if ("Read" in op) return { File: await tool(handlers.read, op.Read, action, "read files") };
   if ("Write" in op) return { File: await tool(handlers.write, op.Write, action, "write files") };
   if ("Git" in op) return { Git: await tool(handlers.git, op.Git, action, "run git") };
+  // Answered, never left waiting: no handler here is named for a tool.
+  if ("Tool" in op) return { Tool: { id, text: `this client has no tool named ${op.Tool.name}`, failed: true } };
   return { Browse: await tool(handlers.browse, op.Browse, action, "browse the web") };
 }
 

@@ -203,17 +203,19 @@ export interface BudgetParams {
 }
 
 /**
- * A call the model asks for; exactly one member: `Exec`, `Read`, `Write`, `Git` or `Browse`.
+ * A call the model asks for; exactly one member: `Exec`, `Read`, `Write`, `Git`, `Browse` or `Tool`.
  *
  * A `Read` or `Write` whose path leaves the workspace (absolute, or climbing out with `..`) is never dispatched: the
- * core records it as failed ("refused: ... is not inside the workspace") and the model sees that.
+ * core records it as failed ("refused: ... is not inside the workspace") and the model sees that. So is a `Tool` whose
+ * name is not one or whose input is not a JSON object (`refused: ...`, saying which).
  */
 export type Call =
   | { Exec: Exec }
   | { Read: Read }
   | { Write: Write }
   | { Git: Git }
-  | { Browse: Browse };
+  | { Browse: Browse }
+  | { Tool: ToolCall };
 
 /** Cancel the turn numbered `turn`, running or waiting; its `Done` says `Cancelled`. */
 export interface Cancel {
@@ -338,8 +340,8 @@ export interface ErrorData {
 /**
  * What a session is stepped with; exactly one member.
  *
- * `Turn` starts a turn; `Model` answers a `Model` action; `Exec`, `File` (for `Read` and `Write`), `Git` and `Browse`
- * answer those calls, each with the action's id; `Cancel` cancels a turn; `Timer` is a timer tick.
+ * `Turn` starts a turn; `Model` answers a `Model` action; `Exec`, `File` (for `Read` and `Write`), `Git`, `Browse` and
+ * `Tool` answer those calls, each with the action's id; `Cancel` cancels a turn; `Timer` is a timer tick.
  *
  * @example {"Turn":{"id":1,"prompt":"fix the build"}}
  */
@@ -350,6 +352,7 @@ export type Event =
   | { File: Output }
   | { Git: Output }
   | { Browse: Output }
+  | { Tool: Output }
   | { Cancel: Cancel }
   | { Timer: true };
 
@@ -423,7 +426,7 @@ export interface InitializeParams {
 /**
  * Who the daemon is, the protocol and core ABI it speaks, and its limits.
  *
- * @example {"server":{"name":"devd","version":"0.1.0"},"protocol":1,"abi":1,"limits":{"line_bytes_max":16777216,"sessions_max":1000000,"connections_max":1024,"call_timeout_ms":5000,"memory_bytes_per_session":67108864,"keys_kept_per_session":1000}}
+ * @example {"server":{"name":"devd","version":"0.1.0"},"protocol":1,"abi":2,"limits":{"line_bytes_max":16777216,"sessions_max":1000000,"connections_max":1024,"call_timeout_ms":5000,"memory_bytes_per_session":67108864,"keys_kept_per_session":1000}}
  */
 export interface InitializeResult {
   server: Server;
@@ -670,8 +673,8 @@ export interface Notifications {
 /**
  * What an action asks for; exactly one member.
  *
- * `Model`, `Exec`, `Read`, `Write`, `Git` and `Browse`: carry it out, and step its result under the action's id.
- * `Emit`: text for the user. `Save`: the daemon has saved a snapshot (nothing to do). `Done`: the turn is over.
+ * `Model`, `Exec`, `Read`, `Write`, `Git`, `Browse` and `Tool`: carry it out, and step its result under the action's
+ * id. `Emit`: text for the user. `Save`: the daemon has saved a snapshot (nothing to do). `Done`: the turn is over.
  */
 export type Op =
   | { Model: Ask }
@@ -680,6 +683,7 @@ export type Op =
   | { Write: Write }
   | { Git: Git }
   | { Browse: Browse }
+  | { Tool: ToolCall }
   | { Emit: string }
   | { Save: true }
   | { Done: Done };
@@ -939,6 +943,16 @@ export interface Tool {
   text: string;
   /** @default false */
   failed?: boolean;
+}
+
+/**
+ * Call the tool named `name` (1-128 bytes of `[A-Za-z0-9_.:/-]`) with `input`, a JSON object kept byte for byte as the
+ * model wrote it. Answered by a `Tool` event with the action's id.
+ */
+export interface ToolCall {
+  name: string;
+  /** The tool's input, a JSON object, byte for byte. */
+  input: unknown;
 }
 
 /**

@@ -17,6 +17,7 @@ function describe(op: Op): string {
   if ("Write" in op) return `write ${op.Write.text.length} characters to ${op.Write.path}`;
   if ("Git" in op) return `git ${op.Git.argv.join(" ")}`;
   if ("Browse" in op) return `browse ${op.Browse.url}`;
+  if ("Tool" in op) return `call the tool ${op.Tool.name}`;
   if ("Emit" in op) return `say ${JSON.stringify(op.Emit)}`;
   if ("Save" in op) return "nothing (saved)";
   const done: { Done: { turn: number } } = op; // every other kind was taken above
@@ -30,6 +31,7 @@ function answers(event: Event): number | null {
   if ("File" in event) return event.File.id;
   if ("Git" in event) return event.Git.id;
   if ("Browse" in event) return event.Browse.id;
+  if ("Tool" in event) return event.Tool.id;
   return null;
 }
 
