@@ -1,4 +1,6 @@
-"""A state directory written by the first release opens with this one, and its sessions continue, seq and keys intact.
+"""A state directory written by the first release opens with this one, and its sessions continue, seq and keys intact;
+so does one written by the release before core ABI 2 (tests/fixtures/core-abi1.wasm), every session with the exact
+actions that release answers.
 
 The fixture is made here, from a pinned copy of the first release's schema (which set no `user_version` and had no
 `meta` table), filled with a session as that release journalled it: every step's event and actions, its keys and
@@ -8,6 +10,7 @@ digests, and the snapshot taken when the core asked to Save.
 from __future__ import annotations
 
 import sqlite3
+import time
 from contextlib import closing
 from pathlib import Path
 
@@ -15,13 +18,36 @@ import msgspec
 import pytest
 
 from devd.host import Core
-from devd.messages import answer, decode_actions, encode, turn
+from devd.messages import (
+    Action,
+    Call,
+    Config,
+    Event,
+    Exec,
+    Op,
+    Output,
+    Read,
+    ToolCall,
+    answer,
+    decode_actions,
+    encode,
+    turn,
+)
 from devd.sessions.history import digest
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, MIGRATIONS
 from devd.storage.store import Counter, Health, Step, Stored, Tally
+from tests.agents import conversation, start, until_done, watch_raw
 from tests.daemon import Daemon
 from tests.harness import InProcess
+from tests.standin_model import Scripted, Standin, standin_fixture
 from tests.stores import running, sqlite_at
+
+__all__ = ["standin_fixture"]
+
+INTERRUPTED = (
+    "interrupted: the daemon stopped while this command ran, so it may have partly run; it was not run again "
+    "(check the workspace before you run it again)"
+)
 
 FIRST_RELEASE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -171,3 +197,143 @@ async def test_a_format_7_database_counts_the_spend_its_usage_records_kept(tmp_p
         )
         tallies = (await store.tally("a"), await store.tally("f"))
     assert (counted, tallies) == ([(310, 0), (310, 0), (310, 0)], (Tally(300, 10, 0, 2, 1), Tally()))
+
+
+# -- the previous release's core (ABI 1) --------------------------------------------------------------------------
+
+# The core of the release before ABI 2, built from core/ as it was (`git show b69a352:core`; reproducible, sha256
+# 2815b4a3...77c7f3). A daemon of this version still opens it (`--core`: ABI 2 extends ABI 1), so a state directory is
+# written here just as the previous release wrote it: the same store, the same snapshots and journal rows.
+ABI1_CORE = Path(__file__).parent / "fixtures" / "core-abi1.wasm"
+
+BUILD, LIB, OUTSIDE = (
+    Call(Exec=Exec(argv=["cargo", "build"])),
+    Call(Read=Read(path="src/lib.rs")),
+    Call(Read=Read(path="../x")),
+)
+# Each session of the previous release: its config, the events it was stepped with there, and those it is stepped with
+# after the upgrade (each with the key it is sent under).
+SESSIONS: dict[str, tuple[Config, list[Event], list[Event]]] = {
+    "asking": (Config(model="zen5"), [turn(1, "fix the build")], [answer(1, "fixed")]),
+    "calls": (
+        Config(),
+        [
+            turn(1, "fix the build"),
+            answer(1, "Let me look.", [BUILD, LIB, OUTSIDE]),
+            Event(Exec=Output(id=2, text="error", failed=True)),
+            turn(2, "and the tests"),
+        ],
+        [Event(File=Output(id=3, text="fn f() {}")), answer(6, "fixed"), answer(10, "tested")],
+    ),
+    "delta": (
+        Config(asks="delta"),
+        [turn(1, "p"), answer(1, calls=[Call(Read=Read(path="a"))]), Event(File=Output(id=2, text="x"))],
+        [answer(3, "done"), turn(2, "q")],
+    ),
+    "done": (Config(), [turn(1, "hi"), answer(1, "hello")], [turn(2, "again"), answer(5, "hello again")]),
+}
+FORK_AT = 2  # "forked" is "calls" up to its step 2: both its calls still waited for
+FORKED_AFTER = [Event(File=Output(id=3, text="lib")), Event(Exec=Output(id=2, text="built")), answer(5, "ok")]
+
+
+def _answers(core: Core, config: Config, events: list[Event]) -> list[bytes]:
+    instance = core.new(config)
+    try:
+        return [instance.step_raw(encode(e)) for e in events]
+    finally:
+        instance.close()
+
+
+def test_a_state_directory_of_the_previous_release_continues_every_session_with_the_exact_actions(
+    tmp_path: Path, core: Core
+) -> None:
+    """Written by a daemon running the ABI-1 core (sessions asking, waiting for calls with a turn queued, a delta
+    session, a finished one, a fork, one hibernated, and a client's snapshot), then opened by this daemon with the
+    ABI-2 core: every session is rebuilt (the replay check passing), waits for what it waited for, replays a kept key,
+    and answers every next step with exactly the actions the previous release answers, and a Tool call after."""
+    previous = Core.open(ABI1_CORE)
+    with InProcess(tmp_path, "--core", str(ABI1_CORE), "--max-live", "2") as d, d.client() as c:
+        for name, (config, before, _) in SESSIONS.items():
+            c.new(config, session=name)
+            for n, event in enumerate(before):
+                c.step(name, event, key=f"{name}-{n}")
+        c.fork("calls", at=FORK_AT, name="forked")
+        held = c.snapshot("calls")
+        pending = {name: c.pending(name) for name in [*SESSIONS, "forked"]}
+        hibernated = [s["session"] for s in c.call("session/list")["sessions"] if s["state"] == "stored"]
+    assert hibernated != []
+
+    want = {
+        name: _answers(previous, config, before + after)[len(before) :]
+        for name, (config, before, after) in SESSIONS.items()
+    }
+    want["forked"] = _answers(previous, Config(), SESSIONS["calls"][1][:FORK_AT] + FORKED_AFTER)[FORK_AT:]
+    want_held = _answers(previous, Config(), SESSIONS["calls"][1] + SESSIONS["calls"][2])[4:]
+    previous.close()
+    with InProcess(tmp_path) as d, d.client() as c:
+        assert {name: c.pending(name) for name in pending} == pending
+        last = len(SESSIONS["calls"][1]) - 1
+        replay = c.step_result("calls", SESSIONS["calls"][1][last], key=f"calls-{last}")
+        assert (replay["replayed"], replay["actions"]) == (True, [{"id": 5, "op": {"Save": True}}])
+        restored = c.restore(held)
+        got = {name: [c.step(name, e) for e in after] for name, (_, _, after) in SESSIONS.items()}
+        got["forked"] = [c.step("forked", e) for e in FORKED_AFTER]
+        got_held = [c.step(restored, e) for e in SESSIONS["calls"][2]]
+        assert (got, got_held) == (
+            {name: [decode_actions(a) for a in answers] for name, answers in want.items()},
+            [decode_actions(a) for a in want_held],
+        )
+        search = Call(Tool=ToolCall(name="search", input=msgspec.Raw(b'{"q": "x"}')))
+        c.step("done", turn(3, "search"))
+        assert c.step("done", answer(9, calls=[search])) == [Action(id=10, op=Op(Tool=search.Tool))]
+
+
+def test_the_agents_approvals_and_claims_of_the_previous_release_carry_over(tmp_path: Path, standin: Standin) -> None:
+    """A daemon of the previous release (the ABI-1 core) killed with a write awaiting approval in one session and a
+    command claimed and running in another: this daemon asks for the same approval again and runs the write once it
+    is given, steps the command `interrupted` without running it again, and both turns end."""
+    previous = start(tmp_path, standin, "--core", str(ABI1_CORE), write='"ask"')
+    standin.script(
+        Scripted(tool_calls=[("write", {"path": "w.txt", "text": "x"})]),
+        Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs; sleep 60"]})]),
+        Scripted(text="done"),
+        Scripted(text="done"),
+    )
+    with previous.client() as c:
+        asking, running = previous.session(c), previous.session(c)
+        watch_raw(c, asking)
+        c.prompt(asking, "write")
+        asked = next(n for n in iter(lambda: c.wait_notification(30), None) if n.method == "session/approval")
+        c.prompt(running, "run it")
+    deadline = time.monotonic() + 20
+    while not (previous.workspace / "runs").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    previous.daemon.kill()
+
+    current = previous.daemon
+    current.args = tuple(a for a in current.args if a not in ("--core", str(ABI1_CORE)))  # the packaged core
+    current.start()
+    try:
+        with current.client() as c:
+            watch_raw(c, asking, since=0)
+            again = next(n for n in iter(lambda: c.wait_notification(30), None) if n.method == "session/approval")
+            approve = {k: again.params[k] for k in ("session", "action", "digest")}
+            c.call("session/approve", approve | {"decision": "allow"})
+            until_done(c, 1)
+            watch_raw(c, running, since=0)
+            until_done(c, 1)
+            assert (
+                again.params == asked.params,
+                (previous.workspace / "w.txt").read_text(),
+                (previous.workspace / "runs").read_text(),
+                conversation(c, asking)[-2:],
+                conversation(c, running)[-2:],
+            ) == (
+                True,
+                "x",
+                "run\n",
+                [{"Tool": {"id": 2, "text": "wrote 1 bytes to w.txt"}}, {"Agent": {"text": "done"}}],
+                [{"Tool": {"id": 2, "text": INTERRUPTED, "failed": True}}, {"Agent": {"text": "done"}}],
+            )
+    finally:
+        current.stop()

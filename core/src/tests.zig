@@ -484,3 +484,49 @@ test "a Tool call or result of the wrong shape is a malformed event" {
     };
     for (bad) |b| try std.testing.expectError(error.Malformed, msg.parseEvent(arena.allocator(), b));
 }
+
+// ---------------------------------------------------------------- state an ABI-1 core wrote
+
+/// Bytes from their hex spelling, at compile time.
+fn unhex(comptime hex: []const u8) [hex.len / 2]u8 {
+    @setEvalBranchQuota(hex.len * 10);
+    var out: [hex.len / 2]u8 = undefined;
+    _ = std.fmt.hexToBytes(&out, hex) catch unreachable;
+    return out;
+}
+
+// Written by the ABI-1 core (tests/fixtures/core-abi1.wasm): config {"model":"zen5"}; turn 1 "fix the build"; a reply
+// of Exec cargo build, Read src/lib.rs and Read ../x (refused); the Exec's failed result; turn 2 "next" queued.
+const abi1_calls = unhex("44455644010000007101000001040000007a656e350500000000000000020000000000000001010000000000000001030000000200000000000000000001050000006572726f72030000000000000001010000000000040000000000000001000129000000726566757365643a202e2e2f78206973206e6f7420696e736964652074686520776f726b7370616365010000000200000000000000040000006e65787402000000180000007b2255736572223a2266697820746865206275696c64227db70000007b224167656e74223a7b2274657874223a224c6574206d65206c6f6f6b2e222c2263616c6c73223a5b7b226964223a322c2263616c6c223a7b2245786563223a7b2261726776223a5b22636172676f222c226275696c64225d7d7d7d2c7b226964223a332c2263616c6c223a7b2252656164223a7b2270617468223a227372632f6c69622e7273227d7d7d2c7b226964223a342c2263616c6c223a7b2252656164223a7b2270617468223a222e2e2f78227d7d7d5d7d7d018945b8");
+// Written by the ABI-1 core: config {"asks":"delta"}; turn 1 "p"; a reply of Read a; its result "x": the second ask waited for.
+const abi1_delta = unhex("4445564402000000aa000000000300000000000000010000000000000001010000000000000000030000000000000000000000030000000c0000007b2255736572223a2270227d3b0000007b224167656e74223a7b2263616c6c73223a5b7b226964223a322c2263616c6c223a7b2252656164223a7b2270617468223a2261227d7d7d5d7d7d1c0000007b22546f6f6c223a7b226964223a322c2274657874223a2278227d7d0100000000000000030000000000000078364e02");
+
+test "snapshots an ABI-1 core wrote restore as they were and continue with the exact actions, Tool calls after" {
+    const gpa = std.testing.allocator;
+    for ([_][]const u8{ &abi1_calls, &abi1_delta }) |bytes| for ([_]snapshot.Trust{ .checked, .own }) |trust| {
+        var arena: std.heap.ArenaAllocator = .init(gpa);
+        defer arena.deinit();
+        var r = try snapshot.decodeAs(gpa, arena.allocator(), bytes, trust);
+        defer r.deinit();
+        var again = snapshot.encode(gpa, &r);
+        defer again.deinit();
+        try std.testing.expectEqualSlices(u8, bytes, again.written());
+    };
+
+    var arena: std.heap.ArenaAllocator = .init(gpa);
+    defer arena.deinit();
+    var s = try snapshot.decode(gpa, arena.allocator(), &abi1_calls);
+    defer s.deinit();
+    try expectPending(&s, "[{\"id\":3,\"op\":{\"Read\":{\"path\":\"src/lib.rs\"}}}]");
+    const told = "{\"User\":\"fix the build\"},{\"Agent\":{\"text\":\"Let me look.\",\"calls\":[{\"id\":2,\"call\":{\"Exec\":{\"argv\":[\"cargo\",\"build\"]}}},{\"id\":3,\"call\":{\"Read\":{\"path\":\"src/lib.rs\"}}},{\"id\":4,\"call\":{\"Read\":{\"path\":\"../x\"}}}]}},{\"Tool\":{\"id\":2,\"text\":\"error\",\"failed\":true}},{\"Tool\":{\"id\":3,\"text\":\"fn f() {}\"}},{\"Tool\":{\"id\":4,\"text\":\"refused: ../x is not inside the workspace\",\"failed\":true}}";
+    try expectStep(&s, "{\"File\":{\"id\":3,\"text\":\"fn f() {}\"}}", "[{\"id\":6,\"op\":{\"Model\":{\"model\":\"zen5\",\"messages\":[" ++ told ++ "]}}}]");
+    try expectStep(&s, "{\"Model\":{\"id\":6,\"reply\":{\"calls\":[{\"Tool\":{\"name\":\"search\",\"input\":{\"q\":\"x\"}}}]}}}", "[{\"id\":7,\"op\":{\"Tool\":{\"name\":\"search\",\"input\":{\"q\":\"x\"}}}}]");
+    try expectStep(&s, "{\"Tool\":{\"id\":7,\"text\":\"none\"}}", "[{\"id\":8,\"op\":{\"Model\":{\"model\":\"zen5\",\"messages\":[" ++ told ++ ",{\"Agent\":{\"calls\":[{\"id\":7,\"call\":{\"Tool\":{\"name\":\"search\",\"input\":{\"q\":\"x\"}}}}]}},{\"Tool\":{\"id\":7,\"text\":\"none\"}}]}}}]");
+    try expectStep(&s, "{\"Model\":{\"id\":8,\"reply\":{\"text\":\"ok\"}}}", "[{\"id\":9,\"op\":{\"Emit\":\"ok\"}},{\"id\":10,\"op\":{\"Save\":true}},{\"id\":11,\"op\":{\"Done\":{\"turn\":1,\"outcome\":{\"Complete\":true}}}},{\"id\":12,\"op\":{\"Model\":{\"model\":\"zen5\",\"messages\":[" ++ told ++ ",{\"Agent\":{\"calls\":[{\"id\":7,\"call\":{\"Tool\":{\"name\":\"search\",\"input\":{\"q\":\"x\"}}}}]}},{\"Tool\":{\"id\":7,\"text\":\"none\"}},{\"Agent\":{\"text\":\"ok\"}},{\"User\":\"next\"}]}}}]");
+
+    var d = try snapshot.decode(gpa, arena.allocator(), &abi1_delta);
+    defer d.deinit();
+    const ask = "[{\"id\":3,\"op\":{\"Model\":{\"from\":1,\"messages\":[{\"Agent\":{\"calls\":[{\"id\":2,\"call\":{\"Read\":{\"path\":\"a\"}}}]}},{\"Tool\":{\"id\":2,\"text\":\"x\"}}]}}}]";
+    try expectPending(&d, ask);
+    try expectStep(&d, "{\"Model\":{\"id\":3,\"reply\":{\"text\":\"done\"}}}", "[{\"id\":4,\"op\":{\"Emit\":\"done\"}},{\"id\":5,\"op\":{\"Save\":true}},{\"id\":6,\"op\":{\"Done\":{\"turn\":1,\"outcome\":{\"Complete\":true}}}}]");
+}
