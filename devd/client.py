@@ -44,7 +44,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Generator,
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import anyio
 import anyio.abc
@@ -122,6 +122,7 @@ METHOD_NAMES: dict[str, str] = {name: spec.call for name, spec in METHODS.items(
 
 NOTICES_BUFFERED = 1 << 16  # notices of no watch() kept for `notifications`; past it, reading waits for a reader
 T = TypeVar("T")
+N = TypeVar("N")
 WATCH_BUFFERED = 1024  # notices kept for one watch() loop; past it, reading waits for the loop
 
 
@@ -165,12 +166,23 @@ NOTICES: dict[str, type[Notice]] = {
 }
 
 
-def notice_of(reply: Reply) -> Notice:
-    """A notification line as its typed notice; InternalError for a notification this client does not know."""
+class _Notification(msgspec.Struct, Generic[N]):
+    """A notification line's params, typed (its other members are the envelope's)."""
+
+    params: N
+
+
+def notice_of(reply: Reply, line: bytes | bytearray | None = None) -> Notice:
+    """A notification line as its typed notice; InternalError for a notification this client does not know. From
+    the `line` it was read from when given: a Tool call's input (msgspec.Raw) then keeps the bytes it was sent in."""
     kind = NOTICES.get(reply.method or "")
     if kind is None:
         raise errors.InternalError(f"the daemon sent {reply.method!r}, a notification this client does not know")
-    notice: Notice = msgspec.convert(reply.params, kind)
+    if line is not None:
+        typed: Notice = msgspec.json.decode(line, type=_Notification[kind]).params  # type: ignore[valid-type]
+        return typed
+    # Through JSON, not convert: convert does not make a msgspec.Raw from a dict.
+    notice: Notice = msgspec.json.decode(_encoder.encode(reply.params), type=kind)
     return notice
 
 
@@ -687,7 +699,7 @@ class _Connection:
         for route in self.watches.values():
             route.close()
 
-    async def deliver(self, reply: Reply) -> None:
+    async def deliver(self, reply: Reply, line: bytes | bytearray | None = None) -> None:
         if reply.method is None:
             waiter = self.waiting.pop(reply.id, None) if isinstance(reply.id, int) else None
             if waiter is not None:
@@ -699,7 +711,7 @@ class _Connection:
         route = self.watches.get(session) if isinstance(session, str) else None
         if route is not None:
             with contextlib.suppress(anyio.BrokenResourceError):  # its loop has just ended
-                await route.send(notice_of(reply))
+                await route.send(notice_of(reply, line))
         elif session not in self.left:
             with contextlib.suppress(anyio.BrokenResourceError):  # no one reads `notifications` any more
                 await self.unrouted.send(reply)
@@ -801,7 +813,7 @@ class AsyncClient:
                     continue
                 *lines, partial = partial.split(b"\n")
                 for line in lines:
-                    await conn.deliver(_reply.decode(line))
+                    await conn.deliver(_reply.decode(line), line)
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, msgspec.DecodeError):
             # A line that is not JSON is no daemon's: the connection is as good as lost (and the task group, which
             # would otherwise raise the error out of `connect`, stays whole). Half a line is no reply at all.

@@ -27,7 +27,7 @@ from devd.client import (
     default_address,
 )
 from devd.config import default_socket_path
-from devd.messages import Action, Config, Event, answer, ask, turn
+from devd.messages import Action, Call, Config, Event, Op, ToolCall, answer, ask, turn
 from devd.protocol import METHODS, InfoResult, InitializeResult, Limits, Server, StatusResult, Waiting
 from devd.server import rpc
 from tests.daemon import Daemon, free_port
@@ -205,6 +205,18 @@ def test_watch_yields_typed_notices_and_ends_when_the_session_is_closed(daemon: 
             ActionsNotice("s", 1, turn(1, FIX), ASKED, ""),
             ActionsNotice("s", 2, answer(1, "done"), finish(2, 1, "done"), ""),
             UnwatchedNotice("s", 2, "closed"),
+        ]
+
+
+def test_a_watched_tool_call_arrives_typed_with_its_input_byte_for_byte(daemon: InProcess, client: Client) -> None:
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    search = Call(Tool=ToolCall(name="search", input=msgspec.Raw(b'{"q": [1, 2]}')))
+    with daemon.client() as watcher:
+        notices = watcher.watch("s", since=1, timeout=10)
+        client.step("s", answer(1, calls=[search]))
+        assert untimed([next(notices)]) == [
+            ActionsNotice("s", 2, answer(1, calls=[search]), [Action(id=2, op=Op(Tool=search.Tool))], "")
         ]
 
 

@@ -104,7 +104,8 @@ def notice(method: str, params: Any) -> Notice | None:
     kind = NOTICE_TYPES.get(method)
     if kind is None:
         return None
-    converted: Notice = msgspec.convert(params, kind)
+    # Through JSON, not convert: a Tool call's input is msgspec.Raw, which convert does not make from a dict.
+    converted: Notice = msgspec.json.decode(msgspec.json.encode(params), type=kind)
     return converted
 
 
@@ -369,7 +370,7 @@ def _op(call: CoreCall) -> Op:
 def transcript_updates(messages: Any, workspace: str | None) -> list[Update]:
     """A conversation (`session/transcript`'s messages) as `session/load` sends it, for a session whose oldest steps
     the journal no longer keeps: prompts, the model's text, and each call with its result."""
-    conversation = msgspec.convert(messages, list[Message])
+    conversation = msgspec.json.decode(msgspec.json.encode(messages), type=list[Message])  # Raw inputs: see notice
     results = {m.Tool.id: m.Tool for m in conversation if m.Tool is not None}
     updates: list[Update] = []
     for m in conversation:
