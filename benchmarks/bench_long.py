@@ -12,7 +12,9 @@ cannot see it. One client, one session, `devd serve` as a subprocess on a state 
   steps of the session woken from disk;
 - `--big-turn N` runs one turn whose model asks for one more `Exec` N times, each result `--output-bytes` long, and
   reports per `--big-every` calls. A step the daemon refuses (a `DEADLINE`, say) is counted by kind, the session is
-  recovered and the step sent again, until `--max-errors`: the mode then stops and says where.
+  recovered and the step sent again, until `--max-errors`: the mode then stops and says where;
+- `--summary-every N` (the default mode) ends every Nth turn with a `Summary` event replacing the whole conversation
+  so far (core ABI 2): the asks, the snapshot and the instance's memory then stay flat however many turns there are.
 
 Every id an event carries is one the daemon answered (the ask's, the calls'), never a guess. The daemon runs from a
 frozen copy of the package (the working tree, or `--git-rev`), so that edits made meanwhile cannot change it between
@@ -42,7 +44,7 @@ import msgspec
 from benchmarks.bench import _proc_status, _server_argv, _soak_freeze, _tree_bytes, _wait_socket, _write_stdout
 from devd import errors
 from devd.client import Client
-from devd.messages import Call, Config, Event, Exec, Output, Read, answer, encode, turn
+from devd.messages import Call, Config, Event, Exec, Output, Read, Summarize, answer, encode, turn
 from devd.protocol import SessionParams, SnapshotResult, StepParams
 
 TURNS = 2000
@@ -276,6 +278,8 @@ class _Conversation:
     ask: int = 0  # the pending Model ask's id
     exec_id: int = 0
     read_id: int = 0
+    summary_every: int = 0  # a Summary of everything after every this many turns (0: never)
+    messages: int = 0  # the session's transcript, counted: 5 messages a turn, 1 after a summary
 
     def step(self) -> None:
         """One step: the next event of the turn (or of the next turn), sent, and the ids of its answer kept."""
@@ -285,6 +289,13 @@ class _Conversation:
         actions = self.stepper.step(self._event(), where)
         self._answered(actions, where)
         self.position += 1
+        if self.position == STEPS_PER_TURN:
+            self.messages += 5  # the prompt, the calls, their two results, the answer
+            if self.summary_every and self.turn % self.summary_every == 0:
+                summary = Event(Summary=Summarize(upto=self.messages, text=f"turns 1 to {self.turn}: fixed the build"))
+                if self.stepper.step(encode(summary), f"turn {self.turn}, its summary"):
+                    raise _Stopped(f"UNEXPECTED: turn {self.turn}'s summary was answered with actions")
+                self.messages = 1
 
     def _event(self) -> bytes:
         n, size = self.turn, self.output_bytes
@@ -421,6 +432,7 @@ def bench_long(
     max_errors: int = MAX_ERRORS,
     progress: bool = False,
     asks: str = "full",
+    summary_every: int = 0,
 ) -> dict[str, Any]:
     """`turns` seed turns on one session (its config's `asks`: the whole transcript in each Model ask, or only what is
     new), a row per `window` turns, then a restart and the woken session's first steps. An error answer is counted,
@@ -430,13 +442,13 @@ def bench_long(
     root.chmod(0o700)
     daemon = _Daemon(root, git_rev, list(daemon_args or []))
     result: dict[str, Any] = {"mode": "long", "turns": turns, "window": window, "output_bytes": output_bytes}
-    result["asks"] = asks
+    result["asks"], result["summary_every"] = asks, summary_every
     result.update({"daemon_args": list(daemon_args or []), "code": daemon.provenance, "windows": [], "restart": None})
     try:
         daemon.start()
         with daemon.client() as client:
             stepper = _Stepper(client, client.new(_config(asks), session="long"), max_errors)
-            talk = _Conversation(stepper, output_bytes, random.Random(1))
+            talk = _Conversation(stepper, output_bytes, random.Random(1), summary_every=summary_every)
             disk = _DiskWatch(daemon, stepper)
             result["stopped"] = _run_windows(daemon, talk, turns, window, result["windows"], progress, disk)
             result["disk"] = disk.result()
@@ -655,7 +667,8 @@ def report_long(r: dict[str, Any]) -> str:
     """The windows as a table, the restart, the ratios and the errors."""
     out = [
         f"long: {r['turns']} turns of {STEPS_PER_TURN} steps, a row per {r['window']} turns, tool outputs of "
-        f"{r['output_bytes']} bytes, asks {r['asks']}, daemon args {r['daemon_args'] or 'none'}",
+        f"{r['output_bytes']} bytes, asks {r['asks']}, a summary every {r.get('summary_every') or 'no'} turns, "
+        f"daemon args {r['daemon_args'] or 'none'}",
         f"code: {r['code']}",
         "latency: client-side, request sent to answer read; disk B: /proc write_bytes; snapshot and RSS at the "
         "window's end, outside the steps",
@@ -798,6 +811,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="full",
         help="what the session's Model asks carry: the whole transcript (the default) or only what is new",
     )
+    p.add_argument(
+        "--summary-every", type=int, default=0, metavar="N", help="a Summary of the whole conversation every N turns"
+    )
     p.add_argument("--git-rev", help="run the daemon from this commit's devd/ rather than the working tree")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
@@ -814,7 +830,8 @@ def command(args: argparse.Namespace) -> int:
         )
         text = report_big_turn(result)
     else:
-        result = bench_long(args.turns, args.window, args.output_bytes, daemon_args, rev, max_errors, True, args.asks)
+        every, output = args.summary_every, args.output_bytes
+        result = bench_long(args.turns, args.window, output, daemon_args, rev, max_errors, True, args.asks, every)
         text = report_long(result)
     if args.json:
         _write_stdout(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")

@@ -594,10 +594,11 @@ class Client:
         result: PendingResult = self.request("session/pending", SessionParams(session))
         return decode_actions(bytes(result.actions))
 
-    def transcript(self, session: str, start: int = 0) -> list[Message]:
+    def transcript(self, session: str, start: int = 0, *, whole: bool = False) -> list[Message]:
         """The session's conversation from message `start` on: what a client of a session made with
-        `Config(asks="delta")` reads when it starts, or when an ask's `from` is not the count of messages it holds."""
-        result: TranscriptResult = self.request("session/transcript", TranscriptParams(session, start))
+        `Config(asks="delta")` reads when it starts, or when an ask's `from` is not the count of messages it holds.
+        With `whole`, the whole conversation, what Summary events replaced in its place (see TranscriptParams)."""
+        result: TranscriptResult = self.request("session/transcript", TranscriptParams(session, start, whole))
         return decode_messages(bytes(result.messages))
 
     def recover(self, session: str) -> str:
@@ -982,10 +983,11 @@ class AsyncClient:
         result: PendingResult = await self.request("session/pending", SessionParams(session))
         return decode_actions(bytes(result.actions))
 
-    async def transcript(self, session: str, start: int = 0) -> list[Message]:
+    async def transcript(self, session: str, start: int = 0, *, whole: bool = False) -> list[Message]:
         """The session's conversation from message `start` on: what a client of a session made with
-        `Config(asks="delta")` reads when it starts, or when an ask's `from` is not the count of messages it holds."""
-        result: TranscriptResult = await self.request("session/transcript", TranscriptParams(session, start))
+        `Config(asks="delta")` reads when it starts, or when an ask's `from` is not the count of messages it holds.
+        With `whole`, the whole conversation, what Summary events replaced in its place (see TranscriptParams)."""
+        result: TranscriptResult = await self.request("session/transcript", TranscriptParams(session, start, whole))
         return decode_messages(bytes(result.messages))
 
     async def recover(self, session: str) -> str:

@@ -89,6 +89,13 @@ _increment_epoch.argtypes = None  # type: ignore[assignment]
 memmove = ctypes.PYFUNCTYPE(c_void_p, c_void_p, c_void_p, c_size_t)(ctypes._memmove_addr)  # type: ignore[attr-defined]
 
 _json_array = msgspec.json.Decoder(list[msgspec.Raw])
+# A Summary the session cannot take as it stands: the core answers MALFORMED and changes nothing.
+SUMMARY_REFUSED = (
+    "the session refuses this Summary as it stands: `upto` must be 1 to the number of messages, the message at `upto` "
+    "must not be a call's result (a Tool message: its call would be replaced), and while calls are waited for the "
+    "last message (the Agent message that dispatched them) must stay; nothing changed, read session/transcript and "
+    "choose another `upto`"
+)
 
 
 def _one_line_array(into: list[bytes]) -> Callable[[bytes], None]:
@@ -784,6 +791,8 @@ class Instance:
             raise MalformedError(
                 f"the event is not a message of protocol 1: {why}; nothing changed, fix it and send it again"
             )
+        if rc == -2 and event is not None and event.lstrip().startswith(b'{"Summary"'):
+            raise MalformedError(SUMMARY_REFUSED)
         kind = STATUS[-rc] if -len(STATUS) < rc < 0 else None
         if kind is None:
             self._end(HandleError, "the core answered a status the ABI does not have")

@@ -134,11 +134,22 @@ class Cancel(_Wire, frozen=True):
     turn: int
 
 
+class Summarize(_Wire, frozen=True):
+    """Replace the conversation's first `upto` messages (as `session/transcript` numbers them) with one `Summary`
+    message holding `text`. Refused (`MALFORMED`, nothing changes) when `upto` is 0 or past the end, when it would keep
+    a call's result without its call (message `upto` is a `Tool` message), or when it would replace the `Agent`
+    message whose calls are still waited for. A turn waiting on its ask is asked again with what is left."""
+
+    upto: int
+    text: str
+
+
 class Event(_OneOf, frozen=True):
     """What a session is stepped with; exactly one member.
 
     `Turn` starts a turn; `Model` answers a `Model` action; `Exec`, `File` (for `Read` and `Write`), `Git`, `Browse`
-    and `Tool` answer those calls, each with the action's id; `Cancel` cancels a turn; `Timer` is a timer tick.
+    and `Tool` answer those calls, each with the action's id; `Cancel` cancels a turn; `Timer` is a timer tick;
+    `Summary` bounds the conversation.
     """
 
     Turn: Turn | None = None
@@ -150,6 +161,7 @@ class Event(_OneOf, frozen=True):
     Tool: Output | None = None
     Cancel: Cancel | None = None
     Timer: Literal[True] | None = None
+    Summary: Summarize | None = None
 
 
 class Dispatch(_Wire, frozen=True):
@@ -174,14 +186,23 @@ class Tool(_Wire, frozen=True):
     failed: bool = False
 
 
+class Summary(_Wire, frozen=True):
+    """What stands for the start of the conversation once a `Summary` event replaced it: its `text`, and how many
+    messages of the whole conversation it `replaced` (earlier summaries' included). Only ever the first message."""
+
+    text: str
+    replaced: int
+
+
 class Message(_OneOf, frozen=True):
     """One entry of the conversation the model is sent; exactly one member: `User` (a prompt), `Agent` (the model's
-    answer) or `Tool` (a call's result).
+    answer), `Tool` (a call's result) or `Summary` (the start of the conversation, summarised; only ever first).
     """
 
     User: str | None = None
     Agent: Agent | None = None
     Tool: Tool | None = None
+    Summary: Summary | None = None
 
 
 class Ask(_Wire, frozen=True, kw_only=True):

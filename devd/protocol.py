@@ -329,12 +329,17 @@ class PendingResult(msgspec.Struct, frozen=True):
 
 
 class TranscriptParams(_Params, frozen=True):
-    """The session, and the index of the first message wanted (0, the default: the whole conversation)."""
+    """The session, and the index of the first message wanted (0, the default: the whole conversation). The
+    conversation is the one the model is sent, a `Summary` first once one replaced its start; with `whole: true`, the
+    whole conversation, the messages summaries replaced in their place (kept by the daemon) and no `Summary`."""
 
     session: SessionName
     from_: Annotated[int, Meta(ge=0, le=TRANSCRIPT_INDEX_MAX, description="a message index, from 0")] = msgspec.field(
         default=0, name="from"
     )
+    whole: Annotated[
+        bool, Meta(description="the whole conversation: what summaries replaced in their place, and no Summary")
+    ] = False
 
 
 class TranscriptResult(msgspec.Struct, frozen=True):

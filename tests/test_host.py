@@ -37,6 +37,8 @@ from devd.messages import (
     Op,
     Output,
     Read,
+    Summarize,
+    Summary,
     ToolCall,
     Write,
     answer,
@@ -653,6 +655,90 @@ def test_ten_thousand_steps_do_not_grow_memory(session: Instance) -> None:
     for _ in range(5000):
         pair()
     assert session.memory_bytes() == before
+
+
+# -- the bounded conversation (ABI 2) -------------------------------------------------------------------------------
+
+
+def summary(upto: int, text: str) -> Event:
+    return Event(Summary=Summarize(upto=upto, text=text))
+
+
+def test_a_summary_replaces_the_start_and_a_turn_waiting_on_its_ask_is_asked_again(session: Instance) -> None:
+    session.step(turn(1, "p"))
+    session.step(answer(1, "a"))
+    session.step(turn(2, "q"))
+    summarised = Message(Summary=Summary(text="p, then a", replaced=2))
+    assert session.step(summary(2, "p, then a")) == [Action(id=6, op=ask(summarised, user("q")))]
+    assert (session.step(answer(5, "late")), session.ignored()) == ([], 5)
+    assert session.step(answer(6, "b")) == finish(7, 2, "b")
+    assert session.transcript(0) == (
+        b'[{"Summary":{"text":"p, then a","replaced":2}},{"User":"q"},{"Agent":{"text":"b"}}]'
+    )
+
+
+@pytest.mark.parametrize("upto", [0, 2, 3, 5])
+def test_a_summary_that_would_part_a_call_from_its_result_is_malformed_and_changes_nothing(
+    session: Instance, upto: int
+) -> None:
+    """0 User, 1 Agent dispatching two calls, 2 and 3 their results: a cut at 2 or 3 would keep a result without its
+    call; 0 replaces nothing; 5 is past the end."""
+    session.step(turn(1, FIX))
+    session.step(answer(1, calls=[Call(Read=Read(path="a")), Call(Read=Read(path="b"))]))
+    session.step(Event(File=Output(id=2, text="A")))
+    session.step(Event(File=Output(id=3, text="B")))
+    before = session.snapshot()
+    with pytest.raises(MalformedError, match="the session refuses this Summary as it stands"):
+        session.step(summary(upto, "x"))
+    assert session.snapshot() == before
+
+
+def test_the_call_waited_for_keeps_the_message_that_dispatched_it(session: Instance) -> None:
+    session.step(turn(1, FIX))
+    read = Call(Read=Read(path="a"))
+    session.step(answer(1, calls=[read]))
+    with pytest.raises(MalformedError):
+        session.step(summary(2, "x"))
+    assert session.step(summary(1, "asked")) == []
+    assert session.pending() == b'[{"id":2,"op":{"Read":{"path":"a"}}}]'
+    assert session.step(Event(File=Output(id=2, text="A"))) == [
+        Action(
+            id=3,
+            op=ask(
+                Message(Summary=Summary(text="asked", replaced=1)),
+                agent(calls=[Dispatch(id=2, call=read)]),
+                tool(2, "A"),
+            ),
+        )
+    ]
+
+
+def test_with_a_summary_every_ten_turns_asks_and_memory_stay_flat_over_2000_turns(session: Instance) -> None:
+    """Each turn reads a 2 KB file; every tenth a Summary replaces the whole conversation so far."""
+    largest: dict[str, int] = {}
+    memory: dict[str, int] = {}
+    next_id = 1
+    for n in range(1, 2001):
+        read = Call(Read=Read(path=f"f{n}"))
+        asks = [
+            session.step_raw(encode(turn(n, f"turn {n}: read the file"))),
+            session.step_raw(encode(answer(next_id, calls=[read]))),
+            session.step_raw(encode(Event(File=Output(id=next_id + 1, text="x" * 2048)))),
+            session.step_raw(encode(answer(next_id + 2, f"read f{n}"))),
+        ]
+        next_id += 6
+        if n % 10 == 0:
+            assert session.step(summary(len(session_messages(session)), f"turns up to {n}")) == []
+        era = "early" if 100 <= n < 200 else "late" if 1900 <= n < 2000 else None
+        if era is not None:
+            largest[era] = max(largest.get(era, 0), *map(len, asks))
+            memory[era] = session.memory_bytes()
+    # Ids and turn numbers grow by a digit or two: a few bytes, never another turn's messages.
+    assert (largest["late"] - largest["early"] < 64, memory["late"]) == (True, memory["early"])
+
+
+def session_messages(session: Instance) -> list[Message]:
+    return msgspec.json.decode(session.transcript(0), type=list[Message])
 
 
 def test_refused_calls_do_not_grow_memory(session: Instance) -> None:

@@ -20,8 +20,9 @@ const oom = msg.oom;
 const gpa = @import("pages.zig").allocator;
 
 /// ABI 2 is ABI 1 with the generic Tool call (a reply's `{"Tool":{"name","input"}}`,
-/// its action and its `Tool` result event): the same exports, and every
-/// snapshot and event of ABI 1 reads the same.
+/// its action and its `Tool` result event) and the bounded conversation (the
+/// `Summary` event, refused as MALFORMED where the session cannot take it):
+/// the same exports, and every snapshot and event of ABI 1 reads the same.
 pub const ABI: i32 = 2;
 
 const OK: i32 = 0;
@@ -208,6 +209,8 @@ export fn dev_step(handle: i64, ptr: i32, len: i32, out: i32) i32 {
     var arena = arena_state.promote(gpa);
     defer resetArena(&arena);
     const ev = msg.parseEvent(arena.allocator(), input) catch return MALFORMED;
+    // A Summary the session cannot take as it stands is refused as unreadable events are: nothing changes.
+    if (s.refuses(ev)) return MALFORMED;
 
     var buf = Writer.Allocating.initCapacity(gpa, 256) catch oom();
     var answer: session.Answer = .init(&buf);
@@ -232,6 +235,8 @@ export fn dev_apply(handle: i64, ptr: i32, len: i32) i32 {
     var arena = arena_state.promote(gpa);
     defer resetArena(&arena);
     const ev = msg.parseEvent(arena.allocator(), input) catch return MALFORMED;
+    // A Summary the session cannot take as it stands is refused as unreadable events are: nothing changes.
+    if (s.refuses(ev)) return MALFORMED;
 
     // The other actions are as small as the event and are dropped with the arena.
     var buf: Writer.Allocating = .init(arena.allocator());

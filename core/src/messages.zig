@@ -116,22 +116,33 @@ pub const Reply = struct { text: ?[]const u8 = null, calls: []const Call = &.{} 
 /// A tool's outcome, as an event carries it and as a Tool message records it.
 pub const Output = struct { id: u64, text: []const u8, failed: bool = false };
 
+/// The bounded conversation (ABI 2): messages `0..upto` of the transcript
+/// are replaced by one Summary message holding `text`.
+pub const Summarize = struct { upto: u64, text: []const u8 };
+
 pub const Event = union(enum) {
     turn: struct { id: u64, prompt: []const u8 },
     model: struct { id: u64, reply: Reply },
     result: struct { family: Family, out: Output },
     cancel: u64, // the turn
     timer,
+    summary: Summarize,
 };
 
 pub const Dispatch = struct { id: u64, call: Call };
 
 pub const Agent = struct { text: ?[]const u8 = null, calls: []const Dispatch = &.{} };
 
+/// What stands for the start of the conversation once it was summarised:
+/// the summary's `text`, and how many messages of the whole conversation it
+/// replaces (every summary's before it included). Only ever the first message.
+pub const Summary = struct { text: []const u8, replaced: u64 };
+
 pub const Message = union(enum) {
     user: []const u8,
     agent: Agent,
     tool: Output,
+    summary: Summary,
 };
 
 /// What a Model ask carries: the whole transcript (the seed's contract), or
@@ -457,6 +468,18 @@ pub fn parseEvent(arena: Allocator, src: []const u8) Error!Event {
     } else if (std.mem.eql(u8, k, "Timer")) {
         try p.isTrue();
         ev = .timer;
+    } else if (std.mem.eql(u8, k, "Summary")) {
+        try p.expect(.object_begin);
+        var m: Members(&.{ "upto", "text" }) = .{};
+        var sm: Summarize = .{ .upto = 0, .text = "" };
+        while (try p.key()) |name| switch (try m.take(name)) {
+            0 => sm.upto = try p.int(),
+            1 => sm.text = try p.string(),
+            else => unreachable,
+        };
+        try m.require("upto");
+        try m.require("text");
+        ev = .{ .summary = sm };
     } else return error.Malformed;
     try p.unionEnd();
     try p.end();
@@ -496,6 +519,18 @@ pub fn parseMessage(arena: Allocator, src: []const u8) Error!Message {
         msg = .{ .user = try p.string() };
     } else if (std.mem.eql(u8, k, "Tool")) {
         msg = .{ .tool = try parseOutput(&p) };
+    } else if (std.mem.eql(u8, k, "Summary")) {
+        try p.expect(.object_begin);
+        var m: Members(&.{ "text", "replaced" }) = .{};
+        var sm: Summary = .{ .text = "", .replaced = 0 };
+        while (try p.key()) |name| switch (try m.take(name)) {
+            0 => sm.text = try p.string(),
+            1 => sm.replaced = try p.int(),
+            else => unreachable,
+        };
+        try m.require("text");
+        try m.require("replaced");
+        msg = .{ .summary = sm };
     } else if (std.mem.eql(u8, k, "Agent")) {
         try p.expect(.object_begin);
         var m: Members(&.{ "text", "calls" }) = .{};
@@ -612,6 +647,13 @@ pub fn writeMessage(w: *Writer, m: Message) Writer.Error!void {
             try w.writeAll("{\"Tool\":");
             try writeOutput(w, o);
         },
+        .summary => |sm| {
+            try w.writeAll("{\"Summary\":{\"text\":");
+            try writeString(w, sm.text);
+            try w.writeAll(",\"replaced\":");
+            try writeInt(w, sm.replaced);
+            try w.writeByte('}');
+        },
         .agent => |a| {
             try w.writeAll("{\"Agent\":{");
             var first = true;
@@ -647,6 +689,7 @@ pub fn encodeMessage(gpa: Allocator, m: Message) []u8 {
         .user => |u| u,
         .tool => |o| o.text,
         .agent => |a| a.text orelse "",
+        .summary => |sm| sm.text,
     };
     var out = Writer.Allocating.initCapacity(gpa, 64 +| text.len) catch oom();
     writeMessage(&out.writer, m) catch oom();

@@ -121,6 +121,11 @@ pub fn dispatched(arena: Allocator, transcript: []const []const u8) ?[]const msg
     };
 }
 
+/// Whether the compact JSON Message `f` is of union member `kind`.
+pub fn isKind(f: []const u8, comptime kind: []const u8) bool {
+    return std.mem.startsWith(u8, f, "{\"" ++ kind ++ "\":");
+}
+
 fn writeMessages(w: *Writer, messages: []const []u8) void {
     w.writeByte('[') catch oom();
     for (messages, 0..) |f, i| {
@@ -344,11 +349,65 @@ pub const Session = struct {
         s.ignored = id;
     }
 
+    /// Whether the session refuses `ev` as it stands, changing nothing (the
+    /// host is answered MALFORMED). Only a Summary can be: one whose `upto`
+    /// keeps nothing of what it replaces or runs past the transcript, that
+    /// would keep a call's result (a Tool message) without its call, or would
+    /// replace the Agent message whose calls are still waited for.
+    pub fn refuses(s: *const Session, ev: msg.Event) bool {
+        const sm = switch (ev) {
+            .summary => |sm| sm,
+            else => return false,
+        };
+        const len = s.transcript.items.len;
+        if (sm.upto == 0 or sm.upto > len) return true;
+        const upto: usize = @intCast(sm.upto);
+        if (upto < len and isKind(s.transcript.items[upto], "Tool")) return true;
+        if (s.running) |r| switch (r.phase) {
+            .calls => if (upto == len) return true,
+            .asking => {},
+        };
+        return false;
+    }
+
+    /// How many messages of the whole conversation the transcript's first
+    /// message stands for: a Summary's count, else none.
+    fn replaced(s: *const Session, arena: Allocator) u64 {
+        if (s.transcript.items.len == 0 or !isKind(s.transcript.items[0], "Summary")) return 0;
+        const m = msg.parseMessage(arena, s.transcript.items[0]) catch @panic("a Summary message the core wrote does not read back");
+        return m.summary.replaced;
+    }
+
+    /// Replaces the transcript's first `upto` messages with one Summary (the
+    /// caller checked `refuses`). A turn waiting on its ask is asked again
+    /// with what is left, under a new id: the old ask's answer is ignored.
+    /// A delta session's next ask carries everything again, from 0.
+    fn summarize(s: *Session, sm: msg.Summarize, a: *Answer) void {
+        const upto: usize = @intCast(sm.upto);
+        var scratch: std.heap.ArenaAllocator = .init(s.gpa);
+        defer scratch.deinit();
+        const before = s.replaced(scratch.allocator());
+        const had_summary: usize = @intFromBool(isKind(s.transcript.items[0], "Summary"));
+        const count = before + (upto - had_summary);
+        const summary = msg.encodeMessage(s.gpa, .{ .summary = .{ .text = sm.text, .replaced = count } });
+        for (s.transcript.items[0..upto]) |f| s.gpa.free(f);
+        s.transcript.replaceRangeAssumeCapacity(0, upto, &.{summary});
+        if (s.delta) {
+            s.sent_from = 0;
+            s.sent_to = 0;
+        }
+        if (s.running) |r| switch (r.phase) {
+            .asking => s.ask(a),
+            .calls => {},
+        };
+    }
+
     /// Applies one decoded event, writing the actions it asks for to `a`.
     pub fn step(s: *Session, ev: msg.Event, a: *Answer) void {
         s.ignored = null;
         switch (ev) {
             .timer => {},
+            .summary => |sm| s.summarize(sm, a),
             .turn => |t| {
                 if (t.id <= s.max_turn) return;
                 s.max_turn = t.id;

@@ -25,7 +25,10 @@
 //! invariant: while calls are waited for, the last message is the Agent
 //! message that dispatched them, one Dispatch per slot with the same ids and
 //! families: dev_pending re-derives the pending calls' actions from it, so
-//! the layout does not carry them.
+//! the layout does not carry them. A Summary message (ABI 2) is only ever
+//! the first; after one, a delta session's next ask sends everything again
+//! (sent_to 0, calls or not). The layouts are ABI 1's: a snapshot without a
+//! Summary or a Tool call is the bytes an ABI-1 core wrote.
 const std = @import("std");
 const Allocator = std.mem.Allocator;
 const Writer = std.Io.Writer;
@@ -307,6 +310,8 @@ fn finishDecode(gpa: Allocator, arena: Allocator, d: *Dec, s: *Session, queued: 
     defer scratch.deinit();
     for (0..messages) |_| {
         const f = if (trust == .checked) try d.str() else try d.raw();
+        // A Summary stands only for the start of the conversation.
+        if (s.transcript.items.len != 0 and session.isKind(f, "Summary")) return error.Malformed;
         if (trust == .checked) {
             defer _ = scratch.reset(.retain_capacity);
             // Only a Message exactly as this core writes it is taken back.
@@ -322,10 +327,10 @@ fn finishDecode(gpa: Allocator, arena: Allocator, d: *Dec, s: *Session, queued: 
         s.sent_to = std.math.cast(usize, try d.int(u64)) orelse return error.Malformed;
         if (s.sent_from > s.sent_to or s.sent_to > messages) return error.Malformed;
         // While an ask is waited for, nothing has been added since it was sent; while calls are, only the
-        // message that dispatched them.
+        // message that dispatched them, unless a Summary since has the next ask send everything (sent_to 0).
         if (s.running) |r| switch (r.phase) {
             .asking => if (s.sent_to != messages) return error.Malformed,
-            .calls => if (s.sent_to + 1 != messages) return error.Malformed,
+            .calls => if (s.sent_to + 1 != messages and !(s.sent_to == 0 and session.isKind(s.transcript.items[0], "Summary"))) return error.Malformed,
         };
     }
     if (d.i != d.b.len) return error.Malformed;

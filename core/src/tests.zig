@@ -530,3 +530,144 @@ test "snapshots an ABI-1 core wrote restore as they were and continue with the e
     try expectPending(&d, ask);
     try expectStep(&d, "{\"Model\":{\"id\":3,\"reply\":{\"text\":\"done\"}}}", "[{\"id\":4,\"op\":{\"Emit\":\"done\"}},{\"id\":5,\"op\":{\"Save\":true}},{\"id\":6,\"op\":{\"Done\":{\"turn\":1,\"outcome\":{\"Complete\":true}}}}]");
 }
+
+// ---------------------------------------------------------------- the bounded conversation (ABI 2)
+
+/// Steps `s` with `event` unless it refuses it, as dev_step does; whether it refused.
+fn refused(s: *session.Session, event: []const u8) !bool {
+    var arena: std.heap.ArenaAllocator = .init(std.testing.allocator);
+    defer arena.deinit();
+    return s.refuses(try msg.parseEvent(arena.allocator(), event));
+}
+
+test "a Summary replaces the start of the conversation; a turn waiting on its ask is asked again with what is left" {
+    var s: session.Session = .init(std.testing.allocator, .{ .model = "m" });
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"model\":\"m\",\"messages\":[{\"User\":\"p\"}]}}}]");
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"text\":\"a\"}}}", "[{\"id\":2,\"op\":{\"Emit\":\"a\"}},{\"id\":3,\"op\":{\"Save\":true}},{\"id\":4,\"op\":{\"Done\":{\"turn\":1,\"outcome\":{\"Complete\":true}}}}]");
+    try expectStep(&s, "{\"Turn\":{\"id\":2,\"prompt\":\"q\"}}", "[{\"id\":5,\"op\":{\"Model\":{\"model\":\"m\",\"messages\":[{\"User\":\"p\"},{\"Agent\":{\"text\":\"a\"}},{\"User\":\"q\"}]}}}]");
+
+    const asked = "[{\"id\":6,\"op\":{\"Model\":{\"model\":\"m\",\"messages\":[{\"Summary\":{\"text\":\"p, then a\",\"replaced\":2}},{\"User\":\"q\"}]}}}]";
+    try std.testing.expect(!try refused(&s, "{\"Summary\":{\"upto\":2,\"text\":\"p, then a\"}}"));
+    try expectStep(&s, "{\"Summary\":{\"upto\":2,\"text\":\"p, then a\"}}", asked);
+    try expectPending(&s, asked);
+    try expectPendingRestored(&s, asked);
+    try expectTranscript(&s, 0, "[{\"Summary\":{\"text\":\"p, then a\",\"replaced\":2}},{\"User\":\"q\"}]");
+    try expectIgnored(&s, "{\"Model\":{\"id\":5,\"reply\":{\"text\":\"late\"}}}", 5);
+    try expectStep(&s, "{\"Model\":{\"id\":6,\"reply\":{\"text\":\"b\"}}}", "[{\"id\":7,\"op\":{\"Emit\":\"b\"}},{\"id\":8,\"op\":{\"Save\":true}},{\"id\":9,\"op\":{\"Done\":{\"turn\":2,\"outcome\":{\"Complete\":true}}}}]");
+
+    // A second Summary replaces the first with the rest, and counts every message of the whole conversation it stands for.
+    try expectStep(&s, "{\"Summary\":{\"upto\":3,\"text\":\"all of it\"}}", "[]");
+    try expectStep(&s, "{\"Turn\":{\"id\":3,\"prompt\":\"r\"}}", "[{\"id\":10,\"op\":{\"Model\":{\"model\":\"m\",\"messages\":[{\"Summary\":{\"text\":\"all of it\",\"replaced\":4}},{\"User\":\"r\"}]}}}]");
+}
+
+test "a Summary that would part a call from its result, or keep nothing it replaces, is refused and changes nothing" {
+    const gpa = std.testing.allocator;
+    var s: session.Session = .init(gpa, .{});
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"messages\":[{\"User\":\"p\"}]}}}]");
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"calls\":[{\"Read\":{\"path\":\"a\"}},{\"Read\":{\"path\":\"b\"}}]}}}", "[{\"id\":2,\"op\":{\"Read\":{\"path\":\"a\"}}},{\"id\":3,\"op\":{\"Read\":{\"path\":\"b\"}}}]");
+    // 0 User, 1 Agent (its calls waited for): only the User may go; the Agent message that dispatched them stays.
+    try std.testing.expectEqual([4]bool{ true, false, true, true }, [4]bool{
+        try refused(&s, "{\"Summary\":{\"upto\":0,\"text\":\"x\"}}"),
+        try refused(&s, "{\"Summary\":{\"upto\":1,\"text\":\"x\"}}"),
+        try refused(&s, "{\"Summary\":{\"upto\":2,\"text\":\"x\"}}"),
+        try refused(&s, "{\"Summary\":{\"upto\":3,\"text\":\"x\"}}"),
+    });
+    try expectStep(&s, "{\"File\":{\"id\":2,\"text\":\"A\"}}", "[]");
+    try expectStep(&s, "{\"File\":{\"id\":3,\"text\":\"B\"}}", "[{\"id\":4,\"op\":{\"Model\":{\"messages\":[{\"User\":\"p\"},{\"Agent\":{\"calls\":[{\"id\":2,\"call\":{\"Read\":{\"path\":\"a\"}}},{\"id\":3,\"call\":{\"Read\":{\"path\":\"b\"}}}]}},{\"Tool\":{\"id\":2,\"text\":\"A\"}},{\"Tool\":{\"id\":3,\"text\":\"B\"}}]}}}]");
+    // 2 and 3 are the results of the calls in 1: a cut before either would keep a result without its call.
+    var snap = snapshot.encode(gpa, &s);
+    defer snap.deinit();
+    try std.testing.expectEqual([5]bool{ false, true, true, false, true }, [5]bool{
+        try refused(&s, "{\"Summary\":{\"upto\":1,\"text\":\"x\"}}"),
+        try refused(&s, "{\"Summary\":{\"upto\":2,\"text\":\"x\"}}"),
+        try refused(&s, "{\"Summary\":{\"upto\":3,\"text\":\"x\"}}"),
+        try refused(&s, "{\"Summary\":{\"upto\":4,\"text\":\"x\"}}"),
+        try refused(&s, "{\"Summary\":{\"upto\":5,\"text\":\"x\"}}"),
+    });
+    var after = snapshot.encode(gpa, &s);
+    defer after.deinit();
+    try std.testing.expectEqualSlices(u8, snap.written(), after.written());
+    // Everything, calls and results together, may go while the model is asked.
+    try expectStep(&s, "{\"Summary\":{\"upto\":4,\"text\":\"read a and b\"}}", "[{\"id\":5,\"op\":{\"Model\":{\"messages\":[{\"Summary\":{\"text\":\"read a and b\",\"replaced\":4}}]}}}]");
+}
+
+test "a delta session's next ask after a Summary sends everything again, from 0, across a snapshot" {
+    const gpa = std.testing.allocator;
+    var s: session.Session = .init(gpa, .{ .asks = .delta });
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"from\":0,\"messages\":[{\"User\":\"p\"}]}}}]");
+    try expectStep(&s, "{\"Model\":{\"id\":1,\"reply\":{\"text\":\"t\",\"calls\":[{\"Read\":{\"path\":\"a\"}}]}}}", "[{\"id\":2,\"op\":{\"Read\":{\"path\":\"a\"}}}]");
+    try expectStep(&s, "{\"Summary\":{\"upto\":1,\"text\":\"asked p\"}}", "[]");
+    var arena: std.heap.ArenaAllocator = .init(gpa);
+    defer arena.deinit();
+    var snap = snapshot.encode(gpa, &s);
+    defer snap.deinit();
+    var r = try snapshot.decode(gpa, arena.allocator(), snap.written());
+    defer r.deinit();
+    for ([_]*session.Session{ &s, &r }) |x| {
+        try expectStep(x, "{\"File\":{\"id\":2,\"text\":\"A\"}}", "[{\"id\":3,\"op\":{\"Model\":{\"from\":0,\"messages\":[{\"Summary\":{\"text\":\"asked p\",\"replaced\":1}},{\"Agent\":{\"text\":\"t\",\"calls\":[{\"id\":2,\"call\":{\"Read\":{\"path\":\"a\"}}}]}},{\"Tool\":{\"id\":2,\"text\":\"A\"}}]}}}]");
+        try expectStep(x, "{\"Model\":{\"id\":3,\"reply\":{\"text\":\"done\"}}}", "[{\"id\":4,\"op\":{\"Emit\":\"done\"}},{\"id\":5,\"op\":{\"Save\":true}},{\"id\":6,\"op\":{\"Done\":{\"turn\":1,\"outcome\":{\"Complete\":true}}}}]");
+        try expectStep(x, "{\"Turn\":{\"id\":2,\"prompt\":\"q\"}}", "[{\"id\":7,\"op\":{\"Model\":{\"from\":3,\"messages\":[{\"Agent\":{\"text\":\"done\"}},{\"User\":\"q\"}]}}}]");
+    }
+}
+
+test "a snapshot whose Summary is not the first message is malformed" {
+    const gpa = std.testing.allocator;
+    var s: session.Session = .init(gpa, .{});
+    defer s.deinit();
+    try expectStep(&s, "{\"Turn\":{\"id\":1,\"prompt\":\"p\"}}", "[{\"id\":1,\"op\":{\"Model\":{\"messages\":[{\"User\":\"p\"}]}}}]");
+    try s.transcript.ensureUnusedCapacity(gpa, 1);
+    s.transcript.appendAssumeCapacity(try gpa.dupe(u8, "{\"Summary\":{\"text\":\"x\",\"replaced\":1}}"));
+    s.running.?.phase = .{ .asking = 1 };
+    var snap = snapshot.encode(gpa, &s);
+    defer snap.deinit();
+    var arena: std.heap.ArenaAllocator = .init(gpa);
+    defer arena.deinit();
+    try std.testing.expectError(error.Malformed, snapshot.decode(gpa, arena.allocator(), snap.written()));
+}
+
+test "with a Summary every ten turns, the asks of a 2,000-turn session stay as large as at its start" {
+    const gpa = std.testing.allocator;
+    var s: session.Session = .init(gpa, .{});
+    defer s.deinit();
+    var arena: std.heap.ArenaAllocator = .init(gpa);
+    defer arena.deinit();
+    var largest = [2]usize{ 0, 0 }; // turns 100-199, turns 1900-1999
+    var id: u64 = 0;
+    for (1..2001) |turn| {
+        _ = arena.reset(.retain_capacity);
+        const a = arena.allocator();
+        var ask: usize = 0;
+        for ([_][]const u8{
+            try std.fmt.allocPrint(a, "{{\"Turn\":{{\"id\":{d},\"prompt\":\"turn {d}: read the file\"}}}}", .{ turn, turn }),
+            try std.fmt.allocPrint(a, "{{\"Model\":{{\"id\":{d},\"reply\":{{\"calls\":[{{\"Read\":{{\"path\":\"f{d}\"}}}}]}}}}}}", .{ id + 1, turn }),
+            try std.fmt.allocPrint(a, "{{\"File\":{{\"id\":{d},\"text\":\"the text of f{d}\"}}}}", .{ id + 2, turn }),
+            try std.fmt.allocPrint(a, "{{\"Model\":{{\"id\":{d},\"reply\":{{\"text\":\"read f{d}\"}}}}}}", .{ id + 3, turn }),
+        }) |event| {
+            var buf: std.Io.Writer.Allocating = .init(gpa);
+            defer buf.deinit();
+            var answer: session.Answer = .init(&buf);
+            answer.begin();
+            s.step(try msg.parseEvent(a, event), &answer);
+            answer.finish();
+            ask = @max(ask, buf.written().len);
+        }
+        id += 6;
+        if (turn % 10 == 0) {
+            const event = try std.fmt.allocPrint(a, "{{\"Summary\":{{\"upto\":{d},\"text\":\"turns up to {d}\"}}}}", .{ s.transcript.items.len, turn });
+            const ev = try msg.parseEvent(a, event);
+            try std.testing.expect(!s.refuses(ev));
+            var buf: std.Io.Writer.Allocating = .init(gpa);
+            defer buf.deinit();
+            var answer: session.Answer = .init(&buf);
+            s.step(ev, &answer);
+        }
+        if (turn >= 100 and turn < 200) largest[0] = @max(largest[0], ask);
+        if (turn >= 1900 and turn < 2000) largest[1] = @max(largest[1], ask);
+    }
+    try std.testing.expect(s.transcript.items.len <= 41);
+    // Numbers grow by a digit from turn 1000 on: a few bytes, never another turn's messages.
+    try std.testing.expect(largest[1] < largest[0] + 64);
+}

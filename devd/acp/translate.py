@@ -376,6 +376,8 @@ def transcript_updates(messages: Any, workspace: str | None) -> list[Update]:
     for m in conversation:
         if m.User is not None:
             updates.append(UserMessageChunk(TextBlock(m.User)))
+        elif m.Summary is not None:  # what the start of the conversation came to, once summarised
+            updates.append(AgentMessageChunk(TextBlock(m.Summary.text)))
         elif m.Agent is not None:
             if m.Agent.text:
                 updates.append(AgentMessageChunk(TextBlock(m.Agent.text)))

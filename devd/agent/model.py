@@ -227,6 +227,9 @@ def wire_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
         elif m.Tool is not None:
             text = f"error: {m.Tool.text}" if m.Tool.failed else m.Tool.text
             out.append({"role": "tool", "tool_call_id": call_id(m.Tool.id), "content": text})
+        elif m.Summary is not None:  # the start of the conversation, replaced by what it came to
+            summary = f"(A summary of the conversation before this point.)\n{m.Summary.text}"
+            out.append({"role": "user", "content": summary})
     return out
 
 

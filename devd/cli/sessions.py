@@ -234,6 +234,9 @@ def _plain_arguments(c: argparse.ArgumentParser, plain: Plain) -> None:
         doc = _param_help(f.type)
         if f.required:
             c.add_argument(f.name, help="the session's name" if f.name == "session" else doc)
+        elif isinstance(_constraint(f.type)[0], msgspec.inspect.BoolType):  # a switch: given, it is true
+            flag = f"--{f.encode_name.replace('_', '-')}"
+            c.add_argument(flag, dest=f.name, action="store_const", const=True, help=doc)
         else:
             number = _is_int(f.type)
             c.add_argument(

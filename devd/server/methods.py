@@ -365,7 +365,9 @@ async def session_pending(call: Call, params: SessionParams) -> PendingResult:
 
 @method("session/transcript")
 async def session_transcript(call: Call, params: TranscriptParams) -> TranscriptResult:
-    seq, messages = await patient(call.app, params.session, lambda r: r.transcript(params.session, params.from_))
+    seq, messages = await patient(
+        call.app, params.session, lambda r: r.transcript(params.session, params.from_, params.whole)
+    )
     return TranscriptResult(seq, params.from_, Raw(messages))
 
 

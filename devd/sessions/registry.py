@@ -42,8 +42,8 @@ from devd.errors import (
     StoreError,
 )
 from devd.host import Core, Instance
-from devd.sessions import compaction, residency
-from devd.sessions.calls import Calls, Runner, rebuild_and, step_and_save
+from devd.sessions import compaction, residency, summaries
+from devd.sessions.calls import Calls, Runner, Took, rebuild_and, step_and_save
 from devd.sessions.compaction import journalled, kept_answer, snapshot_due
 from devd.sessions.entry import (
     FROM_HEALTH,
@@ -61,7 +61,7 @@ from devd.sessions.history import History, digest
 from devd.sessions.residency import Residency
 from devd.sessions.state import CALLABLE, Input, State, next_state
 from devd.sessions.watchers import Fanout, Sink, Stepped, Subscription
-from devd.storage.store import Fleet, Health, Step, Store, Stored
+from devd.storage.store import Fleet, Health, Record, Step, Store, Stored
 
 log = structlog.get_logger("devd.sessions.registry")
 
@@ -348,9 +348,15 @@ class Registry:
             if entry.instance is None:
                 await self.calls.wake(entry, Input.LOAD)
             may_save = due(b'{"Save":true}')
-            actions, answer, snapshot, ignored = await self.calls.call(
-                entry, timeout_s, lambda i, t: step_and_save(i, event, t, due), whole_state=may_save
-            )
+            summary = summaries.is_summary(event)
+
+            def run(i: Instance, t: float) -> tuple[Took, bytes | None]:
+                # What a Summary replaces is read just before it, in the same call: the core forgets it.
+                before = i.transcript(0, timeout=t) if summary else None
+                return step_and_save(i, event, t, due), before
+
+            took, before = await self.calls.call(entry, timeout_s, run, whole_state=may_save or summary)
+            actions, answer, snapshot, ignored = took
             seq = entry.seq + 1
             kept = journalled(event, ignored)
             try:
@@ -365,6 +371,10 @@ class Registry:
                 self.fleet_sessions.moved(entry, e)
                 raise
             entry.seq = seq
+            if before is not None:
+                # After the step, never before it: a record of a step that did not happen would be read as one that
+                # did; one lost to a stop in between is found missing by `summaries.whole`, and said so.
+                await self.store.add_record(Record(name, seq, summaries.REPLACED, 0, summaries.replaced(before, event)))
             if snapshot is None:
                 entry.since_bytes += cost
             else:
@@ -383,16 +393,21 @@ class Registry:
         async with self.entered(name) as entry:
             return await self.calls.call(entry, self.call_timeout_s, lambda i, t: i.pending(timeout=t))
 
-    async def transcript(self, name: str, start: int) -> tuple[int, bytes]:
+    async def transcript(self, name: str, start: int, whole: bool = False) -> tuple[int, bytes]:
         """The session's step count and its conversation from message `start` on, from the core (built outside the
-        session's cap when it does not fit beside its state)."""
+        session's cap when it does not fit beside its state). With `whole`, the whole conversation: what Summary
+        events replaced (kept in the session's records) in their place, and no Summary."""
         async with self.entered(name) as entry:
+            at = 0 if whole else start
             try:
                 messages = await self.calls.call(
-                    entry, self.call_timeout_s, lambda i, t: i.transcript(start, timeout=t), whole_state=start == 0
+                    entry, self.call_timeout_s, lambda i, t: i.transcript(at, timeout=t), whole_state=at == 0
                 )
             except DoesNotFitError:
-                messages = await self.calls.transcript_outside_cap(entry, start)
+                messages = await self.calls.transcript_outside_cap(entry, at)
+            if whole:
+                kept = await self.store.records(name, (summaries.REPLACED,))
+                messages = summaries.whole([r.body for r in kept], messages, start)
             return entry.seq, messages
 
     async def save_all(self) -> int:

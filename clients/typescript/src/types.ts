@@ -341,7 +341,8 @@ export interface ErrorData {
  * What a session is stepped with; exactly one member.
  *
  * `Turn` starts a turn; `Model` answers a `Model` action; `Exec`, `File` (for `Read` and `Write`), `Git`, `Browse` and
- * `Tool` answer those calls, each with the action's id; `Cancel` cancels a turn; `Timer` is a timer tick.
+ * `Tool` answer those calls, each with the action's id; `Cancel` cancels a turn; `Timer` is a timer tick; `Summary`
+ * bounds the conversation.
  *
  * @example {"Turn":{"id":1,"prompt":"fix the build"}}
  */
@@ -354,7 +355,8 @@ export type Event =
   | { Browse: Output }
   | { Tool: Output }
   | { Cancel: Cancel }
-  | { Timer: true };
+  | { Timer: true }
+  | { Summary: Summarize };
 
 /** Run a command, `argv[0]` with its arguments. An action's Exec is answered by an `Exec` event with its id. */
 export interface Exec {
@@ -473,13 +475,14 @@ export interface ListResult {
 }
 
 /**
- * One entry of the conversation the model is sent; exactly one member: `User` (a prompt), `Agent` (the model's answer)
- * or `Tool` (a call's result).
+ * One entry of the conversation the model is sent; exactly one member: `User` (a prompt), `Agent` (the model's
+ * answer), `Tool` (a call's result) or `Summary` (the start of the conversation, summarised; only ever first).
  */
 export type Message =
   | { User: string }
   | { Agent: Agent }
-  | { Tool: Tool };
+  | { Tool: Tool }
+  | { Summary: Summary };
 
 /**
  * Not a message: every method by name, with its params and result, for typed clients. `devd schema --openrpc` says the
@@ -922,6 +925,34 @@ export interface StepResult {
   ignored?: number[] | null;
 }
 
+/**
+ * Replace the conversation's first `upto` messages (as `session/transcript` numbers them) with one `Summary` message
+ * holding `text`. Refused (`MALFORMED`, nothing changes) when `upto` is 0 or past the end, when it would keep a call's
+ * result without its call (message `upto` is a `Tool` message), or when it would replace the `Agent` message whose
+ * calls are still waited for. A turn waiting on its ask is asked again with what is left.
+ */
+export interface Summarize {
+  /**
+   * @minimum 0
+   * @maximum 18446744073709551615
+   */
+  upto: number;
+  text: string;
+}
+
+/**
+ * What stands for the start of the conversation once a `Summary` event replaced it: its `text`, and how many messages
+ * of the whole conversation it `replaced` (earlier summaries' included). Only ever the first message.
+ */
+export interface Summary {
+  text: string;
+  /**
+   * @minimum 0
+   * @maximum 18446744073709551615
+   */
+  replaced: number;
+}
+
 /** A session's own spend ceiling: at most `tokens` (input + output) over all its model calls. */
 export interface TokenBudget {
   /**
@@ -1018,7 +1049,9 @@ export interface TraceResult {
 }
 
 /**
- * The session, and the index of the first message wanted (0, the default: the whole conversation).
+ * The session, and the index of the first message wanted (0, the default: the whole conversation). The conversation is
+ * the one the model is sent, a `Summary` first once one replaced its start; with `whole: true`, the whole
+ * conversation, the messages summaries replaced in their place (kept by the daemon) and no `Summary`.
  *
  * @example {"session":"brief","from":2}
  */
@@ -1037,6 +1070,12 @@ export interface TranscriptParams {
    * @default 0
    */
   from?: number;
+  /**
+   * the whole conversation: what summaries replaced in their place, and no Summary
+   *
+   * @default false
+   */
+  whole?: boolean;
 }
 
 /**

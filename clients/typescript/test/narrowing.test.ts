@@ -38,6 +38,7 @@ function answers(event: Event): number | null {
 function speaker(message: Message): string {
   if ("User" in message) return "user";
   if ("Agent" in message) return "agent";
+  if ("Summary" in message) return "summary";
   const tool: { Tool: { failed?: boolean } } = message;
   return tool.Tool.failed === true ? "tool (failed)" : "tool";
 }
