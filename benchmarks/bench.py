@@ -2368,6 +2368,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_client import add_arguments as client_arguments
 
     client_arguments(sub.add_parser("client", help="one call's round trip through each client, against a bare socket"))
+    from benchmarks.bench_sandbox import add_arguments as sandbox_arguments
+
+    sandbox_arguments(sub.add_parser("sandbox", help="a command's confinement, per command, against an unconfined one"))
 
     approvals_arguments(approvals_parser)
 
@@ -2392,6 +2395,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_client import bench_client
 
         result = bench_client(args.rounds, args.calls)
+    elif args.what == "sandbox":
+        from benchmarks.bench_sandbox import bench_sandbox
+
+        result = bench_sandbox(args.rounds, args.runs)
     elif args.what == "agent" and args.oversight:
         from benchmarks import bench_approvals as approvals
 

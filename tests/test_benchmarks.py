@@ -27,3 +27,10 @@ def test_bench_start_times_devd_against_both_floors() -> None:
     argv = [sys.executable, "-m", "benchmarks.bench", "start", "--rounds", "1"]
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     assert set(json.loads(done.stdout)) >= {"floor_ms", "floor_core_ms", "devd_ms", "devd_over_floor_core"}
+
+
+def test_bench_sandbox_times_both_sandboxes_against_an_unconfined_command() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "sandbox", "--runs", "2", "--rounds", "1"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    ratios = json.loads(done.stdout)["ratio_to_unconfined"]
+    assert (sorted(ratios), ratios["unconfined true"]) == (["bwrap", "none", "unconfined true"], 1.0)
