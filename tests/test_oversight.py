@@ -4,7 +4,7 @@ gives the same answers. The only stand-in is the keeper's `tell`, which keeps th
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -18,13 +18,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from devd.agent import oversight as oversight_module
 from devd.agent.oversight import Oversight
+from devd.agent.port import StoreRecordLog
 from devd.agent.profiles import Budget, Profile
 from devd.agent.spend import Usage
 from devd.errors import ConflictError
 from devd.messages import Exec, Op
 from devd.protocol import ApprovalNotice, DecidedNotice, TraceRecord
 from devd.storage.sqlite import SQLiteStore
-from devd.storage.store import Counter, Over, Record, Tally
+from devd.storage.store import Tally
 
 MAKE = Op(Exec=Exec(argv=["make"]))
 STARTED = "2026-12-01T09:00:00.000Z"
@@ -35,43 +36,12 @@ def profile(**changes: Any) -> Profile:
     return msgspec.structs.replace(base, **changes)
 
 
-class Keeper:
+class Keeper(StoreRecordLog):
     """The record log of a real store, and the notices told, kept in order."""
 
     def __init__(self, store: SQLiteStore) -> None:
         self.store = store
         self.told: list[tuple[str, msgspec.Struct]] = []
-
-    async def add_record(self, record: Record) -> None:
-        await self.store.add_record(record)
-
-    async def records(
-        self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
-    ) -> list[Record]:
-        return await self.store.records(session, kinds, after, limit)
-
-    async def recorded(self, kind: str) -> list[str]:
-        return await self.store.recorded(kind)
-
-    async def trim_records(self, session: str, kind: str, kept: int) -> int:
-        return await self.store.trim_records(session, kind, kept)
-
-    async def reserve(
-        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
-    ) -> int | Over:
-        return await self.store.reserve(session, counters, checks, tokens)
-
-    async def unreserve(self, reservation: int) -> None:
-        await self.store.unreserve(reservation)
-
-    async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
-        await self.store.charge(reservation, counters, tally, record)
-
-    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]:
-        return await self.store.counted(counters)
-
-    async def tally(self, session: str) -> Tally:
-        return await self.store.tally(session)
 
     def seq(self, session: str) -> int | None:
         return 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
@@ -31,12 +31,13 @@ import msgspec
 
 from devd.agent import approvals, spend, trace
 from devd.agent.approvals import Answer, Asked, Decided, Ledger
+from devd.agent.port import RecordLog
 from devd.agent.profiles import Budget, Profile, decide, watched
 from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, Usage
 from devd.errors import HandleError
 from devd.messages import Op
 from devd.protocol import TRACE_PAGE, ApprovalNotice, DecidedNotice, Outcome, Remember, Remembered, TraceRecord
-from devd.storage.store import Counter, Over, Record, StoreError, Tally
+from devd.storage.store import Record, StoreError, Tally
 
 if TYPE_CHECKING:
     from devd.agent.model import Attempt, Completion
@@ -69,30 +70,9 @@ class RefusalBody(msgspec.Struct, frozen=True):
     message: str
 
 
-class Keeper(Protocol):
-    """What oversight needs of the daemon: the record log, and a way to tell a session's watchers."""
-
-    async def add_record(self, record: Record) -> None: ...
-
-    async def records(
-        self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
-    ) -> list[Record]: ...
-
-    async def trim_records(self, session: str, kind: str, kept: int) -> int: ...
-
-    async def reserve(
-        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
-    ) -> int | Over: ...
-
-    async def unreserve(self, reservation: int) -> None: ...
-
-    async def charge(
-        self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record
-    ) -> None: ...
-
-    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]: ...
-
-    async def tally(self, session: str) -> Tally: ...
+class Keeper(RecordLog, Protocol):
+    """What oversight needs of the daemon: the record log and spend counters, and a way to tell a session's
+    watchers."""
 
     def seq(self, session: str) -> int | None: ...
 

@@ -2,9 +2,9 @@
 
 The runner sees the sessions only through `Sessions`: step an event under a key (as a client does: same events, same
 journal, same keys, BUSY retried), read what a session waits for and its conversation, keep and read records and
-spend counters, learn of
-every step and of a session's end, and send a session's watchers notices that are not steps. `RegistryPort` is that
-port over the daemon's `Registry` and `Store`; `ObservedFanout` is the registry's watcher fan-out with observers
+spend counters (`RecordLog`), learn of every step and of a session's end, and send a session's watchers notices that
+are not steps. `RegistryPort` is that port over the daemon's `Registry` and `Store` (its `RecordLog` is the store's,
+`StoreRecordLog`); `ObservedFanout` is the registry's watcher fan-out with observers
 added, so the runner hears of steps other clients make (a `Cancel`) without a connection of its own.
 """
 
@@ -94,30 +94,9 @@ class ObservedFanout(Fanout):
                 return
 
 
-class Sessions(Protocol):
-    """What the runner may do with sessions."""
-
-    async def step(self, session: str, event: Event, key: str | None) -> list[Action]: ...
-
-    async def step_bytes(self, session: str, event: bytes, key: str | None) -> list[Action]:
-        """`step` of an event already encoded: observers see these very bytes (`Stepped.event is event`)."""
-
-    async def keyed_turn(self, session: str, key: str) -> Turn | None:
-        """The `Turn` step journalled under key; None if no step has that key."""
-
-    async def pending(self, session: str) -> list[Action]: ...
-
-    async def transcript(self, session: str) -> list[Message]: ...
-
-    def seq(self, session: str) -> int | None:
-        """The session's last step, None if there is no such session here."""
-
-    async def known(self, session: str) -> bool:
-        """Whether the session exists; in a fleet, one another daemon made (or held) is taken for this one first
-        (MovedError when a live daemon holds it)."""
-
-    async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
-        """(seq, event) of up to `limit` journalled steps after `since`, in order."""
+class RecordLog(Protocol):
+    """A session's record log and the spend counters, kept by the store (see the methods of
+    `devd.storage.store.Store` of the same names)."""
 
     async def add_record(self, record: Record) -> None: ...
 
@@ -147,6 +126,72 @@ class Sessions(Protocol):
 
     async def tally(self, session: str) -> Tally: ...
 
+
+class StoreRecordLog:
+    """`RecordLog` as the store's own methods, for a class with a `store`."""
+
+    store: Store
+
+    async def add_record(self, record: Record) -> None:
+        await self.store.add_record(record)
+
+    async def records(
+        self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
+    ) -> list[Record]:
+        return await self.store.records(session, kinds, after, limit)
+
+    async def recorded(self, kind: str) -> list[str]:
+        return await self.store.recorded(kind)
+
+    async def forget_records(self, session: str, kind: str, actions: Collection[int]) -> None:
+        await self.store.forget_records(session, kind, actions)
+
+    async def trim_records(self, session: str, kind: str, kept: int) -> int:
+        return await self.store.trim_records(session, kind, kept)
+
+    async def reserve(
+        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
+    ) -> int | Over:
+        return await self.store.reserve(session, counters, checks, tokens)
+
+    async def unreserve(self, reservation: int) -> None:
+        await self.store.unreserve(reservation)
+
+    async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
+        await self.store.charge(reservation, counters, tally, record)
+
+    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]:
+        return await self.store.counted(counters)
+
+    async def tally(self, session: str) -> Tally:
+        return await self.store.tally(session)
+
+
+class Sessions(RecordLog, Protocol):
+    """What the runner may do with sessions."""
+
+    async def step(self, session: str, event: Event, key: str | None) -> list[Action]: ...
+
+    async def step_bytes(self, session: str, event: bytes, key: str | None) -> list[Action]:
+        """`step` of an event already encoded: observers see these very bytes (`Stepped.event is event`)."""
+
+    async def keyed_turn(self, session: str, key: str) -> Turn | None:
+        """The `Turn` step journalled under key; None if no step has that key."""
+
+    async def pending(self, session: str) -> list[Action]: ...
+
+    async def transcript(self, session: str) -> list[Message]: ...
+
+    def seq(self, session: str) -> int | None:
+        """The session's last step, None if there is no such session here."""
+
+    async def known(self, session: str) -> bool:
+        """Whether the session exists; in a fleet, one another daemon made (or held) is taken for this one first
+        (MovedError when a live daemon holds it)."""
+
+    async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
+        """(seq, event) of up to `limit` journalled steps after `since`, in order."""
+
     def observe(self, observer: Observer) -> None: ...
 
     def tell(self, session: str, method: str, params: msgspec.Struct) -> None: ...
@@ -160,7 +205,7 @@ class Sessions(Protocol):
     def streamed(self, session: str, action: int) -> None: ...
 
 
-class RegistryPort:
+class RegistryPort(StoreRecordLog):
     """`Sessions` over the daemon's registry and store."""
 
     def __init__(self, registry: SessionPort, store: Store) -> None:
@@ -212,40 +257,6 @@ class RegistryPort:
 
     async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
         return [(row.seq, row.event) for row in await self.store.steps_since(session, since, limit)]
-
-    async def add_record(self, record: Record) -> None:
-        await self.store.add_record(record)
-
-    async def records(
-        self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
-    ) -> list[Record]:
-        return await self.store.records(session, kinds, after, limit)
-
-    async def recorded(self, kind: str) -> list[str]:
-        return await self.store.recorded(kind)
-
-    async def forget_records(self, session: str, kind: str, actions: Collection[int]) -> None:
-        await self.store.forget_records(session, kind, actions)
-
-    async def trim_records(self, session: str, kind: str, kept: int) -> int:
-        return await self.store.trim_records(session, kind, kept)
-
-    async def reserve(
-        self, session: str, counters: Sequence[Counter], checks: Sequence[tuple[Counter, int]], tokens: int
-    ) -> int | Over:
-        return await self.store.reserve(session, counters, checks, tokens)
-
-    async def unreserve(self, reservation: int) -> None:
-        await self.store.unreserve(reservation)
-
-    async def charge(self, reservation: int | None, counters: Sequence[Counter], tally: Tally, record: Record) -> None:
-        await self.store.charge(reservation, counters, tally, record)
-
-    async def counted(self, counters: Sequence[Counter]) -> list[tuple[int, int]]:
-        return await self.store.counted(counters)
-
-    async def tally(self, session: str) -> Tally:
-        return await self.store.tally(session)
 
     def observe(self, observer: Observer) -> None:
         self.fanout.observers.append(observer)
