@@ -552,6 +552,18 @@ DENY_RM_AND_PUSH = (*DENY_RM, Rule(prefix=("git", "push"), decision="deny"))
         (["ssh", "h", "rm", "-rf", "src"], "ask"),
         (["cc", "-wrapper", "./x", "a.c"], "ask"),
         (["unknown-tool", "--exec", "rm -rf src"], "ask"),
+        # a long option by a prefix of its name (getopt_long's and git's abbreviations), and split --filter
+        (["tar", "--to-com=./x", "-xf", "a.tar"], "ask"),
+        (["sort", "--compress-prog=./x", "f"], "ask"),
+        (["git", "rebase", "--exe", "./x", "HEAD~1"], "ask"),
+        (["git", "clone", "-c", "core.sshCommand=./x", "ssh://h/r", "d"], "ask"),
+        (["git", "clone", "--template=./t", "/w/r", "d"], "ask"),
+        (["split", "--filter=./x", "f"], "ask"),
+        (["socat", "-u", "SYSTEM:./x", "-"], "ask"),
+        (["editor", "-c", "!./x", "f"], "ask"),
+        (["run-parts", "./hooks"], "ask"),
+        (["split", "-l", "10", "f"], "allow"),
+        (["git", "clone", "-q", "/w/r", "d"], "allow"),
         # what stays allowed: programs whose arguments are data, and plain arguments
         (["ls", "rm"], "allow"),
         (["grep", "-E", "rm|sh", "f"], "allow"),

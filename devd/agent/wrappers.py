@@ -15,7 +15,8 @@ wrapper; where it is blind, the policy asks instead of allowing. What it promise
   arguments are data, never a command), and otherwise it is blind when an argument looks like a command: it holds
   shell syntax (`;`, `|`, `&`, `$`, a backquote, a newline), or a word of it names a program that runs commands (a
   shell, a wrapper, a program of `BLIND`) or one the caller watches (the programs its deny and ask rules name), or it
-  is an option of `COMMAND_OPTIONS` (`tar -I`, `rsync -e`, `sort --compress-program`), or a sed script's `e`;
+  is an option of `COMMAND_OPTIONS` (`tar -I`, `rsync -e`, `sort --compress-program`; a long one, or a git
+  subcommand's of `GIT_SUBCOMMAND_RUNS`, also by any prefix of it: `--to-com`), or a sed script's `e`;
 - xargs's command is blind unless it is one of `INERT`, since words from its input are added to it, and so is one
   whose program is xargs's `-I` placeholder (as find's `{}`).
 Rules are advice to the model's commands, not a boundary: a program can run another in ways no argv shows
@@ -123,7 +124,8 @@ BLIND = frozenset(
     "faketime unbuffer rlwrap torsocks proxychains proxychains4 tsocks chpst setuidgid softlimit envdir daemonize "
     "start-stop-daemon tmux screen at batch entr "
     "setarch linux32 linux64 uname26 "
-    "vi vim nvim view ex vimdiff rvim gvim emacs emacsclient nano".split()
+    "vi vim nvim view ex vimdiff rvim gvim emacs emacsclient nano editor sensible-editor "
+    "socat run-parts".split()
 )
 _VERSIONED = re.compile(r"[0-9.]+$")  # python3.12, perl5.36, lua5.4, ksh93: named without their version
 _INTERPRETER = re.compile(r"(python|pypy|perl|ruby|node|php|lua)[0-9.]*[-_.]")  # python3.12-dbg, php-cgi
@@ -141,7 +143,7 @@ INERT = frozenset(
     "ls cat tac head tail wc cut paste join tr uniq comm fold fmt nl od expand unexpand rev column echo printf pwd "
     "true false test [ mkdir rmdir touch cp mv ln rm unlink chmod chown chgrp stat du df basename dirname realpath "
     "readlink date sleep seq tee diff cmp md5sum sha1sum sha224sum sha256sum sha384sum sha512sum b2sum cksum sum "
-    "base32 base64 xxd hexdump file which whoami id uname hostname grep egrep fgrep mktemp truncate shred sync split "
+    "base32 base64 xxd hexdump file which whoami id uname hostname grep egrep fgrep mktemp truncate shred sync "
     "csplit yes expr tree nproc arch printenv dd".split()
 )
 # Options that name a command the program runs (`tar --to-command=CMD`, `rsync -e CMD`), by program. A long option
@@ -157,8 +159,9 @@ COMMAND_OPTIONS: dict[str, frozenset[str]] = {
         ),
         ("rsync", "-e --rsh --rsync-path"),
         ("man", "-P --pager -H --html"),
-        ("less more most", "+"),
+        ("less more most pager sensible-pager", "+"),
         ("sort", "--compress-program"),
+        ("split", "--filter"),
         ("cc gcc g++ c++ clang clang++", "-wrapper -B -specs --specs -fplugin -fuse-ld --ld-path"),
         ("make gmake", "--eval -E"),
         ("ssh scp sftp", "-o -F -S"),
@@ -202,7 +205,8 @@ GIT_SUBCOMMAND_RUNS: dict[str, frozenset[str]] = {
         ("submodule", "foreach"),
         ("difftool", "-x --extcmd"),
         ("mergetool filter-branch instaweb daemon web--browse", "*"),
-        ("fetch pull clone ls-remote archive", "--upload-pack -u --exec"),
+        ("fetch pull ls-remote archive", "--upload-pack -u --exec"),
+        ("clone", "--upload-pack -u --exec -c --config --template"),  # config (core.sshCommand), hooks it runs
         ("push send-pack", "--receive-pack --exec"),
         ("send-email", "--smtp-server --to-cmd --cc-cmd --sendmail-cmd"),
         ("grep", "-O --open-files-in-pager"),
@@ -372,6 +376,8 @@ def _command_option(name: str, options: frozenset[str], word: str, first: bool) 
     key = word.partition("=")[0]
     if key in options:
         return key
+    if (long := _abbreviates(key, options)) is not None:
+        return long
     for option in options:
         if len(option) == 2 and option[0] == "-" and word.startswith(option):  # `-Icmd`
             return option
@@ -379,6 +385,14 @@ def _command_option(name: str, options: frozenset[str], word: str, first: bool) 
     if name in _CLUSTERING and cluster.isalpha():  # `tar -xIf`, `tar xIf` (its old first word), `rsync -avze`
         return next((f"-{c}" for c in cluster if f"-{c}" in options), None)
     return None
+
+
+def _abbreviates(key: str, options: frozenset[str]) -> str | None:
+    """The long option of `options` that `key` may name by a prefix of it (`--to-com` for `--to-command`), or None:
+    getopt_long and git take a long option by any prefix that names it alone."""
+    if not key.startswith("--") or len(key) < 3:
+        return None
+    return next((option for option in sorted(options) if option.startswith(key)), None)
 
 
 def _short(word: str) -> str:
@@ -504,7 +518,12 @@ def _git(args: tuple[str, ...]) -> Inside:
     for word in rest:
         key = word.partition("=")[0]
         short = word[:1] == "-" and word[1:2] != "-"
-        if key in runs or (short and any(len(r) == 2 and r[1] in word[1:] for r in runs if r[:2] != "--")):
+        abbreviated = _abbreviates(key, runs) is not None
+        if (
+            key in runs
+            or abbreviated
+            or (short and any(len(r) == 2 and r[1] in word[1:] for r in runs if r[:2] != "--"))
+        ):
             return None, f"git {sub} {word} names a command for git to run, which is not read here"
     if sub == "config" and any(_GIT_CONFIG_RUNS.search(word) for word in rest):
         return None, "git config sets a key that can name a command git runs later (a pager, an alias, a hook)"
