@@ -146,33 +146,36 @@ INERT = frozenset(
     "base32 base64 xxd hexdump file which whoami id uname hostname grep egrep fgrep mktemp truncate shred sync "
     "csplit yes expr tree nproc arch printenv dd".split()
 )
+
+
+def _by_name(*rows: tuple[str, str]) -> dict[str, frozenset[str]]:
+    """A table from rows of (names, words), each a string of space-separated words: every name to its row's words."""
+    return {name: frozenset(words.split()) for names, words in rows for name in names.split()}
+
+
 # Options that name a command the program runs (`tar --to-command=CMD`, `rsync -e CMD`), by program. A long option
 # matches itself and `OPTION=VALUE`, a short one also with its value attached (`-Icmd`), and in a cluster of letters
 # (`tar -xIf`) for the programs of `_CLUSTERING`; `+` matches any word starting with it (less's `+!cmd`).
-COMMAND_OPTIONS: dict[str, frozenset[str]] = {
-    name: frozenset(options.split())
-    for names, options in (
-        (
-            "tar",
-            "--to-command --use-compress-program --checkpoint-action --info-script --new-volume-script "
-            "--rmt-command --rsh-command -I -F",
-        ),
-        ("rsync", "-e --rsh --rsync-path"),
-        ("man", "-P --pager -H --html"),
-        ("less more most pager sensible-pager", "+"),
-        ("sort", "--compress-program"),
-        ("split", "--filter"),
-        ("cc gcc g++ c++ clang clang++", "-wrapper -B -specs --specs -fplugin -fuse-ld --ld-path"),
-        ("make gmake", "--eval -E"),
-        ("ssh scp sftp", "-o -F -S"),
-        ("zip", "-TT --unzip-command"),
-        ("sdiff diff3", "--diff-program"),
-        ("wget", "--use-askpass"),
-        ("rg", "--pre"),
-        ("install", "--strip-program"),
-    )
-    for name in names.split()
-}
+COMMAND_OPTIONS = _by_name(
+    (
+        "tar",
+        "--to-command --use-compress-program --checkpoint-action --info-script --new-volume-script "
+        "--rmt-command --rsh-command -I -F",
+    ),
+    ("rsync", "-e --rsh --rsync-path"),
+    ("man", "-P --pager -H --html"),
+    ("less more most pager sensible-pager", "+"),
+    ("sort", "--compress-program"),
+    ("split", "--filter"),
+    ("cc gcc g++ c++ clang clang++", "-wrapper -B -specs --specs -fplugin -fuse-ld --ld-path"),
+    ("make gmake", "--eval -E"),
+    ("ssh scp sftp", "-o -F -S"),
+    ("zip", "-TT --unzip-command"),
+    ("sdiff diff3", "--diff-program"),
+    ("wget", "--use-askpass"),
+    ("rg", "--pre"),
+    ("install", "--strip-program"),
+)
 _CLUSTERING = frozenset("tar rsync ssh scp sftp zip sort man".split())
 # Names of programs that run commands which are as often plain words of an argument (`make -C .`, `--when at`):
 # not taken for a program there (the rules' own programs always are).
@@ -197,22 +200,18 @@ _GIT_FLAGS = frozenset(
 )
 # git's subcommands that run a command they are given: by an option (`rebase -x CMD`), by a word (`bisect run CMD`,
 # `submodule foreach CMD`), or always (`mergetool`, `filter-branch`'s filters, `instaweb`'s server).
-GIT_SUBCOMMAND_RUNS: dict[str, frozenset[str]] = {
-    sub: frozenset(runs.split())
-    for subs, runs in (
-        ("rebase", "-x --exec"),
-        ("bisect", "run"),
-        ("submodule", "foreach"),
-        ("difftool", "-x --extcmd"),
-        ("mergetool filter-branch instaweb daemon web--browse", "*"),
-        ("fetch pull ls-remote archive", "--upload-pack -u --exec"),
-        ("clone", "--upload-pack -u --exec -c --config --template"),  # config (core.sshCommand), hooks it runs
-        ("push send-pack", "--receive-pack --exec"),
-        ("send-email", "--smtp-server --to-cmd --cc-cmd --sendmail-cmd"),
-        ("grep", "-O --open-files-in-pager"),
-    )
-    for sub in subs.split()
-}
+GIT_SUBCOMMAND_RUNS = _by_name(
+    ("rebase", "-x --exec"),
+    ("bisect", "run"),
+    ("submodule", "foreach"),
+    ("difftool", "-x --extcmd"),
+    ("mergetool filter-branch instaweb daemon web--browse", "*"),
+    ("fetch pull ls-remote archive", "--upload-pack -u --exec"),
+    ("clone", "--upload-pack -u --exec -c --config --template"),  # config (core.sshCommand), hooks it runs
+    ("push send-pack", "--receive-pack --exec"),
+    ("send-email", "--smtp-server --to-cmd --cc-cmd --sendmail-cmd"),
+    ("grep", "-O --open-files-in-pager"),
+)
 # `git config KEY VALUE` setting a key that names a command git runs later (core.pager, core.sshCommand, alias.x,
 # a hook, an editor, a filter or diff driver), or editing the file (`-e`: the editor), is blind.
 _GIT_CONFIG_RUNS = re.compile(
