@@ -395,7 +395,7 @@ class WatchParams(_Params, frozen=True):
 
 class Waiting(msgspec.Struct, frozen=True):
     """An action the session's turn waits for: its id, and what it asks for (the `Op` member it carries: "Model",
-    "Exec", "Read", "Write", "Git" or "Browse")."""
+    "Exec", "Read", "Write", "Git", "Browse" or "Tool")."""
 
     id: int
     kind: str

@@ -1127,7 +1127,7 @@ export interface UsageResult {
 
 /**
  * An action the session's turn waits for: its id, and what it asks for (the `Op` member it carries: "Model", "Exec",
- * "Read", "Write", "Git" or "Browse").
+ * "Read", "Write", "Git", "Browse" or "Tool").
  */
 export interface Waiting {
   id: number;
