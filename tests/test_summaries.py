@@ -1,6 +1,7 @@
 """The bounded conversation through the daemon (devd/sessions/summaries.py): a Summary event is journalled like every
 event, a refused one changes nothing, and what summaries replaced stays readable with `session/transcript`'s `whole`,
-after a restart and in a fork too."""
+after a restart and in a fork too; an agent session's requests after one keep what the transcript does not hold (a
+rejected reply) where it was."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from devd.client import Client
 from devd.errors import InternalError
 from devd.messages import Event, Message, Summarize, Summary, answer, decode_messages, turn
 from devd.sessions import summaries
+from tests.agents import Agentd, agentd, run_turn
 from tests.harness import InProcess
 from tests.helpers import agent, user
+from tests.standin_model import Scripted, standin_fixture
+
+__all__ = ["agentd", "standin_fixture"]
 
 WHOLE = [user("p"), agent("a"), user("q"), agent("b"), user("r")]
 
@@ -88,3 +93,38 @@ def test_a_summary_whose_record_was_lost_says_which_messages_are_missing() -> No
     current = _encoded(Message(Summary=Summary(text="s", replaced=2)), user("q"))
     with pytest.raises(InternalError, match="the session's summary stands for 2 messages and 0 were kept"):
         summaries.whole([], current, 0)
+
+
+def test_a_rejected_reply_is_sent_where_it_was_after_a_summary_replaced_the_start(agentd: Agentd) -> None:
+    """The rejected reply of turn "first" is kept apart from the transcript, before its message 3 of the whole
+    conversation; a Summary of the first two put it between the read call and its result, and the model server
+    refused every later request (400: the call had no result), stalling the session for good."""
+    (agentd.workspace / "a").write_text("A\n")
+    agentd.standin.script(
+        Scripted(text="z0"),
+        Scripted(tool_calls=[("nope", {})]),
+        Scripted(tool_calls=[("read", {"path": "a"})]),
+        Scripted(text="one"),
+        Scripted(text="two"),
+    )
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "zero")
+        run_turn(c, session, "first")
+        c.step(session, summary(2, "zero, then z0"))
+        run_turn(c, session, "second")
+    sent = [
+        (m["role"], [t["function"]["name"] for t in m.get("tool_calls") or []])
+        for m in agentd.standin.requests[4].body["messages"]
+        if m["role"] != "system"
+    ]
+    assert sent == [
+        ("user", []),
+        ("user", []),
+        ("assistant", ["nope"]),
+        ("tool", []),
+        ("assistant", ["read"]),
+        ("tool", []),
+        ("assistant", []),
+        ("user", []),
+    ]

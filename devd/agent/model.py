@@ -98,7 +98,9 @@ TOOLS: dict[str, dict[str, Any]] = {
 
 class Inserted(msgspec.Struct, frozen=True):
     """Wire messages that are not in the core's transcript (a rejected reply and its failed results), to be sent
-    before conversation message number `before` (`before == len(messages)`: after the last)."""
+    before message number `before` of the whole conversation (`whole_length`: what a Summary replaced counts), so
+    that a Summary replacing the start of the transcript leaves it where it was; one before a message the Summary
+    replaced goes with them."""
 
     before: int
     messages: list[dict[str, Any]]
@@ -233,6 +235,13 @@ def wire_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     return out
 
 
+def whole_length(messages: Sequence[Message]) -> int:
+    """How many messages of the whole conversation `messages` stand for: a first Summary stands for those it
+    replaced."""
+    first = messages[0].Summary if messages else None
+    return len(messages) + (first.replaced - 1 if first is not None else 0)
+
+
 def rejected_messages(text: str | None, rejected: Sequence[Rejected]) -> list[dict[str, Any]]:
     """The wire messages that tell the model its calls were not taken: its assistant message, then a failed result
     per call. The runner keeps these as an `Inserted`."""
@@ -253,9 +262,12 @@ def request_body(
     """The chat-completions request for an ask: the system prompt, the conversation (with `extra` inserted where it
     belongs), the tools the profile allows, streamed with usage."""
     conversation = wire_messages(messages)
+    replaced = whole_length(messages) - len(messages)  # the whole conversation's messages a Summary stands for, less it
     for inserted in sorted(extra, key=lambda i: i.before, reverse=True):
         # From the back, so earlier indices still point where they did.
-        at = min(max(inserted.before, 0), len(conversation))
+        if replaced and inserted.before <= replaced:
+            continue  # among what the Summary replaced
+        at = min(max(inserted.before - replaced, 0), len(conversation))
         conversation[at:at] = inserted.messages
     wire: list[dict[str, Any]] = []
     if profile.system is not None:

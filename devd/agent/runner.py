@@ -664,7 +664,9 @@ class Driver(msgspec.Struct, eq=False):
                 if rejected:
                     again = reply.calls is None and attempt < REASKS_MAX
                     text = reply.text if again else None
-                    inserted = Inserted(before=len(messages), messages=model.rejected_messages(text, rejected))
+                    inserted = Inserted(
+                        before=model.whole_length(messages), messages=model.rejected_messages(text, rejected)
+                    )
                     await self._record(records.INSERTED, action.id, records.encode(inserted))
                     self._inserted.append(inserted)
                     if again:
