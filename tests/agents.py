@@ -89,6 +89,14 @@ def watch_raw(c: Client, session: str, since: int | None = None) -> None:
     c.call("session/watch", params)
 
 
+def next_notice(c: Client, method: str) -> Reply:
+    """The next notice of that method c receives (it watches the session); the others before it are passed over."""
+    while True:
+        notice = c.wait_notification(NOTICE_TIMEOUT_S)
+        if notice.method == method:
+            return notice
+
+
 def until_done(c: Client, turn: int) -> list[Reply]:
     """The notices c receives (it watches the session) up to the step that answers the turn's Done."""
     seen = []

@@ -39,7 +39,7 @@ from devd.agent.spend import Usage as SpendUsage
 from devd.agent.spend import estimate_tokens
 from devd.client import Client
 from devd.messages import Agent, Call, Cancel, Dispatch, Event, Exec, Message, Read, Reply, Tool, Write
-from tests.agents import SECRET, Agentd, agentd, run_turn, watch_raw
+from tests.agents import SECRET, Agentd, agentd, next_notice, run_turn, watch_raw
 from tests.standin_model import Scripted, Standin, check_request, standin_fixture
 
 __all__ = ["agentd", "standin_fixture"]  # the fixtures
@@ -416,10 +416,10 @@ def test_a_pair_of_surrogates_split_across_chunks_is_joined_and_a_lone_one_made_
     )
 
 
-async def test_cancelling_closes_the_stream(standin: Standin, client: http.Client) -> None:
-    standin.script(Scripted(text="never finished", hang=True))
+async def cancelled_once_streaming(standin: Standin, client: http.Client) -> list[Attempt]:
+    """A call to the stand-in cancelled once its first text has arrived; the attempts it reported."""
     started = anyio.Event()
-    outcomes: list[Attempt] = []
+    attempts: list[Attempt] = []
 
     async def ask() -> None:
         await complete(
@@ -429,7 +429,7 @@ async def test_cancelling_closes_the_stream(standin: Standin, client: http.Clien
             environ={},
             exec_available=True,
             on_text=lambda _: started.set(),
-            on_attempt=outcomes.append,
+            on_attempt=attempts.append,
         )
 
     with anyio.fail_after(10):
@@ -437,6 +437,12 @@ async def test_cancelling_closes_the_stream(standin: Standin, client: http.Clien
             tg.start_soon(ask)
             await started.wait()
             tg.cancel_scope.cancel()
+    return attempts
+
+
+async def test_cancelling_closes_the_stream(standin: Standin, client: http.Client) -> None:
+    standin.script(Scripted(text="never finished", hang=True))
+    outcomes = await cancelled_once_streaming(standin, client)
     closed = await anyio.to_thread.run_sync(standin.wait_closed)
     assert (closed, [a.outcome for a in outcomes]) == (True, ["cancelled"])
 
@@ -797,25 +803,7 @@ async def test_a_cancelled_attempt_is_charged_the_request_and_what_streamed(
     standin: Standin, client: http.Client
 ) -> None:
     standin.script(Scripted(text="abcdefgh", split=8, hang=True))
-    started = anyio.Event()
-    attempts: list[Attempt] = []
-
-    async def ask() -> None:
-        await complete(
-            client,
-            profile(standin.url),
-            CONVERSATION[:1],
-            environ={},
-            exec_available=True,
-            on_text=lambda _: started.set(),
-            on_attempt=attempts.append,
-        )
-
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ask)
-            await started.wait()
-            tg.cancel_scope.cancel()
+    attempts = await cancelled_once_streaming(standin, client)
     assert [(a.outcome, a.usage) for a in attempts] == [
         ("cancelled", SpendUsage(_request_tokens(standin), 2, estimated=True))
     ]
@@ -825,7 +813,7 @@ async def test_a_cancelled_attempt_is_charged_the_request_and_what_streamed(
 
 
 def _stalled(ui: Client) -> str:
-    notice = next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+    notice = next_notice(ui, "session/stalled")
     return str(notice.params["why"])
 
 
@@ -908,7 +896,7 @@ def test_a_call_cancelled_while_it_streams_is_charged(agentd: Agentd) -> None:
         session = agentd.session(c)
         watch_raw(ui, session)
         turn = c.prompt(session, "hello")
-        next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/delta")
+        next_notice(ui, "session/delta")
         c.step(session, Event(Cancel=Cancel(turn=turn)))
         [record] = _traced(c, session, 1)
         usage = _usage(c, session)

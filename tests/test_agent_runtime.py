@@ -29,6 +29,7 @@ from tests.agents import (
     agentd_process_fixture,  # noqa: F401 (the fixture)
     agents_toml,
     conversation,
+    next_notice,
     run_turn,
     start,
     until_done,
@@ -408,7 +409,7 @@ def test_an_unreachable_model_stalls_the_session_until_it_is_resumed(agentd: Age
         session = agentd.session(c)
         watch_raw(ui, session)
         c.prompt(session, "hello")
-        stalled = next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+        stalled = next_notice(ui, "session/stalled")
         listed = c.list().sessions[0].stalled
         agentd.standin.script(Scripted(text="back again"))
         c.resume(session)
@@ -430,7 +431,7 @@ def test_a_cancel_ends_a_stall_and_the_next_prompt_is_carried_out_without_a_resu
         session = agentd.session(c)
         watch_raw(ui, session)
         turn = c.prompt(session, "hello")
-        next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+        next_notice(ui, "session/stalled")
         c.step(session, Event(Cancel=Cancel(turn=turn)))
         agentd.standin.script(Scripted(text="back again"))
         again = c.prompt(session, "again")
@@ -450,7 +451,7 @@ def test_a_driver_that_fails_stalls_the_session_saying_why_and_a_resume_carries_
         session = agentd.session(c)
         watch_raw(ui, session)
         c.prompt(session, "run it")
-        stalled = next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+        stalled = next_notice(ui, "session/stalled")
         c.resume(session)
         until_done(ui, 1)
         assert (stalled.params, results(c, session), (agentd.workspace / "runs").exists()) == (
@@ -690,7 +691,7 @@ def test_a_stall_survives_a_restart_and_the_daemon_asks_again_at_start(agentd: A
         session = agentd.session(c)
         watch_raw(ui, session)
         c.prompt(session, "hello")
-        next(n for n in iter(lambda: ui.wait_notification(30), None) if n.method == "session/stalled")
+        next_notice(ui, "session/stalled")
     agentd.daemon.stop()
     agentd.standin.script(Scripted(text="asked at start"))
     agentd.daemon.start()
@@ -719,7 +720,7 @@ def test_a_write_the_profile_asks_about_is_not_run_until_a_client_allows_it(tmp_
         session = running.session(c)
         watch_raw(c, session)
         c.prompt(session, "write")
-        asked = next(n for n in iter(lambda: c.wait_notification(30), None) if n.method == "session/approval")
+        asked = next_notice(c, "session/approval")
         written_before = (running.workspace / "w.txt").exists()
         c.call("session/approve", {k: asked.params[k] for k in ("session", "action", "digest")} | {"decision": "allow"})
         until_done(c, 1)

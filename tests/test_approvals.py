@@ -28,6 +28,7 @@ from devd.agent.cli import Screen, approval_lines, call_line, decision_of, promp
 from devd.client import Client, Reply
 from devd.messages import Action, Cancel, Event, Exec, Op, Write
 from devd.protocol import ApprovalNotice, DecidedNotice, Remembered, client_name_problem
+from tests.agents import next_notice
 from tests.daemon import ROOT, Daemon, free_port
 from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -97,14 +98,6 @@ def agentd_process(tmp_path: Path, standin: Standin) -> Iterator[Agentd]:
 
 def watch(c: Client, session: str) -> None:
     c.call("session/watch", {"session": session})
-
-
-def next_notice(c: Client, method: str) -> Reply:
-    """The next notice of that method c receives (it watches the session); the others before it are passed over."""
-    while True:
-        notice = c.wait_notification(NOTICE_TIMEOUT_S)
-        if notice.method == method:
-            return notice
 
 
 def until_done(c: Client) -> list[Reply]:

@@ -36,7 +36,7 @@ from devd.messages import (
 from devd.sessions.history import digest
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, MIGRATIONS
 from devd.storage.store import Counter, Health, Step, Stored, Tally
-from tests.agents import conversation, start, until_done, watch_raw
+from tests.agents import conversation, next_notice, start, until_done, watch_raw
 from tests.daemon import Daemon
 from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -303,7 +303,7 @@ def test_the_agents_approvals_and_claims_of_the_previous_release_carry_over(tmp_
         asking, running = previous.session(c), previous.session(c)
         watch_raw(c, asking)
         c.prompt(asking, "write")
-        asked = next(n for n in iter(lambda: c.wait_notification(30), None) if n.method == "session/approval")
+        asked = next_notice(c, "session/approval")
         c.prompt(running, "run it")
     deadline = time.monotonic() + 20
     while not (previous.workspace / "runs").exists() and time.monotonic() < deadline:
@@ -316,7 +316,7 @@ def test_the_agents_approvals_and_claims_of_the_previous_release_carry_over(tmp_
     try:
         with current.client() as c:
             watch_raw(c, asking, since=0)
-            again = next(n for n in iter(lambda: c.wait_notification(30), None) if n.method == "session/approval")
+            again = next_notice(c, "session/approval")
             approve = {k: again.params[k] for k in ("session", "action", "digest")}
             c.call("session/approve", approve | {"decision": "allow"})
             until_done(c, 1)
