@@ -45,6 +45,17 @@ def test_the_whole_conversation_is_what_summaries_replaced_then_what_the_model_i
         )
 
 
+def test_a_summary_whose_name_is_written_with_a_json_escape_keeps_what_it_replaced(daemon: InProcess) -> None:
+    """The core reads `"\\u0053ummary"` as "Summary" and took the event; the daemon, looking for the bytes
+    `"Summary"`, kept nothing, and the whole conversation was lost (InternalError: 0 of 2 messages kept)."""
+    with daemon.client() as c:
+        c.new(session="s")
+        for event in (turn(1, "p"), answer(1, "a"), turn(2, "q")):
+            c.step("s", event)
+        c.call("session/step", {"session": "s", "event": msgspec.Raw(b'{"\\u0053ummary":{"upto":2,"text":"p, a"}}')})
+        assert c.transcript("s", whole=True) == WHOLE[:3]
+
+
 def test_a_second_summary_adds_to_what_the_whole_conversation_keeps(daemon: InProcess) -> None:
     with daemon.client() as c:
         two_turns_summarised(c)

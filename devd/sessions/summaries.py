@@ -22,7 +22,8 @@ __all__ = ["REPLACED", "Replaced", "is_summary", "replaced", "whole"]
 
 REPLACED = "replaced"  # the record kind
 
-_SUMMARY_EVENT = re.compile(rb'\A\s*\{\s*"Summary"\s*:')
+# An event's first member's name, as written: the core reads its escapes (`"\u0053ummary"` is "Summary").
+_FIRST_NAME = re.compile(rb'\A\s*\{\s*("(?:[^"\\]|\\.)*")\s*:')
 _SUMMARY_MESSAGE = b'{"Summary":'  # the core writes its messages compact
 
 
@@ -40,8 +41,18 @@ _encoder = msgspec.json.Encoder()
 
 
 def is_summary(event: bytes) -> bool:
-    """Whether the event is a Summary (a cheap look at its start: every step passes here)."""
-    return _SUMMARY_EVENT.match(event) is not None
+    """Whether the event is a Summary (a cheap look at its start: every step passes here), its name read as the core
+    reads it, escapes and all: one the core takes and this missed would have what it replaced lost."""
+    first = _FIRST_NAME.match(event)
+    if first is None:
+        return False
+    name = first.group(1)
+    if b"\\" not in name:
+        return name == b'"Summary"'
+    try:
+        return bool(msgspec.json.decode(name) == "Summary")
+    except msgspec.DecodeError:  # an escape the core refuses too
+        return False
 
 
 def _leads(messages: Sequence[msgspec.Raw]) -> bool:
