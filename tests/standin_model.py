@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import pytest
 
@@ -73,7 +73,27 @@ class Recorded:
     body: Any
 
 
-class Standin:
+class Served:
+    """An HTTP server of `handler` on `address` (at a free port, `port`), run on a thread of its own from the start of
+    a `with` to its end."""
+
+    def __init__(self, address: str, handler: type[BaseHTTPRequestHandler], name: str) -> None:
+        self._server = ThreadingHTTPServer((address, 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,), name=name, daemon=True)
+        self.port = self._server.server_address[1]
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+class Standin(Served):
     """The server. `url` ends in /v1; `script(...)` queues replies; `requests` holds what came in."""
 
     def __init__(self) -> None:
@@ -98,21 +118,8 @@ class Standin:
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # quiet
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, args=(0.02,), name="standin-model", daemon=True
-        )
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1"
-
-    def __enter__(self) -> Standin:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        super().__init__("127.0.0.1", Handler, "standin-model")
+        self.url = f"http://127.0.0.1:{self.port}/v1"
 
     def script(self, *replies: Responder) -> None:
         """Queue replies, one per request in order."""

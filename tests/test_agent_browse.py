@@ -7,10 +7,9 @@ from __future__ import annotations
 import gzip
 import ipaddress
 import socket
-import threading
 import tracemalloc
 from collections.abc import Iterator, Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,12 @@ from devd.agent.profiles import Profile
 from devd.agent.tools import Result, browse
 from tests.agents import SECRET, agents_toml, run_turn
 from tests.harness import InProcess
-from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (the fixture)
+from tests.standin_model import Scripted, Served, Standin, standin_fixture  # noqa: F401 (the fixture)
 
 REFUSAL = "Browse reaches only public addresses unless the agent's profile allows private ones"
 
 
-class Pages:
+class Pages(Served):
     """A page server on one loopback address. `pages` maps a path to its text, to bytes (served as a PNG), or to
     `redirect:LOCATION`; `encoded` a path to (Content-Encoding, body), a text page sent so; `hosts` holds the Host
     header of each request, in order; `encodings` the Accept-Encoding of each."""
@@ -49,20 +48,8 @@ class Pages:
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # quiet
 
-        self._server = ThreadingHTTPServer((address, 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True)
-        self.origin = f"http://{address}:{self._server.server_address[1]}"
-        self.port = self._server.server_address[1]
-
-    def __enter__(self) -> Pages:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        super().__init__(address, Handler, "pages")
+        self.origin = f"http://{address}:{self.port}"
 
     def _serve(self, h: BaseHTTPRequestHandler) -> None:
         self.hosts.append(h.headers.get("Host", ""))
