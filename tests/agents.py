@@ -97,6 +97,11 @@ def next_notice(c: Client, method: str) -> Reply:
             return notice
 
 
+def stalled(c: Client) -> str:
+    """Why the watched session stalled, from its next `session/stalled` notice."""
+    return str(next_notice(c, "session/stalled").params["why"])
+
+
 def until_done(c: Client, turn: int) -> list[Reply]:
     """The notices c receives (it watches the session) up to the step that answers the turn's Done."""
     seen = []

@@ -39,7 +39,7 @@ from devd.agent.spend import Usage as SpendUsage
 from devd.agent.spend import estimate_tokens
 from devd.client import Client
 from devd.messages import Agent, Call, Cancel, Dispatch, Event, Exec, Message, Read, Reply, Tool, Write
-from tests.agents import SECRET, Agentd, agentd, next_notice, run_turn, watch_raw
+from tests.agents import SECRET, Agentd, agentd, next_notice, run_turn, stalled, watch_raw
 from tests.standin_model import Scripted, Standin, check_request, standin_fixture
 
 __all__ = ["agentd", "standin_fixture"]  # the fixtures
@@ -812,11 +812,6 @@ async def test_a_cancelled_attempt_is_charged_the_request_and_what_streamed(
 # -- through the daemon -------------------------------------------------------------------------------------------
 
 
-def _stalled(ui: Client) -> str:
-    notice = next_notice(ui, "session/stalled")
-    return str(notice.params["why"])
-
-
 def _traced(c: Client, session: str, count: int) -> list[dict[str, Any]]:
     """The session's trace records, once there are `count` (they are written after the step that ends a call)."""
     deadline = time.monotonic() + 30
@@ -843,7 +838,7 @@ def test_a_key_ending_in_cr_stalls_the_session_naming_its_variable_and_shows_the
         session = agentd.session(c)
         watch_raw(ui, session)
         c.prompt(session, "hello")
-        why = _stalled(ui)
+        why = stalled(ui)
         shown = [why, str(c.list().sessions[0].stalled), str(c.call("session/trace", {"session": session})), str(logs)]
     assert (why, [SECRET in text for text in shown], agentd.standin.count) == (
         f"the model cannot be reached: model server {agentd.standin.url}: the API key in DEVD_TEST_KEY (api_key_env "
@@ -861,7 +856,7 @@ def test_a_key_the_server_echoes_is_in_no_stall_trace_or_log(agentd: Agentd) -> 
         session = agentd.session(c)
         watch_raw(ui, session)
         c.prompt(session, "hello")
-        why = _stalled(ui)
+        why = stalled(ui)
         [record] = _traced(c, session, 1)
         listed = str(c.list().sessions[0].stalled)
     assert (why, record["error"], SECRET in listed + str(logs)) == (
@@ -879,7 +874,7 @@ def test_every_attempt_of_a_stream_cut_short_is_charged_and_the_usage_is_their_s
         session = agentd.session(c)
         watch_raw(ui, session)
         c.prompt(session, "hello")
-        _stalled(ui)
+        stalled(ui)
         records = _traced(c, session, 4)
         usage = _usage(c, session)
     request = _request_tokens(agentd.standin)

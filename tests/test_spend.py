@@ -10,22 +10,13 @@ import time
 from pathlib import Path
 
 from devd.agent.spend import MAX_TOKENS_DEFAULT, estimate_tokens
-from devd.client import Client
 from devd.messages import Agent, Message
-from tests.agents import NOTICE_TIMEOUT_S, SECRET, agents_toml, run_turn, start, until_done, watch_raw
+from tests.agents import NOTICE_TIMEOUT_S, SECRET, agents_toml, run_turn, stalled, start, until_done, watch_raw
 from tests.daemon import Daemon
 from tests.postgres import postgres, postgres_url  # noqa: F401  (the fixtures)
 from tests.standin_model import Scripted, Standin, standin_fixture
 
 __all__ = ["standin_fixture"]
-
-
-def stalled(c: Client) -> str:
-    """Why the watched session stalled, from its `session/stalled` notice."""
-    while True:
-        notice = c.wait_notification(NOTICE_TIMEOUT_S)
-        if notice.method == "session/stalled":
-            return str(notice.params["why"])
 
 
 def test_a_restart_keeps_the_days_spend_of_a_closed_session_so_the_ceiling_still_refuses(
