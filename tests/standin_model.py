@@ -73,6 +73,24 @@ class Recorded:
     body: Any
 
 
+def serve_page(h: BaseHTTPRequestHandler, pages: dict[str, str | bytes]) -> None:
+    """Answer a GET from `pages`: a path's text, its bytes (as a PNG), a 302 to LOCATION for `redirect:LOCATION`, or
+    404 for a path it does not hold."""
+    page = pages.get(h.path)
+    if isinstance(page, str) and page.startswith("redirect:"):
+        h.send_response(302)
+        h.send_header("Location", page.removeprefix("redirect:"))
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+        return
+    data = page if isinstance(page, bytes) else (page if page is not None else f"no page {h.path}").encode()
+    h.send_response(200 if page is not None else 404)
+    h.send_header("Content-Type", "image/png" if isinstance(page, bytes) else "text/plain; charset=utf-8")
+    h.send_header("Content-Length", str(len(data)))
+    h.end_headers()
+    h.wfile.write(data)
+
+
 class Served:
     """An HTTP server of `handler` on `address` (at a free port, `port`), run on a thread of its own from the start of
     a `with` to its end."""
@@ -138,18 +156,7 @@ class Standin(Served):
     # -- serving ---------------------------------------------------------------------------------------------------
 
     def _page(self, h: BaseHTTPRequestHandler) -> None:
-        page = self.pages.get(h.path)
-        if isinstance(page, str) and page.startswith("redirect:"):
-            h.send_response(302)
-            h.send_header("Location", str(page).removeprefix("redirect:"))
-            h.send_header("Content-Length", "0")
-            return h.end_headers()
-        data = page if isinstance(page, bytes) else (page if page is not None else f"no page {h.path}").encode()
-        h.send_response(200 if page is not None else 404)
-        h.send_header("Content-Type", "image/png" if isinstance(page, bytes) else "text/plain; charset=utf-8")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
+        serve_page(h, self.pages)
 
     def _serve(self, h: BaseHTTPRequestHandler) -> None:
         length = int(h.headers.get("Content-Length") or 0)

@@ -22,7 +22,7 @@ from devd.agent.profiles import Profile
 from devd.agent.tools import Result, browse
 from tests.agents import SECRET, agents_toml, run_turn
 from tests.harness import InProcess
-from tests.standin_model import Scripted, Served, Standin, standin_fixture  # noqa: F401 (the fixture)
+from tests.standin_model import Scripted, Served, Standin, serve_page, standin_fixture  # noqa: F401 (the fixture)
 
 REFUSAL = "Browse reaches only public addresses unless the agent's profile allows private ones"
 
@@ -63,18 +63,7 @@ class Pages(Served):
             h.end_headers()
             h.wfile.write(body)
             return
-        page = self.pages.get(h.path)
-        if isinstance(page, str) and page.startswith("redirect:"):
-            h.send_response(302)
-            h.send_header("Location", page.removeprefix("redirect:"))
-            h.send_header("Content-Length", "0")
-            return h.end_headers()
-        data = page if isinstance(page, bytes) else (page if page is not None else f"no page {h.path}").encode()
-        h.send_response(200 if page is not None else 404)
-        h.send_header("Content-Type", "image/png" if isinstance(page, bytes) else "text/plain; charset=utf-8")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
+        serve_page(h, self.pages)
 
 
 @pytest.fixture
