@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, Protocol
+from unicodedata import category
 
 import msgspec
 from msgspec import Meta, Raw
@@ -158,6 +159,8 @@ class SessionParams(_Params, frozen=True):
 
 CLIENT_NAME_CHARS_MAX = 64
 CLIENT_NAME_FORGING = frozenset("()[]{}<>")  # `by` is `NAME (ORIGIN)`: a name with these could write an origin
+# and any other opening or closing bracket (Unicode's Ps and Pe: `（` U+FF08, `﹙`, `⁽`), which reads as one
+_BRACKETS = ("Ps", "Pe")
 
 
 def client_name_problem(name: str) -> str | None:
@@ -166,7 +169,8 @@ def client_name_problem(name: str) -> str | None:
     origin is written in: else a client could write a second origin, or a line, of its choosing."""
     if not name or len(name) > CLIENT_NAME_CHARS_MAX:
         return f"it has {len(name)} characters"
-    bad = next((c for c in name if not c.isprintable() or c in CLIENT_NAME_FORGING), None)
+    forging = (c for c in name if not c.isprintable() or c in CLIENT_NAME_FORGING or category(c) in _BRACKETS)
+    bad = next(forging, None)
     return None if bad is None else f"it holds {bad!r}"
 
 

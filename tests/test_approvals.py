@@ -255,6 +255,8 @@ def test_a_client_name_that_could_forge_who_decided_is_refused_at_initialize(age
         ("a\u202eb", "it holds '\\u202e'"),
         ("a [b]", "it holds '['"),
         ("a <b>", "it holds '<'"),
+        ("alice \uff08uid 0, pid 1\uff09", "it holds '\uff08'"),
+        ("a \u207db\u207e", "it holds '\u207d'"),
     ],
 )
 def test_a_client_name_is_one_short_printable_line_without_brackets(name: str, problem: str | None) -> None:
