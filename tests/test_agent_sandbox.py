@@ -110,6 +110,19 @@ def test_a_command_of_a_daemon_not_run_as_root_cannot_make_a_user_namespace(outs
     assert (done.stdout, done.stderr) == ("unshare: unshare failed: No space left on device\n1\n", "")
 
 
+def test_a_command_of_a_daemon_not_run_as_root_writes_run_only_up_to_tmp_bytes_max(outside: Path) -> None:
+    """/run is a fresh tmpfs the command's user owns under a daemon not run as root (played by nobody, as above): an
+    unsized one took as much memory as the host's tmpfs default (half of it), past `tmp_bytes_max` (an attack)."""
+    root = os.geteuid() == 0
+    box = Sandbox(bwrap=sandbox().bwrap, userns_closed=True) if root else sandbox()
+    script = "head -c 2097152 /dev/zero > /run/fill; echo $?"
+    bounds = limits(profile(outside, tmp_bytes_max=1 << 20))
+    command = box.wrap(["sh", "-c", script], outside, False, command_env(outside), limits=bounds)
+    as_daemon = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if root else []
+    done = subprocess.run([*as_daemon, *command], cwd=outside, capture_output=True, text=True, timeout=60, check=False)
+    assert (done.stdout, done.stderr) == ("1\n", "head: error writing 'standard output': No space left on device\n")
+
+
 @pytest.fixture
 def bus() -> Iterator[Path]:
     """A socket anyone may connect to in the host's /run, where the session bus ($XDG_RUNTIME_DIR/bus) and systemd's

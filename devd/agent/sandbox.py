@@ -2,15 +2,15 @@
 command under `sandbox = "none"`.
 
 Under `wrap`, a command sees the whole file system read-only, its workspace writable, a private `/tmp` of at most
-`tmp_bytes_max`, an empty `/run` (the host's holds the sockets of the session bus and of systemd's user manager in
-/run/user/UID, whose `systemd-run --user` would run anything outside the sandbox, and the system bus's; with `network =
-true`, the resolver's files in it are kept), fresh `/dev` and `/proc` (with `/proc/sys` and `/proc/sysrq-trigger`
-read-only: bubblewrap's fresh /proc leaves every sysctl writable), new pid, ipc and uts namespaces (it cannot see or
-signal anything outside), no network unless the profile says `network = true` (a new network namespace has only its own
-loopback), no capabilities even when the daemon runs as root (`--cap-drop ALL`: none to undo the rest with), and no
-terminal to push input into (`--new-session`). It dies with its parent (`--die-with-parent`), so killing bwrap ends the
-command and everything it started. Reads are not restricted, as in Codex's Linux sandbox. `.git` stays writable because
-Git is one of the tools.
+`tmp_bytes_max`, an empty `/run` of that size too (the host's holds the sockets of the session bus and of systemd's user
+manager in /run/user/UID, whose `systemd-run --user` would run anything outside the sandbox, and the system bus's; with
+`network = true`, the resolver's files in it are kept), fresh `/dev` and `/proc` (with `/proc/sys` and
+`/proc/sysrq-trigger` read-only: bubblewrap's fresh /proc leaves every sysctl writable), new pid, ipc and uts namespaces
+(it cannot see or signal anything outside), no network unless the profile says `network = true` (a new network namespace
+has only its own loopback), no capabilities even when the daemon runs as root (`--cap-drop ALL`: none to undo the rest
+with), and no terminal to push input into (`--new-session`). It dies with its parent (`--die-with-parent`), so killing
+bwrap ends the command and everything it started. Reads are not restricted, as in Codex's Linux sandbox. `.git` stays
+writable because Git is one of the tools.
 
 Nested user namespaces: in a user namespace of its own a command holds every capability over what it makes there
 (mounts, network namespaces), never over the host's files, but with the kernel code that opens to it. A command of a
@@ -171,7 +171,7 @@ def wrap(
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *_PROC_READ_ONLY]
     # /tmp is everyone's, as on the host: the command may run as a user other than the one that made it.
     args += ["--perms", "1777", *(["--size", str(limits.tmp_bytes)] if limits else []), "--tmpfs", "/tmp"]
-    args += _fresh_run(network)
+    args += _fresh_run(network, limits)
     base = next((Path(d) for d in _FRESH if workspace.is_relative_to(d)), veil)
     if base == veil and veil is not None:
         args += ["--perms", "0755", "--tmpfs", str(veil)]
@@ -213,12 +213,14 @@ _FRESH = ("/tmp", "/run")
 _RESOLVER = "/run/systemd/resolve"
 
 
-def _fresh_run(network: bool) -> list[str]:
+def _fresh_run(network: bool, limits: Limits | None) -> list[str]:
     """An empty /run (and /var/run, where it is a directory rather than a link to /run), with, given `network`, the
-    resolver's files of it: /etc/resolv.conf is a link into /run on many systems."""
-    args = ["--perms", "0755", "--tmpfs", "/run"]
+    resolver's files of it: /etc/resolv.conf is a link into /run on many systems. Sized as /tmp is: under a daemon
+    not run as root the command's user owns it, and an unsized tmpfs takes up to half the host's memory."""
+    size = ["--size", str(limits.tmp_bytes)] if limits else []
+    args = ["--perms", "0755", *size, "--tmpfs", "/run"]
     if not os.path.islink("/var/run") and os.path.isdir("/var/run"):
-        args += ["--perms", "0755", "--tmpfs", "/var/run"]
+        args += ["--perms", "0755", *size, "--tmpfs", "/var/run"]
     if network:
         args += ["--ro-bind-try", _RESOLVER, _RESOLVER]
         resolv = os.path.realpath("/etc/resolv.conf")
