@@ -14,8 +14,10 @@ What it promises:
 - a session keeps its newest TRACE_RECORDS_KEPT trace records (older ones go, TRACE_TRIM_EVERY at a time), read a
   page at a time by their number in the record log.
 
-The runner calls `gate` before a call starts, `admit`/`settle` around a model call and `trace` after every attempt
-and run; the wire's methods call `answer`, `withdraw`, `usage`, `traces` and `set_budget`.
+The runner calls `gate` before a call starts (`withdraw` when a Cancel ends the wait), carries a model call in a
+`ModelCall` (`admit` before it is sent, `attempt` for each attempt, `again` before a retry, `done` or `cancelled` at
+its end: it calls `admit`, `settle` and `trace` here) and `trace` after every tool run; the wire's methods call
+`answer`, `usage`, `traces`, `set_budget`, `awaiting` and `announcements`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from devd.protocol import TRACE_PAGE, ApprovalNotice, DecidedNotice, Outcome, Re
 from devd.storage.store import Record, StoreError, Tally
 
 if TYPE_CHECKING:
-    from devd.agent.model import Attempt, Completion
+    from devd.agent.model import Attempt
 
 TRACE_RECORDS_KEPT = 10_000  # a session's newest trace records kept; older ones go
 TRACE_TRIM_EVERY = 1_000  # trace records kept between two trims of a session's
@@ -416,9 +418,9 @@ class ModelCall(msgspec.Struct):
         refusal = await self.admit()
         return None if refusal is None else refusal.message
 
-    async def done(self, completion: Completion | None) -> None:
-        """The call is over: answered (`completion`), or not (None: it failed, or was withdrawn by a Cancel). Every
-        attempt is charged what the model driver says it cost (a stream cut short, a cancelled one, included)."""
+    async def done(self) -> None:
+        """The call is over, answered or not (it failed, or was withdrawn by a Cancel): every attempt is traced and
+        charged what the model driver says it cost (a stream cut short, a cancelled one, included)."""
         # One after the other, in order: each on disk before the next, so that what a crash leaves is a prefix.
         try:
             for number, attempt in enumerate(self.attempts, start=1):
@@ -431,7 +433,7 @@ class ModelCall(msgspec.Struct):
         charged and traced as `done` does, shielded and within RELEASE_S; a store that cannot meanwhile is let be,
         and the daemon that starts again releases the reservation (what streamed then goes uncharged)."""
         with anyio.move_on_after(RELEASE_S, shield=True), contextlib.suppress(StoreError, HandleError):
-            await self.done(None)
+            await self.done()
 
     async def _settle(self) -> None:
         """Charge the attempts not charged yet, releasing the reservation with them."""

@@ -648,7 +648,7 @@ class Driver(msgspec.Struct, eq=False):
                 try:
                     completion = await self._guarded(action.id, ask_model)
                 except ModelUnavailable as e:
-                    await accounted.done(None)
+                    await accounted.done()
                     await self._stalled(
                         action.id, f"the model cannot be reached: {e.why}; `session/resume` tries again"
                     )
@@ -657,10 +657,10 @@ class Driver(msgspec.Struct, eq=False):
                     await accounted.cancelled()
                     raise
                 if completion is None:
-                    await accounted.done(None)
+                    await accounted.done()
                     return []
                 reply, rejected = _capped(profile, completion)
-                await accounted.done(completion)  # durable before the answer: every step has its records already
+                await accounted.done()  # durable before the answer: every step has its records already
                 if rejected:
                     again = reply.calls is None and attempt < REASKS_MAX
                     text = reply.text if again else None
