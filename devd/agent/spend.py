@@ -5,7 +5,8 @@ Pure (no I/O, no clock: the day is given): the counters themselves are kept by t
 by another daemon spends nothing twice. A call is admitted only if, for every ceiling that applies, what is spent plus
 what is reserved by calls in flight plus this call's own reservation (the estimate of its request plus its
 `max_tokens`, MAX_TOKENS_DEFAULT when the profile sets none) stays within the limit; the reservation is held until the
-call settles (its usage charged) or is released (it failed, nothing charged). A reservation covers one attempt: a
+call settles (what its attempts used charged, a cut or cancelled one's too) or is released (the server took none of
+its attempts, so nothing is charged). A reservation covers one attempt: a
 call is reserved again before each retry, what its attempts so far cost charged first. So calls running at once, in
 one session or in many sessions of a profile, in one daemon or in several, cannot pass a ceiling together: the second
 is refused while the first holds its share. A refusal changes nothing but the session's `refused` count.
