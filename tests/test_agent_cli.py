@@ -164,6 +164,22 @@ def test_a_write_to_a_link_out_of_the_workspace_shows_none_of_its_target_and_say
     ]
 
 
+def test_a_write_to_a_hard_link_shows_none_of_the_file_it_is_a_link_to(tmp_path: Path) -> None:
+    """A command can hard-link /etc/shadow into the workspace where fs.protected_hardlinks is 0 (the kernel's
+    default): a regular file inside, whose lines the approval showed as the diff."""
+    (tmp_path / "secret").write_text("root:hash\n")
+    (tmp_path / "ws").mkdir()
+    os.link(tmp_path / "secret", tmp_path / "ws" / "z")
+    assert approval_lines(write_of("z"), str(tmp_path / "ws"))[1:] == [
+        "  (no old content shown: it has 2 hard links, and may be one to a file outside the workspace; the write "
+        "replaces this name alone with a new file)",
+        "  --- a/z",
+        "  +++ b/z",
+        "  @@ -0,0 +1 @@",
+        "  +x",
+    ]
+
+
 def test_a_write_over_a_fifo_shows_without_waiting_that_it_replaces_a_fifo(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "pipe")
     assert approval_lines(write_of("pipe"), str(tmp_path))[1] == (

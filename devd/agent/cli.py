@@ -398,9 +398,9 @@ def replaced(workspace: str | None, path: str) -> tuple[bytes, str | None]:
     nothing was read when it was not. The file is reached as the Write tool reaches it (`devd.agent.tools`: the
     workspace, as the session's binding names it, opened from / without following a link; the path resolved inside
     it, then opened from it one directory at a time without following a link), and read only when it is a regular
-    file (opened without following a link or waiting, and checked again once open): a path the Write tool would
-    refuse, a link out of the workspace, a FIFO or a device is never read. `devd run` runs where the daemon does, as
-    a person who may read less (or more) than it: what it cannot read is said so."""
+    file of one link (opened without following a link or waiting, and checked again once open): a path the Write
+    tool would refuse, a link out of the workspace, a hard link, a FIFO or a device is never read. `devd run` runs
+    where the daemon does, as a person who may read less (or more) than it: what it cannot read is said so."""
     if workspace is None:
         return b"", "the session's workspace is not known here"
     try:
@@ -420,18 +420,32 @@ def replaced(workspace: str | None, path: str) -> tuple[bytes, str | None]:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)  # a device is never opened, even to be checked
         except FileNotFoundError:
             return b"", None
-        if not stat.S_ISREG(st.st_mode):
-            return b"", _not_regular(st.st_mode)
+        if (unshown := _unshown(st)) is not None:
+            return b"", unshown
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         return b"", f"it cannot be read here: {e.strerror or e}"
     finally:
         os.close(dir_fd)
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):  # made something else between the look and the open
-            return b"", _not_regular(st.st_mode)
+        # made something else between the look and the open
+        if (unshown := _unshown(os.fstat(f.fileno()))) is not None:
+            return b"", unshown
         return f.read(DIFF_BYTES_MAX + 1), None
+
+
+def _unshown(st: os.stat_result) -> str | None:
+    """Why a file is not read for a diff, or None: it is not a regular file, or it has more than one link, when it
+    may be a hard link a command made to a file outside the workspace (/etc/shadow, where fs.protected_hardlinks
+    is 0), which a link followed or not would show alike."""
+    if not stat.S_ISREG(st.st_mode):
+        return _not_regular(st.st_mode)
+    if st.st_nlink > 1:
+        return (
+            f"it has {st.st_nlink} hard links, and may be one to a file outside the workspace; the write replaces "
+            "this name alone with a new file"
+        )
+    return None
 
 
 def _not_regular(mode: int) -> str:
