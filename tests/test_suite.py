@@ -100,3 +100,29 @@ def test_hung_tests_fail_a_parallel_run_within_their_timeout_and_a_minute(tmp_pa
         [("test_hangs.py::test_sleeps", "Timeout"), ("test_hangs.py::test_stuck_where_no_signal_reaches", "crash")],
         True,
     ), done.stdout
+
+
+GROUPED = """
+import os
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("together")
+
+
+@pytest.mark.parametrize("n", range(6))
+def test_notes_its_worker(n):
+    with open(f"{n}.worker", "w") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"])
+"""
+
+
+def test_tests_of_one_xdist_group_run_on_one_worker(tmp_path: Path) -> None:
+    """`make test`'s scheduling (--dist loadgroup) keeps a group on one worker, as tests/test_typescript.py needs (its
+    tests share node_modules and dist/): with pytest 9.2 and pytest-xdist 3.8 every group was ignored."""
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    argv = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "-q"]
+    argv += ["-n", "3", "--dist", "loadgroup", "test_grouped.py"]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    workers = {path.read_text() for path in tmp_path.glob("*.worker")}
+    assert (done.returncode, len(list(tmp_path.glob("*.worker"))), len(workers)) == (0, 6, 1), done.stdout
