@@ -25,8 +25,9 @@ import msgspec
 
 from devd import log
 from devd.agent.approvals import Answer, call_of
+from devd.agent.kinds import decide
 from devd.agent.oversight import Gate, Oversight
-from devd.agent.profiles import Profile, decide
+from devd.agent.profiles import Profile
 from devd.agent.spend import Refusal, Reservation, Usage
 from devd.config import Settings
 from devd.host import Core

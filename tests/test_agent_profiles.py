@@ -8,13 +8,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from devd.agent.kinds import decide
 from devd.agent.profiles import (
     Budget,
     Profile,
     Rule,
     api_key,
     check_workspace,
-    decide,
     default_agents_path,
     load_profiles,
 )

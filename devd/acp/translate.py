@@ -42,11 +42,12 @@ from devd.acp.wire import (
     Update,
     UserMessageChunk,
 )
+from devd.agent import kinds
 from devd.client import ActionsNotice
 from devd.deltas import Stream
 from devd.messages import Call as CoreCall
 from devd.messages import Message, Op, Output
-from devd.render import argv, inline
+from devd.render import inline
 
 StopReason = Literal["end_turn", "cancelled"]
 
@@ -148,20 +149,12 @@ def call_of(action: int, op: Op, workspace: str | None) -> Call | None:
         full = os.path.normpath(os.path.join(workspace, path)) if workspace else path
         return [Location(full)]
 
-    if op.Exec is not None:
-        return Call(action, "execute", argv(op.Exec.argv), None, {"argv": op.Exec.argv}, asked=True)
-    if op.Git is not None:
-        return Call(action, "execute", argv(["git", *op.Git.argv]), None, {"argv": op.Git.argv}, asked=True)
-    if op.Read is not None:
-        return Call(action, "read", inline(op.Read.path), where(op.Read.path), {"path": op.Read.path})
-    if op.Write is not None:
-        path = op.Write.path
-        return Call(action, "edit", inline(path), where(path), {"path": path}, new_text=op.Write.text, asked=True)
-    if op.Browse is not None:
-        return Call(action, "fetch", inline(op.Browse.url), None, {"url": op.Browse.url})
-    if op.Tool is not None:
-        return Call(action, "other", inline(op.Tool.name), None, {"input": msgspec.json.decode(op.Tool.input)})
-    return None
+    found = kinds.of(op)
+    if found is None:
+        return None
+    shown = found[0].shown(found[1])
+    locations = None if shown.path is None else where(shown.path)
+    return Call(action, shown.kind, shown.title, locations, shown.raw_input, new_text=shown.new_text, asked=shown.asked)
 
 
 def _text(text: str) -> list[ToolContent]:
@@ -175,10 +168,7 @@ def _result_content(call: Call, output: Output) -> list[ToolContent]:
 
 
 def _output(event: Any) -> Output | None:
-    for member in (event.Exec, event.File, event.Git, event.Browse, event.Tool):
-        if member is not None:
-            return member  # type: ignore[no-any-return]
-    return None
+    return kinds.result_of(event)
 
 
 # -- one session ---------------------------------------------------------------------------------------------------
@@ -364,7 +354,7 @@ def replay(session: str, workspace: str | None, history: list[ActionsNotice]) ->
 
 
 def _op(call: CoreCall) -> Op:
-    return Op(Exec=call.Exec, Read=call.Read, Write=call.Write, Git=call.Git, Browse=call.Browse, Tool=call.Tool)
+    return Op(**{kind.member: kind.of(call) for kind in kinds.KINDS})
 
 
 def transcript_updates(messages: Any, workspace: str | None) -> list[Update]:

@@ -2,8 +2,9 @@
 
 Building blocks, each self-contained: `profiles` (agents.toml and the policy it sets), `http` (the one home of
 httpx), `model` (the OpenAI-compatible chat-completions driver, streamed), `tools` (Read, Write, Exec, Git, Browse,
-confined to a session's workspace), `sandbox` (bubblewrap, and the containment of `sandbox = "none"`) and `runas`
-(who a command runs as).
+confined to a session's workspace), `kinds` (one module per kind of tool call, in one table: what the model is
+offered, how the policy decides it, what is shown of it, how it is carried out), `sandbox` (bubblewrap, and the
+containment of `sandbox = "none"`) and `runas` (who a command runs as).
 
 Where bubblewrap is missing or cannot start
 -------------------------------------------

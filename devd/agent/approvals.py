@@ -23,7 +23,8 @@ from typing import Literal
 
 import msgspec
 
-from devd.agent import wrappers
+from devd.agent import kinds, wrappers
+from devd.agent.kinds.base import Subject
 from devd.errors import ConflictError, InvalidParamsError
 from devd.messages import Call, Op
 from devd.protocol import Remember, Remembered
@@ -114,29 +115,19 @@ def _raw(value: object) -> object:
 
 
 def call_of(op: Op) -> Call | None:
-    """The call an op asks for (None for Model, Emit, Save, Done)."""
-    if op.Exec is not None:
-        return Call(Exec=op.Exec)
-    if op.Write is not None:
-        return Call(Write=op.Write)
-    if op.Git is not None:
-        return Call(Git=op.Git)
-    if op.Read is not None:
-        return Call(Read=op.Read)
-    if op.Browse is not None:
-        return Call(Browse=op.Browse)
-    return None
+    """The call an op asks for that the policy decides (None for Model, Emit, Save, Done, and a kind answered at
+    once: `Kind.gated`)."""
+    found = kinds.of(op)
+    if found is None or not found[0].gated:
+        return None
+    kind, member = found
+    return Call(**{kind.member: member})
 
 
-def _subject(op: Op) -> tuple[Literal["argv", "path"], tuple[str, ...]] | None:
-    """What a remembered decision is about: an argv (Git's as `git ...`) or a Write's path."""
-    if op.Exec is not None:
-        return "argv", tuple(op.Exec.argv)
-    if op.Git is not None:
-        return "argv", ("git", *op.Git.argv)
-    if op.Write is not None:
-        return "path", (op.Write.path,)
-    return None
+def _subject(op: Op) -> Subject | None:
+    """What a remembered decision is about: an argv (Git's as `git ...`) or a Write's path (`Kind.remembered`)."""
+    found = kinds.of(op)
+    return None if found is None else found[0].remembered(found[1])
 
 
 class Ledger(msgspec.Struct):

@@ -39,7 +39,8 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from devd.agent import tools
+from devd.agent import kinds, tools
+from devd.agent.kinds.base import LINE_CHARS_MAX
 from devd.client import ActionsNotice, AsyncClient, Notice, UnwatchedNotice
 from devd.errors import BusyError, ConflictError, HandleError
 from devd.messages import Action, Cancel, Event, Op, Output
@@ -56,13 +57,12 @@ DIFF_CONTEXT = 3  # unchanged lines shown around a change, while the diff fits i
 # their product when changes are many (30,000 lines, every third changed: 154 s; 2,000: 0.25 s).
 DIFF_COMPARED_LINES_MAX = 2000
 DIFF_BYTES_MAX = 256 * 1024  # of the file a write's diff reads, and characters of the text it compares
-LINE_CHARS_MAX = 1000  # of a command, path, URL or reason shown (13 rows of 80 columns); a longer one is shortened
 DIFF_LINE_CHARS_MAX = 320  # of one line of a diff shown (4 rows of 80 columns)
 PROGRESS_EVERY_S = 0.25
 
 
 def _result(event: Event) -> Output | None:
-    return event.Exec or event.File or event.Git or event.Browse or event.Tool
+    return kinds.result_of(event)
 
 
 def call_line(action: Action) -> str | None:
@@ -74,19 +74,8 @@ def call_line(action: Action) -> str | None:
 
 
 def _whole_line(op: Op) -> str | None:
-    if op.Exec is not None:
-        return "$ " + argv(op.Exec.argv)
-    if op.Git is not None:
-        return "$ " + argv(["git", *op.Git.argv])
-    if op.Read is not None:
-        return f"read {inline(op.Read.path)}"
-    if op.Write is not None:
-        return f"write {inline(op.Write.path)} ({len(op.Write.text.encode(errors='surrogatepass'))} bytes)"
-    if op.Browse is not None:
-        return f"browse {inline(op.Browse.url)}"
-    if op.Tool is not None:
-        return f"tool {inline(op.Tool.name)}"
-    return None
+    found = kinds.of(op)
+    return None if found is None else found[0].line(found[1])
 
 
 def _lines(text: str) -> list[str]:
@@ -469,16 +458,10 @@ def decision_of(answer: str) -> tuple[Literal["allow", "deny"], Remember | Liter
 
 def prompt_line(notice: ApprovalNotice) -> str:
     """The question an approval is asked with, saying what `a` (and, for a command, `p`) would remember."""
-    op = notice.op
-    if op.Exec is not None or op.Git is not None:
-        return (
-            f"allow action {notice.action}? [y/N/a/p] (a: always, this exact command; p: always, also followed by "
-            'more words not starting with "-") '
-        )
-    if op.Write is not None:
-        path = brief(inline(op.Write.path), LINE_CHARS_MAX)
-        return f"allow action {notice.action}? [y/N/a] (a: always, writes to {path}) "
-    return f"allow action {notice.action}? [y/N] "
+    found = kinds.of(notice.op)
+    if found is None:
+        return f"allow action {notice.action}? [y/N] "
+    return found[0].prompt(notice.action, found[1])
 
 
 def _kept(notice: DecidedNotice) -> str:

@@ -33,67 +33,9 @@ from urllib.parse import urlsplit
 import anyio
 import msgspec
 
-from devd.agent import http, spend
+from devd.agent import http, kinds, spend
 from devd.agent.profiles import Profile, api_key, shown_url
-from devd.messages import Browse, Call, Exec, Git, Message, Read, Reply, Write
-
-# The core's call kinds as the model sees them: name -> (the Call member, its Struct, what its arguments look like).
-_CALLS: dict[str, tuple[str, type[msgspec.Struct], str]] = {
-    "exec": ("Exec", Exec, '{"argv": ["command", "arg", ...]}'),
-    "read": ("Read", Read, '{"path": "relative/path"}'),
-    "write": ("Write", Write, '{"path": "relative/path", "text": "the whole new content"}'),
-    "git": ("Git", Git, '{"argv": ["status"]} (the arguments after "git")'),
-    "browse": ("Browse", Browse, '{"url": "https://..."}'),
-}
-_ARGV = {"type": "array", "items": {"type": "string"}}
-_PATH = {"type": "string", "description": "a path relative to the workspace"}
-TOOLS: dict[str, dict[str, Any]] = {
-    "exec": {
-        "description": "Run a command in the workspace (no shell: argv[0] is the program). Returns its output.",
-        "parameters": {
-            "type": "object",
-            "properties": {"argv": {**_ARGV, "minItems": 1, "description": "the program and its arguments"}},
-            "required": ["argv"],
-            "additionalProperties": False,
-        },
-    },
-    "read": {
-        "description": "Read a text file of the workspace.",
-        "parameters": {
-            "type": "object",
-            "properties": {"path": _PATH},
-            "required": ["path"],
-            "additionalProperties": False,
-        },
-    },
-    "write": {
-        "description": "Write a text file of the workspace whole (created, or replaced), creating its directories.",
-        "parameters": {
-            "type": "object",
-            "properties": {"path": _PATH, "text": {"type": "string", "description": "the file's whole content"}},
-            "required": ["path", "text"],
-            "additionalProperties": False,
-        },
-    },
-    "git": {
-        "description": "Run git in the workspace with these arguments (without the leading 'git').",
-        "parameters": {
-            "type": "object",
-            "properties": {"argv": {**_ARGV, "description": "the arguments after git"}},
-            "required": ["argv"],
-            "additionalProperties": False,
-        },
-    },
-    "browse": {
-        "description": "Fetch a web page and return its text.",
-        "parameters": {
-            "type": "object",
-            "properties": {"url": {"type": "string", "description": "an http:// or https:// URL"}},
-            "required": ["url"],
-            "additionalProperties": False,
-        },
-    },
-}
+from devd.messages import Call, Message, Reply
 
 
 class Inserted(msgspec.Struct, frozen=True):
@@ -171,19 +113,9 @@ class Attempt(msgspec.Struct, frozen=True):
 
 
 def tool_names(profile: Profile, *, exec_available: bool) -> list[str]:
-    """The tools the model is offered: read always; exec and git when allowed and a sandbox can run them; write when
-    allowed; browse when listed."""
-    names = []
-    if profile.exec != "deny" and exec_available:
-        names.append("exec")
-    names.append("read")
-    if profile.write != "deny":
-        names.append("write")
-    if profile.exec != "deny" and exec_available:
-        names.append("git")
-    if "browse" in profile.tools:
-        names.append("browse")
-    return names
+    """The tools the model is offered, in the table's order: those whose kind offers them to this profile (read
+    always; exec and git when allowed and a sandbox can run them; write when allowed; browse when listed)."""
+    return [name for name, kind in kinds.OFFERED.items() if kind.offered(profile, exec_available=exec_available)]
 
 
 def call_id(action_id: int) -> str:
@@ -191,20 +123,23 @@ def call_id(action_id: int) -> str:
 
 
 def call_name(call: Call) -> str:
-    if call.Tool is not None:  # a generic call: the model named it itself
-        return call.Tool.name
-    for name, (member, _, _) in _CALLS.items():
-        if getattr(call, member) is not None:
-            return name
-    raise ValueError("a Call with no member")  # Call's own check forbids this
+    """The tool's name in the model's transcript (a generic call's, the name the model gave it)."""
+    kind, member = _kind(call)
+    return kind.model_name(member)
 
 
 def call_arguments(call: Call) -> str:
-    """The call's fields as the JSON text of a tool call's `arguments`."""
-    if call.Tool is not None:  # its input, as the model wrote it
-        return bytes(call.Tool.input).decode()
-    member: msgspec.Struct = getattr(call, _CALLS[call_name(call)][0])
-    return msgspec.json.encode(member).decode()
+    """The call's fields as the JSON text of a tool call's `arguments` (a generic call's input as the model wrote
+    it)."""
+    kind, member = _kind(call)
+    return kind.arguments(member)
+
+
+def _kind(call: Call) -> tuple[kinds.Kind[Any], Any]:
+    found = kinds.of(call)
+    if found is None:
+        raise ValueError("a Call with no member")  # Call's own check forbids this
+    return found
 
 
 def wire_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
@@ -274,7 +209,7 @@ def request_body(
         wire.append({"role": "system", "content": profile.system})
     wire.extend(conversation)
     tools = [
-        {"type": "function", "function": {"name": name, **TOOLS[name]}}
+        {"type": "function", "function": {"name": name, **(kinds.OFFERED[name].schema or {})}}
         for name in tool_names(profile, exec_available=exec_available)
     ]
     body: dict[str, Any] = {"model": profile.model, "messages": wire, "tools": tools}
@@ -302,10 +237,10 @@ def to_reply(completion: Completion) -> tuple[Reply, list[Rejected]]:
 
 def _call(tc: ToolCall) -> Call | str:
     """The core's Call for a tool call, or what is wrong with it."""
-    known = _CALLS.get(tc.name)
-    if known is None:
-        return f"there is no tool named {json.dumps(tc.name)}; the tools are {', '.join(_CALLS)}"
-    member, struct, shape = known
+    kind = kinds.OFFERED.get(tc.name)
+    if kind is None:
+        return f"there is no tool named {json.dumps(tc.name)}; the tools are {', '.join(kinds.OFFERED)}"
+    shape = kind.shape
     try:
         args = json.loads(tc.arguments or "{}")
     except json.JSONDecodeError as e:
@@ -313,7 +248,7 @@ def _call(tc: ToolCall) -> Call | str:
     except RecursionError:
         return f"the arguments of {tc.name} are nested too deeply to be read; {tc.name} expects {shape}"
     try:
-        msgspec.convert(args, struct, strict=True)
+        member = msgspec.convert(args, kind.struct, strict=True)
     except msgspec.ValidationError as e:
         return f"the arguments of {tc.name} do not fit ({e}); {tc.name} expects {shape}"
     try:  # an escaped lone surrogate ("\\udcff") is no character: it cannot be run, written or kept
@@ -325,9 +260,10 @@ def _call(tc: ToolCall) -> Call | str:
             f"the arguments of {tc.name} hold an escaped lone surrogate (a \\ud800-\\udfff escape not part of a "
             f"pair), which is no character; write the text as it is; {tc.name} expects {shape}"
         )
-    if member == "Exec" and not args["argv"]:
-        return f"exec needs a program to run, argv is empty; exec expects {shape}"
-    return msgspec.convert({member: args}, Call, strict=True)
+    invalid = kind.invalid(member)
+    if invalid is not None:
+        return invalid
+    return msgspec.convert({kind.member: args}, Call, strict=True)
 
 
 # -- the stream ---------------------------------------------------------------------------------------------------

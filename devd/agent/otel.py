@@ -21,10 +21,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from devd import __version__
+from devd.agent import kinds
 from devd.agent.trace import seconds
 from devd.protocol import TraceRecord
 
-TOOLS = {"exec": "exec", "read": "read", "write": "write", "git": "git", "browse": "browse"}
 PROVIDER = "openai"  # the wire every profile speaks: an OpenAI-compatible chat-completions server
 
 
@@ -55,8 +55,9 @@ class Exporter:
             if record.attempt is not None:
                 attributes["devd.attempt"] = record.attempt
         else:
-            name, kind = f"execute_tool {TOOLS[record.kind]}", SpanKind.INTERNAL
-            attributes |= {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": TOOLS[record.kind]}
+            tool = kinds.BY_NAME[record.kind].name
+            name, kind = f"execute_tool {tool}", SpanKind.INTERNAL
+            attributes |= {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": tool}
         span = self.tracer.start_span(name, kind=kind, attributes=attributes, start_time=start_ns)
         if record.outcome != "ok":
             span.set_attribute("error.type", record.outcome)

@@ -33,8 +33,9 @@ import msgspec
 
 from devd.agent import approvals, spend, trace
 from devd.agent.approvals import Answer, Asked, Decided, Ledger
+from devd.agent.kinds import decide
 from devd.agent.port import RecordLog
-from devd.agent.profiles import Budget, Profile, decide, watched
+from devd.agent.profiles import Budget, Profile, watched
 from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, Usage
 from devd.errors import HandleError
 from devd.messages import Op

@@ -23,7 +23,6 @@ import msgspec
 from devd.agent import wrappers
 from devd.config import configuration_dirs
 from devd.errors import ConfigError, InvalidParamsError
-from devd.messages import Call
 
 Decision = Literal["allow", "deny", "ask"]
 SandboxMode = Literal["auto", "bwrap", "none"]
@@ -331,29 +330,16 @@ def default_agents_path(environ: Mapping[str, str]) -> Path | None:
 # -- policy -------------------------------------------------------------------------------------------------------
 
 
-def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
-    """Whether the profile lets the call run, and why in words the model is shown. A NUL in an argument or path is
-    refused (no program can be given one: what ran would differ from what was asked). For Exec and Git the rules
-    whose prefix matches the command that runs in the end (seen through wrappers, `devd.agent.wrappers`) decide, and
-    a deny or ask rule matching a wrapper of it too, the strictest winning (deny over ask over allow); a call no rule
-    matches is decided by `exec`. A command that may run what its argv does not show (`sh -c` of more than one
-    simple command, `python -c`, a program in the workspace, a program not known to be inert given an argument that
-    names a program a deny or ask rule names) is asked about rather than allowed when the profile has a deny or ask
-    rule, unless an allow rule matches that very command (a prefix of it when its program is what cannot be seen
-    into, `wrappers.blind_by_itself`; else all of it)."""
-    refused = _nul(call)
-    if refused is not None:
-        return "deny", refused
-    if call.Read is not None:
-        return "allow", "reads are always allowed"
-    if call.Write is not None:
-        reason = f'agent {profile.name!r} has write = "{profile.write}"'
-        return profile.write, f"denied by the policy: {reason}" if profile.write == "deny" else reason
-    if call.Browse is not None:
-        if "browse" in profile.tools:
-            return "allow", f"agent {profile.name!r} lists browse in its tools"
-        return "deny", f'denied by the policy: agent {profile.name!r} does not list "browse" in its tools'
-    argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv] if call.Git is not None else []
+def decide_command(profile: Profile, argv: list[str]) -> tuple[Decision, str]:
+    """Whether the profile lets the command argv run (an Exec's, or a Git's as `git ...`), and why in words the model
+    is shown (each kind decides its calls, `devd.agent.kinds`: this is how commands are). The rules whose prefix
+    matches the command that runs in the end (seen through wrappers, `devd.agent.wrappers`) decide, and a deny or ask
+    rule matching a wrapper of it too, the strictest winning (deny over ask over allow); a command no rule matches is
+    decided by `exec`. A command that may run what its argv does not show (`sh -c` of more than one simple command,
+    `python -c`, a program in the workspace, a program not known to be inert given an argument that names a program a
+    deny or ask rule names) is asked about rather than allowed when the profile has a deny or ask rule, unless an
+    allow rule matches that very command (a prefix of it when its program is what cannot be seen into,
+    `wrappers.blind_by_itself`; else all of it)."""
     decision: Decision = profile.exec
     reason = f'agent {profile.name!r} has exec = "{profile.exec}"'
     stricter = [r for r in profile.rules if r.decision != "allow"]
@@ -394,23 +380,6 @@ def watched(profile: Profile) -> frozenset[str]:
     """The programs the profile's deny and ask rules name: an argument naming one may be a command that a program
     runs (`ssh-agent rm x`), so `devd.agent.wrappers.see` is blind at it."""
     return frozenset(wrappers.program(r.prefix[0]) for r in profile.rules if r.decision != "allow")
-
-
-def _nul(call: Call) -> str | None:
-    """Why the call is refused for a NUL in an argument or path, or None."""
-    if call.Exec is not None or call.Git is not None:
-        argv = call.Exec.argv if call.Exec is not None else call.Git.argv  # type: ignore[union-attr]
-        at = next((i for i, word in enumerate(argv) if "\0" in word), None)
-        if at is not None:
-            return (
-                f"refused: argument {at} of the command holds a NUL character, which no program can be given (what "
-                "ran would differ from what was asked); send the command without it"
-            )
-        return None
-    path = call.Read.path if call.Read is not None else call.Write.path if call.Write is not None else ""
-    if "\0" in path:
-        return "refused: the path holds a NUL character, which no file name can; send the path without it"
-    return None
 
 
 def _matches(prefix: tuple[str, ...], argv: Sequence[str]) -> bool:

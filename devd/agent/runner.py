@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -42,7 +42,7 @@ import msgspec
 import structlog
 
 from devd import failpoints
-from devd.agent import http, model, records, tools
+from devd.agent import http, kinds, model, records, tools
 from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
@@ -50,7 +50,7 @@ from devd.agent.port import Sessions, action_ids
 from devd.agent.profiles import Profile, check_workspace
 from devd.agent.records import Binding, Claim, TurnStarted
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
-from devd.messages import Action, Answer, Call, Event, Message, Output, Reply, Turn, encode
+from devd.messages import Action, Answer, Event, Message, Reply, Turn, encode
 from devd.protocol import Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
@@ -60,39 +60,16 @@ T = TypeVar("T")
 
 SCAN_ROWS = 256  # journal rows read at a time when a session's turn ids are first looked for
 REASKS_MAX = 3  # asks again after a reply whose every call was rejected, before its text is taken as the answer
-EFFECTS = ("Exec", "Write", "Git")  # what is claimed before it starts: it changes something
 INTERRUPTED = (
     "interrupted: the daemon stopped while this {what} ran, so it may have partly run; it was not run again "
     "(check the workspace before you run it again)"
 )
 CANCELLED = "cancelled: the turn was cancelled while this {what} ran{how}"
-_WHAT = {"Exec": "command", "Git": "git command", "Write": "write", "Read": "read", "Browse": "page fetch"}
 
 
 def _awaited(action: Action) -> bool:
     op = action.op
     return op.Emit is None and op.Save is None and op.Done is None
-
-
-def _call_of(action: Action) -> tuple[str, Call] | None:
-    """The action's call kind (`Exec`, `Read`, ...) and the call itself; None for a Model ask."""
-    op = action.op
-    for kind in ("Exec", "Read", "Write", "Git", "Browse"):
-        member = getattr(op, kind)
-        if member is not None:
-            return kind, Call(**{kind: member})
-    return None
-
-
-def _result(kind: str, action: int, text: str, failed: bool) -> Event:
-    output = Output(id=action, text=text, failed=failed)
-    if kind == "Exec":
-        return Event(Exec=output)
-    if kind == "Git":
-        return Event(Git=output)
-    if kind == "Browse":
-        return Event(Browse=output)
-    return Event(File=output)
 
 
 class Runtime:
@@ -353,19 +330,6 @@ class Runtime:
 _events = msgspec.json.Decoder(Event)
 
 
-def _subject(call: Call) -> str | None:
-    """What a tool run is about, for its trace record: the command (argv[0], git's subcommand) or the path."""
-    if call.Exec is not None:
-        return call.Exec.argv[0] if call.Exec.argv else None
-    if call.Git is not None:
-        return f"git {call.Git.argv[0]}" if call.Git.argv else "git"
-    if call.Read is not None:
-        return call.Read.path
-    if call.Write is not None:
-        return call.Write.path
-    return None if call.Browse is None else call.Browse.url
-
-
 def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list[model.Rejected]]:
     """The reply the core is stepped with and the calls it does not take: of the reply's tool calls, the first
     `max_calls_per_reply` are taken (those it can take); the rest are never run, answered as one: the first of them,
@@ -503,51 +467,53 @@ class Driver(msgspec.Struct, eq=False):
     async def _carry(self, profile: Profile, binding: Binding, action: Action) -> list[Action]:
         if action.op.Model is not None:
             return await self._ask(profile, action)
-        if action.op.Tool is not None:
-            # No kind of tool answers to a name yet: the call is answered as failed at once, never left waiting.
-            text = f"no tool is named {action.op.Tool.name}"
-            return await self._step(Event(Tool=Output(id=action.id, text=text, failed=True)), action.id)
-        called = _call_of(action)
+        called = kinds.of(action.op)
         if called is None:
             return []
         kind, call = called
-        what = _WHAT[kind]
-        gate = await self._gate(profile, action, call)
+        answered = kind.answered(call)
+        if answered is not None:  # answered as failed at once, never left waiting
+            return await self._step(kind.event(action.id, answered, True), action.id)
+        what = kind.what
+        gate = await self._gate(profile, action)
         if gate is None:  # withdrawn: the turn was cancelled while the call waited for a decision
             return []
         if not gate.allowed:
             await self._traced(action, kind, call, time.time(), 0.0, "denied", gate.reason)
-            return await self._step(_result(kind, action.id, gate.reason, True), action.id)
-        if kind in EFFECTS:
+            return await self._step(kind.event(action.id, gate.reason, True), action.id)
+        if kind.effect:
             if action.id in self._claims:
-                log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind)
+                log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind.member)
                 text = INTERRUPTED.format(what=what)
                 await self._traced(action, kind, call, time.time(), 0.0, "interrupted", text)
-                return await self._step(_result(kind, action.id, text, True), action.id)
-            claim = Claim(kind.lower(), self.runtime._turns.get(self.session, 0))
+                return await self._step(kind.event(action.id, text, True), action.id)
+            claim = Claim(kind.name, self.runtime._turns.get(self.session, 0))
             await self._record(records.CLAIM, action.id, records.encode(claim))
             self._claims.add(action.id)
             failpoints.hit("agent.claimed")
+        context = kinds.Context(
+            profile, lambda: self.runtime.workspace(self.session), lambda: self.runtime.sandbox(profile)
+        )
         started, t0 = time.time(), time.monotonic()
-        result = await self._guarded(action.id, lambda: self._tool(profile, binding, kind, call))
+        result = await self._guarded(action.id, lambda: kind.run(context, call))
         took = time.monotonic() - t0
-        if kind in EFFECTS:
+        if kind.effect:
             failpoints.hit("agent.done")
         if result is None:
             await self._traced(action, kind, call, started, took, "interrupted", "cancelled with its turn")
-            if kind not in EFFECTS:
+            if not kind.effect:
                 return []
-            how = "; its process group was killed" if kind in ("Exec", "Git") else ""
+            how = "; its process group was killed" if kind.kills else ""
             text = CANCELLED.format(what=what, how=how)
-            return await self._step(_result(kind, action.id, text, True), action.id)
+            return await self._step(kind.event(action.id, text, True), action.id)
         outcome: Outcome = "error" if result.failed else "ok"
         # What failed, never what the command printed: the record is exported (OTel) and shown beside others'.
         error = (result.why or result.text) if result.failed else None
-        event = _result(kind, action.id, result.text, result.failed)
+        event = kind.event(action.id, result.text, result.failed)
         await self._traced(action, kind, call, started, took, outcome, error)  # durable before the result's step
         return await self._step(event, action.id)
 
-    async def _gate(self, profile: Profile, action: Action, call: Call) -> Gate | None:
+    async def _gate(self, profile: Profile, action: Action) -> Gate | None:
         """Whether the call may start: the profile's decision, or for `ask` a client's (waited for); None when the
         approval was withdrawn because a Cancel left the action no longer pending."""
         oversight = self.runtime.oversight
@@ -557,9 +523,16 @@ class Driver(msgspec.Struct, eq=False):
         return gate
 
     async def _traced(
-        self, action: Action, kind: str, call: Call, started: float, took: float, outcome: Outcome, error: str | None
+        self,
+        action: Action,
+        kind: kinds.Kind[Any],
+        call: Any,
+        started: float,
+        took: float,
+        outcome: Outcome,
+        error: str | None,
     ) -> None:
-        record = tool_record(action.id, kind, _subject(call), started, took, outcome, error)
+        record = tool_record(action.id, kind.name, kind.subject(call), started, took, outcome, error)
         await self.runtime.oversight.trace(self.session, record)
 
     async def _stalled(self, action: int, why: str) -> None:
@@ -591,23 +564,6 @@ class Driver(msgspec.Struct, eq=False):
             return accounted
         await self._stalled(action.id, refusal.message)
         return None
-
-    async def _tool(self, profile: Profile, binding: Binding, kind: str, call: Call) -> tools.Result:
-        if call.Browse is not None:
-            return await tools.browse(call.Browse.url, profile)
-        try:
-            workspace = await self.runtime.workspace(self.session)
-        except tools.Refused as e:
-            return tools.Result(f"refused: {e.why}", failed=True)
-        if call.Read is not None:
-            return await tools.read_file(workspace, call.Read.path, profile.output_bytes_max, profile=profile)
-        if call.Write is not None:
-            return await tools.write_file(workspace, call.Write.path, call.Write.text)
-        argv = call.Exec.argv if call.Exec is not None else ["git", *call.Git.argv]  # type: ignore[union-attr]
-        confined = await self.runtime.sandbox(profile)
-        if isinstance(confined, sandboxes.Refusal):
-            return tools.Result(confined.why, failed=True)
-        return await tools.run_command(argv, workspace=workspace, profile=profile, sandbox=confined)
 
     async def _ask(self, profile: Profile, action: Action) -> list[Action]:
         assert action.op.Model is not None

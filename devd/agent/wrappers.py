@@ -2,8 +2,8 @@
 'rm x'`, `git -C . push`), and where the argv stops showing it (`python -c`, a program at a path of the workspace,
 `tar --to-command=...`). Pure: no I/O.
 
-The policy's rules (`devd.agent.profiles.decide`) match every command `see` finds, so a deny rule is not bypassed by a
-wrapper; where it is blind, the policy asks instead of allowing. What it promises, and no more:
+The policy's rules (`devd.agent.profiles.decide_command`) match every command `see` finds, so a deny rule is not
+bypassed by a wrapper; where it is blind, the policy asks instead of allowing. What it promises, and no more:
 - each wrapper of `WRAPPERS` is stripped with its options (an option it does not know makes it blind rather than
   guess); a program is named by its basename; git's own options before its subcommand are stripped (`git -C . push`
   is `git push`), and what it runs besides (`GIT_RUNS`, `GIT_SUBCOMMAND_RUNS`: `rebase -x`, `bisect run`, ...) is blind;

@@ -16,7 +16,7 @@ from devd.config import (
     default_state_dir,
 )
 from devd.errors import DevdError, HandleError
-from devd.render import argv, inline
+from devd.render import inline
 from devd.server.metrics import prometheus
 from devd.storage.doctor import Check, size
 
@@ -255,23 +255,15 @@ SUMMARY_CHARS_MAX = 72  # an action's summary in `devd inspect`, so that each st
 def action_summary(action: Action) -> str:
     """An action's kind and what it is about, on one line: `Read src/lib.rs`, `Model (12 messages)`; what a model chose
     in it shown safely (devd.render: a command as a shell takes it, a control or bidi character escaped)."""
+    from devd.agent import kinds  # each kind says what its calls are about; loaded by the commands that show them
+
     op = action.op
     kind = next(name for name in op.__struct_fields__ if getattr(op, name) is not None)
     if op.Model is not None:
         n = len(op.Model.messages)
         about = f"({n} message{'' if n == 1 else 's'})"
-    elif op.Exec is not None:
-        about = argv(op.Exec.argv)
-    elif op.Git is not None:
-        about = argv(op.Git.argv)
-    elif op.Read is not None:
-        about = inline(op.Read.path)
-    elif op.Write is not None:
-        about = f"{inline(op.Write.path)} ({len(op.Write.text)} characters)"
-    elif op.Browse is not None:
-        about = inline(op.Browse.url)
-    elif op.Tool is not None:
-        about = inline(op.Tool.name)
+    elif (called := kinds.of(op)) is not None:
+        about = called[0].summary(called[1])
     elif op.Done is not None:
         about = f"turn {op.Done.turn}"
     else:
