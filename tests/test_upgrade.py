@@ -1,6 +1,6 @@
 """A state directory written by the first release opens with this one, and its sessions continue, seq and keys intact;
-so does one written by the release before core ABI 2 (tests/fixtures/core-abi1.wasm), every session with the exact
-actions that release answers.
+so does one written by the release before core ABI 2 (its core built from its source, b69a352's core/), every session
+with the exact actions that release answers.
 
 The fixture is made here, from a pinned copy of the first release's schema (which set no `user_version` and had no
 `meta` table), filled with a session as that release journalled it: every step's event and actions, its keys and
@@ -9,7 +9,10 @@ digests, and the snapshot taken when the core asked to Save.
 
 from __future__ import annotations
 
+import io
 import sqlite3
+import subprocess
+import tarfile
 import time
 from contextlib import closing
 from pathlib import Path
@@ -36,8 +39,9 @@ from devd.messages import (
 from devd.sessions.history import digest
 from devd.storage.sqlite import FILE_SNAPSHOT_BYTES, MIGRATIONS
 from devd.storage.store import Counter, Health, Step, Stored, Tally
+from hatch_build import build_core
 from tests.agents import conversation, next_notice, start, until_done, watch_raw
-from tests.daemon import Daemon
+from tests.daemon import ROOT, Daemon
 from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture
 from tests.stores import running, sqlite_at
@@ -201,10 +205,29 @@ async def test_a_format_7_database_counts_the_spend_its_usage_records_kept(tmp_p
 
 # -- the previous release's core (ABI 1) --------------------------------------------------------------------------
 
-# The core of the release before ABI 2, built from core/ as it was (`git show b69a352:core`; reproducible, sha256
-# 2815b4a3...77c7f3). A daemon of this version still opens it (`--core`: ABI 2 extends ABI 1), so a state directory is
-# written here just as the previous release wrote it: the same store, the same snapshots and journal rows.
-ABI1_CORE = Path(__file__).parent / "fixtures" / "core-abi1.wasm"
+# The core of the release before ABI 2, built here from core/ as that release had it (b69a352, taken from the
+# repository's history: a built module is never committed; reproducible, sha256 2815b4a3...77c7f3), once per worker.
+# A daemon of this version still opens it (`--core`: ABI 2 extends ABI 1), so a state directory is written here just
+# as the previous release wrote it: the same store, the same snapshots and journal rows.
+ABI1_RELEASE = "b69a352"
+
+
+@pytest.fixture(scope="session")
+def abi1_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("core-abi1")
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ABI1_RELEASE, "core"], capture_output=True, timeout=60, check=False
+    )
+    if archive.returncode != 0:
+        pytest.fail(
+            f"the previous release's core is built from commit {ABI1_RELEASE}'s core/, which this clone lacks "
+            f"({archive.stderr.decode(errors='replace').strip()}): fetch the history (git fetch --unshallow)"
+        )
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(root, filter="data")
+    build_core(root, root / "core-abi1.wasm")
+    return root / "core-abi1.wasm"
+
 
 BUILD, LIB, OUTSIDE = (
     Call(Exec=Exec(argv=["cargo", "build"])),
@@ -245,14 +268,14 @@ def _answers(core: Core, config: Config, events: list[Event]) -> list[bytes]:
 
 
 def test_a_state_directory_of_the_previous_release_continues_every_session_with_the_exact_actions(
-    tmp_path: Path, core: Core
+    tmp_path: Path, core: Core, abi1_core: Path
 ) -> None:
     """Written by a daemon running the ABI-1 core (sessions asking, waiting for calls with a turn queued, a delta
     session, a finished one, a fork, one hibernated, and a client's snapshot), then opened by this daemon with the
     ABI-2 core: every session is rebuilt (the replay check passing), waits for what it waited for, replays a kept key,
     and answers every next step with exactly the actions the previous release answers, and a Tool call after."""
-    previous = Core.open(ABI1_CORE)
-    with InProcess(tmp_path, "--core", str(ABI1_CORE), "--max-live", "2") as d, d.client() as c:
+    previous = Core.open(abi1_core)
+    with InProcess(tmp_path, "--core", str(abi1_core), "--max-live", "2") as d, d.client() as c:
         for name, (config, before, _) in SESSIONS.items():
             c.new(config, session=name)
             for n, event in enumerate(before):
@@ -288,11 +311,13 @@ def test_a_state_directory_of_the_previous_release_continues_every_session_with_
         assert c.step("done", answer(9, calls=[search])) == [Action(id=10, op=Op(Tool=search.Tool))]
 
 
-def test_the_agents_approvals_and_claims_of_the_previous_release_carry_over(tmp_path: Path, standin: Standin) -> None:
+def test_the_agents_approvals_and_claims_of_the_previous_release_carry_over(
+    tmp_path: Path, standin: Standin, abi1_core: Path
+) -> None:
     """A daemon of the previous release (the ABI-1 core) killed with a write awaiting approval in one session and a
     command claimed and running in another: this daemon asks for the same approval again and runs the write once it
     is given, steps the command `interrupted` without running it again, and both turns end."""
-    previous = start(tmp_path, standin, "--core", str(ABI1_CORE), write='"ask"')
+    previous = start(tmp_path, standin, "--core", str(abi1_core), write='"ask"')
     standin.script(
         Scripted(tool_calls=[("write", {"path": "w.txt", "text": "x"})]),
         Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs; sleep 60"]})]),
@@ -311,7 +336,7 @@ def test_the_agents_approvals_and_claims_of_the_previous_release_carry_over(tmp_
     previous.daemon.kill()
 
     current = previous.daemon
-    current.args = tuple(a for a in current.args if a not in ("--core", str(ABI1_CORE)))  # the packaged core
+    current.args = tuple(a for a in current.args if a not in ("--core", str(abi1_core)))  # the packaged core
     current.start()
     try:
         with current.client() as c:
