@@ -606,17 +606,16 @@ async def _stop_on(signals: AsyncIterator[int], scope: anyio.CancelScope) -> Non
         return
 
 
-def main(args: argparse.Namespace, address: str, token: str | None) -> int:
-    """Run `devd run` or `devd attach`; the exit status (errors are raised, for the caller to show)."""
+def main(args: argparse.Namespace, address: str, token: str | None, name: str) -> int:
+    """Run `devd run` or `devd attach`, as the client `name` (who answers approvals from here); the exit status
+    (errors are raised, for the caller to show)."""
     command: Callable[[AsyncClient, argparse.Namespace, Screen], Awaitable[int]] = (
         _run if args.command == "run" else _attach
     )
 
     async def go() -> int:
         async with AsyncClient.connect(address, token=token, peers=args.peer or ()) as client:
-            from devd.cli.sessions import cli_client_name  # who answers approvals from here
-
-            await client.initialize(token=token, name=cli_client_name())
+            await client.initialize(token=token, name=name)
             return await command(client, args, Screen(sys.stdout))
 
     return anyio.run(go)

@@ -41,6 +41,7 @@ from devd.cli.sessions import (
     _run_plain,
     _step,
     _watch,
+    cli_client_name,
     sessions_table,
 )
 from devd.errors import DevdError
@@ -148,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "acp":
         from devd.acp.main import main as acp_main
 
-        return acp_main(args)
+        try:  # the address and token as every client command finds them; the rest is acp's own
+            token = _token(args)
+        except LocalError as e:
+            print(f"devd acp: {e}", file=sys.stderr)
+            return EXIT_LOCAL
+        return acp_main(args, _address(args), token)
     if args.command in ("run", "attach"):
         return _run_agent(args)
     return _run_client(args)
@@ -158,4 +164,4 @@ def _run_agent(args: argparse.Namespace) -> int:
     """`devd run` and `devd attach` (devd.agent.cli), with the errors and exit status of the other client commands."""
     from devd.agent import cli as agent_cli
 
-    return _reported(args, lambda: agent_cli.main(args, _address(args), _token(args)))
+    return _reported(args, lambda: agent_cli.main(args, _address(args), _token(args), cli_client_name()))
