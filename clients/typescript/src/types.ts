@@ -1086,7 +1086,7 @@ export interface TranscriptParams {
 export interface TranscriptResult {
   seq: number;
   from: number;
-  messages: unknown;
+  messages: Message[];
 }
 
 /**
