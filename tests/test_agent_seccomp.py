@@ -5,8 +5,11 @@ including those (i386, x32, aarch64, 32-bit ARM) this machine cannot make."""
 
 from __future__ import annotations
 
+import os
 import platform
 import struct
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +18,12 @@ import pytest
 from devd.agent import seccomp
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Sandbox, choose
-from devd.agent.tools import Result, run_command
+from devd.agent.tools import ENV_PATH, Result, run_command
 
 ALLOW, ENOSYS, EPERM, KILL = 0x7FFF0000, 0x00050026, 0x00050001, 0x80000000
 X86_64, I386, AARCH64, ARM = 0xC000003E, 0x40000003, 0xC00000B7, 0x40000028
 NEWUSER, NEWNS = 0x10000000, 0x00020000
+NOBODY = 65534
 X32 = 0x40000000
 
 
@@ -146,3 +150,22 @@ async def test_threads_processes_and_git_work_under_the_filter(ws: Path) -> None
     )
     script = f'python3 -c "{threads}" && git init -q && echo a > a && git add a && git status --porcelain=v1'
     assert await sandboxed(ws, script) == Result("threads ran\nA  a\n")
+
+
+@needs_filter
+def test_the_filter_alone_keeps_a_command_of_a_daemon_not_run_as_root_from_a_user_namespace() -> None:
+    """Without bubblewrap's --disable-userns (before 0.8, or where it cannot work), the filter still refuses. As root,
+    the daemon is played by nobody, in a workspace outside /tmp anyone may write."""
+    root = os.geteuid() == 0
+    box = Sandbox(bwrap=sandbox().bwrap, seccomp=seccomp.program())
+    as_daemon = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if root else []
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="devd-test-") as d:
+        os.chmod(d, 0o777)
+        fd = seccomp.descriptor(seccomp.program() or b"")
+        try:
+            script = ["sh", "-c", "unshare -U true 2>&1; echo $?"]
+            command = [*as_daemon, *box.wrap(script, Path(d), False, {"PATH": ENV_PATH}, seccomp_fd=fd)]
+            done = subprocess.run(command, cwd=d, pass_fds=(fd,), capture_output=True, text=True, timeout=60)
+        finally:
+            os.close(fd)
+    assert (done.stdout, done.stderr) == ("unshare: unshare failed: Operation not permitted\n1\n", "")

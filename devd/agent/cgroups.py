@@ -11,7 +11,8 @@ Where: a daemon run as root on cgroup v1 (the memory and pids hierarchies mounte
 "hybrid" layouts and many container hosts do). Each command gets a child of the daemon's own cgroup in each
 hierarchy, named `devd.PID.START.ID` (the daemon's pid and start time, then the command's own id), with
 `memory.limit_in_bytes` (and `memory.memsw.limit_in_bytes`, where swap is accounted, so that a command cannot swap
-past it) set to `memory_bytes_max`, and `pids.max` to `processes_max`. A command past its memory is stopped by the
+past it) set to `memory_bytes_max`, and `pids.max` to `processes_max` (bubblewrap's own two processes, root's, count
+in it too). A command past its memory is stopped by the
 kernel's OOM killer inside its group (SIGKILL to its largest process), and the daemon, which reads the group's
 count of OOM kills, says so; a fork past `pids.max` fails (EAGAIN). The command is in its groups from its first
 instruction: a shell put before it writes its own pid to the groups' `cgroup.procs` and then execs the command
