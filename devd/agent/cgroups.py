@@ -63,6 +63,11 @@ class Group(msgspec.Struct, frozen=True):
 
     directories: tuple[str, ...]
 
+    @property
+    def counts_processes(self) -> bool:
+        """Whether a pids cgroup is among them (so RLIMIT_NPROC need not count the command's processes)."""
+        return len(self.directories) > 1
+
     def prefix(self) -> list[str]:
         """The command line that puts itself in the groups, then execs the rest: the command is in them from its
         first instruction. Only the shell's own builtins run before (`echo` is one), and a group that cannot be

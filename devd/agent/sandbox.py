@@ -285,7 +285,7 @@ def _limit(limits: Limits | None, group: Group | None) -> list[str]:
     (under a root daemon RLIMIT_NPROC would count its user's other processes too: see the module's docstring)."""
     if limits is None:
         return []
-    counted = group is not None and len(group.directories) > 1
+    counted = group is not None and group.counts_processes
     nproc = [] if counted else [f"--nproc={limits.processes}"]
     return [program("prlimit"), *nproc, f"--data={limits.memory_bytes}", "--"]
 
@@ -294,7 +294,7 @@ def own_user_namespace(sandbox: Sandbox | None, group: Group | None) -> bool:
     """Whether a root daemon's command may run in a user namespace of its own (`_drop`), which it gets only so that
     RLIMIT_NPROC counts its processes alone: not where a pids cgroup counts them, nor under a seccomp filter, which
     refuses it as it refuses the command's own. Where user namespaces are turned on at all (`user_namespaces`)."""
-    counted = group is not None and len(group.directories) > 1
+    counted = group is not None and group.counts_processes
     filtered = sandbox is not None and sandbox.seccomp is not None
     return not counted and not filtered and user_namespaces()
 

@@ -444,7 +444,10 @@ async def run_command(
     try:
         group = await anyio.to_thread.run_sync(_group, profile)
     except OSError as e:
-        why = f"its cgroup cannot be made ({e.strerror or e}); try again, and if it persists see the daemon's log"
+        why = (
+            f"its cgroup cannot be made ({e.strerror or e}); try again; if it persists, the daemon's cgroup (its "
+            "`agent.cgroups` log line names it) is full or no longer writable"
+        )
         return Result(f"cannot run {argv[0]}: {why}", failed=True)
     try:
         return await _run(argv, workspace, profile, sandbox, group)
