@@ -155,3 +155,11 @@ def test_a_daemon_killed_mid_command_leaves_its_groups_and_the_next_start_remove
         agentd.daemon.start()
         started = [e for e in log_events(agentd.daemon.log) if e.get("event") == "agent.cgroups"]
     assert (len(left), groups(killed), len(started)) == (2 if WHERE.pids else 1, [], 2)  # type: ignore[union-attr]
+
+
+async def test_a_command_that_goes_on_after_a_process_of_it_was_oom_killed_succeeds_and_is_told(ws: Path) -> None:
+    result = await sandboxed(ws, f"{fill_memfd(200)} 2>/dev/null; echo went on")
+    assert result == Result(
+        "went on\n[exit status 0, but the kernel killed a process of the command, whose processes together used more "
+        f"than memory_bytes_max ({MEMORY} bytes, shared memory and files in /tmp and /dev/shm included)]"
+    )

@@ -680,17 +680,20 @@ def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profil
     if timed_out:
         why = f"timed out after {profile.exec_timeout_s:g} s"
         notes.append(f"[{why}; the command and all it started were killed]")
-    elif out_of_memory and code:
+    elif out_of_memory:
         # Its largest process was killed (SIGKILL): the command itself, or one it started (its exit status then says
-        # so, 137 from a shell), or bubblewrap once what holds the memory is a file in its tmpfs, which only the end
-        # of the sandbox frees.
-        ended = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-        why = f"out of memory (memory_bytes_max, {profile.memory_bytes_max} bytes)"
-        notes.append(
-            f"[{ended}: the kernel killed a process of the command, whose processes together used more than "
-            f"memory_bytes_max ({profile.memory_bytes_max} bytes, shared memory and files in /tmp and /dev/shm "
-            "included)]"
+        # so, 137 from a shell, or nothing when the command went on without it), or bubblewrap once what holds the
+        # memory is a file in its tmpfs, which only the end of the sandbox frees.
+        over = (
+            "the kernel killed a process of the command, whose processes together used more than memory_bytes_max "
+            f"({profile.memory_bytes_max} bytes, shared memory and files in /tmp and /dev/shm included)"
         )
+        if code:
+            ended = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            why = f"out of memory (memory_bytes_max, {profile.memory_bytes_max} bytes)"
+            notes.append(f"[{ended}: {over}]")
+        else:
+            notes.append(f"[exit status 0, but {over}]")
     elif code is not None and code < 0:
         why = f"killed by signal {signal.Signals(-code).name}"
         notes.append(f"[{why}]")
