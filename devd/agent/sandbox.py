@@ -396,8 +396,9 @@ def probe(bwrap: str | None = None) -> str | None:
 @functools.cache
 def closes_userns(bwrap: str) -> bool:
     """Whether bubblewrap can keep a command from making user namespaces here: a daemon not run as root, a bubblewrap
-    of 0.8 or later, not set-user-ID. A root daemon's commands each run in a user namespace of their own (see
-    `_drop`), and can make more there: see the module's docstring. Tried once per process."""
+    of 0.8 or later, not set-user-ID. A root daemon's bubblewrap cannot: its --disable-userns needs a user namespace
+    of bubblewrap's own, which as root maps the command to uid 0 of the host; there the seccomp filter alone keeps
+    commands from making one (see the module's docstring). Tried once per process."""
     if os.geteuid() == 0:
         return False
     with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
@@ -419,7 +420,7 @@ def probe_containment() -> str | None:
 @functools.cache
 def user_namespaces() -> bool:
     """Whether an unprivileged user can make a user namespace here (they may be turned off): then a root daemon's
-    commands get one each (see `_drop`); else processes_max counts every process of their user. Tried once."""
+    commands may get one each where nothing else counts their processes apart (`own_user_namespace`). Tried once."""
     if _missing() is not None:
         return False
     command = [*_drop(_PROBE_ACCOUNT, True), "true"]
