@@ -17,7 +17,7 @@ from devd.agent.profiles import Profile
 from devd.agent.sandbox import Sandbox, choose
 from devd.agent.tools import Result, run_command
 from tests.agents import Agentd, start
-from tests.daemon import log_events
+from tests.daemon import Daemon, log_events
 from tests.standin_model import Scripted, Standin, standin_fixture
 
 __all__ = ["standin_fixture"]
@@ -142,22 +142,24 @@ async def test_a_daemon_killed_mid_command_leaves_its_groups_and_the_next_start_
 ) -> None:
     assert not isinstance(WHERE, str)
     agentd: Agentd = start(tmp_path, standin)
-    with agentd.daemon:
+    daemon = agentd.daemon
+    assert isinstance(daemon, Daemon)
+    with daemon:
         standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo > up; sleep 60"]})]))
         with agentd.client() as c:
             c.prompt(agentd.session(c), "start it")
         with anyio.fail_after(20):
             while not (agentd.workspace / "up").exists():
                 await anyio.sleep(0.02)
-        assert agentd.daemon.proc is not None
-        killed = agentd.daemon.proc.pid
+        assert daemon.proc is not None
+        killed = daemon.proc.pid
         left = groups(killed)
-        agentd.daemon.kill()
+        daemon.kill()
         with anyio.fail_after(20):  # the command dies with bubblewrap, which dies with the daemon: not at once
             while any(Path(group, "cgroup.procs").read_text() for group in left):
                 await anyio.sleep(0.02)
-        agentd.daemon.start()
-        started = [e for e in log_events(agentd.daemon.log) if e.get("event") == "agent.cgroups"]
+        daemon.start()
+        started = [e for e in log_events(daemon.log) if e.get("event") == "agent.cgroups"]
     assert (len(left), groups(killed), len(started)) == (1 if WHERE.pids is None else 2, [], 2)
 
 
