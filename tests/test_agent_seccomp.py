@@ -31,13 +31,13 @@ def run_filter(program: bytes, arch: int, nr: int, flags: int) -> int:
     """What the kernel would do with the call (its seccomp_data: nr, arch, arguments), by the program's own
     instructions: the loads, AND, JEQ, JSET and RET of classic BPF, the only ones devd's filter uses."""
     data = struct.pack("=iIQ6Q", nr, arch, 0, flags, 0, 0, 0, 0, 0)
-    code = [struct.unpack_from("=HBBI", program, i) for i in range(0, len(program), 8)]
+    code: list[tuple[int, int, int, int]] = [struct.unpack_from("=HBBI", program, i) for i in range(0, len(program), 8)]
     pc, a = 0, 0
     while True:
         op, jt, jf, k = code[pc]
         pc += 1
         if op == 0x20:
-            a = struct.unpack_from("=I", data, k)[0]
+            a = int(struct.unpack_from("=I", data, k)[0])
         elif op == 0x54:
             a &= k
         elif op == 0x15:
