@@ -489,15 +489,16 @@ class BudgetParams(_Params, frozen=True):
     tokens: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a number of tokens, at least 1")] | None
 
 
-class UsageResult(msgspec.Struct, frozen=True):
-    """What the session's model calls used (the provider's counts, else devd's estimate), how many calls were made,
-    and how many a spend ceiling refused. A fork counts from zero."""
+class UsageResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the session's model calls used (the provider's counts, else devd's estimate: then `estimated`), how many
+    calls were made, and how many a spend ceiling refused. A fork counts from zero."""
 
     input_tokens: int
     output_tokens: int
     cached_tokens: int
     calls: int
     refused: int
+    estimated: bool = False  # some of the counts are devd's estimate: a server sent no usage for a call
 
 
 class TraceParams(_Params, frozen=True):
@@ -531,7 +532,7 @@ class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True)
     output_tokens: int | None = None
     cached_tokens: int | None = None
     estimated: bool = False  # the token counts are devd's estimate: the server sent none (a stream cut short, say)
-    name: str | None = None  # a tool run's command (argv[0]) or path, for people and span names
+    name: str | None = None  # a tool run's command (argv[0]) or path; "summary" for a model call that compacted
 
 
 class TraceResult(msgspec.Struct, frozen=True):
@@ -563,14 +564,20 @@ class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
     owner: Owner | None = None
 
 
-class DeltaNotice(msgspec.Struct, frozen=True):
+DeltaKind = Literal["text", "reasoning", "summary"]
+
+
+class DeltaNotice(msgspec.Struct, frozen=True, omit_defaults=True):
     """`session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled.
     The fragments of one action, in order, are its reply's text (a watcher that joins mid-stream is first sent the
-    text so far as one fragment)."""
+    text so far as one fragment). `kind` (left out for "text"): "reasoning" is the model's reasoning streamed beside
+    its answer (never part of the reply), "summary" the summary it writes when the conversation is compacted; those
+    are told to the watchers watching as they stream, not kept for those that join later."""
 
     session: str
     action: int
     text: str
+    kind: DeltaKind = "text"
 
 
 class StalledNotice(msgspec.Struct, frozen=True):

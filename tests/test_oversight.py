@@ -181,7 +181,8 @@ async def test_a_refused_call_leaves_a_refused_trace_record_saying_why(tmp_path:
         assert (record.outcome, record.error) == (
             "refused",
             "spend ceiling reached: the session's budget is 10 tokens, 0 spent, and the next model call needs up to "
-            "101; the call was not sent: raise it with session/budget, then session/resume",
+            "101 (~100 for its request, by devd's estimate of 4 characters a token, and 1 for its reply); the call "
+            "was not sent: raise it with session/budget, then session/resume",
         )
 
 

@@ -42,16 +42,16 @@ import msgspec
 import structlog
 
 from devd import failpoints
-from devd.agent import http, kinds, model, records, tools
+from devd.agent import context, http, kinds, model, records, spend, tools
 from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
-from devd.agent.port import Sessions, action_ids
-from devd.agent.profiles import Profile, check_workspace
+from devd.agent.port import DELTA_NOTICE, Sessions, action_ids
+from devd.agent.profiles import Profile, api_key, check_workspace
 from devd.agent.records import Binding, Claim, TurnStarted
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
-from devd.messages import Action, Answer, Event, Message, Reply, Turn, encode
-from devd.protocol import Outcome, StalledNotice
+from devd.messages import Action, Answer, Event, Message, Reply, Summarize, Turn, encode
+from devd.protocol import DeltaNotice, Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
 
@@ -65,6 +65,15 @@ INTERRUPTED = (
     "(check the workspace before you run it again)"
 )
 CANCELLED = "cancelled: the turn was cancelled while this {what} ran{how}"
+GO_ON = "Your answer was cut at the token limit. Continue exactly where it stopped, without repeating anything."
+CUT_ANSWER = (
+    "\n\n[devd: this answer was cut at the token limit, after {n} continuations; for longer answers raise max_tokens "
+    "or continuations_max of agent {agent!r}]"
+)
+CUT_CALL = (
+    "cut: your reply reached the token limit while this call's arguments were being written, so it was not run; "
+    "make the call again with shorter arguments (write a long file in parts)"
+)
 
 
 def _awaited(action: Action) -> bool:
@@ -239,6 +248,7 @@ class Runtime:
         """Drive the sessions until cancelled: first every agent session that owes work (after a restart)."""
         async with http.new_client() as client, anyio.create_task_group() as tg:
             self.http, self._tg = client, tg
+            self._check_keys()
             task_status.started()
             try:
                 owing = await self.sessions.recorded(records.AGENT)
@@ -249,6 +259,15 @@ class Runtime:
                 if self.sessions.seq(name) is not None:
                     self.drive(name)
             await anyio.sleep_forever()
+
+    def _check_keys(self) -> None:
+        """Say at start which profiles' keys cannot be sent (the variable, never its value): their sessions would
+        stall at their first model call."""
+        for profile in self.profiles.values():
+            try:
+                api_key(profile, self.environ)
+            except ValueError as e:
+                log.warning("agent.key_unusable", agent=profile.name, why=str(e))
 
     def stop(self) -> None:
         """Stop every driver where it stands (a claimed effect cut short is found interrupted at the next start)."""
@@ -337,6 +356,10 @@ def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list
     bounded however many calls a reply makes)."""
     limit = profile.max_calls_per_reply
     calls = completion.tool_calls
+    if completion.finish_reason == "length" and calls:  # the last call was being written when the limit came
+        *calls, last = calls
+        reply, rejected = _capped(profile, msgspec.structs.replace(completion, tool_calls=calls, finish_reason=None))
+        return reply, [*rejected, model.Rejected(last.id, last.name, "{}", CUT_CALL)]
     reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]))
     if len(calls) <= limit:
         return reply, rejected
@@ -347,6 +370,38 @@ def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list
     )
     first = calls[limit]
     return reply, [*rejected, model.Rejected(first.id, first.name, "{}", why)]
+
+
+def _limited(profile: Profile, window: int | None, size: int) -> Profile:
+    """The profile as the call is sent: its max_tokens the least of its own and what the window leaves past the
+    request (for a profile that sets none, only when that is less than MAX_TOKENS_DEFAULT: a server's own default is
+    the model's, which a window of room does not bind). The spend ceilings' headroom lowers it further (admit)."""
+    if window is None:
+        return profile
+    left = max(window - size, 1)
+    if profile.max_tokens is None and left >= spend.MAX_TOKENS_DEFAULT:
+        return profile
+    return msgspec.structs.replace(profile, max_tokens=min(profile.max_tokens or left, left))
+
+
+def _going_on(before: int, text: str) -> Inserted:
+    """The answer so far, cut at the token limit, and the ask to go on, sent after the conversation (never kept)."""
+    return Inserted(before, [{"role": "assistant", "content": text}, {"role": "user", "content": GO_ON}])
+
+
+def _context_full(profile: Profile, size: int, window: int | None, refused: str | None) -> str:
+    """Why a session stalls with its context full, and what to do."""
+    against = "" if window is None else f" against a window of {window} tokens"
+    what = f"the request measures ~{size} tokens (devd's estimate, {spend.CHARS_PER_TOKEN} characters a token){against}"
+    if refused is not None:
+        what += f", and the server refused it as too long again after the conversation was compacted ({refused})"
+    else:
+        what += ", and compacting the conversation leaves nothing more to replace"
+    return (
+        f"the context is full: {what}; to go on, start a new session (session/new) with what matters, or, if the "
+        f"model's window is larger, raise context_tokens of agent {profile.name!r} in the agents file and restart the "
+        "daemon, then `session/resume`"
+    )
 
 
 def _turn_id(event: bytes) -> int:
@@ -370,6 +425,7 @@ class Driver(msgspec.Struct, eq=False):
     _foreign: anyio.Event = msgspec.field(default_factory=anyio.Event)
     _claims: set[int] = msgspec.field(default_factory=set)
     _inserted: list[Inserted] = msgspec.field(default_factory=list)
+    compacted_for_length: bool = False  # a refusal as too long compacted once: another stalls the session
 
     @property
     def sessions(self) -> Sessions:
@@ -421,11 +477,11 @@ class Driver(msgspec.Struct, eq=False):
     def _key(self, action: int) -> str:
         return f"agent:{self.runtime._turns.get(self.session, 0)}:{action}"
 
-    async def _step(self, event: Event, action: int) -> list[Action]:
+    async def _step(self, event: Event, action: int, key: str | None = None) -> list[Action]:
         data = encode(event)
         self.sent = data
         try:
-            return await self.sessions.step_bytes(self.session, data, self._key(action))
+            return await self.sessions.step_bytes(self.session, data, key or self._key(action))
         finally:
             self.sent = None
 
@@ -550,20 +606,66 @@ class Driver(msgspec.Struct, eq=False):
             self.runtime.stalled.pop(self.session, None)
         self.dirty = True
 
-    async def _admitted(
-        self, profile: Profile, action: Action, messages: list[Message], exec_available: bool
-    ) -> ModelCall | None:
-        """The model call, admitted by every spend ceiling; None when one refused it (never sent) and the session
-        was stalled and then resumed."""
-        oversight = self.runtime.oversight
-        body = model.request_body(profile, messages, list(self._inserted), exec_available=exec_available)
+    async def _admitted(self, profile: Profile, action: Action, body: bytes, name: str | None) -> ModelCall | None:
+        """The model call of request `body` (for the estimate), admitted by every spend ceiling; None when one
+        refused it (never sent) and the session was stalled and then resumed."""
         turn = self.runtime._turns.get(self.session, 0)
-        accounted = ModelCall(oversight, self.session, profile, turn, action.id, json.dumps(body).encode())
+        accounted = ModelCall(self.runtime.oversight, self.session, profile, turn, action.id, body, name=name)
         refusal = await accounted.admit()
         if refusal is None:
             return accounted
         await self._stalled(action.id, refusal.message)
         return None
+
+    async def _call(
+        self, profile: Profile, action: Action, request: Callable[[Profile], dict[str, Any]], *, summary: bool = False
+    ) -> model.Completion | ModelUnavailable | None:
+        """One model call for the ask, its body `request(profile as admitted)`: admitted by the ceilings, streamed to
+        the watchers (a summary's text as `kind: "summary"`), traced and charged. Its completion; the
+        ModelUnavailable it ended with (the caller says why, or compacts); None when a ceiling refused it (stalled,
+        then resumed) or a Cancel withdrew it."""
+        body = json.dumps(request(profile)).encode()
+        accounted = await self._admitted(profile, action, body, "summary" if summary else None)
+        if accounted is None:
+            return None
+
+        def on_text(text: str) -> None:
+            if summary:
+                notice = DeltaNotice(self.session, action.id, text, "summary")
+                self.sessions.tell(self.session, DELTA_NOTICE, notice)
+            else:
+                self.sessions.stream(self.session, action.id, text)
+
+        def on_attempt(tried: model.Attempt) -> None:
+            accounted.attempt(tried)
+            if tried.outcome == "retry" and not summary:  # the next attempt streams the text again from its start
+                self.sessions.stream_again(self.session, action.id)
+
+        async def ask_model() -> model.Completion:
+            assert self.runtime.http is not None
+            return await model.complete(
+                self.runtime.http,
+                accounted.profile,
+                [],
+                environ=self.runtime.environ,
+                exec_available=True,
+                on_text=on_text,
+                on_attempt=on_attempt,
+                output_max=accounted.output_max,
+                readmit=accounted.again,
+                body=request(accounted.profile),
+            )
+
+        try:
+            completion = await self._guarded(action.id, ask_model)
+        except ModelUnavailable as e:
+            await accounted.done()
+            return e
+        except BaseException:
+            await accounted.cancelled()
+            raise
+        await accounted.done()  # durable before the answer: every step has its records already
+        return completion
 
     async def _ask(self, profile: Profile, action: Action) -> list[Action]:
         assert action.op.Model is not None
@@ -571,54 +673,47 @@ class Driver(msgspec.Struct, eq=False):
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
         confined = await self.runtime.sandbox(profile)
         exec_available = not isinstance(confined, sandboxes.Refusal)
+        window = context.window(profile)
+        reasks, pieces, going_on = 0, list[str](), list[Inserted]()
         try:
-            for attempt in range(REASKS_MAX + 1):
+            while True:
+                # What goes on after a cut answer is listed first: of messages inserted at the same place, the
+                # last listed goes first (model.request_body), and it follows any rejected reply of this ask.
+                extra = [*going_on, *self._inserted]
 
-                def on_text(text: str) -> None:
-                    self.sessions.stream(self.session, action.id, text)
+                def request(sent: Profile, extra: list[Inserted] = extra) -> dict[str, Any]:
+                    return model.request_body(sent, messages, extra, exec_available=exec_available)
 
-                accounted = await self._admitted(profile, action, messages, exec_available)
-                if accounted is None:
-                    return []  # refused by a spend ceiling: stalled until resumed
-
-                def on_attempt(tried: model.Attempt, accounted: ModelCall = accounted) -> None:
-                    accounted.attempt(tried)
-                    if tried.outcome == "retry":  # the next attempt streams the text again from its beginning
-                        self.sessions.stream_again(self.session, action.id)
-
-                async def ask_model(accounted: ModelCall = accounted) -> model.Completion:
-                    assert self.runtime.http is not None
-                    return await model.complete(
-                        self.runtime.http,
-                        accounted.profile,
-                        messages,
-                        environ=self.runtime.environ,
-                        exec_available=exec_available,
-                        extra=list(self._inserted),
-                        on_text=on_text,
-                        on_attempt=on_attempt,
-                        output_max=accounted.output_max,
-                        readmit=accounted.again,
-                    )
-
-                try:
-                    completion = await self._guarded(action.id, ask_model)
-                except ModelUnavailable as e:
-                    await accounted.done()
-                    await self._stalled(
-                        action.id, f"the model cannot be reached: {e.why}; `session/resume` tries again"
-                    )
-                    return []
-                except BaseException:
-                    await accounted.cancelled()
-                    raise
-                if completion is None:
-                    await accounted.done()
-                    return []
+                size = context.measure(request(profile))
+                if window is not None and size > profile.compact_at * window:
+                    overhead = context.measure(model.request_body(profile, [], exec_available=exec_available))
+                    keep = max(int(profile.compact_at * window / 2) - overhead, 0)
+                    compacted = await self._compact(profile, action, messages, keep)
+                    if compacted is not None:
+                        return compacted
+                    if size >= window:  # nothing left to replace, and it cannot be sent
+                        await self._stalled(action.id, _context_full(profile, size, window, None))
+                        return []
+                called = await self._call(_limited(profile, window, size), action, request)
+                if called is None:
+                    return []  # refused by a spend ceiling and resumed, or withdrawn: what is pending comes next
+                if isinstance(called, ModelUnavailable):
+                    return await self._unavailable(profile, action, messages, called, size)
+                self.compacted_for_length = False
+                completion = called
+                if completion.finish_reason == "length" and not completion.tool_calls:
+                    pieces.append(completion.text or "")
+                    if len(pieces) <= profile.continuations_max:  # asked to go on; its text streams after this
+                        going_on = [_going_on(model.whole_length(messages), "".join(pieces))]
+                        continue
+                    note = CUT_ANSWER.format(n=len(pieces) - 1, agent=profile.name)
+                    self.sessions.stream(self.session, action.id, note)
+                    completion = msgspec.structs.replace(completion, text="".join(pieces) + note)
+                elif pieces:
+                    completion = msgspec.structs.replace(completion, text="".join(pieces) + (completion.text or ""))
                 reply, rejected = _capped(profile, completion)
-                await accounted.done()  # durable before the answer: every step has its records already
                 if rejected:
-                    again = reply.calls is None and attempt < REASKS_MAX
+                    again = reply.calls is None and reasks < REASKS_MAX
                     text = reply.text if again else None
                     inserted = Inserted(
                         before=model.whole_length(messages), messages=model.rejected_messages(text, rejected)
@@ -626,9 +721,69 @@ class Driver(msgspec.Struct, eq=False):
                     await self._record(records.INSERTED, action.id, records.encode(inserted))
                     self._inserted.append(inserted)
                     if again:
+                        reasks, pieces, going_on = reasks + 1, [], []
                         self.sessions.stream_again(self.session, action.id)
                         continue
                 return await self._step(Event(Model=Answer(id=action.id, reply=reply)), action.id)
-            raise AssertionError("unreachable")
         finally:
             self.sessions.streamed(self.session, action.id)  # answered, stalled or stopped: no more text
+
+    async def _unavailable(
+        self, profile: Profile, action: Action, messages: list[Message], e: ModelUnavailable, size: int
+    ) -> list[Action]:
+        """The call failed: a request the server found too long is compacted and asked again once (a quarter of it
+        kept, at most what compacting keeps); anything else, or too long again, stalls the session saying why and
+        what to do."""
+        window = context.window(profile)
+        if e.too_long and not self.compacted_for_length:
+            self.compacted_for_length = True
+            keep = size // 4 if window is None else min(size // 4, int(profile.compact_at * window / 2))
+            compacted = await self._compact(profile, action, messages, keep)
+            if compacted is not None:
+                return compacted
+        if e.too_long:
+            why = _context_full(profile, size, window, e.why)
+        elif not e.sent:
+            why = f"the model call was not sent: {e.why}; `session/resume` tries again"
+        elif e.status is not None and 400 <= e.status < 500 and e.status not in model.RETRIED:
+            why = (
+                f"the model server refused the request: {e.why}; asking again would be refused the same way: fix "
+                f"what it names (agent {profile.name!r}'s model, key or limits in the agents file, then restart the "
+                "daemon), then `session/resume`"
+            )
+        else:
+            why = f"the model cannot be reached: {e.why}; `session/resume` tries again"
+        await self._stalled(action.id, why)
+        return []
+
+    async def _compact(
+        self, profile: Profile, action: Action, messages: list[Message], keep_tokens: int
+    ) -> list[Action] | None:
+        """Replace the start of the conversation by a summary the model writes (a model call like any other, its
+        text streamed as `kind: "summary"`), keeping the newest messages that fit in `keep_tokens`: the actions of
+        the Summary's step (the core asks again, under a new id, with what is left); [] when the summary call was
+        refused, withdrawn or failed (stalled, saying why); None when nothing can be replaced."""
+        upto = context.cut(messages, keep_tokens)
+        if upto is None:
+            return None
+        window = context.window(profile)
+        output = min(profile.max_tokens or context.SUMMARY_OUTPUT_MAX, context.summary_output(window))
+        head = messages[:upto]
+        summarising = msgspec.structs.replace(profile, max_tokens=output)
+        called = await self._call(
+            summarising, action, lambda sent: context.summary_body(sent, head, window), summary=True
+        )
+        if called is None:
+            return []
+        text = (called.text or "").strip() if isinstance(called, model.Completion) else ""
+        if not text:
+            failed = called.why if isinstance(called, ModelUnavailable) else "the model answered with no text"
+            why = (
+                f"the conversation could not be compacted: the model's summary failed ({failed}); "
+                "`session/resume` tries again"
+            )
+            await self._stalled(action.id, why)
+            return []
+        log.info("agent.compacted", session=self.session, action=action.id, upto=upto, summary_chars=len(text))
+        event = Event(Summary=Summarize(upto=upto, text=text))
+        return await self._step(event, action.id, f"{self._key(action.id)}:summary")

@@ -583,8 +583,7 @@ async def session_budget(call: Call, params: BudgetParams) -> Empty:
 @method("session/usage")
 async def session_usage(call: Call, params: SessionParams) -> UsageResult:
     _known(call.app, params.session)
-    t = await _oversight(call.app).usage(params.session)
-    return UsageResult(t.input_tokens, t.output_tokens, t.cached_tokens, t.calls, t.refused)
+    return await _oversight(call.app).usage(params.session)
 
 
 @method("session/trace")

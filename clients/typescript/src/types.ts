@@ -261,12 +261,16 @@ export interface DecidedNotice {
 /**
  * `session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled. The
  * fragments of one action, in order, are its reply's text (a watcher that joins mid-stream is first sent the text so
- * far as one fragment).
+ * far as one fragment). `kind` (left out for "text"): "reasoning" is the model's reasoning streamed beside its answer
+ * (never part of the reply), "summary" the summary it writes when the conversation is compacted; those are told to the
+ * watchers watching as they stream, not kept for those that join later.
  */
 export interface DeltaNotice {
   session: string;
   action: number;
   text: string;
+  /** @default "text" */
+  kind?: "reasoning" | "summary" | "text";
 }
 
 /** A call the model asked for, under the action id it was dispatched with. */
@@ -1114,8 +1118,8 @@ export interface UnwatchedNotice {
 }
 
 /**
- * What the session's model calls used (the provider's counts, else devd's estimate), how many calls were made, and how
- * many a spend ceiling refused. A fork counts from zero.
+ * What the session's model calls used (the provider's counts, else devd's estimate: then `estimated`), how many calls
+ * were made, and how many a spend ceiling refused. A fork counts from zero.
  */
 export interface UsageResult {
   input_tokens: number;
@@ -1123,6 +1127,8 @@ export interface UsageResult {
   cached_tokens: number;
   calls: number;
   refused: number;
+  /** @default false */
+  estimated?: boolean;
 }
 
 /**
