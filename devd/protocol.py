@@ -501,6 +501,13 @@ class UsageResult(msgspec.Struct, frozen=True, omit_defaults=True):
     estimated: bool = False  # some of the counts are devd's estimate: a server sent no usage for a call
 
 
+class CompactResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How many messages of the transcript a summary replaced (`session/compact`); 0 and `why` when none was."""
+
+    replaced: int
+    why: str | None = None
+
+
 class TraceParams(_Params, frozen=True):
     """The session, the number of the last trace record already seen (default 0: from the first), and the most
     records to answer (default 1,000, at most 10,000)."""
@@ -813,6 +820,15 @@ METHODS: dict[str, Spec] = {
             Empty,
             "resume",
             "Try a stalled session's action again (and drive a session of an agent that owes work).",
+        ),
+        _spec(
+            "session/compact",
+            SessionParams,
+            CompactResult,
+            "compact",
+            """Compact a session made with an agent now: the model summarises the start of its conversation (a model
+            call like any other: traced, charged, under the ceilings, its text streamed as `session/delta` of kind
+            "summary"), and the Summary replaces it; answered with how many messages were replaced.""",
         ),
         _spec(
             "session/agent",

@@ -128,6 +128,7 @@ class Standin(Served):
         # characters of the messages' and tools' JSON) refused past it as OpenAI does (400 context_length_exceeded)
         # or as llama.cpp's server does (200 and an empty stream); no usage in a stream (llama.cpp ignores
         # include_usage); the limit's name demanded (OpenAI's newer models refuse max_tokens) and its largest value.
+        self.default: Responder | None = None  # the reply when the script has none left (a long benchmark's)
         self.context_tokens: int | None = None
         self.too_long: Literal["openai", "llamacpp"] = "openai"
         self.usage_in_stream = True
@@ -194,7 +195,7 @@ class Standin(Served):
             )
             return _json(h, 400, _error(message, "invalid_request_error", "messages", "context_length_exceeded"))
         with self._lock:
-            responder = self._script.pop(0) if self._script else None
+            responder = self._script.pop(0) if self._script else self.default
         if responder is None:
             return _json(h, 400, _error("the stand-in's script has no reply left for this request", "standin"))
         reply = within_limit(body, responder if isinstance(responder, Scripted) else responder(body))

@@ -80,6 +80,8 @@ def cut(messages: Sequence[Message], keep_tokens: int, before: int | None = None
     measure at most `keep_tokens` (fewer when a Tool message would come first: its call goes with it); at most
     `before` (the Agent message whose calls are waited for must stay). None when nothing but an earlier summary
     could be replaced."""
+    if not messages:
+        return None
     upto, kept = len(messages), 0
     while upto > 0:
         size = spend.tokens_of(len(json.dumps(model.wire_messages([messages[upto - 1]]), ensure_ascii=False)))
@@ -98,8 +100,9 @@ def cut(messages: Sequence[Message], keep_tokens: int, before: int | None = None
 
 def summary_body(profile: Profile, messages: Sequence[Message], window_tokens: int | None) -> dict[str, Any]:
     """The request for a summary of `messages`: the profile's system prompt, the conversation as text (each message
-    cut to a fair share of what the window holds), and SUMMARY_ASK last; no tools; its token limit set."""
-    output = summary_output(window_tokens)
+    cut to a fair share of what the window holds past the summary), and SUMMARY_ASK last; no tools; its token limit
+    the profile's `max_tokens`, else `summary_output`."""
+    output = profile.max_tokens or summary_output(window_tokens)
     parts = [_shown(m) for m in messages]
     if window_tokens is not None:
         room = (window_tokens - output) * spend.CHARS_PER_TOKEN * 3 // 4 - len(profile.system or "") - 1000

@@ -51,7 +51,7 @@ from devd.agent.profiles import Profile, api_key, check_workspace
 from devd.agent.records import Binding, Claim, TurnStarted
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Event, Message, Reply, Summarize, Turn, encode
-from devd.protocol import DeltaNotice, Outcome, StalledNotice
+from devd.protocol import CompactResult, DeltaNotice, Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
 
@@ -198,6 +198,17 @@ class Runtime:
             await self.sessions.step(session, Event(Turn=Turn(id=turn, prompt=prompt)), step_key)
         self.drive(session)
         return turn
+
+    async def compact(self, session: str) -> CompactResult:
+        """Compact the session's conversation now (`session/compact`): the model summarises its start (all of it
+        when no window is known; else what leaves the newest messages within half of `compact_at` of the window),
+        the Summary is stepped (a turn waiting on its ask is asked again with what is left), and the number of
+        messages replaced is answered; 0 and why when nothing was (nothing to replace, a ceiling refused the
+        summary, the model failed). While calls are waited for, the message that made them stays."""
+        binding = await self._bound(session)
+        profile = self._profile(session, binding)
+        async with self._locks.setdefault(session, anyio.Lock()):
+            return await Driver(self, session).compact_now(profile)
 
     async def _scan_turns(self, session: str) -> None:
         """Learn the highest turn id of the session's kept journal, once per daemon life: a client may have stepped a
@@ -618,43 +629,25 @@ class Driver(msgspec.Struct, eq=False):
         return None
 
     async def _call(
-        self, profile: Profile, action: Action, request: Callable[[Profile], dict[str, Any]], *, summary: bool = False
+        self, profile: Profile, action: Action, request: Callable[[Profile], dict[str, Any]]
     ) -> model.Completion | ModelUnavailable | None:
         """One model call for the ask, its body `request(profile as admitted)`: admitted by the ceilings, streamed to
-        the watchers (a summary's text as `kind: "summary"`), traced and charged. Its completion; the
-        ModelUnavailable it ended with (the caller says why, or compacts); None when a ceiling refused it (stalled,
-        then resumed) or a Cancel withdrew it."""
-        body = json.dumps(request(profile)).encode()
-        accounted = await self._admitted(profile, action, body, "summary" if summary else None)
+        the watchers, traced and charged. Its completion; the ModelUnavailable it ended with (the caller says why, or
+        compacts); None when a ceiling refused it (stalled, then resumed) or a Cancel withdrew it."""
+        accounted = await self._admitted(profile, action, json.dumps(request(profile)).encode(), None)
         if accounted is None:
             return None
 
         def on_text(text: str) -> None:
-            if summary:
-                notice = DeltaNotice(self.session, action.id, text, "summary")
-                self.sessions.tell(self.session, DELTA_NOTICE, notice)
-            else:
-                self.sessions.stream(self.session, action.id, text)
+            self.sessions.stream(self.session, action.id, text)
 
         def on_attempt(tried: model.Attempt) -> None:
             accounted.attempt(tried)
-            if tried.outcome == "retry" and not summary:  # the next attempt streams the text again from its start
+            if tried.outcome == "retry":  # the next attempt streams the text again from its beginning
                 self.sessions.stream_again(self.session, action.id)
 
         async def ask_model() -> model.Completion:
-            assert self.runtime.http is not None
-            return await model.complete(
-                self.runtime.http,
-                accounted.profile,
-                [],
-                environ=self.runtime.environ,
-                exec_available=True,
-                on_text=on_text,
-                on_attempt=on_attempt,
-                output_max=accounted.output_max,
-                readmit=accounted.again,
-                body=request(accounted.profile),
-            )
+            return await self._complete(accounted, request(accounted.profile), on_text, on_attempt)
 
         try:
             completion = await self._guarded(action.id, ask_model)
@@ -666,6 +659,64 @@ class Driver(msgspec.Struct, eq=False):
             raise
         await accounted.done()  # durable before the answer: every step has its records already
         return completion
+
+    async def _complete(
+        self,
+        accounted: ModelCall,
+        body: dict[str, Any],
+        on_text: Callable[[str], None],
+        on_attempt: Callable[[model.Attempt], None],
+    ) -> model.Completion:
+        assert self.runtime.http is not None
+        return await model.complete(
+            self.runtime.http,
+            accounted.profile,
+            [],
+            environ=self.runtime.environ,
+            exec_available=True,
+            on_text=on_text,
+            on_attempt=on_attempt,
+            output_max=accounted.output_max,
+            readmit=accounted.again,
+            body=body,
+        )
+
+    async def summarised(
+        self, profile: Profile, action: int, messages: Sequence[Message], window: int | None
+    ) -> str | ModelUnavailable | spend.Refusal | None:
+        """The summary the model writes of `messages` (a model call like any other: admitted by the ceilings,
+        traced as `name: "summary"`, charged; its text streamed to the watchers as `kind: "summary"` deltas of
+        `action`), its request made to fit `window`: the text; the ModelUnavailable it ended with (an answer with no
+        text is one); the ceiling's refusal (nothing sent); None when a Cancel withdrew it."""
+        output = min(profile.max_tokens or context.SUMMARY_OUTPUT_MAX, context.summary_output(window))
+        summarising = msgspec.structs.replace(profile, max_tokens=output)
+        body = json.dumps(context.summary_body(summarising, messages, window)).encode()
+        turn = self.runtime._turns.get(self.session, 0)
+        accounted = ModelCall(self.runtime.oversight, self.session, summarising, turn, action, body, name="summary")
+        refusal = await accounted.admit()
+        if refusal is not None:
+            return refusal
+
+        def on_text(text: str) -> None:
+            self.sessions.tell(self.session, DELTA_NOTICE, DeltaNotice(self.session, action, text, "summary"))
+
+        async def ask_model() -> model.Completion:
+            request = context.summary_body(accounted.profile, messages, window)
+            return await self._complete(accounted, request, on_text, accounted.attempt)
+
+        try:
+            completion = await self._guarded(action, ask_model)
+        except ModelUnavailable as e:
+            await accounted.done()
+            return e
+        except BaseException:
+            await accounted.cancelled()
+            raise
+        await accounted.done()
+        if completion is None:
+            return None
+        text = (completion.text or "").strip()
+        return text or ModelUnavailable("the model answered the request for a summary with no text")
 
     async def _ask(self, profile: Profile, action: Action) -> list[Action]:
         assert action.op.Model is not None
@@ -688,7 +739,7 @@ class Driver(msgspec.Struct, eq=False):
                 if window is not None and size > profile.compact_at * window:
                     overhead = context.measure(model.request_body(profile, [], exec_available=exec_available))
                     keep = max(int(profile.compact_at * window / 2) - overhead, 0)
-                    compacted = await self._compact(profile, action, messages, keep)
+                    compacted = await self._compact(profile, action, messages, keep, window)
                     if compacted is not None:
                         return compacted
                     if size >= window:  # nothing left to replace, and it cannot be sent
@@ -738,7 +789,8 @@ class Driver(msgspec.Struct, eq=False):
         if e.too_long and not self.compacted_for_length:
             self.compacted_for_length = True
             keep = size // 4 if window is None else min(size // 4, int(profile.compact_at * window / 2))
-            compacted = await self._compact(profile, action, messages, keep)
+            # The server refused `size` tokens: its window, unknown or smaller than thought, is less than that.
+            compacted = await self._compact(profile, action, messages, keep, min(window or size, size))
             if compacted is not None:
                 return compacted
         if e.too_long:
@@ -756,34 +808,60 @@ class Driver(msgspec.Struct, eq=False):
         await self._stalled(action.id, why)
         return []
 
+    async def compact_now(self, profile: Profile) -> CompactResult:
+        """`Runtime.compact`, by a driver of its own (another client's step to the session's driver, if any)."""
+        messages = await self.sessions.transcript(self.session)
+        pending = [a for a in await self.sessions.pending(self.session) if _awaited(a)]
+        asked = next((a.id for a in pending if a.op.Model is not None), 0)
+        waited = [i for i, m in enumerate(messages) if m.Agent is not None and m.Agent.calls]
+        before = waited[-1] if waited and any(a.op.Model is None for a in pending) else None
+        window = context.window(profile)
+        keep = 0
+        if window is not None:
+            overhead = context.measure(model.request_body(profile, []))
+            keep = max(int(profile.compact_at * window / 2) - overhead, 0)
+        upto = context.cut(messages, keep, before)
+        if upto is None:
+            return CompactResult(0, "nothing to replace: the conversation is empty, or only a summary")
+        summary = await self.summarised(profile, asked, messages[:upto], window)
+        if not isinstance(summary, str):
+            why = (
+                "withdrawn"
+                if summary is None
+                else summary.message
+                if isinstance(summary, spend.Refusal)
+                else summary.why
+            )
+            return CompactResult(0, f"the model's summary failed ({why}); nothing was replaced")
+        await self.sessions.step(self.session, Event(Summary=Summarize(upto=upto, text=summary)), None)
+        log.info("agent.compacted", session=self.session, action=asked, upto=upto, summary_chars=len(summary))
+        return CompactResult(upto)
+
     async def _compact(
-        self, profile: Profile, action: Action, messages: list[Message], keep_tokens: int
+        self, profile: Profile, action: Action, messages: list[Message], keep_tokens: int, window: int | None
     ) -> list[Action] | None:
         """Replace the start of the conversation by a summary the model writes (a model call like any other, its
-        text streamed as `kind: "summary"`), keeping the newest messages that fit in `keep_tokens`: the actions of
-        the Summary's step (the core asks again, under a new id, with what is left); [] when the summary call was
-        refused, withdrawn or failed (stalled, saying why); None when nothing can be replaced."""
+        text streamed as `kind: "summary"`, its request made to fit `window`), keeping the newest messages that fit
+        in `keep_tokens`: the actions of the Summary's step (the core asks again, under a new id, with what is
+        left); [] when the summary call was refused, withdrawn or failed (stalled, saying why); None when nothing
+        can be replaced."""
         upto = context.cut(messages, keep_tokens)
         if upto is None:
             return None
-        window = context.window(profile)
-        output = min(profile.max_tokens or context.SUMMARY_OUTPUT_MAX, context.summary_output(window))
-        head = messages[:upto]
-        summarising = msgspec.structs.replace(profile, max_tokens=output)
-        called = await self._call(
-            summarising, action, lambda sent: context.summary_body(sent, head, window), summary=True
-        )
-        if called is None:
-            return []
-        text = (called.text or "").strip() if isinstance(called, model.Completion) else ""
-        if not text:
-            failed = called.why if isinstance(called, ModelUnavailable) else "the model answered with no text"
-            why = (
-                f"the conversation could not be compacted: the model's summary failed ({failed}); "
-                "`session/resume` tries again"
-            )
+        summary = await self.summarised(profile, action.id, messages[:upto], window)
+        if summary is None:
+            return []  # withdrawn: what is pending comes next
+        if not isinstance(summary, str):
+            if isinstance(summary, spend.Refusal):
+                why = summary.message
+            else:
+                why = (
+                    f"the conversation could not be compacted: the model's summary failed ({summary.why}); "
+                    "`session/resume` tries again"
+                )
             await self._stalled(action.id, why)
             return []
+        text = summary
         log.info("agent.compacted", session=self.session, action=action.id, upto=upto, summary_chars=len(text))
         event = Event(Summary=Summarize(upto=upto, text=text))
         return await self._step(event, action.id, f"{self._key(action.id)}:summary")

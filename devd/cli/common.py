@@ -125,6 +125,7 @@ METHOD_COMMANDS: dict[str, str] = {
     "session/watch": "devd watch {session}",
     "session/approve": "devd approve {session} ACTION",
     "session/usage": "devd usage {session}",
+    "session/compact": "devd compact {session}",
     "session/trace": "devd trace {session}",
     "daemon/status": "devd status",
 }

@@ -203,6 +203,12 @@ PLAIN: tuple[Plain, ...] = (
         _pretty,
     ),
     Plain(
+        "compact",
+        "session/compact",
+        "compact an agent session's conversation now: the model summarises its start, which the summary replaces",
+        _pretty,
+    ),
+    Plain(
         "trace",
         "session/trace",
         "show a session's trace: one line per model call attempt and per tool run (--since: after that record)",

@@ -33,6 +33,7 @@ from devd.protocol import (
     BackupParams,
     BackupResult,
     BudgetParams,
+    CompactResult,
     DrainResult,
     Empty,
     ForkParams,
@@ -549,6 +550,11 @@ async def session_prompt(call: Call, params: PromptParams) -> PromptResult:
 async def session_resume(call: Call, params: SessionParams) -> Empty:
     await _runtime(call.app).resume(params.session)
     return Empty()
+
+
+@method("session/compact")
+async def session_compact(call: Call, params: SessionParams) -> CompactResult:
+    return await _runtime(call.app).compact(params.session)
 
 
 @method("session/agent")

@@ -235,6 +235,12 @@ export interface Client {
   version?: string | null;
 }
 
+/** How many messages of the transcript a summary replaced (`session/compact`); 0 and `why` when none was. */
+export interface CompactResult {
+  replaced: number;
+  why?: string | null;
+}
+
 /**
  * A session's configuration, given to `session/new`: the `model` its asks name (omitted: none is named), and what its
  * asks carry: `"full"` (omitted: the default), the whole transcript in every `Model` ask; `"delta"`, only the messages
@@ -603,6 +609,15 @@ export interface Methods {
   "session/resume": {
     params: SessionParams;
     result: Empty;
+  };
+  /**
+   * Compact a session made with an agent now: the model summarises the start of its conversation (a model call like
+   * any other: traced, charged, under the ceilings, its text streamed as `session/delta` of kind "summary"), and the
+   * Summary replaces it; answered with how many messages were replaced.
+   */
+  "session/compact": {
+    params: SessionParams;
+    result: CompactResult;
   };
   /** Which agent drives the session, in which workspace (what an editor lists and attaches sessions by). */
   "session/agent": {
