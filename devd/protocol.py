@@ -501,6 +501,20 @@ class UsageResult(msgspec.Struct, frozen=True, omit_defaults=True):
     estimated: bool = False  # some of the counts are devd's estimate: a server sent no usage for a call
 
 
+class ModelParams(_Params, frozen=True):
+    """The session, and the model its next calls name: one of its agent profile's `models`."""
+
+    session: SessionName
+    model: Annotated[str, Meta(min_length=1, max_length=256, description="a model's name, 1-256 characters")]
+
+
+class ModelResult(msgspec.Struct, frozen=True):
+    """The model the session's next calls name, and the models its agent profile offers."""
+
+    model: str
+    models: list[str]
+
+
 class CompactResult(msgspec.Struct, frozen=True, omit_defaults=True):
     """How many messages of the transcript a summary replaced (`session/compact`); 0 and `why` when none was."""
 
@@ -820,6 +834,14 @@ METHODS: dict[str, Spec] = {
             Empty,
             "resume",
             "Try a stalled session's action again (and drive a session of an agent that owes work).",
+        ),
+        _spec(
+            "session/model",
+            ModelParams,
+            ModelResult,
+            "set_model",
+            """Set the model a session made with an agent names in its next model calls (one of the profile's
+            `models`), durably: across restarts, and in a fork. Each call's trace record says its model.""",
         ),
         _spec(
             "session/compact",

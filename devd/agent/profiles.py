@@ -453,6 +453,11 @@ _KEY_CHARACTERS = {"\r": "a carriage return (CR)", "\n": "a line feed (LF)", " "
 OPENAI_HOST = "api.openai.com"
 
 
+def offered_models(profile: Profile) -> tuple[str, ...]:
+    """The models a session of the profile may be set to: its `models`, else its one `model`."""
+    return profile.models or (profile.model,)
+
+
 def token_param(profile: Profile) -> TokenParam:
     """The name the request's token limit is sent under: the profile's `token_param`, else `max_completion_tokens`
     for OpenAI's own endpoint (its current models refuse `max_tokens`) and `max_tokens` for every other server

@@ -47,11 +47,11 @@ from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import DELTA_NOTICE, Sessions, action_ids
-from devd.agent.profiles import Profile, api_key, check_workspace
-from devd.agent.records import Binding, Claim, TurnStarted
+from devd.agent.profiles import Profile, api_key, check_workspace, offered_models
+from devd.agent.records import Binding, Claim, ModelChosen, TurnStarted
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Event, Message, Reply, Summarize, Turn, encode
-from devd.protocol import CompactResult, DeltaNotice, Outcome, StalledNotice
+from devd.protocol import CompactResult, DeltaNotice, ModelResult, Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
 
@@ -99,6 +99,7 @@ class Runtime:
         self.stalled: dict[str, str] = {}
         self._bindings: dict[str, Binding | None] = {}
         self._turns: dict[str, int] = {}  # the highest turn id known of each session
+        self._models: dict[str, str] = {}  # the model `session/model` set, per session (read with the binding)
         self._drivers: dict[str, Driver] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self._scanned: set[str] = set()  # sessions whose kept journal was read for turn ids
@@ -146,11 +147,14 @@ class Runtime:
 
     async def binding(self, session: str) -> Binding | None:
         if session not in self._bindings:
-            found = await self.sessions.records(session, (records.AGENT, records.TURN))
+            found = await self.sessions.records(session, (records.AGENT, records.TURN, records.MODEL))
             bound = [records.decode(r.body, Binding) for r in found if r.kind == records.AGENT]
             turns = [records.decode(r.body, TurnStarted).turn for r in found if r.kind == records.TURN]
+            chosen = [records.decode(r.body, ModelChosen).model for r in found if r.kind == records.MODEL]
             self._turns[session] = max([self._turns.get(session, 0), *turns])
             self._bindings[session] = bound[-1] if bound else None
+            if chosen:
+                self._models[session] = chosen[-1]
         return self._bindings[session]
 
     async def workspace(self, session: str) -> tools.Workspace:
@@ -206,9 +210,33 @@ class Runtime:
         messages replaced is answered; 0 and why when nothing was (nothing to replace, a ceiling refused the
         summary, the model failed). While calls are waited for, the message that made them stays."""
         binding = await self._bound(session)
-        profile = self._profile(session, binding)
+        profile = self.with_model(session, self._profile(session, binding))
         async with self._locks.setdefault(session, anyio.Lock()):
             return await Driver(self, session).compact_now(profile)
+
+    async def set_model(self, session: str, name: str) -> ModelResult:
+        """Set the model of the session's next calls (`session/model`), durably: one of its profile's `models` (or
+        its `model`); INVALID_PARAMS naming those otherwise."""
+        binding = await self._bound(session)
+        profile = self._profile(session, binding)
+        offered = offered_models(profile)
+        if name not in offered:
+            raise InvalidParamsError(
+                f"agent {profile.name!r} offers no model {name!r}; its models are {', '.join(offered)} (add it to "
+                "models in the agents file and restart the daemon)"
+            )
+        await self.sessions.add_record(Record(session, 0, records.MODEL, 0, records.encode(ModelChosen(name))))
+        self._models[session] = name
+        log.info("agent.model_set", session=session, model=name)
+        return ModelResult(name, list(offered))
+
+    def with_model(self, session: str, profile: Profile) -> Profile:
+        """The profile as the session's calls are made: its model the one `session/model` set, when one is (and the
+        profile still offers it)."""
+        chosen = self._models.get(session)
+        if chosen is None or chosen == profile.model or chosen not in profile.models:
+            return profile
+        return msgspec.structs.replace(profile, model=chosen)
 
     async def _scan_turns(self, session: str) -> None:
         """Learn the highest turn id of the session's kept journal, once per daemon life: a client may have stepped a
@@ -353,6 +381,7 @@ class Runtime:
         self._locks.pop(session, None)
         self._bindings.pop(session, None)
         self._turns.pop(session, None)
+        self._models.pop(session, None)
         self.stalled.pop(session, None)
         self.oversight.forget(session)  # a session made again under the name inherits no approvals nor spend
 
@@ -720,6 +749,7 @@ class Driver(msgspec.Struct, eq=False):
 
     async def _ask(self, profile: Profile, action: Action) -> list[Action]:
         assert action.op.Model is not None
+        profile = self.runtime.with_model(self.session, profile)
         ask = action.op.Model
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
         confined = await self.runtime.sandbox(profile)

@@ -203,6 +203,12 @@ PLAIN: tuple[Plain, ...] = (
         _pretty,
     ),
     Plain(
+        "model",
+        "session/model",
+        "set the model an agent session's next calls name (one of its profile's models)",
+        _pretty,
+    ),
+    Plain(
         "compact",
         "session/compact",
         "compact an agent session's conversation now: the model summarises its start, which the summary replaces",

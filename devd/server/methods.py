@@ -43,6 +43,8 @@ from devd.protocol import (
     Limits,
     ListParams,
     ListResult,
+    ModelParams,
+    ModelResult,
     NewParams,
     NoParams,
     PendingResult,
@@ -550,6 +552,11 @@ async def session_prompt(call: Call, params: PromptParams) -> PromptResult:
 async def session_resume(call: Call, params: SessionParams) -> Empty:
     await _runtime(call.app).resume(params.session)
     return Empty()
+
+
+@method("session/model")
+async def session_model(call: Call, params: ModelParams) -> ModelResult:
+    return await _runtime(call.app).set_model(params.session, params.model)
 
 
 @method("session/compact")

@@ -611,6 +611,14 @@ export interface Methods {
     result: Empty;
   };
   /**
+   * Set the model a session made with an agent names in its next model calls (one of the profile's `models`), durably:
+   * across restarts, and in a fork. Each call's trace record says its model.
+   */
+  "session/model": {
+    params: ModelParams;
+    result: ModelResult;
+  };
+  /**
    * Compact a session made with an agent now: the model summarises the start of its conversation (a model call like
    * any other: traced, charged, under the ceilings, its text streamed as `session/delta` of kind "summary"), and the
    * Summary replaces it; answered with how many messages were replaced.
@@ -655,6 +663,29 @@ export interface Methods {
     params: TraceParams;
     result: TraceResult;
   };
+}
+
+/** The session, and the model its next calls name: one of its agent profile's `models`. */
+export interface ModelParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * a model's name, 1-256 characters
+   *
+   * @minLength 1
+   * @maxLength 256
+   */
+  model: string;
+}
+
+/** The model the session's next calls name, and the models its agent profile offers. */
+export interface ModelResult {
+  model: string;
+  models: string[];
 }
 
 /**
