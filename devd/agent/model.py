@@ -72,6 +72,7 @@ class Completion(msgspec.Struct, frozen=True):
     usage: Usage | None = None
     finish_reason: str | None = None
     response_model: str | None = None  # the model the server says answered
+    reasoning: str | None = None  # what the model streamed as its reasoning (`reasoning_content`), beside the answer
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -198,11 +199,17 @@ def request_body(
     extra: Iterable[Inserted] = (),
     *,
     exec_available: bool = True,
+    thoughts: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
     """The chat-completions request for an ask: the system prompt, the conversation (with `extra` inserted where it
-    belongs), the tools the profile allows, streamed with usage."""
+    belongs; with `send_reasoning`, each answer's reasoning of `thoughts`, by its place in the whole conversation, as
+    its `reasoning_content`), the tools the profile allows, streamed with usage."""
     conversation = wire_messages(messages)
     replaced = whole_length(messages) - len(messages)  # the whole conversation's messages a Summary stands for, less it
+    if profile.send_reasoning:
+        for at, thought in (thoughts or {}).items():
+            if 0 < at - replaced < len(conversation) and conversation[at - replaced]["role"] == "assistant":
+                conversation[at - replaced]["reasoning_content"] = thought
     for inserted in sorted(extra, key=lambda i: i.before, reverse=True):
         # From the back, so earlier indices still point where they did.
         if replaced and inserted.before <= replaced:
@@ -297,6 +304,8 @@ class StreamParser:
         self._held = ""  # a high surrogate that ended the last content fragment: its low half may start the next
         self.streamed = 0  # characters of text, tool names and arguments so far: what devd's estimate counts
         self.chunks = 0  # data lines read, [DONE] aside: none at all is llama.cpp's answer to a request too long
+        self._reasoning: list[str] = []
+        self._thoughts: list[str] = []  # reasoning fragments not yet taken (`take_reasoning`)
 
     def feed(self, line: str) -> list[str]:
         line = line.rstrip("\r")
@@ -339,10 +348,21 @@ class StreamParser:
                 if content:
                     self._text.append(content)
                     fragments.append(content)
+            for key in ("reasoning_content", "reasoning"):  # DeepSeek, vLLM, llama.cpp; OpenRouter's name
+                if isinstance(thought := delta.get(key), str) and thought:
+                    self.streamed += len(thought)  # reasoning tokens are output tokens
+                    self._reasoning.append(thought := _well_formed(thought))
+                    self._thoughts.append(thought)
+                    break
             for position, fragment in enumerate(delta.get("tool_calls") or []):
                 self._tool_fragment(fragment, position)
             self._finish = choice.get("finish_reason") or self._finish
         return fragments
+
+    def take_reasoning(self) -> list[str]:
+        """The reasoning fragments fed since the last take, in order."""
+        taken, self._thoughts = self._thoughts, []
+        return taken
 
     def _whole(self, content: str) -> str:
         """A content fragment made fit to carry: a surrogate pair split across two chunks is joined (its high half
@@ -381,9 +401,8 @@ class StreamParser:
             for i, c in sorted(self._calls.items())
         ]
         text = "".join(self._text) + ("\ufffd" if self._held else "") or None
-        return Completion(
-            text=text, tool_calls=calls, usage=self._usage, finish_reason=self._finish, response_model=self._model
-        )
+        reasoning = "".join(self._reasoning) or None
+        return Completion(text, calls, self._usage, self._finish, self._model, reasoning)
 
 
 def parse_sse(lines: Iterable[str]) -> Completion:
@@ -510,6 +529,21 @@ class _Progress:
 
 
 TextSink = Callable[[str], Awaitable[None] | None]
+
+
+class _Sinks:
+    """Where an attempt's fragments go as they come: reasoning, then the answer's text."""
+
+    def __init__(self, text: TextSink | None, reasoning: TextSink | None) -> None:
+        self.text, self.reasoning = text, reasoning
+
+    async def tell(self, thoughts: list[str], fragments: list[str]) -> None:
+        for sink, pieces in ((self.reasoning, thoughts), (self.text, fragments)):
+            for piece in pieces:
+                if sink is not None and inspect.isawaitable(pending := sink(piece)):
+                    await pending
+
+
 AttemptSink = Callable[[Attempt], None]
 Readmit = Callable[[], Awaitable[str | None]]  # before a retry: None when it may be sent, else why not
 
@@ -529,10 +563,12 @@ async def complete(
     attempts: int = 4,
     backoff_s: float = 0.25,
     body: dict[str, Any] | None = None,
+    on_reasoning: TextSink | None = None,
 ) -> Completion:
     """Ask the profile's model server (the request for `messages`, or `body` when given: a summary's);
     `on_text(fragment)` for each content fragment as it arrives (after a failed attempt, the next attempt's fragments
-    start the text again: `on_attempt` has said "retry" before), and `on_attempt` once per attempt. The API key is
+    start the text again: `on_attempt` has said "retry" before), `on_reasoning(fragment)` for each fragment of
+    reasoning streamed beside it, and `on_attempt` once per attempt. The API key is
     read from `environ` (the variable the profile names) now.
     ModelUnavailable when the key cannot be sent, the attempts are spent, the server refuses the request, a reply
     passes `reply_bytes_max` or `model_timeout_s`, or what streamed passes `output_max` tokens by devd's estimate
@@ -559,7 +595,7 @@ async def complete(
             profile,
             body if body is not None else request_body(profile, messages, list(extra), exec_available=exec_available),
             key,
-            on_text,
+            _Sinks(on_text, on_reasoning),
             report,
             output_max,
             readmit,
@@ -590,7 +626,7 @@ async def _exchange(
     profile: Profile,
     request: dict[str, Any],
     key: str | None,
-    on_text: TextSink | None,
+    sinks: _Sinks,
     report: AttemptSink,
     output_max: int | None,
     readmit: Readmit | None,
@@ -610,7 +646,7 @@ async def _exchange(
         progress = _Progress()
         try:
             with anyio.move_on_after(profile.model_timeout_s) as deadline:
-                completion = await _attempt(client, url, body, headers, on_text, profile, output_max, progress)
+                completion = await _attempt(client, url, body, headers, sinks, profile, output_max, progress)
             if deadline.cancelled_caught:
                 raise _Failed(_too_long(profile), status=progress.status, retry=False)
         except _Failed as failed:
@@ -692,7 +728,7 @@ async def _attempt(
     url: str,
     body: bytes,
     headers: dict[str, str],
-    on_text: TextSink | None,
+    sinks: _Sinks,
     profile: Profile,
     output_max: int | None,
     progress: _Progress,
@@ -714,15 +750,12 @@ async def _attempt(
                     raise _Failed(_too_large(profile, line=False), status=200, retry=False)
                 whole = _whole(data, parser)
                 within_reservation()
-                if whole.text and on_text is not None and inspect.isawaitable(pending := on_text(whole.text)):
-                    await pending
+                await sinks.tell(parser.take_reasoning(), [whole.text] if whole.text else [])
                 return whole
             async for line in response.lines(profile.reply_bytes_max):
                 fragments = parser.feed(line)
                 within_reservation()  # before the text goes on: what passes the reservation is not shown
-                for fragment in fragments:
-                    if on_text is not None and inspect.isawaitable(pending := on_text(fragment)):
-                        await pending
+                await sinks.tell(parser.take_reasoning(), fragments)
                 if parser.done:
                     break  # the server may keep the connection open after [DONE]
             if parser.chunks == 0:  # not retried: llama.cpp answers the same request the same way

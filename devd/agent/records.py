@@ -9,6 +9,8 @@ Kinds, each a msgspec Struct encoded as the record's body:
   restart that finds it without the action's result knows the effect may have happened, and never runs it again.
 - `model` (`ModelChosen`, action 0): the model `session/model` set for the session's next calls; the last one is the
   session's (none: the profile's `model`).
+- `reasoning` (`Thought`, the Model action's id): the reasoning a model streamed with its answer, kept (with
+  `send_reasoning`) to go back with that answer, message `at` of the whole conversation, in later requests.
 - `inserted` (`Exchange`, the Model action's id): a reply whose tool calls the core could not take, and the failed
   results the model was answered with, sent again in every later request at the same place of the conversation.
 
@@ -26,6 +28,7 @@ TURN = "turn"
 CLAIM = "claim"
 INSERTED = "inserted"
 MODEL = "model"
+REASONING = "reasoning"
 
 
 class Binding(msgspec.Struct, frozen=True):
@@ -48,6 +51,13 @@ class ModelChosen(msgspec.Struct, frozen=True):
     """The model a session's calls name from now on (one of its profile's `models`)."""
 
     model: str
+
+
+class Thought(msgspec.Struct, frozen=True):
+    """The reasoning streamed with the answer that is message `at` of the whole conversation."""
+
+    at: int
+    text: str
 
 
 class Claim(msgspec.Struct, frozen=True):

@@ -48,7 +48,7 @@ from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import DELTA_NOTICE, Sessions, action_ids
 from devd.agent.profiles import Profile, api_key, check_workspace, offered_models
-from devd.agent.records import Binding, Claim, ModelChosen, TurnStarted
+from devd.agent.records import Binding, Claim, ModelChosen, Thought, TurnStarted
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Event, Message, Reply, Summarize, Turn, encode
 from devd.protocol import CompactResult, DeltaNotice, ModelResult, Outcome, StalledNotice
@@ -465,6 +465,7 @@ class Driver(msgspec.Struct, eq=False):
     _foreign: anyio.Event = msgspec.field(default_factory=anyio.Event)
     _claims: set[int] = msgspec.field(default_factory=set)
     _inserted: list[Inserted] = msgspec.field(default_factory=list)
+    _thoughts: dict[int, str] = msgspec.field(default_factory=dict)  # reasoning sent back (send_reasoning)
     compacted_for_length: bool = False  # a refusal as too long compacted once: another stalls the session
 
     @property
@@ -502,9 +503,11 @@ class Driver(msgspec.Struct, eq=False):
                 queue.extend(a for a in answered if _awaited(a))
 
     async def _load(self) -> None:
-        found = await self.sessions.records(self.session, (records.CLAIM, records.INSERTED))
+        found = await self.sessions.records(self.session, (records.CLAIM, records.INSERTED, records.REASONING))
         self._claims = {r.action for r in found if r.kind == records.CLAIM}
         self._inserted = [records.decode(r.body, Inserted) for r in found if r.kind == records.INSERTED]
+        thoughts = [records.decode(r.body, Thought) for r in found if r.kind == records.REASONING]
+        self._thoughts = {t.at: t.text for t in thoughts}
 
     async def _forget_dead_claims(self, pending: Sequence[Action]) -> None:
         """A claim of an action no longer pending is of an effect whose result was stepped: it says nothing now, and
@@ -696,7 +699,14 @@ class Driver(msgspec.Struct, eq=False):
         on_text: Callable[[str], None],
         on_attempt: Callable[[model.Attempt], None],
     ) -> model.Completion:
+        """The call sent, its reasoning told to the watchers as `kind: "reasoning"` deltas as it streams (never part
+        of the answer)."""
         assert self.runtime.http is not None
+        action = accounted.action
+
+        def on_reasoning(text: str) -> None:
+            self.sessions.tell(self.session, DELTA_NOTICE, DeltaNotice(self.session, action, text, "reasoning"))
+
         return await model.complete(
             self.runtime.http,
             accounted.profile,
@@ -708,6 +718,7 @@ class Driver(msgspec.Struct, eq=False):
             output_max=accounted.output_max,
             readmit=accounted.again,
             body=body,
+            on_reasoning=on_reasoning,
         )
 
     async def summarised(
@@ -763,7 +774,8 @@ class Driver(msgspec.Struct, eq=False):
                 extra = [*going_on, *self._inserted]
 
                 def request(sent: Profile, extra: list[Inserted] = extra) -> dict[str, Any]:
-                    return model.request_body(sent, messages, extra, exec_available=exec_available)
+                    thoughts = self._thoughts
+                    return model.request_body(sent, messages, extra, exec_available=exec_available, thoughts=thoughts)
 
                 size = context.measure(request(profile))
                 if window is not None and size > profile.compact_at * window:
@@ -805,6 +817,10 @@ class Driver(msgspec.Struct, eq=False):
                         reasks, pieces, going_on = reasks + 1, [], []
                         self.sessions.stream_again(self.session, action.id)
                         continue
+                if profile.send_reasoning and completion.reasoning:  # durable before the answer it goes with
+                    thought = Thought(model.whole_length(messages), completion.reasoning)
+                    await self._record(records.REASONING, action.id, records.encode(thought))
+                    self._thoughts[thought.at] = thought.text
                 return await self._step(Event(Model=Answer(id=action.id, reply=reply)), action.id)
         finally:
             self.sessions.streamed(self.session, action.id)  # answered, stalled or stopped: no more text
