@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from structlog.testing import capture_logs
 
-from devd.agent.model import request_body
+from devd.agent.model import ToolCall, Usage, parse_sse, request_body
 from devd.agent.otel import Exporter
 from devd.agent.profiles import Profile
 from devd.agent.runner import CUT_ANSWER, CUT_CALL, GO_ON
@@ -289,3 +289,48 @@ def test_a_key_variable_not_set_is_named_at_start_and_as_the_stall_before_any_re
         f"the model call was not sent: model server {standin.url}: {said}; `session/resume` tries again",
         0,
     )
+
+
+# -- streams shaped as real servers send them ---------------------------------------------------------------------
+# Not recordings (none could be made here): streams built to the shapes seen from LiteLLM's proxy 1.108.7 and
+# llama.cpp's server (llama-cpp-python 0.3.36) on 2026-12-05, as /work/shared/RUNTIME-FACTS.md describes them.
+
+LITELLM_TOOL_CALL = [
+    'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","model":"gpt-4o","choices":[{"index":0,"delta":'
+    '{"role":"assistant","content":null,"tool_calls":[{"index":0,"id":"call_abc","type":"function","function":'
+    '{"name":"read","arguments":"{\\"path\\": \\"a.txt\\"}"}}]},"finish_reason":null}]}',
+    "",
+    'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","model":"gpt-4o","choices":[{"index":0,"delta":{},'
+    '"finish_reason":"tool_calls"}]}',
+    "",
+    'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","model":"gpt-4o","choices":[{"index":0,"delta":{}}],'
+    '"usage":{"prompt_tokens":812,"completion_tokens":17,"total_tokens":829}}',
+    "",
+    "data: [DONE]",
+]
+LLAMACPP_TEXT = [
+    'data: {"id":"chatcmpl-2","object":"chat.completion.chunk","model":"qwen","choices":[{"index":0,"delta":'
+    '{"role":"assistant"},"finish_reason":null}]}',
+    *[
+        f'data: {{"id":"chatcmpl-2","object":"chat.completion.chunk","model":"qwen","choices":[{{"index":0,"delta":'
+        f'{{"content":{json.dumps(piece)}}},"finish_reason":null}}]}}'
+        for piece in ["", "Hel", "", "lo", "", "."]
+    ],
+    'data: {"id":"chatcmpl-2","object":"chat.completion.chunk","model":"qwen","choices":[{"index":0,"delta":{},'
+    '"finish_reason":"length"}]}',
+    "data: [DONE]",
+]
+
+
+def test_litellms_one_chunk_tool_call_and_its_usage_chunk_with_a_choice_are_read() -> None:
+    completion = parse_sse(LITELLM_TOOL_CALL)
+    assert (completion.tool_calls, completion.usage, completion.finish_reason) == (
+        [ToolCall("call_abc", "read", '{"path": "a.txt"}')],
+        Usage(812, 17),
+        "tool_calls",
+    )
+
+
+def test_llamacpps_stream_without_usage_and_cut_at_the_limit_is_read_as_cut_and_uncounted() -> None:
+    completion = parse_sse(LLAMACPP_TEXT)
+    assert (completion.text, completion.usage, completion.finish_reason) == ("Hello.", None, "length")
