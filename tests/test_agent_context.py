@@ -186,3 +186,20 @@ def test_session_compact_with_nothing_to_replace_says_so(
         {"replaced": 0, "why": "nothing to replace: the conversation is empty, or only a summary"},
         0,
     )
+
+
+def test_a_summary_that_fails_stalls_saying_the_conversation_could_not_be_compacted(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    standin.script(Scripted(text="ok"), Scripted(status=400, message="no summaries today"))
+    with agentd(tmp_path, standin, monkeypatch, context_tokens="2000") as d, d.client() as c:
+        session = d.session(c)
+        run_turn(c, session, "a" * 3000)
+        watch_raw(c, session)
+        c.prompt(session, "b" * 3000)
+        why = stalled(c)
+    assert (why, standin.count) == (
+        "the conversation could not be compacted: the model's summary failed (model server "
+        f"{standin.url}: 400 no summaries today); `session/resume` tries again",
+        2,
+    )

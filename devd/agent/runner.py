@@ -424,6 +424,13 @@ def _limited(profile: Profile, window: int | None, size: int) -> Profile:
     return msgspec.structs.replace(profile, max_tokens=min(profile.max_tokens or left, left))
 
 
+def _unsummarised(failed: ModelUnavailable | spend.Refusal | None) -> str:
+    """Why a summary was not had (None: a Cancel withdrew its call)."""
+    if failed is None:
+        return "withdrawn by a cancel"
+    return failed.message if isinstance(failed, spend.Refusal) else failed.why
+
+
 def _going_on(before: int, text: str) -> Inserted:
     """The answer so far, cut at the token limit, and the ask to go on, sent after the conversation (never kept)."""
     return Inserted(before, [{"role": "assistant", "content": text}, {"role": "user", "content": GO_ON}])
@@ -871,14 +878,7 @@ class Driver(msgspec.Struct, eq=False):
             return CompactResult(0, "nothing to replace: the conversation is empty, or only a summary")
         summary = await self.summarised(profile, asked, messages[:upto], window)
         if not isinstance(summary, str):
-            why = (
-                "withdrawn"
-                if summary is None
-                else summary.message
-                if isinstance(summary, spend.Refusal)
-                else summary.why
-            )
-            return CompactResult(0, f"the model's summary failed ({why}); nothing was replaced")
+            return CompactResult(0, f"the model's summary failed ({_unsummarised(summary)}); nothing was replaced")
         await self.sessions.step(self.session, Event(Summary=Summarize(upto=upto, text=summary)), None)
         log.info("agent.compacted", session=self.session, action=asked, upto=upto, summary_chars=len(summary))
         return CompactResult(upto)
@@ -898,13 +898,10 @@ class Driver(msgspec.Struct, eq=False):
         if summary is None:
             return []  # withdrawn: what is pending comes next
         if not isinstance(summary, str):
-            if isinstance(summary, spend.Refusal):
-                why = summary.message
-            else:
-                why = (
-                    f"the conversation could not be compacted: the model's summary failed ({summary.why}); "
-                    "`session/resume` tries again"
-                )
+            why = _unsummarised(summary)
+            if not isinstance(summary, spend.Refusal):  # a refusal says what to do itself
+                why = f"the conversation could not be compacted: the model's summary failed ({why}); `session/resume` "
+                why += "tries again"
             await self._stalled(action.id, why)
             return []
         text = summary
