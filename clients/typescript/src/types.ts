@@ -1136,7 +1136,7 @@ export interface TranscriptParams {
 export interface TranscriptResult {
   seq: number;
   from: number;
-  messages: unknown;
+  messages: Message[];
 }
 
 /**
