@@ -23,9 +23,8 @@ from devd.agent.profiles import Budget, Profile
 from devd.agent.spend import Usage
 from devd.errors import ConflictError
 from devd.messages import Exec, Op
-from devd.protocol import ApprovalNotice, DecidedNotice, TraceRecord
+from devd.protocol import ApprovalNotice, DecidedNotice, TraceRecord, UsageResult
 from devd.storage.sqlite import SQLiteStore
-from devd.storage.store import Tally
 
 MAKE = Op(Exec=Exec(argv=["make"]))
 STARTED = "2026-12-01T09:00:00.000Z"
@@ -228,7 +227,7 @@ async def test_old_trace_and_usage_records_go_and_the_usage_they_told_of_stays_c
     assert ([r.action for r in kept], [r.action for r in kept_usage], restarted) == (
         [3, 4],
         [3, 4],
-        Tally(40, 10, 0, 4, 0),
+        UsageResult(40, 10, 0, 4, 0),
     )
 
 
