@@ -2413,7 +2413,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "mixed":
         from benchmarks.bench_mixed import bench_mixed
 
-        result = bench_mixed(args.rounds, args.seconds, args.clients, args.payload_mib)
+        result = bench_mixed(args.rounds, args.seconds, args.clients, args.payload_mib, args.postgres)
     elif args.what == "agent" and args.oversight:
         from benchmarks import bench_approvals as approvals
 
