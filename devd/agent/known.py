@@ -1,7 +1,7 @@
 """What the agent runtime keeps in memory of each session it knows, as one record per session (`Known`) in one
-table (`Table`): its binding, turns, driver, stall, and its oversight (approvals, budget, trace count, who stepped
-its last Cancel). Forgetting a session (closed, expired, moved away, or made again under its name) is one removal:
-nothing of it is left in another map.
+table (`Table`): its binding, turns, model, driver, stall, and its oversight (approvals, budget, trace count, who
+stepped its last Cancel). Forgetting a session (closed, expired, moved away, or made again under its name) is one
+removal: nothing of it is left in another map.
 
 A record is made when the runtime first needs one (a prompt, a driver, an approval, a budget); code that runs after
 a session may have been forgotten (a driver stopping, a write that answered after a close) holds its record, or
@@ -41,6 +41,7 @@ class Known(msgspec.Struct, eq=False):
     lock: anyio.Lock = msgspec.field(default_factory=anyio.Lock)  # one prompt at a time
     driver: Driver | None = None  # the task carrying out its actions, while one does
     stalled: str | None = None  # why its driver stopped, until `resume`
+    model: str | None = None  # the model `session/model` set (read with the binding)
     overseen: Overseen | None = None  # approvals and budget, once read
     loading: anyio.Event | None = None  # set once `overseen` has been read, while it is being read
     traced: int = 0  # trace records kept by this daemon: the log is trimmed every so many

@@ -11,8 +11,8 @@ What it adds around the sessions' calls:
 - a `Cancel` step keeps who stepped it, as who withdrew the turn's approvals (`Oversight.cancelling`);
 - `pending` marks the actions waiting for a client's decision `awaiting: "approval"`, and a new watcher is told of
   every approval the session waits for;
-- the methods the runtime answers (`prompt`, `resume`, `agent`, `approve`, `budget`, `usage`, `trace`), each taking
-  its method's params and who calls, and returning its result.
+- the methods the runtime answers (`prompt`, `resume`, `model`, `compact`, `agent`, `approve`, `budget`, `usage`,
+  `trace`), each taking its method's params and who calls, and returning its result.
 
 Adding a method the runtime answers: its line in `devd.protocol.METHODS`, its signature in `WirePort`
 (`devd.sessions.port`), its body here (calling the runtime or its oversight), and a one-line handler in
@@ -42,7 +42,10 @@ from devd.protocol import (
     AgentResult,
     ApproveParams,
     BudgetParams,
+    CompactResult,
     Empty,
+    ModelParams,
+    ModelResult,
     NewParams,
     PromptParams,
     PromptResult,
@@ -230,6 +233,12 @@ class AgentPort:
         await self.runtime.resume(params.session)
         return Empty()
 
+    async def model(self, params: ModelParams, by: str) -> ModelResult:
+        return await self.runtime.set_model(params.session, params.model)
+
+    async def compact(self, params: SessionParams, by: str) -> CompactResult:
+        return await self.runtime.compact(params.session)
+
     async def agent(self, params: SessionParams, by: str) -> AgentResult:
         self.sessions.info(params.session)  # HANDLE, naming it, when there is no such session
         # Read from the record log, not through the runtime's records, which keep no session of no agent (there may
@@ -250,8 +259,7 @@ class AgentPort:
 
     async def usage(self, params: SessionParams, by: str) -> UsageResult:
         self.sessions.info(params.session)
-        t = await self.oversight.usage(params.session)
-        return UsageResult(t.input_tokens, t.output_tokens, t.cached_tokens, t.calls, t.refused)
+        return await self.oversight.usage(params.session)
 
     async def trace(self, params: TraceParams, by: str) -> TraceResult:
         self.sessions.info(params.session)

@@ -35,6 +35,7 @@ from devd.protocol import (
     BackupParams,
     BackupResult,
     BudgetParams,
+    CompactResult,
     DrainResult,
     Empty,
     ForkParams,
@@ -44,6 +45,8 @@ from devd.protocol import (
     Limits,
     ListParams,
     ListResult,
+    ModelParams,
+    ModelResult,
     NewParams,
     NoParams,
     PendingResult,
@@ -423,6 +426,16 @@ async def session_prompt(call: Call, params: PromptParams) -> PromptResult:
 @method("session/resume")
 async def session_resume(call: Call, params: SessionParams) -> Empty:
     return await call.app.sessions.resume(params, call.peer.who())
+
+
+@method("session/model")
+async def session_model(call: Call, params: ModelParams) -> ModelResult:
+    return await call.app.sessions.model(params, call.peer.who())
+
+
+@method("session/compact")
+async def session_compact(call: Call, params: SessionParams) -> CompactResult:
+    return await call.app.sessions.compact(params, call.peer.who())
 
 
 @method("session/agent")

@@ -25,7 +25,10 @@ from devd.protocol import (
     AgentResult,
     ApproveParams,
     BudgetParams,
+    CompactResult,
     Empty,
+    ModelParams,
+    ModelResult,
     NewParams,
     PromptParams,
     PromptResult,
@@ -142,6 +145,10 @@ class WirePort(Protocol):
     async def prompt(self, params: PromptParams, by: str) -> PromptResult: ...
 
     async def resume(self, params: SessionParams, by: str) -> Empty: ...
+
+    async def model(self, params: ModelParams, by: str) -> ModelResult: ...
+
+    async def compact(self, params: SessionParams, by: str) -> CompactResult: ...
 
     async def agent(self, params: SessionParams, by: str) -> AgentResult: ...
 
