@@ -10,7 +10,7 @@ What it adds around the sessions' calls:
   driven session should not have to retry the daemon's own steps. BUSY from another client's call is answered;
 - a `Cancel` step keeps who stepped it, as who withdrew the turn's approvals (`Oversight.cancelling`);
 - `pending` marks the actions waiting for a client's decision `awaiting: "approval"`, and a new watcher is told of
-  every approval the session waits for;
+  every approval the session waits for (`welcome`);
 - the methods the runtime answers (`prompt`, `resume`, `model`, `compact`, `agent`, `approve`, `budget`, `usage`,
   `trace`), each taking its method's params and who calls, and returning its result.
 
@@ -182,10 +182,11 @@ class AgentPort:
         await self.sessions.close(name)  # the runtime forgets it as its watchers are told it ended
 
     async def watch(self, name: str, sink: Sink, since: int | None) -> Subscription:
-        sub = await self.sessions.watch(name, sink, since)
+        return await self.sessions.watch(name, sink, since)
+
+    async def welcome(self, name: str, sink: Sink) -> None:
         for notice in await self.oversight.announcements(name):  # told before it watched, or never
             sink.offer(self.notify(APPROVAL_NOTICE, Raw(notice)))
-        return sub
 
     def unwatch(self, sub: Subscription) -> None:
         self.sessions.unwatch(sub)

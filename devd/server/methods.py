@@ -404,6 +404,7 @@ async def session_watch(call: Call, params: WatchParams) -> Empty:
     if old is not None:
         sessions.unwatch(old)
     peer.watches[params.session] = sub
+    await sessions.welcome(params.session, peer.sink)  # after the settling: an unwatch meanwhile finds the sub
     return Empty()
 
 

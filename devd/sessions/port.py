@@ -120,8 +120,11 @@ class WirePort(Protocol):
 
     async def close(self, name: str) -> None: ...
 
-    async def watch(self, name: str, sink: Sink, since: int | None) -> Subscription:
-        """Subscribe sink to the session's steps; it is told first of every approval the session waits for."""
+    async def watch(self, name: str, sink: Sink, since: int | None) -> Subscription: ...
+
+    async def welcome(self, name: str, sink: Sink) -> None:
+        """Tell a new watcher, once its subscription is settled, what it must know beside the session's steps (in the
+        daemon: every approval the session waits for, told before it watched or never)."""
 
     def unwatch(self, sub: Subscription) -> None: ...
 
