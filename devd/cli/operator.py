@@ -293,6 +293,11 @@ def inspection(entry: dict[str, Any], pending: list[Action] | None) -> str:
         pairs.append(("turn", f"running, waiting for {len(pending)} action{'' if len(pending) == 1 else 's'}"))
     else:
         pairs.append(("turn", "none running"))
+    if entry.get("title"):
+        pairs.insert(1, ("title", inline(entry["title"])))
     actions = pending or []
     width = max((len(str(a.id)) for a in actions), default=0)
-    return _pairs(pairs) + "".join(f"  {a.id:>{width}}  {action_summary(a)}\n" for a in actions)
+    from devd.cli.sessions import attention
+
+    listed = "".join(f"  {a.id:>{width}}  {action_summary(a)}\n" for a in actions)
+    return _pairs(pairs) + listed + attention(name, entry.get("stalled"), actions)
