@@ -219,6 +219,30 @@ def test_run_without_a_prompt_chats_and_a_command_typed_at_a_question_is_a_comma
     assert f"[action 2 denied by devd cli: root (uid 0, pid {t.proc.pid})]" in lines(shown)
 
 
+def test_sessions_lists_them_and_attach_moves_the_chat_to_another(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="from the other session"))
+    with agentd.client() as c:
+        other = c.new(session="other", agent="coder", workspace=agentd.workspace)
+    with devd(agentd, "chat") as t:
+        t.wait_for("/help")
+        t.type("/sessions\r")
+        listed = t.wait_for(lambda shown: re.search(r"^other +coder ", shown, re.MULTILINE) is not None)
+        t.type(f"/attach {other}\r")
+        t.wait_for(f"[session {other}]")
+        t.type("hello there\r")
+        shown = t.wait_for(completed(1))
+        t.type("\x04")
+        assert t.exit_status() == 0
+    with agentd.client() as c:
+        turns = [m for m in c.transcript(other) if m.User is not None]
+    at = lines(shown).index("› hello there")
+    assert (lines(shown)[at : at + 3], len(turns), "NAME" in listed) == (
+        ["› hello there", "from the other session", "[turn 1 complete]"],
+        1,
+        True,
+    )
+
+
 def test_a_slash_command_for_a_method_the_daemon_lacks_says_so(agentd: Agentd) -> None:
     with devd(agentd, "chat") as t:
         t.wait_for("/help")

@@ -84,7 +84,6 @@ class Terminal(io.TextIOBase):
         self.app: Application[int] = Application(
             layout=self._layout(),
             key_bindings=self._keys(),
-            refresh_interval=STATUS_EVERY_S,
             erase_when_done=True,
             output=_output(),
         )
@@ -210,10 +209,24 @@ class Terminal(io.TextIOBase):
             started()
             self._leave_if_left()
 
-        try:
-            return await self.app.run_async(pre_run=pre_run)
-        finally:
-            self.end()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._tick)
+            try:
+                status = await self.app.run_async(pre_run=pre_run)
+            finally:
+                tg.cancel_scope.cancel()
+                self.end()
+        return status
+
+    async def _tick(self) -> None:
+        """Redraw the status line when what it says changed (its clock, `thinking (3.2 s)`), and only then: an idle
+        chat draws nothing (prompt_toolkit's refresh_interval redrew the whole live area four times a second)."""
+        shown = self._status()
+        while True:
+            await anyio.sleep(STATUS_EVERY_S)
+            if (now := self._status()) != shown:
+                shown = now
+                self.app.invalidate()
 
     def leave(self, status: int) -> None:
         """Give the terminal back (what `run` answers), now or as soon as it runs."""
