@@ -219,6 +219,24 @@ def test_run_without_a_prompt_chats_and_a_command_typed_at_a_question_is_a_comma
     assert f"[action 2 denied by devd cli: root (uid 0, pid {t.proc.pid})]" in lines(shown)
 
 
+def test_a_prompt_of_two_lines_and_the_history_sends_it_again(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="one"), Scripted(text="two"))
+    with devd(agentd, "chat") as t:
+        t.wait_for("/help")
+        t.type("first line\\\r")  # `\` then Enter: a new line, not yet sent
+        t.type("second line\r")
+        t.wait_for(completed(1))
+        t.type("\x1b[A\r")  # Up: the prompt before, sent again
+        shown = t.wait_for(completed(2))
+        t.type("\x04")
+        assert t.exit_status() == 0
+    prompts = [r.body["messages"][-1]["content"] for r in agentd.standin.requests]
+    assert (prompts, [line for line in lines(shown) if line.startswith(("› ", "  second"))]) == (
+        ["first line\nsecond line"] * 2,
+        ["› first line", "  second line", "› first line", "  second line"],
+    )
+
+
 def test_sessions_lists_them_and_attach_moves_the_chat_to_another(agentd: Agentd) -> None:
     agentd.standin.script(Scripted(text="from the other session"))
     with agentd.client() as c:
