@@ -20,6 +20,7 @@ import pyte
 from tests.daemon import ROOT
 
 SHOWN_TIMEOUT_S = 30.0
+HISTORY_LINES = 10_000  # lines scrolled off the top that `history` keeps
 
 
 class Terminal:
@@ -29,7 +30,7 @@ class Terminal:
         leader, follower = os.openpty()
         fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
         self.fd = leader
-        self.screen = pyte.Screen(cols, rows)
+        self.screen = pyte.HistoryScreen(cols, rows, history=HISTORY_LINES)
         self.stream = pyte.ByteStream(self.screen)
         self.screen.write_process_input = self._answer  # type: ignore[method-assign]
         self.proc = subprocess.Popen(
@@ -88,6 +89,11 @@ class Terminal:
     def shown(self) -> str:
         """The screen's lines, trailing spaces and empty lines at the end dropped."""
         return "\n".join(line.rstrip() for line in self.screen.display).rstrip("\n")
+
+    def history(self) -> list[str]:
+        """The lines scrolled off the top of the screen, oldest first (trailing spaces dropped)."""
+        columns = self.screen.columns
+        return ["".join(line[x].data for x in range(columns)).rstrip() for line in self.screen.history.top]
 
     def wait_for(self, wanted: str | Callable[[str], bool], timeout_s: float = SHOWN_TIMEOUT_S) -> str:
         """The screen once it shows `wanted` (a text, or a test of the screen); fails saying what it showed."""

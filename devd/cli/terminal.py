@@ -33,10 +33,12 @@ from prompt_toolkit.layout.controls import BufferControl, FormattedTextControl
 from prompt_toolkit.layout.processors import BeforeInput
 from prompt_toolkit.output import Output, create_output
 from prompt_toolkit.output.vt100 import Vt100_Output
+from prompt_toolkit.utils import get_cwidth
 
 STATUS_EVERY_S = 0.25  # how often the status line's clock is redrawn
 INPUTS_MAX = 64  # lines and keys waiting for the caller; more are dropped (nobody types that far ahead)
 LINE_STYLE = "reverse"
+PARTIAL_ROWS_MAX = 3  # rows of the terminal the line being streamed may take in the live area; more go above
 
 
 class Line(msgspec.Struct, frozen=True):
@@ -91,10 +93,12 @@ class Terminal(io.TextIOBase):
     # -- the text -------------------------------------------------------------------------------------------------
 
     def write(self, text: str) -> int:
-        """Text of the screen: finished lines go above the live area now, the rest waits there for its end."""
+        """Text of the screen: finished lines go above the live area now, the rest waits there for its end (a line
+        longer than PARTIAL_ROWS_MAX rows of the terminal goes above row by row: the live area stays on the screen)."""
         done, ended, self._partial = (self._partial + text).rpartition("\n")
-        if ended:
-            self._above(done + "\n")
+        rows, self._partial = full_rows(self._partial, self.app.output.get_size().columns, PARTIAL_ROWS_MAX)
+        if ended or rows:
+            self._above((done + "\n" if ended else "") + "".join(row + "\n" for row in rows))
         self.app.invalidate()
         return len(text)
 
@@ -109,11 +113,8 @@ class Terminal(io.TextIOBase):
         again below it (as prompt_toolkit's in_terminal does, without giving the terminal back to cooked mode,
         where keys typed meanwhile would be echoed)."""
         app = self.app
-        if not app.is_running:
-            app.output.write_raw(text.replace("\n", "\r\n"))
-            app.output.flush()
-            return
-        app.renderer.erase()
+        if app.is_running:
+            app.renderer.erase()
         app.output.write_raw(text.replace("\n", "\r\n"))
         app.output.flush()
         app.invalidate()
@@ -237,6 +238,24 @@ class Terminal(io.TextIOBase):
     def _leave_if_left(self) -> None:
         if self._left is not None:
             self.app.exit(result=self._left)
+
+
+def full_rows(text: str, columns: int, rows_max: int) -> tuple[list[str], str]:
+    """`text` (no line end in it) as a terminal of `columns` would wrap it: the rows past the last `rows_max` it
+    would take, each whole, and what is left (at most `rows_max` rows). Widths as the terminal counts them (a wide
+    character two columns, a combining one none)."""
+    rows: list[str] = []
+    start, width = 0, 0
+    for i, char in enumerate(text):
+        w = get_cwidth(char)
+        if width + w > columns and i > start:
+            rows.append(text[start:i])
+            start, width = i, 0
+        width += w
+    if len(rows) < rows_max:
+        return [], text
+    cut = len(rows) - rows_max + 1  # rows before the last rows_max (the last row may be partly filled)
+    return rows[:cut], text[sum(map(len, rows[:cut])) :]
 
 
 def _output() -> Output:
