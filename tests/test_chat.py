@@ -326,6 +326,27 @@ def test_info_and_inspect_say_what_waits_on_a_person_and_the_devd_command_for_it
     )
 
 
+def test_attach_to_a_stalled_session_says_why_and_the_devd_verbs_that_carry_it_on(agentd: Agentd) -> None:
+    stalled, _, _ = stalled_and_asking(agentd)
+    with devd(agentd, "attach", stalled) as t:
+        shown = "".join(lines(t.wait_for("stalled: "))).replace(
+            " ", ""
+        )  # rows joined (a long line wraps, maybe at a space)
+    advice = (
+        f"[`devd resume {stalled}` tries it again (after `devd budget {stalled} TOKENS` when a spend ceiling "
+        "refused it); in devd chat: /resume, /budget N]"
+    )
+    assert (
+        shown.startswith("[theturnwaits:spendceilingreached:"),
+        advice.replace(" ", "") in shown,
+        "session/" in shown,
+    ) == (
+        True,
+        True,
+        False,
+    )
+
+
 def test_budget_then_resume_carry_a_stalled_session_on(agentd: Agentd) -> None:
     stalled, _, _ = stalled_and_asking(agentd)
     agentd.standin.script(Scripted(text="carried on"))

@@ -31,7 +31,7 @@ from devd.agent.cli import Screen, decision_of, prompt_line
 from devd.client import ActionsNotice, AsyncClient, UnwatchedNotice
 from devd.errors import BusyError, ConflictError, DevdError, HandleError, MethodNotFoundError
 from devd.messages import Cancel, Event
-from devd.protocol import ApprovalNotice, UsageResult
+from devd.protocol import ApprovalNotice, StalledNotice, UsageResult
 from devd.render import argv, inline
 
 if TYPE_CHECKING:
@@ -142,9 +142,8 @@ class Console:
         info = await self.client.info(self.session)
         self.screen.workspace = (await self.client.agent(self.session)).workspace
         self.screen.attached(await self.client.pending(self.session))
-        if info.stalled is not None:
-            self.screen.stalled = (-1, inline(info.stalled))
-            self.line(f"[the turn waits: {inline(info.stalled)}]")
+        if info.stalled is not None:  # as its notice would have said it (-1: the action is not named)
+            self.screen.show(StalledNotice(self.session, -1, info.stalled))
         await self.refresh_usage()
         return seq
 
