@@ -58,6 +58,7 @@ class Console:
         self.budget: int | None = None  # the ceiling set from here, the one the daemon's answers do not say
         self.armed = False  # a Ctrl-C with no turn running: the next one leaves
         self.cancelling: int | None = None  # the turn a Ctrl-C cancelled
+        self.title: str | None = None  # the session's, when the daemon keeps one
 
     def _screen(self) -> Screen:
         return Screen(
@@ -139,11 +140,13 @@ class Console:
         seq = await _seq(self.client, self.session)
         if seq is None:
             raise HandleError(f"no session is named {self.session!r}; `devd ls` shows the sessions there are")
-        info = await self.client.info(self.session)
+        # As JSON, not InfoResult: `title` comes with a newer daemon, and is shown when it is there.
+        info = await self.client.call("session/info", {"session": self.session})
+        self.title = info.get("title")
         self.screen.workspace = (await self.client.agent(self.session)).workspace
         self.screen.attached(await self.client.pending(self.session))
-        if info.stalled is not None:  # as its notice would have said it (-1: the action is not named)
-            self.screen.show(StalledNotice(self.session, -1, info.stalled))
+        if info.get("stalled") is not None:  # as its notice would have said it (-1: the action is not named)
+            self.screen.show(StalledNotice(self.session, -1, info["stalled"]))
         await self.refresh_usage()
         return seq
 
@@ -443,7 +446,10 @@ async def _shown(console: Console, args: argparse.Namespace, made: bool) -> int:
             subscribed = anyio.Event()
             since = await console.begin()
             agent = await client.agent(session)
-            about = f"[session {inline(session)}{' (new)' if made else ''}: agent {inline(agent.agent or '?')} in "
+            titled = "" if not console.title else f" ({inline(console.title)})"
+            about = (
+                f"[session {inline(session)}{titled}{' (new)' if made else ''}: agent {inline(agent.agent or '?')} in "
+            )
             about += f"{inline(agent.workspace or '?')}]"
             elsewhere = f"[`{argv(['devd', 'attach', session])}` shows it in another terminal"
             elsewhere += "; /help lists the commands]" if console.mode == "chat" else "]"
