@@ -27,6 +27,11 @@ def test_wide_characters_take_two_columns_of_a_row() -> None:
     assert full_rows("日本" * 10, 10, 3) == (["日本日本日"], "本日本日本日本日本日本日本日本")
 
 
+def test_an_sgr_sequence_takes_no_column_and_is_never_cut() -> None:
+    dim = "\x1b[2m" + "a" * 12 + "\x1b[22m" + "b" * 23
+    assert full_rows(dim, 10, 3) == (["\x1b[2m" + "a" * 10], "a" * 2 + "\x1b[22m" + "b" * 23)
+
+
 @pytest.fixture
 def agentd(tmp_path: Path, standin: Standin) -> Iterator[Agentd]:
     running = start(tmp_path, standin)

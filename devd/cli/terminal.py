@@ -17,6 +17,7 @@ brings multi-line editing, history and key bindings that are its own well-kept c
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from prompt_toolkit.application import Application
 from prompt_toolkit.buffer import Buffer
 from prompt_toolkit.filters import Condition
+from prompt_toolkit.formatted_text import ANSI
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.layout import ConditionalContainer, HSplit, Layout, Window
@@ -108,6 +110,9 @@ class Terminal(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    def isatty(self) -> bool:
+        return True  # the screen model dims the model's reasoning here, with SGR sequences (what it writes is safe)
+
     def _above(self, text: str) -> None:
         """Print text above the live area: the area is erased, the text written where it began, the area drawn
         again below it (as prompt_toolkit's in_terminal does, without giving the terminal back to cooked mode,
@@ -128,7 +133,8 @@ class Terminal(io.TextIOBase):
     # -- the live area --------------------------------------------------------------------------------------------
 
     def _layout(self) -> Layout:
-        streaming = Window(FormattedTextControl(lambda: self._partial), wrap_lines=True, dont_extend_height=True)
+        # ANSI: the screen model's own SGR sequences (reasoning dimmed) drawn, not shown; the model's text has none
+        streaming = Window(FormattedTextControl(lambda: ANSI(self._partial)), wrap_lines=True, dont_extend_height=True)
         status = Window(
             FormattedTextControl(lambda: f" {self._status() or ''} "), height=1, style=LINE_STYLE, wrap_lines=False
         )
@@ -240,14 +246,19 @@ class Terminal(io.TextIOBase):
             self.app.exit(result=self._left)
 
 
+_SHOWN = re.compile(r"(?P<sgr>\x1b\[[0-9;]*m)|.", re.DOTALL)  # an SGR sequence of the screen model's, or a character
+
+
 def full_rows(text: str, columns: int, rows_max: int) -> tuple[list[str], str]:
     """`text` (no line end in it) as a terminal of `columns` would wrap it: the rows past the last `rows_max` it
     would take, each whole, and what is left (at most `rows_max` rows). Widths as the terminal counts them (a wide
-    character two columns, a combining one none)."""
+    character two columns, a combining one none, an SGR sequence none)."""
     rows: list[str] = []
     start, width = 0, 0
-    for i, char in enumerate(text):
-        w = get_cwidth(char)
+    for found in _SHOWN.finditer(text):
+        if found["sgr"] is not None:
+            continue  # takes no column, and is never cut
+        i, w = found.start(), get_cwidth(found[0])
         if width + w > columns and i > start:
             rows.append(text[start:i])
             start, width = i, 0
