@@ -509,7 +509,7 @@ class TraceParams(_Params, frozen=True):
     limit: Annotated[int, Meta(ge=1, le=TRACE_PAGE_MAX, description="1 to 10,000 records")] = TRACE_PAGE
 
 
-Kind = Literal["model", "exec", "read", "write", "git", "browse"]
+Kind = Literal["model", "exec", "read", "write", "git", "browse", "tool"]
 Outcome = Literal["ok", "error", "denied", "refused", "interrupted"]
 
 

@@ -209,7 +209,7 @@ BAD_MCP = [
         "FILE:7: agent.a.mcp.gh.url 'https://h/mcp' is not an http:// or https:// URL without a user or password",
     ),
     (
-        A + '[agent.a.mcp.gh]\ncommand = []\n',
+        A + "[agent.a.mcp.gh]\ncommand = []\n",
         'FILE:7: agent.a.mcp.gh.command is empty; give the program and its arguments: ["program", ...]',
     ),
     (

@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -34,8 +34,10 @@ import anyio
 import msgspec
 
 from devd.agent import http, kinds, spend
+from devd.agent.kinds.named import NamedTool
 from devd.agent.profiles import Profile, api_key, shown_url
 from devd.messages import Call, Message, Reply
+from devd.messages import ToolCall as NamedCall
 
 
 class Inserted(msgspec.Struct, frozen=True):
@@ -193,9 +195,10 @@ def request_body(
     extra: Iterable[Inserted] = (),
     *,
     exec_available: bool = True,
+    named: Sequence[NamedTool] = (),
 ) -> dict[str, Any]:
     """The chat-completions request for an ask: the system prompt, the conversation (with `extra` inserted where it
-    belongs), the tools the profile allows, streamed with usage."""
+    belongs), the tools the profile allows and the session's `named` ones (its MCP tools), streamed with usage."""
     conversation = wire_messages(messages)
     replaced = whole_length(messages) - len(messages)  # the whole conversation's messages a Summary stands for, less it
     for inserted in sorted(extra, key=lambda i: i.before, reverse=True):
@@ -212,6 +215,10 @@ def request_body(
         {"type": "function", "function": {"name": name, **(kinds.OFFERED[name].schema or {})}}
         for name in tool_names(profile, exec_available=exec_available)
     ]
+    tools += [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in named
+    ]
     body: dict[str, Any] = {"model": profile.model, "messages": wire, "tools": tools}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     if profile.max_tokens is not None:
@@ -222,17 +229,31 @@ def request_body(
 # -- the answer ---------------------------------------------------------------------------------------------------
 
 
-def to_reply(completion: Completion) -> tuple[Reply, list[Rejected]]:
-    """The reply the core is stepped with, and the tool calls it cannot take (with why)."""
+def to_reply(completion: Completion, named: Collection[str] = ()) -> tuple[Reply, list[Rejected]]:
+    """The reply the core is stepped with, and the tool calls it cannot take (with why); `named` are the names of the
+    session's named tools (its MCP tools), called as `Tool` calls."""
     calls: list[Call] = []
     rejected: list[Rejected] = []
     for tc in completion.tool_calls:
-        call = _call(tc)
+        call = _named_call(tc) if tc.name in named else _call(tc)
         if isinstance(call, str):
             rejected.append(Rejected(call_id=tc.id, name=tc.name, arguments=tc.arguments, why=call))
         else:
             calls.append(call)
     return Reply(text=completion.text, calls=calls or None), rejected
+
+
+def _named_call(tc: ToolCall) -> Call | str:
+    """The core's Tool call for a call of a named tool (its arguments kept as written), or what is wrong with it."""
+    try:
+        args = json.loads(tc.arguments or "{}")
+        json.dumps(args, ensure_ascii=False).encode("utf-8")
+    except (json.JSONDecodeError, RecursionError, UnicodeEncodeError) as e:
+        return f"the arguments of {tc.name} are not JSON that can be read ({e}); send a JSON object"
+    if not isinstance(args, dict):
+        return f"the arguments of {tc.name} are not a JSON object; send one"
+    raw = msgspec.Raw((tc.arguments or "{}").encode())
+    return Call(Tool=NamedCall(name=tc.name, input=raw))
 
 
 def _call(tc: ToolCall) -> Call | str:
@@ -513,6 +534,7 @@ async def complete(
     environ: Mapping[str, str],
     exec_available: bool,
     extra: Iterable[Inserted] = (),
+    named: Sequence[NamedTool] = (),
     on_text: TextSink | None = None,
     on_attempt: AttemptSink | None = None,
     output_max: int | None = None,
@@ -550,6 +572,7 @@ async def complete(
             key,
             exec_available,
             extra,
+            named,
             on_text,
             report,
             output_max,
@@ -583,6 +606,7 @@ async def _exchange(
     key: str | None,
     exec_available: bool,
     extra: Iterable[Inserted],
+    named: Sequence[NamedTool],
     on_text: TextSink | None,
     report: AttemptSink,
     output_max: int | None,
@@ -593,7 +617,7 @@ async def _exchange(
     server = shown_url(profile.base_url)
     url = f"{profile.base_url}/chat/completions"
     body = json.dumps(
-        request_body(profile, messages, list(extra), exec_available=exec_available), ensure_ascii=False
+        request_body(profile, messages, list(extra), exec_available=exec_available, named=named), ensure_ascii=False
     ).encode()
     request_tokens = spend.estimate_tokens(body)
     # No content encoding: a compressed body would be inflated a read at a time past what `reply_bytes_max` holds.

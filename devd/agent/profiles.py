@@ -281,7 +281,7 @@ def _budget(name: str, table: dict[str, Any], lines: _Lines) -> Budget:
 _MCP_FIELDS: dict[str, tuple[Any, str]] = {
     "command": (list[str], 'a non-empty list of strings: ["program", "arg", ...]'),
     "url": (str, "an http:// or https:// URL"),
-    "env": (dict[str, str], 'a table of the server\'s variable = the name of the daemon\'s: { TOKEN = "GH_TOKEN" }'),
+    "env": (dict[str, str], "a table of the server's variable = the name of the daemon's: { TOKEN = \"GH_TOKEN\" }"),
     "headers": (dict[str, str], "a table of an HTTP header = the name of the daemon's variable holding its value"),
     "tools": (list[str], "a list of the server's tool names"),
     "decision": (Decision, 'one of "allow", "deny", "ask"'),

@@ -32,9 +32,9 @@ import json
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -54,6 +54,10 @@ from devd.messages import Action, Answer, Event, Message, Reply, Turn, encode
 from devd.protocol import Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
+
+if TYPE_CHECKING:
+    from devd.agent.kinds.named import NamedTool
+    from devd.agent.mcp.broker import Broker
 
 log = structlog.get_logger("devd.agent")
 T = TypeVar("T")
@@ -96,6 +100,7 @@ class Runtime:
         self._tg: anyio.abc.TaskGroup | None = None
         self._sandboxes: dict[str, sandboxes.Sandbox | sandboxes.Refusal | None] = {}
         self.http: http.Client | None = None
+        self.mcp: Broker | None = None  # the MCP broker, when a profile names servers (its SDK is loaded only then)
         self.oversight = Oversight(sessions)  # approvals, spend and trace (devd.agent.oversight)
         sessions.observe(self)
 
@@ -239,6 +244,11 @@ class Runtime:
         """Drive the sessions until cancelled: first every agent session that owes work (after a restart)."""
         async with http.new_client() as client, anyio.create_task_group() as tg:
             self.http, self._tg = client, tg
+            if any(p.mcp or p.session_mcp for p in self.profiles.values()):
+                from devd.agent.mcp.broker import Broker
+
+                self.mcp = Broker(self.environ)
+                await tg.start(self.mcp.run)
             task_status.started()
             try:
                 owing = await self.sessions.recorded(records.AGENT)
@@ -316,6 +326,8 @@ class Runtime:
         driver = self._drivers.pop(session, None)
         if driver is not None:
             driver.scope.cancel()
+        if self.mcp is not None:
+            self.mcp.forget(session)
         self._forget(session)
 
     def _forget(self, session: str) -> None:
@@ -330,14 +342,16 @@ class Runtime:
 _events = msgspec.json.Decoder(Event)
 
 
-def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list[model.Rejected]]:
+def _capped(
+    profile: Profile, completion: model.Completion, named: Collection[str] = ()
+) -> tuple[Reply, list[model.Rejected]]:
     """The reply the core is stepped with and the calls it does not take: of the reply's tool calls, the first
     `max_calls_per_reply` are taken (those it can take); the rest are never run, answered as one: the first of them,
     its arguments left out, refused for all (what is kept in the conversation, and sent in every later request, stays
     bounded however many calls a reply makes)."""
     limit = profile.max_calls_per_reply
     calls = completion.tool_calls
-    reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]))
+    reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]), named)
     if len(calls) <= limit:
         return reply, rejected
     why = (
@@ -492,7 +506,10 @@ class Driver(msgspec.Struct, eq=False):
             self._claims.add(action.id)
             failpoints.hit("agent.claimed")
         context = kinds.Context(
-            profile, lambda: self.runtime.workspace(self.session), lambda: self.runtime.sandbox(profile)
+            profile,
+            lambda: self.runtime.workspace(self.session),
+            lambda: self.runtime.sandbox(profile),
+            self._named(profile),
         )
         started, t0 = time.time(), time.monotonic()
         result = await self._guarded(action.id, lambda: kind.run(context, call))
@@ -512,6 +529,22 @@ class Driver(msgspec.Struct, eq=False):
         event = kind.event(action.id, result.text, result.failed)
         await self._traced(action, kind, call, started, took, outcome, error)  # durable before the result's step
         return await self._step(event, action.id)
+
+    def _named(self, profile: Profile) -> Callable[[str, bytes], Awaitable[tools.Result]] | None:
+        """How a call of the session's named (MCP) tools is carried out, when the daemon has a broker."""
+        broker = self.runtime.mcp
+        if broker is None:
+            return None
+        workspace, sandbox = lambda: self.runtime.workspace(self.session), lambda: self.runtime.sandbox(profile)
+        return lambda name, data: broker.call(self.session, profile, workspace, sandbox, name, data)
+
+    async def _offered(self, profile: Profile) -> list[NamedTool]:
+        """The session's MCP tools the model is offered now."""
+        broker = self.runtime.mcp
+        if broker is None:
+            return []
+        workspace, sandbox = lambda: self.runtime.workspace(self.session), lambda: self.runtime.sandbox(profile)
+        return await broker.offered(self.session, profile, workspace, sandbox)
 
     async def _gate(self, profile: Profile, action: Action) -> Gate | None:
         """Whether the call may start: the profile's decision, or for `ask` a client's (waited for); None when the
@@ -551,12 +584,17 @@ class Driver(msgspec.Struct, eq=False):
         self.dirty = True
 
     async def _admitted(
-        self, profile: Profile, action: Action, messages: list[Message], exec_available: bool
+        self,
+        profile: Profile,
+        action: Action,
+        messages: list[Message],
+        exec_available: bool,
+        named: Sequence[NamedTool] = (),
     ) -> ModelCall | None:
         """The model call, admitted by every spend ceiling; None when one refused it (never sent) and the session
         was stalled and then resumed."""
         oversight = self.runtime.oversight
-        body = model.request_body(profile, messages, list(self._inserted), exec_available=exec_available)
+        body = model.request_body(profile, messages, list(self._inserted), exec_available=exec_available, named=named)
         turn = self.runtime._turns.get(self.session, 0)
         accounted = ModelCall(oversight, self.session, profile, turn, action.id, json.dumps(body).encode())
         refusal = await accounted.admit()
@@ -571,13 +609,14 @@ class Driver(msgspec.Struct, eq=False):
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
         confined = await self.runtime.sandbox(profile)
         exec_available = not isinstance(confined, sandboxes.Refusal)
+        named = await self._offered(profile)
         try:
             for attempt in range(REASKS_MAX + 1):
 
                 def on_text(text: str) -> None:
                     self.sessions.stream(self.session, action.id, text)
 
-                accounted = await self._admitted(profile, action, messages, exec_available)
+                accounted = await self._admitted(profile, action, messages, exec_available, named)
                 if accounted is None:
                     return []  # refused by a spend ceiling: stalled until resumed
 
@@ -595,6 +634,7 @@ class Driver(msgspec.Struct, eq=False):
                         environ=self.runtime.environ,
                         exec_available=exec_available,
                         extra=list(self._inserted),
+                        named=named,
                         on_text=on_text,
                         on_attempt=on_attempt,
                         output_max=accounted.output_max,
@@ -615,7 +655,7 @@ class Driver(msgspec.Struct, eq=False):
                 if completion is None:
                     await accounted.done()
                     return []
-                reply, rejected = _capped(profile, completion)
+                reply, rejected = _capped(profile, completion, {t.name for t in named})
                 await accounted.done()  # durable before the answer: every step has its records already
                 if rejected:
                     again = reply.calls is None and attempt < REASKS_MAX

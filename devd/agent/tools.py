@@ -446,7 +446,7 @@ async def run_command(
         if "/" not in argv[0] and shutil.which(argv[0], path=ENV_PATH) is None:
             return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
         try:
-            who, alone, veil = await anyio.to_thread.run_sync(_who, profile, root, pinned.path)
+            who, alone, veil = await anyio.to_thread.run_sync(confinement, profile, root, pinned.path)
         except runas.Unusable as e:
             return Result(f"cannot run {argv[0]}: {e.why}", failed=True)
         env = command_env(pinned.path, guest=who is not None and who.uid != os.fstat(root).st_uid)
@@ -489,7 +489,7 @@ async def run_command(
     return _outcome(process, output, timed_out, profile)
 
 
-def _who(profile: Profile, workspace_fd: int, workspace: Path) -> tuple[runas.Account | None, bool, Path | None]:
+def confinement(profile: Profile, workspace_fd: int, workspace: Path) -> tuple[runas.Account | None, bool, Path | None]:
     """Who the command runs as (`runas.account`), whether in a user namespace of its own (`_drop` in
     devd.agent.sandbox says why), and the directory above the workspace it cannot search (`runas.veil`). Touches
     the file system and may probe once: off the event loop."""
