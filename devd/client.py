@@ -75,6 +75,7 @@ from devd.protocol import (
     InitializeResult,
     ListParams,
     ListResult,
+    McpResult,
     NewParams,
     NoParams,
     PendingResult,
@@ -513,6 +514,11 @@ class Client:
         result: StatusResult = self.request("daemon/status", NoParams())
         return result
 
+    def mcp(self) -> McpResult:
+        """The MCP servers the daemon's broker holds."""
+        result: McpResult = self.request("daemon/mcp", NoParams())
+        return result
+
     def backup(self, name: str) -> BackupResult:
         """A consistent copy of the daemon's sessions, written by the daemon as the new file `name` (a plain file
         name) of its backup directory."""
@@ -905,6 +911,11 @@ class AsyncClient:
     async def status(self) -> StatusResult:
         """The daemon's counters."""
         result: StatusResult = await self.request("daemon/status", NoParams())
+        return result
+
+    async def mcp(self) -> McpResult:
+        """The MCP servers the daemon's broker holds."""
+        result: McpResult = await self.request("daemon/mcp", NoParams())
         return result
 
     async def backup(self, name: str) -> BackupResult:

@@ -220,6 +220,29 @@ class NoParams(_Params, frozen=True):
     """This method takes no params."""
 
 
+class McpServerStatus(msgspec.Struct, frozen=True):
+    """One MCP server connection of the daemon: its name; its profile (`agent`, null for a session's own server); its
+    state (`stopped`: not running, started at its next use; `starting`; `ready`; `failed`: its last start or life
+    failed, `last_error` says why, and it is tried again at its next use after a backoff); its process's pid while it
+    runs (null for an HTTP server); how many sessions use it; how many tools it lists; how many times it was started
+    again; why it last failed."""
+
+    name: str
+    agent: str | None
+    state: Literal["stopped", "starting", "ready", "failed"]
+    pid: int | None
+    sessions: int
+    tools: int
+    restarts: int
+    last_error: str | None
+
+
+class McpResult(msgspec.Struct, frozen=True):
+    """Every MCP server connection the daemon holds (none when no profile names a server)."""
+
+    servers: list[McpServerStatus]
+
+
 class StatusResult(msgspec.Struct, frozen=True):
     """The daemon's health and counters."""
 
@@ -690,6 +713,14 @@ METHODS: dict[str, Spec] = {
             "status",
             "The daemon's counters: sessions by state, steps, errors by kind, commit latency, memory.",
             during_shutdown=True,
+        ),
+        _spec(
+            "daemon/mcp",
+            NoParams,
+            McpResult,
+            "mcp",
+            """The MCP servers the daemon's broker holds: one connection per server configuration, shared by the
+            sessions that may use it, with its state, process, sessions, tools, restarts and last error.""",
         ),
         _spec(
             "daemon/backup",

@@ -12,7 +12,6 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 import anyio
 from mcp.server.mcpserver import MCPServer
@@ -54,14 +53,17 @@ def touch(name: str) -> str:
 
 @server.tool()
 async def slow(name: str, seconds: float) -> str:
-    """Write `started` to name, sleep, then `finished` (or `cancelled` when cancelled)."""
-    Path(name).write_text("started\n")
+    """Append `started` to name, sleep, then `finished` (or `cancelled` when cancelled)."""
+    with open(name, "a") as f:
+        f.write("started\n")
     try:
         await anyio.sleep(seconds)
     except anyio.get_cancelled_exc_class():
-        Path(name).write_text("cancelled\n")
+        with open(name, "a") as f:
+            f.write("cancelled\n")
         raise
-    Path(name).write_text("finished\n")
+    with open(name, "a") as f:
+        f.write("finished\n")
     return "slept"
 
 

@@ -42,6 +42,7 @@ from devd.protocol import (
     Limits,
     ListParams,
     ListResult,
+    McpResult,
     NewParams,
     NoParams,
     PendingResult,
@@ -246,6 +247,12 @@ def _rss_bytes() -> int:
 @method("daemon/status")
 async def daemon_status(call: Call, params: NoParams) -> StatusResult:
     return status(call.app)
+
+
+@method("daemon/mcp")
+async def daemon_mcp(call: Call, params: NoParams) -> McpResult:
+    broker = None if call.app.agents is None else call.app.agents.mcp
+    return McpResult([] if broker is None else broker.statuses())
 
 
 @method("daemon/backup")

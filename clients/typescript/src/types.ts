@@ -474,6 +474,29 @@ export interface ListResult {
   next?: string | null;
 }
 
+/** Every MCP server connection the daemon holds (none when no profile names a server). */
+export interface McpResult {
+  servers: McpServerStatus[];
+}
+
+/**
+ * One MCP server connection of the daemon: its name; its profile (`agent`, null for a session's own server); its state
+ * (`stopped`: not running, started at its next use; `starting`; `ready`; `failed`: its last start or life failed,
+ * `last_error` says why, and it is tried again at its next use after a backoff); its process's pid while it runs (null
+ * for an HTTP server); how many sessions use it; how many tools it lists; how many times it was started again; why it
+ * last failed.
+ */
+export interface McpServerStatus {
+  name: string;
+  agent: string | null;
+  state: "failed" | "ready" | "starting" | "stopped";
+  pid: number | null;
+  sessions: number;
+  tools: number;
+  restarts: number;
+  last_error: string | null;
+}
+
 /**
  * One entry of the conversation the model is sent; exactly one member: `User` (a prompt), `Agent` (the model's
  * answer), `Tool` (a call's result) or `Summary` (the start of the conversation, summarised; only ever first).
@@ -498,6 +521,14 @@ export interface Methods {
   "daemon/status": {
     params: NoParams;
     result: StatusResult;
+  };
+  /**
+   * The MCP servers the daemon's broker holds: one connection per server configuration, shared by the sessions that
+   * may use it, with its state, process, sessions, tools, restarts and last error.
+   */
+  "daemon/mcp": {
+    params: NoParams;
+    result: McpResult;
   };
   /** A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied). */
   "daemon/backup": {
@@ -1024,7 +1055,7 @@ export interface TraceRecord {
   /** @default 0 */
   n?: number;
   action: number;
-  kind: "browse" | "exec" | "git" | "model" | "read" | "write";
+  kind: "browse" | "exec" | "git" | "model" | "read" | "tool" | "write";
   started: string;
   duration_ms: number;
   outcome: "denied" | "error" | "interrupted" | "ok" | "refused";

@@ -32,6 +32,7 @@ from devd.agent.mcp import launch, names, results
 from devd.agent.mcp.connection import Connection, Unavailable
 from devd.agent.mcp.stdio import Process
 from devd.agent.profiles import McpServer, Profile
+from devd.protocol import McpServerStatus
 
 log = structlog.get_logger("devd.mcp")
 
@@ -40,21 +41,6 @@ DESCRIPTION_CHARS_MAX = 2000  # of a tool's description, as the model is offered
 
 Workspace = Callable[[], Awaitable[tools.Workspace]]
 Sandbox = Callable[[], Awaitable[sandboxes.Sandbox | sandboxes.Refusal | None]]
-
-
-class ServerStatus(msgspec.Struct, frozen=True):
-    """One MCP server connection as `daemon/mcp` shows it: its name, its profile (`agent`, null for a session's own
-    server), its state (`stopped`, `starting`, `ready`, `failed`), its process's pid while it runs, the sessions that
-    use it, the tools it lists, how many times it was started again, and why it last failed."""
-
-    name: str
-    agent: str | None
-    state: str
-    pid: int | None
-    sessions: int
-    tools: int
-    restarts: int
-    last_error: str | None
 
 
 class _Entry(msgspec.Struct, frozen=True):
@@ -95,9 +81,9 @@ class Broker:
                 connection.close()
                 del self._connections[key]
 
-    def statuses(self) -> list[ServerStatus]:
+    def statuses(self) -> list[McpServerStatus]:
         return [
-            ServerStatus(
+            McpServerStatus(
                 c.server.name,
                 c.agent,
                 c.state,

@@ -193,7 +193,7 @@ class Connection:
                             await session.initialize()
                             self.listed = await self._list(session)
                         ready.set()
-                        self.state, self._failures = "ready", 0
+                        self.state, self._failures, self._last_used = "ready", 0, time.monotonic()
                         log.info("mcp.ready", server=name, agent=self.agent, pid=self.pid, tools=len(self.listed))
                         await self._serve(session, first, process)
             except Exception as e:  # what the SDK or the transport raised: the life is over, and says why
@@ -207,7 +207,9 @@ class Connection:
         first.fail(why)
         if not ready.is_set():
             self._failed(why)
-        elif not self._idled:
+        elif self._idled:
+            self.state = "stopped"  # once its process is gone
+        else:
             self.state, self.last_error = "failed", why
             log.warning("mcp.ended", server=name, agent=self.agent, why=why[:500])
 
@@ -226,16 +228,20 @@ class Connection:
         async with anyio.create_task_group() as calls:
             self._calls, self._session = calls, session
 
+            def handle(request: _Request) -> None:
+                self._active += 1  # counted from now: the idle watcher must not stop a server a call was given to
+                calls.start_soon(self._handle, session, request, process)
+
             async def receive() -> None:
-                calls.start_soon(self._handle, session, first, process)
+                handle(first)
                 async for request in self._receive:
-                    calls.start_soon(self._handle, session, request, process)
+                    handle(request)
 
             async def idle() -> None:
                 while True:
                     left = self._last_used + self.server.idle_s - time.monotonic()
                     if left <= 0 and self._active == 0:
-                        self.state, self._idled = "stopped", True
+                        self._idled = True
                         self._ending = f"the MCP server {self.server.name} was stopped after idle_s with no call"
                         log.info("mcp.idle", server=self.server.name, agent=self.agent)
                         calls.cancel_scope.cancel()
@@ -255,7 +261,6 @@ class Connection:
             self._ending = self._ending or self._ended_why(process, None)
 
     async def _handle(self, session: ClientSession, request: _Request, process: Process) -> None:
-        self._active += 1
         try:
             with request.scope:
                 if request.tool is None:
