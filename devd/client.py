@@ -75,6 +75,7 @@ from devd.protocol import (
     InitializeResult,
     ListParams,
     ListResult,
+    McpParams,
     McpResult,
     NewParams,
     NoParams,
@@ -83,6 +84,7 @@ from devd.protocol import (
     PromptResult,
     Remember,
     RestoreParams,
+    SessionMcpServer,
     SessionParams,
     SessionResult,
     SnapshotResult,
@@ -556,6 +558,10 @@ class Client:
         """Try a stalled session's model again."""
         self.request("session/resume", SessionParams(session))
 
+    def bring_mcp(self, session: str, servers: builtins.list[SessionMcpServer]) -> None:
+        """Give the agent session the MCP servers it brings, replacing those it brought before."""
+        self.request("session/mcp", McpParams(session, servers))
+
     def agent(self, session: str) -> AgentResult:
         """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""
         result: AgentResult = self.request("session/agent", SessionParams(session))
@@ -955,6 +961,10 @@ class AsyncClient:
     async def resume(self, session: str) -> None:
         """Try a stalled session's model again."""
         await self.request("session/resume", SessionParams(session))
+
+    async def bring_mcp(self, session: str, servers: list[SessionMcpServer]) -> None:
+        """Give the agent session the MCP servers it brings, replacing those it brought before."""
+        await self.request("session/mcp", McpParams(session, servers))
 
     async def agent(self, session: str) -> AgentResult:
         """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""

@@ -44,14 +44,15 @@ import structlog
 from devd import failpoints
 from devd.agent import http, kinds, model, records, tools
 from devd.agent import sandbox as sandboxes
+from devd.agent.mcp.own import own_servers
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import Sessions, action_ids
-from devd.agent.profiles import Profile, check_workspace
+from devd.agent.profiles import McpServer, Profile, check_workspace
 from devd.agent.records import Binding, Claim, TurnStarted
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Event, Message, Reply, Turn, encode
-from devd.protocol import Outcome, StalledNotice
+from devd.protocol import Outcome, SessionMcpServer, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
 
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from devd.agent.mcp.broker import Broker
 
 log = structlog.get_logger("devd.agent")
+OwnServers = tuple[tuple[McpServer, dict[str, str]], ...]
 T = TypeVar("T")
 
 SCAN_ROWS = 256  # journal rows read at a time when a session's turn ids are first looked for
@@ -131,6 +133,15 @@ class Runtime:
         except tools.Refused as e:  # changed since check_workspace looked: a link swapped in meanwhile, say
             raise InvalidParamsError(f"workspace {real} changed as the session was made ({e.why}); try again") from None
         return Binding(agent, str(real), identity)
+
+    def own_mcp(self, agent: str, given: list[SessionMcpServer]) -> OwnServers:
+        """A session's own MCP servers, checked against the profile (InvalidParamsError saying what is wrong)."""
+        return own_servers(self.profiles[agent], given)
+
+    def bring_mcp(self, session: str, servers: OwnServers) -> None:
+        """The session's own MCP servers from now (in memory: a restart forgets them, `session/mcp` gives them)."""
+        if self.mcp is not None:
+            self.mcp.own(session, servers)
 
     async def bind(self, session: str, binding: Binding | None) -> None:
         """Keep the new session's binding, durably. A session of no agent is not remembered here at all (there may be

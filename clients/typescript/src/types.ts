@@ -474,6 +474,17 @@ export interface ListResult {
   next?: string | null;
 }
 
+/** The MCP servers a session brings (replacing those it brought before; `[]`: none). */
+export interface McpParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  mcp_servers: SessionMcpServer[];
+}
+
 /** Every MCP server connection the daemon holds (none when no profile names a server). */
 export interface McpResult {
   servers: McpServerStatus[];
@@ -547,6 +558,14 @@ export interface Methods {
   "session/new": {
     params: NewParams;
     result: SessionResult;
+  };
+  /**
+   * Give a session of an agent the MCP servers it brings (as `session/new` `mcp_servers` does), replacing those it
+   * brought before: after a daemon restart, which forgets them, or when an editor reloads it.
+   */
+  "session/mcp": {
+    params: McpParams;
+    result: Empty;
   };
   /** Step a session with one event; answered once the step is durable. */
   "session/step": {
@@ -669,10 +688,18 @@ export interface Methods {
   };
 }
 
+/** A variable or header of a session's own MCP server: its name and its value. */
+export interface NameValue {
+  name: string;
+  value: string;
+}
+
 /**
  * A new session, from a config (default `{}`), under a name (default: chosen by the daemon); with `agent` (a profile
  * of the daemon's agents file) and `workspace` (an absolute directory inside the profile's roots), a session the
- * daemon drives itself (`session/prompt`), with `budget` its own spend ceiling.
+ * daemon drives itself (`session/prompt`), with `budget` its own spend ceiling, and `mcp_servers` MCP servers of its
+ * own (where the profile has `session_mcp = true`), kept in the daemon's memory for the session's life in this daemon
+ * (after a restart, `session/mcp` gives them again).
  *
  * @example {"session":"demo","config":{"model":"small"}}
  */
@@ -689,6 +716,7 @@ export interface NewParams {
   /** an absolute directory inside the profile's roots */
   workspace?: string | null;
   budget?: TokenBudget | null;
+  mcp_servers?: SessionMcpServer[] | null;
 }
 
 /** This method takes no params. */
@@ -837,6 +865,24 @@ export interface SessionInfo {
   reason?: string | null;
   held?: boolean | null;
   stalled?: string | null;
+}
+
+/**
+ * An MCP server a session brings, in ACP's shape: stdio `{name, command, args, env}` (the process gets `env`'s
+ * values), or Streamable HTTP `{type: "http", name, url, headers}`. Its calls are always asked about.
+ */
+export interface SessionMcpServer {
+  /** letters, digits, - and single _, at most 32 */
+  name: string;
+  command?: string | null;
+  /** @default [] */
+  args?: string[];
+  /** @default [] */
+  env?: NameValue[];
+  type?: "http" | "stdio" | null;
+  url?: string | null;
+  /** @default [] */
+  headers?: NameValue[];
 }
 
 /**

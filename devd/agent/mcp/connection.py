@@ -250,6 +250,8 @@ class Connection:
 
             async def ended() -> None:
                 await process.ended.wait()
+                await _reaped(process)  # so that the calls it cuts short say how it ended
+                self._ending = self._ending or self._ended_why(process, None)
                 calls.cancel_scope.cancel()
 
             calls.start_soon(receive)
@@ -276,7 +278,7 @@ class Connection:
         except MCPError as e:
             if process.ended.is_set() or "closed" in e.error.message.lower():
                 await _reaped(process)
-                request.fail(self._ended_why(process, None) + f"; the call of {request.tool} had no answer")
+                request.fail(self._ending or self._ended_why(process, None))
             else:
                 request.fail(f"the MCP server {self.server.name} answered {request.tool} with an error: {e}")
         except (ValidationError, RuntimeError, ValueError) as e:  # a result the protocol does not allow
