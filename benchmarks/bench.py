@@ -2371,6 +2371,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_sandbox import add_arguments as sandbox_arguments
 
     sandbox_arguments(sub.add_parser("sandbox", help="a command's confinement, per command, against an unconfined one"))
+    from benchmarks.bench_mcp import add_arguments as mcp_arguments
+
+    mcp_arguments(sub.add_parser("mcp", help="the MCP broker's cost per call, and server processes for N sessions"))
 
     approvals_arguments(approvals_parser)
 
@@ -2399,6 +2402,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_sandbox import bench_sandbox
 
         result = bench_sandbox(args.rounds, args.runs)
+    elif args.what == "mcp":
+        from benchmarks.bench_mcp import bench_mcp
+
+        result = bench_mcp(args.rounds, args.calls, args.sessions)
     elif args.what == "agent" and args.oversight:
         from benchmarks import bench_approvals as approvals
 

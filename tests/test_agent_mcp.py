@@ -248,8 +248,13 @@ def offered_names(standin: Standin, request: int = 0) -> list[str]:
             "agent 'coder''s MCP server demo cannot start: its variable TOKEN is to be read from the daemon's variable "
             "DEVD_TEST_UNSET, which is not set; set it where the daemon starts and restart the daemon",
         ),
+        (
+            '[agent.coder.mcp.demo]\nurl = "http://127.0.0.1:9/mcp"\n',
+            "the MCP server demo is a Streamable HTTP server (http://127.0.0.1:9/mcp), which devd does not connect to "
+            "yet; run it as a stdio server (command = [...])",
+        ),
     ],
-    ids=["hangs in its handshake", "writes what is not JSON-RPC", "will not start", "lacks its variable"],
+    ids=["hangs in its handshake", "writes what is not JSON-RPC", "will not start", "lacks its variable", "is HTTP"],
 )
 def test_a_server_that_cannot_serve_is_left_out_of_the_tools_and_says_why(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, table: str, why: str

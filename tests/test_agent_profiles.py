@@ -227,7 +227,7 @@ BAD_MCP = [
     (
         A + '[agent.a.mcp.gh]\ncommand = ["gh"]\ntimeout = 5\n',
         "FILE:8: unknown key 'timeout' in [agent.a.mcp.gh]; remove it or fix its name (the keys are command, url, "
-        "env, headers, tools, decision, rules, read_only, network, share, idle_s, start_timeout_s, call_timeout_s, "
+        "env, headers, tools, decision, rules, network, share, idle_s, start_timeout_s, call_timeout_s, "
         "tools_max)",
     ),
     (
@@ -248,7 +248,7 @@ def test_an_mcp_server_keeps_every_setting_and_the_names_of_variables_only(tmp_p
         'command = ["github-mcp-server", "stdio"]\nenv = { GITHUB_TOKEN = "GITHUB_TOKEN" }\n'
         'tools = ["search_issues", "get_issue"]\ndecision = "deny"\nrules = { get_issue = "allow" }\n'
         'network = true\nshare = "session"\nidle_s = 30\n\n[agent.a.mcp.docs]\nurl = "https://h/mcp"\n'
-        'headers = { Authorization = "DOCS_AUTH" }\nread_only = true\n'
+        'headers = { Authorization = "DOCS_AUTH" }\n'
     )
     profile = load_profiles(write(tmp_path, body))["a"]
     assert (profile.session_mcp, profile.mcp) == (
@@ -265,7 +265,7 @@ def test_an_mcp_server_keeps_every_setting_and_the_names_of_variables_only(tmp_p
                 share="session",
                 idle_s=30.0,
             ),
-            McpServer(name="docs", url="https://h/mcp", headers=(("Authorization", "DOCS_AUTH"),), read_only=True),
+            McpServer(name="docs", url="https://h/mcp", headers=(("Authorization", "DOCS_AUTH"),)),
         ),
     )
 

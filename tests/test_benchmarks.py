@@ -34,3 +34,10 @@ def test_bench_sandbox_times_both_sandboxes_against_an_unconfined_command() -> N
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     ratios = json.loads(done.stdout)["ratio_to_unconfined"]
     assert (sorted(ratios), ratios["unconfined true"]) == (["bwrap", "none", "unconfined true"], 1.0)
+
+
+def test_bench_mcp_times_the_broker_against_the_sdks_own_client_and_counts_processes() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "mcp", "--rounds", "1", "--calls", "5", "--sessions", "3"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    result = json.loads(done.stdout)
+    assert (sorted(result["ms"]), result["server_processes"], result["sessions"]) == (["broker", "sdk client"], 1, 3)

@@ -52,8 +52,7 @@ class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """An MCP server a profile's sessions may call (`[agent.NAME.mcp.SERVER]`): a stdio `command` or a Streamable HTTP
     `url`. `env` maps the server's variable to the *name* of the daemon's variable holding its value (`headers` an
     HTTP header to one), never the value. `tools` is the tools offered (None: every tool it lists); `decision` decides
-    its calls, `rules` one tool's by its name; `read_only` trusts its tools' readOnlyHint (such a tool is a read: not
-    claimed, allowed unasked unless a rule says otherwise). `share`: one process for every session of the profile (and
+    its calls, `rules` one tool's by its name. `share`: one process for every session of the profile (and
     workspace), or one per session."""
 
     name: str
@@ -64,7 +63,6 @@ class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     tools: tuple[str, ...] | None = None
     decision: Decision = "ask"
     rules: tuple[tuple[str, Decision], ...] = ()
-    read_only: bool = False
     network: bool = False
     share: Share = "profile"
     idle_s: float = 300.0
@@ -286,7 +284,6 @@ _MCP_FIELDS: dict[str, tuple[Any, str]] = {
     "tools": (list[str], "a list of the server's tool names"),
     "decision": (Decision, 'one of "allow", "deny", "ask"'),
     "rules": (dict[str, str], 'a table of a tool\'s name = "allow", "deny" or "ask"'),
-    "read_only": (bool, "true or false"),
     "network": (bool, "true or false"),
     "share": (Share, 'one of "profile", "session"'),
     "idle_s": (float, "a number of seconds"),

@@ -191,7 +191,11 @@ class Broker:
             async def made() -> Process:
                 if why is not None:
                     raise Unavailable(why)
-                assert server.command is not None, "HTTP servers are not yet connected"
+                if server.command is None:
+                    raise Unavailable(
+                        f"the MCP server {server.name} is a Streamable HTTP server ({server.url}), which devd does not "
+                        "connect to yet; run it as a stdio server (command = [...])"
+                    )
                 return await launch.stdio_process(
                     server.command,
                     values,

@@ -1,11 +1,10 @@
 """A session's own MCP servers (`session/new` and `session/mcp` `mcp_servers`, ACP's shape), checked against its
 profile and made into the broker's configurations: allowed only where the profile has `session_mcp = true`, named as a
-profile's servers are and never like one of them, stdio or HTTP; their calls are always asked about, and each
-is the session's alone (`share = "session"`). Their variables' values are the session's, kept in memory only."""
+profile's servers are and never like one of them, stdio only (HTTP is refused, saying so); their calls are always
+asked about, and each is the session's alone (`share = "session"`). Their variables' values are the session's, kept
+in memory only."""
 
 from __future__ import annotations
-
-from urllib.parse import urlsplit
 
 from devd.agent.profiles import McpServer, Profile, server_name_problem
 from devd.errors import InvalidParamsError
@@ -43,12 +42,10 @@ def own_servers(profile: Profile, given: list[SessionMcpServer]) -> tuple[tuple[
 
 def _server(spec: SessionMcpServer) -> tuple[McpServer, dict[str, str]]:
     if spec.type == "http" or spec.url is not None:
-        split = urlsplit(spec.url or "")
-        if spec.command is not None or split.scheme not in ("http", "https") or not split.netloc:
-            raise InvalidParamsError(f"MCP server {spec.name!r}: an HTTP server has an http:// or https:// url alone")
-        headers = {h.name: h.value for h in spec.headers}
-        server = McpServer(name=spec.name, url=spec.url, share="session", headers=tuple((k, k) for k in headers))
-        return server, headers
+        raise InvalidParamsError(
+            f"MCP server {spec.name!r} is a Streamable HTTP server, which devd does not connect to yet; give it as a "
+            "stdio server (command, args, env)"
+        )
     if not spec.command:
         raise InvalidParamsError(f"MCP server {spec.name!r} has neither a command (stdio) nor a url (HTTP)")
     env = {v.name: v.value for v in spec.env}
