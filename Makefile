@@ -7,7 +7,11 @@ CORE_SRC := $(wildcard core/build.zig core/build.zig.zon core/src/*.zig)
 
 .PHONY: setup build run test prerequisites bench clean typescript
 
+# The package is byte-compiled as an installed wheel is (pip compiles at install; an editable install does not):
+# where PYTHONDONTWRITEBYTECODE is set, every start would otherwise compile devd's modules again (0.15-0.2 s).
+# compileall checks each file's mtime, so a setup with nothing changed costs a fraction of a second.
 setup: $(VENV)/.installed devd/core.wasm
+	$(PY) -m compileall -q devd
 
 $(VENV)/.installed: pyproject.toml hatch_build.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,13 +32,13 @@ run: setup
 # One worker more than the cores (pytest-xdist): with one a core the cores stood idle a quarter of the run, while
 # workers waited on daemons, fsyncs and sockets (2 cores, one sitting: 3 min 12 s with two workers, 2 min 43 s with
 # three, 2 min 47 s with four). The TypeScript tests share one worker, as they share clients/typescript.
-# The package is byte-compiled first, as an installed wheel is: a run starts about 170 daemon and CLI processes, and
-# where PYTHONDONTWRITEBYTECODE is set each compiled devd's modules again (0.2 s of CPU a process).
+# The benchmarks are byte-compiled too (setup compiles devd): a run starts about 170 daemon and CLI processes, and
+# where PYTHONDONTWRITEBYTECODE is set each would compile what it imports again (0.2 s of CPU a process).
 # The core's own unit tests (its logic and its allocator, run natively) come first: a few seconds.
 # A hung test fails within its own timeout and a minute, and a worker lost to one fails the run then (pyproject.toml).
 test: setup prerequisites
 	cd core && $(abspath $(PY)) -m ziglang build test
-	$(PY) -m compileall -q devd benchmarks
+	$(PY) -m compileall -q benchmarks
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
 # What the suite needs from outside the virtualenv (bubblewrap, git, Node.js, PostgreSQL): installs bubblewrap and git

@@ -14,6 +14,7 @@ python -m benchmarks.bench fleet    # one and two daemons on one PostgreSQL vs t
 python -m benchmarks.bench agent    # the agent runtime's own time per model call and per tool call, against the
                                     # stand-in model server's, and a turn of 50 tool calls end to end
 python -m benchmarks.bench approvals  # what approvals, spend ceilings and the trace add to a turn
+python -m benchmarks.bench idle     # an idle daemon's wake-ups a second, against a process blocked in accept()
 python -m benchmarks.bench start    # exec to the first answer: devd vs a minimal Python daemon, without and with the
                                     # core loaded; in bench_start.py
 """
@@ -2374,6 +2375,12 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_mcp import add_arguments as mcp_arguments
 
     mcp_arguments(sub.add_parser("mcp", help="the MCP broker's cost per call, and server processes for N sessions"))
+    from benchmarks.bench_idle import add_arguments as idle_arguments
+
+    idle_arguments(sub.add_parser("idle", help="an idle daemon's wake-ups a second, against a process that waits"))
+    from benchmarks.bench_mixed import add_arguments as mixed_arguments
+
+    mixed_arguments(sub.add_parser("mixed", help="session/new beside one client's large steps, against it alone"))
 
     approvals_arguments(approvals_parser)
 
@@ -2406,6 +2413,14 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_mcp import bench_mcp
 
         result = bench_mcp(args.rounds, args.calls, args.sessions)
+    elif args.what == "idle":
+        from benchmarks.bench_idle import bench_idle
+
+        result = bench_idle(args.seconds, args.settle)
+    elif args.what == "mixed":
+        from benchmarks.bench_mixed import bench_mixed
+
+        result = bench_mixed(args.rounds, args.seconds, args.clients, args.payload_mib, args.postgres)
     elif args.what == "agent" and args.oversight:
         from benchmarks import bench_approvals as approvals
 

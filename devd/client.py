@@ -66,6 +66,7 @@ from devd.protocol import (
     BackupParams,
     BackupResult,
     BudgetParams,
+    CompactResult,
     DecidedNotice,
     DeltaNotice,
     DrainResult,
@@ -77,6 +78,8 @@ from devd.protocol import (
     ListResult,
     McpParams,
     McpResult,
+    ModelParams,
+    ModelResult,
     NewParams,
     NoParams,
     PendingResult,
@@ -562,6 +565,16 @@ class Client:
         """Give the agent session the MCP servers it brings, replacing those it brought before."""
         self.request("session/mcp", McpParams(session, servers))
 
+    def set_model(self, session: str, model: str) -> ModelResult:
+        """Set the model the session's next calls name (one of its profile's `models`)."""
+        result: ModelResult = self.request("session/model", ModelParams(session, model))
+        return result
+
+    def compact(self, session: str) -> CompactResult:
+        """Compact the session's conversation now: how many messages a summary replaced."""
+        result: CompactResult = self.request("session/compact", SessionParams(session))
+        return result
+
     def agent(self, session: str) -> AgentResult:
         """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""
         result: AgentResult = self.request("session/agent", SessionParams(session))
@@ -965,6 +978,16 @@ class AsyncClient:
     async def bring_mcp(self, session: str, servers: list[SessionMcpServer]) -> None:
         """Give the agent session the MCP servers it brings, replacing those it brought before."""
         await self.request("session/mcp", McpParams(session, servers))
+
+    async def set_model(self, session: str, model: str) -> ModelResult:
+        """Set the model the session's next calls name (one of its profile's `models`)."""
+        result: ModelResult = await self.request("session/model", ModelParams(session, model))
+        return result
+
+    async def compact(self, session: str) -> CompactResult:
+        """Compact the session's conversation now: how many messages a summary replaced."""
+        result: CompactResult = await self.request("session/compact", SessionParams(session))
+        return result
 
     async def agent(self, session: str) -> AgentResult:
         """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""

@@ -157,17 +157,23 @@ def packaged_module() -> bytes:
 
 
 class _Ticker:
-    """Advances an Engine's epoch every TICK_SECONDS, catching up when starved of the GIL.
+    """Advances an Engine's epoch every TICK_SECONDS while a deadline is pending, catching up when starved of the GIL.
 
     A plain sleep-and-tick loop fires deadlines late under GIL contention (50 ms became 330 ms); bringing the epoch to
     floor(elapsed / period) on each wake-up keeps it honest. Deadlines are computed from the wall clock minus the
-    epoch already reached, so a lagging epoch never makes a deadline fire early.
+    epoch already reached, so a lagging epoch never makes a deadline fire early. Once the latest deadline armed has
+    passed, no call can be running under one, so the thread sleeps until the next is armed: an idle daemon does not
+    wake (it woke 200 times a second). The epoch does not move while it sleeps; arming moves the clock's origin up to
+    it instead, since catching up an hour of ticks one atomic add at a time would hold the GIL for most of a second.
     """
 
     def __init__(self, engine: wasmtime.Engine) -> None:
         self._engine = engine
         self._t0 = time.monotonic()
         self._epoch = 0
+        self._until = 0.0  # the latest deadline armed (monotonic)
+        self._expired = False  # after expire(): every call traps at once
+        self._armed = threading.Event()  # clear only while the thread sleeps, or is about to
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="devd-epoch", daemon=True)
         self._thread.start()
@@ -176,20 +182,36 @@ class _Ticker:
         # Each increment keeps the GIL (an atomic add): a catch-up of many ticks after the thread was starved is one
         # hold of the GIL, not one hand-over to the event loop and back per tick.
         engine = self._engine.ptr()
-        while not self._stop.wait(TICK_SECONDS):
+        while not self._stop.is_set():
+            if time.monotonic() > self._until:
+                self._armed.clear()
+                if time.monotonic() > self._until:  # checked again after clearing: an arm in between is seen here
+                    self._armed.wait()
+                continue
+            if self._stop.wait(TICK_SECONDS):
+                return
             target = int((time.monotonic() - self._t0) / TICK_SECONDS)
             while self._epoch < target:
                 _increment_epoch(engine)
                 self._epoch += 1
 
     def ticks_until(self, deadline: float) -> int:
-        """Epoch ticks from now until the monotonic time `deadline`, never fewer than one."""
+        """Epoch ticks from now until the monotonic time `deadline` (none after `expire`); it ticks until then."""
+        if self._expired:
+            return 0  # the deadline is the epoch already reached: the call traps at its first check
+        if not self._armed.is_set():  # asleep: the epoch stood still, so its origin moves to now
+            self._t0 = time.monotonic() - self._epoch * TICK_SECONDS
+        if deadline > self._until:
+            self._until = deadline
         due = int((deadline - self._t0) / TICK_SECONDS) + 1
+        if not self._armed.is_set():
+            self._armed.set()
         return max(1, due - self._epoch)
 
     def expire(self, seconds: float) -> None:
         """Advance the epoch past every deadline due within `seconds`: each call running now traps (DEADLINE), and
         every later call expires at once. For the end of a shutdown's grace."""
+        self._expired = True
         engine = self._engine.ptr()
         for _ in range(int(seconds / TICK_SECONDS) + 2):
             _increment_epoch(engine)
@@ -197,6 +219,7 @@ class _Ticker:
 
     def stop(self) -> None:
         self._stop.set()
+        self._armed.set()
         self._thread.join()
 
 

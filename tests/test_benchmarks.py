@@ -41,3 +41,9 @@ def test_bench_mcp_times_the_broker_against_the_sdks_own_client_and_counts_proce
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     result = json.loads(done.stdout)
     assert (sorted(result["ms"]), result["server_processes"], result["sessions"]) == (["broker", "sdk client"], 1, 3)
+
+
+def test_bench_mixed_times_session_new_beside_large_steps_against_it_alone() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "mixed", "--rounds", "1", "--seconds", "0.5", "--clients", "2"]
+    done = subprocess.run(argv + ["--payload-mib", "1"], capture_output=True, env=daemon_env(), timeout=120, check=True)
+    assert sorted(json.loads(done.stdout)["ratio"]) == ["max_ms", "p50_ms", "p99_ms"]

@@ -427,6 +427,7 @@ REQUIRED_VALUES = {
     "digest": "0" * 64,
     "decision": "allow",
     "tokens": 1000,
+    "model": "m",
 }
 
 

@@ -515,6 +515,46 @@ def test_a_step_that_runs_past_its_deadline_is_stopped_there() -> None:
         c.close()
 
 
+def test_the_epoch_stands_still_once_every_deadline_has_passed() -> None:
+    c = Core.open(timeout=0.05, call_timeout=0.05)
+    try:
+        s = c.new()
+        s.step(turn(1, FIX))
+        time.sleep(0.5)  # well past the step's deadline: nothing can be running under one
+        before = c._ticker._epoch
+        time.sleep(0.3)
+        assert c._ticker._epoch == before
+    finally:
+        c.close()
+
+
+def test_a_deadline_armed_after_the_ticker_slept_fires_on_time() -> None:
+    c = Core.open(modules.SPIN_STEP, timeout=0.05, call_timeout=0.05)
+    try:
+        s = c.new()
+        time.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(DeadlineError):
+            s.step(Event(Timer=True), timeout=0.05)
+        assert time.monotonic() - started < 1.0
+    finally:
+        c.close()
+
+
+def test_every_call_after_interrupt_all_ends_at_once() -> None:
+    c = Core.open(modules.SPIN_STEP, timeout=0.05, call_timeout=0.05)
+    try:
+        s = c.new()
+        time.sleep(0.5)  # the ticker asleep when the interrupt comes
+        c.interrupt_all(60.0)
+        started = time.monotonic()
+        with pytest.raises(DeadlineError):
+            s.step(Event(Timer=True), timeout=30.0)
+        assert time.monotonic() - started < 1.0
+    finally:
+        c.close()
+
+
 def test_open_stops_a_module_that_never_answers() -> None:
     started = time.monotonic()
     with pytest.raises(DeadlineError):

@@ -232,6 +232,10 @@ class AgentMessageChunk(_Out, frozen=True, tag_field="sessionUpdate", tag="agent
     content: TextBlock
 
 
+class AgentThoughtChunk(_Out, frozen=True, tag_field="sessionUpdate", tag="agent_thought_chunk"):
+    content: TextBlock
+
+
 class ToolCall(_Out, frozen=True, tag_field="sessionUpdate", tag="tool_call"):
     tool_call_id: str
     title: str
@@ -263,7 +267,7 @@ class PermissionToolCall(_Out, frozen=True):
     raw_input: dict[str, Any] | None = None
 
 
-Update = UserMessageChunk | AgentMessageChunk | ToolCall | ToolCallUpdate
+Update = UserMessageChunk | AgentMessageChunk | AgentThoughtChunk | ToolCall | ToolCallUpdate
 
 
 class PermissionOption(_Out, frozen=True):

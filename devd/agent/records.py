@@ -7,6 +7,10 @@ Kinds, each a msgspec Struct encoded as the record's body:
 - `turn` (`TurnStarted`, action 0): a turn the daemon started with `session/prompt`.
 - `claim` (`Claim`, the action's id): an Exec, Write or Git is about to start. Written durably before it starts, so a
   restart that finds it without the action's result knows the effect may have happened, and never runs it again.
+- `model` (`ModelChosen`, action 0): the model `session/model` set for the session's next calls; the last one is the
+  session's (none: the profile's `model`).
+- `reasoning` (`Thought`, the Model action's id): the reasoning a model streamed with its answer, kept (with
+  `send_reasoning`) to go back with that answer, message `at` of the whole conversation, in later requests.
 - `inserted` (`Exchange`, the Model action's id): a reply whose tool calls the core could not take, and the failed
   results the model was answered with, sent again in every later request at the same place of the conversation.
 
@@ -23,6 +27,8 @@ AGENT = "agent"
 TURN = "turn"
 CLAIM = "claim"
 INSERTED = "inserted"
+MODEL = "model"
+REASONING = "reasoning"
 
 
 class Binding(msgspec.Struct, frozen=True):
@@ -39,6 +45,19 @@ class TurnStarted(msgspec.Struct, frozen=True):
     """A turn `session/prompt` started."""
 
     turn: int
+
+
+class ModelChosen(msgspec.Struct, frozen=True):
+    """The model a session's calls name from now on (one of its profile's `models`)."""
+
+    model: str
+
+
+class Thought(msgspec.Struct, frozen=True):
+    """The reasoning streamed with the answer that is message `at` of the whole conversation."""
+
+    at: int
+    text: str
 
 
 class Claim(msgspec.Struct, frozen=True):

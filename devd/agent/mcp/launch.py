@@ -1,9 +1,10 @@
 """How a stdio MCP server's process is made: under the profile's sandbox as its commands are (`devd.agent.sandbox`):
 its workspace writable and its working directory, the network only when the server's `network` says so, as the
 unprivileged user a command of that workspace runs as (never uid 0), in a pid namespace that dies with the daemon
-(bubblewrap's `--die-with-parent`, or `sandbox = "none"`'s containment), with the environment a command gets plus
-the server's own variables, whose values are read from the daemon's environment now, by the names the profile
-gives (`env`), and passed in the process's environment, never on a command line another user could read.
+(bubblewrap's `--die-with-parent`, or `sandbox = "none"`'s containment), under the commands' system call filter, with
+the environment a command gets plus the server's own variables, whose values are read from the daemon's environment
+now, by the names the profile gives (`env`), and passed in the process's environment, never on a command line another
+user could read. Unlike a command, a server gets no cgroup of its own (it lives as long as its connection).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import anyio
 
-from devd.agent import runas, tools
+from devd.agent import runas, seccomp, tools
 from devd.agent import sandbox as sandboxes
 from devd.agent.mcp.connection import Unavailable
 from devd.agent.mcp.stdio import Process
@@ -59,9 +60,12 @@ async def stdio_process(
         root = workspace.open()
     except tools.Refused as e:
         raise Unavailable(f"the MCP server {name} cannot start: {e.why}") from None
+    owned = [root]
     try:
         try:
-            who, alone, veil = await anyio.to_thread.run_sync(tools.confinement, profile, root, workspace.path)
+            who, alone, veil = await anyio.to_thread.run_sync(
+                tools.confinement, profile, root, workspace.path, sandbox, None
+            )
         except runas.Unusable as e:
             raise Unavailable(f"the MCP server {name} cannot start: {e.why}") from None
         env = tools.command_env(workspace.path, guest=who is not None and who.uid != os.fstat(root).st_uid)
@@ -70,11 +74,16 @@ async def stdio_process(
         if sandbox is None:
             command = sandboxes.contain(argv, account=who, limits=bounds, user_namespace=alone)
         else:
+            # The commands' system call filter too (bwrap reads it from this descriptor).
+            filter_fd = None if sandbox.seccomp is None else seccomp.descriptor(sandbox.seccomp)
+            if filter_fd is not None:
+                owned.append(filter_fd)
             command = sandbox.wrap(
                 argv, workspace.path, network, workspace_fd=root, account=who, limits=bounds, user_namespace=alone,
-                veil=veil,
+                veil=veil, seccomp_fd=filter_fd,
             )  # fmt: skip
     except BaseException:
-        os.close(root)
+        for fd in owned:
+            os.close(fd)
         raise
-    return Process(command, env, cwd=f"/proc/self/fd/{root}", owned_fds=(root,), line_bytes_max=line_bytes_max)
+    return Process(command, env, cwd=f"/proc/self/fd/{root}", owned_fds=owned, line_bytes_max=line_bytes_max)
