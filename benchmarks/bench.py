@@ -2374,6 +2374,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_sandbox import add_arguments as sandbox_arguments
 
     sandbox_arguments(sub.add_parser("sandbox", help="a command's confinement, per command, against an unconfined one"))
+    from benchmarks.bench_mcp import add_arguments as mcp_arguments
+
+    mcp_arguments(sub.add_parser("mcp", help="the MCP broker's cost per call, and server processes for N sessions"))
     from benchmarks.bench_idle import add_arguments as idle_arguments
 
     idle_arguments(sub.add_parser("idle", help="an idle daemon's wake-ups a second, against a process that waits"))
@@ -2415,6 +2418,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_chat import bench_chat
 
         result = bench_chat(args.rounds)
+    elif args.what == "mcp":
+        from benchmarks.bench_mcp import bench_mcp
+
+        result = bench_mcp(args.rounds, args.calls, args.sessions)
     elif args.what == "idle":
         from benchmarks.bench_idle import bench_idle
 

@@ -30,7 +30,16 @@ from devd.cli.common import (
     _token,
     in_cli_terms,
 )
-from devd.cli.operator import _backup, _doctor, _inspect, _status, action_summary, inspection, status_summary
+from devd.cli.operator import (
+    _backup,
+    _doctor,
+    _inspect,
+    _mcp,
+    _status,
+    action_summary,
+    inspection,
+    status_summary,
+)
 from devd.cli.parser import environment_defaults, flag_variable, parse_args, parser
 from devd.cli.sessions import (
     PLAIN,
@@ -78,6 +87,7 @@ __all__ = [
 COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "backup": _backup,
     "status": _status,
+    "mcp": _mcp,
     "ls": _ls,
     "new": _new,
     "step": _step,

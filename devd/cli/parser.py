@@ -439,6 +439,7 @@ def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wante
 
     if status := client("status", "show the daemon's counters: sessions, steps, commits, errors, memory"):
         status.add_argument("--prometheus", action="store_true", help="in the Prometheus text format (--json wins)")
+    client("mcp", "list the MCP servers the daemon holds: state, process, sessions, tools, restarts, last error")
     if ls := client("ls", "list the sessions by name: a table of their state, last step, watchers and times"):
         ls.add_argument(
             "--limit", type=int, metavar="N", help="at most this many sessions, 1-100000 (default: all of them)"
