@@ -428,6 +428,7 @@ REQUIRED_VALUES = {
     "decision": "allow",
     "tokens": 1000,
     "model": "m",
+    "mcp_servers": [],
 }
 
 

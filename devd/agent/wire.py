@@ -11,8 +11,9 @@ What it adds around the sessions' calls:
 - a `Cancel` step keeps who stepped it, as who withdrew the turn's approvals (`Oversight.cancelling`);
 - `pending` marks the actions waiting for a client's decision `awaiting: "approval"`, and a new watcher is told of
   every approval the session waits for (`welcome`);
-- the methods the runtime answers (`prompt`, `resume`, `model`, `compact`, `agent`, `approve`, `budget`, `usage`,
-  `trace`), each taking its method's params and who calls, and returning its result.
+- `new` and `mcp` give a session its own MCP servers (`mcp_servers`, checked against its agent's profile);
+- the methods the runtime answers (`prompt`, `resume`, `mcp`, `mcp_servers`, `model`, `compact`, `agent`, `approve`,
+  `budget`, `usage`, `trace`), each taking its method's params and who calls, and returning its result.
 
 Adding a method the runtime answers: its line in `devd.protocol.METHODS`, its signature in `WirePort`
 (`devd.sessions.port`), its body here (calling the runtime or its oversight), and a one-line handler in
@@ -35,7 +36,7 @@ from devd.agent import records
 from devd.agent.oversight import APPROVAL_NOTICE, Oversight
 from devd.agent.port import ObservedFanout
 from devd.agent.records import Binding
-from devd.agent.runner import Runtime
+from devd.agent.runner import OwnServers, Runtime
 from devd.errors import BusyError, HandleError, InvalidParamsError
 from devd.messages import Config, decode_actions, encode, encode_actions
 from devd.protocol import (
@@ -44,11 +45,15 @@ from devd.protocol import (
     BudgetParams,
     CompactResult,
     Empty,
+    McpParams,
+    McpResult,
     ModelParams,
     ModelResult,
     NewParams,
+    NoParams,
     PromptParams,
     PromptResult,
+    SessionMcpServer,
     SessionParams,
     StepParams,
     TraceParams,
@@ -103,8 +108,10 @@ class AgentPort:
 
     async def new(self, params: NewParams) -> str:
         binding, config = self._binding(params)
+        own = self._own_mcp(binding, params.mcp_servers)
         name = await self.sessions.new(params.session, encode(config))
         await self.runtime.bind(name, binding)
+        self.runtime.bring_mcp(name, own)
         if params.budget is not None:
             await self.oversight.set_budget(name, params.budget.tokens)
         if binding is None:
@@ -130,6 +137,14 @@ class AgentPort:
         if config.model is None:
             config = Config(model=profiles[agent].model, asks=config.asks)
         return binding, config
+
+    def _own_mcp(self, binding: Binding | None, given: list[SessionMcpServer] | None) -> OwnServers:
+        """A session's own MCP servers (`mcp_servers`), checked against its agent's profile."""
+        if not given:
+            return ()
+        if binding is None:
+            raise InvalidParamsError("mcp_servers are for a session of an agent: give an agent and a workspace too")
+        return self.runtime.own_mcp(binding.agent, given)
 
     async def step(self, params: StepParams, by: str) -> Answered:
         name, event = params.session, bytes(params.event)
@@ -233,6 +248,16 @@ class AgentPort:
     async def resume(self, params: SessionParams, by: str) -> Empty:
         await self.runtime.resume(params.session)
         return Empty()
+
+    async def mcp(self, params: McpParams, by: str) -> Empty:
+        self.sessions.info(params.session)  # HANDLE, naming it, when there is no such session
+        binding = await self.runtime.binding(params.session)
+        self.runtime.bring_mcp(params.session, self._own_mcp(binding, params.mcp_servers or None))
+        return Empty()
+
+    async def mcp_servers(self, params: NoParams, by: str) -> McpResult:
+        broker = self.runtime.mcp
+        return McpResult([] if broker is None else broker.statuses())
 
     async def model(self, params: ModelParams, by: str) -> ModelResult:
         return await self.runtime.set_model(params.session, params.model)

@@ -45,6 +45,8 @@ from devd.protocol import (
     Limits,
     ListParams,
     ListResult,
+    McpParams,
+    McpResult,
     ModelParams,
     ModelResult,
     NewParams,
@@ -247,6 +249,11 @@ async def daemon_status(call: Call, params: NoParams) -> StatusResult:
     return status(call.app)
 
 
+@method("daemon/mcp")
+async def daemon_mcp(call: Call, params: NoParams) -> McpResult:
+    return await call.app.sessions.mcp_servers(params, call.peer.who())
+
+
 @method("daemon/backup")
 async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
     name = backup_name(params)
@@ -417,6 +424,11 @@ async def session_unwatch(call: Call, params: SessionParams) -> Empty:
 
 
 # -- answered by the runtime beside the sessions (devd.agent.wire): one line each, calling its WirePort method ------
+
+
+@method("session/mcp")
+async def session_mcp(call: Call, params: McpParams) -> Empty:
+    return await call.app.sessions.mcp(params, call.peer.who())
 
 
 @method("session/prompt")

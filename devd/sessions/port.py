@@ -27,9 +27,12 @@ from devd.protocol import (
     BudgetParams,
     CompactResult,
     Empty,
+    McpParams,
+    McpResult,
     ModelParams,
     ModelResult,
     NewParams,
+    NoParams,
     PromptParams,
     PromptResult,
     SessionParams,
@@ -148,6 +151,11 @@ class WirePort(Protocol):
     async def prompt(self, params: PromptParams, by: str) -> PromptResult: ...
 
     async def resume(self, params: SessionParams, by: str) -> Empty: ...
+
+    async def mcp(self, params: McpParams, by: str) -> Empty: ...
+
+    async def mcp_servers(self, params: NoParams, by: str) -> McpResult:
+        """`daemon/mcp`: the MCP servers the daemon runs, and how each stands."""
 
     async def model(self, params: ModelParams, by: str) -> ModelResult: ...
 
