@@ -1,7 +1,7 @@
-"""Real servers' answers replayed (issue 32): what LiteLLM's proxy sent for real requests, recorded byte for byte by
-tests/fixtures/models/record.py (status line, headers, body with its chunked framing), is written back to the real
-daemon running an agent session, and the outcome devd derives from those bytes is asserted: the answer text, the
-tool call carried out, usage counted or estimated, the refusal shown."""
+"""Real servers' answers replayed (issue 32): what LiteLLM's proxy and llama-cpp-python's server sent for real
+requests, recorded byte for byte by tests/fixtures/models/record.py (status line, headers, body with its chunked
+framing), is written back to the real daemon running an agent session, and the outcome devd derives from those bytes
+is asserted: the answer text, the tool call carried out, usage counted or estimated, the refusal shown."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from devd.agent.runner import CUT_ANSWER
 from devd.client import Client
 from tests.agents import SECRET, conversation, run_turn, stalled, watch_raw
 from tests.harness import InProcess
@@ -199,5 +200,43 @@ def test_litellms_too_long_refusal_compacted_and_refused_again_stalls_saying_the
         f"{PROXYS_WORDS}); to go on, start a new session (session/new) with what matters, or, if the model's window "
         "is larger, raise context_tokens of agent 'coder' in the agents file and restart the daemon, then "
         "`session/resume`",
+        3,
+    )
+
+
+# -- llama-cpp-python's server ----------------------------------------------------------------------------------------
+
+
+def test_llama_cpp_pythons_stream_cut_at_the_limit_is_continued_and_its_usage_estimated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _replayed(tmp_path, monkeypatch, "llama-cpp-python-text") as d, d.daemon.client() as c:
+        session = d.session(c)
+        run_turn(c, session, "say hello")
+        answer, usage = conversation(c, session)[-1], _usage(c, session)
+    # Each replay of the recording is the tiny model's garbage (a NUL among it), cut at 24 tokens; no usage chunk.
+    garbage = "u s\x00sj vsq1j/pzAO*}6"
+    assert (answer, usage) == (
+        {"Agent": {"text": garbage * 3 + CUT_ANSWER.format(n=2, agent="coder")}},
+        {"input_tokens": 1345, "output_tokens": 15, "cached_tokens": 0, "calls": 3, "refused": 0, "estimated": True},
+    )
+
+
+def test_llama_cpp_pythons_empty_stream_past_the_window_compacted_and_empty_again_stalls_as_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The summary's answer is LiteLLM's recorded one (the tiny model's would be garbage cut at the limit).
+    names = ("llama-cpp-python-too-long", "litellm-summary", "llama-cpp-python-too-long")
+    with _replayed(tmp_path, monkeypatch, *names) as d, d.daemon.client() as c:
+        session = d.session(c)
+        watch_raw(c, session)
+        c.prompt(session, "x" * 4000)
+        why = stalled(c)
+    assert (why, d.replay.count) == (
+        "the context is full: the request measures ~432 tokens (devd's estimate, 4 characters a token), and the "
+        f"server refused it as too long again after the conversation was compacted (model server {d.replay.url}: the "
+        "server answered 200 with an empty stream, as llama.cpp's server answers a request longer than its context "
+        "window); to go on, start a new session (session/new) with what matters, or, if the model's window is larger, "
+        "raise context_tokens of agent 'coder' in the agents file and restart the daemon, then `session/resume`",
         3,
     )
