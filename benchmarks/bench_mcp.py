@@ -28,14 +28,11 @@ import structlog
 from devd.agent import sandbox as sandboxes
 from devd.agent import tools
 from devd.agent.profiles import McpServer, Profile
-
-SERVER = Path(__file__).resolve().parents[1] / "tests" / "mcp_server.py"
-PYTHON = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"  # one the sandbox's user may run
-SITE = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "mcp").is_dir())
+from tests.mcp_place import PYTHON, placed  # the server where the sandbox's user reaches it
 
 
 def _profile(root: Path) -> Profile:
-    server = McpServer(name="demo", command=(PYTHON, str(SERVER)), env=(("PYTHONPATH", "BENCH_MCP_PATH"),))
+    server = McpServer(name="demo", command=(PYTHON, str(placed().server)), env=(("PYTHONPATH", "BENCH_MCP_PATH"),))
     return Profile(
         name="bench", base_url="http://127.0.0.1:9/v1", model="m", workspace_roots=(str(root),), mcp=(server,)
     )
@@ -53,7 +50,7 @@ def bench_mcp(rounds: int, calls: int, sessions: int) -> dict[str, Any]:
     profile = _profile(root)
     workspace = tools.Workspace(root, tools.pin(root))
     box = sandboxes.choose(profile)
-    broker = Broker({"BENCH_MCP_PATH": SITE})
+    broker = Broker({"BENCH_MCP_PATH": placed().site})
     times: dict[str, list[float]] = {"sdk client": [], "broker": []}
     result: dict[str, Any] = {}
 
@@ -67,7 +64,9 @@ def bench_mcp(rounds: int, calls: int, sessions: int) -> dict[str, Any]:
         async with anyio.create_task_group() as tg:
             await tg.start(broker.run)
             await broker.offered("s0", profile, ws, sb)
-            params = StdioServerParameters(command=sys.executable, args=[str(SERVER)], env={"PYTHONPATH": SITE})
+            params = StdioServerParameters(
+                command=sys.executable, args=[str(placed().server)], env={"PYTHONPATH": placed().site}
+            )
             with open(os.devnull, "w") as quiet:
                 async with stdio_client(params, errlog=quiet) as (read, write), ClientSession(read, write) as bare:
                     await bare.initialize()

@@ -440,10 +440,10 @@ async def test_an_editors_mcp_servers_a_profile_does_not_take_are_reported_not_c
 async def test_an_editors_mcp_server_is_called_through_devd_acp_once_the_editor_allows_it(
     tmp_path: Path, standin: Standin
 ) -> None:
-    from tests.test_agent_mcp import PYTHON, SERVER, SITE
+    from tests.mcp_place import PYTHON, placed
 
-    env = [acp.schema.EnvVariable(name="PYTHONPATH", value=SITE)]
-    server = acp.schema.McpServerStdio(name="ed", command=PYTHON, args=[str(SERVER)], env=env)
+    env = [acp.schema.EnvVariable(name="PYTHONPATH", value=placed().site)]
+    server = acp.schema.McpServerStdio(name="ed", command=PYTHON, args=[str(placed().server)], env=env)
     standin.script(Scripted(tool_calls=[("ed__echo", {"text": "from the editor's server"})]), Scripted(text="done"))
     for mcpd in setup(tmp_path, standin, "allow", False, "session_mcp = true"):
         editor = Editor(answer="allow_once")

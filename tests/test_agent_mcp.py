@@ -4,7 +4,6 @@ the official SDK) started by the daemon's broker under the profile's sandbox."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,14 +16,11 @@ from devd.messages import Cancel, Event
 from tests.agents import SECRET, Agentd, agents_toml, conversation, next_notice, run_turn, until_done, watch_raw
 from tests.daemon import Daemon
 from tests.harness import InProcess
+from tests.mcp_place import PYTHON, placed
 from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (a fixture)
 
-SERVER = Path(__file__).with_name("mcp_server.py")
-# The server runs as the sandbox's unprivileged user, who cannot reach this interpreter under /root: it runs under the
-# system's python3 of the same version, with the SDK's packages on its PYTHONPATH (the daemon's variable passed to it
-# by name, as a profile passes a token).
-PYTHON = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
-SITE = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "mcp").is_dir())
+PLACED = placed()  # the server and the SDK's packages, where the sandbox's unprivileged user reaches them
+SERVER, SITE = PLACED.server, PLACED.site
 
 
 def server_table(name: str = "demo", *extra: str, args: tuple[str, ...] = ()) -> str:
