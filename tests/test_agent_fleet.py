@@ -41,7 +41,9 @@ def test_a_daemon_that_takes_over_a_session_never_runs_its_claimed_command_again
             session = c.new(agent="coder", workspace=workspace)
             c.prompt(session, "run it")
         deadline = time.monotonic() + 20
-        while not (workspace / "runs").exists():
+        while (
+            not (workspace / "runs").is_file() or (workspace / "runs").read_text() != "run\n"
+        ):  # written, not only opened
             assert time.monotonic() < deadline, "the command did not start"
             time.sleep(0.01)
         a.kill()

@@ -159,17 +159,17 @@ def test_a_killed_daemon_leaves_no_server_and_its_claimed_call_is_not_sent_again
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agentd = start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"'))
-    daemon = Daemon(tmp_path / "d", *agentd.daemon.args, env=dict(os.environ)).start()  # type: ignore[union-attr]
+    daemon = Daemon(tmp_path / "d", *agentd.daemon.args, env=dict(os.environ))  # type: ignore[union-attr]
     log = agentd.workspace / "slow.log"
     standin.script(Scripted(tool_calls=[("demo__slow", {"name": "slow.log", "seconds": 60})]), Scripted(text="after"))
-    with daemon.client() as c:
+    with daemon, daemon.client() as c:  # killed on the way out, whatever fails before the kill
         session = agentd.session(c)
         c.prompt(session, "sleep")
-    wait_for(lambda: log.exists() and log.read_text() == "started\n", "the call")
-    running = server_processes(agentd.workspace)
+        wait_for(lambda: log.exists() and log.read_text() == "started\n", "the call")
+        running = server_processes(agentd.workspace)
     daemon.kill()
     wait_for(lambda: not server_processes(agentd.workspace), "the server's end", 10)
-    with daemon.start(), daemon.client() as c:
+    with daemon, daemon.client() as c:
         watch_raw(c, session, since=0)
         until_done(c, 1)
         # Its stdin closed with the daemon, the server may have cancelled the call itself before it was killed.
