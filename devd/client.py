@@ -69,6 +69,9 @@ from devd.protocol import (
     DecidedNotice,
     DeltaNotice,
     DrainResult,
+    Effect,
+    EffectsParams,
+    EffectsResult,
     ForkParams,
     InfoResult,
     InitializeParams,
@@ -82,6 +85,8 @@ from devd.protocol import (
     PromptResult,
     Remember,
     RestoreParams,
+    RewindParams,
+    RewindResult,
     SessionParams,
     SessionResult,
     SnapshotResult,
@@ -89,6 +94,7 @@ from devd.protocol import (
     StatusResult,
     StepParams,
     StepResult,
+    TitleParams,
     TokenBudget,
     TraceParams,
     TraceRecord,
@@ -663,6 +669,21 @@ class Client:
         result: UsageResult = self.request("session/usage", SessionParams(session))
         return result
 
+    def set_title(self, session: str, title: str) -> None:
+        """Set what the session is called (`title` in `session/list` and `session/info`)."""
+        self.request("session/title", TitleParams(session, title))
+
+    def effects(self, session: str, since: int = 0) -> builtins.list[Effect]:
+        """The effects the daemon ran for the session from turn `since` on, and its rewinds, in order."""
+        result: EffectsResult = self.request("session/effects", EffectsParams(session, since))
+        return result.effects
+
+    def rewind(self, session: str, turn: int, *, force: bool = False) -> RewindResult:
+        """Put back the files the session's Writes changed since turn `turn` began, and its conversation to before
+        it (CONFLICT when someone else changed one of those files since, unless `force`)."""
+        result: RewindResult = self.request("session/rewind", RewindParams(session, turn, force))
+        return result
+
     def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:
         """The session's trace records after record `since`, in order (asked for a page at a time)."""
         found: builtins.list[TraceRecord] = []
@@ -1082,6 +1103,21 @@ class AsyncClient:
     async def usage(self, session: str) -> UsageResult:
         """What the session's model calls used, how many were made and how many were refused."""
         result: UsageResult = await self.request("session/usage", SessionParams(session))
+        return result
+
+    async def set_title(self, session: str, title: str) -> None:
+        """Set what the session is called (`title` in `session/list` and `session/info`)."""
+        await self.request("session/title", TitleParams(session, title))
+
+    async def effects(self, session: str, since: int = 0) -> builtins.list[Effect]:
+        """The effects the daemon ran for the session from turn `since` on, and its rewinds, in order."""
+        result: EffectsResult = await self.request("session/effects", EffectsParams(session, since))
+        return result.effects
+
+    async def rewind(self, session: str, turn: int, *, force: bool = False) -> RewindResult:
+        """Put back the files the session's Writes changed since turn `turn` began, and its conversation to before
+        it (CONFLICT when someone else changed one of those files since, unless `force`)."""
+        result: RewindResult = await self.request("session/rewind", RewindParams(session, turn, force))
         return result
 
     async def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:

@@ -192,6 +192,12 @@ class Sessions(RecordLog, Protocol):
     async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
         """(seq, event) of up to `limit` journalled steps after `since`, in order."""
 
+    async def fork(self, source: str, at: int, name: str) -> str:
+        """A new session `name` holding the source's history up to step `at` (`session/fork`)."""
+
+    async def back(self, session: str, at: int, kinds: tuple[str, ...]) -> None:
+        """Move the session back to step `at` (`devd.sessions.registry.Registry.back`)."""
+
     def observe(self, observer: Observer) -> None: ...
 
     def tell(self, session: str, method: str, params: msgspec.Struct) -> None: ...
@@ -257,6 +263,12 @@ class RegistryPort(StoreRecordLog):
 
     async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
         return [(row.seq, row.event) for row in await self.store.steps_since(session, since, limit)]
+
+    async def fork(self, source: str, at: int, name: str) -> str:
+        return await _unbusy(lambda: self.registry.fork(source, at, name))
+
+    async def back(self, session: str, at: int, kinds: tuple[str, ...]) -> None:
+        await _unbusy(lambda: self.registry.back(session, at, kinds))
 
     def observe(self, observer: Observer) -> None:
         self.fanout.observers.append(observer)

@@ -6,7 +6,8 @@ Kinds, each a msgspec Struct encoded as the record's body:
   a fork carries it. The last one is the session's.
 - `turn` (`TurnStarted`, action 0): a turn the daemon started with `session/prompt`.
 - `claim` (`Claim`, the action's id): an Exec, Write or Git is about to start. Written durably before it starts, so a
-  restart that finds it without the action's result knows the effect may have happened, and never runs it again.
+  restart that finds it without the action's result knows the effect may have happened, and never runs it again. A
+  Write's says what the file was before (`Before`), for `session/rewind`.
 - `inserted` (`Exchange`, the Model action's id): a reply whose tool calls the core could not take, and the failed
   results the model was answered with, sent again in every later request at the same place of the conversation.
 
@@ -41,11 +42,31 @@ class TurnStarted(msgspec.Struct, frozen=True):
     turn: int
 
 
-class Claim(msgspec.Struct, frozen=True):
-    """An effect about to start: its kind (`exec`, `write` or `git`) and the turn it is part of."""
+class Before(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A file as a Write found it: `target` (relative to the workspace, links resolved: what the write replaced),
+    whether it `existed`, its size and digest (hex SHA-256), and its content: `content` inline, or `stored` in a
+    `content` record of the same action; neither, with `existed`, when it was not kept (`why` says why)."""
+
+    target: str
+    existed: bool
+    size: int = 0
+    digest: str | None = None
+    content: bytes | None = None
+    stored: bool = False
+    why: str | None = None
+
+    @property
+    def kept(self) -> bool:
+        return not self.existed or self.content is not None or self.stored
+
+
+class Claim(msgspec.Struct, frozen=True, omit_defaults=True):
+    """An effect about to start: its kind (`exec`, `write` or `git`), the turn it is part of, and for a Write the
+    file's previous state (`devd.agent.effects`)."""
 
     op: str
     turn: int
+    before: Before | None = None
 
 
 class Exchange(msgspec.Struct, frozen=True):

@@ -42,13 +42,14 @@ import msgspec
 import structlog
 
 from devd import failpoints
-from devd.agent import http, kinds, model, records, tools
+from devd.agent import effects, http, kinds, model, records, rewind, tools
 from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import Sessions, action_ids
 from devd.agent.profiles import Profile, check_workspace
 from devd.agent.records import Binding, Claim, TurnStarted
+from devd.agent.titles import Titles, from_prompt
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Event, Message, Reply, Turn, encode
 from devd.protocol import Outcome, StalledNotice
@@ -97,6 +98,8 @@ class Runtime:
         self._sandboxes: dict[str, sandboxes.Sandbox | sandboxes.Refusal | None] = {}
         self.http: http.Client | None = None
         self.oversight = Oversight(sessions)  # approvals, spend and trace (devd.agent.oversight)
+        self.titles = Titles(sessions, sessions.seq)
+        self.ledger = effects.Ledger(sessions)  # what effects ran, and what a Write replaced (session/rewind)
         sessions.observe(self)
 
     # -- what the methods call ----------------------------------------------------------------------------------
@@ -187,6 +190,9 @@ class Runtime:
             await self.sessions.add_record(Record(session, seq, records.TURN, 0, records.encode(TurnStarted(turn))))
             self._turns[session] = turn
             await self.sessions.step(session, Event(Turn=Turn(id=turn, prompt=prompt)), step_key)
+            title = from_prompt(prompt)
+            if title is not None:
+                await self.titles.set(session, title, prompt=True)
         self.drive(session)
         return turn
 
@@ -245,6 +251,10 @@ class Runtime:
             except DevdError as e:  # the daemon serves anyway; each session is driven at its next prompt or resume
                 log.error("agent.resume_failed", error=f"{e.kind}: {e}"[:500])
                 owing = []
+            try:
+                await rewind.finish_left(self)  # before any of their turns is driven
+            except DevdError as e:
+                log.error("agent.rewinds_not_finished", error=f"{e.kind}: {e}"[:500])
             for name in owing:
                 if self.sessions.seq(name) is not None:
                     self.drive(name)
@@ -325,6 +335,8 @@ class Runtime:
         self._turns.pop(session, None)
         self.stalled.pop(session, None)
         self.oversight.forget(session)  # a session made again under the name inherits no approvals nor spend
+        self.titles.forget(session)
+        self.ledger.forget(session)
 
 
 _events = msgspec.json.Decoder(Event)
@@ -481,13 +493,22 @@ class Driver(msgspec.Struct, eq=False):
         if not gate.allowed:
             await self._traced(action, kind, call, time.time(), 0.0, "denied", gate.reason)
             return await self._step(kind.event(action.id, gate.reason, True), action.id)
+        ledger, turn, before = self.runtime.ledger, self.runtime._turns.get(self.session, 0), None
         if kind.effect:
             if action.id in self._claims:
                 log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind.member)
                 text = INTERRUPTED.format(what=what)
+                before = await ledger.claimed(self.session, action.id)
+                await ledger.record(
+                    self.session, action.id, turn, kind.member, call, time.time(), "interrupted", before
+                )
                 await self._traced(action, kind, call, time.time(), 0.0, "interrupted", text)
                 return await self._step(kind.event(action.id, text, True), action.id)
-            claim = Claim(kind.name, self.runtime._turns.get(self.session, 0))
+            if kind.member == "Write":
+                before = await ledger.before(
+                    self.session, action.id, lambda: self.runtime.workspace(self.session), call.path
+                )
+            claim = Claim(kind.name, turn, before)
             await self._record(records.CLAIM, action.id, records.encode(claim))
             self._claims.add(action.id)
             failpoints.hit("agent.claimed")
@@ -500,6 +521,8 @@ class Driver(msgspec.Struct, eq=False):
         if kind.effect:
             failpoints.hit("agent.done")
         if result is None:
+            if kind.effect:
+                await ledger.record(self.session, action.id, turn, kind.member, call, started, "interrupted", before)
             await self._traced(action, kind, call, started, took, "interrupted", "cancelled with its turn")
             if not kind.effect:
                 return []
@@ -510,6 +533,8 @@ class Driver(msgspec.Struct, eq=False):
         # What failed, never what the command printed: the record is exported (OTel) and shown beside others'.
         error = (result.why or result.text) if result.failed else None
         event = kind.event(action.id, result.text, result.failed)
+        if kind.effect:
+            await ledger.record(self.session, action.id, turn, kind.member, call, started, outcome, before)
         await self._traced(action, kind, call, started, took, outcome, error)  # durable before the result's step
         return await self._step(event, action.id)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import itertools
 import os
 import shutil
@@ -414,6 +415,89 @@ def _give(made_fd: int, name: str, owner: tuple[int, int]) -> None:
     if st.st_uid != os.geteuid() or st.st_nlink != 2 or not empty:
         raise Refused(f"{name} was replaced while it was made; nothing was done")
     os.fchown(made_fd, *owner)
+
+
+# -- what a Write replaces, and putting it back (devd.agent.effects) ----------------------------------------------
+
+
+class Found(msgspec.Struct, frozen=True):
+    """A file a Write names, as it is now: `target`, its path relative to the workspace with every link resolved
+    (what a write there replaces, and what a rewind puts back); `data`, its bytes (None: there is no file there, or
+    it is larger than the limit it was read with); `size` in bytes (0 when there is none)."""
+
+    target: str
+    existed: bool
+    size: int = 0
+    data: bytes | None = None
+
+
+def find(workspace: Workspace | Path, path: str, limit_bytes: int) -> Found:
+    """The file at `path` as it is now, its bytes read when at most `limit_bytes`; Refused when the path is refused
+    as a Write would refuse it, or names something that is not a regular file (a directory, a device). Reached as
+    Read and Write reach files: from the checked workspace, without following a link out of it."""
+    pinned = _pinned(workspace)
+    target = str(resolve(pinned.path, path, for_write=True).relative_to(pinned.path))
+    try:
+        dir_fd, name = _reach_file(pinned, path, for_write=False)
+    except FileNotFoundError:
+        return Found(target, False)
+    except NotADirectoryError:
+        raise Refused(f"a directory on the way to {path} is a file") from None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return Found(target, False)
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(f"{path} is not a regular file")
+        if st.st_size > limit_bytes:
+            return Found(target, True, st.st_size)
+        data = f.read(limit_bytes + 1)
+    return Found(target, True, len(data), data if len(data) <= limit_bytes else None)
+
+
+def fingerprint(workspace: Workspace, target: str) -> str | None:
+    """The hex SHA-256 of the file at `target` now (read whole, a block at a time), None when there is none;
+    Refused when something else is there (a directory, a link out of the workspace)."""
+    try:
+        dir_fd, name = _reach_file(workspace, target, for_write=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise Refused(f"{target} cannot be read: {e.strerror or e}") from None
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise Refused(f"{target} is not a regular file now")
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def put_back(workspace: Workspace, target: str, data: bytes | None) -> None:
+    """Make the file at `target` (relative to the workspace, links resolved) hold `data` again, atomically as a Write
+    does, or remove it (None); Refused or OSError when that cannot be done."""
+    if data is None:
+        dir_fd, name = _reach_file(workspace, target, for_write=False)
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+            os.fsync(dir_fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dir_fd)
+        return
+    dir_fd, name = _reach_file(workspace, target, for_write=True)
+    try:
+        _replace(dir_fd, name, data)
+    finally:
+        os.close(dir_fd)
 
 
 # -- Exec and Git -------------------------------------------------------------------------------------------------

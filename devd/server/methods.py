@@ -22,7 +22,7 @@ import structlog
 from msgspec import Raw
 
 from devd import ABI, __version__, protocol
-from devd.agent import records
+from devd.agent import effects, records, rewind
 from devd.agent.oversight import APPROVAL_NOTICE
 from devd.config import Settings, backup_dir
 from devd.errors import BusyError, ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
@@ -34,6 +34,8 @@ from devd.protocol import (
     BackupResult,
     BudgetParams,
     DrainResult,
+    EffectsParams,
+    EffectsResult,
     Empty,
     ForkParams,
     InfoResult,
@@ -48,6 +50,8 @@ from devd.protocol import (
     PromptParams,
     PromptResult,
     RestoreParams,
+    RewindParams,
+    RewindResult,
     Server,
     SessionInfo,
     SessionParams,
@@ -57,6 +61,7 @@ from devd.protocol import (
     StatusResult,
     StepParams,
     StepResult,
+    TitleParams,
     TraceParams,
     TraceResult,
     TranscriptParams,
@@ -388,7 +393,7 @@ async def session_close(call: Call, params: SessionParams) -> Empty:
     return Empty()
 
 
-def _entry(i: Info, stalled: Mapping[str, str] | None = None) -> SessionInfo:
+def _entry(i: Info, stalled: Mapping[str, str] | None = None, titles: Mapping[str, str] | None = None) -> SessionInfo:
     return SessionInfo(
         i.name,
         i.state.value,  # type: ignore[arg-type]
@@ -399,6 +404,7 @@ def _entry(i: Info, stalled: Mapping[str, str] | None = None) -> SessionInfo:
         i.reason,
         i.held,
         stalled.get(i.name) if stalled is not None else None,
+        titles.get(i.name) if titles is not None else None,
     )
 
 
@@ -414,7 +420,9 @@ async def session_list(call: Call, params: ListParams) -> ListResult:
     for start in range(0, len(names), LIST_CHUNK):
         if start:
             await anyio.lowlevel.checkpoint()  # a page of 100,000 must not stall every other call for a second
-        sessions += [_entry(i, stalled) for i in port.infos(names[start : start + LIST_CHUNK])]
+        infos = port.infos(names[start : start + LIST_CHUNK])
+        titles = await call.app.agents.titles.of([i.name for i in infos]) if call.app.agents is not None else None
+        sessions += [_entry(i, stalled, titles) for i in infos]
     return ListResult(sessions, after)
 
 
@@ -432,7 +440,8 @@ async def session_info(call: Call, params: SessionParams) -> InfoResult:
         waits = protocol.waiting(decode_actions(await patient(call.app, name, lambda r: r.pending(name))))
     i = sessions.info(name)  # after pending, which may have woken or adopted it
     stalled = call.app.agents.stalled if call.app.agents is not None else None
-    return InfoResult(**msgspec.structs.asdict(_entry(i, stalled)), waiting=waits)
+    titles = await call.app.agents.titles.of([name]) if call.app.agents is not None else None
+    return InfoResult(**msgspec.structs.asdict(_entry(i, stalled, titles)), waiting=waits)
 
 
 @method("session/watch")
@@ -592,6 +601,24 @@ async def session_trace(call: Call, params: TraceParams) -> TraceResult:
     _known(call.app, params.session)
     page, following = await _oversight(call.app).traces(params.session, params.since, params.limit)
     return TraceResult(page, following)
+
+
+@method("session/title")
+async def session_title(call: Call, params: TitleParams) -> Empty:
+    _known(call.app, params.session)
+    await _runtime(call.app).titles.set(params.session, params.title)
+    return Empty()
+
+
+@method("session/effects")
+async def session_effects(call: Call, params: EffectsParams) -> EffectsResult:
+    _known(call.app, params.session)
+    return EffectsResult(await effects.ledger(_runtime(call.app), params.session, params.since))
+
+
+@method("session/rewind")
+async def session_rewind(call: Call, params: RewindParams) -> RewindResult:
+    return await rewind.rewind(_runtime(call.app), params.session, params.turn, force=params.force)
 
 
 METHODS: dict[str, Method] = bind(protocol.METHODS, _HANDLERS)  # import fails if a method lacks its one handler

@@ -31,6 +31,9 @@ class SessionPort(Protocol):
 
     async def recover(self, name: str) -> None: ...
 
+    async def back(self, name: str, at: int, kinds: tuple[str, ...]) -> None:
+        """Move the session back to step `at` (see `Registry.back`)."""
+
     async def close(self, name: str) -> None: ...
 
     async def watch(self, name: str, sink: Sink, since: int | None) -> Subscription: ...

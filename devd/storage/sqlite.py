@@ -894,6 +894,17 @@ class SQLiteStore:
 
         await self._write(op)
 
+    async def truncate(self, name: str, at: int, kinds: tuple[str, ...]) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            self._pruned.pop(name, None)
+            self._new_generation(name)  # a snapshot still being written for a step after `at` must land on no row
+            self._release_files(db, "session = ? AND seq > ?", (name, at))
+            db.execute("DELETE FROM journal WHERE session = ? AND seq > ?", (name, at))
+            for kind in kinds:
+                db.execute("DELETE FROM records WHERE session = ? AND kind = ? AND seq > ?", (name, kind, at))
+
+        await self._write(op)
+
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
         """The source's journal up to `at` is copied a few MiB a commit (others' steps commit in between, rather
         than wait behind one commit of the whole history), under a note in `meta` that the fork is not made yet;

@@ -212,6 +212,11 @@ class Store(Protocol):
         `snapshot` (the source's state at `at`; None when the state at `at` is the config's) as its starting point;
         the source is untouched."""
 
+    async def truncate(self, name: str, at: int, kinds: tuple[str, ...]) -> None:
+        """The session's steps after `at` gone, with its records of `kinds` written after it (`Record.seq` > `at`);
+        its other records stay, as does the history up to `at`. The caller has checked that `load_at(name, at)` can
+        rebuild it (so `load` does, afterwards). Nothing happens to a session that does not exist."""
+
     async def sessions(self) -> list[SessionRow]:
         """Every stored session, by name."""
 
