@@ -76,6 +76,7 @@ from devd.protocol import (
     InfoResult,
     InitializeParams,
     InitializeResult,
+    InstructionsNotice,
     ListParams,
     ListResult,
     NewParams,
@@ -159,7 +160,9 @@ class StepAnswer(msgspec.Struct, frozen=True):
     ignored: list[int] = msgspec.field(default_factory=list)
 
 
-Notice = ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice
+Notice = (
+    ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice | InstructionsNotice
+)
 
 # Each notification the daemon sends, and its type here.
 NOTICES: dict[str, type[Notice]] = {
@@ -169,6 +172,7 @@ NOTICES: dict[str, type[Notice]] = {
     "session/stalled": StalledNotice,
     "session/approval": ApprovalNotice,
     "session/decided": DecidedNotice,
+    "session/instructions": InstructionsNotice,
 }
 
 
@@ -1138,6 +1142,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "DeltaNotice",
+    "InstructionsNotice",
     "NotRunningError",
     "Notice",
     "Reply",

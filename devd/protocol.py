@@ -420,6 +420,8 @@ class InfoResult(SessionInfo, frozen=True, omit_defaults=True, kw_only=True):
     id order (none when the turn is over, or the session ended or was poisoned)."""
 
     waiting: list[Waiting]
+    # Of a session the daemon drives: the project instruction files its next model call sends (absolute paths).
+    instructions: list[str] | None = None
 
 
 def waiting(actions: list[Action]) -> list[Waiting]:
@@ -542,6 +544,7 @@ class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True)
     cached_tokens: int | None = None
     estimated: bool = False  # the token counts are devd's estimate: the server sent none (a stream cut short, say)
     name: str | None = None  # a tool run's command (argv[0]) or path, for people and span names
+    instructions: str | None = None  # a model call's: the hex SHA-256 of the project instructions it sent
 
 
 class TraceResult(msgspec.Struct, frozen=True):
@@ -571,10 +574,10 @@ class EffectsParams(_Params, frozen=True):
 
 class Effect(msgspec.Struct, frozen=True):
     """One effect the daemon carried out for the session, or a rewind: its turn, its action (0 for a rewind), its
-    `kind` (`Exec`, `Write`, `Git`, or `Rewind`), its `subject` (a command's argv, a path, or for a rewind the turn
-    rewound to), when it started (RFC 3339, UTC), its `outcome` (`ok`, `error`, `interrupted`: it may have partly
-    run; for a rewind `ok`, or `interrupted` while one left by a stopped daemon is not finished yet) and whether
-    `session/rewind` can put back what it changed."""
+    `kind` (`Exec`, `Write`, `Git`, or `Rewind`), its `subject` (a command's argv, a path, or for a rewind the files
+    it put back and removed), when it started (RFC 3339, UTC), its `outcome` (`ok`, `error`, `interrupted`: it may
+    have partly run; for a rewind `ok`, or `interrupted` while one a stopped daemon left is not finished yet) and
+    whether `session/rewind` can put back what it changed (not once a rewind has)."""
 
     turn: int
     action: int
@@ -660,6 +663,23 @@ class StalledNotice(msgspec.Struct, frozen=True):
     why: str
 
 
+class SkippedFile(msgspec.Struct, frozen=True):
+    """A project instruction file that was there and was not sent: its absolute path, and why."""
+
+    path: str
+    why: str
+
+
+class InstructionsNotice(msgspec.Struct, frozen=True):
+    """`session/instructions`: at the model call of action `action`, project instruction files (the profile's
+    `instructions`) were there and were not sent to the model (unreadable, too large, a link): each, and why. The
+    turn went on without them."""
+
+    session: str
+    action: int
+    skipped: list[SkippedFile]
+
+
 class ApprovalNotice(msgspec.Struct, frozen=True):
     """`session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision;
     answer it with `session/approve` and this `digest`. `why`: why the policy asks (the profile says `ask`, a rule
@@ -703,6 +723,7 @@ NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/stalled": StalledNotice,
     "session/approval": ApprovalNotice,  # approvals (devd.agent.oversight), sent through the agent runtime's port
     "session/decided": DecidedNotice,
+    "session/instructions": InstructionsNotice,  # project instruction files skipped (devd.agent.instructions)
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hashlib
 import time
 
 import pytest
@@ -13,13 +14,18 @@ from devd import errors
 from devd.client import Client
 from devd.protocol import Effect, NotUndone
 from tests.agents import (
+    SYSTEM,
     Agentd,
     agentd,
     agentd_process_fixture,  # noqa: F401 (the fixture)
     conversation,
+    next_notice,
     run_turn,
     start,
+    until_done,
+    watch_raw,
 )
+from tests.helpers import devd
 from tests.standin_model import Scripted, Standin, standin_fixture
 
 __all__ = ["agentd", "standin_fixture"]
@@ -216,3 +222,102 @@ def test_rewind_to_a_turn_the_conversation_does_not_have_is_invalid_params(agent
             c.rewind(session, 7)
     assert str(refused.value).startswith(f"session {session!r} has no turn 7 in its conversation")
 
+
+
+# -- project instructions ----------------------------------------------------------------------------------------------
+
+
+def system_messages(standin: Standin, request: int) -> list[str]:
+    return [m["content"] for m in standin.requests[request].body["messages"] if m["role"] == "system"]
+
+
+def test_instructions_of_the_root_and_the_workspace_are_sent_outermost_first_after_the_system_prompt(
+    agentd: Agentd,
+) -> None:
+    roots = agentd.workspace.parent
+    (roots.parent / "AGENTS.md").write_text("above the root: never sent")
+    (roots / "AGENTS.md").write_text("every project: be brief\n")
+    (agentd.workspace / "AGENTS.md").write_text("this project: run make test")
+    agentd.standin.script(Scripted(text="ok"))
+    with agentd.client() as c:
+        run_turn(c, agentd.session(c), "hello")
+    assert system_messages(agentd.standin, 0) == [
+        SYSTEM,
+        "Project instructions from roots/AGENTS.md:\n\nevery project: be brief\n\n"
+        "Project instructions from roots/ws/AGENTS.md:\n\nthis project: run make test",
+    ]
+
+
+def test_instructions_are_read_again_at_each_model_call(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(text="ok"), Scripted(text="ok"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "first")
+        (agentd.workspace / "AGENTS.md").write_text("new rule")
+        run_turn(c, session, "second")
+    assert (system_messages(agentd.standin, 0), system_messages(agentd.standin, 1)[1:]) == (
+        [SYSTEM],
+        ["Project instructions from roots/ws/AGENTS.md:\n\nnew rule"],
+    )
+
+
+def test_the_trace_keeps_the_digest_of_the_instructions_sent_and_info_names_their_files(agentd: Agentd) -> None:
+    (agentd.workspace / "AGENTS.md").write_text("rule")
+    agentd.standin.script(Scripted(text="ok"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "hello")
+        sent = system_messages(agentd.standin, 0)[1]
+        assert (c.trace(session)[0].instructions, c.info(session).instructions) == (
+            hashlib.sha256(sent.encode()).hexdigest(),
+            [str(agentd.workspace / "AGENTS.md")],
+        )
+
+
+def test_a_linked_or_oversized_instruction_file_is_skipped_with_a_notice_and_the_turn_goes_on(agentd: Agentd) -> None:
+    roots = agentd.workspace.parent
+    (roots / "AGENTS.md").write_text("x" * (64 * 1024 + 1))
+    (agentd.workspace / "AGENTS.md").symlink_to("/etc/passwd")
+    agentd.standin.script(Scripted(text="ok"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        watch_raw(c, session)
+        c.prompt(session, "hello")
+        notice = next_notice(c, "session/instructions").params
+        until_done(c, 1)
+    assert (notice["skipped"], system_messages(agentd.standin, 0)) == (
+        [
+            {"path": str(roots / "AGENTS.md"), "why": "not read: it has 65537 bytes, more than the 65536 sent"},
+            {
+                "path": str(agentd.workspace / "AGENTS.md"),
+                "why": "not read: it is a symbolic link, which is not followed",
+            },
+        ],
+        [SYSTEM],
+    )
+
+
+# -- the command line ------------------------------------------------------------------------------------------------
+
+
+def test_devd_title_effects_and_rewind_are_the_methods_for_people(agentd: Agentd) -> None:
+    with agentd.client() as c:
+        session = two_turns(agentd, c)
+        second = c.effects(session)[1].turn
+        sock = str(agentd.daemon.socket)
+        titled = devd("title", session, "the flaky job", "--connect", sock)
+        listed = devd("effects", session, "--since", str(second), "--connect", sock)
+        rewound = devd("rewind", session, str(second), "--connect", sock)
+        info = devd("info", session, "--connect", sock)
+    lines = [line.split(" ", 5)[5] for line in listed.stdout.splitlines()]  # past turn, action and time
+    assert (titled.stdout, lines, rewound.stdout.splitlines()[:3], info.stdout.splitlines()[-2:]) == (
+        "",
+        ["Write a.txt ok (undoable)", "Write b.txt ok (undoable)", "Exec true ok"],
+        ["restored a.txt", "removed b.txt", f"not undone: action {c_effect_action(listed.stdout, 2)} Exec true"],
+        ["title: the flaky job", "instructions: none"],
+    )
+
+
+def c_effect_action(listed: str, row: int) -> str:
+    """The action id on a line of `devd effects`."""
+    return listed.splitlines()[row].split()[3]

@@ -38,8 +38,9 @@ from tests.helpers import DOC, transcripts
 # The methods and notices of sessions the daemon drives need a daemon with --agents: tests/test_agent_runtime.py and
 # tests/test_approvals.py cover them.
 OVERSIGHT_METHODS = {"session/prompt", "session/resume", "session/approve", "session/budget", "session/usage"}
-OVERSIGHT_METHODS |= {"session/trace"}
+OVERSIGHT_METHODS |= {"session/trace", "session/title", "session/effects", "session/rewind"}  # tests/test_rewind.py
 OVERSIGHT_NOTICES = {"session/delta", "session/stalled", "session/approval", "session/decided"}
+OVERSIGHT_NOTICES |= {"session/instructions"}
 
 SCHEMA = schema()
 
@@ -80,6 +81,7 @@ def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
         "session/stalled",
         "session/approval",
         "session/decided",
+        "session/instructions",
     ]
     refs: list[str] = []
 
@@ -192,6 +194,7 @@ def test_the_method_map_is_also_a_type_in_defs_for_generators_that_read_only_def
         "session/stalled": {"$ref": "#/$defs/StalledNotice"},
         "session/approval": {"$ref": "#/$defs/ApprovalNotice"},
         "session/decided": {"$ref": "#/$defs/DecidedNotice"},
+        "session/instructions": {"$ref": "#/$defs/InstructionsNotice"},
     }
 
 
@@ -265,6 +268,7 @@ def test_devd_schema_openrpc_prints_an_openrpc_document_over_the_same_definition
         "session/stalled",
         "session/approval",
         "session/decided",
+        "session/instructions",
     ]
     refs = re.findall(r'"\$ref": ?"([^"]*)"', json.dumps(document))
     assert refs and all(r.startswith("#/components/schemas/") and r.split("/")[-1] in schemas for r in refs)

@@ -460,6 +460,7 @@ class ModelCall(msgspec.Struct):
             output_tokens=None if tokens is None else tokens.output_tokens,
             cached_tokens=None if tokens is None or not tokens.cached_tokens else tokens.cached_tokens,
             estimated=tokens is not None and tokens.estimated,
+            instructions=None if self.profile.project is None else trace.digest(self.profile.project),
         )
 
 

@@ -72,6 +72,10 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     budget: Budget | None = None
     reply_bytes_max: int = 8 * 1024 * 1024  # a model reply's body (a line of it too) is dropped past this
     model_timeout_s: float = 600.0  # an attempt of a model call is given up past this, however it trickles
+    instructions: tuple[str, ...] = ("AGENTS.md",)  # project instruction files' names (devd.agent.instructions)
+    # Not a key of the agents file: the project instructions read for one model call, set by the runner on the
+    # profile it asks with, and sent as a system message after `system` (devd.agent.model.request_body).
+    project: str | None = None
 
 
 # -- loading ------------------------------------------------------------------------------------------------------
@@ -101,8 +105,10 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "reply_bytes_max": (int, "an integer number of bytes"),
     "model_timeout_s": (float, "a number of seconds"),
     "budget": (dict[str, Any], "a table with tokens_per_turn, tokens_per_session, tokens_per_day"),
+    "instructions": (list[str], 'a list of file names, like ["AGENTS.md"]'),
 }
 _REQUIRED = ("base_url", "model", "workspace_roots")
+INSTRUCTION_NAMES_MAX = 16  # file names in a profile's `instructions` (each is looked for in every directory)
 _BUDGET_KEYS = ("tokens_per_turn", "tokens_per_session", "tokens_per_day")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -205,6 +211,15 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
         raise lines.error(where, f"agent.{name}.run_as is {value}; a uid is at least 1")
     if key == "budget":
         return _budget(name, value, lines)
+    if key == "instructions":
+        for file in value:
+            if not file or "/" in file or "\0" in file or file in (".", ".."):
+                raise lines.error(
+                    where, f"agent.{name}.instructions names {file!r}; give file names (AGENTS.md), not paths"
+                )
+        if len(value) > INSTRUCTION_NAMES_MAX:
+            raise lines.error(where, f"agent.{name}.instructions names more than {INSTRUCTION_NAMES_MAX} files")
+        return tuple(value)
     return value
 
 

@@ -42,7 +42,7 @@ import msgspec
 import structlog
 
 from devd import failpoints
-from devd.agent import effects, http, kinds, model, records, rewind, tools
+from devd.agent import effects, http, instructions, kinds, model, records, rewind, tools
 from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
@@ -52,7 +52,7 @@ from devd.agent.records import Binding, Claim, TurnStarted
 from devd.agent.titles import Titles, from_prompt
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Event, Message, Reply, Turn, encode
-from devd.protocol import Outcome, StalledNotice
+from devd.protocol import InstructionsNotice, Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
 
@@ -65,6 +65,7 @@ INTERRUPTED = (
     "interrupted: the daemon stopped while this {what} ran, so it may have partly run; it was not run again "
     "(check the workspace before you run it again)"
 )
+INSTRUCTIONS_NOTICE = "session/instructions"
 CANCELLED = "cancelled: the turn was cancelled while this {what} ran{how}"
 
 
@@ -575,6 +576,19 @@ class Driver(msgspec.Struct, eq=False):
             self.runtime.stalled.pop(self.session, None)
         self.dirty = True
 
+    async def _instructed(self, profile: Profile, action: int) -> Profile:
+        """The profile to ask with: carrying the project's instructions as they are now (`devd.agent.instructions`);
+        the files skipped are told to the session's watchers."""
+        binding = await self.runtime.binding(self.session)
+        assert binding is not None
+        found = await anyio.to_thread.run_sync(instructions.find, profile, Path(binding.workspace))
+        if found.skipped:
+            log.warning("agent.instructions_skipped", session=self.session, skipped=[s.path for s in found.skipped])
+            self.sessions.tell(
+                self.session, INSTRUCTIONS_NOTICE, InstructionsNotice(self.session, action, found.skipped)
+            )
+        return msgspec.structs.replace(profile, project=found.message())
+
     async def _admitted(
         self, profile: Profile, action: Action, messages: list[Message], exec_available: bool
     ) -> ModelCall | None:
@@ -594,6 +608,7 @@ class Driver(msgspec.Struct, eq=False):
         assert action.op.Model is not None
         ask = action.op.Model
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
+        profile = await self._instructed(profile, action.id)
         confined = await self.runtime.sandbox(profile)
         exec_available = not isinstance(confined, sandboxes.Refusal)
         try:

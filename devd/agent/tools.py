@@ -152,6 +152,12 @@ def _reach(path: Path) -> int:
     return fd
 
 
+def reach(path: Path) -> int:
+    """An O_PATH descriptor of the directory at the absolute `path`, reached without following a link (see `_reach`);
+    Refused saying what is in the way. The caller closes it."""
+    return _reach(path)
+
+
 def _in_the_way(where: Path, name: str, dir_fd: int, error: OSError) -> str:
     if error.errno == errno.ENOENT:
         return f"{where} does not exist"

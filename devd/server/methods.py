@@ -22,7 +22,7 @@ import structlog
 from msgspec import Raw
 
 from devd import ABI, __version__, protocol
-from devd.agent import effects, records, rewind
+from devd.agent import effects, instructions, records, rewind
 from devd.agent.oversight import APPROVAL_NOTICE
 from devd.config import Settings, backup_dir
 from devd.errors import BusyError, ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
@@ -441,7 +441,8 @@ async def session_info(call: Call, params: SessionParams) -> InfoResult:
     i = sessions.info(name)  # after pending, which may have woken or adopted it
     stalled = call.app.agents.stalled if call.app.agents is not None else None
     titles = await call.app.agents.titles.of([name]) if call.app.agents is not None else None
-    return InfoResult(**msgspec.structs.asdict(_entry(i, stalled, titles)), waiting=waits)
+    files = await instructions.used_by(call.app.agents, name) if call.app.agents is not None else None
+    return InfoResult(**msgspec.structs.asdict(_entry(i, stalled, titles)), waiting=waits, instructions=files)
 
 
 @method("session/watch")
