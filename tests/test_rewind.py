@@ -3,10 +3,9 @@ stand-in model server and real files."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hashlib
 import time
+from pathlib import Path
 
 import pytest
 
