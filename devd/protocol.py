@@ -600,7 +600,7 @@ class RewindParams(_Params, frozen=True):
 
     session: SessionName
     turn: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a turn id, as `session/prompt` answered it")]
-    force: bool = False
+    force: Annotated[bool, Meta(description="put every file back, even those someone else changed since")] = False
 
 
 class NotUndone(msgspec.Struct, frozen=True):

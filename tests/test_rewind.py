@@ -122,6 +122,18 @@ def test_rewind_puts_back_changed_files_removes_made_ones_and_moves_the_conversa
         assert conversation(c, answer.kept_as) == before
 
 
+def test_a_watcher_of_a_rewound_session_is_told_the_step_it_went_back_to(agentd: Agentd) -> None:
+    with agentd.client() as c, agentd.client() as watcher:
+        session = two_turns(agentd, c)
+        watch_raw(watcher, session)
+        c.rewind(session, c.effects(session)[1].turn)  # turn 2's Turn step is step 5: four steps of turn 1 before it
+        assert next_notice(watcher, "session/unwatched").params == {
+            "session": session,
+            "seq": 4,
+            "reason": "rewound to step 4",
+        }
+
+
 def test_a_rewound_session_takes_its_next_turn_from_where_it_went_back_to(agentd: Agentd) -> None:
     with agentd.client() as c:
         session = two_turns(agentd, c)

@@ -438,7 +438,7 @@ class Registry:
                 self.move(entry, Input.DROP)
             entry.seq = at
             entry.rebased(await self.stored(name))
-        self.fanout.end(name, f"rewound to step {at}")
+        self.fanout.rewound(name, at)
 
     async def close(self, name: str) -> None:
         async with self.entered(name, any_state=True) as entry:

@@ -891,7 +891,11 @@ export interface RewindParams {
    * @maximum 9223372036854775807
    */
   turn: number;
-  /** @default false */
+  /**
+   * put every file back, even those someone else changed since
+   *
+   * @default false
+   */
   force?: boolean;
 }
 
