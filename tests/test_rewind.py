@@ -234,7 +234,6 @@ def test_rewind_to_a_turn_the_conversation_does_not_have_is_invalid_params(agent
     assert str(refused.value).startswith(f"session {session!r} has no turn 7 in its conversation")
 
 
-
 # -- project instructions ----------------------------------------------------------------------------------------------
 
 
