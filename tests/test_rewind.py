@@ -73,6 +73,15 @@ def test_session_title_sets_a_title_that_outlives_a_restart(agentd_process: Agen
         assert [s.title for s in c.list().sessions if s.session == session] == ["the flaky CI job"]
 
 
+def test_a_fork_carries_its_sources_title(agentd: Agentd) -> None:
+    with agentd.client() as c:
+        session = agentd.session(c)
+        c.list()  # titles known here before the fork exists
+        c.set_title(session, "the flaky CI job")
+        fork = c.fork(session)
+        assert c.info(fork).title == "the flaky CI job"
+
+
 def test_a_title_with_a_control_character_is_refused_saying_which(agentd: Agentd) -> None:
     with agentd.client() as c:
         session = agentd.session(c)
@@ -166,6 +175,19 @@ def test_rewind_with_force_puts_back_a_file_someone_else_changed_since(agentd: A
         (agentd.workspace / "a.txt").write_text("edited by hand")
         c.rewind(session, c.effects(session)[1].turn, force=True)
         assert (agentd.workspace / "a.txt").read_text() == "one"
+
+
+def test_a_link_put_in_place_of_a_made_file_is_removed_itself_never_what_it_points_to(agentd: Agentd) -> None:
+    with agentd.client() as c:
+        session = two_turns(agentd, c)
+        ws = agentd.workspace
+        (ws / "keep.txt").write_text("new")  # what b.txt held, so that through the link it would look unchanged
+        (ws / "b.txt").unlink()
+        (ws / "b.txt").symlink_to("keep.txt")
+        with pytest.raises(errors.ConflictError):  # a link in its place is a change
+            c.rewind(session, c.effects(session)[1].turn)
+        c.rewind(session, c.effects(session)[1].turn, force=True)
+        assert ((ws / "b.txt").is_symlink(), (ws / "keep.txt").read_text()) == (False, "new")
 
 
 def test_a_large_file_is_kept_apart_and_put_back_whole(agentd: Agentd) -> None:

@@ -6,8 +6,9 @@ What it promises (`session/rewind`):
   first (the file the latest Write changed first); a file no Write found there is removed. Commands and git calls
   cannot be undone: they are answered in `not_undone`, as is a Write whose previous content was not kept.
 - Before anything is done, each of those files is checked to hold what the session's last Write of it left (for one
-  cut short, that or what it replaced): where someone else changed it since, nothing is done and the answer is
-  CONFLICT naming every such file; `force` puts them back regardless.
+  cut short, that or what it replaced; a Write that failed changed nothing and is left out): where someone else
+  changed it since, nothing is done and the answer is CONFLICT naming every such file; `force` puts them back
+  regardless.
 - The plan (`Plan`, kind `rewind`) is durable before anything changes. Then the conversation as it is is kept as a
   fork (`kept_as`), the files are put back, the session moves back to the step before the turn's `Turn` step (the
   records that belong to the steps dropped go with them: claims, inserted exchanges, what summaries replaced; its
@@ -154,6 +155,7 @@ async def _finish(runtime: Runtime, n: int, plan: Plan) -> RewindResult:
     sessions, session = runtime.sessions, plan.session
     if sessions.seq(plan.kept_as) is None:
         await sessions.fork(session, plan.head, plan.kept_as)
+        runtime.titles.made(plan.kept_as)
     workspace = await runtime.workspace(session)
     data = await _contents(runtime, session, plan.files)
     restored: list[str] = []
@@ -221,7 +223,12 @@ def _since(found: list[Record], turn: int) -> tuple[list[_Write], list[NotUndone
             ran = [(a, e) for a, e in ran if e.turn < back]
         else:
             ran.append((r.action, records.decode(r.body, EffectRecord)))
-    writes = [_Write(a, e) for a, e in ran if e.turn >= turn and e.kind == "Write" and e.before is not None]
+    # A Write that failed changed nothing: what there is to put back is what the others found.
+    writes = [
+        _Write(a, e)
+        for a, e in ran
+        if e.turn >= turn and e.kind == "Write" and e.before is not None and e.outcome != "error"
+    ]
     not_undone = [NotUndone(a, e.kind, e.subject) for a, e in ran if e.turn >= turn and e.kind != "Write"]
     return writes, not_undone
 
@@ -269,16 +276,12 @@ def _changed(workspace: tools.Workspace, writes: list[_Write]) -> list[str]:
 
 
 def _expected(entry: EffectRecord) -> set[str | None]:
-    """What a file may hold after the Write (None: no file): what it wrote, unless it failed; what it found, unless it
-    succeeded."""
+    """What a file may hold after the Write (None: no file): what it wrote, and for one cut short, what it found."""
     before: Before | None = entry.before
     assert before is not None
-    found = before.digest if before.existed else None
     if entry.outcome == "ok":
         return {entry.wrote}
-    if entry.outcome == "error":
-        return {found}
-    return {entry.wrote, found}
+    return {entry.wrote, before.digest if before.existed else None}
 
 
 _events = msgspec.json.Decoder(Event)

@@ -5,9 +5,10 @@ with the session (deleted with it, carried by a fork made after it was set) and 
 every record has. The last one written is the session's. A session of an agent is titled with its first prompt, cut
 to `FIRST_PROMPT_CHARS` characters on one line, unless a title was set before; `session/title` sets one at any time.
 
-`Titles` keeps what it has read, so that `session/list` reads the store once per session a daemon's life, not once per
-page: a title is known here once read or set here, and forgotten when the session ends here (closed, expired, moved).
-In a fleet, a title another daemon sets is seen here once the session ends here or the daemon starts again.
+`Titles` keeps what it has read, so that `session/list` reads the store once per titled session a daemon's life, not
+once per page (which sessions have a title record at all is read once, at the first look): a title is known here once
+read or set here, and forgotten when the session ends here (closed, expired, moved); a fork is told (`made`). In a
+fleet, a title another daemon sets is seen here once the session ends here or the daemon starts again.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Titles:
         self.log = log
         self.seq = seq  # a session's last step (a record is written at it)
         self._known: dict[str, Title | None] = {}
+        # The sessions that may have a title (read once, from the store's index of record kinds): any other is known
+        # to have none without a read, so a first `session/list` of 100,000 untitled sessions reads nothing more.
+        self._titled: set[str] | None = None
 
     async def set(self, session: str, title: str, *, prompt: bool = False) -> None:
         """Keep the session's title durably (a title from a prompt only where none was there)."""
@@ -59,8 +63,20 @@ class Titles:
         kept = Title(title, prompt)
         await self.log.add_record(Record(session, self.seq(session) or 0, TITLE, 0, records.encode(kept)))
         self._known[session] = kept
+        if self._titled is not None:
+            self._titled.add(session)
+
+    def made(self, session: str) -> None:
+        """A session was made from another's records (a fork): it may have a title, read when it is asked for."""
+        self._known.pop(session, None)
+        if self._titled is not None:
+            self._titled.add(session)
 
     async def get_kept(self, session: str) -> Title | None:
+        if self._titled is None:
+            self._titled = set(await self.log.recorded(TITLE))
+        if session not in self._known and session not in self._titled:
+            return None
         if session not in self._known:
             found = await self.log.records(session, (TITLE,))
             self._known[session] = records.decode(found[-1].body, Title) if found else None

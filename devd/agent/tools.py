@@ -467,17 +467,21 @@ def find(workspace: Workspace | Path, path: str, limit_bytes: int) -> Found:
 
 def fingerprint(workspace: Workspace, target: str) -> str | None:
     """The hex SHA-256 of the file at `target` now (read whole, a block at a time), None when there is none;
-    Refused when something else is there (a directory, a link out of the workspace)."""
+    Refused when something else is there (a directory, a link: reached as `put_back` reaches it)."""
+    root = workspace.open()
     try:
-        dir_fd, name = _reach_file(workspace, target, for_write=False)
-    except (FileNotFoundError, NotADirectoryError):
+        dir_fd, name = _walk(root, _parts(target), create=False)
+    except FileNotFoundError:
         return None
+    finally:
+        os.close(root)
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise Refused(f"{target} cannot be read: {e.strerror or e}") from None
+        why = "a link is there now" if e.errno == errno.ELOOP else e.strerror or str(e)
+        raise Refused(f"{target} cannot be read: {why}") from None
     finally:
         os.close(dir_fd)
     with os.fdopen(fd, "rb") as f:
@@ -486,22 +490,40 @@ def fingerprint(workspace: Workspace, target: str) -> str | None:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _parts(target: str) -> tuple[str, ...]:
+    """A recorded target's parts; Refused for one that could lead out of the workspace."""
+    parts = Path(target).parts
+    if not parts or os.path.isabs(target) or ".." in parts:
+        raise Refused(f"{target!r} is not a path inside the workspace")
+    return parts
+
+
 def put_back(workspace: Workspace, target: str, data: bytes | None) -> None:
-    """Make the file at `target` (relative to the workspace, links resolved) hold `data` again, atomically as a Write
-    does, or remove it (None); Refused or OSError when that cannot be done."""
-    if data is None:
-        dir_fd, name = _reach_file(workspace, target, for_write=False)
-        try:
+    """Make the file at `target` (relative to the workspace, its links resolved when it was recorded) hold `data`
+    again, atomically as a Write does, or remove it (None). Reached from the checked workspace one directory at a time
+    without following a link, and the last name is never followed either: a link put there since is replaced or
+    removed itself, never what it points to. Refused or OSError when that cannot be done."""
+    parts = _parts(target)
+    real = workspace.path / target
+    for own in workspace.private:
+        if real == own or real.is_relative_to(own):
+            raise Refused(f"{target} is in the daemon's own {own}, which no tool writes")
+    root = workspace.open()
+    try:
+        dir_fd, name = _walk(root, parts, create=data is not None)
+    except FileNotFoundError:
+        if data is None:
+            return  # its directory is gone: so is the file
+        raise
+    finally:
+        os.close(root)
+    try:
+        if data is not None:
+            _replace(dir_fd, name, data)
+            return
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=dir_fd)
             os.fsync(dir_fd)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(dir_fd)
-        return
-    dir_fd, name = _reach_file(workspace, target, for_write=True)
-    try:
-        _replace(dir_fd, name, data)
     finally:
         os.close(dir_fd)
 

@@ -358,6 +358,8 @@ async def session_restore(call: Call, params: RestoreParams) -> SessionResult:
 @method("session/fork")
 async def session_fork(call: Call, params: ForkParams) -> SessionResult:
     name = await patient(call.app, params.session, lambda r: r.fork(params.session, params.at, params.as_))
+    if call.app.agents is not None:
+        call.app.agents.titles.made(name)  # the fork carries the source's title record
     log.info("session.forked", session=name, source=params.session, at=params.at)
     return SessionResult(name)
 
