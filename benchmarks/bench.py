@@ -2375,6 +2375,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_idle import add_arguments as idle_arguments
 
     idle_arguments(sub.add_parser("idle", help="an idle daemon's wake-ups a second, against a process that waits"))
+    from benchmarks.bench_mixed import add_arguments as mixed_arguments
+
+    mixed_arguments(sub.add_parser("mixed", help="session/new beside one client's large steps, against it alone"))
 
     approvals_arguments(approvals_parser)
 
@@ -2407,6 +2410,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_idle import bench_idle
 
         result = bench_idle(args.seconds, args.settle)
+    elif args.what == "mixed":
+        from benchmarks.bench_mixed import bench_mixed
+
+        result = bench_mixed(args.rounds, args.seconds, args.clients, args.payload_mib, args.postgres)
     elif args.what == "agent" and args.oversight:
         from benchmarks import bench_approvals as approvals
 

@@ -4,8 +4,9 @@ Each side runs `true` `runs` times in a row in a fresh workspace through the age
 workspace pinned and checked, the output read, the process group reaped) and takes the median; sides alternate round
 by round, and the figure is the median over rounds, and each as a ratio of the baseline measured in the same rounds:
 `true` started by anyio with nothing around it (the least a tool call that runs a program can cost). The sides:
-`bwrap` (the default sandbox: bubblewrap, and under a root daemon an unprivileged user, limits and a read-only
-/proc/sys) and `none` (its own pid namespace, the same user and limits). Run it as the daemon runs (as root, it
+`bwrap` (the default sandbox: bubblewrap with its seccomp filter, and under a root daemon an unprivileged user, limits,
+a read-only /proc/sys and, on cgroup v1, a memory and a pids cgroup of its own) and `none` (its own pid namespace, the
+same user, limits and cgroups). Run it as the daemon runs (as root, it
 measures what a root daemon's commands pay).
 """
 

@@ -3,8 +3,9 @@ connection or a restarting daemon does meanwhile.
 
 `await run_turn(client, session, prompt, handlers)` starts a turn and returns its `Done`. It promises:
 
-- Each action is carried out by the handler of its kind (`Handlers`: model, exec, read, write, git, browse; `emit`
-  for text; `Save` needs nothing), and each result is reported in a step of its own, in the order the actions came.
+- Each action is carried out by the handler of its kind (`Handlers`: model, exec, read, write, git, browse; a `Tool`
+  action by the handler of its name in `tools`; `emit` for text; `Save` needs nothing), and each result is reported
+  in a step of its own, in the order the actions came.
 - No step runs twice. Each step carries a key derived from the session and what it answers (`turn_key`,
   `result_key`), so a step sent again after a lost connection is answered from the journal (`replayed`) instead.
 - `BUSY` is retried with bounded exponential backoff (`Retry`). A lost connection (a daemon restart, say) is
@@ -13,12 +14,13 @@ connection or a restarting daemon does meanwhile.
 - A session in the middle of another turn (a UI that stopped half-way) is carried along: the new turn waits behind
   that one in the core, so run_turn carries out the earlier turn's actions too, then its own.
 
-A handler that raises stops the loop with its exception; the session still waits for that action, and the next
-run_turn on it carries it out. `run_turn` started again with the same `turn` after a crash goes on from
+A handler that raises (a named tool's too) stops the loop with its exception; the session still waits for that
+action, and the next run_turn on it carries it out: a call that failed is a result the handler answers
+(`ToolOutput(text, failed=True)`). `run_turn` started again with the same `turn` after a crash goes on from
 `session/pending` (its Turn step is answered `replayed`) and carries out nothing that already has a result;
 `resume_turn` does the same for whatever turn is running. Each handler gets the action's op and the action itself
-(a handler that takes only the op still works). `run_turn_blocking` is the same loop for callers without an event
-loop.
+(a handler that takes only the op still works); a named tool's handler gets the call's input, parsed, for the op.
+`run_turn_blocking` is the same loop for callers without an event loop.
 
 A function rather than a `Driver` class: everything a turn needs in order to resume lives in the daemon (the
 journal, the keys, `session/pending`), so there is no state to keep between turns, and none to go stale across a
@@ -30,17 +32,32 @@ from __future__ import annotations
 import functools
 import inspect
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import anyio
 import msgspec
 
 from devd import errors
 from devd.client import AsyncClient
-from devd.messages import Action, Answer, Ask, Browse, Done, Event, Exec, Git, Output, Read, Reply, Turn, Write
+from devd.messages import (
+    Action,
+    Answer,
+    Ask,
+    Browse,
+    Done,
+    Event,
+    Exec,
+    Git,
+    Output,
+    Read,
+    Reply,
+    ToolCall,
+    Turn,
+    Write,
+)
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -60,6 +77,9 @@ ToolResult: TypeAlias = ToolOutput | str  # a str is output that did not fail
 ToolHandler: TypeAlias = (
     Callable[[C, Action], ToolResult | Awaitable[ToolResult]] | Callable[[C], ToolResult | Awaitable[ToolResult]]
 )
+# A named tool's handler takes the call's input, parsed (a JSON object: the core dispatches no other), and the action:
+# `action.op.Tool` has the name, and the input byte for byte as the model wrote it.
+NamedTool: TypeAlias = ToolHandler[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -72,7 +92,9 @@ class Handlers:
     handler gets the action's op (`Exec`, `Read`, ...) and the action (for its id), and answers a `ToolOutput` or a
     str; a handler that takes only the op is called with the op alone. A kind without a handler
     is answered as a failed call ("this client cannot browse the web"), so the model learns it and the turn goes on.
-    `emit` receives text for the user.
+    `tools` holds the handlers of named tools (the model's `{"Tool": {"name": N, "input": {...}}}` calls), by name:
+    each gets the call's input as a dict (`NamedTool`); a name not there is answered as a failed call ("this client
+    has no tool named N"). `emit` receives text for the user.
     """
 
     model: Callable[[Ask, Action], Reply | Awaitable[Reply]] | Callable[[Ask], Reply | Awaitable[Reply]]
@@ -81,6 +103,7 @@ class Handlers:
     write: ToolHandler[Write] | None = None
     git: ToolHandler[Git] | None = None
     browse: ToolHandler[Browse] | None = None
+    tools: Mapping[str, NamedTool] = field(default_factory=dict)
     emit: Callable[[str, Action], object] | Callable[[str], object] | None = None
 
 
@@ -304,17 +327,18 @@ async def _carry(handlers: Handlers, action: Action) -> Event | None:
         reply = _handle(handlers.model, op.Model, action)
         return Event(Model=Answer(id=id, reply=await reply if isinstance(reply, Awaitable) else reply))
     if op.Exec is not None:
-        return Event(Exec=await _tool(handlers.exec, op.Exec, action, "run commands"))
+        return Event(Exec=await _tool(handlers.exec, op.Exec, action, "this client cannot run commands"))
     if op.Read is not None:
-        return Event(File=await _tool(handlers.read, op.Read, action, "read files"))
+        return Event(File=await _tool(handlers.read, op.Read, action, "this client cannot read files"))
     if op.Write is not None:
-        return Event(File=await _tool(handlers.write, op.Write, action, "write files"))
+        return Event(File=await _tool(handlers.write, op.Write, action, "this client cannot write files"))
     if op.Git is not None:
-        return Event(Git=await _tool(handlers.git, op.Git, action, "run git"))
+        return Event(Git=await _tool(handlers.git, op.Git, action, "this client cannot run git"))
     if op.Browse is not None:
-        return Event(Browse=await _tool(handlers.browse, op.Browse, action, "browse the web"))
-    if op.Tool is not None:  # answered, never left waiting: no handler here is named for a tool
-        return Event(Tool=Output(id=id, text=f"this client has no tool named {op.Tool.name}", failed=True))
+        return Event(Browse=await _tool(handlers.browse, op.Browse, action, "this client cannot browse the web"))
+    if op.Tool is not None:
+        missing = f"this client has no tool named {op.Tool.name}"
+        return Event(Tool=await _tool(handlers.tools.get(op.Tool.name), _input(op.Tool), action, missing))
     return None  # Save: the daemon has saved the session already
 
 
@@ -334,10 +358,18 @@ def _handle(handler: Callable[..., T], op: object, action: Action) -> T:
     return handler(op, action) if _takes_action(handler) else handler(op)
 
 
-async def _tool(handler: ToolHandler[C] | None, call: C, action: Action, what: str) -> Output:
+def _input(call: ToolCall) -> dict[str, Any]:
+    """A named tool call's input, parsed: always a JSON object, since the core dispatches no other."""
+    parsed: dict[str, Any] = msgspec.json.decode(call.input, type=dict[str, Any])
+    return parsed
+
+
+async def _tool(handler: ToolHandler[C] | None, call: C, action: Action, missing: str) -> Output:
+    """Carry out a call through handler; without one, a failed result saying `missing` (the model hears of it, and
+    the turn goes on)."""
     id = action.id
     if handler is None:
-        return Output(id=id, text=f"this client cannot {what}", failed=True)
+        return Output(id=id, text=missing, failed=True)
     result = _handle(handler, call, action)
     if isinstance(result, Awaitable):
         result = await result

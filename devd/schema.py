@@ -31,7 +31,7 @@
 What msgspec cannot see is fixed up here:
 - members typed `msgspec.Raw` (an event or actions passed to the core without re-encoding) say what they hold:
   `StepParams.event` and `StepNotice.event` are an Event, `StepResult.actions`, `PendingResult.actions` and
-  `StepNotice.actions` a list of Action;
+  `StepNotice.actions` a list of Action, `TranscriptResult.messages` a list of Message;
 - the core's messages never carry null (an absent member is omitted, and the core refuses a null), so their
   optional members lose the `null` alternative; their integers are the core's, 0 to 2^64-1;
 - a union (Event, Call, Op, Message, Outcome) is a `oneOf` of objects, each with exactly one member, required,
@@ -69,6 +69,7 @@ _RAW_MEMBERS: dict[tuple[str, str], dict[str, Any]] = {
     ("PendingResult", "actions"): _ACTIONS,
     ("StepNotice", "event"): _EVENT,
     ("StepNotice", "actions"): _ACTIONS,
+    ("TranscriptResult", "messages"): {"type": "array", "items": {"$ref": "#/$defs/Message"}},
 }
 
 # Descriptions of the types whose Struct has no docstring (devd/server/rpc.py's envelope types).

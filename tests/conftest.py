@@ -149,6 +149,16 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_sessionfinish() -> None:
+    """Remove the command cgroups that daemons the tests killed mid-command left (devd.agent.cgroups): the next daemon
+    to start removes them, and after the last test none starts: the suite would leave them in the cgroup it ran in."""
+    from devd.agent import cgroups
+
+    where = cgroups.place()
+    if not isinstance(where, str):
+        cgroups.sweep(where)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         name = item.path.name

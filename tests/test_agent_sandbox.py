@@ -64,7 +64,8 @@ def test_bubblewrap_starts_here() -> None:
 # What a command running as run_as in root's workspace (these tests' ws, under root) is told besides, for Git.
 GUEST_GIT = "GIT_CONFIG_COUNT=1\nGIT_CONFIG_KEY_0=safe.directory\nGIT_CONFIG_VALUE_0=*\n" if os.geteuid() == 0 else ""
 PROC_READ_ONLY = ("--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger")
-TMP = ("--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--tmpfs", "/run")
+TMP = ("--perms", "1777", "--tmpfs", "/dev/shm", "--perms", "1777", "--tmpfs", "/tmp")
+TMP += ("--perms", "0755", "--tmpfs", "/run")
 
 
 def test_the_command_line_binds_the_workspace_over_a_read_only_root() -> None:
@@ -79,7 +80,7 @@ def test_the_command_line_binds_the_workspace_over_a_read_only_root() -> None:
 
 def test_the_daemons_own_paths_are_covered_once_the_workspace_is_bound() -> None:
     hidden = [("/w/devd.sock", False), ("/var/lib/devd", True)]
-    assert wrap(["make"], Path("/w"), False, bwrap="b", hidden=hidden)[:30] == [
+    assert wrap(["make"], Path("/w"), False, bwrap="b", hidden=hidden)[:34] == [
         "b",
         *("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *PROC_READ_ONLY, *TMP, "--bind", "/w", "/w"),
         *("--ro-bind", "/dev/null", "/w/devd.sock", "--tmpfs", "/var/lib/devd"),

@@ -34,3 +34,9 @@ def test_bench_sandbox_times_both_sandboxes_against_an_unconfined_command() -> N
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     ratios = json.loads(done.stdout)["ratio_to_unconfined"]
     assert (sorted(ratios), ratios["unconfined true"]) == (["bwrap", "none", "unconfined true"], 1.0)
+
+
+def test_bench_mixed_times_session_new_beside_large_steps_against_it_alone() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "mixed", "--rounds", "1", "--seconds", "0.5", "--clients", "2"]
+    done = subprocess.run(argv + ["--payload-mib", "1"], capture_output=True, env=daemon_env(), timeout=120, check=True)
+    assert sorted(json.loads(done.stdout)["ratio"]) == ["max_ms", "p50_ms", "p99_ms"]

@@ -27,7 +27,7 @@ from devd.client import (
     default_address,
 )
 from devd.config import default_socket_path
-from devd.messages import Action, Call, Config, Event, Op, ToolCall, answer, ask, turn
+from devd.messages import Action, Call, Config, Event, Message, Op, Output, Tool, ToolCall, answer, ask, turn
 from devd.protocol import METHODS, InfoResult, InitializeResult, Limits, Server, StatusResult, Waiting
 from devd.server import rpc
 from tests.daemon import Daemon, free_port
@@ -218,6 +218,33 @@ def test_a_watched_tool_call_arrives_typed_with_its_input_byte_for_byte(daemon: 
         assert untimed([next(notices)]) == [
             ActionsNotice("s", 2, answer(1, calls=[search]), [Action(id=2, op=Op(Tool=search.Tool))], "")
         ]
+
+
+def test_a_tool_action_is_answered_typed_and_a_tool_event_steps_its_result(client: Client) -> None:
+    """The blocking client: step and pending decode a Tool action (its input byte for byte), and a Tool event with the
+    action's id is taken as its result (none ignored)."""
+    client.new(session="s")
+    client.step("s", turn(1, FIX))
+    search = Call(Tool=ToolCall(name="search", input=msgspec.Raw(b'{"q": [1, 2]}')))
+    dispatched = client.step("s", answer(1, calls=[search]))
+    owed = client.pending("s")
+    result = client.step_answer("s", Event(Tool=Output(id=2, text="2 hits", failed=False)))
+    assert (dispatched, owed, result.ignored) == (
+        [Action(id=2, op=Op(Tool=search.Tool))],
+        [Action(id=2, op=Op(Tool=search.Tool))],
+        [],
+    )
+
+
+async def test_the_async_client_steps_a_tool_event_and_the_transcript_holds_its_result(daemon: InProcess) -> None:
+    search = Call(Tool=ToolCall(name="search", input=msgspec.Raw(b"{}")))
+    async with AsyncClient.connect(daemon.socket) as c:
+        await c.new(session="s")
+        await c.step("s", turn(1, FIX))
+        assert await c.step("s", answer(1, calls=[search])) == [Action(id=2, op=Op(Tool=search.Tool))]
+        await c.step("s", Event(Tool=Output(id=2, text="no hits", failed=True)))
+        transcript = await c.transcript("s")
+    assert transcript[-1] == Message(Tool=Tool(id=2, text="no hits", failed=True))
 
 
 def test_unwatch_ends_the_watch_loop_and_the_subscription(daemon: InProcess, client: Client) -> None:

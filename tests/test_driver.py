@@ -19,7 +19,17 @@ import pytest
 
 from devd import errors
 from devd.client import ActionsNotice, AsyncClient, Client
-from devd.driver import Handlers, Retry, ToolOutput, TurnError, result_key, resume_turn, run_turn, run_turn_blocking
+from devd.driver import (
+    Handlers,
+    NamedTool,
+    Retry,
+    ToolOutput,
+    TurnError,
+    result_key,
+    resume_turn,
+    run_turn,
+    run_turn_blocking,
+)
 from devd.messages import (
     Action,
     Ask,
@@ -30,6 +40,7 @@ from devd.messages import (
     Event,
     Exec,
     Message,
+    Op,
     Outcome,
     Output,
     Read,
@@ -237,13 +248,65 @@ async def test_a_call_of_a_kind_without_a_handler_is_answered_as_failed(daemon: 
     assert last_ask[-1] == tool(2, "this client cannot browse the web", True)
 
 
-async def test_a_tool_call_is_answered_as_failed_naming_the_tool(daemon: InProcess) -> None:
-    search = Call(Tool=ToolCall(name="search", input=msgspec.Raw(b"{}")))
-    script = Script([Reply(calls=[search]), Reply(text="ok")])
+# A reply calling two tools by name: one the tests' handlers know, one they do not.
+SEARCH = Call(Tool=ToolCall(name="code.search", input=msgspec.Raw(b'{"q": "x undeclared", "in": ["main.c"]}')))
+DEPLOY = Call(Tool=ToolCall(name="deploy", input=msgspec.Raw(b"{}")))
+
+
+async def named_turn(daemon: InProcess, tools: dict[str, NamedTool]) -> list[Message]:
+    """The results the model hears of a turn whose reply calls SEARCH and DEPLOY, carried out with `tools`."""
+    script = Script([Reply(calls=[SEARCH, DEPLOY]), Reply(text="ok")])
     async with AsyncClient.connect(daemon.socket) as c:
-        await run_turn(c, await c.new(session="s"), FIX, script.handlers())
+        await run_turn(c, await c.new(session="s"), FIX, Handlers(model=script.model, tools=tools))
     last_ask: list[Message] = script.calls[1][1]  # type: ignore[assignment]
-    assert last_ask[-1] == tool(2, "this client has no tool named search", True)
+    return last_ask[2:]
+
+
+async def test_a_tool_action_is_carried_out_by_the_handler_of_its_name_given_its_input_parsed(
+    daemon: InProcess,
+) -> None:
+    given: list[tuple[int, dict[str, Any], msgspec.Raw]] = []
+
+    def search(input: dict[str, Any], action: Action) -> str:
+        assert action.op.Tool is not None
+        given.append((action.id, input, action.op.Tool.input))
+        return "main.c:3: return x;"
+
+    heard = await named_turn(daemon, {"code.search": search, "lint": lambda input: "not called"})
+    assert (given, heard) == (
+        [(2, {"q": "x undeclared", "in": ["main.c"]}, msgspec.Raw(b'{"q": "x undeclared", "in": ["main.c"]}'))],
+        [tool(2, "main.c:3: return x;"), tool(3, "this client has no tool named deploy", True)],
+    )
+
+
+async def test_a_named_tools_failed_output_is_stepped_as_a_failed_tool_result(daemon: InProcess) -> None:
+    async def search(input: dict[str, Any]) -> ToolOutput:
+        await anyio.sleep(0)
+        return ToolOutput("the index is stale", failed=True)
+
+    heard = await named_turn(daemon, {"code.search": search})
+    assert heard[0] == tool(2, "the index is stale", True)
+
+
+async def test_a_driver_without_tools_answers_every_named_call_failed_naming_it(daemon: InProcess) -> None:
+    assert await named_turn(daemon, {}) == [
+        tool(2, "this client has no tool named code.search", True),
+        tool(3, "this client has no tool named deploy", True),
+    ]
+
+
+async def test_a_named_tools_handler_that_raises_stops_the_loop_and_its_call_stays_owed(daemon: InProcess) -> None:
+    def search(input: dict[str, Any]) -> str:
+        raise Crash
+
+    script = Script([Reply(calls=[SEARCH, DEPLOY]), Reply(text="ok")])
+    async with AsyncClient.connect(daemon.socket) as c:
+        with pytest.raises(Crash):
+            await run_turn(
+                c, await c.new(session="s"), FIX, Handlers(model=script.model, tools={"code.search": search})
+            )
+        owed = await c.pending("s")
+    assert owed == [Action(id=2, op=Op(Tool=SEARCH.Tool)), Action(id=3, op=Op(Tool=DEPLOY.Tool))]
 
 
 async def test_coroutine_handlers_are_awaited(daemon: InProcess) -> None:
@@ -324,7 +387,9 @@ class Scenario:
     def __init__(self, spec: dict[str, Any], daemons: dict[str, Daemon]) -> None:
         self.session: str = spec["session"]
         self.daemons = daemons
-        self.replies = [msgspec.convert(r, Reply) for r in SCENARIOS["model"]]
+        # Through JSON, not convert: a Tool call's input is a msgspec.Raw, which convert does not make from a dict.
+        model = msgspec.json.encode(SCENARIOS["models"][spec.get("model", "build")])
+        self.replies = msgspec.json.decode(model, type=list[Reply])
         self.carried: list[list[object]] = []
         self.ended: list[list[object]] = []
 
@@ -378,7 +443,26 @@ class Scenario:
         async def emit(text: str, action: Action) -> None:
             await carry("emit", action)
 
-        return Handlers(model=model, exec=exec, read=read, emit=emit)
+        def named(name: str, said: dict[str, Any]) -> NamedTool:
+            async def handle(input: dict[str, Any], action: Action) -> ToolOutput:
+                assert input == said["input"], f"the handler of {name} was given {input}"
+                await carry(f"tool {name}", action)
+                return msgspec.convert(said["answer"], ToolOutput)
+
+            return handle
+
+        tools = {name: named(name, said) for name, said in SCENARIOS["tools"].items()}
+        return Handlers(model=model, exec=exec, read=read, tools=tools, emit=emit)
+
+
+def watched(c: Client, session: str, steps: int) -> list[dict[str, Any]]:
+    """The first `steps` steps of session as `session/watch` from 0 gives them: each one's event and actions (JSON)."""
+    notices = itertools.islice(c.watch(session, since=0, timeout=10), steps)
+    return [
+        msgspec.json.decode(msgspec.json.encode({"event": n.event, "actions": n.actions}))
+        for n in notices
+        if isinstance(n, ActionsNotice)
+    ]
 
 
 def ends(runs: list[dict[str, Any]]) -> list[list[object]]:
@@ -422,16 +506,18 @@ async def test_the_shared_driver_scenario_carries_out_each_action_as_written(
                 await scenario.run(run)
             with a.client() as c:
                 seq = c.info(spec["session"]).seq
+                steps = watched(c, spec["session"], seq) if "journal" in spec else None
         finally:
             stopped.set()
             if b is not None:
                 b.stop()
     supervisor.join(timeout=30)
-    assert (scenario.ended, scenario.carried, len(restarts), seq) == (
+    assert (scenario.ended, scenario.carried, len(restarts), seq, steps) == (
         ends(spec["runs"]),
         spec["carried"],
         spec.get("restarts", 0),
         spec["seq"],
+        spec.get("journal"),
     )
 
 

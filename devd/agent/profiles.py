@@ -62,8 +62,8 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     exec_timeout_s: float = 120.0
     output_bytes_max: int = 1048576
     run_as: str | int = "nobody"  # under a root daemon, who a command of a root-owned workspace runs as (never root)
-    processes_max: int = 256  # a command's processes and threads (RLIMIT_NPROC of the user it runs as)
-    memory_bytes_max: int = 4 * 1024**3  # a command's process's data memory (RLIMIT_DATA, each process)
+    processes_max: int = 256  # a command's processes and threads (its pids cgroup, else RLIMIT_NPROC of its user)
+    memory_bytes_max: int = 4 * 1024**3  # a command's memory (its memory cgroup) and each process's data (RLIMIT_DATA)
     tmp_bytes_max: int = 256 * 1024**2  # the size of a command's private /tmp (under bubblewrap)
     tools: tuple[str, ...] = ()
     browse_private: bool = False  # Browse runs in the daemon: only public addresses, unless this says otherwise

@@ -12,7 +12,7 @@ Who, under a root daemon (a non-root daemon's commands run as itself; nothing he
 - else the profile's `run_as` (a user name or a uid; never root), by default `nobody`. `nobody` is on every system and
   is mapped in every user namespace; it owns nothing by convention. What it trades: every command of every profile
   that runs as `nobody` shares that uid with each other and with any service of the host that runs as `nobody` (what
-  one may write, another may; and where user namespaces are turned off, the `processes_max` count, see
+  one may write, another may; and where a command has no pids cgroup of its own, the `processes_max` count, see
   `devd.agent.sandbox`); a host that runs such services should make a user of its own for devd (`useradd --system
   --no-create-home devd-run`) and name it in `run_as`.
 

@@ -42,7 +42,7 @@ import msgspec
 import structlog
 
 from devd import failpoints
-from devd.agent import effects, http, instructions, kinds, model, records, rewind, tools
+from devd.agent import cgroups, effects, http, instructions, kinds, model, records, rewind, tools
 from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
@@ -67,6 +67,21 @@ INTERRUPTED = (
 )
 INSTRUCTIONS_NOTICE = "session/instructions"
 CANCELLED = "cancelled: the turn was cancelled while this {what} ran{how}"
+
+
+def _prepare_cgroups() -> None:
+    """Say once how a command's memory and processes are bounded here (`devd.agent.cgroups`), and remove the groups a
+    daemon killed mid-command left in this one's cgroup."""
+    where = cgroups.place()
+    if isinstance(where, str):
+        log.info(
+            "agent.no_cgroups",
+            why=where,
+            bound="memory_bytes_max is each process's RLIMIT_DATA and processes_max is RLIMIT_NPROC; shared memory is "
+            "bounded only by the cgroup the daemon runs in",
+        )
+        return
+    log.info("agent.cgroups", memory=where.memory, pids=where.pids, left=cgroups.sweep(where) or None)
 
 
 def _awaited(action: Action) -> bool:
@@ -244,6 +259,8 @@ class Runtime:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Drive the sessions until cancelled: first every agent session that owes work (after a restart)."""
+        if self.profiles:
+            await anyio.to_thread.run_sync(_prepare_cgroups)
         async with http.new_client() as client, anyio.create_task_group() as tg:
             self.http, self._tg = client, tg
             task_status.started()

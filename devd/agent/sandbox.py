@@ -13,13 +13,12 @@ bwrap ends the command and everything it started. Reads are not restricted, as i
 writable because Git is one of the tools.
 
 Nested user namespaces: in a user namespace of its own a command holds every capability over what it makes there
-(mounts, network namespaces), never over the host's files, but with the kernel code that opens to it. A command of a
-daemon not run as root cannot make one (bubblewrap 0.8's `--disable-userns`, where it works: `closes_userns`). A
-root daemon's command can: it runs in a user namespace of its own (see `_drop`) that bubblewrap, started as root
-without one, cannot close (its `--disable-userns` needs its own user namespace, which as root maps the command to
-uid 0 of the host), and nothing in util-linux can (the sysctl that would is under the read-only /proc/sys). A host
-that wants none sets `user.max_user_namespaces = 0`: its commands then have none at all, and `processes_max`
-counts every process of their user (see below).
+(mounts, network namespaces), never over the host's files, but with the kernel code that opens to it. No command
+under bubblewrap can make one: bubblewrap loads `devd.agent.seccomp`'s filter before the command's first program
+(`--seccomp`), for a daemon run as root or not (unshare and clone with CLONE_NEWUSER fail with EPERM, clone3 with
+ENOSYS), and a daemon not run as root also has bubblewrap close them (0.8's `--disable-userns`, where it works:
+`closes_userns`). On an architecture other than x86_64 and aarch64 there is no filter, and a root daemon's commands
+can make one.
 
 A command never runs as root. Under a daemon run as root, bubblewrap is started as root (it needs no user namespace
 then, so it starts wherever it did before) and keeps only CAP_SETUID and CAP_SETGID for util-linux's `setpriv`, the
@@ -27,20 +26,24 @@ first program inside, which drops to the unprivileged user of `devd.agent.runas`
 capability, no_new_privs) before the command is run: nothing the model chose runs as uid 0, even for an instant.
 A daemon that is not root is unchanged: its commands run as itself.
 
-Limits, per command, from the profile (util-linux's `prlimit`, the last program before the command, sets them):
-`processes_max` is RLIMIT_NPROC, which counts the processes and threads of the command's user in its user namespace:
-a command has a user namespace of its own (bubblewrap's, under a non-root daemon; under a root daemon, one mapping
-its user to itself: see `_drop`), so the count is the command's alone. Where unprivileged user namespaces are turned
-off, a root daemon's command has none, and every process of its user on the host counts (a workspace owner's desktop
-session, other commands running as `run_as`). `memory_bytes_max` is RLIMIT_DATA, each process's data
-(heap and private writable mappings): unlike RLIMIT_AS it lets runtimes reserve address space they do not use (V8,
-the JVM, wasm engines). It is not a bound on a command's memory: it is per process (up to `processes_max` of them),
-and shared memory is not counted at all (a memfd written to, a shared mapping, files in a non-root daemon's
-commands' /dev/shm: an independent attack held 6 GiB under a 64 MiB limit); RLIMIT_AS would not count a memfd
-written to either. Only a memory cgroup bounds a command as a whole: devd makes none (not every machine it runs on
-delegates one: cgroup v1, containers without systemd, as here when this was written), so the bound is the cgroup
-the daemon runs in (the shipped units' `MemoryMax=`, which its commands share). `tmp_bytes_max` is the size of the
-private /tmp (a tmpfs).
+Limits, per command, from the profile. Where the daemon can give a command cgroups of its own (a root daemon on
+cgroup v1: `devd.agent.cgroups`), it runs in them from its first instruction: `memory_bytes_max` bounds all the
+memory its processes are charged for together (shared memory, memfds and files in its tmpfs mounts included; past
+it the kernel's OOM killer ends its largest process, and the model is told), and `processes_max` all its processes
+and threads (`pids.max`: a fork past it fails). Elsewhere the per-process limits are all there is (util-linux's
+`prlimit`, the last program before the command, sets them): `processes_max` is RLIMIT_NPROC, which counts the
+processes and threads of the command's user in its user namespace: under a daemon not run as root, bubblewrap's own,
+so the count is the command's alone; under a root daemon without a pids cgroup, every process of its user on the
+host (a workspace owner's desktop session, other commands running as `run_as`), as bubblewrap's seccomp filter
+refuses the user namespace of its own the command would count in (`_drop`); only under `sandbox = "none"` does a root
+daemon's command still get one (where user namespaces are turned on).
+`memory_bytes_max` is also RLIMIT_DATA, always, each process's data (heap and private writable mappings), so that a
+single allocation past it fails as an allocation (MemoryError, not a kill); unlike RLIMIT_AS it lets runtimes
+reserve address space they do not use (V8, the JVM, wasm engines). Alone it is not a bound on a command's memory: it
+is per process (up to `processes_max` of them), and shared memory is not counted at all (an independent attack held
+6 GiB under a 64 MiB limit). `tmp_bytes_max` is the size of each private tmpfs: /tmp, /run, and /dev/shm (which
+bubblewrap's fresh /dev leaves an unsized directory of that tmpfs, root's: POSIX shared memory, shm_open, lives
+there, and a non-root daemon's commands could fill it up to half the host's memory).
 
 Under `contain` (`sandbox = "none"`), a command is not confined: it sees and may write what its user may. It is
 contained: it runs in a pid namespace of its own (util-linux's `unshare --pid --fork --kill-child`; as root, else in
@@ -71,6 +74,8 @@ from pathlib import Path
 
 import msgspec
 
+from devd.agent import seccomp
+from devd.agent.cgroups import Group
 from devd.agent.profiles import Profile
 from devd.agent.runas import Account
 
@@ -95,11 +100,13 @@ def limits(profile: Profile) -> Limits:
 
 class Sandbox(msgspec.Struct, frozen=True):
     """bubblewrap, found at `bwrap`, known to start here; `hidden`, the daemon's own paths; `userns_closed`, whether
-    commands are kept from making user namespaces of their own (see `wrap`)."""
+    bubblewrap keeps commands from making user namespaces of their own (see `wrap`); `seccomp`, the filter its
+    commands run with (`devd.agent.seccomp`; None on an architecture devd has none for)."""
 
     bwrap: str
     hidden: tuple[str, ...] = ()
     userns_closed: bool = False
+    seccomp: bytes | None = None
 
     def wrap(
         self,
@@ -113,6 +120,8 @@ class Sandbox(msgspec.Struct, frozen=True):
         limits: Limits | None = None,
         user_namespace: bool = False,
         veil: Path | None = None,
+        seccomp_fd: int | None = None,
+        group: Group | None = None,
     ) -> list[str]:
         return wrap(
             argv,
@@ -127,6 +136,8 @@ class Sandbox(msgspec.Struct, frozen=True):
             user_namespace=user_namespace,
             veil=veil,
             close_userns=self.userns_closed,
+            seccomp_fd=seccomp_fd,
+            group=group,
         )
 
 
@@ -150,6 +161,8 @@ def wrap(
     user_namespace: bool = False,
     veil: Path | None = None,
     close_userns: bool = False,
+    seccomp_fd: int | None = None,
+    group: Group | None = None,
 ) -> list[str]:
     """The bwrap command line that runs argv confined to workspace. With `env`, the command gets exactly that
     environment (`--clearenv`, then a `--setenv` per variable). Each of `hidden` (a path, and whether it is a
@@ -163,14 +176,18 @@ def wrap(
     the workspace is reached by its path (HOME, Git, absolute paths), and nothing the user could see is hidden. With
     `close_userns` (a daemon not run as root: bubblewrap's own user namespace), the command cannot make a user
     namespace (`--disable-userns`), in which it would hold every capability over what it then makes (mounts, network
-    namespaces: the kernel's attack surface that unprivileged user namespaces open)."""
+    namespaces: the kernel's attack surface that unprivileged user namespaces open). With `seccomp_fd` (a descriptor
+    holding `devd.agent.seccomp`'s program, passed to bwrap), no command can make one, whoever runs the daemon. With
+    `group`, bwrap is started in the command's cgroups (see `devd.agent.cgroups`)."""
     ws = str(workspace)
     # Order matters: the read-only root first, then what is mounted over it; /tmp and /run before the workspace, so a
     # workspace under either is bound on top of the fresh one rather than hidden by it; the hidden paths last, so
     # that a socket or a state directory inside the workspace is covered too.
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *_PROC_READ_ONLY]
-    # /tmp is everyone's, as on the host: the command may run as a user other than the one that made it.
-    args += ["--perms", "1777", *(["--size", str(limits.tmp_bytes)] if limits else []), "--tmpfs", "/tmp"]
+    # /tmp and /dev/shm are everyone's, as on the host: the command may run as a user other than the one that made
+    # them. bubblewrap's /dev/shm is a directory of its fresh /dev, root's and unsized: a tmpfs of its own bounds it.
+    size = ["--size", str(limits.tmp_bytes)] if limits else []
+    args += ["--perms", "1777", *size, "--tmpfs", "/dev/shm", "--perms", "1777", *size, "--tmpfs", "/tmp"]
     args += _fresh_run(network, limits)
     base = next((Path(d) for d in _FRESH if workspace.is_relative_to(d)), veil)
     if base == veil and veil is not None:
@@ -191,12 +208,15 @@ def wrap(
     args += ["--cap-drop", "ALL"]
     if account is not None:  # for setpriv alone, which gives them up with root before it runs the command
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     args += ["--die-with-parent", "--new-session", "--chdir", ws]
     if env is not None:
         args.append("--clearenv")
         for name, value in env.items():
             args += ["--setenv", name, value]
-    return [*args, "--", *_drop(account, user_namespace), *_limit(limits), *argv]
+    inside = [*_drop(account, user_namespace), *_limit(limits, group), *argv]
+    return [*(group.prefix() if group else []), *args, "--", *inside]
 
 
 # bubblewrap makes /proc/irq and /proc/bus read-only itself, but not /proc/sys (it asks whether the directory is
@@ -260,17 +280,36 @@ def _drop(account: Account | None, user_namespace: bool) -> list[str]:
     return drop
 
 
-def _limit(limits: Limits | None) -> list[str]:
+def _limit(limits: Limits | None, group: Group | None) -> list[str]:
+    """prlimit's command line: RLIMIT_DATA always, RLIMIT_NPROC where no pids cgroup counts the command's processes
+    (under a root daemon RLIMIT_NPROC would count its user's other processes too: see the module's docstring)."""
     if limits is None:
         return []
-    return [program("prlimit"), f"--nproc={limits.processes}", f"--data={limits.memory_bytes}", "--"]
+    counted = group is not None and group.counts_processes
+    nproc = [] if counted else [f"--nproc={limits.processes}"]
+    return [program("prlimit"), *nproc, f"--data={limits.memory_bytes}", "--"]
+
+
+def own_user_namespace(sandbox: Sandbox | None, group: Group | None) -> bool:
+    """Whether a root daemon's command may run in a user namespace of its own (`_drop`), which it gets only so that
+    RLIMIT_NPROC counts its processes alone: not where a pids cgroup counts them, nor under a seccomp filter, which
+    refuses it as it refuses the command's own. Where user namespaces are turned on at all (`user_namespaces`)."""
+    counted = group is not None and group.counts_processes
+    filtered = sandbox is not None and sandbox.seccomp is not None
+    return not counted and not filtered and user_namespaces()
 
 
 def contain(
-    argv: Sequence[str], *, account: Account | None = None, limits: Limits | None = None, user_namespace: bool = False
+    argv: Sequence[str],
+    *,
+    account: Account | None = None,
+    limits: Limits | None = None,
+    user_namespace: bool = False,
+    group: Group | None = None,
 ) -> list[str]:
     """The command line that runs argv unconfined (`sandbox = "none"`) but contained, as `account` (in a user namespace
-    of its own with `user_namespace`: see `_drop`) within `limits` (see the module's docstring)."""
+    of its own with `user_namespace`: see `_drop`) within `limits` and its cgroups `group` (see the module's
+    docstring)."""
     unshare = [program("unshare"), "--pid", "--kill-child"]
     if os.geteuid() != 0:
         unshare.append("--map-current-user")  # a pid namespace needs CAP_SYS_ADMIN: that of a user namespace
@@ -283,12 +322,13 @@ def contain(
     # namespace forget the one --kill-child gave the namespace's first process, so it is given again after them.
     die_with_parent = [program("setpriv"), "--pdeathsig=KILL", "--"]
     return [
+        *(group.prefix() if group else []),
         *die_with_parent,
         *unshare,
         "--",
         *_drop(account, user_namespace),
         *(die_with_parent if account is not None else []),
-        *_limit(limits),
+        *_limit(limits, group),
         *init,
         *argv,
     ]
@@ -331,18 +371,34 @@ def probe(bwrap: str | None = None) -> str | None:
         return f"bubblewrap is not installed (no {bwrap})"
     if (missing := _missing()) is not None:
         return missing
+    filtered = seccomp.program()
     with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
-        account = _probe_account()  # as a command is run: the drop, and its user namespace where there are any
-        alone = account is not None and user_namespaces()
-        command = wrap(["true"], Path(ws), False, {"PATH": _SEARCH}, bwrap=bwrap, account=account, user_namespace=alone)
-        return _tried(command, ws, "bubblewrap")
+        account = _probe_account()  # as a command is run: the drop, its filter, its user namespace where it has one
+        alone = account is not None and filtered is None and user_namespaces()
+        fd = seccomp.descriptor(filtered) if filtered is not None else None
+        try:
+            command = wrap(
+                ["true"],
+                Path(ws),
+                False,
+                {"PATH": _SEARCH},
+                bwrap=bwrap,
+                account=account,
+                user_namespace=alone,
+                seccomp_fd=fd,
+            )
+            return _tried(command, ws, "bubblewrap", () if fd is None else (fd,))
+        finally:
+            if fd is not None:
+                os.close(fd)
 
 
 @functools.cache
 def closes_userns(bwrap: str) -> bool:
     """Whether bubblewrap can keep a command from making user namespaces here: a daemon not run as root, a bubblewrap
-    of 0.8 or later, not set-user-ID. A root daemon's commands each run in a user namespace of their own (see
-    `_drop`), and can make more there: see the module's docstring. Tried once per process."""
+    of 0.8 or later, not set-user-ID. A root daemon's bubblewrap cannot: its --disable-userns needs a user namespace
+    of bubblewrap's own, which as root maps the command to uid 0 of the host; there the seccomp filter alone keeps
+    commands from making one (see the module's docstring). Tried once per process."""
     if os.geteuid() == 0:
         return False
     with tempfile.TemporaryDirectory(prefix="devd-probe-") as ws:
@@ -364,7 +420,7 @@ def probe_containment() -> str | None:
 @functools.cache
 def user_namespaces() -> bool:
     """Whether an unprivileged user can make a user namespace here (they may be turned off): then a root daemon's
-    commands get one each (see `_drop`); else processes_max counts every process of their user. Tried once."""
+    commands may get one each where nothing else counts their processes apart (`own_user_namespace`). Tried once."""
     if _missing() is not None:
         return False
     command = [*_drop(_PROBE_ACCOUNT, True), "true"]
@@ -383,11 +439,12 @@ def _probe_account() -> Account | None:
     return _PROBE_ACCOUNT if os.geteuid() == 0 else None
 
 
-def _tried(command: list[str], cwd: str, what: str) -> str | None:
+def _tried(command: list[str], cwd: str, what: str, pass_fds: Sequence[int] = ()) -> str | None:
     try:
         done = subprocess.run(
             command,
             cwd=cwd,
+            pass_fds=pass_fds,
             env={"PATH": _SEARCH},
             stdin=subprocess.DEVNULL,
             capture_output=True,
@@ -418,7 +475,12 @@ def choose(profile: Profile, *, bwrap: str | None = None, hidden: Sequence[str] 
     bwrap = bwrap or find_bwrap()
     why = probe(bwrap)
     if why is None and bwrap is not None:
-        return Sandbox(bwrap=bwrap, hidden=tuple(str(p) for p in hidden), userns_closed=closes_userns(bwrap))
+        return Sandbox(
+            bwrap=bwrap,
+            hidden=tuple(str(p) for p in hidden),
+            userns_closed=closes_userns(bwrap),
+            seccomp=seccomp.program(),
+        )
     setting = f'[agent.{profile.name}] sets sandbox = "{profile.sandbox}"'
     return Refusal(
         f"commands cannot run: {why}, and {setting}; install the bubblewrap package (Debian: apt-get install "

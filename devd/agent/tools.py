@@ -48,12 +48,15 @@ from pathlib import Path
 
 import anyio
 import msgspec
+import structlog
 from anyio.abc import Process
 
-from devd.agent import addresses, http, runas
+from devd.agent import addresses, cgroups, http, runas, seccomp
 from devd.agent import sandbox as sandboxes
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Sandbox
+
+log = structlog.get_logger("devd.agent")
 
 ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
 DRAIN_AFTER_EXIT_S = 2.0  # how long output is still read once the command has exited and its group was killed
@@ -545,27 +548,63 @@ def command_env(workspace: Path, *, guest: bool = False) -> dict[str, str]:
 async def run_command(
     argv: Sequence[str], *, workspace: Workspace | Path, profile: Profile, sandbox: Sandbox | None
 ) -> Result:
-    """Run argv in the workspace (under `sandbox` when given) as the profile allows: its timeout, its output cap.
+    """Run argv in the workspace (under `sandbox` when given) as the profile allows: its timeout, its output cap, its
+    limits (in cgroups of its own where the daemon can make them: `devd.agent.cgroups`, removed when it is done).
     Git is `run_command(["git", *argv], ...)`. Cancelled: the process group is killed, then the cancel is raised."""
     if not argv:
         return Result("there is no command to run (argv is empty)", failed=True)
+    try:
+        group = await anyio.to_thread.run_sync(_group, profile)
+    except OSError as e:
+        why = (
+            f"its cgroup cannot be made ({e.strerror or e}); try again; if it persists, the daemon's cgroup (its "
+            "`agent.cgroups` log line names it) is full or no longer writable"
+        )
+        return Result(f"cannot run {argv[0]}: {why}", failed=True)
+    try:
+        return await _run(argv, workspace, profile, sandbox, group)
+    finally:
+        if group is not None:
+            with anyio.CancelScope(shield=True):  # a cancelled command's groups go too
+                left = await anyio.to_thread.run_sync(group.remove)
+            if left is not None:
+                log.warning("agent.cgroup_left", why=left)
+
+
+def _group(profile: Profile) -> cgroups.Group | None:
+    where = cgroups.place()
+    if isinstance(where, str):
+        return None
+    return cgroups.make(where, profile.memory_bytes_max, profile.processes_max)
+
+
+async def _run(
+    argv: Sequence[str],
+    workspace: Workspace | Path,
+    profile: Profile,
+    sandbox: Sandbox | None,
+    group: cgroups.Group | None,
+) -> Result:
     try:
         pinned = _pinned(workspace)
         root = pinned.open()
     except Refused as e:
         return Result(f"refused: {e.why}", failed=True)
+    filter_fd: int | None = None
     try:
         if "/" not in argv[0] and shutil.which(argv[0], path=ENV_PATH) is None:
             return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
         try:
-            who, alone, veil = await anyio.to_thread.run_sync(_who, profile, root, pinned.path)
+            who, alone, veil = await anyio.to_thread.run_sync(_who, profile, root, pinned.path, sandbox, group)
         except runas.Unusable as e:
             return Result(f"cannot run {argv[0]}: {e.why}", failed=True)
         env = command_env(pinned.path, guest=who is not None and who.uid != os.fstat(root).st_uid)
         bounds = sandboxes.limits(profile)
+        if sandbox is not None and sandbox.seccomp is not None:
+            filter_fd = seccomp.descriptor(sandbox.seccomp)
         passed: tuple[int, ...] = ()
         if sandbox is None:
-            command = sandboxes.contain(argv, account=who, limits=bounds, user_namespace=alone)
+            command = sandboxes.contain(argv, account=who, limits=bounds, user_namespace=alone, group=group)
         else:
             # bubblewrap binds the directory checked (by its descriptor), never the path, which may lead elsewhere.
             command = sandbox.wrap(
@@ -578,8 +617,10 @@ async def run_command(
                 limits=bounds,
                 user_namespace=alone,
                 veil=veil,
+                seccomp_fd=filter_fd,
+                group=group,
             )
-            passed = (root,)
+            passed = (root,) if filter_fd is None else (root, filter_fd)
         try:
             # Shielded: cancelled half way, asyncio would kill the command but not what it already started; once it
             # is started, a cancel lands in the supervision below, which kills the whole group.
@@ -591,6 +632,8 @@ async def run_command(
             return Result(f"{argv[0]}: cannot start: {e.strerror or e}", failed=True)
     finally:
         os.close(root)  # the command has its own (bwrap closes it once bound: the command never holds it)
+        if filter_fd is not None:
+            os.close(filter_fd)  # bwrap's own copy, which it reads to the end
     output = _Capped(profile.output_bytes_max, output_fd)
     try:
         timed_out = await _supervise(process, output, profile.exec_timeout_s)
@@ -598,17 +641,19 @@ async def run_command(
         with anyio.CancelScope(shield=True):
             await _kill(process)
         raise
-    return _outcome(process, output, timed_out, profile)
+    return _outcome(process, output, timed_out, profile, group is not None and group.out_of_memory())
 
 
-def _who(profile: Profile, workspace_fd: int, workspace: Path) -> tuple[runas.Account | None, bool, Path | None]:
-    """Who the command runs as (`runas.account`), whether in a user namespace of its own (`_drop` in
-    devd.agent.sandbox says why), and the directory above the workspace it cannot search (`runas.veil`). Touches
+def _who(
+    profile: Profile, workspace_fd: int, workspace: Path, sandbox: Sandbox | None, group: cgroups.Group | None
+) -> tuple[runas.Account | None, bool, Path | None]:
+    """Who the command runs as (`runas.account`), whether in a user namespace of its own (`own_user_namespace` in
+    devd.agent.sandbox says when), and the directory above the workspace it cannot search (`runas.veil`). Touches
     the file system and may probe once: off the event loop."""
     who = runas.account(profile, workspace_fd, str(workspace))
     if who is None:
         return None, False, None
-    return who, sandboxes.user_namespaces(), runas.veil(workspace, who)
+    return who, sandboxes.own_user_namespace(sandbox, group), runas.veil(workspace, who)
 
 
 async def _start(
@@ -734,7 +779,7 @@ def _group_running(pgid: int) -> bool:
     return False
 
 
-def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profile) -> Result:
+def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profile, out_of_memory: bool) -> Result:
     text = output.kept.decode("utf-8", "replace")
     notes = []
     if output.cut:
@@ -747,6 +792,20 @@ def _outcome(process: Process, output: _Capped, timed_out: bool, profile: Profil
     if timed_out:
         why = f"timed out after {profile.exec_timeout_s:g} s"
         notes.append(f"[{why}; the command and all it started were killed]")
+    elif out_of_memory:
+        # Its largest process was killed (SIGKILL): the command itself, or one it started (its exit status then says
+        # so, 137 from a shell, or nothing when the command went on without it), or bubblewrap once what holds the
+        # memory is a file in its tmpfs, which only the end of the sandbox frees.
+        over = (
+            "the kernel killed a process of the command, whose processes together used more than memory_bytes_max "
+            f"({profile.memory_bytes_max} bytes, shared memory and files in /tmp and /dev/shm included)"
+        )
+        if code:
+            ended = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            why = f"out of memory (memory_bytes_max, {profile.memory_bytes_max} bytes)"
+            notes.append(f"[{ended}: {over}]")
+        else:
+            notes.append(f"[exit status 0, but {over}]")
     elif code is not None and code < 0:
         why = f"killed by signal {signal.Signals(-code).name}"
         notes.append(f"[{why}]")

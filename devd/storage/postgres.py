@@ -231,12 +231,14 @@ OWNERS = (
     f"FROM sessions s LEFT JOIN nodes n ON n.id = s.owner WHERE s.name = ANY(%(names)s) AND s.head_seq <> {UNMADE}"
 )
 # The appends of a batch: each row advances its session's head only if this node still owns it under the epoch it
-# holds and the row is the next step; only rows that advanced are inserted. One statement, one round trip.
+# holds and the row is the next step; only rows that advanced are inserted. One statement, one round trip. The byte
+# arrays go in binary (%b): psycopg writes an array of bytes in text format as escaped text, in Python, on the event
+# loop: 0.7 s for one step of 8 MiB with its 16 MiB answer, during which no connection was served.
 APPEND = """
 WITH b AS (
     SELECT * FROM unnest(
-        %(session)s::text[], %(seq)s::int8[], %(epoch)s::int8[], %(key)s::text[], %(digest)s::bytea[],
-        %(event)s::bytea[], %(actions)s::bytea[], %(answer)s::bytea[], %(snapshot)s::bytea[]
+        %(session)s::text[], %(seq)s::int8[], %(epoch)s::int8[], %(key)s::text[], %(digest)b::bytea[],
+        %(event)b::bytea[], %(actions)b::bytea[], %(answer)b::bytea[], %(snapshot)b::bytea[]
     ) AS b(session, seq, epoch, key, digest, event, actions, answer, snapshot)
 ), advanced AS (
     UPDATE sessions s SET head_seq = b.seq, last_used = %(at)s

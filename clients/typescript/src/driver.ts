@@ -5,10 +5,10 @@
  *
  * `await runTurn(client, session, prompt, handlers)` starts a turn and returns its `Done`, with the actions seen on
  * the way. It promises:
- * - Each action is carried out by the handler of its kind (`Handlers`: model, exec, read, write, git, browse; `emit`
- *   for text; `Save` needs nothing), and each result is reported in a step of its own, in the order the actions
- *   came, under the action's id (`Exec` → `Exec`, `Read` and `Write` → `File`, `Git` → `Git`, `Browse` →
- *   `Browse`; a `Tool` is answered as failed, "this client has no tool named N").
+ * - Each action is carried out by the handler of its kind (`Handlers`: model, exec, read, write, git, browse; a
+ *   `Tool` action by the handler of its name in `tools`; `emit` for text; `Save` needs nothing), and each result is
+ *   reported in a step of its own, in the order the actions came, under the action's id (`Exec` → `Exec`, `Read` and
+ *   `Write` → `File`, `Git` → `Git`, `Browse` → `Browse`, `Tool` → `Tool`).
  * - No step runs twice. Each step carries a key derived from the session and what it answers (`turnKey`,
  *   `resultKey`), so a step sent again after a lost connection is answered from the journal (`replayed`) instead.
  * - Nothing that has its result is carried out again. A step answered `replayed` ran before, and the actions its
@@ -26,7 +26,7 @@
  *   out what a session waits for, whatever the turn.
  *
  * tests/driver_scenarios.json holds the cases both drivers play, with the same expected outcome (a replayed report,
- * a reconnect, a fleet session held false, a crash between a result and its report).
+ * a reconnect, a fleet session held false, a crash between a result and its report, named tools).
  *
  * A handler that throws stops the loop with its exception; the session still waits for that action, and the next
  * runTurn (or resumeTurn) on it carries it out.
@@ -60,10 +60,18 @@ export type ToolResult = ToolOutput | string;
 type Handler<C, R> = (call: C, action: Action) => Promise<R> | R;
 
 /**
+ * A named tool's handler: it gets the call's input, parsed (a JSON object: the core dispatches no other), and the
+ * action (`action.op.Tool.name` is the name).
+ */
+export type NamedTool = Handler<Record<string, unknown>, ToolResult>;
+
+/**
  * One function per kind of action, each plain or async. `model` answers the core's ask (the whole conversation) with
  * a reply: text, calls, or both. A tool handler gets the action's op (`Exec`, `Read`, ...) and answers a `ToolOutput`
  * or a string. A kind without a handler is answered as a failed call ("this client cannot browse the web"), so the
- * model learns it and the turn goes on. `emit` receives text for the user.
+ * model learns it and the turn goes on. `tools` holds the handlers of named tools (the model's
+ * `{Tool: {name, input}}` calls), by name; a name not there is answered as a failed call ("this client has no tool
+ * named N"). `emit` receives text for the user.
  */
 export interface Handlers {
   model: Handler<Ask, Reply>;
@@ -72,6 +80,7 @@ export interface Handlers {
   write?: Handler<Write, ToolResult>;
   git?: Handler<Git, ToolResult>;
   browse?: Handler<Browse, ToolResult>;
+  tools?: Readonly<Record<string, NamedTool>>;
   emit?: Handler<string, unknown>;
 }
 
@@ -304,24 +313,38 @@ type Work = Exclude<Op, { Done: Done } | { Emit: string } | { Save: true }>;
 async function carry(op: Work, action: Action, handlers: Handlers): Promise<Event> {
   const id = action.id;
   if ("Model" in op) return { Model: { id, reply: await handlers.model(op.Model, action) } };
-  if ("Exec" in op) return { Exec: await tool(handlers.exec, op.Exec, action, "run commands") };
-  if ("Read" in op) return { File: await tool(handlers.read, op.Read, action, "read files") };
-  if ("Write" in op) return { File: await tool(handlers.write, op.Write, action, "write files") };
-  if ("Git" in op) return { Git: await tool(handlers.git, op.Git, action, "run git") };
-  // Answered, never left waiting: no handler here is named for a tool.
-  if ("Tool" in op) return { Tool: { id, text: `this client has no tool named ${op.Tool.name}`, failed: true } };
-  return { Browse: await tool(handlers.browse, op.Browse, action, "browse the web") };
+  if ("Exec" in op) return { Exec: await tool(handlers.exec, op.Exec, action, "this client cannot run commands") };
+  if ("Read" in op) return { File: await tool(handlers.read, op.Read, action, "this client cannot read files") };
+  if ("Write" in op) return { File: await tool(handlers.write, op.Write, action, "this client cannot write files") };
+  if ("Git" in op) return { Git: await tool(handlers.git, op.Git, action, "this client cannot run git") };
+  if ("Tool" in op) {
+    const { name, input } = op.Tool;
+    const missing = `this client has no tool named ${name}`;
+    return { Tool: await tool(named(handlers.tools, name), input as Record<string, unknown>, action, missing) };
+  }
+  return { Browse: await tool(handlers.browse, op.Browse, action, "this client cannot browse the web") };
 }
 
-/** A tool's result as the core writes one: `failed` only when true. */
+/**
+ * The handler of the tool named `name`: an own member of tools only, so that a tool the model calls `constructor` or
+ * `toString` is not taken for one of every object's.
+ */
+function named(tools: Handlers["tools"], name: string): NamedTool | undefined {
+  return tools !== undefined && Object.hasOwn(tools, name) ? tools[name] : undefined;
+}
+
+/**
+ * A call carried out through handler, its result as the core writes one (`failed` only when true); without a
+ * handler, a failed result saying `missing` (the model hears of it, and the turn goes on).
+ */
 async function tool<C>(
   handler: Handler<C, ToolResult> | undefined,
   call: C,
   action: Action,
-  what: string,
+  missing: string,
 ): Promise<{ id: number; text: string; failed?: true }> {
   const id = action.id;
-  if (handler === undefined) return { id, text: `this client cannot ${what}`, failed: true };
+  if (handler === undefined) return { id, text: missing, failed: true };
   const result = await handler(call, action);
   if (typeof result === "string") return { id, text: result };
   return result.failed === true ? { id, text: result.text, failed: true } : { id, text: result.text };

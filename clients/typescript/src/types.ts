@@ -1237,7 +1237,7 @@ export interface TranscriptParams {
 export interface TranscriptResult {
   seq: number;
   from: number;
-  messages: unknown;
+  messages: Message[];
 }
 
 /**

@@ -73,6 +73,24 @@ test("calls answer the method's result", async () => {
   });
 });
 
+test("a Tool action arrives with its input as an object, and a Tool event answers it", async () => {
+  await withClient(async (client) => {
+    await client.call("session/new", { session: "tool" });
+    await client.call("session/step", { session: "tool", event: { Turn: { id: 1, prompt: "find x" } } });
+    const search = { name: "search", input: { q: ["x", 1], deep: { ok: true } } };
+    const answer: Event = { Model: { id: 1, reply: { calls: [{ Tool: search }] } } };
+    const dispatched = await client.call("session/step", { session: "tool", event: answer });
+    const result: Event = { Tool: { id: 2, text: "no hits", failed: true } };
+    const stepped = await client.call("session/step", { session: "tool", event: result });
+    const { messages } = await client.call("session/transcript", { session: "tool" });
+    await client.call("session/close", { session: "tool" });
+    assert.deepEqual(
+      [dispatched, stepped.ignored, messages.at(-1)],
+      [{ actions: [{ id: 2, op: { Tool: search } }] }, undefined, { Tool: { id: 2, text: "no hits", failed: true } }],
+    );
+  });
+});
+
 test("many calls in flight on one connection each get their own answer", async () => {
   await withClient(async (client) => {
     const names = Array.from({ length: 20 }, (_, i) => `flight-${i}`);

@@ -1,6 +1,6 @@
 /**
  * The turn driver against a real daemon: the seed's whole turn, its keys, default turn ids, BUSY, a missing handler,
- * a turn queued behind another, resuming, and a daemon restart in the middle of a turn.
+ * named tools, a turn queued behind another, resuming, and a daemon restart in the middle of a turn.
  */
 
 import assert from "node:assert/strict";
@@ -197,6 +197,86 @@ test("a call kind without a handler is answered failed, and the model hears so",
       { Tool: { id: 2, text: "this client cannot run git", failed: true } },
     ],
   });
+});
+
+// A reply calling two tools by name: one the tests' handlers know, one they do not (and every object has).
+const SEARCH = { Tool: { name: "code.search", input: { q: "x undeclared", in: ["main.c"] } } } satisfies Call;
+const UNKNOWN = { Tool: { name: "toString", input: {} } } satisfies Call;
+
+/** A model that calls SEARCH and UNKNOWN, then answers; the asks it was given, in order. */
+function searching(): { model: Handlers["model"]; asks: Ask[] } {
+  const asks: Ask[] = [];
+  const model = (ask: Ask): Reply => {
+    asks.push(ask);
+    return asks.length === 1 ? { calls: [SEARCH, UNKNOWN] } : { text: "found it" };
+  };
+  return { model, asks };
+}
+
+test("a Tool action is carried out by the handler of its name, given its input parsed", async () => {
+  await client.call("session/new", { session: "named" });
+  const { model, asks } = searching();
+  const given: unknown[] = [];
+  const handlers: Handlers = {
+    model,
+    tools: {
+      "code.search": (input, action) => {
+        given.push([action.id, input]);
+        return "main.c:3: return x;";
+      },
+      lint: () => assert.fail("no lint was called for"),
+    },
+  };
+  const result = await runTurn(client, "named", "why?", handlers, { turn: 1 });
+  assert.deepEqual([result.outcome, given], [{ Complete: true }, [[2, SEARCH.Tool.input]]]);
+  assert.deepEqual(asks[1]?.messages.slice(2), [
+    { Tool: { id: 2, text: "main.c:3: return x;" } },
+    { Tool: { id: 3, text: "this client has no tool named toString", failed: true } },
+  ]);
+});
+
+test("a named tool's failed output is stepped failed; with no tools, every name is answered failed", async () => {
+  await client.call("session/new", { session: "named-failed" });
+  const { model, asks } = searching();
+  const failing: Handlers = { model, tools: { "code.search": () => ({ text: "index is stale", failed: true }) } };
+  await runTurn(client, "named-failed", "why?", failing, { turn: 1 });
+  await client.call("session/new", { session: "named-none" });
+  const none = searching();
+  await runTurn(client, "named-none", "why?", { model: none.model }, { turn: 1 });
+  assert.deepEqual(
+    [asks[1]?.messages.slice(2), none.asks[1]?.messages.slice(2)],
+    [
+      [
+        { Tool: { id: 2, text: "index is stale", failed: true } },
+        { Tool: { id: 3, text: "this client has no tool named toString", failed: true } },
+      ],
+      [
+        { Tool: { id: 2, text: "this client has no tool named code.search", failed: true } },
+        { Tool: { id: 3, text: "this client has no tool named toString", failed: true } },
+      ],
+    ],
+  );
+});
+
+test("a named tool's handler that throws stops the loop, and the session still waits for its action", async () => {
+  await client.call("session/new", { session: "named-throws" });
+  const { model } = searching();
+  const throwing: Handlers = {
+    model,
+    tools: {
+      "code.search": () => {
+        throw new Error("the search service is down");
+      },
+    },
+  };
+  await assert.rejects(runTurn(client, "named-throws", "why?", throwing, { turn: 1 }), {
+    message: "the search service is down",
+  });
+  const { actions } = await client.call("session/pending", { session: "named-throws" });
+  assert.deepEqual(actions, [
+    { id: 2, op: SEARCH },
+    { id: 3, op: UNKNOWN },
+  ]);
 });
 
 test("resumeTurn carries out what a session still waits for, and is null when it waits for nothing", async () => {

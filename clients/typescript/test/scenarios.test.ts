@@ -1,8 +1,8 @@
 /**
  * The scenarios both drivers play, from their one home, tests/driver_scenarios.json (its `about` says how they are
  * played; tests/test_driver.py plays them with devd/driver.py): a replayed report, a reconnect, a fleet session held
- * false, a crash between a result and its report. Each against real daemons of its own; the fleet's store is the
- * PostgreSQL database `$DEVD_TEST_POSTGRES_URL` names (tests/test_typescript.py makes one).
+ * false, a crash between a result and its report, named tools. Each against real daemons of its own; the fleet's
+ * store is the PostgreSQL database `$DEVD_TEST_POSTGRES_URL` names (tests/test_typescript.py makes one).
  */
 
 import assert from "node:assert/strict";
@@ -11,8 +11,17 @@ import { join } from "node:path";
 import { test } from "node:test";
 
 import { connect } from "../src/client.js";
-import { resumeTurn, runTurn, TurnError, type Handlers, type Retry, type TurnResult } from "../src/driver.js";
-import type { Action, Ask, Done, Reply } from "../src/types.js";
+import {
+  resumeTurn,
+  runTurn,
+  TurnError,
+  type Handlers,
+  type NamedTool,
+  type Retry,
+  type ToolOutput,
+  type TurnResult,
+} from "../src/driver.js";
+import type { Action, Ask, Done, Event, Reply } from "../src/types.js";
 import { Daemon, ROOT } from "./daemon.js";
 
 type Ended = Done | "crash" | "TurnError" | null;
@@ -27,21 +36,30 @@ interface Run {
   ends: Ended;
 }
 
+/** A step of the session as `session/watch` gives it. */
+interface Step {
+  event: Event;
+  actions: Action[];
+}
+
 interface Scenario {
   name: string;
   session: string;
+  model?: string;
   failpoints?: string;
   fleet?: boolean;
   runs: Run[];
   carried: [string, string, number][];
   restarts?: number;
   seq: number;
+  journal?: Step[];
 }
 
 interface Scenarios {
-  model: Reply[];
-  exec: { text: string; failed?: boolean };
-  read: { text: string; failed?: boolean };
+  models: Record<string, Reply[]>;
+  exec: ToolOutput;
+  read: ToolOutput;
+  tools: Record<string, { input: Record<string, unknown>; answer: ToolOutput }>;
   scenarios: Scenario[];
 }
 
@@ -59,6 +77,7 @@ class Played {
 
   constructor(
     readonly session: string,
+    readonly replies: Reply[],
     readonly daemons: { a: Daemon; b?: Daemon },
   ) {}
 
@@ -107,7 +126,7 @@ class Played {
           if ("User" in m) lastUser = i;
         });
         await carry("model", action);
-        const reply = SCENARIOS.model[ask.messages.slice(lastUser).filter((m) => "Agent" in m).length];
+        const reply = this.replies[ask.messages.slice(lastUser).filter((m) => "Agent" in m).length];
         assert.ok(reply !== undefined, "the model was asked more often than the scenarios' model answers");
         return reply;
       },
@@ -122,8 +141,34 @@ class Played {
       emit: async (_text, action) => {
         await carry("emit", action);
       },
+      tools: Object.fromEntries(
+        Object.entries(SCENARIOS.tools).map(([name, said]): [string, NamedTool] => [
+          name,
+          async (input, action) => {
+            assert.deepEqual(input, said.input, `the handler of ${name} was given ${JSON.stringify(input)}`);
+            await carry(`tool ${name}`, action);
+            return said.answer;
+          },
+        ]),
+      ),
     };
   }
+}
+
+/** The first `steps` steps of session as `session/watch` from 0 gives them: each one's event and actions. */
+async function watched(daemon: Daemon, session: string, steps: number): Promise<Step[]> {
+  const client = await connect(daemon.socket);
+  const seen: Step[] = [];
+  try {
+    for await (const notice of client.watch(session, { since: 0 })) {
+      if (notice.method !== "session/actions") break;
+      seen.push({ event: notice.params.event, actions: notice.params.actions });
+      if (seen.length === steps) break;
+    }
+  } finally {
+    await client.close();
+  }
+  return seen;
 }
 
 /** How each driver call of runs should end, in the order they end: a call made in a hook before its caller. */
@@ -162,16 +207,20 @@ async function play(scenario: Scenario): Promise<void> {
   })();
   let played: Played;
   let seq: number;
+  let steps: Step[] | undefined;
   try {
     const client = await connect(a.socket);
     await client.call("session/new", { session: scenario.session });
     await client.close();
     if (scenario.fleet === true) b = await Daemon.start({ args: fleet("b") }); // it lists the session held: false
-    played = new Played(scenario.session, b === undefined ? { a } : { a, b });
+    const replies = SCENARIOS.models[scenario.model ?? "build"];
+    assert.ok(replies !== undefined, `scenario "${scenario.name}" names a model the file has not`);
+    played = new Played(scenario.session, replies, b === undefined ? { a } : { a, b });
     for (const run of scenario.runs) await played.run(run);
     const after = await connect(a.socket);
     seq = (await after.call("session/info", { session: scenario.session })).seq;
     await after.close();
+    if (scenario.journal !== undefined) steps = await watched(a, scenario.session, seq);
   } finally {
     stopping = true;
     await b?.remove();
@@ -179,8 +228,14 @@ async function play(scenario: Scenario): Promise<void> {
     await supervisor;
   }
   assert.deepEqual(
-    { ended: played.ended, carried: played.carried, restarts, seq },
-    { ended: ends(scenario.runs), carried: scenario.carried, restarts: scenario.restarts ?? 0, seq: scenario.seq },
+    { ended: played.ended, carried: played.carried, restarts, seq, steps },
+    {
+      ended: ends(scenario.runs),
+      carried: scenario.carried,
+      restarts: scenario.restarts ?? 0,
+      seq: scenario.seq,
+      steps: scenario.journal,
+    },
   );
 }
 
