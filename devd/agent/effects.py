@@ -108,7 +108,7 @@ class Ledger:
         befores = [records.decode(r.body, EffectRecord).before for r in found]
         return sum(b.size for b in befores if b is not None and b.kept)
 
-    async def record(
+    def entry(
         self,
         session: str,
         action: int,
@@ -118,13 +118,13 @@ class Ledger:
         started: float,
         outcome: Outcome,
         before: Before | None,
-    ) -> None:
-        """The effect's ledger entry, durably (before its result is stepped)."""
+    ) -> Record:
+        """The effect's ledger record, for the caller to keep durably (beside its trace record, before its result is
+        stepped)."""
         text: str | None = getattr(call, "text", None)
         wrote = digest(text.encode("utf-8", "surrogatepass")) if text is not None and before is not None else None
         entry = EffectRecord(turn, kind, subject(kind, call), started, outcome, before, wrote)
-        seq = self.sessions.seq(session) or 0
-        await self.sessions.add_record(Record(session, seq, EFFECT, action, records.encode(entry)))
+        return Record(session, self.sessions.seq(session) or 0, EFFECT, action, records.encode(entry))
 
     async def claimed(self, session: str, action: int) -> Before | None:
         """The previous state the action's claim recorded (a Write found claimed after a restart)."""

@@ -100,6 +100,8 @@ class RecordLog(Protocol):
 
     async def add_record(self, record: Record) -> None: ...
 
+    async def add_records(self, records: Sequence[Record]) -> None: ...
+
     async def records(
         self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
     ) -> list[Record]: ...
@@ -134,6 +136,9 @@ class StoreRecordLog:
 
     async def add_record(self, record: Record) -> None:
         await self.store.add_record(record)
+
+    async def add_records(self, records: Sequence[Record]) -> None:
+        await self.store.add_records(records)
 
     async def records(
         self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None

@@ -517,10 +517,10 @@ class Driver(msgspec.Struct, eq=False):
                 log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind.member)
                 text = INTERRUPTED.format(what=what)
                 before = await ledger.claimed(self.session, action.id)
-                await ledger.record(
+                entry = ledger.entry(
                     self.session, action.id, turn, kind.member, call, time.time(), "interrupted", before
                 )
-                await self._traced(action, kind, call, time.time(), 0.0, "interrupted", text)
+                await self._traced(action, kind, call, time.time(), 0.0, "interrupted", text, entry)
                 return await self._step(kind.event(action.id, text, True), action.id)
             if kind.member == "Write":
                 before = await ledger.before(
@@ -539,9 +539,9 @@ class Driver(msgspec.Struct, eq=False):
         if kind.effect:
             failpoints.hit("agent.done")
         if result is None:
-            if kind.effect:
-                await ledger.record(self.session, action.id, turn, kind.member, call, started, "interrupted", before)
-            await self._traced(action, kind, call, started, took, "interrupted", "cancelled with its turn")
+            stopped = ledger.entry(self.session, action.id, turn, kind.member, call, started, "interrupted", before)
+            why = "cancelled with its turn"
+            await self._traced(action, kind, call, started, took, "interrupted", why, stopped if kind.effect else None)
             if not kind.effect:
                 return []
             how = "; its process group was killed" if kind.kills else ""
@@ -551,9 +551,9 @@ class Driver(msgspec.Struct, eq=False):
         # What failed, never what the command printed: the record is exported (OTel) and shown beside others'.
         error = (result.why or result.text) if result.failed else None
         event = kind.event(action.id, result.text, result.failed)
-        if kind.effect:
-            await ledger.record(self.session, action.id, turn, kind.member, call, started, outcome, before)
-        await self._traced(action, kind, call, started, took, outcome, error)  # durable before the result's step
+        # The trace record, and an effect's ledger record beside it (one write): durable before the result's step.
+        entry = ledger.entry(self.session, action.id, turn, kind.member, call, started, outcome, before)
+        await self._traced(action, kind, call, started, took, outcome, error, entry if kind.effect else None)
         return await self._step(event, action.id)
 
     async def _gate(self, profile: Profile, action: Action) -> Gate | None:
@@ -574,9 +574,10 @@ class Driver(msgspec.Struct, eq=False):
         took: float,
         outcome: Outcome,
         error: str | None,
+        ledger: Record | None = None,
     ) -> None:
         record = tool_record(action.id, kind.name, kind.subject(call), started, took, outcome, error)
-        await self.runtime.oversight.trace(self.session, record)
+        await self.runtime.oversight.trace(self.session, record, () if ledger is None else (ledger,))
 
     async def _stalled(self, action: int, why: str) -> None:
         """The ask stays pending; carry on when the session is resumed, or when another client's step (a Cancel of

@@ -183,6 +183,10 @@ class MemoryStore:
         times = sorted(session.at.items()) if session else []
         return dict([(seq, at) for seq, at in times if seq > since][:limit])
 
+    async def add_records(self, records: Sequence[Record]) -> None:
+        for record in records:
+            await self.add_record(record)
+
     async def add_record(self, record: Record) -> None:
         self._committed(time.perf_counter())
         session = self._sessions.get(record.session)

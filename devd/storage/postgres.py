@@ -1117,6 +1117,16 @@ class PostgresStore:
 
         await self._write(op)
 
+    async def add_records(self, records: Sequence[Record]) -> None:
+        """As `add_record`, each of them, in one write."""
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            for record in records:
+                await _add_record(conn, record)
+            return None
+
+        await self._write(op)
+
     # -- spend: not fenced (what was spent stays spent whoever holds the session next) ------------------------------
 
     async def reserve(

@@ -1133,6 +1133,13 @@ class SQLiteStore:
     async def add_record(self, record: Record) -> None:
         await self._write(lambda db: _add_record(db, record))
 
+    async def add_records(self, records: Sequence[Record]) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            for record in records:
+                _add_record(db, record)
+
+        await self._write(op)
+
     # -- spend ----------------------------------------------------------------------------------------------------
 
     async def reserve(

@@ -245,6 +245,10 @@ class Store(Protocol):
         """Keep a record in its session's log; returns once it is durable. A record of a session that does not exist
         (deleted meanwhile) is dropped."""
 
+    async def add_records(self, records: Sequence[Record]) -> None:
+        """Keep several records as `add_record` keeps one, in one write: durable together, in order (an effect's
+        ledger and trace records, which its result's step waits for)."""
+
     async def records(
         self, name: str, kinds: tuple[str, ...] | None = None, after: int = 0, limit: int | None = None
     ) -> list[Record]:
