@@ -155,6 +155,25 @@ def test_a_rewound_session_takes_its_next_turn_from_where_it_went_back_to(agentd
         ]
 
 
+def test_a_stalled_turn_may_be_rewound_and_its_fork_keeps_no_turn_to_carry_on(agentd: Agentd) -> None:
+    agentd.standin.script(Scripted(tool_calls=[write("a.txt", "one")]), Scripted(text="wrote a"))
+    with agentd.client() as c, agentd.client() as ui:
+        session = agentd.session(c)
+        run_turn(c, session, "write a")
+        agentd.standin.script(Scripted(tool_calls=[write("a.txt", "two")]), *[Scripted(status=500)] * 4)
+        watch_raw(ui, session)
+        second = c.prompt(session, "change it")
+        next_notice(ui, "session/stalled")
+        kept_as = c.rewind(session, second).kept_as
+        last = conversation(c, kept_as)[-1]
+        assert ((agentd.workspace / "a.txt").read_text(), c.pending(session), c.pending(kept_as), last) == (
+            "one",
+            [],
+            [],
+            {"Tool": {"id": 8, "text": "wrote 3 bytes to a.txt"}},
+        )
+
+
 def test_rewind_is_conflict_naming_a_file_someone_else_changed_since_and_puts_nothing_back(agentd: Agentd) -> None:
     with agentd.client() as c:
         session = two_turns(agentd, c)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import anyio.to_thread
 import msgspec
 
-from devd.agent import tools
+from devd.agent import records, tools
 from devd.agent.profiles import Profile
 from devd.protocol import SkippedFile
 
@@ -134,7 +134,10 @@ def _read(dir_fd: int, name: str) -> str | SkippedFile | None:
 async def used_by(runtime: Runtime, session: str) -> list[str] | None:
     """The instruction files the session's next model call sends (absolute paths); None for a session the daemon
     does not drive, or whose profile is gone."""
-    binding = await runtime.binding(session)
+    # From the record log, not through the runtime's cache, which keeps no session of no agent (there may be a million,
+    # and `session/info` may be asked of each).
+    bound = await runtime.sessions.records(session, (records.AGENT,))
+    binding = records.decode(bound[-1].body, records.Binding) if bound else None
     profile = None if binding is None else runtime.profiles.get(binding.agent)
     if binding is None or profile is None:
         return None

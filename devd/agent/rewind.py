@@ -31,8 +31,8 @@ from devd import failpoints
 from devd.agent import effects, records, tools
 from devd.agent.effects import EffectRecord
 from devd.agent.records import Before
-from devd.errors import BusyError, ConflictError, InvalidParamsError
-from devd.messages import Event
+from devd.errors import BusyError, ConflictError, InternalError, InvalidParamsError
+from devd.messages import Cancel, Event
 from devd.protocol import NotUndone, RewindResult
 from devd.sessions import summaries
 from devd.storage.store import Record
@@ -102,7 +102,10 @@ async def rewind(runtime: Runtime, session: str, turn: int, *, force: bool = Fal
             if plan.turn == turn:
                 return done
         at = await _step_before(runtime, session, turn)
-        workspace = await runtime.workspace(session)
+        try:
+            workspace = await runtime.workspace(session)
+        except tools.Refused as e:
+            raise InvalidParamsError(f"session {session!r} cannot be rewound: {e.why}") from None
         found = await runtime.sessions.records(session, (effects.EFFECT, REWOUND))
         writes, not_undone = _since(found, turn)
         files, kept_out = _files(writes)
@@ -132,7 +135,7 @@ async def finish_left(runtime: Runtime) -> None:
         for n, plan in await _unfinished(runtime, session):
             try:
                 await _finish(runtime, n, plan)
-            except (tools.Refused, OSError, InvalidParamsError) as e:
+            except (tools.Refused, InternalError, InvalidParamsError) as e:
                 why = e.why if isinstance(e, tools.Refused) else str(e)
                 runtime.stall(
                     session,
@@ -156,15 +159,20 @@ async def _finish(runtime: Runtime, n: int, plan: Plan) -> RewindResult:
     if sessions.seq(plan.kept_as) is None:
         await sessions.fork(session, plan.head, plan.kept_as)
         runtime.titles.made(plan.kept_as)
-    workspace = await runtime.workspace(session)
+        await _settled(runtime, plan)
     data = await _contents(runtime, session, plan.files)
     restored: list[str] = []
     removed: list[str] = []
     for put in plan.files:
-        content = data.get(put.source)
-        if content is None and not put.remove:  # never a removal in its place
-            raise tools.Refused(f"what {put.target} held before turn {plan.turn} is no longer kept")
-        await anyio.to_thread.run_sync(tools.put_back, workspace, put.target, content)
+        try:
+            await _put(runtime, plan, put, data.get(put.source))
+        except (tools.Refused, OSError) as e:
+            why = e.why if isinstance(e, tools.Refused) else e.strerror or str(e)
+            raise InternalError(
+                f"the rewind of session {session!r} to before turn {plan.turn} stopped at {put.target} ({why}); it is "
+                "journalled: put right what is in the way, then session/rewind again (or restart the daemon) to "
+                "finish it"
+            ) from None
         (removed if put.remove else restored).append(put.target)
         failpoints.hit("agent.rewinding")
     if (sessions.seq(session) or 0) > plan.at:
@@ -173,6 +181,35 @@ async def _finish(runtime: Runtime, n: int, plan: Plan) -> RewindResult:
     await sessions.add_record(Record(session, plan.at, REWOUND, plan.turn, records.encode(done)))
     log.info("agent.rewound", session=session, turn=plan.turn, restored=len(restored), removed=len(removed))
     return RewindResult(restored, removed, plan.not_undone, plan.kept_as)
+
+
+async def _put(runtime: Runtime, plan: Plan, put: Put, content: bytes | None) -> None:
+    if content is None and not put.remove:  # never a removal in its place
+        raise tools.Refused(f"what {put.target} held before turn {plan.turn} is no longer kept")
+    workspace = await runtime.workspace(plan.session)
+    await anyio.to_thread.run_sync(tools.put_back, workspace, put.target, content)
+
+
+async def _settled(runtime: Runtime, plan: Plan) -> None:
+    """The fork keeps the conversation, never a turn to carry on: one still running there (the session was stalled)
+    is cancelled in the fork, so that no daemon drives it in the workspace the rewind puts back."""
+    if not await runtime.sessions.pending(plan.kept_as):
+        return
+    latest = await _last_turn(runtime, plan.kept_as, plan.at)
+    if latest is not None:
+        cancel = Event(Cancel=Cancel(turn=latest))
+        await runtime.sessions.step(plan.kept_as, cancel, f"rewind:{plan.turn}:cancel")
+
+
+async def _last_turn(runtime: Runtime, session: str, since: int) -> int | None:
+    """The id of the last `Turn` step of the session after step `since`."""
+    last = None
+    while True:
+        rows = await runtime.sessions.steps(session, since, SCAN_ROWS)
+        last = next((_turn(e) for _, e in reversed(rows) if e.startswith(b'{"Turn"')), last)
+        if len(rows) < SCAN_ROWS:
+            return last
+        since = rows[-1][0]
 
 
 async def _contents(runtime: Runtime, session: str, files: list[Put]) -> dict[int, bytes]:
