@@ -24,11 +24,12 @@ acknowledged without it, and the snapshot is written by one writer afterwards (a
 replaces one still queued), fsync'd, renamed into place, and only then pointed at from the step's row by a commit of
 its own. A snapshot is a cache of what the journal derives, so one that never lands (a crash, a full disk, the session
 deleted or made again meanwhile) costs a longer replay, never a step. A snapshot that is a session's state rather
-than a cache (a restore's, a fork's) is written to its file before the commit that names it. A row holds its file
-snapshot as an empty
-`snapshot` (no snapshot is empty) and the file's name, so the newest snapshot is found as before; a file no row names
-any more is removed after the commit that let it go, and at open (after a crash). A backup is one file still: it
-carries the snapshots' bytes inline.
+than a cache (a restore's, a fork's) is written to its file before the commit that names it, and so is the snapshot
+of a step whose row is large (`LARGE_ROW_BYTES`): pointing a row at its file rewrites the whole row, megabytes that the
+commit thread would write and checkpoint again while every other write waits. A row holds its file snapshot as an
+empty `snapshot` (no snapshot is empty) and the file's name, so the newest snapshot is found as before; a file no
+row names any more is removed after the commit that let it go, and at open (after a crash). A backup is one file
+still: it carries the snapshots' bytes inline.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ from devd.storage.store import (
 
 log = structlog.get_logger("devd.storage.sqlite")
 
-ROWS_PER_STATEMENT = 500  # 9 variables a row, well under SQLite's 32,766
+ROWS_PER_STATEMENT = 500  # 10 variables a row, well under SQLite's 32,766
 # The log's file: SQLite cuts it back to this at the first commit after a checkpoint, and the commit thread
 # checkpoints it once it has grown past this (between batches).
 WAL_BYTES_KEPT = 4 << 20
@@ -83,6 +84,9 @@ ROW = "seq, event, actions, answer"  # the columns of a `Row`
 INLINE_READ_BYTES = 64 << 10  # the most a read on the event loop takes; larger ones run on a worker thread
 SNAPSHOTS_DIR = "snapshots"  # beside the database: the large snapshots' files
 FILE_SNAPSHOT_BYTES = 256 << 10  # a snapshot this long or longer is kept in a file, written off the commit thread
+# A step whose row (event and answer) is this long or longer has its snapshot's file written before its commit, which
+# names it: pointing at it afterwards rewrote the whole row (SQLite writes a row anew to change a column of it).
+LARGE_ROW_BYTES = 1 << 20
 SNAPSHOTS_QUEUED_BYTES_MAX = 512 << 20  # past this, a snapshot waiting for its file is dropped (it is only a cache)
 SNAPSHOT_WRITE_S = 10  # the most one snapshot file and its pointer may take; past it the snapshot is dropped
 SNAPSHOTS_AT_SHUTDOWN_S = 5  # how long a shutdown waits for the snapshot files still queued (systemd waits 20 s)
@@ -259,7 +263,15 @@ SQLITE_IOERR = 10  # the primary result code of every I/O error, fsync's include
 BUSY_TIMEOUT_S = 0.25
 REOPEN_DELAY_S = (0.05, 5.0)  # after a fault a reopen is tried at once, then after each delay, doubled up to the cap
 
-Op = Callable[[sqlite3.Connection], None] | Step
+
+class _FiledStep(msgspec.Struct, frozen=True):
+    """A step whose snapshot was written to `file` before its commit: its row names the file from the start."""
+
+    step: Step  # its snapshot b"": the row's mark of a snapshot kept in a file
+    file: str
+
+
+Op = Callable[[sqlite3.Connection], None] | Step | _FiledStep
 
 # -- the boundary: what SQLite and the file system raise, and what crosses instead ------------------------------------
 
@@ -503,7 +515,7 @@ class SQLiteStore:
     def _apply(self, ops: list[Op]) -> tuple[BaseException | None, list[tuple[str, int]]]:
         """Commit `ops` in one transaction; the error that failed them all (or None), and the snapshots (session,
         seq) it stored, for the maintenance after it."""
-        steps = [op for op in ops if isinstance(op, Step)]
+        steps = [_filed(op) for op in ops if isinstance(op, Step | _FiledStep)]
         pointers = [op for op in ops if isinstance(op, _Pointer)]
         if self._broken is not None and not self._reopen():
             return StoreError(self._broken), []
@@ -512,15 +524,15 @@ class SQLiteStore:
         try:
             self._check_file()
             failpoints.hit("commit.before")
-            if pointers or any(s.snapshot is not None for s in steps):
+            if pointers or any(s.snapshot is not None for s, _ in steps):
                 failpoints.hit("commit.snapshot")
             if len(steps) == len(ops) and len(steps) <= ROWS_PER_STATEMENT:
                 _insert_steps(db, steps)  # one statement: its own transaction
             else:
                 db.execute("BEGIN IMMEDIATE")
                 for op in ops:
-                    if isinstance(op, Step):
-                        _insert_steps(db, [op])
+                    if isinstance(op, Step | _FiledStep):
+                        _insert_steps(db, [_filed(op)])
                     else:
                         op(db)
                 db.execute("COMMIT")
@@ -542,7 +554,7 @@ class SQLiteStore:
             return e, []
         self._reopen_delay_s = 0.0  # the disk takes writes again: a next fault is retried at once
         self._remove_released(db)
-        snapshots = [(s.session, s.seq) for s in steps if s.snapshot is not None]
+        snapshots = [(s.session, s.seq) for s, _ in steps if s.snapshot is not None]
         return None, snapshots + [(p.job.session, p.job.seq) for p in pointers if p.landed]
 
     def _checkpoint_if_due(self) -> None:
@@ -894,9 +906,13 @@ class SQLiteStore:
             return await anyio.to_thread.run_sync(self._write_snapshot_file, snapshot)
 
     async def append(self, step: Step) -> None:
-        """A large snapshot is left out of the step's commit and written to a file afterwards (see the module)."""
+        """A large snapshot is left out of the step's commit and written to a file afterwards (see the module); that
+        of a step whose row is large too is written first, and the step's commit names it (`LARGE_ROW_BYTES`)."""
         if step.snapshot is None or len(step.snapshot) < FILE_SNAPSHOT_BYTES:
             await self._write(step)
+            return
+        if len(step.event) + len(step.actions or b"") >= LARGE_ROW_BYTES:
+            await self._write(await self._filed_step(step, step.snapshot))
             return
         # The generation before the step is queued: one that changes by the time the pointer commits means the row
         # may be another session's. Read here, off the commit thread: a dictionary read is atomic.
@@ -908,6 +924,19 @@ class SQLiteStore:
             self._snapshot_done()
             raise
         self._queue_snapshot(job)
+
+    async def _filed_step(self, step: Step, snapshot: bytes) -> Op:
+        """A large row's step with its snapshot's file written first, for its commit to name; without the snapshot if
+        the file could not be written (it is only a cache, as when a file written after its step fails). A file whose
+        commit then fails is swept at the next open."""
+        try:
+            file = await anyio.to_thread.run_sync(self._write_snapshot_file, snapshot)
+        except OSError as e:
+            log.warning(
+                "store.snapshot_dropped", session=step.session, seq=step.seq, why=f"writing its file failed: {e}"
+            )
+            return msgspec.structs.replace(step, snapshot=None)
+        return _FiledStep(msgspec.structs.replace(step, snapshot=b""), file)
 
     async def save_snapshot(self, name: str, seq: int, snapshot: bytes) -> None:
         """See `devd.storage.store.Store.save_snapshot`: a large one is written to a file as an appended step's is,
@@ -1542,16 +1571,22 @@ def _rows(cursor: sqlite3.Cursor) -> list[Row]:
     return [Row(seq, event, actions or None, answer) for seq, event, actions, answer in cursor]
 
 
-def _insert_steps(db: sqlite3.Connection, steps: list[Step]) -> None:
-    """Rows in one statement: sqlite3 releases the GIL around every statement it steps, and the commit thread has to
-    win it back from the busy event loop each time, so one statement for a batch is much faster than one a row."""
+def _filed(op: Step | _FiledStep) -> tuple[Step, str | None]:
+    """A step to insert, and the file its snapshot is in (None: none, or in the row)."""
+    return (op.step, op.file) if isinstance(op, _FiledStep) else (op, None)
+
+
+def _insert_steps(db: sqlite3.Connection, steps: list[tuple[Step, str | None]]) -> None:
+    """Rows (a step and its snapshot's file) in one statement: sqlite3 releases the GIL around every statement it
+    steps, and the commit thread has to win it back from the busy event loop each time, so one statement for a batch
+    is much faster than one a row."""
     at = time.time()
     db.execute(
-        "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at) VALUES "
-        + ",".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps)),
+        "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file) VALUES "
+        + ",".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps)),
         [
             v
-            for s in steps
-            for v in (s.session, s.seq, s.key, s.digest, s.event, s.actions or b"", s.snapshot, s.answer, at)
+            for s, file in steps
+            for v in (s.session, s.seq, s.key, s.digest, s.event, s.actions or b"", s.snapshot, s.answer, at, file)
         ],
     )
