@@ -101,29 +101,41 @@ async def rewind(runtime: Runtime, session: str, turn: int, *, force: bool = Fal
             done = await _finish(runtime, n, plan)
             if plan.turn == turn:
                 return done
-        at = await _step_before(runtime, session, turn)
-        try:
-            workspace = await runtime.workspace(session)
-        except tools.Refused as e:
-            raise InvalidParamsError(f"session {session!r} cannot be rewound: {e.why}") from None
-        found = await runtime.sessions.records(session, (effects.EFFECT, REWOUND))
-        writes, not_undone = _since(found, turn)
-        files, kept_out = _files(writes)
-        if not force:
-            changed = await anyio.to_thread.run_sync(_changed, workspace, writes)
-            if changed:
-                raise ConflictError(
-                    f"not rewound: {', '.join(changed)} changed since session {session!r} last wrote "
-                    f"{'it' if len(changed) == 1 else 'them'} (someone else wrote there); nothing was put back: look "
-                    "at the changes, then rewind with force: true to put every file back regardless"
-                )
-        head = runtime.sessions.seq(session) or 0
-        kept_as = f"{session[:32]}.t{turn}.{secrets.token_hex(4)}"
-        plan = Plan(session, turn, at, head, kept_as, files, [*not_undone, *kept_out])
-        await runtime.sessions.add_record(Record(session, head, REWIND, turn, records.encode(plan)))
+        plan = await _plan(runtime, session, turn, force)
+        await runtime.sessions.add_record(Record(session, plan.head, REWIND, turn, records.encode(plan)))
         n = (await runtime.sessions.records(session, (REWIND,)))[-1].n
-        log.info("agent.rewinding", session=session, turn=turn, at=at, files=len(files), workspace=binding.workspace)
+        log.info(
+            "agent.rewinding",
+            session=session,
+            turn=turn,
+            at=plan.at,
+            files=len(plan.files),
+            workspace=binding.workspace,
+        )
         return await _finish(runtime, n, plan)
+
+
+async def _plan(runtime: Runtime, session: str, turn: int, force: bool) -> Plan:
+    """What a rewind of the session to before `turn` does, checked (see `rewind` for what it raises)."""
+    at = await _step_before(runtime, session, turn)
+    try:
+        workspace = await runtime.workspace(session)
+    except tools.Refused as e:
+        raise InvalidParamsError(f"session {session!r} cannot be rewound: {e.why}") from None
+    found = await runtime.sessions.records(session, (effects.EFFECT, REWOUND))
+    writes, not_undone = _since(found, turn)
+    files, kept_out = _files(writes)
+    if not force:
+        changed = await anyio.to_thread.run_sync(_changed, workspace, writes)
+        if changed:
+            raise ConflictError(
+                f"not rewound: {', '.join(changed)} changed since session {session!r} last wrote "
+                f"{'it' if len(changed) == 1 else 'them'} (someone else wrote there); nothing was put back: look at "
+                "the changes, then rewind with force: true to put every file back regardless"
+            )
+    head = runtime.sessions.seq(session) or 0
+    kept_as = f"{session[:32]}.t{turn}.{secrets.token_hex(4)}"
+    return Plan(session, turn, at, head, kept_as, files, [*not_undone, *kept_out])
 
 
 async def finish_left(runtime: Runtime) -> None:
