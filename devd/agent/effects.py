@@ -144,7 +144,7 @@ def before_of(target: str, existed: bool, data: bytes | None, size: int, room_by
     if data is None:
         why = f"it is larger than {FILE_BYTES_MAX} bytes, which a rewind does not keep"
         return Before(target, True, size, why=why)
-    if len(data) > INLINE_BYTES_MAX and len(data) > room_bytes:
+    if len(data) > room_bytes:
         why = f"the session keeps {CONTENT_BYTES_MAX} bytes of what its writes replaced, and that is used up"
         return Before(target, True, len(data), digest(data), why=why)
     inline = data if len(data) <= INLINE_BYTES_MAX else None
