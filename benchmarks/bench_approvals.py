@@ -47,7 +47,7 @@ class Bare(Oversight):
         return Gate(True, "bare") if found is None else Gate(decide(profile, found)[0] != "deny", "bare")
 
     async def admit(
-        self, session: str, profile: Profile, turn: int, action: int, request: bytes
+        self, session: str, profile: Profile, turn: int, action: int, request: bytes, *, exact: bool = False
     ) -> tuple[Reservation | None, int | None, Refusal | None]:
         return None, profile.max_tokens, None
 

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import multiprocessing
 import multiprocessing.synchronize
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,6 +140,7 @@ def _bench(rounds: int, seconds: float, clients: int, payload_mib: int, flags: l
     finally:
         daemon.terminate()
         daemon.wait(60)
+        shutil.rmtree(root, ignore_errors=True)  # its state: the large turns' snapshot files, tens of MiB
     a, b = _figures(alone), _figures(beside)
     return {
         "what": f"session/new of {clients} clients, {rounds} rounds of {seconds:g} s alone then beside one client "

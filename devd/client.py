@@ -66,6 +66,7 @@ from devd.protocol import (
     BackupParams,
     BackupResult,
     BudgetParams,
+    CompactResult,
     DecidedNotice,
     DeltaNotice,
     DrainResult,
@@ -79,6 +80,8 @@ from devd.protocol import (
     InstructionsNotice,
     ListParams,
     ListResult,
+    ModelParams,
+    ModelResult,
     NewParams,
     NoParams,
     PendingResult,
@@ -560,6 +563,16 @@ class Client:
         """Try a stalled session's model again."""
         self.request("session/resume", SessionParams(session))
 
+    def set_model(self, session: str, model: str) -> ModelResult:
+        """Set the model the session's next calls name (one of its profile's `models`)."""
+        result: ModelResult = self.request("session/model", ModelParams(session, model))
+        return result
+
+    def compact(self, session: str) -> CompactResult:
+        """Compact the session's conversation now: how many messages a summary replaced."""
+        result: CompactResult = self.request("session/compact", SessionParams(session))
+        return result
+
     def agent(self, session: str) -> AgentResult:
         """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""
         result: AgentResult = self.request("session/agent", SessionParams(session))
@@ -969,6 +982,16 @@ class AsyncClient:
     async def resume(self, session: str) -> None:
         """Try a stalled session's model again."""
         await self.request("session/resume", SessionParams(session))
+
+    async def set_model(self, session: str, model: str) -> ModelResult:
+        """Set the model the session's next calls name (one of its profile's `models`)."""
+        result: ModelResult = await self.request("session/model", ModelParams(session, model))
+        return result
+
+    async def compact(self, session: str) -> CompactResult:
+        """Compact the session's conversation now: how many messages a summary replaced."""
+        result: CompactResult = await self.request("session/compact", SessionParams(session))
+        return result
 
     async def agent(self, session: str) -> AgentResult:
         """The agent profile and workspace the session was made with (nulls: the daemon does not drive it)."""

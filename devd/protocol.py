@@ -501,15 +501,37 @@ class BudgetParams(_Params, frozen=True):
     tokens: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a number of tokens, at least 1")] | None
 
 
-class UsageResult(msgspec.Struct, frozen=True):
-    """What the session's model calls used (the provider's counts, else devd's estimate), how many calls were made,
-    and how many a spend ceiling refused. A fork counts from zero."""
+class UsageResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the session's model calls used (the provider's counts, else devd's estimate: then `estimated`), how many
+    calls were made, and how many a spend ceiling refused. A fork counts from zero."""
 
     input_tokens: int
     output_tokens: int
     cached_tokens: int
     calls: int
     refused: int
+    estimated: bool = False  # some of the counts are devd's estimate: a server sent no usage for a call
+
+
+class ModelParams(_Params, frozen=True):
+    """The session, and the model its next calls name: one of its agent profile's `models`."""
+
+    session: SessionName
+    model: Annotated[str, Meta(min_length=1, max_length=256, description="a model's name, 1-256 characters")]
+
+
+class ModelResult(msgspec.Struct, frozen=True):
+    """The model the session's next calls name, and the models its agent profile offers."""
+
+    model: str
+    models: list[str]
+
+
+class CompactResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How many messages of the transcript a summary replaced (`session/compact`); 0 and `why` when none was."""
+
+    replaced: int
+    why: str | None = None
 
 
 class TraceParams(_Params, frozen=True):
@@ -543,7 +565,7 @@ class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True)
     output_tokens: int | None = None
     cached_tokens: int | None = None
     estimated: bool = False  # the token counts are devd's estimate: the server sent none (a stream cut short, say)
-    name: str | None = None  # a tool run's command (argv[0]) or path, for people and span names
+    name: str | None = None  # a tool run's command (argv[0]) or path; "summary" for a model call that compacted
     instructions: str | None = None  # a model call's: the hex SHA-256 of the project instructions it sent
 
 
@@ -643,14 +665,20 @@ class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
     owner: Owner | None = None
 
 
-class DeltaNotice(msgspec.Struct, frozen=True):
+DeltaKind = Literal["text", "reasoning", "summary"]
+
+
+class DeltaNotice(msgspec.Struct, frozen=True, omit_defaults=True):
     """`session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled.
     The fragments of one action, in order, are its reply's text (a watcher that joins mid-stream is first sent the
-    text so far as one fragment)."""
+    text so far as one fragment). `kind` (left out for "text"): "reasoning" is the model's reasoning streamed beside
+    its answer (never part of the reply), "summary" the summary it writes when the conversation is compacted; those
+    are told to the watchers watching as they stream, not kept for those that join later."""
 
     session: str
     action: int
     text: str
+    kind: DeltaKind = "text"
 
 
 class StalledNotice(msgspec.Struct, frozen=True):
@@ -904,6 +932,23 @@ METHODS: dict[str, Spec] = {
             Empty,
             "resume",
             "Try a stalled session's action again (and drive a session of an agent that owes work).",
+        ),
+        _spec(
+            "session/model",
+            ModelParams,
+            ModelResult,
+            "set_model",
+            """Set the model a session made with an agent names in its next model calls (one of the profile's
+            `models`), durably: across restarts, and in a fork. Each call's trace record says its model.""",
+        ),
+        _spec(
+            "session/compact",
+            SessionParams,
+            CompactResult,
+            "compact",
+            """Compact a session made with an agent now: the model summarises the start of its conversation (a model
+            call like any other: traced, charged, under the ceilings, its text streamed as `session/delta` of kind
+            "summary"), and the Summary replaces it; answered with how many messages were replaced.""",
         ),
         _spec(
             "session/agent",

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Self
 
@@ -61,6 +61,8 @@ class Scripted:
     garbage: str | None = None  # a line sent as it is after the role chunk (a server that breaks the format)
     # (Content-Encoding, body): the answer (of `status`, else 200) is these bytes under that header, as sent (a bomb)
     encoded: tuple[str, bytes] | None = None
+    ignores_limit: bool = False  # written whole past the request's token limit (a server that ignores max_tokens)
+    reasoning: str | None = None  # streamed first as `reasoning_content` deltas (as DeepSeek, vLLM and llama.cpp do)
 
 
 Responder = Scripted | Callable[[dict[str, Any]], Scripted]
@@ -122,6 +124,16 @@ class Standin(Served):
         self.closed = threading.Event()  # set at each early close
         self.sent_bytes = 0  # of streamed replies' bodies, all told
         self.pages: dict[str, str | bytes] = {}  # path -> page served on GET (for Browse): text, or bytes (a PNG)
+        # Real servers' ways, off by default: a context window (prompt and limit, in the stand-in's tokens: 4
+        # characters of the messages' and tools' JSON) refused past it as OpenAI does (400 context_length_exceeded)
+        # or as llama.cpp's server does (200 and an empty stream); no usage in a stream (llama.cpp ignores
+        # include_usage); the limit's name demanded (OpenAI's newer models refuse max_tokens) and its largest value.
+        self.default: Responder | None = None  # the reply when the script has none left (a long benchmark's)
+        self.context_tokens: int | None = None
+        self.too_long: Literal["openai", "llamacpp"] = "openai"
+        self.usage_in_stream = True
+        self.token_param: Literal["max_tokens", "max_completion_tokens"] | None = None
+        self.output_tokens_max: int | None = None
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -169,14 +181,24 @@ class Standin(Served):
             self.requests.append(Recorded(h.path, {k.lower(): v for k, v in h.headers.items()}, body))
         if h.path != "/v1/chat/completions":
             return _json(h, 404, _error(f"Unknown request URL: POST {h.path}.", "invalid_request_error"))
-        problem = check_request(body)
+        problem = check_request(body) or self._refused(body)
         if problem is not None:
             return _json(h, 400, _error(problem, "invalid_request_error"))
+        if self._too_long(body):
+            if self.too_long == "llamacpp":  # its log says "Requested tokens (N) exceed context window of C"
+                return self._empty(h)
+            prompt, limit = prompt_tokens(body), limit_of(body) or 0
+            message = (
+                f"This model's maximum context length is {self.context_tokens} tokens. However, you requested "
+                f"{prompt + limit} tokens ({prompt} in the messages, {limit} in the completion). Please reduce the "
+                "length of the messages or completion."
+            )
+            return _json(h, 400, _error(message, "invalid_request_error", "messages", "context_length_exceeded"))
         with self._lock:
-            responder = self._script.pop(0) if self._script else None
+            responder = self._script.pop(0) if self._script else self.default
         if responder is None:
             return _json(h, 400, _error("the stand-in's script has no reply left for this request", "standin"))
-        reply = responder if isinstance(responder, Scripted) else responder(body)
+        reply = within_limit(body, responder if isinstance(responder, Scripted) else responder(body))
         if reply.encoded is not None:
             return _encoded(h, reply.status or 200, *reply.encoded)
         if reply.status is not None:
@@ -189,6 +211,38 @@ class Standin(Served):
         except (BrokenPipeError, ConnectionResetError):
             self._closed_early()
 
+    def _refused(self, body: Any) -> str | None:
+        """What OpenAI says of a token limit its model does not take: the wrong name, or a value past its most."""
+        names = {"max_tokens": "max_completion_tokens", "max_completion_tokens": "max_tokens"}
+        wrong = names.get(self.token_param or "")
+        if wrong is not None and wrong in body:
+            return (
+                f"Unsupported parameter: '{wrong}' is not supported with this model. Use '{self.token_param}' instead."
+            )
+        limit = limit_of(body)
+        if self.output_tokens_max is not None and limit is not None and limit > self.output_tokens_max:
+            return (
+                f"max_tokens is too large: {limit}. This model supports at most {self.output_tokens_max} completion "
+                f"tokens, whereas you provided {limit}."
+            )
+        return None
+
+    def _too_long(self, body: dict[str, Any]) -> bool:
+        window = self.context_tokens
+        if window is None:
+            return False
+        if self.too_long == "llamacpp":
+            return prompt_tokens(body) > window
+        return prompt_tokens(body) + (limit_of(body) or 0) > window
+
+    def _empty(self, h: BaseHTTPRequestHandler) -> None:
+        """llama.cpp's answer to a request past its context: 200, an event stream, and nothing in it."""
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Connection", "close")
+        h.end_headers()
+        h.close_connection = True
+
     def _stream(self, h: BaseHTTPRequestHandler, body: dict[str, Any], reply: Scripted) -> None:
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
@@ -198,7 +252,7 @@ class Standin(Served):
         h.close_connection = True
         if reply.endless is not None:
             return self._endless(h, body, reply)
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        usage = bool((body.get("stream_options") or {}).get("include_usage")) and self.usage_in_stream
         for n, chunk in enumerate(_chunks(body, reply, usage)):
             if reply.hang and n == 2:  # after the role chunk and a first fragment
                 return self._hang(h)
@@ -268,8 +322,40 @@ def _encoded(h: BaseHTTPRequestHandler, status: int, encoding: str, data: bytes)
     h.wfile.write(data)
 
 
-def _error(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def _error(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """The stand-in's count of a request's prompt: 4 characters of its messages' and tools' JSON a token."""
+    return len(json.dumps([body.get("messages"), body.get("tools")])) // 4
+
+
+def limit_of(body: dict[str, Any]) -> int | None:
+    """The request's token limit, under either name."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return limit if isinstance(limit, int) else None
+
+
+def within_limit(body: dict[str, Any], reply: Scripted) -> Scripted:
+    """The reply cut at the request's token limit (4 characters a token of text, then of each call's arguments),
+    its finish_reason `length` when it was, as a server stops writing there."""
+    limit = limit_of(body)
+    if limit is None or reply.status is not None or reply.ignores_limit:
+        return reply
+    room = limit * 4
+    text = reply.text or ""
+    if len(text) > room:
+        return replace(reply, text=text[:room], tool_calls=[], finish_reason="length")
+    room -= len(text)
+    calls: list[tuple[str, dict[str, Any] | str]] = []
+    for name, arguments in reply.tool_calls:
+        args = _arguments(arguments)
+        if len(args) > room:
+            return replace(reply, tool_calls=[*calls, (name, args[:room])], finish_reason="length")
+        room -= len(args)
+        calls.append((name, arguments))
+    return reply
 
 
 def check_request(body: Any) -> str | None:
@@ -390,6 +476,9 @@ def _chunks(body: dict[str, Any], reply: Scripted, usage: bool) -> Iterator[dict
         return head | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
     yield chunk({"role": "assistant", "content": ""})
+    thought = reply.reasoning or ""
+    for at in range(0, len(thought), max(reply.split, 1)):
+        yield chunk({"reasoning_content": thought[at : at + max(reply.split, 1)]})
     text = reply.text or ""
     for at in range(0, len(text), max(reply.split, 1)):
         yield chunk({"content": text[at : at + max(reply.split, 1)]})

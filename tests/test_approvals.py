@@ -569,7 +569,8 @@ def test_usage_is_the_providers_counts(tmp_path: Path, standin: Standin) -> None
 
 
 def test_two_sessions_sharing_a_daily_ceiling_cannot_pass_it_together(tmp_path: Path, standin: Standin) -> None:
-    agentd = start(tmp_path, standin, max_tokens="3000", budget="{ tokens_per_day = 5000 }")
+    # The first call reserves the whole day (its request and as much of its max_tokens as the ceiling leaves).
+    agentd = start(tmp_path, standin, max_tokens="5000", budget="{ tokens_per_day = 5000 }")
     first_in_flight, release = threading.Event(), threading.Event()
 
     def held(body: dict[str, Any]) -> Scripted:

@@ -429,6 +429,7 @@ REQUIRED_VALUES = {
     "tokens": 1000,
     "title": "the build",
     "turn": 1,
+    "model": "m",
 }
 
 

@@ -23,9 +23,8 @@ from devd.agent.profiles import Budget, Profile
 from devd.agent.spend import Usage
 from devd.errors import ConflictError
 from devd.messages import Exec, Op
-from devd.protocol import ApprovalNotice, DecidedNotice, TraceRecord
+from devd.protocol import ApprovalNotice, DecidedNotice, TraceRecord, UsageResult
 from devd.storage.sqlite import SQLiteStore
-from devd.storage.store import Tally
 
 MAKE = Op(Exec=Exec(argv=["make"]))
 STARTED = "2026-12-01T09:00:00.000Z"
@@ -181,7 +180,8 @@ async def test_a_refused_call_leaves_a_refused_trace_record_saying_why(tmp_path:
         assert (record.outcome, record.error) == (
             "refused",
             "spend ceiling reached: the session's budget is 10 tokens, 0 spent, and the next model call needs up to "
-            "101; the call was not sent: raise it with session/budget, then session/resume",
+            "101 (~100 for its request, by devd's estimate of 4 characters a token, and 1 for its reply); the call "
+            "was not sent: raise it with session/budget, then session/resume",
         )
 
 
@@ -227,7 +227,7 @@ async def test_old_trace_and_usage_records_go_and_the_usage_they_told_of_stays_c
     assert ([r.action for r in kept], [r.action for r in kept_usage], restarted) == (
         [3, 4],
         [3, 4],
-        Tally(40, 10, 0, 4, 0),
+        UsageResult(40, 10, 0, 4, 0),
     )
 
 

@@ -38,7 +38,14 @@ from tests.helpers import DOC, transcripts
 # The methods and notices of sessions the daemon drives need a daemon with --agents: tests/test_agent_runtime.py and
 # tests/test_approvals.py cover them.
 OVERSIGHT_METHODS = {"session/prompt", "session/resume", "session/approve", "session/budget", "session/usage"}
-OVERSIGHT_METHODS |= {"session/trace", "session/title", "session/effects", "session/rewind"}  # tests/test_rewind.py
+OVERSIGHT_METHODS |= {
+    "session/trace",
+    "session/compact",
+    "session/model",
+    "session/title",  # tests/test_rewind.py
+    "session/effects",
+    "session/rewind",
+}  # agent sessions: tests/test_agent_context.py
 OVERSIGHT_NOTICES = {"session/delta", "session/stalled", "session/approval", "session/decided"}
 OVERSIGHT_NOTICES |= {"session/instructions"}
 

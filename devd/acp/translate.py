@@ -7,6 +7,8 @@ The daemon says what happened (`session/actions` for each step, `session/delta` 
 - the model's text is `agent_message_chunk`s, from the deltas as they stream, else from the reply in the step that
   answers the model (only what the deltas did not already say, so a reply streamed in part before a reconnect is
   finished, not repeated; the core emits a reply's text only when it has no calls, so the reply is the source);
+- the model's reasoning streamed beside its answer, and a summary it writes as the conversation is compacted, are
+  `agent_thought_chunk`s (deltas of kind "reasoning" and "summary"), never the answer's text;
 - each call the core dispatches is a `tool_call` (`pending`, its kind, a title, absolute `locations` for files),
   its title shown safely (devd.render: a command's words as a shell takes them, a control or bidi character in a
   path or URL escaped: editors show titles in a terminal-like panel), its raw input as the model gave it;
@@ -29,6 +31,7 @@ import msgspec
 
 from devd.acp.wire import (
     AgentMessageChunk,
+    AgentThoughtChunk,
     ContentItem,
     DiffItem,
     Location,
@@ -56,11 +59,13 @@ StopReason = Literal["end_turn", "cancelled"]
 
 
 class DeltaNotice(msgspec.Struct, frozen=True):
-    """`session/delta`: text the model wrote for the `Model` action `action`, not journalled."""
+    """`session/delta`: text the model wrote for the `Model` action `action`, not journalled; `kind` "reasoning" (its
+    reasoning beside the answer) or "summary" (a summary compacting the conversation) is no part of the answer."""
 
     session: str
     action: int
     text: str
+    kind: str = "text"
 
 
 class ApprovalNotice(msgspec.Struct, frozen=True):
@@ -268,6 +273,8 @@ class SessionView:
         return [AgentMessageChunk(TextBlock(rest))] if rest else []
 
     def _delta(self, n: DeltaNotice) -> list[Update]:
+        if n.kind != "text":  # the model's reasoning, or a summary it writes: a thought, never the answer's text
+            return [AgentThoughtChunk(TextBlock(n.text))] if n.text else []
         # Streamed anew after a reconnect, only what goes past what was said is said (else it differs: as it comes).
         fresh = self.said.setdefault(n.action, Stream()).add(n.text)
         return [AgentMessageChunk(TextBlock(fresh))] if fresh else []

@@ -232,6 +232,10 @@ class AgentMessageChunk(_Out, frozen=True, tag_field="sessionUpdate", tag="agent
     content: TextBlock
 
 
+class AgentThoughtChunk(_Out, frozen=True, tag_field="sessionUpdate", tag="agent_thought_chunk"):
+    content: TextBlock
+
+
 class ToolCall(_Out, frozen=True, tag_field="sessionUpdate", tag="tool_call"):
     tool_call_id: str
     title: str
@@ -289,7 +293,15 @@ class UsageUpdate(_Out, frozen=True, tag_field="sessionUpdate", tag="usage_updat
     size: int
 
 
-Update = UserMessageChunk | AgentMessageChunk | ToolCall | ToolCallUpdate | AvailableCommandsUpdate | UsageUpdate
+Update = (
+    UserMessageChunk
+    | AgentMessageChunk
+    | AgentThoughtChunk
+    | ToolCall
+    | ToolCallUpdate
+    | AvailableCommandsUpdate
+    | UsageUpdate
+)
 
 
 class PermissionOption(_Out, frozen=True):

@@ -59,6 +59,7 @@ DIFF_COMPARED_LINES_MAX = 2000
 DIFF_BYTES_MAX = 256 * 1024  # of the file a write's diff reads, and characters of the text it compares
 DIFF_LINE_CHARS_MAX = 320  # of one line of a diff shown (4 rows of 80 columns)
 PROGRESS_EVERY_S = 0.25
+DIM, UNDIM = "\x1b[2m", "\x1b[22m"  # SGR faint and normal intensity: reasoning shown apart from the answer
 
 
 def _result(event: Event) -> Output | None:
@@ -112,7 +113,12 @@ class Screen:
     workspace: str | None = None  # where a write's diff is taken against, when known
 
     def show(self, notice: Notice) -> None:
-        if isinstance(notice, DeltaNotice):
+        if isinstance(notice, DeltaNotice) and notice.kind != "text":
+            self.asking = None
+            # The model's reasoning (or a summary it writes): dimmed on a terminal, left out of a pipe's output.
+            if self.out.isatty():
+                self._write(f"{DIM}{prose(notice.text)}{UNDIM}")
+        elif isinstance(notice, DeltaNotice):
             self.asking = None
             self.texts[notice.action] = self.texts.get(notice.action, "") + notice.text
             self._write(self.streams.setdefault(notice.action, Streamed()).add(notice.text))

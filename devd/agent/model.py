@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from email.utils import parsedate_to_datetime
@@ -34,7 +35,7 @@ import anyio
 import msgspec
 
 from devd.agent import http, kinds, spend
-from devd.agent.profiles import Profile, api_key, shown_url
+from devd.agent.profiles import Profile, api_key, shown_url, token_param
 from devd.messages import Call, Message, Reply
 
 
@@ -71,6 +72,7 @@ class Completion(msgspec.Struct, frozen=True):
     usage: Usage | None = None
     finish_reason: str | None = None
     response_model: str | None = None  # the model the server says answered
+    reasoning: str | None = None  # what the model streamed as its reasoning (`reasoning_content`), beside the answer
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -83,13 +85,17 @@ class Rejected(msgspec.Struct, frozen=True):
 
 
 class ModelUnavailable(Exception):
-    """No completion could be had: the key cannot be sent, the attempts are spent, the server refused the request (a
-    4xx), or a reply passed a bound of the profile."""
+    """No completion could be had: the key cannot be sent (`sent` False: no request went), the attempts are spent,
+    the server refused the request (a 4xx), or a reply passed a bound of the profile. `too_long`: the server said the
+    request is longer than its context window (OpenAI's `context_length_exceeded`, llama.cpp's error or its empty
+    stream), which compacting the conversation may cure."""
 
-    def __init__(self, why: str, *, status: int | None = None) -> None:
+    def __init__(self, why: str, *, status: int | None = None, too_long: bool = False, sent: bool = True) -> None:
         super().__init__(why)
         self.why = why
         self.status = status
+        self.too_long = too_long
+        self.sent = sent
 
 
 Outcome = Literal["ok", "retry", "failed", "cancelled"]
@@ -193,11 +199,17 @@ def request_body(
     extra: Iterable[Inserted] = (),
     *,
     exec_available: bool = True,
+    thoughts: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
     """The chat-completions request for an ask: the system prompt, the conversation (with `extra` inserted where it
-    belongs), the tools the profile allows, streamed with usage."""
+    belongs; with `send_reasoning`, each answer's reasoning of `thoughts`, by its place in the whole conversation, as
+    its `reasoning_content`), the tools the profile allows, streamed with usage."""
     conversation = wire_messages(messages)
     replaced = whole_length(messages) - len(messages)  # the whole conversation's messages a Summary stands for, less it
+    if profile.send_reasoning:
+        for at, thought in (thoughts or {}).items():
+            if 0 < at - replaced < len(conversation) and conversation[at - replaced]["role"] == "assistant":
+                conversation[at - replaced]["reasoning_content"] = thought
     for inserted in sorted(extra, key=lambda i: i.before, reverse=True):
         # From the back, so earlier indices still point where they did.
         if replaced and inserted.before <= replaced:
@@ -217,7 +229,7 @@ def request_body(
     body: dict[str, Any] = {"model": profile.model, "messages": wire, "tools": tools}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     if profile.max_tokens is not None:
-        body["max_tokens"] = profile.max_tokens
+        body[token_param(profile)] = profile.max_tokens
     return body
 
 
@@ -293,6 +305,9 @@ class StreamParser:
         self._model: str | None = None
         self._held = ""  # a high surrogate that ended the last content fragment: its low half may start the next
         self.streamed = 0  # characters of text, tool names and arguments so far: what devd's estimate counts
+        self.chunks = 0  # data lines read, [DONE] aside: none at all is llama.cpp's answer to a request too long
+        self._reasoning: list[str] = []
+        self._thoughts: list[str] = []  # reasoning fragments not yet taken (`take_reasoning`)
 
     def feed(self, line: str) -> list[str]:
         line = line.rstrip("\r")
@@ -302,6 +317,7 @@ class StreamParser:
         if data.strip() == "[DONE]":
             self.done = True
             return []
+        self.chunks += 1
         try:
             chunk = json.loads(data)
         except json.JSONDecodeError as e:
@@ -334,10 +350,21 @@ class StreamParser:
                 if content:
                     self._text.append(content)
                     fragments.append(content)
+            for key in ("reasoning_content", "reasoning"):  # DeepSeek, vLLM, llama.cpp; OpenRouter's name
+                if isinstance(thought := delta.get(key), str) and thought:
+                    self.streamed += len(thought)  # reasoning tokens are output tokens
+                    self._reasoning.append(thought := _well_formed(thought))
+                    self._thoughts.append(thought)
+                    break
             for position, fragment in enumerate(delta.get("tool_calls") or []):
                 self._tool_fragment(fragment, position)
             self._finish = choice.get("finish_reason") or self._finish
         return fragments
+
+    def take_reasoning(self) -> list[str]:
+        """The reasoning fragments fed since the last take, in order."""
+        taken, self._thoughts = self._thoughts, []
+        return taken
 
     def _whole(self, content: str) -> str:
         """A content fragment made fit to carry: a surrogate pair split across two chunks is joined (its high half
@@ -376,9 +403,8 @@ class StreamParser:
             for i, c in sorted(self._calls.items())
         ]
         text = "".join(self._text) + ("\ufffd" if self._held else "") or None
-        return Completion(
-            text=text, tool_calls=calls, usage=self._usage, finish_reason=self._finish, response_model=self._model
-        )
+        reasoning = "".join(self._reasoning) or None
+        return Completion(text, calls, self._usage, self._finish, self._model, reasoning)
 
 
 def parse_sse(lines: Iterable[str]) -> Completion:
@@ -465,7 +491,7 @@ def _error_message(doc: Any) -> str:
 
 # -- the exchange -------------------------------------------------------------------------------------------------
 
-_RETRIED = {408, 409, 429}
+RETRIED = {408, 409, 429}  # with 5xx: the statuses asked again
 RETRY_AFTER_MAX_S = 20.0  # a Retry-After longer than this is not waited for (the exponential backoff is)
 BACKOFF_MAX_S = 8.0
 _ERROR_BODY_MAX = 64 * 1024
@@ -482,9 +508,11 @@ class _Failed(Exception):
         retry: bool,
         after_s: float | None = None,
         sample: str | None = None,
+        too_long: bool = False,
     ) -> None:
         super().__init__(why)
         self.why, self.status, self.retry, self.after_s, self.sample = why, status, retry, after_s, sample
+        self.too_long = too_long
 
     def said(self, server: str, attempts: int | None = None) -> str:
         """What ModelUnavailable says: the description, how many attempts, and what the server sent when it was no
@@ -503,6 +531,21 @@ class _Progress:
 
 
 TextSink = Callable[[str], Awaitable[None] | None]
+
+
+class _Sinks:
+    """Where an attempt's fragments go as they come: reasoning, then the answer's text."""
+
+    def __init__(self, text: TextSink | None, reasoning: TextSink | None) -> None:
+        self.text, self.reasoning = text, reasoning
+
+    async def tell(self, thoughts: list[str], fragments: list[str]) -> None:
+        for sink, pieces in ((self.reasoning, thoughts), (self.text, fragments)):
+            for piece in pieces:
+                if sink is not None and inspect.isawaitable(pending := sink(piece)):
+                    await pending
+
+
 AttemptSink = Callable[[Attempt], None]
 Readmit = Callable[[], Awaitable[str | None]]  # before a retry: None when it may be sent, else why not
 
@@ -521,10 +564,14 @@ async def complete(
     readmit: Readmit | None = None,
     attempts: int = 4,
     backoff_s: float = 0.25,
+    body: dict[str, Any] | None = None,
+    on_reasoning: TextSink | None = None,
 ) -> Completion:
-    """Ask the profile's model server; `on_text(fragment)` for each content fragment as it arrives (after a failed
-    attempt, the next attempt's fragments start the text again: `on_attempt` has said "retry" before), and
-    `on_attempt` once per attempt. The API key is read from `environ` (the variable the profile names) now.
+    """Ask the profile's model server (the request for `messages`, or `body` when given: a summary's);
+    `on_text(fragment)` for each content fragment as it arrives (after a failed attempt, the next attempt's fragments
+    start the text again: `on_attempt` has said "retry" before), `on_reasoning(fragment)` for each fragment of
+    reasoning streamed beside it, and `on_attempt` once per attempt. The API key is
+    read from `environ` (the variable the profile names) now.
     ModelUnavailable when the key cannot be sent, the attempts are spent, the server refuses the request, a reply
     passes `reply_bytes_max` or `model_timeout_s`, or what streamed passes `output_max` tokens by devd's estimate
     (the tokens reserved for the reply: a server that ignores max_tokens); those three are not retried, the next
@@ -537,7 +584,7 @@ async def complete(
     try:
         key = api_key(profile, environ)
     except ValueError as e:  # its message names the variable, never the key
-        raise ModelUnavailable(f"model server {server}: {e}") from None
+        raise ModelUnavailable(f"model server {server}: {e}", sent=False) from None
     redact = _redactor(profile.base_url, key)
 
     def report(attempt: Attempt) -> None:
@@ -548,11 +595,9 @@ async def complete(
         return await _exchange(
             client,
             profile,
-            messages,
+            body if body is not None else request_body(profile, messages, list(extra), exec_available=exec_available),
             key,
-            exec_available,
-            extra,
-            on_text,
+            _Sinks(on_text, on_reasoning),
             report,
             output_max,
             readmit,
@@ -560,7 +605,7 @@ async def complete(
             backoff_s,
         )
     except ModelUnavailable as e:
-        raise ModelUnavailable(redact(e.why), status=e.status) from None
+        raise ModelUnavailable(redact(e.why), status=e.status, too_long=e.too_long, sent=e.sent) from None
 
 
 def _redactor(base_url: str, key: str | None) -> Callable[[str], str]:
@@ -581,11 +626,9 @@ def _redactor(base_url: str, key: str | None) -> Callable[[str], str]:
 async def _exchange(
     client: http.Client,
     profile: Profile,
-    messages: Sequence[Message],
+    request: dict[str, Any],
     key: str | None,
-    exec_available: bool,
-    extra: Iterable[Inserted],
-    on_text: TextSink | None,
+    sinks: _Sinks,
     report: AttemptSink,
     output_max: int | None,
     readmit: Readmit | None,
@@ -594,9 +637,7 @@ async def _exchange(
 ) -> Completion:
     server = shown_url(profile.base_url)
     url = f"{profile.base_url}/chat/completions"
-    body = json.dumps(
-        request_body(profile, messages, list(extra), exec_available=exec_available), ensure_ascii=False
-    ).encode()
+    body = json.dumps(request, ensure_ascii=False).encode()
     request_tokens = spend.estimate_tokens(body)
     # No content encoding: a compressed body would be inflated a read at a time past what `reply_bytes_max` holds.
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream", "Accept-Encoding": "identity"}
@@ -607,7 +648,7 @@ async def _exchange(
         progress = _Progress()
         try:
             with anyio.move_on_after(profile.model_timeout_s) as deadline:
-                completion = await _attempt(client, url, body, headers, on_text, profile, output_max, progress)
+                completion = await _attempt(client, url, body, headers, sinks, profile, output_max, progress)
             if deadline.cancelled_caught:
                 raise _Failed(_too_long(profile), status=progress.status, retry=False)
         except _Failed as failed:
@@ -616,7 +657,7 @@ async def _exchange(
             usage = _charged(progress, request_tokens) if taken else None
             report(_attempted(started_at, t0, "failed" if last else "retry", failed.status, failed.why, usage))
             if not failed.retry:
-                raise ModelUnavailable(failed.said(server), status=failed.status) from None
+                raise ModelUnavailable(failed.said(server), status=failed.status, too_long=failed.too_long) from None
             if last:
                 raise ModelUnavailable(failed.said(server, attempts), status=failed.status) from None
             await anyio.sleep(_delay(failed.after_s, backoff_s, attempt))
@@ -689,7 +730,7 @@ async def _attempt(
     url: str,
     body: bytes,
     headers: dict[str, str],
-    on_text: TextSink | None,
+    sinks: _Sinks,
     profile: Profile,
     output_max: int | None,
     progress: _Progress,
@@ -711,17 +752,16 @@ async def _attempt(
                     raise _Failed(_too_large(profile, line=False), status=200, retry=False)
                 whole = _whole(data, parser)
                 within_reservation()
-                if whole.text and on_text is not None and inspect.isawaitable(pending := on_text(whole.text)):
-                    await pending
+                await sinks.tell(parser.take_reasoning(), [whole.text] if whole.text else [])
                 return whole
             async for line in response.lines(profile.reply_bytes_max):
                 fragments = parser.feed(line)
                 within_reservation()  # before the text goes on: what passes the reservation is not shown
-                for fragment in fragments:
-                    if on_text is not None and inspect.isawaitable(pending := on_text(fragment)):
-                        await pending
+                await sinks.tell(parser.take_reasoning(), fragments)
                 if parser.done:
                     break  # the server may keep the connection open after [DONE]
+            if parser.chunks == 0:  # not retried: llama.cpp answers the same request the same way
+                raise _Failed(EMPTY_STREAM, status=200, retry=False, too_long=True)
             if not parser.done:
                 raise _Failed("the stream ended before data: [DONE]", status=200, retry=True)
             return parser.completion()
@@ -736,18 +776,46 @@ async def _attempt(
         raise _Failed(e.why, status=200, retry=True, sample=e.sample) from None
 
 
+EMPTY_STREAM = (
+    "the server answered 200 with an empty stream, as llama.cpp's server answers a request longer than its context "
+    "window"
+)
+# How servers word a request past the model's window: OpenAI's code, and the messages of llama.cpp, vLLM and others.
+_TOO_LONG_CODES = {"context_length_exceeded", "exceed_context_size_error", "string_above_max_length"}
+_TOO_LONG_WORDS = re.compile(
+    r"context[ _]length|context window|context size|maximum context|exceeds? (the )?(available )?context|too many "
+    r"tokens|prompt is too long",
+    re.IGNORECASE,
+)
+
+
 async def _refusal(response: http.Response) -> _Failed:
+    """What an error status says: the server's own message (a JSON error's, else its body, cut to 500 characters);
+    retried for 408, 409, 429 and 5xx only; `too_long` when it says the request passed the model's window."""
     try:
         data, _ = await response.read(_ERROR_BODY_MAX)
     except http.Encoded as e:  # its body is not read, and a server that compresses one will compress the next
         return _Failed(f"{response.status} {e.why}", status=response.status, retry=False)
     try:
-        message = _well_formed(_error_message(json.loads(data)))
+        doc = json.loads(data)
+        message = _well_formed(_error_message(doc))[:500]
     except (json.JSONDecodeError, RecursionError):
-        message = data.decode("utf-8", "replace").strip()[:500] or "(no body)"
+        doc, message = None, data.decode("utf-8", "replace").strip()[:500] or "(no body)"
     status = response.status
-    retry = status in _RETRIED or status >= 500
-    return _Failed(f"{status} {message}", status=status, retry=retry, after_s=_retry_after(response.headers))
+    too_long = 400 <= status < 500 and (_error_code(doc) in _TOO_LONG_CODES or bool(_TOO_LONG_WORDS.search(message)))
+    retry = (status in RETRIED or status >= 500) and not too_long
+    after_s = _retry_after(response.headers)
+    return _Failed(f"{status} {message}", status=status, retry=retry, after_s=after_s, too_long=too_long)
+
+
+def _error_code(doc: Any) -> str | None:
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(error, dict):
+        return None
+    for field in ("code", "type"):
+        if isinstance(value := error.get(field), str) and value in _TOO_LONG_CODES:
+            return value
+    return None
 
 
 def _retry_after(headers: Any) -> float | None:

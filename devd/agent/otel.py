@@ -3,7 +3,8 @@ opentelemetry.
 
 Each trace record becomes one span, by the GenAI semantic conventions: a model call attempt is a CLIENT span
 `chat {model}` (`gen_ai.operation.name` "chat", `gen_ai.provider.name`, `gen_ai.request.model`,
-`gen_ai.usage.input_tokens` / `output_tokens`), a tool run an INTERNAL span `execute_tool {name}`
+`gen_ai.usage.input_tokens` / `output_tokens`, and `devd.usage.estimated` true when those are devd's estimate), a
+tool run an INTERNAL span `execute_tool {name}`
 (`gen_ai.tool.name`); both carry `gen_ai.conversation.id` (the session) and, when they did not end `ok`,
 `error.type` (the outcome) and an error status whose description is the record's error. Message content (prompts,
 replies, arguments, outputs) is never exported: the records do not hold it (a tool run's error is what failed, `exit
@@ -42,7 +43,7 @@ class Exporter:
     def export(self, session: str, record: TraceRecord) -> None:
         start_ns = int(seconds(record.started) * 1e9)
         end_ns = start_ns + int(record.duration_ms * 1e6)
-        attributes: dict[str, str | int] = {"gen_ai.conversation.id": session, "devd.action.id": record.action}
+        attributes: dict[str, str | int | bool] = {"gen_ai.conversation.id": session, "devd.action.id": record.action}
         if record.kind == "model":
             name, kind = f"chat {record.model or ''}".strip(), SpanKind.CLIENT
             attributes |= {"gen_ai.operation.name": "chat", "gen_ai.provider.name": PROVIDER}
@@ -54,6 +55,8 @@ class Exporter:
                 attributes["gen_ai.usage.output_tokens"] = record.output_tokens
             if record.attempt is not None:
                 attributes["devd.attempt"] = record.attempt
+            if record.estimated:  # the counts are devd's estimate: the server sent none
+                attributes["devd.usage.estimated"] = True
         else:
             tool = kinds.BY_NAME[record.kind].name
             name, kind = f"execute_tool {tool}", SpanKind.INTERNAL

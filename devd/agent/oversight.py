@@ -39,7 +39,16 @@ from devd.agent.profiles import Budget, Profile, watched
 from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, Usage
 from devd.errors import HandleError
 from devd.messages import Op
-from devd.protocol import TRACE_PAGE, ApprovalNotice, DecidedNotice, Outcome, Remember, Remembered, TraceRecord
+from devd.protocol import (
+    TRACE_PAGE,
+    ApprovalNotice,
+    DecidedNotice,
+    Outcome,
+    Remember,
+    Remembered,
+    TraceRecord,
+    UsageResult,
+)
 from devd.storage.store import Record, StoreError, Tally
 
 if TYPE_CHECKING:
@@ -252,12 +261,14 @@ class Oversight:
         state.budget = tokens
 
     async def admit(
-        self, session: str, profile: Profile, turn: int, action: int, request: bytes
+        self, session: str, profile: Profile, turn: int, action: int, request: bytes, *, exact: bool = False
     ) -> tuple[Reservation | None, int | None, Refusal | None]:
         """Reserve a model call before it is sent: (the reservation, the `max_tokens` to send, None), or (None, None,
         the refusal), durable as a refusal record and a `refused` trace record. With no ceiling, nothing is reserved.
-        A call the profile gives no `max_tokens` is sent with MAX_TOKENS_DEFAULT, or the headroom the tightest
-        ceiling leaves when that is less, so that what it may write is bounded by what was reserved."""
+        The `max_tokens` sent is the profile's (MAX_TOKENS_DEFAULT when it gives none), or the headroom the tightest
+        ceiling leaves past the request's estimate when that is less, so that what it may write is bounded by what
+        was reserved. `exact`: the profile's `max_tokens` is reserved as it is, or refused (a retry, whose request
+        was sent with it already)."""
         state = await self._state(session)
         limits = ceilings(profile, state.budget)
         if limits == Ceilings():
@@ -265,18 +276,19 @@ class Oversight:
         estimate = spend.estimate_tokens(request)
         scope = Scope(session, profile.name, turn, today(self.clock()))
         checks = spend.checks(scope, limits)
-        max_tokens = profile.max_tokens
-        if max_tokens is None:  # the headroom under the tightest ceiling, as the store counts it now
-            counted = await self.keeper.counted([c.counter for c in checks])
-            headroom = min(c.limit - spent - reserved for c, (spent, reserved) in zip(checks, counted, strict=True))
-            max_tokens = max(1, min(spend.MAX_TOKENS_DEFAULT, headroom - estimate))
+        # The headroom under the tightest ceiling, as the store counts it now.
+        counted = await self.keeper.counted([c.counter for c in checks])
+        headroom = min(c.limit - spent - reserved for c, (spent, reserved) in zip(checks, counted, strict=True))
+        max_tokens = max(1, min(profile.max_tokens or spend.MAX_TOKENS_DEFAULT, headroom - estimate))
+        if exact and profile.max_tokens is not None:
+            max_tokens = profile.max_tokens
         tokens = estimate + max_tokens
         limited = [(c.counter, c.limit) for c in checks]
         admitted = await self.keeper.reserve(session, spend.counters(scope), limited, tokens)
         if isinstance(admitted, int):
             return Reservation(admitted, scope, tokens), max_tokens, None
         check = checks[admitted.check]
-        refusal = Refusal(check.ceiling, check.limit, admitted.spent, admitted.reserved, tokens, check.fix)
+        refusal = Refusal(check.ceiling, check.limit, admitted.spent, admitted.reserved, tokens, check.fix, estimate)
         body = RefusalBody(session, turn, *_refusal_fields(refusal), refusal.message)
         await self._keep(session, spend.REFUSAL, action, body)
         now = self.clock()
@@ -328,8 +340,13 @@ class Oversight:
                     await self.keeper.unreserve(number)
             raise
 
-    async def usage(self, session: str) -> Tally:
-        return await self.keeper.tally(session)
+    async def usage(self, session: str) -> UsageResult:
+        """The session's usage; `estimated` when any call kept in its record log was charged devd's estimate (its
+        server counted none), so that no estimate is shown as a count."""
+        t = await self.keeper.tally(session)
+        kept = await self.keeper.records(session, (spend.USAGE,))
+        estimated = any(_ESTIMATED in r.body for r in kept)  # omit_defaults: only an estimated usage says so
+        return UsageResult(t.input_tokens, t.output_tokens, t.cached_tokens, t.calls, t.refused, estimated)
 
     # -- trace ----------------------------------------------------------------------------------------------------
 
@@ -380,6 +397,7 @@ def _refusal_fields(r: Refusal) -> tuple[str, int, int, int, int]:
 
 
 _budget = msgspec.json.Decoder(BudgetBody)
+_ESTIMATED = b'"estimated":true'
 _encoder = msgspec.json.Encoder()
 
 
@@ -401,6 +419,7 @@ class ModelCall(msgspec.Struct):
     request: bytes  # the request's body, for the estimate
     attempts: list[Attempt] = msgspec.field(default_factory=list)
     reservation: Reservation | None = None
+    name: str | None = None  # what the call is for, in its trace records: "summary" for a compaction's
     charged: int = 0  # of `attempts`, those charged already (before a retry)
     counted: bool = False  # whether a charge counted the call in the session's `calls`
 
@@ -409,10 +428,11 @@ class ModelCall(msgspec.Struct):
         """The tokens of reply the reservation holds (None: nothing is reserved): reading stops past them."""
         return None if self.reservation is None else self.profile.max_tokens
 
-    async def admit(self) -> Refusal | None:
-        """None when the call may be sent (`profile` then carries the `max_tokens` to send), else the refusal."""
+    async def admit(self, exact: bool = False) -> Refusal | None:
+        """None when the call may be sent (`profile` then carries the `max_tokens` to send), else the refusal.
+        `exact`: the `max_tokens` admitted before is reserved again as it is (a retry sends the same request)."""
         reservation, max_tokens, refusal = await self.oversight.admit(
-            self.session, self.profile, self.turn, self.action, self.request
+            self.session, self.profile, self.turn, self.action, self.request, exact=exact
         )
         self.reservation = reservation
         if refusal is None and max_tokens != self.profile.max_tokens:
@@ -427,7 +447,7 @@ class ModelCall(msgspec.Struct):
         the next is reserved as the first was; None when it may be sent, else the refusal's message (durable as
         `admit`'s). One reservation covered every attempt before, and each was charged against it."""
         await self._settle()
-        refusal = await self.admit()
+        refusal = await self.admit(exact=True)
         return None if refusal is None else refusal.message
 
     async def done(self) -> None:
@@ -472,6 +492,7 @@ class ModelCall(msgspec.Struct):
             cached_tokens=None if tokens is None or not tokens.cached_tokens else tokens.cached_tokens,
             estimated=tokens is not None and tokens.estimated,
             instructions=None if self.profile.project is None else trace.digest(self.profile.project),
+            name=self.name,
         )
 
 

@@ -26,6 +26,7 @@ from devd.errors import ConfigError, InvalidParamsError
 
 Decision = Literal["allow", "deny", "ask"]
 SandboxMode = Literal["auto", "bwrap", "none"]
+TokenParam = Literal["max_tokens", "max_completion_tokens"]
 EXTRA_TOOLS = ("browse",)  # tools a profile must list in `tools` to enable
 _STRICTNESS: dict[str, int] = {"allow": 0, "ask": 1, "deny": 2}
 
@@ -68,6 +69,12 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     tools: tuple[str, ...] = ()
     browse_private: bool = False  # Browse runs in the daemon: only public addresses, unless this says otherwise
     max_tokens: int | None = None
+    token_param: TokenParam | None = None  # the limit's name in a request (None: by the server, `token_param()`)
+    continuations_max: int = 2  # a reply cut at the token limit: times the model is asked to go on
+    context_tokens: int | None = None  # the model's window (None: known by its name, `devd.agent.context.window`)
+    compact_at: float = 0.8  # a request past this share of the window compacts the conversation first
+    models: tuple[str, ...] = ()  # the models a session may switch between (`session/model`), `model` the default
+    send_reasoning: bool = False  # whether the model's streamed reasoning goes back to it in later requests
     max_calls_per_reply: int = 100  # tool calls of one model reply carried out; the rest are answered refused
     budget: Budget | None = None
     reply_bytes_max: int = 8 * 1024 * 1024  # a model reply's body (a line of it too) is dropped past this
@@ -101,13 +108,19 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "tools": (list[str], f"a list of tool names ({', '.join(repr(t) for t in EXTRA_TOOLS)})"),
     "browse_private": (bool, "true or false"),
     "max_tokens": (int, "an integer"),
+    "token_param": (TokenParam, 'one of "max_tokens", "max_completion_tokens"'),
+    "continuations_max": (int, "an integer number of continuations, 0 or more"),
+    "context_tokens": (int, "an integer number of tokens"),
+    "compact_at": (float, "a share of the context window, above 0 and at most 1"),
+    "models": (list[str], "a list of model names"),
+    "send_reasoning": (bool, "true or false"),
     "max_calls_per_reply": (int, "an integer number of tool calls"),
     "reply_bytes_max": (int, "an integer number of bytes"),
     "model_timeout_s": (float, "a number of seconds"),
     "budget": (dict[str, Any], "a table with tokens_per_turn, tokens_per_session, tokens_per_day"),
     "instructions": (list[str], 'a list of file names, like ["AGENTS.md"]'),
 }
-_REQUIRED = ("base_url", "model", "workspace_roots")
+_REQUIRED = ("base_url", "workspace_roots")  # and `model`, or `models`
 INSTRUCTION_NAMES_MAX = 16  # file names in a profile's `instructions` (each is looked for in every directory)
 _BUDGET_KEYS = ("tokens_per_turn", "tokens_per_session", "tokens_per_day")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -155,9 +168,15 @@ def _profile(name: str, table: dict[str, Any], lines: _Lines) -> Profile:
     for key in _REQUIRED:
         if key not in table:
             raise lines.error(where, f"[agent.{name}] has no {key}; add {key} = {_FIELDS[key][1]}")
+    if "model" not in table and not table.get("models"):
+        raise lines.error(where, f"[agent.{name}] has no model; add model = {_FIELDS['model'][1]} (or models = [...])")
     values: dict[str, Any] = {}
     for key, value in table.items():
         values[key] = _field(name, key, value, lines)
+    models = values.get("models", ())
+    values.setdefault("model", models[0] if models else None)
+    if models and values["model"] not in models:  # the default is one the session may switch back to
+        values["models"] = (values["model"], *models)
     return Profile(name=name, **values)
 
 
@@ -197,6 +216,18 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
         if not value > 0:
             raise lines.error(where, f"agent.{name}.{key} is {value}; it must be above 0")
         return float(value)
+    if key == "compact_at" and not 0 < value <= 1:
+        raise lines.error(where, f"agent.{name}.compact_at is {value}; it must be above 0 and at most 1 (0.8: 80%)")
+    if key == "compact_at":
+        return float(value)
+    if key == "continuations_max" and value < 0:
+        raise lines.error(where, f"agent.{name}.continuations_max is {value}; it must be 0 or more")
+    if key == "context_tokens" and value < 256:
+        raise lines.error(where, f"agent.{name}.context_tokens is {value}; a model's window is at least 256 tokens")
+    if key == "models":
+        if not value or len(set(value)) != len(value) or not all(value):
+            raise lines.error(where, f"agent.{name}.models must be a non-empty list of distinct model names")
+        return tuple(value)
     if key in ("output_bytes_max", "max_tokens", "reply_bytes_max") and value < 1:
         raise lines.error(where, f"agent.{name}.{key} is {value}; it must be at least 1")
     if key == "max_calls_per_reply" and value < 1:
@@ -432,6 +463,24 @@ def api_key(profile: Profile, environ: Mapping[str, str]) -> str | None:
 
 
 _KEY_CHARACTERS = {"\r": "a carriage return (CR)", "\n": "a line feed (LF)", " ": "a space", "\t": "a tab"}
+
+
+OPENAI_HOST = "api.openai.com"
+
+
+def offered_models(profile: Profile) -> tuple[str, ...]:
+    """The models a session of the profile may be set to: its `models`, else its one `model`."""
+    return profile.models or (profile.model,)
+
+
+def token_param(profile: Profile) -> TokenParam:
+    """The name the request's token limit is sent under: the profile's `token_param`, else `max_completion_tokens`
+    for OpenAI's own endpoint (its current models refuse `max_tokens`) and `max_tokens` for every other server
+    (llama.cpp, vLLM, LiteLLM and older servers know only that one)."""
+    if profile.token_param is not None:
+        return profile.token_param
+    host = urlsplit(profile.base_url).hostname or ""
+    return "max_completion_tokens" if host == OPENAI_HOST else "max_tokens"
 
 
 def shown_url(url: str) -> str:

@@ -8,6 +8,10 @@ Kinds, each a msgspec Struct encoded as the record's body:
 - `claim` (`Claim`, the action's id): an Exec, Write or Git is about to start. Written durably before it starts, so a
   restart that finds it without the action's result knows the effect may have happened, and never runs it again. A
   Write's says what the file was before (`Before`), for `session/rewind`.
+- `model` (`ModelChosen`, action 0): the model `session/model` set for the session's next calls; the last one is the
+  session's (none: the profile's `model`).
+- `reasoning` (`Thought`, the Model action's id): the reasoning a model streamed with its answer, kept (with
+  `send_reasoning`) to go back with that answer, message `at` of the whole conversation, in later requests.
 - `inserted` (`Exchange`, the Model action's id): a reply whose tool calls the core could not take, and the failed
   results the model was answered with, sent again in every later request at the same place of the conversation.
 
@@ -24,6 +28,8 @@ AGENT = "agent"
 TURN = "turn"
 CLAIM = "claim"
 INSERTED = "inserted"
+MODEL = "model"
+REASONING = "reasoning"
 
 
 class Binding(msgspec.Struct, frozen=True):
@@ -40,6 +46,19 @@ class TurnStarted(msgspec.Struct, frozen=True):
     """A turn `session/prompt` started."""
 
     turn: int
+
+
+class ModelChosen(msgspec.Struct, frozen=True):
+    """The model a session's calls name from now on (one of its profile's `models`)."""
+
+    model: str
+
+
+class Thought(msgspec.Struct, frozen=True):
+    """The reasoning streamed with the answer that is message `at` of the whole conversation."""
+
+    at: int
+    text: str
 
 
 class Before(msgspec.Struct, frozen=True, omit_defaults=True):

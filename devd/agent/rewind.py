@@ -11,10 +11,11 @@ What it promises (`session/rewind`):
   regardless.
 - The plan (`Plan`, kind `rewind`) is durable before anything changes. Then the conversation as it is is kept as a
   fork (`kept_as`), the files are put back, the session moves back to the step before the turn's `Turn` step (the
-  records that belong to the steps dropped go with them: claims, inserted exchanges, what summaries replaced; its
-  ledger, trace, approvals, spend and title stay), and a `rewound` record (`Rewound`) says it is done. Each part
-  can be done again: a rewind a stopped daemon left unfinished is finished at its next start (`finish_left`), or by
-  the session's next `session/rewind`; until then `session/effects` shows it as an interrupted rewind.
+  records that belong to the steps dropped go with them: claims, inserted exchanges, reasoning, what summaries
+  replaced; its ledger, trace, approvals, spend, model and title stay), and a `rewound` record (`Rewound`) says it
+  is done. Each part can be done again: a rewind a stopped daemon left unfinished is finished at its next start
+  (`finish_left`), or by the session's next `session/rewind`; until then `session/effects` shows it as an interrupted
+  rewind.
 - A turn running (not stalled) is BUSY: it would change the files under the rewind.
 """
 
@@ -44,7 +45,9 @@ log = structlog.get_logger("devd.agent.rewind")
 
 REWIND = "rewind"  # the record kinds: a plan, journalled before it starts
 REWOUND = "rewound"  # and its end
-CONVERSATION = (records.CLAIM, records.INSERTED, summaries.REPLACED)  # records that go with the steps they follow
+# Records that go with the steps they follow: a claim, an exchange or a reasoning at a place of the conversation, what
+# a Summary replaced.
+CONVERSATION = (records.CLAIM, records.INSERTED, records.REASONING, summaries.REPLACED)
 SCAN_ROWS = 256  # journal rows read at a time looking for a turn's step
 
 

@@ -42,17 +42,17 @@ import msgspec
 import structlog
 
 from devd import failpoints
-from devd.agent import cgroups, effects, http, instructions, kinds, model, records, rewind, tools
+from devd.agent import cgroups, context, effects, http, instructions, kinds, model, records, rewind, spend, tools
 from devd.agent import sandbox as sandboxes
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
-from devd.agent.port import Sessions, action_ids
-from devd.agent.profiles import Profile, check_workspace
-from devd.agent.records import Binding, Claim, TurnStarted
+from devd.agent.port import DELTA_NOTICE, Sessions, action_ids
+from devd.agent.profiles import Profile, api_key, check_workspace, offered_models
+from devd.agent.records import Binding, Claim, ModelChosen, Thought, TurnStarted
 from devd.agent.titles import Titles, from_prompt
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
-from devd.messages import Action, Answer, Event, Message, Reply, Turn, encode
-from devd.protocol import InstructionsNotice, Outcome, StalledNotice
+from devd.messages import Action, Answer, Event, Message, Reply, Summarize, Turn, encode
+from devd.protocol import CompactResult, DeltaNotice, InstructionsNotice, ModelResult, Outcome, StalledNotice
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
 
@@ -67,6 +67,15 @@ INTERRUPTED = (
 )
 INSTRUCTIONS_NOTICE = "session/instructions"
 CANCELLED = "cancelled: the turn was cancelled while this {what} ran{how}"
+GO_ON = "Your answer was cut at the token limit. Continue exactly where it stopped, without repeating anything."
+CUT_ANSWER = (
+    "\n\n[devd: this answer was cut at the token limit, after {n} continuations; for longer answers raise max_tokens "
+    "or continuations_max of agent {agent!r}]"
+)
+CUT_CALL = (
+    "cut: your reply reached the token limit while this call's arguments were being written, so it was not run; "
+    "make the call again with shorter arguments (write a long file in parts)"
+)
 
 
 def _prepare_cgroups() -> None:
@@ -107,6 +116,7 @@ class Runtime:
         self.stalled: dict[str, str] = {}
         self._bindings: dict[str, Binding | None] = {}
         self._turns: dict[str, int] = {}  # the highest turn id known of each session
+        self._models: dict[str, str] = {}  # the model `session/model` set, per session (read with the binding)
         self._drivers: dict[str, Driver] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self._scanned: set[str] = set()  # sessions whose kept journal was read for turn ids
@@ -156,11 +166,14 @@ class Runtime:
 
     async def binding(self, session: str) -> Binding | None:
         if session not in self._bindings:
-            found = await self.sessions.records(session, (records.AGENT, records.TURN))
+            found = await self.sessions.records(session, (records.AGENT, records.TURN, records.MODEL))
             bound = [records.decode(r.body, Binding) for r in found if r.kind == records.AGENT]
             turns = [records.decode(r.body, TurnStarted).turn for r in found if r.kind == records.TURN]
+            chosen = [records.decode(r.body, ModelChosen).model for r in found if r.kind == records.MODEL]
             self._turns[session] = max([self._turns.get(session, 0), *turns])
             self._bindings[session] = bound[-1] if bound else None
+            if chosen:
+                self._models[session] = chosen[-1]
         return self._bindings[session]
 
     async def workspace(self, session: str) -> tools.Workspace:
@@ -211,6 +224,41 @@ class Runtime:
                 await self.titles.set(session, title, prompt=True)
         self.drive(session)
         return turn
+
+    async def compact(self, session: str) -> CompactResult:
+        """Compact the session's conversation now (`session/compact`): the model summarises its start (all of it
+        when no window is known; else what leaves the newest messages within half of `compact_at` of the window),
+        the Summary is stepped (a turn waiting on its ask is asked again with what is left), and the number of
+        messages replaced is answered; 0 and why when nothing was (nothing to replace, a ceiling refused the
+        summary, the model failed). While calls are waited for, the message that made them stays."""
+        binding = await self._bound(session)
+        profile = self.with_model(session, self._profile(session, binding))
+        async with self._locks.setdefault(session, anyio.Lock()):
+            return await Driver(self, session).compact_now(profile)
+
+    async def set_model(self, session: str, name: str) -> ModelResult:
+        """Set the model of the session's next calls (`session/model`), durably: one of its profile's `models` (or
+        its `model`); INVALID_PARAMS naming those otherwise."""
+        binding = await self._bound(session)
+        profile = self._profile(session, binding)
+        offered = offered_models(profile)
+        if name not in offered:
+            raise InvalidParamsError(
+                f"agent {profile.name!r} offers no model {name!r}; its models are {', '.join(offered)} (add it to "
+                "models in the agents file and restart the daemon)"
+            )
+        await self.sessions.add_record(Record(session, 0, records.MODEL, 0, records.encode(ModelChosen(name))))
+        self._models[session] = name
+        log.info("agent.model_set", session=session, model=name)
+        return ModelResult(name, list(offered))
+
+    def with_model(self, session: str, profile: Profile) -> Profile:
+        """The profile as the session's calls are made: its model the one `session/model` set, when one is (and the
+        profile still offers it)."""
+        chosen = self._models.get(session)
+        if chosen is None or chosen == profile.model or chosen not in profile.models:
+            return profile
+        return msgspec.structs.replace(profile, model=chosen)
 
     async def _scan_turns(self, session: str) -> None:
         """Learn the highest turn id of the session's kept journal, once per daemon life: a client may have stepped a
@@ -263,6 +311,7 @@ class Runtime:
             await anyio.to_thread.run_sync(_prepare_cgroups)
         async with http.new_client() as client, anyio.create_task_group() as tg:
             self.http, self._tg = client, tg
+            self._check_keys()
             task_status.started()
             try:
                 owing = await self.sessions.recorded(records.AGENT)
@@ -277,6 +326,15 @@ class Runtime:
                 if self.sessions.seq(name) is not None:
                     self.drive(name)
             await anyio.sleep_forever()
+
+    def _check_keys(self) -> None:
+        """Say at start which profiles' keys cannot be sent (the variable, never its value): their sessions would
+        stall at their first model call."""
+        for profile in self.profiles.values():
+            try:
+                api_key(profile, self.environ)
+            except ValueError as e:
+                log.warning("agent.key_unusable", agent=profile.name, why=str(e))
 
     def stop(self) -> None:
         """Stop every driver where it stands (a claimed effect cut short is found interrupted at the next start)."""
@@ -351,6 +409,7 @@ class Runtime:
         self._locks.pop(session, None)
         self._bindings.pop(session, None)
         self._turns.pop(session, None)
+        self._models.pop(session, None)
         self.stalled.pop(session, None)
         self.oversight.forget(session)  # a session made again under the name inherits no approvals nor spend
         self.titles.forget(session)
@@ -367,6 +426,10 @@ def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list
     bounded however many calls a reply makes)."""
     limit = profile.max_calls_per_reply
     calls = completion.tool_calls
+    if completion.finish_reason == "length" and calls:  # the last call was being written when the limit came
+        *calls, last = calls
+        reply, rejected = _capped(profile, msgspec.structs.replace(completion, tool_calls=calls, finish_reason=None))
+        return reply, [*rejected, model.Rejected(last.id, last.name, "{}", CUT_CALL)]
     reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]))
     if len(calls) <= limit:
         return reply, rejected
@@ -377,6 +440,45 @@ def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list
     )
     first = calls[limit]
     return reply, [*rejected, model.Rejected(first.id, first.name, "{}", why)]
+
+
+def _limited(profile: Profile, window: int | None, size: int) -> Profile:
+    """The profile as the call is sent: its max_tokens the least of its own and what the window leaves past the
+    request (for a profile that sets none, only when that is less than MAX_TOKENS_DEFAULT: a server's own default is
+    the model's, which a window of room does not bind). The spend ceilings' headroom lowers it further (admit)."""
+    if window is None:
+        return profile
+    left = max(window - size, 1)
+    if profile.max_tokens is None and left >= spend.MAX_TOKENS_DEFAULT:
+        return profile
+    return msgspec.structs.replace(profile, max_tokens=min(profile.max_tokens or left, left))
+
+
+def _unsummarised(failed: ModelUnavailable | spend.Refusal | None) -> str:
+    """Why a summary was not had (None: a Cancel withdrew its call)."""
+    if failed is None:
+        return "withdrawn by a cancel"
+    return failed.message if isinstance(failed, spend.Refusal) else failed.why
+
+
+def _going_on(before: int, text: str) -> Inserted:
+    """The answer so far, cut at the token limit, and the ask to go on, sent after the conversation (never kept)."""
+    return Inserted(before, [{"role": "assistant", "content": text}, {"role": "user", "content": GO_ON}])
+
+
+def _context_full(profile: Profile, size: int, window: int | None, refused: str | None) -> str:
+    """Why a session stalls with its context full, and what to do."""
+    against = "" if window is None else f" against a window of {window} tokens"
+    what = f"the request measures ~{size} tokens (devd's estimate, {spend.CHARS_PER_TOKEN} characters a token){against}"
+    if refused is not None:
+        what += f", and the server refused it as too long again after the conversation was compacted ({refused})"
+    else:
+        what += ", and compacting the conversation leaves nothing more to replace"
+    return (
+        f"the context is full: {what}; to go on, start a new session (session/new) with what matters, or, if the "
+        f"model's window is larger, raise context_tokens of agent {profile.name!r} in the agents file and restart the "
+        "daemon, then `session/resume`"
+    )
 
 
 def _turn_id(event: bytes) -> int:
@@ -400,6 +502,8 @@ class Driver(msgspec.Struct, eq=False):
     _foreign: anyio.Event = msgspec.field(default_factory=anyio.Event)
     _claims: set[int] = msgspec.field(default_factory=set)
     _inserted: list[Inserted] = msgspec.field(default_factory=list)
+    _thoughts: dict[int, str] = msgspec.field(default_factory=dict)  # reasoning sent back (send_reasoning)
+    compacted_for_length: bool = False  # a refusal as too long compacted once: another stalls the session
 
     @property
     def sessions(self) -> Sessions:
@@ -436,9 +540,11 @@ class Driver(msgspec.Struct, eq=False):
                 queue.extend(a for a in answered if _awaited(a))
 
     async def _load(self) -> None:
-        found = await self.sessions.records(self.session, (records.CLAIM, records.INSERTED))
+        found = await self.sessions.records(self.session, (records.CLAIM, records.INSERTED, records.REASONING))
         self._claims = {r.action for r in found if r.kind == records.CLAIM}
         self._inserted = [records.decode(r.body, Inserted) for r in found if r.kind == records.INSERTED]
+        thoughts = [records.decode(r.body, Thought) for r in found if r.kind == records.REASONING]
+        self._thoughts = {t.at: t.text for t in thoughts}
 
     async def _forget_dead_claims(self, pending: Sequence[Action]) -> None:
         """A claim of an action no longer pending is of an effect whose result was stepped: it says nothing now, and
@@ -451,11 +557,11 @@ class Driver(msgspec.Struct, eq=False):
     def _key(self, action: int) -> str:
         return f"agent:{self.runtime._turns.get(self.session, 0)}:{action}"
 
-    async def _step(self, event: Event, action: int) -> list[Action]:
+    async def _step(self, event: Event, action: int, key: str | None = None) -> list[Action]:
         data = encode(event)
         self.sent = data
         try:
-            return await self.sessions.step_bytes(self.session, data, self._key(action))
+            return await self.sessions.step_bytes(self.session, data, key or self._key(action))
         finally:
             self.sent = None
 
@@ -607,76 +713,165 @@ class Driver(msgspec.Struct, eq=False):
             )
         return msgspec.structs.replace(profile, project=found.message())
 
-    async def _admitted(
-        self, profile: Profile, action: Action, messages: list[Message], exec_available: bool
-    ) -> ModelCall | None:
-        """The model call, admitted by every spend ceiling; None when one refused it (never sent) and the session
-        was stalled and then resumed."""
-        oversight = self.runtime.oversight
-        body = model.request_body(profile, messages, list(self._inserted), exec_available=exec_available)
+    async def _admitted(self, profile: Profile, action: Action, body: bytes, name: str | None) -> ModelCall | None:
+        """The model call of request `body` (for the estimate), admitted by every spend ceiling; None when one
+        refused it (never sent) and the session was stalled and then resumed."""
         turn = self.runtime._turns.get(self.session, 0)
-        accounted = ModelCall(oversight, self.session, profile, turn, action.id, json.dumps(body).encode())
+        accounted = ModelCall(self.runtime.oversight, self.session, profile, turn, action.id, body, name=name)
         refusal = await accounted.admit()
         if refusal is None:
             return accounted
         await self._stalled(action.id, refusal.message)
         return None
 
+    async def _call(
+        self, profile: Profile, action: Action, request: Callable[[Profile], dict[str, Any]]
+    ) -> model.Completion | ModelUnavailable | None:
+        """One model call for the ask, its body `request(profile as admitted)`: admitted by the ceilings, streamed to
+        the watchers, traced and charged. Its completion; the ModelUnavailable it ended with (the caller says why, or
+        compacts); None when a ceiling refused it (stalled, then resumed) or a Cancel withdrew it."""
+        accounted = await self._admitted(profile, action, json.dumps(request(profile)).encode(), None)
+        if accounted is None:
+            return None
+
+        def on_text(text: str) -> None:
+            self.sessions.stream(self.session, action.id, text)
+
+        def on_attempt(tried: model.Attempt) -> None:
+            accounted.attempt(tried)
+            if tried.outcome == "retry":  # the next attempt streams the text again from its beginning
+                self.sessions.stream_again(self.session, action.id)
+
+        async def ask_model() -> model.Completion:
+            return await self._complete(accounted, request(accounted.profile), on_text, on_attempt)
+
+        try:
+            completion = await self._guarded(action.id, ask_model)
+        except ModelUnavailable as e:
+            await accounted.done()
+            return e
+        except BaseException:
+            await accounted.cancelled()
+            raise
+        await accounted.done()  # durable before the answer: every step has its records already
+        return completion
+
+    async def _complete(
+        self,
+        accounted: ModelCall,
+        body: dict[str, Any],
+        on_text: Callable[[str], None],
+        on_attempt: Callable[[model.Attempt], None],
+    ) -> model.Completion:
+        """The call sent, its reasoning told to the watchers as `kind: "reasoning"` deltas as it streams (never part
+        of the answer)."""
+        assert self.runtime.http is not None
+        action = accounted.action
+
+        def on_reasoning(text: str) -> None:
+            self.sessions.tell(self.session, DELTA_NOTICE, DeltaNotice(self.session, action, text, "reasoning"))
+
+        return await model.complete(
+            self.runtime.http,
+            accounted.profile,
+            [],
+            environ=self.runtime.environ,
+            exec_available=True,
+            on_text=on_text,
+            on_attempt=on_attempt,
+            output_max=accounted.output_max,
+            readmit=accounted.again,
+            body=body,
+            on_reasoning=on_reasoning,
+        )
+
+    async def summarised(
+        self, profile: Profile, action: int, messages: Sequence[Message], window: int | None
+    ) -> str | ModelUnavailable | spend.Refusal | None:
+        """The summary the model writes of `messages` (a model call like any other: admitted by the ceilings,
+        traced as `name: "summary"`, charged; its text streamed to the watchers as `kind: "summary"` deltas of
+        `action`), its request made to fit `window`: the text; the ModelUnavailable it ended with (an answer with no
+        text is one); the ceiling's refusal (nothing sent); None when a Cancel withdrew it."""
+        output = min(profile.max_tokens or context.SUMMARY_OUTPUT_MAX, context.summary_output(window))
+        summarising = msgspec.structs.replace(profile, max_tokens=output)
+        body = json.dumps(context.summary_body(summarising, messages, window)).encode()
+        turn = self.runtime._turns.get(self.session, 0)
+        accounted = ModelCall(self.runtime.oversight, self.session, summarising, turn, action, body, name="summary")
+        refusal = await accounted.admit()
+        if refusal is not None:
+            return refusal
+
+        def on_text(text: str) -> None:
+            self.sessions.tell(self.session, DELTA_NOTICE, DeltaNotice(self.session, action, text, "summary"))
+
+        async def ask_model() -> model.Completion:
+            request = context.summary_body(accounted.profile, messages, window)
+            return await self._complete(accounted, request, on_text, accounted.attempt)
+
+        try:
+            completion = await self._guarded(action, ask_model)
+        except ModelUnavailable as e:
+            await accounted.done()
+            return e
+        except BaseException:
+            await accounted.cancelled()
+            raise
+        await accounted.done()
+        if completion is None:
+            return None
+        text = (completion.text or "").strip()
+        return text or ModelUnavailable("the model answered the request for a summary with no text")
+
     async def _ask(self, profile: Profile, action: Action) -> list[Action]:
         assert action.op.Model is not None
+        profile = self.runtime.with_model(self.session, profile)
         ask = action.op.Model
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
         profile = await self._instructed(profile, action.id)
         confined = await self.runtime.sandbox(profile)
         exec_available = not isinstance(confined, sandboxes.Refusal)
+        window = context.window(profile)
+        reasks, pieces, going_on = 0, list[str](), list[Inserted]()
         try:
-            for attempt in range(REASKS_MAX + 1):
+            while True:
+                # What goes on after a cut answer is listed first: of messages inserted at the same place, the
+                # last listed goes first (model.request_body), and it follows any rejected reply of this ask.
+                extra = [*going_on, *self._inserted]
 
-                def on_text(text: str) -> None:
-                    self.sessions.stream(self.session, action.id, text)
+                def request(sent: Profile, extra: list[Inserted] = extra) -> dict[str, Any]:
+                    thoughts = self._thoughts
+                    return model.request_body(sent, messages, extra, exec_available=exec_available, thoughts=thoughts)
 
-                accounted = await self._admitted(profile, action, messages, exec_available)
-                if accounted is None:
-                    return []  # refused by a spend ceiling: stalled until resumed
-
-                def on_attempt(tried: model.Attempt, accounted: ModelCall = accounted) -> None:
-                    accounted.attempt(tried)
-                    if tried.outcome == "retry":  # the next attempt streams the text again from its beginning
-                        self.sessions.stream_again(self.session, action.id)
-
-                async def ask_model(accounted: ModelCall = accounted) -> model.Completion:
-                    assert self.runtime.http is not None
-                    return await model.complete(
-                        self.runtime.http,
-                        accounted.profile,
-                        messages,
-                        environ=self.runtime.environ,
-                        exec_available=exec_available,
-                        extra=list(self._inserted),
-                        on_text=on_text,
-                        on_attempt=on_attempt,
-                        output_max=accounted.output_max,
-                        readmit=accounted.again,
-                    )
-
-                try:
-                    completion = await self._guarded(action.id, ask_model)
-                except ModelUnavailable as e:
-                    await accounted.done()
-                    await self._stalled(
-                        action.id, f"the model cannot be reached: {e.why}; `session/resume` tries again"
-                    )
-                    return []
-                except BaseException:
-                    await accounted.cancelled()
-                    raise
-                if completion is None:
-                    await accounted.done()
-                    return []
+                size = context.measure(request(profile))
+                if window is not None and size > profile.compact_at * window:
+                    overhead = context.measure(model.request_body(profile, [], exec_available=exec_available))
+                    keep = max(int(profile.compact_at * window / 2) - overhead, 0)
+                    compacted = await self._compact(profile, action, messages, keep, window)
+                    if compacted is not None:
+                        return compacted
+                    if size >= window:  # nothing left to replace, and it cannot be sent
+                        await self._stalled(action.id, _context_full(profile, size, window, None))
+                        return []
+                called = await self._call(_limited(profile, window, size), action, request)
+                if called is None:
+                    return []  # refused by a spend ceiling and resumed, or withdrawn: what is pending comes next
+                if isinstance(called, ModelUnavailable):
+                    return await self._unavailable(profile, action, messages, called, size)
+                self.compacted_for_length = False
+                completion = called
+                if completion.finish_reason == "length" and not completion.tool_calls:
+                    pieces.append(completion.text or "")
+                    if len(pieces) <= profile.continuations_max:  # asked to go on; its text streams after this
+                        going_on = [_going_on(model.whole_length(messages), "".join(pieces))]
+                        continue
+                    note = CUT_ANSWER.format(n=len(pieces) - 1, agent=profile.name)
+                    self.sessions.stream(self.session, action.id, note)
+                    completion = msgspec.structs.replace(completion, text="".join(pieces) + note)
+                elif pieces:
+                    completion = msgspec.structs.replace(completion, text="".join(pieces) + (completion.text or ""))
                 reply, rejected = _capped(profile, completion)
-                await accounted.done()  # durable before the answer: every step has its records already
                 if rejected:
-                    again = reply.calls is None and attempt < REASKS_MAX
+                    again = reply.calls is None and reasks < REASKS_MAX
                     text = reply.text if again else None
                     inserted = Inserted(
                         before=model.whole_length(messages), messages=model.rejected_messages(text, rejected)
@@ -684,9 +879,90 @@ class Driver(msgspec.Struct, eq=False):
                     await self._record(records.INSERTED, action.id, records.encode(inserted))
                     self._inserted.append(inserted)
                     if again:
+                        reasks, pieces, going_on = reasks + 1, [], []
                         self.sessions.stream_again(self.session, action.id)
                         continue
+                if profile.send_reasoning and completion.reasoning:  # durable before the answer it goes with
+                    thought = Thought(model.whole_length(messages), completion.reasoning)
+                    await self._record(records.REASONING, action.id, records.encode(thought))
+                    self._thoughts[thought.at] = thought.text
                 return await self._step(Event(Model=Answer(id=action.id, reply=reply)), action.id)
-            raise AssertionError("unreachable")
         finally:
             self.sessions.streamed(self.session, action.id)  # answered, stalled or stopped: no more text
+
+    async def _unavailable(
+        self, profile: Profile, action: Action, messages: list[Message], e: ModelUnavailable, size: int
+    ) -> list[Action]:
+        """The call failed: a request the server found too long is compacted and asked again once (a quarter of it
+        kept, at most what compacting keeps); anything else, or too long again, stalls the session saying why and
+        what to do."""
+        window = context.window(profile)
+        if e.too_long and not self.compacted_for_length:
+            self.compacted_for_length = True
+            keep = size // 4 if window is None else min(size // 4, int(profile.compact_at * window / 2))
+            # The server refused `size` tokens: its window, unknown or smaller than thought, is less than that.
+            compacted = await self._compact(profile, action, messages, keep, min(window or size, size))
+            if compacted is not None:
+                return compacted
+        if e.too_long:
+            why = _context_full(profile, size, window, e.why)
+        elif not e.sent:
+            why = f"the model call was not sent: {e.why}; `session/resume` tries again"
+        elif e.status is not None and 400 <= e.status < 500 and e.status not in model.RETRIED:
+            why = (
+                f"the model server refused the request: {e.why}; asking again would be refused the same way: fix "
+                f"what it names (agent {profile.name!r}'s model, key or limits in the agents file, then restart the "
+                "daemon), then `session/resume`"
+            )
+        else:
+            why = f"the model cannot be reached: {e.why}; `session/resume` tries again"
+        await self._stalled(action.id, why)
+        return []
+
+    async def compact_now(self, profile: Profile) -> CompactResult:
+        """`Runtime.compact`, by a driver of its own (another client's step to the session's driver, if any)."""
+        messages = await self.sessions.transcript(self.session)
+        pending = [a for a in await self.sessions.pending(self.session) if _awaited(a)]
+        asked = next((a.id for a in pending if a.op.Model is not None), 0)
+        waited = [i for i, m in enumerate(messages) if m.Agent is not None and m.Agent.calls]
+        before = waited[-1] if waited and any(a.op.Model is None for a in pending) else None
+        window = context.window(profile)
+        keep = 0
+        if window is not None:
+            overhead = context.measure(model.request_body(profile, []))
+            keep = max(int(profile.compact_at * window / 2) - overhead, 0)
+        upto = context.cut(messages, keep, before)
+        if upto is None:
+            return CompactResult(0, "nothing to replace: the conversation is empty, or only a summary")
+        summary = await self.summarised(profile, asked, messages[:upto], window)
+        if not isinstance(summary, str):
+            return CompactResult(0, f"the model's summary failed ({_unsummarised(summary)}); nothing was replaced")
+        await self.sessions.step(self.session, Event(Summary=Summarize(upto=upto, text=summary)), None)
+        log.info("agent.compacted", session=self.session, action=asked, upto=upto, summary_chars=len(summary))
+        return CompactResult(upto)
+
+    async def _compact(
+        self, profile: Profile, action: Action, messages: list[Message], keep_tokens: int, window: int | None
+    ) -> list[Action] | None:
+        """Replace the start of the conversation by a summary the model writes (a model call like any other, its
+        text streamed as `kind: "summary"`, its request made to fit `window`), keeping the newest messages that fit
+        in `keep_tokens`: the actions of the Summary's step (the core asks again, under a new id, with what is
+        left); [] when the summary call was refused, withdrawn or failed (stalled, saying why); None when nothing
+        can be replaced."""
+        upto = context.cut(messages, keep_tokens)
+        if upto is None:
+            return None
+        summary = await self.summarised(profile, action.id, messages[:upto], window)
+        if summary is None:
+            return []  # withdrawn: what is pending comes next
+        if not isinstance(summary, str):
+            why = _unsummarised(summary)
+            if not isinstance(summary, spend.Refusal):  # a refusal says what to do itself
+                why = f"the conversation could not be compacted: the model's summary failed ({why}); `session/resume` "
+                why += "tries again"
+            await self._stalled(action.id, why)
+            return []
+        text = summary
+        log.info("agent.compacted", session=self.session, action=action.id, upto=upto, summary_chars=len(text))
+        event = Event(Summary=Summarize(upto=upto, text=text))
+        return await self._step(event, action.id, f"{self._key(action.id)}:summary")

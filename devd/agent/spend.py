@@ -86,13 +86,20 @@ class Refusal(msgspec.Struct, frozen=True):
     reserved: int
     needed: int
     fix: str
+    estimate: int | None = None  # of `needed`, devd's estimate of the request (the rest: what its reply may take)
 
     @property
     def message(self) -> str:
         in_flight = f" and {self.reserved} reserved by calls in flight" if self.reserved else ""
+        how = ""
+        if self.estimate is not None:  # the request is never counted before it is sent: say that it was estimated
+            how = (
+                f" (~{self.estimate} for its request, by devd's estimate of {CHARS_PER_TOKEN} characters a token, "
+                f"and {self.needed - self.estimate} for its reply)"
+            )
         return (
             f"spend ceiling reached: {self.ceiling} is {self.limit} tokens, {self.spent} spent{in_flight}, and the "
-            f"next model call needs up to {self.needed}; the call was not sent: {self.fix}, then session/resume"
+            f"next model call needs up to {self.needed}{how}; the call was not sent: {self.fix}, then session/resume"
         )
 
 

@@ -125,6 +125,8 @@ METHOD_COMMANDS: dict[str, str] = {
     "session/watch": "devd watch {session}",
     "session/approve": "devd approve {session} ACTION",
     "session/usage": "devd usage {session}",
+    "session/compact": "devd compact {session}",
+    "session/model": "devd model {session} MODEL",
     "session/trace": "devd trace {session}",
     "daemon/status": "devd status",
 }

@@ -105,11 +105,15 @@ def cli_client_name() -> str:
 
 
 def trace_line(r: dict[str, Any]) -> str:
-    """One trace record for people: number, start, action, kind, outcome, duration, model and tokens, error."""
+    """One trace record for people: number, start, action, kind, outcome, duration, model and tokens (each `~N` when
+    devd estimated it), error."""
     what = r["kind"] if r.get("model") is None else f"{r['kind']} {r['model']}"
     if r.get("attempt"):
         what += f" (attempt {r['attempt']})"
-    tokens = f" {r['input_tokens']}+{r['output_tokens']} tokens" if r.get("input_tokens") is not None else ""
+    about = "~" if r.get("estimated") else ""  # devd's estimate, never shown as the server's count
+    tokens = (
+        f" {about}{r['input_tokens']}+{about}{r['output_tokens']} tokens" if r.get("input_tokens") is not None else ""
+    )
     error = f": {inline(r['error'])}" if r.get("error") else ""  # it may quote what a model chose
     took = f"{r['duration_ms']:.1f} ms"
     return f"{r['n']:>4} {r['started']} action {r['action']} {what} {r['outcome']} {took}{tokens}{error}\n"
@@ -222,6 +226,18 @@ PLAIN: tuple[Plain, ...] = (
         "usage",
         "session/usage",
         "show what a session's model calls used: tokens, calls, and calls a ceiling refused",
+        _pretty,
+    ),
+    Plain(
+        "model",
+        "session/model",
+        "set the model an agent session's next calls name (one of its profile's models)",
+        _pretty,
+    ),
+    Plain(
+        "compact",
+        "session/compact",
+        "compact an agent session's conversation now: the model summarises its start, which the summary replaces",
         _pretty,
     ),
     Plain(

@@ -33,6 +33,7 @@ from devd.protocol import (
     BackupParams,
     BackupResult,
     BudgetParams,
+    CompactResult,
     DrainResult,
     EffectsParams,
     EffectsResult,
@@ -44,6 +45,8 @@ from devd.protocol import (
     Limits,
     ListParams,
     ListResult,
+    ModelParams,
+    ModelResult,
     NewParams,
     NoParams,
     PendingResult,
@@ -563,6 +566,16 @@ async def session_resume(call: Call, params: SessionParams) -> Empty:
     return Empty()
 
 
+@method("session/model")
+async def session_model(call: Call, params: ModelParams) -> ModelResult:
+    return await _runtime(call.app).set_model(params.session, params.model)
+
+
+@method("session/compact")
+async def session_compact(call: Call, params: SessionParams) -> CompactResult:
+    return await _runtime(call.app).compact(params.session)
+
+
 @method("session/agent")
 async def session_agent(call: Call, params: SessionParams) -> AgentResult:
     _known(call.app, params.session)
@@ -595,8 +608,7 @@ async def session_budget(call: Call, params: BudgetParams) -> Empty:
 @method("session/usage")
 async def session_usage(call: Call, params: SessionParams) -> UsageResult:
     _known(call.app, params.session)
-    t = await _oversight(call.app).usage(params.session)
-    return UsageResult(t.input_tokens, t.output_tokens, t.cached_tokens, t.calls, t.refused)
+    return await _oversight(call.app).usage(params.session)
 
 
 @method("session/trace")

@@ -235,6 +235,12 @@ export interface Client {
   version?: string | null;
 }
 
+/** How many messages of the transcript a summary replaced (`session/compact`); 0 and `why` when none was. */
+export interface CompactResult {
+  replaced: number;
+  why?: string | null;
+}
+
 /**
  * A session's configuration, given to `session/new`: the `model` its asks name (omitted: none is named), and what its
  * asks carry: `"full"` (omitted: the default), the whole transcript in every `Model` ask; `"delta"`, only the messages
@@ -261,12 +267,16 @@ export interface DecidedNotice {
 /**
  * `session/delta`: a fragment of the text the model is writing for the Model action `action`; not journalled. The
  * fragments of one action, in order, are its reply's text (a watcher that joins mid-stream is first sent the text so
- * far as one fragment).
+ * far as one fragment). `kind` (left out for "text"): "reasoning" is the model's reasoning streamed beside its answer
+ * (never part of the reply), "summary" the summary it writes when the conversation is compacted; those are told to the
+ * watchers watching as they stream, not kept for those that join later.
  */
 export interface DeltaNotice {
   session: string;
   action: number;
   text: string;
+  /** @default "text" */
+  kind?: "reasoning" | "summary" | "text";
 }
 
 /** A call the model asked for, under the action id it was dispatched with. */
@@ -653,6 +663,23 @@ export interface Methods {
     params: SessionParams;
     result: Empty;
   };
+  /**
+   * Set the model a session made with an agent names in its next model calls (one of the profile's `models`), durably:
+   * across restarts, and in a fork. Each call's trace record says its model.
+   */
+  "session/model": {
+    params: ModelParams;
+    result: ModelResult;
+  };
+  /**
+   * Compact a session made with an agent now: the model summarises the start of its conversation (a model call like
+   * any other: traced, charged, under the ceilings, its text streamed as `session/delta` of kind "summary"), and the
+   * Summary replaces it; answered with how many messages were replaced.
+   */
+  "session/compact": {
+    params: SessionParams;
+    result: CompactResult;
+  };
   /** Which agent drives the session, in which workspace (what an editor lists and attaches sessions by). */
   "session/agent": {
     params: SessionParams;
@@ -716,6 +743,29 @@ export interface Methods {
     params: RewindParams;
     result: RewindResult;
   };
+}
+
+/** The session, and the model its next calls name: one of its agent profile's `models`. */
+export interface ModelParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * a model's name, 1-256 characters
+   *
+   * @minLength 1
+   * @maxLength 256
+   */
+  model: string;
+}
+
+/** The model the session's next calls name, and the models its agent profile offers. */
+export interface ModelResult {
+  model: string;
+  models: string[];
 }
 
 /**
@@ -1265,8 +1315,8 @@ export interface UnwatchedNotice {
 }
 
 /**
- * What the session's model calls used (the provider's counts, else devd's estimate), how many calls were made, and how
- * many a spend ceiling refused. A fork counts from zero.
+ * What the session's model calls used (the provider's counts, else devd's estimate: then `estimated`), how many calls
+ * were made, and how many a spend ceiling refused. A fork counts from zero.
  */
 export interface UsageResult {
   input_tokens: number;
@@ -1274,6 +1324,8 @@ export interface UsageResult {
   cached_tokens: number;
   calls: number;
   refused: number;
+  /** @default false */
+  estimated?: boolean;
 }
 
 /**
