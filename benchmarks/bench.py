@@ -15,6 +15,8 @@ python -m benchmarks.bench agent    # the agent runtime's own time per model cal
                                     # stand-in model server's, and a turn of 50 tool calls end to end
 python -m benchmarks.bench approvals  # what approvals, spend ceilings and the trace add to a turn
 python -m benchmarks.bench idle     # an idle daemon's wake-ups a second, against a process blocked in accept()
+python -m benchmarks.bench chat     # a model's first streamed chunk to devd chat's screen, against reading it
+                                    # directly; in bench_chat.py
 python -m benchmarks.bench start    # exec to the first answer: devd vs a minimal Python daemon, without and with the
                                     # core loaded; in bench_start.py
 """
@@ -2375,12 +2377,19 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_sandbox import add_arguments as sandbox_arguments
 
     sandbox_arguments(sub.add_parser("sandbox", help="a command's confinement, per command, against an unconfined one"))
+    from benchmarks.bench_mcp import add_arguments as mcp_arguments
+
+    mcp_arguments(sub.add_parser("mcp", help="the MCP broker's cost per call, and server processes for N sessions"))
     from benchmarks.bench_idle import add_arguments as idle_arguments
 
     idle_arguments(sub.add_parser("idle", help="an idle daemon's wake-ups a second, against a process that waits"))
     from benchmarks.bench_rewind import add_arguments as rewind_arguments
 
     rewind_arguments(sub.add_parser("rewind", help="session/rewind of a turn's writes, against that turn"))
+
+    from benchmarks.bench_chat import add_arguments as chat_arguments
+
+    chat_arguments(sub.add_parser("chat", help="a model's first streamed chunk to devd chat's screen, against direct"))
     from benchmarks.bench_mixed import add_arguments as mixed_arguments
 
     mixed_arguments(sub.add_parser("mixed", help="session/new beside one client's large steps, against it alone"))
@@ -2412,6 +2421,14 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_sandbox import bench_sandbox
 
         result = bench_sandbox(args.rounds, args.runs)
+    elif args.what == "chat":
+        from benchmarks.bench_chat import bench_chat
+
+        result = bench_chat(args.rounds)
+    elif args.what == "mcp":
+        from benchmarks.bench_mcp import bench_mcp
+
+        result = bench_mcp(args.rounds, args.calls, args.sessions)
     elif args.what == "idle":
         from benchmarks.bench_idle import bench_idle
 

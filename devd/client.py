@@ -80,6 +80,8 @@ from devd.protocol import (
     InstructionsNotice,
     ListParams,
     ListResult,
+    McpParams,
+    McpResult,
     ModelParams,
     ModelResult,
     NewParams,
@@ -91,6 +93,7 @@ from devd.protocol import (
     RestoreParams,
     RewindParams,
     RewindResult,
+    SessionMcpServer,
     SessionParams,
     SessionResult,
     SnapshotResult,
@@ -526,6 +529,11 @@ class Client:
         result: StatusResult = self.request("daemon/status", NoParams())
         return result
 
+    def mcp(self) -> McpResult:
+        """The MCP servers the daemon's broker holds."""
+        result: McpResult = self.request("daemon/mcp", NoParams())
+        return result
+
     def backup(self, name: str) -> BackupResult:
         """A consistent copy of the daemon's sessions, written by the daemon as the new file `name` (a plain file
         name) of its backup directory."""
@@ -562,6 +570,10 @@ class Client:
     def resume(self, session: str) -> None:
         """Try a stalled session's model again."""
         self.request("session/resume", SessionParams(session))
+
+    def bring_mcp(self, session: str, servers: builtins.list[SessionMcpServer]) -> None:
+        """Give the agent session the MCP servers it brings, replacing those it brought before."""
+        self.request("session/mcp", McpParams(session, servers))
 
     def set_model(self, session: str, model: str) -> ModelResult:
         """Set the model the session's next calls name (one of its profile's `models`)."""
@@ -945,6 +957,11 @@ class AsyncClient:
         result: StatusResult = await self.request("daemon/status", NoParams())
         return result
 
+    async def mcp(self) -> McpResult:
+        """The MCP servers the daemon's broker holds."""
+        result: McpResult = await self.request("daemon/mcp", NoParams())
+        return result
+
     async def backup(self, name: str) -> BackupResult:
         """A consistent copy of the daemon's sessions, written by the daemon as the new file `name` (a plain file
         name) of its backup directory."""
@@ -982,6 +999,10 @@ class AsyncClient:
     async def resume(self, session: str) -> None:
         """Try a stalled session's model again."""
         await self.request("session/resume", SessionParams(session))
+
+    async def bring_mcp(self, session: str, servers: list[SessionMcpServer]) -> None:
+        """Give the agent session the MCP servers it brings, replacing those it brought before."""
+        await self.request("session/mcp", McpParams(session, servers))
 
     async def set_model(self, session: str, model: str) -> ModelResult:
         """Set the model the session's next calls name (one of its profile's `models`)."""

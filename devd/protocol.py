@@ -229,6 +229,29 @@ class NoParams(_Params, frozen=True):
     """This method takes no params."""
 
 
+class McpServerStatus(msgspec.Struct, frozen=True):
+    """One MCP server connection of the daemon: its name; its profile (`agent`, null for a session's own server); its
+    state (`stopped`: not running, started at its next use; `starting`; `ready`; `failed`: its last start or life
+    failed, `last_error` says why, and it is tried again at its next use after a backoff); its process's pid while it
+    runs (null for an HTTP server); how many sessions use it; how many tools it lists; how many times it was started
+    again; why it last failed."""
+
+    name: str
+    agent: str | None
+    state: Literal["stopped", "starting", "ready", "failed"]
+    pid: int | None
+    sessions: int
+    tools: int
+    restarts: int
+    last_error: str | None
+
+
+class McpResult(msgspec.Struct, frozen=True):
+    """Every MCP server connection the daemon holds (none when no profile names a server)."""
+
+    servers: list[McpServerStatus]
+
+
 class StatusResult(msgspec.Struct, frozen=True):
     """The daemon's health and counters."""
 
@@ -281,16 +304,46 @@ class TokenBudget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokens: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a number of tokens, at least 1")]
 
 
+class NameValue(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A variable or header of a session's own MCP server: its name and its value."""
+
+    name: str
+    value: str
+
+
+class SessionMcpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """An MCP server a session brings, in ACP's shape: stdio `{name, command, args, env}` (the process gets `env`'s
+    values), or Streamable HTTP `{type: "http", name, url, headers}`. Its calls are always asked about."""
+
+    name: Annotated[str, Meta(description="letters, digits, - and single _, at most 32")]
+    command: str | None = None
+    args: list[str] = msgspec.field(default_factory=list)
+    env: list[NameValue] = msgspec.field(default_factory=list)
+    type: Literal["stdio", "http"] | None = None
+    url: str | None = None
+    headers: list[NameValue] = msgspec.field(default_factory=list)
+
+
 class NewParams(_Params, frozen=True):
     """A new session, from a config (default `{}`), under a name (default: chosen by the daemon); with `agent` (a
     profile of the daemon's agents file) and `workspace` (an absolute directory inside the profile's roots), a session
-    the daemon drives itself (`session/prompt`), with `budget` its own spend ceiling."""
+    the daemon drives itself (`session/prompt`), with `budget` its own spend ceiling, and `mcp_servers` MCP servers
+    of its own (where the profile has `session_mcp = true`), kept in the daemon's memory for the session's life in
+    this daemon (after a restart, `session/mcp` gives them again)."""
 
     config: Config | None = None
     session: SessionName | None = None
     agent: Annotated[str, Meta(description="the name of an agent profile")] | None = None
     workspace: Annotated[str, Meta(description="an absolute directory inside the profile's roots")] | None = None
     budget: TokenBudget | None = None
+    mcp_servers: list[SessionMcpServer] | None = None
+
+
+class McpParams(_Params, frozen=True):
+    """The MCP servers a session brings (replacing those it brought before; `[]`: none)."""
+
+    session: SessionName
+    mcp_servers: list[SessionMcpServer]
 
 
 class StepParams(_Params, frozen=True):
@@ -543,7 +596,7 @@ class TraceParams(_Params, frozen=True):
     limit: Annotated[int, Meta(ge=1, le=TRACE_PAGE_MAX, description="1 to 10,000 records")] = TRACE_PAGE
 
 
-Kind = Literal["model", "exec", "read", "write", "git", "browse"]
+Kind = Literal["model", "exec", "read", "write", "git", "browse", "tool"]
 Outcome = Literal["ok", "error", "denied", "refused", "interrupted"]
 
 
@@ -818,6 +871,14 @@ METHODS: dict[str, Spec] = {
             during_shutdown=True,
         ),
         _spec(
+            "daemon/mcp",
+            NoParams,
+            McpResult,
+            "mcp",
+            """The MCP servers the daemon's broker holds: one connection per server configuration, shared by the
+            sessions that may use it, with its state, process, sessions, tools, restarts and last error.""",
+        ),
+        _spec(
             "daemon/backup",
             BackupParams,
             BackupResult,
@@ -833,6 +894,14 @@ METHODS: dict[str, Spec] = {
             (before a restart, say); a session called here again is taken back. Calls in flight keep their session.""",
         ),
         _spec("session/new", NewParams, SessionResult, "new", "Start a session; it is durable before this answers."),
+        _spec(
+            "session/mcp",
+            McpParams,
+            Empty,
+            "bring_mcp",
+            """Give a session of an agent the MCP servers it brings (as `session/new` `mcp_servers` does), replacing
+            those it brought before: after a daemon restart, which forgets them, or when an editor reloads it.""",
+        ),
         _spec(
             "session/step",
             StepParams,

@@ -49,7 +49,7 @@ class Setup:
     spawned: int = 0
 
 
-def agents_toml(url: str, root: Path, exec: str) -> str:
+def agents_toml(url: str, root: Path, exec: str, *extra: str) -> str:
     return "\n".join(
         [
             "[agent.coder]",
@@ -58,17 +58,18 @@ def agents_toml(url: str, root: Path, exec: str) -> str:
             f'workspace_roots = ["{root}"]',
             f'exec = "{exec}"',
             "exec_timeout_s = 60",
+            *extra,
             "",
         ]
     )
 
 
-def setup(tmp_path: Path, standin: Standin, exec: str = "allow", process: bool = False) -> Iterator[Setup]:
+def setup(tmp_path: Path, standin: Standin, exec: str = "allow", process: bool = False, *extra: str) -> Iterator[Setup]:
     """The daemon with agents: in this process, or (`process`) as a process of its own, for a test that kills it."""
     workspace = tmp_path / "roots" / "app"
     workspace.mkdir(parents=True)
     agents = tmp_path / "agents.toml"
-    agents.write_text(agents_toml(standin.url, tmp_path / "roots", exec))
+    agents.write_text(agents_toml(standin.url, tmp_path / "roots", exec, *extra))
     with (Daemon if process else InProcess)(tmp_path / "d", "--agents", str(agents)) as daemon:
         yield Setup(daemon, workspace.resolve(), standin, tmp_path)
 
@@ -488,11 +489,41 @@ async def test_an_agent_the_daemon_does_not_have_is_refused_naming_it(devd: Setu
     assert (refused.value.code, "'nobody'" in str(refused.value)) == (-32602, True)
 
 
-async def test_mcp_servers_are_accepted_and_reported_not_connected(devd: Setup) -> None:
+async def test_an_editors_mcp_servers_a_profile_does_not_take_are_reported_not_connected_saying_why(
+    devd: Setup,
+) -> None:
     server = acp.schema.McpServerStdio(name="files", command="/bin/true", args=[], env=[])
     async with editor_on(devd, Editor()) as conn:
         session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[server])
-    assert [(s["name"], s["connected"]) for s in session.field_meta["devd"]["mcpServers"]] == [("files", False)]
+    assert session.field_meta["devd"]["mcpServers"] == [
+        {
+            "name": "files",
+            "connected": False,
+            "why": "the daemon did not take it: agent 'coder' does not take a session's own MCP servers (it has no "
+            "session_mcp = true); leave out mcp_servers, or set session_mcp = true in its profile",
+        }
+    ]
+
+
+async def test_an_editors_mcp_server_is_called_through_devd_acp_once_the_editor_allows_it(
+    tmp_path: Path, standin: Standin
+) -> None:
+    from tests.test_agent_mcp import PYTHON, SERVER, SITE
+
+    env = [acp.schema.EnvVariable(name="PYTHONPATH", value=SITE)]
+    server = acp.schema.McpServerStdio(name="ed", command=PYTHON, args=[str(SERVER)], env=env)
+    standin.script(Scripted(tool_calls=[("ed__echo", {"text": "from the editor's server"})]), Scripted(text="done"))
+    for mcpd in setup(tmp_path, standin, "allow", False, "session_mcp = true"):
+        editor = Editor(answer="allow_once")
+        async with editor_on(mcpd, editor) as conn:
+            session = await conn.new_session(cwd=str(mcpd.workspace), mcp_servers=[server])
+            await conn.prompt(session_id=session.session_id, prompt=text("echo"))
+        tool_results = [m["content"] for m in standin.requests[1].body["messages"] if m["role"] == "tool"]
+        assert (session.field_meta["devd"]["mcpServers"][0]["connected"], len(editor.asked), tool_results) == (
+            True,
+            1,
+            ["from the editor's server"],
+        )
 
 
 async def test_a_prompt_to_a_session_that_does_not_exist_is_invalid_params_naming_it(devd: Setup) -> None:

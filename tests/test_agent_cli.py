@@ -25,7 +25,7 @@ from devd.messages import (
     ask,
     done,
 )
-from devd.protocol import ApprovalNotice, DeltaNotice, StalledNotice
+from devd.protocol import ApprovalNotice, DecidedNotice, DeltaNotice, StalledNotice
 
 
 def shown(*notices: object, turn: int | None = 1) -> str:
@@ -67,11 +67,68 @@ def test_a_long_result_is_cut_to_its_first_lines_and_counted() -> None:
     assert text.splitlines()[-2:] == ["  line 7", "  … 4 more lines"]
 
 
-def test_a_stall_is_shown_in_its_own_words() -> None:
+def test_a_stall_is_shown_in_its_own_words_with_devd_verbs_for_the_methods_it_names() -> None:
     spend = (
         "spend ceiling reached: the turn's ceiling is 1000 tokens; the call was not sent: raise it, then session/resume"
     )
-    assert shown(StalledNotice("s", 1, spend)) == f"[the turn waits: {spend}]\n"
+    screen = Screen(io.StringIO(), session="s")
+    screen.show(StalledNotice("s", 1, spend))
+    assert screen.out.getvalue() == (  # type: ignore[attr-defined]
+        "[the turn waits: spend ceiling reached: the turn's ceiling is 1000 tokens; the call was not sent: raise it, "
+        "then `devd resume s`]\n"
+        "[`devd resume s` tries it again (after `devd budget s TOKENS` when a spend ceiling refused it); in devd chat: "
+        "/resume, /budget N]\n"
+    )
+
+
+def test_a_stall_is_the_status_until_the_action_goes_on_and_not_thinking() -> None:
+    screen = Screen(io.StringIO(), clock=lambda: 5.0)
+    screen.show(step(TURN, ask(Message(User="go"))))
+    screen.show(StalledNotice("s", 10, "the model could not be reached"))
+    stalled = screen.status()
+    screen.show(DeltaNotice("s", 10, "back"))
+    assert (stalled, screen.status()) == ("stalled: the model could not be reached", "writing (0.0 s)")
+
+
+def test_the_status_says_thinking_then_running_the_call_with_how_long() -> None:
+    now = [0.0]
+    screen = Screen(io.StringIO(), clock=lambda: now[0])
+    screen.show(step(TURN, ask(Message(User="go"))))
+    now[0] = 2.5
+    thinking = screen.status()
+    screen.show(step(Event(Model=Answer(id=10, reply=Reply(calls=[Call(Exec=Exec(argv=["make"]))]))), EXEC))
+    now[0] = 4.0
+    assert (thinking, screen.status()) == ("thinking (2.5 s)", "running $ make test (1.5 s)")
+
+
+def test_results_of_two_calls_each_come_under_their_own_header() -> None:
+    reads = step(TURN, Op(Read=Read(path="a.txt")), Op(Read=Read(path="b.txt")))
+    text = shown(reads, step(Event(File=Output(id=10, text="A\n"))), step(Event(File=Output(id=11, text="B\n"))))
+    assert text == "read a.txt\nread b.txt\n↳ read a.txt\n  A\n↳ read b.txt\n  B\n"
+
+
+def test_a_result_right_under_its_call_is_not_headed_again() -> None:
+    text = shown(step(TURN, Op(Read=Read(path="a.txt"))), step(Event(File=Output(id=10, text="A\n"))))
+    assert text == "read a.txt\n  A\n"
+
+
+def test_an_attached_screen_shows_the_calls_dispatched_before_and_their_results_under_them() -> None:
+    screen = Screen(io.StringIO())
+    screen.attached([Action(id=10, op=EXEC)])
+    screen.show(step(Event(Exec=Output(id=10, text="ok\n"))))
+    assert screen.out.getvalue() == "$ make test  [dispatched before this terminal attached]\n  ok\n"  # type: ignore[attr-defined]
+
+
+def test_a_question_decided_elsewhere_is_withdrawn() -> None:
+    screen = Screen(io.StringIO())
+    screen.show(ApprovalNotice("s", 2, EXEC, "0" * 64))
+    asked = list(screen.questions)
+    screen.show(DecidedNotice("s", 2, "allow", "devd cli: root (uid 0, pid 7)"))
+    assert (asked, screen.questions, screen.out.getvalue().splitlines()[-1]) == (  # type: ignore[attr-defined]
+        [2],
+        {},
+        "[action 2 allowed by devd cli: root (uid 0, pid 7)]",
+    )
 
 
 def test_the_done_of_another_turn_does_not_end_this_one() -> None:

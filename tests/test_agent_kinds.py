@@ -8,7 +8,7 @@ import pytest
 
 from devd.agent import kinds
 from devd.agent.model import tool_names
-from devd.agent.profiles import Profile
+from devd.agent.profiles import McpServer, Profile
 from devd.messages import Call, ToolCall
 
 
@@ -32,11 +32,22 @@ def test_the_model_is_offered_every_kind_with_a_schema_that_the_profile_enables(
     assert tool_names(enabled, exec_available=True) == ["exec", "read", "write", "git", "browse"]
 
 
-def test_a_named_tool_call_is_answered_at_once_and_never_decided_by_the_policy() -> None:
+def test_a_named_tool_call_that_names_no_mcp_tool_is_answered_at_once() -> None:
     call = ToolCall(name="search", input=msgspec.Raw(b"{}"))
     kind = kinds.BY_MEMBER["Tool"]
-    assert (kinds.of(Call(Tool=call)), kind.gated, kind.answered(call)) == (
-        (kind, call),
-        False,
-        "no tool is named search",
+    assert (kinds.of(Call(Tool=call)), kind.answered(call)) == ((kind, call), "no tool is named search")
+
+
+def test_an_mcp_tool_call_is_an_effect_decided_by_its_server_and_its_rules() -> None:
+    servers = (
+        McpServer(name="gh", command=("gh",), decision="allow", rules=(("delete_repo", "deny"),)),
+        McpServer(name="docs", command=("docs",)),
+    )
+    p = profile(mcp=servers)
+    calls = [ToolCall(name=n, input=msgspec.Raw(b"{}")) for n in ("gh__get", "gh__delete_repo", "docs__x", "web__y")]
+    kind = kinds.BY_MEMBER["Tool"]
+    assert (kind.effect, [kind.decide(p, c)[0] for c in calls], kind.decide(p, calls[3])[1]) == (
+        True,
+        ["allow", "deny", "ask", "deny"],
+        "denied by the policy: agent 'coder' has no MCP server web",
     )

@@ -11,6 +11,7 @@ import pytest
 from devd.agent.kinds import decide
 from devd.agent.profiles import (
     Budget,
+    McpServer,
     Profile,
     Rule,
     api_key,
@@ -126,7 +127,7 @@ BAD = [
         "workspace_roots, api_key_env, system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, "
         "run_as, processes_max, memory_bytes_max, tmp_bytes_max, tools, browse_private, max_tokens, token_param, "
         "continuations_max, context_tokens, compact_at, models, send_reasoning, max_calls_per_reply, "
-        "reply_bytes_max, model_timeout_s, budget, instructions)",
+        "reply_bytes_max, model_timeout_s, budget, mcp, session_mcp, instructions)",
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\nrun_as = "root"\n',
@@ -181,6 +182,93 @@ BAD = [
     ),
     ('[agents.a]\nmodel = "m"\n', "FILE:1: unknown key 'agents'; profiles go in [agent.NAME] tables"),
 ]
+
+A = '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n\n'
+BAD_MCP = [
+    (
+        A + '[agent.a.mcp.git__hub]\ncommand = ["gh"]\n',
+        "FILE:6: agent.a.mcp.git__hub: an MCP server's name is 1-32 letters, digits, - and _ (never two _ in a row, "
+        "nor one at either end): the model calls its tools SERVER__TOOL; rename it",
+    ),
+    (
+        A + "[agent.a.mcp.gh]\ntools_max = 5\n",
+        'FILE:6: [agent.a.mcp.gh] needs either command = ["program", ...] (a stdio server) or url = "https://..." '
+        "(HTTP)",
+    ),
+    (
+        A + '[agent.a.mcp.gh]\ncommand = ["gh"]\nurl = "https://h/mcp"\n',
+        'FILE:6: [agent.a.mcp.gh] needs either command = ["program", ...] (a stdio server) or url = "https://..." '
+        "(HTTP)",
+    ),
+    (
+        A + '[agent.a.mcp.gh]\ncommand = ["gh"]\nenv = { GITHUB_TOKEN = "ghp_abc def" }\n',
+        "FILE:8: agent.a.mcp.gh.env.GITHUB_TOKEN is not a variable name (it is not shown: it may be a secret); it "
+        "must be the name of the daemon's environment variable holding the value, never the value itself",
+    ),
+    (
+        A + '[agent.a.mcp.gh]\nurl = "https://me:pw@h/mcp"\n',
+        "FILE:7: agent.a.mcp.gh.url 'https://h/mcp' is not an http:// or https:// URL without a user or password",
+    ),
+    (
+        A + "[agent.a.mcp.gh]\ncommand = []\n",
+        'FILE:7: agent.a.mcp.gh.command is empty; give the program and its arguments: ["program", ...]',
+    ),
+    (
+        A + '[agent.a.mcp.gh]\ncommand = ["gh"]\nshare = "everyone"\n',
+        'FILE:8: agent.a.mcp.gh.share is "everyone"; it must be one of "profile", "session"',
+    ),
+    (
+        A + '[agent.a.mcp.gh]\ncommand = ["gh"]\nrules = { get_issue = "yes" }\n',
+        'FILE:8: agent.a.mcp.gh.rules.get_issue is "yes"; it must be one of "allow", "deny", "ask"',
+    ),
+    (
+        A + '[agent.a.mcp.gh]\ncommand = ["gh"]\nstart_timeout_s = 0\n',
+        "FILE:8: agent.a.mcp.gh.start_timeout_s is 0; it must be above 0",
+    ),
+    (
+        A + '[agent.a.mcp.gh]\ncommand = ["gh"]\ntimeout = 5\n',
+        "FILE:8: unknown key 'timeout' in [agent.a.mcp.gh]; remove it or fix its name (the keys are command, url, "
+        "env, headers, tools, decision, rules, network, share, idle_s, start_timeout_s, call_timeout_s, "
+        "tools_max)",
+    ),
+    (
+        A + '[agent.a.mcp.gh]\nurl = "https://h/mcp"\nenv = { A = "B" }\n',
+        "FILE:8: agent.a.mcp.gh.env is for a stdio server's process; an HTTP server has headers",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_MCP)
+def test_a_bad_mcp_server_is_refused_with_its_line_and_what_to_do(tmp_path: Path, body: str, message: str) -> None:
+    assert error_of(tmp_path, body) == message.replace("ROOT", str(tmp_path))
+
+
+def test_an_mcp_server_keeps_every_setting_and_the_names_of_variables_only(tmp_path: Path) -> None:
+    body = (
+        A + "session_mcp = true\n\n[agent.a.mcp.github]\n"
+        'command = ["github-mcp-server", "stdio"]\nenv = { GITHUB_TOKEN = "GITHUB_TOKEN" }\n'
+        'tools = ["search_issues", "get_issue"]\ndecision = "deny"\nrules = { get_issue = "allow" }\n'
+        'network = true\nshare = "session"\nidle_s = 30\n\n[agent.a.mcp.docs]\nurl = "https://h/mcp"\n'
+        'headers = { Authorization = "DOCS_AUTH" }\n'
+    )
+    profile = load_profiles(write(tmp_path, body))["a"]
+    assert (profile.session_mcp, profile.mcp) == (
+        True,
+        (
+            McpServer(
+                name="github",
+                command=("github-mcp-server", "stdio"),
+                env=(("GITHUB_TOKEN", "GITHUB_TOKEN"),),
+                tools=("search_issues", "get_issue"),
+                decision="deny",
+                rules=(("get_issue", "allow"),),
+                network=True,
+                share="session",
+                idle_s=30.0,
+            ),
+            McpServer(name="docs", url="https://h/mcp", headers=(("Authorization", "DOCS_AUTH"),)),
+        ),
+    )
 
 
 @pytest.mark.parametrize(("body", "message"), BAD)

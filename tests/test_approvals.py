@@ -6,12 +6,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import pty
 import re
-import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,9 +25,10 @@ from devd.client import Client, Reply
 from devd.messages import Action, Cancel, Event, Exec, Op, Write
 from devd.protocol import ApprovalNotice, DecidedNotice, Remembered, client_name_problem
 from tests.agents import next_notice
-from tests.daemon import ROOT, Daemon, free_port
+from tests.daemon import Daemon, free_port
 from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture
+from tests.terminal import Terminal
 
 __all__ = ["standin_fixture"]
 
@@ -640,37 +637,18 @@ def test_a_tool_run_and_a_denied_one_each_leave_a_trace_record(agentd: Agentd) -
 
 def test_devd_run_at_a_terminal_asks_y_n_a_and_a_y_runs_the_command_once(agentd_process: Agentd) -> None:
     mark_then_finish(agentd_process.standin)
-    argv = [sys.executable, "-m", "devd", "run", "--connect", str(agentd_process.daemon.socket), "--agent", "coder"]
-    argv += ["--workspace", str(agentd_process.workspace), "mark it"]
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(
-        argv, stdin=follower, stdout=follower, stderr=follower, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
-    )
-    os.close(follower)
-    try:
-        shown = read_until(leader, b'not starting with "-") ')
-        os.write(leader, b"y\n")
-        shown += read_until(leader, b"[turn 1 complete]")
-        assert (proc.wait(60), agentd_process.marks()) == (0, 1)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(leader)
+    argv = ["--connect", str(agentd_process.daemon.socket), "--agent", "coder"]
+    with Terminal("run", *argv, "--workspace", str(agentd_process.workspace), "mark it") as t:
+        shown = t.wait_for("[y/N/a/p]")
+        t.type("y\r")
+        assert (t.exit_status(), agentd_process.marks()) == (0, 1)
     asked = ApprovalNotice("s", 2, Op(Exec=Exec(argv=MARK)), "0" * 64)
-    assert f"{call_line(Action(id=2, op=asked.op))}\r\n{prompt_line(asked)}".encode() in shown
-
-
-def read_until(fd: int, wanted: bytes) -> bytes:
-    """What the terminal shows, up to and including `wanted` (the process's own output is the event awaited)."""
-    seen = b""
-    deadline = time.monotonic() + NOTICE_TIMEOUT_S
-    while wanted not in seen:
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            pytest.fail(f"{wanted!r} was not shown; the terminal showed {seen!r}")
-        seen += os.read(fd, 4096)
-    return seen
+    lines = shown.splitlines()  # the command, why it asks, the status line, the question
+    assert (lines[-4:-2], lines[-2].startswith(" waiting for approval of action 2"), lines[-1]) == (
+        [call_line(Action(id=2, op=asked.op)), "[approval needed for action 2: agent 'coder' has exec = \"ask\"]"],
+        True,
+        prompt_line(asked).rstrip(),
+    )
 
 
 def test_y_allows_a_remembers_the_exact_call_p_the_prefix_anything_else_denies() -> None:

@@ -36,6 +36,19 @@ def test_bench_sandbox_times_both_sandboxes_against_an_unconfined_command() -> N
     assert (sorted(ratios), ratios["unconfined true"]) == (["bwrap", "none", "unconfined true"], 1.0)
 
 
+def test_bench_chat_times_devd_chat_against_reading_the_stream_directly() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "chat", "--rounds", "1"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    assert sorted(json.loads(done.stdout)["p50_ms"]) == ["a watching client", "devd chat", "direct"]
+
+
+def test_bench_mcp_times_the_broker_against_the_sdks_own_client_and_counts_processes() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "mcp", "--rounds", "1", "--calls", "5", "--sessions", "3"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    result = json.loads(done.stdout)
+    assert (sorted(result["ms"]), result["server_processes"], result["sessions"]) == (["broker", "sdk client"], 1, 3)
+
+
 def test_bench_mixed_times_session_new_beside_large_steps_against_it_alone() -> None:
     argv = [sys.executable, "-m", "benchmarks.bench", "mixed", "--rounds", "1", "--seconds", "0.5", "--clients", "2"]
     done = subprocess.run(argv + ["--payload-mib", "1"], capture_output=True, env=daemon_env(), timeout=120, check=True)

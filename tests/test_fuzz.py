@@ -430,6 +430,7 @@ REQUIRED_VALUES = {
     "title": "the build",
     "turn": 1,
     "model": "m",
+    "mcp_servers": [],
 }
 
 

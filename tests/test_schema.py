@@ -463,6 +463,8 @@ def test_a_worked_session_validates_line_by_line(tmp_path: Path) -> None:
             client.call("session/close", {"session": "fork"})
             assert [s["session"] for s in client.call("session/list")["sessions"]] == ["copy", "demo"]
             assert client.call("daemon/status")["steps"] == 5
+            assert client.call("daemon/mcp") == {"servers": []}  # no profile names an MCP server
+            assert client.call("session/mcp", {"session": "demo", "mcp_servers": []}) == {}  # it brings none
             backup = str(tmp_path / "state" / "backups" / "backup.sqlite3")
             assert client.call("daemon/backup", {"name": "backup.sqlite3"})["path"] == backup
             with pytest.raises(errors.NullError):

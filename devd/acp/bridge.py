@@ -57,7 +57,8 @@ BUSY_FIRST_S = 0.005  # a call answered BUSY is sent again after this, doubling,
 BUSY_MAX_S = 2.0
 OFFLINE_PATIENCE_S = 60.0  # a prompt waiting on a daemon that has been away this long is answered with an error
 Stop = StopReason | Literal["refusal"]  # how a prompt ends: its turn's outcome, or a stall
-MCP_NOT_CONNECTED = "devd cannot call MCP tools yet; the server was not started"
+MCP_ACCEPTED = "the daemon starts it when the session first needs its tools"
+_MCP_KEYS = ("name", "command", "args", "env", "type", "url", "headers")  # of ACP's shape, as session/new takes it
 
 
 # -- the editor's side ----------------------------------------------------------------------------------------------
@@ -598,11 +599,26 @@ def _absolute(cwd: str | None, method: str) -> str | None:
     return os.path.normpath(cwd) if cwd else None
 
 
-def _mcp_meta(servers: list[dict[str, Any]], session: str) -> dict[str, Any]:
-    names = [str(s.get("name", "")) for s in servers]
-    if names:
-        log.warning("acp.mcp_not_connected", session=session, servers=names, why=MCP_NOT_CONNECTED)
-    return {"mcpServers": [{"name": n, "connected": False, "why": MCP_NOT_CONNECTED} for n in names]}
+def _mcp_servers(servers: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The editor's MCP servers the daemon can take, in its shape (ACP's, the keys it knows), and why each other one
+    cannot be, by name."""
+    taken: list[dict[str, Any]] = []
+    left: dict[str, str] = {}
+    for server in servers:
+        name = str(server.get("name", ""))
+        if server.get("type") not in (None, "stdio", "http") or (server.get("type") == "http" or "url" in server):
+            left[name] = f"devd does not connect to {server.get('type', 'http')} MCP servers yet (stdio only)"
+        else:
+            taken.append({k: server[k] for k in _MCP_KEYS if k in server and k != "type"})
+    return taken, left
+
+
+def _mcp_meta(servers: list[dict[str, Any]], left: dict[str, str], session: str) -> dict[str, Any]:
+    """The editor's servers as devd took them: connected (the daemon starts each at first need), or not and why."""
+    if left:
+        log.warning("acp.mcp_not_connected", session=session, servers=sorted(left), why=next(iter(left.values())))
+    shown = [{"name": str(s.get("name", "")), "connected": True, "why": MCP_ACCEPTED} for s in servers]
+    return {"mcpServers": shown + [{"name": n, "connected": False, "why": why} for n, why in left.items()]}
 
 
 async def _new(bridge: Bridge, raw: msgspec.Raw) -> Any:
@@ -611,14 +627,34 @@ async def _new(bridge: Bridge, raw: msgspec.Raw) -> Any:
     body: dict[str, Any] = {"workspace": cwd}
     if bridge.agent is not None:
         body["agent"] = bridge.agent
+    servers, left = _mcp_servers(p.mcp_servers)
     try:
-        made = await bridge.call("session/new", body)
+        try:
+            made = await bridge.call("session/new", body | ({"mcp_servers": servers} if servers else {}))
+        except errors.InvalidParamsError as e:
+            if not servers:
+                raise
+            # The session starts without them (an editor sends its servers to every agent): each is said not taken.
+            made = await bridge.call("session/new", body)
+            left |= {str(s.get("name", "")): f"the daemon did not take it: {e}" for s in servers}
+            servers = []
     except errors.InvalidParamsError as e:
         raise errors.InvalidParamsError(f"cannot start a devd session in {cwd}: {e}") from None
     name = made["session"]
     await bridge.attach(name, cwd)
     bridge.offer_commands(name)
-    return {"sessionId": name, "_meta": {"devd": _mcp_meta(p.mcp_servers, name)}}
+    return {"sessionId": name, "_meta": {"devd": _mcp_meta(servers, left, name)}}
+
+
+async def _bring_mcp(bridge: Bridge, session: str, given: list[dict[str, Any]]) -> dict[str, Any]:
+    """Give a loaded or resumed session the editor's servers again (the daemon keeps them in memory only)."""
+    servers, left = _mcp_servers(given)
+    try:
+        await bridge.call("session/mcp", {"session": session, "mcp_servers": servers})
+    except errors.InvalidParamsError as e:
+        left |= {str(s.get("name", "")): f"the daemon did not take it: {e}" for s in servers}
+        servers = []
+    return _mcp_meta(servers, left, session)
 
 
 async def _known(bridge: Bridge, name: str) -> dict[str, Any]:
@@ -640,14 +676,14 @@ async def _load(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.LoadSessionParams, "session/load")
     await bridge.load(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/load")))
     bridge.offer_commands(p.session_id)
-    return {"_meta": {"devd": _mcp_meta(p.mcp_servers, p.session_id)}}
+    return {"_meta": {"devd": await _bring_mcp(bridge, p.session_id, p.mcp_servers)}}
 
 
 async def _resume(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.LoadSessionParams, "session/resume")
     await bridge.attach(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/resume")))
     bridge.offer_commands(p.session_id)
-    return {"_meta": {"devd": _mcp_meta(p.mcp_servers, p.session_id)}}
+    return {"_meta": {"devd": await _bring_mcp(bridge, p.session_id, p.mcp_servers)}}
 
 
 async def _list(bridge: Bridge, raw: msgspec.Raw) -> Any:

@@ -1,13 +1,11 @@
-"""`devd run` and `devd attach`: a turn the daemon drives, shown as it happens.
+"""What `devd chat`, `devd run` and `devd attach` show of a session the daemon drives (devd.cli.chat drives them).
 
-`devd run [--agent NAME] [--workspace DIR] [--session NAME] PROMPT` starts a session of an agent (or continues the
-session `--session` names, made if there is none), prompts it, and shows the turn: the model's text as it streams,
-each call and its result, and the outcome; while the model thinks, a progress line on stderr when it is a terminal.
-It exits 0 when the turn is done, 1 when it ended otherwise (cancelled by another client, the session closed), and
-130 after Ctrl-C, which cancels the turn (a `Cancel` step). `devd attach SESSION` shows the same of a session someone
-else drives, until its running turn ends (or Ctrl-C, which leaves the turn alone).
+`Screen` is the one model of the screen: fed the session's notices, it writes the model's text as it streams, each
+call and its result under its own header, approvals and decisions, and each turn's outcome, and it knows what a status
+line shows beside them (stalled and why, waiting for approval, thinking, running a command) and which approvals wait
+for an answer. It does no I/O of its own: devd.cli.terminal owns a terminal, or the text goes to a stream as lines.
 
-Rendering is a pure function of the notices (`Screen`), so that what people see is tested without a terminal. What
+What people see is tested from the notices alone, without a terminal. What
 a model chose (its text, a command's words, paths, URLs, what its calls printed, a reason quoting them) is shown
 through devd.render, so that nothing in it acts on the terminal: an approval shows the command that `y` runs. A
 write's diff is taken against the file the Write tool would replace, in the workspace the session's binding names,
@@ -23,33 +21,22 @@ path or reason longer than LINE_CHARS_MAX, and a diff line longer than DIFF_LINE
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import os
-import signal
 import stat
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TextIO
-
-import anyio
-import anyio.abc
-import anyio.to_thread
+from typing import Literal, Protocol
 
 from devd.agent import kinds, tools
 from devd.agent.kinds.base import LINE_CHARS_MAX
-from devd.client import ActionsNotice, AsyncClient, Notice, UnwatchedNotice
-from devd.errors import BusyError, ConflictError, HandleError
-from devd.messages import Action, Cancel, Event, Op, Output
+from devd.client import ActionsNotice, Notice
+from devd.messages import Action, Event, Op, Output
 from devd.protocol import ApprovalNotice, DecidedNotice, DeltaNotice, Remember, StalledNotice
 from devd.render import Streamed, argv, block, brief, inline, prose
 
-EXIT_OK = 0
-EXIT_ENDED = 1
-EXIT_INTERRUPTED = 130
 RESULT_LINES = 8  # of a call's output shown; the rest is counted
 DIFF_LINES = 50  # of a write's diff shown (hunk headers, changed lines, context), every change counted where it is
 DIFF_CONTEXT = 3  # unchanged lines shown around a change, while the diff fits in DIFF_LINES
@@ -58,7 +45,6 @@ DIFF_CONTEXT = 3  # unchanged lines shown around a change, while the diff fits i
 DIFF_COMPARED_LINES_MAX = 2000
 DIFF_BYTES_MAX = 256 * 1024  # of the file a write's diff reads, and characters of the text it compares
 DIFF_LINE_CHARS_MAX = 320  # of one line of a diff shown (4 rows of 80 columns)
-PROGRESS_EVERY_S = 0.25
 DIM, UNDIM = "\x1b[2m", "\x1b[22m"  # SGR faint and normal intensity: reasoning shown apart from the answer
 
 
@@ -96,12 +82,33 @@ def result_lines(output: Output) -> list[str]:
     return shown
 
 
+STALL_ADVICE = (
+    "[`devd resume {session}` tries it again (after `devd budget {session} TOKENS` when a spend ceiling refused it);"
+    " in devd chat: /resume, /budget N]"
+)
+
+
+class Out(Protocol):
+    """Where the screen's text goes: a stream, or the terminal (devd.cli.terminal.Terminal)."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+    def isatty(self) -> bool: ...
+
+
 @dataclass
 class Screen:
-    """What a turn looks like, built from the session's notices: text is written as it streams, calls and results as
-    lines. `turn` is the turn being shown (None: the next Done ends it)."""
+    """What a session looks like, built from its notices: the one model of the screen, fed notices and writing text
+    to `out` (sans-I/O: a terminal front end, devd.cli.terminal, or a plain stream owns the writing). Text is written
+    as it streams; calls, results and devd's own lines (in brackets) on lines of their own; a result under its call's
+    header (repeated, `↳ read a.txt`, when another line came between). Beside the text, what a status line shows
+    (`status`: stalled and why, waiting for approval, thinking, running a command) and the approvals that wait for an
+    answer (`questions`), which a front end shows apart from the text so that neither erases the other. `turn` is the
+    turn being shown (None: any turn's Done ends one)."""
 
-    out: TextIO
+    out: Out
     turn: int | None = None
     asking: int | None = None  # the Model action being asked, while its answer is not in
     calls: dict[int, Action] = field(default_factory=dict)
@@ -111,68 +118,147 @@ class Screen:
     texts: dict[int, str] = field(default_factory=dict)  # what was streamed of each Model action
     streams: dict[int, Streamed] = field(default_factory=dict)  # each Model action's text being shown as it streams
     workspace: str | None = None  # where a write's diff is taken against, when known
+    session: str = "SESSION"  # named in the advice a stall gets
+    prompts: bool = False  # each turn's prompt shown (`› fix it`): devd chat, where several terminals may prompt
+    clock: Callable[[], float] = time.monotonic
+    since: float = 0.0  # when the model was asked (by `clock`)
+    running: dict[int, float] = field(default_factory=dict)  # calls dispatched and not answered: since when
+    stalled: tuple[int, str] | None = None  # the action the turn waits on and why, until it goes on
+    questions: dict[int, ApprovalNotice] = field(default_factory=dict)  # approvals not yet decided, in order
+    running_turn: int | None = None  # the turn under way, as its Turn step showed it
+    header: int | None = None  # the call whose header is the last line shown
 
     def show(self, notice: Notice) -> None:
         if isinstance(notice, DeltaNotice) and notice.kind != "text":
-            self.asking = None
+            self._going_on(notice.action)
             # The model's reasoning (or a summary it writes): dimmed on a terminal, left out of a pipe's output.
             if self.out.isatty():
                 self._write(f"{DIM}{prose(notice.text)}{UNDIM}")
         elif isinstance(notice, DeltaNotice):
-            self.asking = None
+            self._going_on(notice.action)
             self.texts[notice.action] = self.texts.get(notice.action, "") + notice.text
             self._write(self.streams.setdefault(notice.action, Streamed()).add(notice.text))
         elif isinstance(notice, StalledNotice):
-            self._line(
-                f"[the turn waits: {brief(inline(notice.why), LINE_CHARS_MAX)}]"
-            )  # each why says what stalled it and what carries on
+            from devd.cli.common import in_devd_terms
+
+            why = in_devd_terms(brief(inline(notice.why), LINE_CHARS_MAX), self.session)
+            self.stalled = (notice.action, why)
+            self._line(f"[the turn waits: {why}]")  # each why says what stalled it and what carries on
+            self._line(STALL_ADVICE.format(session=argv([self.session])))
         elif isinstance(notice, ApprovalNotice):
             why = "" if notice.why is None else f": {brief(inline(notice.why), LINE_CHARS_MAX)}"  # why it asks
+            self.questions[notice.action] = notice
+            shown = approval_lines(notice, self.workspace)
+            if self.header == notice.action and shown[:1] == [call_line(Action(id=notice.action, op=notice.op))]:
+                shown = shown[1:]  # the command is the line above: not shown twice
             self._line(f"[approval needed for action {notice.action}{why}]")
-            for line in approval_lines(notice, self.workspace):
+            for line in shown:
                 self._line(line)
         elif isinstance(notice, DecidedNotice):
+            self.questions.pop(notice.action, None)
             said = {"allow": "allowed", "deny": "denied", "cancelled": "withdrawn: its turn was cancelled"}
             self._line(f"[action {notice.action} {said[notice.decision]} by {inline(notice.by)}{_kept(notice)}]")
         elif isinstance(notice, ActionsNotice):
             self._step(notice)
         self.out.flush()
 
+    def status(self) -> str | None:
+        """What the turn is doing, for a status line (None: nothing is under way)."""
+        now = self.clock()
+        if self.stalled is not None:
+            return f"stalled: {self.stalled[1]}"
+        if self.questions:
+            first = next(iter(self.questions))
+            more = f" (and {len(self.questions) - 1} more)" if len(self.questions) > 1 else ""
+            return f"waiting for approval of action {first}{more}"
+        if self.asking is not None:
+            doing = "writing" if self.asking in self.texts else "thinking"
+            return f"{doing} ({now - self.since:.1f} s)"
+        if self.running:
+            first, since = next(iter(self.running.items()))
+            return f"running {call_line(self.calls[first])} ({now - since:.1f} s)"
+        return None
+
+    def attached(self, owed: list[Action]) -> None:
+        """What the turn already waited for when this screen began to follow it: the model being asked, and the calls
+        dispatched (shown, so that their results come under them). The approvals asked the daemon tells every new
+        watcher itself."""
+        for action in owed:
+            if action.op.Model is not None:
+                self.asking, self.since = action.id, self.clock()
+            elif (line := call_line(action)) is not None:
+                self.calls[action.id] = action
+                self.running[action.id] = self.clock()
+                self._line(f"{line}  [dispatched before this terminal attached]")
+                self.header = action.id
+
+    def begin(self, turn: int) -> None:
+        """A turn prompted from here: its Done ends what is shown."""
+        self.turn, self.outcome, self.running_turn = turn, None, turn
+
+    def _going_on(self, action: int) -> None:
+        """Action `action` is being carried out: a stall of it (or one of an action not known: -1) is over."""
+        if self.stalled is not None and self.stalled[0] in (action, -1):
+            self.stalled = None
+
     def _step(self, notice: ActionsNotice) -> None:
         event = notice.event
+        if event.Turn is not None:
+            self.running_turn = event.Turn.id
+            if self.prompts:
+                self._line("› " + prose(event.Turn.prompt).replace("\n", "\n  "))
         answered = event.Model.id if event.Model is not None else None
+        if answered is not None:
+            self._going_on(answered)
         if answered is not None and self.asking == answered:
             self.asking = None
         if answered is not None and answered in self.streams:
             self._write(self.streams.pop(answered).end())  # a sequence its stream left unfinished, shown
         output = _result(event)
+        if output is not None:
+            self._going_on(output.id)
+            self.running.pop(output.id, None)
+            self.questions.pop(output.id, None)
         if output is not None and output.id in self.calls:
+            if self.header != output.id:  # another line came between: whose result this is, said again
+                self._line(f"↳ {call_line(self.calls[output.id])}")
             for line in result_lines(output):
                 self._line(line)
         for action in notice.actions:
             op = action.op
             if op.Model is not None:
-                self.asking = action.id
+                self.asking, self.since = action.id, self.clock()
             elif op.Emit is not None:
                 streamed = self.texts.get(answered, "") if answered is not None else ""
                 if streamed != op.Emit:  # not streamed here, or only its end (attached while it was written)
                     self._end_line()
                     self._write(prose(op.Emit))
                 self._end_line()
-            elif op.Done is not None and (self.turn is None or op.Done.turn == self.turn):
-                for stream in self.streams.values():  # cut off by a cancel: what they hold is shown
-                    self._write(stream.end())
-                self.streams.clear()
-                self.outcome = "complete" if op.Done.outcome.Complete else "cancelled"
-                self._line(f"[turn {op.Done.turn} {self.outcome}]")
+            elif op.Done is not None:
+                self._done(op.Done.turn, "complete" if op.Done.outcome.Complete else "cancelled")
             elif (called := call_line(action)) is not None:
                 self.calls[action.id] = action
+                self.running[action.id] = self.clock()
                 self._line(called)
+                self.header = action.id
+
+    def _done(self, turn: int, outcome: str) -> None:
+        if self.turn is not None and turn != self.turn:
+            return  # another turn's (devd run shows its own)
+        for stream in self.streams.values():  # cut off by a cancel: what they hold is shown
+            self._write(stream.end())
+        self.streams.clear()
+        self.asking, self.stalled, self.running_turn = None, None, None
+        self.running.clear()
+        self.questions.clear()
+        self.outcome = outcome
+        self._line(f"[turn {turn} {outcome}]")
 
     def _write(self, text: str) -> None:
         self.out.write(text)
         if text:
             self.at_line_start = text.endswith("\n")
+            self.header = None
 
     def _end_line(self) -> None:
         if not self.at_line_start:
@@ -182,60 +268,10 @@ class Screen:
         self._end_line()
         self._write(text + "\n")
 
-
-async def _progress(screen: Screen, err: TextIO) -> None:
-    """While the model is asked and has written nothing yet: `⋯ the model is thinking (3.2 s)` on stderr, redrawn."""
-    since: float | None = None
-    drawn = False
-    while True:
-        if screen.asking is not None:
-            since = since or time.monotonic()
-            err.write(f"\r⋯ the model is thinking ({time.monotonic() - since:.1f} s)")
-            err.flush()
-            drawn = True
-        elif drawn:
-            err.write("\r\033[K")
-            err.flush()
-            since, drawn = None, False
-        await anyio.sleep(PROGRESS_EVERY_S)
-
-
-async def _follow(
-    client: AsyncClient, session: str, since: int | None, screen: Screen, subscribed: anyio.Event | None = None
-) -> int:
-    """Show the session's notices until the turn's Done, asking `[y/N/a]` for each approval when a terminal is
-    attached; the exit status. `subscribed` is set once the watch has begun."""
-    async with anyio.create_task_group() as tg:
-        status = await _notices(client, session, since, screen, tg, subscribed)
-        tg.cancel_scope.cancel()
-    return status
-
-
-async def _notices(
-    client: AsyncClient,
-    session: str,
-    since: int | None,
-    screen: Screen,
-    tg: anyio.abc.TaskGroup,
-    subscribed: anyio.Event | None,
-) -> int:
-    asking: dict[int, anyio.CancelScope] = {}
-    async for notice in client.watch(session, since=since, subscribed=subscribed):
-        screen.show(notice)
-        if isinstance(notice, ApprovalNotice) and notice.action not in asking:
-            if sys.stdin.isatty():
-                asking[notice.action] = scope = anyio.CancelScope()
-                tg.start_soon(_ask, client, notice, screen, scope)
-            else:
-                screen._line(f"[answer it with `devd approve {session} {notice.action}` or `devd deny ...`]")
-        elif isinstance(notice, DecidedNotice) and notice.action in asking:
-            asking.pop(notice.action).cancel()  # decided elsewhere: the question is withdrawn
-        if screen.outcome is not None:
-            return EXIT_OK if screen.outcome == "complete" else EXIT_ENDED
-        if isinstance(notice, UnwatchedNotice):
-            screen._line(f"[the watch ended: {inline(notice.reason)}]")
-            return EXIT_ENDED
-    return EXIT_ENDED
+    def note(self, text: str) -> None:
+        """A line of the front end's own (a command's answer, a hint), after what is shown so far."""
+        self._line(text)
+        self.out.flush()
 
 
 def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:
@@ -481,148 +517,3 @@ def _kept(notice: DecidedNotice) -> str:
     if kept.scope == "exact":
         return f"; remembered: exactly {shown}"
     return f'; remembered: {shown}, also followed by more words not starting with "-"'
-
-
-async def _ask(client: AsyncClient, notice: ApprovalNotice, screen: Screen, scope: anyio.CancelScope) -> None:
-    """Ask the person at the terminal; their answer goes to the daemon unless another client decided first."""
-    with scope:
-        screen.out.write(prompt_line(notice))
-        screen.out.flush()
-        screen.at_line_start = False
-        answer = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
-        screen.at_line_start = True
-        decision, remember = decision_of(answer)
-        try:
-            await client.approve(notice.session, notice.action, notice.digest, decision, remember=remember)
-        except ConflictError as e:
-            screen._line(f"[{inline(str(e))}]")
-
-
-async def _seq(client: AsyncClient, session: str) -> int | None:
-    from devd.driver import _just_before
-
-    page = await client.list(1, _just_before(session))
-    return page.sessions[0].seq if page.sessions and page.sessions[0].session == session else None
-
-
-async def _run(client: AsyncClient, args: argparse.Namespace, screen: Screen) -> int:
-    session = args.session
-    seq = None if session is None else await _seq(client, session)
-    if seq is None:
-        workspace = os.path.abspath(args.workspace or os.getcwd())
-        session = await client.new(session=session, agent=args.agent, workspace=workspace)
-        seq = 0
-    screen.workspace = (await client.agent(session)).workspace  # the binding's: --workspace is only for a new one
-    subscribed, prompted = anyio.Event(), anyio.Event()
-    statuses: list[int] = []
-
-    async def follow(scope: anyio.CancelScope) -> None:
-        statuses.append(await _follow(client, session, seq, screen, subscribed))
-        await prompted.wait()  # a turn done before its prompt's answer was read: the answer is read first
-        scope.cancel()
-
-    try:
-        async with anyio.create_task_group() as tg:
-            if sys.stderr.isatty():
-                tg.start_soon(_progress, screen, sys.stderr)
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                # Watched before the prompt: the text the model streams (`session/delta`) is not journalled, so
-                # what streamed before the watch began would never be shown. Until the prompt answers, the next Done
-                # is the turn's (the watch starts after the session's last step).
-                tg.start_soon(follow, tg.cancel_scope)
-                await subscribed.wait()
-                screen.turn = turn = await client.prompt(session, args.prompt)
-                prompted.set()
-                tg.start_soon(_cancel_on, signals, client, session, turn, screen, tg.cancel_scope)
-                await anyio.sleep_forever()
-    except* ConnectionError as lost:
-        raise _lost(lost, session) from None
-    status = statuses[0] if statuses else EXIT_INTERRUPTED
-    return EXIT_INTERRUPTED if screen.interrupted else status
-
-
-async def _cancel_on(
-    signals: AsyncIterator[int],
-    client: AsyncClient,
-    session: str,
-    turn: int,
-    screen: Screen,
-    scope: anyio.CancelScope,
-) -> None:
-    """Ctrl-C: cancel the turn (a Cancel step, keyed: a retry sends nothing new), then stop showing it."""
-    async for _ in signals:
-        screen.interrupted = True
-        with anyio.CancelScope(shield=True):
-            await _cancel(client, session, turn)
-        if screen.outcome is None:
-            screen.outcome = "cancelled"
-            screen._line(f"[turn {turn} cancelled]")
-        scope.cancel()
-        return
-
-
-async def _cancel(client: AsyncClient, session: str, turn: int) -> None:
-    """Step the turn's Cancel (keyed: a retry sends nothing new), waiting out BUSY: the daemon may be stepping it."""
-    for delay in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 1.0, 1.0):
-        try:
-            await client.step(session, Event(Cancel=Cancel(turn=turn)), key=f"devd run:{session}:cancel:{turn}")
-            return
-        except BusyError:
-            await anyio.sleep(delay)
-    await client.step(session, Event(Cancel=Cancel(turn=turn)), key=f"devd run:{session}:cancel:{turn}")
-
-
-async def _attach(client: AsyncClient, args: argparse.Namespace, screen: Screen) -> int:
-    if await _seq(client, args.session) is None:
-        raise HandleError(f"no session is named {args.session!r}; `devd ls` shows the sessions there are")
-    screen.workspace = (await client.agent(args.session)).workspace
-    owed = await client.pending(args.session)
-    if not owed:
-        screen._line(f"[session {args.session} has no turn running; waiting for one, Ctrl-C to stop]")
-    else:
-        screen.asking = next((a.id for a in owed if a.op.Model is not None), None)
-    status = EXIT_INTERRUPTED
-    try:
-        async with anyio.create_task_group() as tg:
-            if sys.stderr.isatty():
-                tg.start_soon(_progress, screen, sys.stderr)
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                tg.start_soon(_stop_on, signals, tg.cancel_scope)
-                status = await _follow(client, args.session, None, screen)
-            tg.cancel_scope.cancel()
-    except* ConnectionError as lost:
-        raise _lost(lost, args.session) from None
-    return status
-
-
-def _lost(group: BaseExceptionGroup[ConnectionError], session: str) -> ConnectionError:
-    """The daemon went away while a turn was shown: one error (not the task groups' nesting), saying that the turn
-    is the daemon's and how to follow it again."""
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return ConnectionError(
-        f"{first}; the turn is the daemon's: once it answers again, `devd attach -- {session}` shows it"
-    )
-
-
-async def _stop_on(signals: AsyncIterator[int], scope: anyio.CancelScope) -> None:
-    async for _ in signals:
-        scope.cancel()
-        return
-
-
-def main(args: argparse.Namespace, address: str, token: str | None) -> int:
-    """Run `devd run` or `devd attach`; the exit status (errors are raised, for the caller to show)."""
-    command: Callable[[AsyncClient, argparse.Namespace, Screen], Awaitable[int]] = (
-        _run if args.command == "run" else _attach
-    )
-
-    async def go() -> int:
-        async with AsyncClient.connect(address, token=token, peers=args.peer or ()) as client:
-            from devd.cli.sessions import cli_client_name  # who answers approvals from here
-
-            await client.initialize(token=token, name=cli_client_name())
-            return await command(client, args, Screen(sys.stdout))
-
-    return anyio.run(go)

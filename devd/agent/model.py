@@ -26,7 +26,7 @@ import inspect
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -35,8 +35,10 @@ import anyio
 import msgspec
 
 from devd.agent import http, kinds, spend
+from devd.agent.kinds.named import NamedTool
 from devd.agent.profiles import Profile, api_key, shown_url, token_param
 from devd.messages import Call, Message, Reply
+from devd.messages import ToolCall as NamedCall
 
 
 class Inserted(msgspec.Struct, frozen=True):
@@ -200,10 +202,12 @@ def request_body(
     *,
     exec_available: bool = True,
     thoughts: Mapping[int, str] | None = None,
+    named: Sequence[NamedTool] = (),
 ) -> dict[str, Any]:
     """The chat-completions request for an ask: the system prompt, the conversation (with `extra` inserted where it
     belongs; with `send_reasoning`, each answer's reasoning of `thoughts`, by its place in the whole conversation, as
-    its `reasoning_content`), the tools the profile allows, streamed with usage."""
+    its `reasoning_content`), the tools the profile allows and the session's `named` ones (its MCP tools), streamed
+    with usage."""
     conversation = wire_messages(messages)
     replaced = whole_length(messages) - len(messages)  # the whole conversation's messages a Summary stands for, less it
     if profile.send_reasoning:
@@ -226,6 +230,10 @@ def request_body(
         {"type": "function", "function": {"name": name, **(kinds.OFFERED[name].schema or {})}}
         for name in tool_names(profile, exec_available=exec_available)
     ]
+    tools += [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in named
+    ]
     body: dict[str, Any] = {"model": profile.model, "messages": wire, "tools": tools}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     if profile.max_tokens is not None:
@@ -236,17 +244,31 @@ def request_body(
 # -- the answer ---------------------------------------------------------------------------------------------------
 
 
-def to_reply(completion: Completion) -> tuple[Reply, list[Rejected]]:
-    """The reply the core is stepped with, and the tool calls it cannot take (with why)."""
+def to_reply(completion: Completion, named: Collection[str] = ()) -> tuple[Reply, list[Rejected]]:
+    """The reply the core is stepped with, and the tool calls it cannot take (with why); `named` are the names of the
+    session's named tools (its MCP tools), called as `Tool` calls."""
     calls: list[Call] = []
     rejected: list[Rejected] = []
     for tc in completion.tool_calls:
-        call = _call(tc)
+        call = _named_call(tc) if tc.name in named else _call(tc)
         if isinstance(call, str):
             rejected.append(Rejected(call_id=tc.id, name=tc.name, arguments=tc.arguments, why=call))
         else:
             calls.append(call)
     return Reply(text=completion.text, calls=calls or None), rejected
+
+
+def _named_call(tc: ToolCall) -> Call | str:
+    """The core's Tool call for a call of a named tool (its arguments kept as written), or what is wrong with it."""
+    try:
+        args = json.loads(tc.arguments or "{}")
+        json.dumps(args, ensure_ascii=False).encode("utf-8")
+    except (json.JSONDecodeError, RecursionError, UnicodeEncodeError) as e:
+        return f"the arguments of {tc.name} are not JSON that can be read ({e}); send a JSON object"
+    if not isinstance(args, dict):
+        return f"the arguments of {tc.name} are not a JSON object; send one"
+    raw = msgspec.Raw((tc.arguments or "{}").encode())
+    return Call(Tool=NamedCall(name=tc.name, input=raw))
 
 
 def _call(tc: ToolCall) -> Call | str:
@@ -558,6 +580,7 @@ async def complete(
     environ: Mapping[str, str],
     exec_available: bool,
     extra: Iterable[Inserted] = (),
+    named: Sequence[NamedTool] = (),
     on_text: TextSink | None = None,
     on_attempt: AttemptSink | None = None,
     output_max: int | None = None,
@@ -595,7 +618,9 @@ async def complete(
         return await _exchange(
             client,
             profile,
-            body if body is not None else request_body(profile, messages, list(extra), exec_available=exec_available),
+            body
+            if body is not None
+            else request_body(profile, messages, list(extra), exec_available=exec_available, named=named),
             key,
             _Sinks(on_text, on_reasoning),
             report,

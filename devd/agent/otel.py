@@ -58,7 +58,8 @@ class Exporter:
             if record.estimated:  # the counts are devd's estimate: the server sent none
                 attributes["devd.usage.estimated"] = True
         else:
-            tool = kinds.BY_NAME[record.kind].name
+            # A named tool's span is named by the tool the model called (SERVER__TOOL), not by its kind.
+            tool = record.name if record.kind == "tool" and record.name else kinds.BY_NAME[record.kind].name
             name, kind = f"execute_tool {tool}", SpanKind.INTERNAL
             attributes |= {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": tool}
         span = self.tracer.start_span(name, kind=kind, attributes=attributes, start_time=start_ns)

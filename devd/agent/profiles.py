@@ -46,6 +46,32 @@ class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
     tokens_per_day: int | None = None
 
 
+Share = Literal["profile", "session"]
+
+
+class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """An MCP server a profile's sessions may call (`[agent.NAME.mcp.SERVER]`): a stdio `command` or a Streamable HTTP
+    `url`. `env` maps the server's variable to the *name* of the daemon's variable holding its value (`headers` an
+    HTTP header to one), never the value. `tools` is the tools offered (None: every tool it lists); `decision` decides
+    its calls, `rules` one tool's by its name. `share`: one process for every session of the profile (and
+    workspace), or one per session."""
+
+    name: str
+    command: tuple[str, ...] | None = None
+    url: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    headers: tuple[tuple[str, str], ...] = ()
+    tools: tuple[str, ...] | None = None
+    decision: Decision = "ask"
+    rules: tuple[tuple[str, Decision], ...] = ()
+    network: bool = False
+    share: Share = "profile"
+    idle_s: float = 300.0
+    start_timeout_s: float = 10.0
+    call_timeout_s: float = 120.0
+    tools_max: int = 1000
+
+
 class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One agent profile. `api_key_env` is the name of an environment variable, never the secret itself."""
 
@@ -79,6 +105,8 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     budget: Budget | None = None
     reply_bytes_max: int = 8 * 1024 * 1024  # a model reply's body (a line of it too) is dropped past this
     model_timeout_s: float = 600.0  # an attempt of a model call is given up past this, however it trickles
+    mcp: tuple[McpServer, ...] = ()  # the MCP servers its sessions may call (devd.agent.mcp)
+    session_mcp: bool = False  # whether a session may bring servers of its own (session/new mcp_servers)
     instructions: tuple[str, ...] = ("AGENTS.md",)  # project instruction files' names (devd.agent.instructions)
     # Not a key of the agents file: the project instructions read for one model call, set by the runner on the
     # profile it asks with, and sent as a system message after `system` (devd.agent.model.request_body).
@@ -118,6 +146,8 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "reply_bytes_max": (int, "an integer number of bytes"),
     "model_timeout_s": (float, "a number of seconds"),
     "budget": (dict[str, Any], "a table with tokens_per_turn, tokens_per_session, tokens_per_day"),
+    "mcp": (dict[str, Any], "a table of [agent.NAME.mcp.SERVER] tables"),
+    "session_mcp": (bool, "true or false"),
     "instructions": (list[str], 'a list of file names, like ["AGENTS.md"]'),
 }
 _REQUIRED = ("base_url", "workspace_roots")  # and `model`, or `models`
@@ -242,6 +272,8 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
         raise lines.error(where, f"agent.{name}.run_as is {value}; a uid is at least 1")
     if key == "budget":
         return _budget(name, value, lines)
+    if key == "mcp":
+        return tuple(_mcp_server(name, server, table, lines) for server, table in value.items())
     if key == "instructions":
         for file in value:
             if not file or "/" in file or "\0" in file or file in (".", ".."):
@@ -287,6 +319,109 @@ def _budget(name: str, table: dict[str, Any], lines: _Lines) -> Budget:
         if not _fits(value, int) or value < 1:
             raise lines.error(where, f"agent.{name}.budget.{key} is {_show(value)}; it must be an integer above 0")
     return Budget(**table)
+
+
+# The keys of an [agent.NAME.mcp.SERVER] table, with their type as a user reads it.
+_MCP_FIELDS: dict[str, tuple[Any, str]] = {
+    "command": (list[str], 'a non-empty list of strings: ["program", "arg", ...]'),
+    "url": (str, "an http:// or https:// URL"),
+    "env": (dict[str, str], "a table of the server's variable = the name of the daemon's: { TOKEN = \"GH_TOKEN\" }"),
+    "headers": (dict[str, str], "a table of an HTTP header = the name of the daemon's variable holding its value"),
+    "tools": (list[str], "a list of the server's tool names"),
+    "decision": (Decision, 'one of "allow", "deny", "ask"'),
+    "rules": (dict[str, str], 'a table of a tool\'s name = "allow", "deny" or "ask"'),
+    "network": (bool, "true or false"),
+    "share": (Share, 'one of "profile", "session"'),
+    "idle_s": (float, "a number of seconds"),
+    "start_timeout_s": (float, "a number of seconds"),
+    "call_timeout_s": (float, "a number of seconds"),
+    "tools_max": (int, "an integer number of tools"),
+}
+# A server's name starts the model's name of each of its tools (SERVER__TOOL): letters, digits, - and single _, short
+# enough to leave room for the tool's name within the model API's 64 characters.
+SERVER_NAME = re.compile(r"[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*")
+SERVER_NAME_CHARS_MAX = 32
+
+
+def server_name_problem(name: str) -> str | None:
+    """Why name cannot name an MCP server, or None."""
+    if not SERVER_NAME.fullmatch(name) or len(name) > SERVER_NAME_CHARS_MAX:
+        return (
+            f"an MCP server's name is 1-{SERVER_NAME_CHARS_MAX} letters, digits, - and _ (never two _ in a row, nor "
+            "one at either end): the model calls its tools SERVER__TOOL"
+        )
+    return None
+
+
+def _mcp_server(agent: str, server: str, table: Any, lines: _Lines) -> McpServer:
+    where = ("agent", agent, "mcp", server)
+    label = f"agent.{agent}.mcp.{server}"
+    if not isinstance(table, dict):
+        raise lines.error(where, f"{label} must be a table ([{label}]) of the server's settings")
+    why = server_name_problem(server)
+    if why is not None:
+        raise lines.error(where, f"{label}: {why}; rename it")
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in _MCP_FIELDS:
+            raise lines.error(
+                (*where, key),
+                f"unknown key {key!r} in [{label}]; remove it or fix its name (the keys are {', '.join(_MCP_FIELDS)})",
+            )
+        kind, expected = _MCP_FIELDS[key]
+        if not _fits(value, kind):
+            raise lines.error((*where, key), f"{label}.{key} is {_show(value)}; it must be {expected}")
+        values[key] = _mcp_field(label, key, value, lines, (*where, key))
+    if ("command" in values) == ("url" in values):
+        raise lines.error(
+            where, f'[{label}] needs either command = ["program", ...] (a stdio server) or url = "https://..." (HTTP)'
+        )
+    if "url" in values and values.get("env"):
+        raise lines.error((*where, "env"), f"{label}.env is for a stdio server's process; an HTTP server has headers")
+    if "command" in values and values.get("headers"):
+        raise lines.error((*where, "headers"), f"{label}.headers is for an HTTP server; a stdio server has env")
+    return McpServer(name=server, **values)
+
+
+def _mcp_field(label: str, key: str, value: Any, lines: _Lines, where: tuple[str, ...]) -> Any:
+    if key == "command":
+        if not value or not value[0]:
+            raise lines.error(where, f'{label}.command is empty; give the program and its arguments: ["program", ...]')
+        return tuple(value)
+    if key == "url":
+        split = urlsplit(value)
+        if split.scheme not in ("http", "https") or not split.netloc or "@" in split.netloc:
+            raise lines.error(
+                where, f"{label}.url {shown_url(value)!r} is not an http:// or https:// URL without a user or password"
+            )
+        return value
+    if key in ("env", "headers"):
+        for variable, holder in value.items():
+            if key == "env" and not _ENV_NAME.fullmatch(variable):
+                raise lines.error(where, f"{label}.env names {variable!r}, which is not an environment variable name")
+            if not _ENV_NAME.fullmatch(holder):
+                raise lines.error(
+                    where,
+                    f"{label}.{key}.{variable} is not a variable name (it is not shown: it may be a secret); it must "
+                    "be the name of the daemon's environment variable holding the value, never the value itself",
+                )
+        return tuple(value.items())
+    if key == "tools":
+        return tuple(value)
+    if key == "rules":
+        for tool, decision in value.items():
+            if decision not in get_args(Decision):
+                raise lines.error(
+                    where, f'{label}.rules.{tool} is {_show(decision)}; it must be one of "allow", "deny", "ask"'
+                )
+        return tuple(value.items())
+    if key in ("idle_s", "start_timeout_s", "call_timeout_s"):
+        if not value > 0:
+            raise lines.error(where, f"{label}.{key} is {value}; it must be above 0")
+        return float(value)
+    if key == "tools_max" and value < 1:
+        raise lines.error(where, f"{label}.tools_max is {value}; it must be at least 1")
+    return value
 
 
 def _fits(value: Any, kind: Any) -> bool:

@@ -32,9 +32,9 @@ import json
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -44,19 +44,33 @@ import structlog
 from devd import failpoints
 from devd.agent import cgroups, context, effects, http, instructions, kinds, model, records, rewind, spend, tools
 from devd.agent import sandbox as sandboxes
+from devd.agent.mcp.own import own_servers
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import DELTA_NOTICE, Sessions, action_ids
-from devd.agent.profiles import Profile, api_key, check_workspace, offered_models
+from devd.agent.profiles import McpServer, Profile, api_key, check_workspace, offered_models
 from devd.agent.records import Binding, Claim, ModelChosen, Thought, TurnStarted
 from devd.agent.titles import Titles, from_prompt
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Event, Message, Reply, Summarize, Turn, encode
-from devd.protocol import CompactResult, DeltaNotice, InstructionsNotice, ModelResult, Outcome, StalledNotice
+from devd.protocol import (
+    CompactResult,
+    DeltaNotice,
+    InstructionsNotice,
+    ModelResult,
+    Outcome,
+    SessionMcpServer,
+    StalledNotice,
+)
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
 
+if TYPE_CHECKING:
+    from devd.agent.kinds.named import NamedTool
+    from devd.agent.mcp.broker import Broker
+
 log = structlog.get_logger("devd.agent")
+OwnServers = tuple[tuple[McpServer, dict[str, str]], ...]
 T = TypeVar("T")
 
 SCAN_ROWS = 256  # journal rows read at a time when a session's turn ids are first looked for
@@ -123,6 +137,7 @@ class Runtime:
         self._tg: anyio.abc.TaskGroup | None = None
         self._sandboxes: dict[str, sandboxes.Sandbox | sandboxes.Refusal | None] = {}
         self.http: http.Client | None = None
+        self.mcp: Broker | None = None  # the MCP broker, when a profile names servers (its SDK is loaded only then)
         self.oversight = Oversight(sessions)  # approvals, spend and trace (devd.agent.oversight)
         self.titles = Titles(sessions, sessions.seq)
         self.ledger = effects.Ledger(sessions)  # what effects ran, and what a Write replaced (session/rewind)
@@ -155,6 +170,15 @@ class Runtime:
         except tools.Refused as e:  # changed since check_workspace looked: a link swapped in meanwhile, say
             raise InvalidParamsError(f"workspace {real} changed as the session was made ({e.why}); try again") from None
         return Binding(agent, str(real), identity)
+
+    def own_mcp(self, agent: str, given: list[SessionMcpServer]) -> OwnServers:
+        """A session's own MCP servers, checked against the profile (InvalidParamsError saying what is wrong)."""
+        return own_servers(self.profiles[agent], given)
+
+    def bring_mcp(self, session: str, servers: OwnServers) -> None:
+        """The session's own MCP servers from now (in memory: a restart forgets them, `session/mcp` gives them)."""
+        if self.mcp is not None:
+            self.mcp.own(session, servers)
 
     async def bind(self, session: str, binding: Binding | None) -> None:
         """Keep the new session's binding, durably. A session of no agent is not remembered here at all (there may be
@@ -311,6 +335,11 @@ class Runtime:
             await anyio.to_thread.run_sync(_prepare_cgroups)
         async with http.new_client() as client, anyio.create_task_group() as tg:
             self.http, self._tg = client, tg
+            if any(p.mcp or p.session_mcp for p in self.profiles.values()):
+                from devd.agent.mcp.broker import Broker
+
+                self.mcp = Broker(self.environ)
+                await tg.start(self.mcp.run)
             self._check_keys()
             task_status.started()
             try:
@@ -402,6 +431,8 @@ class Runtime:
         driver = self._drivers.pop(session, None)
         if driver is not None:
             driver.scope.cancel()
+        if self.mcp is not None:
+            self.mcp.forget(session)
         self._forget(session)
 
     def _forget(self, session: str) -> None:
@@ -419,7 +450,9 @@ class Runtime:
 _events = msgspec.json.Decoder(Event)
 
 
-def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list[model.Rejected]]:
+def _capped(
+    profile: Profile, completion: model.Completion, named: Collection[str] = ()
+) -> tuple[Reply, list[model.Rejected]]:
     """The reply the core is stepped with and the calls it does not take: of the reply's tool calls, the first
     `max_calls_per_reply` are taken (those it can take); the rest are never run, answered as one: the first of them,
     its arguments left out, refused for all (what is kept in the conversation, and sent in every later request, stays
@@ -428,9 +461,11 @@ def _capped(profile: Profile, completion: model.Completion) -> tuple[Reply, list
     calls = completion.tool_calls
     if completion.finish_reason == "length" and calls:  # the last call was being written when the limit came
         *calls, last = calls
-        reply, rejected = _capped(profile, msgspec.structs.replace(completion, tool_calls=calls, finish_reason=None))
+        reply, rejected = _capped(
+            profile, msgspec.structs.replace(completion, tool_calls=calls, finish_reason=None), named
+        )
         return reply, [*rejected, model.Rejected(last.id, last.name, "{}", CUT_CALL)]
-    reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]))
+    reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]), named)
     if len(calls) <= limit:
         return reply, rejected
     why = (
@@ -637,7 +672,10 @@ class Driver(msgspec.Struct, eq=False):
             self._claims.add(action.id)
             failpoints.hit("agent.claimed")
         context = kinds.Context(
-            profile, lambda: self.runtime.workspace(self.session), lambda: self.runtime.sandbox(profile)
+            profile,
+            lambda: self.runtime.workspace(self.session),
+            lambda: self.runtime.sandbox(profile),
+            self._named(profile),
         )
         started, t0 = time.time(), time.monotonic()
         result = await self._guarded(action.id, lambda: kind.run(context, call))
@@ -661,6 +699,22 @@ class Driver(msgspec.Struct, eq=False):
         entry = ledger.entry(self.session, action.id, turn, kind.member, call, started, outcome, before)
         await self._traced(action, kind, call, started, took, outcome, error, entry if kind.effect else None)
         return await self._step(event, action.id)
+
+    def _named(self, profile: Profile) -> Callable[[str, bytes], Awaitable[tools.Result]] | None:
+        """How a call of the session's named (MCP) tools is carried out, when the daemon has a broker."""
+        broker = self.runtime.mcp
+        if broker is None:
+            return None
+        workspace, sandbox = lambda: self.runtime.workspace(self.session), lambda: self.runtime.sandbox(profile)
+        return lambda name, data: broker.call(self.session, profile, workspace, sandbox, name, data)
+
+    async def _offered(self, profile: Profile) -> list[NamedTool]:
+        """The session's MCP tools the model is offered now."""
+        broker = self.runtime.mcp
+        if broker is None:
+            return []
+        workspace, sandbox = lambda: self.runtime.workspace(self.session), lambda: self.runtime.sandbox(profile)
+        return await broker.offered(self.session, profile, workspace, sandbox)
 
     async def _gate(self, profile: Profile, action: Action) -> Gate | None:
         """Whether the call may start: the profile's decision, or for `ask` a client's (waited for); None when the
@@ -830,6 +884,7 @@ class Driver(msgspec.Struct, eq=False):
         profile = await self._instructed(profile, action.id)
         confined = await self.runtime.sandbox(profile)
         exec_available = not isinstance(confined, sandboxes.Refusal)
+        named = await self._offered(profile)
         window = context.window(profile)
         reasks, pieces, going_on = 0, list[str](), list[Inserted]()
         try:
@@ -840,7 +895,9 @@ class Driver(msgspec.Struct, eq=False):
 
                 def request(sent: Profile, extra: list[Inserted] = extra) -> dict[str, Any]:
                     thoughts = self._thoughts
-                    return model.request_body(sent, messages, extra, exec_available=exec_available, thoughts=thoughts)
+                    return model.request_body(
+                        sent, messages, extra, exec_available=exec_available, thoughts=thoughts, named=named
+                    )
 
                 size = context.measure(request(profile))
                 if window is not None and size > profile.compact_at * window:
@@ -869,7 +926,7 @@ class Driver(msgspec.Struct, eq=False):
                     completion = msgspec.structs.replace(completion, text="".join(pieces) + note)
                 elif pieces:
                     completion = msgspec.structs.replace(completion, text="".join(pieces) + (completion.text or ""))
-                reply, rejected = _capped(profile, completion)
+                reply, rejected = _capped(profile, completion, {t.name for t in named})
                 if rejected:
                     again = reply.calls is None and reasks < REASKS_MAX
                     text = reply.text if again else None

@@ -595,7 +595,7 @@ async def _run(
         if "/" not in argv[0] and shutil.which(argv[0], path=ENV_PATH) is None:
             return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
         try:
-            who, alone, veil = await anyio.to_thread.run_sync(_who, profile, root, pinned.path, sandbox, group)
+            who, alone, veil = await anyio.to_thread.run_sync(confinement, profile, root, pinned.path, sandbox, group)
         except runas.Unusable as e:
             return Result(f"cannot run {argv[0]}: {e.why}", failed=True)
         env = command_env(pinned.path, guest=who is not None and who.uid != os.fstat(root).st_uid)
@@ -644,7 +644,7 @@ async def _run(
     return _outcome(process, output, timed_out, profile, group is not None and group.out_of_memory())
 
 
-def _who(
+def confinement(
     profile: Profile, workspace_fd: int, workspace: Path, sandbox: Sandbox | None, group: cgroups.Group | None
 ) -> tuple[runas.Account | None, bool, Path | None]:
     """Who the command runs as (`runas.account`), whether in a user namespace of its own (`own_user_namespace` in

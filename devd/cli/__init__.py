@@ -30,14 +30,26 @@ from devd.cli.common import (
     _token,
     in_cli_terms,
 )
-from devd.cli.operator import _backup, _doctor, _inspect, _status, action_summary, inspection, status_summary
+from devd.cli.operator import (
+    _backup,
+    _doctor,
+    _inspect,
+    _mcp,
+    _status,
+    action_summary,
+    inspection,
+    status_summary,
+)
 from devd.cli.parser import environment_defaults, flag_variable, parse_args, parser
 from devd.cli.sessions import (
     PLAIN,
+    _budget,
     _decision,
+    _info,
     _ls,
     _new,
     _restore,
+    _resume,
     _run_plain,
     _step,
     _watch,
@@ -75,6 +87,7 @@ __all__ = [
 COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "backup": _backup,
     "status": _status,
+    "mcp": _mcp,
     "ls": _ls,
     "new": _new,
     "step": _step,
@@ -84,6 +97,9 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     **{plain.command: _run_plain(plain) for plain in PLAIN},
     "approve": _decision("allow"),
     "deny": _decision("deny"),
+    "info": _info,
+    "resume": _resume,
+    "budget": _budget,
 }
 
 
@@ -149,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         from devd.acp.main import main as acp_main
 
         return acp_main(args)
-    if args.command in ("run", "attach"):
+    if args.command in ("run", "attach", "chat"):
         return _run_agent(args)
     return _run_client(args)
 
 
 def _run_agent(args: argparse.Namespace) -> int:
-    """`devd run` and `devd attach` (devd.agent.cli), with the errors and exit status of the other client commands."""
-    from devd.agent import cli as agent_cli
+    """`devd chat`, `devd run` and `devd attach` (devd.cli.chat), with the errors and exit status of the other client
+    commands."""
+    from devd.cli import chat
 
-    return _reported(args, lambda: agent_cli.main(args, _address(args), _token(args)))
+    return _reported(args, lambda: chat.main(args, _address(args), _token(args)))

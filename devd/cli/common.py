@@ -128,6 +128,8 @@ METHOD_COMMANDS: dict[str, str] = {
     "session/compact": "devd compact {session}",
     "session/model": "devd model {session} MODEL",
     "session/trace": "devd trace {session}",
+    "session/resume": "devd resume {session}",
+    "session/budget": "devd budget {session} TOKENS",
     "daemon/status": "devd status",
 }
 
@@ -142,14 +144,20 @@ def in_cli_terms(error: DevdError, args: argparse.Namespace) -> str:
         return _unauthorized(args)
     session = getattr(args, "session", None) or "SESSION"
 
+    message = in_devd_terms(inline(str(error)), session)
+    if error.kind == "INTERNAL":
+        message += " (the daemon's log: `journalctl -u devd`, with --user for a daemon of yours, or its stderr)"
+    return message
+
+
+def in_devd_terms(text: str, session: str) -> str:
+    """text with each method it names (`session/resume`) as the `devd` command that calls it for `session`."""
+
     def command(found: re.Match[str]) -> str:
         template = METHOD_COMMANDS.get(found[1])
         return found[0] if template is None else f"`{template.format(session=session)}`"
 
-    message = _METHOD_NAMED.sub(command, inline(str(error)))
-    if error.kind == "INTERNAL":
-        message += " (the daemon's log: `journalctl -u devd`, with --user for a daemon of yours, or its stderr)"
-    return message
+    return _METHOD_NAMED.sub(command, text)
 
 
 def _unauthorized(args: argparse.Namespace) -> str:

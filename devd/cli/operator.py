@@ -50,6 +50,32 @@ def _status(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _mcp(client: Client, args: argparse.Namespace) -> int:
+    raw = client.call_raw("daemon/mcp")
+    if args.json:
+        _emit(raw + b"\n")
+    else:
+        _emit(mcp_table(msgspec.json.decode(raw)["servers"]).encode())
+    return EXIT_OK
+
+
+def mcp_table(servers: list[dict[str, Any]]) -> str:
+    """`devd mcp`: a line per MCP server connection (its last error on the next line, indented)."""
+    if not servers:
+        return "no MCP servers (no profile names one, or none was needed yet)\n"
+    lines = []
+    for s in servers:
+        owner = f"agent {s['agent']}" if s["agent"] is not None else "a session's own"
+        pid = f"pid {s['pid']}" if s["pid"] is not None else "no process"
+        lines.append(
+            f"{inline(s['name'])} ({owner}): {s['state']}, {pid}, {s['sessions']} sessions, {s['tools']} tools, "
+            f"{s['restarts']} restarts"
+        )
+        if s["last_error"]:
+            lines.append(f"  last error: {inline(s['last_error'])}")
+    return "\n".join(lines) + "\n"
+
+
 def _backup(client: Client, args: argparse.Namespace) -> int:
     raw = client.call_raw("daemon/backup", {"name": args.name})
     if args.json:
@@ -293,6 +319,11 @@ def inspection(entry: dict[str, Any], pending: list[Action] | None) -> str:
         pairs.append(("turn", f"running, waiting for {len(pending)} action{'' if len(pending) == 1 else 's'}"))
     else:
         pairs.append(("turn", "none running"))
+    if entry.get("title"):
+        pairs.insert(1, ("title", inline(entry["title"])))
     actions = pending or []
     width = max((len(str(a.id)) for a in actions), default=0)
-    return _pairs(pairs) + "".join(f"  {a.id:>{width}}  {action_summary(a)}\n" for a in actions)
+    from devd.cli.sessions import attention
+
+    listed = "".join(f"  {a.id:>{width}}  {action_summary(a)}\n" for a in actions)
+    return _pairs(pairs) + listed + attention(name, entry.get("stalled"), actions)

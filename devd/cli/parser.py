@@ -196,6 +196,8 @@ def _parsers(only: str | None = None) -> tuple[argparse.ArgumentParser, argparse
     _add_clients(sub, wanted)
     if wanted("run"):
         _add_run(sub)
+    if wanted("chat"):
+        _add_chat(sub)
     if wanted("attach"):
         _add_attach(sub)
     if wanted("acp"):
@@ -437,6 +439,7 @@ def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wante
 
     if status := client("status", "show the daemon's counters: sessions, steps, commits, errors, memory"):
         status.add_argument("--prometheus", action="store_true", help="in the Prometheus text format (--json wins)")
+    client("mcp", "list the MCP servers the daemon holds: state, process, sessions, tools, restarts, last error")
     if ls := client("ls", "list the sessions by name: a table of their state, last step, watchers and times"):
         ls.add_argument(
             "--limit", type=int, metavar="N", help="at most this many sessions, 1-100000 (default: all of them)"
@@ -495,6 +498,19 @@ def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wante
                 const="prefix",
                 help=f'{does} later calls of the same argv followed by more words, none starting with "-", too',
             )
+    client(
+        "resume",
+        "try a stalled session's action again (after `devd budget` when a spend ceiling stalled it)",
+        json="print the daemon's answer ({}) instead",
+        session=True,
+    )
+    if budget := client(
+        "budget",
+        "set a session's spend ceiling in tokens; a stall it caused carries on with `devd resume`",
+        json="print the daemon's answer ({}) instead",
+        session=True,
+    ):
+        budget.add_argument("tokens", type=_budget_tokens, help="the ceiling in tokens (e.g. 200000), or none")
     if backup := client("backup", "have the daemon write a consistent copy of every session to a new file"):
         backup.add_argument(
             "name",
@@ -503,21 +519,50 @@ def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wante
         )
 
 
+def _budget_tokens(text: str) -> int | None:
+    from devd.cli.sessions import budget_tokens
+
+    try:
+        return budget_tokens(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # The agent runtime's: a turn the daemon drives, shown as it happens (devd.agent.cli).
     run = sub.add_parser(
         "run",
         help="have the daemon carry out a turn of an agent and show it as it happens",
         description="Start a session of an agent (or continue --session) with PROMPT and show the turn as the daemon "
-        "carries it out: the model's text as it streams, each call and its result, the outcome. Exit 0 when the "
-        "turn is done, 1 when it ended otherwise, 130 after Ctrl-C (which cancels the turn).",
+        "carries it out: the model's text as it streams, each call and its result, the outcome; at a terminal, "
+        "approvals are asked inline. Exit 0 when the turn is done, 1 when it ended otherwise, 130 after Ctrl-C "
+        "(which cancels the turn). Without PROMPT, as `devd chat`.",
         formatter_class=_Help,
     )
-    _connection_flags(run)
-    run.add_argument("prompt", help="what to ask the agent")
-    run.add_argument("--agent", help="the agent profile (default: the daemon's only one, when it has one)")
-    run.add_argument("--workspace", metavar="DIR", help="the session's workspace (default: the current directory)")
-    run.add_argument("--session", help="continue this session (made, of --agent in --workspace, if there is none)")
+    _session_flags(run)
+    run.add_argument("prompt", nargs="?", help="what to ask the agent (none: an interactive session, as devd chat)")
+
+
+def _session_flags(c: argparse.ArgumentParser) -> None:
+    _connection_flags(c)
+    c.add_argument("--agent", help="the agent profile (default: the daemon's only one, when it has one)")
+    c.add_argument("--workspace", metavar="DIR", help="the session's workspace (default: the current directory)")
+    c.add_argument("--session", help="continue this session (made, of --agent in --workspace, if there is none)")
+
+
+def _add_chat(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    chat = sub.add_parser(
+        "chat",
+        help="talk to an agent in the terminal: a session the daemon drives, prompt after prompt",
+        description="An interactive session of an agent in the terminal (a new one, or --session): a line is a "
+        "prompt (a `\\` before Enter, or Esc then Enter, starts a new line; Up and Down go through the history), a "
+        "line starting with / a command (/help lists them). The model's text streams in place, calls and results "
+        "under their own headers, approvals are asked inline (y, n, or a: always), a status line says what the turn "
+        "does. Ctrl-C cancels the running turn; a second Ctrl-C or Ctrl-D leaves with exit 0 (the session stays: "
+        "`devd chat --session NAME` comes back to it).",
+        formatter_class=_Help,
+    )
+    _session_flags(chat)
 
 
 def _add_attach(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

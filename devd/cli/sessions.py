@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from devd.protocol import CLIENT_NAME_CHARS_MAX, METHODS
-from devd.render import inline, json_safe
+from devd.protocol import CLIENT_NAME_CHARS_MAX, METHODS, UsageResult
+from devd.render import argv, brief, inline, json_safe
 
 if TYPE_CHECKING:
-    from devd.client import Client
+    from devd.client import AsyncClient, Client
+    from devd.messages import Action
 from devd.cli.common import (
     EXIT_ANSWERED_ERROR,
     EXIT_OK,
@@ -35,7 +36,8 @@ def _ls(client: Client, args: argparse.Namespace) -> int:
         _emit(raw + b"\n")
         return EXIT_OK
     page = msgspec.json.decode(raw)
-    _emit(sessions_table(page["sessions"]).encode())
+    described = {s["session"]: described_of(client, s) for s in page["sessions"]}
+    _emit(sessions_table(page["sessions"], described).encode())
     if page.get("next") is not None:
         # On stderr, so that the table alone goes down a pipe.
         print(f"devd: more sessions follow: devd ls --limit {args.limit} --cursor {page['next']}", file=sys.stderr)
@@ -152,6 +154,75 @@ def _nothing(raw: bytes) -> bytes:
     return b""
 
 
+def usage_table(u: UsageResult) -> str:
+    """`devd usage` and devd chat's /usage: what a session's model calls used, as a table."""
+    headers = ["INPUT TOKENS", "OUTPUT TOKENS", "CACHED TOKENS", "CALLS", "REFUSED"]
+    cells = [f"{n:,}" for n in (u.input_tokens, u.output_tokens, u.cached_tokens, u.calls, u.refused)]
+    return table(headers, [cells], right=frozenset(range(5)))
+
+
+def attention(session: str, stalled: str | None, pending: list[Action]) -> str:
+    """What a session waits on a person for, and the `devd` command that carries it on: a stall and why (`devd
+    resume`), and each action waiting for approval (`devd approve`, `devd deny`)."""
+    from devd.cli.operator import action_summary
+
+    lines = []
+    if stalled:
+        lines.append(f"stalled: {inline(stalled)}")
+        lines.append(
+            f"  `{argv(['devd', 'resume', session])}` tries it again (after "
+            f"`{argv(['devd', 'budget', session, 'TOKENS'])}` when a spend ceiling refused it)"
+        )
+    for a in pending:
+        if a.awaiting == "approval":
+            decide = argv(["devd", "approve", session, str(a.id)])
+            lines.append(f"waiting for approval: action {a.id} {action_summary(a)} (`{decide}`, or `devd deny`)")
+    return "".join(line + "\n" for line in lines)
+
+
+def _info(client: Client, args: argparse.Namespace) -> int:
+    """`devd info`: the session's entry and what its turn waits for, its title, and what waits on a person."""
+    raw = client.call_raw("session/info", {"session": args.session})
+    if args.json:
+        _emit(raw + b"\n")
+        return EXIT_OK
+    entry = msgspec.json.decode(raw)
+    title = f"title: {inline(entry['title'])}\n" if entry.get("title") else ""
+    pending = client.pending(args.session) if entry["state"] == "live" and entry["waiting"] else []
+    _emit(_waits(raw) + (title + attention(args.session, entry.get("stalled"), pending)).encode())
+    return EXIT_OK
+
+
+def _resume(client: Client, args: argparse.Namespace) -> int:
+    """`devd resume`: try a stalled session's action again."""
+    client.resume(args.session)
+    _emit(b"{}\n" if args.json else f"{args.session}: resumed\n".encode())
+    return EXIT_OK
+
+
+def _budget(client: Client, args: argparse.Namespace) -> int:
+    """`devd budget SESSION N`: set (or with `none` remove) the session's spend ceiling."""
+    client.set_budget(args.session, args.tokens)
+    ceiling = "none" if args.tokens is None else f"{args.tokens:,} tokens"
+    advice = f"; `{argv(['devd', 'resume', args.session])}` carries a stall it caused on"
+    _emit(b"{}\n" if args.json else f"{args.session}: spend ceiling {ceiling}{advice}\n".encode())
+    return EXIT_OK
+
+
+def budget_tokens(text: str) -> int | None:
+    """A ceiling as given: a number of tokens (1 or more; `_` and `,` may group digits), or `none` to remove it.
+    ValueError saying so otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        tokens = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise ValueError(f"a spend ceiling is a number of tokens, or none; not {text!r}") from None
+    if tokens < 1:
+        raise ValueError(f"a spend ceiling is at least 1 token; not {tokens}")
+    return tokens
+
+
 def _waits(raw: bytes) -> bytes:
     entry = msgspec.json.decode(raw)
     waits = ", ".join(f"{w['kind']} (id {w['id']})" for w in entry["waiting"]) or "nothing"
@@ -225,8 +296,8 @@ PLAIN: tuple[Plain, ...] = (
     Plain(
         "usage",
         "session/usage",
-        "show what a session's model calls used: tokens, calls, and calls a ceiling refused",
-        _pretty,
+        "show what a session's model calls used: tokens, calls, and calls a ceiling refused (a table)",
+        lambda raw: usage_table(msgspec.json.decode(raw, type=UsageResult)).encode(),
     ),
     Plain(
         "model",
@@ -323,10 +394,66 @@ def _param_help(t: Any) -> str | None:
     return _constraint(t)[1]
 
 
-def sessions_table(sessions: list[dict[str, Any]]) -> str:
-    """`devd ls`: a session a line, by name; REASON only when a session has one (why it ended or was poisoned)."""
+class Described(msgspec.Struct, frozen=True):
+    """What `devd ls` says of a session the daemon drives: its agent, workspace, and what it does."""
+
+    agent: str | None
+    workspace: str | None
+    doing: str
+
+
+STALL_CHARS_MAX = 60  # of why a session is stalled, in `devd ls` (`devd info` shows it whole)
+
+
+def describe(entry: dict[str, Any], agent: str | None, workspace: str | None, pending: list[Any] | None) -> Described:
+    """A session's agent and workspace, and what it does: ended or poisoned; stalled and why; waiting for approval;
+    running (its turn waits for actions); idle. `pending`: its pending actions (None: not asked, as for a session
+    stored to disk, which is idle unless stalled)."""
+    if entry["state"] in ("ended", "poisoned"):
+        doing = entry["state"]
+    elif entry.get("stalled"):
+        doing = "stalled: " + brief(inline(entry["stalled"]), STALL_CHARS_MAX)
+    elif any(getattr(a, "awaiting", None) == "approval" for a in pending or []):
+        doing = "waiting for approval"
+    elif pending:
+        doing = "running"
+    else:
+        doing = "idle"
+    return Described(agent, workspace, doing)
+
+
+def described_of(client: Client, entry: dict[str, Any]) -> Described | None:
+    """`describe` of a session, asked of the daemon (None: a session the daemon does not drive)."""
+    if entry["state"] in ("ended", "poisoned"):
+        return None
+    bound = client.agent(entry["session"])
+    if bound.agent is None:
+        return None
+    pending = client.pending(entry["session"]) if entry["state"] == "live" else None
+    return describe(entry, bound.agent, bound.workspace, pending)
+
+
+async def described_sessions(client: AsyncClient, sessions: list[dict[str, Any]]) -> str:
+    """`sessions_table` of sessions with what each does, asked of the daemon (devd chat's /sessions)."""
+    described: dict[str, Described | None] = {}
+    for entry in sessions:
+        bound = await client.agent(entry["session"]) if entry["state"] in ("live", "stored") else None
+        if bound is None or bound.agent is None:
+            described[entry["session"]] = None
+            continue
+        pending = await client.pending(entry["session"]) if entry["state"] == "live" else None
+        described[entry["session"]] = describe(entry, bound.agent, bound.workspace, pending)
+    return sessions_table(sessions, described)
+
+
+def sessions_table(sessions: list[dict[str, Any]], described: dict[str, Described | None] | None = None) -> str:
+    """`devd ls`: a session a line, by name; REASON only when a session has one (why it ended or was poisoned). When
+    some are sessions the daemon drives (`described`), their TITLE (when any has one), AGENT, WORKSPACE and what each
+    does as its STATE (running, waiting for approval, stalled and why, idle), and when each was last used."""
     if not sessions:
         return "no sessions\n"
+    if described and any(d is not None for d in described.values()):
+        return _agents_table(sessions, described)
     headers = ["NAME", "STATE", "SEQ", "WATCHERS", "CREATED", "LAST USED"]
     rows = [
         [s["session"], s["state"], str(s["seq"]), str(s.get("watchers", 0)), _when(s["created"]), _when(s["last_used"])]
@@ -337,3 +464,18 @@ def sessions_table(sessions: list[dict[str, Any]]) -> str:
         for row, s in zip(rows, sessions, strict=True):
             row.append(inline(s.get("reason") or ""))  # it may quote what a model (or its server) said
     return table(headers, rows, right=frozenset({2, 3}))
+
+
+def _agents_table(sessions: list[dict[str, Any]], described: dict[str, Described | None]) -> str:
+    titled = any(s.get("title") for s in sessions)
+    headers = ["NAME", *(["TITLE"] if titled else []), "AGENT", "WORKSPACE", "STATE", "WATCHERS", "LAST USED"]
+    rows = []
+    for s in sessions:
+        d = described.get(s["session"]) or Described(None, None, s["state"])
+        title = [brief(inline(s.get("title") or ""), TITLE_CHARS_MAX)] if titled else []
+        agent, workspace = inline(d.agent or "-"), inline(d.workspace or "-")
+        rows.append([s["session"], *title, agent, workspace, d.doing, str(s.get("watchers", 0)), _when(s["last_used"])])
+    return table(headers, rows, right=frozenset({len(headers) - 2}))
+
+
+TITLE_CHARS_MAX = 60  # a session's title in `devd ls`, as the daemon cuts a first prompt to make one

@@ -45,6 +45,8 @@ from devd.protocol import (
     Limits,
     ListParams,
     ListResult,
+    McpParams,
+    McpResult,
     ModelParams,
     ModelResult,
     NewParams,
@@ -57,6 +59,7 @@ from devd.protocol import (
     RewindResult,
     Server,
     SessionInfo,
+    SessionMcpServer,
     SessionParams,
     SessionResult,
     SnapshotResult,
@@ -83,7 +86,7 @@ from devd.storage.store import Store
 if TYPE_CHECKING:
     from devd.agent.oversight import Oversight
     from devd.agent.records import Binding
-    from devd.agent.runner import Runtime
+    from devd.agent.runner import OwnServers, Runtime
 
 # Logged at info: the daemon's own acts (a backup) and a session's lifecycle (new, restored, forked, recovered,
 # closed), one line each; never a step, whose path stays free of log calls.
@@ -256,6 +259,12 @@ async def daemon_status(call: Call, params: NoParams) -> StatusResult:
     return status(call.app)
 
 
+@method("daemon/mcp")
+async def daemon_mcp(call: Call, params: NoParams) -> McpResult:
+    broker = None if call.app.agents is None else call.app.agents.mcp
+    return McpResult([] if broker is None else broker.statuses())
+
+
 @method("daemon/backup")
 async def daemon_backup(call: Call, params: BackupParams) -> BackupResult:
     name = backup_name(params)
@@ -301,9 +310,11 @@ async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
 @method("session/new")
 async def session_new(call: Call, params: NewParams) -> SessionResult:
     binding, config = agent_binding(call.app, params)
+    own = _own_mcp(call.app, binding, params.mcp_servers)
     name = await call.app.sessions.new(params.session, encode(config))
     if call.app.agents is not None:
         await call.app.agents.bind(name, binding)
+        call.app.agents.bring_mcp(name, own)
     if params.budget is not None:
         await _oversight(call.app).set_budget(name, params.budget.tokens)
     if binding is None:
@@ -553,6 +564,24 @@ async def announce(call: Call, session: str) -> None:
         return
     for params in await call.app.oversight.announcements(session):
         call.peer.sink.offer(notification(APPROVAL_NOTICE, Raw(params)))
+
+
+def _own_mcp(app: App, binding: Binding | None, given: list[SessionMcpServer] | None) -> OwnServers:
+    if not given:
+        return ()
+    if binding is None:
+        raise InvalidParamsError("mcp_servers are for a session of an agent: give an agent and a workspace too")
+    return _runtime(app).own_mcp(binding.agent, given)
+
+
+@method("session/mcp")
+async def session_mcp(call: Call, params: McpParams) -> Empty:
+    runtime = _runtime(call.app)
+    _known(call.app, params.session)
+    binding = await runtime.binding(params.session)
+    own = _own_mcp(call.app, binding, params.mcp_servers or None)
+    runtime.bring_mcp(params.session, own)
+    return Empty()
 
 
 @method("session/prompt")

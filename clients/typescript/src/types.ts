@@ -537,6 +537,40 @@ export interface ListResult {
   next?: string | null;
 }
 
+/** The MCP servers a session brings (replacing those it brought before; `[]`: none). */
+export interface McpParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  mcp_servers: SessionMcpServer[];
+}
+
+/** Every MCP server connection the daemon holds (none when no profile names a server). */
+export interface McpResult {
+  servers: McpServerStatus[];
+}
+
+/**
+ * One MCP server connection of the daemon: its name; its profile (`agent`, null for a session's own server); its state
+ * (`stopped`: not running, started at its next use; `starting`; `ready`; `failed`: its last start or life failed,
+ * `last_error` says why, and it is tried again at its next use after a backoff); its process's pid while it runs (null
+ * for an HTTP server); how many sessions use it; how many tools it lists; how many times it was started again; why it
+ * last failed.
+ */
+export interface McpServerStatus {
+  name: string;
+  agent: string | null;
+  state: "failed" | "ready" | "starting" | "stopped";
+  pid: number | null;
+  sessions: number;
+  tools: number;
+  restarts: number;
+  last_error: string | null;
+}
+
 /**
  * One entry of the conversation the model is sent; exactly one member: `User` (a prompt), `Agent` (the model's
  * answer), `Tool` (a call's result) or `Summary` (the start of the conversation, summarised; only ever first).
@@ -562,6 +596,14 @@ export interface Methods {
     params: NoParams;
     result: StatusResult;
   };
+  /**
+   * The MCP servers the daemon's broker holds: one connection per server configuration, shared by the sessions that
+   * may use it, with its state, process, sessions, tools, restarts and last error.
+   */
+  "daemon/mcp": {
+    params: NoParams;
+    result: McpResult;
+  };
   /** A consistent copy of every session, taken while the daemon serves (steps wait while pages are copied). */
   "daemon/backup": {
     params: BackupParams;
@@ -579,6 +621,14 @@ export interface Methods {
   "session/new": {
     params: NewParams;
     result: SessionResult;
+  };
+  /**
+   * Give a session of an agent the MCP servers it brings (as `session/new` `mcp_servers` does), replacing those it
+   * brought before: after a daemon restart, which forgets them, or when an editor reloads it.
+   */
+  "session/mcp": {
+    params: McpParams;
+    result: Empty;
   };
   /** Step a session with one event; answered once the step is durable. */
   "session/step": {
@@ -768,10 +818,18 @@ export interface ModelResult {
   models: string[];
 }
 
+/** A variable or header of a session's own MCP server: its name and its value. */
+export interface NameValue {
+  name: string;
+  value: string;
+}
+
 /**
  * A new session, from a config (default `{}`), under a name (default: chosen by the daemon); with `agent` (a profile
  * of the daemon's agents file) and `workspace` (an absolute directory inside the profile's roots), a session the
- * daemon drives itself (`session/prompt`), with `budget` its own spend ceiling.
+ * daemon drives itself (`session/prompt`), with `budget` its own spend ceiling, and `mcp_servers` MCP servers of its
+ * own (where the profile has `session_mcp = true`), kept in the daemon's memory for the session's life in this daemon
+ * (after a restart, `session/mcp` gives them again).
  *
  * @example {"session":"demo","config":{"model":"small"}}
  */
@@ -788,6 +846,7 @@ export interface NewParams {
   /** an absolute directory inside the profile's roots */
   workspace?: string | null;
   budget?: TokenBudget | null;
+  mcp_servers?: SessionMcpServer[] | null;
 }
 
 /** This method takes no params. */
@@ -983,6 +1042,24 @@ export interface SessionInfo {
   held?: boolean | null;
   stalled?: string | null;
   title?: string | null;
+}
+
+/**
+ * An MCP server a session brings, in ACP's shape: stdio `{name, command, args, env}` (the process gets `env`'s
+ * values), or Streamable HTTP `{type: "http", name, url, headers}`. Its calls are always asked about.
+ */
+export interface SessionMcpServer {
+  /** letters, digits, - and single _, at most 32 */
+  name: string;
+  command?: string | null;
+  /** @default [] */
+  args?: string[];
+  /** @default [] */
+  env?: NameValue[];
+  type?: "http" | "stdio" | null;
+  url?: string | null;
+  /** @default [] */
+  headers?: NameValue[];
 }
 
 /**
@@ -1224,7 +1301,7 @@ export interface TraceRecord {
   /** @default 0 */
   n?: number;
   action: number;
-  kind: "browse" | "exec" | "git" | "model" | "read" | "write";
+  kind: "browse" | "exec" | "git" | "model" | "read" | "tool" | "write";
   started: string;
   duration_ms: number;
   outcome: "denied" | "error" | "interrupted" | "ok" | "refused";

@@ -42,16 +42,18 @@ class Shown(msgspec.Struct, frozen=True):
 
 
 class Context:
-    """What carrying out a call may reach: the profile, and (when asked for) the session's workspace and the
-    profile's sandbox; the runner hands one in."""
+    """What carrying out a call may reach: the profile, (when asked for) the session's workspace and the profile's
+    sandbox, and `named`, which carries out a call of a tool named at run time (the session's MCP tools); the runner
+    hands one in."""
 
     def __init__(
         self,
         profile: Profile,
         workspace: Callable[[], Awaitable[tools.Workspace]],
         sandbox: Callable[[], Awaitable[sandboxes.Sandbox | sandboxes.Refusal | None]],
+        named: Callable[[str, bytes], Awaitable[tools.Result]] | None = None,
     ) -> None:
-        self.profile, self.workspace, self.sandbox = profile, workspace, sandbox
+        self.profile, self.workspace, self.sandbox, self.named = profile, workspace, sandbox, named
 
 
 class Kind(Generic[M]):

@@ -1,0 +1,239 @@
+"""The broker: every MCP server connection of the daemon, and which session may call which tool.
+
+What it promises:
+- One `Connection` per server configuration: a digest of its command (or URL), its environment's values, the
+  workspace and network it runs with, the profile's sandbox, and its owner when it is not shared (`share =
+  "session"`, or a session's own server). Sessions of one profile and workspace so share one process.
+- Each session sees the tools of its profile's servers and of its own, as the profile allows (`tools`), named
+  `SERVER__TOOL` (`devd.agent.mcp.names`); a name taken twice is refused with a log line (`mcp.tool_refused`). A
+  server that cannot start or list is left out of what the model is offered, with a log line, and fails the calls
+  that name it, saying why.
+- A session's own servers (`session/new` `mcp_servers`) live with it: `forget` closes them when it ends.
+- `statuses` is what `daemon/mcp` answers.
+Supervisors run in the broker's task group (`run`): cancelled, every server process is stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+import structlog
+
+from devd.agent import sandbox as sandboxes
+from devd.agent import tools
+from devd.agent.kinds.named import NamedTool
+from devd.agent.mcp import launch, names, results
+from devd.agent.mcp.connection import Connection, Unavailable
+from devd.agent.mcp.stdio import Process
+from devd.agent.profiles import McpServer, Profile
+from devd.protocol import McpServerStatus
+
+log = structlog.get_logger("devd.mcp")
+
+MESSAGE_BYTES_MAX = 8 * 1024 * 1024  # a server's JSON-RPC message past this ends its connection
+DESCRIPTION_CHARS_MAX = 2000  # of a tool's description, as the model is offered it
+
+Workspace = Callable[[], Awaitable[tools.Workspace]]
+Sandbox = Callable[[], Awaitable[sandboxes.Sandbox | sandboxes.Refusal | None]]
+
+
+class _Entry(msgspec.Struct, frozen=True):
+    connection: Connection
+    tool: str
+
+
+class Broker:
+    """The daemon's MCP connections and each session's tool table."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = environ  # where a server's variables are read from, when it starts
+        self._connections: dict[str, Connection] = {}
+        self._tables: dict[str, dict[str, _Entry]] = {}
+        self._own: dict[str, tuple[tuple[McpServer, dict[str, str]], ...]] = {}  # a session's servers, their values
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The supervisors' home, until cancelled."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            await anyio.sleep_forever()
+
+    def own(self, session: str, servers: tuple[tuple[McpServer, dict[str, str]], ...]) -> None:
+        """The session brings these servers (with their variables' values), kept in memory for its life."""
+        self.forget(session)
+        if servers:
+            self._own[session] = servers
+
+    def forget(self, session: str) -> None:
+        """The session ended: its table goes, and so do the connections no one else may use."""
+        self._own.pop(session, None)
+        self._tables.pop(session, None)
+        for key, connection in list(self._connections.items()):
+            connection.sessions.discard(session)
+            if key.startswith(f"{session}\0"):
+                connection.close()
+                del self._connections[key]
+
+    def statuses(self) -> list[McpServerStatus]:
+        return [
+            McpServerStatus(
+                c.server.name,
+                c.agent,
+                c.state,
+                c.pid,
+                len(c.sessions),
+                len(c.listed or ()),
+                c.restarts,
+                c.last_error,
+            )
+            for c in self._connections.values()
+        ]
+
+    def processes(self) -> int:
+        """The server processes running now."""
+        return sum(1 for c in self._connections.values() if c.pid is not None)
+
+    # -- a session's tools ----------------------------------------------------------------------------------------
+
+    async def offered(self, session: str, profile: Profile, workspace: Workspace, sandbox: Sandbox) -> list[NamedTool]:
+        """The MCP tools the session's model is offered now (servers started as needed), and its table kept."""
+        table: dict[str, _Entry] = {}
+        offered: list[NamedTool] = []
+        taken = names.Names()
+        for server, variables, agent, owner in self._servers(session, profile):
+            connection = await self._connection(server, variables, agent, owner, profile, workspace, sandbox)
+            connection.sessions.add(session)
+            try:
+                listed = await connection.tools()
+            except Unavailable as e:
+                log.warning("mcp.unavailable", session=session, server=server.name, why=e.why[:500])
+                continue
+            for tool in listed:
+                if server.tools is not None and tool.name not in server.tools:
+                    continue
+                name = taken.take(server.name, tool.name)
+                if isinstance(name, tuple):
+                    log.warning(
+                        "mcp.tool_refused",
+                        session=session,
+                        server=server.name,
+                        tool=tool.name[:200],
+                        why=f"its name {name[0]} is {name[1][0]}'s {name[1][1][:200]}'s",
+                    )
+                    continue
+                table[name] = _Entry(connection, tool.name)
+                description = (tool.description or tool.title or tool.name)[:DESCRIPTION_CHARS_MAX]
+                offered.append(NamedTool(name, description, tool.input_schema))
+        self._tables[session] = table
+        return offered
+
+    async def call(
+        self, session: str, profile: Profile, workspace: Workspace, sandbox: Sandbox, name: str, arguments: bytes
+    ) -> tools.Result:
+        """Carry out a call of the session's MCP tool `name`; what goes wrong is a failed Result, never an
+        exception (but a cancellation: the call is then cancelled at the server)."""
+        if session not in self._tables:  # after a restart: the table is made again (servers started as needed)
+            await self.offered(session, profile, workspace, sandbox)
+        entry = self._tables[session].get(name)
+        if entry is None:
+            known = ", ".join(sorted(self._tables[session])) or "none"
+            return tools.Result(f"no tool is named {name} (this session's MCP tools: {known})", failed=True)
+        try:
+            args = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return tools.Result(f"the input of {name} is not a JSON object that can be read", failed=True)
+        try:
+            result = await entry.connection.call(entry.tool, args)
+        except Unavailable as e:
+            return tools.Result(e.why, failed=True)
+        return results.result_text(result, profile.output_bytes_max)
+
+    # -- connections ----------------------------------------------------------------------------------------------
+
+    def _servers(
+        self, session: str, profile: Profile
+    ) -> list[tuple[McpServer, dict[str, str] | None, str | None, str | None]]:
+        """(server, its variables' values (None: read from the daemon's environment), profile, owner) of each server
+        the session may call."""
+        mine: list[tuple[McpServer, dict[str, str] | None, str | None, str | None]] = [
+            (s, None, profile.name, session if s.share == "session" else None) for s in profile.mcp
+        ]
+        mine += [(s, values, None, session) for s, values in self._own.get(session, ())]
+        return mine
+
+    async def _connection(
+        self,
+        server: McpServer,
+        variables: dict[str, str] | None,
+        agent: str | None,
+        owner: str | None,
+        profile: Profile,
+        workspace: Workspace,
+        sandbox: Sandbox,
+    ) -> Connection:
+        try:
+            values = launch.server_env(server, agent, self.environ) if variables is None else variables
+            why = None
+        except Unavailable as e:
+            values, why = {}, e.why
+        ws = await workspace()
+        key = _key(server, values, agent, owner, profile, ws)
+        connection = self._connections.get(key)
+        if connection is None:
+
+            async def made() -> Process:
+                if why is not None:
+                    raise Unavailable(why)
+                if server.command is None:
+                    raise Unavailable(
+                        f"the MCP server {server.name} is a Streamable HTTP server ({server.url}), which devd does not "
+                        "connect to yet; run it as a stdio server (command = [...])"
+                    )
+                return await launch.stdio_process(
+                    server.command,
+                    values,
+                    name=server.name,
+                    network=server.network,
+                    profile=profile,
+                    workspace=await workspace(),
+                    sandbox=await sandbox(),
+                    line_bytes_max=MESSAGE_BYTES_MAX,
+                )
+
+            connection = Connection(key, server, agent, made, line_bytes_max=MESSAGE_BYTES_MAX)
+            self._connections[key] = connection
+            assert self._tg is not None, "the broker runs before sessions are driven"
+            self._tg.start_soon(connection.run)
+        return connection
+
+
+def _key(
+    server: McpServer,
+    values: Mapping[str, str],
+    agent: str | None,
+    owner: str | None,
+    profile: Profile,
+    workspace: tools.Workspace,
+) -> str:
+    """`OWNER\\0DIGEST` (an owner of none: shared): the digest of what makes the server's process what it is."""
+    made: list[Any] = [
+        server.command,
+        server.url,
+        sorted(values.items()),
+        sorted(server.headers),
+        server.network,
+        agent,
+        profile.sandbox,
+        str(workspace.path),
+        list(workspace.identity) if workspace.identity else None,
+        server.name,
+    ]
+    digest = hashlib.sha256(json.dumps(made).encode()).hexdigest()
+    return f"{owner or ''}\0{digest}"

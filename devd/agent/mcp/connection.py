@@ -1,0 +1,331 @@
+"""One MCP server connection, owned by one supervisor task: the SDK's client session is entered and left in that task
+(its task groups demand it), and callers reach it through a bounded memory stream of requests.
+
+What it promises:
+- The server is started at first need (a listing or a call) and stopped after `idle_s` with no request; a process that
+  exits (or is ended for what it sent) is started again at its next use, but after a failed start only once a backoff
+  has passed (`BACKOFF_FIRST_S`, doubling, at most `BACKOFF_MAX_S`): a request before then fails at once, saying why.
+- A server not through its handshake and first listing within `start_timeout_s` fails the request that needed it;
+  its listing is cached, cut at `tools_max` (the rest refused with a log line), and listed again after
+  `notifications/tools/list_changed`.
+- A call not answered within its timeout is cancelled (the SDK sends MCP's `notifications/cancelled`) and fails
+  saying so; a caller cancelled (its turn was) cancels the call the same way; a call in flight when the server exits
+  fails saying how it ended, with the tail of its stderr. Every failure is an `Unavailable` with a sentence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import mcp_types as types
+import structlog
+from mcp.client.session import ClientSession, IncomingMessage
+from mcp.shared.exceptions import MCPError
+from pydantic import ValidationError
+
+from devd.agent.mcp.stdio import Process
+from devd.agent.profiles import McpServer
+
+log = structlog.get_logger("devd.mcp")
+
+State = Literal["stopped", "starting", "ready", "failed"]
+REQUESTS_MAX = 64  # requests waiting for the supervisor; a caller past this waits
+PAGES_MAX = 100  # of a tools/list: a server that pages for ever is cut there
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+EXIT_WAIT_S = 1.0  # for a server whose output ended to be reaped, so its exit status can be told
+
+
+class Unavailable(Exception):
+    """A request could not be answered; `why` says why in a sentence the model and a person can read."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+class _Request:
+    """A listing (`tool` None) or a call, waited for by its caller."""
+
+    def __init__(self, tool: str | None, arguments: dict[str, Any] | None, timeout_s: float) -> None:
+        self.tool, self.arguments, self.timeout_s = tool, arguments, timeout_s
+        self.scope = anyio.CancelScope()  # entered by the supervisor's handler; cancelled by a leaving caller
+        self.done = anyio.Event()
+        self.result: Any = None
+        self.error: str | None = None
+
+    def resolve(self, result: Any) -> None:
+        if not self.done.is_set():
+            self.result = result
+            self.done.set()
+
+    def fail(self, why: str) -> None:
+        if not self.done.is_set():
+            self.error = why
+            self.done.set()
+
+
+Launch = Callable[[], Awaitable[Process]]  # makes the server's process (not started); Unavailable when it cannot
+
+
+class Connection:
+    """A server configuration's one connection. `run` is its supervisor; `tools` and `call` its callers' side."""
+
+    def __init__(self, key: str, server: McpServer, agent: str | None, launch: Launch, *, line_bytes_max: int) -> None:
+        self.key, self.server, self.agent, self._launch = key, server, agent, launch
+        self.line_bytes_max = line_bytes_max
+        self.state: State = "stopped"
+        self.pid: int | None = None
+        self.restarts = 0  # starts after the first
+        self.last_error: str | None = None
+        self.sessions: set[str] = set()
+        self.listed: tuple[types.Tool, ...] | None = None  # its last listing, as cut at tools_max
+        self.scope = anyio.CancelScope()  # of the supervisor: cancelled when the connection is closed
+        self._send, self._receive = anyio.create_memory_object_stream[_Request](REQUESTS_MAX)
+        self._failures = 0  # failed starts in a row
+        self._retry_at = 0.0
+        self._started = 0
+        self._last_used = time.monotonic()
+        self._active = 0
+        self._ending: str | None = None  # why the life ends, told to the calls it cuts short
+        self._idled = False  # the life ended for want of use (not a failure)
+        self._calls: anyio.abc.TaskGroup | None = None
+        self._session: ClientSession | None = None
+
+    # -- the callers' side ------------------------------------------------------------------------------------------
+
+    async def tools(self) -> tuple[types.Tool, ...]:
+        """The server's tools: its last listing (kept when it stopped: a call starts it again), else it is started
+        (and listed) now."""
+        if self.listed is not None:
+            return self.listed
+        listed: tuple[types.Tool, ...] = await self._request(_Request(None, None, self.server.start_timeout_s))
+        return listed
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> types.CallToolResult:
+        """The server's result of the call (an `isError` one included); Unavailable when it gave none."""
+        result: types.CallToolResult = await self._request(_Request(tool, arguments, self.server.call_timeout_s))
+        return result
+
+    async def _request(self, request: _Request) -> Any:
+        self._last_used = time.monotonic()
+        try:
+            await self._send.send(request)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            raise Unavailable(f"the MCP server {self.server.name} was closed with its session") from None
+        try:
+            await request.done.wait()
+        except BaseException:
+            request.scope.cancel()  # the handler's call is cancelled: the SDK tells the server
+            raise
+        if request.error is not None:
+            raise Unavailable(request.error)
+        return request.result
+
+    def close(self) -> None:
+        """Stop the supervisor (and the process); requests still waiting fail."""
+        self.scope.cancel()
+
+    # -- the supervisor ---------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve requests until closed: one process life at a time, each started by the request that needs it."""
+        with self.scope:
+            try:
+                async for first in self._receive:
+                    if time.monotonic() < self._retry_at:
+                        left = self._retry_at - time.monotonic()
+                        first.fail(
+                            f"the MCP server {self.server.name} failed to start {self._failures} times in a row "
+                            f"(last: {self.last_error}); it is tried again in {left:.0f} s"
+                        )
+                        continue
+                    await self._life(first)
+            finally:
+                self.state = "stopped"
+                self._send.close()
+                for waiting in self._drain():
+                    waiting.fail(f"the MCP server {self.server.name} was closed")
+                self._receive.close()
+
+    def _drain(self) -> list[_Request]:
+        drained = []
+        while True:
+            try:
+                drained.append(self._receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return drained
+
+    async def _life(self, first: _Request) -> None:
+        name = self.server.name
+        self.state, self._ending, self._idled = "starting", None, False
+        if self._started:
+            self.restarts += 1
+        self._started += 1
+        try:
+            process = await self._launch()
+        except Unavailable as e:
+            self._failed(e.why)
+            first.fail(e.why)
+            return
+        ready = anyio.Event()
+        async with anyio.create_task_group() as life:
+
+            async def watchdog() -> None:
+                await anyio.sleep(self.server.start_timeout_s)
+                if not ready.is_set():
+                    self._ending = (
+                        f"the MCP server {name} did not finish its handshake within {self.server.start_timeout_s:g} "
+                        f"s (start_timeout_s); {process.exit_status()}"
+                    )
+                    life.cancel_scope.cancel()
+
+            life.start_soon(watchdog)
+            try:
+                async with process.connect() as (read, write):
+                    self.pid = process.pid
+                    async with ClientSession(read, write, message_handler=self._on_message) as session:
+                        with anyio.fail_after(self.server.start_timeout_s + 1):  # the watchdog fires first
+                            await session.initialize()
+                            self.listed = await self._list(session)
+                        ready.set()
+                        self.state, self._failures, self._last_used = "ready", 0, time.monotonic()
+                        log.info("mcp.ready", server=name, agent=self.agent, pid=self.pid, tools=len(self.listed))
+                        await self._serve(session, first, process)
+            except Exception as e:  # what the SDK or the transport raised: the life is over, and says why
+                self._ending = self._ending or self._ended_why(process, f"{type(e).__name__}: {e}")
+            finally:
+                life.cancel_scope.cancel()
+        self.pid = None
+        if not ready.is_set():
+            self.listed = None
+        why = self._ending or self._ended_why(process, None)
+        first.fail(why)
+        if not ready.is_set():
+            self._failed(why)
+        elif self._idled:
+            self.state = "stopped"  # once its process is gone
+        else:
+            self.state, self.last_error = "failed", why
+            log.warning("mcp.ended", server=name, agent=self.agent, why=why[:500])
+
+    def _failed(self, why: str) -> None:
+        self.state, self.last_error = "failed", why
+        self._failures += 1
+        self._retry_at = time.monotonic() + min(BACKOFF_FIRST_S * 2 ** (self._failures - 1), BACKOFF_MAX_S)
+        log.warning("mcp.start_failed", server=self.server.name, agent=self.agent, why=why[:500])
+
+    def _ended_why(self, process: Process, error: str | None) -> str:
+        said = process.why or ("it ended" if error is None else f"the connection failed ({error[:300]})")
+        return f"the MCP server {self.server.name} stopped: {said}; {process.exit_status()}"
+
+    async def _serve(self, session: ClientSession, first: _Request, process: Process) -> None:
+        """Answer requests until the process ends or has been idle for idle_s."""
+        async with anyio.create_task_group() as calls:
+            self._calls, self._session = calls, session
+
+            def handle(request: _Request) -> None:
+                self._active += 1  # counted from now: the idle watcher must not stop a server a call was given to
+                calls.start_soon(self._handle, session, request, process)
+
+            async def receive() -> None:
+                handle(first)
+                async for request in self._receive:
+                    handle(request)
+
+            async def idle() -> None:
+                while True:
+                    left = self._last_used + self.server.idle_s - time.monotonic()
+                    if left <= 0 and self._active == 0:
+                        self._idled = True
+                        self._ending = f"the MCP server {self.server.name} was stopped after idle_s with no call"
+                        log.info("mcp.idle", server=self.server.name, agent=self.agent)
+                        calls.cancel_scope.cancel()
+                        return
+                    await anyio.sleep(max(left, 0.05))
+
+            async def ended() -> None:
+                await process.ended.wait()
+                await _reaped(process)  # so that the calls it cuts short say how it ended
+                self._ending = self._ending or self._ended_why(process, None)
+                calls.cancel_scope.cancel()
+
+            calls.start_soon(receive)
+            calls.start_soon(idle)
+            calls.start_soon(ended)
+        self._calls, self._session = None, None
+        if not self._idled:
+            await _reaped(process)
+            self._ending = self._ending or self._ended_why(process, None)
+
+    async def _handle(self, session: ClientSession, request: _Request, process: Process) -> None:
+        try:
+            with request.scope:
+                if request.tool is None:
+                    request.resolve(self.listed)
+                    return
+                with anyio.move_on_after(request.timeout_s) as timer:
+                    request.resolve(await session.call_tool(request.tool, request.arguments))
+                if timer.cancelled_caught:
+                    request.fail(
+                        f"the MCP server {self.server.name} did not answer {request.tool} within "
+                        f"{request.timeout_s:g} s (call_timeout_s); the call was cancelled"
+                    )
+        except MCPError as e:
+            if process.ended.is_set() or "closed" in e.error.message.lower():
+                await _reaped(process)
+                request.fail(self._ending or self._ended_why(process, None))
+            else:
+                request.fail(f"the MCP server {self.server.name} answered {request.tool} with an error: {e}")
+        except (ValidationError, RuntimeError, ValueError) as e:  # a result the protocol does not allow
+            request.fail(f"the MCP server {self.server.name} answered {request.tool} with what MCP does not allow: {e}")
+        finally:
+            self._active -= 1
+            self._last_used = time.monotonic()
+            if not request.done.is_set():
+                request.fail(self._ending or self._ended_why(process, None))
+
+    async def _list(self, session: ClientSession) -> tuple[types.Tool, ...]:
+        tools: list[types.Tool] = []
+        cursor: str | None = None
+        for _ in range(PAGES_MAX):
+            params = None if cursor is None else types.PaginatedRequestParams(cursor=cursor)
+            page = await session.list_tools(params=params)
+            tools.extend(page.tools)
+            cursor = page.next_cursor
+            if cursor is None or len(tools) > self.server.tools_max:
+                break
+        if len(tools) > self.server.tools_max:
+            log.warning(
+                "mcp.tools_refused",
+                server=self.server.name,
+                agent=self.agent,
+                listed=len(tools),
+                kept=self.server.tools_max,
+                why="more tools than tools_max",
+            )
+        return tuple(tools[: self.server.tools_max])
+
+    async def _on_message(self, message: IncomingMessage) -> None:
+        if isinstance(message, types.ToolListChangedNotification) and self._calls is not None:
+            self._calls.start_soon(self._relist, message)
+
+    async def _relist(self, _: Any) -> None:
+        # Listed again on the supervisor's session, in its task group; a failure keeps the old list.
+        if self._session is None:
+            return
+        try:
+            self.listed = await self._list(self._session)
+            log.info("mcp.relisted", server=self.server.name, agent=self.agent, tools=len(self.listed))
+        except (MCPError, ValidationError) as e:
+            log.warning("mcp.relist_failed", server=self.server.name, error=str(e)[:300])
+
+
+async def _reaped(process: Process) -> None:
+    with anyio.move_on_after(EXIT_WAIT_S):
+        while process.returncode is None:
+            await anyio.sleep(0.01)

@@ -1,0 +1,121 @@
+"""A real MCP server for the tests, written with the official SDK's MCPServer (FastMCP of mcp 1.x): `python -m
+tests.mcp_server [--http PORT]` serves over stdio (or Streamable HTTP on loopback). Its tools: echo, add, whoami (the
+process's pid, uid, working directory and a variable), touch (writes a file in its working directory: an effect a
+test can count), slow (sleeps, then writes; cancelled, it writes `cancelled`), picture (an image), big (N bytes of
+text), boom (an error), readme (read-only by its hint), die (exits mid-call), relist (changes its tool list)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import socket
+import sys
+import time
+
+import anyio
+from mcp.server.mcpserver import MCPServer
+from mcp_types import ImageContent, TextContent, ToolAnnotations
+
+server = MCPServer("devd-test")
+
+
+@server.tool()
+def echo(text: str) -> str:
+    """Say text back."""
+    return text
+
+
+@server.tool()
+def add(a: int, b: int) -> str:
+    """a + b."""
+    return str(a + b)
+
+
+@server.tool()
+def whoami() -> str:
+    """The server's pid, uid, working directory, MCP_TEST_VALUE and whether it reaches the network."""
+    try:
+        socket.create_connection(("1.1.1.1", 53), timeout=0.5).close()
+        net = "net"
+    except OSError:
+        net = "nonet"
+    return f"{os.getpid()} {os.getuid()} {os.getcwd()} {os.environ.get('MCP_TEST_VALUE', '-')} {net}"
+
+
+@server.tool()
+def touch(name: str) -> str:
+    """Append a line to the file name in the working directory."""
+    with open(name, "a") as f:
+        f.write("touched\n")
+    return f"touched {name}"
+
+
+@server.tool()
+async def slow(name: str, seconds: float) -> str:
+    """Append `started` to name, sleep, then `finished` (or `cancelled` when cancelled)."""
+    with open(name, "a") as f:
+        f.write("started\n")
+    try:
+        await anyio.sleep(seconds)
+    except anyio.get_cancelled_exc_class():
+        with open(name, "a") as f:
+            f.write("cancelled\n")
+        raise
+    with open(name, "a") as f:
+        f.write("finished\n")
+    return "slept"
+
+
+@server.tool()
+def picture() -> list[TextContent | ImageContent]:
+    """A caption and a 12 KiB PNG."""
+    data = base64.b64encode(b"\x89PNG" + b"\0" * (12 * 1024 - 4)).decode()
+    return [TextContent(type="text", text="a picture:"), ImageContent(type="image", data=data, mime_type="image/png")]
+
+
+@server.tool()
+def big(size: int) -> str:
+    """size bytes of x."""
+    return "x" * size
+
+
+@server.tool()
+def boom() -> str:
+    """Always fails."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    raise ToolError("it went boom")
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+def readme() -> str:
+    """Read-only by its hint."""
+    return "read me"
+
+
+@server.tool()
+def die() -> str:
+    """Exit the process mid-call, saying why on stderr."""
+    print("fatal: the test server was told to die", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--http", type=int, default=None)
+    parser.add_argument("--tools", type=int, default=0, help="add this many more tools, t0..tN")
+    parser.add_argument("--hang", action="store_true", help="never finish the handshake")
+    args = parser.parse_args()
+    for i in range(args.tools):
+        server.add_tool(lambda: "x", name=f"t{i}", description="one of many")
+    if args.hang:
+        time.sleep(3600)
+    if args.http is not None:
+        server.run("streamable-http", host="127.0.0.1", port=args.http)
+    else:
+        server.run("stdio")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""MCP tools end to end: the real daemon, the stand-in model, and a real MCP server (tests/mcp_server.py, written with
+the official SDK) started by the daemon's broker under the profile's sandbox."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devd import errors
+from devd.messages import Cancel, Event
+from tests.agents import SECRET, Agentd, agents_toml, conversation, next_notice, run_turn, until_done, watch_raw
+from tests.daemon import Daemon
+from tests.harness import InProcess
+from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (a fixture)
+
+SERVER = Path(__file__).with_name("mcp_server.py")
+# The server runs as the sandbox's unprivileged user, who cannot reach this interpreter under /root: it runs under the
+# system's python3 of the same version, with the SDK's packages on its PYTHONPATH (the daemon's variable passed to it
+# by name, as a profile passes a token).
+PYTHON = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+SITE = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "mcp").is_dir())
+
+
+def server_table(name: str = "demo", *extra: str, args: tuple[str, ...] = ()) -> str:
+    command = ", ".join(f'"{a}"' for a in (PYTHON, str(SERVER), *args))
+    env = 'env = { PYTHONPATH = "DEVD_TEST_MCP_PATH", MCP_TEST_VALUE = "DEVD_TEST_MCP_VALUE" }'
+    return "\n".join([f"[agent.coder.mcp.{name}]", f"command = [{command}]", env, *extra]) + "\n"
+
+
+def start(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, *tables: str, **extra: str) -> Agentd:
+    monkeypatch.setenv("DEVD_TEST_KEY", SECRET)
+    monkeypatch.setenv("DEVD_TEST_MCP_PATH", SITE)
+    monkeypatch.setenv("DEVD_TEST_MCP_VALUE", "value-from-the-daemon")
+    (tmp_path / "roots" / "ws").mkdir(parents=True)
+    agents = tmp_path / "agents.toml"
+    agents.write_text(agents_toml(standin.url, tmp_path / "roots", **extra) + "\n" + "\n".join(tables))
+    return Agentd(InProcess(tmp_path / "d", "--agents", str(agents)), tmp_path / "roots" / "ws", standin)
+
+
+@pytest.fixture
+def mcpd(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> Iterator[Agentd]:
+    """The daemon with one profile whose MCP server `demo` is the test server, its calls allowed."""
+    agentd = start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"'))
+    with agentd.daemon:
+        yield agentd
+
+
+def tool_results(standin: Standin, request: int) -> list[Any]:
+    return [m["content"] for m in standin.requests[request].body["messages"] if m["role"] == "tool"]
+
+
+def test_a_turn_calls_an_mcp_tool_by_server_and_name_with_its_schema(mcpd: Agentd) -> None:
+    mcpd.standin.script(Scripted(tool_calls=[("demo__echo", {"text": "hi there"})]), Scripted(text="done"))
+    with mcpd.client() as c:
+        session = mcpd.session(c)
+        run_turn(c, session, "say hi")
+        offered = {t["function"]["name"]: t["function"] for t in mcpd.standin.requests[0].body["tools"]}
+        assert (offered["demo__echo"]["parameters"]["properties"], conversation(c, session)[1:]) == (
+            {"text": {"title": "Text", "type": "string"}},
+            [
+                {
+                    "Agent": {
+                        "calls": [{"id": 2, "call": {"Tool": {"name": "demo__echo", "input": {"text": "hi there"}}}}]
+                    }
+                },
+                {"Tool": {"id": 2, "text": "hi there"}},
+                {"Agent": {"text": "done"}},
+            ],
+        )
+
+
+def call_once(agentd: Agentd, tool: str, arguments: dict[str, Any], session: str | None = None) -> Any:
+    """Script one call of the tool and an answer, run the turn, and give the call's result as the transcript has it."""
+    agentd.standin.script(Scripted(tool_calls=[(tool, arguments)]), Scripted(text="done"))
+    with agentd.client() as c:
+        session = session or agentd.session(c)
+        run_turn(c, session, "go")
+        return conversation(c, session)[-2]["Tool"]
+
+
+def servers(agentd: Agentd) -> list[dict[str, Any]]:
+    with agentd.client() as c:
+        return c.call("daemon/mcp")["servers"]  # type: ignore[no-any-return]
+
+
+def test_a_server_runs_unprivileged_in_the_workspace_offline_with_the_daemons_variable(mcpd: Agentd) -> None:
+    _, uid, cwd, value, net = call_once(mcpd, "demo__whoami", {})["text"].split()
+    assert (uid, cwd, value, net) == ("65534", str(mcpd.workspace), "value-from-the-daemon", "nonet")
+
+
+def test_an_image_is_summarized_beside_the_text(mcpd: Agentd) -> None:
+    assert call_once(mcpd, "demo__picture", {}) == {"id": 2, "text": "a picture:\n[image/png, 12 KB]"}
+
+
+def test_an_error_result_is_a_failed_call(mcpd: Agentd) -> None:
+    assert call_once(mcpd, "demo__boom", {}) == {
+        "id": 2,
+        "text": "Error executing tool boom: it went boom",
+        "failed": True,
+    }
+
+
+def test_a_result_is_cut_at_output_bytes_max(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> None:
+    with start(
+        tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"'), output_bytes_max="100"
+    ).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        assert call_once(agentd, "demo__big", {"size": 5000})["text"] == "x" * 100 + (
+            "\n[cut: the result was 5000 bytes; output_bytes_max is 100]"
+        )
+
+
+def test_sessions_of_a_profile_share_one_server_process(mcpd: Agentd) -> None:
+    pids = {call_once(mcpd, "demo__whoami", {})["text"].split()[0] for _ in range(5)}
+    assert (len(pids), [(s["name"], s["sessions"], s["restarts"]) for s in servers(mcpd)]) == (1, [("demo", 5, 0)])
+
+
+def test_a_server_that_dies_mid_call_fails_it_with_its_stderr_and_starts_again_at_the_next(mcpd: Agentd) -> None:
+    died = call_once(mcpd, "demo__die", {})
+    again = call_once(mcpd, "demo__echo", {"text": "back"})
+    assert (died, again["text"], servers(mcpd)[0]["restarts"]) == (
+        {
+            "id": 2,
+            "text": "the MCP server demo stopped: it ended; it exited with status 3; its stderr ends: fatal: the test "
+            "server was told to die",
+            "failed": True,
+        },
+        "back",
+        1,
+    )
+
+
+def server_processes(workspace: Path) -> list[int]:
+    """The live processes working in the workspace (the test server's, under bubblewrap, and bwrap's own)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if cwd == str(workspace) and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    """Poll a condition outside the daemon's protocol (a file, a process): a deadline, never a bare sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.01)
+
+
+def test_a_killed_daemon_leaves_no_server_and_its_claimed_call_is_not_sent_again(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agentd = start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"'))
+    daemon = Daemon(tmp_path / "d", *agentd.daemon.args, env=dict(os.environ)).start()  # type: ignore[union-attr]
+    log = agentd.workspace / "slow.log"
+    standin.script(Scripted(tool_calls=[("demo__slow", {"name": "slow.log", "seconds": 60})]), Scripted(text="after"))
+    with daemon.client() as c:
+        session = agentd.session(c)
+        c.prompt(session, "sleep")
+    wait_for(lambda: log.exists() and log.read_text() == "started\n", "the call")
+    running = server_processes(agentd.workspace)
+    daemon.kill()
+    wait_for(lambda: not server_processes(agentd.workspace), "the server's end", 10)
+    with daemon.start(), daemon.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, 1)
+        # Its stdin closed with the daemon, the server may have cancelled the call itself before it was killed.
+        assert (bool(running), log.read_text().count("started"), conversation(c, session)[2]) == (
+            True,
+            1,
+            {
+                "Tool": {
+                    "id": 2,
+                    "text": "interrupted: the daemon stopped while this tool call ran, so it may have partly run; it "
+                    "was not run again (check the workspace before you run it again)",
+                    "failed": True,
+                }
+            },
+        )
+
+
+def test_cancel_sends_mcp_cancellation_and_steps_the_call_cancelled(mcpd: Agentd) -> None:
+    log = mcpd.workspace / "slow.log"
+    mcpd.standin.script(Scripted(tool_calls=[("demo__slow", {"name": "slow.log", "seconds": 60})]))
+    with mcpd.client() as c:
+        session = mcpd.session(c)
+        watch_raw(c, session, since=0)
+        turn = c.prompt(session, "sleep")
+        wait_for(lambda: log.exists() and log.read_text() == "started\n", "the call")
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        until_done(c, turn)
+        wait_for(lambda: log.read_text() == "started\ncancelled\n", "the server's cancellation")
+        assert conversation(c, session)[2] == {"Tool": {"id": 2, "text": "cancelled", "failed": True}}
+
+
+def test_a_call_past_call_timeout_s_is_cancelled_and_failed(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with start(
+        tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"', "call_timeout_s = 0.5")
+    ).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        result = call_once(agentd, "demo__slow", {"name": "slow.log", "seconds": 60})
+        wait_for(lambda: (agentd.workspace / "slow.log").read_text() == "started\ncancelled\n", "the cancellation")
+        assert result == {
+            "id": 2,
+            "text": "the MCP server demo did not answer slow within 0.5 s (call_timeout_s); the call was cancelled",
+            "failed": True,
+        }
+
+
+def offered_names(standin: Standin, request: int = 0) -> list[str]:
+    return [t["function"]["name"] for t in standin.requests[request].body["tools"] if "__" in t["function"]["name"]]
+
+
+@pytest.mark.parametrize(
+    ("table", "why"),
+    [
+        (
+            server_table("demo", "start_timeout_s = 1", args=("--hang",)),
+            "the MCP server demo did not finish its handshake within 1 s (start_timeout_s); it is still running; it "
+            "wrote nothing to stderr",
+        ),
+        (
+            '[agent.coder.mcp.demo]\ncommand = ["/bin/sh", "-c", "echo this is not JSON-RPC; sleep 60"]\n',
+            "the MCP server demo stopped: it wrote a line to stdout that is not a JSON-RPC message: 'this is not "
+            "JSON-RPC'; it was killed by SIGTERM; it wrote nothing to stderr",
+        ),
+        (
+            '[agent.coder.mcp.demo]\ncommand = ["no-such-mcp-server"]\n',
+            "the MCP server demo cannot start: no-such-mcp-server: command not found (PATH is "
+            "/usr/local/bin:/usr/bin:/bin)",
+        ),
+        (
+            '[agent.coder.mcp.demo]\ncommand = ["/bin/true"]\nenv = { TOKEN = "DEVD_TEST_UNSET" }\n',
+            "agent 'coder''s MCP server demo cannot start: its variable TOKEN is to be read from the daemon's variable "
+            "DEVD_TEST_UNSET, which is not set; set it where the daemon starts and restart the daemon",
+        ),
+        (
+            '[agent.coder.mcp.demo]\nurl = "http://127.0.0.1:9/mcp"\n',
+            "the MCP server demo is a Streamable HTTP server (http://127.0.0.1:9/mcp), which devd does not connect to "
+            "yet; run it as a stdio server (command = [...])",
+        ),
+    ],
+    ids=["hangs in its handshake", "writes what is not JSON-RPC", "will not start", "lacks its variable", "is HTTP"],
+)
+def test_a_server_that_cannot_serve_is_left_out_of_the_tools_and_says_why(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, table: str, why: str
+) -> None:
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+        status = servers(agentd)[0]
+        assert (offered_names(standin), status["state"], status["last_error"]) == ([], "failed", why)
+
+
+def test_a_server_listing_more_than_tools_max_has_the_rest_refused(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", "start_timeout_s = 60", args=("--tools", "1200"))
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+        assert (len(offered_names(standin)), servers(agentd)[0]["tools"]) == (1000, 1000)
+
+
+def test_a_50_mb_message_ends_the_connection_and_fails_the_call(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"')).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        result = call_once(agentd, "demo__big", {"size": 50 * 1024 * 1024})
+        assert result["text"].startswith(
+            "the MCP server demo stopped: it sent a message longer than 8388608 bytes, which devd does not read;"
+        )
+
+
+def test_an_idle_server_is_stopped_and_started_again_at_its_next_call(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"', "idle_s = 0.5")).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session = agentd.session(c)
+        call_once(agentd, "demo__echo", {"text": "a"}, session)
+        wait_for(lambda: servers(agentd)[0]["state"] == "stopped", "the idle stop")
+        stopped = server_processes(agentd.workspace)
+        again = call_once(agentd, "demo__echo", {"text": "b"}, session)
+        assert (stopped, again["text"], servers(agentd)[0]["restarts"]) == ([], "b", 1)
+
+
+def own_server(name: str = "mine") -> dict[str, Any]:
+    """A session's own server in ACP's shape, its variables' values given."""
+    return {
+        "name": name,
+        "command": PYTHON,
+        "args": [str(SERVER)],
+        "env": [{"name": "PYTHONPATH", "value": SITE}, {"name": "MCP_TEST_VALUE", "value": "the-editors-value"}],
+    }
+
+
+def test_a_sessions_own_server_is_its_alone_and_each_call_is_asked_about(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with start(tmp_path, standin, monkeypatch, session_mcp="true").daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("mine__whoami", {})]), Scripted(text="done"))
+        with agentd.client() as c:
+            made = c.call(
+                "session/new", {"agent": "coder", "workspace": str(agentd.workspace), "mcp_servers": [own_server()]}
+            )
+            session = made["session"]
+            watch_raw(c, session, since=0)
+            turn = c.prompt(session, "who")
+            asked = next_notice(c, "session/approval").params
+            c.approve(session, asked["action"], asked["digest"], "allow")
+            until_done(c, turn)
+            value = conversation(c, session)[2]["Tool"]["text"].split()[3]
+        status = servers(agentd)[0]
+        assert (value, status["name"], status["agent"], status["sessions"]) == ("the-editors-value", "mine", None, 1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "servers_given", "message"),
+    [
+        (
+            {},
+            [own_server()],
+            "agent 'coder' does not take a session's own MCP servers (it has no session_mcp = true); leave out "
+            "mcp_servers, or set session_mcp = true in its profile",
+        ),
+        (
+            {"session_mcp": "true"},
+            [own_server("a__b")],
+            "MCP server 'a__b': an MCP server's name is 1-32 letters, digits, - and _ (never two _ in a row, nor one "
+            "at either end): the model calls its tools SERVER__TOOL; rename it",
+        ),
+        (
+            {"session_mcp": "true"},
+            [own_server(), own_server()],
+            "MCP server 'mine' is named like another of this session's (or its profile's); rename it",
+        ),
+    ],
+    ids=["not allowed", "a bad name", "a name twice"],
+)
+def test_a_sessions_own_server_the_profile_does_not_allow_is_refused(
+    tmp_path: Path,
+    standin: Standin,
+    monkeypatch: pytest.MonkeyPatch,
+    extra: dict[str, str],
+    servers_given: list[dict[str, Any]],
+    message: str,
+) -> None:
+    with start(tmp_path, standin, monkeypatch, **extra).daemon as d, d.client() as c:
+        params = {"agent": "coder", "workspace": str(tmp_path / "roots" / "ws"), "mcp_servers": servers_given}
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.call("session/new", params)
+        assert (str(refused.value), c.list().sessions) == (message, [])
