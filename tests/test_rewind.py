@@ -365,7 +365,7 @@ def test_devd_title_effects_and_rewind_are_the_methods_for_people(agentd: Agentd
         "",
         ["Write a.txt ok (undoable)", "Write b.txt ok (undoable)", "Exec true ok"],
         ["restored a.txt", "removed b.txt", f"not undone: action {c_effect_action(listed.stdout, 2)} Exec true"],
-        ["title: the flaky job", "instructions: none"],
+        ["instructions: none", "title: the flaky job"],
     )
 
 

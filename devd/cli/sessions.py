@@ -227,8 +227,6 @@ def _waits(raw: bytes) -> bytes:
     entry = msgspec.json.decode(raw)
     waits = ", ".join(f"{w['kind']} (id {w['id']})" for w in entry["waiting"]) or "nothing"
     shown = sessions_table([entry]) + f"waiting for: {waits}\n"
-    if entry.get("title") is not None:
-        shown += f"title: {inline(entry['title'])}\n"
     if entry.get("instructions") is not None:
         shown += f"instructions: {', '.join(inline(p) for p in entry['instructions']) or 'none'}\n"
     return shown.encode()
