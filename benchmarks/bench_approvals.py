@@ -30,6 +30,7 @@ from devd.agent.kinds import decide
 from devd.agent.oversight import Gate, Oversight
 from devd.agent.profiles import Profile
 from devd.agent.spend import Refusal, Reservation, Usage
+from devd.agent.wire import AgentPort
 from devd.config import Settings
 from devd.host import Core
 from devd.messages import Op
@@ -120,8 +121,9 @@ async def _side(
     store = SQLiteStore(state / "devd.sqlite3", keys_kept=1000, steps_kept=1000, prune_every_steps=256)
     settings = Settings(state_dir=state, socket_path=None)
     registry, dispatcher = build(settings, core, store, agents={"bench": profile})
-    runtime = dispatcher.app.agents
-    assert runtime is not None
+    port = dispatcher.app.sessions
+    assert isinstance(port, AgentPort)
+    runtime = port.runtime
     if not overseen:
         runtime.oversight = Bare(runtime.sessions)
     times = []

@@ -17,6 +17,8 @@ what its commands print, a reason that quotes any of these) is shown through one
   command of 200,000 spaces): long runs of spaces and long words cut, each cut counted where it was
   (`…[199,980 spaces]…`), so that every word's start and end can still be seen;
 - `json_safe(raw)`: JSON for people: the characters below that JSON leaves raw, as `\\uXXXX` (the same value).
+- `in_devd_terms(text, session)`: a message of the daemon's with each method it names as the `devd` command that
+  calls it (`METHOD_COMMANDS`), for every front end that shows one (the command line, and the screen of `devd chat`).
 
 The characters: the C0 controls, DEL, the C1 controls, the line and paragraph separators U+2028/U+2029, the bidi
 controls (U+061C, U+200E/U+200F, U+202A–U+202E, U+2066–U+2069 and the deprecated U+206A–U+206F), the default-ignorable
@@ -218,3 +220,41 @@ def _json_escaped(found: re.Match[str]) -> str:
         code -= 0x10000
         return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
     return f"\\u{code:04x}"
+
+
+# The command that does what a method does, for messages that name the method; {session} is the session the command
+# at hand was given, else SESSION.
+METHOD_COMMANDS: dict[str, str] = {
+    "session/list": "devd ls",
+    "session/new": "devd new",
+    "session/step": "devd step {session} EVENT",
+    "session/snapshot": "devd snapshot {session}",
+    "session/restore": "devd restore SNAPSHOT",
+    "session/fork": "devd fork {session}",
+    "session/pending": "devd pending {session}",
+    "session/info": "devd info {session}",
+    "session/transcript": "devd transcript {session}",
+    "session/recover": "devd recover {session}",
+    "session/close": "devd close {session}",
+    "session/watch": "devd watch {session}",
+    "session/approve": "devd approve {session} ACTION",
+    "session/usage": "devd usage {session}",
+    "session/compact": "devd compact {session}",
+    "session/model": "devd model {session} MODEL",
+    "session/trace": "devd trace {session}",
+    "session/resume": "devd resume {session}",
+    "session/budget": "devd budget {session} TOKENS",
+    "daemon/status": "devd status",
+}
+
+_METHOD_NAMED = re.compile(r"`?\b((?:session|daemon)/[a-z]+)\b`?")
+
+
+def in_devd_terms(text: str, session: str) -> str:
+    """text with each method it names (`session/resume`) as the `devd` command that calls it for `session`."""
+
+    def command(found: re.Match[str]) -> str:
+        template = METHOD_COMMANDS.get(found[1])
+        return found[0] if template is None else f"`{template.format(session=session)}`"
+
+    return _METHOD_NAMED.sub(command, text)

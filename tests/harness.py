@@ -19,9 +19,10 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -35,10 +36,12 @@ from devd.client import Client
 from devd.config import Settings, backup_dir
 from devd.host import Core
 from devd.server.daemon import Daemon, build
+from devd.server.dispatch import Dispatcher
 from devd.server.listeners import bind, lock_state_dir, prepare_state_dir, read_token
 
 START_TIMEOUT_S = 20.0
 _cores: dict[tuple[Path | None, float, int], Core] = {}
+T = TypeVar("T")
 
 
 def _core(settings: Settings) -> Core:
@@ -70,6 +73,12 @@ class InProcess:
 
     def client(self) -> Client:
         return Client.connect(self.socket, timeout=30)
+
+    def on_loop(self, read: Callable[[Dispatcher], T]) -> T:
+        """read(the daemon's dispatcher), called on the daemon's event loop: what a test reads of its state."""
+        assert self._running is not None, "the daemon is not running"
+        dispatcher = self._running.dispatcher
+        return self._running.portal.call(lambda: read(dispatcher))
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         """Stop the daemon as `sig` would (SIGTERM or SIGINT: its graceful shutdown); 0, as the process exits."""
@@ -137,6 +146,7 @@ class _Running:
         ready = threading.Event()
         daemon = Daemon(settings, registry, dispatcher, token)
         self.portal = portal
+        self.dispatcher = dispatcher
         self.served: Future[None] = portal.start_task_soon(daemon.serve, listeners, ready.set, None, receive)
         opened.callback(self._cancel_if_running)  # before the portal's end, which waits for its tasks
         self.served.add_done_callback(lambda _: ready.set())

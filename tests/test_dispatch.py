@@ -16,6 +16,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from devd import __version__
+from devd.agent.wire import AgentPort
 from devd.config import Settings
 from devd.host import Core
 from devd.protocol import Empty, SessionParams
@@ -247,4 +248,5 @@ async def test_a_cancel_that_fails_leaves_nothing_kept_of_who_stepped_it(dispatc
     step = b'{"jsonrpc":"2.0","id":1,"method":"session/step","params":{"session":"ghost%d","event":%s}}'
     for n in range(3):  # no such sessions: each answered HANDLE, none may leave an entry behind
         await dispatcher.answer(PEER, step % (n, b'{"Cancel":{"turn":1}}'))
-    assert dispatcher.app.oversight is not None and dispatcher.app.oversight.cancelling == {}
+    port = dispatcher.app.sessions
+    assert isinstance(port, AgentPort) and port.runtime.statistics().sessions == 0

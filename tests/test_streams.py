@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from devd.agent.port import ObservedFanout
-from devd.server.rpc import encode_notice
+from devd.server.rpc import encode_notice, notification
 from tests.helpers import Sink
 
 
@@ -15,7 +15,7 @@ def deltas(sink: Sink) -> list[tuple[int, str]]:
 
 
 def test_a_watcher_that_joins_mid_stream_is_sent_the_text_so_far_then_the_rest() -> None:
-    fanout, late = ObservedFanout(encode_notice), Sink()
+    fanout, late = ObservedFanout(encode_notice, notify=notification), Sink()
     fanout.stream("s", 3, "Hello, ")
     fanout.stream("s", 3, "wor")
     fanout.subscribe("s", late, 0, catching_up=False)
@@ -24,7 +24,7 @@ def test_a_watcher_that_joins_mid_stream_is_sent_the_text_so_far_then_the_rest()
 
 
 def test_a_watcher_catching_up_on_history_is_sent_the_text_so_far_once_caught_up() -> None:
-    fanout, late = ObservedFanout(encode_notice), Sink()
+    fanout, late = ObservedFanout(encode_notice, notify=notification), Sink()
     sub = fanout.subscribe("s", late, 0, catching_up=True)
     fanout.stream("s", 3, "Hi")
     before = list(late.lines)
@@ -33,7 +33,7 @@ def test_a_watcher_catching_up_on_history_is_sent_the_text_so_far_once_caught_up
 
 
 def test_a_stream_that_is_over_is_not_sent_to_a_watcher_that_joins_after() -> None:
-    fanout, late = ObservedFanout(encode_notice), Sink()
+    fanout, late = ObservedFanout(encode_notice, notify=notification), Sink()
     fanout.stream("s", 3, "done")
     fanout.streamed("s", 3)
     fanout.subscribe("s", late, 0, catching_up=False)
@@ -41,7 +41,7 @@ def test_a_stream_that_is_over_is_not_sent_to_a_watcher_that_joins_after() -> No
 
 
 def test_a_retry_that_repeats_the_text_told_is_told_only_past_it() -> None:
-    fanout, watcher = ObservedFanout(encode_notice), Sink()
+    fanout, watcher = ObservedFanout(encode_notice, notify=notification), Sink()
     fanout.subscribe("s", watcher, 0, catching_up=False)
     fanout.stream("s", 3, "Hello, wo")
     fanout.stream_again("s", 3)
@@ -51,7 +51,7 @@ def test_a_retry_that_repeats_the_text_told_is_told_only_past_it() -> None:
 
 
 def test_a_retry_that_says_something_else_is_told_as_it_comes() -> None:
-    fanout, watcher = ObservedFanout(encode_notice), Sink()
+    fanout, watcher = ObservedFanout(encode_notice, notify=notification), Sink()
     fanout.subscribe("s", watcher, 0, catching_up=False)
     fanout.stream("s", 3, "Hello")
     fanout.stream_again("s", 3)

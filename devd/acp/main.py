@@ -2,7 +2,7 @@
 client uses; logs (JSON lines) on stderr, which editors keep in their agent log.
 
 Exit status: 0 when the editor closes our input; 3 when no daemon answers at the start (stderr says how to start
-one); 2 for a local problem (a token file that cannot be read).
+one); 2 for a local problem (a token file that cannot be read: said by `devd.cli`, which reads it).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import argparse
 import sys
 
 EXIT_OK = 0
-EXIT_LOCAL = 2
 EXIT_UNREACHABLE = 3
 
 
@@ -42,22 +41,18 @@ async def serve(address: str, token: str | None, agent: str | None) -> None:
             pass  # the editor went away: nothing more to tell it, and its sessions go on in the daemon
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, address: str, token: str | None) -> int:
+    """Serve the editor, against the daemon at `address` (found, with the token, by the rules of every client
+    command: `devd.cli`, which calls this); the exit status."""
     # Imported here, not above: `devd --help` builds this command's parser without loading the bridge.
     import anyio
 
     from devd import log as logging_setup
-    from devd.cli.common import LocalError, _address, _token  # the address and token rules of every client command
     from devd.client import NotRunningError
 
     logging_setup.configure("json" if not sys.stderr.isatty() else None, args.log_level)
-    address = _address(args)
     try:
-        token = _token(args)
         anyio.run(serve, address, token, args.agent, backend="asyncio")
-    except LocalError as e:
-        print(f"devd acp: {e}", file=sys.stderr)
-        return EXIT_LOCAL
     except NotRunningError as e:
         print(f"devd acp: {e.strerror}", file=sys.stderr)
         return EXIT_UNREACHABLE

@@ -35,7 +35,7 @@ from devd.agent.kinds.base import LINE_CHARS_MAX
 from devd.client import ActionsNotice, Notice
 from devd.messages import Action, Event, Op, Output
 from devd.protocol import ApprovalNotice, DecidedNotice, DeltaNotice, Remember, StalledNotice
-from devd.render import Streamed, argv, block, brief, inline, prose
+from devd.render import Streamed, argv, block, brief, in_devd_terms, inline, prose
 
 RESULT_LINES = 8  # of a call's output shown; the rest is counted
 DIFF_LINES = 50  # of a write's diff shown (hunk headers, changed lines, context), every change counted where it is
@@ -139,8 +139,6 @@ class Screen:
             self.texts[notice.action] = self.texts.get(notice.action, "") + notice.text
             self._write(self.streams.setdefault(notice.action, Streamed()).add(notice.text))
         elif isinstance(notice, StalledNotice):
-            from devd.cli.common import in_devd_terms
-
             why = in_devd_terms(brief(inline(notice.why), LINE_CHARS_MAX), self.session)
             self.stalled = (notice.action, why)
             self._line(f"[the turn waits: {why}]")  # each why says what stalled it and what carries on

@@ -16,15 +16,17 @@ What it promises:
 
 The runner calls `gate` before a call starts (`withdraw` when a Cancel ends the wait), carries a model call in a
 `ModelCall` (`admit` before it is sent, `attempt` for each attempt, `again` before a retry, `done` or `cancelled` at
-its end: it calls `admit`, `settle` and `trace` here) and `trace` after every tool run; the wire's methods call
-`answer`, `usage`, `traces`, `set_budget`, `awaiting` and `announcements`.
+its end: it calls `admit`, `settle` and `trace` here) and `trace` after every tool run; the port the wire calls
+(`devd.agent.wire.AgentPort`) calls `answer`, `usage`, `traces`, `set_budget`, `awaiting`, `announcements` and
+`cancelling` (around a Cancel step). What it keeps of a session in memory is in the session's record of the
+runtime's table (`devd.agent.known`), so that forgetting the session forgets it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,8 +34,9 @@ import anyio
 import msgspec
 
 from devd.agent import approvals, spend, trace
-from devd.agent.approvals import Answer, Asked, Decided, Ledger
+from devd.agent.approvals import Answer, Asked, Decided
 from devd.agent.kinds import decide
+from devd.agent.known import Overseen, Table
 from devd.agent.port import RecordLog
 from devd.agent.profiles import Budget, Profile, watched
 from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, Usage
@@ -107,13 +110,6 @@ class Gate(msgspec.Struct, frozen=True):
     by: str | None = None  # the client that decided, when one did
 
 
-class _Session(msgspec.Struct):
-    ledger: Ledger = msgspec.field(default_factory=Ledger)
-    budget: int | None = None
-    lock: anyio.Lock = msgspec.field(default_factory=anyio.Lock)
-    decided: dict[int, anyio.Event] = msgspec.field(default_factory=dict)  # a waiter for each pending approval
-
-
 def today(now: float | None = None) -> str:
     """The UTC day a call's tokens count for."""
     return datetime.fromtimestamp(time.time() if now is None else now, UTC).date().isoformat()
@@ -127,44 +123,55 @@ def ceilings(profile: Profile, session_budget: int | None) -> Ceilings:
 class Oversight:
     """Every session's approvals, spend and trace, for one daemon."""
 
-    def __init__(self, keeper: Keeper, clock: Callable[[], float] = time.time, spans: Spans | None = None) -> None:
+    def __init__(
+        self,
+        keeper: Keeper,
+        clock: Callable[[], float] = time.time,
+        spans: Spans | None = None,
+        table: Table | None = None,
+    ) -> None:
         self.keeper = keeper
         self.clock = clock
         self.spans = spans
-        self._sessions: dict[str, _Session] = {}
-        self._loading: dict[str, anyio.Event] = {}
-        self._traced: dict[str, int] = {}  # trace records kept per session by this daemon: trimmed every so many
-        self.cancelling: dict[str, str] = {}  # who last stepped a Cancel of each session: who withdrew its approvals
+        self.table = (
+            Table() if table is None else table
+        )  # what is kept of each session: the runtime's table, shared with it
 
-    async def _state(self, session: str) -> _Session:
+    async def _state(self, session: str) -> Overseen:
         """The session's approvals and budget, read from its record log the first time they are needed."""
-        state = self._sessions.get(session)
-        if state is not None:
-            return state
-        loading = self._loading.get(session)
-        if loading is not None:
-            await loading.wait()
+        known = self.table.get(session)
+        if known.overseen is not None:
+            return known.overseen
+        if known.loading is not None:
+            await known.loading.wait()
             return await self._state(session)
-        self._loading[session] = done = anyio.Event()
+        known.loading = done = anyio.Event()
         try:
-            state = _Session()
+            state = Overseen()
             kinds = (approvals.ASKED, approvals.DECIDED, spend.BUDGET)
             for record in await self.keeper.records(session, kinds):
                 if record.kind == spend.BUDGET:  # a fork keeps its source's ceiling (and spends from zero)
                     state.budget = _budget.decode(record.body).tokens
                 else:
                     state.ledger.replay(record.kind, record.body)
-            self._sessions[session] = state
+            known.overseen = state
         finally:
-            del self._loading[session]
+            known.loading = None
             done.set()
         return state
 
-    def forget(self, session: str) -> None:
-        """The session was closed: what is kept of it in memory goes (its records went with it)."""
-        self._sessions.pop(session, None)
-        self._traced.pop(session, None)
-        self.cancelling.pop(session, None)
+    @contextlib.contextmanager
+    def cancelling(self, session: str, by: str) -> Iterator[None]:
+        """Around a Cancel step of a session known here: `by` kept as who withdrew the turn's approvals (read when
+        the driver withdraws them, after the step). A step that fails (a malformed Cancel) leaves what was kept as it
+        was, so that no bad request leaves its client's name behind."""
+        known = self.table.get(session)
+        before, known.cancelling = known.cancelling, by
+        try:
+            yield
+        except BaseException:
+            known.cancelling = before
+            raise
 
     # -- approvals ----------------------------------------------------------------------------------------------
 
@@ -190,7 +197,7 @@ class Oversight:
             return Gate(False, "not run: its turn was cancelled while it waited for approval", done.by)
         return Gate(False, f"denied by {done.by}: the user did not approve this call", done.by)
 
-    async def _wait(self, session: str, state: _Session, action: int, op: Op, why: str) -> Decided:
+    async def _wait(self, session: str, state: Overseen, action: int, op: Op, why: str) -> Decided:
         async with state.lock:
             done = state.ledger.decided.get(action)
             if done is not None:  # answered (from a record read at start) before this driver came to ask
@@ -223,7 +230,8 @@ class Oversight:
     async def withdraw(self, session: str, actions: list[int], by: str | None = None) -> list[Decided]:
         """The turn of these actions was cancelled: their pending approvals are decided `cancelled`, by the client
         that stepped the Cancel when it is known."""
-        by = by or self.cancelling.get(session) or "unknown"
+        known = self.table.find(session)
+        by = by or (known.cancelling if known is not None else None) or "unknown"
         state = await self._state(session)
         async with state.lock:
             withdrawn = state.ledger.cancel(actions, by)
@@ -233,7 +241,7 @@ class Oversight:
             self._told(session, state, done)
         return withdrawn
 
-    def _told(self, session: str, state: _Session, done: Decided, remembered: Remembered | None = None) -> None:
+    def _told(self, session: str, state: Overseen, done: Decided, remembered: Remembered | None = None) -> None:
         notice = DecidedNotice(session, done.action, done.decision, done.by, remembered)
         self.keeper.tell(session, DECIDED_NOTICE, notice)
         event = state.decided.pop(done.action, None)
@@ -357,8 +365,11 @@ class Oversight:
         await self._keep(session, trace.TRACE, record.action, record, trace.encode(record), beside)
         if self.spans is not None:
             self.spans.export(session, record)
-        self._traced[session] = traced = self._traced.get(session, 0) + 1
-        if traced % TRACE_TRIM_EVERY == 0:  # usage records too: the store's counters hold what they add up to
+        if self.keeper.seq(session) is None:  # closed while the record was written: nothing is kept of it here
+            return
+        known = self.table.get(session)
+        known.traced += 1
+        if known.traced % TRACE_TRIM_EVERY == 0:  # usage records too: the store's counters hold what they add up to
             for kind in (trace.TRACE, spend.USAGE):
                 await self.keeper.trim_records(session, kind, TRACE_RECORDS_KEPT)
 

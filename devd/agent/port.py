@@ -1,17 +1,19 @@
 """The agent runtime's port onto the sessions: a second client of them beside the wire, through the registry.
 
 The runner sees the sessions only through `Sessions`: step an event under a key (as a client does: same events, same
-journal, same keys, BUSY retried), read what a session waits for and its conversation, keep and read records and
-spend counters (`RecordLog`), learn of every step and of a session's end, and send a session's watchers notices that
-are not steps. `RegistryPort` is that port over the daemon's `Registry` and `Store` (its `RecordLog` is the store's,
-`StoreRecordLog`); `ObservedFanout` is the registry's watcher fan-out with observers
-added, so the runner hears of steps other clients make (a `Cancel`) without a connection of its own.
+journal, same keys; BUSY waited out: woken as the call holding the session ends, never by polling), read what a
+session waits for and its conversation, keep and read records and spend counters (`RecordLog`), learn of every step
+and of a session's end, and send a session's watchers notices that are not steps. `RegistryPort` is that port over
+the daemon's `Registry` and `Store` (its `RecordLog` is the store's, `StoreRecordLog`); `ObservedFanout` is the
+registry's watcher fan-out with observers added, so the runner hears of steps other clients make (a `Cancel`)
+without a connection of its own. Notices are encoded by the function the daemon gives (`notify`: the wire's), so that
+nothing here imports the wire.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -21,15 +23,12 @@ from devd.deltas import Stream
 from devd.errors import BusyError, HandleError
 from devd.messages import Action, Event, Message, Turn, decode_actions, decode_messages, encode
 from devd.protocol import DeltaNotice
-from devd.server.rpc import notification
 from devd.sessions.port import SessionPort
 from devd.sessions.watchers import Fanout, Stepped, Subscription
 from devd.storage.store import Counter, Over, Record, Store, Tally
 
 T = TypeVar("T")
 DELTA_NOTICE = "session/delta"
-BUSY_FIRST_DELAY_S = 0.002
-BUSY_MAX_DELAY_S = 0.1
 BUSY_WAIT_MAX_S = 60.0  # a session held by other calls this long: the step gives up with the last BusyError
 
 
@@ -41,9 +40,11 @@ class Observer(Protocol):
         """The session was closed, expired or moved away."""
 
 
-class ObservedFanout(Fanout):
-    """The watcher fan-out, also telling in-process observers of every step and every session's end."""
+class ObservedFanout(Fanout, kw_only=True):
+    """The watcher fan-out, also telling in-process observers of every step and every session's end, and sending
+    notices that are not steps (`notify(method, params)`: a notification line)."""
 
+    notify: Callable[[str, Any], bytes]
     observers: list[Observer] = msgspec.field(default_factory=list)
     streams: dict[str, dict[int, Stream]] = msgspec.field(default_factory=dict)  # per session: Model text so far
 
@@ -71,7 +72,7 @@ class ObservedFanout(Fanout):
         kept = self.streams.setdefault(session, {}).setdefault(action, Stream())
         fresh = kept.add(text)
         if fresh:
-            self.tell(session, notification(DELTA_NOTICE, DeltaNotice(session, action, fresh)))
+            self.tell(session, self.notify(DELTA_NOTICE, DeltaNotice(session, action, fresh)))
 
     def stream_again(self, session: str, action: int) -> None:
         """The text of `action` starts again from its beginning (an attempt that failed mid-stream is retried, or the
@@ -89,7 +90,7 @@ class ObservedFanout(Fanout):
 
     def live(self, sub: Subscription) -> None:
         for action, kept in self.streams.get(sub.session, {}).items():
-            if not sub.sink.offer(notification(DELTA_NOTICE, DeltaNotice(sub.session, action, kept.text()))):
+            if not sub.sink.offer(self.notify(DELTA_NOTICE, DeltaNotice(sub.session, action, kept.text()))):
                 self.end_one(sub, "fell too far behind")
                 return
 
@@ -230,7 +231,7 @@ class RegistryPort(StoreRecordLog):
 
     async def step_bytes(self, session: str, event: bytes, key: str | None) -> list[Action]:
         """Step as a client does; BUSY (another client's call on the session) is waited out."""
-        answered = await _unbusy(lambda: self.registry.step(session, event, None, key))
+        answered = await self._unbusy(session, lambda: self.registry.step(session, event, None, key))
         return decode_actions(answered.actions)
 
     async def keyed_turn(self, session: str, key: str) -> Turn | None:
@@ -243,10 +244,10 @@ class RegistryPort(StoreRecordLog):
         return _turns.decode(rows[0].event).Turn
 
     async def pending(self, session: str) -> list[Action]:
-        return decode_actions(await _unbusy(lambda: self.registry.pending(session)))
+        return decode_actions(await self._unbusy(session, lambda: self.registry.pending(session)))
 
     async def transcript(self, session: str) -> list[Message]:
-        _, messages = await _unbusy(lambda: self.registry.transcript(session, 0))
+        _, messages = await self._unbusy(session, lambda: self.registry.transcript(session, 0))
         return decode_messages(messages)
 
     def seq(self, session: str) -> int | None:
@@ -261,7 +262,7 @@ class RegistryPort(StoreRecordLog):
         if self.registry.fleet is None:
             return False
         try:
-            await _unbusy(lambda: self.registry.pending(session))  # adopts it, as any call on it would
+            await self._unbusy(session, lambda: self.registry.pending(session))  # adopts it, as any call on it would
         except HandleError:
             return False
         return True
@@ -270,16 +271,16 @@ class RegistryPort(StoreRecordLog):
         return [(row.seq, row.event) for row in await self.store.steps_since(session, since, limit)]
 
     async def fork(self, source: str, at: int, name: str) -> str:
-        return await _unbusy(lambda: self.registry.fork(source, at, name))
+        return await self._unbusy(source, lambda: self.registry.fork(source, at, name))
 
     async def back(self, session: str, at: int, kinds: tuple[str, ...]) -> None:
-        await _unbusy(lambda: self.registry.back(session, at, kinds))
+        await self._unbusy(session, lambda: self.registry.back(session, at, kinds))
 
     def observe(self, observer: Observer) -> None:
         self.fanout.observers.append(observer)
 
     def tell(self, session: str, method: str, params: msgspec.Struct) -> None:
-        self.fanout.tell(session, notification(method, params))
+        self.fanout.tell(session, self.fanout.notify(method, params))
 
     def stream(self, session: str, action: int, text: str) -> None:
         self.fanout.stream(session, action, text)
@@ -290,24 +291,23 @@ class RegistryPort(StoreRecordLog):
     def streamed(self, session: str, action: int) -> None:
         self.fanout.streamed(session, action)
 
-
-async def _unbusy(call: Callable[[], Awaitable[T]]) -> T:
-    """call(), waiting out BUSY (another client's call on the session) with backoff, for BUSY_WAIT_MAX_S at most.
-    The call itself is shielded: a registry call stopped half-way (between the core's step and its commit) would
-    leave the session's instance ahead of what it knows of the disk; a cancel lands once the call has answered."""
-    delay, waited = BUSY_FIRST_DELAY_S, 0.0
-    while True:
-        try:
-            with anyio.CancelScope(shield=True):
-                answered = await call()
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            return answered
-        except BusyError:
-            if waited >= BUSY_WAIT_MAX_S:
-                raise
-        await anyio.sleep(delay)
-        waited += delay
-        delay = min(delay * 2, BUSY_MAX_DELAY_S)
+    async def _unbusy(self, session: str, call: Callable[[], Awaitable[T]]) -> T:
+        """call(), waiting out BUSY (another client's call on the session) for BUSY_WAIT_MAX_S at most: each BUSY
+        waits until the call holding the session ends (`wait_free`), then tries again. The call itself is shielded:
+        a registry call stopped half-way (between the core's step and its commit) would leave the session's
+        instance ahead of what it knows of the disk; a cancel lands once the call has answered."""
+        deadline = anyio.current_time() + BUSY_WAIT_MAX_S
+        while True:
+            try:
+                with anyio.CancelScope(shield=True):
+                    answered = await call()
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                return answered
+            except BusyError:
+                if anyio.current_time() >= deadline:
+                    raise
+            with anyio.move_on_after(deadline - anyio.current_time()):
+                await self.registry.wait_free(session)
 
 
 _turns = msgspec.json.Decoder(Event)

@@ -93,8 +93,8 @@ async def rewind(runtime: Runtime, session: str, turn: int, *, force: bool = Fal
     """See the module's docstring. Raises HandleError (no such session), InvalidParamsError (not an agent's, no such
     turn, its history no longer kept), BusyError (a turn is running) and ConflictError (files changed since)."""
     binding = await runtime._bound(session)
-    async with runtime._locks.setdefault(session, anyio.Lock()):
-        if runtime.driving(session) and session not in runtime.stalled:
+    async with runtime.table.get(session).lock:
+        if runtime.driving(session) and runtime.stalled(session) is None:
             raise BusyError(
                 f"a turn of session {session!r} is running; cancel it (session/step with a Cancel) or wait for it to "
                 "end, then rewind"
@@ -122,7 +122,7 @@ async def _plan(runtime: Runtime, session: str, turn: int, force: bool) -> Plan:
     """What a rewind of the session to before `turn` does, checked (see `rewind` for what it raises)."""
     at = await _step_before(runtime, session, turn)
     try:
-        workspace = await runtime.workspace(session)
+        workspace = await runtime.workspace(session, runtime.table.get(session))
     except tools.Refused as e:
         raise InvalidParamsError(f"session {session!r} cannot be rewound: {e.why}") from None
     found = await runtime.sessions.records(session, (effects.EFFECT, REWOUND))
@@ -154,6 +154,7 @@ async def finish_left(runtime: Runtime) -> None:
                 why = e.why if isinstance(e, tools.Refused) else str(e)
                 runtime.stall(
                     session,
+                    runtime.table.get(session),
                     0,
                     f"a rewind to turn {plan.turn} left unfinished cannot be finished ({why}); "
                     "`session/rewind` tries again",
@@ -201,7 +202,7 @@ async def _finish(runtime: Runtime, n: int, plan: Plan) -> RewindResult:
 async def _put(runtime: Runtime, plan: Plan, put: Put, content: bytes | None) -> None:
     if content is None and not put.remove:  # never a removal in its place
         raise tools.Refused(f"what {put.target} held before turn {plan.turn} is no longer kept")
-    workspace = await runtime.workspace(plan.session)
+    workspace = await runtime.workspace(plan.session, runtime.table.get(plan.session))
     await anyio.to_thread.run_sync(tools.put_back, workspace, put.target, content)
 
 

@@ -44,6 +44,7 @@ import structlog
 from devd import failpoints
 from devd.agent import cgroups, context, effects, http, instructions, kinds, model, records, rewind, spend, tools
 from devd.agent import sandbox as sandboxes
+from devd.agent.known import Known, Table
 from devd.agent.mcp.own import own_servers
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
@@ -107,6 +108,13 @@ def _prepare_cgroups() -> None:
     log.info("agent.cgroups", memory=where.memory, pids=where.pids, left=cgroups.sweep(where) or None)
 
 
+class RuntimeStatistics(msgspec.Struct, frozen=True):
+    """What the runtime holds: a record per session it knows (`devd.agent.known`), and the drivers running."""
+
+    sessions: int
+    driving: int
+
+
 def _awaited(action: Action) -> bool:
     op = action.op
     return op.Emit is None and op.Save is None and op.Done is None
@@ -127,21 +135,24 @@ class Runtime:
         self._private_real = tuple(Path(os.path.realpath(p)) for p in private)  # and never a tool's, nor in a workspace
         self.sessions = sessions
         self.environ = environ  # where API keys are read from, when a request is made; never copied elsewhere
-        self.stalled: dict[str, str] = {}
-        self._bindings: dict[str, Binding | None] = {}
-        self._turns: dict[str, int] = {}  # the highest turn id known of each session
-        self._models: dict[str, str] = {}  # the model `session/model` set, per session (read with the binding)
-        self._drivers: dict[str, Driver] = {}
-        self._locks: dict[str, anyio.Lock] = {}
-        self._scanned: set[str] = set()  # sessions whose kept journal was read for turn ids
+        self.table = Table()  # one record per session known here: forgetting one is one removal (devd.agent.known)
         self._tg: anyio.abc.TaskGroup | None = None
-        self._sandboxes: dict[str, sandboxes.Sandbox | sandboxes.Refusal | None] = {}
+        self._sandboxes: dict[str, sandboxes.Sandbox | sandboxes.Refusal | None] = {}  # by profile
         self.http: http.Client | None = None
         self.mcp: Broker | None = None  # the MCP broker, when a profile names servers (its SDK is loaded only then)
-        self.oversight = Oversight(sessions)  # approvals, spend and trace (devd.agent.oversight)
+        self.oversight = Oversight(sessions, table=self.table)  # approvals, spend and trace (devd.agent.oversight)
         self.titles = Titles(sessions, sessions.seq)
         self.ledger = effects.Ledger(sessions)  # what effects ran, and what a Write replaced (session/rewind)
         sessions.observe(self)
+
+    def statistics(self) -> RuntimeStatistics:
+        """How many sessions the runtime keeps a record of, and how many it drives now."""
+        return RuntimeStatistics(len(self.table), self.table.driving())
+
+    def stalled(self, session: str) -> str | None:
+        """Why the session's driver stopped, until it is resumed (None: it has not)."""
+        known = self.table.find(session)
+        return None if known is None else known.stalled
 
     # -- what the methods call ----------------------------------------------------------------------------------
 
@@ -183,29 +194,34 @@ class Runtime:
     async def bind(self, session: str, binding: Binding | None) -> None:
         """Keep the new session's binding, durably. A session of no agent is not remembered here at all (there may be
         a million of them): what is known of a name made again is forgotten."""
-        self._forget(session)
+        self.table.forget(session)
         if binding is not None:
             await self.sessions.add_record(Record(session, 0, records.AGENT, 0, records.encode(binding)))
-            self._bindings[session] = binding
+            known = self.table.get(session)
+            known.binding, known.bound = binding, True
 
-    async def binding(self, session: str) -> Binding | None:
-        if session not in self._bindings:
+    async def binding(self, session: str, known: Known | None = None) -> Binding | None:
+        """The session's agent and workspace (None: it has none), read from its record log once (with its turns and
+        the model `session/model` set); `known`, its record when the caller holds it (a driver: it never makes one
+        again for a session forgotten meanwhile)."""
+        known = self.table.get(session) if known is None else known
+        if not known.bound:
             found = await self.sessions.records(session, (records.AGENT, records.TURN, records.MODEL))
             bound = [records.decode(r.body, Binding) for r in found if r.kind == records.AGENT]
             turns = [records.decode(r.body, TurnStarted).turn for r in found if r.kind == records.TURN]
             chosen = [records.decode(r.body, ModelChosen).model for r in found if r.kind == records.MODEL]
-            self._turns[session] = max([self._turns.get(session, 0), *turns])
-            self._bindings[session] = bound[-1] if bound else None
+            known.turn = max([known.turn, *turns])
+            known.binding, known.bound = (bound[-1] if bound else None), True
             if chosen:
-                self._models[session] = chosen[-1]
-        return self._bindings[session]
+                known.model = chosen[-1]
+        return known.binding
 
-    async def workspace(self, session: str) -> tools.Workspace:
+    async def workspace(self, session: str, known: Known) -> tools.Workspace:
         """The session's workspace as its tools reach it (see `tools.Workspace`). A session made before identities
         were recorded takes the directory at its path now, reached without following a link, as its own: recorded
         durably at this first call (a record of seq 0, which every fork carries, as the first) and checked at every
         call after. Refused when no directory can be reached there that way."""
-        binding = await self.binding(session)
+        binding = await self.binding(session, known)
         assert binding is not None, "a driver runs only for a session made with an agent"
         identity = binding.identity
         if identity is None:
@@ -219,7 +235,7 @@ class Runtime:
                 ) from None
             binding = msgspec.structs.replace(binding, identity=identity)
             await self.sessions.add_record(Record(session, 0, records.AGENT, 0, records.encode(binding)))
-            self._bindings[session] = binding
+            known.binding = binding
             log.info("agent.workspace_pinned", session=session, workspace=binding.workspace, identity=identity)
         return tools.Workspace(Path(binding.workspace), identity, self._private_real)
 
@@ -227,7 +243,8 @@ class Runtime:
         """Start a turn of the session with prompt (once per key); its id, once its Turn step is durable."""
         binding = await self._bound(session)
         self._profile(session, binding)
-        async with self._locks.setdefault(session, anyio.Lock()):
+        known = self.table.get(session)
+        async with known.lock:
             step_key = None if key is None else f"prompt:{key}"
             if step_key is not None and (kept := await self.sessions.keyed_turn(session, step_key)) is not None:
                 if kept.prompt != prompt:  # as a keyed step with another event is: never the old turn, silently
@@ -236,12 +253,12 @@ class Runtime:
                     )
                 self.drive(session)
                 return kept.id
-            if session not in self._scanned:
-                await self._scan_turns(session)
+            if not known.scanned:
+                await self._scan_turns(session, known)
             seq = self.sessions.seq(session) or 0
-            turn = max(seq, self._turns.get(session, 0)) + 1
+            turn = max(seq, known.turn) + 1
             await self.sessions.add_record(Record(session, seq, records.TURN, 0, records.encode(TurnStarted(turn))))
-            self._turns[session] = turn
+            known.turn = turn
             await self.sessions.step(session, Event(Turn=Turn(id=turn, prompt=prompt)), step_key)
             title = from_prompt(prompt)
             if title is not None:
@@ -257,8 +274,9 @@ class Runtime:
         summary, the model failed). While calls are waited for, the message that made them stays."""
         binding = await self._bound(session)
         profile = self.with_model(session, self._profile(session, binding))
-        async with self._locks.setdefault(session, anyio.Lock()):
-            return await Driver(self, session).compact_now(profile)
+        known = self.table.get(session)
+        async with known.lock:
+            return await Driver(self, session, known).compact_now(profile)
 
     async def set_model(self, session: str, name: str) -> ModelResult:
         """Set the model of the session's next calls (`session/model`), durably: one of its profile's `models` (or
@@ -272,38 +290,41 @@ class Runtime:
                 "models in the agents file and restart the daemon)"
             )
         await self.sessions.add_record(Record(session, 0, records.MODEL, 0, records.encode(ModelChosen(name))))
-        self._models[session] = name
+        known = self.table.find(session)  # None: closed meanwhile, and nothing of it is kept again
+        if known is not None:
+            known.model = name
         log.info("agent.model_set", session=session, model=name)
         return ModelResult(name, list(offered))
 
     def with_model(self, session: str, profile: Profile) -> Profile:
         """The profile as the session's calls are made: its model the one `session/model` set, when one is (and the
         profile still offers it)."""
-        chosen = self._models.get(session)
+        known = self.table.find(session)
+        chosen = None if known is None else known.model
         if chosen is None or chosen == profile.model or chosen not in profile.models:
             return profile
         return msgspec.structs.replace(profile, model=chosen)
 
-    async def _scan_turns(self, session: str) -> None:
+    async def _scan_turns(self, session: str, known: Known) -> None:
         """Learn the highest turn id of the session's kept journal, once per daemon life: a client may have stepped a
         Turn of its own with a higher id than any step count (the steps since are observed as they happen)."""
-        since, highest = 0, self._turns.get(session, 0)
+        since, highest = 0, known.turn
         while True:
             rows = await self.sessions.steps(session, since, SCAN_ROWS)
             highest = max([highest, *(_turn_id(e) for _, e in rows if e.startswith(b'{"Turn"'))])
             if len(rows) < SCAN_ROWS:
                 break
             since = rows[-1][0]
-        self._turns[session] = max(self._turns.get(session, 0), highest)
-        self._scanned.add(session)
+        known.turn = max(known.turn, highest)
+        known.scanned = True
 
     async def resume(self, session: str) -> None:
         """Try a stalled session again (or drive one that owes work and is not driven)."""
         await self._bound(session)
-        self.stalled.pop(session, None)
-        driver = self._drivers.get(session)
-        if driver is not None:
-            driver.resumed.set()
+        known = self.table.get(session)
+        known.stalled = None
+        if known.driver is not None:
+            known.driver.resumed.set()
         self.drive(session)
 
     async def _bound(self, session: str) -> Binding:
@@ -372,17 +393,18 @@ class Runtime:
 
     def driving(self, session: str) -> bool:
         """Whether a driver of the daemon's is carrying out the session's actions now."""
-        return session in self._drivers
+        known = self.table.find(session)
+        return known is not None and known.driver is not None
 
     def drive(self, session: str) -> None:
         """Make sure a driver carries out what the session waits for."""
-        driver = self._drivers.get(session)
-        if driver is not None:
-            driver.dirty = True
+        known = self.table.get(session)
+        if known.driver is not None:
+            known.driver.dirty = True
             return
         if self._tg is None:
             return  # not running (a test's daemon without a runtime task): nothing is driven
-        driver = self._drivers[session] = Driver(self, session)
+        driver = known.driver = Driver(self, session, known)
         self._tg.start_soon(self._run_driver, driver)
 
     async def _run_driver(self, driver: Driver) -> None:
@@ -397,13 +419,13 @@ class Runtime:
             error = f"{e.kind}: {e}" if isinstance(e, DevdError) else f"{type(e).__name__}: {e}"
             log.error("agent.driver_failed", session=driver.session, action=driver.carrying, error=error[:500])
             why = f"the daemon failed carrying out action {driver.carrying} ({error[:300]}); `session/resume` retries"
-            self.stall(driver.session, driver.carrying, why)
+            self.stall(driver.session, driver.known, driver.carrying, why)
         finally:
-            if self._drivers.get(driver.session) is driver:
-                del self._drivers[driver.session]
+            if driver.known.driver is driver:
+                driver.known.driver = None
 
-    def stall(self, session: str, action: int, why: str) -> None:
-        self.stalled[session] = why
+    def stall(self, session: str, known: Known, action: int, why: str) -> None:
+        known.stalled = why
         log.warning("agent.stalled", session=session, action=action, why=why[:500])
         self.sessions.tell(session, "session/stalled", StalledNotice(session, action, why))
 
@@ -418,32 +440,26 @@ class Runtime:
     # -- observing the sessions ---------------------------------------------------------------------------------
 
     def stepped(self, stepped: Stepped) -> None:
-        driver = self._drivers.get(stepped.session)
+        known = self.table.find(stepped.session)
+        if known is None:  # nothing known of it here: no driver, and its binding is read when it is needed
+            return
+        driver = known.driver
         if driver is not None and stepped.event is not driver.sent:
             driver.foreign_step()
-        if stepped.event.startswith(b'{"Turn"') and stepped.session in self._bindings:
-            turn = _turn_id(stepped.event)
-            self._turns[stepped.session] = max(self._turns.get(stepped.session, 0), turn)
-            if driver is None and self._bindings[stepped.session] is not None:
+        if stepped.event.startswith(b'{"Turn"') and known.bound:
+            known.turn = max(known.turn, _turn_id(stepped.event))
+            if driver is None and known.binding is not None:
                 self.drive(stepped.session)  # a client started a turn of an agent session: the daemon drives it
 
     def ended(self, session: str) -> None:
-        driver = self._drivers.pop(session, None)
-        if driver is not None:
-            driver.scope.cancel()
+        """Forget the session, in one removal: a session made again under the name inherits nothing of it (no
+        approvals, no spend, no turns, no model); its driver is stopped, and the MCP broker forgets its own servers."""
+        known = self.table.forget(session)
+        if known is not None and known.driver is not None:
+            known.driver.scope.cancel()
         if self.mcp is not None:
             self.mcp.forget(session)
-        self._forget(session)
-
-    def _forget(self, session: str) -> None:
-        self._scanned.discard(session)
-        self._locks.pop(session, None)
-        self._bindings.pop(session, None)
-        self._turns.pop(session, None)
-        self._models.pop(session, None)
-        self.stalled.pop(session, None)
-        self.oversight.forget(session)  # a session made again under the name inherits no approvals nor spend
-        self.titles.forget(session)
+        self.titles.forget(session)  # the caches of titles and of kept contents, beside the record
         self.ledger.forget(session)
 
 
@@ -529,6 +545,7 @@ class Driver(msgspec.Struct, eq=False):
 
     runtime: Runtime
     session: str
+    known: Known  # the session's record: read and written through it, never looked up (it may be forgotten meanwhile)
     scope: anyio.CancelScope = msgspec.field(default_factory=anyio.CancelScope)
     dirty: bool = False  # the session may wait for other things than the queue says: read pending again
     sent: bytes | None = None  # the event of the step this driver has in flight (its own, not another client's)
@@ -550,7 +567,7 @@ class Driver(msgspec.Struct, eq=False):
 
     async def run(self) -> None:
         with self.scope:
-            binding = await self.runtime.binding(self.session)
+            binding = await self.runtime.binding(self.session, self.known)
             if binding is None:
                 return
             profile = self.runtime._profile(self.session, binding)
@@ -590,7 +607,7 @@ class Driver(msgspec.Struct, eq=False):
             self._claims -= dead
 
     def _key(self, action: int) -> str:
-        return f"agent:{self.runtime._turns.get(self.session, 0)}:{action}"
+        return f"agent:{self.known.turn}:{action}"
 
     async def _step(self, event: Event, action: int, key: str | None = None) -> list[Action]:
         data = encode(event)
@@ -652,7 +669,7 @@ class Driver(msgspec.Struct, eq=False):
         if not gate.allowed:
             await self._traced(action, kind, call, time.time(), 0.0, "denied", gate.reason)
             return await self._step(kind.event(action.id, gate.reason, True), action.id)
-        ledger, turn, before = self.runtime.ledger, self.runtime._turns.get(self.session, 0), None
+        ledger, turn, before = self.runtime.ledger, self.known.turn, None
         if kind.effect:
             if action.id in self._claims:
                 log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind.member)
@@ -665,7 +682,7 @@ class Driver(msgspec.Struct, eq=False):
                 return await self._step(kind.event(action.id, text, True), action.id)
             if kind.member == "Write":
                 before = await ledger.before(
-                    self.session, action.id, lambda: self.runtime.workspace(self.session), call.path
+                    self.session, action.id, lambda: self.runtime.workspace(self.session, self.known), call.path
                 )
             claim = Claim(kind.name, turn, before)
             await self._record(records.CLAIM, action.id, records.encode(claim))
@@ -673,7 +690,7 @@ class Driver(msgspec.Struct, eq=False):
             failpoints.hit("agent.claimed")
         context = kinds.Context(
             profile,
-            lambda: self.runtime.workspace(self.session),
+            lambda: self.runtime.workspace(self.session, self.known),
             lambda: self.runtime.sandbox(profile),
             self._named(profile),
         )
@@ -705,7 +722,8 @@ class Driver(msgspec.Struct, eq=False):
         broker = self.runtime.mcp
         if broker is None:
             return None
-        workspace, sandbox = lambda: self.runtime.workspace(self.session), lambda: self.runtime.sandbox(profile)
+        known = self.known
+        workspace, sandbox = lambda: self.runtime.workspace(self.session, known), lambda: self.runtime.sandbox(profile)
         return lambda name, data: broker.call(self.session, profile, workspace, sandbox, name, data)
 
     async def _offered(self, profile: Profile) -> list[NamedTool]:
@@ -713,7 +731,8 @@ class Driver(msgspec.Struct, eq=False):
         broker = self.runtime.mcp
         if broker is None:
             return []
-        workspace, sandbox = lambda: self.runtime.workspace(self.session), lambda: self.runtime.sandbox(profile)
+        known = self.known
+        workspace, sandbox = lambda: self.runtime.workspace(self.session, known), lambda: self.runtime.sandbox(profile)
         return await broker.offered(self.session, profile, workspace, sandbox)
 
     async def _gate(self, profile: Profile, action: Action) -> Gate | None:
@@ -743,7 +762,7 @@ class Driver(msgspec.Struct, eq=False):
         """The ask stays pending; carry on when the session is resumed, or when another client's step (a Cancel of
         the turn) leaves it no longer pending: then the stall is over and what the session waits for comes next."""
         self.resumed = anyio.Event()
-        self.runtime.stall(self.session, action, why)
+        self.runtime.stall(self.session, self.known, action, why)
         resumed = self.resumed
 
         async def until_resumed() -> bool:
@@ -751,7 +770,7 @@ class Driver(msgspec.Struct, eq=False):
             return True
 
         if await self._guarded(action, until_resumed) is None:
-            self.runtime.stalled.pop(self.session, None)
+            self.known.stalled = None
         self.dirty = True
 
     async def _instructed(self, profile: Profile, action: int) -> Profile:
@@ -770,7 +789,7 @@ class Driver(msgspec.Struct, eq=False):
     async def _admitted(self, profile: Profile, action: Action, body: bytes, name: str | None) -> ModelCall | None:
         """The model call of request `body` (for the estimate), admitted by every spend ceiling; None when one
         refused it (never sent) and the session was stalled and then resumed."""
-        turn = self.runtime._turns.get(self.session, 0)
+        turn = self.known.turn
         accounted = ModelCall(self.runtime.oversight, self.session, profile, turn, action.id, body, name=name)
         refusal = await accounted.admit()
         if refusal is None:
@@ -849,7 +868,7 @@ class Driver(msgspec.Struct, eq=False):
         output = min(profile.max_tokens or context.SUMMARY_OUTPUT_MAX, context.summary_output(window))
         summarising = msgspec.structs.replace(profile, max_tokens=output)
         body = json.dumps(context.summary_body(summarising, messages, window)).encode()
-        turn = self.runtime._turns.get(self.session, 0)
+        turn = self.known.turn
         accounted = ModelCall(self.runtime.oversight, self.session, summarising, turn, action, body, name="summary")
         refusal = await accounted.admit()
         if refusal is not None:

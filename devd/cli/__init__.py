@@ -164,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "acp":
         from devd.acp.main import main as acp_main
 
-        return acp_main(args)
+        try:  # the address and token as every client command finds them; the rest is acp's own
+            token = _token(args)
+        except LocalError as e:
+            print(f"devd acp: {e}", file=sys.stderr)
+            return EXIT_LOCAL
+        return acp_main(args, _address(args), token)
     if args.command in ("run", "attach", "chat"):
         return _run_agent(args)
     return _run_client(args)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,8 @@ from devd.config import (
     default_state_dir,
 )
 from devd.errors import DevdError
+from devd.render import METHOD_COMMANDS as METHOD_COMMANDS  # the commands for the methods, with the words for people
+from devd.render import in_devd_terms as in_devd_terms
 from devd.render import inline, json_safe
 
 if TYPE_CHECKING:
@@ -108,34 +109,6 @@ def _params(**members: Any) -> dict[str, Any]:
     return {name: value for name, value in members.items() if value is not None}
 
 
-# The command that does what a method does, for messages that name the method; {session} is the session the command
-# at hand was given, else SESSION.
-METHOD_COMMANDS: dict[str, str] = {
-    "session/list": "devd ls",
-    "session/new": "devd new",
-    "session/step": "devd step {session} EVENT",
-    "session/snapshot": "devd snapshot {session}",
-    "session/restore": "devd restore SNAPSHOT",
-    "session/fork": "devd fork {session}",
-    "session/pending": "devd pending {session}",
-    "session/info": "devd info {session}",
-    "session/transcript": "devd transcript {session}",
-    "session/recover": "devd recover {session}",
-    "session/close": "devd close {session}",
-    "session/watch": "devd watch {session}",
-    "session/approve": "devd approve {session} ACTION",
-    "session/usage": "devd usage {session}",
-    "session/compact": "devd compact {session}",
-    "session/model": "devd model {session} MODEL",
-    "session/trace": "devd trace {session}",
-    "session/resume": "devd resume {session}",
-    "session/budget": "devd budget {session} TOKENS",
-    "daemon/status": "devd status",
-}
-
-_METHOD_NAMED = re.compile(r"`?\b((?:session|daemon)/[a-z]+)\b`?")
-
-
 def in_cli_terms(error: DevdError, args: argparse.Namespace) -> str:
     """The daemon's message as a user of the command reads it: the commands for the methods it names, the flags for
     the token it wants, and where the daemon's log is when it failed; a control or bidi character it quotes (a
@@ -148,16 +121,6 @@ def in_cli_terms(error: DevdError, args: argparse.Namespace) -> str:
     if error.kind == "INTERNAL":
         message += " (the daemon's log: `journalctl -u devd`, with --user for a daemon of yours, or its stderr)"
     return message
-
-
-def in_devd_terms(text: str, session: str) -> str:
-    """text with each method it names (`session/resume`) as the `devd` command that calls it for `session`."""
-
-    def command(found: re.Match[str]) -> str:
-        template = METHOD_COMMANDS.get(found[1])
-        return found[0] if template is None else f"`{template.format(session=session)}`"
-
-    return _METHOD_NAMED.sub(command, text)
 
 
 def _unauthorized(args: argparse.Namespace) -> str:

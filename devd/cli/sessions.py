@@ -470,7 +470,7 @@ def _agents_table(sessions: list[dict[str, Any]], described: dict[str, Described
     rows = []
     for s in sessions:
         d = described.get(s["session"]) or Described(None, None, s["state"])
-        title = [brief(inline(s.get("title") or ""), TITLE_CHARS_MAX)] if titled else []
+        title = [brief(inline(s.get("title") or "-"), TITLE_CHARS_MAX)] if titled else []
         agent, workspace = inline(d.agent or "-"), inline(d.workspace or "-")
         rows.append([s["session"], *title, agent, workspace, d.doing, str(s.get("watchers", 0)), _when(s["last_used"])])
     return table(headers, rows, right=frozenset({len(headers) - 2}))

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 
 import anyio
-import anyio.to_thread
 import msgspec
 import structlog
 
@@ -34,6 +33,7 @@ from devd.addresses import UnixListen
 from devd.agent.port import ObservedFanout, RegistryPort
 from devd.agent.profiles import Profile
 from devd.agent.runner import Runtime
+from devd.agent.wire import AgentPort
 from devd.config import Settings, backup_dir, configuration_dirs
 from devd.host import Core
 from devd.server import metrics, systemd
@@ -42,7 +42,7 @@ from devd.server.hub import Hub
 from devd.server.listeners import BACKLOG, Listening
 from devd.server.methods import METHODS, App, Method, status
 from devd.server.ndjson import Connection
-from devd.server.rpc import encode_notice
+from devd.server.rpc import encode_notice, notification
 from devd.sessions.calls import Runner
 from devd.sessions.registry import Registry
 from devd.storage.sqlite import SQLiteStore
@@ -76,7 +76,7 @@ def build(
     registry = Registry(
         core,
         store,
-        ObservedFanout(encode_notice),
+        ObservedFanout(encode_notice, notify=notification),
         sessions_max=settings.sessions_max,
         max_live=settings.max_live,
         call_timeout_s=settings.call_timeout_s,
@@ -86,14 +86,14 @@ def build(
         live_memory_bytes=settings.live_memory_bytes,
         fleet=fleet,
     )
-    app = App(settings, registry, store, connections=lambda: 0)
     private = private_paths(settings, store, agents_file)
-    app.agents = Runtime(agents or {}, RegistryPort(registry, store), os.environ, private)
-    app.oversight = app.agents.oversight
+    runtime = Runtime(agents or {}, RegistryPort(registry, store), os.environ, private)
     if settings.otel_endpoint is not None:
         from devd.agent.otel import Exporter  # imported only when asked for: the SDK takes a while to load
 
-        app.oversight.spans = Exporter(settings.otel_endpoint)
+        runtime.oversight.spans = Exporter(settings.otel_endpoint)
+    port = AgentPort(registry, runtime)  # the wire's handlers call the sessions through the runtime's port
+    app = App(settings, port, store, connections=lambda: 0, beside=port)
     return registry, Dispatcher(methods, app)
 
 
@@ -142,8 +142,8 @@ class Daemon:
         with _stop_requests(stops) as signals:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(app.store.run)
-                if app.agents is not None:
-                    await tg.start(app.agents.run)
+                if app.beside is not None:
+                    await tg.start(app.beside.run)
                 tg.start_soon(self._watchdog)
                 if self.settings.expire_after_s is not None:
                     tg.start_soon(self._expire, self.settings.expire_after_s)
@@ -162,8 +162,8 @@ class Daemon:
                     "daemon.ready", sessions=sessions, listeners=[listening.served.kind for listening in listeners]
                 )
                 await self._until_signal(signals, servers)
-                if app.agents is not None:
-                    app.agents.stop()  # nothing new starts while calls drain; an effect cut short is found claimed
+                if app.beside is not None:
+                    app.beside.stop()  # nothing new starts while calls drain; an effect cut short is found claimed
                 if running := self.hub.running:
                     # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
                     log.warning("daemon.interrupting", calls=len(running))
@@ -177,8 +177,8 @@ class Daemon:
                 await self._close_connections()
                 tg.cancel_scope.cancel()
             await app.store.flush()
-            if app.oversight is not None and app.oversight.spans is not None:
-                await anyio.to_thread.run_sync(app.oversight.spans.shutdown)  # the spans still queued are sent
+            if app.beside is not None:
+                await app.beside.flush()  # the spans still queued are sent
 
     def _exposition(self) -> str:
         """The metrics, from daemon/status's answer exactly as a client decodes it."""

@@ -5,15 +5,20 @@ returns its result Struct; it raises `devd.errors` classes, which the dispatcher
 place. The types, docs and flags of a method live in `devd.protocol`; `@method(name)` gives a method of that table its
 handler, and importing this module checks that every method of the table has exactly one handler and that no handler
 is for a method the table lacks. `METHODS` binds the two, for dispatch.
+
+Handlers call the sessions through `App.sessions`, a `WirePort` (`devd.sessions.port`), and nothing else of what
+runs beside the wire: in the daemon that port is the agent runtime's (`devd.agent.wire.AgentPort`), which adds the
+agent's methods, approvals and the rest around the sessions' calls. A new method is its line in `protocol.METHODS`
+and a handler here; a method the runtime answers is a method of `WirePort` too (taking the params and who calls),
+and its handler is one line: `return await call.app.sessions.NAME(params, call.peer.who())`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -22,11 +27,8 @@ import structlog
 from msgspec import Raw
 
 from devd import ABI, __version__, protocol
-from devd.agent import effects, instructions, records, rewind
-from devd.agent.oversight import APPROVAL_NOTICE
 from devd.config import Settings, backup_dir
-from devd.errors import BusyError, ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
-from devd.messages import Config, decode_actions, encode, encode_actions
+from devd.errors import ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
 from devd.protocol import (
     AgentResult,
     ApproveParams,
@@ -59,7 +61,6 @@ from devd.protocol import (
     RewindResult,
     Server,
     SessionInfo,
-    SessionMcpServer,
     SessionParams,
     SessionResult,
     SnapshotResult,
@@ -77,16 +78,11 @@ from devd.protocol import (
     decode_params,
     rfc3339,
 )
-from devd.server.rpc import Request, notification
-from devd.sessions.entry import Answered, Info
-from devd.sessions.port import SessionPort
+from devd.server.rpc import Request
+from devd.sessions.entry import Info
+from devd.sessions.port import Beside, WirePort
 from devd.sessions.watchers import Sink, Subscription
 from devd.storage.store import Store
-
-if TYPE_CHECKING:
-    from devd.agent.oversight import Oversight
-    from devd.agent.records import Binding
-    from devd.agent.runner import OwnServers, Runtime
 
 # Logged at info: the daemon's own acts (a backup) and a session's lifecycle (new, restored, forked, recovered,
 # closed), one line each; never a step, whose path stays free of log calls.
@@ -116,13 +112,12 @@ class App(msgspec.Struct):
     """The daemon's services, as handlers use them."""
 
     settings: Settings
-    sessions: SessionPort  # what handlers call: never the registry itself
+    sessions: WirePort  # what handlers call: never the registry itself, nor the runtime beside it
     store: Store
     connections: Callable[[], int]
     started: float = msgspec.field(default_factory=time.monotonic)
     errors: dict[str, int] = msgspec.field(default_factory=dict)  # answers by error kind
-    agents: Runtime | None = None  # the agent runtime (devd.agent.runner): the sessions the daemon drives
-    oversight: Oversight | None = None  # approvals, spend and trace of the sessions the daemon drives
+    beside: Beside | None = None  # what runs beside the wire (the agent runtime), as the daemon runs it
 
 
 class Call(msgspec.Struct, frozen=True):
@@ -261,8 +256,7 @@ async def daemon_status(call: Call, params: NoParams) -> StatusResult:
 
 @method("daemon/mcp")
 async def daemon_mcp(call: Call, params: NoParams) -> McpResult:
-    broker = None if call.app.agents is None else call.app.agents.mcp
-    return McpResult([] if broker is None else broker.statuses())
+    return await call.app.sessions.mcp_servers(params, call.peer.who())
 
 
 @method("daemon/backup")
@@ -309,57 +303,19 @@ async def daemon_drain(call: Call, params: NoParams) -> DrainResult:
 
 @method("session/new")
 async def session_new(call: Call, params: NewParams) -> SessionResult:
-    binding, config = agent_binding(call.app, params)
-    own = _own_mcp(call.app, binding, params.mcp_servers)
-    name = await call.app.sessions.new(params.session, encode(config))
-    if call.app.agents is not None:
-        await call.app.agents.bind(name, binding)
-        call.app.agents.bring_mcp(name, own)
-    if params.budget is not None:
-        await _oversight(call.app).set_budget(name, params.budget.tokens)
-    if binding is None:
-        log.info("session.created", session=name)
-    else:
-        log.info("session.created", session=name, agent=binding.agent, workspace=binding.workspace)
-    return SessionResult(name)
+    return SessionResult(await call.app.sessions.new(params))
 
 
 @method("session/step")
 async def session_step(call: Call, params: StepParams) -> StepResult:
-    event = bytes(params.event)
-    oversight = call.app.oversight
-    step: Callable[[SessionPort], Awaitable[Answered]] = lambda r: r.step(  # noqa: E731
-        params.session, event, params.timeout_ms, params.key
-    )
-    if oversight is None or not event.lstrip().startswith(b'{"Cancel"'):
-        answered = await patient(call.app, params.session, step)
-    else:  # apart, so that no other step pays for it
-        with _cancelling(oversight, params.session, call.peer.who()):
-            answered = await patient(call.app, params.session, step)
+    answered = await call.app.sessions.step(params, call.peer.who())
     ignored = None if answered.ignored is None else [answered.ignored]
     return StepResult(Raw(answered.actions), answered.replayed, ignored)
 
 
-@contextlib.contextmanager
-def _cancelling(oversight: Oversight, session: str, client: str | None) -> Iterator[None]:
-    """Around a Cancel step: its client kept as who withdrew the turn's approvals (read when the driver withdraws
-    them, after the step). A step that fails (no such session, a malformed Cancel) leaves what was kept as it was,
-    so that no bad request leaves an entry behind."""
-    before = oversight.cancelling.get(session)
-    oversight.cancelling[session] = client or "unknown"
-    try:
-        yield
-    except BaseException:
-        if before is None:
-            oversight.cancelling.pop(session, None)
-        else:
-            oversight.cancelling[session] = before
-        raise
-
-
 @method("session/snapshot")
 async def session_snapshot(call: Call, params: SessionParams) -> SnapshotResult:
-    return SnapshotResult(await patient(call.app, params.session, lambda r: r.snapshot(params.session)))
+    return SnapshotResult(await call.app.sessions.snapshot(params.session))
 
 
 @method("session/restore")
@@ -371,24 +327,19 @@ async def session_restore(call: Call, params: RestoreParams) -> SessionResult:
 
 @method("session/fork")
 async def session_fork(call: Call, params: ForkParams) -> SessionResult:
-    name = await patient(call.app, params.session, lambda r: r.fork(params.session, params.at, params.as_))
-    if call.app.agents is not None:
-        call.app.agents.titles.made(name)  # the fork carries the source's title record
+    name = await call.app.sessions.fork(params.session, params.at, params.as_)
     log.info("session.forked", session=name, source=params.session, at=params.at)
     return SessionResult(name)
 
 
 @method("session/pending")
 async def session_pending(call: Call, params: SessionParams) -> PendingResult:
-    actions = await patient(call.app, params.session, lambda r: r.pending(params.session))
-    return PendingResult(Raw(await awaiting_approval(call.app, params.session, actions)))
+    return PendingResult(Raw(await call.app.sessions.pending(params.session)))
 
 
 @method("session/transcript")
 async def session_transcript(call: Call, params: TranscriptParams) -> TranscriptResult:
-    seq, messages = await patient(
-        call.app, params.session, lambda r: r.transcript(params.session, params.from_, params.whole)
-    )
+    seq, messages = await call.app.sessions.transcript(params.session, params.from_, params.whole)
     return TranscriptResult(seq, params.from_, Raw(messages))
 
 
@@ -402,14 +353,12 @@ async def session_recover(call: Call, params: SessionParams) -> SessionResult:
 @method("session/close")
 async def session_close(call: Call, params: SessionParams) -> Empty:
     await call.app.sessions.close(params.session)
-    if call.app.oversight is not None:
-        call.app.oversight.forget(params.session)
     log.info("session.closed", session=params.session)
     call.peer.watches.pop(params.session, None)
     return Empty()
 
 
-def _entry(i: Info, stalled: Mapping[str, str] | None = None, titles: Mapping[str, str] | None = None) -> SessionInfo:
+def _entry(i: Info, stalled: str | None, title: str | None) -> SessionInfo:
     return SessionInfo(
         i.name,
         i.state.value,  # type: ignore[arg-type]
@@ -419,8 +368,8 @@ def _entry(i: Info, stalled: Mapping[str, str] | None = None, titles: Mapping[st
         i.watchers,
         i.reason,
         i.held,
-        stalled.get(i.name) if stalled is not None else None,
-        titles.get(i.name) if titles is not None else None,
+        stalled,
+        title,
     )
 
 
@@ -430,15 +379,14 @@ LIST_CHUNK = 1000  # sessions of a list page built between two turns of the even
 @method("session/list")
 async def session_list(call: Call, params: ListParams) -> ListResult:
     port = call.app.sessions
-    stalled = call.app.agents.stalled if call.app.agents is not None else None
     names, after = port.page_names(params.limit, params.cursor)
     sessions: list[SessionInfo] = []
     for start in range(0, len(names), LIST_CHUNK):
         if start:
             await anyio.lowlevel.checkpoint()  # a page of 100,000 must not stall every other call for a second
         infos = port.infos(names[start : start + LIST_CHUNK])
-        titles = await call.app.agents.titles.of([i.name for i in infos]) if call.app.agents is not None else None
-        sessions += [_entry(i, stalled, titles) for i in infos]
+        titles = await port.titles([i.name for i in infos])
+        sessions += [_entry(i, port.stalled(i.name), titles.get(i.name)) for i in infos]
     return ListResult(sessions, after)
 
 
@@ -453,12 +401,13 @@ async def session_info(call: Call, params: SessionParams) -> InfoResult:
         state = "stored"  # not held here: pending takes it from the fleet, or answers MOVED naming its owner
     waits: list[protocol.Waiting] = []
     if state in ("live", "stored"):  # an ended or poisoned turn waits for nothing
-        waits = protocol.waiting(decode_actions(await patient(call.app, name, lambda r: r.pending(name))))
+        waits = await sessions.waiting(name)
     i = sessions.info(name)  # after pending, which may have woken or adopted it
-    stalled = call.app.agents.stalled if call.app.agents is not None else None
-    titles = await call.app.agents.titles.of([name]) if call.app.agents is not None else None
-    files = await instructions.used_by(call.app.agents, name) if call.app.agents is not None else None
-    return InfoResult(**msgspec.structs.asdict(_entry(i, stalled, titles)), waiting=waits, instructions=files)
+    titles = await sessions.titles([name])
+    files = await sessions.instructions_used(name)
+    return InfoResult(
+        **msgspec.structs.asdict(_entry(i, sessions.stalled(name), titles.get(name))), waiting=waits, instructions=files
+    )
 
 
 @method("session/watch")
@@ -474,7 +423,7 @@ async def session_watch(call: Call, params: WatchParams) -> Empty:
     if old is not None:
         sessions.unwatch(old)
     peer.watches[params.session] = sub
-    await announce(call, params.session)
+    await sessions.welcome(params.session, peer.sink)  # after the settling: an unwatch meanwhile finds the sub
     return Empty()
 
 
@@ -486,183 +435,72 @@ async def session_unwatch(call: Call, params: SessionParams) -> Empty:
     return Empty()
 
 
-# -- the agent runtime, and its approvals, spend and trace (devd.agent) ----------------------------------------------
-
-
-PATIENCE_S = 2.0  # the longest a call waits for the daemon's own driver of its session to let go of it
-T = TypeVar("T")
-
-
-def agent_binding(app: App, params: NewParams) -> tuple[Binding | None, Config]:
-    """A new session's agent and workspace, checked (INVALID_PARAMS naming what is wrong), and its config: the
-    profile's model, unless the config names one."""
-    config = params.config or Config()
-    agent = params.agent
-    if agent is None and params.workspace is None:
-        return None, config
-    runtime = _runtime(app)
-    if agent is None:  # a workspace alone: the daemon's only agent, when it has exactly one
-        if len(runtime.profiles) != 1:
-            known = ", ".join(sorted(runtime.profiles)) or "none: start the daemon with --agents FILE"
-            raise InvalidParamsError(f"a workspace is given without an agent; name one of the agents: {known}")
-        agent = next(iter(runtime.profiles))
-    binding = runtime.check(agent, params.workspace)
-    if config.model is None:
-        config = Config(model=runtime.profiles[agent].model, asks=config.asks)
-    return binding, config
-
-
-async def patient(app: App, session: str, call: Callable[[SessionPort], Awaitable[T]]) -> T:
-    """call(sessions); a BUSY that comes from the daemon's own driver of the session (it holds the session while it
-    steps a result, a millisecond or so) is waited out briefly rather than answered: a client of a driven session
-    should not have to retry the daemon's own steps. BUSY from another client's call is answered as ever."""
-    waited = 0.0
-    while True:
-        try:
-            return await call(app.sessions)
-        except BusyError:
-            if app.agents is None or not app.agents.driving(session) or waited >= PATIENCE_S:
-                raise
-        await anyio.sleep(0.002)
-        waited += 0.002
-
-
-def _runtime(app: App) -> Runtime:
-    if app.agents is None:
-        raise InvalidParamsError("this daemon runs no agents; start it with --agents FILE")
-    return app.agents
-
-
-def _oversight(app: App) -> Oversight:
-    if app.oversight is None:
-        raise InvalidParamsError(
-            "this daemon runs no agents, so it has no approvals, spend or trace; start it with --agents FILE"
-        )
-    return app.oversight
-
-
-def _known(app: App, session: str) -> None:
-    app.sessions.info(session)  # HANDLE, naming it, when there is no such session
-
-
-async def awaiting_approval(app: App, session: str, actions: bytes) -> bytes:
-    """The pending actions, those waiting for a client's decision marked `awaiting: "approval"`."""
-    if app.oversight is None:
-        return actions
-    waiting = {a.action for a in await app.oversight.awaiting(session)}
-    if not waiting:
-        return actions
-    marked = [
-        msgspec.structs.replace(a, awaiting="approval") if a.id in waiting else a for a in decode_actions(actions)
-    ]
-    return encode_actions(marked)
-
-
-async def announce(call: Call, session: str) -> None:
-    """Tell a new watcher of every approval the session waits for (it was told before it watched, or never)."""
-    if call.app.oversight is None:
-        return
-    for params in await call.app.oversight.announcements(session):
-        call.peer.sink.offer(notification(APPROVAL_NOTICE, Raw(params)))
-
-
-def _own_mcp(app: App, binding: Binding | None, given: list[SessionMcpServer] | None) -> OwnServers:
-    if not given:
-        return ()
-    if binding is None:
-        raise InvalidParamsError("mcp_servers are for a session of an agent: give an agent and a workspace too")
-    return _runtime(app).own_mcp(binding.agent, given)
+# -- answered by the runtime beside the sessions (devd.agent.wire): one line each, calling its WirePort method ------
 
 
 @method("session/mcp")
 async def session_mcp(call: Call, params: McpParams) -> Empty:
-    runtime = _runtime(call.app)
-    _known(call.app, params.session)
-    binding = await runtime.binding(params.session)
-    own = _own_mcp(call.app, binding, params.mcp_servers or None)
-    runtime.bring_mcp(params.session, own)
-    return Empty()
+    return await call.app.sessions.mcp(params, call.peer.who())
 
 
 @method("session/prompt")
 async def session_prompt(call: Call, params: PromptParams) -> PromptResult:
-    return PromptResult(await _runtime(call.app).prompt(params.session, params.prompt, params.key))
+    return await call.app.sessions.prompt(params, call.peer.who())
 
 
 @method("session/resume")
 async def session_resume(call: Call, params: SessionParams) -> Empty:
-    await _runtime(call.app).resume(params.session)
-    return Empty()
+    return await call.app.sessions.resume(params, call.peer.who())
 
 
 @method("session/model")
 async def session_model(call: Call, params: ModelParams) -> ModelResult:
-    return await _runtime(call.app).set_model(params.session, params.model)
+    return await call.app.sessions.model(params, call.peer.who())
 
 
 @method("session/compact")
 async def session_compact(call: Call, params: SessionParams) -> CompactResult:
-    return await _runtime(call.app).compact(params.session)
+    return await call.app.sessions.compact(params, call.peer.who())
 
 
 @method("session/agent")
 async def session_agent(call: Call, params: SessionParams) -> AgentResult:
-    _known(call.app, params.session)
-    if call.app.agents is None:
-        return AgentResult(None, None)
-    # Read from the record log, not through the runtime's cache, which keeps no session of no agent (there may be a
-    # million, and an editor's `session/list` asks of each).
-    found = await call.app.agents.sessions.records(params.session, (records.AGENT,))
-    bound = [records.decode(r.body, records.Binding) for r in found if r.kind == records.AGENT]
-    return AgentResult(bound[-1].agent, bound[-1].workspace) if bound else AgentResult(None, None)
+    return await call.app.sessions.agent(params, call.peer.who())
 
 
 @method("session/approve")
 async def session_approve(call: Call, params: ApproveParams) -> Empty:
-    _known(call.app, params.session)
-    by = call.peer.who()
-    await _oversight(call.app).answer(
-        params.session, params.action, params.digest, params.decision, by, params.remember
-    )
-    return Empty()
+    return await call.app.sessions.approve(params, call.peer.who())
 
 
 @method("session/budget")
 async def session_budget(call: Call, params: BudgetParams) -> Empty:
-    _known(call.app, params.session)
-    await _oversight(call.app).set_budget(params.session, params.tokens)
-    return Empty()
+    return await call.app.sessions.budget(params, call.peer.who())
 
 
 @method("session/usage")
 async def session_usage(call: Call, params: SessionParams) -> UsageResult:
-    _known(call.app, params.session)
-    return await _oversight(call.app).usage(params.session)
+    return await call.app.sessions.usage(params, call.peer.who())
 
 
 @method("session/trace")
 async def session_trace(call: Call, params: TraceParams) -> TraceResult:
-    _known(call.app, params.session)
-    page, following = await _oversight(call.app).traces(params.session, params.since, params.limit)
-    return TraceResult(page, following)
+    return await call.app.sessions.trace(params, call.peer.who())
 
 
 @method("session/title")
 async def session_title(call: Call, params: TitleParams) -> Empty:
-    _known(call.app, params.session)
-    await _runtime(call.app).titles.set(params.session, params.title)
-    return Empty()
+    return await call.app.sessions.title(params, call.peer.who())
 
 
 @method("session/effects")
 async def session_effects(call: Call, params: EffectsParams) -> EffectsResult:
-    _known(call.app, params.session)
-    return EffectsResult(await effects.ledger(_runtime(call.app), params.session, params.since))
+    return await call.app.sessions.effects(params, call.peer.who())
 
 
 @method("session/rewind")
 async def session_rewind(call: Call, params: RewindParams) -> RewindResult:
-    return await rewind.rewind(_runtime(call.app), params.session, params.turn, force=params.force)
+    return await call.app.sessions.rewind(params, call.peer.who())
 
 
 METHODS: dict[str, Method] = bind(protocol.METHODS, _HANDLERS)  # import fails if a method lacks its one handler

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+import anyio
 import msgspec
 
 from devd.errors import HandleError
@@ -23,6 +24,7 @@ class Entry(msgspec.Struct):
     reason: str | None = None
     instance: Instance | None = None
     busy: bool = False  # inside a call or a job of the daemon: set and cleared by `Registry.held` and `claimed` alone
+    freed: anyio.Event | None = None  # set when `busy` is cleared, made by the first `Registry.wait_free` meanwhile
     created: float = 0.0  # wall-clock seconds
     last_used: float = 0.0  # wall-clock seconds of the last call on it (shown; never used to decide expiry)
     used_at: float = msgspec.field(default_factory=time.monotonic)  # the same on the monotonic clock: what expiry reads
@@ -36,6 +38,13 @@ class Entry(msgspec.Struct):
         """Count the replay cost from what is on disk."""
         self.snapshot_bytes = len(stored.snapshot or b"")
         self.since_bytes = sum(len(row.event) + STEP_BYTES for row in stored.journal)
+
+    def free(self) -> None:
+        """The call holding the session is over: whoever waits for it to be free is woken."""
+        self.busy = False
+        if self.freed is not None:
+            self.freed.set()
+            self.freed = None
 
 
 class Counters(msgspec.Struct):

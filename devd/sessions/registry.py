@@ -25,6 +25,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
+import anyio
 import structlog
 
 from devd.errors import (
@@ -187,7 +188,7 @@ class Registry:
             self.forget(entry.name)
             raise
         finally:
-            entry.busy = False
+            entry.free()
 
     @contextlib.contextmanager
     def held(self, entry: Entry) -> Iterator[Entry]:
@@ -199,7 +200,17 @@ class Registry:
         try:
             yield entry
         finally:
-            entry.busy = False
+            entry.free()
+
+    async def wait_free(self, name: str) -> None:
+        """Return once no call holds the session (at once if none does, or there is no such session here): woken
+        as the holding call ends, never by polling. Another call may enter it first: a caller tries again."""
+        entry = self._entries.get(name)
+        if entry is None or not entry.busy:
+            return
+        if entry.freed is None:
+            entry.freed = anyio.Event()
+        await entry.freed.wait()
 
     @contextlib.asynccontextmanager
     async def entered(self, name: str, *, any_state: bool = False) -> AsyncIterator[Entry]:
