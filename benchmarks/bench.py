@@ -2191,7 +2191,8 @@ def _ms(values: list[float], q: float) -> float:
 
 def _agent_reply(body: dict[str, Any]) -> Any:
     """The stand-in's script as a function of the request: a prompt `read N` (or `run N`) is answered with a Read
-    of a.txt (an Exec of `true`) until N results have come, then with text; any other prompt with text."""
+    of a.txt (an Exec of `true`) until N results have come, then with text; `write N` with one reply of N Writes
+    (f0.txt, f1.txt, ...), then text; any other prompt with text."""
     from tests.standin_model import Scripted
 
     messages = body["messages"]
@@ -2202,6 +2203,8 @@ def _agent_reply(body: dict[str, Any]) -> Any:
         return Scripted(tool_calls=[("read", {"path": "a.txt"})])
     if verb == "run" and done < int(count):
         return Scripted(tool_calls=[("exec", {"argv": ["true"]})])
+    if verb == "write" and done == 0:  # one reply of N Writes, each rewriting f{i}.txt (bench rewind)
+        return Scripted(tool_calls=[("write", {"path": f"f{i}.txt", "text": "new"}) for i in range(int(count))])
     return Scripted(text="ok")
 
 
@@ -2380,6 +2383,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_idle import add_arguments as idle_arguments
 
     idle_arguments(sub.add_parser("idle", help="an idle daemon's wake-ups a second, against a process that waits"))
+    from benchmarks.bench_rewind import add_arguments as rewind_arguments
+
+    rewind_arguments(sub.add_parser("rewind", help="session/rewind of a turn's writes, against that turn"))
+
     from benchmarks.bench_chat import add_arguments as chat_arguments
 
     chat_arguments(sub.add_parser("chat", help="a model's first streamed chunk to devd chat's screen, against direct"))
@@ -2426,6 +2433,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_idle import bench_idle
 
         result = bench_idle(args.seconds, args.settle)
+    elif args.what == "rewind":
+        from benchmarks.bench_rewind import bench_rewind
+
+        result = bench_rewind(args.rounds, args.files)
     elif args.what == "mixed":
         from benchmarks.bench_mixed import bench_mixed
 

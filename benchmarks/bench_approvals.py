@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from devd.messages import Op
 from devd.protocol import ApprovalNotice, TraceRecord
 from devd.server.daemon import build
 from devd.storage.sqlite import SQLiteStore
+from devd.storage.store import Record
 
 
 class Bare(Oversight):
@@ -62,8 +64,9 @@ class Bare(Oversight):
     ) -> None:
         return None
 
-    async def trace(self, session: str, record: TraceRecord) -> None:
-        return None
+    async def trace(self, session: str, record: TraceRecord, beside: Sequence[Record] = ()) -> None:
+        if beside:  # an effect's ledger record is the runtime's own, not oversight's: kept as ever
+            await self.keeper.add_records(beside)
 
 
 class _Watcher:

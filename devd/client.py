@@ -70,10 +70,14 @@ from devd.protocol import (
     DecidedNotice,
     DeltaNotice,
     DrainResult,
+    Effect,
+    EffectsParams,
+    EffectsResult,
     ForkParams,
     InfoResult,
     InitializeParams,
     InitializeResult,
+    InstructionsNotice,
     ListParams,
     ListResult,
     McpParams,
@@ -87,6 +91,8 @@ from devd.protocol import (
     PromptResult,
     Remember,
     RestoreParams,
+    RewindParams,
+    RewindResult,
     SessionMcpServer,
     SessionParams,
     SessionResult,
@@ -95,6 +101,7 @@ from devd.protocol import (
     StatusResult,
     StepParams,
     StepResult,
+    TitleParams,
     TokenBudget,
     TraceParams,
     TraceRecord,
@@ -159,7 +166,9 @@ class StepAnswer(msgspec.Struct, frozen=True):
     ignored: list[int] = msgspec.field(default_factory=list)
 
 
-Notice = ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice
+Notice = (
+    ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice | InstructionsNotice
+)
 
 # Each notification the daemon sends, and its type here.
 NOTICES: dict[str, type[Notice]] = {
@@ -169,6 +178,7 @@ NOTICES: dict[str, type[Notice]] = {
     "session/stalled": StalledNotice,
     "session/approval": ApprovalNotice,
     "session/decided": DecidedNotice,
+    "session/instructions": InstructionsNotice,
 }
 
 
@@ -688,6 +698,21 @@ class Client:
         result: UsageResult = self.request("session/usage", SessionParams(session))
         return result
 
+    def set_title(self, session: str, title: str) -> None:
+        """Set what the session is called (`title` in `session/list` and `session/info`)."""
+        self.request("session/title", TitleParams(session, title))
+
+    def effects(self, session: str, since: int = 0) -> builtins.list[Effect]:
+        """The effects the daemon ran for the session from turn `since` on, and its rewinds, in order."""
+        result: EffectsResult = self.request("session/effects", EffectsParams(session, since))
+        return result.effects
+
+    def rewind(self, session: str, turn: int, *, force: bool = False) -> RewindResult:
+        """Put back the files the session's Writes changed since turn `turn` began, and its conversation to before
+        it (CONFLICT when someone else changed one of those files since, unless `force`)."""
+        result: RewindResult = self.request("session/rewind", RewindParams(session, turn, force))
+        return result
+
     def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:
         """The session's trace records after record `since`, in order (asked for a page at a time)."""
         found: builtins.list[TraceRecord] = []
@@ -1128,6 +1153,21 @@ class AsyncClient:
         result: UsageResult = await self.request("session/usage", SessionParams(session))
         return result
 
+    async def set_title(self, session: str, title: str) -> None:
+        """Set what the session is called (`title` in `session/list` and `session/info`)."""
+        await self.request("session/title", TitleParams(session, title))
+
+    async def effects(self, session: str, since: int = 0) -> builtins.list[Effect]:
+        """The effects the daemon ran for the session from turn `since` on, and its rewinds, in order."""
+        result: EffectsResult = await self.request("session/effects", EffectsParams(session, since))
+        return result.effects
+
+    async def rewind(self, session: str, turn: int, *, force: bool = False) -> RewindResult:
+        """Put back the files the session's Writes changed since turn `turn` began, and its conversation to before
+        it (CONFLICT when someone else changed one of those files since, unless `force`)."""
+        result: RewindResult = await self.request("session/rewind", RewindParams(session, turn, force))
+        return result
+
     async def trace(self, session: str, since: int = 0) -> builtins.list[TraceRecord]:
         """The session's trace records after record `since`, in order (asked for a page at a time)."""
         found: builtins.list[TraceRecord] = []
@@ -1146,6 +1186,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "DeltaNotice",
+    "InstructionsNotice",
     "NotRunningError",
     "Notice",
     "Reply",

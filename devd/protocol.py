@@ -133,6 +133,15 @@ def check(params: Any) -> None:
             raise InvalidParamsError(
                 "the key must not hold control characters (U+0000-U+001F, U+007F-U+009F: newlines, tabs, escapes)"
             )
+    title = getattr(params, "title", None)
+    if isinstance(title, str):
+        # A title is shown on one line of a terminal and in editors: nothing in it may move the cursor or reorder text.
+        bad = next((c for c in title if not c.isprintable()), None)
+        if bad is not None:
+            raise InvalidParamsError(
+                f"the title holds {bad!r}, which is not printable (a control, format or line-breaking character); "
+                "send it without"
+            )
 
 
 # -- shared results -----------------------------------------------------------------------------------------------
@@ -429,6 +438,7 @@ class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     # last knew (another daemon may have stepped it since); a call naming the session takes it, or answers MOVED.
     held: bool | None = None
     stalled: str | None = None  # the daemon drives it and cannot carry out what it waits for: why (`session/resume`)
+    title: str | None = None  # what the session is about: its first prompt cut to 60 characters, or `session/title`
 
 
 class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -463,6 +473,8 @@ class InfoResult(SessionInfo, frozen=True, omit_defaults=True, kw_only=True):
     id order (none when the turn is over, or the session ended or was poisoned)."""
 
     waiting: list[Waiting]
+    # Of a session the daemon drives: the project instruction files its next model call sends (absolute paths).
+    instructions: list[str] | None = None
 
 
 def waiting(actions: list[Action]) -> list[Waiting]:
@@ -607,6 +619,7 @@ class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True)
     cached_tokens: int | None = None
     estimated: bool = False  # the token counts are devd's estimate: the server sent none (a stream cut short, say)
     name: str | None = None  # a tool run's command (argv[0]) or path; "summary" for a model call that compacted
+    instructions: str | None = None  # a model call's: the hex SHA-256 of the project instructions it sent
 
 
 class TraceResult(msgspec.Struct, frozen=True):
@@ -615,6 +628,73 @@ class TraceResult(msgspec.Struct, frozen=True):
 
     records: list[TraceRecord]
     next: int | None = None
+
+
+TITLE_CHARS_MAX = 200  # of a title set with `session/title`; one taken from a first prompt is cut to 60
+
+
+class TitleParams(_Params, frozen=True):
+    """The session and its new title: 1-200 characters, no control characters (a title is shown on one line)."""
+
+    session: SessionName
+    title: Annotated[str, Meta(min_length=1, max_length=TITLE_CHARS_MAX, description="1-200 characters")]
+
+
+class EffectsParams(_Params, frozen=True):
+    """The session, and the first turn whose effects are wanted (default: every turn's)."""
+
+    session: SessionName
+    since: Annotated[int, Meta(ge=0, le=SEQ_MAX, description="a turn id")] = 0
+
+
+class Effect(msgspec.Struct, frozen=True):
+    """One effect the daemon carried out for the session, or a rewind: its turn, its action (0 for a rewind), its
+    `kind` (`Exec`, `Write`, `Git`, or `Rewind`), its `subject` (a command's argv, a path, or for a rewind the files
+    it put back and removed), when it started (RFC 3339, UTC), its `outcome` (`ok`, `error`, `interrupted`: it may
+    have partly run; for a rewind `ok`, or `interrupted` while one a stopped daemon left is not finished yet) and
+    whether `session/rewind` can put back what it changed (not once a rewind has)."""
+
+    turn: int
+    action: int
+    kind: str
+    subject: str | list[str]
+    at: str
+    outcome: Outcome
+    undoable: bool
+
+
+class EffectsResult(msgspec.Struct, frozen=True):
+    """The session's effects, in the order they ran."""
+
+    effects: list[Effect]
+
+
+class RewindParams(_Params, frozen=True):
+    """The session, the turn to rewind to (the conversation goes back to before it; every file its Writes and the
+    later turns' changed is put back), and `force`: put the files back even where someone else changed them since."""
+
+    session: SessionName
+    turn: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a turn id, as `session/prompt` answered it")]
+    force: Annotated[bool, Meta(description="put every file back, even those someone else changed since")] = False
+
+
+class NotUndone(msgspec.Struct, frozen=True):
+    """An effect a rewind cannot put back (a command, a git call): it stays as it was."""
+
+    action: int
+    kind: str
+    subject: str | list[str]
+
+
+class RewindResult(msgspec.Struct, frozen=True):
+    """What a rewind did: the files it put back (`restored`) and those the Writes had made, which it removed, both
+    relative to the workspace; the effects it could not undo; and `kept_as`, a fork holding the conversation as it
+    was before the rewind (its turns after the rewound one included), still readable."""
+
+    restored: list[str]
+    removed: list[str]
+    not_undone: list[NotUndone]
+    kept_as: str
 
 
 class StepNotice(msgspec.Struct, frozen=True):
@@ -664,6 +744,23 @@ class StalledNotice(msgspec.Struct, frozen=True):
     why: str
 
 
+class SkippedFile(msgspec.Struct, frozen=True):
+    """A project instruction file that was there and was not sent: its absolute path, and why."""
+
+    path: str
+    why: str
+
+
+class InstructionsNotice(msgspec.Struct, frozen=True):
+    """`session/instructions`: at the model call of action `action`, project instruction files (the profile's
+    `instructions`) were there and were not sent to the model (unreadable, too large, a link): each, and why. The
+    turn went on without them."""
+
+    session: str
+    action: int
+    skipped: list[SkippedFile]
+
+
 class ApprovalNotice(msgspec.Struct, frozen=True):
     """`session/approval`: action `action` of the session (`op`, what it would do) waits for a client's decision;
     answer it with `session/approve` and this `digest`. `why`: why the policy asks (the profile says `ask`, a rule
@@ -707,6 +804,7 @@ NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/stalled": StalledNotice,
     "session/approval": ApprovalNotice,  # approvals (devd.agent.oversight), sent through the agent runtime's port
     "session/decided": DecidedNotice,
+    "session/instructions": InstructionsNotice,  # project instruction files skipped (devd.agent.instructions)
 }
 
 
@@ -955,6 +1053,33 @@ METHODS: dict[str, Spec] = {
             """What the daemon did for the session, one durable record per model call attempt and tool run, success
             or failure: `{n, action, kind, started, duration_ms, outcome, error?, attempt?, model?, input_tokens?,
             output_tokens?, cached_tokens?, estimated?, name?}`.""",
+        ),
+        _spec(
+            "session/title",
+            TitleParams,
+            Empty,
+            "set_title",
+            """Set what the session is called (shown by `session/list` and `session/info` as `title`); durable before
+            it answers. A session of an agent is titled with its first prompt, cut to 60 characters, until set.""",
+        ),
+        _spec(
+            "session/effects",
+            EffectsParams,
+            EffectsResult,
+            "effects",
+            """Every effect the daemon ran for the session (commands, git calls and writes), from turn `since` on, in
+            order, and every rewind: `{turn, action, kind, subject, at, outcome, undoable}`.""",
+        ),
+        _spec(
+            "session/rewind",
+            RewindParams,
+            RewindResult,
+            "rewind",
+            """Put back every file the session's Writes changed since turn `turn` began, newest first, and move the
+            conversation back to before that turn; the conversation as it was is kept as a fork (`kept_as`).
+            Commands and git calls are not undone: they are named in `not_undone`. CONFLICT, with nothing done, when
+            a file was changed since by someone else (each is named); `force: true` puts every file back regardless.
+            Journalled before it starts: a rewind a stopped daemon left unfinished is finished at its next start.""",
         ),
     ]
 }

@@ -20,11 +20,13 @@ from acp.connection import StreamDirection
 from acp.schema import (
     AgentMessageChunk,
     AllowedOutcome,
+    AvailableCommandsUpdate,
     Implementation,
     RequestPermissionResponse,
     TextContentBlock,
     ToolCallProgress,
     ToolCallStart,
+    UsageUpdate,
     UserMessageChunk,
 )
 
@@ -378,6 +380,7 @@ async def test_session_load_in_a_fresh_process_replays_the_conversation_before_i
     assert [
         (type(u).__name__, getattr(u, "status", None) or getattr(getattr(u, "content", None), "text", None))
         for u in replayed
+        if not isinstance(u, AvailableCommandsUpdate)  # told after the load, not part of what it replays
     ] == [
         ("UserMessageChunk", "write hello.txt and show it"),
         ("AgentMessageChunk", "I will write it."),
@@ -395,6 +398,72 @@ async def test_session_list_lists_the_daemons_sessions_of_that_cwd(devd: Setup, 
         await conn.new_session(cwd=str(other), mcp_servers=[])
         listed = await conn.list_sessions(cwd=str(devd.workspace))
     assert [(s.session_id, s.cwd) for s in listed.sessions] == [(mine.session_id, str(devd.workspace))]
+
+
+async def test_session_list_carries_each_sessions_title(devd: Setup) -> None:
+    devd.standin.script(Scripted(text="ok"))
+    async with editor_on(devd, Editor()) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=text("fix the flaky test"))
+        listed = await conn.list_sessions(cwd=str(devd.workspace))
+    assert [s.title for s in listed.sessions] == ["fix the flaky test"]
+
+
+# -- slash commands and usage ----------------------------------------------------------------------------------------
+
+
+async def test_a_new_session_is_told_the_slash_commands_an_editor_may_offer(devd: Setup) -> None:
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await editor.until(lambda: any(isinstance(u, AvailableCommandsUpdate) for u in editor.updates))
+    offered = next(u for u in editor.updates if isinstance(u, AvailableCommandsUpdate))
+    assert [(c.name, None if c.input is None else c.input.root.hint) for c in offered.available_commands] == [
+        ("rewind", "[TURN] [force]"),
+        ("title", "TEXT"),
+        ("effects", None),
+        ("usage", None),
+    ]
+
+
+async def test_a_usage_update_follows_each_model_call_with_its_tokens(devd: Setup) -> None:
+    devd.standin.script(*WRITE_THEN_CAT)
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=text("write hello.txt and show it"))
+        await editor.until(lambda: sum(isinstance(u, UsageUpdate) for u in editor.updates) == 3)
+    with devd.daemon.client() as c:
+        calls = [r for r in c.trace(session.session_id) if r.kind == "model"]
+    assert [(u.used, u.size) for u in editor.updates if isinstance(u, UsageUpdate)] == [
+        ((r.input_tokens or 0) + (r.output_tokens or 0), 0) for r in calls
+    ]
+
+
+async def test_slash_rewind_puts_back_the_turns_files_and_says_what_it_did(devd: Setup) -> None:
+    devd.standin.script(*WRITE_THEN_CAT)
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=text("write hello.txt and show it"))
+        editor.updates.clear()
+        answer = await conn.prompt(session_id=session.session_id, prompt=text("/rewind"))
+    said = editor.text().splitlines()
+    assert (answer.stop_reason, said[:3], (devd.workspace / "hello.txt").exists(), len(said)) == (
+        "end_turn",
+        ["Rewound to before turn 1.", "removed hello.txt", "not undone: Exec cat hello.txt"],
+        False,
+        4,
+    )
+
+
+async def test_slash_title_names_the_session(devd: Setup) -> None:
+    editor = Editor()
+    async with editor_on(devd, editor) as conn:
+        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+        await conn.prompt(session_id=session.session_id, prompt=text("/title the build"))
+        listed = await conn.list_sessions(cwd=str(devd.workspace))
+    assert (editor.text(), [s.title for s in listed.sessions]) == ("The session is called the build.", ["the build"])
 
 
 async def test_session_new_outside_the_profiles_roots_is_refused_naming_the_cwd(devd: Setup, tmp_path: Path) -> None:

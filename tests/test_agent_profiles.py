@@ -127,7 +127,7 @@ BAD = [
         "workspace_roots, api_key_env, system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, "
         "run_as, processes_max, memory_bytes_max, tmp_bytes_max, tools, browse_private, max_tokens, token_param, "
         "continuations_max, context_tokens, compact_at, models, send_reasoning, max_calls_per_reply, "
-        "reply_bytes_max, model_timeout_s, budget, mcp, session_mcp)",
+        "reply_bytes_max, model_timeout_s, budget, mcp, session_mcp, instructions)",
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\nrun_as = "root"\n',

@@ -529,8 +529,8 @@ def test_a_model_stream_the_daemon_was_killed_during_is_asked_again(agentd_proce
 def test_a_result_whose_commit_the_daemon_was_killed_before_is_stepped_interrupted_not_run_again(
     tmp_path: Path, standin: Standin
 ) -> None:
-    # As below, killed as the Exec result's commit (the 10th) is about to be written: the result was never durable.
-    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.before=kill@10"})
+    # As below, killed as the Exec result's commit (the 11th) is about to be written: the result was never durable.
+    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.before=kill@11"})
     standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs"]})]), Scripted(text="after"))
     with running.client() as c:
         session = running.session(c)
@@ -559,10 +559,10 @@ def test_browse_is_refused_unless_the_profile_lists_it(agentd: Agentd) -> None:
 def test_a_result_whose_commit_the_daemon_was_killed_after_is_kept_and_not_run_again(
     tmp_path: Path, standin: Standin
 ) -> None:
-    # Commits, in order: the session, its agent record, the turn record, the Turn step, the model call's trace and
-    # usage records, the Model answer, the claim, the command's trace record, the Exec result (the 10th): killed once
-    # it is durable, before anyone is told.
-    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.after=kill@10"})
+    # Commits, in order: the session, its agent record, the turn record, the Turn step, the title, the model call's
+    # trace and usage records, the Model answer, the claim, the command's ledger and trace records (one write), the
+    # Exec result (the 11th): killed once it is durable, before anyone is told.
+    running = start(tmp_path, standin, env={"DEVD_FAILPOINTS": "commit.after=kill@11"})
     standin.script(Scripted(tool_calls=[("exec", {"argv": ["sh", "-c", "echo run >> runs"]})]), Scripted(text="after"))
     with running.client() as c:
         session = running.session(c)

@@ -53,3 +53,9 @@ def test_bench_mixed_times_session_new_beside_large_steps_against_it_alone() -> 
     argv = [sys.executable, "-m", "benchmarks.bench", "mixed", "--rounds", "1", "--seconds", "0.5", "--clients", "2"]
     done = subprocess.run(argv + ["--payload-mib", "1"], capture_output=True, env=daemon_env(), timeout=120, check=True)
     assert sorted(json.loads(done.stdout)["ratio"]) == ["max_ms", "p50_ms", "p99_ms"]
+
+
+def test_bench_rewind_times_a_rewind_against_the_turn_it_undoes() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "rewind", "--rounds", "1", "--files", "3"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    assert set(json.loads(done.stdout)) >= {"turn_ms", "rewind_ms", "ratio"}

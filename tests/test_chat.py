@@ -261,15 +261,27 @@ def test_sessions_lists_them_and_attach_moves_the_chat_to_another(agentd: Agentd
     )
 
 
-def test_a_slash_command_for_a_method_the_daemon_lacks_says_so(agentd: Agentd) -> None:
+def test_slash_title_names_the_session(agentd: Agentd) -> None:
     with devd(agentd, "chat") as t:
-        t.wait_for("/help")
-        t.type("/effects\r")
-        shown = t.wait_for("[/effects: ")
+        shown = t.wait_for("/help")
+        t.type("/title fixing the build\r")
+        t.wait_for("[done]")
         t.type("/quit\r")
         assert t.exit_status() == 0
-    said = next(line for line in lines(shown) if line.startswith("[/effects: "))
-    assert said.startswith("[/effects: METHOD_NOT_FOUND: ")
+    with agentd.client() as c:
+        assert c.info(session_of(shown)).title == "fixing the build"
+
+
+def test_slash_model_sets_the_model_of_the_sessions_next_calls(tmp_path: Path, standin: Standin) -> None:
+    running = start(tmp_path, standin, models='["standin-model", "other-model"]')
+    with running.daemon, devd(running, "chat") as t:
+        t.wait_for("/help")
+        t.type("/model other-model\r")
+        shown = t.wait_for("model: ")
+        t.type("/quit\r")
+        assert t.exit_status() == 0
+    said = next(line for line in lines(shown) if line.startswith("model: "))
+    assert said == 'model: "other-model"'
 
 
 # -- the verbs: sessions that say what they are ----------------------------------------------------------------------
@@ -304,15 +316,15 @@ def stalled_and_asking(agentd: Agentd) -> tuple[str, str, str]:
     return stalled, asking, idle
 
 
-def test_ls_shows_each_sessions_agent_workspace_and_what_it_does(agentd: Agentd) -> None:
+def test_ls_shows_each_sessions_title_agent_workspace_and_what_it_does(agentd: Agentd) -> None:
     stalled_and_asking(agentd)
     rows = [re.split(r"\s{2,}", line.strip()) for line in cli(agentd, "ls").splitlines()]
-    assert [row[:4] for row in rows] == [
-        ["NAME", "AGENT", "WORKSPACE", "STATE"],
-        ["a-stalled", "coder", str(agentd.workspace), rows[1][3]],
-        ["b-asking", "coder", str(agentd.workspace), "waiting for approval"],
-        ["c-idle", "coder", str(agentd.workspace), "idle"],
-    ] and rows[1][3].startswith("stalled: spend ceiling")
+    assert [row[:5] for row in rows] == [
+        ["NAME", "TITLE", "AGENT", "WORKSPACE", "STATE"],
+        ["a-stalled", "mark it", "coder", str(agentd.workspace), rows[1][4]],
+        ["b-asking", "mark it", "coder", str(agentd.workspace), "waiting for approval"],
+        ["c-idle", "-", "coder", str(agentd.workspace), "idle"],
+    ] and rows[1][4].startswith("stalled: spend ceiling")
 
 
 def test_info_and_inspect_say_what_waits_on_a_person_and_the_devd_command_for_it(agentd: Agentd) -> None:

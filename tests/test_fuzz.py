@@ -427,6 +427,8 @@ REQUIRED_VALUES = {
     "digest": "0" * 64,
     "decision": "allow",
     "tokens": 1000,
+    "title": "the build",
+    "turn": 1,
     "model": "m",
     "mcp_servers": [],
 }

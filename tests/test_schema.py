@@ -42,8 +42,12 @@ OVERSIGHT_METHODS |= {
     "session/trace",
     "session/compact",
     "session/model",
+    "session/title",  # tests/test_rewind.py
+    "session/effects",
+    "session/rewind",
 }  # agent sessions: tests/test_agent_context.py
 OVERSIGHT_NOTICES = {"session/delta", "session/stalled", "session/approval", "session/decided"}
+OVERSIGHT_NOTICES |= {"session/instructions"}
 
 SCHEMA = schema()
 
@@ -84,6 +88,7 @@ def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
         "session/stalled",
         "session/approval",
         "session/decided",
+        "session/instructions",
     ]
     refs: list[str] = []
 
@@ -196,6 +201,7 @@ def test_the_method_map_is_also_a_type_in_defs_for_generators_that_read_only_def
         "session/stalled": {"$ref": "#/$defs/StalledNotice"},
         "session/approval": {"$ref": "#/$defs/ApprovalNotice"},
         "session/decided": {"$ref": "#/$defs/DecidedNotice"},
+        "session/instructions": {"$ref": "#/$defs/InstructionsNotice"},
     }
 
 
@@ -269,6 +275,7 @@ def test_devd_schema_openrpc_prints_an_openrpc_document_over_the_same_definition
         "session/stalled",
         "session/approval",
         "session/decided",
+        "session/instructions",
     ]
     refs = re.findall(r'"\$ref": ?"([^"]*)"', json.dumps(document))
     assert refs and all(r.startswith("#/components/schemas/") and r.split("/")[-1] in schemas for r in refs)

@@ -181,6 +181,36 @@ async def test_a_fork_at_0_without_a_snapshot_loads_from_the_config(store: Store
     assert await store.load("f") == Stored("f", CONFIG, None, 0, Health.OK, None, [])
 
 
+async def test_add_records_keeps_each_in_order_as_add_record_would(store: Store) -> None:
+    await store.create("a", CONFIG)
+    await store.add_record(Record("a", 1, "trace", 1, b"1"))
+    await store.add_records(
+        [Record("a", 2, "effect", 2, b"2"), Record("a", 2, "trace", 2, b"3"), Record("x", 2, "t", 0, b"")]
+    )
+    assert [(r.n, r.kind, r.action, r.body) for r in await store.records("a")] == [
+        (1, "trace", 1, b"1"),
+        (2, "effect", 2, b"2"),
+        (3, "trace", 2, b"3"),
+    ]
+
+
+async def test_truncate_moves_a_session_back_to_a_step_dropping_the_steps_and_records_of_those_kinds_after_it(
+    store: Store,
+) -> None:
+    await store.create("a", CONFIG)
+    await append_all(store, step(1), step(2, snapshot=b"S2"), step(3, key="k3"), step(4, snapshot=b"S4"), step(5))
+    for seq, kind in [(1, "claim"), (3, "claim"), (3, "ledger"), (5, "claim")]:
+        await store.add_record(Record("a", seq, kind, 0, kind.encode()))
+    await store.truncate("a", 2, ("claim",))
+    await store.append(step(3))  # the step after it is its next step again
+    kept = [(r.seq, r.kind) for r in await store.records("a")]
+    assert (await store.load("a"), await store.keyed("a", "k3"), kept) == (
+        Stored("a", CONFIG, b"S2", 2, Health.OK, None, [row(3)]),
+        None,
+        [(1, "claim"), (3, "ledger")],
+    )
+
+
 async def test_load_at_gives_the_state_as_of_an_earlier_step(store: Store) -> None:
     await store.create("a", CONFIG)
     await append_all(store, step(1), step(2, snapshot=b"S2"), step(3), step(4, snapshot=b"S4"), step(5))

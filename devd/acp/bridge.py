@@ -33,7 +33,7 @@ import msgspec
 import structlog
 
 from devd import errors, protocol
-from devd.acp import wire
+from devd.acp import commands, wire
 from devd.acp.translate import (
     ApprovalNotice,
     DecidedNotice,
@@ -151,6 +151,7 @@ class Attached:
     waiters: list[Waiter] = field(default_factory=list)
     asked: dict[int, Asked] = field(default_factory=dict)  # by action id
     approvals: dict[int, ApprovalNotice] = field(default_factory=dict)  # undecided, by action id
+    traced: int = 0  # the session's last trace record read (for `usage_update`)
 
 
 def _unknown(session: str) -> errors.InvalidParamsError:
@@ -338,6 +339,9 @@ class Bridge:
             if params.get("reason") == "closed":
                 self._gone(name, "it was closed")
             else:
+                if str(params.get("reason", "")).startswith("rewound"):  # its steps after `seq` are gone: new ones
+                    attached.view.last_seq = int(params.get("seq", 0))  # will be numbered from there
+
                 assert self._tasks is not None
                 self._tasks.start_soon(self._rewatch, name, attached)
             return
@@ -354,6 +358,9 @@ class Bridge:
             await self.editor.update(name, update)
         if isinstance(n, ActionsNotice):
             self._settle(attached)
+            if n.event.Model is not None:  # a model call answered: how full the conversation is now
+                assert self._tasks is not None
+                self._tasks.start_soon(self._report_usage, name, attached)
         elif isinstance(n, ApprovalNotice):
             self._ask(name, attached, n)
         elif isinstance(n, DecidedNotice):
@@ -364,6 +371,26 @@ class Bridge:
         elif isinstance(n, StalledNotice):
             for waiter in attached.waiters:
                 waiter.end("refusal", stalled=n.why)
+
+    def offer_commands(self, name: str) -> None:
+        """Tell the editor the slash commands it may offer for the session (once attached)."""
+        assert self._tasks is not None
+        self._tasks.start_soon(self.editor.update, name, commands.OFFERED)
+
+    async def _report_usage(self, name: str, attached: Attached) -> None:
+        """`usage_update` after a model call: its request's and reply's tokens, from the session's newest trace
+        records (those after the last read)."""
+        try:
+            page = await self.call("session/trace", {"session": name, "since": attached.traced})
+        except errors.DevdError:  # a daemon without a trace, or the session went meanwhile
+            return
+        records = page.get("records", [])
+        if records:
+            attached.traced = max(attached.traced, int(records[-1]["n"]))
+        calls = [r for r in records if r.get("kind") == "model" and r.get("input_tokens") is not None]
+        if calls:
+            used = int(calls[-1]["input_tokens"]) + int(calls[-1].get("output_tokens") or 0)
+            await self.editor.update(name, wire.UsageUpdate(used, 0))
 
     def _settle(self, attached: Attached) -> None:
         """End the prompts whose turn is done."""
@@ -615,6 +642,7 @@ async def _new(bridge: Bridge, raw: msgspec.Raw) -> Any:
         raise errors.InvalidParamsError(f"cannot start a devd session in {cwd}: {e}") from None
     name = made["session"]
     await bridge.attach(name, cwd)
+    bridge.offer_commands(name)
     return {"sessionId": name, "_meta": {"devd": _mcp_meta(servers, left, name)}}
 
 
@@ -647,12 +675,14 @@ async def _workspace(bridge: Bridge, name: str, cwd: str | None) -> str | None:
 async def _load(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.LoadSessionParams, "session/load")
     await bridge.load(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/load")))
+    bridge.offer_commands(p.session_id)
     return {"_meta": {"devd": await _bring_mcp(bridge, p.session_id, p.mcp_servers)}}
 
 
 async def _resume(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.LoadSessionParams, "session/resume")
     await bridge.attach(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/resume")))
+    bridge.offer_commands(p.session_id)
     return {"_meta": {"devd": await _bring_mcp(bridge, p.session_id, p.mcp_servers)}}
 
 
@@ -679,6 +709,7 @@ async def _list(bridge: Bridge, raw: msgspec.Raw) -> Any:
                 "sessionId": entry["session"],
                 "cwd": workspace,
                 "updatedAt": entry.get("last_used"),
+                "title": entry.get("title"),
                 "_meta": {"devd": meta},
             }
         )
@@ -718,6 +749,11 @@ async def _prompt(bridge: Bridge, raw: msgspec.Raw) -> Any:
         raise errors.InvalidParamsError("session/prompt: the prompt has no text block")
     attached = bridge.sessions.get(name) or await bridge.attach(name, await _workspace(bridge, name, None))
     entry = await _known(bridge, name)
+    slash = commands.parse(text)
+    if slash is not None:  # carried out here, not a turn
+        said = await commands.run(bridge, attached, name, *slash)
+        await bridge.editor.update(name, wire.AgentMessageChunk(wire.TextBlock(said)))
+        return {"stopReason": "end_turn"}
     if entry.get("stalled"):  # typing again is asking it to try again
         await bridge.call("session/resume", {"session": name})
     before = await _usage(bridge, name)

@@ -267,7 +267,41 @@ class PermissionToolCall(_Out, frozen=True):
     raw_input: dict[str, Any] | None = None
 
 
-Update = UserMessageChunk | AgentMessageChunk | AgentThoughtChunk | ToolCall | ToolCallUpdate
+class CommandInput(_Out, frozen=True):
+    """What a slash command takes after its name, as the editor's hint shows it."""
+
+    hint: str
+
+
+class AvailableCommand(_Out, frozen=True):
+    name: str
+    description: str
+    input: CommandInput | None = None
+
+
+class AvailableCommandsUpdate(_Out, frozen=True, tag_field="sessionUpdate", tag="available_commands_update"):
+    """The slash commands the editor may offer (devd.acp.commands)."""
+
+    available_commands: list[AvailableCommand]
+
+
+class UsageUpdate(_Out, frozen=True, tag_field="sessionUpdate", tag="usage_update"):
+    """After a model call: the tokens now in the conversation (its request and reply), and the model's window (0:
+    the daemon does not say it)."""
+
+    used: int
+    size: int
+
+
+Update = (
+    UserMessageChunk
+    | AgentMessageChunk
+    | AgentThoughtChunk
+    | ToolCall
+    | ToolCallUpdate
+    | AvailableCommandsUpdate
+    | UsageUpdate
+)
 
 
 class PermissionOption(_Out, frozen=True):

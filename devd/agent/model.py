@@ -223,6 +223,8 @@ def request_body(
     wire: list[dict[str, Any]] = []
     if profile.system is not None:
         wire.append({"role": "system", "content": profile.system})
+    if profile.project is not None:  # the project's instructions (devd.agent.instructions), after the profile's own
+        wire.append({"role": "system", "content": profile.project})
     wire.extend(conversation)
     tools = [
         {"type": "function", "function": {"name": name, **(kinds.OFFERED[name].schema or {})}}

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
@@ -358,10 +358,11 @@ class Oversight:
 
     # -- trace ----------------------------------------------------------------------------------------------------
 
-    async def trace(self, session: str, record: TraceRecord) -> None:
-        """Keep one trace record (durable when this returns); every TRACE_TRIM_EVERY of a session's, those older
-        than its newest TRACE_RECORDS_KEPT go (what they say of usage stays counted: usage is kept apart)."""
-        await self._keep(session, trace.TRACE, record.action, record, trace.encode(record))
+    async def trace(self, session: str, record: TraceRecord, beside: Sequence[Record] = ()) -> None:
+        """Keep one trace record (durable when this returns), in one write with the caller's records `beside` (an
+        effect's ledger record); every TRACE_TRIM_EVERY of a session's, those older than its newest
+        TRACE_RECORDS_KEPT go (what they say of usage stays counted: usage is kept apart)."""
+        await self._keep(session, trace.TRACE, record.action, record, trace.encode(record), beside)
         if self.spans is not None:
             self.spans.export(session, record)
         if self.keeper.seq(session) is None:  # closed while the record was written: nothing is kept of it here
@@ -384,12 +385,22 @@ class Oversight:
     # -- the record log -------------------------------------------------------------------------------------------
 
     async def _keep(
-        self, session: str, kind: str, action: int, body: msgspec.Struct, data: bytes | None = None
+        self,
+        session: str,
+        kind: str,
+        action: int,
+        body: msgspec.Struct,
+        data: bytes | None = None,
+        beside: Sequence[Record] = (),
     ) -> None:
         seq = self.keeper.seq(session)
         if seq is None:
             raise HandleError(f"no session is named {session!r}; `session/list` shows the sessions there are")
-        await self.keeper.add_record(Record(session, seq, kind, action, data or msgspec.json.encode(body)))
+        record = Record(session, seq, kind, action, data or msgspec.json.encode(body))
+        if beside:
+            await self.keeper.add_records([*beside, record])
+        else:
+            await self.keeper.add_record(record)
 
 
 def _refusal_fields(r: Refusal) -> tuple[str, int, int, int, int]:
@@ -491,6 +502,7 @@ class ModelCall(msgspec.Struct):
             output_tokens=None if tokens is None else tokens.output_tokens,
             cached_tokens=None if tokens is None or not tokens.cached_tokens else tokens.cached_tokens,
             estimated=tokens is not None and tokens.estimated,
+            instructions=None if self.profile.project is None else trace.digest(self.profile.project),
             name=self.name,
         )
 

@@ -101,6 +101,8 @@ class RecordLog(Protocol):
 
     async def add_record(self, record: Record) -> None: ...
 
+    async def add_records(self, records: Sequence[Record]) -> None: ...
+
     async def records(
         self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
     ) -> list[Record]: ...
@@ -135,6 +137,9 @@ class StoreRecordLog:
 
     async def add_record(self, record: Record) -> None:
         await self.store.add_record(record)
+
+    async def add_records(self, records: Sequence[Record]) -> None:
+        await self.store.add_records(records)
 
     async def records(
         self, session: str, kinds: tuple[str, ...], after: int = 0, limit: int | None = None
@@ -192,6 +197,12 @@ class Sessions(RecordLog, Protocol):
 
     async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
         """(seq, event) of up to `limit` journalled steps after `since`, in order."""
+
+    async def fork(self, source: str, at: int, name: str) -> str:
+        """A new session `name` holding the source's history up to step `at` (`session/fork`)."""
+
+    async def back(self, session: str, at: int, kinds: tuple[str, ...]) -> None:
+        """Move the session back to step `at` (`devd.sessions.registry.Registry.back`)."""
 
     def observe(self, observer: Observer) -> None: ...
 
@@ -258,6 +269,12 @@ class RegistryPort(StoreRecordLog):
 
     async def steps(self, session: str, since: int, limit: int) -> list[tuple[int, bytes]]:
         return [(row.seq, row.event) for row in await self.store.steps_since(session, since, limit)]
+
+    async def fork(self, source: str, at: int, name: str) -> str:
+        return await self._unbusy(source, lambda: self.registry.fork(source, at, name))
+
+    async def back(self, session: str, at: int, kinds: tuple[str, ...]) -> None:
+        await self._unbusy(session, lambda: self.registry.back(session, at, kinds))
 
     def observe(self, observer: Observer) -> None:
         self.fanout.observers.append(observer)

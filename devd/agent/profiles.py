@@ -107,6 +107,10 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     model_timeout_s: float = 600.0  # an attempt of a model call is given up past this, however it trickles
     mcp: tuple[McpServer, ...] = ()  # the MCP servers its sessions may call (devd.agent.mcp)
     session_mcp: bool = False  # whether a session may bring servers of its own (session/new mcp_servers)
+    instructions: tuple[str, ...] = ("AGENTS.md",)  # project instruction files' names (devd.agent.instructions)
+    # Not a key of the agents file: the project instructions read for one model call, set by the runner on the
+    # profile it asks with, and sent as a system message after `system` (devd.agent.model.request_body).
+    project: str | None = None
 
 
 # -- loading ------------------------------------------------------------------------------------------------------
@@ -144,8 +148,10 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "budget": (dict[str, Any], "a table with tokens_per_turn, tokens_per_session, tokens_per_day"),
     "mcp": (dict[str, Any], "a table of [agent.NAME.mcp.SERVER] tables"),
     "session_mcp": (bool, "true or false"),
+    "instructions": (list[str], 'a list of file names, like ["AGENTS.md"]'),
 }
 _REQUIRED = ("base_url", "workspace_roots")  # and `model`, or `models`
+INSTRUCTION_NAMES_MAX = 16  # file names in a profile's `instructions` (each is looked for in every directory)
 _BUDGET_KEYS = ("tokens_per_turn", "tokens_per_session", "tokens_per_day")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -268,6 +274,15 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
         return _budget(name, value, lines)
     if key == "mcp":
         return tuple(_mcp_server(name, server, table, lines) for server, table in value.items())
+    if key == "instructions":
+        for file in value:
+            if not file or "/" in file or "\0" in file or file in (".", ".."):
+                raise lines.error(
+                    where, f"agent.{name}.instructions names {file!r}; give file names (AGENTS.md), not paths"
+                )
+        if len(value) > INSTRUCTION_NAMES_MAX:
+            raise lines.error(where, f"agent.{name}.instructions names more than {INSTRUCTION_NAMES_MAX} files")
+        return tuple(value)
     return value
 
 

@@ -6,7 +6,8 @@ Kinds, each a msgspec Struct encoded as the record's body:
   a fork carries it. The last one is the session's.
 - `turn` (`TurnStarted`, action 0): a turn the daemon started with `session/prompt`.
 - `claim` (`Claim`, the action's id): an Exec, Write or Git is about to start. Written durably before it starts, so a
-  restart that finds it without the action's result knows the effect may have happened, and never runs it again.
+  restart that finds it without the action's result knows the effect may have happened, and never runs it again. A
+  Write's says what the file was before (`Before`), for `session/rewind`.
 - `model` (`ModelChosen`, action 0): the model `session/model` set for the session's next calls; the last one is the
   session's (none: the profile's `model`).
 - `reasoning` (`Thought`, the Model action's id): the reasoning a model streamed with its answer, kept (with
@@ -60,11 +61,31 @@ class Thought(msgspec.Struct, frozen=True):
     text: str
 
 
-class Claim(msgspec.Struct, frozen=True):
-    """An effect about to start: its kind (`exec`, `write` or `git`) and the turn it is part of."""
+class Before(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A file as a Write found it: `target` (relative to the workspace, links resolved: what the write replaced),
+    whether it `existed`, its size and digest (hex SHA-256), and its content: `content` inline, or `stored` in a
+    `content` record of the same action; neither, with `existed`, when it was not kept (`why` says why)."""
+
+    target: str
+    existed: bool
+    size: int = 0
+    digest: str | None = None
+    content: bytes | None = None
+    stored: bool = False
+    why: str | None = None
+
+    @property
+    def kept(self) -> bool:
+        return not self.existed or self.content is not None or self.stored
+
+
+class Claim(msgspec.Struct, frozen=True, omit_defaults=True):
+    """An effect about to start: its kind (`exec`, `write` or `git`), the turn it is part of, and for a Write the
+    file's previous state (`devd.agent.effects`)."""
 
     op: str
     turn: int
+    before: Before | None = None
 
 
 class Exchange(msgspec.Struct, frozen=True):

@@ -42,7 +42,7 @@ import msgspec
 import structlog
 
 from devd import failpoints
-from devd.agent import cgroups, context, http, kinds, model, records, spend, tools
+from devd.agent import cgroups, context, effects, http, instructions, kinds, model, records, rewind, spend, tools
 from devd.agent import sandbox as sandboxes
 from devd.agent.known import Known, Table
 from devd.agent.mcp.own import own_servers
@@ -51,9 +51,18 @@ from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import DELTA_NOTICE, Sessions, action_ids
 from devd.agent.profiles import McpServer, Profile, api_key, check_workspace, offered_models
 from devd.agent.records import Binding, Claim, ModelChosen, Thought, TurnStarted
+from devd.agent.titles import Titles, from_prompt
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
 from devd.messages import Action, Answer, Event, Message, Reply, Summarize, Turn, encode
-from devd.protocol import CompactResult, DeltaNotice, ModelResult, Outcome, SessionMcpServer, StalledNotice
+from devd.protocol import (
+    CompactResult,
+    DeltaNotice,
+    InstructionsNotice,
+    ModelResult,
+    Outcome,
+    SessionMcpServer,
+    StalledNotice,
+)
 from devd.sessions.watchers import Stepped
 from devd.storage.store import Record
 
@@ -71,6 +80,7 @@ INTERRUPTED = (
     "interrupted: the daemon stopped while this {what} ran, so it may have partly run; it was not run again "
     "(check the workspace before you run it again)"
 )
+INSTRUCTIONS_NOTICE = "session/instructions"
 CANCELLED = "cancelled: the turn was cancelled while this {what} ran{how}"
 GO_ON = "Your answer was cut at the token limit. Continue exactly where it stopped, without repeating anything."
 CUT_ANSWER = (
@@ -131,6 +141,8 @@ class Runtime:
         self.http: http.Client | None = None
         self.mcp: Broker | None = None  # the MCP broker, when a profile names servers (its SDK is loaded only then)
         self.oversight = Oversight(sessions, table=self.table)  # approvals, spend and trace (devd.agent.oversight)
+        self.titles = Titles(sessions, sessions.seq)
+        self.ledger = effects.Ledger(sessions)  # what effects ran, and what a Write replaced (session/rewind)
         sessions.observe(self)
 
     def statistics(self) -> RuntimeStatistics:
@@ -248,6 +260,9 @@ class Runtime:
             await self.sessions.add_record(Record(session, seq, records.TURN, 0, records.encode(TurnStarted(turn))))
             known.turn = turn
             await self.sessions.step(session, Event(Turn=Turn(id=turn, prompt=prompt)), step_key)
+            title = from_prompt(prompt)
+            if title is not None:
+                await self.titles.set(session, title, prompt=True)
         self.drive(session)
         return turn
 
@@ -353,6 +368,10 @@ class Runtime:
             except DevdError as e:  # the daemon serves anyway; each session is driven at its next prompt or resume
                 log.error("agent.resume_failed", error=f"{e.kind}: {e}"[:500])
                 owing = []
+            try:
+                await rewind.finish_left(self)  # before any of their turns is driven
+            except DevdError as e:
+                log.error("agent.rewinds_not_finished", error=f"{e.kind}: {e}"[:500])
             for name in owing:
                 if self.sessions.seq(name) is not None:
                     self.drive(name)
@@ -400,15 +419,15 @@ class Runtime:
             error = f"{e.kind}: {e}" if isinstance(e, DevdError) else f"{type(e).__name__}: {e}"
             log.error("agent.driver_failed", session=driver.session, action=driver.carrying, error=error[:500])
             why = f"the daemon failed carrying out action {driver.carrying} ({error[:300]}); `session/resume` retries"
-            self.stall(driver, driver.carrying, why)
+            self.stall(driver.session, driver.known, driver.carrying, why)
         finally:
             if driver.known.driver is driver:
                 driver.known.driver = None
 
-    def stall(self, driver: Driver, action: int, why: str) -> None:
-        driver.known.stalled = why
-        log.warning("agent.stalled", session=driver.session, action=action, why=why[:500])
-        self.sessions.tell(driver.session, "session/stalled", StalledNotice(driver.session, action, why))
+    def stall(self, session: str, known: Known, action: int, why: str) -> None:
+        known.stalled = why
+        log.warning("agent.stalled", session=session, action=action, why=why[:500])
+        self.sessions.tell(session, "session/stalled", StalledNotice(session, action, why))
 
     async def sandbox(self, profile: Profile) -> sandboxes.Sandbox | sandboxes.Refusal | None:
         """How the profile's commands run; bubblewrap is probed the first time, on a worker thread."""
@@ -440,6 +459,8 @@ class Runtime:
             known.driver.scope.cancel()
         if self.mcp is not None:
             self.mcp.forget(session)
+        self.titles.forget(session)  # the caches of titles and of kept contents, beside the record
+        self.ledger.forget(session)
 
 
 _events = msgspec.json.Decoder(Event)
@@ -648,13 +669,22 @@ class Driver(msgspec.Struct, eq=False):
         if not gate.allowed:
             await self._traced(action, kind, call, time.time(), 0.0, "denied", gate.reason)
             return await self._step(kind.event(action.id, gate.reason, True), action.id)
+        ledger, turn, before = self.runtime.ledger, self.known.turn, None
         if kind.effect:
             if action.id in self._claims:
                 log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind.member)
                 text = INTERRUPTED.format(what=what)
-                await self._traced(action, kind, call, time.time(), 0.0, "interrupted", text)
+                before = await ledger.claimed(self.session, action.id)
+                entry = ledger.entry(
+                    self.session, action.id, turn, kind.member, call, time.time(), "interrupted", before
+                )
+                await self._traced(action, kind, call, time.time(), 0.0, "interrupted", text, entry)
                 return await self._step(kind.event(action.id, text, True), action.id)
-            claim = Claim(kind.name, self.known.turn)
+            if kind.member == "Write":
+                before = await ledger.before(
+                    self.session, action.id, lambda: self.runtime.workspace(self.session, self.known), call.path
+                )
+            claim = Claim(kind.name, turn, before)
             await self._record(records.CLAIM, action.id, records.encode(claim))
             self._claims.add(action.id)
             failpoints.hit("agent.claimed")
@@ -670,7 +700,9 @@ class Driver(msgspec.Struct, eq=False):
         if kind.effect:
             failpoints.hit("agent.done")
         if result is None:
-            await self._traced(action, kind, call, started, took, "interrupted", "cancelled with its turn")
+            stopped = ledger.entry(self.session, action.id, turn, kind.member, call, started, "interrupted", before)
+            why = "cancelled with its turn"
+            await self._traced(action, kind, call, started, took, "interrupted", why, stopped if kind.effect else None)
             if not kind.effect:
                 return []
             how = "; its process group was killed" if kind.kills else ""
@@ -680,7 +712,9 @@ class Driver(msgspec.Struct, eq=False):
         # What failed, never what the command printed: the record is exported (OTel) and shown beside others'.
         error = (result.why or result.text) if result.failed else None
         event = kind.event(action.id, result.text, result.failed)
-        await self._traced(action, kind, call, started, took, outcome, error)  # durable before the result's step
+        # The trace record, and an effect's ledger record beside it (one write): durable before the result's step.
+        entry = ledger.entry(self.session, action.id, turn, kind.member, call, started, outcome, before)
+        await self._traced(action, kind, call, started, took, outcome, error, entry if kind.effect else None)
         return await self._step(event, action.id)
 
     def _named(self, profile: Profile) -> Callable[[str, bytes], Awaitable[tools.Result]] | None:
@@ -719,15 +753,16 @@ class Driver(msgspec.Struct, eq=False):
         took: float,
         outcome: Outcome,
         error: str | None,
+        ledger: Record | None = None,
     ) -> None:
         record = tool_record(action.id, kind.name, kind.subject(call), started, took, outcome, error)
-        await self.runtime.oversight.trace(self.session, record)
+        await self.runtime.oversight.trace(self.session, record, () if ledger is None else (ledger,))
 
     async def _stalled(self, action: int, why: str) -> None:
         """The ask stays pending; carry on when the session is resumed, or when another client's step (a Cancel of
         the turn) leaves it no longer pending: then the stall is over and what the session waits for comes next."""
         self.resumed = anyio.Event()
-        self.runtime.stall(self, action, why)
+        self.runtime.stall(self.session, self.known, action, why)
         resumed = self.resumed
 
         async def until_resumed() -> bool:
@@ -737,6 +772,19 @@ class Driver(msgspec.Struct, eq=False):
         if await self._guarded(action, until_resumed) is None:
             self.known.stalled = None
         self.dirty = True
+
+    async def _instructed(self, profile: Profile, action: int) -> Profile:
+        """The profile to ask with: carrying the project's instructions as they are now (`devd.agent.instructions`);
+        the files skipped are told to the session's watchers."""
+        binding = await self.runtime.binding(self.session)
+        assert binding is not None
+        found = await anyio.to_thread.run_sync(instructions.find, profile, Path(binding.workspace))
+        if found.skipped:
+            log.warning("agent.instructions_skipped", session=self.session, skipped=[s.path for s in found.skipped])
+            self.sessions.tell(
+                self.session, INSTRUCTIONS_NOTICE, InstructionsNotice(self.session, action, found.skipped)
+            )
+        return msgspec.structs.replace(profile, project=found.message())
 
     async def _admitted(self, profile: Profile, action: Action, body: bytes, name: str | None) -> ModelCall | None:
         """The model call of request `body` (for the estimate), admitted by every spend ceiling; None when one
@@ -852,6 +900,7 @@ class Driver(msgspec.Struct, eq=False):
         profile = self.runtime.with_model(self.session, profile)
         ask = action.op.Model
         messages: list[Message] = ask.messages if ask.from_ is None else await self.sessions.transcript(self.session)
+        profile = await self._instructed(profile, action.id)
         confined = await self.runtime.sandbox(profile)
         exec_available = not isinstance(confined, sandboxes.Refusal)
         named = await self._offered(profile)

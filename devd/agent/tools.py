@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import itertools
 import os
 import shutil
@@ -152,6 +153,12 @@ def _reach(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def reach(path: Path) -> int:
+    """An O_PATH descriptor of the directory at the absolute `path`, reached without following a link (see `_reach`);
+    Refused saying what is in the way. The caller closes it."""
+    return _reach(path)
 
 
 def _in_the_way(where: Path, name: str, dir_fd: int, error: OSError) -> str:
@@ -417,6 +424,111 @@ def _give(made_fd: int, name: str, owner: tuple[int, int]) -> None:
     if st.st_uid != os.geteuid() or st.st_nlink != 2 or not empty:
         raise Refused(f"{name} was replaced while it was made; nothing was done")
     os.fchown(made_fd, *owner)
+
+
+# -- what a Write replaces, and putting it back (devd.agent.effects) ----------------------------------------------
+
+
+class Found(msgspec.Struct, frozen=True):
+    """A file a Write names, as it is now: `target`, its path relative to the workspace with every link resolved
+    (what a write there replaces, and what a rewind puts back); `data`, its bytes (None: there is no file there, or
+    it is larger than the limit it was read with); `size` in bytes (0 when there is none)."""
+
+    target: str
+    existed: bool
+    size: int = 0
+    data: bytes | None = None
+
+
+def find(workspace: Workspace | Path, path: str, limit_bytes: int) -> Found:
+    """The file at `path` as it is now, its bytes read when at most `limit_bytes`; Refused when the path is refused
+    as a Write would refuse it, or names something that is not a regular file (a directory, a device). Reached as
+    Read and Write reach files: from the checked workspace, without following a link out of it."""
+    pinned = _pinned(workspace)
+    target = str(resolve(pinned.path, path, for_write=True).relative_to(pinned.path))
+    try:
+        dir_fd, name = _reach_file(pinned, path, for_write=False)
+    except FileNotFoundError:
+        return Found(target, False)
+    except NotADirectoryError:
+        raise Refused(f"a directory on the way to {path} is a file") from None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return Found(target, False)
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(f"{path} is not a regular file")
+        if st.st_size > limit_bytes:
+            return Found(target, True, st.st_size)
+        data = f.read(limit_bytes + 1)
+    return Found(target, True, len(data), data if len(data) <= limit_bytes else None)
+
+
+def fingerprint(workspace: Workspace, target: str) -> str | None:
+    """The hex SHA-256 of the file at `target` now (read whole, a block at a time), None when there is none;
+    Refused when something else is there (a directory, a link: reached as `put_back` reaches it)."""
+    root = workspace.open()
+    try:
+        dir_fd, name = _walk(root, _parts(target), create=False)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(root)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        why = "a link is there now" if e.errno == errno.ELOOP else e.strerror or str(e)
+        raise Refused(f"{target} cannot be read: {why}") from None
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise Refused(f"{target} is not a regular file now")
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _parts(target: str) -> tuple[str, ...]:
+    """A recorded target's parts; Refused for one that could lead out of the workspace."""
+    parts = Path(target).parts
+    if not parts or os.path.isabs(target) or ".." in parts:
+        raise Refused(f"{target!r} is not a path inside the workspace")
+    return parts
+
+
+def put_back(workspace: Workspace, target: str, data: bytes | None) -> None:
+    """Make the file at `target` (relative to the workspace, its links resolved when it was recorded) hold `data`
+    again, atomically as a Write does, or remove it (None). Reached from the checked workspace one directory at a time
+    without following a link, and the last name is never followed either: a link put there since is replaced or
+    removed itself, never what it points to. Refused or OSError when that cannot be done."""
+    parts = _parts(target)
+    real = workspace.path / target
+    for own in workspace.private:
+        if real == own or real.is_relative_to(own):
+            raise Refused(f"{target} is in the daemon's own {own}, which no tool writes")
+    root = workspace.open()
+    try:
+        dir_fd, name = _walk(root, parts, create=data is not None)
+    except FileNotFoundError:
+        if data is None:
+            return  # its directory is gone: so is the file
+        raise
+    finally:
+        os.close(root)
+    try:
+        if data is not None:
+            _replace(dir_fd, name, data)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+            os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 # -- Exec and Git -------------------------------------------------------------------------------------------------

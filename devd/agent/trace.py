@@ -8,6 +8,7 @@ sent; `interrupted`, by a cancel or a stop) and, for a model call, the model and
 
 from __future__ import annotations
 
+import hashlib
 from datetime import UTC, datetime
 
 import msgspec
@@ -25,6 +26,11 @@ def rfc3339(seconds: float) -> str:
 def seconds(started: str) -> float:
     """The wall-clock seconds of an RFC 3339 `started`."""
     return datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp()
+
+
+def digest(text: str) -> str:
+    """The hex SHA-256 of text a record names without holding it (the project instructions a model call sent)."""
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def encode(record: TraceRecord) -> bytes:

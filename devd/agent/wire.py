@@ -32,7 +32,7 @@ import msgspec
 import structlog
 from msgspec import Raw
 
-from devd.agent import records
+from devd.agent import effects, instructions, records, rewind
 from devd.agent.oversight import APPROVAL_NOTICE, Oversight
 from devd.agent.port import ObservedFanout
 from devd.agent.records import Binding
@@ -44,6 +44,8 @@ from devd.protocol import (
     ApproveParams,
     BudgetParams,
     CompactResult,
+    EffectsParams,
+    EffectsResult,
     Empty,
     McpParams,
     McpResult,
@@ -53,9 +55,12 @@ from devd.protocol import (
     NoParams,
     PromptParams,
     PromptResult,
+    RewindParams,
+    RewindResult,
     SessionMcpServer,
     SessionParams,
     StepParams,
+    TitleParams,
     TraceParams,
     TraceResult,
     UsageResult,
@@ -172,7 +177,9 @@ class AgentPort:
         return await self._patient(name, lambda: self.sessions.snapshot(name))
 
     async def fork(self, source: str, at: int | None, name: str | None) -> str:
-        return await self._patient(source, lambda: self.sessions.fork(source, at, name))
+        forked = await self._patient(source, lambda: self.sessions.fork(source, at, name))
+        self.runtime.titles.made(forked)  # the fork carries the source's title record
+        return forked
 
     async def pending(self, name: str) -> bytes:
         actions = await self._patient(name, lambda: self.sessions.pending(name))
@@ -211,6 +218,12 @@ class AgentPort:
 
     def stalled(self, name: str) -> str | None:
         return self.runtime.stalled(name)
+
+    async def titles(self, names: list[str]) -> dict[str, str]:
+        return dict(await self.runtime.titles.of(names))
+
+    async def instructions_used(self, name: str) -> list[str] | None:
+        return await instructions.used_by(self.runtime, name)
 
     def page_names(self, limit: int | None = None, after: str | None = None) -> tuple[list[str], str | None]:
         return self.sessions.page_names(limit, after)
@@ -291,3 +304,15 @@ class AgentPort:
         self.sessions.info(params.session)
         page, following = await self.oversight.traces(params.session, params.since, params.limit)
         return TraceResult(page, following)
+
+    async def title(self, params: TitleParams, by: str) -> Empty:
+        self.sessions.info(params.session)
+        await self.runtime.titles.set(params.session, params.title)
+        return Empty()
+
+    async def effects(self, params: EffectsParams, by: str) -> EffectsResult:
+        self.sessions.info(params.session)
+        return EffectsResult(await effects.ledger(self.runtime, params.session, params.since))
+
+    async def rewind(self, params: RewindParams, by: str) -> RewindResult:
+        return await rewind.rewind(self.runtime, params.session, params.turn, force=params.force)

@@ -316,8 +316,8 @@ def _decide(decision: Literal["allow", "deny"]) -> Callable[[Console, str, anyio
 
 
 def _method(method: str, param: str | None = None) -> Callable[[Console, str, anyio.abc.TaskGroup], Awaitable[None]]:
-    """A command that calls `method` (one the daemon may not have yet: session/title, compact, rewind, effects) with
-    the session and `param` from the rest of the line, and shows its answer."""
+    """A command that calls `method` with the session and `param` from the rest of the line, and shows its answer (a
+    daemon of an older release may not have the method: its METHOD_NOT_FOUND is shown as any refusal is)."""
 
     async def run(console: Console, rest: str, tg: anyio.abc.TaskGroup) -> None:
         params: dict[str, Any] = {"session": console.session}
@@ -369,9 +369,14 @@ COMMANDS: dict[str, Command] = {
     "approve": Command("ID", "allow an action that waits", "devd approve {session} ID", _decide("allow")),
     "deny": Command("ID", "deny an action that waits", "devd deny {session} ID", _decide("deny")),
     "title": Command("TEXT", "name the session", "devd title {session} TEXT", _method("session/title", "title")),
-    "compact": Command("", "summarize the conversation so far", "session/compact", _method("session/compact")),
-    "rewind": Command("[TURN]", "undo the session back to a turn", "session/rewind", _method("session/rewind", "turn")),
-    "effects": Command("", "list what the session changed", "session/effects", _method("session/effects")),
+    "model": Command(
+        "NAME", "ask another of the profile's models", "devd model {session} NAME", _method("session/model", "model")
+    ),
+    "compact": Command("", "summarize the conversation so far", "devd compact {session}", _method("session/compact")),
+    "rewind": Command(
+        "[TURN]", "undo the session back to a turn", "devd rewind {session} TURN", _method("session/rewind", "turn")
+    ),
+    "effects": Command("", "list what the session changed", "devd effects {session}", _method("session/effects")),
     "sessions": Command("", "list the sessions", "devd ls", _sessions),
     "attach": Command("NAME", "show another session here", "devd attach NAME", _attach_to),
     "quit": Command("", "leave (the session stays)", "Ctrl-D", _quit),

@@ -226,7 +226,31 @@ def budget_tokens(text: str) -> int | None:
 def _waits(raw: bytes) -> bytes:
     entry = msgspec.json.decode(raw)
     waits = ", ".join(f"{w['kind']} (id {w['id']})" for w in entry["waiting"]) or "nothing"
-    return sessions_table([entry]).encode() + f"waiting for: {waits}\n".encode()
+    shown = sessions_table([entry]) + f"waiting for: {waits}\n"
+    if entry.get("instructions") is not None:
+        shown += f"instructions: {', '.join(inline(p) for p in entry['instructions']) or 'none'}\n"
+    return shown.encode()
+
+
+def _effect_lines(raw: bytes) -> bytes:
+    lines = []
+    for e in msgspec.json.decode(raw)["effects"]:
+        subject = e["subject"] if isinstance(e["subject"], str) else " ".join(e["subject"])
+        undo = " (undoable)" if e["undoable"] else ""
+        lines.append(
+            f"turn {e['turn']} action {e['action']} {e['at']} {e['kind']} {inline(subject)} {e['outcome']}{undo}\n"
+        )
+    return "".join(lines).encode()
+
+
+def _rewound(raw: bytes) -> bytes:
+    r = msgspec.json.decode(raw)
+    shown = [f"restored {inline(p)}\n" for p in r["restored"]] + [f"removed {inline(p)}\n" for p in r["removed"]]
+    for n in r["not_undone"]:
+        subject = n["subject"] if isinstance(n["subject"], str) else " ".join(n["subject"])
+        shown.append(f"not undone: action {n['action']} {n['kind']} {inline(subject)}\n")
+    shown.append(f"the conversation before the rewind is kept as {r['kept_as']}\n")
+    return "".join(shown).encode()
 
 
 def _trace_lines(raw: bytes) -> bytes:
@@ -291,6 +315,20 @@ PLAIN: tuple[Plain, ...] = (
         "show a session's trace: one line per model call attempt and per tool run (--since: after that record)",
         _trace_lines,
     ),
+    Plain("title", "session/title", "set what a session is called (shown by devd ls and devd info)", _nothing),
+    Plain(
+        "effects",
+        "session/effects",
+        "list the commands, git calls and writes the daemon ran for a session, and its rewinds (--since: a turn)",
+        _effect_lines,
+    ),
+    Plain(
+        "rewind",
+        "session/rewind",
+        "put back the files a session's writes changed since TURN began and its conversation to before it "
+        "(--force: even files someone else changed since)",
+        _rewound,
+    ),
     Plain(
         "drain",
         "daemon/drain",
@@ -320,7 +358,8 @@ def _plain_arguments(c: argparse.ArgumentParser, plain: Plain) -> None:
     for f in msgspec.structs.fields(METHODS[plain.method].params):
         doc = _param_help(f.type)
         if f.required:
-            c.add_argument(f.name, help="the session's name" if f.name == "session" else doc)
+            kind = int if _is_int(f.type) else str
+            c.add_argument(f.name, type=kind, help="the session's name" if f.name == "session" else doc)
         elif isinstance(_constraint(f.type)[0], msgspec.inspect.BoolType):  # a switch: given, it is true
             flag = f"--{f.encode_name.replace('_', '-')}"
             c.add_argument(flag, dest=f.name, action="store_const", const=True, help=doc)
@@ -431,7 +470,7 @@ def _agents_table(sessions: list[dict[str, Any]], described: dict[str, Described
     rows = []
     for s in sessions:
         d = described.get(s["session"]) or Described(None, None, s["state"])
-        title = [brief(inline(s.get("title") or ""), TITLE_CHARS_MAX)] if titled else []
+        title = [brief(inline(s.get("title") or "-"), TITLE_CHARS_MAX)] if titled else []
         agent, workspace = inline(d.agent or "-"), inline(d.workspace or "-")
         rows.append([s["session"], *title, agent, workspace, d.doing, str(s.get("watchers", 0)), _when(s["last_used"])])
     return table(headers, rows, right=frozenset({len(headers) - 2}))

@@ -37,6 +37,8 @@ from devd.protocol import (
     BudgetParams,
     CompactResult,
     DrainResult,
+    EffectsParams,
+    EffectsResult,
     Empty,
     ForkParams,
     InfoResult,
@@ -55,6 +57,8 @@ from devd.protocol import (
     PromptParams,
     PromptResult,
     RestoreParams,
+    RewindParams,
+    RewindResult,
     Server,
     SessionInfo,
     SessionParams,
@@ -64,6 +68,7 @@ from devd.protocol import (
     StatusResult,
     StepParams,
     StepResult,
+    TitleParams,
     TraceParams,
     TraceResult,
     TranscriptParams,
@@ -353,7 +358,7 @@ async def session_close(call: Call, params: SessionParams) -> Empty:
     return Empty()
 
 
-def _entry(i: Info, stalled: str | None) -> SessionInfo:
+def _entry(i: Info, stalled: str | None, title: str | None) -> SessionInfo:
     return SessionInfo(
         i.name,
         i.state.value,  # type: ignore[arg-type]
@@ -364,6 +369,7 @@ def _entry(i: Info, stalled: str | None) -> SessionInfo:
         i.reason,
         i.held,
         stalled,
+        title,
     )
 
 
@@ -378,7 +384,9 @@ async def session_list(call: Call, params: ListParams) -> ListResult:
     for start in range(0, len(names), LIST_CHUNK):
         if start:
             await anyio.lowlevel.checkpoint()  # a page of 100,000 must not stall every other call for a second
-        sessions += [_entry(i, port.stalled(i.name)) for i in port.infos(names[start : start + LIST_CHUNK])]
+        infos = port.infos(names[start : start + LIST_CHUNK])
+        titles = await port.titles([i.name for i in infos])
+        sessions += [_entry(i, port.stalled(i.name), titles.get(i.name)) for i in infos]
     return ListResult(sessions, after)
 
 
@@ -395,7 +403,11 @@ async def session_info(call: Call, params: SessionParams) -> InfoResult:
     if state in ("live", "stored"):  # an ended or poisoned turn waits for nothing
         waits = await sessions.waiting(name)
     i = sessions.info(name)  # after pending, which may have woken or adopted it
-    return InfoResult(**msgspec.structs.asdict(_entry(i, sessions.stalled(name))), waiting=waits)
+    titles = await sessions.titles([name])
+    files = await sessions.instructions_used(name)
+    return InfoResult(
+        **msgspec.structs.asdict(_entry(i, sessions.stalled(name), titles.get(name))), waiting=waits, instructions=files
+    )
 
 
 @method("session/watch")
@@ -474,6 +486,21 @@ async def session_usage(call: Call, params: SessionParams) -> UsageResult:
 @method("session/trace")
 async def session_trace(call: Call, params: TraceParams) -> TraceResult:
     return await call.app.sessions.trace(params, call.peer.who())
+
+
+@method("session/title")
+async def session_title(call: Call, params: TitleParams) -> Empty:
+    return await call.app.sessions.title(params, call.peer.who())
+
+
+@method("session/effects")
+async def session_effects(call: Call, params: EffectsParams) -> EffectsResult:
+    return await call.app.sessions.effects(params, call.peer.who())
+
+
+@method("session/rewind")
+async def session_rewind(call: Call, params: RewindParams) -> RewindResult:
+    return await call.app.sessions.rewind(params, call.peer.who())
 
 
 METHODS: dict[str, Method] = bind(protocol.METHODS, _HANDLERS)  # import fails if a method lacks its one handler

@@ -26,6 +26,8 @@ from devd.protocol import (
     ApproveParams,
     BudgetParams,
     CompactResult,
+    EffectsParams,
+    EffectsResult,
     Empty,
     McpParams,
     McpResult,
@@ -35,8 +37,11 @@ from devd.protocol import (
     NoParams,
     PromptParams,
     PromptResult,
+    RewindParams,
+    RewindResult,
     SessionParams,
     StepParams,
+    TitleParams,
     TraceParams,
     TraceResult,
     UsageResult,
@@ -66,6 +71,9 @@ class SessionPort(Protocol):
     async def fork(self, source: str, at: int | None, name: str | None) -> str: ...
 
     async def recover(self, name: str) -> None: ...
+
+    async def back(self, name: str, at: int, kinds: tuple[str, ...]) -> None:
+        """Move the session back to step `at` (see `Registry.back`)."""
 
     async def close(self, name: str) -> None: ...
 
@@ -136,6 +144,12 @@ class WirePort(Protocol):
     def stalled(self, name: str) -> str | None:
         """Why the daemon's driver of the session stopped, until it is resumed (None: it has not)."""
 
+    async def titles(self, names: list[str]) -> dict[str, str]:
+        """The title of each of the sessions named that has one."""
+
+    async def instructions_used(self, name: str) -> list[str] | None:
+        """The project instruction files the session's last model call was sent (None: a session of no agent)."""
+
     def page_names(self, limit: int | None = None, after: str | None = None) -> tuple[list[str], str | None]: ...
 
     def infos(self, names: list[str]) -> list[Info]: ...
@@ -170,6 +184,12 @@ class WirePort(Protocol):
     async def usage(self, params: SessionParams, by: str) -> UsageResult: ...
 
     async def trace(self, params: TraceParams, by: str) -> TraceResult: ...
+
+    async def title(self, params: TitleParams, by: str) -> Empty: ...
+
+    async def effects(self, params: EffectsParams, by: str) -> EffectsResult: ...
+
+    async def rewind(self, params: RewindParams, by: str) -> RewindResult: ...
 
 
 class Beside(Protocol):

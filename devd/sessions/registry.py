@@ -433,6 +433,24 @@ class Registry:
             elif entry.instance is None:
                 await self.calls.wake(entry, Input.RECOVER)
 
+    async def back(self, name: str, at: int, kinds: tuple[str, ...]) -> None:
+        """Move the session back to step `at`: its journal after it goes, with its records of `kinds` written after it
+        (what belongs to those steps; the rest of its log stays), and it is rebuilt from disk at its next call. Its
+        watchers' subscriptions end ("rewound"): what they were told after `at` is no longer its history, and they
+        watch again from `at`. INVALID_PARAMS when `at` is past its last step or its history there is no longer kept;
+        nothing changes then."""
+        async with self.entered(name, any_state=True) as entry:
+            if at > entry.seq:
+                raise InvalidParamsError(f"session {name!r} has answered {entry.seq} steps; it cannot go on to {at}")
+            if await self.store.load_at(name, at) is None:
+                raise InvalidParamsError(f"the history of {name!r} at step {at} is no longer kept; it cannot go back")
+            await self.store.truncate(name, at, kinds)
+            if entry.state is State.LIVE:
+                self.move(entry, Input.DROP)
+            entry.seq = at
+            entry.rebased(await self.stored(name))
+        self.fanout.rewound(name, at)
+
     async def close(self, name: str) -> None:
         async with self.entered(name, any_state=True) as entry:
             await self.delete(entry, "closed")

@@ -107,6 +107,13 @@ class Fanout(msgspec.Struct):
         self.unsubscribe(sub)
         sub.sink.force(self.encode(Unwatched(sub.session, sub.last_seq, reason, owner)))
 
+    def rewound(self, session: str, at: int) -> None:
+        """The session went back to step `at` (`session/rewind`): every subscription ends as having seen up to `at`
+        at most, so that watching again from the notice's `seq` tells the steps that replace those after it."""
+        for sub in list(self._by_session.get(session, ())):
+            sub.last_seq = min(sub.last_seq, at)
+        self.end(session, f"rewound to step {at}")
+
     def end(self, session: str, reason: str, owner: tuple[str, str] | None = None) -> None:
         """Every subscription to session ends (it was closed, expired, or moved to the daemon `owner`)."""
         for sub in list(self._by_session.get(session, ())):

@@ -127,6 +127,16 @@ class MemoryStore:
             copy.journal[at] = msgspec.structs.replace(kept, snapshot=snapshot)
         self._sessions[name] = copy
 
+    async def truncate(self, name: str, at: int, kinds: tuple[str, ...]) -> None:
+        self._committed(time.perf_counter())
+        session = self._sessions.get(name)
+        if session is None:
+            return
+        for seq in [seq for seq in session.journal if seq > at]:
+            del session.journal[seq]
+            session.at.pop(seq, None)
+        session.records = [r for r in session.records if r.seq <= at or r.kind not in kinds]
+
     async def sessions(self) -> list[SessionRow]:
         return [
             SessionRow(name, s.health, s.reason, max(s.journal, default=0), s.created, s.last_used)
@@ -172,6 +182,10 @@ class MemoryStore:
         session = self._sessions.get(name)
         times = sorted(session.at.items()) if session else []
         return dict([(seq, at) for seq, at in times if seq > since][:limit])
+
+    async def add_records(self, records: Sequence[Record]) -> None:
+        for record in records:
+            await self.add_record(record)
 
     async def add_record(self, record: Record) -> None:
         self._committed(time.perf_counter())

@@ -897,6 +897,28 @@ class PostgresStore:
 
         await self._write(op)
 
+    async def truncate(self, name: str, at: int, kinds: tuple[str, ...]) -> None:
+        """Fenced like an append (taking the session if this node holds none): the head moves back to `at` in the
+        statement that checks the owner and epoch. Raises MovedError when another live node owns it."""
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            epoch = await self._epoch(conn, batch, name)
+            if not isinstance(epoch, int):
+                return epoch
+            done = await conn.execute(
+                "UPDATE sessions SET head_seq = %s WHERE name = %s AND owner = %s AND epoch = %s AND head_seq >= %s",
+                (at, name, self.node, epoch, at),
+            )
+            if not done.rowcount:
+                return await self._lost(conn, batch, name)
+            await conn.execute("DELETE FROM journal WHERE session = %s AND seq > %s", (name, at))
+            await conn.execute(
+                "DELETE FROM records WHERE session = %s AND kind = ANY(%s) AND seq > %s", (name, list(kinds), at)
+            )
+            return None
+
+        await self._write(op)
+
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
         """See `devd.storage.store.Store.fork`; the fork is owned by this node, and copied a few MiB a commit (see the
         module). Raises MovedError if another live node owns a session named `name`."""
@@ -1091,6 +1113,16 @@ class PostgresStore:
 
         async def op(conn: Conn, batch: _Batch) -> DevdError | None:
             await _add_record(conn, record)
+            return None
+
+        await self._write(op)
+
+    async def add_records(self, records: Sequence[Record]) -> None:
+        """As `add_record`, each of them, in one write."""
+
+        async def op(conn: Conn, batch: _Batch) -> DevdError | None:
+            for record in records:
+                await _add_record(conn, record)
             return None
 
         await self._write(op)

@@ -967,6 +967,17 @@ class SQLiteStore:
 
         await self._write(op)
 
+    async def truncate(self, name: str, at: int, kinds: tuple[str, ...]) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            self._pruned.pop(name, None)
+            self._new_generation(name)  # a snapshot still being written for a step after `at` must land on no row
+            self._release_files(db, "session = ? AND seq > ?", (name, at))
+            db.execute("DELETE FROM journal WHERE session = ? AND seq > ?", (name, at))
+            for kind in kinds:
+                db.execute("DELETE FROM records WHERE session = ? AND kind = ? AND seq > ?", (name, kind, at))
+
+        await self._write(op)
+
     async def fork(self, source: str, at: int, name: str, snapshot: bytes | None) -> None:
         """The source's journal up to `at` is copied a few MiB a commit (others' steps commit in between, rather
         than wait behind one commit of the whole history), under a note in `meta` that the fork is not made yet;
@@ -1150,6 +1161,13 @@ class SQLiteStore:
 
     async def add_record(self, record: Record) -> None:
         await self._write(lambda db: _add_record(db, record))
+
+    async def add_records(self, records: Sequence[Record]) -> None:
+        def op(db: sqlite3.Connection) -> None:
+            for record in records:
+                _add_record(db, record)
+
+        await self._write(op)
 
     # -- spend ----------------------------------------------------------------------------------------------------
 

@@ -212,6 +212,11 @@ class Store(Protocol):
         `snapshot` (the source's state at `at`; None when the state at `at` is the config's) as its starting point;
         the source is untouched."""
 
+    async def truncate(self, name: str, at: int, kinds: tuple[str, ...]) -> None:
+        """The session's steps after `at` gone, with its records of `kinds` written after it (`Record.seq` > `at`);
+        its other records stay, as does the history up to `at`. The caller has checked that `load_at(name, at)` can
+        rebuild it (so `load` does, afterwards). Nothing happens to a session that does not exist."""
+
     async def sessions(self) -> list[SessionRow]:
         """Every stored session, by name."""
 
@@ -239,6 +244,10 @@ class Store(Protocol):
     async def add_record(self, record: Record) -> None:
         """Keep a record in its session's log; returns once it is durable. A record of a session that does not exist
         (deleted meanwhile) is dropped."""
+
+    async def add_records(self, records: Sequence[Record]) -> None:
+        """Keep several records as `add_record` keeps one, in one write: durable together, in order (an effect's
+        ledger and trace records, which its result's step waits for)."""
 
     async def records(
         self, name: str, kinds: tuple[str, ...] | None = None, after: int = 0, limit: int | None = None

@@ -305,6 +305,46 @@ export interface DrainResult {
 }
 
 /**
+ * One effect the daemon carried out for the session, or a rewind: its turn, its action (0 for a rewind), its `kind`
+ * (`Exec`, `Write`, `Git`, or `Rewind`), its `subject` (a command's argv, a path, or for a rewind the files it put
+ * back and removed), when it started (RFC 3339, UTC), its `outcome` (`ok`, `error`, `interrupted`: it may have partly
+ * run; for a rewind `ok`, or `interrupted` while one a stopped daemon left is not finished yet) and whether
+ * `session/rewind` can put back what it changed (not once a rewind has).
+ */
+export interface Effect {
+  turn: number;
+  action: number;
+  kind: string;
+  subject: string | string[];
+  at: string;
+  outcome: "denied" | "error" | "interrupted" | "ok" | "refused";
+  undoable: boolean;
+}
+
+/** The session, and the first turn whose effects are wanted (default: every turn's). */
+export interface EffectsParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * a turn id
+   *
+   * @minimum 0
+   * @maximum 9223372036854775807
+   * @default 0
+   */
+  since?: number;
+}
+
+/** The session's effects, in the order they ran. */
+export interface EffectsResult {
+  effects: Effect[];
+}
+
+/**
  * Nothing to report: the call did what it says.
  *
  * @example {}
@@ -422,7 +462,9 @@ export interface InfoResult {
   reason?: string | null;
   held?: boolean | null;
   stalled?: string | null;
+  title?: string | null;
   waiting: Waiting[];
+  instructions?: string[] | null;
 }
 
 /**
@@ -445,6 +487,17 @@ export interface InitializeResult {
   protocol: number;
   abi: number;
   limits: Limits;
+}
+
+/**
+ * `session/instructions`: at the model call of action `action`, project instruction files (the profile's
+ * `instructions`) were there and were not sent to the model (unreadable, too large, a link): each, and why. The turn
+ * went on without them.
+ */
+export interface InstructionsNotice {
+  session: string;
+  action: number;
+  skipped: SkippedFile[];
 }
 
 /** The limits this daemon enforces. */
@@ -713,6 +766,33 @@ export interface Methods {
     params: TraceParams;
     result: TraceResult;
   };
+  /**
+   * Set what the session is called (shown by `session/list` and `session/info` as `title`); durable before it answers.
+   * A session of an agent is titled with its first prompt, cut to 60 characters, until set.
+   */
+  "session/title": {
+    params: TitleParams;
+    result: Empty;
+  };
+  /**
+   * Every effect the daemon ran for the session (commands, git calls and writes), from turn `since` on, in order, and
+   * every rewind: `{turn, action, kind, subject, at, outcome, undoable}`.
+   */
+  "session/effects": {
+    params: EffectsParams;
+    result: EffectsResult;
+  };
+  /**
+   * Put back every file the session's Writes changed since turn `turn` began, newest first, and move the conversation
+   * back to before that turn; the conversation as it was is kept as a fork (`kept_as`). Commands and git calls are not
+   * undone: they are named in `not_undone`. CONFLICT, with nothing done, when a file was changed since by someone else
+   * (each is named); `force: true` puts every file back regardless. Journalled before it starts: a rewind a stopped
+   * daemon left unfinished is finished at its next start.
+   */
+  "session/rewind": {
+    params: RewindParams;
+    result: RewindResult;
+  };
 }
 
 /** The session, and the model its next calls name: one of its agent profile's `models`. */
@@ -772,6 +852,13 @@ export interface NewParams {
 /** This method takes no params. */
 export type NoParams = Record<string, never>;
 
+/** An effect a rewind cannot put back (a command, a git call): it stays as it was. */
+export interface NotUndone {
+  action: number;
+  kind: string;
+  subject: string | string[];
+}
+
 /** Not a message: every notification the daemon sends, by method, with its params. */
 export interface Notifications {
   "session/actions": StepNotice;
@@ -780,6 +867,7 @@ export interface Notifications {
   "session/stalled": StalledNotice;
   "session/approval": ApprovalNotice;
   "session/decided": DecidedNotice;
+  "session/instructions": InstructionsNotice;
 }
 
 /**
@@ -894,6 +982,44 @@ export interface RestoreParams {
   session?: string | null;
 }
 
+/**
+ * The session, the turn to rewind to (the conversation goes back to before it; every file its Writes and the later
+ * turns' changed is put back), and `force`: put the files back even where someone else changed them since.
+ */
+export interface RewindParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * a turn id, as `session/prompt` answered it
+   *
+   * @minimum 1
+   * @maximum 9223372036854775807
+   */
+  turn: number;
+  /**
+   * put every file back, even those someone else changed since
+   *
+   * @default false
+   */
+  force?: boolean;
+}
+
+/**
+ * What a rewind did: the files it put back (`restored`) and those the Writes had made, which it removed, both relative
+ * to the workspace; the effects it could not undo; and `kept_as`, a fork holding the conversation as it was before the
+ * rewind (its turns after the rewound one included), still readable.
+ */
+export interface RewindResult {
+  restored: string[];
+  removed: string[];
+  not_undone: NotUndone[];
+  kept_as: string;
+}
+
 /** The daemon's name and version. */
 export interface Server {
   name: string;
@@ -915,6 +1041,7 @@ export interface SessionInfo {
   reason?: string | null;
   held?: boolean | null;
   stalled?: string | null;
+  title?: string | null;
 }
 
 /**
@@ -956,6 +1083,12 @@ export interface SessionParams {
  */
 export interface SessionResult {
   session: string;
+}
+
+/** A project instruction file that was there and was not sent: its absolute path, and why. */
+export interface SkippedFile {
+  path: string;
+  why: string;
 }
 
 /** The session's state, base64, for `session/restore`. */
@@ -1080,6 +1213,23 @@ export interface Summary {
   replaced: number;
 }
 
+/** The session and its new title: 1-200 characters, no control characters (a title is shown on one line). */
+export interface TitleParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * 1-200 characters
+   *
+   * @minLength 1
+   * @maxLength 200
+   */
+  title: string;
+}
+
 /** A session's own spend ceiling: at most `tokens` (input + output) over all its model calls. */
 export interface TokenBudget {
   /**
@@ -1164,6 +1314,7 @@ export interface TraceRecord {
   /** @default false */
   estimated?: boolean;
   name?: string | null;
+  instructions?: string | null;
 }
 
 /**

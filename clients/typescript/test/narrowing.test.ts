@@ -58,6 +58,8 @@ function seq(notice: Notice): string {
       return `action ${notice.params.action} waits for approval: ${notice.params.digest}`;
     case "session/decided":
       return `action ${notice.params.action}: ${notice.params.decision} by ${notice.params.by}`;
+    case "session/instructions":
+      return `action ${notice.params.action} went without ${notice.params.skipped.length} instruction files`;
   }
 }
 
