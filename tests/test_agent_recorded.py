@@ -178,7 +178,9 @@ def test_litellms_too_long_refusal_refused_again_for_the_summary_stalls_with_the
         why = stalled(c)
     assert (why, d.replay.count) == (
         f"the conversation could not be compacted: the model's summary failed (model server {d.replay.url}: 400 "
-        f"{PROXYS_WORDS}); `session/resume` tries again",
+        f"{PROXYS_WORDS}); even the request for a summary is past the model's window, so `session/resume` would be "
+        "refused again; to go on, rewind the session to an earlier turn (`devd rewind SESSION TURN`) or start a new "
+        "session with what matters",
         2,
     )
 

@@ -505,6 +505,13 @@ def _limited(profile: Profile, window: int | None, size: int) -> Profile:
     return msgspec.structs.replace(profile, max_tokens=min(profile.max_tokens or left, left))
 
 
+# A summary refused as too long is refused again on resume: the way on is to go back, or to start again.
+_TOO_LONG_TO_SUMMARISE = (
+    "even the request for a summary is past the model's window, so `session/resume` would be refused again; to go "
+    "on, rewind the session to an earlier turn (`devd rewind SESSION TURN`) or start a new session with what matters"
+)
+
+
 def _unsummarised(failed: ModelUnavailable | spend.Refusal | None) -> str:
     """Why a summary was not had (None: a Cancel withdrew its call)."""
     if failed is None:
@@ -1034,8 +1041,11 @@ class Driver(msgspec.Struct, eq=False):
         if not isinstance(summary, str):
             why = _unsummarised(summary)
             if not isinstance(summary, spend.Refusal):  # a refusal says what to do itself
-                why = f"the conversation could not be compacted: the model's summary failed ({why}); `session/resume` "
-                why += "tries again"
+                why = f"the conversation could not be compacted: the model's summary failed ({why}); " + (
+                    _TOO_LONG_TO_SUMMARISE
+                    if isinstance(summary, ModelUnavailable) and summary.too_long
+                    else "`session/resume` tries again"
+                )
             await self._stalled(action.id, why)
             return []
         text = summary
