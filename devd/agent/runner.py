@@ -825,15 +825,22 @@ class Driver(msgspec.Struct, eq=False):
         async def ask_model() -> model.Completion:
             return await self._complete(accounted, request(accounted.profile), on_text, on_attempt)
 
+        return await self._charged(accounted, action.id, ask_model)
+
+    async def _charged(
+        self, accounted: ModelCall, action: int, ask: Callable[[], Awaitable[model.Completion]]
+    ) -> model.Completion | ModelUnavailable | None:
+        """ask(), guarded for `action` (None: withdrawn), or the ModelUnavailable it ended with; what it used charged
+        either way and durable before the answer, or given back when it was cancelled."""
         try:
-            completion = await self._guarded(action.id, ask_model)
+            completion = await self._guarded(action, ask)
         except ModelUnavailable as e:
             await accounted.done()
             return e
         except BaseException:
             await accounted.cancelled()
             raise
-        await accounted.done()  # durable before the answer: every step has its records already
+        await accounted.done()
         return completion
 
     async def _complete(
@@ -888,17 +895,9 @@ class Driver(msgspec.Struct, eq=False):
             request = context.summary_body(accounted.profile, messages, window)
             return await self._complete(accounted, request, on_text, accounted.attempt)
 
-        try:
-            completion = await self._guarded(action, ask_model)
-        except ModelUnavailable as e:
-            await accounted.done()
-            return e
-        except BaseException:
-            await accounted.cancelled()
-            raise
-        await accounted.done()
-        if completion is None:
-            return None
+        completion = await self._charged(accounted, action, ask_model)
+        if completion is None or isinstance(completion, ModelUnavailable):
+            return completion
         text = (completion.text or "").strip()
         return text or ModelUnavailable("the model answered the request for a summary with no text")
 
