@@ -564,6 +564,7 @@ class UsageResult(msgspec.Struct, frozen=True, omit_defaults=True):
     calls: int
     refused: int
     estimated: bool = False  # some of the counts are devd's estimate: a server sent no usage for a call
+    window: int | None = None  # the context window of the model the session's next call names, when devd knows it
 
 
 class ModelParams(_Params, frozen=True):

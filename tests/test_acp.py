@@ -426,17 +426,20 @@ async def test_a_new_session_is_told_the_slash_commands_an_editor_may_offer(devd
     ]
 
 
-async def test_a_usage_update_follows_each_model_call_with_its_tokens(devd: Setup) -> None:
-    devd.standin.script(*WRITE_THEN_CAT)
+async def test_a_usage_update_follows_each_model_call_with_its_tokens_and_the_models_window(
+    tmp_path: Path, standin: Standin
+) -> None:
+    standin.script(*WRITE_THEN_CAT)
     editor = Editor()
-    async with editor_on(devd, editor) as conn:
-        session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
-        await conn.prompt(session_id=session.session_id, prompt=text("write hello.txt and show it"))
-        await editor.until(lambda: sum(isinstance(u, UsageUpdate) for u in editor.updates) == 3)
-    with devd.daemon.client() as c:
-        calls = [r for r in c.trace(session.session_id) if r.kind == "model"]
+    for devd in setup(tmp_path, standin, "allow", False, "context_tokens = 8000"):
+        async with editor_on(devd, editor) as conn:
+            session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
+            await conn.prompt(session_id=session.session_id, prompt=text("write hello.txt and show it"))
+            await editor.until(lambda: sum(isinstance(u, UsageUpdate) for u in editor.updates) == 3)
+        with devd.daemon.client() as c:
+            calls = [r for r in c.trace(session.session_id) if r.kind == "model"]
     assert [(u.used, u.size) for u in editor.updates if isinstance(u, UsageUpdate)] == [
-        ((r.input_tokens or 0) + (r.output_tokens or 0), 0) for r in calls
+        ((r.input_tokens or 0) + (r.output_tokens or 0), 8000) for r in calls
     ]
 
 

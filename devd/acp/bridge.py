@@ -390,7 +390,15 @@ class Bridge:
         calls = [r for r in records if r.get("kind") == "model" and r.get("input_tokens") is not None]
         if calls:
             used = int(calls[-1]["input_tokens"]) + int(calls[-1].get("output_tokens") or 0)
-            await self.editor.update(name, wire.UsageUpdate(used, 0))
+            await self.editor.update(name, wire.UsageUpdate(used, await self._window(name)))
+
+    async def _window(self, name: str) -> int:
+        """The model's context window, as `session/usage` says it (0: the daemon does not know it)."""
+        try:
+            usage = await self.call("session/usage", {"session": name})
+        except errors.DevdError:
+            return 0
+        return int(usage.get("window") or 0)
 
     def _settle(self, attached: Attached) -> None:
         """End the prompts whose turn is done."""

@@ -287,7 +287,7 @@ class AvailableCommandsUpdate(_Out, frozen=True, tag_field="sessionUpdate", tag=
 
 class UsageUpdate(_Out, frozen=True, tag_field="sessionUpdate", tag="usage_update"):
     """After a model call: the tokens now in the conversation (its request and reply), and the model's window (0:
-    the daemon does not say it)."""
+    devd does not know it: no `context_tokens` and not a model it knows)."""
 
     used: int
     size: int

@@ -296,6 +296,13 @@ class Runtime:
         log.info("agent.model_set", session=session, model=name)
         return ModelResult(name, list(offered))
 
+    async def window(self, session: str) -> int | None:
+        """The context window of the model the session's next call names (None: unknown, or no agent's session)."""
+        binding = await self.binding(session)
+        if binding is None or binding.agent not in self.profiles:
+            return None
+        return context.window(self.with_model(session, self.profiles[binding.agent]))
+
     def with_model(self, session: str, profile: Profile) -> Profile:
         """The profile as the session's calls are made: its model the one `session/model` set, when one is (and the
         profile still offers it)."""

@@ -298,7 +298,8 @@ class AgentPort:
 
     async def usage(self, params: SessionParams, by: str) -> UsageResult:
         self.sessions.info(params.session)
-        return await self.oversight.usage(params.session)
+        used = await self.oversight.usage(params.session)
+        return msgspec.structs.replace(used, window=await self.runtime.window(params.session))
 
     async def trace(self, params: TraceParams, by: str) -> TraceResult:
         self.sessions.info(params.session)

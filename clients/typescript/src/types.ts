@@ -1403,6 +1403,7 @@ export interface UsageResult {
   refused: number;
   /** @default false */
   estimated?: boolean;
+  window?: number | null;
 }
 
 /**
