@@ -264,6 +264,22 @@ def test_a_server_that_cannot_serve_is_left_out_of_the_tools_and_says_why(
         assert (offered_names(standin), status["state"], status["last_error"]) == ([], "failed", why)
 
 
+def test_a_call_of_a_tool_whose_server_cannot_serve_says_why(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = '[agent.coder.mcp.demo]\ncommand = ["/bin/true"]\nenv = { TOKEN = "DEVD_TEST_UNSET" }\ndecision = "allow"\n'
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("demo__echo", {"text": "hi"})]), Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+    assert tool_results(standin, 1) == [
+        "error: demo__echo is a tool of the MCP server demo, which cannot serve now: agent 'coder''s MCP server demo "
+        "cannot start: its variable TOKEN is to be read from the daemon's variable DEVD_TEST_UNSET, which is not set; "
+        "set it where the daemon starts and restart the daemon"
+    ]
+
+
 def test_a_server_listing_more_than_tools_max_has_the_rest_refused(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:

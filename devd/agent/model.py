@@ -36,6 +36,7 @@ import msgspec
 
 from devd.agent import http, kinds, spend
 from devd.agent.kinds.named import NamedTool
+from devd.agent.mcp.names import server_of
 from devd.agent.profiles import Profile, api_key, shown_url, token_param
 from devd.messages import Call, Message, Reply
 from devd.messages import ToolCall as NamedCall
@@ -244,12 +245,20 @@ def request_body(
 # -- the answer ---------------------------------------------------------------------------------------------------
 
 
-def to_reply(completion: Completion, named: Collection[str] = ()) -> tuple[Reply, list[Rejected]]:
+def to_reply(
+    completion: Completion, named: Collection[str] = (), down: Mapping[str, str] | None = None
+) -> tuple[Reply, list[Rejected]]:
     """The reply the core is stepped with, and the tool calls it cannot take (with why); `named` are the names of the
-    session's named tools (its MCP tools), called as `Tool` calls."""
+    session's named tools (its MCP tools), called as `Tool` calls; `down`, why each MCP server of the session that
+    could not list its tools could not (a call of one of its tools is told that, not that no tool has the name)."""
     calls: list[Call] = []
     rejected: list[Rejected] = []
     for tc in completion.tool_calls:
+        server = server_of(tc.name)
+        if tc.name not in named and down and server is not None and server in down:
+            why = f"{tc.name} is a tool of the MCP server {server}, which cannot serve now: {down[server]}"
+            rejected.append(Rejected(call_id=tc.id, name=tc.name, arguments=tc.arguments, why=why))
+            continue
         call = _named_call(tc) if tc.name in named else _call(tc)
         if isinstance(call, str):
             rejected.append(Rejected(call_id=tc.id, name=tc.name, arguments=tc.arguments, why=call))

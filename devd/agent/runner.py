@@ -474,7 +474,7 @@ _events = msgspec.json.Decoder(Event)
 
 
 def _capped(
-    profile: Profile, completion: model.Completion, named: Collection[str] = ()
+    profile: Profile, completion: model.Completion, named: Collection[str] = (), down: Mapping[str, str] | None = None
 ) -> tuple[Reply, list[model.Rejected]]:
     """The reply the core is stepped with and the calls it does not take: of the reply's tool calls, the first
     `max_calls_per_reply` are taken (those it can take); the rest are never run, answered as one: the first of them,
@@ -485,10 +485,10 @@ def _capped(
     if completion.finish_reason == "length" and calls:  # the last call was being written when the limit came
         *calls, last = calls
         reply, rejected = _capped(
-            profile, msgspec.structs.replace(completion, tool_calls=calls, finish_reason=None), named
+            profile, msgspec.structs.replace(completion, tool_calls=calls, finish_reason=None), named, down
         )
         return reply, [*rejected, model.Rejected(last.id, last.name, "{}", CUT_CALL)]
-    reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]), named)
+    reply, rejected = model.to_reply(msgspec.structs.replace(completion, tool_calls=calls[:limit]), named, down)
     if len(calls) <= limit:
         return reply, rejected
     why = (
@@ -958,7 +958,8 @@ class Driver(msgspec.Struct, eq=False):
                     completion = msgspec.structs.replace(completion, text="".join(pieces) + note)
                 elif pieces:
                     completion = msgspec.structs.replace(completion, text="".join(pieces) + (completion.text or ""))
-                reply, rejected = _capped(profile, completion, {t.name for t in named})
+                down = {} if self.runtime.mcp is None else self.runtime.mcp.down(self.session)
+                reply, rejected = _capped(profile, completion, {t.name for t in named}, down)
                 if rejected:
                     again = reply.calls is None and reasks < REASKS_MAX
                     text = reply.text if again else None

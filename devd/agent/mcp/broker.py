@@ -55,6 +55,7 @@ class Broker:
         self.environ = environ  # where a server's variables are read from, when it starts
         self._connections: dict[str, Connection] = {}
         self._tables: dict[str, dict[str, _Entry]] = {}
+        self._down: dict[str, dict[str, str]] = {}  # per session: why each server that could not list its tools
         self._own: dict[str, tuple[tuple[McpServer, dict[str, str]], ...]] = {}  # a session's servers, their values
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -75,6 +76,7 @@ class Broker:
         """The session ended: its table goes, and so do the connections no one else may use."""
         self._own.pop(session, None)
         self._tables.pop(session, None)
+        self._down.pop(session, None)
         for key, connection in list(self._connections.items()):
             connection.sessions.discard(session)
             if key.startswith(f"{session}\0"):
@@ -105,6 +107,7 @@ class Broker:
     async def offered(self, session: str, profile: Profile, workspace: Workspace, sandbox: Sandbox) -> list[NamedTool]:
         """The MCP tools the session's model is offered now (servers started as needed), and its table kept."""
         table: dict[str, _Entry] = {}
+        down: dict[str, str] = {}
         offered: list[NamedTool] = []
         taken = names.Names()
         for server, variables, agent, owner in self._servers(session, profile):
@@ -114,6 +117,7 @@ class Broker:
                 listed = await connection.tools()
             except Unavailable as e:
                 log.warning("mcp.unavailable", session=session, server=server.name, why=e.why[:500])
+                down[server.name] = e.why
                 continue
             for tool in listed:
                 if server.tools is not None and tool.name not in server.tools:
@@ -131,8 +135,12 @@ class Broker:
                 table[name] = _Entry(connection, tool.name)
                 description = (tool.description or tool.title or tool.name)[:DESCRIPTION_CHARS_MAX]
                 offered.append(NamedTool(name, description, tool.input_schema))
-        self._tables[session] = table
+        self._tables[session], self._down[session] = table, down
         return offered
+
+    def down(self, session: str) -> dict[str, str]:
+        """Why each of the session's servers that could not list its tools when they were last offered could not."""
+        return dict(self._down.get(session, {}))
 
     async def call(
         self, session: str, profile: Profile, workspace: Workspace, sandbox: Sandbox, name: str, arguments: bytes
