@@ -71,6 +71,17 @@ def test_a_turn_calls_an_mcp_tool_by_server_and_name_with_its_schema(mcpd: Agent
         )
 
 
+def test_an_mcp_call_is_in_the_effect_ledger_by_its_tools_name_and_input(mcpd: Agentd) -> None:
+    mcpd.standin.script(Scripted(tool_calls=[("demo__echo", {"text": "hi there"})]), Scripted(text="done"))
+    with mcpd.client() as c:
+        session = mcpd.session(c)
+        run_turn(c, session, "say hi")
+        effects = c.effects(session)
+    assert [(e.turn, e.action, e.kind, e.subject, e.outcome, e.undoable) for e in effects] == [
+        (1, 2, "demo__echo", '{"text": "hi there"}', "ok", False)
+    ]
+
+
 def call_once(agentd: Agentd, tool: str, arguments: dict[str, Any], session: str | None = None) -> Any:
     """Script one call of the tool and an answer, run the turn, and give the call's result as the transcript has it."""
     agentd.standin.script(Scripted(tool_calls=[(tool, arguments)]), Scripted(text="done"))

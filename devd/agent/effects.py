@@ -64,8 +64,15 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def named(kind: str, call: Any) -> str:
+    """The effect's kind as the ledger names it: its tool kind, or a named (MCP) tool's own name."""
+    return str(call.name) if kind == "Tool" else kind
+
+
 def subject(kind: str, call: Any) -> str | list[str]:
-    """What the ledger names the effect by: a command's argv, or a path."""
+    """What the ledger names the effect by: a command's argv, a path, or a named tool's input (its JSON)."""
+    if kind == "Tool":
+        return bytes(call.input).decode()
     argv = getattr(call, "argv", None)
     if argv is not None:
         return list(argv)
@@ -123,7 +130,7 @@ class Ledger:
         stepped)."""
         text: str | None = getattr(call, "text", None)
         wrote = digest(text.encode("utf-8", "surrogatepass")) if text is not None and before is not None else None
-        entry = EffectRecord(turn, kind, subject(kind, call), started, outcome, before, wrote)
+        entry = EffectRecord(turn, named(kind, call), subject(kind, call), started, outcome, before, wrote)
         return Record(session, self.sessions.seq(session) or 0, EFFECT, action, records.encode(entry))
 
     async def claimed(self, session: str, action: int) -> Before | None:

@@ -306,10 +306,10 @@ export interface DrainResult {
 
 /**
  * One effect the daemon carried out for the session, or a rewind: its turn, its action (0 for a rewind), its `kind`
- * (`Exec`, `Write`, `Git`, or `Rewind`), its `subject` (a command's argv, a path, or for a rewind the files it put
- * back and removed), when it started (RFC 3339, UTC), its `outcome` (`ok`, `error`, `interrupted`: it may have partly
- * run; for a rewind `ok`, or `interrupted` while one a stopped daemon left is not finished yet) and whether
- * `session/rewind` can put back what it changed (not once a rewind has).
+ * (`Exec`, `Write`, `Git`, a named tool's name, or `Rewind`), its `subject` (a command's argv, a path, a named tool's
+ * input, or for a rewind the files it put back and removed), when it started (RFC 3339, UTC), its `outcome` (`ok`,
+ * `error`, `interrupted`: it may have partly run; for a rewind `ok`, or `interrupted` while one a stopped daemon left
+ * is not finished yet) and whether `session/rewind` can put back what it changed (not once a rewind has).
  */
 export interface Effect {
   turn: number;
