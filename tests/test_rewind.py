@@ -209,6 +209,34 @@ def test_a_link_put_in_place_of_a_made_file_is_removed_itself_never_what_it_poin
         assert ((ws / "b.txt").is_symlink(), (ws / "keep.txt").read_text()) == (False, "new")
 
 
+def test_a_directory_swapped_for_a_link_outside_is_never_written_through(agentd: Agentd, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"  # a directory the session's tools never reach
+    outside.mkdir()
+    (outside / "a.txt").write_text("theirs")
+    (agentd.workspace / "sub").mkdir()
+    (agentd.workspace / "sub" / "a.txt").write_text("before")
+    agentd.standin.script(Scripted(tool_calls=[write("sub/a.txt", "after")]), Scripted(text="done"))
+    with agentd.client() as c:
+        session = agentd.session(c)
+        run_turn(c, session, "change it")
+        (agentd.workspace / "sub").rename(agentd.workspace / "sub.old")
+        (agentd.workspace / "sub").symlink_to(outside)  # as a command could, between the turn and the rewind
+        with pytest.raises(errors.DevdError) as refused:
+            c.rewind(session, c.effects(session)[0].turn, force=True)
+    said = (
+        f"the rewind of session {session!r} to before turn 1 stopped at sub/a.txt (sub became a link while it was used"
+    )
+    assert (
+        str(refused.value).startswith(said),
+        (outside / "a.txt").read_text(),
+        (agentd.workspace / "sub.old" / "a.txt").read_text(),
+    ) == (
+        True,
+        "theirs",
+        "after",
+    )
+
+
 def test_a_large_file_is_kept_apart_and_put_back_whole(agentd: Agentd) -> None:
     big = "".join(f"line {i}\n" for i in range(2000))  # 17 KB: past what a claim holds inline
     (agentd.workspace / "big.txt").write_text(big)
