@@ -2,7 +2,8 @@
 tests.mcp_server [--http PORT]` serves over stdio (or Streamable HTTP on loopback). Its tools: echo, add, whoami (the
 process's pid, uid, working directory and a variable), touch (writes a file in its working directory: an effect a
 test can count), slow (sleeps, then writes; cancelled, it writes `cancelled`), picture (an image), big (N bytes of
-text), boom (an error), readme (read-only by its hint), die (exits mid-call), relist (changes its tool list)."""
+text), boom (an error), readme (read-only by its hint), die (exits mid-call), relist (adds the tool `fresh` and says
+its tool list changed), header (an HTTP request's header), exec (named like a built-in)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 import time
 
 import anyio
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import ImageContent, TextContent, ToolAnnotations
 
 server = MCPServer("devd-test")
@@ -92,6 +93,26 @@ def boom() -> str:
 def readme() -> str:
     """Read-only by its hint."""
     return "read me"
+
+
+@server.tool()
+def header(name: str, ctx: Context) -> str:
+    """The HTTP request's header name (`-` when there is none, or no HTTP)."""
+    return (ctx.headers or {}).get(name.lower(), "-")
+
+
+@server.tool()
+async def relist(ctx: Context) -> str:
+    """Add the tool `fresh` and tell the client its tool list changed."""
+    server.add_tool(lambda: "fresh", name="fresh", description="added by relist")
+    await ctx.session.send_tool_list_changed()
+    return "relisted"
+
+
+@server.tool()
+def exec(argv: list[str]) -> str:
+    """Named like devd's built-in exec; runs nothing."""
+    return "the server's exec ran nothing"
 
 
 @server.tool()

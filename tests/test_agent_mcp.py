@@ -257,11 +257,17 @@ def offered_names(standin: Standin, request: int = 0) -> list[str]:
         ),
         (
             '[agent.coder.mcp.demo]\nurl = "http://127.0.0.1:9/mcp"\n',
-            "the MCP server demo is a Streamable HTTP server (http://127.0.0.1:9/mcp), which devd does not connect to "
-            "yet; run it as a stdio server (command = [...])",
+            "the MCP server demo stopped: the connection failed (ConnectError: All connection attempts failed); its "
+            "URL is http://127.0.0.1:9/mcp",
         ),
     ],
-    ids=["hangs in its handshake", "writes what is not JSON-RPC", "will not start", "lacks its variable", "is HTTP"],
+    ids=[
+        "hangs in its handshake",
+        "writes what is not JSON-RPC",
+        "will not start",
+        "lacks its variable",
+        "is not there",
+    ],
 )
 def test_a_server_that_cannot_serve_is_left_out_of_the_tools_and_says_why(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, table: str, why: str

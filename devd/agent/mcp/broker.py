@@ -29,8 +29,8 @@ from devd.agent import sandbox as sandboxes
 from devd.agent import tools
 from devd.agent.kinds.named import NamedTool
 from devd.agent.mcp import launch, names, results
-from devd.agent.mcp.connection import Connection, Unavailable
-from devd.agent.mcp.stdio import Process
+from devd.agent.mcp.connection import Connection, Served, Unavailable
+from devd.agent.mcp.http import Endpoint
 from devd.agent.profiles import McpServer, Profile
 from devd.protocol import McpServerStatus
 
@@ -196,14 +196,13 @@ class Broker:
         connection = self._connections.get(key)
         if connection is None:
 
-            async def made() -> Process:
+            async def made() -> Served:
                 if why is not None:
                     raise Unavailable(why)
                 if server.command is None:
-                    raise Unavailable(
-                        f"the MCP server {server.name} is a Streamable HTTP server ({server.url}), which devd does not "
-                        "connect to yet; run it as a stdio server (command = [...])"
-                    )
+                    assert server.url is not None, "a server has a command or a url (devd.agent.profiles)"
+                    headers = {header: values[header] for header, _ in server.headers}
+                    return Endpoint(server.url, headers, body_bytes_max=MESSAGE_BYTES_MAX)
                 return await launch.stdio_process(
                     server.command,
                     values,

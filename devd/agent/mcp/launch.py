@@ -23,18 +23,19 @@ from devd.agent.profiles import McpServer, Profile
 
 
 def server_env(server: McpServer, agent: str | None, environ: Mapping[str, str]) -> dict[str, str]:
-    """The server's own variables, their values read from the daemon's environment (Unavailable naming the variable,
-    never a value, when one is not set)."""
+    """The server's own variables (a stdio server's `env`, an HTTP server's `headers`), their values read from the
+    daemon's environment (Unavailable naming the variable, never a value, when one is not set)."""
     env: dict[str, str] = {}
-    for variable, holder in server.env:
-        value = environ.get(holder)
-        if value is None:
-            where = f"agent {agent!r}'s MCP server {server.name}" if agent else f"MCP server {server.name}"
-            raise Unavailable(
-                f"{where} cannot start: its variable {variable} is to be read from the daemon's variable {holder}, "
-                "which is not set; set it where the daemon starts and restart the daemon"
-            )
-        env[variable] = value
+    for what, pairs in (("variable", server.env), ("header", server.headers)):
+        for variable, holder in pairs:
+            value = environ.get(holder)
+            if value is None:
+                where = f"agent {agent!r}'s MCP server {server.name}" if agent else f"MCP server {server.name}"
+                raise Unavailable(
+                    f"{where} cannot start: its {what} {variable} is to be read from the daemon's variable {holder}, "
+                    "which is not set; set it where the daemon starts and restart the daemon"
+                )
+            env[variable] = value
     return env
 
 

@@ -1,0 +1,103 @@
+"""MCP servers over Streamable HTTP, and the reference server-everything (npm) over stdio and HTTP, end to end: the
+real daemon, the stand-in model, real servers on loopback (tests/mcp_http.py). The SDK's server speaks the 2026-07-28
+revision (`server/discover`); server-everything refuses it and is spoken to in the handshake era."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.agents import Agentd, conversation, next_notice, run_turn, until_done, watch_raw
+from tests.mcp_http import everything_server, sdk_server
+from tests.mcp_npm import everything
+from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (a fixture)
+from tests.test_agent_mcp import call_once, servers, start, tool_results
+
+
+@pytest.fixture
+def sdk_url() -> Iterator[str]:
+    with sdk_server() as url:
+        yield url
+
+
+def test_a_profiles_http_server_is_called_with_its_header_from_the_daemons_variable(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, sdk_url: str
+) -> None:
+    monkeypatch.setenv("DEVD_TEST_MCP_TOKEN", "token-from-the-daemon")
+    table = f'[agent.coder.mcp.web]\nurl = "{sdk_url}"\nheaders = {{ X-Token = "DEVD_TEST_MCP_TOKEN" }}\n'
+    with start(tmp_path, standin, monkeypatch, table + 'decision = "allow"\n').daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        result = call_once(agentd, "web__header", {"name": "X-Token"})
+        status = servers(agentd)[0]
+    assert (result, status["name"], status["state"], status["pid"]) == (
+        {"id": 2, "text": "token-from-the-daemon"},
+        "web",
+        "ready",
+        None,
+    )
+
+
+def test_an_http_server_that_is_not_there_fails_the_call_saying_where(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = '[agent.coder.mcp.web]\nurl = "http://127.0.0.1:9/mcp"\ndecision = "allow"\n'
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("web__echo", {"text": "hi"})]), Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+    assert tool_results(standin, 1) == [
+        "error: web__echo is a tool of the MCP server web, which cannot serve now: the MCP server web stopped: the "
+        "connection failed (ConnectError: All connection attempts failed); its URL is http://127.0.0.1:9/mcp"
+    ]
+
+
+def test_a_sessions_own_http_server_is_called_with_the_headers_it_gave(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, sdk_url: str
+) -> None:
+    own = {"type": "http", "name": "web", "url": sdk_url, "headers": [{"name": "X-Token", "value": "the-editors"}]}
+    with start(tmp_path, standin, monkeypatch, session_mcp="true").daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("web__header", {"name": "X-Token"})]), Scripted(text="done"))
+        with agentd.client() as c:
+            made = c.call("session/new", {"agent": "coder", "workspace": str(agentd.workspace), "mcp_servers": [own]})
+            session = made["session"]
+            watch_raw(c, session, since=0)
+            turn = c.prompt(session, "go")
+            asked = next_notice(c, "session/approval").params
+            c.approve(session, asked["action"], asked["digest"], "allow")
+            until_done(c, turn)
+            assert conversation(c, session)[2] == {"Tool": {"id": 2, "text": "the-editors"}}
+
+
+def test_server_everything_over_stdio_echoes(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = f'[agent.coder.mcp.ev]\ncommand = ["node", "{everything()}", "stdio"]\ndecision = "allow"\n'
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        assert call_once(agentd, "ev__echo", {"message": "over stdio"}) == {"id": 2, "text": "Echo: over stdio"}
+
+
+def test_server_everything_over_http_refuses_discover_and_is_spoken_to_in_the_handshake_era(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with everything_server() as url:
+        table = f'[agent.coder.mcp.ev]\nurl = "{url}"\ndecision = "allow"\n'
+        with start(tmp_path, standin, monkeypatch, table).daemon as d:
+            agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+            first = call_once(agentd, "ev__echo", {"message": "over http"})
+            sum_ = call_once(agentd, "ev__get-sum", {"a": 2, "b": 3})
+    assert (first, sum_["text"]) == ({"id": 2, "text": "Echo: over http"}, "The sum of 2 and 3 is 5.")
+
+
+def test_a_profiles_url_server_offers_its_tools(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, sdk_url: str
+) -> None:
+    with start(tmp_path, standin, monkeypatch, f'[agent.coder.mcp.web]\nurl = "{sdk_url}"\n').daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+    offered = {t["function"]["name"] for t in standin.requests[0].body["tools"]}
+    assert {"web__echo", "web__header", "web__slow"} <= offered
