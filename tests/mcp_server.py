@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import socket
 import sys
@@ -127,7 +128,13 @@ def main() -> None:
     parser.add_argument("--http", type=int, default=None)
     parser.add_argument("--tools", type=int, default=0, help="add this many more tools, t0..tN")
     parser.add_argument("--hang", action="store_true", help="never finish the handshake")
+    parser.add_argument("--malformed", action="store_true", help="answer initialize with what JSON-RPC forbids")
     args = parser.parse_args()
+    if args.malformed:  # valid JSON, but a response with neither result nor error, then one of no request's id
+        asked = json.loads(sys.stdin.readline())
+        print(json.dumps({"jsonrpc": "2.0", "id": asked["id"], "bogus": True}), flush=True)
+        print(json.dumps({"jsonrpc": "2.0", "id": 9999, "result": {}}), flush=True)
+        time.sleep(3600)
     for i in range(args.tools):
         server.add_tool(lambda: "x", name=f"t{i}", description="one of many")
     if args.hang:

@@ -297,18 +297,6 @@ def test_a_call_of_a_tool_whose_server_cannot_serve_says_why(
     ]
 
 
-def test_a_server_listing_more_than_tools_max_has_the_rest_refused(
-    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    table = server_table("demo", "start_timeout_s = 60", args=("--tools", "1200"))
-    with start(tmp_path, standin, monkeypatch, table).daemon as d:
-        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
-        standin.script(Scripted(text="done"))
-        with agentd.client() as c:
-            run_turn(c, agentd.session(c), "go")
-        assert (len(offered_names(standin)), servers(agentd)[0]["tools"]) == (1000, 1000)
-
-
 def test_a_50_mb_message_ends_the_connection_and_fails_the_call(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -401,3 +389,99 @@ def test_a_sessions_own_server_the_profile_does_not_allow_is_refused(
         with pytest.raises(errors.InvalidParamsError) as refused:
             c.call("session/new", params)
         assert (str(refused.value), c.list().sessions) == (message, [])
+
+
+def test_a_server_answering_malformed_json_rpc_is_left_out_saying_so(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with start(tmp_path, standin, monkeypatch, server_table("demo", args=("--malformed",))).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+        status = servers(agentd)[0]
+    assert (offered_names(standin), status["state"], status["last_error"]) == (
+        [],
+        "failed",
+        'the MCP server demo stopped: it wrote a line to stdout that is not a JSON-RPC message: \'{"jsonrpc": "2.0", '
+        '"id": 1, "bogus": true}\'; it was killed by SIGTERM; it wrote nothing to stderr',
+    )
+
+
+def test_a_server_listing_10000_tools_has_all_but_tools_max_refused(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", "start_timeout_s = 120", args=("--tools", "10000"))
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+        assert (len(offered_names(standin)), servers(agentd)[0]["tools"]) == (1000, 1000)
+
+
+def test_a_tool_named_like_a_built_in_is_offered_under_its_server_beside_the_built_in(mcpd: Agentd) -> None:
+    result = call_once(mcpd, "demo__exec", {"argv": ["true"]})
+    offered = [t["function"]["name"] for t in mcpd.standin.requests[0].body["tools"]]
+    assert (result["text"], offered.count("exec"), offered.count("demo__exec")) == (
+        "the server's exec ran nothing",
+        1,
+        1,
+    )
+
+
+def test_a_tools_list_changed_is_offered_at_the_next_turn(mcpd: Agentd) -> None:
+    with mcpd.client() as c:
+        session = mcpd.session(c)
+    call_once(mcpd, "demo__relist", {}, session)
+    fresh = call_once(mcpd, "demo__fresh", {}, session)
+    assert (
+        "demo__fresh" in offered_names(mcpd.standin, 0),
+        "demo__fresh" in offered_names(mcpd.standin, 2),
+        fresh,
+    ) == (
+        False,
+        True,
+        {"id": 8, "text": "fresh"},
+    )
+
+
+def test_a_crash_looping_server_is_not_started_again_before_its_backoff(mcpd: Agentd) -> None:
+    first, second = call_once(mcpd, "demo__die", {}), call_once(mcpd, "demo__die", {})
+    third = call_once(mcpd, "demo__echo", {"text": "too soon"})
+    died = "the MCP server demo stopped: it ended; it exited with status 3; its stderr ends: fatal: the test server " \
+        "was told to die"  # fmt: skip
+    assert (
+        first["text"],
+        second["text"],
+        third["text"].split("; it is tried again in")[0],
+        servers(mcpd)[0]["restarts"],
+    ) == (
+        died,
+        died,
+        f"the MCP server demo ended 2 times in a row within 30 s of its start (last: {died})",
+        1,
+    )
+
+
+def memory_cgroup(pid: int) -> str:
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return next(line.split(":", 2)[2] for line in lines if line.split(":")[1] == "memory")
+
+
+def test_a_stdio_server_runs_in_a_cgroup_of_its_own_removed_when_it_stops(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from devd.agent import cgroups
+
+    where = cgroups.place()
+    assert not isinstance(where, str), where  # a root daemon on cgroup v1, as on these machines
+    with start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"', "idle_s = 1")).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        call_once(agentd, "demo__echo", {"text": "a"})
+        group = memory_cgroup(servers(agentd)[0]["pid"])
+        directory = Path("/sys/fs/cgroup/memory") / group.lstrip("/")
+        limit = int((directory / "memory.limit_in_bytes").read_text())
+        wait_for(lambda: servers(agentd)[0]["state"] == "stopped", "the idle stop")
+        wait_for(lambda: not directory.exists(), "the group's removal")
+    assert (Path(group).name.startswith("devd."), limit) == (True, 4 * 1024**3)

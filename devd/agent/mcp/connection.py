@@ -107,12 +107,16 @@ class Connection:
         self._idled = False  # the life ended for want of use (not a failure)
         self._calls: anyio.abc.TaskGroup | None = None
         self._session: ClientSession | None = None
+        self._relisted: anyio.Event | None = None  # set once a listing asked for by list_changed is in
 
     # -- the callers' side ------------------------------------------------------------------------------------------
 
     async def tools(self) -> tuple[types.Tool, ...]:
         """The server's tools: its last listing (kept when it stopped: a call starts it again), else it is started
         (and listed) now."""
+        if self._relisted is not None:  # a list_changed came: the new listing is what the next turn is offered
+            with anyio.move_on_after(self.server.start_timeout_s):
+                await self._relisted.wait()
         if self.listed is not None:
             return self.listed
         listed: tuple[types.Tool, ...] = await self._request(_Request(None, None, self.server.start_timeout_s))
@@ -348,17 +352,19 @@ class Connection:
 
     async def _on_message(self, message: IncomingMessage) -> None:
         if isinstance(message, types.ToolListChangedNotification) and self._calls is not None:
-            self._calls.start_soon(self._relist, message)
+            self._relisted = anyio.Event()
+            self._calls.start_soon(self._relist, self._relisted)
 
-    async def _relist(self, _: Any) -> None:
+    async def _relist(self, relisted: anyio.Event) -> None:
         # Listed again on the supervisor's session, in its task group; a failure keeps the old list.
-        if self._session is None:
-            return
         try:
-            self.listed = await self._list(self._session)
-            log.info("mcp.relisted", server=self.server.name, agent=self.agent, tools=len(self.listed))
+            if self._session is not None:
+                self.listed = await self._list(self._session)
+                log.info("mcp.relisted", server=self.server.name, agent=self.agent, tools=len(self.listed))
         except (MCPError, ValidationError) as e:
             log.warning("mcp.relist_failed", server=self.server.name, error=str(e)[:300])
+        finally:
+            relisted.set()
 
 
 def _leaf(error: BaseException) -> BaseException:
