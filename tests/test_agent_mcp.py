@@ -485,3 +485,45 @@ def test_a_stdio_server_runs_in_a_cgroup_of_its_own_removed_when_it_stops(
         wait_for(lambda: servers(agentd)[0]["state"] == "stopped", "the idle stop")
         wait_for(lambda: not directory.exists(), "the group's removal")
     assert (Path(group).name.startswith("devd."), limit) == (True, 4 * 1024**3)
+
+
+def test_a_read_only_tool_of_a_trusted_server_runs_as_a_read_unasked_and_out_of_the_effect_ledger(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", 'decision = "ask"', "trust_read_only = true")
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("demo__readme", {})]), Scripted(text="done"))
+        with agentd.client() as c:
+            session = agentd.session(c)
+            run_turn(c, session, "read")
+            assert (conversation(c, session)[2], c.effects(session), c.pending(session)) == (
+                {"Tool": {"id": 2, "text": "read me"}},
+                [],
+                [],
+            )
+
+
+def test_a_read_only_hint_of_a_server_not_trusted_is_an_effect(mcpd: Agentd) -> None:
+    with mcpd.client() as c:
+        session = mcpd.session(c)
+    call_once(mcpd, "demo__readme", {}, session)
+    with mcpd.client() as c:
+        assert [(e.kind, e.outcome) for e in c.effects(session)] == [("demo__readme", "ok")]
+
+
+def test_a_trusted_servers_tool_without_the_hint_is_still_asked_about(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", 'decision = "ask"', "trust_read_only = true")
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("demo__echo", {"text": "hi"})]), Scripted(text="done"))
+        with agentd.client() as c:
+            session = agentd.session(c)
+            watch_raw(c, session, since=0)
+            turn = c.prompt(session, "echo")
+            asked = next_notice(c, "session/approval").params
+            c.approve(session, asked["action"], asked["digest"], "allow")
+            until_done(c, turn)
+            assert [(e.kind, e.outcome) for e in c.effects(session)] == [("demo__echo", "ok")]

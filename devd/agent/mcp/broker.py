@@ -46,6 +46,7 @@ Sandbox = Callable[[], Awaitable[sandboxes.Sandbox | sandboxes.Refusal | None]]
 class _Entry(msgspec.Struct, frozen=True):
     connection: Connection
     tool: str
+    read_only: bool = False  # its server is trusted to say which tools only read (trust_read_only), and it says so
 
 
 class Broker:
@@ -132,11 +133,21 @@ class Broker:
                         why=f"its name {name[0]} is {name[1][0]}'s {name[1][1][:200]}'s",
                     )
                     continue
-                table[name] = _Entry(connection, tool.name)
+                hinted = tool.annotations is not None and tool.annotations.read_only_hint is True
+                table[name] = _Entry(connection, tool.name, server.trust_read_only and hinted)
                 description = (tool.description or tool.title or tool.name)[:DESCRIPTION_CHARS_MAX]
                 offered.append(NamedTool(name, description, tool.input_schema))
         self._tables[session], self._down[session] = table, down
         return offered
+
+    def read_only(self, session: str, name: str) -> str | None:
+        """Why the session's MCP tool `name` is a read (its server's `trust_read_only` and its `readOnlyHint`, as last
+        listed), or None: its calls are effects."""
+        entry = self._tables.get(session, {}).get(name)
+        if entry is None or not entry.read_only:
+            return None
+        server = entry.connection.server.name
+        return f"{entry.tool} says it only reads (readOnlyHint), and the MCP server {server} is trusted to say so"
 
     def down(self, session: str) -> dict[str, str]:
         """Why each of the session's servers that could not list its tools when they were last offered could not."""
