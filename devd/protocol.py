@@ -778,13 +778,17 @@ class ApprovalNotice(msgspec.Struct, frozen=True):
 class Remembered(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a remembered decision settles in the rest of the session without asking: calls of exactly this `argv`
     (`scope` "exact"), or of this `argv` followed by more words none of which starts with `-` (`scope` "prefix"; a
-    remembered denial covers every extension); or writes of exactly this `path`. `narrowed` says why a "prefix" asked
-    for was kept "exact" (the argv runs a command given in its arguments: `env`, `timeout 60`, `ssh host`)."""
+    remembered denial covers every extension); or writes of exactly this `path`; or calls of the MCP tool `tool` (its
+    model name) with exactly the input whose canonical JSON (members sorted) has the SHA-256 `input_sha256`.
+    `narrowed` says why a "prefix" asked for was kept "exact" (the argv runs a command given in its arguments: `env`,
+    `timeout 60`, `ssh host`; an MCP tool's call is remembered by its input)."""
 
     scope: Remember
     argv: list[str] | None = None
     path: str | None = None
     narrowed: str | None = None
+    tool: str | None = None
+    input_sha256: str | None = None
 
 
 class DecidedNotice(msgspec.Struct, frozen=True):

@@ -527,3 +527,31 @@ def test_a_trusted_servers_tool_without_the_hint_is_still_asked_about(
             c.approve(session, asked["action"], asked["digest"], "allow")
             until_done(c, turn)
             assert [(e.kind, e.outcome) for e in c.effects(session)] == [("demo__echo", "ok")]
+
+
+def test_always_for_an_mcp_call_settles_the_same_tool_and_input_and_no_other(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "ask"')).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(
+            Scripted(tool_calls=[("demo__add", {"a": 1, "b": 2})]),
+            Scripted(tool_calls=[("demo__add", {"b": 2, "a": 1})]),  # the same input, its members in another order
+            Scripted(tool_calls=[("demo__add", {"a": 1, "b": 3})]),
+            Scripted(text="done"),
+        )
+        with agentd.client() as c:
+            session = agentd.session(c)
+            watch_raw(c, session, since=0)
+            c.prompt(session, "add")
+            asked = next_notice(c, "session/approval").params
+            c.approve(session, asked["action"], asked["digest"], "allow", remember=True)
+            remembered = next_notice(c, "session/decided").params["remembered"]
+            again = next_notice(c, "session/approval").params
+            results = [m["Tool"]["text"] for m in conversation(c, session) if "Tool" in m]
+    assert (remembered["tool"], len(remembered["input_sha256"]), again["op"]["Tool"], results) == (
+        "demo__add",
+        64,
+        {"name": "demo__add", "input": {"a": 1, "b": 3}},
+        ["3", "3"],
+    )
