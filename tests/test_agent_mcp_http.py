@@ -101,3 +101,22 @@ def test_a_profiles_url_server_offers_its_tools(
             run_turn(c, agentd.session(c), "go")
     offered = {t["function"]["name"] for t in standin.requests[0].body["tools"]}
     assert {"web__echo", "web__header", "web__slow"} <= offered
+
+
+def test_a_50_mb_answer_over_http_ends_the_connection_and_fails_the_call(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, sdk_url: str
+) -> None:
+    table = f'[agent.coder.mcp.web]\nurl = "{sdk_url}"\ndecision = "allow"\n'
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        result = call_once(agentd, "web__big", {"size": 50 * 1024 * 1024})
+        again = call_once(agentd, "web__echo", {"text": "still there"})
+    assert (result, again["text"]) == (
+        {
+            "id": 2,
+            "text": "the MCP server web stopped: it sent a response longer than 8388608 bytes, which devd does not "
+            f"read; its URL is {sdk_url}",
+            "failed": True,
+        },
+        "still there",
+    )
