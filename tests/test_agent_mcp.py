@@ -256,6 +256,11 @@ def offered_names(standin: Standin, request: int = 0) -> list[str]:
             "DEVD_TEST_UNSET, which is not set; set it where the daemon starts and restart the daemon",
         ),
         (
+            '[agent.coder.mcp.demo]\nurl = "http://127.0.0.1:9/mcp"\nheaders = { X-Token = "DEVD_TEST_UNSET" }\n',
+            "agent 'coder''s MCP server demo cannot start: its header X-Token is to be read from the daemon's variable "
+            "DEVD_TEST_UNSET, which is not set; set it where the daemon starts and restart the daemon",
+        ),
+        (
             '[agent.coder.mcp.demo]\nurl = "http://127.0.0.1:9/mcp"\n',
             "the MCP server demo stopped: the connection failed (ConnectError: All connection attempts failed); its "
             "URL is http://127.0.0.1:9/mcp",
@@ -266,6 +271,7 @@ def offered_names(standin: Standin, request: int = 0) -> list[str]:
         "writes what is not JSON-RPC",
         "will not start",
         "lacks its variable",
+        "lacks its header",
         "is not there",
     ],
 )
