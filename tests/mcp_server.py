@@ -123,18 +123,40 @@ def die() -> str:
     os._exit(3)
 
 
+def listed_twice() -> None:
+    """A server written by hand that lists two tools of one name, `dup`, each answering with its place."""
+    tools = [{"name": "dup", "description": f"dup #{i}", "inputSchema": {"type": "object"}} for i in (1, 2)]
+    for line in sys.stdin:
+        asked = json.loads(line)
+        if "id" not in asked:
+            continue  # a notification
+        if asked["method"] == "initialize":
+            info = {"name": "twice", "version": "1"}
+            result = {"protocolVersion": asked["params"]["protocolVersion"], "capabilities": {"tools": {}}}
+            result |= {"serverInfo": info}
+        elif asked["method"] == "tools/list":
+            result = {"tools": tools}
+        else:
+            result = {"content": [{"type": "text", "text": "the first dup"}]}
+        print(json.dumps({"jsonrpc": "2.0", "id": asked["id"], "result": result}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", type=int, default=None)
     parser.add_argument("--tools", type=int, default=0, help="add this many more tools, t0..tN")
     parser.add_argument("--hang", action="store_true", help="never finish the handshake")
     parser.add_argument("--malformed", action="store_true", help="answer initialize with what JSON-RPC forbids")
+    parser.add_argument("--twice", action="store_true", help="list the tool `dup` twice (by hand: the SDK will not)")
     args = parser.parse_args()
     if args.malformed:  # valid JSON, but a response with neither result nor error, then one of no request's id
         asked = json.loads(sys.stdin.readline())
         print(json.dumps({"jsonrpc": "2.0", "id": asked["id"], "bogus": True}), flush=True)
         print(json.dumps({"jsonrpc": "2.0", "id": 9999, "result": {}}), flush=True)
         time.sleep(3600)
+    if args.twice:
+        listed_twice()
+        return
     for i in range(args.tools):
         server.add_tool(lambda: "x", name=f"t{i}", description="one of many")
     if args.hang:

@@ -561,3 +561,16 @@ def test_always_for_an_mcp_call_settles_the_same_tool_and_input_and_no_other(
         {"name": "demo__add", "input": {"a": 1, "b": 3}},
         ["3", "3"],
     )
+
+
+def test_a_tool_listed_twice_is_offered_once_and_the_second_refused(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", 'decision = "allow"', args=("--twice",))
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        result = call_once(agentd, "demo__dup", {})
+    described = [
+        t["function"]["description"] for t in standin.requests[0].body["tools"] if "__" in t["function"]["name"]
+    ]
+    assert (offered_names(standin), described, result["text"]) == (["demo__dup"], ["dup #1"], "the first dup")
