@@ -106,7 +106,8 @@ def header(name: str, ctx: Context) -> str:
 async def relist(ctx: Context) -> str:
     """Add the tool `fresh` and tell the client its tool list changed."""
     server.add_tool(lambda: "fresh", name="fresh", description="added by relist")
-    await ctx.session.send_tool_list_changed()
+    await ctx.session.send_tool_list_changed()  # the handshake era's notification
+    await ctx.notify_tools_changed()  # the 2026-07-28 revision's, to subscriptions/listen
     return "relisted"
 
 

@@ -29,6 +29,7 @@ import anyio.abc
 import mcp_types as types
 import structlog
 from mcp.client.session import ClientSession, IncomingMessage
+from mcp.client.subscriptions import ListenNotSupportedError, SubscriptionLost, ToolsListChanged, listen
 from mcp.shared.exceptions import MCPError
 from pydantic import ValidationError
 
@@ -297,6 +298,8 @@ class Connection:
             calls.start_soon(receive)
             calls.start_soon(idle)
             calls.start_soon(ended)
+            if self.mode == "2026-07-28":
+                calls.start_soon(self._listen, session)
         self._calls, self._session = None, None
         if not self._idled:
             await _reaped(process)
@@ -354,6 +357,19 @@ class Connection:
         if isinstance(message, types.ToolListChangedNotification) and self._calls is not None:
             self._relisted = anyio.Event()
             self._calls.start_soon(self._relist, self._relisted)
+
+    async def _listen(self, session: ClientSession) -> None:
+        """In the 2026-07-28 revision a server tells of a changed list only on a `subscriptions/listen` stream: held
+        open for the life, each `ToolsListChanged` has the tools listed again. A server that refuses it is logged
+        (its list then changes only when it is started again)."""
+        try:
+            async with listen(session, tools_list_changed=True) as events:
+                async for event in events:
+                    if isinstance(event, ToolsListChanged) and self._calls is not None:
+                        self._relisted = anyio.Event()
+                        self._calls.start_soon(self._relist, self._relisted)
+        except (MCPError, ListenNotSupportedError, SubscriptionLost, TimeoutError) as e:
+            log.info("mcp.listen_refused", server=self.server.name, agent=self.agent, why=str(e)[:300])
 
     async def _relist(self, relisted: anyio.Event) -> None:
         # Listed again on the supervisor's session, in its task group; a failure keeps the old list.
