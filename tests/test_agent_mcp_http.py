@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from devd.messages import Cancel, Event
 from tests.agents import Agentd, conversation, next_notice, run_turn, until_done, watch_raw
 from tests.mcp_http import everything_server, sdk_server
 from tests.mcp_npm import everything
@@ -140,3 +141,22 @@ def test_a_tools_list_changed_over_subscriptions_listen_is_offered_at_the_next_t
         True,
         {"id": 8, "text": "fresh"},
     )
+
+
+def test_cancel_reaches_an_http_server_and_steps_the_call_cancelled(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, sdk_url: str
+) -> None:
+    log = tmp_path / "slow.log"  # the server runs outside the sandbox: it writes where it is told
+    table = f'[agent.coder.mcp.web]\nurl = "{sdk_url}"\ndecision = "allow"\n'
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("web__slow", {"name": str(log), "seconds": 60})]))
+        with agentd.client() as c:
+            session = agentd.session(c)
+            watch_raw(c, session, since=0)
+            turn = c.prompt(session, "sleep")
+            wait_for(lambda: log.exists() and log.read_text() == "started\n", "the call")
+            c.step(session, Event(Cancel=Cancel(turn=turn)))
+            until_done(c, turn)
+            wait_for(lambda: log.read_text() == "started\ncancelled\n", "the server's cancellation")
+            assert conversation(c, session)[2] == {"Tool": {"id": 2, "text": "cancelled", "failed": True}}
