@@ -12,7 +12,8 @@ What it promises:
   same connection; the era found is kept for its later lives (`mode`).
 - A server not through its handshake and first listing within `start_timeout_s` fails the request that needed it;
   its listing is cached, cut at `tools_max` (the rest refused with a log line), and listed again after
-  `notifications/tools/list_changed`.
+  `notifications/tools/list_changed` (in the 2026-07-28 revision, a `ToolsListChanged` on the `subscriptions/listen`
+  stream held open for the life); a listing under way is waited for by the next `tools`.
 - A call not answered within its timeout is cancelled (the SDK sends MCP's `notifications/cancelled`) and fails
   saying so; a caller cancelled (its turn was) cancels the call the same way; a call in flight when the server exits
   fails saying how it ended, with the tail of its stderr. Every failure is an `Unavailable` with a sentence.
