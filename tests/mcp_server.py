@@ -124,6 +124,25 @@ def die() -> str:
     os._exit(3)
 
 
+def garbage(port: int) -> None:
+    """An HTTP server on loopback that answers every request 200, `application/json`, with what is not JSON."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", "0")))
+            body = b"this is not JSON-RPC"
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_DELETE = do_POST
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
 def listed_twice() -> None:
     """A server written by hand that lists two tools of one name, `dup`, each answering with its place."""
     tools = [{"name": "dup", "description": f"dup #{i}", "inputSchema": {"type": "object"}} for i in (1, 2)]
@@ -148,6 +167,9 @@ def main() -> None:
     parser.add_argument("--tools", type=int, default=0, help="add this many more tools, t0..tN")
     parser.add_argument("--hang", action="store_true", help="never finish the handshake")
     parser.add_argument("--malformed", action="store_true", help="answer initialize with what JSON-RPC forbids")
+    parser.add_argument(
+        "--garbage", action="store_true", help="with --http: answer every request with what is not JSON"
+    )
     parser.add_argument("--twice", action="store_true", help="list the tool `dup` twice (by hand: the SDK will not)")
     args = parser.parse_args()
     if args.malformed:  # valid JSON, but a response with neither result nor error, then one of no request's id
@@ -155,6 +177,9 @@ def main() -> None:
         print(json.dumps({"jsonrpc": "2.0", "id": asked["id"], "bogus": True}), flush=True)
         print(json.dumps({"jsonrpc": "2.0", "id": 9999, "result": {}}), flush=True)
         time.sleep(3600)
+    if args.garbage:
+        garbage(args.http)
+        return
     if args.twice:
         listed_twice()
         return

@@ -4,6 +4,7 @@ revision (`server/discover`); server-everything refuses it and is spoken to in t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import pytest
 
 from devd.messages import Cancel, Event
 from tests.agents import Agentd, conversation, next_notice, run_turn, until_done, watch_raw
-from tests.mcp_http import everything_server, sdk_server
+from tests.mcp_http import everything_server, free_port, sdk_server, serving
 from tests.mcp_npm import everything
+from tests.mcp_place import SERVER
 from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (a fixture)
 from tests.test_agent_mcp import call_once, offered_names, servers, start, tool_results, wait_for
 
@@ -160,3 +162,22 @@ def test_cancel_reaches_an_http_server_and_steps_the_call_cancelled(
             until_done(c, turn)
             wait_for(lambda: log.read_text() == "started\ncancelled\n", "the server's cancellation")
             assert conversation(c, session)[2] == {"Tool": {"id": 2, "text": "cancelled", "failed": True}}
+
+
+def test_an_http_server_answering_what_is_not_json_rpc_fails_the_call_saying_so(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    with serving([sys.executable, str(SERVER), "--http", str(port), "--garbage"], port) as url:
+        table = f'[agent.coder.mcp.web]\nurl = "{url}"\ndecision = "allow"\nstart_timeout_s = 5\n'
+        with start(tmp_path, standin, monkeypatch, table).daemon as d:
+            agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+            standin.script(Scripted(tool_calls=[("web__echo", {"text": "hi"})]), Scripted(text="done"))
+            with agentd.client() as c:
+                run_turn(c, agentd.session(c), "go")
+    [said] = tool_results(standin, 1)
+    assert (said.split(": 1 validation error")[0], said.endswith(f"; its URL is {url}")) == (
+        "error: web__echo is a tool of the MCP server web, which cannot serve now: the MCP server web stopped: the "
+        "connection failed (MCPError: Failed to parse JSON response",
+        True,
+    )
