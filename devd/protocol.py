@@ -234,7 +234,9 @@ class McpServerStatus(msgspec.Struct, frozen=True):
     state (`stopped`: not running, started at its next use; `starting`; `ready`; `failed`: its last start or life
     failed, `last_error` says why, and it is tried again at its next use after a backoff); its process's pid while it
     runs (null for an HTTP server); how many sessions use it; how many tools it lists; how many times it was started
-    again; why it last failed."""
+    again; why it last failed; the protocol era it speaks (`mode`: "2026-07-28" for a Streamable HTTP server that took
+    `server/discover`, "legacy" for one spoken to with `initialize` and for every stdio server; null until it first
+    answered)."""
 
     name: str
     agent: str | None
@@ -244,6 +246,7 @@ class McpServerStatus(msgspec.Struct, frozen=True):
     tools: int
     restarts: int
     last_error: str | None
+    mode: Literal["2026-07-28", "legacy"] | None = None
 
 
 class McpResult(msgspec.Struct, frozen=True):

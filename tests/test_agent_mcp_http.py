@@ -34,11 +34,12 @@ def test_a_profiles_http_server_is_called_with_its_header_from_the_daemons_varia
         agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
         result = call_once(agentd, "web__header", {"name": "X-Token"})
         status = servers(agentd)[0]
-    assert (result, status["name"], status["state"], status["pid"]) == (
+    assert (result, status["name"], status["state"], status["pid"], status["mode"]) == (
         {"id": 2, "text": "token-from-the-daemon"},
         "web",
         "ready",
         None,
+        "2026-07-28",
     )
 
 
@@ -91,7 +92,13 @@ def test_server_everything_over_http_refuses_discover_and_is_spoken_to_in_the_ha
             agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
             first = call_once(agentd, "ev__echo", {"message": "over http"})
             sum_ = call_once(agentd, "ev__get-sum", {"a": 2, "b": 3})
-    assert (first, sum_["text"]) == ({"id": 2, "text": "Echo: over http"}, "The sum of 2 and 3 is 5.")
+            status = servers(agentd)[0]
+    assert (first, sum_["text"], status["mode"], status["restarts"]) == (
+        {"id": 2, "text": "Echo: over http"},
+        "The sum of 2 and 3 is 5.",
+        "legacy",
+        0,
+    )
 
 
 def test_a_profiles_url_server_offers_its_tools(

@@ -558,7 +558,9 @@ export interface McpResult {
  * (`stopped`: not running, started at its next use; `starting`; `ready`; `failed`: its last start or life failed,
  * `last_error` says why, and it is tried again at its next use after a backoff); its process's pid while it runs (null
  * for an HTTP server); how many sessions use it; how many tools it lists; how many times it was started again; why it
- * last failed.
+ * last failed; the protocol era it speaks (`mode`: "2026-07-28" for a Streamable HTTP server that took
+ * `server/discover`, "legacy" for one spoken to with `initialize` and for every stdio server; null until it first
+ * answered).
  */
 export interface McpServerStatus {
   name: string;
@@ -569,6 +571,7 @@ export interface McpServerStatus {
   tools: number;
   restarts: number;
   last_error: string | null;
+  mode?: "2026-07-28" | "legacy" | null;
 }
 
 /**

@@ -95,6 +95,7 @@ class Broker:
                 len(c.listed or ()),
                 c.restarts,
                 c.last_error,
+                c.mode,
             )
             for c in self._connections.values()
         ]
