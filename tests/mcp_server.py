@@ -143,6 +143,47 @@ def garbage(port: int) -> None:
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
+def mute(port: int) -> None:
+    """A Streamable HTTP server of the handshake era, written by hand, that leaves `server/discover` unanswered (as
+    some do with a method they do not know) and answers initialize, tools/list and an `echo` call in JSON."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    echo = {"name": "echo", "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            asked = json.loads(self.rfile.read(int(self.headers.get("content-length", "0"))))
+            if "id" not in asked:
+                self.send_response(202)
+                self.end_headers()
+                return
+            if asked["method"] == "server/discover":
+                time.sleep(3600)
+            if asked["method"] == "initialize":
+                info = {"name": "mute", "version": "1"}
+                result = {"protocolVersion": asked["params"]["protocolVersion"], "capabilities": {"tools": {}}}
+                result |= {"serverInfo": info}
+            elif asked["method"] == "tools/list":
+                result = {"tools": [echo]}
+            else:
+                result = {"content": [{"type": "text", "text": asked["params"]["arguments"]["text"]}]}
+            body = json.dumps({"jsonrpc": "2.0", "id": asked["id"], "result": result}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self.send_response(405)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
 def listed_twice() -> None:
     """A server written by hand that lists two tools of one name, `dup`, each answering with its place."""
     tools = [{"name": "dup", "description": f"dup #{i}", "inputSchema": {"type": "object"}} for i in (1, 2)]
@@ -170,6 +211,11 @@ def main() -> None:
     parser.add_argument(
         "--garbage", action="store_true", help="with --http: answer every request with what is not JSON"
     )
+    parser.add_argument(
+        "--mute",
+        action="store_true",
+        help="with --http: a server of the handshake era, by hand, that never answers server/discover",
+    )
     parser.add_argument("--twice", action="store_true", help="list the tool `dup` twice (by hand: the SDK will not)")
     args = parser.parse_args()
     if args.malformed:  # valid JSON, but a response with neither result nor error, then one of no request's id
@@ -179,6 +225,9 @@ def main() -> None:
         time.sleep(3600)
     if args.garbage:
         garbage(args.http)
+        return
+    if args.mute:
+        mute(args.http)
         return
     if args.twice:
         listed_twice()

@@ -188,3 +188,16 @@ def test_an_http_server_answering_what_is_not_json_rpc_fails_the_call_saying_so(
         "connection failed (MCPError: Failed to parse JSON response",
         True,
     )
+
+
+def test_a_server_that_leaves_discover_unanswered_is_spoken_to_in_the_handshake_era_within_start_timeout_s(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    with serving([sys.executable, str(SERVER), "--http", str(port), "--mute"], port) as url:
+        table = f'[agent.coder.mcp.web]\nurl = "{url}"\ndecision = "allow"\nstart_timeout_s = 2\n'
+        with start(tmp_path, standin, monkeypatch, table).daemon as d:
+            agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+            result = call_once(agentd, "web__echo", {"text": "heard"})
+            status = servers(agentd)[0]
+    assert (result, status["mode"]) == ({"id": 2, "text": "heard"}, "legacy")

@@ -246,12 +246,19 @@ class Connection:
         """The protocol era agreed: the handshake (`initialize`) with a stdio server; with an HTTP one,
         `server/discover` first (unless it refused before), falling back to the handshake when it is refused."""
         if isinstance(served, Endpoint) and self.mode != "legacy":
-            try:
-                await session.discover()
-                self.mode = "2026-07-28"
-                return
-            except (MCPError, RuntimeError, ValidationError) as e:
-                log.info("mcp.legacy", server=self.server.name, agent=self.agent, why=str(e)[:300])
+            # A server of the handshake era may leave the unknown method unanswered rather than refuse it: half of
+            # start_timeout_s is left for the handshake.
+            half = self.server.start_timeout_s / 2
+            why = f"no answer to server/discover within {half:g} s"
+            with anyio.move_on_after(half):
+                try:
+                    await session.discover()
+                except (MCPError, RuntimeError, ValidationError) as e:
+                    why = str(e)
+                else:
+                    self.mode = "2026-07-28"
+                    return
+            log.info("mcp.legacy", server=self.server.name, agent=self.agent, why=why[:300])
         await session.initialize()
         self.mode = "legacy"
 
