@@ -201,3 +201,20 @@ def test_a_server_that_leaves_discover_unanswered_is_spoken_to_in_the_handshake_
             result = call_once(agentd, "web__echo", {"text": "heard"})
             status = servers(agentd)[0]
     assert (result, status["mode"]) == ({"id": 2, "text": "heard"}, "legacy")
+
+
+def test_server_everythings_read_only_image_tool_runs_unasked_when_trusted_and_is_summarized(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = f'[agent.coder.mcp.ev]\ncommand = ["node", "{everything()}", "stdio"]\ntrust_read_only = true\n'
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session = agentd.session(c)
+        result = call_once(agentd, "ev__get-tiny-image", {}, session)  # decision is ask: asked, it would wait
+        with agentd.client() as c:
+            effects = c.effects(session)
+    assert (result["text"], effects) == (
+        "Here's the image you requested:\n[image/png, 4 KB]\nThe image above is the MCP logo.",
+        [],
+    )
