@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 
@@ -28,10 +29,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(argv: Sequence[str], port: int, env: dict[str, str] | None = None) -> Iterator[str]:
-    """The server argv starts, listening on port: its MCP endpoint's URL."""
+    """The server argv starts, listening on port: its MCP endpoint's URL. Its stderr goes to a file (a pipe no one
+    reads would stop a server that logs each request once it filled)."""
+    errors = tempfile.TemporaryFile()
     process = subprocess.Popen(
         argv, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, start_new_session=True,
+        stderr=errors, start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -41,8 +44,9 @@ def serving(argv: Sequence[str], port: int, env: dict[str, str] | None = None) -
                 break
             except OSError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    err = process.stderr.read().decode() if process.stderr and process.poll() is not None else ""
-                    pytest.fail(f"the MCP server {argv} did not listen on {port}: {err[-2000:]}")
+                    errors.seek(0)
+                    said = errors.read().decode(errors="replace")
+                    pytest.fail(f"the MCP server {argv} did not listen on {port}: {said[-2000:]}")
                 time.sleep(0.05)
         yield f"http://127.0.0.1:{port}/mcp"
     finally:
@@ -52,8 +56,7 @@ def serving(argv: Sequence[str], port: int, env: dict[str, str] | None = None) -
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
+        errors.close()
 
 
 @contextlib.contextmanager
