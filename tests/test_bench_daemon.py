@@ -79,3 +79,9 @@ def test_every_step_the_durable_floor_with_the_core_answered_is_a_row_after_a_si
     with floor(tmp_path, "--core") as s:
         answers(s, _seed_requests())
     assert rows(tmp_path) == len(_seed_requests())
+
+
+def test_bench_daemon_refuses_the_baseline_servers_without_a_checkout_to_run(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "daemon", "--servers", "devd,devd-baseline", "--baseline"]
+    done = subprocess.run([*argv, str(tmp_path)], capture_output=True, env=daemon_env(), timeout=60)
+    assert (done.returncode, b"devd-baseline needs --baseline PATH" in done.stderr) == (2, True)
