@@ -2399,6 +2399,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_idle import add_arguments as idle_arguments
 
     idle_arguments(sub.add_parser("idle", help="an idle daemon's wake-ups a second, against a process that waits"))
+    from benchmarks.bench_rows import add_arguments as rows_arguments
+
+    rows_arguments(sub.add_parser("rows", help="a journal row's cost to the commit thread, against the floor's row"))
     from benchmarks.bench_rewind import add_arguments as rewind_arguments
 
     rewind_arguments(sub.add_parser("rewind", help="session/rewind of a turn's writes, against that turn"))
@@ -2449,6 +2452,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_idle import bench_idle
 
         result = bench_idle(args.seconds, args.settle)
+    elif args.what == "rows":
+        from benchmarks.bench_rows import bench_rows
+
+        result = bench_rows(args.rows, args.batch, args.rounds)
     elif args.what == "rewind":
         from benchmarks.bench_rewind import bench_rewind
 
