@@ -23,7 +23,7 @@ class Entry(msgspec.Struct):
     seq: int
     reason: str | None = None
     instance: Instance | None = None
-    busy: bool = False  # inside a call or a job of the daemon: set and cleared by `Registry.held` and `claimed` alone
+    busy: bool = False  # inside a call or a job of the daemon: set by `Registry.held`, `_enter` and `claimed` alone
     freed: anyio.Event | None = None  # set when `busy` is cleared, made by the first `Registry.wait_free` meanwhile
     created: float = 0.0  # wall-clock seconds
     last_used: float = 0.0  # wall-clock seconds of the last call on it (shown; never used to decide expiry)

@@ -193,7 +193,7 @@ class Registry:
     @contextlib.contextmanager
     def held(self, entry: Entry) -> Iterator[Entry]:
         """entry held for one call, or one job of the daemon's own (a snapshot at the stop, a fleet take, expiry):
-        no other may enter it meanwhile. The busy flag is set here and in `claimed`, nowhere else."""
+        no other may enter it meanwhile. The busy flag is set here, in `_enter` and in `claimed`, nowhere else."""
         if entry.busy:
             raise BusyError(f"session {entry.name!r} is inside another call; retry when that call has answered")
         entry.busy = True
