@@ -734,7 +734,10 @@ SERVERS = (
     "devd-1-client",
 )
 # One client alone: the latency, nothing queued before.
-SINGLE_CLIENT = ("durable-floor-1-client", "durable-floor-core-1-client", "devd-1-client")
+SINGLE_CLIENT = ("durable-floor-1-client", "durable-floor-core-1-client", "devd-1-client", "devd-baseline-1-client")
+# devd of another checkout (`--baseline PATH`, e.g. a `git worktree` of the commit before a change), measured in the
+# same run as this one: a change's before and after, alternated round by round like the rest. Asked for by name only.
+BASELINE_SERVERS = ("devd-baseline", "devd-baseline-1-client")
 
 
 def _server_argv(name: str, sock: Path, state: Path) -> list[str]:
@@ -750,12 +753,16 @@ def _server_argv(name: str, sock: Path, state: Path) -> list[str]:
     return argv + ["--log-level", "warning"]
 
 
-def _run_server(name: str, root: Path, r: int, clients: int, seconds: float, generators: int) -> dict[str, Any]:
+def _run_server(
+    name: str, root: Path, r: int, clients: int, seconds: float, generators: int, baseline: Path | None = None
+) -> dict[str, Any]:
     """One server process under load; a server or generator that fails gives its error, and the benchmark goes on."""
     # A fresh state directory per run, so no round inherits the sessions of the one before.
     sock, state, log = root / f"{name}-{r}.sock", root / f"state-{name}-{r}", root / f"{name}-{r}.log"
+    # `python -m devd` imports the devd of its working directory: the baseline's checkout for its servers.
+    cwd = baseline if name in BASELINE_SERVERS else None
     with open(log, "wb") as out:
-        proc = subprocess.Popen(_server_argv(name, sock, state), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_server_argv(name, sock, state), stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
     try:
         _wait_socket(sock, proc)
         return _run_load(str(sock), clients, seconds, generators, proc.pid)
@@ -793,6 +800,9 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         "single_client_p50_durable_floor_core_over_durable_floor": p50_over(
             "durable-floor-core-1-client", "durable-floor-1-client"
         ),
+        "single_client_p50_devd_over_durable_floor_core": p50_over("devd-1-client", "durable-floor-core-1-client"),
+        "devd_over_devd_baseline": over("devd", "devd-baseline"),
+        "single_client_p50_devd_over_devd_baseline": p50_over("devd-1-client", "devd-baseline-1-client"),
     }
 
 
@@ -813,6 +823,7 @@ def bench_daemon(
     single_client_seconds: float = 3.0,
     generators: int = 1,
     servers: tuple[str, ...] = SERVERS,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
     """Each server in its own process, alternated round by round so that drift hits all alike; medians reported.
 
@@ -826,9 +837,9 @@ def bench_daemon(
         for r in range(rounds):
             for name in servers:
                 if name in SINGLE_CLIENT:
-                    runs[name].append(_run_server(name, root, r, 1, single_client_seconds, 1))
+                    runs[name].append(_run_server(name, root, r, 1, single_client_seconds, 1, baseline))
                 else:
-                    runs[name].append(_run_server(name, root, r, clients, seconds, generators))
+                    runs[name].append(_run_server(name, root, r, clients, seconds, generators, baseline))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results: dict[str, Any] = {
@@ -2316,7 +2327,12 @@ def main(argv: list[str] | None = None) -> int:
     daemon.add_argument("--rounds", type=int, default=3)
     daemon.add_argument("--single-client-seconds", type=float, default=3.0)
     daemon.add_argument("--generators", type=int, default=1, help="load generator processes splitting the clients")
-    daemon.add_argument("--servers", default=",".join(SERVERS), help=f"a comma-separated subset of {','.join(SERVERS)}")
+    daemon.add_argument(
+        "--servers",
+        default=",".join(SERVERS),
+        help=f"a comma-separated subset of {','.join(SERVERS)}, and {','.join(BASELINE_SERVERS)} (with --baseline)",
+    )
+    daemon.add_argument("--baseline", help="a checkout whose devd the devd-baseline servers run, for a before/after")
     echo = sub.add_parser("_echo")
     echo.add_argument("socket")
     anyio_echo = sub.add_parser("_anyio_echo")
@@ -2383,6 +2399,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_idle import add_arguments as idle_arguments
 
     idle_arguments(sub.add_parser("idle", help="an idle daemon's wake-ups a second, against a process that waits"))
+    from benchmarks.bench_rows import add_arguments as rows_arguments
+
+    rows_arguments(sub.add_parser("rows", help="a journal row's cost to the commit thread, against the floor's row"))
     from benchmarks.bench_rewind import add_arguments as rewind_arguments
 
     rewind_arguments(sub.add_parser("rewind", help="session/rewind of a turn's writes, against that turn"))
@@ -2433,6 +2452,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_idle import bench_idle
 
         result = bench_idle(args.seconds, args.settle)
+    elif args.what == "rows":
+        from benchmarks.bench_rows import bench_rows
+
+        result = bench_rows(args.rows, args.batch, args.rounds)
     elif args.what == "rewind":
         from benchmarks.bench_rewind import bench_rewind
 
@@ -2451,11 +2474,14 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_many(args.sessions, args.clients, args.max_live, args.wakes)
     elif args.what == "daemon":
         servers = tuple(s for s in args.servers.split(",") if s)
-        unknown = set(servers) - set(SERVERS)
+        unknown = set(servers) - set(SERVERS) - set(BASELINE_SERVERS)
         if unknown:
             p.error(f"unknown servers: {', '.join(sorted(unknown))}")
+        baseline = Path(args.baseline).resolve() if args.baseline else None
+        if set(servers) & set(BASELINE_SERVERS) and (baseline is None or not (baseline / "devd").is_dir()):
+            p.error("devd-baseline needs --baseline PATH, a checkout holding devd/ (and devd/core.wasm)")
         result = bench_daemon(
-            args.clients, args.seconds, args.rounds, args.single_client_seconds, args.generators, servers
+            args.clients, args.seconds, args.rounds, args.single_client_seconds, args.generators, servers, baseline
         )
     elif args.what == "_standin":
         _standin_main(args.url_file)

@@ -5,6 +5,7 @@ the core answers, as devd does."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import sqlite3
 import subprocess
@@ -79,3 +80,18 @@ def test_every_step_the_durable_floor_with_the_core_answered_is_a_row_after_a_si
     with floor(tmp_path, "--core") as s:
         answers(s, _seed_requests())
     assert rows(tmp_path) == len(_seed_requests())
+
+
+def test_bench_daemon_refuses_the_baseline_servers_without_a_checkout_to_run(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "daemon", "--servers", "devd,devd-baseline", "--baseline"]
+    done = subprocess.run([*argv, str(tmp_path)], capture_output=True, env=daemon_env(), timeout=60)
+    assert (done.returncode, b"devd-baseline needs --baseline PATH" in done.stderr) == (2, True)
+
+
+def test_bench_rows_gives_each_table_its_cpu_and_log_pages_a_row(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "rows", "--rows", "64", "--batch", "8", "--rounds", "1"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    result = json.loads(done.stdout)
+    keys = {table: sorted(result[table]) for table in ("journal", "floor", "journal_without_index")}
+    each = ["cpu_us_per_row", "cpu_us_per_row_by_round", "frames_per_row", "wall_us_per_row"]
+    assert keys == dict.fromkeys(keys, each)

@@ -157,7 +157,8 @@ class AgentPort:
         def step() -> Awaitable[Answered]:
             return self.sessions.step(name, event, params.timeout_ms, params.key)
 
-        if not event.lstrip().startswith(b'{"Cancel"') or not self._here(name):
+        head = event.lstrip() if event[:1].isspace() else event  # not copied when, as almost always, it starts at {
+        if not head.startswith(b'{"Cancel"') or not self._here(name):
             return await self._patient(name, step)
         with self.oversight.cancelling(name, by):  # apart, so that no other step pays for it
             return await self._patient(name, step)
@@ -243,11 +244,13 @@ class AgentPort:
     async def _patient(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
         """call(); a BUSY that comes from the daemon's own driver of the session is waited out (woken as the
         driver's call ends), for PATIENCE_S at most; BUSY from another client's call is answered as ever."""
-        deadline = anyio.current_time() + PATIENCE_S
+        deadline = None  # set at the first BUSY: the call that is not refused (almost every one) reads no clock
         while True:
             try:
                 return await call()
             except BusyError:
+                if deadline is None:
+                    deadline = anyio.current_time() + PATIENCE_S
                 if not self.runtime.driving(name) or anyio.current_time() >= deadline:
                     raise
             with anyio.move_on_after(deadline - anyio.current_time()):

@@ -48,6 +48,9 @@ class Hub(msgspec.Struct):
     connections: set[Member] = msgspec.field(default_factory=set)
     outboxes: Outboxes = msgspec.field(default_factory=Outboxes)
     tasks: set[asyncio.Task[None]] = msgspec.field(default_factory=set)
+    # The loop the calls run on, found once: on Python 3.11 each `asyncio.get_running_loop()` is a getpid system
+    # call (its check against a fork), and a call's start is the step path.
+    loop: asyncio.AbstractEventLoop | None = None
 
     def refusal(self, served: UnixListen | TcpListen) -> str | None:
         """Why a new connection to `served` is refused, or None."""
@@ -63,7 +66,10 @@ class Hub(msgspec.Struct):
         return None
 
     def start(self, call: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(call)
+        loop = self.loop
+        if loop is None:
+            loop = self.loop = asyncio.get_running_loop()
+        task = loop.create_task(call)
         self.tasks.add(task)
         task.add_done_callback(self._ended)
 

@@ -76,12 +76,13 @@ class RequestError(Exception):
 
 def decode_request(line: bytes) -> Request:
     """The request on one line, or RequestError carrying the JSON-RPC error to answer."""
-    try:
-        line.decode()  # msgspec skips unknown members unchecked; every byte of a line must be UTF-8
-    except UnicodeDecodeError as e:
-        raise RequestError(
-            ParseError(f"the line is not UTF-8 ({e.reason} at byte {e.start}); send UTF-8 JSON"), None
-        ) from None
+    if not line.isascii():  # ASCII (almost every line) is UTF-8, and is told without decoding
+        try:
+            line.decode()  # msgspec skips unknown members unchecked; every byte of a line must be UTF-8
+        except UnicodeDecodeError as e:
+            raise RequestError(
+                ParseError(f"the line is not UTF-8 ({e.reason} at byte {e.start}); send UTF-8 JSON"), None
+            ) from None
     try:
         fast = _request.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):

@@ -175,13 +175,23 @@ class Calls:
         if entry.heavy:
             return await self._off_loop(entry, entry.instance, deadline, call)
         timeout, final = runner.inline_timeout(deadline)
-        # The call's own CPU time, not the wall clock's: on a loaded machine a quick call the scheduler paused is not
-        # heavy, and sending its session to a worker (a thread's round trip a call) would only make it slower.
-        started = time.thread_time()
+        # Heavy by the call's own CPU time, not the wall clock's: on a loaded machine a quick call the scheduler
+        # paused is not heavy, and sending its session to a worker (a thread's round trip a call) would only make it
+        # slower. A call's CPU time is at most its wall time, so the wall clock (read without a system call) clears
+        # almost every call; the CPU clock (a system call each read) times only a session whose last call did not
+        # clear it (`cpu_timed`), from its next call on, until one clears it again.
+        half = runner.inline_budget_s / 2
+        cpu = time.thread_time() if entry.cpu_timed else None
+        started = time.perf_counter()
         try:
             result = call(entry.instance, timeout)
-            if time.thread_time() - started > runner.inline_budget_s / 2:
-                entry.heavy, entry.light_calls = True, 0
+            if time.perf_counter() - started > half:
+                if cpu is None:
+                    entry.cpu_timed = True
+                elif time.thread_time() - cpu > half:
+                    entry.heavy, entry.light_calls = True, 0
+            elif cpu is not None:
+                entry.cpu_timed = False
             registry.residency.measure(entry)
             return result
         except OutOfMemoryError:

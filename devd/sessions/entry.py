@@ -23,7 +23,7 @@ class Entry(msgspec.Struct):
     seq: int
     reason: str | None = None
     instance: Instance | None = None
-    busy: bool = False  # inside a call or a job of the daemon: set and cleared by `Registry.held` and `claimed` alone
+    busy: bool = False  # inside a call or a job of the daemon: set by `Registry.held`, `_enter` and `claimed` alone
     freed: anyio.Event | None = None  # set when `busy` is cleared, made by the first `Registry.wait_free` meanwhile
     created: float = 0.0  # wall-clock seconds
     last_used: float = 0.0  # wall-clock seconds of the last call on it (shown; never used to decide expiry)
@@ -31,6 +31,7 @@ class Entry(msgspec.Struct):
     memory: int = 0  # bytes of its instance's memory when last measured (0: no instance)
     heavy: bool = False  # a call did not fit the inline budget, or its instance is large: calls run on a worker
     light_calls: int = 0  # calls in a row, since, that would have fitted it easily (enough of them end `heavy`)
+    cpu_timed: bool = False  # its last inline call took over half the budget by the wall clock: the next is CPU-timed
     snapshot_bytes: int = 0  # of its latest durable snapshot (0: its config is the start)
     since_bytes: int = 0  # of the journal since that snapshot, as a replay costs it (events, and a bit a step)
 

@@ -193,7 +193,7 @@ class Registry:
     @contextlib.contextmanager
     def held(self, entry: Entry) -> Iterator[Entry]:
         """entry held for one call, or one job of the daemon's own (a snapshot at the stop, a fleet take, expiry):
-        no other may enter it meanwhile. The busy flag is set here and in `claimed`, nowhere else."""
+        no other may enter it meanwhile. The busy flag is set here, in `_enter` and in `claimed`, nowhere else."""
         if entry.busy:
             raise BusyError(f"session {entry.name!r} is inside another call; retry when that call has answered")
         entry.busy = True
@@ -217,20 +217,36 @@ class Registry:
         """The session, held for one call: BUSY if another call holds it, HANDLE (or POISON) if it cannot take calls
         (`any_state` lets reads, recover and close in anyway). In a fleet it is adopted first when it is not known
         here (made or held elsewhere), and after rebuilding from disk what a reopen of the store may have changed."""
+        await self._ready_for(name)
+        entry = self._enter(name, any_state)
+        try:
+            yield entry
+        finally:
+            entry.free()
+
+    async def _ready_for(self, name: str) -> None:
+        """What must happen before a call enters a session: a rebuild from disk after the store reopened, and in a
+        fleet the session held (adopted or taken again)."""
         if self.store.reopened != self._reopened_seen:
             await self._heal()
         if self.fleet is not None:
             await self.fleet_sessions.hold(name)
+
+    def _enter(self, name: str, any_state: bool) -> Entry:
+        """`entered`'s checks, the session held (busy) once they pass: the caller frees it (`Entry.free`). Written
+        flat, without a context manager: every step passes here."""
         entry = self._entries.get(name)
         if entry is None:
             raise no_such(name)
-        with self.held(entry):
-            if not any_state and entry.state not in CALLABLE:
-                kind = PoisonError if entry.state is State.POISONED else HandleError
-                raise kind(f"session {name!r} {entry.state.value} ({entry.reason}); `session/recover` brings it back")
-            entry.last_used, entry.used_at = time.time(), time.monotonic()
-            self.residency.touch(entry)
-            yield entry
+        if entry.busy:
+            raise BusyError(f"session {entry.name!r} is inside another call; retry when that call has answered")
+        if not any_state and entry.state not in CALLABLE:
+            kind = PoisonError if entry.state is State.POISONED else HandleError
+            raise kind(f"session {name!r} {entry.state.value} ({entry.reason}); `session/recover` brings it back")
+        entry.busy = True
+        entry.last_used, entry.used_at = time.time(), time.monotonic()
+        self.residency.touch(entry)
+        return entry
 
     def move(self, entry: Entry, input: Input, reason: str | None = None, *, instance: Instance | None = None) -> None:
         """The one mover: the state table's edge, with the instance attached (given one) or detached (a state that
@@ -335,7 +351,11 @@ class Registry:
     # -- calls on a session -----------------------------------------------------------------------------------------
 
     async def step(self, name: str, event: bytes, timeout_ms: int | None, key: str | None) -> Answered:
-        async with self.entered(name) as entry:
+        # `entered`, written out: a step is the hot path, and an async context manager costs it microseconds.
+        if self.fleet is not None or self.store.reopened != self._reopened_seen:
+            await self._ready_for(name)
+        entry = self._enter(name, False)
+        try:
             event_digest = None
             if key is not None:
                 event_digest = digest(event)
@@ -393,6 +413,8 @@ class Registry:
             self.stats.steps += 1
             self.fanout.publish(Stepped(name, seq, event, actions, time.time()))
             return Answered(actions, False, ignored)
+        finally:
+            entry.free()
 
     async def snapshot(self, name: str) -> str:
         async with self.entered(name) as entry:

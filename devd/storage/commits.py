@@ -91,6 +91,7 @@ class GroupCommit(Generic[OpT]):
         self._maintaining = False  # set by the thread while an answered batch's follow-up runs
         self._settled = anyio.Event()  # set when none is outstanding
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the commit thread's (its writers'), while it runs
 
     @property
     def outstanding(self) -> int:
@@ -98,7 +99,10 @@ class GroupCommit(Generic[OpT]):
 
     async def write(self, op: OpT) -> BaseException | None:
         """Hand `op` to the next commit and wait for it: None once it is committed, else what it failed with."""
-        pending = _Pending(op, asyncio.get_running_loop().create_future())
+        # The commit thread's loop when it runs (its writers' loop, which it answers on), found once: on Python 3.11
+        # each `asyncio.get_running_loop()` is a getpid system call, and a write is the step path.
+        loop = self._loop if self._loop is not None else asyncio.get_running_loop()
+        pending = _Pending(op, loop.create_future())
         self._outstanding += 1
         self._queue.put(pending)
         if self._queued is not None:
@@ -149,7 +153,7 @@ class GroupCommit(Generic[OpT]):
 
     def start_thread(self, commit: ThreadCommit[OpT], *, name: str) -> None:
         """Commit on a new thread until `stop_thread`; call on the event loop the writers run on."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._commit_loop, args=(commit, loop), name=name, daemon=True)
         self._thread.start()
 
@@ -159,6 +163,7 @@ class GroupCommit(Generic[OpT]):
         if self._thread is not None:
             await anyio.to_thread.run_sync(self._thread.join)
             self._thread = None
+        self._loop = None
 
     def _commit_loop(self, commit: ThreadCommit[OpT], loop: asyncio.AbstractEventLoop) -> None:
         stop = False
