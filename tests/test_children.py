@@ -1,0 +1,385 @@
+"""Child runs (issue 34): an agent delegates a task to another agent, run as a child session linked durably before it
+asks the model, held to its parent, answered as the delegating call's result. The twins of the delegated-turn tests
+of the WebSocket coordinator's seed (002) and of the auxiliary-run service's (003), through the real daemon and the
+stand-in model."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devd import errors, failpoints
+from devd.client import Client
+from devd.messages import Cancel, Event
+from tests.agents import conversation, until_done, watch_raw
+from tests.children import Family, delegation, echo, family, notices
+from tests.standin_model import Scripted, Standin, standin_fixture
+
+__all__ = ["standin_fixture"]
+
+DELEGATES = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {}}
+
+
+def results(c: Client, session: str) -> list[tuple[str, bool]]:
+    """Every call's result in the session's conversation: (text, failed)."""
+    return [(m["Tool"]["text"], m["Tool"].get("failed", False)) for m in conversation(c, session) if "Tool" in m]
+
+
+def delegated_turn(f: Family, c: Client, session: str, prompt: str = "review it") -> int:
+    watch_raw(c, session, since=c.info(session).seq)
+    turn = c.prompt(session, prompt)
+    until_done(c, turn)
+    return turn
+
+
+# -- 002: delegated turns --------------------------------------------------------------------------------------------
+
+
+def test_delegated_turns_link_distinct_child_runs_before_inference(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each delegating call makes a child of its own, linked both ways before the child's first model call, and the
+    child's final answer is the call's result."""
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c, f.client() as probe:
+        links: list[tuple[str | None, list[str] | None]] = []
+
+        def linked(body: dict[str, Any]) -> None:  # the child's first request: its links must be durable already
+            child = next(s for s in probe.list().sessions if s.parent is not None and s.session not in links_seen)
+            links_seen.add(child.session)
+            links.append((child.parent, probe.info(str(child.parent)).children))
+
+        links_seen: set[str] = set()
+        f.router.hooks["reviewer"] = linked
+        session = f.session(c)
+        for n in (1, 2):
+            f.router.script("coder", delegation("reviewer", f"review part {n}"), echo)
+            f.router.script("reviewer", Scripted(text=f"part {n} looks right"))
+            delegated_turn(f, c, session)
+        children = c.info(session).children
+        assert (results(c, session), links, children, f.router.seen) == (
+            [("part 1 looks right", False), ("part 2 looks right", False)],
+            [(session, [f"{session}.d2"]), (session, [f"{session}.d2", f"{session}.d8"])],
+            [f"{session}.d2", f"{session}.d8"],
+            {"coder": 4, "reviewer": 2, "tester": 0, "auditor": 0},
+        )
+
+
+def test_delegated_storage_failure_prevents_child_inference_and_parent_success(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passes = failpoints._passes.get("children.parent_link", 0) + 1
+    monkeypatch.setitem(failpoints._POINTS, "children.parent_link", ("eio", passes))
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "review it"), Scripted(text="it could not be reviewed"))
+        session = f.session(c)
+        delegated_turn(f, c, session)
+        assert (results(c, session), f.router.seen["reviewer"], c.info(session).children) == (
+            [
+                (
+                    "the delegated run was not started: its link could not be kept in this session's log (OSError: "
+                    "[Errno 5] Input/output error (failpoint children.parent_link))",
+                    True,
+                )
+            ],
+            0,
+            None,
+        )
+
+
+def test_delegated_append_failure_prevents_child_action_and_parent_resume(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child's own link cannot be kept: it never asks the model, and the delegating call fails saying why."""
+    passes = failpoints._passes.get("children.child_link", 0) + 1
+    monkeypatch.setitem(failpoints._POINTS, "children.child_link", ("eio", passes))
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "review it"), Scripted(text="it could not be reviewed"))
+        session = f.session(c)
+        delegated_turn(f, c, session)
+        assert (results(c, session), f.router.seen["reviewer"]) == (
+            [
+                (
+                    "the delegated run was not started: its link could not be kept in its own session's log "
+                    "(OSError: [Errno 5] Input/output error (failpoint children.child_link))",
+                    True,
+                )
+            ],
+            0,
+        )
+
+
+def test_delegated_inline_policy_prevents_the_effect(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child's own profile allows commands; its parent's denies them: the child's command is denied, never run."""
+    profiles = {"coder": {"delegates": '["reviewer"]', "exec": '"deny"'}, "reviewer": {"sandbox": '"none"'}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "check health"), echo)
+        f.router.script(
+            "reviewer",
+            Scripted(tool_calls=[("exec", {"argv": ["touch", "ran"]})]),
+            echo,
+        )
+        session = f.session(c)
+        delegated_turn(f, c, session)
+        child = f"{session}.d2"
+        assert (results(c, child), (f.workspace / "ran").exists()) == (
+            [
+                (
+                    "denied by the policy: agent 'coder' has exec = \"deny\" (a delegated run is held to the session "
+                    "that delegated it)",
+                    True,
+                )
+            ],
+            False,
+        )
+
+
+def test_a_delegation_to_an_agent_not_in_delegates_is_a_failed_call_and_makes_no_child(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {**DELEGATES, "tester": {}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("tester", "test it"), Scripted(text="no"))
+        session = f.session(c)
+        delegated_turn(f, c, session)
+        assert (results(c, session), c.list_children(session).sessions) == (
+            [
+                (
+                    "denied by the policy: agent 'coder' may delegate only to the agents its delegates list "
+                    "(reviewer), not to 'tester'",
+                    True,
+                )
+            ],
+            [],
+        )
+
+
+def test_a_delegation_past_max_depth_is_refused_naming_the_rule(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {
+        "coder": {"delegates": '["reviewer"]', "max_depth": "1"},
+        "reviewer": {"delegates": '["tester"]'},
+        "tester": {},
+    }
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "review"), echo)
+        f.router.script("reviewer", delegation("tester", "test"), echo)
+        session = f.session(c)
+        delegated_turn(f, c, session)
+        assert (results(c, f"{session}.d2"), f.router.seen["tester"]) == (
+            [
+                (
+                    "refused: the delegated run would be at depth 2 of its tree, past max_depth = 1 (the strictest of "
+                    "the agents along its chain; the first session is depth 0)",
+                    True,
+                )
+            ],
+            0,
+        )
+
+
+# -- 003: the auxiliary-run service ----------------------------------------------------------------------------------
+
+
+def test_spawn_runs_the_child_once_and_is_idempotent_by_id(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text='{"decision": "ok"}'))
+        parent = f.session(c)
+        first = c.spawn(parent, "aux-1", "reviewer", "inspect")
+        again = c.spawn(parent, "aux-1", "reviewer", "inspect")
+        waited = c.wait(first.session, first.turn)
+        assert (first, again, waited.done, waited.outcome, waited.answer, f.router.seen["reviewer"]) == (
+            again,
+            first,
+            True,
+            "completed",
+            '{"decision": "ok"}',
+            1,
+        )
+
+
+def test_spawn_of_a_parent_that_does_not_exist_is_invalid_params(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        with pytest.raises(errors.InvalidParamsError, match="there is no session 'nobody' to spawn a child of"):
+            c.spawn("nobody", "aux-1", "reviewer", "inspect")
+
+
+def test_capability_ceiling_rejects_escalation(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spawn of an agent the parent's profile may not delegate to is refused, and no child is made."""
+    profiles = {**DELEGATES, "tester": {}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        parent = f.session(c)
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.spawn(parent, "aux-1", "tester", "inspect")
+        assert (str(refused.value), c.list_children(parent).sessions) == (
+            f"refused: agent 'coder' of session {parent!r} may delegate only to the agents its delegates list "
+            "(reviewer), not to 'tester'; no child was made",
+            [],
+        )
+
+
+def test_output_schema_is_enforced(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> None:
+    schema = {"type": "object", "required": ["answer"], "properties": {"answer": {"type": "string"}}}
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text='{"wrong": true}'))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-schema", "reviewer", "return an object", output_schema=schema)
+        waited = c.wait(child.session, child.turn)
+        assert (waited.outcome, waited.why) == (
+            "failed",
+            "its final answer does not satisfy the output_schema: 'answer' is a required property",
+        )
+
+
+def test_an_answer_past_output_bytes_max_is_cut_saying_so(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {"coder": {"delegates": '["reviewer"]', "output_bytes_max": "10"}, "reviewer": {}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "say a lot"), Scripted(text="done"))
+        f.router.script("reviewer", Scripted(text="0123456789abcdef"))
+        session = f.session(c)
+        delegated_turn(f, c, session)
+        assert results(c, session) == [
+            (
+                f"0123456789\n\n[devd: the answer of delegated run {session}.d2 was cut at 10 bytes (output_bytes_max "
+                "of agent 'coder'); it was 16 bytes]",
+                False,
+            )
+        ]
+
+
+def test_concurrent_waiters_cannot_miss_the_terminal_state(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        parent = f.session(c)
+        outcomes: list[str | None] = []
+        for index in range(8):
+            f.router.script("reviewer", Scripted(text=f"ok {index}"))
+            child = c.spawn(parent, f"aux-wait-race-{index}", "reviewer", "return")
+
+            def wait(child_name: str = child.session, turn: int = child.turn) -> None:
+                with f.client() as w:
+                    outcomes.append(w.wait(child_name, turn, timeout_ms=20_000).outcome)
+
+            waiters = [threading.Thread(target=wait) for _ in range(4)]
+            for t in waiters:
+                t.start()
+            for t in waiters:
+                t.join()
+        assert outcomes == ["completed"] * 32
+
+
+def test_a_wait_that_times_out_says_not_done(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> None:
+    held = threading.Event()
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="late", held=held, held_after=1))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-slow", "reviewer", "take your time")
+        waited = c.wait(child.session, child.turn, timeout_ms=200)
+        held.set()
+        assert (waited.done, c.wait(child.session, child.turn).outcome) == (False, "completed")
+
+
+def test_a_child_whose_driver_fails_is_a_failed_child_and_fails_the_call(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passes = failpoints._passes.get("agent.claimed", 0) + 1
+    monkeypatch.setitem(failpoints._POINTS, "agent.claimed", ("eio", passes))
+    profiles = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {"sandbox": '"none"'}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "run it"), Scripted(text="it failed"))
+        f.router.script("reviewer", Scripted(tool_calls=[("exec", {"argv": ["touch", "ran"]})]))
+        session = f.session(c)
+        delegated_turn(f, c, session)
+        assert results(c, session) == [
+            (
+                f"the delegated run {session}.d2 (agent 'reviewer') failed: the daemon failed carrying it out: "
+                "OSError: [Errno 5] Input/output error (failpoint agent.claimed)",
+                True,
+            )
+        ]
+
+
+def test_a_child_may_be_watched_but_not_prompted(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="done"))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "inspect")
+        c.wait(child.session, child.turn)
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.prompt(child.session, "and now this")
+        assert str(refused.value) == (
+            f"session {child.session!r} is a delegated run of session {parent!r}: it may not be prompted (its one turn "
+            "is the task it was given); watch it, approve its calls, or cancel it or its parent's turn instead"
+        )
+
+
+# -- cancel ------------------------------------------------------------------------------------------------------------
+
+
+def test_parent_cancellation_is_propagated_before_the_parents_turn_ends(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child's terminal state reaches the parent's watchers before the step that ends the parent's turn."""
+    held = threading.Event()
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("coder", delegation("reviewer", "wait"))
+        f.router.script("reviewer", Scripted(text="never", held=held, held_after=1))
+        session = f.session(c)
+        watch_raw(ui, session)
+        turn = c.prompt(session, "go")
+        notices(ui, "session/child", lambda n: n.params["state"] == "running")
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        seen = [
+            n.params.get("state") if n.method == "session/child" else "parent done"
+            for n in until_done(ui, turn)
+            if n.method == "session/child" or any("Done" in a["op"] for a in n.params.get("actions", []))
+        ]
+        held.set()
+        waited = c.wait(f"{session}.d2", 1)
+        assert (seen, waited.outcome, waited.why) == (
+            ["cancelled", "parent done"],
+            "cancelled",
+            f"the turn of its parent {session} was cancelled",
+        )
+
+
+def test_usage_of_the_children_is_summed_in_the_parents_usage(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="a", usage=(10, 5, None)), Scripted(text="b", usage=(20, 7, None)))
+        parent = f.session(c)
+        for n in (1, 2):
+            child = c.spawn(parent, f"aux-{n}", "reviewer", "inspect")
+            c.wait(child.session, child.turn)
+        children = c.usage(parent).children
+        assert (children.input_tokens, children.output_tokens, children.calls) == (30, 12, 2)  # type: ignore[union-attr]
+
+
+def test_list_of_a_parent_gives_its_children_and_each_names_its_parent(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        parent, other = f.session(c), f.session(c)
+        for n in (1, 2):
+            child = c.spawn(parent, f"aux-{n}", "reviewer", "inspect")
+            c.wait(child.session, child.turn)
+        c.spawn(other, "aux-1", "reviewer", "inspect")
+        listed = c.list_children(parent).sessions
+        assert [(s.session, s.parent) for s in listed] == [(f"{parent}.s-aux-1", parent), (f"{parent}.s-aux-2", parent)]
