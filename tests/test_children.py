@@ -16,6 +16,7 @@ from devd.client import Client
 from devd.messages import Cancel, Event
 from tests.agents import conversation, until_done, watch_raw
 from tests.children import Family, delegation, echo, family, notices
+from tests.helpers import until
 from tests.standin_model import Scripted, Standin, standin_fixture
 
 __all__ = ["standin_fixture"]
@@ -383,3 +384,151 @@ def test_list_of_a_parent_gives_its_children_and_each_names_its_parent(
         c.spawn(other, "aux-1", "reviewer", "inspect")
         listed = c.list_children(parent).sessions
         assert [(s.session, s.parent) for s in listed] == [(f"{parent}.s-aux-1", parent), (f"{parent}.s-aux-2", parent)]
+
+
+def test_a_tree_three_deep_cancelled_from_the_top_ends_deepest_first(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {
+        "coder": {"delegates": '["reviewer"]', "max_depth": "3"},
+        "reviewer": {"delegates": '["tester"]', "max_depth": "3"},
+        "tester": {"delegates": '["auditor"]', "max_depth": "3"},
+        "auditor": {},
+    }
+    held, asked = threading.Event(), threading.Event()
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("coder", delegation("reviewer", "review"))
+        f.router.script("reviewer", delegation("tester", "test"))
+        f.router.script("tester", delegation("auditor", "audit"))
+        f.router.script("auditor", Scripted(text="never", held=held, held_after=1))
+        f.router.hooks["auditor"] = lambda body: asked.set()
+        session = f.session(c)
+        turn = c.prompt(session, "go")
+        assert asked.wait(30)
+        tree = [session, f"{session}.d2", f"{session}.d2.d2", f"{session}.d2.d2.d2"]
+        for name in tree[:3]:
+            watch_raw(ui, name, since=c.info(name).seq)
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        ended = notices(ui, "session/child", lambda n: n.params["child"] == tree[1] and n.params["state"] != "running")
+        held.set()
+        cancelled = [n.params["child"] for n in ended if n.params["state"] == "cancelled"]
+        outcomes = [c.wait(name, 1).outcome for name in tree[1:]]
+        assert (cancelled, outcomes, f.router.seen) == (
+            [tree[3], tree[2], tree[1]],
+            ["cancelled"] * 3,
+            {"coder": 1, "reviewer": 1, "tester": 1, "auditor": 1},
+        )
+
+
+def test_closing_the_parent_cancels_its_running_children(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = threading.Event()
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="never", held=held, held_after=1))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "wait")
+        c.close_session(parent)
+        held.set()
+        waited = c.wait(child.session, child.turn)
+        assert (waited.outcome, waited.why) == ("cancelled", f"its parent {parent} was closed")
+
+
+def test_a_delegation_past_max_children_running_is_refused(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = threading.Event()
+    profiles = {"coder": {"delegates": '["reviewer"]', "max_children": "1"}, "reviewer": {}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="slow", held=held, held_after=1))
+        parent = f.session(c)
+        c.spawn(parent, "aux-1", "reviewer", "wait")
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.spawn(parent, "aux-2", "reviewer", "wait")
+        held.set()
+        assert str(refused.value) == (
+            "refused: 1 delegated runs of this session are running, and max_children = 1 (the strictest along its "
+            "chain); wait for one to end; no child was made"
+        )
+
+
+def test_a_childs_approval_is_announced_to_its_parents_watchers_who_may_decide_it(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {"exec": '"ask"', "sandbox": '"none"'}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("coder", delegation("reviewer", "make it"), echo)
+        f.router.script("reviewer", Scripted(tool_calls=[("exec", {"argv": ["touch", "made"]})]), Scripted(text="made"))
+        session = f.session(c)
+        watch_raw(ui, session)
+        turn = c.prompt(session, "go")
+        asked = notices(ui, "session/approval", lambda n: True)[0].params
+        c.approve(asked["session"], asked["action"], asked["digest"], "allow")
+        until_done(ui, turn)
+        assert (asked["session"], results(c, session), (f.workspace / "made").exists()) == (
+            f"{session}.d2",
+            [("made", False)],
+            True,
+        )
+
+
+# -- one budget tree -------------------------------------------------------------------------------------------------
+
+
+def test_two_children_racing_cannot_pass_their_parents_ceiling_together(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first child's call holds its reservation on the parent's ceiling; the second's cannot fit beside it and
+    stalls saying which ceiling; once the first is over, a resume carries the second on."""
+    held, asked = threading.Event(), threading.Event()
+    profiles = {
+        "coder": {"delegates": '["reviewer"]', "budget": "{ tokens_per_session = 3000 }"},
+        "reviewer": {"max_tokens": "100000"},
+    }
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script(
+            "reviewer",
+            Scripted(text="first", held=held, held_after=1, usage=(10, 5, None)),
+            Scripted(text="second", usage=(10, 5, None)),
+        )
+        f.router.hooks["reviewer"] = lambda body: asked.set()
+        parent = f.session(c)
+        first = c.spawn(parent, "aux-1", "reviewer", "one")
+        assert asked.wait(30)
+        second = c.spawn(parent, "aux-2", "reviewer", "two")
+        until(lambda: c.info(second.session).stalled is not None)
+        why = str(c.info(second.session).stalled)
+        held.set()
+        done_first = c.wait(first.session, first.turn).outcome
+        c.resume(second.session)
+        waited = c.wait(second.session, second.turn)
+        assert (why.split(" is ")[0], done_first, waited.outcome, waited.answer, f.router.seen["reviewer"]) == (
+            f"spend ceiling reached: tokens_per_session of agent 'coder' of session {parent!r}, which this run was "
+            "delegated from",
+            "completed",
+            "completed",
+            "second",
+            2,
+        )
+
+
+def test_a_child_cancelled_while_stalled_at_a_ceiling_fails_the_call_saying_which(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {"coder": {"delegates": '["reviewer"]', "budget": "{ tokens_per_session = 2000 }"}, "reviewer": {}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", Scripted(**delegation("reviewer", "review").__dict__ | {"usage": (1990, 5, None)}))
+        session = f.session(c)
+        c.prompt(session, "go")
+        child = f"{session}.d2"
+        until(lambda: child in (c.info(session).children or []) and c.info(child).stalled is not None)
+        stall = str(c.info(child).stalled)
+        c.step(child, Event(Cancel=Cancel(turn=1)))
+        until(lambda: bool(results(c, session)))
+        assert results(c, session) == [
+            (
+                f"the delegated run {child} (agent 'reviewer') cancelled: its turn was cancelled while it was stalled: "
+                f"{stall}",
+                True,
+            )
+        ]

@@ -380,7 +380,7 @@ class Children:
         while True:
             rows = await self.sessions.steps(session, since, 256)
             for _, event in rows:
-                if event.startswith(b'{"Cancel"') and _cancel_turn(event) == turn:
+                if event.startswith(b'{"Cancel"') and cancel_turn(event) == turn:
                     return True
             if len(rows) < 256:
                 return False
@@ -546,13 +546,14 @@ class Children:
         if not await self._running(parent):
             return
         await self._record(parent, records.CASCADE, 0, Cascade(why, turn, close))
+        before = set(self._cascading)
         self._cascading.add(parent)
         try:
             await self._cancel_below(parent, why)
             failpoints.hit("children.cascaded")
             await self._record(parent, records.CASCADED, 0, Cascade(why, turn, close))
         finally:
-            self._cascading.discard(parent)
+            self._cascading = before
 
     async def _running(self, parent: str) -> list[tuple[int, ChildLink]]:
         ended = await self.ends(parent)
@@ -562,6 +563,8 @@ class Children:
         for action, link in await self._running(parent):
             name = link.child
             if await self.sessions.known(name):
+                # A child whose own child ends cancelled does not go on with that as a result: it is cancelled next.
+                self._cascading.add(name)
                 await self._cancel_below(name, why)  # deepest first
                 asked = await self.runtime.oversight.awaiting(name)
                 if asked:
@@ -580,6 +583,7 @@ class Children:
                 continue
             cascade = records.decode(kept[-1].body, Cascade)
             log.info("agent.cascade_resumed", session=parent, why=cascade.why[:300])
+            before = set(self._cascading)
             self._cascading.add(parent)
             try:
                 await self._cancel_below(parent, cascade.why)
@@ -589,7 +593,7 @@ class Children:
                 elif cascade.turn is not None:
                     await self.sessions.step(parent, Event(Cancel=Cancel(turn=cascade.turn)), f"cascade:{cascade.turn}")
             finally:
-                self._cascading.discard(parent)
+                self._cascading = before
 
     # -- spend ------------------------------------------------------------------------------------------------------
 
@@ -652,7 +656,8 @@ def _why(e: Exception) -> str:
 _cancel = msgspec.json.Decoder(Event)
 
 
-def _cancel_turn(event: bytes) -> int | None:
+def cancel_turn(event: bytes) -> int | None:
+    """The turn a Cancel event cancels (None: it is no Cancel that can be read)."""
     try:
         found = _cancel.decode(event).Cancel
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError):

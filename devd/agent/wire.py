@@ -33,6 +33,7 @@ import structlog
 from msgspec import Raw
 
 from devd.agent import effects, instructions, records, rewind
+from devd.agent.children import cancel_turn
 from devd.agent.kinds.delegate import DelegateInput
 from devd.agent.oversight import APPROVAL_NOTICE, Oversight
 from devd.agent.port import ObservedFanout
@@ -168,7 +169,8 @@ class AgentPort:
         if not head.startswith(b'{"Cancel"') or not self._here(name):
             return await self._patient(name, step)
         # Its running descendants are cancelled first, deepest first, each ending before the parent's turn does.
-        await self.runtime.children.cascade(name, f"the turn of its parent {name} was cancelled")
+        why = f"the turn of its parent {name} was cancelled"
+        await self.runtime.children.cascade(name, why, cancel_turn(event))
         with self.oversight.cancelling(name, by):  # apart, so that no other step pays for it
             return await self._patient(name, step)
 
