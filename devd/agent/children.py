@@ -121,7 +121,8 @@ class Children:
     async def links(self, parent: str) -> list[tuple[int, ChildLink]]:
         """The parent's children, each with its delegating action (0: spawned), in the order they were made."""
         found = await self.sessions.records(parent, (records.CHILD,))
-        return [(r.action, records.decode(r.body, ChildLink)) for r in found]
+        links = [(r.action, records.decode(r.body, ChildLink)) for r in found]
+        return [(action, link) for action, link in links if link.parent == parent]  # a fork's are its source's
 
     async def ends(self, session: str) -> dict[str, ChildEnded]:
         """The terminal states kept in the session's log: its children's (in a parent's), or its own (a child's)."""
@@ -141,7 +142,8 @@ class Children:
                 continue
             kept = await self.sessions.records(name, (records.CHILD, records.PARENT))
             up = [records.decode(r.body, ParentLink).parent for r in kept if r.kind == records.PARENT]
-            down = [records.decode(r.body, ChildLink).child for r in kept if r.kind == records.CHILD]
+            links = [records.decode(r.body, ChildLink) for r in kept if r.kind == records.CHILD]
+            down = [link.child for link in links if link.parent == name]
             found[name] = Family(up[-1] if up else None, down)
         return found
 
@@ -245,6 +247,7 @@ class Children:
             if problem is not None:
                 return f"refused: output_schema is not a JSON Schema: {problem}"
         return ChildLink(
+            parent=parent,
             child=name,
             agent=ask.agent,
             task_digest=digest(ask.task),
@@ -408,6 +411,7 @@ class Children:
             except HandleError:
                 pass  # its session is gone: the parent's record is its end
             await self.sessions.add_record(Record(parent, self.sessions.seq(parent) or 0, records.ENDED, action, body))
+            failpoints.hit("children.ended")
             log.info("agent.child_ended", session=parent, child=name, state=state, why=(why or "")[:300])
             self._because.pop(name, None)
             self._stalls.pop(name, None)

@@ -114,10 +114,11 @@ ChildState = Literal["running", "completed", "failed", "cancelled", "disconnecte
 
 
 class ChildLink(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
-    """A delegated run, as its parent keeps it: the child session's name, its agent, the SHA-256 of its task, its
-    depth (the parent's + 1), the parent's turn it was made in, the limits it was made under, the spawn `id` (for
-    `session/spawn`), the JSON Schema its answer must satisfy and the budget it was given."""
+    """A delegated run, as its parent keeps it: the parent's name, the child session's name, its agent, the SHA-256
+    of its task, its depth (the parent's + 1), the parent's turn it was made in, the limits it was made under, the
+    spawn `id` (for `session/spawn`), the JSON Schema its answer must satisfy and the budget it was given."""
 
+    parent: str  # the session it was made by (a fork of the parent carries the record, naming its source)
     child: str
     agent: str
     task_digest: str

@@ -198,6 +198,8 @@ class AgentPort:
         return await self._patient(name, lambda: self.sessions.snapshot(name))
 
     async def fork(self, source: str, at: int | None, name: str | None) -> str:
+        if self._here(source):
+            await self._not_a_child(source, "forked")
         forked = await self._patient(source, lambda: self.sessions.fork(source, at, name))
         self.runtime.titles.made(forked)  # the fork carries the source's title record
         return forked
