@@ -29,17 +29,15 @@ def agents_file(url: str, root: Path, profiles: dict[str, dict[str, str]]) -> st
     written (e.g. {"delegates": '["reviewer"]'})."""
     lines: list[str] = []
     for name, extra in profiles.items():
-        lines += [
-            f"[agent.{name}]",
-            f'base_url = "{url}"',
-            'model = "standin-model"',
-            'api_key_env = "DEVD_TEST_KEY"',
-            f'system = "{system_of(name)}"',
-            f'workspace_roots = ["{root}"]',
-            "exec_timeout_s = 60",
-            *(f"{key} = {value}" for key, value in extra.items()),
-            "",
-        ]
+        keys = {
+            "base_url": f'"{url}"',
+            "model": '"standin-model"',
+            "api_key_env": '"DEVD_TEST_KEY"',
+            "system": f'"{system_of(name)}"',
+            "workspace_roots": f'["{root}"]',
+            "exec_timeout_s": "60",
+        } | extra
+        lines += [f"[agent.{name}]", *(f"{key} = {value}" for key, value in keys.items()), ""]
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ import pytest
 from devd import errors, failpoints
 from devd.client import Client
 from devd.messages import Cancel, Event
+from devd.messages import turn as turn_event
 from tests.agents import conversation, until_done, watch_raw
 from tests.children import Family, delegation, echo, family, notices
 from tests.helpers import until
@@ -531,4 +532,154 @@ def test_a_child_cancelled_while_stalled_at_a_ceiling_fails_the_call_saying_whic
                 f"{stall}",
                 True,
             )
+        ]
+
+
+def test_a_child_whose_session_is_closed_while_its_parent_waits_is_disconnected(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held, asked = threading.Event(), threading.Event()
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "review"), Scripted(text="gone"))
+        f.router.script("reviewer", Scripted(text="never", held=held, held_after=1))
+        f.router.hooks["reviewer"] = lambda body: asked.set()
+        session = f.session(c)
+        watch_raw(c, session)
+        turn = c.prompt(session, "go")
+        assert asked.wait(30)
+        c.close_session(f"{session}.d2")
+        held.set()
+        until_done(c, turn)
+        assert results(c, session) == [
+            (f"the delegated run {session}.d2 (agent 'reviewer') disconnected: its session was closed", True)
+        ]
+
+
+def test_a_budget_past_what_the_parent_has_left_is_refused(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        parent = c.new(agent="coder", workspace=f.workspace, budget=500)
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.spawn(parent, "aux-1", "reviewer", "inspect", budget=501)
+        assert str(refused.value) == (
+            "refused: a budget of 501 tokens is more than this session has left (500 tokens, under the tightest of "
+            "its and its ancestors' ceilings); no child was made"
+        )
+
+
+def test_a_child_is_held_to_its_own_budget(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "inspect", budget=5)
+        until(lambda: c.info(child.session).stalled is not None)
+        assert str(c.info(child.session).stalled).split(" is ")[0] == "spend ceiling reached: the session's budget"
+
+
+def test_max_children_per_turn_is_held(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> None:
+    profiles = {"coder": {"delegates": '["reviewer"]', "max_children_per_turn": "1"}, "reviewer": {}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "one"), delegation("reviewer", "two"), Scripted(text="done"))
+        f.router.script("reviewer", Scripted(text="one done"))
+        session = f.session(c)
+        delegated_turn(f, c, session)
+        assert results(c, session) == [
+            ("one done", False),
+            (
+                "refused: this turn has made 1 delegated runs, and max_children_per_turn = 1 (the strictest along its "
+                "chain)",
+                True,
+            ),
+        ]
+
+
+def test_a_delegation_to_an_agent_whose_roots_do_not_hold_the_workspace_is_refused(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    profiles = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {"workspace_roots": f'["{elsewhere}"]'}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        parent = f.session(c)
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.spawn(parent, "aux-1", "reviewer", "inspect")
+        assert str(refused.value).startswith(
+            "refused: the delegated run would work in this session's workspace, which agent 'reviewer' may not: "
+            f"workspace {f.workspace} is not inside a workspace root of agent 'reviewer'"
+        )
+
+
+def test_the_tools_a_child_is_offered_are_those_its_parent_is_offered_too(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {"coder": {"delegates": '["reviewer"]', "write": '"deny"'}, "reviewer": {"sandbox": '"none"'}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="ok"))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "inspect")
+        c.wait(child.session, child.turn)
+        offered = [t["function"]["name"] for t in standin.requests[-1].body["tools"]]
+        assert offered == ["exec", "read", "git"]
+
+
+def test_a_fork_child_starts_from_its_parents_conversation(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "check it", context="fork"), Scripted(text="done"))
+        f.router.script("reviewer", Scripted(text="checked"))
+        session = f.session(c)
+        delegated_turn(f, c, session, "the colour is blue")
+        prompt = [m["content"] for m in standin.requests[1].body["messages"] if m["role"] == "user"][0]
+        assert prompt == (
+            "The conversation of the session that delegated this task to you, so far:\nuser: the colour is blue\n\n"
+            "Your task: check it"
+        )
+
+
+def test_a_child_may_not_be_stepped_a_turn_nor_forked(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="done"))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "inspect")
+        c.wait(child.session, child.turn)
+        refusals = []
+        for attempt in (lambda: c.step(child.session, turn_event(9, "more")), lambda: c.fork(child.session)):
+            with pytest.raises(errors.InvalidParamsError) as refused:
+                attempt()
+            refusals.append(str(refused.value).split(": it may not be ")[1].split(" ")[0])
+        assert refusals == ["stepped", "forked"]
+
+
+def test_a_fork_of_a_parent_has_none_of_its_children(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="done"))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "inspect")
+        c.wait(child.session, child.turn)
+        forked = c.fork(parent)
+        assert (c.info(parent).children, c.info(forked).children, c.usage(forked).children) == (
+            [child.session],
+            None,
+            None,
+        )
+
+
+def test_a_childs_usage_is_told_to_its_parents_watchers_as_it_runs(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("reviewer", Scripted(text="done", usage=(10, 5, None)))
+        parent = f.session(c)
+        watch_raw(ui, parent)
+        c.spawn(parent, "aux-1", "reviewer", "inspect")
+        told = notices(ui, "session/child", lambda n: n.params["state"] == "completed")
+        assert [(n.params["state"], n.params["usage"]["calls"], n.params["usage"]["input_tokens"]) for n in told] == [
+            ("running", 0, 0),
+            ("running", 1, 10),
+            ("completed", 1, 10),
         ]

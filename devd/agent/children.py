@@ -31,6 +31,7 @@ What it promises:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -406,10 +407,10 @@ class Children:
                     state, why = "failed", f"its final answer does not satisfy the output_schema: {problem}"
             ended = ChildEnded(name, state, why, answer)
             body = records.encode(ended)
-            try:
-                await self.sessions.add_record(Record(name, self.sessions.seq(name) or 0, records.ENDED, 0, body))
-            except HandleError:
-                pass  # its session is gone: the parent's record is its end
+            seq = self.sessions.seq(name)
+            if seq is not None:  # else its session is gone: the parent's record is its end
+                with contextlib.suppress(HandleError):
+                    await self.sessions.add_record(Record(name, seq, records.ENDED, 0, body))
             await self.sessions.add_record(Record(parent, self.sessions.seq(parent) or 0, records.ENDED, action, body))
             failpoints.hit("children.ended")
             log.info("agent.child_ended", session=parent, child=name, state=state, why=(why or "")[:300])
@@ -458,6 +459,18 @@ class Children:
         known = self.runtime.table.find(session)
         if known is not None and known.link is not None and self.runtime._tg is not None:
             self.runtime._tg.start_soon(self._ended_child, session)
+
+    async def gone(self, child: str, parent: str) -> None:
+        """The child's session ended (closed, say) while its parent may wait for it: it ends `disconnected` unless it
+        had ended already."""
+        try:
+            if not await self.sessions.known(parent):
+                return
+            found = [(a, kept) for a, kept in await self.links(parent) if kept.child == child]
+            if found and not await self.sessions.known(child):
+                await self.settle(parent, found[0][0], found[0][1])
+        except DevdError as e:
+            log.warning("agent.child_end_not_kept", child=child, error=f"{e.kind}: {e}"[:300])
 
     async def _ended_child(self, child: str) -> None:
         link = await self.parent_link(child)

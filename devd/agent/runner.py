@@ -487,6 +487,8 @@ class Runtime:
         known = self.table.forget(session)
         if known is not None and known.driver is not None:
             known.driver.scope.cancel()
+        if known is not None and known.link is not None and self._tg is not None:  # a child gone: its parent is told
+            self._tg.start_soon(self.children.gone, session, known.link.parent)
         if self.mcp is not None:
             self.mcp.forget(session)
         self.titles.forget(session)  # the caches of titles and of kept contents, beside the record
