@@ -683,3 +683,28 @@ def test_a_childs_usage_is_told_to_its_parents_watchers_as_it_runs(
             ("running", 1, 10),
             ("completed", 1, 10),
         ]
+
+
+def test_a_childs_pending_approval_is_withdrawn_before_it_ends_cancelled(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {"exec": '"ask"', "sandbox": '"none"'}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("coder", delegation("reviewer", "make it"))
+        f.router.script("reviewer", Scripted(tool_calls=[("exec", {"argv": ["touch", "made"]})]))
+        session = f.session(c)
+        watch_raw(ui, session)
+        turn = c.prompt(session, "go")
+        notices(ui, "session/approval", lambda n: True)
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        told = []
+        while not told or told[-1] != "session/child cancelled":
+            n = ui.wait_notification(30)
+            if n.method == "session/decided":
+                told.append(f"session/decided {n.params['decision']}")
+            elif n.method == "session/child":
+                told.append(f"session/child {n.params['state']}")
+        assert (told, (f.workspace / "made").exists()) == (
+            ["session/decided cancelled", "session/child cancelled"],
+            False,
+        )

@@ -114,6 +114,15 @@ class Children:
         await self.runtime.binding(session, known)
         return known.link
 
+    async def held_parent(self, session: str) -> str | None:
+        """The parent of a session the runtime knows (None: it knows none, or the session is no child), read
+        without making a record of a session it does not know (a raw session stepped a Turn)."""
+        known = self.runtime.table.find(session)
+        if known is None:
+            return None
+        await self.runtime.binding(session, known)
+        return None if known.link is None else known.link.parent
+
     def parent_of(self, session: str) -> str | None:
         """The parent of a session whose link is in memory (a driven child's)."""
         known = self.runtime.table.find(session)
@@ -435,6 +444,12 @@ class Children:
         if link is None:
             return
         self._because[child] = ("failed", f"the daemon failed carrying it out: {why}")
+        before = set(self._cascading)
+        self._cascading.add(child)
+        try:  # its own running children first: nothing below a failed child goes on
+            await self._cancel_below(child, f"the delegated run {child} above it failed")
+        finally:
+            self._cascading = before
         await self._end_turn(child)
         found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
         if found:
