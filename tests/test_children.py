@@ -708,3 +708,33 @@ def test_a_childs_pending_approval_is_withdrawn_before_it_ends_cancelled(
             ["session/decided cancelled", "session/child cancelled"],
             False,
         )
+
+
+def test_a_wait_on_a_turn_of_any_agent_session_says_how_it_ended(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = threading.Event()
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c, f.client() as w:
+        f.router.script("coder", Scripted(text="first"), Scripted(text="second", held=held, held_after=1))
+        session = f.session(c)
+        first = c.prompt(session, "one")
+        done_first = c.wait(session, first)
+        second = c.prompt(session, "two")
+        waiting = w.wait(session, second, timeout_ms=100)
+        c.step(session, Event(Cancel=Cancel(turn=second)))
+        held.set()
+        assert (done_first.outcome, waiting.done, c.wait(session, second).outcome) == ("completed", False, "cancelled")
+
+
+def test_a_child_stalled_at_its_budget_carries_on_once_it_is_raised_and_resumed(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="done at last"))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "inspect", budget=5)
+        until(lambda: c.info(child.session).stalled is not None)
+        c.set_budget(child.session, 100_000)
+        c.resume(child.session)
+        waited = c.wait(child.session, child.turn)
+        assert (waited.outcome, waited.answer) == ("completed", "done at last")

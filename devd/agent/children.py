@@ -89,14 +89,24 @@ class Ancestor(msgspec.Struct, frozen=True):
     turn: int
 
 
+class Waited:
+    """A turn someone waits for: set, with how it ended, when a Done of it is stepped."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.cancelled: bool | None = None
+
+
 class Children:
     """The runtime's delegated runs: making, waiting, ending, cancelling and counting them."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._ended: dict[str, anyio.Event] = {}  # by child: set when its terminal state is durable
-        self._turns: dict[tuple[str, int], anyio.Event] = {}  # (session, turn): set when a Done of it was stepped
-        self._outcomes: dict[tuple[str, int], bool] = {}  # (session, turn) seen ended: cancelled?
+        self._turns: dict[tuple[str, int], Waited] = {}  # (session, turn) waited for: told when a Done of it is stepped
+        self._outcomes: dict[
+            tuple[str, int], bool
+        ] = {}  # a child's turn seen ended (cancelled?), until its end is kept
         self._cascading: set[str] = set()  # parents whose descendants are being cancelled
         self._because: dict[str, tuple[ChildState, str]] = {}  # a child being ended by the daemon: as what, why
         self._stalls: dict[str, str] = {}  # why a child is stalled, until resumed
@@ -425,6 +435,8 @@ class Children:
             log.info("agent.child_ended", session=parent, child=name, state=state, why=(why or "")[:300])
             self._because.pop(name, None)
             self._stalls.pop(name, None)
+            for key in [k for k in self._outcomes if k[0] == name]:
+                del self._outcomes[key]
         self._tell(parent, action, link, state, await self._used(name), why)
         event = self._ended.pop(name, None)
         if event is not None:
@@ -467,12 +479,13 @@ class Children:
 
     def turn_ended(self, session: str, turn: int, cancelled: bool) -> None:
         """A Done of the session's turn was stepped (called by the runtime's observer; must not block)."""
-        self._outcomes[(session, turn)] = cancelled
-        event = self._turns.pop((session, turn), None)
-        if event is not None:
-            event.set()
+        waited = self._turns.pop((session, turn), None)
+        if waited is not None:
+            waited.cancelled = cancelled
+            waited.event.set()
         known = self.runtime.table.find(session)
         if known is not None and known.link is not None and self.runtime._tg is not None:
+            self._outcomes[(session, turn)] = cancelled
             self.runtime._tg.start_soon(self._ended_child, session)
 
     async def gone(self, child: str, parent: str) -> None:
@@ -536,7 +549,7 @@ class Children:
         """Whether the session's turn has ended within the timeout: (done, outcome, answer, why)."""
         with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
             while True:
-                event = self._turns.setdefault((session, turn), anyio.Event())  # before the look
+                waited = self._turns.setdefault((session, turn), Waited())  # before the look
                 up = await self.parent_link(session)
                 if up is not None:  # a child's turn ends with its terminal state
                     ended_event = self._ended.setdefault(session, anyio.Event())
@@ -549,13 +562,13 @@ class Children:
                         return True, ended.state, ended.answer, ended.why
                     await ended_event.wait()
                     continue
-                done = self._outcomes.get((session, turn))
+                done = await self._ended_turn(session, turn)
                 if done is None:
-                    done = await self._ended_turn(session, turn)
+                    await waited.event.wait()
+                    done = waited.cancelled
                 if done is not None:
                     return True, ("cancelled" if done else "completed"), None, None
-                await event.wait()
-        return False, None, None, None
+        return False, None, None, None  # its waiter stays, for another waiter of the same turn (told at its end)
 
     async def _ended_turn(self, session: str, turn: int) -> bool | None:
         """Whether the turn has ended, read from the session (cancelled?); None while it has not."""
