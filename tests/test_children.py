@@ -738,3 +738,32 @@ def test_a_child_stalled_at_its_budget_carries_on_once_it_is_raised_and_resumed(
         c.resume(child.session)
         waited = c.wait(child.session, child.turn)
         assert (waited.outcome, waited.answer) == ("completed", "done at last")
+
+
+def test_a_spawn_id_used_for_another_task_is_a_conflict(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        parent = f.session(c)
+        c.spawn(parent, "aux-1", "reviewer", "inspect")
+        with pytest.raises(errors.ConflictError) as refused:
+            c.spawn(parent, "aux-1", "reviewer", "something else")
+        assert str(refused.value) == (
+            f"id 'aux-1' was used for another run of session {parent!r} (agent 'reviewer', another task): its child is "
+            f"{parent}.s-aux-1; use a new id for a new run"
+        )
+
+
+def test_a_session_made_first_under_a_childs_name_is_never_taken_for_the_child(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        parent = f.session(c)
+        squatter = c.new(agent="coder", workspace=f.workspace, session=f"{parent}.s-aux-1")
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.spawn(parent, "aux-1", "reviewer", "inspect")
+        assert (str(refused.value), c.info(squatter).parent, f.router.seen["reviewer"]) == (
+            f"the delegated run was not started: a session named {squatter} exists already and is not its own",
+            None,
+            0,
+        )

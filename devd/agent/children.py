@@ -46,7 +46,7 @@ from devd.agent import records, tools
 from devd.agent.kinds.delegate import DelegateInput
 from devd.agent.profiles import Profile
 from devd.agent.records import Binding, Cascade, ChildEnded, ChildLink, ChildState, ParentLink
-from devd.errors import DevdError, HandleError, InvalidParamsError
+from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError
 from devd.messages import Cancel, Config, Event, Message, encode
 from devd.protocol import ChildNotice, UsageTotals
 from devd.sessions.entry import Family
@@ -200,6 +200,11 @@ class Children:
         found = [(a, kept) for a, kept in await self.links(parent) if kept.child == name]
         if found:
             link = found[0][1]
+            if (link.agent, link.task_digest) != (ask.agent, digest(ask.task)):
+                raise ConflictError(
+                    f"id {spawn_id!r} was used for another run of session {parent!r} (agent {link.agent!r}, another "
+                    f"task): its child is {name}; use a new id for a new run"
+                )
         else:
             if ask.agent not in profile.delegates:
                 allowed = ", ".join(profile.delegates) or "none"
@@ -307,7 +312,16 @@ class Children:
                 await self.sessions.new(name, encode(Config(model=runtime.profiles[link.agent].model)))
                 await runtime.bind(name, Binding(link.agent, binding.workspace, binding.identity))
             known = runtime.table.get(name)
-            await runtime.binding(name, known)
+            made = await runtime.binding(name, known)
+            mine = (
+                made is not None
+                and (made.agent, made.workspace) == (link.agent, binding.workspace)
+                and (known.link.parent == parent if known.link is not None else known.turn == 0)
+            )
+            if not mine:  # a session of that name that is no child of this run's (a client made it first)
+                why = f"the delegated run was not started: a session named {name} exists already and is not its own"
+                await self.finish(parent, action, link, "failed", why, own=False)
+                return why
             if known.link is None:
                 up = ParentLink(
                     parent=parent,
@@ -409,7 +423,9 @@ class Children:
                 return False
             since = rows[-1][0]
 
-    async def finish(self, parent: str, action: int, link: ChildLink, state: ChildState, why: str | None) -> ChildEnded:
+    async def finish(
+        self, parent: str, action: int, link: ChildLink, state: ChildState, why: str | None, *, own: bool = True
+    ) -> ChildEnded:
         """Record the child's one terminal state (a completed one's answer, checked against its schema) in its log
         and its parent's, tell the parent's watchers, and wake whoever waits; the state kept already if it has one."""
         name = link.child
@@ -426,7 +442,7 @@ class Children:
                     state, why = "failed", f"its final answer does not satisfy the output_schema: {problem}"
             ended = ChildEnded(name, state, why, answer)
             body = records.encode(ended)
-            seq = self.sessions.seq(name)
+            seq = self.sessions.seq(name) if own else None  # not `own`: the session of its name is another's
             if seq is not None:  # else its session is gone: the parent's record is its end
                 with contextlib.suppress(HandleError):
                     await self.sessions.add_record(Record(name, seq, records.ENDED, 0, body))
