@@ -767,3 +767,17 @@ def test_a_session_made_first_under_a_childs_name_is_never_taken_for_the_child(
             None,
             0,
         )
+
+
+def test_a_watcher_of_the_parent_is_told_of_a_childs_approval_asked_before_it_watched(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {"exec": '"ask"', "sandbox": '"none"'}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("reviewer", Scripted(tool_calls=[("exec", {"argv": ["touch", "made"]})]))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "make it")
+        until(lambda: bool(c.info(child.session).waiting) and c.pending(child.session)[0].awaiting == "approval")
+        watch_raw(ui, parent)
+        asked = notices(ui, "session/approval", lambda n: True)[0].params
+        assert (asked["session"], asked["action"]) == (child.session, 2)

@@ -616,6 +616,14 @@ class Children:
         finally:
             self._cascading = before
 
+    async def running_below(self, parent: str) -> list[str]:
+        """The session's running descendants, each before its own children."""
+        found: list[str] = []
+        for _, link in await self._running(parent):
+            if await self.sessions.known(link.child):
+                found += [link.child, *await self.running_below(link.child)]
+        return found
+
     async def _running(self, parent: str) -> list[tuple[int, ChildLink]]:
         ended = await self.ends(parent)
         return [(a, kept) for a, kept in await self.links(parent) if kept.child not in ended]
