@@ -339,12 +339,13 @@ class Children:
             why = f"the delegated run was not started: its link could not be kept in its own session's log ({_why(e)})"
             await self.finish(parent, action, link, "failed", why)
             return why
-        if known.turn == 0:
-            task = ask.task if ask.context == "task" else await self._forked(parent, ask.task)
-            await runtime.prompt(name, task, TASK_KEY)
+        # Its one turn, under its key: started once, however often this is carried out (a restart between the
+        # turn's record and its step finds no step under the key, and starts it).
+        started = await self.sessions.keyed_turn(name, f"prompt:{TASK_KEY}") is not None
+        task = ask.task if ask.context == "task" else await self._forked(parent, ask.task)
+        await runtime.prompt(name, task, TASK_KEY)
+        if not started:
             self._tell(parent, action, link, "running", UsageTotals())
-        else:
-            runtime.drive(name)
         return None
 
     async def _forked(self, parent: str, task: str) -> str:
@@ -395,7 +396,7 @@ class Children:
             return await self.finish(parent, action, link, "disconnected", "its session was closed")
         known = self.runtime.table.get(name)
         await self.runtime.binding(name, known)
-        if known.turn == 0:
+        if known.turn == 0 or await self.sessions.keyed_turn(name, f"prompt:{TASK_KEY}") is None:
             return None  # not started yet (its making goes on)
         pending = [a for a in await self.sessions.pending(name) if a.op.Emit is None and a.op.Save is None]
         if any(a.op.Done is None for a in pending):
