@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -111,6 +112,7 @@ class Children:
         self._because: dict[str, tuple[ChildState, str]] = {}  # a child being ended by the daemon: as what, why
         self._stalls: dict[str, str] = {}  # why a child is stalled, until resumed
         self._locks: dict[str, anyio.Lock] = {}
+        self._busy: dict[str, int] = {}  # children the daemon is making, reading or ending: a client waits out BUSY
 
     @property
     def sessions(self) -> Any:
@@ -291,6 +293,12 @@ class Children:
     ) -> str | None:
         """Make the child as far as it is not made yet (the links, its session, its turn): None, or why it could not
         be (it never asks the model; its terminal state says so)."""
+        with self._holding(link.child):
+            return await self._made(parent, action, profile, ask, link)
+
+    async def _made(
+        self, parent: str, action: int, profile: Profile, ask: DelegateInput, link: ChildLink
+    ) -> str | None:
         runtime, name = self.runtime, link.child
         binding = await runtime.binding(parent)
         assert binding is not None
@@ -388,9 +396,28 @@ class Children:
 
     # -- ending -----------------------------------------------------------------------------------------------------
 
+    def holds(self, session: str) -> bool:
+        """Whether the daemon's own calls on a child (making, reading or ending it) may hold it now: a client's call
+        answered BUSY waits them out, as it does a driver's."""
+        return session in self._busy
+
+    @contextlib.contextmanager
+    def _holding(self, child: str) -> Iterator[None]:
+        self._busy[child] = self._busy.get(child, 0) + 1
+        try:
+            yield
+        finally:
+            self._busy[child] -= 1
+            if not self._busy[child]:
+                del self._busy[child]
+
     async def settle(self, parent: str, action: int, link: ChildLink) -> ChildEnded | None:
         """The child's terminal state, recorded now if its turn has ended (or its session is gone) and none was; None
         while it runs."""
+        with self._holding(link.child):
+            return await self._settle(parent, action, link)
+
+    async def _settle(self, parent: str, action: int, link: ChildLink) -> ChildEnded | None:
         name = link.child
         if not await self.sessions.known(name):
             return await self.finish(parent, action, link, "disconnected", "its session was closed")
@@ -494,10 +521,11 @@ class Children:
         """Cancel the child's turn (a session that cannot be stepped any more, closed or poisoned, is let be)."""
         known = self.runtime.table.get(child)
         turn = max(known.turn, 1)
-        try:
-            await self.sessions.step(child, Event(Cancel=Cancel(turn=turn)), f"ended:{turn}")
-        except DevdError as e:
-            log.warning("agent.child_turn_not_cancelled", child=child, error=_why(e)[:300])
+        with self._holding(child):
+            try:
+                await self.sessions.step(child, Event(Cancel=Cancel(turn=turn)), f"ended:{turn}")
+            except DevdError as e:
+                log.warning("agent.child_turn_not_cancelled", child=child, error=_why(e)[:300])
 
     # -- observing ----------------------------------------------------------------------------------------------------
 
@@ -559,6 +587,8 @@ class Children:
             if link is None:
                 return
             found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
+            if child in self._because:  # being ended: its terminal state is what is told next
+                return
             if found and (await self.ends(link.parent)).get(child) is None:
                 self._tell(link.parent, found[0][0], found[0][1], "running", await self._used(child))
         except DevdError as e:

@@ -279,7 +279,8 @@ class AgentPort:
             try:
                 return await call()
             except BusyError:
-                if not self.runtime.driving(name) or anyio.current_time() >= deadline:
+                ours = self.runtime.driving(name) or self.runtime.children.holds(name)  # a child being made, say
+                if not ours or anyio.current_time() >= deadline:
                     raise
             with anyio.move_on_after(deadline - anyio.current_time()):
                 await self.sessions.wait_free(name)
