@@ -66,6 +66,7 @@ from devd.protocol import (
     BackupParams,
     BackupResult,
     BudgetParams,
+    ChildNotice,
     CompactResult,
     DecidedNotice,
     DeltaNotice,
@@ -97,6 +98,8 @@ from devd.protocol import (
     SessionParams,
     SessionResult,
     SnapshotResult,
+    SpawnParams,
+    SpawnResult,
     StalledNotice,
     StatusResult,
     StepParams,
@@ -110,6 +113,8 @@ from devd.protocol import (
     TranscriptResult,
     UnwatchedNotice,
     UsageResult,
+    WaitParams,
+    WaitResult,
     WatchParams,
 )
 from devd.protocol import Client as ClientInfo
@@ -167,7 +172,14 @@ class StepAnswer(msgspec.Struct, frozen=True):
 
 
 Notice = (
-    ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice | InstructionsNotice
+    ActionsNotice
+    | UnwatchedNotice
+    | DeltaNotice
+    | StalledNotice
+    | ApprovalNotice
+    | DecidedNotice
+    | InstructionsNotice
+    | ChildNotice
 )
 
 # Each notification the daemon sends, and its type here.
@@ -179,6 +191,7 @@ NOTICES: dict[str, type[Notice]] = {
     "session/approval": ApprovalNotice,
     "session/decided": DecidedNotice,
     "session/instructions": InstructionsNotice,
+    "session/child": ChildNotice,  # a delegated run's state and usage, to its parent's watchers
 }
 
 
@@ -698,6 +711,32 @@ class Client:
         result: UsageResult = self.request("session/usage", SessionParams(session))
         return result
 
+    def spawn(
+        self,
+        parent: str,
+        id: str,
+        agent: str,
+        task: str,
+        *,
+        context: Literal["task", "fork"] = "task",
+        output_schema: dict[str, Any] | None = None,
+        budget: int | None = None,
+    ) -> SpawnResult:
+        """Start a delegated run: a child session of `parent` running `agent` on `task` (once per `id`)."""
+        params = SpawnParams(parent, id, agent, task, context, output_schema, budget)
+        result: SpawnResult = self.request("session/spawn", params)
+        return result
+
+    def wait(self, session: str, turn: int, timeout_ms: int | None = None) -> WaitResult:
+        """Wait for the session's turn to end (`done: false` when `timeout_ms` passes first)."""
+        result: WaitResult = self.request("session/wait", WaitParams(session, turn, timeout_ms))
+        return result
+
+    def list_children(self, parent: str) -> ListResult:
+        """The children of `parent` (its delegated runs), as `list` shows sessions."""
+        result: ListResult = self.request("session/list", ListParams(parent=parent))
+        return result
+
     def set_title(self, session: str, title: str) -> None:
         """Set what the session is called (`title` in `session/list` and `session/info`)."""
         self.request("session/title", TitleParams(session, title))
@@ -1151,6 +1190,32 @@ class AsyncClient:
     async def usage(self, session: str) -> UsageResult:
         """What the session's model calls used, how many were made and how many were refused."""
         result: UsageResult = await self.request("session/usage", SessionParams(session))
+        return result
+
+    async def spawn(
+        self,
+        parent: str,
+        id: str,
+        agent: str,
+        task: str,
+        *,
+        context: Literal["task", "fork"] = "task",
+        output_schema: dict[str, Any] | None = None,
+        budget: int | None = None,
+    ) -> SpawnResult:
+        """Start a delegated run: a child session of `parent` running `agent` on `task` (once per `id`)."""
+        params = SpawnParams(parent, id, agent, task, context, output_schema, budget)
+        result: SpawnResult = await self.request("session/spawn", params)
+        return result
+
+    async def wait(self, session: str, turn: int, timeout_ms: int | None = None) -> WaitResult:
+        """Wait for the session's turn to end (`done: false` when `timeout_ms` passes first)."""
+        result: WaitResult = await self.request("session/wait", WaitParams(session, turn, timeout_ms))
+        return result
+
+    async def list_children(self, parent: str) -> ListResult:
+        """The children of `parent` (its delegated runs), as `list` shows sessions."""
+        result: ListResult = await self.request("session/list", ListParams(parent=parent))
         return result
 
     async def set_title(self, session: str, title: str) -> None:

@@ -20,7 +20,10 @@ is about to be pruned), `read` (a read of the store is about to run), `hibernate
 about to be dropped to make room), `backup` (a backup is about to copy the database), `checkpoint` (the log is about
 to be checkpointed, between commits), `reopen` (the store is about to reopen the database after a write fault),
 `agent.claimed` (the agent runtime's claim of an Exec, Write or Git is durable and the effect has not started),
-`agent.done` (the effect is done and its result not yet stepped).
+`agent.done` (the effect is done and its result not yet stepped), `children.parent_link` (a delegated run's link is
+about to be kept in its parent's log), `children.child_link` (its link to its parent is about to be kept in its own
+log), `children.ended` (a child's terminal state is kept in both logs, and its parent's call not yet answered),
+`children.cascaded` (a cancel's descendants are cancelled, and the cascade not yet marked done).
 """
 
 from __future__ import annotations

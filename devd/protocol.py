@@ -424,6 +424,7 @@ class ListParams(_Params, frozen=True):
 
     limit: Annotated[int, Meta(ge=1, le=100_000, description="at most this many sessions")] | None = None
     cursor: Annotated[str, Meta(description="the `next` of the page before")] | None = None
+    parent: SessionName | None = None  # only the children of this session
 
 
 class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -442,6 +443,8 @@ class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     held: bool | None = None
     stalled: str | None = None  # the daemon drives it and cannot carry out what it waits for: why (`session/resume`)
     title: str | None = None  # what the session is about: its first prompt cut to 60 characters, or `session/title`
+    parent: str | None = None  # a child session (a delegated run): the session that delegated it
+    children: list[str] | None = None  # the child sessions it delegated to, in the order they were made
 
 
 class ListResult(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -557,6 +560,56 @@ class BudgetParams(_Params, frozen=True):
     tokens: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="a number of tokens, at least 1")] | None
 
 
+class UsageTotals(msgspec.Struct, frozen=True):
+    """Usage summed over sessions: tokens, calls made and calls a spend ceiling refused."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    calls: int = 0
+    refused: int = 0
+
+
+class SpawnParams(_Params, frozen=True):
+    """Start a delegated run from outside: a child session of `parent` (a session of an agent) running `agent` on
+    `task`, held to the parent as the `delegate` tool's children are. `id`, the caller's: the same id answers the same
+    child and starts nothing. `context`: "task" (the task alone, the default) or "fork" (the parent's conversation so
+    far too); `output_schema`: a JSON Schema its final answer must satisfy; `budget`: its own token ceiling."""
+
+    parent: SessionName
+    id: Annotated[str, Meta(min_length=1, max_length=128, description="the caller's id of this run")]
+    agent: Annotated[str, Meta(min_length=1, description="one of the parent's agent's delegates")]
+    task: Annotated[str, Meta(min_length=1, description="what the child is to do")]
+    context: Literal["task", "fork"] = "task"
+    output_schema: dict[str, Any] | None = None
+    budget: Annotated[int, Meta(ge=1, le=SEQ_MAX)] | None = None
+
+
+class SpawnResult(msgspec.Struct, frozen=True):
+    """The child session and its turn (`session/wait` waits for it)."""
+
+    session: str
+    turn: int
+
+
+class WaitParams(_Params, frozen=True):
+    """Wait for turn `turn` of the session to end, for `timeout_ms` at most (default: until it does)."""
+
+    session: SessionName
+    turn: Annotated[int, Meta(ge=1)]
+    timeout_ms: Annotated[int, Meta(ge=0, le=86_400_000)] | None = None
+
+
+class WaitResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Whether the turn has ended; if so, how (`outcome`): `completed` or `cancelled`, and for a child session its
+    terminal state (`failed`, `disconnected` too), its final answer (`answer`) or why it did not complete (`why`)."""
+
+    done: bool
+    outcome: Literal["completed", "failed", "cancelled", "disconnected"] | None = None
+    answer: str | None = None
+    why: str | None = None
+
+
 class UsageResult(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the session's model calls used (the provider's counts, else devd's estimate: then `estimated`), how many
     calls were made, and how many a spend ceiling refused. A fork counts from zero."""
@@ -568,6 +621,7 @@ class UsageResult(msgspec.Struct, frozen=True, omit_defaults=True):
     refused: int
     estimated: bool = False  # some of the counts are devd's estimate: a server sent no usage for a call
     window: int | None = None  # the context window of the model the session's next call names, when devd knows it
+    children: UsageTotals | None = None  # its descendants' (delegated runs') usage, summed; none when it has none
 
 
 class ModelParams(_Params, frozen=True):
@@ -600,7 +654,7 @@ class TraceParams(_Params, frozen=True):
     limit: Annotated[int, Meta(ge=1, le=TRACE_PAGE_MAX, description="1 to 10,000 records")] = TRACE_PAGE
 
 
-Kind = Literal["model", "exec", "read", "write", "git", "browse", "tool"]
+Kind = Literal["model", "exec", "read", "write", "git", "browse", "delegate", "tool"]
 Outcome = Literal["ok", "error", "denied", "refused", "interrupted"]
 
 
@@ -806,6 +860,20 @@ class DecidedNotice(msgspec.Struct, frozen=True):
     remembered: Remembered | None = None
 
 
+class ChildNotice(msgspec.Struct, frozen=True, omit_defaults=True):
+    """`session/child`, to the parent's watchers: child session `child` (of agent `agent`, delegated by action
+    `action` of `session`; 0: by `session/spawn`) is now in `state` (`running`, then exactly one of `completed`,
+    `failed`, `cancelled`, `disconnected`), having used `usage`; `why` says why a child did not complete."""
+
+    session: str
+    action: int
+    child: str
+    agent: str
+    state: Literal["running", "completed", "failed", "cancelled", "disconnected"]
+    usage: UsageTotals
+    why: str | None = None
+
+
 NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/actions": StepNotice,
     "session/unwatched": UnwatchedNotice,
@@ -814,6 +882,7 @@ NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/approval": ApprovalNotice,  # approvals (devd.agent.oversight), sent through the agent runtime's port
     "session/decided": DecidedNotice,
     "session/instructions": InstructionsNotice,  # project instruction files skipped (devd.agent.instructions)
+    "session/child": ChildNotice,  # a delegated run's state and usage (devd.agent.children)
 }
 
 
@@ -1089,6 +1158,26 @@ METHODS: dict[str, Spec] = {
             Commands and git calls are not undone: they are named in `not_undone`. CONFLICT, with nothing done, when
             a file was changed since by someone else (each is named); `force: true` puts every file back regardless.
             Journalled before it starts: a rewind a stopped daemon left unfinished is finished at its next start.""",
+        ),
+        _spec(
+            "session/spawn",
+            SpawnParams,
+            SpawnResult,
+            "spawn",
+            """Start a delegated run: a child session of `parent` running `agent` (one of the parent's agent's
+            `delegates`) on `task`, linked durably to its parent before it asks the model and held to the parent's
+            policy, limits and budget, as a `delegate` call's child is. Idempotent by `id`: the same id answers the
+            same child and starts nothing. INVALID_PARAMS naming the rule for a parent that does not exist or a run
+            that would widen anything.""",
+        ),
+        _spec(
+            "session/wait",
+            WaitParams,
+            WaitResult,
+            "wait",
+            """Wait for turn `turn` of the session to end: `{done: true, outcome}` (at once when it has ended
+            already: a waiter cannot miss the end), or `{done: false}` when `timeout_ms` passes first. For a child
+            session, `outcome` is its terminal state, with its final answer or why it did not complete.""",
         ),
     ]
 }

@@ -18,6 +18,7 @@ from devd.agent.profiles import (
     check_workspace,
     default_agents_path,
     load_profiles,
+    parse_profiles,
 )
 from devd.errors import ConfigError, InvalidParamsError
 from devd.messages import Browse, Call, Exec, Git, Read, Write
@@ -127,7 +128,8 @@ BAD = [
         "workspace_roots, api_key_env, system, exec, write, rules, sandbox, network, exec_timeout_s, output_bytes_max, "
         "run_as, processes_max, memory_bytes_max, tmp_bytes_max, tools, browse_private, max_tokens, token_param, "
         "continuations_max, context_tokens, compact_at, models, send_reasoning, max_calls_per_reply, "
-        "reply_bytes_max, model_timeout_s, budget, mcp, session_mcp, instructions)",
+        "reply_bytes_max, model_timeout_s, budget, mcp, session_mcp, instructions, delegates, max_depth, max_children, "
+        "max_children_per_turn)",
     ),
     (
         '[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["ROOT"]\nrun_as = "root"\n',
@@ -743,4 +745,14 @@ def test_max_calls_per_reply_defaults_to_100_and_must_be_at_least_1(tmp_path: Pa
     assert (profile(tmp_path).max_calls_per_reply, error_of(tmp_path, body)) == (
         100,
         "FILE:18: agent.coder.max_calls_per_reply is 0; it must be at least 1 (a tool call per reply)",
+    )
+
+
+def test_delegates_naming_no_agent_of_the_file_is_refused_with_its_line(tmp_path: Path) -> None:
+    text = f'[agent.a]\nbase_url = "http://h"\nmodel = "m"\nworkspace_roots = ["{tmp_path}"]\ndelegates = ["b"]\n'
+    with pytest.raises(ConfigError) as refused:
+        parse_profiles(text, "FILE")
+    assert str(refused.value) == (
+        "FILE:5: agent.a.delegates names 'b', which is no agent of this file (the agents are a); add [agent.b] or "
+        "remove it"
     )

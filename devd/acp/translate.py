@@ -361,7 +361,10 @@ def replay(session: str, workspace: str | None, history: list[ActionsNotice]) ->
 
 
 def _op(call: CoreCall) -> Op:
-    return Op(**{kind.member: kind.of(call) for kind in kinds.KINDS})
+    found = kinds.of(call)
+    assert found is not None, "a Call has a member"  # Call's own check
+    kind, member = found
+    return Op(**{kind.member: member})
 
 
 def transcript_updates(messages: Any, workspace: str | None) -> list[Update]:

@@ -16,7 +16,7 @@ import anyio
 import msgspec
 
 from devd.agent.approvals import Ledger
-from devd.agent.records import Binding
+from devd.agent.records import Binding, ParentLink
 
 if TYPE_CHECKING:
     from devd.agent.runner import Driver
@@ -46,6 +46,7 @@ class Known(msgspec.Struct, eq=False):
     loading: anyio.Event | None = None  # set once `overseen` has been read, while it is being read
     traced: int = 0  # trace records kept by this daemon: the log is trimmed every so many
     cancelling: str | None = None  # who last stepped a Cancel of it: who withdrew its turn's approvals
+    link: ParentLink | None = None  # a child session's link to its parent (read with the binding)
 
 
 class Table:

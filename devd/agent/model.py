@@ -123,8 +123,14 @@ class Attempt(msgspec.Struct, frozen=True):
 
 def tool_names(profile: Profile, *, exec_available: bool) -> list[str]:
     """The tools the model is offered, in the table's order: those whose kind offers them to this profile (read
-    always; exec and git when allowed and a sandbox can run them; write when allowed; browse when listed)."""
-    return [name for name, kind in kinds.OFFERED.items() if kind.offered(profile, exec_available=exec_available)]
+    always; exec and git when allowed and a sandbox can run them; write when allowed; browse when listed; delegate
+    with delegates), and, in a child session, to its parent's too (the intersection)."""
+    return [
+        name
+        for name, kind in kinds.OFFERED.items()
+        if kind.offered(profile, exec_available=exec_available)
+        and (not kind.narrowed or profile.ceiling is None or name in tool_names(profile.ceiling, exec_available=True))
+    ]
 
 
 def call_id(action_id: int) -> str:
@@ -293,7 +299,7 @@ def _call(tc: ToolCall) -> Call | str:
     except RecursionError:
         return f"the arguments of {tc.name} are nested too deeply to be read; {tc.name} expects {shape}"
     try:
-        member = msgspec.convert(args, kind.struct, strict=True)
+        member = msgspec.convert(args, kind.arguments_type or kind.struct, strict=True)
     except msgspec.ValidationError as e:
         return f"the arguments of {tc.name} do not fit ({e}); {tc.name} expects {shape}"
     try:  # an escaped lone surrogate ("\\udcff") is no character: it cannot be run, written or kept
@@ -308,7 +314,7 @@ def _call(tc: ToolCall) -> Call | str:
     invalid = kind.invalid(member)
     if invalid is not None:
         return invalid
-    return msgspec.convert({kind.member: args}, Call, strict=True)
+    return kind.to_call(args, tc.arguments or "{}")
 
 
 # -- the stream ---------------------------------------------------------------------------------------------------

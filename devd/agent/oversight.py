@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,7 +39,7 @@ from devd.agent.kinds import decide
 from devd.agent.known import Overseen, Table
 from devd.agent.port import RecordLog
 from devd.agent.profiles import Budget, Profile, watched
-from devd.agent.spend import Ceilings, Charged, Refusal, Reservation, Scope, Usage
+from devd.agent.spend import Ceilings, Charged, Check, Refusal, Reservation, Scope, Usage
 from devd.errors import HandleError
 from devd.messages import Op
 from devd.protocol import (
@@ -52,9 +52,10 @@ from devd.protocol import (
     TraceRecord,
     UsageResult,
 )
-from devd.storage.store import Record, StoreError, Tally
+from devd.storage.store import Counter, Record, StoreError, Tally
 
 if TYPE_CHECKING:
+    from devd.agent.children import Ancestor
     from devd.agent.model import Attempt
 
 TRACE_RECORDS_KEPT = 10_000  # a session's newest trace records kept; older ones go
@@ -136,6 +137,10 @@ class Oversight:
         self.table = (
             Table() if table is None else table
         )  # what is kept of each session: the runtime's table, shared with it
+        # A child session's ancestors (devd.agent.children): their ceilings hold its calls too, and their watchers
+        # are told of its approvals.
+        self.lineage: Callable[[str], Awaitable[list[Ancestor]]] | None = None
+        self.ancestors: Callable[[str], list[str]] = lambda session: []
 
     async def _state(self, session: str) -> Overseen:
         """The session's approvals and budget, read from its record log the first time they are needed."""
@@ -209,6 +214,8 @@ class Oversight:
             event = state.decided.setdefault(action, anyio.Event())
         notice = ApprovalNotice(session, action, asked.op, asked.digest, asked.why)
         self.keeper.tell(session, APPROVAL_NOTICE, notice)
+        for above in self.ancestors(session):  # a UI watching a parent may approve its child's call
+            self.keeper.tell(above, APPROVAL_NOTICE, notice)
         await event.wait()
         return state.ledger.decided[action]
 
@@ -244,6 +251,8 @@ class Oversight:
     def _told(self, session: str, state: Overseen, done: Decided, remembered: Remembered | None = None) -> None:
         notice = DecidedNotice(session, done.action, done.decision, done.by, remembered)
         self.keeper.tell(session, DECIDED_NOTICE, notice)
+        for above in self.ancestors(session):
+            self.keeper.tell(above, DECIDED_NOTICE, notice)
         event = state.decided.pop(done.action, None)
         if event is not None:
             event.set()
@@ -279,11 +288,13 @@ class Oversight:
         was sent with it already)."""
         state = await self._state(session)
         limits = ceilings(profile, state.budget)
-        if limits == Ceilings():
+        day = today(self.clock())
+        above, also = await self._above(session, day)
+        if limits == Ceilings() and not above:
             return None, profile.max_tokens, None
         estimate = spend.estimate_tokens(request)
-        scope = Scope(session, profile.name, turn, today(self.clock()))
-        checks = spend.checks(scope, limits)
+        scope = Scope(session, profile.name, turn, day)
+        checks = spend.checks(scope, limits) + above
         # The headroom under the tightest ceiling, as the store counts it now.
         counted = await self.keeper.counted([c.counter for c in checks])
         headroom = min(c.limit - spent - reserved for c, (spent, reserved) in zip(checks, counted, strict=True))
@@ -292,9 +303,9 @@ class Oversight:
             max_tokens = profile.max_tokens
         tokens = estimate + max_tokens
         limited = [(c.counter, c.limit) for c in checks]
-        admitted = await self.keeper.reserve(session, spend.counters(scope), limited, tokens)
+        admitted = await self.keeper.reserve(session, [*spend.counters(scope), *also], limited, tokens)
         if isinstance(admitted, int):
-            return Reservation(admitted, scope, tokens), max_tokens, None
+            return Reservation(admitted, scope, tokens, tuple(also)), max_tokens, None
         check = checks[admitted.check]
         refusal = Refusal(check.ceiling, check.limit, admitted.spent, admitted.reserved, tokens, check.fix, estimate)
         body = RefusalBody(session, turn, *_refusal_fields(refusal), refusal.message)
@@ -330,6 +341,7 @@ class Oversight:
                 await self.keeper.unreserve(reservation.number)
             return
         scope = Scope(session, profile.name, turn, today(self.clock())) if reservation is None else reservation.scope
+        also = list(reservation.also) if reservation is not None else (await self._above(session, scope.day))[1]
         seq = self.keeper.seq(session) or 0  # a session closed meanwhile: its record is dropped, its day charged
         record = Record(
             session,
@@ -341,12 +353,41 @@ class Oversight:
         tally = Tally(used.input_tokens, used.output_tokens, used.cached_tokens, calls=calls)
         number = None if reservation is None else reservation.number
         try:
-            await self.keeper.charge(number, spend.counters(scope), tally, record)
+            await self.keeper.charge(number, [*spend.counters(scope), *also], tally, record)
         except BaseException:
             if number is not None:  # not charged: at least its tokens are not held for ever
                 with anyio.CancelScope(shield=True), contextlib.suppress(StoreError):
                     await self.keeper.unreserve(number)
             raise
+
+    async def _above(self, session: str, day: str) -> tuple[list[Check], list[Counter]]:
+        """The turn and session ceilings of the session's ancestors (a child's), and their counters, where its calls
+        are reserved and charged too: children running at once cannot pass an ancestor's ceiling together."""
+        if self.lineage is None:
+            return [], []
+        checks: list[Check] = []
+        counters: list[Counter] = []
+        for a in await self.lineage(session):
+            state = await self._state(a.session)
+            scope = Scope(a.session, a.profile.name, a.turn, day)
+            for c in spend.checks(scope, ceilings(a.profile, state.budget)):
+                if c.counter.scope != "day":  # a day's is its agent's, whoever spends
+                    named = f"{c.ceiling} of session {a.session!r}, which this run was delegated from"
+                    checks.append(msgspec.structs.replace(c, ceiling=named))
+            counters += spend.counters(scope)[:2]
+        return checks, counters
+
+    async def headroom(self, session: str, profile: Profile, turn: int) -> int | None:
+        """The tokens the session may still spend under the tightest of its and its ancestors' ceilings (None: no
+        ceiling holds it)."""
+        state = await self._state(session)
+        day = today(self.clock())
+        above, _ = await self._above(session, day)
+        checks = spend.checks(Scope(session, profile.name, turn, day), ceilings(profile, state.budget)) + above
+        if not checks:
+            return None
+        counted = await self.keeper.counted([c.counter for c in checks])
+        return max(0, min(c.limit - spent - reserved for c, (spent, reserved) in zip(checks, counted, strict=True)))
 
     async def usage(self, session: str) -> UsageResult:
         """The session's usage; `estimated` when any call kept in its record log was charged devd's estimate (its

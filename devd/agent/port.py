@@ -201,6 +201,12 @@ class Sessions(RecordLog, Protocol):
     async def fork(self, source: str, at: int, name: str) -> str:
         """A new session `name` holding the source's history up to step `at` (`session/fork`)."""
 
+    async def new(self, name: str, config: bytes) -> str:
+        """A new session `name` (a child session, `devd.agent.children`), durable."""
+
+    async def close(self, name: str) -> None:
+        """Close the session (a parent whose close a stopped daemon left unfinished)."""
+
     async def back(self, session: str, at: int, kinds: tuple[str, ...]) -> None:
         """Move the session back to step `at` (`devd.sessions.registry.Registry.back`)."""
 
@@ -272,6 +278,12 @@ class RegistryPort(StoreRecordLog):
 
     async def fork(self, source: str, at: int, name: str) -> str:
         return await self._unbusy(source, lambda: self.registry.fork(source, at, name))
+
+    async def new(self, name: str, config: bytes) -> str:
+        return await self.registry.new(name, config)
+
+    async def close(self, name: str) -> None:
+        await self._unbusy(name, lambda: self.registry.close(name))
 
     async def back(self, session: str, at: int, kinds: tuple[str, ...]) -> None:
         await self._unbusy(session, lambda: self.registry.back(session, at, kinds))

@@ -109,6 +109,15 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     mcp: tuple[McpServer, ...] = ()  # the MCP servers its sessions may call (devd.agent.mcp)
     session_mcp: bool = False  # whether a session may bring servers of its own (session/new mcp_servers)
     instructions: tuple[str, ...] = ("AGENTS.md",)  # project instruction files' names (devd.agent.instructions)
+    delegates: tuple[
+        str, ...
+    ] = ()  # the agents its sessions may delegate to (the `delegate` tool, devd.agent.children)
+    max_depth: int = 2  # how deep a tree of delegated runs may grow under it (its root is depth 0)
+    max_children: int | None = None  # delegated runs of one session running at once (None: no limit)
+    max_children_per_turn: int | None = None  # delegated runs one turn of a session may start (None: no limit)
+    # Not a key of the agents file: the effective profile of the session that delegated to this one, when this is a
+    # child's (devd.agent.children): every decision is the stricter of the two, and so on up the tree.
+    ceiling: Profile | None = None
     # Not a key of the agents file: the project instructions read for one model call, set by the runner on the
     # profile it asks with, and sent as a system message after `system` (devd.agent.model.request_body).
     project: str | None = None
@@ -150,6 +159,10 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "mcp": (dict[str, Any], "a table of [agent.NAME.mcp.SERVER] tables"),
     "session_mcp": (bool, "true or false"),
     "instructions": (list[str], 'a list of file names, like ["AGENTS.md"]'),
+    "delegates": (list[str], 'a list of agent names, like ["reviewer", "tester"]'),
+    "max_depth": (int, "an integer depth, 0 or more (its own sessions are depth 0)"),
+    "max_children": (int, "an integer number of delegated runs at once"),
+    "max_children_per_turn": (int, "an integer number of delegated runs"),
 }
 _REQUIRED = ("base_url", "workspace_roots")  # and `model`, or `models`
 INSTRUCTION_NAMES_MAX = 16  # file names in a profile's `instructions` (each is looked for in every directory)
@@ -185,6 +198,14 @@ def parse_profiles(text: str, filename: str) -> dict[str, Profile]:
         if not isinstance(table, dict):
             raise lines.error(("agent", name), f"agent.{name} must be a table ([agent.{name}]) of its settings")
         profiles[name] = _profile(name, table, lines)
+    for name, profile in profiles.items():
+        for delegate in profile.delegates:
+            if delegate not in profiles:
+                raise lines.error(
+                    ("agent", name, "delegates"),
+                    f"agent.{name}.delegates names {delegate!r}, which is no agent of this file (the agents are "
+                    f"{', '.join(sorted(profiles))}); add [agent.{delegate}] or remove it",
+                )
     return profiles
 
 
@@ -273,6 +294,14 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
         raise lines.error(where, f"agent.{name}.run_as is {value}; a uid is at least 1")
     if key == "budget":
         return _budget(name, value, lines)
+    if key == "delegates":
+        if len(set(value)) != len(value) or not all(value):
+            raise lines.error(where, f"agent.{name}.delegates must be a list of distinct agent names")
+        return tuple(value)
+    if key == "max_depth" and value < 0:
+        raise lines.error(where, f"agent.{name}.max_depth is {value}; it must be 0 or more (0: no delegated runs)")
+    if key in ("max_children", "max_children_per_turn") and value < 1:
+        raise lines.error(where, f"agent.{name}.{key} is {value}; it must be at least 1")
     if key == "mcp":
         return tuple(_mcp_server(name, server, table, lines) for server, table in value.items())
     if key == "instructions":
@@ -644,4 +673,45 @@ def check_workspace(profile: Profile, workspace: str) -> Path:
     raise InvalidParamsError(
         f"workspace {shown} is not inside a workspace root of agent {profile.name!r} ({roots}); "
         "use a directory inside one, or add a root to the agent's workspace_roots"
+    )
+
+
+# -- a child's profile, held to its parent's (devd.agent.children) -------------------------------------------------
+
+
+def stricter(own: tuple[Decision, str], ceiling: tuple[Decision, str]) -> tuple[Decision, str]:
+    """Of two decisions on one call (a child's own and its parent's), the stricter: deny over ask over allow; the
+    parent's, saying so, when it is stricter."""
+    if _STRICTNESS[ceiling[0]] > _STRICTNESS[own[0]]:
+        return ceiling[0], f"{ceiling[1]} (a delegated run is held to the session that delegated it)"
+    return own
+
+
+_SANDBOX_STRICTNESS: dict[str, int] = {"none": 0, "auto": 1, "bwrap": 2}
+
+
+def _least(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def narrow(profile: Profile, ceiling: Profile) -> Profile:
+    """The profile a child session of `profile` runs with under its parent's effective profile `ceiling`: never wider.
+    Each call's decision is the stricter of the two (`ceiling`, read by `devd.agent.kinds.decide`), the network only
+    if both allow it, the stricter sandbox, the lesser of every bound, and the limits on delegation the strictest
+    along the chain."""
+    sandbox = max(profile.sandbox, ceiling.sandbox, key=lambda s: _SANDBOX_STRICTNESS[s])
+    return msgspec.structs.replace(
+        profile,
+        ceiling=ceiling,
+        network=profile.network and ceiling.network,
+        sandbox=sandbox,
+        browse_private=profile.browse_private and ceiling.browse_private,
+        exec_timeout_s=min(profile.exec_timeout_s, ceiling.exec_timeout_s),
+        output_bytes_max=min(profile.output_bytes_max, ceiling.output_bytes_max),
+        processes_max=min(profile.processes_max, ceiling.processes_max),
+        memory_bytes_max=min(profile.memory_bytes_max, ceiling.memory_bytes_max),
+        tmp_bytes_max=min(profile.tmp_bytes_max, ceiling.tmp_bytes_max),
+        max_depth=min(profile.max_depth, ceiling.max_depth),
+        max_children=_least(profile.max_children, ceiling.max_children),
+        max_children_per_turn=_least(profile.max_children_per_turn, ceiling.max_children_per_turn),
     )

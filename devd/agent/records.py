@@ -15,14 +15,24 @@ Kinds, each a msgspec Struct encoded as the record's body:
 - `inserted` (`Exchange`, the Model action's id): a reply whose tool calls the core could not take, and the failed
   results the model was answered with, sent again in every later request at the same place of the conversation.
 
+- `child` (`ChildLink`, the delegating action's id; 0 for `session/spawn`), in the parent's log: a delegated run, its
+  session's name, agent, task digest and limits; durable before the child session is made.
+- `parent` (`ParentLink`, action 0), in the child's log: its parent, the delegating action, its depth, and the
+  parent's effective profile it is held to; durable before the child's first model call.
+- `ended` (`ChildEnded`), in both logs (the parent's under the delegating action): the child's one terminal state.
+- `cascade` (`Cascade`, action 0), in the parent's log: a cancel of its descendants, journalled before it starts
+  (a daemon killed mid-cascade finishes it at start), and `cascaded` once it is done.
+
 Issue 18's approvals, usage and traces are meant to be kinds of their own in the same log.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
+
+from devd.agent.profiles import Profile
 
 AGENT = "agent"
 TURN = "turn"
@@ -30,6 +40,11 @@ CLAIM = "claim"
 INSERTED = "inserted"
 MODEL = "model"
 REASONING = "reasoning"
+CHILD = "child"
+PARENT = "parent"
+ENDED = "ended"
+CASCADE = "cascade"
+CASCADED = "cascaded"
 
 
 class Binding(msgspec.Struct, frozen=True):
@@ -93,6 +108,57 @@ class Exchange(msgspec.Struct, frozen=True):
 
     before: int
     messages: list[dict[str, Any]]
+
+
+ChildState = Literal["running", "completed", "failed", "cancelled", "disconnected"]
+
+
+class ChildLink(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """A delegated run, as its parent keeps it: the parent's name, the child session's name, its agent, the SHA-256
+    of its task, its depth (the parent's + 1), the parent's turn it was made in, the limits it was made under, the
+    spawn `id` (for `session/spawn`), the JSON Schema its answer must satisfy and the budget it was given."""
+
+    parent: str  # the session it was made by (a fork of the parent carries the record, naming its source)
+    child: str
+    agent: str
+    task_digest: str
+    depth: int
+    turn: int
+    max_depth: int
+    max_children: int | None = None
+    max_children_per_turn: int | None = None
+    budget: int | None = None
+    id: str | None = None
+    output_schema: dict[str, Any] | None = None
+
+
+class ParentLink(msgspec.Struct, frozen=True, kw_only=True):
+    """A child session's link to the session that delegated it: its name, the delegating action (0: spawned by a
+    client), the child's depth, the parent's turn, and the parent's effective profile (`ceiling`) it is held to."""
+
+    parent: str
+    action: int
+    depth: int
+    turn: int
+    ceiling: Profile
+
+
+class ChildEnded(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A child's terminal state, and why (failed, cancelled, disconnected) or its final answer (completed)."""
+
+    child: str
+    state: ChildState
+    why: str | None = None
+    answer: str | None = None
+
+
+class Cascade(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A cancel of every running descendant of the session: why, and what is done after it (the turn to cancel, or
+    the session to close)."""
+
+    why: str
+    turn: int | None = None
+    close: bool = False
 
 
 T = TypeVar("T")

@@ -40,20 +40,22 @@ import anyio
 import anyio.abc
 import msgspec
 import structlog
+from msgspec import Raw
 
 from devd import failpoints
 from devd.agent import cgroups, context, effects, http, instructions, kinds, model, records, rewind, spend, tools
 from devd.agent import sandbox as sandboxes
+from devd.agent.children import Children
 from devd.agent.known import Known, Table
 from devd.agent.mcp.own import own_servers
 from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import DELTA_NOTICE, Sessions, action_ids
-from devd.agent.profiles import McpServer, Profile, api_key, check_workspace, offered_models
-from devd.agent.records import Binding, Claim, ModelChosen, Thought, TurnStarted
+from devd.agent.profiles import McpServer, Profile, api_key, check_workspace, narrow, offered_models
+from devd.agent.records import Binding, Claim, ModelChosen, ParentLink, Thought, TurnStarted
 from devd.agent.titles import Titles, from_prompt
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
-from devd.messages import Action, Answer, Event, Message, Reply, Summarize, Turn, encode
+from devd.messages import Action, Answer, Call, Event, Message, Reply, Summarize, ToolCall, Turn, encode
 from devd.protocol import (
     CompactResult,
     DeltaNotice,
@@ -143,6 +145,9 @@ class Runtime:
         self.oversight = Oversight(sessions, table=self.table)  # approvals, spend and trace (devd.agent.oversight)
         self.titles = Titles(sessions, sessions.seq)
         self.ledger = effects.Ledger(sessions)  # what effects ran, and what a Write replaced (session/rewind)
+        self.children = Children(self)  # delegated runs (devd.agent.children)
+        self.oversight.lineage = self.children.lineage  # a child's calls count against its ancestors' ceilings
+        self.oversight.ancestors = self.children.ancestors
         sessions.observe(self)
 
     def statistics(self) -> RuntimeStatistics:
@@ -206,8 +211,11 @@ class Runtime:
         again for a session forgotten meanwhile)."""
         known = self.table.get(session) if known is None else known
         if not known.bound:
-            found = await self.sessions.records(session, (records.AGENT, records.TURN, records.MODEL))
+            found = await self.sessions.records(session, (records.AGENT, records.TURN, records.MODEL, records.PARENT))
             bound = [records.decode(r.body, Binding) for r in found if r.kind == records.AGENT]
+            linked = [records.decode(r.body, ParentLink) for r in found if r.kind == records.PARENT]
+            if linked:
+                known.link = linked[-1]
             turns = [records.decode(r.body, TurnStarted).turn for r in found if r.kind == records.TURN]
             chosen = [records.decode(r.body, ModelChosen).model for r in found if r.kind == records.MODEL]
             known.turn = max([known.turn, *turns])
@@ -330,6 +338,7 @@ class Runtime:
         await self._bound(session)
         known = self.table.get(session)
         known.stalled = None
+        self.children.resumed(session)
         if known.driver is not None:
             known.driver.resumed.set()
         self.drive(session)
@@ -353,6 +362,9 @@ class Runtime:
                 f"session {session!r} is of agent {binding.agent!r}, which the agents file no longer has (the agents "
                 f"are {known}); put the profile back and restart the daemon"
             )
+        held = self.table.find(session)
+        if held is not None and held.link is not None:  # a child: never wider than the session that delegated it
+            return narrow(profile, held.link.ceiling)
         return profile
 
     # -- the drivers --------------------------------------------------------------------------------------------
@@ -379,6 +391,10 @@ class Runtime:
                 await rewind.finish_left(self)  # before any of their turns is driven
             except DevdError as e:
                 log.error("agent.rewinds_not_finished", error=f"{e.kind}: {e}"[:500])
+            try:
+                await self.children.resume_cascades()  # a cancel cut short goes on before its parent is driven
+            except DevdError as e:
+                log.error("agent.cascades_not_finished", error=f"{e.kind}: {e}"[:500])
             for name in owing:
                 if self.sessions.seq(name) is not None:
                     self.drive(name)
@@ -419,12 +435,17 @@ class Runtime:
             await driver.run()
         except (HandleError, PoisonError, MovedError) as e:  # closed, ended or moved away: its next prompt drives it
             log.warning("agent.driver_stopped", session=driver.session, error=f"{e.kind}: {e}"[:500])
+            if isinstance(e, PoisonError) and driver.known.link is not None and self._tg is not None:
+                self._tg.start_soon(self.children.failed, driver.session, f"{e.kind}: {e}"[:300])
         except Exception as e:
             # A fault (the store refused a write) or a bug must not end the daemon, nor leave the turn waiting with
             # no word to anyone (a prompt waited for ever): the session is stalled, its watchers are told why, and
             # `session/resume` carries on from what is durable (a claimed effect is not run again).
             error = f"{e.kind}: {e}" if isinstance(e, DevdError) else f"{type(e).__name__}: {e}"
             log.error("agent.driver_failed", session=driver.session, action=driver.carrying, error=error[:500])
+            if driver.known.link is not None and self._tg is not None:  # a crashed child is a failed child
+                self._tg.start_soon(self.children.failed, driver.session, error[:300])
+                return
             why = f"the daemon failed carrying out action {driver.carrying} ({error[:300]}); `session/resume` retries"
             self.stall(driver.session, driver.known, driver.carrying, why)
         finally:
@@ -433,16 +454,18 @@ class Runtime:
 
     def stall(self, session: str, known: Known, action: int, why: str) -> None:
         known.stalled = why
+        self.children.stalled(session, why)
         log.warning("agent.stalled", session=session, action=action, why=why[:500])
         self.sessions.tell(session, "session/stalled", StalledNotice(session, action, why))
 
     async def sandbox(self, profile: Profile) -> sandboxes.Sandbox | sandboxes.Refusal | None:
         """How the profile's commands run; bubblewrap is probed the first time, on a worker thread."""
-        if profile.name not in self._sandboxes:
-            self._sandboxes[profile.name] = await anyio.to_thread.run_sync(
+        key = profile.name if profile.ceiling is None else f"{profile.name} {profile.sandbox} {profile.network}"
+        if key not in self._sandboxes:  # a child's narrowed profile may be confined more than its agent's own
+            self._sandboxes[key] = await anyio.to_thread.run_sync(
                 lambda: sandboxes.choose(profile, hidden=self.private)
             )
-        return self._sandboxes[profile.name]
+        return self._sandboxes[key]
 
     # -- observing the sessions ---------------------------------------------------------------------------------
 
@@ -453,6 +476,8 @@ class Runtime:
         driver = known.driver
         if driver is not None and stepped.event is not driver.sent:
             driver.foreign_step()
+        if b'"Done"' in stepped.actions:
+            _ended_turns(self.children, stepped)
         if stepped.event.startswith(b'{"Turn"') and known.bound:
             known.turn = max(known.turn, _turn_id(stepped.event))
             if driver is None and known.binding is not None:
@@ -464,6 +489,8 @@ class Runtime:
         known = self.table.forget(session)
         if known is not None and known.driver is not None:
             known.driver.scope.cancel()
+        if known is not None and known.link is not None and self._tg is not None:  # a child gone: its parent is told
+            self._tg.start_soon(self.children.gone, session, known.link.parent)
         if self.mcp is not None:
             self.mcp.forget(session)
         self.titles.forget(session)  # the caches of titles and of kept contents, beside the record
@@ -471,6 +498,19 @@ class Runtime:
 
 
 _events = msgspec.json.Decoder(Event)
+_actions = msgspec.json.Decoder(list[Action])
+
+
+def _ended_turns(children: Children, stepped: Stepped) -> None:
+    """Tell the children's keeper of every turn the step ended (a waiter of `session/wait`, a child's end)."""
+    try:
+        answered = _actions.decode(stepped.actions)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return
+    for action in answered:
+        done = action.op.Done
+        if done is not None:
+            children.turn_ended(stepped.session, done.turn, done.outcome.Cancelled is not None)
 
 
 def _capped(
@@ -709,6 +749,7 @@ class Driver(msgspec.Struct, eq=False):
             lambda: self.runtime.workspace(self.session, self.known),
             lambda: self.runtime.sandbox(profile),
             self._named(profile),
+            lambda ask: self.runtime.children.delegate(self.session, action.id, profile, ask),
         )
         started, t0 = time.time(), time.monotonic()
         result = await self._guarded(action.id, lambda: kind.run(context, call))
@@ -738,7 +779,9 @@ class Driver(msgspec.Struct, eq=False):
         ledger): its server has `trust_read_only = true` and the tool says `readOnlyHint`; None otherwise, and for a
         call the policy denies."""
         broker = self.runtime.mcp
-        if broker is None or kind.member != "Tool" or kind.decide(profile, call)[0] == "deny":
+        if broker is None or kind.name != "tool":  # a delegation is a Tool call too, but no MCP tool's
+            return None
+        if kinds.decide(profile, Call(Tool=call))[0] == "deny":  # a child's parent decides it too (kinds.decide)
             return None
         return broker.read_only(self.session, call.name)
 
@@ -758,7 +801,11 @@ class Driver(msgspec.Struct, eq=False):
             return []
         known = self.known
         workspace, sandbox = lambda: self.runtime.workspace(self.session, known), lambda: self.runtime.sandbox(profile)
-        return await broker.offered(self.session, profile, workspace, sandbox)
+        offered = await broker.offered(self.session, profile, workspace, sandbox)
+        if profile.ceiling is None:
+            return offered
+        # A child is offered only the MCP tools its parent's profile would not deny it (the intersection).
+        return [t for t in offered if kinds.decide(profile, Call(Tool=ToolCall(t.name, Raw(b"{}"))))[0] != "deny"]
 
     async def _gate(self, profile: Profile, action: Action) -> Gate | None:
         """Whether the call may start: the profile's decision, or for `ask` a client's (waited for); None when the
@@ -859,6 +906,8 @@ class Driver(msgspec.Struct, eq=False):
             await accounted.cancelled()
             raise
         await accounted.done()
+        if self.known.link is not None:  # a child's usage is live to its parent's watchers
+            await self.runtime.children.used(self.session)
         return completion
 
     async def _complete(

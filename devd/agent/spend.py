@@ -118,6 +118,7 @@ class Reservation(msgspec.Struct, frozen=True):
     number: int
     scope: Scope
     tokens: int
+    also: tuple[Counter, ...] = ()  # the counters of the session's ancestors (a child's call), held and charged too
 
 
 class Check(msgspec.Struct, frozen=True):

@@ -33,6 +33,8 @@ import structlog
 from msgspec import Raw
 
 from devd.agent import effects, instructions, records, rewind
+from devd.agent.children import cancel_turn
+from devd.agent.kinds.delegate import DelegateInput
 from devd.agent.oversight import APPROVAL_NOTICE, Oversight
 from devd.agent.port import ObservedFanout
 from devd.agent.records import Binding
@@ -59,15 +61,19 @@ from devd.protocol import (
     RewindResult,
     SessionMcpServer,
     SessionParams,
+    SpawnParams,
+    SpawnResult,
     StepParams,
     TitleParams,
     TraceParams,
     TraceResult,
     UsageResult,
     Waiting,
+    WaitParams,
+    WaitResult,
     waiting,
 )
-from devd.sessions.entry import Answered, Info, Statistics
+from devd.sessions.entry import Answered, Family, Info, Statistics
 from devd.sessions.port import SessionPort
 from devd.sessions.watchers import Sink, Subscription
 from devd.storage.store import Fleet
@@ -158,10 +164,24 @@ class AgentPort:
             return self.sessions.step(name, event, params.timeout_ms, params.key)
 
         head = event.lstrip() if event[:1].isspace() else event  # not copied when, as almost always, it starts at {
+        if head.startswith(b'{"Turn"') and await self.runtime.children.held_parent(name) is not None:
+            await self._not_a_child(name, "stepped a Turn")
         if not head.startswith(b'{"Cancel"') or not self._here(name):
             return await self._patient(name, step)
+        # Its running descendants are cancelled first, deepest first, each ending before the parent's turn does.
+        why = f"the turn of its parent {name} was cancelled"
+        await self.runtime.children.cascade(name, why, cancel_turn(event))
         with self.oversight.cancelling(name, by):  # apart, so that no other step pays for it
             return await self._patient(name, step)
+
+    async def _not_a_child(self, name: str, what: str) -> None:
+        """INVALID_PARAMS when the session is a child: its one turn is its parent's task."""
+        link = await self.runtime.children.parent_link(name)
+        if link is not None:
+            raise InvalidParamsError(
+                f"session {name!r} is a delegated run of session {link.parent!r}: it may not be {what} (its one turn "
+                f"is the task it was given); watch it, approve its calls, or cancel it or its parent's turn instead"
+            )
 
     def _here(self, name: str) -> bool:
         """Whether the session is known here (a Cancel of one that is not leaves nothing kept of who stepped it)."""
@@ -178,6 +198,8 @@ class AgentPort:
         return await self._patient(name, lambda: self.sessions.snapshot(name))
 
     async def fork(self, source: str, at: int | None, name: str | None) -> str:
+        if self._here(source):
+            await self._not_a_child(source, "forked")
         forked = await self._patient(source, lambda: self.sessions.fork(source, at, name))
         self.runtime.titles.made(forked)  # the fork carries the source's title record
         return forked
@@ -202,6 +224,8 @@ class AgentPort:
         await self.sessions.recover(name)
 
     async def close(self, name: str) -> None:
+        if self._here(name):  # its running descendants are cancelled first
+            await self.runtime.children.cascade(name, f"its parent {name} was closed", close=True)
         await self.sessions.close(name)  # the runtime forgets it as its watchers are told it ended
 
     async def watch(self, name: str, sink: Sink, since: int | None) -> Subscription:
@@ -210,6 +234,12 @@ class AgentPort:
     async def welcome(self, name: str, sink: Sink) -> None:
         for notice in await self.oversight.announcements(name):  # told before it watched, or never
             sink.offer(self.notify(APPROVAL_NOTICE, Raw(notice)))
+        known = self.runtime.table.find(name)
+        if known is None or known.binding is None:  # no agent's session has children (read nothing for a raw one)
+            return
+        for child in await self.runtime.children.running_below(name):  # a parent's watcher may decide its children's
+            for notice in await self.oversight.announcements(child):
+                sink.offer(self.notify(APPROVAL_NOTICE, Raw(notice)))
 
     def unwatch(self, sub: Subscription) -> None:
         self.sessions.unwatch(sub)
@@ -251,7 +281,8 @@ class AgentPort:
             except BusyError:
                 if deadline is None:
                     deadline = anyio.current_time() + PATIENCE_S
-                if not self.runtime.driving(name) or anyio.current_time() >= deadline:
+                ours = self.runtime.driving(name) or self.runtime.children.holds(name)  # a child being made, say
+                if not ours or anyio.current_time() >= deadline:
                     raise
             with anyio.move_on_after(deadline - anyio.current_time()):
                 await self.sessions.wait_free(name)
@@ -259,6 +290,8 @@ class AgentPort:
     # -- answered by the runtime --------------------------------------------------------------------------------------
 
     async def prompt(self, params: PromptParams, by: str) -> PromptResult:
+        if self._here(params.session):
+            await self._not_a_child(params.session, "prompted")
         return PromptResult(await self.runtime.prompt(params.session, params.prompt, params.key))
 
     async def resume(self, params: SessionParams, by: str) -> Empty:
@@ -302,7 +335,27 @@ class AgentPort:
     async def usage(self, params: SessionParams, by: str) -> UsageResult:
         self.sessions.info(params.session)
         used = await self.oversight.usage(params.session)
-        return msgspec.structs.replace(used, window=await self.runtime.window(params.session))
+        children = await self.runtime.children.usage(params.session)
+        return msgspec.structs.replace(used, window=await self.runtime.window(params.session), children=children)
+
+    async def spawn(self, params: SpawnParams, by: str) -> SpawnResult:
+        ask = DelegateInput(params.agent, params.task, params.context, params.output_schema, params.budget)
+        name, turn = await self.runtime.children.spawn(params.parent, params.id, ask)
+        log.info("session.spawned", session=name, parent=params.parent, agent=params.agent, by=by)
+        return SpawnResult(name, turn)
+
+    async def wait(self, params: WaitParams, by: str) -> WaitResult:
+        self.sessions.info(params.session)  # HANDLE, naming it, when there is no such session
+        timeout = None if params.timeout_ms is None else params.timeout_ms / 1000
+        done, outcome, answer, why = await self.runtime.children.wait(params.session, params.turn, timeout)
+        return WaitResult(done, outcome, answer, why)  # type: ignore[arg-type]
+
+    async def family(self, names: list[str]) -> dict[str, Family]:
+        return await self.runtime.children.family(names)
+
+    async def children_of(self, parent: str) -> list[str]:
+        self.sessions.info(parent)
+        return [link.child for _, link in await self.runtime.children.links(parent)]
 
     async def trace(self, params: TraceParams, by: str) -> TraceResult:
         self.sessions.info(params.session)

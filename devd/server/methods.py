@@ -64,6 +64,8 @@ from devd.protocol import (
     SessionParams,
     SessionResult,
     SnapshotResult,
+    SpawnParams,
+    SpawnResult,
     Spec,
     StatusResult,
     StepParams,
@@ -74,12 +76,14 @@ from devd.protocol import (
     TranscriptParams,
     TranscriptResult,
     UsageResult,
+    WaitParams,
+    WaitResult,
     WatchParams,
     decode_params,
     rfc3339,
 )
 from devd.server.rpc import Request
-from devd.sessions.entry import Info
+from devd.sessions.entry import Family, Info
 from devd.sessions.port import Beside, WirePort
 from devd.sessions.watchers import Sink, Subscription
 from devd.storage.store import Store
@@ -358,7 +362,7 @@ async def session_close(call: Call, params: SessionParams) -> Empty:
     return Empty()
 
 
-def _entry(i: Info, stalled: str | None, title: str | None) -> SessionInfo:
+def _entry(i: Info, stalled: str | None, title: str | None, family: Family | None = None) -> SessionInfo:
     return SessionInfo(
         i.name,
         i.state.value,  # type: ignore[arg-type]
@@ -370,6 +374,8 @@ def _entry(i: Info, stalled: str | None, title: str | None) -> SessionInfo:
         i.held,
         stalled,
         title,
+        None if family is None else family.parent,
+        None if family is None or not family.children else family.children,
     )
 
 
@@ -379,14 +385,19 @@ LIST_CHUNK = 1000  # sessions of a list page built between two turns of the even
 @method("session/list")
 async def session_list(call: Call, params: ListParams) -> ListResult:
     port = call.app.sessions
-    names, after = port.page_names(params.limit, params.cursor)
+    if params.parent is not None:  # its children, those that exist still, in the order they were made
+        kept = set(port.page_names()[0])
+        names, after = [n for n in await port.children_of(params.parent) if n in kept], None
+    else:
+        names, after = port.page_names(params.limit, params.cursor)
     sessions: list[SessionInfo] = []
     for start in range(0, len(names), LIST_CHUNK):
         if start:
             await anyio.lowlevel.checkpoint()  # a page of 100,000 must not stall every other call for a second
         infos = port.infos(names[start : start + LIST_CHUNK])
         titles = await port.titles([i.name for i in infos])
-        sessions += [_entry(i, port.stalled(i.name), titles.get(i.name)) for i in infos]
+        families = await port.family([i.name for i in infos])
+        sessions += [_entry(i, port.stalled(i.name), titles.get(i.name), families.get(i.name)) for i in infos]
     return ListResult(sessions, after)
 
 
@@ -405,8 +416,11 @@ async def session_info(call: Call, params: SessionParams) -> InfoResult:
     i = sessions.info(name)  # after pending, which may have woken or adopted it
     titles = await sessions.titles([name])
     files = await sessions.instructions_used(name)
+    family = (await sessions.family([name])).get(name)
     return InfoResult(
-        **msgspec.structs.asdict(_entry(i, sessions.stalled(name), titles.get(name))), waiting=waits, instructions=files
+        **msgspec.structs.asdict(_entry(i, sessions.stalled(name), titles.get(name), family)),
+        waiting=waits,
+        instructions=files,
     )
 
 
@@ -501,6 +515,16 @@ async def session_effects(call: Call, params: EffectsParams) -> EffectsResult:
 @method("session/rewind")
 async def session_rewind(call: Call, params: RewindParams) -> RewindResult:
     return await call.app.sessions.rewind(params, call.peer.who())
+
+
+@method("session/spawn")
+async def session_spawn(call: Call, params: SpawnParams) -> SpawnResult:
+    return await call.app.sessions.spawn(params, call.peer.who())
+
+
+@method("session/wait")
+async def session_wait(call: Call, params: WaitParams) -> WaitResult:
+    return await call.app.sessions.wait(params, call.peer.who())
 
 
 METHODS: dict[str, Method] = bind(protocol.METHODS, _HANDLERS)  # import fails if a method lacks its one handler

@@ -96,3 +96,10 @@ FROM_HEALTH = {Health.OK: State.STORED, Health.ENDED: State.ENDED, Health.POISON
 
 def no_such(name: str) -> HandleError:
     return HandleError(f"no session is named {name!r}; `session/list` shows the sessions there are")
+
+
+class Family(msgspec.Struct, frozen=True):
+    """A session's parent (None: it is no child, a delegated run) and its children, in the order they were made."""
+
+    parent: str | None = None
+    children: list[str] = msgspec.field(default_factory=list)

@@ -40,14 +40,18 @@ from devd.protocol import (
     RewindParams,
     RewindResult,
     SessionParams,
+    SpawnParams,
+    SpawnResult,
     StepParams,
     TitleParams,
     TraceParams,
     TraceResult,
     UsageResult,
     Waiting,
+    WaitParams,
+    WaitResult,
 )
-from devd.sessions.entry import Answered, Info, Statistics
+from devd.sessions.entry import Answered, Family, Info, Statistics
 from devd.sessions.watchers import Fanout, Sink, Subscription
 from devd.storage.store import Fleet
 
@@ -190,6 +194,17 @@ class WirePort(Protocol):
     async def effects(self, params: EffectsParams, by: str) -> EffectsResult: ...
 
     async def rewind(self, params: RewindParams, by: str) -> RewindResult: ...
+
+    async def spawn(self, params: SpawnParams, by: str) -> SpawnResult:
+        """`session/spawn`: a child session of `parent`, made once per id and started (devd.agent.children)."""
+
+    async def wait(self, params: WaitParams, by: str) -> WaitResult: ...
+
+    async def family(self, names: list[str]) -> dict[str, Family]:
+        """The parent and children of each named session that has either (for `session/list` and `session/info`)."""
+
+    async def children_of(self, parent: str) -> list[str]:
+        """The names of the session's children, in the order they were made (HANDLE when there is no session)."""
 
 
 class Beside(Protocol):

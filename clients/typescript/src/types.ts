@@ -227,6 +227,21 @@ export interface Cancel {
 }
 
 /**
+ * `session/child`, to the parent's watchers: child session `child` (of agent `agent`, delegated by action `action` of
+ * `session`; 0: by `session/spawn`) is now in `state` (`running`, then exactly one of `completed`, `failed`,
+ * `cancelled`, `disconnected`), having used `usage`; `why` says why a child did not complete.
+ */
+export interface ChildNotice {
+  session: string;
+  action: number;
+  child: string;
+  agent: string;
+  state: "cancelled" | "completed" | "disconnected" | "failed" | "running";
+  usage: UsageTotals;
+  why?: string | null;
+}
+
+/**
  * Who is calling, for the daemon's log and an approval's `by`: `name` is 1 to 64 printable characters without `( ) [ ]
  * { } < >` (`client_name_problem`), else `initialize` is INVALID_PARAMS.
  */
@@ -463,6 +478,8 @@ export interface InfoResult {
   held?: boolean | null;
   stalled?: string | null;
   title?: string | null;
+  parent?: string | null;
+  children?: string[] | null;
   waiting: Waiting[];
   instructions?: string[] | null;
 }
@@ -525,6 +542,12 @@ export interface ListParams {
   limit?: number | null;
   /** the `next` of the page before */
   cursor?: string | null;
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  parent?: string | null;
 }
 
 /**
@@ -796,6 +819,25 @@ export interface Methods {
     params: RewindParams;
     result: RewindResult;
   };
+  /**
+   * Start a delegated run: a child session of `parent` running `agent` (one of the parent's agent's `delegates`) on
+   * `task`, linked durably to its parent before it asks the model and held to the parent's policy, limits and budget,
+   * as a `delegate` call's child is. Idempotent by `id`: the same id answers the same child and starts nothing.
+   * INVALID_PARAMS naming the rule for a parent that does not exist or a run that would widen anything.
+   */
+  "session/spawn": {
+    params: SpawnParams;
+    result: SpawnResult;
+  };
+  /**
+   * Wait for turn `turn` of the session to end: `{done: true, outcome}` (at once when it has ended already: a waiter
+   * cannot miss the end), or `{done: false}` when `timeout_ms` passes first. For a child session, `outcome` is its
+   * terminal state, with its final answer or why it did not complete.
+   */
+  "session/wait": {
+    params: WaitParams;
+    result: WaitResult;
+  };
 }
 
 /** The session, and the model its next calls name: one of its agent profile's `models`. */
@@ -871,6 +913,7 @@ export interface Notifications {
   "session/approval": ApprovalNotice;
   "session/decided": DecidedNotice;
   "session/instructions": InstructionsNotice;
+  "session/child": ChildNotice;
 }
 
 /**
@@ -1049,6 +1092,8 @@ export interface SessionInfo {
   held?: boolean | null;
   stalled?: string | null;
   title?: string | null;
+  parent?: string | null;
+  children?: string[] | null;
 }
 
 /**
@@ -1101,6 +1146,54 @@ export interface SkippedFile {
 /** The session's state, base64, for `session/restore`. */
 export interface SnapshotResult {
   snapshot: string;
+}
+
+/**
+ * Start a delegated run from outside: a child session of `parent` (a session of an agent) running `agent` on `task`,
+ * held to the parent as the `delegate` tool's children are. `id`, the caller's: the same id answers the same child and
+ * starts nothing. `context`: "task" (the task alone, the default) or "fork" (the parent's conversation so far too);
+ * `output_schema`: a JSON Schema its final answer must satisfy; `budget`: its own token ceiling.
+ */
+export interface SpawnParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  parent: string;
+  /**
+   * the caller's id of this run
+   *
+   * @minLength 1
+   * @maxLength 128
+   */
+  id: string;
+  /**
+   * one of the parent's agent's delegates
+   *
+   * @minLength 1
+   */
+  agent: string;
+  /**
+   * what the child is to do
+   *
+   * @minLength 1
+   */
+  task: string;
+  /** @default "task" */
+  context?: "fork" | "task";
+  output_schema?: Record<string, never> | null;
+  /**
+   * @minimum 1
+   * @maximum 9223372036854775807
+   */
+  budget?: number | null;
+}
+
+/** The child session and its turn (`session/wait` waits for it). */
+export interface SpawnResult {
+  session: string;
+  turn: number;
 }
 
 /**
@@ -1308,7 +1401,7 @@ export interface TraceRecord {
   /** @default 0 */
   n?: number;
   action: number;
-  kind: "browse" | "exec" | "git" | "model" | "read" | "tool" | "write";
+  kind: "browse" | "delegate" | "exec" | "git" | "model" | "read" | "tool" | "write";
   started: string;
   duration_ms: number;
   outcome: "denied" | "error" | "interrupted" | "ok" | "refused";
@@ -1411,6 +1504,49 @@ export interface UsageResult {
   /** @default false */
   estimated?: boolean;
   window?: number | null;
+  children?: UsageTotals | null;
+}
+
+/** Usage summed over sessions: tokens, calls made and calls a spend ceiling refused. */
+export interface UsageTotals {
+  /** @default 0 */
+  input_tokens?: number;
+  /** @default 0 */
+  output_tokens?: number;
+  /** @default 0 */
+  cached_tokens?: number;
+  /** @default 0 */
+  calls?: number;
+  /** @default 0 */
+  refused?: number;
+}
+
+/** Wait for turn `turn` of the session to end, for `timeout_ms` at most (default: until it does). */
+export interface WaitParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /** @minimum 1 */
+  turn: number;
+  /**
+   * @minimum 0
+   * @maximum 86400000
+   */
+  timeout_ms?: number | null;
+}
+
+/**
+ * Whether the turn has ended; if so, how (`outcome`): `completed` or `cancelled`, and for a child session its terminal
+ * state (`failed`, `disconnected` too), its final answer (`answer`) or why it did not complete (`why`).
+ */
+export interface WaitResult {
+  done: boolean;
+  outcome?: "cancelled" | "completed" | "disconnected" | "failed" | null;
+  answer?: string | null;
+  why?: string | null;
 }
 
 /**

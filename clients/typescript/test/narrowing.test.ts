@@ -60,6 +60,8 @@ function seq(notice: Notice): string {
       return `action ${notice.params.action}: ${notice.params.decision} by ${notice.params.by}`;
     case "session/instructions":
       return `action ${notice.params.action} went without ${notice.params.skipped.length} instruction files`;
+    case "session/child":
+      return `action ${notice.params.action}: child ${notice.params.child} is ${notice.params.state}`;
   }
 }
 

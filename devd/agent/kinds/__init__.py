@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
-from devd.agent.kinds import browse, command, git, named, read, write
+from devd.agent.kinds import browse, command, delegate, git, named, read, write
 from devd.agent.kinds.base import Context, Kind, Shown
-from devd.agent.profiles import EXTRA_TOOLS, Decision, Profile
+from devd.agent.profiles import EXTRA_TOOLS, Decision, Profile, stricter
 from devd.messages import RESULTS as WIRE_RESULTS
 from devd.messages import Call, Event, Op, Output
 from devd.protocol import Kind as TraceKind
@@ -26,6 +26,7 @@ KINDS: tuple[Kind[Any], ...] = (
     write.KIND,
     git.KIND,
     browse.KIND,
+    delegate.KIND,  # before named: both are the core's Tool call, a delegation the one named `delegate`
     named.KIND,
 )
 
@@ -37,9 +38,12 @@ OFFERED: dict[str, Kind[Any]] = {k.name: k for k in KINDS if k.schema is not Non
 
 def _check() -> None:
     """The table's promises, at import: a duplicate or a kind the wire cannot carry is a programmer's error."""
-    for what, keys in (("name", [k.name for k in KINDS]), ("member", [k.member for k in KINDS])):
-        twice = sorted({key for key in keys if keys.count(key) > 1})
-        assert not twice, f"tool kinds share a {what}: {twice}"
+    names = [k.name for k in KINDS]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    assert not twice, f"tool kinds share a name: {twice}"
+    for k in KINDS:  # kinds may share a member of the core's (a Tool call) only when each tells its calls apart
+        sharing = [other for other in KINDS if other.member == k.member]
+        assert len(sharing) == 1 or all(type(o).of is not Kind.of for o in sharing), f"{k.member}: shared, untold"
     for k in KINDS:
         assert k.member in Call.__struct_fields__ and k.member in Op.__struct_fields__, f"{k.member}: not a call"
         assert k.result in Event.__struct_fields__, f"{k.name}: {k.result} is not an event"
@@ -78,6 +82,8 @@ def decide(profile: Profile, call: Call) -> tuple[Decision, str]:
         raise ValueError("a Call with no member")  # Call's own check forbids this
     kind, member = found
     decided: tuple[Decision, str] = kind.decide(profile, member)
+    if kind.narrowed and profile.ceiling is not None:  # a child's call: its parent's profile decides it too
+        decided = stricter(decided, decide(profile.ceiling, call))
     return decided
 
 

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import msgspec
 
-from devd.messages import Event, Output
+from devd.messages import Call, Event, Output
 
 if TYPE_CHECKING:
     from devd.agent import sandbox as sandboxes
     from devd.agent import tools
+    from devd.agent.kinds.delegate import DelegateInput
     from devd.agent.profiles import Decision, Profile
 
 M = TypeVar("M", bound=msgspec.Struct)
@@ -43,8 +44,8 @@ class Shown(msgspec.Struct, frozen=True):
 
 class Context:
     """What carrying out a call may reach: the profile, (when asked for) the session's workspace and the profile's
-    sandbox, and `named`, which carries out a call of a tool named at run time (the session's MCP tools); the runner
-    hands one in."""
+    sandbox, `named`, which carries out a call of a tool named at run time (the session's MCP tools), and `delegate`,
+    which runs a delegation of this action as a child session (`devd.agent.children`); the runner hands one in."""
 
     def __init__(
         self,
@@ -52,8 +53,10 @@ class Context:
         workspace: Callable[[], Awaitable[tools.Workspace]],
         sandbox: Callable[[], Awaitable[sandboxes.Sandbox | sandboxes.Refusal | None]],
         named: Callable[[str, bytes], Awaitable[tools.Result]] | None = None,
+        delegate: Callable[[DelegateInput], Awaitable[tools.Result]] | None = None,
     ) -> None:
         self.profile, self.workspace, self.sandbox, self.named = profile, workspace, sandbox, named
+        self.delegate = delegate
 
 
 class Kind(Generic[M]):
@@ -74,6 +77,8 @@ class Kind(Generic[M]):
     listed: bool = False
     schema: dict[str, Any] | None = None
     shape: str = ""
+    arguments_type: type[Any] | None = None  # what the model's arguments are read as (None: `struct`)
+    narrowed: bool = True  # in a child session, the parent's profile decides its calls too (the stricter wins)
 
     def of(self, holder: Any) -> M | None:
         """This kind's member of a Call or an Op, or None."""
@@ -94,6 +99,10 @@ class Kind(Generic[M]):
     def invalid(self, call: M) -> str | None:
         """What is wrong with a call of the right shape that the core should still not be given, or None."""
         return None
+
+    def to_call(self, args: Any, text: str) -> Call:
+        """The core's Call for the model's arguments `args` (read from `text`, their JSON as the model wrote it)."""
+        return msgspec.convert({self.member: args}, Call, strict=True)
 
     def model_name(self, call: M) -> str:
         """The tool's name in the model's transcript."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from devd.agent.kinds.base import Context, Kind, Shown, Subject
+from devd.agent.kinds.delegate import NAME as DELEGATE
 from devd.agent.mcp.names import model_name, server_of
 from devd.messages import ToolCall
 from devd.render import inline
@@ -31,6 +32,10 @@ class NamedTool(msgspec.Struct, frozen=True):
 class Named(Kind[ToolCall]):
     member, struct, name, result, what = "Tool", ToolCall, "tool", "Tool", "tool call"
     effect = True
+
+    def of(self, holder: Any) -> ToolCall | None:
+        member: ToolCall | None = getattr(holder, self.member)
+        return None if member is None or member.name == DELEGATE else member  # a delegation is a kind of its own
 
     def model_name(self, call: ToolCall) -> str:
         return call.name  # the model named it itself
