@@ -66,6 +66,7 @@ from devd.protocol import (
     BackupParams,
     BackupResult,
     BudgetParams,
+    ChildNotice,
     CompactResult,
     DecidedNotice,
     DeltaNotice,
@@ -171,7 +172,14 @@ class StepAnswer(msgspec.Struct, frozen=True):
 
 
 Notice = (
-    ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice | InstructionsNotice
+    ActionsNotice
+    | UnwatchedNotice
+    | DeltaNotice
+    | StalledNotice
+    | ApprovalNotice
+    | DecidedNotice
+    | InstructionsNotice
+    | ChildNotice
 )
 
 # Each notification the daemon sends, and its type here.
@@ -183,6 +191,7 @@ NOTICES: dict[str, type[Notice]] = {
     "session/approval": ApprovalNotice,
     "session/decided": DecidedNotice,
     "session/instructions": InstructionsNotice,
+    "session/child": ChildNotice,  # a delegated run's state and usage, to its parent's watchers
 }
 
 
@@ -1243,6 +1252,7 @@ __all__ = [
     "Client",
     "DeltaNotice",
     "InstructionsNotice",
+    "ChildNotice",
     "NotRunningError",
     "Notice",
     "Reply",
