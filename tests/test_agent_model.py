@@ -191,7 +191,12 @@ def test_to_reply_maps_tool_calls_to_the_cores_calls() -> None:
 def test_an_unknown_tool_is_rejected_saying_which_tools_there_are() -> None:
     _, rejected = to_reply(completion(("shell", "{}")))
     assert rejected == [
-        Rejected("c0", "shell", "{}", 'there is no tool named "shell"; the tools are exec, read, write, git, browse')
+        Rejected(
+            "c0",
+            "shell",
+            "{}",
+            'there is no tool named "shell"; the tools are exec, read, write, git, browse, delegate',
+        )
     ]
 
 

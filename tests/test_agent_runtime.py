@@ -361,7 +361,7 @@ def test_a_tool_call_the_core_cannot_take_is_answered_to_the_model_as_a_failed_c
     with agentd.client() as c:
         run_turn(c, agentd.session(c), "go")
     assert tool_messages(agentd.standin, 1) == [
-        'error: there is no tool named "delete_everything"; the tools are exec, read, write, git, browse'
+        'error: there is no tool named "delete_everything"; the tools are exec, read, write, git, browse, delegate'
     ]
 
 

@@ -683,3 +683,87 @@ def test_a_childs_usage_is_told_to_its_parents_watchers_as_it_runs(
             ("running", 1, 10),
             ("completed", 1, 10),
         ]
+
+
+def test_a_childs_pending_approval_is_withdrawn_before_it_ends_cancelled(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {"exec": '"ask"', "sandbox": '"none"'}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("coder", delegation("reviewer", "make it"))
+        f.router.script("reviewer", Scripted(tool_calls=[("exec", {"argv": ["touch", "made"]})]))
+        session = f.session(c)
+        watch_raw(ui, session)
+        turn = c.prompt(session, "go")
+        notices(ui, "session/approval", lambda n: True)
+        c.step(session, Event(Cancel=Cancel(turn=turn)))
+        told = []
+        while not told or told[-1] != "session/child cancelled":
+            n = ui.wait_notification(30)
+            if n.method == "session/decided":
+                told.append(f"session/decided {n.params['decision']}")
+            elif n.method == "session/child":
+                told.append(f"session/child {n.params['state']}")
+        assert (told, (f.workspace / "made").exists()) == (
+            ["session/decided cancelled", "session/child cancelled"],
+            False,
+        )
+
+
+def test_a_wait_on_a_turn_of_any_agent_session_says_how_it_ended(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = threading.Event()
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c, f.client() as w:
+        f.router.script("coder", Scripted(text="first"), Scripted(text="second", held=held, held_after=1))
+        session = f.session(c)
+        first = c.prompt(session, "one")
+        done_first = c.wait(session, first)
+        second = c.prompt(session, "two")
+        waiting = w.wait(session, second, timeout_ms=100)
+        c.step(session, Event(Cancel=Cancel(turn=second)))
+        held.set()
+        assert (done_first.outcome, waiting.done, c.wait(session, second).outcome) == ("completed", False, "cancelled")
+
+
+def test_a_child_stalled_at_its_budget_carries_on_once_it_is_raised_and_resumed(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="done at last"))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "inspect", budget=5)
+        until(lambda: c.info(child.session).stalled is not None)
+        c.set_budget(child.session, 100_000)
+        c.resume(child.session)
+        waited = c.wait(child.session, child.turn)
+        assert (waited.outcome, waited.answer) == ("completed", "done at last")
+
+
+def test_a_spawn_id_used_for_another_task_is_a_conflict(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        parent = f.session(c)
+        c.spawn(parent, "aux-1", "reviewer", "inspect")
+        with pytest.raises(errors.ConflictError) as refused:
+            c.spawn(parent, "aux-1", "reviewer", "something else")
+        assert str(refused.value) == (
+            f"id 'aux-1' was used for another run of session {parent!r} (agent 'reviewer', another task): its child is "
+            f"{parent}.s-aux-1; use a new id for a new run"
+        )
+
+
+def test_a_session_made_first_under_a_childs_name_is_never_taken_for_the_child(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        parent = f.session(c)
+        squatter = c.new(agent="coder", workspace=f.workspace, session=f"{parent}.s-aux-1")
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.spawn(parent, "aux-1", "reviewer", "inspect")
+        assert (str(refused.value), c.info(squatter).parent, f.router.seen["reviewer"]) == (
+            f"the delegated run was not started: a session named {squatter} exists already and is not its own",
+            None,
+            0,
+        )

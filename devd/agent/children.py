@@ -46,7 +46,7 @@ from devd.agent import records, tools
 from devd.agent.kinds.delegate import DelegateInput
 from devd.agent.profiles import Profile
 from devd.agent.records import Binding, Cascade, ChildEnded, ChildLink, ChildState, ParentLink
-from devd.errors import DevdError, HandleError, InvalidParamsError
+from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError
 from devd.messages import Cancel, Config, Event, Message, encode
 from devd.protocol import ChildNotice, UsageTotals
 from devd.sessions.entry import Family
@@ -89,14 +89,24 @@ class Ancestor(msgspec.Struct, frozen=True):
     turn: int
 
 
+class Waited:
+    """A turn someone waits for: set, with how it ended, when a Done of it is stepped."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.cancelled: bool | None = None
+
+
 class Children:
     """The runtime's delegated runs: making, waiting, ending, cancelling and counting them."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._ended: dict[str, anyio.Event] = {}  # by child: set when its terminal state is durable
-        self._turns: dict[tuple[str, int], anyio.Event] = {}  # (session, turn): set when a Done of it was stepped
-        self._outcomes: dict[tuple[str, int], bool] = {}  # (session, turn) seen ended: cancelled?
+        self._turns: dict[tuple[str, int], Waited] = {}  # (session, turn) waited for: told when a Done of it is stepped
+        self._outcomes: dict[
+            tuple[str, int], bool
+        ] = {}  # a child's turn seen ended (cancelled?), until its end is kept
         self._cascading: set[str] = set()  # parents whose descendants are being cancelled
         self._because: dict[str, tuple[ChildState, str]] = {}  # a child being ended by the daemon: as what, why
         self._stalls: dict[str, str] = {}  # why a child is stalled, until resumed
@@ -113,6 +123,15 @@ class Children:
         known = self.runtime.table.get(session)
         await self.runtime.binding(session, known)
         return known.link
+
+    async def held_parent(self, session: str) -> str | None:
+        """The parent of a session the runtime knows (None: it knows none, or the session is no child), read
+        without making a record of a session it does not know (a raw session stepped a Turn)."""
+        known = self.runtime.table.find(session)
+        if known is None:
+            return None
+        await self.runtime.binding(session, known)
+        return None if known.link is None else known.link.parent
 
     def parent_of(self, session: str) -> str | None:
         """The parent of a session whose link is in memory (a driven child's)."""
@@ -181,6 +200,11 @@ class Children:
         found = [(a, kept) for a, kept in await self.links(parent) if kept.child == name]
         if found:
             link = found[0][1]
+            if (link.agent, link.task_digest) != (ask.agent, digest(ask.task)):
+                raise ConflictError(
+                    f"id {spawn_id!r} was used for another run of session {parent!r} (agent {link.agent!r}, another "
+                    f"task): its child is {name}; use a new id for a new run"
+                )
         else:
             if ask.agent not in profile.delegates:
                 allowed = ", ".join(profile.delegates) or "none"
@@ -288,7 +312,16 @@ class Children:
                 await self.sessions.new(name, encode(Config(model=runtime.profiles[link.agent].model)))
                 await runtime.bind(name, Binding(link.agent, binding.workspace, binding.identity))
             known = runtime.table.get(name)
-            await runtime.binding(name, known)
+            made = await runtime.binding(name, known)
+            mine = (
+                made is not None
+                and (made.agent, made.workspace) == (link.agent, binding.workspace)
+                and (known.link.parent == parent if known.link is not None else known.turn == 0)
+            )
+            if not mine:  # a session of that name that is no child of this run's (a client made it first)
+                why = f"the delegated run was not started: a session named {name} exists already and is not its own"
+                await self.finish(parent, action, link, "failed", why, own=False)
+                return why
             if known.link is None:
                 up = ParentLink(
                     parent=parent,
@@ -390,7 +423,9 @@ class Children:
                 return False
             since = rows[-1][0]
 
-    async def finish(self, parent: str, action: int, link: ChildLink, state: ChildState, why: str | None) -> ChildEnded:
+    async def finish(
+        self, parent: str, action: int, link: ChildLink, state: ChildState, why: str | None, *, own: bool = True
+    ) -> ChildEnded:
         """Record the child's one terminal state (a completed one's answer, checked against its schema) in its log
         and its parent's, tell the parent's watchers, and wake whoever waits; the state kept already if it has one."""
         name = link.child
@@ -407,7 +442,7 @@ class Children:
                     state, why = "failed", f"its final answer does not satisfy the output_schema: {problem}"
             ended = ChildEnded(name, state, why, answer)
             body = records.encode(ended)
-            seq = self.sessions.seq(name)
+            seq = self.sessions.seq(name) if own else None  # not `own`: the session of its name is another's
             if seq is not None:  # else its session is gone: the parent's record is its end
                 with contextlib.suppress(HandleError):
                     await self.sessions.add_record(Record(name, seq, records.ENDED, 0, body))
@@ -416,6 +451,8 @@ class Children:
             log.info("agent.child_ended", session=parent, child=name, state=state, why=(why or "")[:300])
             self._because.pop(name, None)
             self._stalls.pop(name, None)
+            for key in [k for k in self._outcomes if k[0] == name]:
+                del self._outcomes[key]
         self._tell(parent, action, link, state, await self._used(name), why)
         event = self._ended.pop(name, None)
         if event is not None:
@@ -435,6 +472,12 @@ class Children:
         if link is None:
             return
         self._because[child] = ("failed", f"the daemon failed carrying it out: {why}")
+        before = set(self._cascading)
+        self._cascading.add(child)
+        try:  # its own running children first: nothing below a failed child goes on
+            await self._cancel_below(child, f"the delegated run {child} above it failed")
+        finally:
+            self._cascading = before
         await self._end_turn(child)
         found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
         if found:
@@ -452,12 +495,13 @@ class Children:
 
     def turn_ended(self, session: str, turn: int, cancelled: bool) -> None:
         """A Done of the session's turn was stepped (called by the runtime's observer; must not block)."""
-        self._outcomes[(session, turn)] = cancelled
-        event = self._turns.pop((session, turn), None)
-        if event is not None:
-            event.set()
+        waited = self._turns.pop((session, turn), None)
+        if waited is not None:
+            waited.cancelled = cancelled
+            waited.event.set()
         known = self.runtime.table.find(session)
         if known is not None and known.link is not None and self.runtime._tg is not None:
+            self._outcomes[(session, turn)] = cancelled
             self.runtime._tg.start_soon(self._ended_child, session)
 
     async def gone(self, child: str, parent: str) -> None:
@@ -521,7 +565,7 @@ class Children:
         """Whether the session's turn has ended within the timeout: (done, outcome, answer, why)."""
         with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
             while True:
-                event = self._turns.setdefault((session, turn), anyio.Event())  # before the look
+                waited = self._turns.setdefault((session, turn), Waited())  # before the look
                 up = await self.parent_link(session)
                 if up is not None:  # a child's turn ends with its terminal state
                     ended_event = self._ended.setdefault(session, anyio.Event())
@@ -534,13 +578,13 @@ class Children:
                         return True, ended.state, ended.answer, ended.why
                     await ended_event.wait()
                     continue
-                done = self._outcomes.get((session, turn))
+                done = await self._ended_turn(session, turn)
                 if done is None:
-                    done = await self._ended_turn(session, turn)
+                    await waited.event.wait()
+                    done = waited.cancelled
                 if done is not None:
                     return True, ("cancelled" if done else "completed"), None, None
-                await event.wait()
-        return False, None, None, None
+        return False, None, None, None  # its waiter stays, for another waiter of the same turn (told at its end)
 
     async def _ended_turn(self, session: str, turn: int) -> bool | None:
         """Whether the turn has ended, read from the session (cancelled?); None while it has not."""

@@ -164,8 +164,8 @@ class AgentPort:
             return self.sessions.step(name, event, params.timeout_ms, params.key)
 
         head = event.lstrip()
-        if head.startswith(b'{"Turn"') and self._here(name):
-            await self._not_a_child(name, "stepped a Turn into")
+        if head.startswith(b'{"Turn"') and await self.runtime.children.held_parent(name) is not None:
+            await self._not_a_child(name, "stepped a Turn")
         if not head.startswith(b'{"Cancel"') or not self._here(name):
             return await self._patient(name, step)
         # Its running descendants are cancelled first, deepest first, each ending before the parent's turn does.
