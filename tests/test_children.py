@@ -15,6 +15,7 @@ from devd import errors, failpoints
 from devd.client import Client
 from devd.messages import Cancel, Event
 from devd.messages import turn as turn_event
+from devd.protocol import ChildNotice
 from tests.agents import conversation, until_done, watch_raw
 from tests.children import Family, delegation, echo, family, notices
 from tests.helpers import until
@@ -767,3 +768,37 @@ def test_a_session_made_first_under_a_childs_name_is_never_taken_for_the_child(
             None,
             0,
         )
+
+
+def test_a_watcher_of_the_parent_is_told_of_a_childs_approval_asked_before_it_watched(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {"exec": '"ask"', "sandbox": '"none"'}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("reviewer", Scripted(tool_calls=[("exec", {"argv": ["touch", "made"]})]))
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "make it")
+        until(lambda: bool(c.info(child.session).waiting) and c.pending(child.session)[0].awaiting == "approval")
+        watch_raw(ui, parent)
+        asked = notices(ui, "session/approval", lambda n: True)[0].params
+        assert (asked["session"], asked["action"]) == (child.session, 2)
+
+
+def test_a_client_watching_the_parent_reads_the_session_child_notices_typed(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, `devd.client` raised on the notice it did not know: `devd chat` watching a parent would have failed."""
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("reviewer", Scripted(text="done"))
+        parent = f.session(c)
+        c.wait(parent, c.prompt(parent, "hello"))
+        states = []
+        watching = ui.watch(parent, since=0, timeout=30)
+        next(watching)  # its first step, from the history: subscribed before the spawn
+        child = c.spawn(parent, "aux-1", "reviewer", "inspect")
+        for notice in watching:
+            if isinstance(notice, ChildNotice):
+                states.append((notice.child, notice.state))
+                if notice.state != "running":
+                    break
+        assert states[-1] == (child.session, "completed")

@@ -339,12 +339,13 @@ class Children:
             why = f"the delegated run was not started: its link could not be kept in its own session's log ({_why(e)})"
             await self.finish(parent, action, link, "failed", why)
             return why
-        if known.turn == 0:
-            task = ask.task if ask.context == "task" else await self._forked(parent, ask.task)
-            await runtime.prompt(name, task, TASK_KEY)
+        # Its one turn, under its key: started once, however often this is carried out (a restart between the
+        # turn's record and its step finds no step under the key, and starts it).
+        started = await self.sessions.keyed_turn(name, f"prompt:{TASK_KEY}") is not None
+        task = ask.task if ask.context == "task" else await self._forked(parent, ask.task)
+        await runtime.prompt(name, task, TASK_KEY)
+        if not started:
             self._tell(parent, action, link, "running", UsageTotals())
-        else:
-            runtime.drive(name)
         return None
 
     async def _forked(self, parent: str, task: str) -> str:
@@ -395,7 +396,7 @@ class Children:
             return await self.finish(parent, action, link, "disconnected", "its session was closed")
         known = self.runtime.table.get(name)
         await self.runtime.binding(name, known)
-        if known.turn == 0:
+        if known.turn == 0 or await self.sessions.keyed_turn(name, f"prompt:{TASK_KEY}") is None:
             return None  # not started yet (its making goes on)
         pending = [a for a in await self.sessions.pending(name) if a.op.Emit is None and a.op.Save is None]
         if any(a.op.Done is None for a in pending):
@@ -467,29 +468,36 @@ class Children:
         return ""
 
     async def failed(self, child: str, why: str) -> None:
-        """The child's driver failed: its turn is cancelled (nothing more of it runs) and it ends `failed`."""
-        link = await self.parent_link(child)
-        if link is None:
-            return
-        self._because[child] = ("failed", f"the daemon failed carrying it out: {why}")
-        before = set(self._cascading)
-        self._cascading.add(child)
-        try:  # its own running children first: nothing below a failed child goes on
-            await self._cancel_below(child, f"the delegated run {child} above it failed")
-        finally:
-            self._cascading = before
-        await self._end_turn(child)
-        found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
-        if found:
-            await self.settle(link.parent, found[0][0], found[0][1])
+        """The child's driver failed (a fault, a bug, its core poisoned): its own running children are cancelled and
+        its turn too (nothing more of it runs), and it ends `failed`. Run as a task of the runtime's: what goes wrong
+        here is logged, never raised into the runtime."""
+        try:
+            link = await self.parent_link(child)
+            if link is None:
+                return
+            because = f"the daemon failed carrying it out: {why}"
+            self._because[child] = ("failed", because)
+            before = set(self._cascading)
+            self._cascading.add(child)
+            try:  # its own running children first: nothing below a failed child goes on
+                await self._cancel_below(child, f"the delegated run {child} above it failed")
+            finally:
+                self._cascading = before
+            await self._end_turn(child)
+            found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
+            if found:
+                await self.finish(link.parent, found[0][0], found[0][1], "failed", because)
+        except Exception as e:
+            log.error("agent.child_failure_not_kept", child=child, error=_why(e)[:300])
 
     async def _end_turn(self, child: str) -> None:
+        """Cancel the child's turn (a session that cannot be stepped any more, closed or poisoned, is let be)."""
         known = self.runtime.table.get(child)
         turn = max(known.turn, 1)
         try:
             await self.sessions.step(child, Event(Cancel=Cancel(turn=turn)), f"ended:{turn}")
-        except HandleError:
-            pass
+        except DevdError as e:
+            log.warning("agent.child_turn_not_cancelled", child=child, error=_why(e)[:300])
 
     # -- observing ----------------------------------------------------------------------------------------------------
 
@@ -513,8 +521,8 @@ class Children:
             found = [(a, kept) for a, kept in await self.links(parent) if kept.child == child]
             if found and not await self.sessions.known(child):
                 await self.settle(parent, found[0][0], found[0][1])
-        except DevdError as e:
-            log.warning("agent.child_end_not_kept", child=child, error=f"{e.kind}: {e}"[:300])
+        except Exception as e:  # a task of the runtime's: logged, never raised into it
+            log.warning("agent.child_end_not_kept", child=child, error=_why(e)[:300])
 
     async def _ended_child(self, child: str) -> None:
         link = await self.parent_link(child)
@@ -524,8 +532,8 @@ class Children:
             found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
             if found:
                 await self.settle(link.parent, found[0][0], found[0][1])
-        except DevdError as e:  # the parent gone meanwhile: nothing waits for it
-            log.warning("agent.child_end_not_kept", child=child, error=f"{e.kind}: {e}"[:300])
+        except Exception as e:  # the parent gone meanwhile (nothing waits for it), a fault: never into the runtime
+            log.warning("agent.child_end_not_kept", child=child, error=_why(e)[:300])
 
     def ancestors(self, session: str) -> list[str]:
         """The session's ancestors whose links are in memory, nearest first."""
@@ -544,13 +552,17 @@ class Children:
         self._stalls.pop(session, None)
 
     async def used(self, child: str) -> None:
-        """A model call of a child was charged: its parent's watchers are told its usage."""
-        link = await self.parent_link(child)
-        if link is None:
-            return
-        found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
-        if found and (await self.ends(link.parent)).get(child) is None:
-            self._tell(link.parent, found[0][0], found[0][1], "running", await self._used(child))
+        """A model call of a child was charged: its parent's watchers are told its usage (a notice, never a reason to
+        stop the child: what goes wrong reading it is logged)."""
+        try:
+            link = await self.parent_link(child)
+            if link is None:
+                return
+            found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
+            if found and (await self.ends(link.parent)).get(child) is None:
+                self._tell(link.parent, found[0][0], found[0][1], "running", await self._used(child))
+        except DevdError as e:
+            log.warning("agent.child_usage_not_told", child=child, error=_why(e)[:300])
 
     def _tell(
         self, parent: str, action: int, link: ChildLink, state: ChildState, usage: UsageTotals, why: str | None = None
@@ -615,6 +627,14 @@ class Children:
             await self._record(parent, records.CASCADED, 0, Cascade(why, turn, close))
         finally:
             self._cascading = before
+
+    async def running_below(self, parent: str) -> list[str]:
+        """The session's running descendants, each before its own children."""
+        found: list[str] = []
+        for _, link in await self._running(parent):
+            if await self.sessions.known(link.child):
+                found += [link.child, *await self.running_below(link.child)]
+        return found
 
     async def _running(self, parent: str) -> list[tuple[int, ChildLink]]:
         ended = await self.ends(parent)

@@ -435,6 +435,8 @@ class Runtime:
             await driver.run()
         except (HandleError, PoisonError, MovedError) as e:  # closed, ended or moved away: its next prompt drives it
             log.warning("agent.driver_stopped", session=driver.session, error=f"{e.kind}: {e}"[:500])
+            if isinstance(e, PoisonError) and driver.known.link is not None and self._tg is not None:
+                self._tg.start_soon(self.children.failed, driver.session, f"{e.kind}: {e}"[:300])
         except Exception as e:
             # A fault (the store refused a write) or a bug must not end the daemon, nor leave the turn waiting with
             # no word to anyone (a prompt waited for ever): the session is stalled, its watchers are told why, and

@@ -234,6 +234,12 @@ class AgentPort:
     async def welcome(self, name: str, sink: Sink) -> None:
         for notice in await self.oversight.announcements(name):  # told before it watched, or never
             sink.offer(self.notify(APPROVAL_NOTICE, Raw(notice)))
+        known = self.runtime.table.find(name)
+        if known is None or known.binding is None:  # no agent's session has children (read nothing for a raw one)
+            return
+        for child in await self.runtime.children.running_below(name):  # a parent's watcher may decide its children's
+            for notice in await self.oversight.announcements(child):
+                sink.offer(self.notify(APPROVAL_NOTICE, Raw(notice)))
 
     def unwatch(self, sub: Subscription) -> None:
         self.sessions.unwatch(sub)
