@@ -319,3 +319,12 @@ def text_of(editor: Editor, session: str) -> str:
         for m in subagent_raw(editor)
         if m["params"]["sessionId"] == session and m["params"]["update"]["sessionUpdate"] == "agent_message_chunk"
     )
+
+
+async def test_session_list_leaves_out_child_sessions(kin: Setup) -> None:
+    kin.standin.script(*REVIEW)
+    async with editor_on(kin, Editor()) as conn:
+        session = (await conn.new_session(cwd=str(kin.workspace), mcp_servers=[])).session_id
+        await conn.prompt(session_id=session, prompt=text("review it"))
+        listed = await conn.list_sessions(cwd=str(kin.workspace))
+    assert [s.session_id for s in listed.sessions] == [session]

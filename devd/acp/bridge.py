@@ -950,6 +950,8 @@ async def _list(bridge: Bridge, raw: msgspec.Raw) -> Any:
     page = await bridge.call("session/list", query)
     sessions = []
     for entry in page.get("sessions", []):
+        if entry.get("parent") is not None:
+            continue  # a child session (a subagent): told of under its parent, never loaded by an editor
         try:
             bound = await bridge.call("session/agent", {"session": entry["session"]})
         except errors.InvalidParamsError:
