@@ -17,9 +17,9 @@ import anyio
 import pytest
 
 from tests.children import delegation
-from tests.daemon import ROOT
+from tests.daemon import ROOT, Daemon
 from tests.standin_model import Scripted, Standin, standin_fixture
-from tests.test_acp import Editor, Setup, setup, text
+from tests.test_acp import Editor, Setup, agents_toml, setup, text
 
 __all__ = ["standin_fixture"]
 
@@ -328,3 +328,43 @@ async def test_session_list_leaves_out_child_sessions(kin: Setup) -> None:
         await conn.prompt(session_id=session, prompt=text("review it"))
         listed = await conn.list_sessions(cwd=str(kin.workspace))
     assert [s.session_id for s in listed.sessions] == [session]
+
+
+async def test_a_child_ended_as_the_daemon_was_killed_is_still_told_ended_once(
+    tmp_path: Path, standin: Standin
+) -> None:
+    """Killed after the child's end was kept and before its notice was sent: once the daemon is back, the editor is
+    told the child's end (once), before its parent's prompt is answered."""
+    (tmp_path / "roots" / "app").mkdir(parents=True)
+    agents = tmp_path / "agents.toml"
+    agents.write_text(
+        agents_toml(standin.url, tmp_path / "roots", "allow", *reviewer_lines(standin.url, tmp_path / "roots"))
+    )
+    daemon = Daemon(tmp_path / "d", "--agents", str(agents), env={"DEVD_FAILPOINTS": "children.ended=kill@1"})
+    kin = Setup(daemon.start(), (tmp_path / "roots" / "app").resolve(), standin, tmp_path)
+    standin.script(*REVIEW)
+    editor = Editor()
+    with daemon:
+        async with editor_on(kin, editor) as conn:
+            session = (await conn.new_session(cwd=str(kin.workspace), mcp_servers=[])).session_id
+            async with anyio.create_task_group() as tg:
+                answers: list[Any] = []
+
+                async def prompt() -> None:
+                    answers.append(await conn.prompt(session_id=session, prompt=text("review it")))
+
+                tg.start_soon(prompt)
+                await anyio.to_thread.run_sync(lambda: daemon.proc.wait(30))  # type: ignore[union-attr]
+                daemon.env = {}
+                await anyio.to_thread.run_sync(daemon.start)
+            answered_at = len(editor.raw)
+    states = [
+        (i, u["params"]["update"].get("state"))
+        for i, u in enumerate(editor.raw)
+        if u.get("method") == "session/update" and u["params"]["update"]["sessionUpdate"] == "subagent_update"
+    ]
+    assert (answers[0].stop_reason, [s for _, s in states], states[-1][0] < answered_at) == (
+        "end_turn",
+        ["running", "completed"],
+        True,
+    )

@@ -177,6 +177,7 @@ class Kid:
 
     parent: str
     agent: str
+    delegated: bool = True  # made by a delegate call of its parent's turn (else by `session/spawn`)
     announced: bool = False  # its `subagent_update` running was sent
     ended: bool = False  # its terminal update is being sent (once)
     followed: anyio.Event = field(default_factory=anyio.Event)  # its history was sent: from then on, live
@@ -304,6 +305,8 @@ class Bridge:
             self._reconnected.set()
             self._reconnected = anyio.Event()
             log.info("acp.daemon_back", sessions=len(self.sessions))
+            assert self._tasks is not None
+            self._tasks.start_soon(self._recheck_kids)
 
     async def _reconnect(self) -> None:
         delay = RECONNECT_FIRST_S
@@ -457,7 +460,7 @@ class Bridge:
         """A child of an attached session started, used tokens, or ended."""
         kid = self.kids.get(n.child)
         if kid is None:
-            kid = self.kids[n.child] = Kid(parent, n.agent)
+            kid = self.kids[n.child] = Kid(parent, n.agent, delegated=n.action != 0)
             if self.subagents:
                 await self._announce(parent, n.child, n.agent, _task(attached, n.action))
                 self._follow(n.child, attached.view.workspace, kid)
@@ -519,9 +522,35 @@ class Bridge:
         await self.editor.update(parent, wire.SubagentUpdate(child, state=state))  # type: ignore[arg-type]
         kid.done.set()
 
+    async def _recheck_kids(self) -> None:
+        """After a reconnect: a child announced and not ended whose end the daemon kept while it was away (its
+        `session/child` never sent) is ended now, as the daemon says (gone: `disconnected`)."""
+        for child, kid in list(self.kids.items()):
+            if kid.ended or not kid.announced or not self.subagents:
+                continue
+            await self._settle_kid(child, kid, CHILD_LOOK_MS)
+
+    async def _settle_kid(self, child: str, kid: Kid, timeout_ms: int) -> None:
+        """Ask the daemon whether a child announced and not ended has ended (its notice lost with a connection, or
+        with a daemon killed before it sent it); if so, its terminal update (gone: `disconnected`)."""
+        try:
+            waited = await self.call("session/wait", {"session": child, "turn": 1, "timeout_ms": timeout_ms})
+        except errors.InvalidParamsError:  # -32602: no such session (closed)
+            waited = {"done": True, "outcome": "disconnected"}
+        except (errors.DevdError, ConnectionError):
+            return  # asked again at the next reconnect; its notice may yet come
+        if waited.get("done") and not kid.ended:
+            kid.ended = True
+            await self._end_kid(kid.parent, child, str(waited.get("outcome") or "disconnected"), kid)
+
     async def kids_told(self, parent: str) -> None:
-        """Wait until every child of `parent` that has ended has had its terminal update sent."""
+        """Wait until every child of `parent` that has ended has had its terminal update sent. A child its turn
+        delegated (not a spawned one, which may outlive the turn) has ended once the turn has: its end is asked of
+        the daemon when its notice never came (a daemon killed before it sent it)."""
         with anyio.move_on_after(CHILD_SETTLE_S):
+            for child, kid in list(self.kids.items()):
+                if kid.parent == parent and kid.announced and not kid.ended and kid.delegated:
+                    await self._settle_kid(child, kid, int(CHILD_SETTLE_S * 1000))
             for kid in [k for k in self.kids.values() if k.parent == parent and k.ended]:
                 await kid.done.wait()
 
@@ -542,7 +571,8 @@ class Bridge:
                 bound, waited = {}, {"done": True, "outcome": "disconnected"}
             if waited.get("done") and not ended_too:
                 continue
-            kid = self.kids[child] = Kid(parent, str(bound.get("agent") or "?"))
+            spawned = child.startswith(f"{parent}.s-")  # `session/spawn`'s children may outlive a turn
+            kid = self.kids[child] = Kid(parent, str(bound.get("agent") or "?"), delegated=not spawned)
             await self._announce(parent, child, kid.agent, await self._first_prompt(child))
             if bound:
                 self._follow(child, workspace, kid)
