@@ -368,3 +368,40 @@ async def test_a_child_ended_as_the_daemon_was_killed_is_still_told_ended_once(
         ["running", "completed"],
         True,
     )
+
+
+@pytest.fixture
+def three_deep(tmp_path: Path, standin: Standin) -> Iterator[Setup]:
+    """`coder` delegates to `reviewer`, which delegates to `tester`."""
+    roots = tmp_path / "roots"
+    tester = ["", "[agent.tester]", f'base_url = "{standin.url}"', 'model = "standin-model"']
+    tester += [f'workspace_roots = ["{roots}"]', 'sandbox = "none"']
+    yield from setup(
+        tmp_path, standin, "allow", False, *reviewer_lines(standin.url, roots, 'delegates = ["tester"]'), *tester
+    )
+
+
+async def test_a_grandchild_is_announced_on_its_parent_and_ends_before_it(three_deep: Setup) -> None:
+    three_deep.standin.script(
+        delegation("reviewer", "review the change"),
+        delegation("tester", "test the change"),
+        Scripted(text="tests pass"),
+        Scripted(text="it looks right"),
+        Scripted(text="reviewed"),
+    )
+    editor = Editor()
+    async with editor_on(three_deep, editor) as conn:
+        session = (await conn.new_session(cwd=str(three_deep.workspace), mcp_servers=[])).session_id
+        await conn.prompt(session_id=session, prompt=text("review it"))
+    child, grandchild = f"{session}.d2", f"{session}.d2.d2"
+    announced = [
+        (m["params"]["sessionId"], m["params"]["update"]["subagentSessionId"], m["params"]["update"]["state"])
+        for m in subagent_raw(editor)
+        if m["params"]["update"]["sessionUpdate"] == "subagent_update"
+    ]
+    assert announced == [
+        (session, child, "running"),
+        (child, grandchild, "running"),
+        (child, grandchild, "completed"),
+        (session, child, "completed"),
+    ]

@@ -328,6 +328,7 @@ class Console:
         self.following = anyio.CancelScope()
         self.session = session
         self.screen = self._screen()
+        self.nested, self.followed, self.found = {}, {}, []  # the other session's delegated runs, from its own
         self.line(f"[session {inline(session)}]")
         subscribed = anyio.Event()
         since = await self.begin()
