@@ -111,3 +111,24 @@ def test_a_cascade_the_daemon_was_killed_in_is_finished_at_start(tmp_path: Path,
                 [("cancelled", True)],  # the core's answer to the call its Cancel withdrew: once
                 {"coder": 1, "reviewer": 1, "tester": 0, "auditor": 0},
             )
+
+
+def test_a_close_the_daemon_was_killed_in_the_cascade_of_is_finished_at_start(tmp_path: Path, standin: Standin) -> None:
+    f = process(tmp_path, standin, PROFILES, {"DEVD_FAILPOINTS": "children.cascaded=kill@1"})
+    with f.daemon:
+        f.router.script("reviewer", Scripted(text="never", hang=True))
+        with f.client() as c:
+            parent = f.session(c)
+            child = c.spawn(parent, "aux-1", "reviewer", "wait")
+            until(lambda: f.router.seen["reviewer"] == 1)
+            with pytest.raises((DevdError, OSError)):
+                c.close_session(parent)
+        restarted(f)
+        with f.client() as c:
+            until(lambda: parent not in [s.session for s in c.list().sessions])
+            waited = c.wait(child.session, child.turn)
+            assert (waited.outcome, waited.why, f.router.seen["reviewer"]) == (
+                "cancelled",
+                f"its parent {parent} was closed",
+                1,
+            )

@@ -431,6 +431,10 @@ REQUIRED_VALUES = {
     "turn": 1,
     "model": "m",
     "mcp_servers": [],
+    "parent": "a",  # session/spawn
+    "id": "run-1",
+    "agent": "reviewer",
+    "task": "review it",
 }
 
 
