@@ -405,3 +405,31 @@ async def test_a_grandchild_is_announced_on_its_parent_and_ends_before_it(three_
         (child, grandchild, "completed"),
         (session, child, "completed"),
     ]
+
+
+async def test_a_cancelled_childs_permission_request_is_withdrawn_before_its_end(kin_asking: Setup) -> None:
+    kin_asking.standin.script(
+        delegation("reviewer", "make it"), Scripted(tool_calls=[("exec", {"argv": ["touch", "made"]})])
+    )
+    editor = Editor()  # it never answers
+    async with editor_on(kin_asking, editor) as conn:
+        session = (await conn.new_session(cwd=str(kin_asking.workspace), mcp_servers=[])).session_id
+
+        async def cancel_once_asked() -> None:
+            await editor.until(lambda: bool(editor.permission_requests()))
+            await conn.cancel(session_id=session)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_once_asked)
+            answer = await conn.prompt(session_id=session, prompt=text("make it"))
+    order = [
+        "withdrawn" if m.get("method") == "$/cancel_request" else m["params"]["update"]["state"]
+        for m in editor.raw
+        if m.get("method") == "$/cancel_request"
+        or (m.get("method") == "session/update" and m["params"]["update"]["sessionUpdate"] == "subagent_update")
+    ]
+    assert (answer.stop_reason, order, (kin_asking.workspace / "made").exists()) == (
+        "cancelled",
+        ["running", "withdrawn", "cancelled"],
+        False,
+    )
