@@ -82,20 +82,25 @@ class Family:
         return c.new(agent=agent, workspace=self.workspace)
 
 
-def prepare(tmp_path: Path, standin: Standin, profiles: dict[str, dict[str, str]]) -> tuple[Path, Router]:
+def prepare(
+    tmp_path: Path, standin: Standin, profiles: dict[str, dict[str, str]], tables: str = ""
+) -> tuple[Path, Router]:
+    """The workspace, and the agents file (with `tables` after the profiles: an MCP server's, say)."""
     (tmp_path / "roots" / "ws").mkdir(parents=True)
     agents = tmp_path / "agents.toml"
-    agents.write_text(agents_file(standin.url, tmp_path / "roots", profiles))
+    agents.write_text(agents_file(standin.url, tmp_path / "roots", profiles) + tables)
     router = Router()
     standin.default = router
     return agents, router
 
 
 @contextmanager
-def family(tmp_path: Path, standin: Standin, profiles: dict[str, dict[str, str]], monkeypatch: Any) -> Iterator[Family]:
-    """The daemon (in this process) with those profiles."""
+def family(
+    tmp_path: Path, standin: Standin, profiles: dict[str, dict[str, str]], monkeypatch: Any, tables: str = ""
+) -> Iterator[Family]:
+    """The daemon (in this process) with those profiles (and `tables` after them)."""
     monkeypatch.setenv("DEVD_TEST_KEY", SECRET)
-    agents, router = prepare(tmp_path, standin, profiles)
+    agents, router = prepare(tmp_path, standin, profiles, tables)
     with InProcess(tmp_path / "d", "--agents", str(agents)) as daemon:
         yield Family(daemon, tmp_path / "roots" / "ws", standin, router)
 

@@ -802,3 +802,31 @@ def test_a_client_watching_the_parent_reads_the_session_child_notices_typed(
                 if notice.state != "running":
                     break
         assert states[-1] == (child.session, "completed")
+
+
+def test_a_child_never_runs_an_mcp_tool_its_parents_profile_denies_even_a_trusted_read(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.mcp_place import PYTHON, placed
+
+    server = placed()
+    monkeypatch.setenv("DEVD_TEST_MCP_PATH", server.site)
+    table = "\n".join(
+        [
+            "[agent.reviewer.mcp.demo]",
+            f'command = ["{PYTHON}", "{server.server}"]',
+            'env = { PYTHONPATH = "DEVD_TEST_MCP_PATH" }',
+            'decision = "allow"',
+            "trust_read_only = true",
+        ]
+    )
+    with family(tmp_path, standin, DELEGATES, monkeypatch, table + "\n") as f, f.client() as c:
+        f.router.script("reviewer", Scripted(tool_calls=[("demo__readme", {})]), echo)
+        parent = f.session(c)
+        child = c.spawn(parent, "aux-1", "reviewer", "read it")
+        waited = c.wait(child.session, child.turn)
+        offered = [t["function"]["name"] for t in standin.requests[0].body["tools"]]
+        assert ("demo__readme" in offered, waited.answer) == (
+            False,
+            'error: there is no tool named "demo__readme"; the tools are exec, read, write, git, browse, delegate',
+        )

@@ -70,6 +70,7 @@ class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     start_timeout_s: float = 10.0
     call_timeout_s: float = 120.0
     tools_max: int = 1000
+    trust_read_only: bool = False  # a tool whose annotations say readOnlyHint is decided and carried out as a read
 
 
 class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -365,6 +366,7 @@ _MCP_FIELDS: dict[str, tuple[Any, str]] = {
     "start_timeout_s": (float, "a number of seconds"),
     "call_timeout_s": (float, "a number of seconds"),
     "tools_max": (int, "an integer number of tools"),
+    "trust_read_only": (bool, "true or false"),
 }
 # A server's name starts the model's name of each of its tools (SERVER__TOOL): letters, digits, - and single _, short
 # enough to leave room for the tool's name within the model API's 64 characters.
