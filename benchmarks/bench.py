@@ -2409,7 +2409,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_chat import add_arguments as chat_arguments
 
     chat_arguments(sub.add_parser("chat", help="a model's first streamed chunk to devd chat's screen, against direct"))
+    from benchmarks.bench_children import add_arguments as children_arguments
     from benchmarks.bench_mixed import add_arguments as mixed_arguments
+
+    children_arguments(sub.add_parser("children", help="a child run's start and hand-back, and 100 children at once"))
 
     mixed_arguments(sub.add_parser("mixed", help="session/new beside one client's large steps, against it alone"))
 
@@ -2460,6 +2463,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench_rewind import bench_rewind
 
         result = bench_rewind(args.rounds, args.files)
+    elif args.what == "children":
+        from benchmarks.bench_children import bench_children
+
+        result = bench_children(args.rounds, args.children)
     elif args.what == "mixed":
         from benchmarks.bench_mixed import bench_mixed
 

@@ -1252,6 +1252,7 @@ __all__ = [
     "Client",
     "DeltaNotice",
     "InstructionsNotice",
+    "ChildNotice",
     "NotRunningError",
     "Notice",
     "Reply",

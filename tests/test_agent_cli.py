@@ -6,7 +6,9 @@ import io
 import os
 from pathlib import Path
 
-from devd.agent.cli import DIFF_BYTES_MAX, DIFF_COMPARED_LINES_MAX, Screen, approval_lines, call_line
+import msgspec
+
+from devd.agent.cli import DIFF_BYTES_MAX, DIFF_COMPARED_LINES_MAX, Nested, Screen, approval_lines, call_line
 from devd.client import ActionsNotice
 from devd.messages import (
     Action,
@@ -20,12 +22,13 @@ from devd.messages import (
     Output,
     Read,
     Reply,
+    ToolCall,
     Turn,
     Write,
     ask,
     done,
 )
-from devd.protocol import ApprovalNotice, DecidedNotice, DeltaNotice, StalledNotice
+from devd.protocol import ApprovalNotice, ChildNotice, DecidedNotice, DeltaNotice, StalledNotice, UsageTotals
 
 
 def shown(*notices: object, turn: int | None = 1) -> str:
@@ -340,3 +343,60 @@ def test_a_write_of_many_scattered_changes_compares_a_bounded_number_of_lines_an
     assert approval_lines(write_of("big.txt", text), str(tmp_path))[1] == (
         f"  (only the first {DIFF_COMPARED_LINES_MAX:,} lines of the file and of the text compared)"
     )
+
+
+# -- delegated runs (issue 34) ---------------------------------------------------------------------------------------
+
+DELEGATE = Op(Tool=ToolCall(name="delegate", input=msgspec.Raw(b'{"agent": "reviewer", "task": "review it"}')))
+
+
+def child(state: str, calls: int = 0, why: str | None = None) -> ChildNotice:
+    return ChildNotice("s", 10, "s.d10", "reviewer", state, UsageTotals(100 * calls, 20 * calls, 0, calls), why)  # type: ignore[arg-type]
+
+
+def test_a_delegated_runs_usage_as_it_runs_is_the_status_lines_not_a_line() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    screen = Screen(out, clock=lambda: now[0])
+    screen.show(step(TURN, DELEGATE))
+    screen.show(child("running"))
+    screen.show(child("running", calls=2))
+    now[0] = 3.0
+    assert (out.getvalue(), screen.status()) == (
+        "delegate to reviewer: review it\n  ⤷ s.d10 (reviewer): running\n",
+        "running delegate to reviewer: review it (3.0 s) · 1 delegated run running, 240 tokens",
+    )
+
+
+def test_a_delegated_runs_end_is_told_once_with_why_and_its_result_comes_under_it() -> None:
+    text = shown(
+        step(TURN, DELEGATE),
+        child("running"),
+        child("failed", calls=1, why="its turn was cancelled"),
+        child("failed", calls=1, why="its turn was cancelled"),
+        step(Event(Tool=Output(id=10, text="the delegated run failed", failed=True))),
+    )
+    assert text == (
+        "delegate to reviewer: review it\n"
+        "  ⤷ s.d10 (reviewer): running\n"
+        "  ⤷ s.d10 (reviewer): failed: its turn was cancelled, 120 tokens in 1 call\n"
+        "  ✗ the delegated run failed\n"
+    )
+
+
+def test_a_delegated_runs_own_lines_are_nested_and_never_break_a_line_of_its_parents() -> None:
+    out = io.StringIO()
+    parent = Screen(out, turn=1)
+    nested = Screen(Nested(parent), session="s.d10", nested=True)
+    parent.show(DeltaNotice("s", 1, "Let me ask"))
+    nested.show(step(TURN, EXEC))
+    nested.show(step(Event(Exec=Output(id=10, text="ok\nfine\n"))))
+    nested.show(step(Event(Model=Answer(id=11, reply=Reply(text="two\nlines"))), Op(Emit="two\nlines"), done(1)))
+    assert out.getvalue() == "Let me ask\n  │ $ make test\n  │   ok\n  │   fine\n  │ two\n  │ lines\n"
+
+
+def test_an_approval_told_twice_is_shown_once() -> None:
+    asked = ApprovalNotice("s.d10", 10, EXEC, "d" * 64, None)
+    decided = DecidedNotice("s.d10", 10, "allow", "someone")
+    text = shown(step(TURN, EXEC), asked, asked, decided, decided)
+    assert text.count("[approval needed") + text.count("allowed by") == 2

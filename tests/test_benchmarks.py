@@ -60,3 +60,9 @@ def test_bench_rewind_times_a_rewind_against_the_turn_it_undoes() -> None:
     argv = [sys.executable, "-m", "benchmarks.bench", "rewind", "--rounds", "1", "--files", "3"]
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     assert set(json.loads(done.stdout)) >= {"turn_ms", "rewind_ms", "ratio"}
+
+
+def test_bench_children_times_a_child_against_the_same_work_without_one_and_fans_out() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "children", "--rounds", "1", "--children", "3"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    assert json.loads(done.stdout)["fan_out_children_completed"] == 3

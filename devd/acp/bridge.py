@@ -16,6 +16,17 @@ What it promises:
   `resume`, the turns other clients drive on the session are told too, and either editor may answer a permission
   request: the first answer wins, and the other editor's request is withdrawn (`$/cancel_request`).
 - Errors are JSON-RPC errors: an unknown session is -32602 naming it; the daemon's own errors keep their code.
+- Child sessions (delegated runs, the daemon's `session/child`): for an editor that opted in with
+  `clientCapabilities.subagents`, each child is announced on its immediate parent with a `subagent_update`
+  (`running`, its agent as `name`, its `task`, `capabilities: {cancel: true}`) before any update of its own, which
+  then come under its own `sessionId` (its history from its first step, then live); its one terminal
+  `subagent_update` (`completed`, `failed`, `cancelled`, `disconnected`) is sent after every update of it and after
+  its permission requests are resolved (and after its own children's: deepest first), before its parent's prompt is
+  answered. An editor may cancel a child, never prompt, load, resume or close it (-32602 saying so). Loading (or
+  resuming) a parent announces its children too, each with its history, and the end of each that has ended (one
+  whose session is gone: `disconnected`), deepest first. For an editor without subagents, a child is its delegate
+  call's progress (the call's content: the child, its state and usage), and a child's permission requests are asked
+  on the session the editor has.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from devd.acp.translate import (
 )
 from devd.acp.wire import Id, Request, Response, Update
 from devd.client import ActionsNotice, AsyncClient, NotRunningError, Reply
+from devd.protocol import ChildNotice
 
 log = structlog.get_logger("devd.acp")
 
@@ -59,6 +71,9 @@ OFFLINE_PATIENCE_S = 60.0  # a prompt waiting on a daemon that has been away thi
 Stop = StopReason | Literal["refusal"]  # how a prompt ends: its turn's outcome, or a stall
 MCP_ACCEPTED = "the daemon starts it when the session first needs its tools"
 _MCP_KEYS = ("name", "command", "args", "env", "type", "url", "headers")  # of ACP's shape, as session/new takes it
+TERMINAL = ("completed", "failed", "cancelled", "disconnected")
+CHILD_SETTLE_S = 30.0  # a child's end waits this long at most for its updates and permission requests to be done
+CHILD_LOOK_MS = 50  # `session/wait` asking whether a child has ended (with 0 the daemon moves on before it looks)
 
 
 # -- the editor's side ----------------------------------------------------------------------------------------------
@@ -152,6 +167,21 @@ class Attached:
     asked: dict[int, Asked] = field(default_factory=dict)  # by action id
     approvals: dict[int, ApprovalNotice] = field(default_factory=dict)  # undecided, by action id
     traced: int = 0  # the session's last trace record read (for `usage_update`)
+    requested: set[int] = field(default_factory=set)  # actions the editor was asked about: a child's approval comes
+    # twice to a watcher of it and of its parent (and may come again after its request was answered): asked once
+
+
+@dataclass
+class Kid:
+    """A child session the editor was told of (or shown as a call's progress)."""
+
+    parent: str
+    agent: str
+    delegated: bool = True  # made by a delegate call of its parent's turn (else by `session/spawn`)
+    announced: bool = False  # its `subagent_update` running was sent
+    ended: bool = False  # its terminal update is being sent (once)
+    followed: anyio.Event = field(default_factory=anyio.Event)  # its history was sent: from then on, live
+    done: anyio.Event = field(default_factory=anyio.Event)  # its terminal update was sent
 
 
 def _unknown(session: str) -> errors.InvalidParamsError:
@@ -179,6 +209,9 @@ class Bridge:
         self._taken = 0  # notices taken from the client, and finished with: what `_caught_up()` compares
         self._finished = 0
         self._progress = anyio.Event()
+        self.subagents = False  # the editor opted in to ACP subagents (`clientCapabilities.subagents`)
+        self.kids: dict[str, Kid] = {}  # the child sessions seen, by name
+        self.asked_for: dict[str, Attached] = {}  # without subagents: a child's approvals, asked on its ancestor
 
     # -- running
 
@@ -272,6 +305,8 @@ class Bridge:
             self._reconnected.set()
             self._reconnected = anyio.Event()
             log.info("acp.daemon_back", sessions=len(self.sessions))
+            assert self._tasks is not None
+            self._tasks.start_soon(self._recheck_kids)
 
     async def _reconnect(self) -> None:
         delay = RECONNECT_FIRST_S
@@ -333,6 +368,12 @@ class Bridge:
         params = reply.params if isinstance(reply.params, dict) else {}
         name = params.get("session")
         attached = self.sessions.get(name) if isinstance(name, str) else None
+        if attached is not None and isinstance(name, str) and reply.method == "session/child":
+            await self._child(name, attached, msgspec.convert(params, ChildNotice))
+            return
+        if attached is None and isinstance(name, str) and reply.method in ("session/approval", "session/decided"):
+            await self._kid_approval(name, reply.method, params)  # a child's, told to its ancestors' watchers
+            return
         if attached is None or not isinstance(name, str):
             return
         if reply.method == "session/unwatched":
@@ -413,21 +454,216 @@ class Bridge:
         for waiter in attached.waiters:
             waiter.end(None, error=errors.InvalidParamsError(f"session {name!r} ended: {why}"))
 
+    # -- child sessions
+
+    async def _child(self, parent: str, attached: Attached, n: ChildNotice) -> None:
+        """A child of an attached session started, used tokens, or ended."""
+        kid = self.kids.get(n.child)
+        if kid is None:
+            kid = self.kids[n.child] = Kid(parent, n.agent, delegated=n.action != 0)
+            if self.subagents:
+                await self._announce(parent, n.child, n.agent, _task(attached, n.action))
+                self._follow(n.child, attached.view.workspace, kid)
+        if not self.subagents:
+            await self._progress_of(parent, attached, n)
+        elif n.state in TERMINAL and not kid.ended:
+            kid.ended = True
+            assert self._tasks is not None
+            self._tasks.start_soon(self._end_kid, parent, n.child, n.state, kid)
+
+    async def _announce(self, parent: str, child: str, agent: str, task: str | None) -> None:
+        kid = self.kids[child]
+        kid.announced = True
+        caps = wire.SubagentCapabilities(cancel=True)
+        await self.editor.update(parent, wire.SubagentUpdate(child, agent, task, caps, "running"))
+
+    def _follow(self, child: str, workspace: str | None, kid: Kid) -> None:
+        """Tell the child's updates under its own id: its history from its first step, then as they come."""
+        attached = Attached(SessionView(child, workspace), held=[])
+        self.sessions[child] = attached
+        assert self._tasks is not None
+        self._tasks.start_soon(self._replay_kid, child, attached, kid)
+
+    async def _replay_kid(self, child: str, attached: Attached, kid: Kid) -> None:
+        try:
+            try:
+                await self.call("session/watch", {"session": child, "since": 0})
+            except errors.InvalidParamsError:  # its oldest steps pruned: from now on
+                await self.call("session/watch", {"session": child})
+            await self._caught_up()
+        except errors.DevdError:  # gone already: its end says how it ended
+            attached.held = None
+            self.sessions.pop(child, None)
+        else:
+            await self._replay(child, attached)
+        finally:
+            kid.followed.set()
+
+    async def _end_kid(self, parent: str, child: str, state: str, kid: Kid) -> None:
+        """The child's one terminal update, on its parent: after its history and every update of it, its permission
+        requests resolved, and its own children's ends (deepest first)."""
+        with anyio.move_on_after(CHILD_SETTLE_S):
+            await kid.followed.wait()
+            for below in [k for k in self.kids.values() if k.parent == child and k.ended]:
+                await below.done.wait()
+            while (attached := self.sessions.get(child)) is not None and attached.asked:
+                await anyio.sleep(0.01)  # the daemon withdraws a cancelled child's approvals: their notices come
+        await self._caught_up()
+        attached = self.sessions.pop(child, None)
+        if attached is not None:
+            for asked in list(attached.asked.values()):
+                await self.editor.withdraw(asked.request)
+            for waiter in attached.waiters:
+                waiter.end(None, error=errors.InvalidParamsError(f"subagent {child!r} ended {state}"))
+            try:
+                await self.client.call("session/unwatch", {"session": child})
+            except (errors.DevdError, ConnectionError):
+                pass  # gone, or the connection is: nothing more of it comes either way
+        await self.editor.update(parent, wire.SubagentUpdate(child, state=state))  # type: ignore[arg-type]
+        kid.done.set()
+
+    async def _recheck_kids(self) -> None:
+        """After a reconnect: a child announced and not ended whose end the daemon kept while it was away (its
+        `session/child` never sent) is ended now, as the daemon says (gone: `disconnected`)."""
+        for child, kid in list(self.kids.items()):
+            if kid.ended or not kid.announced or not self.subagents:
+                continue
+            await self._settle_kid(child, kid, CHILD_LOOK_MS)
+
+    async def _settle_kid(self, child: str, kid: Kid, timeout_ms: int) -> None:
+        """Ask the daemon whether a child announced and not ended has ended (its notice lost with a connection, or
+        with a daemon killed before it sent it); if so, its terminal update (gone: `disconnected`)."""
+        try:
+            waited = await self.call("session/wait", {"session": child, "turn": 1, "timeout_ms": timeout_ms})
+        except errors.InvalidParamsError:  # -32602: no such session (closed)
+            waited = {"done": True, "outcome": "disconnected"}
+        except (errors.DevdError, ConnectionError):
+            return  # asked again at the next reconnect; its notice may yet come
+        if waited.get("done") and not kid.ended:
+            kid.ended = True
+            await self._end_kid(kid.parent, child, str(waited.get("outcome") or "disconnected"), kid)
+
+    async def kids_told(self, parent: str) -> None:
+        """Wait until every child of `parent` that has ended has had its terminal update sent. A child its turn
+        delegated (not a spawned one, which may outlive the turn) has ended once the turn has: its end is asked of
+        the daemon when its notice never came (a daemon killed before it sent it)."""
+        with anyio.move_on_after(CHILD_SETTLE_S):
+            for child, kid in list(self.kids.items()):
+                if kid.parent == parent and kid.announced and not kid.ended and kid.delegated:
+                    await self._settle_kid(child, kid, int(CHILD_SETTLE_S * 1000))
+            for kid in [k for k in self.kids.values() if k.parent == parent and k.ended]:
+                await kid.done.wait()
+
+    async def announce_children(self, parent: str, workspace: str | None, ended_too: bool) -> None:
+        """A parent loaded or resumed by an editor with subagents: each of its children not told of yet announced,
+        with its history, then (`ended_too`) the end of each that has ended, its own children's first; a child whose
+        session is gone ends `disconnected`. One still running goes on live."""
+        if not self.subagents:
+            return
+        entry = await self.entry(parent)
+        for child in (entry or {}).get("children") or []:
+            if child in self.kids:
+                continue
+            try:
+                bound = await self.call("session/agent", {"session": child})
+                waited = await self.call("session/wait", {"session": child, "turn": 1, "timeout_ms": CHILD_LOOK_MS})
+            except errors.DevdError:
+                bound, waited = {}, {"done": True, "outcome": "disconnected"}
+            if waited.get("done") and not ended_too:
+                continue
+            spawned = child.startswith(f"{parent}.s-")  # `session/spawn`'s children may outlive a turn
+            kid = self.kids[child] = Kid(parent, str(bound.get("agent") or "?"), delegated=not spawned)
+            await self._announce(parent, child, kid.agent, await self._first_prompt(child))
+            if bound:
+                self._follow(child, workspace, kid)
+                await kid.followed.wait()
+                await self.announce_children(child, workspace, ended_too)
+            else:
+                kid.followed.set()
+            if waited.get("done"):
+                kid.ended = True
+                await self._end_kid(parent, child, str(waited.get("outcome") or "disconnected"), kid)
+
+    async def _first_prompt(self, child: str) -> str | None:
+        """A child's task: the prompt of its turn."""
+        try:
+            found = await self.call("session/transcript", {"session": child, "whole": True})
+        except errors.DevdError:
+            return None
+        for message in found.get("messages", []):
+            if isinstance(message, dict) and isinstance(message.get("User"), str):
+                return str(message["User"])
+        return None
+
+    async def _progress_of(self, parent: str, attached: Attached, n: ChildNotice) -> None:
+        """Without subagents: the child is its delegate call's progress (a spawned child: a call of its own)."""
+        said = _child_said(n)
+        call = attached.view.calls.get(n.action)
+        if call is not None:
+            content: list[wire.ToolContent] = [wire.ContentItem(wire.TextBlock(said))]
+            await self.editor.update(parent, wire.ToolCallUpdate(call_id(n.action), content=content))
+            return
+        if n.action != 0:
+            return  # its call has its result already
+        spawned = f"child_{n.child}"
+        if n.state == "running" and not self.kids[n.child].announced:
+            self.kids[n.child].announced = True
+            title = f"delegated run {n.child} ({n.agent})"
+            await self.editor.update(parent, wire.ToolCall(spawned, title, kind="other", status="in_progress"))
+        status: wire.ToolStatus | None = None if n.state == "running" else "failed"
+        if n.state == "completed":
+            status = "completed"
+        update = wire.ToolCallUpdate(spawned, status=status, content=[wire.ContentItem(wire.TextBlock(said))])
+        await self.editor.update(parent, update)
+
+    async def _kid_approval(self, child: str, method: str | None, params: dict[str, Any]) -> None:
+        """Without subagents: a child's approval (told to its ancestors' watchers) asked on the ancestor the editor
+        has, under a call id of its own; its decision withdraws the request."""
+        shown = self._shown_on(child)
+        if shown is None or self.subagents:
+            return
+        n = notice(method or "", params)
+        attached = self.asked_for.setdefault(child, Attached(SessionView(child, self.sessions[shown].view.workspace)))
+        if isinstance(n, ApprovalNotice):
+            self._ask(child, attached, n, shown)
+        elif isinstance(n, DecidedNotice):
+            attached.approvals.pop(n.action, None)
+            asked = attached.asked.pop(n.action, None)
+            if asked is not None:
+                await self.editor.withdraw(asked.request)
+
+    def _shown_on(self, child: str) -> str | None:
+        """The attached session a child's permission request is asked on: its nearest ancestor the editor has (by
+        the links seen, else by its name, `PARENT.dN`)."""
+        kid = self.kids.get(child)
+        while kid is not None:
+            if kid.parent in self.sessions:
+                return kid.parent
+            kid = self.kids.get(kid.parent)
+        found = [name for name in self.sessions if child.startswith(name + ".")]
+        return max(found, key=len) if found else None
+
     # -- approvals
 
-    def _ask(self, name: str, attached: Attached, n: ApprovalNotice) -> None:
-        if n.action in attached.asked:
+    def _ask(self, name: str, attached: Attached, n: ApprovalNotice, shown: str | None = None) -> None:
+        if n.action in attached.asked or n.action in attached.requested:
             return  # announced again (a new watch after a reconnect): the editor is asked once
+        attached.requested.add(n.action)
         attached.approvals[n.action] = n
         request = self.editor.new_id()
         attached.asked[n.action] = Asked(request, n.digest)
         assert self._tasks is not None
-        self._tasks.start_soon(self._permission, name, attached, n, request)
+        self._tasks.start_soon(self._permission, name, attached, n, request, shown)
 
-    async def _permission(self, name: str, attached: Attached, n: ApprovalNotice, request: int) -> None:
+    async def _permission(
+        self, name: str, attached: Attached, n: ApprovalNotice, request: int, shown: str | None = None
+    ) -> None:
+        call = attached.view.permission_call(n)
+        if shown is not None:  # a child's call, asked on its ancestor: an id of its own there
+            call = msgspec.structs.replace(call, tool_call_id=f"{name}/{call.tool_call_id}")
         params = {
-            "sessionId": name,
-            "toolCall": wire.to_builtins(attached.view.permission_call(n)),
+            "sessionId": shown or name,
+            "toolCall": wire.to_builtins(call),
             "options": wire.to_builtins(wire.PERMISSION_OPTIONS),
         }
         try:
@@ -553,6 +789,28 @@ class Bridge:
         await self.call("session/step", {"session": name, "event": event, "key": f"acp:cancel:{turn}"})
 
 
+def call_id(action: int) -> str:
+    from devd.acp.translate import tool_call_id
+
+    return tool_call_id(action)
+
+
+def _task(attached: Attached, action: int) -> str | None:
+    """The task of the delegate call `action` of the session, as the model gave it (None: not known here)."""
+    call = attached.view.calls.get(action)
+    given = call.raw_input.get("input") if call is not None else None
+    task = given.get("task") if isinstance(given, dict) else None
+    return task if isinstance(task, str) else None
+
+
+def _child_said(n: ChildNotice) -> str:
+    """A child's progress as its call shows it: `reviewer S.d2: running, 120 tokens in 1 call`."""
+    why = f": {n.why}" if n.why else ""
+    calls = f"{n.usage.calls} call{'' if n.usage.calls == 1 else 's'}"
+    tokens = n.usage.input_tokens + n.usage.output_tokens
+    return f"delegated run {n.child} ({n.agent}): {n.state}{why}, {tokens:,} tokens in {calls}"
+
+
 def _decision(response: Response) -> tuple[str, bool] | None:
     """The approval an editor's answer means: (decision, remember), or None when it cancelled or failed."""
     if response.error is not None or response.result is None:
@@ -583,6 +841,7 @@ def _before(name: str) -> str | None:
 
 async def _initialize(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.InitializeParams, "initialize")
+    bridge.subagents = isinstance((p.client_capabilities or {}).get("subagents"), dict)
     if p.client_info is not None:
         bridge.editor_name = p.client_info.name
         await bridge.hello()
@@ -594,7 +853,7 @@ async def _initialize(bridge: Bridge, raw: msgspec.Raw) -> Any:
             "loadSession": True,
             "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
             "mcpCapabilities": {"http": True, "sse": False},
-            "sessionCapabilities": {"list": {}, "resume": {}, "close": {}},
+            "sessionCapabilities": {"list": {}, "resume": {}, "close": {}, "subagents": {}},
         },
         "authMethods": [],
         "agentInfo": {"name": "devd", "title": "devd", "version": __version__},
@@ -680,16 +939,33 @@ async def _workspace(bridge: Bridge, name: str, cwd: str | None) -> str | None:
     return workspace if isinstance(workspace, str) else cwd
 
 
+async def _not_a_child(bridge: Bridge, name: str, verb: str) -> None:
+    """-32602 for a child session (a subagent): an editor may watch and cancel it, not `verb` it."""
+    entry = await bridge.entry(name)
+    parent = None if entry is None else entry.get("parent")
+    if parent is not None:
+        raise errors.InvalidParamsError(
+            f"session {name!r} is a subagent of session {parent!r} (a delegated run): an editor may watch it and "
+            f"cancel it, not {verb} it; {verb} {parent!r} instead"
+        )
+
+
 async def _load(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.LoadSessionParams, "session/load")
-    await bridge.load(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/load")))
+    await _not_a_child(bridge, p.session_id, "load")
+    workspace = await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/load"))
+    await bridge.load(p.session_id, workspace)
+    await bridge.announce_children(p.session_id, workspace, ended_too=True)
     bridge.offer_commands(p.session_id)
     return {"_meta": {"devd": await _bring_mcp(bridge, p.session_id, p.mcp_servers)}}
 
 
 async def _resume(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.LoadSessionParams, "session/resume")
-    await bridge.attach(p.session_id, await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/resume")))
+    await _not_a_child(bridge, p.session_id, "resume")
+    workspace = await _workspace(bridge, p.session_id, _absolute(p.cwd, "session/resume"))
+    await bridge.attach(p.session_id, workspace)
+    await bridge.announce_children(p.session_id, workspace, ended_too=False)
     bridge.offer_commands(p.session_id)
     return {"_meta": {"devd": await _bring_mcp(bridge, p.session_id, p.mcp_servers)}}
 
@@ -704,6 +980,8 @@ async def _list(bridge: Bridge, raw: msgspec.Raw) -> Any:
     page = await bridge.call("session/list", query)
     sessions = []
     for entry in page.get("sessions", []):
+        if entry.get("parent") is not None:
+            continue  # a child session (a subagent): told of under its parent, never loaded by an editor
         try:
             bound = await bridge.call("session/agent", {"session": entry["session"]})
         except errors.InvalidParamsError:
@@ -755,6 +1033,7 @@ async def _prompt(bridge: Bridge, raw: msgspec.Raw) -> Any:
     text = wire.prompt_text(p.prompt)
     if not text:
         raise errors.InvalidParamsError("session/prompt: the prompt has no text block")
+    await _not_a_child(bridge, name, "prompt")
     attached = bridge.sessions.get(name) or await bridge.attach(name, await _workspace(bridge, name, None))
     entry = await _known(bridge, name)
     slash = commands.parse(text)
@@ -775,6 +1054,7 @@ async def _prompt(bridge: Bridge, raw: msgspec.Raw) -> Any:
             await bridge.cancel(name)
         bridge._settle(attached)
         await waiter.done.wait()
+        await bridge.kids_told(name)  # every child that ended is told so before its parent's prompt is answered
     finally:
         if waiter in attached.waiters:
             attached.waiters.remove(waiter)
@@ -795,6 +1075,7 @@ async def _close(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.SessionIdParams, "session/close")
     name = p.session_id
     await _known(bridge, name)
+    await _not_a_child(bridge, name, "close")
     await bridge.cancel(name)
     attached = bridge.sessions.pop(name, None)
     await bridge.call("session/close", {"session": name})

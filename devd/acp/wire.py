@@ -293,6 +293,26 @@ class UsageUpdate(_Out, frozen=True, tag_field="sessionUpdate", tag="usage_updat
     size: int
 
 
+SubagentState = Literal["running", "completed", "failed", "cancelled", "disconnected"]
+
+
+class SubagentCapabilities(_Out, frozen=True):
+    """What the editor may do with a subagent session: `cancel` it (`session/cancel` with its id)."""
+
+    cancel: bool | None = None
+
+
+class SubagentUpdate(_Out, frozen=True, tag_field="sessionUpdate", tag="subagent_update"):
+    """ACP subagents (stable 2026-11-20): a child session of the session this update is sent on, announced (`running`,
+    with its name, task and capabilities) before any update of its own, then its one terminal state."""
+
+    subagent_session_id: str
+    name: str | None = None
+    task: str | None = None
+    capabilities: SubagentCapabilities | None = None
+    state: SubagentState | None = None
+
+
 Update = (
     UserMessageChunk
     | AgentMessageChunk
@@ -301,6 +321,7 @@ Update = (
     | ToolCallUpdate
     | AvailableCommandsUpdate
     | UsageUpdate
+    | SubagentUpdate
 )
 
 

@@ -34,7 +34,7 @@ from devd.agent import kinds, tools
 from devd.agent.kinds.base import LINE_CHARS_MAX
 from devd.client import ActionsNotice, Notice
 from devd.messages import Action, Event, Op, Output
-from devd.protocol import ApprovalNotice, DecidedNotice, DeltaNotice, Remember, StalledNotice
+from devd.protocol import ApprovalNotice, ChildNotice, DecidedNotice, DeltaNotice, Remember, StalledNotice, UsageTotals
 from devd.render import Streamed, argv, block, brief, in_devd_terms, inline, prose
 
 RESULT_LINES = 8  # of a call's output shown; the rest is counted
@@ -82,6 +82,25 @@ def result_lines(output: Output) -> list[str]:
     return shown
 
 
+CHILD_MARK = "⤷"  # a delegated run's line, under the call that made it
+NESTED = "  │ "  # before each line a delegated run's own screen shows, under its parent's
+TERMINAL = ("completed", "failed", "cancelled", "disconnected")
+
+
+def used(usage: UsageTotals) -> str:
+    """A delegated run's usage, as its line says it: `1,234 tokens in 2 calls` (input and output tokens)."""
+    calls = f"{usage.calls:,} call{'' if usage.calls == 1 else 's'}"
+    return f"{usage.input_tokens + usage.output_tokens:,} tokens in {calls}"
+
+
+def child_line(notice: ChildNotice) -> str:
+    """A delegated run's line, under the call that made it: its name, agent, state (why it did not complete) and
+    what it used (with its own children's)."""
+    why = "" if notice.why is None else f": {brief(inline(notice.why), LINE_CHARS_MAX)}"
+    usage = "" if notice.state == "running" and not notice.usage.calls else f", {used(notice.usage)}"
+    return f"  {CHILD_MARK} {inline(notice.child)} ({inline(notice.agent)}): {notice.state}{why}{usage}"
+
+
 STALL_ADVICE = (
     "[`devd resume {session}` tries it again (after `devd budget {session} TOKENS` when a spend ceiling refused it);"
     " in devd chat: /resume, /budget N]"
@@ -127,6 +146,9 @@ class Screen:
     questions: dict[int, ApprovalNotice] = field(default_factory=dict)  # approvals not yet decided, in order
     running_turn: int | None = None  # the turn under way, as its Turn step showed it
     header: int | None = None  # the call whose header is the last line shown
+    children: dict[str, ChildNotice] = field(default_factory=dict)  # the delegated runs seen: each one's latest state
+    decided: list[DecidedNotice] = field(default_factory=list)  # the decisions shown
+    nested: bool = False  # a delegated run's own screen, under its parent's: its turn's end is its parent's line
 
     def show(self, notice: Notice) -> None:
         if isinstance(notice, DeltaNotice) and notice.kind != "text":
@@ -143,6 +165,10 @@ class Screen:
             self.stalled = (notice.action, why)
             self._line(f"[the turn waits: {why}]")  # each why says what stalled it and what carries on
             self._line(STALL_ADVICE.format(session=argv([self.session])))
+        elif isinstance(notice, ApprovalNotice) and self.questions.get(notice.action) == notice:
+            pass  # told again: a delegated run's approval comes to a watcher of its parent too
+        elif isinstance(notice, DecidedNotice) and notice in self.decided:
+            pass
         elif isinstance(notice, ApprovalNotice):
             why = "" if notice.why is None else f": {brief(inline(notice.why), LINE_CHARS_MAX)}"  # why it asks
             self.questions[notice.action] = notice
@@ -153,15 +179,45 @@ class Screen:
             for line in shown:
                 self._line(line)
         elif isinstance(notice, DecidedNotice):
+            self.decided.append(notice)
             self.questions.pop(notice.action, None)
             said = {"allow": "allowed", "deny": "denied", "cancelled": "withdrawn: its turn was cancelled"}
             self._line(f"[action {notice.action} {said[notice.decision]} by {inline(notice.by)}{_kept(notice)}]")
         elif isinstance(notice, ActionsNotice):
             self._step(notice)
+        elif isinstance(notice, ChildNotice):
+            self._child(notice)
         self.out.flush()
 
+    def _child(self, notice: ChildNotice) -> None:
+        """A delegated run of this session: a line under its call as it starts and as it ends (its usage as it runs
+        goes to the status line)."""
+        before = self.children.get(notice.child)
+        self.children[notice.child] = notice
+        if before is not None and (before.state in TERMINAL or notice.state == "running"):
+            return  # its usage as it runs (the status line shows it), or told again
+        call = self.calls.get(notice.action)
+        if call is not None and self.header != notice.action:  # another line came between: whose child this is
+            self._line(f"↳ {call_line(call)}")
+        self._line(child_line(notice))
+        self.header = notice.action if call is not None else None  # its result comes under it, not repeated
+
+    def running_children(self) -> list[ChildNotice]:
+        """The delegated runs seen running and not yet ended, in the order they started."""
+        return [c for c in self.children.values() if c.state == "running"]
+
     def status(self) -> str | None:
-        """What the turn is doing, for a status line (None: nothing is under way)."""
+        """What the turn is doing, for a status line (None: nothing is under way); the delegated runs running
+        beside it, with what they used."""
+        doing = self._doing()
+        kids = self.running_children()
+        if doing is None or not kids:
+            return doing
+        total = sum(c.usage.input_tokens + c.usage.output_tokens for c in kids)
+        runs = f"{len(kids)} delegated run{'' if len(kids) == 1 else 's'}"
+        return f"{doing} · {runs} running, {total:,} tokens"
+
+    def _doing(self) -> str | None:
         now = self.clock()
         if self.stalled is not None:
             return f"stalled: {self.stalled[1]}"
@@ -250,7 +306,8 @@ class Screen:
         self.running.clear()
         self.questions.clear()
         self.outcome = outcome
-        self._line(f"[turn {turn} {outcome}]")
+        if not self.nested:
+            self._line(f"[turn {turn} {outcome}]")
 
     def _write(self, text: str) -> None:
         self.out.write(text)
@@ -270,6 +327,33 @@ class Screen:
         """A line of the front end's own (a command's answer, a hint), after what is shown so far."""
         self._line(text)
         self.out.flush()
+
+
+@dataclass
+class Nested:
+    """Where a delegated run's own screen writes: into its parent's screen, each line after NESTED, never in the
+    middle of a line of the parent's."""
+
+    parent: Screen
+    at_line_start: bool = True
+
+    def write(self, text: str, /) -> int:
+        if not text:
+            return 0
+        if self.at_line_start:
+            self.parent._end_line()
+            text = NESTED + text
+        body, end = (text[:-1], "\n") if text.endswith("\n") else (text, "")
+        shown = body.replace("\n", "\n" + NESTED) + end
+        self.at_line_start = bool(end)
+        self.parent._write(shown)
+        return len(text)
+
+    def flush(self) -> None:
+        self.parent.out.flush()
+
+    def isatty(self) -> bool:
+        return self.parent.out.isatty()
 
 
 def approval_lines(notice: ApprovalNotice, workspace: str | None) -> list[str]:

@@ -52,6 +52,7 @@ from devd.cli.sessions import (
     _resume,
     _run_plain,
     _step,
+    _tree,
     _watch,
     sessions_table,
 )
@@ -100,6 +101,7 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "info": _info,
     "resume": _resume,
     "budget": _budget,
+    "tree": _tree,
 }
 
 

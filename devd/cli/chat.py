@@ -27,11 +27,18 @@ import anyio
 import anyio.abc
 import msgspec
 
-from devd.agent.cli import Screen, decision_of, prompt_line
+from devd.agent.cli import TERMINAL, Nested, Screen, decision_of, prompt_line
 from devd.client import ActionsNotice, AsyncClient, UnwatchedNotice
-from devd.errors import BusyError, ConflictError, DevdError, HandleError, MethodNotFoundError
-from devd.messages import Cancel, Event
-from devd.protocol import ApprovalNotice, StalledNotice, UsageResult
+from devd.errors import BusyError, ConflictError, DevdError, HandleError, InvalidParamsError, MethodNotFoundError
+from devd.messages import Action, Cancel, Event
+from devd.protocol import (
+    ApprovalNotice,
+    ChildNotice,
+    DeltaNotice,
+    StalledNotice,
+    UsageResult,
+    UsageTotals,
+)
 from devd.render import argv, inline
 
 if TYPE_CHECKING:
@@ -40,6 +47,8 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_ENDED = 1
 EXIT_INTERRUPTED = 130
+CHILD_LOOK_MS = 50  # `session/wait` asking whether a delegated run has ended (0 would move on before it looks)
+CHILD_CATCH_UP_S = 5.0  # a delegated run's end waits this long at most for what it did to be shown above it
 Mode = Literal["run", "attach", "chat"]
 
 
@@ -59,6 +68,9 @@ class Console:
         self.armed = False  # a Ctrl-C with no turn running: the next one leaves
         self.cancelling: int | None = None  # the turn a Ctrl-C cancelled
         self.title: str | None = None  # the session's, when the daemon keeps one
+        self.nested: dict[str, Screen] = {}  # the delegated runs followed (at any depth): each one's own screen
+        self.followed: dict[str, anyio.Event] = {}  # set when a delegated run's screen has shown its turn's end
+        self.found: list[ChildNotice] = []  # delegated runs running when this console began, to follow
 
     def _screen(self) -> Screen:
         return Screen(
@@ -79,10 +91,19 @@ class Console:
         return f"{doing} · {used:,} tokens used{ceiling}"
 
     def question(self) -> tuple[int, str] | None:
-        """The approval asked now (the first undecided one) and its question."""
-        for action, notice in self.screen.questions.items():
-            return action, prompt_line(notice)
+        """The approval asked now (the first undecided one: the session's own, then its delegated runs') and its
+        question (naming the delegated run it is asked in)."""
+        for action, notice in self._questions():
+            where = "" if notice.session == self.session else f"[in {inline(notice.session)}] "
+            return action, where + prompt_line(notice)
         return None
+
+    def _questions(self) -> list[tuple[int, ApprovalNotice]]:
+        """The approvals that wait, the session's own first, then each delegated run's in the order they started."""
+        found = list(self.screen.questions.items())
+        for screen in self.nested.values():
+            found += list(screen.questions.items())
+        return found
 
     def line(self, text: str) -> None:
         """A line of devd's own on the screen (it is shown as given: callers escape what they quote)."""
@@ -102,23 +123,77 @@ class Console:
     # -- following the session ------------------------------------------------------------------------------------
 
     async def follow(self, since: int | None, subscribed: anyio.Event | None = None) -> None:
-        """Show the session's notices from after step `since` until the console ends or moves to another session."""
+        """Show the session's notices from after step `since` until the console ends or moves to another session;
+        each delegated run under the call that made it, followed as it runs."""
         with self.following:
-            async for notice in self.client.watch(self.session, since=since, subscribed=subscribed):
-                self.screen.show(notice)
-                if isinstance(notice, ActionsNotice) and notice.event.Model is not None:
-                    await self.refresh_usage()  # a model call was charged
-                if isinstance(notice, ApprovalNotice) and self.term is None:
-                    self.line(
-                        f"[answer it with `{argv(['devd', 'approve', self.session, str(notice.action)])}` "
-                        "or `devd deny ...`]"
-                    )
-                if self.screen.outcome is not None:
-                    await self._turn_over()
-                if isinstance(notice, UnwatchedNotice):
-                    self.line(f"[the watch ended: {inline(notice.reason)}]")
-                    self.finish(EXIT_ENDED)
-                    return
+            async with anyio.create_task_group() as tg:
+                for found in self.found:
+                    self._follow_child(found, self.screen, tg)
+                self.found = []
+                await self._follow(since, subscribed, tg)
+                tg.cancel_scope.cancel()
+
+    def _follow_child(self, notice: ChildNotice, parent: Screen, tg: anyio.abc.TaskGroup) -> None:
+        """Follow a delegated run seen running (once): its calls, results and approvals under its parent's lines."""
+        if notice.state != "running" or notice.child in self.followed:
+            return
+        self.followed[notice.child] = anyio.Event()
+        screen = Screen(Nested(parent), session=notice.child, nested=True, workspace=parent.workspace)
+        self.nested[notice.child] = screen
+        tg.start_soon(self._nested, notice.child, screen, tg)
+
+    async def _nested(self, child: str, screen: Screen, tg: anyio.abc.TaskGroup) -> None:
+        """A delegated run's notices, from its first step, until its turn's end is shown; its text as each answer
+        is whole (not as it streams: several runs may write at once)."""
+        try:
+            try:
+                notices = self.client.watch(child, since=0)
+                async for notice in notices:
+                    if isinstance(notice, DeltaNotice):
+                        continue
+                    if isinstance(notice, ChildNotice) and notice.state in TERMINAL:
+                        await self._shown_whole(notice.child)
+                    screen.show(notice)
+                    if isinstance(notice, ChildNotice):
+                        self._follow_child(notice, screen, tg)
+                    if isinstance(notice, ApprovalNotice) and self.term is None:
+                        self._answer_elsewhere(notice)
+                    if screen.outcome is not None or isinstance(notice, UnwatchedNotice):
+                        break
+            except (HandleError, InvalidParamsError):
+                pass  # gone already: its line under its parent's says how it ended
+        finally:
+            self.followed[child].set()
+
+    async def _shown_whole(self, child: str) -> None:
+        """Before a delegated run's end is shown: what it did, shown under its line (its turn's end came first)."""
+        done = self.followed.get(child)
+        if done is not None:
+            with anyio.move_on_after(CHILD_CATCH_UP_S):
+                await done.wait()
+
+    def _answer_elsewhere(self, notice: ApprovalNotice) -> None:
+        self.line(
+            f"[answer it with `{argv(['devd', 'approve', notice.session, str(notice.action)])}` or `devd deny ...`]"
+        )
+
+    async def _follow(self, since: int | None, subscribed: anyio.Event | None, tg: anyio.abc.TaskGroup) -> None:
+        async for notice in self.client.watch(self.session, since=since, subscribed=subscribed):
+            if isinstance(notice, ChildNotice) and notice.state in TERMINAL:
+                await self._shown_whole(notice.child)
+            self.screen.show(notice)
+            if isinstance(notice, ChildNotice):
+                self._follow_child(notice, self.screen, tg)
+            if isinstance(notice, ActionsNotice) and notice.event.Model is not None:
+                await self.refresh_usage()  # a model call was charged
+            if isinstance(notice, ApprovalNotice) and self.term is None:
+                self._answer_elsewhere(notice)
+            if self.screen.outcome is not None:
+                await self._turn_over()
+            if isinstance(notice, UnwatchedNotice):
+                self.line(f"[the watch ended: {inline(notice.reason)}]")
+                self.finish(EXIT_ENDED)
+                return
 
     async def _turn_over(self) -> None:
         outcome = self.screen.outcome
@@ -144,11 +219,31 @@ class Console:
         info = await self.client.call("session/info", {"session": self.session})
         self.title = info.get("title")
         self.screen.workspace = (await self.client.agent(self.session)).workspace
-        self.screen.attached(await self.client.pending(self.session))
+        owed = await self.client.pending(self.session)
+        self.screen.attached(owed)
+        await self._running_children(info.get("children") or [], owed)
         if info.get("stalled") is not None:  # as its notice would have said it (-1: the action is not named)
             self.screen.show(StalledNotice(self.session, -1, info["stalled"]))
         await self.refresh_usage()
         return seq
+
+    async def _running_children(self, children: list[str], owed: list[Action]) -> None:
+        """The delegated runs of the session still running when this console began: shown under their calls, and
+        followed from their first step (`follow`)."""
+        from devd.agent.children import child_name
+
+        by_name = {child_name(self.session, f"d{a.id}"): a.id for a in owed}
+        for child in children:
+            try:
+                if (await self.client.wait(child, 1, timeout_ms=CHILD_LOOK_MS)).done:
+                    continue
+                agent = (await self.client.agent(child)).agent or "?"
+                usage = await self.client.usage(child)
+            except DevdError:
+                continue  # gone meanwhile: nothing of it to follow
+            notice = ChildNotice(self.session, by_name.get(child, 0), child, agent, "running", _with_children(usage))
+            self.screen.show(notice)
+            self.found.append(notice)
 
     # -- the person's keys ----------------------------------------------------------------------------------------
 
@@ -167,7 +262,7 @@ class Console:
                 await self.entered(given.text, tg)
 
     async def answer(self, action: int, text: str) -> None:
-        notice = self.screen.questions.get(action)
+        notice = next((n for a, n in self._questions() if a == action), None)  # the one `question` asked
         if notice is None:
             return  # decided meanwhile
         decision, remember = decision_of(text)
@@ -233,11 +328,24 @@ class Console:
         self.following = anyio.CancelScope()
         self.session = session
         self.screen = self._screen()
+        self.nested, self.followed, self.found = {}, {}, []  # the other session's delegated runs, from its own
         self.line(f"[session {inline(session)}]")
         subscribed = anyio.Event()
         since = await self.begin()
         tg.start_soon(self.follow, since, subscribed)
         await subscribed.wait()
+
+
+def _with_children(u: UsageResult) -> UsageTotals:
+    """A session's usage with its delegated runs' (as `session/child` tells it)."""
+    c = u.children or UsageTotals()
+    return UsageTotals(
+        u.input_tokens + c.input_tokens,
+        u.output_tokens + c.output_tokens,
+        u.cached_tokens + c.cached_tokens,
+        u.calls + c.calls,
+        u.refused + c.refused,
+    )
 
 
 def _said(e: DevdError, session: str) -> str:

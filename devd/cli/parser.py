@@ -511,6 +511,13 @@ def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wante
         session=True,
     ):
         budget.add_argument("tokens", type=_budget_tokens, help="the ceiling in tokens (e.g. 200000), or none")
+    client(
+        "tree",
+        "show a session and its delegated runs (child sessions), each under its parent: agent, state, tokens and "
+        "calls (its children's included)",
+        json="print the tree as JSON: {session, agent, state, why, input_tokens, output_tokens, calls, children}",
+        session=True,
+    )
     if backup := client("backup", "have the daemon write a consistent copy of every session to a new file"):
         backup.add_argument(
             "name",

@@ -193,6 +193,77 @@ def _info(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# How long `devd tree` asks whether a child has ended: the daemon answers an ended one at once, and with 0 it answers
+# before it has looked (`session/wait` moves on at its deadline before its first read).
+TREE_WAIT_MS = 50
+
+
+class Node(msgspec.Struct, frozen=True):
+    """A session of `devd tree`: its name, agent, state, usage (its delegated runs' included) and children."""
+
+    session: str
+    agent: str | None
+    state: str
+    why: str | None
+    input_tokens: int
+    output_tokens: int
+    calls: int
+    children: list[Node]
+
+
+def tree_of(client: Client, session: str, root: bool = True) -> Node:
+    """The session and its delegated runs, each with its own: a child's state its terminal one once it has ended
+    (`session/wait`), else what it does (`describe`: running, waiting for approval, stalled); a child whose session
+    is gone (closed) is `disconnected`, as its parent keeps it."""
+    from devd.errors import HandleError
+
+    try:
+        info = msgspec.json.decode(client.call_raw("session/info", {"session": session}))
+    except HandleError:
+        if root:
+            raise
+        return Node(session, None, "disconnected", "its session was closed", 0, 0, 0, [])
+    bound = client.agent(session)
+    pending = client.pending(session) if info["state"] == "live" and info["waiting"] else []
+    state, why = describe(info, bound.agent, bound.workspace, pending).doing, None
+    if not root:
+        waited = client.wait(session, 1, timeout_ms=TREE_WAIT_MS)
+        if waited.done and waited.outcome is not None:
+            state, why = waited.outcome, waited.why
+    u = client.usage(session)
+    below = u.children
+    tokens = (
+        u.input_tokens + (below.input_tokens if below else 0),
+        u.output_tokens + (below.output_tokens if below else 0),
+    )
+    calls = u.calls + (below.calls if below else 0)
+    kids = [tree_of(client, child, root=False) for child in info.get("children") or []]
+    return Node(session, bound.agent, state, why, *tokens, calls, kids)
+
+
+def tree_lines(node: Node, lead: str = "", last: bool = True, root: bool = True) -> list[str]:
+    """`devd tree`: a session a line, each child under its parent (`├──`, `└──`): name, agent, state (and why a child
+    did not complete), tokens and calls (its children's included)."""
+    why = "" if node.why is None else f": {brief(inline(node.why), STALL_CHARS_MAX)}"
+    calls = f"{node.calls:,} call{'' if node.calls == 1 else 's'}"
+    about = f"{inline(node.session)}  {inline(node.agent or '-')}  {node.state}{why}  "
+    about += f"{node.input_tokens + node.output_tokens:,} tokens in {calls}"
+    lines = [about if root else f"{lead}{'└── ' if last else '├── '}{about}"]
+    below = lead if root else lead + ("    " if last else "│   ")
+    for i, child in enumerate(node.children):
+        lines += tree_lines(child, below, i == len(node.children) - 1, root=False)
+    return lines
+
+
+def _tree(client: Client, args: argparse.Namespace) -> int:
+    """`devd tree SESSION`: the session and its delegated runs, as a tree."""
+    node = tree_of(client, args.session)
+    _emit(
+        msgspec.json.encode(node) + b"\n" if args.json else "".join(line + "\n" for line in tree_lines(node)).encode()
+    )
+    return EXIT_OK
+
+
 def _resume(client: Client, args: argparse.Namespace) -> int:
     """`devd resume`: try a stalled session's action again."""
     client.resume(args.session)
