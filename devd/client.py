@@ -61,6 +61,8 @@ from devd.protocol import (
     TRACE_PAGE_MAX,
     ActionsNotice,
     AgentResult,
+    AnsweredNotice,
+    AnswerParams,
     ApprovalNotice,
     ApproveParams,
     BackupParams,
@@ -77,6 +79,7 @@ from devd.protocol import (
     InfoResult,
     InitializeParams,
     InitializeResult,
+    InputNotice,
     InstructionsNotice,
     ListParams,
     ListResult,
@@ -167,7 +170,15 @@ class StepAnswer(msgspec.Struct, frozen=True):
 
 
 Notice = (
-    ActionsNotice | UnwatchedNotice | DeltaNotice | StalledNotice | ApprovalNotice | DecidedNotice | InstructionsNotice
+    ActionsNotice
+    | UnwatchedNotice
+    | DeltaNotice
+    | StalledNotice
+    | ApprovalNotice
+    | DecidedNotice
+    | InstructionsNotice
+    | InputNotice
+    | AnsweredNotice
 )
 
 # Each notification the daemon sends, and its type here.
@@ -179,6 +190,8 @@ NOTICES: dict[str, type[Notice]] = {
     "session/approval": ApprovalNotice,
     "session/decided": DecidedNotice,
     "session/instructions": InstructionsNotice,
+    "session/input": InputNotice,  # an MCP server's question, and how it was decided
+    "session/answered": AnsweredNotice,
 }
 
 
@@ -689,6 +702,12 @@ class Client:
         """Decide an action that waits for approval (`digest` from its `session/approval`)."""
         self.request("session/approve", ApproveParams(session, action, digest, decision, remember))
 
+    def answer(
+        self, session: str, action: int, request: int, answer: dict[str, Any] | None = None, *, decline: bool = False
+    ) -> None:
+        """Answer an MCP server's question (from its `session/input`), or decline it."""
+        self.request("session/answer", AnswerParams(session, action, request, answer, decline))
+
     def set_budget(self, session: str, tokens: int | None) -> None:
         """Set the session's own spend ceiling in tokens (None: remove it)."""
         self.request("session/budget", BudgetParams(session, tokens))
@@ -1143,6 +1162,12 @@ class AsyncClient:
     ) -> None:
         """Decide an action that waits for approval (`digest` from its `session/approval`)."""
         await self.request("session/approve", ApproveParams(session, action, digest, decision, remember))
+
+    async def answer(
+        self, session: str, action: int, request: int, answer: dict[str, Any] | None = None, *, decline: bool = False
+    ) -> None:
+        """Answer an MCP server's question (from its `session/input`), or decline it."""
+        await self.request("session/answer", AnswerParams(session, action, request, answer, decline))
 
     async def set_budget(self, session: str, tokens: int | None) -> None:
         """Set the session's own spend ceiling in tokens (None: remove it)."""

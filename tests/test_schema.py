@@ -45,9 +45,10 @@ OVERSIGHT_METHODS |= {
     "session/title",  # tests/test_rewind.py
     "session/effects",
     "session/rewind",
+    "session/answer",  # tests/test_mcp_questions.py
 }  # agent sessions: tests/test_agent_context.py
 OVERSIGHT_NOTICES = {"session/delta", "session/stalled", "session/approval", "session/decided"}
-OVERSIGHT_NOTICES |= {"session/instructions"}
+OVERSIGHT_NOTICES |= {"session/instructions", "session/input", "session/answered"}
 
 SCHEMA = schema()
 
@@ -89,6 +90,8 @@ def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
         "session/approval",
         "session/decided",
         "session/instructions",
+        "session/input",
+        "session/answered",
     ]
     refs: list[str] = []
 
@@ -202,6 +205,8 @@ def test_the_method_map_is_also_a_type_in_defs_for_generators_that_read_only_def
         "session/approval": {"$ref": "#/$defs/ApprovalNotice"},
         "session/decided": {"$ref": "#/$defs/DecidedNotice"},
         "session/instructions": {"$ref": "#/$defs/InstructionsNotice"},
+        "session/input": {"$ref": "#/$defs/InputNotice"},
+        "session/answered": {"$ref": "#/$defs/AnsweredNotice"},
     }
 
 
@@ -276,6 +281,8 @@ def test_devd_schema_openrpc_prints_an_openrpc_document_over_the_same_definition
         "session/approval",
         "session/decided",
         "session/instructions",
+        "session/input",
+        "session/answered",
     ]
     refs = re.findall(r'"\$ref": ?"([^"]*)"', json.dumps(document))
     assert refs and all(r.startswith("#/components/schemas/") and r.split("/")[-1] in schemas for r in refs)

@@ -1,0 +1,208 @@
+"""An MCP server's questions (elicitations) end to end: the real daemon, the stand-in model, and the test MCP server
+(tests/mcp_server.py, the official SDK) whose `careful` tool asks a person before it writes, over the 2026-07-28
+revision (`input_required`, a sealed `request_state`) or the legacy `elicitation/create` request."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devd import errors
+from devd.client import Client
+from devd.messages import Cancel, Event
+from tests.agents import Agentd, conversation, next_notice, until_done, watch_raw
+from tests.daemon import Daemon
+from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (a fixture)
+from tests.test_agent_mcp import PYTHON, SERVER, start
+
+STATE_KEY = "a-key-of-the-test-servers-sealed-request-states-0123456789"
+QUESTION = {
+    "message": "May I write x.txt?",
+    "schema": {
+        "properties": {
+            "ok": {"title": "Ok", "type": "boolean"},
+            "note": {"default": "", "title": "Note", "type": "string"},
+        },
+        "required": ["ok"],
+        "type": "object",
+    },
+}
+
+
+def question_of(protocol: str) -> dict[str, Any]:
+    """The question as the server words it: its legacy request's schema keeps its model's title."""
+    if protocol == "auto":
+        return QUESTION
+    return {**QUESTION, "schema": {**QUESTION["schema"], "title": "Confirm"}}  # type: ignore[dict-item]
+
+
+def careful(protocol: str = "auto") -> str:
+    """The test server, its calls allowed, speaking `protocol`, its states sealed under a key that outlives it."""
+    command = ", ".join(f'"{a}"' for a in (PYTHON, str(SERVER)))
+    env = 'env = { PYTHONPATH = "DEVD_TEST_MCP_PATH", MCP_STATE_KEY = "DEVD_TEST_MCP_STATE_KEY" }'
+    lines = ["[agent.coder.mcp.demo]", f"command = [{command}]", env, 'decision = "allow"', f'protocol = "{protocol}"']
+    return "\n".join(lines) + "\n"
+
+
+def started(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, protocol: str = "auto") -> Agentd:
+    monkeypatch.setenv("DEVD_TEST_MCP_STATE_KEY", STATE_KEY)
+    standin.script(Scripted(tool_calls=[("demo__careful", {"name": "x.txt"})]), Scripted(text="done"))
+    return start(tmp_path, standin, monkeypatch, careful(protocol))
+
+
+def asked(c: Client, agentd: Agentd) -> tuple[str, int, dict[str, Any]]:
+    """A session whose turn's call waits for the server's question: the session, the turn, and the question."""
+    session = agentd.session(c)
+    watch_raw(c, session, since=0)
+    turn = c.prompt(session, "write x")
+    return session, turn, next_notice(c, "session/input").params
+
+
+def result(c: Client, session: str) -> Any:
+    return conversation(c, session)[2]["Tool"]
+
+
+@pytest.mark.parametrize("protocol", ["auto", "legacy"])
+def test_a_servers_question_goes_to_every_watcher_and_a_second_client_answers_it(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, protocol: str
+) -> None:
+    with started(tmp_path, standin, monkeypatch, protocol).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c, agentd.client() as other:
+            session, turn, question = asked(c, agentd)
+            watch_raw(other, session)  # told the open question as it starts watching
+            told = next_notice(other, "session/input").params
+            other.answer(session, question["action"], question["request"], {"ok": True, "note": "from the other"})
+            decided = next_notice(c, "session/answered").params["decision"]
+            until_done(c, turn)
+            assert (told, decided, result(c, session), (agentd.workspace / "x.txt").read_text()) == (
+                {"session": session, "action": 2, "request": 1, **question_of(protocol)},
+                "accept",
+                {"id": 2, "text": "wrote x.txt (from the other)"},
+                "written from the other\n",
+            )
+
+
+def test_the_first_answer_wins_and_a_later_one_is_a_conflict_naming_who_answered(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with started(tmp_path, standin, monkeypatch).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c, agentd.client() as other:
+            other.initialize(name="second-ui")
+            session, turn, question = asked(c, agentd)
+            other.answer(session, 2, 1, {"ok": True, "note": "first"})
+            with pytest.raises(errors.ConflictError) as late:
+                c.answer(session, 2, 1, decline=True)
+            until_done(c, turn)
+            assert (str(late.value).split(" (")[0], result(c, session)["text"]) == (
+                "question 1 of action 2 was already answered by second-ui",
+                "wrote x.txt (first)",
+            )
+
+
+def test_a_declined_question_is_told_to_the_server_as_declined(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with started(tmp_path, standin, monkeypatch).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session, turn, _ = asked(c, agentd)
+            c.answer(session, 2, 1, decline=True)
+            until_done(c, turn)
+            assert (result(c, session), (agentd.workspace / "x.txt").exists()) == (
+                {"id": 2, "text": "not written: the question was declined"},
+                False,
+            )
+
+
+def test_an_answer_its_schema_does_not_admit_is_refused_and_decides_nothing(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with started(tmp_path, standin, monkeypatch).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session, turn, _ = asked(c, agentd)
+            with pytest.raises(errors.InvalidParamsError) as refused:
+                c.answer(session, 2, 1, {"ok": "yes"})
+            c.answer(session, 2, 1, {"ok": True})
+            until_done(c, turn)
+            assert (str(refused.value), result(c, session)["text"]) == (
+                "the answer does not fit question 1's schema: at ok, 'yes' is not of type 'boolean'; nothing was "
+                "decided",
+                "wrote x.txt ()",
+            )
+
+
+def test_a_question_open_when_its_turn_is_cancelled_is_withdrawn(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with started(tmp_path, standin, monkeypatch).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session, turn, _ = asked(c, agentd)
+            c.step(session, Event(Cancel=Cancel(turn=turn)))
+            withdrawn = next_notice(c, "session/answered").params["decision"]  # the turn's Done may come before it
+            with pytest.raises(errors.ConflictError) as late:
+                c.answer(session, 2, 1, {"ok": True})
+            assert (withdrawn, str(late.value).split(" (by")[0], (agentd.workspace / "x.txt").exists()) == (
+                "cancel",
+                "question 1 of action 2 is no longer asked: it was withdrawn",
+                False,
+            )
+
+
+def restartable(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, protocol: str) -> Daemon:
+    agentd = started(tmp_path, standin, monkeypatch, protocol)
+    return Daemon(tmp_path / "d", *agentd.daemon.args, env=dict(os.environ))  # type: ignore[union-attr]
+
+
+def test_a_kept_request_state_lets_the_call_be_answered_after_a_restart_and_run_once(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon = restartable(tmp_path, standin, monkeypatch, "auto")
+    agentd = Agentd(daemon, tmp_path / "roots" / "ws", standin)
+    with daemon, daemon.client() as c:  # killed on the way out, whatever fails before the kill
+        session, turn, _ = asked(c, agentd)
+    daemon.kill()
+    with daemon, daemon.client() as c:
+        watch_raw(c, session, since=0)
+        again = next_notice(c, "session/input").params
+        c.answer(session, 2, 1, {"ok": True, "note": "after the restart"})
+        until_done(c, turn)
+        assert (again, result(c, session), (agentd.workspace / "x.txt").read_text()) == (
+            {"session": session, "action": 2, "request": 1, **QUESTION},
+            {"id": 2, "text": "wrote x.txt (after the restart)"},
+            "written after the restart\n",
+        )
+
+
+def test_a_legacy_question_is_declined_after_a_restart_saying_so(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon = restartable(tmp_path, standin, monkeypatch, "legacy")
+    agentd = Agentd(daemon, tmp_path / "roots" / "ws", standin)
+    with daemon, daemon.client() as c:
+        session, turn, _ = asked(c, agentd)
+    daemon.kill()
+    with daemon, daemon.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, turn)
+        with pytest.raises(errors.ConflictError) as late:
+            c.answer(session, 2, 1, {"ok": True})
+        assert (str(late.value), result(c, session)) == (
+            "question 1 of action 2 was already decided: declined: the daemon restarted while this question waited, "
+            "and its MCP server asked it with the legacy elicitation request, which cannot be answered after a "
+            "restart (its call ended with the daemon)",
+            {
+                "id": 2,
+                "text": "interrupted: the daemon stopped while this tool call ran, so it may have partly run; it was "
+                "not run again (check the workspace before you run it again); its server's question was declined: "
+                "the daemon restarted while this question waited, and its MCP server asked it with the legacy "
+                "elicitation request, which cannot be answered after a restart (its call ended with the daemon)",
+                "failed": True,
+            },
+        )
