@@ -17,6 +17,7 @@ from tests.agents import Agentd, conversation, next_notice, until_done, watch_ra
 from tests.daemon import Daemon
 from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (a fixture)
 from tests.test_agent_mcp import PYTHON, SERVER, start
+from tests.test_chat import completed, devd, lines, session_of
 
 STATE_KEY = "a-key-of-the-test-servers-sealed-request-states-0123456789"
 QUESTION = {
@@ -206,3 +207,54 @@ def test_a_legacy_question_is_declined_after_a_restart_saying_so(
                 "failed": True,
             },
         )
+
+
+# -- devd chat, devd run and devd attach ------------------------------------------------------------------------------
+
+
+def test_chat_shows_a_servers_question_with_its_fields_and_a_line_typed_answers_it(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with started(tmp_path, standin, monkeypatch).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with devd(agentd, "chat") as t:
+            t.wait_for("/help")
+            t.type("write x\r")
+            t.wait_for("Enter declines:")
+            t.type("ok=y note='typed here'\r")
+            shown = t.wait_for(completed(1))
+            t.type("\x04")
+            assert t.exit_status() == 0
+    assert [line for line in lines(shown) if line.startswith(("[question", "  ok", "  note", "  wrote"))] == [
+        "[question 1 of action 2, from its MCP server: May I write x.txt?]",
+        "  ok: boolean, required",
+        "  note: string",
+        f"[question 1 of action 2 answered by devd cli: root (uid 0, pid {t.proc.pid})]",
+        "  wrote x.txt (typed here)",
+    ]
+
+
+def test_attach_shows_a_question_asked_before_it_attached_and_answers_it(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with started(tmp_path, standin, monkeypatch).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with devd(agentd, "run", "write x") as run:
+            session = session_of(run.wait_for("Enter declines:"))
+            with devd(agentd, "attach", session) as attach:
+                attach.wait_for("Enter declines:")
+                attach.type("\r")  # an empty line declines
+                assert attach.exit_status() == 0
+                shown = attach.shown()
+            assert run.exit_status() == 0
+    assert lines(shown) == [
+        'tool demo__careful {"name": "x.txt"}  [dispatched before this terminal attached]',
+        "[question 1 of action 2, from its MCP server: May I write x.txt?]",
+        "  ok: boolean, required",
+        "  note: string",
+        f"[question 1 of action 2 declined by devd cli: root (uid 0, pid {attach.proc.pid})]",
+        '↳ tool demo__careful {"name": "x.txt"}',
+        "  not written: the question was declined",
+        "done",
+        "[turn 1 complete]",
+    ]

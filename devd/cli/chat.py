@@ -27,15 +27,15 @@ import anyio
 import anyio.abc
 import msgspec
 
-from devd.agent.cli import Screen, decision_of, prompt_line
+from devd.agent.cli import Screen, answer_of, decision_of, input_prompt, prompt_line
 from devd.client import ActionsNotice, AsyncClient, UnwatchedNotice
-from devd.errors import BusyError, ConflictError, DevdError, HandleError, MethodNotFoundError
+from devd.errors import BusyError, ConflictError, DevdError, HandleError, InvalidParamsError, MethodNotFoundError
 from devd.messages import Cancel, Event
-from devd.protocol import ApprovalNotice, StalledNotice, UsageResult
+from devd.protocol import ApprovalNotice, InputNotice, StalledNotice, UsageResult
 from devd.render import argv, inline
 
 if TYPE_CHECKING:
-    from devd.cli.terminal import Terminal
+    from devd.cli.terminal import Asked, Terminal
 
 EXIT_OK = 0
 EXIT_ENDED = 1
@@ -78,10 +78,12 @@ class Console:
         ceiling = "" if self.budget is None else f" of {self.budget:,}"
         return f"{doing} · {used:,} tokens used{ceiling}"
 
-    def question(self) -> tuple[int, str] | None:
-        """The approval asked now (the first undecided one) and its question."""
+    def question(self) -> tuple[Asked, str] | None:
+        """What is asked now: the first undecided approval, else the first open question of an MCP server."""
         for action, notice in self.screen.questions.items():
             return action, prompt_line(notice)
+        for key, asked in self.screen.asks.items():
+            return key, input_prompt(asked)
         return None
 
     def line(self, text: str) -> None:
@@ -113,6 +115,9 @@ class Console:
                         f"[answer it with `{argv(['devd', 'approve', self.session, str(notice.action)])}` "
                         "or `devd deny ...`]"
                     )
+                if isinstance(notice, InputNotice) and self.term is None:
+                    words = ["devd", "answer", self.session, str(notice.action), str(notice.request)]
+                    self.line(f"[answer it with `{argv(words)} field=value ...` or `{argv(words)} --decline`]")
                 if self.screen.outcome is not None:
                     await self._turn_over()
                 if isinstance(notice, UnwatchedNotice):
@@ -166,13 +171,33 @@ class Console:
                 self.armed = False
                 await self.entered(given.text, tg)
 
-    async def answer(self, action: int, text: str) -> None:
+    async def answer(self, action: Asked, text: str) -> None:
+        if isinstance(action, tuple):
+            await self.reply(action, text)
+            return
         notice = self.screen.questions.get(action)
         if notice is None:
             return  # decided meanwhile
         decision, remember = decision_of(text)
         try:
             await self.client.approve(notice.session, action, notice.digest, decision, remember=remember)
+        except ConflictError as e:
+            self.line(f"[{inline(str(e))}]")
+
+    async def reply(self, key: tuple[int, int], text: str) -> None:
+        """A line given to an MCP server's question: its answer (or, empty, its decline)."""
+        asked = self.screen.asks.get(key)
+        if asked is None:
+            return  # decided meanwhile
+        try:
+            answer = answer_of(asked, text)
+        except ValueError as e:
+            self.line(f"[not an answer: {inline(str(e))}; the question still waits]")
+            return
+        try:
+            await self.client.answer(self.session, key[0], key[1], answer, decline=answer is None)
+        except InvalidParamsError as e:
+            self.line(f"[{inline(str(e))}; the question still waits]")
         except ConflictError as e:
             self.line(f"[{inline(str(e))}]")
 
