@@ -5,6 +5,8 @@ revision (`input_required`, a sealed `request_state`) or the legacy `elicitation
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ from devd import errors
 from devd.client import Client
 from devd.messages import Cancel, Event
 from tests.agents import Agentd, conversation, next_notice, until_done, watch_raw
-from tests.daemon import Daemon
+from tests.daemon import ROOT, Daemon
 from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (a fixture)
 from tests.test_agent_mcp import PYTHON, SERVER, start
 from tests.test_chat import completed, devd, lines, session_of
@@ -258,3 +260,26 @@ def test_attach_shows_a_question_asked_before_it_attached_and_answers_it(
         "done",
         "[turn 1 complete]",
     ]
+
+
+def test_devd_answer_answers_a_question_from_a_shell_with_field_value_words(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with started(tmp_path, standin, monkeypatch).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session, turn, _ = asked(c, agentd)
+            said = subprocess.run(
+                [sys.executable, "-m", "devd", "answer", "--connect", str(d.socket), session, "2", "1", "ok=true"]
+                + ["note=from a shell"],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                check=False,
+            )
+            until_done(c, turn)
+            assert (said.returncode, said.stdout, result(c, session)["text"]) == (
+                0,
+                f"question 1 of action 2 of {session}: answered\n",
+                "wrote x.txt (from a shell)",
+            )
