@@ -148,7 +148,9 @@ class Questions:
     async def withdraw(self, session: str, action: int, by: str | None = None) -> list[Answered]:
         """The action's turn was cancelled (or its call ended): its open questions are withdrawn."""
         known = self.table.find(session)
-        by = by or (known.cancelling if known is not None else None) or "unknown"
+        if known is None or known.questioned is None:  # none asked in this daemon's life, nor read (a session gone)
+            return []
+        by = by or known.cancelling or "unknown"
         return await self._settle_open(session, action, "cancel", by, None)
 
     async def _settle_open(
