@@ -283,3 +283,27 @@ def test_devd_answer_answers_a_question_from_a_shell_with_field_value_words(
                 f"question 1 of action 2 of {session}: answered\n",
                 "wrote x.txt (from a shell)",
             )
+
+
+def test_pending_marks_a_call_waiting_for_an_answer_and_devd_info_says_how_to_give_it(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with started(tmp_path, standin, monkeypatch).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session, turn, _ = asked(c, agentd)
+            awaiting = [(a.id, a.awaiting) for a in c.pending(session)]
+            info = subprocess.run(
+                [sys.executable, "-m", "devd", "info", "--connect", str(d.socket), session],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                check=False,
+            )
+            c.answer(session, 2, 1, decline=True)
+            until_done(c, turn)
+        assert (awaiting, info.stdout.splitlines()[-1]) == (
+            [(2, "input")],
+            "waiting for an answer: action 2 Tool demo__careful: its MCP server asks a question "
+            f"(`devd answer {session} 2 REQUEST field=value ...`; `devd watch` or `devd attach` shows it)",
+        )

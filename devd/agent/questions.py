@@ -141,6 +141,11 @@ class Questions:
             q for (a, r), q in sorted(questioned.asked.items()) if a == action and (a, r) not in questioned.answered
         ]
 
+    async def awaiting(self, session: str) -> set[int]:
+        """The actions with a question open."""
+        questioned = await self._state(session)
+        return {a for (a, r) in questioned.asked if (a, r) not in questioned.answered}
+
     async def lapse(self, session: str, action: int) -> list[Answered]:
         """After a restart: the action's open questions that cannot be answered now are declined, saying why."""
         return await self._settle_open(session, action, "decline", "devd", LAPSED)

@@ -9,7 +9,8 @@ What it adds around the sessions' calls:
   for the session to be free (`SessionPort.wait_free`, for PATIENCE_S at most) and is tried again: a client of a
   driven session should not have to retry the daemon's own steps. BUSY from another client's call is answered;
 - a `Cancel` step keeps who stepped it, as who withdrew the turn's approvals (`Oversight.cancelling`);
-- `pending` marks the actions waiting for a client's decision `awaiting: "approval"`, and a new watcher is told of
+- `pending` marks the actions waiting for a client's decision `awaiting: "approval"` (for an answer to their MCP
+  server's question, `awaiting: "input"`), and a new watcher is told of
   every approval and every MCP server's question the session waits for (`welcome`);
 - `new` and `mcp` give a session its own MCP servers (`mcp_servers`, checked against its agent's profile);
 - the methods the runtime answers (`prompt`, `resume`, `mcp`, `mcp_servers`, `model`, `compact`, `agent`, `approve`,
@@ -186,10 +187,14 @@ class AgentPort:
     async def pending(self, name: str) -> bytes:
         actions = await self._patient(name, lambda: self.sessions.pending(name))
         asked = {a.action for a in await self.oversight.awaiting(name)}
-        if not asked:
+        inputs = await self.runtime.questions.awaiting(name)
+        if not asked and not inputs:
             return actions
         marked = [
-            msgspec.structs.replace(a, awaiting="approval") if a.id in asked else a for a in decode_actions(actions)
+            msgspec.structs.replace(a, awaiting="approval" if a.id in asked else "input")
+            if a.id in asked or a.id in inputs
+            else a
+            for a in decode_actions(actions)
         ]
         return encode_actions(marked)
 

@@ -201,7 +201,8 @@ def usage_table(u: UsageResult) -> str:
 
 def attention(session: str, stalled: str | None, pending: list[Action]) -> str:
     """What a session waits on a person for, and the `devd` command that carries it on: a stall and why (`devd
-    resume`), and each action waiting for approval (`devd approve`, `devd deny`)."""
+    resume`), each action waiting for approval (`devd approve`, `devd deny`), and each whose MCP server waits for an
+    answer (`devd answer`)."""
     from devd.cli.operator import action_summary
 
     lines = []
@@ -215,6 +216,12 @@ def attention(session: str, stalled: str | None, pending: list[Action]) -> str:
         if a.awaiting == "approval":
             decide = argv(["devd", "approve", session, str(a.id)])
             lines.append(f"waiting for approval: action {a.id} {action_summary(a)} (`{decide}`, or `devd deny`)")
+        elif a.awaiting == "input":
+            answer = argv(["devd", "answer", session, str(a.id)])
+            lines.append(
+                f"waiting for an answer: action {a.id} {action_summary(a)}: its MCP server asks a question "
+                f"(`{answer} REQUEST field=value ...`; `devd watch` or `devd attach` shows it)"
+            )
     return "".join(line + "\n" for line in lines)
 
 
@@ -451,6 +458,8 @@ def describe(entry: dict[str, Any], agent: str | None, workspace: str | None, pe
         doing = "stalled: " + brief(inline(entry["stalled"]), STALL_CHARS_MAX)
     elif any(getattr(a, "awaiting", None) == "approval" for a in pending or []):
         doing = "waiting for approval"
+    elif any(getattr(a, "awaiting", None) == "input" for a in pending or []):
+        doing = "waiting for an answer"
     elif pending:
         doing = "running"
     else:

@@ -58,7 +58,8 @@ export type ErrorKind = keyof ErrorCodes;
 /**
  * One thing the core wants done, under its `id` (numbered in the session, increasing, never reused). In
  * `session/pending` of a session the daemon drives, an action not started until a client decides carries `awaiting:
- * "approval"` (the core never writes it).
+ * "approval"`, and a tool call whose MCP server waits for a client's answer to its question `awaiting: "input"` (the
+ * core never writes either).
  *
  * @example {"id":1,"op":{"Model":{"model":"small","messages":[{"User":"fix the build"}]}}}
  */
@@ -69,7 +70,7 @@ export interface Action {
    */
   id: number;
   op: Op;
-  awaiting?: "approval";
+  awaiting?: "approval" | "input";
 }
 
 /** The model's part of the conversation: its `text`, and the `calls` it dispatched. */
