@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +43,20 @@ def question_of(protocol: str) -> dict[str, Any]:
     return {**QUESTION, "schema": {**QUESTION["schema"], "title": "Confirm"}}  # type: ignore[dict-item]
 
 
-def careful(protocol: str = "auto") -> str:
+def careful(protocol: str = "auto", *extra: str) -> str:
     """The test server, its calls allowed, speaking `protocol`, its states sealed under a key that outlives it."""
     command = ", ".join(f'"{a}"' for a in (PYTHON, str(SERVER)))
     env = 'env = { PYTHONPATH = "DEVD_TEST_MCP_PATH", MCP_STATE_KEY = "DEVD_TEST_MCP_STATE_KEY" }'
     lines = ["[agent.coder.mcp.demo]", f"command = [{command}]", env, 'decision = "allow"', f'protocol = "{protocol}"']
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *extra]) + "\n"
 
 
-def started(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, protocol: str = "auto") -> Agentd:
+def started(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, protocol: str = "auto", *extra: str
+) -> Agentd:
     monkeypatch.setenv("DEVD_TEST_MCP_STATE_KEY", STATE_KEY)
     standin.script(Scripted(tool_calls=[("demo__careful", {"name": "x.txt"})]), Scripted(text="done"))
-    return start(tmp_path, standin, monkeypatch, careful(protocol))
+    return start(tmp_path, standin, monkeypatch, careful(protocol, *extra))
 
 
 def asked(c: Client, agentd: Agentd) -> tuple[str, int, dict[str, Any]]:
@@ -87,6 +90,20 @@ def test_a_servers_question_goes_to_every_watcher_and_a_second_client_answers_it
                 {"id": 2, "text": "wrote x.txt (from the other)"},
                 "written from the other\n",
             )
+
+
+@pytest.mark.parametrize("protocol", ["auto", "legacy"])
+def test_the_time_a_question_waits_for_a_person_is_not_counted_in_call_timeout_s(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, protocol: str
+) -> None:
+    with started(tmp_path, standin, monkeypatch, protocol, "call_timeout_s = 0.5").daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session, turn, _ = asked(c, agentd)
+            time.sleep(1.0)  # a person taking longer than the call's timeout to answer
+            c.answer(session, 2, 1, {"ok": True, "note": "late"})
+            until_done(c, turn)
+            assert result(c, session) == {"id": 2, "text": "wrote x.txt (late)"}
 
 
 def test_the_first_answer_wins_and_a_later_one_is_a_conflict_naming_who_answered(
