@@ -324,3 +324,28 @@ def test_pending_marks_a_call_waiting_for_an_answer_and_devd_info_says_how_to_gi
             "waiting for an answer: action 2 Tool demo__careful: its MCP server asks a question "
             f"(`devd answer {session} 2 REQUEST field=value ...`; `devd watch` or `devd attach` shows it)",
         )
+
+
+def test_a_call_sent_with_its_answer_is_not_sent_again_after_a_restart(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon = restartable(tmp_path, standin, monkeypatch, "auto")
+    agentd = Agentd(daemon, tmp_path / "roots" / "ws", standin)
+    with daemon, daemon.client() as c:
+        session, turn, _ = asked(c, agentd)
+    daemon.kill()
+    daemon.env = {**daemon.env, "DEVD_FAILPOINTS": "agent.done=kill@1"}  # killed once the resent call is done
+    with daemon.start(), daemon.client() as c:
+        watch_raw(c, session, since=0)
+        next_notice(c, "session/input")
+        c.answer(session, 2, 1, {"ok": True, "note": "once"})
+        daemon.proc.wait(20)  # type: ignore[union-attr]
+    daemon.env = {k: v for k, v in daemon.env.items() if k != "DEVD_FAILPOINTS"}
+    with daemon.start(), daemon.client() as c:
+        watch_raw(c, session, since=0)
+        until_done(c, turn)
+        assert (result(c, session)["text"], (agentd.workspace / "x.txt").read_text()) == (
+            "interrupted: the daemon stopped while this tool call ran, so it may have partly run; it was not run "
+            "again (check the workspace before you run it again)",
+            "written once\n",
+        )

@@ -39,6 +39,7 @@ class Questioned(msgspec.Struct):
     answered: dict[tuple[int, int], Any] = msgspec.field(default_factory=dict)  # questions.Answered
     lock: anyio.Lock = msgspec.field(default_factory=anyio.Lock)
     waiters: dict[tuple[int, int], anyio.Event] = msgspec.field(default_factory=dict)
+    sent: set[tuple[int, str]] = msgspec.field(default_factory=set)  # (action, digest of a state) sent with answers
 
 
 class Known(msgspec.Struct, eq=False):

@@ -9,8 +9,10 @@ What it promises:
   nothing, when the schema does not admit it), made durable (an `answered` record) before anyone is told
   (`session/answered`) or the server is sent it; a later answer is CONFLICT naming who answered;
 - a question of the 2026-07-28 revision keeps its round's sealed `request_state`: after a daemon restart its call is
-  sent again with that state and the answer (`kept`, `wait`); a legacy question cannot be (its server process and
-  call are gone with the daemon) and is declined after a restart, saying so (`lapse`);
+  sent again with that state and the answer (`kept`, `wait`), unless the call was sent with them already (`sending`
+  keeps that, durably, before it is sent: the server may have run it then, and it is never sent twice); a legacy
+  question cannot be (its server process and call are gone with the daemon) and is declined after a restart, saying
+  so (`lapse`);
 - a question still open when its turn is cancelled (or its call ends) is withdrawn (`withdraw`: decided `cancel`).
 
 What it keeps of a session in memory is in the session's record of the runtime's table (`devd.agent.known`), read
@@ -19,6 +21,7 @@ from the record log the first time it is needed, so that forgetting the session 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 import anyio
@@ -32,6 +35,7 @@ from devd.storage.store import Record
 
 QUESTION = "question"  # the record kinds of the session's record log
 ANSWERED = "answered"
+SENT = "answers_sent"
 INPUT_NOTICE = "session/input"
 ANSWERED_NOTICE = "session/answered"
 MESSAGE_CHARS_MAX = 4000  # of a server's message, as a client is told it
@@ -69,6 +73,13 @@ class Answered(msgspec.Struct, frozen=True, omit_defaults=True):
     why: str | None = None
 
 
+class Sent(msgspec.Struct, frozen=True):
+    """The call of action `action` was sent with the answers to the round whose state has this digest."""
+
+    action: int
+    state: str
+
+
 class Questions:
     """Every session's questions, for one daemon."""
 
@@ -80,10 +91,13 @@ class Questions:
         if known.questioned is not None:
             return known.questioned
         state = Questioned()
-        for record in await self.keeper.records(session, (QUESTION, ANSWERED)):
+        for record in await self.keeper.records(session, (QUESTION, ANSWERED, SENT)):
             if record.kind == QUESTION:
                 q = _question.decode(record.body)
                 state.asked[(q.action, q.request)] = q
+            elif record.kind == SENT:
+                sent = _sent.decode(record.body)
+                state.sent.add((sent.action, sent.state))
             else:
                 a = _answered.decode(record.body)
                 state.answered[(a.action, a.request)] = a
@@ -129,10 +143,20 @@ class Questions:
         that its call can be sent again with it and their answers; [] when there are none, or they are legacy."""
         questioned = await self._state(session)
         mine = [q for (a, _), q in sorted(questioned.asked.items()) if a == action]
-        if not mine or mine[-1].state is None:
+        last = mine[-1].state if mine else None
+        if last is None or (action, _digest(last)) in questioned.sent:
             return []
-        last = mine[-1].round
-        return [q for q in mine if q.round == last and q.state is not None]
+        return [q for q in mine if q.state == last]
+
+    async def sending(self, session: str, action: int, state: str | None) -> None:
+        """The call of `action` is about to be sent with the answers to the round of `state`: kept durably first, so
+        that a restart never sends it with them again (the server may have run it)."""
+        if state is None:
+            return
+        questioned = await self._state(session)
+        sent = Sent(action, _digest(state))
+        await self._keep(session, SENT, action, sent)
+        questioned.sent.add((sent.action, sent.state))
 
     async def open(self, session: str, action: int) -> list[Question]:
         """The action's questions not yet decided."""
@@ -257,6 +281,10 @@ def _check(question: Question, answer: dict[str, Any]) -> None:
         )
 
 
+def _digest(state: str) -> str:
+    return hashlib.sha256(state.encode()).hexdigest()
+
+
 def _notice(session: str, q: Question) -> InputNotice:
     return InputNotice(session, q.action, q.request, q.message, q.schema)
 
@@ -272,3 +300,4 @@ def _conflict(done: Answered) -> str:
 
 _question = msgspec.json.Decoder(Question)
 _answered = msgspec.json.Decoder(Answered)
+_sent = msgspec.json.Decoder(Sent)

@@ -18,6 +18,7 @@ Supervisors run in the broker's task group (`run`): cancelled, every server proc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -174,9 +175,10 @@ class Broker:
             return tools.Result(f"the input of {name} is not a JSON object that can be read", failed=True)
         questions = self.questions
         if questions is None or action is None:
-            ask, state, responses = None, None, None
+            ask, state, responses, sending = None, None, None, None
         else:
             ask = _asker(questions, session, action, entry.connection.server.name)
+            sending = functools.partial(questions.sending, session, action)
             kept = await questions.kept(session, action)  # a call sent again after a restart, from its kept round
             state = kept[0].state if kept else None
             answers: types.InputResponses = {}
@@ -185,7 +187,8 @@ class Broker:
             responses = answers or None
         try:
             done = results.result_text(
-                await entry.connection.call(entry.tool, args, ask, state, responses), profile.output_bytes_max
+                await entry.connection.call(entry.tool, args, ask, state, responses, sending),
+                profile.output_bytes_max,
             )
         except Unavailable as e:
             done = tools.Result(e.why, failed=True)

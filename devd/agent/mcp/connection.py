@@ -65,6 +65,8 @@ class Round(msgspec.Struct, frozen=True):
 
 # A call's hook for its server's questions: the question (and its round; None for a legacy elicitation) to its answer.
 Ask = Callable[[types.ElicitRequestFormParams, Round | None], Awaitable[types.ElicitResult]]
+# Told before the call is sent with the answers to a round (its state): what keeps it from being sent so twice.
+Sending = Callable[[str | None], Awaitable[None]]
 
 
 class Unavailable(Exception):
@@ -86,9 +88,11 @@ class _Request:
         ask: Ask | None = None,
         state: str | None = None,
         responses: types.InputResponses | None = None,
+        sending: Sending | None = None,
     ) -> None:
         self.tool, self.arguments, self.timeout_s = tool, arguments, timeout_s
         self.ask, self.state, self.responses = ask, state, responses  # its questions' hook; a kept state, answers
+        self.sending = sending
         self.timer: anyio.CancelScope | None = None  # the round's call_timeout_s (paused while a person is asked)
         self.scope = anyio.CancelScope()  # entered by the supervisor's handler; cancelled by a leaving caller
         self.done = anyio.Event()
@@ -151,10 +155,12 @@ class Connection:
         ask: Ask | None = None,
         state: str | None = None,
         responses: types.InputResponses | None = None,
+        sending: Sending | None = None,
     ) -> types.CallToolResult:
         """The server's result of the call (an `isError` one included); Unavailable when it gave none. `ask` answers
-        the server's questions (None: each is declined); `state` and `responses` resume a call from a kept round."""
-        made = _Request(tool, arguments, self.server.call_timeout_s, ask, state, responses)
+        the server's questions (None: each is declined); `state` and `responses` resume a call from a kept round;
+        `sending` is told before the call is sent with a round's answers."""
+        made = _Request(tool, arguments, self.server.call_timeout_s, ask, state, responses, sending)
         result: types.CallToolResult = await self._request(made)
         return result
 
@@ -345,6 +351,11 @@ class Connection:
         assert request.tool is not None
         name, state, responses = self.server.name, request.state, request.responses
         for number in range(1, ROUNDS_MAX + 1):
+            if responses is not None and request.sending is not None:
+                try:
+                    await request.sending(state)
+                except Exception as e:  # not kept: not sent (a restart could send it twice)
+                    return f"devd could not keep that {request.tool} is sent with its answers ({e}); it was not sent"
             with anyio.CancelScope(deadline=anyio.current_time() + request.timeout_s) as request.timer:
                 result = await session.call_tool(
                     request.tool,
