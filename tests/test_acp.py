@@ -595,6 +595,37 @@ async def test_a_yes_or_no_question_is_a_permission_request_for_an_editor_withou
         )
 
 
+@pytest.fixture
+def careful(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> Iterator[Setup]:
+    """A daemon whose profile's MCP server `demo` asks before it writes (its calls allowed)."""
+    standin.script(Scripted(tool_calls=[("demo__careful", {"name": "x.txt"})]), Scripted(text="done"))
+    yield from setup(tmp_path, standin, "allow", False, *careful_server(monkeypatch))
+
+
+async def test_a_question_answered_by_another_client_withdraws_the_editors_request(careful: Setup) -> None:
+    editor = Editor(answer=None)  # never answers: the question is answered elsewhere
+    async with editor_on(careful, editor) as conn:
+        session = await conn.new_session(cwd=str(careful.workspace), mcp_servers=[])
+        answers: list[Any] = []
+
+        async def prompt() -> None:
+            answers.append(await conn.prompt(session_id=session.session_id, prompt=text("write x")))
+
+        def answer() -> None:
+            with careful.daemon.client() as other:
+                other.answer(session.session_id, 2, 1, {"ok": True})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prompt)
+            await editor.until(lambda: bool(editor.asked))
+            await anyio.to_thread.run_sync(answer)
+    assert (answers[0].stop_reason, editor.withdrawn(), (careful.workspace / "x.txt").read_text()) == (
+        "end_turn",
+        editor.permission_requests(),
+        "written \n",
+    )
+
+
 async def test_a_prompt_to_a_session_that_does_not_exist_is_invalid_params_naming_it(devd: Setup) -> None:
     async with editor_on(devd, Editor()) as conn:
         with pytest.raises(acp.RequestError) as refused:

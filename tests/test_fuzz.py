@@ -431,6 +431,7 @@ REQUIRED_VALUES = {
     "turn": 1,
     "model": "m",
     "mcp_servers": [],
+    "request": 1,
 }
 
 
