@@ -5,7 +5,7 @@ test can count), slow (sleeps, then writes; cancelled, it writes `cancelled`), p
 text), boom (an error), readme (read-only by its hint), die (exits mid-call), relist (changes its tool list), careful
 (asks a person first, with an elicitation: the legacy request, or 2026-07-28's `input_required` with a sealed
 `request_state`, sealed under MCP_STATE_KEY when it is set, so that a process started again can read it; its body
-appends a line to the file it names each time it runs)."""
+appends a line to the file it names each time it runs), survey (asks two questions at once)."""
 
 from __future__ import annotations
 
@@ -129,6 +129,28 @@ def careful(name: str, confirm: Annotated[ElicitationResult[Confirm], Resolve(co
     with open(name, "a") as f:
         f.write(f"written {confirm.data.note}\n")
     return f"wrote {name} ({confirm.data.note})"
+
+
+class Name(BaseModel):
+    name: str
+
+
+class Color(BaseModel):
+    color: str
+
+
+def who() -> Elicit[Name]:
+    return Elicit("Who are you?", Name)
+
+
+def which() -> Elicit[Color]:
+    return Elicit("Which color?", Color)
+
+
+@server.tool()
+def survey(name: Annotated[Name, Resolve(who)], color: Annotated[Color, Resolve(which)]) -> str:
+    """Ask two questions at once (one round of the 2026-07-28 revision), and say both answers."""
+    return f"{name.name} likes {color.color}"
 
 
 def main() -> None:

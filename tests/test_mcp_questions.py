@@ -106,6 +106,28 @@ def test_the_time_a_question_waits_for_a_person_is_not_counted_in_call_timeout_s
             assert result(c, session) == {"id": 2, "text": "wrote x.txt (late)"}
 
 
+def test_two_questions_of_one_round_are_asked_at_once_and_both_answers_sent(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DEVD_TEST_MCP_STATE_KEY", STATE_KEY)
+    standin.script(Scripted(tool_calls=[("demo__survey", {})]), Scripted(text="done"))
+    with start(tmp_path, standin, monkeypatch, careful()).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session = agentd.session(c)
+            watch_raw(c, session, since=0)
+            turn = c.prompt(session, "ask me")
+            asked = [next_notice(c, "session/input").params for _ in range(2)]
+            for question in asked:
+                field = next(iter(question["schema"]["properties"]))
+                c.answer(session, 2, question["request"], {field: {"name": "Ada", "color": "green"}[field]})
+            until_done(c, turn)
+            assert (sorted((q["request"], q["message"]) for q in asked), result(c, session)["text"]) == (
+                [(1, "Who are you?"), (2, "Which color?")],
+                "Ada likes green",
+            )
+
+
 def test_the_first_answer_wins_and_a_later_one_is_a_conflict_naming_who_answered(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
