@@ -19,7 +19,7 @@ from typing import Annotated
 
 import anyio
 from mcp.server.elicitation import AcceptedElicitation, ElicitationResult
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.resolve import Elicit, Resolve
 from mcp.server.request_state import RequestStateSecurity
 from mcp_types import ImageContent, TextContent, ToolAnnotations
@@ -101,6 +101,14 @@ def boom() -> str:
 def readme() -> str:
     """Read-only by its hint."""
     return "read me"
+
+
+@server.tool()
+async def relist(ctx: Context) -> str:
+    """Add the tool `added`, and tell the client the tool list changed."""
+    server.add_tool(lambda: "added", name="added", description="a tool relist added")
+    await ctx.request_context.session.send_tool_list_changed()
+    return "relisted"
 
 
 @server.tool()

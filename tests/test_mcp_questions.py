@@ -16,10 +16,10 @@ import pytest
 from devd import errors
 from devd.client import Client
 from devd.messages import Cancel, Event
-from tests.agents import Agentd, conversation, next_notice, until_done, watch_raw
+from tests.agents import Agentd, conversation, next_notice, run_turn, until_done, watch_raw
 from tests.daemon import ROOT, Daemon
 from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (a fixture)
-from tests.test_agent_mcp import PYTHON, SERVER, start
+from tests.test_agent_mcp import PYTHON, SERVER, offered_names, server_table, start
 from tests.test_chat import completed, devd, lines, session_of
 
 STATE_KEY = "a-key-of-the-test-servers-sealed-request-states-0123456789"
@@ -299,6 +299,26 @@ def test_attach_shows_a_question_asked_before_it_attached_and_answers_it(
         "done",
         "[turn 1 complete]",
     ]
+
+
+# -- the protocol a server is spoken to with ---------------------------------------------------------------------------
+
+
+def test_a_server_spoken_to_as_by_default_is_listed_again_when_its_tools_change(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", 'decision = "allow"')
+    standin.script(
+        Scripted(tool_calls=[("demo__relist", {})]), Scripted(text="relisted"), Scripted(text="the second turn")
+    )
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session = agentd.session(c)
+            run_turn(c, session, "change your tools")
+            run_turn(c, session, "again")
+        before = "demo__added" in offered_names(standin, 0)
+        assert (before, "demo__added" in offered_names(standin, 2)) == (False, True)
 
 
 def test_devd_answer_answers_a_question_from_a_shell_with_field_value_words(

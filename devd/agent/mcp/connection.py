@@ -11,8 +11,10 @@ What it promises:
 - A call not answered within its timeout is cancelled (the SDK sends MCP's `notifications/cancelled`) and fails
   saying so; a caller cancelled (its turn was) cancels the call the same way; a call in flight when the server exits
   fails saying how it ended, with the tail of its stderr. Every failure is an `Unavailable` with a sentence.
-- The handshake is the 2026-07-28 revision's `server/discover` where the server speaks it (`protocol = "auto"`), else
-  the legacy `initialize` (`protocol = "legacy"`, or a server that does not know `server/discover`).
+- The handshake is the legacy `initialize` (`protocol = "legacy"`, the default), or with `protocol = "auto"` the
+  2026-07-28 revision's `server/discover` where the server speaks it (else `initialize`). That revision pushes no
+  `notifications/tools/list_changed` (it has `subscriptions/listen`, which devd does not use yet): a server's changed
+  tools are then listed at its next start.
 - A server's question (an elicitation) is put to the call's `ask` hook, which answers it (`devd.agent.mcp.broker`
   asks the session's clients): the legacy `elicitation/create` request, sent while the call runs, goes to the one
   call in flight on the connection (with several, which one asked cannot be told over stdio: it is declined, with a
