@@ -23,6 +23,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.resolve import Elicit, Resolve
 from mcp.server.request_state import RequestStateSecurity
 from mcp_types import ImageContent, TextContent, ToolAnnotations
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel
 
 _KEY = os.environ.get("MCP_STATE_KEY")
@@ -105,9 +106,12 @@ def readme() -> str:
 
 @server.tool()
 async def relist(ctx: Context) -> str:
-    """Add the tool `added`, and tell the client the tool list changed."""
+    """Add the tool `added`, and tell the client the tool list changed (as its protocol tells it)."""
     server.add_tool(lambda: "added", name="added", description="a tool relist added")
-    await ctx.request_context.session.send_tool_list_changed()
+    if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+        await ctx.notify_tools_changed()  # to its subscriptions/listen streams
+    else:
+        await ctx.request_context.session.send_tool_list_changed()
     return "relisted"
 
 

@@ -304,10 +304,11 @@ def test_attach_shows_a_question_asked_before_it_attached_and_answers_it(
 # -- the protocol a server is spoken to with ---------------------------------------------------------------------------
 
 
-def test_a_server_spoken_to_as_by_default_is_listed_again_when_its_tools_change(
-    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("protocol", ["legacy", "auto"])
+def test_a_server_is_listed_again_when_its_tools_change_in_either_protocol(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, protocol: str
 ) -> None:
-    table = server_table("demo", 'decision = "allow"')
+    table = server_table("demo", 'decision = "allow"', f'protocol = "{protocol}"')
     standin.script(
         Scripted(tool_calls=[("demo__relist", {})]), Scripted(text="relisted"), Scripted(text="the second turn")
     )

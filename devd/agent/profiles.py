@@ -55,10 +55,9 @@ class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     `url`. `env` maps the server's variable to the *name* of the daemon's variable holding its value (`headers` an
     HTTP header to one), never the value. `tools` is the tools offered (None: every tool it lists); `decision` decides
     its calls, `rules` one tool's by its name. `share`: one process for every session of the profile (and
-    workspace), or one per session. `protocol`: "legacy" (the default) speaks the handshake era's MCP
-    (`initialize`), "auto" the 2026-07-28 revision where the server does (`server/discover`, else the handshake):
-    its questions outlive a daemon restart, but its tool-list changes are not pushed, so devd sees them only when the
-    server starts again."""
+    workspace), or one per session. `protocol`: "auto" (the default) speaks MCP's 2026-07-28 revision
+    where the server does (`server/discover`, else the handshake era's `initialize`): its questions outlive a daemon
+    restart; "legacy" only the handshake era's."""
 
     name: str
     command: tuple[str, ...] | None = None
@@ -74,7 +73,7 @@ class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     start_timeout_s: float = 10.0
     call_timeout_s: float = 120.0
     tools_max: int = 1000
-    protocol: McpProtocol = "legacy"
+    protocol: McpProtocol = "auto"
 
 
 class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

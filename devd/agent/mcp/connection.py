@@ -11,10 +11,9 @@ What it promises:
 - A call not answered within its timeout is cancelled (the SDK sends MCP's `notifications/cancelled`) and fails
   saying so; a caller cancelled (its turn was) cancels the call the same way; a call in flight when the server exits
   fails saying how it ended, with the tail of its stderr. Every failure is an `Unavailable` with a sentence.
-- The handshake is the legacy `initialize` (`protocol = "legacy"`, the default), or with `protocol = "auto"` the
-  2026-07-28 revision's `server/discover` where the server speaks it (else `initialize`). That revision pushes no
-  `notifications/tools/list_changed` (it has `subscriptions/listen`, which devd does not use yet): a server's changed
-  tools are then listed at its next start.
+- The handshake is the 2026-07-28 revision's `server/discover` where the server speaks it (`protocol = "auto"`, the
+  default; else the legacy `initialize`), or `initialize` only (`protocol = "legacy"`). That revision pushes no
+  `notifications/tools/list_changed`: its tool-list changes are listened for (`subscriptions/listen`) instead.
 - A server's question (an elicitation) is put to the call's `ask` hook, which answers it (`devd.agent.mcp.broker`
   asks the session's clients): the legacy `elicitation/create` request, sent while the call runs, goes to the one
   call in flight on the connection (with several, which one asked cannot be told over stdio: it is declined, with a
@@ -39,7 +38,9 @@ import msgspec
 import structlog
 from mcp.client._probe import negotiate_auto  # the SDK's own mode="auto" policy (Client uses it so)
 from mcp.client.session import ClientRequestContext, ClientSession, IncomingMessage
+from mcp.client.subscriptions import listen
 from mcp.shared.exceptions import MCPError
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
 from devd.agent.mcp.stdio import Process
@@ -315,6 +316,8 @@ class Connection:
             calls.start_soon(receive)
             calls.start_soon(idle)
             calls.start_soon(ended)
+            if session.protocol_version in MODERN_PROTOCOL_VERSIONS:
+                calls.start_soon(self._listen, session)
         self._calls, self._session = None, None
         if not self._idled:
             await _reaped(process)
@@ -462,6 +465,17 @@ class Connection:
     async def _on_message(self, message: IncomingMessage) -> None:
         if isinstance(message, types.ToolListChangedNotification) and self._calls is not None:
             self._calls.start_soon(self._relist, message)
+
+    async def _listen(self, session: ClientSession) -> None:
+        """A 2026-07-28 server pushes no `notifications/tools/list_changed`: its tool-list changes are listened for
+        (`subscriptions/listen`) while its process lives, and each lists it again; a server that will not be listened
+        to keeps its listing until its next start, with a log line."""
+        try:
+            async with listen(session, tools_list_changed=True) as changes:
+                async for _ in changes:
+                    await self._relist(None)
+        except Exception as e:  # not supported, refused, lost with the process: the listing is kept as it is
+            log.warning("mcp.listen_failed", server=self.server.name, agent=self.agent, error=str(e)[:300])
 
     async def _relist(self, _: Any) -> None:
         # Listed again on the supervisor's session, in its task group; a failure keeps the old list.
