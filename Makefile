@@ -41,7 +41,8 @@ test: setup prerequisites
 	$(PY) -m compileall -q benchmarks
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup
 
-# What the suite needs from outside the virtualenv (bubblewrap, git, Node.js, PostgreSQL): installs bubblewrap and git
+# What the suite needs from outside the virtualenv (bubblewrap, git, Node.js, PostgreSQL): installs bubblewrap and git,
+# and the npm packages of the MCP tests (tests/npm),
 # where it can (root or password-less sudo, apt-get), else says in one line what is missing and how to get it.
 prerequisites: setup
 	.ci/prerequisites $(PY)

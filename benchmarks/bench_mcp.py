@@ -7,13 +7,16 @@ connection's supervisor task over its memory stream, the SDK's call, the result 
 own client (`ClientSession` over its `stdio_client`) calling the same server, started unconfined: the server's own
 time plus the least a client adds. Sides alternate round by round; each figure is the median over rounds of each
 round's median. The broker's server runs under the profile's sandbox (bubblewrap, as the daemon runs it), which
-costs at its start, not per call. Then N sessions are offered the tools (the server started at first need): the
-figure is the server processes running after (the target: one per configuration).
+costs at its start, not per call. The same pair over Streamable HTTP: the test server started with `--http` on
+loopback, called through the broker's connection to it (`url = ...`), against the SDK's own client
+(`streamable_http_client`, `server/discover`). Then N sessions are offered the tools (the server started at first
+need): the figure is the server processes running after (the target: one per configuration).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -31,10 +34,11 @@ from devd.agent.profiles import McpServer, Profile
 from tests.mcp_place import PYTHON, placed  # the server where the sandbox's user reaches it
 
 
-def _profile(root: Path) -> Profile:
+def _profile(root: Path, url: str) -> Profile:
     server = McpServer(name="demo", command=(PYTHON, str(placed().server)), env=(("PYTHONPATH", "BENCH_MCP_PATH"),))
+    web = McpServer(name="web", url=url)
     return Profile(
-        name="bench", base_url="http://127.0.0.1:9/v1", model="m", workspace_roots=(str(root),), mcp=(server,)
+        name="bench", base_url="http://127.0.0.1:9/v1", model="m", workspace_roots=(str(root),), mcp=(server, web)
     )
 
 
@@ -42,16 +46,20 @@ def bench_mcp(rounds: int, calls: int, sessions: int) -> dict[str, Any]:
     # The SDK (and the broker, which loads it) are imported here: `bench --help` need not pay for them.
     from mcp.client.session import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
+    from mcp.client.streamable_http import streamable_http_client
 
     from devd.agent.mcp.broker import Broker
+    from tests.mcp_http import sdk_server
 
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout is the figures' JSON
     root = Path(tempfile.mkdtemp(prefix="devd-bench-mcp-"))
-    profile = _profile(root)
+    web = contextlib.ExitStack()
+    url = web.enter_context(sdk_server())
+    profile = _profile(root, url)
     workspace = tools.Workspace(root, tools.pin(root))
     box = sandboxes.choose(profile)
     broker = Broker({"BENCH_MCP_PATH": placed().site})
-    times: dict[str, list[float]] = {"sdk client": [], "broker": []}
+    times: dict[str, list[float]] = {"sdk client": [], "broker": [], "sdk client (http)": [], "broker (http)": []}
     result: dict[str, Any] = {}
 
     async def ws() -> tools.Workspace:
@@ -79,19 +87,33 @@ def bench_mcp(rounds: int, calls: int, sessions: int) -> dict[str, Any]:
                                 lambda: broker.call("s0", profile, ws, sb, "demo__echo", b'{"text": "x"}'), calls
                             )
                         )
+            async with streamable_http_client(url) as (read, write), ClientSession(read, write) as bare:
+                await bare.discover()
+                for _ in range(rounds):
+                    times["sdk client (http)"].append(
+                        await _median_ms(lambda: bare.call_tool("echo", {"text": "x"}), calls)
+                    )
+                    times["broker (http)"].append(
+                        await _median_ms(
+                            lambda: broker.call("s0", profile, ws, sb, "web__echo", b'{"text": "x"}'), calls
+                        )
+                    )
             for n in range(1, sessions):
                 await broker.offered(f"s{n}", profile, ws, sb)
             result["processes"] = broker.processes()
             result["sessions"] = broker.statuses()[0].sessions
             tg.cancel_scope.cancel()
 
-    anyio.run(measure)
+    with web:
+        anyio.run(measure)
     medians = {side: statistics.median(t) for side, t in times.items()}
     return {
         "what": f"echo per call, median of {calls} calls a round, {rounds} rounds alternated; then {sessions} sessions",
         "ms": {side: round(m, 3) for side, m in medians.items()},
         "broker_overhead_ms": round(medians["broker"] - medians["sdk client"], 3),
         "ratio_to_sdk_client": round(medians["broker"] / medians["sdk client"], 2),
+        "broker_overhead_ms_http": round(medians["broker (http)"] - medians["sdk client (http)"], 3),
+        "ratio_to_sdk_client_http": round(medians["broker (http)"] / medians["sdk client (http)"], 2),
         "server_processes": result["processes"],
         "sessions": result["sessions"],
     }

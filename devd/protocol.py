@@ -234,7 +234,9 @@ class McpServerStatus(msgspec.Struct, frozen=True):
     state (`stopped`: not running, started at its next use; `starting`; `ready`; `failed`: its last start or life
     failed, `last_error` says why, and it is tried again at its next use after a backoff); its process's pid while it
     runs (null for an HTTP server); how many sessions use it; how many tools it lists; how many times it was started
-    again; why it last failed."""
+    again; why it last failed; the protocol era it speaks (`mode`: "2026-07-28" for a Streamable HTTP server that took
+    `server/discover`, "legacy" for one spoken to with `initialize` and for every stdio server; null until it first
+    answered)."""
 
     name: str
     agent: str | None
@@ -244,6 +246,7 @@ class McpServerStatus(msgspec.Struct, frozen=True):
     tools: int
     restarts: int
     last_error: str | None
+    mode: Literal["2026-07-28", "legacy"] | None = None
 
 
 class McpResult(msgspec.Struct, frozen=True):
@@ -792,13 +795,17 @@ class ApprovalNotice(msgspec.Struct, frozen=True):
 class Remembered(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a remembered decision settles in the rest of the session without asking: calls of exactly this `argv`
     (`scope` "exact"), or of this `argv` followed by more words none of which starts with `-` (`scope` "prefix"; a
-    remembered denial covers every extension); or writes of exactly this `path`. `narrowed` says why a "prefix" asked
-    for was kept "exact" (the argv runs a command given in its arguments: `env`, `timeout 60`, `ssh host`)."""
+    remembered denial covers every extension); or writes of exactly this `path`; or calls of the MCP tool `tool` (its
+    model name) with exactly the input whose canonical JSON (members sorted) has the SHA-256 `input_sha256`.
+    `narrowed` says why a "prefix" asked for was kept "exact" (the argv runs a command given in its arguments: `env`,
+    `timeout 60`, `ssh host`; an MCP tool's call is remembered by its input)."""
 
     scope: Remember
     argv: list[str] | None = None
     path: str | None = None
     narrowed: str | None = None
+    tool: str | None = None
+    input_sha256: str | None = None
 
 
 class DecidedNotice(msgspec.Struct, frozen=True):

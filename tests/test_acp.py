@@ -534,6 +534,28 @@ async def test_an_editors_mcp_server_is_called_through_devd_acp_once_the_editor_
         )
 
 
+async def test_an_editors_http_mcp_server_is_called_through_devd_acp_which_advertises_http(
+    tmp_path: Path, standin: Standin
+) -> None:
+    from tests.mcp_http import sdk_server
+
+    standin.script(Scripted(tool_calls=[("web__header", {"name": "X-Editor"})]), Scripted(text="done"))
+    with sdk_server() as url:
+        headers = [acp.schema.HttpHeader(name="X-Editor", value="from-the-editor")]
+        server = acp.schema.HttpMcpServer(type="http", name="web", url=url, headers=headers)
+        for mcpd in setup(tmp_path, standin, "allow", False, "session_mcp = true"):
+            editor = Editor(answer="allow_once")
+            async with editor_on(mcpd, editor) as conn:
+                hello = next(m for m in editor.raw if m.get("id") == 0 and "result" in m)["result"]
+                session = await conn.new_session(cwd=str(mcpd.workspace), mcp_servers=[server])
+                await conn.prompt(session_id=session.session_id, prompt=text("header"))
+    tool_results = [m["content"] for m in standin.requests[1].body["messages"] if m["role"] == "tool"]
+    assert (hello["agentCapabilities"]["mcpCapabilities"], tool_results) == (
+        {"http": True, "sse": False},
+        ["from-the-editor"],
+    )
+
+
 @dataclass
 class FormEditor(Editor):
     """An editor that shows MCP servers' questions as forms (ACP's elicitation), and fills each with `content`."""

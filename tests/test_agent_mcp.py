@@ -178,14 +178,17 @@ def test_a_killed_daemon_leaves_no_server_and_its_claimed_call_is_not_sent_again
         c.prompt(session, "sleep")
         wait_for(lambda: log.exists() and log.read_text() == "started\n", "the call")
         running = server_processes(agentd.workspace)
+        group = Path("/sys/fs/cgroup/memory") / memory_cgroup(c.call("daemon/mcp")["servers"][0]["pid"]).lstrip("/")
     daemon.kill()
     wait_for(lambda: not server_processes(agentd.workspace), "the server's end", 10)
     with daemon, daemon.client() as c:
         watch_raw(c, session, since=0)
         until_done(c, 1)
-        # Its stdin closed with the daemon, the server may have cancelled the call itself before it was killed.
-        assert (bool(running), log.read_text().count("started"), conversation(c, session)[2]) == (
+        # Its stdin closed with the daemon, the server may have cancelled the call itself before it was killed; its
+        # cgroup, left by the killed daemon, was swept by the next.
+        assert (bool(running), group.exists(), log.read_text().count("started"), conversation(c, session)[2]) == (
             True,
+            False,
             1,
             {
                 "Tool": {
@@ -256,12 +259,24 @@ def offered_names(standin: Standin, request: int = 0) -> list[str]:
             "DEVD_TEST_UNSET, which is not set; set it where the daemon starts and restart the daemon",
         ),
         (
+            '[agent.coder.mcp.demo]\nurl = "http://127.0.0.1:9/mcp"\nheaders = { X-Token = "DEVD_TEST_UNSET" }\n',
+            "agent 'coder''s MCP server demo cannot start: its header X-Token is to be read from the daemon's variable "
+            "DEVD_TEST_UNSET, which is not set; set it where the daemon starts and restart the daemon",
+        ),
+        (
             '[agent.coder.mcp.demo]\nurl = "http://127.0.0.1:9/mcp"\n',
-            "the MCP server demo is a Streamable HTTP server (http://127.0.0.1:9/mcp), which devd does not connect to "
-            "yet; run it as a stdio server (command = [...])",
+            "the MCP server demo stopped: the connection failed (ConnectError: All connection attempts failed); its "
+            "URL is http://127.0.0.1:9/mcp",
         ),
     ],
-    ids=["hangs in its handshake", "writes what is not JSON-RPC", "will not start", "lacks its variable", "is HTTP"],
+    ids=[
+        "hangs in its handshake",
+        "writes what is not JSON-RPC",
+        "will not start",
+        "lacks its variable",
+        "lacks its header",
+        "is not there",
+    ],
 )
 def test_a_server_that_cannot_serve_is_left_out_of_the_tools_and_says_why(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, table: str, why: str
@@ -289,18 +304,6 @@ def test_a_call_of_a_tool_whose_server_cannot_serve_says_why(
         "cannot start: its variable TOKEN is to be read from the daemon's variable DEVD_TEST_UNSET, which is not set; "
         "set it where the daemon starts and restart the daemon"
     ]
-
-
-def test_a_server_listing_more_than_tools_max_has_the_rest_refused(
-    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    table = server_table("demo", "start_timeout_s = 60", args=("--tools", "1200"))
-    with start(tmp_path, standin, monkeypatch, table).daemon as d:
-        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
-        standin.script(Scripted(text="done"))
-        with agentd.client() as c:
-            run_turn(c, agentd.session(c), "go")
-        assert (len(offered_names(standin)), servers(agentd)[0]["tools"]) == (1000, 1000)
 
 
 def test_a_50_mb_message_ends_the_connection_and_fails_the_call(
@@ -395,3 +398,182 @@ def test_a_sessions_own_server_the_profile_does_not_allow_is_refused(
         with pytest.raises(errors.InvalidParamsError) as refused:
             c.call("session/new", params)
         assert (str(refused.value), c.list().sessions) == (message, [])
+
+
+def test_a_server_answering_malformed_json_rpc_is_left_out_saying_so(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with start(tmp_path, standin, monkeypatch, server_table("demo", args=("--malformed",))).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+        status = servers(agentd)[0]
+    assert (offered_names(standin), status["state"], status["last_error"]) == (
+        [],
+        "failed",
+        'the MCP server demo stopped: it wrote a line to stdout that is not a JSON-RPC message: \'{"jsonrpc": "2.0", '
+        '"id": 1, "bogus": true}\'; it was killed by SIGTERM; it wrote nothing to stderr',
+    )
+
+
+def test_a_server_listing_10000_tools_has_all_but_tools_max_refused(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", "start_timeout_s = 120", args=("--tools", "10000"))
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+        assert (len(offered_names(standin)), servers(agentd)[0]["tools"]) == (1000, 1000)
+
+
+def test_a_tool_named_like_a_built_in_is_offered_under_its_server_beside_the_built_in(mcpd: Agentd) -> None:
+    result = call_once(mcpd, "demo__exec", {"argv": ["true"]})
+    offered = [t["function"]["name"] for t in mcpd.standin.requests[0].body["tools"]]
+    assert (result["text"], offered.count("exec"), offered.count("demo__exec")) == (
+        "the server's exec ran nothing",
+        1,
+        1,
+    )
+
+
+def test_a_tools_list_changed_is_offered_at_the_next_turn(mcpd: Agentd) -> None:
+    with mcpd.client() as c:
+        session = mcpd.session(c)
+    call_once(mcpd, "demo__relist", {}, session)
+    fresh = call_once(mcpd, "demo__fresh", {}, session)
+    assert (
+        "demo__fresh" in offered_names(mcpd.standin, 0),
+        "demo__fresh" in offered_names(mcpd.standin, 2),
+        fresh,
+    ) == (
+        False,
+        True,
+        {"id": 8, "text": "fresh"},
+    )
+
+
+def test_a_crash_looping_server_is_not_started_again_before_its_backoff(mcpd: Agentd) -> None:
+    first, second = call_once(mcpd, "demo__die", {}), call_once(mcpd, "demo__die", {})
+    third = call_once(mcpd, "demo__echo", {"text": "too soon"})
+    died = "the MCP server demo stopped: it ended; it exited with status 3; its stderr ends: fatal: the test server " \
+        "was told to die"  # fmt: skip
+    assert (
+        first["text"],
+        second["text"],
+        third["text"].split("; it is tried again in")[0],
+        servers(mcpd)[0]["restarts"],
+    ) == (
+        died,
+        died,
+        f"the MCP server demo ended 2 times in a row within 30 s of its start (last: {died})",
+        1,
+    )
+
+
+def memory_cgroup(pid: int) -> str:
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return next(line.split(":", 2)[2] for line in lines if line.split(":")[1] == "memory")
+
+
+def test_a_stdio_server_runs_in_a_cgroup_of_its_own_removed_when_it_stops(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from devd.agent import cgroups
+
+    where = cgroups.place()
+    assert not isinstance(where, str), where  # a root daemon on cgroup v1, as on these machines
+    with start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"', "idle_s = 1")).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        call_once(agentd, "demo__echo", {"text": "a"})
+        group = memory_cgroup(servers(agentd)[0]["pid"])
+        directory = Path("/sys/fs/cgroup/memory") / group.lstrip("/")
+        limit = int((directory / "memory.limit_in_bytes").read_text())
+        wait_for(lambda: servers(agentd)[0]["state"] == "stopped", "the idle stop")
+        wait_for(lambda: not directory.exists(), "the group's removal")
+    assert (Path(group).name.startswith("devd."), limit) == (True, 4 * 1024**3)
+
+
+def test_a_read_only_tool_of_a_trusted_server_runs_as_a_read_unasked_and_out_of_the_effect_ledger(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", 'decision = "ask"', "trust_read_only = true")
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("demo__readme", {})]), Scripted(text="done"))
+        with agentd.client() as c:
+            session = agentd.session(c)
+            run_turn(c, session, "read")
+            assert (conversation(c, session)[2], c.effects(session), c.pending(session)) == (
+                {"Tool": {"id": 2, "text": "read me"}},
+                [],
+                [],
+            )
+
+
+def test_a_read_only_hint_of_a_server_not_trusted_is_an_effect(mcpd: Agentd) -> None:
+    with mcpd.client() as c:
+        session = mcpd.session(c)
+    call_once(mcpd, "demo__readme", {}, session)
+    with mcpd.client() as c:
+        assert [(e.kind, e.outcome) for e in c.effects(session)] == [("demo__readme", "ok")]
+
+
+def test_a_trusted_servers_tool_without_the_hint_is_still_asked_about(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", 'decision = "ask"', "trust_read_only = true")
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("demo__echo", {"text": "hi"})]), Scripted(text="done"))
+        with agentd.client() as c:
+            session = agentd.session(c)
+            watch_raw(c, session, since=0)
+            turn = c.prompt(session, "echo")
+            asked = next_notice(c, "session/approval").params
+            c.approve(session, asked["action"], asked["digest"], "allow")
+            until_done(c, turn)
+            assert [(e.kind, e.outcome) for e in c.effects(session)] == [("demo__echo", "ok")]
+
+
+def test_always_for_an_mcp_call_settles_the_same_tool_and_input_and_no_other(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "ask"')).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(
+            Scripted(tool_calls=[("demo__add", {"a": 1, "b": 2})]),
+            Scripted(tool_calls=[("demo__add", {"b": 2, "a": 1})]),  # the same input, its members in another order
+            Scripted(tool_calls=[("demo__add", {"a": 1, "b": 3})]),
+            Scripted(text="done"),
+        )
+        with agentd.client() as c:
+            session = agentd.session(c)
+            watch_raw(c, session, since=0)
+            c.prompt(session, "add")
+            asked = next_notice(c, "session/approval").params
+            c.approve(session, asked["action"], asked["digest"], "allow", remember=True)
+            remembered = next_notice(c, "session/decided").params["remembered"]
+            again = next_notice(c, "session/approval").params
+            results = [m["Tool"]["text"] for m in conversation(c, session) if "Tool" in m]
+    assert (remembered["tool"], len(remembered["input_sha256"]), again["op"]["Tool"], results) == (
+        "demo__add",
+        64,
+        {"name": "demo__add", "input": {"a": 1, "b": 3}},
+        ["3", "3"],
+    )
+
+
+def test_a_tool_listed_twice_is_offered_once_and_the_second_refused(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", 'decision = "allow"', args=("--twice",))
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        result = call_once(agentd, "demo__dup", {})
+    described = [
+        t["function"]["description"] for t in standin.requests[0].body["tools"] if "__" in t["function"]["name"]
+    ]
+    assert (offered_names(standin), described, result["text"]) == (["demo__dup"], ["dup #1"], "the first dup")

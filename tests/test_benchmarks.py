@@ -46,7 +46,8 @@ def test_bench_mcp_times_the_broker_against_the_sdks_own_client_and_counts_proce
     argv = [sys.executable, "-m", "benchmarks.bench", "mcp", "--rounds", "1", "--calls", "5", "--sessions", "3"]
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     result = json.loads(done.stdout)
-    assert (sorted(result["ms"]), result["server_processes"], result["sessions"]) == (["broker", "sdk client"], 1, 3)
+    sides = ["broker", "broker (http)", "sdk client", "sdk client (http)"]
+    assert (sorted(result["ms"]), result["server_processes"], result["sessions"]) == (sides, 1, 3)
 
 
 def test_bench_mixed_times_session_new_beside_large_steps_against_it_alone() -> None:

@@ -318,8 +318,8 @@ def test_a_server_is_listed_again_when_its_tools_change_in_either_protocol(
             session = agentd.session(c)
             run_turn(c, session, "change your tools")
             run_turn(c, session, "again")
-        before = "demo__added" in offered_names(standin, 0)
-        assert (before, "demo__added" in offered_names(standin, 2)) == (False, True)
+        before = "demo__fresh" in offered_names(standin, 0)
+        assert (before, "demo__fresh" in offered_names(standin, 2)) == (False, True)
 
 
 def test_devd_answer_answers_a_question_from_a_shell_with_field_value_words(

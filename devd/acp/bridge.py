@@ -729,7 +729,7 @@ async def _initialize(bridge: Bridge, raw: msgspec.Raw) -> Any:
         "agentCapabilities": {
             "loadSession": True,
             "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
-            "mcpCapabilities": {"http": False, "sse": False},
+            "mcpCapabilities": {"http": True, "sse": False},
             "sessionCapabilities": {"list": {}, "resume": {}, "close": {}},
         },
         "authMethods": [],
@@ -750,10 +750,10 @@ def _mcp_servers(servers: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], d
     left: dict[str, str] = {}
     for server in servers:
         name = str(server.get("name", ""))
-        if server.get("type") not in (None, "stdio", "http") or (server.get("type") == "http" or "url" in server):
-            left[name] = f"devd does not connect to {server.get('type', 'http')} MCP servers yet (stdio only)"
+        if server.get("type") not in (None, "stdio", "http"):
+            left[name] = f"devd does not connect to {server.get('type')} MCP servers (stdio and http only)"
         else:
-            taken.append({k: server[k] for k in _MCP_KEYS if k in server and k != "type"})
+            taken.append({k: server[k] for k in _MCP_KEYS if k in server})
     return taken, left
 
 

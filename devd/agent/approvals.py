@@ -13,7 +13,8 @@ anyone, and a ledger rebuilt from those records (`replay`) is the one that was l
   overridden by it (the ledger is asked only about `ask` calls). A `"prefix"` allowance of an argv that runs a
   command given in its arguments (`env`, `timeout 60 make`, `ssh host`, `watch date`:
   `devd.agent.wrappers.runs_later_words`) is kept `"exact"`, saying why. A `true` kept before `"prefix"` existed is
-  read as `"exact"`.
+  read as `"exact"`. An MCP tool's call is remembered by its tool and a digest of its exact input (canonical JSON),
+  whatever the scope asked for.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Grant(msgspec.Struct, frozen=True):
     """A remembered decision: the argv or path it was about (`kind`, `words`), its scope, the decision, and why a
     "prefix" asked for was kept "exact" (`narrowed`)."""
 
-    kind: Literal["argv", "path"]
+    kind: Literal["argv", "path", "tool"]
     words: tuple[str, ...]
     scope: Remember
     decision: Answer
@@ -81,7 +82,7 @@ class Grant(msgspec.Struct, frozen=True):
         extra = words[len(self.words) :]
         if not extra:
             return True
-        if kind == "path" or self.scope == "exact":
+        if kind in ("path", "tool") or self.scope == "exact":
             return False
         if self.decision == "deny":
             return True
@@ -91,6 +92,8 @@ class Grant(msgspec.Struct, frozen=True):
         """The grant as `session/decided` states it."""
         if self.kind == "path":
             return Remembered(self.scope, path=self.words[0])
+        if self.kind == "tool":
+            return Remembered(self.scope, tool=self.words[0], input_sha256=self.words[1], narrowed=self.narrowed)
         return Remembered(self.scope, argv=list(self.words), narrowed=self.narrowed)
 
 
@@ -211,6 +214,9 @@ def grant_of(op: Op, decided: Decided) -> Grant | None:
     if scope is None or subject is None or decided.decision == "cancelled":
         return None
     kind, words = subject
+    if kind == "tool" and scope == "prefix":  # a tool's call has no prefix: its exact input, or nothing
+        why = "kept exact: an MCP tool's call is remembered by its input"
+        return Grant(kind, words, "exact", decided.decision, why)
     runs = wrappers.runs_later_words(words) if kind == "argv" and scope == "prefix" else None
     if runs is not None and decided.decision == "allow":  # a prefix of it would allow any command given after it
         return Grant(kind, words, "exact", "allow", f"kept exact, not as a prefix: {runs}")

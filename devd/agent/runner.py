@@ -681,7 +681,9 @@ class Driver(msgspec.Struct, eq=False):
         if answered is not None:  # answered as failed at once, never left waiting
             return await self._step(kind.event(action.id, answered, True), action.id)
         what = kind.what
-        gate = await self._gate(profile, action)
+        read = self._trusted_read(profile, kind, call)  # an MCP tool its server is trusted to say only reads
+        effect = kind.effect and read is None
+        gate = Gate(True, read) if read is not None else await self._gate(profile, action)
         if gate is None:  # withdrawn: the turn was cancelled while the call waited for a decision
             return []
         if not gate.allowed:
@@ -689,7 +691,7 @@ class Driver(msgspec.Struct, eq=False):
             return await self._step(kind.event(action.id, gate.reason, True), action.id)
         ledger, turn, before = self.runtime.ledger, self.known.turn, None
         resumed = action.id in self._claims and bool(await self.runtime.questions.kept(self.session, action.id))
-        if kind.effect and not resumed:
+        if effect and not resumed:
             if action.id in self._claims:
                 log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind.member)
                 text = INTERRUPTED.format(what=what)
@@ -718,14 +720,14 @@ class Driver(msgspec.Struct, eq=False):
         started, t0 = time.time(), time.monotonic()
         result = await self._guarded(action.id, lambda: kind.run(context, call))
         took = time.monotonic() - t0
-        if kind.effect:
+        if effect:
             failpoints.hit("agent.done")
         if result is None:
             await self.runtime.questions.withdraw(self.session, action.id)
             stopped = ledger.entry(self.session, action.id, turn, kind.member, call, started, "interrupted", before)
             why = "cancelled with its turn"
-            await self._traced(action, kind, call, started, took, "interrupted", why, stopped if kind.effect else None)
-            if not kind.effect:
+            await self._traced(action, kind, call, started, took, "interrupted", why, stopped if effect else None)
+            if not effect:
                 return []
             how = "; its process group was killed" if kind.kills else ""
             text = CANCELLED.format(what=what, how=how)
@@ -736,8 +738,17 @@ class Driver(msgspec.Struct, eq=False):
         event = kind.event(action.id, result.text, result.failed)
         # The trace record, and an effect's ledger record beside it (one write): durable before the result's step.
         entry = ledger.entry(self.session, action.id, turn, kind.member, call, started, outcome, before)
-        await self._traced(action, kind, call, started, took, outcome, error, entry if kind.effect else None)
+        await self._traced(action, kind, call, started, took, outcome, error, entry if effect else None)
         return await self._step(event, action.id)
+
+    def _trusted_read(self, profile: Profile, kind: kinds.Kind[Any], call: Any) -> str | None:
+        """Why a call of an MCP tool is decided and carried out as a read (allowed, neither claimed nor in the effect
+        ledger): its server has `trust_read_only = true` and the tool says `readOnlyHint`; None otherwise, and for a
+        call the policy denies."""
+        broker = self.runtime.mcp
+        if broker is None or kind.member != "Tool" or kind.decide(profile, call)[0] == "deny":
+            return None
+        return broker.read_only(self.session, call.name)
 
     def _named(self, profile: Profile, action: int) -> Callable[[str, bytes], Awaitable[tools.Result]] | None:
         """How the call `action` of the session's named (MCP) tools is carried out, when the daemon has a broker."""

@@ -69,7 +69,7 @@ def mcp_table(servers: list[dict[str, Any]]) -> str:
         pid = f"pid {s['pid']}" if s["pid"] is not None else "no process"
         lines.append(
             f"{inline(s['name'])} ({owner}): {s['state']}, {pid}, {s['sessions']} sessions, {s['tools']} tools, "
-            f"{s['restarts']} restarts"
+            f"{s['restarts']} restarts" + (f", MCP {s['mode']}" if s.get("mode") else "")
         )
         if s["last_error"]:
             lines.append(f"  last error: {inline(s['last_error'])}")

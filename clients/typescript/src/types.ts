@@ -616,7 +616,9 @@ export interface McpResult {
  * (`stopped`: not running, started at its next use; `starting`; `ready`; `failed`: its last start or life failed,
  * `last_error` says why, and it is tried again at its next use after a backoff); its process's pid while it runs (null
  * for an HTTP server); how many sessions use it; how many tools it lists; how many times it was started again; why it
- * last failed.
+ * last failed; the protocol era it speaks (`mode`: "2026-07-28" for a Streamable HTTP server that took
+ * `server/discover`, "legacy" for one spoken to with `initialize` and for every stdio server; null until it first
+ * answered).
  */
 export interface McpServerStatus {
   name: string;
@@ -627,6 +629,7 @@ export interface McpServerStatus {
   tools: number;
   restarts: number;
   last_error: string | null;
+  mode?: "2026-07-28" | "legacy" | null;
 }
 
 /**
@@ -1025,14 +1028,18 @@ export interface Read {
 /**
  * What a remembered decision settles in the rest of the session without asking: calls of exactly this `argv` (`scope`
  * "exact"), or of this `argv` followed by more words none of which starts with `-` (`scope` "prefix"; a remembered
- * denial covers every extension); or writes of exactly this `path`. `narrowed` says why a "prefix" asked for was kept
- * "exact" (the argv runs a command given in its arguments: `env`, `timeout 60`, `ssh host`).
+ * denial covers every extension); or writes of exactly this `path`; or calls of the MCP tool `tool` (its model name)
+ * with exactly the input whose canonical JSON (members sorted) has the SHA-256 `input_sha256`. `narrowed` says why a
+ * "prefix" asked for was kept "exact" (the argv runs a command given in its arguments: `env`, `timeout 60`, `ssh
+ * host`; an MCP tool's call is remembered by its input).
  */
 export interface Remembered {
   scope: "exact" | "prefix";
   argv?: string[] | null;
   path?: string | null;
   narrowed?: string | null;
+  tool?: string | null;
+  input_sha256?: string | null;
 }
 
 /** What the model answered: `text`, and the `calls` it wants carried out (none: the turn ends with the text). */

@@ -26,7 +26,7 @@ M = TypeVar("M", bound=msgspec.Struct)
 LINE_CHARS_MAX = 1000  # of a command, path, URL or reason shown (13 rows of 80 columns); a longer one is shortened
 
 AcpKind = Literal["read", "edit", "delete", "move", "search", "execute", "think", "fetch", "other"]
-Subject = tuple[Literal["argv", "path"], tuple[str, ...]]
+Subject = tuple[Literal["argv", "path", "tool"], tuple[str, ...]]  # a tool's: (its name, its input's digest)
 
 
 class Shown(msgspec.Struct, frozen=True):

@@ -5,11 +5,12 @@ about; a name that is no MCP tool's is answered as failed at once, neither decid
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from devd.agent.kinds.base import Context, Kind, Shown
+from devd.agent.kinds.base import Context, Kind, Shown, Subject
 from devd.agent.mcp.names import model_name, server_of
 from devd.messages import ToolCall
 from devd.render import inline
@@ -55,6 +56,15 @@ class Named(Kind[ToolCall]):
         if decision == "deny":
             reason = f"denied by the policy: {reason}"
         return decision, reason
+
+    def remembered(self, call: ToolCall) -> Subject | None:
+        """The tool and a digest of its exact input (canonical JSON, members sorted): an "always" settles calls of
+        this tool with these arguments, no others."""
+        try:
+            canonical = msgspec.json.encode(msgspec.json.decode(call.input), order="sorted")
+        except msgspec.DecodeError:
+            return None
+        return "tool", (call.name, hashlib.sha256(canonical).hexdigest())
 
     def subject(self, call: ToolCall) -> str | None:
         return call.name

@@ -34,8 +34,8 @@ from devd.agent import sandbox as sandboxes
 from devd.agent import tools
 from devd.agent.kinds.named import NamedTool
 from devd.agent.mcp import launch, names, results
-from devd.agent.mcp.connection import Ask, Connection, Round, Unavailable
-from devd.agent.mcp.stdio import Process
+from devd.agent.mcp.connection import Ask, Connection, Round, Served, Unavailable
+from devd.agent.mcp.http import Endpoint
 from devd.agent.profiles import McpServer, Profile
 from devd.agent.questions import Answered, Questions, schema_problem
 from devd.errors import DevdError
@@ -53,6 +53,7 @@ Sandbox = Callable[[], Awaitable[sandboxes.Sandbox | sandboxes.Refusal | None]]
 class _Entry(msgspec.Struct, frozen=True):
     connection: Connection
     tool: str
+    read_only: bool = False  # its server is trusted to say which tools only read (trust_read_only), and it says so
 
 
 class Broker:
@@ -102,6 +103,7 @@ class Broker:
                 len(c.listed or ()),
                 c.restarts,
                 c.last_error,
+                c.mode,
             )
             for c in self._connections.values()
         ]
@@ -140,11 +142,21 @@ class Broker:
                         why=f"its name {name[0]} is {name[1][0]}'s {name[1][1][:200]}'s",
                     )
                     continue
-                table[name] = _Entry(connection, tool.name)
+                hinted = tool.annotations is not None and tool.annotations.read_only_hint is True
+                table[name] = _Entry(connection, tool.name, server.trust_read_only and hinted)
                 description = (tool.description or tool.title or tool.name)[:DESCRIPTION_CHARS_MAX]
                 offered.append(NamedTool(name, description, tool.input_schema))
         self._tables[session], self._down[session] = table, down
         return offered
+
+    def read_only(self, session: str, name: str) -> str | None:
+        """Why the session's MCP tool `name` is a read (its server's `trust_read_only` and its `readOnlyHint`, as last
+        listed), or None: its calls are effects."""
+        entry = self._tables.get(session, {}).get(name)
+        if entry is None or not entry.read_only:
+            return None
+        server = entry.connection.server.name
+        return f"{entry.tool} says it only reads (readOnlyHint), and the MCP server {server} is trusted to say so"
 
     def down(self, session: str) -> dict[str, str]:
         """Why each of the session's servers that could not list its tools when they were last offered could not."""
@@ -229,14 +241,13 @@ class Broker:
         connection = self._connections.get(key)
         if connection is None:
 
-            async def made() -> Process:
+            async def made() -> Served:
                 if why is not None:
                     raise Unavailable(why)
                 if server.command is None:
-                    raise Unavailable(
-                        f"the MCP server {server.name} is a Streamable HTTP server ({server.url}), which devd does not "
-                        "connect to yet; run it as a stdio server (command = [...])"
-                    )
+                    assert server.url is not None, "a server has a command or a url (devd.agent.profiles)"
+                    headers = {header: values[header] for header, _ in server.headers}
+                    return Endpoint(server.url, headers, body_bytes_max=MESSAGE_BYTES_MAX)
                 return await launch.stdio_process(
                     server.command,
                     values,

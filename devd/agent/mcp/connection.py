@@ -4,16 +4,21 @@
 What it promises:
 - The server is started at first need (a listing or a call) and stopped after `idle_s` with no request; a process that
   exits (or is ended for what it sent) is started again at its next use, but after a failed start only once a backoff
-  has passed (`BACKOFF_FIRST_S`, doubling, at most `BACKOFF_MAX_S`): a request before then fails at once, saying why.
+  has passed (`BACKOFF_FIRST_S`, doubling, at most `BACKOFF_MAX_S`), and after a second end within `STABLE_S` of its
+  start in a row only once `CRASH_BACKOFF_FIRST_S` (doubling) has: a request before then fails at once, saying why, so
+  a server that crashes at every start never spins.
+- A stdio server (`stdio.Process`) speaks the handshake era (`initialize`); a Streamable HTTP one (`http.Endpoint`) is
+  first asked `server/discover` (the 2026-07-28 revision) and, when it refuses, spoken to in the handshake era on the
+  same connection; the era found is kept for its later lives (`mode`). A server's `protocol` says otherwise: "auto"
+  asks a stdio server `server/discover` first too (what lets its questions outlive a daemon restart), "legacy" keeps
+  an HTTP one to the handshake.
 - A server not through its handshake and first listing within `start_timeout_s` fails the request that needed it;
   its listing is cached, cut at `tools_max` (the rest refused with a log line), and listed again after
-  `notifications/tools/list_changed`.
+  `notifications/tools/list_changed` (in the 2026-07-28 revision, a `ToolsListChanged` on the `subscriptions/listen`
+  stream held open for the life); a listing under way is waited for by the next `tools`.
 - A call not answered within its timeout is cancelled (the SDK sends MCP's `notifications/cancelled`) and fails
   saying so; a caller cancelled (its turn was) cancels the call the same way; a call in flight when the server exits
   fails saying how it ended, with the tail of its stderr. Every failure is an `Unavailable` with a sentence.
-- The handshake is the 2026-07-28 revision's `server/discover` where the server speaks it (`protocol = "auto"`, the
-  default; else the legacy `initialize`), or `initialize` only (`protocol = "legacy"`). That revision pushes no
-  `notifications/tools/list_changed`: its tool-list changes are listened for (`subscriptions/listen`) instead.
 - A server's question (an elicitation) is put to the call's `ask` hook, which answers it (`devd.agent.mcp.broker`
   asks the session's clients): the legacy `elicitation/create` request, sent while the call runs, goes to the one
   call in flight on the connection (with several, which one asked cannot be told over stdio: it is declined, with a
@@ -36,13 +41,12 @@ import anyio.abc
 import mcp_types as types
 import msgspec
 import structlog
-from mcp.client._probe import negotiate_auto  # the SDK's own mode="auto" policy (Client uses it so)
 from mcp.client.session import ClientRequestContext, ClientSession, IncomingMessage
-from mcp.client.subscriptions import listen
+from mcp.client.subscriptions import ListenNotSupportedError, SubscriptionLost, ToolsListChanged, listen
 from mcp.shared.exceptions import MCPError
-from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
+from devd.agent.mcp.http import Endpoint
 from devd.agent.mcp.stdio import Process
 from devd.agent.profiles import McpServer
 
@@ -53,6 +57,8 @@ REQUESTS_MAX = 64  # requests waiting for the supervisor; a caller past this wai
 PAGES_MAX = 100  # of a tools/list: a server that pages for ever is cut there
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
+CRASH_BACKOFF_FIRST_S = 5.0  # a server that ended within STABLE_S of its start, the second time in a row
+STABLE_S = 30.0  # a life at least this long was no crash loop
 EXIT_WAIT_S = 1.0  # for a server whose output ended to be reaped, so its exit status can be told
 ROUNDS_MAX = 10  # of a call's input_required rounds (the SDK's default): a server that asks for ever is cut there
 
@@ -113,7 +119,9 @@ class _Request:
             self.done.set()
 
 
-Launch = Callable[[], Awaitable[Process]]  # makes the server's process (not started); Unavailable when it cannot
+Served = Process | Endpoint  # a connection life's transport: a stdio server's process, or an HTTP server
+Launch = Callable[[], Awaitable[Served]]  # makes the server's transport (not started); Unavailable when it cannot
+Mode = Literal["2026-07-28", "legacy"]
 
 
 class Connection:
@@ -130,7 +138,9 @@ class Connection:
         self.listed: tuple[types.Tool, ...] | None = None  # its last listing, as cut at tools_max
         self.scope = anyio.CancelScope()  # of the supervisor: cancelled when the connection is closed
         self._send, self._receive = anyio.create_memory_object_stream[_Request](REQUESTS_MAX)
+        self.mode: Mode | None = None  # the protocol era the server speaks, once found
         self._failures = 0  # failed starts in a row
+        self._crashes = 0  # lives in a row that ended within STABLE_S of their start
         self._retry_at = 0.0
         self._started = 0
         self._last_used = time.monotonic()
@@ -140,12 +150,16 @@ class Connection:
         self._calls: anyio.abc.TaskGroup | None = None
         self._session: ClientSession | None = None
         self._inflight: set[_Request] = set()  # the calls sent and not answered: whose a legacy question can be
+        self._relisted: anyio.Event | None = None  # set once a listing asked for by list_changed is in
 
     # -- the callers' side ------------------------------------------------------------------------------------------
 
     async def tools(self) -> tuple[types.Tool, ...]:
         """The server's tools: its last listing (kept when it stopped: a call starts it again), else it is started
         (and listed) now."""
+        if self._relisted is not None:  # a list_changed came: the new listing is what the next turn is offered
+            with anyio.move_on_after(self.server.start_timeout_s):
+                await self._relisted.wait()
         if self.listed is not None:
             return self.listed
         listed: tuple[types.Tool, ...] = await self._request(_Request(None, None, self.server.start_timeout_s))
@@ -195,9 +209,14 @@ class Connection:
                 async for first in self._receive:
                     if time.monotonic() < self._retry_at:
                         left = self._retry_at - time.monotonic()
+                        how = (
+                            f"failed to start {self._failures} times in a row"
+                            if self._failures
+                            else f"ended {self._crashes} times in a row within {STABLE_S:g} s of its start"
+                        )
                         first.fail(
-                            f"the MCP server {self.server.name} failed to start {self._failures} times in a row "
-                            f"(last: {self.last_error}); it is tried again in {left:.0f} s"
+                            f"the MCP server {self.server.name} {how} (last: {self.last_error}); it is tried again in "
+                            f"{max(left, 1):.0f} s"
                         )
                         continue
                     await self._life(first)
@@ -228,7 +247,7 @@ class Connection:
             self._failed(e.why)
             first.fail(e.why)
             return
-        ready = anyio.Event()
+        ready, began = anyio.Event(), time.monotonic()
         async with anyio.create_task_group() as life:
 
             async def watchdog() -> None:
@@ -248,15 +267,16 @@ class Connection:
                         read, write, message_handler=self._on_message, elicitation_callback=self._on_elicit
                     ) as session:
                         with anyio.fail_after(self.server.start_timeout_s + 1):  # the watchdog fires first
-                            legacy = self.server.protocol == "legacy"
-                            await (session.initialize() if legacy else negotiate_auto(session))
+                            await self._handshake(session, process)
                             self.listed = await self._list(session)
                         ready.set()
+                        began = time.monotonic()
                         self.state, self._failures, self._last_used = "ready", 0, time.monotonic()
                         log.info("mcp.ready", server=name, agent=self.agent, pid=self.pid, tools=len(self.listed))
                         await self._serve(session, first, process)
             except Exception as e:  # what the SDK or the transport raised: the life is over, and says why
-                self._ending = self._ending or self._ended_why(process, f"{type(e).__name__}: {e}")
+                leaf = _leaf(e)
+                self._ending = self._ending or self._ended_why(process, f"{type(leaf).__name__}: {leaf}")
             finally:
                 life.cancel_scope.cancel()
         self.pid = None
@@ -267,10 +287,36 @@ class Connection:
         if not ready.is_set():
             self._failed(why)
         elif self._idled:
-            self.state = "stopped"  # once its process is gone
+            self.state, self._crashes = "stopped", 0  # once its process is gone
         else:
             self.state, self.last_error = "failed", why
             log.warning("mcp.ended", server=name, agent=self.agent, why=why[:500])
+            self._crashes = self._crashes + 1 if time.monotonic() - began < STABLE_S else 0
+            if self._crashes > 1:  # the first is started again at its next use: a call may have ended it
+                wait = min(CRASH_BACKOFF_FIRST_S * 2 ** (self._crashes - 2), BACKOFF_MAX_S)
+                self._retry_at = time.monotonic() + wait
+
+    async def _handshake(self, session: ClientSession, served: Served) -> None:
+        """The protocol era agreed: the handshake (`initialize`) with a stdio server; with an HTTP one (or one whose
+        `protocol` is "auto"), `server/discover` first (unless it refused before), falling back to the handshake when
+        it is refused."""
+        era = self.server.protocol or ("auto" if isinstance(served, Endpoint) else "legacy")
+        if era == "auto" and self.mode != "legacy":
+            # A server of the handshake era may leave the unknown method unanswered rather than refuse it: half of
+            # start_timeout_s is left for the handshake.
+            half = self.server.start_timeout_s / 2
+            why = f"no answer to server/discover within {half:g} s"
+            with anyio.move_on_after(half):
+                try:
+                    await session.discover()
+                except (MCPError, RuntimeError, ValidationError) as e:
+                    why = str(e)
+                else:
+                    self.mode = "2026-07-28"
+                    return
+            log.info("mcp.legacy", server=self.server.name, agent=self.agent, why=why[:300])
+        await session.initialize()
+        self.mode = "legacy"
 
     def _failed(self, why: str) -> None:
         self.state, self.last_error = "failed", why
@@ -278,11 +324,11 @@ class Connection:
         self._retry_at = time.monotonic() + min(BACKOFF_FIRST_S * 2 ** (self._failures - 1), BACKOFF_MAX_S)
         log.warning("mcp.start_failed", server=self.server.name, agent=self.agent, why=why[:500])
 
-    def _ended_why(self, process: Process, error: str | None) -> str:
+    def _ended_why(self, process: Served, error: str | None) -> str:
         said = process.why or ("it ended" if error is None else f"the connection failed ({error[:300]})")
         return f"the MCP server {self.server.name} stopped: {said}; {process.exit_status()}"
 
-    async def _serve(self, session: ClientSession, first: _Request, process: Process) -> None:
+    async def _serve(self, session: ClientSession, first: _Request, process: Served) -> None:
         """Answer requests until the process ends or has been idle for idle_s."""
         async with anyio.create_task_group() as calls:
             self._calls, self._session = calls, session
@@ -316,14 +362,14 @@ class Connection:
             calls.start_soon(receive)
             calls.start_soon(idle)
             calls.start_soon(ended)
-            if session.protocol_version in MODERN_PROTOCOL_VERSIONS:
+            if self.mode == "2026-07-28":
                 calls.start_soon(self._listen, session)
         self._calls, self._session = None, None
         if not self._idled:
             await _reaped(process)
             self._ending = self._ending or self._ended_why(process, None)
 
-    async def _handle(self, session: ClientSession, request: _Request, process: Process) -> None:
+    async def _handle(self, session: ClientSession, request: _Request, process: Served) -> None:
         try:
             with request.scope:
                 if request.tool is None:
@@ -464,31 +510,44 @@ class Connection:
 
     async def _on_message(self, message: IncomingMessage) -> None:
         if isinstance(message, types.ToolListChangedNotification) and self._calls is not None:
-            self._calls.start_soon(self._relist, message)
+            self._relisted = anyio.Event()
+            self._calls.start_soon(self._relist, self._relisted)
 
     async def _listen(self, session: ClientSession) -> None:
-        """A 2026-07-28 server pushes no `notifications/tools/list_changed`: its tool-list changes are listened for
-        (`subscriptions/listen`) while its process lives, and each lists it again; a server that will not be listened
-        to keeps its listing until its next start, with a log line."""
+        """In the 2026-07-28 revision a server tells of a changed list only on a `subscriptions/listen` stream: held
+        open for the life, each `ToolsListChanged` has the tools listed again. A server that refuses it is logged
+        (its list then changes only when it is started again)."""
         try:
-            async with listen(session, tools_list_changed=True) as changes:
-                async for _ in changes:
-                    await self._relist(None)
-        except Exception as e:  # not supported, refused, lost with the process: the listing is kept as it is
-            log.warning("mcp.listen_failed", server=self.server.name, agent=self.agent, error=str(e)[:300])
+            async with listen(session, tools_list_changed=True) as events:
+                async for event in events:
+                    if isinstance(event, ToolsListChanged) and self._calls is not None:
+                        self._relisted = anyio.Event()
+                        self._calls.start_soon(self._relist, self._relisted)
+        except (MCPError, ListenNotSupportedError, SubscriptionLost, TimeoutError) as e:
+            log.info("mcp.listen_refused", server=self.server.name, agent=self.agent, why=str(e)[:300])
 
-    async def _relist(self, _: Any) -> None:
+    async def _relist(self, relisted: anyio.Event) -> None:
         # Listed again on the supervisor's session, in its task group; a failure keeps the old list.
-        if self._session is None:
-            return
         try:
-            self.listed = await self._list(self._session)
-            log.info("mcp.relisted", server=self.server.name, agent=self.agent, tools=len(self.listed))
+            if self._session is not None:
+                self.listed = await self._list(self._session)
+                log.info("mcp.relisted", server=self.server.name, agent=self.agent, tools=len(self.listed))
         except (MCPError, ValidationError) as e:
             log.warning("mcp.relist_failed", server=self.server.name, error=str(e)[:300])
+        finally:
+            relisted.set()
 
 
-async def _reaped(process: Process) -> None:
+def _leaf(error: BaseException) -> BaseException:
+    """The first error an exception group holds (a transport's task group wraps what failed in one)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+async def _reaped(process: Served) -> None:
+    if process.pid is None:  # no process of ours (an HTTP server): nothing to reap
+        return
     with anyio.move_on_after(EXIT_WAIT_S):
         while process.returncode is None:
             await anyio.sleep(0.01)

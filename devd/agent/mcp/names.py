@@ -37,7 +37,11 @@ class Names:
         self._taken: dict[str, tuple[str, str]] = {}
 
     def take(self, server: str, tool: str) -> str | tuple[str, tuple[str, str]]:
-        """The tool's model name, or (that name, the server and tool that hold it) when it is taken."""
+        """The tool's model name, or (that name, the server and tool that hold it) when it is taken, by another tool
+        or by this one listed before (a server may list a name twice; the model API refuses two tools of one name)."""
         name = model_name(server, tool)
-        holder = self._taken.setdefault(name, (server, tool))
-        return name if holder == (server, tool) else (name, holder)
+        holder = self._taken.get(name)
+        if holder is not None:
+            return name, holder
+        self._taken[name] = (server, tool)
+        return name

@@ -1,12 +1,14 @@
 """A session's own MCP servers (`session/new` and `session/mcp` `mcp_servers`, ACP's shape), checked against its
 profile and made into the broker's configurations: allowed only where the profile has `session_mcp = true`, named as a
-profile's servers are and never like one of them, stdio only (HTTP is refused, saying so); their calls are always
-asked about, and each is the session's alone (`share = "session"`). Their variables' values are the session's, kept
-in memory only."""
+profile's servers are and never like one of them, stdio or Streamable HTTP (its headers' values given); their calls
+are always asked about, and each is the session's alone (`share = "session"`). Their variables' and headers' values
+are the session's, kept in memory only."""
 
 from __future__ import annotations
 
-from devd.agent.profiles import McpServer, Profile, server_name_problem
+from urllib.parse import urlsplit
+
+from devd.agent.profiles import McpServer, Profile, server_name_problem, shown_url
 from devd.errors import InvalidParamsError
 from devd.protocol import SessionMcpServer
 
@@ -42,10 +44,20 @@ def own_servers(profile: Profile, given: list[SessionMcpServer]) -> tuple[tuple[
 
 def _server(spec: SessionMcpServer) -> tuple[McpServer, dict[str, str]]:
     if spec.type == "http" or spec.url is not None:
-        raise InvalidParamsError(
-            f"MCP server {spec.name!r} is a Streamable HTTP server, which devd does not connect to yet; give it as a "
-            "stdio server (command, args, env)"
-        )
+        split = urlsplit(spec.url or "")
+        if split.scheme not in ("http", "https") or not split.netloc or "@" in split.netloc:
+            raise InvalidParamsError(
+                f"MCP server {spec.name!r} has url {shown_url(spec.url or '')[:200]!r}, which is not an http:// or "
+                "https:// URL without a user or password; give the server's Streamable HTTP endpoint"
+            )
+        if spec.command is not None or spec.env:
+            raise InvalidParamsError(
+                f"MCP server {spec.name!r} has a url (HTTP) and a command or env (stdio); give one or the other"
+            )
+        headers = {h.name: h.value for h in spec.headers}
+        return McpServer(name=spec.name, url=spec.url, share="session", headers=tuple((h, h) for h in headers)), headers
+    if spec.headers:
+        raise InvalidParamsError(f"MCP server {spec.name!r} is a stdio server: headers are for an HTTP server's url")
     if not spec.command:
         raise InvalidParamsError(f"MCP server {spec.name!r} has neither a command (stdio) nor a url (HTTP)")
     env = {v.name: v.value for v in spec.env}

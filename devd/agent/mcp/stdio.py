@@ -20,9 +20,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 import anyio
 import anyio.abc
 import mcp_types
+import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 from mcp.client._transport import TransportStreams
 from mcp.shared.message import SessionMessage
+
+from devd.agent import cgroups
+
+log = structlog.get_logger("devd.mcp")
 
 STDERR_TAIL_BYTES = 4096
 STDIN_GRACE_S = 2.0  # for the server to exit once its stdin is closed
@@ -42,10 +47,12 @@ class Process:
         cwd: str,
         owned_fds: Sequence[int] = (),
         line_bytes_max: int,
+        group: cgroups.Group | None = None,
     ) -> None:
         # owned_fds: descriptors passed to the process (the workspace's) and closed here once it started (or failed)
         self.command, self.env, self.cwd, self.owned_fds = list(command), dict(env), cwd, tuple(owned_fds)
         self.line_bytes_max = line_bytes_max
+        self.group = group  # its cgroups (devd.agent.cgroups), removed once it stopped
         self.ended = anyio.Event()
         self.why: str | None = None
         self._tail = bytearray()
@@ -85,6 +92,10 @@ class Process:
                     start_new_session=True,  # its own process group, killed whole
                     pass_fds=self.owned_fds,
                 )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._ungroup()
+            raise
         finally:
             for fd in self.owned_fds:
                 os.close(fd)
@@ -104,7 +115,15 @@ class Process:
                 await self._stop(process)
                 for stream in (to_session, from_server, to_server, from_session):
                     await stream.aclose()
+                await self._ungroup()
             self.ended.set()
+
+    async def _ungroup(self) -> None:
+        """Its cgroups removed (once the last of its processes is gone; else the next daemon's sweep removes them)."""
+        if self.group is not None:
+            left = await anyio.to_thread.run_sync(self.group.remove)
+            if left is not None:
+                log.warning("mcp.cgroup_left", why=left)
 
     async def _read(
         self, process: anyio.abc.Process, sink: anyio.abc.ObjectSendStream[SessionMessage | Exception]
