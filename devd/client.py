@@ -61,6 +61,8 @@ from devd.protocol import (
     TRACE_PAGE_MAX,
     ActionsNotice,
     AgentResult,
+    AnsweredNotice,
+    AnswerParams,
     ApprovalNotice,
     ApproveParams,
     BackupParams,
@@ -78,6 +80,7 @@ from devd.protocol import (
     InfoResult,
     InitializeParams,
     InitializeResult,
+    InputNotice,
     InstructionsNotice,
     ListParams,
     ListResult,
@@ -180,6 +183,8 @@ Notice = (
     | DecidedNotice
     | InstructionsNotice
     | ChildNotice
+    | InputNotice
+    | AnsweredNotice
 )
 
 # Each notification the daemon sends, and its type here.
@@ -192,6 +197,8 @@ NOTICES: dict[str, type[Notice]] = {
     "session/decided": DecidedNotice,
     "session/instructions": InstructionsNotice,
     "session/child": ChildNotice,  # a delegated run's state and usage, to its parent's watchers
+    "session/input": InputNotice,  # an MCP server's question, and how it was decided
+    "session/answered": AnsweredNotice,
 }
 
 
@@ -702,6 +709,12 @@ class Client:
         """Decide an action that waits for approval (`digest` from its `session/approval`)."""
         self.request("session/approve", ApproveParams(session, action, digest, decision, remember))
 
+    def answer(
+        self, session: str, action: int, request: int, answer: dict[str, Any] | None = None, *, decline: bool = False
+    ) -> None:
+        """Answer an MCP server's question (from its `session/input`), or decline it."""
+        self.request("session/answer", AnswerParams(session, action, request, answer, decline))
+
     def set_budget(self, session: str, tokens: int | None) -> None:
         """Set the session's own spend ceiling in tokens (None: remove it)."""
         self.request("session/budget", BudgetParams(session, tokens))
@@ -1182,6 +1195,12 @@ class AsyncClient:
     ) -> None:
         """Decide an action that waits for approval (`digest` from its `session/approval`)."""
         await self.request("session/approve", ApproveParams(session, action, digest, decision, remember))
+
+    async def answer(
+        self, session: str, action: int, request: int, answer: dict[str, Any] | None = None, *, decline: bool = False
+    ) -> None:
+        """Answer an MCP server's question (from its `session/input`), or decline it."""
+        await self.request("session/answer", AnswerParams(session, action, request, answer, decline))
 
     async def set_budget(self, session: str, tokens: int | None) -> None:
         """Set the session's own spend ceiling in tokens (None: remove it)."""

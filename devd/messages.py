@@ -254,11 +254,12 @@ class Op(_OneOf, frozen=True):
 class Action(_Wire, frozen=True):
     """One thing the core wants done, under its `id` (numbered in the session, increasing, never reused). In
     `session/pending` of a session the daemon drives, an action not started until a client decides carries
-    `awaiting: "approval"` (the core never writes it)."""
+    `awaiting: "approval"`, and a tool call whose MCP server waits for a client's answer to its question `awaiting:
+    "input"` (the core never writes either)."""
 
     id: int
     op: Op
-    awaiting: Literal["approval"] | None = None
+    awaiting: Literal["approval", "input"] | None = None
 
 
 _encoder = msgspec.json.Encoder()

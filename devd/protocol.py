@@ -553,6 +553,20 @@ class ApproveParams(_Params, frozen=True):
     remember: bool | Remember = False
 
 
+ANSWER_BYTES_MAX = 64 * 1024  # of a `session/answer`'s answer, as JSON
+
+
+class AnswerParams(_Params, frozen=True):
+    """A client's answer to question `request` of action `action` (from its `session/input`): `answer`, the JSON
+    object its `schema` asks for, or `decline: true`; exactly one of the two."""
+
+    session: SessionName
+    action: Annotated[int, Meta(ge=0, le=SEQ_MAX, description="the action's id")]
+    request: Annotated[int, Meta(ge=1, le=SEQ_MAX, description="the question's number, from its session/input")]
+    answer: dict[str, Any] | None = None
+    decline: bool = False
+
+
 class BudgetParams(_Params, frozen=True):
     """The session's own spend ceiling in tokens; null removes it."""
 
@@ -874,6 +888,31 @@ class ChildNotice(msgspec.Struct, frozen=True, omit_defaults=True):
     why: str | None = None
 
 
+class InputNotice(msgspec.Struct, frozen=True):
+    """`session/input`: the MCP server of the tool call `action` asks a person a question (an MCP elicitation) before
+    it goes on: `message`, and `schema`, the JSON Schema of the object it asks for. Answer it with `session/answer`
+    naming `request` (its number among the action's questions); the first answer wins."""
+
+    session: str
+    action: int
+    request: int
+    message: str
+    schema: dict[str, Any]
+
+
+class AnsweredNotice(msgspec.Struct, frozen=True, omit_defaults=True):
+    """`session/answered`: question `request` of action `action` was decided: `accept` (answered) or `decline` by `by`
+    (a client, as `session/decided` names it), or `cancel` (withdrawn: its turn was cancelled, or its call ended);
+    `why` says why when devd decided it (a restart the server's protocol cannot resume a question across)."""
+
+    session: str
+    action: int
+    request: int
+    decision: Literal["accept", "decline", "cancel"]
+    by: str
+    why: str | None = None
+
+
 NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/actions": StepNotice,
     "session/unwatched": UnwatchedNotice,
@@ -883,6 +922,8 @@ NOTIFICATIONS: dict[str, type[msgspec.Struct]] = {
     "session/decided": DecidedNotice,
     "session/instructions": InstructionsNotice,  # project instruction files skipped (devd.agent.instructions)
     "session/child": ChildNotice,  # a delegated run's state and usage (devd.agent.children)
+    "session/input": InputNotice,  # an MCP server's question (devd.agent.questions)
+    "session/answered": AnsweredNotice,
 }
 
 
@@ -1113,6 +1154,16 @@ METHODS: dict[str, Spec] = {
             gets `session/decided`), a later one is CONFLICT naming who decided, a digest that does not match is
             INVALID_PARAMS and decides nothing. `allow` runs the action once; `deny` steps it as a failed call saying
             who denied it.""",
+        ),
+        _spec(
+            "session/answer",
+            AnswerParams,
+            Empty,
+            "answer",
+            """Answer an MCP server's question (`session/input`) with `answer`, the JSON object its schema asks for, or
+            decline it (`decline: true`): the first answer wins (durable before it is sent to the server and every
+            watcher gets `session/answered`), a later one is CONFLICT naming who answered; an answer its schema does
+            not admit is INVALID_PARAMS and decides nothing.""",
         ),
         _spec(
             "session/budget",

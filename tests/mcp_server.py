@@ -3,7 +3,10 @@ tests.mcp_server [--http PORT]` serves over stdio (or Streamable HTTP on loopbac
 process's pid, uid, working directory and a variable), touch (writes a file in its working directory: an effect a
 test can count), slow (sleeps, then writes; cancelled, it writes `cancelled`), picture (an image), big (N bytes of
 text), boom (an error), readme (read-only by its hint), die (exits mid-call), relist (adds the tool `fresh` and says
-its tool list changed), header (an HTTP request's header), exec (named like a built-in)."""
+its tool list changed), header (an HTTP request's header), exec (named like a built-in), careful (asks a person
+first, with an elicitation: the legacy request, or 2026-07-28's `input_required` with a sealed `request_state`,
+sealed under MCP_STATE_KEY when it is set, so that a process started again can read it; its body appends a line to
+the file it names each time it runs), survey (asks two questions at once)."""
 
 from __future__ import annotations
 
@@ -14,12 +17,18 @@ import os
 import socket
 import sys
 import time
+from typing import Annotated
 
 import anyio
+from mcp.server.elicitation import AcceptedElicitation, ElicitationResult
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.resolve import Elicit, Resolve
+from mcp.server.request_state import RequestStateSecurity
 from mcp_types import ImageContent, TextContent, ToolAnnotations
+from pydantic import BaseModel
 
-server = MCPServer("devd-test")
+_KEY = os.environ.get("MCP_STATE_KEY")
+server = MCPServer("devd-test", request_state_security=RequestStateSecurity(keys=[_KEY]) if _KEY else None)
 
 
 @server.tool()
@@ -122,6 +131,49 @@ def die() -> str:
     """Exit the process mid-call, saying why on stderr."""
     print("fatal: the test server was told to die", file=sys.stderr, flush=True)
     os._exit(3)
+
+
+class Confirm(BaseModel):
+    ok: bool
+    note: str = ""
+
+
+def confirmation(name: str) -> Elicit[Confirm]:
+    return Elicit(f"May I write {name}?", Confirm)
+
+
+@server.tool()
+def careful(name: str, confirm: Annotated[ElicitationResult[Confirm], Resolve(confirmation)]) -> str:
+    """Ask whether to write name; write it (a line appended) only when the answer says ok."""
+    if not isinstance(confirm, AcceptedElicitation):
+        return f"not written: the question was {confirm.action}d"
+    if not confirm.data.ok:
+        return "not written: the answer was no"
+    with open(name, "a") as f:
+        f.write(f"written {confirm.data.note}\n")
+    return f"wrote {name} ({confirm.data.note})"
+
+
+class Name(BaseModel):
+    name: str
+
+
+class Color(BaseModel):
+    color: str
+
+
+def who() -> Elicit[Name]:
+    return Elicit("Who are you?", Name)
+
+
+def which() -> Elicit[Color]:
+    return Elicit("Which color?", Color)
+
+
+@server.tool()
+def survey(name: Annotated[Name, Resolve(who)], color: Annotated[Color, Resolve(which)]) -> str:
+    """Ask two questions at once (one round of the 2026-07-28 revision), and say both answers."""
+    return f"{name.name} likes {color.color}"
 
 
 def garbage(port: int) -> None:

@@ -149,8 +149,10 @@ class Editor:
 
 
 @contextlib.asynccontextmanager
-async def editor_on(setup: Setup, editor: Editor, *args: str) -> AsyncIterator[acp.ClientSideConnection]:
-    """`devd acp` spawned as an editor spawns it, initialized."""
+async def editor_on(
+    setup: Setup, editor: Editor, *args: str, capabilities: acp.schema.ClientCapabilities | None = None
+) -> AsyncIterator[acp.ClientSideConnection]:
+    """`devd acp` spawned as an editor spawns it, initialized (saying `capabilities`, when given)."""
     setup.spawned += 1
     with open(setup.logs / f"acp-{setup.spawned}.log", "ab") as log:
         async with acp.spawn_agent_process(
@@ -167,8 +169,10 @@ async def editor_on(setup: Setup, editor: Editor, *args: str) -> AsyncIterator[a
             env={"PYTHONPATH": str(ROOT)},
             transport_kwargs={"stderr": log.fileno()},
             observers=[editor.observe],
+            use_unstable_protocol=capabilities is not None,  # ACP's elicitation is in its unstable part
         ) as (conn, _process):
-            await conn.initialize(protocol_version=1, client_info=Implementation(name="test-editor", version="1"))
+            hello = Implementation(name="test-editor", version="1")
+            await conn.initialize(protocol_version=1, client_capabilities=capabilities, client_info=hello)
             yield conn
 
 
@@ -549,6 +553,98 @@ async def test_an_editors_http_mcp_server_is_called_through_devd_acp_which_adver
     assert (hello["agentCapabilities"]["mcpCapabilities"], tool_results) == (
         {"http": True, "sse": False},
         ["from-the-editor"],
+    )
+
+
+@dataclass
+class FormEditor(Editor):
+    """An editor that shows MCP servers' questions as forms (ACP's elicitation), and fills each with `content`."""
+
+    content: dict[str, Any] = field(default_factory=dict)
+    forms: list[tuple[str, Any]] = field(default_factory=list)
+
+    async def create_elicitation(self, message: str, mode: Any, **kwargs: Any) -> Any:
+        self.forms.append((message, mode.tool_call_id))
+        return acp.schema.AcceptElicitationResponse(action="accept", content=self.content)
+
+
+def careful_server(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The test MCP server as a profile's `demo` (its calls allowed), whose `careful` tool asks before it writes."""
+    from tests.mcp_place import PYTHON, placed
+
+    monkeypatch.setenv("DEVD_TEST_MCP_PATH", placed().site)
+    return [
+        "[agent.coder.mcp.demo]",
+        f'command = ["{PYTHON}", "{placed().server}"]',
+        'env = { PYTHONPATH = "DEVD_TEST_MCP_PATH" }',
+        'decision = "allow"',
+    ]
+
+
+async def test_an_mcp_servers_question_is_a_form_for_an_editor_that_shows_forms(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    standin.script(Scripted(tool_calls=[("demo__careful", {"name": "x.txt"})]), Scripted(text="done"))
+    forms = acp.schema.ClientCapabilities(
+        elicitation=acp.schema.ElicitationCapabilities(form=acp.schema.ElicitationFormCapabilities())
+    )
+    for mcpd in setup(tmp_path, standin, "allow", False, *careful_server(monkeypatch)):
+        editor = FormEditor(content={"ok": True, "note": "from the form"})
+        async with editor_on(mcpd, editor, capabilities=forms) as conn:
+            session = await conn.new_session(cwd=str(mcpd.workspace), mcp_servers=[])
+            await conn.prompt(session_id=session.session_id, prompt=text("write x"))
+        tool_results = [m["content"] for m in standin.requests[1].body["messages"] if m["role"] == "tool"]
+        assert (editor.forms, editor.asked, tool_results) == (
+            [("May I write x.txt?", "call_2")],
+            [],
+            ["wrote x.txt (from the form)"],
+        )
+
+
+async def test_a_yes_or_no_question_is_a_permission_request_for_an_editor_without_forms(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    standin.script(Scripted(tool_calls=[("demo__careful", {"name": "x.txt"})]), Scripted(text="done"))
+    for mcpd in setup(tmp_path, standin, "allow", False, *careful_server(monkeypatch)):
+        editor = Editor(answer="accept")
+        async with editor_on(mcpd, editor) as conn:
+            session = await conn.new_session(cwd=str(mcpd.workspace), mcp_servers=[])
+            await conn.prompt(session_id=session.session_id, prompt=text("write x"))
+        tool_results = [m["content"] for m in standin.requests[1].body["messages"] if m["role"] == "tool"]
+        assert ([(call.title, kinds) for call, kinds in editor.asked], tool_results) == (
+            [("May I write x.txt?", ["allow_once", "reject_once"])],
+            ["wrote x.txt ()"],
+        )
+
+
+@pytest.fixture
+def careful(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> Iterator[Setup]:
+    """A daemon whose profile's MCP server `demo` asks before it writes (its calls allowed)."""
+    standin.script(Scripted(tool_calls=[("demo__careful", {"name": "x.txt"})]), Scripted(text="done"))
+    yield from setup(tmp_path, standin, "allow", False, *careful_server(monkeypatch))
+
+
+async def test_a_question_answered_by_another_client_withdraws_the_editors_request(careful: Setup) -> None:
+    editor = Editor(answer=None)  # never answers: the question is answered elsewhere
+    async with editor_on(careful, editor) as conn:
+        session = await conn.new_session(cwd=str(careful.workspace), mcp_servers=[])
+        answers: list[Any] = []
+
+        async def prompt() -> None:
+            answers.append(await conn.prompt(session_id=session.session_id, prompt=text("write x")))
+
+        def answer() -> None:
+            with careful.daemon.client() as other:
+                other.answer(session.session_id, 2, 1, {"ok": True})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prompt)
+            await editor.until(lambda: bool(editor.asked))
+            await anyio.to_thread.run_sync(answer)
+    assert (answers[0].stop_reason, editor.withdrawn(), (careful.workspace / "x.txt").read_text()) == (
+        "end_turn",
+        editor.permission_requests(),
+        "written \n",
     )
 
 

@@ -136,14 +136,15 @@ def test_a_tools_list_changed_over_subscriptions_listen_is_offered_at_the_next_t
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, sdk_url: str
 ) -> None:
     # In the 2026-07-28 revision the change comes on the listen stream, not with the call's answer: the test waits
-    # for the listing to have grown (13 tools, then 14) before the next turn, as a person's next prompt would.
+    # for the listing to have grown by one before the next turn, as a person's next prompt would.
     table = f'[agent.coder.mcp.web]\nurl = "{sdk_url}"\ndecision = "allow"\n'
     with start(tmp_path, standin, monkeypatch, table).daemon as d:
         agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
         with agentd.client() as c:
             session = agentd.session(c)
         call_once(agentd, "web__relist", {}, session)
-        wait_for(lambda: servers(agentd)[0]["tools"] == 14, "the listing after list_changed")
+        listed = len(offered_names(standin, 0))
+        wait_for(lambda: servers(agentd)[0]["tools"] == listed + 1, "the listing after list_changed")
         fresh = call_once(agentd, "web__fresh", {}, session)
     assert ("web__fresh" in offered_names(standin, 0), "web__fresh" in offered_names(standin, 2), fresh) == (
         False,

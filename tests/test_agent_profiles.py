@@ -220,6 +220,10 @@ BAD_MCP = [
         'FILE:8: agent.a.mcp.gh.share is "everyone"; it must be one of "profile", "session"',
     ),
     (
+        A + '[agent.a.mcp.gh]\ncommand = ["gh"]\nprotocol = "2026-07-28"\n',
+        'FILE:8: agent.a.mcp.gh.protocol is "2026-07-28"; it must be one of "auto", "legacy"',
+    ),
+    (
         A + '[agent.a.mcp.gh]\ncommand = ["gh"]\nrules = { get_issue = "yes" }\n',
         'FILE:8: agent.a.mcp.gh.rules.get_issue is "yes"; it must be one of "allow", "deny", "ask"',
     ),
@@ -231,7 +235,7 @@ BAD_MCP = [
         A + '[agent.a.mcp.gh]\ncommand = ["gh"]\ntimeout = 5\n',
         "FILE:8: unknown key 'timeout' in [agent.a.mcp.gh]; remove it or fix its name (the keys are command, url, "
         "env, headers, tools, decision, rules, network, share, idle_s, start_timeout_s, call_timeout_s, "
-        "tools_max, trust_read_only)",
+        "tools_max, trust_read_only, protocol)",
     ),
     (
         A + '[agent.a.mcp.gh]\nurl = "https://h/mcp"\nenv = { A = "B" }\n',

@@ -435,6 +435,7 @@ REQUIRED_VALUES = {
     "id": "run-1",
     "agent": "reviewer",
     "task": "review it",
+    "request": 1,
 }
 
 

@@ -47,9 +47,10 @@ OVERSIGHT_METHODS |= {
     "session/rewind",
     "session/spawn",  # tests/test_children.py
     "session/wait",
+    "session/answer",  # tests/test_mcp_questions.py
 }  # agent sessions: tests/test_agent_context.py
 OVERSIGHT_NOTICES = {"session/delta", "session/stalled", "session/approval", "session/decided"}
-OVERSIGHT_NOTICES |= {"session/instructions", "session/child"}
+OVERSIGHT_NOTICES |= {"session/instructions", "session/child", "session/input", "session/answered"}
 
 SCHEMA = schema()
 
@@ -92,6 +93,8 @@ def test_every_method_has_params_and_result_and_every_ref_resolves() -> None:
         "session/decided",
         "session/instructions",
         "session/child",
+        "session/input",
+        "session/answered",
     ]
     refs: list[str] = []
 
@@ -206,6 +209,8 @@ def test_the_method_map_is_also_a_type_in_defs_for_generators_that_read_only_def
         "session/decided": {"$ref": "#/$defs/DecidedNotice"},
         "session/instructions": {"$ref": "#/$defs/InstructionsNotice"},
         "session/child": {"$ref": "#/$defs/ChildNotice"},
+        "session/input": {"$ref": "#/$defs/InputNotice"},
+        "session/answered": {"$ref": "#/$defs/AnsweredNotice"},
     }
 
 
@@ -281,6 +286,8 @@ def test_devd_schema_openrpc_prints_an_openrpc_document_over_the_same_definition
         "session/decided",
         "session/instructions",
         "session/child",
+        "session/input",
+        "session/answered",
     ]
     refs = re.findall(r'"\$ref": ?"([^"]*)"', json.dumps(document))
     assert refs and all(r.startswith("#/components/schemas/") and r.split("/")[-1] in schemas for r in refs)

@@ -15,6 +15,12 @@ What it promises:
 - `session/load` replays the session's whole history (the daemon's journal) before it answers; after `load` or
   `resume`, the turns other clients drive on the session are told too, and either editor may answer a permission
   request: the first answer wins, and the other editor's request is withdrawn (`$/cancel_request`).
+- An MCP server's question (`session/input`) is asked of the editor as a form where it offers one (its
+  `clientCapabilities.elicitation.form`: ACP's `elicitation/create`, the MCP request's own shape, tied to the tool
+  call), else, when a yes or a no answers it (every field it requires is a boolean, or has a default), as a
+  permission request (Yes, No) about the tool call, titled with the question; one it cannot put to the editor is
+  left to the other clients (`devd answer`), with a log line. The first answer anywhere wins: the editor's request
+  is withdrawn when the question is decided elsewhere, and an editor's dismissal decides nothing.
 - Errors are JSON-RPC errors: an unknown session is -32602 naming it; the daemon's own errors keep their code.
 - Child sessions (delegated runs, the daemon's `session/child`): for an editor that opted in with
   `clientCapabilities.subagents`, each child is announced on its immediate parent with a `subagent_update`
@@ -46,14 +52,17 @@ import structlog
 from devd import errors, protocol
 from devd.acp import commands, wire
 from devd.acp.translate import (
+    AnsweredNotice,
     ApprovalNotice,
     DecidedNotice,
+    InputNotice,
     Notice,
     SessionView,
     StalledNotice,
     StopReason,
     collapse,
     notice,
+    tool_call_id,
     transcript_updates,
 )
 from devd.acp.wire import Id, Request, Response, Update
@@ -166,6 +175,8 @@ class Attached:
     waiters: list[Waiter] = field(default_factory=list)
     asked: dict[int, Asked] = field(default_factory=dict)  # by action id
     approvals: dict[int, ApprovalNotice] = field(default_factory=dict)  # undecided, by action id
+    inputs: dict[tuple[int, int], InputNotice] = field(default_factory=dict)  # MCP questions open, (action, request)
+    queried: dict[tuple[int, int], int] = field(default_factory=dict)  # the editor's request in flight for each
     traced: int = 0  # the session's last trace record read (for `usage_update`)
     requested: set[int] = field(default_factory=set)  # actions the editor was asked about: a child's approval comes
     # twice to a watcher of it and of its parent (and may come again after its request was answered): asked once
@@ -202,6 +213,7 @@ class Bridge:
         self.agent = agent
         self.token = token
         self.editor_name = "an editor"
+        self.forms = False  # the editor shows a form for an MCP question (its clientCapabilities.elicitation.form)
         self.sessions: dict[str, Attached] = {}
         self._tasks: anyio.abc.TaskGroup | None = None
         self._generation = 0  # connections made so far; a call that lost one waits for the next
@@ -412,6 +424,13 @@ class Bridge:
         elif isinstance(n, StalledNotice):
             for waiter in attached.waiters:
                 waiter.end("refusal", stalled=n.why)
+        elif isinstance(n, InputNotice):
+            self._query(name, attached, n)
+        elif isinstance(n, AnsweredNotice):
+            attached.inputs.pop((n.action, n.request), None)
+            queried = attached.queried.pop((n.action, n.request), None)
+            if queried is not None:
+                await self.editor.withdraw(queried)
 
     def offer_commands(self, name: str) -> None:
         """Tell the editor the slash commands it may offer for the session (once attached)."""
@@ -686,6 +705,63 @@ class Bridge:
         except errors.DevdError as e:
             log.warning("acp.approve_failed", session=name, action=n.action, error=str(e))
 
+    # -- MCP servers' questions
+
+    def _query(self, name: str, attached: Attached, n: InputNotice) -> None:
+        key = (n.action, n.request)
+        if key in attached.queried:
+            return  # announced again (a new watch after a reconnect): the editor is asked once
+        attached.inputs[key] = n
+        if not self.forms and _yes(n.schema) is None:
+            log.warning(
+                "acp.question_not_asked",
+                session=name,
+                action=n.action,
+                request=n.request,
+                why="the editor shows no form (clientCapabilities.elicitation.form) and a yes or no does not answer it",
+            )
+            return
+        request = self.editor.new_id()
+        attached.queried[key] = request
+        assert self._tasks is not None
+        self._tasks.start_soon(self._question, name, attached, n, request)
+
+    async def _question(self, name: str, attached: Attached, n: InputNotice, request: int) -> None:
+        key = (n.action, n.request)
+        try:
+            if self.forms:
+                params = {
+                    "sessionId": name,
+                    "toolCallId": tool_call_id(n.action),
+                    "mode": "form",
+                    "message": n.message,
+                    "requestedSchema": n.schema,
+                }
+                answer = _elicited(await self.editor.request(request, "elicitation/create", params))
+            else:
+                call = msgspec.structs.replace(attached.view.permission_call_of(n.action), title=n.message)
+                params = {
+                    "sessionId": name,
+                    "toolCall": wire.to_builtins(call),
+                    "options": wire.to_builtins(wire.QUESTION_OPTIONS),
+                }
+                answer = _yes_or_no(await self.editor.request(request, "session/request_permission", params), n)
+        except Withdrawn:
+            return
+        finally:
+            if attached.queried.get(key) == request:
+                del attached.queried[key]
+        if answer is None:
+            return  # dismissed: left to the other clients (or the editor's session/cancel)
+        body: dict[str, Any] = {"session": name, "action": n.action, "request": n.request}
+        body |= {"decline": True} if answer is False else {"answer": answer}
+        try:
+            await self.call("session/answer", body)
+        except errors.ConflictError:
+            pass  # decided first elsewhere: its session/answered has told us
+        except errors.DevdError as e:
+            log.warning("acp.answer_failed", session=name, action=n.action, request=n.request, error=str(e))
+
     # -- attaching
 
     async def attach(self, name: str, workspace: str | None) -> Attached:
@@ -736,6 +812,10 @@ class Bridge:
                     attached.approvals[n.action] = n
                 elif isinstance(n, DecidedNotice):
                     attached.approvals.pop(n.action, None)
+                elif isinstance(n, InputNotice):
+                    attached.inputs[(n.action, n.request)] = n
+                elif isinstance(n, AnsweredNotice):
+                    attached.inputs.pop((n.action, n.request), None)
             for update in collapse(updates) if first else updates:
                 await self.editor.update(name, update)
             first = False
@@ -743,6 +823,8 @@ class Bridge:
         self._settle(attached)
         for n in list(attached.approvals.values()):
             self._ask(name, attached, n)
+        for q in list(attached.inputs.values()):
+            self._query(name, attached, q)
 
     async def entry(self, name: str) -> dict[str, Any] | None:
         """The daemon's `session/list` entry of one session, or None."""
@@ -781,6 +863,9 @@ class Bridge:
         for asked in list(attached.asked.values()):
             await self.editor.withdraw(asked.request)
         attached.asked.clear()
+        for queried in list(attached.queried.values()):
+            await self.editor.withdraw(queried)
+        attached.queried.clear()
         for turn in sorted(turns):
             await self._step_cancel(name, turn)
 
@@ -828,6 +913,55 @@ def _decision(response: Response) -> tuple[str, bool] | None:
     }.get(option or "")
 
 
+def _elicited(response: Response) -> dict[str, Any] | Literal[False] | None:
+    """What an editor's form answered: the content (accepted), False (declined), or None (dismissed, or failed)."""
+    if response.error is not None or not isinstance(response.result, msgspec.Raw):
+        return None
+    try:
+        result = msgspec.json.decode(response.result)
+    except msgspec.DecodeError:
+        return None
+    action = result.get("action") if isinstance(result, dict) else None
+    if action == "accept":
+        content = result.get("content")
+        return content if isinstance(content, dict) else {}
+    return False if action == "decline" else None
+
+
+def _yes(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """The answer a "yes" gives a question, when a yes answers it: every required field a boolean (true), the
+    others left to their defaults; None when it asks for more."""
+    given_fields, given_required = schema.get("properties"), schema.get("required")
+    fields: dict[str, Any] = given_fields if isinstance(given_fields, dict) else {}
+    required: list[Any] = given_required if isinstance(given_required, list) else []
+    answer: dict[str, Any] = {}
+    for name in required:
+        spec = fields.get(name)
+        if not isinstance(spec, dict):
+            return None
+        if spec.get("type") == "boolean":
+            answer[name] = True
+        elif "default" in spec:
+            answer[name] = spec["default"]
+        else:
+            return None
+    return answer
+
+
+def _yes_or_no(response: Response, n: InputNotice) -> dict[str, Any] | Literal[False] | None:
+    """What a permission request's answer means for a yes-or-no question: the yes answer, False (no), or None."""
+    if response.error is not None or response.result is None:
+        return None
+    try:
+        result = msgspec.json.decode(response.result, type=wire.PermissionResult)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    option = result.outcome.option_id if result.outcome.outcome == "selected" else None
+    if option == "accept":
+        return _yes(n.schema)
+    return False if option == "decline" else None
+
+
 def _before(name: str) -> str | None:
     """A cursor just below name, so that a page of `session/list` from it begins at name (or what follows it)."""
     if not name:
@@ -842,6 +976,8 @@ def _before(name: str) -> str | None:
 async def _initialize(bridge: Bridge, raw: msgspec.Raw) -> Any:
     p = wire.params(raw, wire.InitializeParams, "initialize")
     bridge.subagents = isinstance((p.client_capabilities or {}).get("subagents"), dict)
+    elicitation = (p.client_capabilities or {}).get("elicitation")
+    bridge.forms = isinstance(elicitation, dict) and isinstance(elicitation.get("form"), dict)
     if p.client_info is not None:
         bridge.editor_name = p.client_info.name
         await bridge.hello()

@@ -94,7 +94,28 @@ class StalledNotice(msgspec.Struct, frozen=True):
     action: int | None = None
 
 
-Notice = ActionsNotice | DeltaNotice | ApprovalNotice | DecidedNotice | StalledNotice
+class InputNotice(msgspec.Struct, frozen=True):
+    """`session/input`: question `request` of the call `action`, from its MCP server: a message, and the JSON Schema
+    of the object it asks for."""
+
+    session: str
+    action: int
+    request: int
+    message: str
+    schema: dict[str, Any]
+
+
+class AnsweredNotice(msgspec.Struct, frozen=True):
+    """`session/answered`: question `request` of `action` was decided (by an answer anywhere, or withdrawn)."""
+
+    session: str
+    action: int
+    request: int
+    decision: str
+    by: str = "unknown"
+
+
+Notice = ActionsNotice | DeltaNotice | ApprovalNotice | DecidedNotice | StalledNotice | InputNotice | AnsweredNotice
 
 NOTICE_TYPES: dict[str, type[Any]] = {
     "session/actions": ActionsNotice,
@@ -102,6 +123,8 @@ NOTICE_TYPES: dict[str, type[Any]] = {
     "session/approval": ApprovalNotice,
     "session/decided": DecidedNotice,
     "session/stalled": StalledNotice,
+    "session/input": InputNotice,
+    "session/answered": AnsweredNotice,
 }
 
 
@@ -220,6 +243,20 @@ class SessionView:
             return PermissionToolCall(tool_call_id(n.action), title="an action", kind="other", status="pending")
         return PermissionToolCall(
             tool_call_id(call.action),
+            status="pending",
+            title=call.title,
+            kind=call.kind,
+            locations=call.locations,
+            raw_input=call.raw_input,
+        )
+
+    def permission_call_of(self, action: int) -> PermissionToolCall:
+        """The tool call `action` as a permission request names it (a call this view has not seen: by its id)."""
+        call = self.calls.get(action)
+        if call is None:
+            return PermissionToolCall(tool_call_id(action), title="a tool call", kind="other", status="pending")
+        return PermissionToolCall(
+            tool_call_id(action),
             status="pending",
             title=call.title,
             kind=call.kind,

@@ -339,6 +339,13 @@ PERMISSION_OPTIONS = [
 ]
 
 
+# A yes-or-no MCP question asked as a permission request, for an editor that has no form (elicitation) to show.
+QUESTION_OPTIONS = [
+    PermissionOption("accept", "Yes", "allow_once"),
+    PermissionOption("decline", "No", "reject_once"),
+]
+
+
 def session_update(session: str, update: Update) -> dict[str, Any]:
     """The params of a `session/update` notification."""
     return {"sessionId": session, "update": update}

@@ -1,9 +1,12 @@
 """What `devd chat`, `devd run` and `devd attach` show of a session the daemon drives (devd.cli.chat drives them).
 
 `Screen` is the one model of the screen: fed the session's notices, it writes the model's text as it streams, each
-call and its result under its own header, approvals and decisions, and each turn's outcome, and it knows what a status
-line shows beside them (stalled and why, waiting for approval, thinking, running a command) and which approvals wait
-for an answer. It does no I/O of its own: devd.cli.terminal owns a terminal, or the text goes to a stream as lines.
+call and its result under its own header, approvals and decisions, MCP servers' questions (`session/input`, each with
+the fields it asks for) and how they were decided, and each turn's outcome, and it knows what a status line shows
+beside them (stalled and why, waiting for approval or an answer, thinking, running a command) and which approvals and
+questions wait for an answer. A question is answered with a line (`answer_of`): a JSON object, `field=value` words
+(each value read as its field's type says), or for a question of one field just its value; an empty line declines.
+It does no I/O of its own: devd.cli.terminal owns a terminal, or the text goes to a stream as lines.
 
 What people see is tested from the notices alone, without a terminal. What
 a model chose (its text, a command's words, paths, URLs, what its calls printed, a reason quoting them) is shown
@@ -22,19 +25,31 @@ path or reason longer than LINE_CHARS_MAX, and a diff line longer than DIFF_LINE
 from __future__ import annotations
 
 import difflib
+import json
 import os
+import shlex
 import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from devd.agent import kinds, tools
 from devd.agent.kinds.base import LINE_CHARS_MAX
 from devd.client import ActionsNotice, Notice
 from devd.messages import Action, Event, Op, Output
-from devd.protocol import ApprovalNotice, ChildNotice, DecidedNotice, DeltaNotice, Remember, StalledNotice, UsageTotals
+from devd.protocol import (
+    AnsweredNotice,
+    ApprovalNotice,
+    ChildNotice,
+    DecidedNotice,
+    DeltaNotice,
+    InputNotice,
+    Remember,
+    StalledNotice,
+    UsageTotals,
+)
 from devd.render import Streamed, argv, block, brief, in_devd_terms, inline, prose
 
 RESULT_LINES = 8  # of a call's output shown; the rest is counted
@@ -144,6 +159,7 @@ class Screen:
     running: dict[int, float] = field(default_factory=dict)  # calls dispatched and not answered: since when
     stalled: tuple[int, str] | None = None  # the action the turn waits on and why, until it goes on
     questions: dict[int, ApprovalNotice] = field(default_factory=dict)  # approvals not yet decided, in order
+    asks: dict[tuple[int, int], InputNotice] = field(default_factory=dict)  # MCP servers' open questions, in order
     running_turn: int | None = None  # the turn under way, as its Turn step showed it
     header: int | None = None  # the call whose header is the last line shown
     children: dict[str, ChildNotice] = field(default_factory=dict)  # the delegated runs seen: each one's latest state
@@ -178,6 +194,17 @@ class Screen:
             self._line(f"[approval needed for action {notice.action}{why}]")
             for line in shown:
                 self._line(line)
+        elif isinstance(notice, InputNotice):
+            self.asks[(notice.action, notice.request)] = notice
+            message = brief(inline(notice.message), LINE_CHARS_MAX)
+            self._line(f"[question {notice.request} of action {notice.action}, from its MCP server: {message}]")
+            for line in field_lines(notice.schema):
+                self._line(line)
+        elif isinstance(notice, AnsweredNotice):
+            self.asks.pop((notice.action, notice.request), None)
+            done = {"accept": "answered", "decline": "declined", "cancel": "withdrawn"}[notice.decision]
+            why = "" if notice.why is None else f": {brief(inline(notice.why), LINE_CHARS_MAX)}"
+            self._line(f"[question {notice.request} of action {notice.action} {done} by {inline(notice.by)}{why}]")
         elif isinstance(notice, DecidedNotice):
             self.decided.append(notice)
             self.questions.pop(notice.action, None)
@@ -225,6 +252,9 @@ class Screen:
             first = next(iter(self.questions))
             more = f" (and {len(self.questions) - 1} more)" if len(self.questions) > 1 else ""
             return f"waiting for approval of action {first}{more}"
+        if self.asks:
+            action, request = next(iter(self.asks))
+            return f"waiting for an answer to question {request} of action {action}"
         if self.asking is not None:
             doing = "writing" if self.asking in self.texts else "thinking"
             return f"{doing} ({now - self.since:.1f} s)"
@@ -273,6 +303,8 @@ class Screen:
             self._going_on(output.id)
             self.running.pop(output.id, None)
             self.questions.pop(output.id, None)
+            for key in [k for k in self.asks if k[0] == output.id]:  # its call is over: so are its questions
+                del self.asks[key]
         if output is not None and output.id in self.calls:
             if self.header != output.id:  # another line came between: whose result this is, said again
                 self._line(f"↳ {call_line(self.calls[output.id])}")
@@ -305,6 +337,7 @@ class Screen:
         self.asking, self.stalled, self.running_turn = None, None, None
         self.running.clear()
         self.questions.clear()
+        self.asks.clear()
         self.outcome = outcome
         if not self.nested:
             self._line(f"[turn {turn} {outcome}]")
@@ -578,6 +611,92 @@ def decision_of(answer: str) -> tuple[Literal["allow", "deny"], Remember | Liter
     if word in ("p", "prefix"):
         return "allow", "prefix"
     return ("allow" if word in ("y", "yes") else "deny"), False
+
+
+def _fields(schema: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    properties = schema.get("properties")
+    if not isinstance(properties, dict):
+        return {}
+    return {str(k): v if isinstance(v, dict) else {} for k, v in properties.items()}
+
+
+def _required(schema: dict[str, Any]) -> list[str]:
+    required = schema.get("required")
+    return [str(r) for r in required] if isinstance(required, list) else []
+
+
+def field_lines(schema: dict[str, Any]) -> list[str]:
+    """What a question asks for, a field a line: its name, type (or choices), whether it is required, and its
+    description (escaped, shortened)."""
+    shown = []
+    required = _required(schema)
+    for name, spec in _fields(schema).items():
+        kind = "one of " + ", ".join(map(str, spec["enum"])) if isinstance(spec.get("enum"), list) else spec.get("type")
+        about = spec.get("description") or spec.get("title")
+        line = f"  {name}: {kind or 'any'}{', required' if name in required else ''}"
+        if about and about != name.title():
+            line += f" ({about})"
+        shown.append(brief(inline(line), LINE_CHARS_MAX))
+    return shown
+
+
+def input_prompt(notice: InputNotice) -> str:
+    """The question a server's elicitation is asked with."""
+    only = _only_field(notice.schema)
+    how = f"{only} (or field=value ...)" if only is not None else "field=value ... (or JSON)"
+    return f"answer question {notice.request} of action {notice.action}: {how}, Enter declines: "
+
+
+def _only_field(schema: dict[str, Any]) -> str | None:
+    """The field a bare value answers: the only one, or the only required one."""
+    fields, required = list(_fields(schema)), _required(schema)
+    if len(fields) == 1:
+        return fields[0]
+    return required[0] if len(required) == 1 else None
+
+
+def answer_of(notice: InputNotice, text: str) -> dict[str, Any] | None:
+    """The answer a line gives (None: declined); ValueError saying what is wrong with it."""
+    text = text.strip()
+    if not text:
+        return None
+    if text.startswith("{"):
+        try:
+            given = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"that is not a JSON object ({e})") from None
+        if not isinstance(given, dict):
+            raise ValueError("that is not a JSON object")
+        return given
+    fields = _fields(notice.schema)
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"those words cannot be read ({e})") from None
+    answer: dict[str, Any] = {}
+    only = _only_field(notice.schema)
+    if only is not None and not any("=" in w for w in words):
+        words = [f"{only}={text}"]
+    for word in words:
+        name, equals, value = word.partition("=")
+        if not equals or name not in fields:
+            known = ", ".join(fields) or "none"
+            raise ValueError(f"{word!r} is not field=value of a field it asks for ({known})")
+        answer[name] = _typed(fields[name], value)
+    return answer
+
+
+def _typed(spec: dict[str, Any], value: str) -> Any:
+    """A word as its field's type reads it: yes/no for a boolean, a number for a number; else the word."""
+    kind = spec.get("type")
+    if kind == "boolean" and value.lower() in ("y", "yes", "true", "1", "n", "no", "false", "0"):
+        return value.lower() in ("y", "yes", "true", "1")
+    if kind in ("integer", "number"):
+        try:
+            return int(value) if kind == "integer" else float(value)
+        except ValueError:
+            return value  # the daemon says what is wrong with it
+    return value
 
 
 def prompt_line(notice: ApprovalNotice) -> str:

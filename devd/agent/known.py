@@ -1,7 +1,7 @@
 """What the agent runtime keeps in memory of each session it knows, as one record per session (`Known`) in one
-table (`Table`): its binding, turns, model, driver, stall, and its oversight (approvals, budget, trace count, who
-stepped its last Cancel). Forgetting a session (closed, expired, moved away, or made again under its name) is one
-removal: nothing of it is left in another map.
+table (`Table`): its binding, turns, model, driver, stall, its oversight (approvals, budget, trace count, who
+stepped its last Cancel) and its MCP servers' questions. Forgetting a session (closed, expired, moved away, or made
+again under its name) is one removal: nothing of it is left in another map.
 
 A record is made when the runtime first needs one (a prompt, a driver, an approval, a budget); code that runs after
 a session may have been forgotten (a driver stopping, a write that answered after a close) holds its record, or
@@ -10,7 +10,7 @@ looks with `find`, so that it never makes one again for a session that is gone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -31,6 +31,17 @@ class Overseen(msgspec.Struct):
     decided: dict[int, anyio.Event] = msgspec.field(default_factory=dict)  # a waiter for each pending approval
 
 
+class Questioned(msgspec.Struct):
+    """A session's questions from MCP servers (`devd.agent.questions`), read from its record log the first time they
+    are needed: each by (action, request), how each decided one was, and a waiter for each open one."""
+
+    asked: dict[tuple[int, int], Any] = msgspec.field(default_factory=dict)  # questions.Question
+    answered: dict[tuple[int, int], Any] = msgspec.field(default_factory=dict)  # questions.Answered
+    lock: anyio.Lock = msgspec.field(default_factory=anyio.Lock)
+    waiters: dict[tuple[int, int], anyio.Event] = msgspec.field(default_factory=dict)
+    sent: set[tuple[int, str]] = msgspec.field(default_factory=set)  # (action, digest of a state) sent with answers
+
+
 class Known(msgspec.Struct, eq=False):
     """Everything the runtime keeps in memory of one session."""
 
@@ -47,6 +58,7 @@ class Known(msgspec.Struct, eq=False):
     traced: int = 0  # trace records kept by this daemon: the log is trimmed every so many
     cancelling: str | None = None  # who last stepped a Cancel of it: who withdrew its turn's approvals
     link: ParentLink | None = None  # a child session's link to its parent (read with the binding)
+    questioned: Questioned | None = None  # its MCP servers' questions, once read
 
 
 class Table:

@@ -47,6 +47,7 @@ class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
 
 
 Share = Literal["profile", "session"]
+McpProtocol = Literal["auto", "legacy"]
 
 
 class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -54,7 +55,9 @@ class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     `url`. `env` maps the server's variable to the *name* of the daemon's variable holding its value (`headers` an
     HTTP header to one), never the value. `tools` is the tools offered (None: every tool it lists); `decision` decides
     its calls, `rules` one tool's by its name. `share`: one process for every session of the profile (and
-    workspace), or one per session."""
+    workspace), or one per session. `protocol`: "auto" speaks MCP's 2026-07-28 revision where the server
+    does (`server/discover`, else the handshake era's `initialize`): its questions outlive a daemon restart; "legacy"
+    only the handshake era's; unset, "auto" for an HTTP server and "legacy" for a stdio one."""
 
     name: str
     command: tuple[str, ...] | None = None
@@ -71,6 +74,7 @@ class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     call_timeout_s: float = 120.0
     tools_max: int = 1000
     trust_read_only: bool = False  # a tool whose annotations say readOnlyHint is decided and carried out as a read
+    protocol: McpProtocol | None = None  # None: "auto" for an HTTP server, "legacy" for a stdio one
 
 
 class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -367,6 +371,7 @@ _MCP_FIELDS: dict[str, tuple[Any, str]] = {
     "call_timeout_s": (float, "a number of seconds"),
     "tools_max": (int, "an integer number of tools"),
     "trust_read_only": (bool, "true or false"),
+    "protocol": (McpProtocol, 'one of "auto", "legacy"'),
 }
 # A server's name starts the model's name of each of its tools (SERVER__TOOL): letters, digits, - and single _, short
 # enough to leave room for the tool's name within the model API's 64 characters.

@@ -11,7 +11,9 @@ What it promises:
   first call. `check` refuses a workspace inside the daemon's own paths or holding one of them.
 - An Exec, Write or Git starts only after its claim is durable; a claim found without its result (a restart, a move)
   is never run again: the call is stepped as failed, saying it may have partly run. Read and Model are carried out
-  again.
+  again. An MCP call whose server asked a question it kept a sealed state for (MCP 2026-07-28) is the exception: the
+  server ran nothing of it yet, and it is sent again from that state with the answer (`devd.agent.questions`); a
+  legacy question left open is declined, saying so.
 - A call the profile denies (or, when it asks, a client denies) is never started; it is stepped as failed, with
   why. A tool call the core cannot take is answered to the model as a failed call, and the tool calls of a reply past
   the profile's `max_calls_per_reply` as one failed call (the first of them, without its arguments, saying how many
@@ -52,6 +54,7 @@ from devd.agent.model import Inserted, ModelUnavailable
 from devd.agent.oversight import Gate, ModelCall, Oversight, tool_record
 from devd.agent.port import DELTA_NOTICE, Sessions, action_ids
 from devd.agent.profiles import McpServer, Profile, api_key, check_workspace, narrow, offered_models
+from devd.agent.questions import LAPSED, Questions
 from devd.agent.records import Binding, Claim, ModelChosen, ParentLink, Thought, TurnStarted
 from devd.agent.titles import Titles, from_prompt
 from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
@@ -143,6 +146,7 @@ class Runtime:
         self.http: http.Client | None = None
         self.mcp: Broker | None = None  # the MCP broker, when a profile names servers (its SDK is loaded only then)
         self.oversight = Oversight(sessions, table=self.table)  # approvals, spend and trace (devd.agent.oversight)
+        self.questions = Questions(sessions, self.table)  # MCP servers' questions (devd.agent.questions)
         self.titles = Titles(sessions, sessions.seq)
         self.ledger = effects.Ledger(sessions)  # what effects ran, and what a Write replaced (session/rewind)
         self.children = Children(self)  # delegated runs (devd.agent.children)
@@ -378,7 +382,7 @@ class Runtime:
             if any(p.mcp or p.session_mcp for p in self.profiles.values()):
                 from devd.agent.mcp.broker import Broker
 
-                self.mcp = Broker(self.environ)
+                self.mcp = Broker(self.environ, self.questions)
                 await tg.start(self.mcp.run)
             self._check_keys()
             task_status.started()
@@ -726,10 +730,13 @@ class Driver(msgspec.Struct, eq=False):
             await self._traced(action, kind, call, time.time(), 0.0, "denied", gate.reason)
             return await self._step(kind.event(action.id, gate.reason, True), action.id)
         ledger, turn, before = self.runtime.ledger, self.known.turn, None
-        if effect:
+        resumed = action.id in self._claims and bool(await self.runtime.questions.kept(self.session, action.id))
+        if effect and not resumed:
             if action.id in self._claims:
                 log.warning("agent.interrupted", session=self.session, action=action.id, kind=kind.member)
                 text = INTERRUPTED.format(what=what)
+                if await self.runtime.questions.lapse(self.session, action.id):
+                    text += f"; its server's question was {LAPSED}"
                 before = await ledger.claimed(self.session, action.id)
                 entry = ledger.entry(
                     self.session, action.id, turn, kind.member, call, time.time(), "interrupted", before
@@ -748,7 +755,7 @@ class Driver(msgspec.Struct, eq=False):
             profile,
             lambda: self.runtime.workspace(self.session, self.known),
             lambda: self.runtime.sandbox(profile),
-            self._named(profile),
+            self._named(profile, action.id),
             lambda ask: self.runtime.children.delegate(self.session, action.id, profile, ask),
         )
         started, t0 = time.time(), time.monotonic()
@@ -757,6 +764,7 @@ class Driver(msgspec.Struct, eq=False):
         if effect:
             failpoints.hit("agent.done")
         if result is None:
+            await self.runtime.questions.withdraw(self.session, action.id)
             stopped = ledger.entry(self.session, action.id, turn, kind.member, call, started, "interrupted", before)
             why = "cancelled with its turn"
             await self._traced(action, kind, call, started, took, "interrupted", why, stopped if effect else None)
@@ -785,14 +793,14 @@ class Driver(msgspec.Struct, eq=False):
             return None
         return broker.read_only(self.session, call.name)
 
-    def _named(self, profile: Profile) -> Callable[[str, bytes], Awaitable[tools.Result]] | None:
-        """How a call of the session's named (MCP) tools is carried out, when the daemon has a broker."""
+    def _named(self, profile: Profile, action: int) -> Callable[[str, bytes], Awaitable[tools.Result]] | None:
+        """How the call `action` of the session's named (MCP) tools is carried out, when the daemon has a broker."""
         broker = self.runtime.mcp
         if broker is None:
             return None
         known = self.known
         workspace, sandbox = lambda: self.runtime.workspace(self.session, known), lambda: self.runtime.sandbox(profile)
-        return lambda name, data: broker.call(self.session, profile, workspace, sandbox, name, data)
+        return lambda name, data: broker.call(self.session, profile, workspace, sandbox, name, data, action)
 
     async def _offered(self, profile: Profile) -> list[NamedTool]:
         """The session's MCP tools the model is offered now."""

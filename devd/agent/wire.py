@@ -9,11 +9,12 @@ What it adds around the sessions' calls:
   for the session to be free (`SessionPort.wait_free`, for PATIENCE_S at most) and is tried again: a client of a
   driven session should not have to retry the daemon's own steps. BUSY from another client's call is answered;
 - a `Cancel` step keeps who stepped it, as who withdrew the turn's approvals (`Oversight.cancelling`);
-- `pending` marks the actions waiting for a client's decision `awaiting: "approval"`, and a new watcher is told of
-  every approval the session waits for (`welcome`);
+- `pending` marks the actions waiting for a client's decision `awaiting: "approval"` (for an answer to their MCP
+  server's question, `awaiting: "input"`), and a new watcher is told of
+  every approval and every MCP server's question the session waits for (`welcome`);
 - `new` and `mcp` give a session its own MCP servers (`mcp_servers`, checked against its agent's profile);
 - the methods the runtime answers (`prompt`, `resume`, `mcp`, `mcp_servers`, `model`, `compact`, `agent`, `approve`,
-  `budget`, `usage`, `trace`), each taking its method's params and who calls, and returning its result.
+  `answer`, `budget`, `usage`, `trace`), each taking its method's params and who calls, and returning its result.
 
 Adding a method the runtime answers: its line in `devd.protocol.METHODS`, its signature in `WirePort`
 (`devd.sessions.port`), its body here (calling the runtime or its oversight), and a one-line handler in
@@ -37,12 +38,14 @@ from devd.agent.children import cancel_turn
 from devd.agent.kinds.delegate import DelegateInput
 from devd.agent.oversight import APPROVAL_NOTICE, Oversight
 from devd.agent.port import ObservedFanout
+from devd.agent.questions import INPUT_NOTICE
 from devd.agent.records import Binding
 from devd.agent.runner import OwnServers, Runtime
 from devd.errors import BusyError, HandleError, InvalidParamsError
 from devd.messages import Config, decode_actions, encode, encode_actions
 from devd.protocol import (
     AgentResult,
+    AnswerParams,
     ApproveParams,
     BudgetParams,
     CompactResult,
@@ -207,10 +210,14 @@ class AgentPort:
     async def pending(self, name: str) -> bytes:
         actions = await self._patient(name, lambda: self.sessions.pending(name))
         asked = {a.action for a in await self.oversight.awaiting(name)}
-        if not asked:
+        inputs = await self.runtime.questions.awaiting(name)
+        if not asked and not inputs:
             return actions
         marked = [
-            msgspec.structs.replace(a, awaiting="approval") if a.id in asked else a for a in decode_actions(actions)
+            msgspec.structs.replace(a, awaiting="approval" if a.id in asked else "input")
+            if a.id in asked or a.id in inputs
+            else a
+            for a in decode_actions(actions)
         ]
         return encode_actions(marked)
 
@@ -234,6 +241,8 @@ class AgentPort:
     async def welcome(self, name: str, sink: Sink) -> None:
         for notice in await self.oversight.announcements(name):  # told before it watched, or never
             sink.offer(self.notify(APPROVAL_NOTICE, Raw(notice)))
+        for notice in await self.runtime.questions.announcements(name):  # the MCP servers' questions, likewise
+            sink.offer(self.notify(INPUT_NOTICE, Raw(notice)))
         known = self.runtime.table.find(name)
         if known is None or known.binding is None:  # no agent's session has children (read nothing for a raw one)
             return
@@ -325,6 +334,12 @@ class AgentPort:
     async def approve(self, params: ApproveParams, by: str) -> Empty:
         self.sessions.info(params.session)
         await self.oversight.answer(params.session, params.action, params.digest, params.decision, by, params.remember)
+        return Empty()
+
+    async def answer(self, params: AnswerParams, by: str) -> Empty:
+        self.sessions.info(params.session)
+        questions = self.runtime.questions
+        await questions.answer(params.session, params.action, params.request, params.answer, params.decline, by)
         return Empty()
 
     async def budget(self, params: BudgetParams, by: str) -> Empty:

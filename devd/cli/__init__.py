@@ -43,6 +43,7 @@ from devd.cli.operator import (
 from devd.cli.parser import environment_defaults, flag_variable, parse_args, parser
 from devd.cli.sessions import (
     PLAIN,
+    _answer,
     _budget,
     _decision,
     _info,
@@ -98,6 +99,7 @@ COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     **{plain.command: _run_plain(plain) for plain in PLAIN},
     "approve": _decision("allow"),
     "deny": _decision("deny"),
+    "answer": _answer,
     "info": _info,
     "resume": _resume,
     "budget": _budget,

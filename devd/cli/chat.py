@@ -27,7 +27,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from devd.agent.cli import TERMINAL, Nested, Screen, decision_of, prompt_line
+from devd.agent.cli import TERMINAL, Nested, Screen, answer_of, decision_of, input_prompt, prompt_line
 from devd.client import ActionsNotice, AsyncClient, UnwatchedNotice
 from devd.errors import BusyError, ConflictError, DevdError, HandleError, InvalidParamsError, MethodNotFoundError
 from devd.messages import Action, Cancel, Event
@@ -35,6 +35,7 @@ from devd.protocol import (
     ApprovalNotice,
     ChildNotice,
     DeltaNotice,
+    InputNotice,
     StalledNotice,
     UsageResult,
     UsageTotals,
@@ -42,7 +43,7 @@ from devd.protocol import (
 from devd.render import argv, inline
 
 if TYPE_CHECKING:
-    from devd.cli.terminal import Terminal
+    from devd.cli.terminal import Asked, Terminal
 
 EXIT_OK = 0
 EXIT_ENDED = 1
@@ -90,12 +91,14 @@ class Console:
         ceiling = "" if self.budget is None else f" of {self.budget:,}"
         return f"{doing} · {used:,} tokens used{ceiling}"
 
-    def question(self) -> tuple[int, str] | None:
-        """The approval asked now (the first undecided one: the session's own, then its delegated runs') and its
-        question (naming the delegated run it is asked in)."""
+    def question(self) -> tuple[Asked, str] | None:
+        """What is asked now: the first undecided approval (the session's own, then its delegated runs', naming the
+        delegated run it is asked in), else the first open question of an MCP server."""
         for action, notice in self._questions():
             where = "" if notice.session == self.session else f"[in {inline(notice.session)}] "
             return action, where + prompt_line(notice)
+        for key, asked in self.screen.asks.items():
+            return key, input_prompt(asked)
         return None
 
     def _questions(self) -> list[tuple[int, ApprovalNotice]]:
@@ -188,6 +191,9 @@ class Console:
                 await self.refresh_usage()  # a model call was charged
             if isinstance(notice, ApprovalNotice) and self.term is None:
                 self._answer_elsewhere(notice)
+            if isinstance(notice, InputNotice) and self.term is None:
+                words = ["devd", "answer", self.session, str(notice.action), str(notice.request)]
+                self.line(f"[answer it with `{argv(words)} field=value ...` or `{argv(words)} --decline`]")
             if self.screen.outcome is not None:
                 await self._turn_over()
             if isinstance(notice, UnwatchedNotice):
@@ -261,13 +267,33 @@ class Console:
                 self.armed = False
                 await self.entered(given.text, tg)
 
-    async def answer(self, action: int, text: str) -> None:
+    async def answer(self, action: Asked, text: str) -> None:
+        if isinstance(action, tuple):
+            await self.reply(action, text)
+            return
         notice = next((n for a, n in self._questions() if a == action), None)  # the one `question` asked
         if notice is None:
             return  # decided meanwhile
         decision, remember = decision_of(text)
         try:
             await self.client.approve(notice.session, action, notice.digest, decision, remember=remember)
+        except ConflictError as e:
+            self.line(f"[{inline(str(e))}]")
+
+    async def reply(self, key: tuple[int, int], text: str) -> None:
+        """A line given to an MCP server's question: its answer (or, empty, its decline)."""
+        asked = self.screen.asks.get(key)
+        if asked is None:
+            return  # decided meanwhile
+        try:
+            answer = answer_of(asked, text)
+        except ValueError as e:
+            self.line(f"[not an answer: {inline(str(e))}; the question still waits]")
+            return
+        try:
+            await self.client.answer(self.session, key[0], key[1], answer, decline=answer is None)
+        except InvalidParamsError as e:
+            self.line(f"[{inline(str(e))}; the question still waits]")
         except ConflictError as e:
             self.line(f"[{inline(str(e))}]")
 

@@ -479,6 +479,17 @@ def _add_clients(sub: argparse._SubParsersAction[argparse.ArgumentParser], wante
     for plain in PLAIN:
         if command := client(plain.command, plain.help):
             _plain_arguments(command, plain)
+    asks = "answer an MCP server's question (`session/input`) in a session the daemon drives"
+    if answer := client("answer", asks, session=True):
+        answer.add_argument("action", type=int, help="the action whose server asks (its session/input says)")
+        answer.add_argument("request", type=int, help="the question's number (its session/input says)")
+        answer.add_argument(
+            "words",
+            nargs="*",
+            help="the answer: a JSON object, or field=value words (a value that reads as JSON, true or 3, is taken "
+            "as that; else as text)",
+        )
+        answer.add_argument("--decline", action="store_true", help="decline the question instead")
     for verb, does in (("approve", "allow"), ("deny", "deny")):
         if decide := client(
             verb, f"{does} an action of a session the daemon drives that waits for approval", session=True

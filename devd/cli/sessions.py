@@ -75,6 +75,44 @@ def _restore(client: Client, args: argparse.Namespace) -> int:
     return _named(client.call_raw("session/restore", _params(snapshot=data, session=args.session)), args)
 
 
+def _answer(client: Client, args: argparse.Namespace) -> int:
+    """`devd answer SESSION ACTION REQUEST [WORDS | --decline]`: answer an MCP server's question."""
+    client.initialize(token=_token(args), name=cli_client_name())
+    if args.decline == bool(args.words):
+        raise LocalError("give the answer (a JSON object, or field=value words) or --decline, not both, not neither")
+    answer = None if args.decline else answer_words(args.words)
+    client.answer(args.session, args.action, args.request, answer, decline=args.decline)
+    if args.json:
+        _emit(b"{}\n")
+    else:
+        said = "declined" if args.decline else "answered"
+        _emit(f"question {args.request} of action {args.action} of {args.session}: {said}\n".encode())
+    return EXIT_OK
+
+
+def answer_words(words: list[str]) -> dict[str, Any]:
+    """An answer given on a command line: one JSON object, or field=value words (a value read as JSON when it is
+    JSON: true, 3, "x"; else taken as text); LocalError saying what is wrong."""
+    if len(words) == 1 and words[0].lstrip().startswith("{"):
+        try:
+            given = msgspec.json.decode(words[0])
+        except msgspec.DecodeError as e:
+            raise LocalError(f"the answer is not a JSON object: {e}") from None
+        if not isinstance(given, dict):
+            raise LocalError("the answer is not a JSON object")
+        return given
+    answer: dict[str, Any] = {}
+    for word in words:
+        name, equals, value = word.partition("=")
+        if not equals or not name:
+            raise LocalError(f"{word!r} is not field=value; give field=value words, or one JSON object")
+        try:
+            answer[name] = msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            answer[name] = value
+    return answer
+
+
 def _decision(decision: Literal["allow", "deny"]) -> Callable[[Client, argparse.Namespace], int]:
     """`devd approve` / `devd deny`: answer an action that waits for approval, naming it by the digest of the action
     the session shows as pending (the same digest its `session/approval` carried)."""
@@ -163,7 +201,8 @@ def usage_table(u: UsageResult) -> str:
 
 def attention(session: str, stalled: str | None, pending: list[Action]) -> str:
     """What a session waits on a person for, and the `devd` command that carries it on: a stall and why (`devd
-    resume`), and each action waiting for approval (`devd approve`, `devd deny`)."""
+    resume`), each action waiting for approval (`devd approve`, `devd deny`), and each whose MCP server waits for an
+    answer (`devd answer`)."""
     from devd.cli.operator import action_summary
 
     lines = []
@@ -177,6 +216,12 @@ def attention(session: str, stalled: str | None, pending: list[Action]) -> str:
         if a.awaiting == "approval":
             decide = argv(["devd", "approve", session, str(a.id)])
             lines.append(f"waiting for approval: action {a.id} {action_summary(a)} (`{decide}`, or `devd deny`)")
+        elif a.awaiting == "input":
+            answer = argv(["devd", "answer", session, str(a.id)])
+            lines.append(
+                f"waiting for an answer: action {a.id} {action_summary(a)}: its MCP server asks a question "
+                f"(`{answer} REQUEST field=value ...`; `devd watch` or `devd attach` shows it)"
+            )
     return "".join(line + "\n" for line in lines)
 
 
@@ -484,6 +529,8 @@ def describe(entry: dict[str, Any], agent: str | None, workspace: str | None, pe
         doing = "stalled: " + brief(inline(entry["stalled"]), STALL_CHARS_MAX)
     elif any(getattr(a, "awaiting", None) == "approval" for a in pending or []):
         doing = "waiting for approval"
+    elif any(getattr(a, "awaiting", None) == "input" for a in pending or []):
+        doing = "waiting for an answer"
     elif pending:
         doing = "running"
     else:

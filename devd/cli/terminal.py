@@ -49,10 +49,13 @@ class Line(msgspec.Struct, frozen=True):
     text: str
 
 
-class Answer(msgspec.Struct, frozen=True):
-    """The answer to the question about approval `action`."""
+Asked = int | tuple[int, int]  # what a question is about: an approval's action, or an MCP question's (action, request)
 
-    action: int
+
+class Answer(msgspec.Struct, frozen=True):
+    """The answer to the question about `action` (an approval's action, or an MCP question's (action, request))."""
+
+    action: Asked
     text: str
 
 
@@ -75,7 +78,7 @@ class Terminal(io.TextIOBase):
     def __init__(
         self,
         status: Callable[[], str | None],
-        question: Callable[[], tuple[int, str] | None],
+        question: Callable[[], tuple[Asked, str] | None],
         prompt: str | None,
         history: Path | None = None,
     ) -> None:

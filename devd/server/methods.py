@@ -31,6 +31,7 @@ from devd.config import Settings, backup_dir
 from devd.errors import ExistsError, HandleError, InvalidParamsError, MethodNotFoundError, NullError
 from devd.protocol import (
     AgentResult,
+    AnswerParams,
     ApproveParams,
     BackupParams,
     BackupResult,
@@ -485,6 +486,11 @@ async def session_agent(call: Call, params: SessionParams) -> AgentResult:
 @method("session/approve")
 async def session_approve(call: Call, params: ApproveParams) -> Empty:
     return await call.app.sessions.approve(params, call.peer.who())
+
+
+@method("session/answer")
+async def session_answer(call: Call, params: AnswerParams) -> Empty:
+    return await call.app.sessions.answer(params, call.peer.who())
 
 
 @method("session/budget")

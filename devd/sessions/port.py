@@ -23,6 +23,7 @@ import anyio.abc
 
 from devd.protocol import (
     AgentResult,
+    AnswerParams,
     ApproveParams,
     BudgetParams,
     CompactResult,
@@ -139,7 +140,7 @@ class WirePort(Protocol):
 
     async def welcome(self, name: str, sink: Sink) -> None:
         """Tell a new watcher, once its subscription is settled, what it must know beside the session's steps (in the
-        daemon: every approval the session waits for, told before it watched or never)."""
+        daemon: every approval and MCP server's question the session waits for, told before it watched or never)."""
 
     def unwatch(self, sub: Subscription) -> None: ...
 
@@ -182,6 +183,9 @@ class WirePort(Protocol):
     async def agent(self, params: SessionParams, by: str) -> AgentResult: ...
 
     async def approve(self, params: ApproveParams, by: str) -> Empty: ...
+
+    async def answer(self, params: AnswerParams, by: str) -> Empty:
+        """`session/answer`: a client's answer to an MCP server's question (`session/input`)."""
 
     async def budget(self, params: BudgetParams, by: str) -> Empty: ...
 

@@ -58,7 +58,8 @@ export type ErrorKind = keyof ErrorCodes;
 /**
  * One thing the core wants done, under its `id` (numbered in the session, increasing, never reused). In
  * `session/pending` of a session the daemon drives, an action not started until a client decides carries `awaiting:
- * "approval"` (the core never writes it).
+ * "approval"`, and a tool call whose MCP server waits for a client's answer to its question `awaiting: "input"` (the
+ * core never writes either).
  *
  * @example {"id":1,"op":{"Model":{"model":"small","messages":[{"User":"fix the build"}]}}}
  */
@@ -69,7 +70,7 @@ export interface Action {
    */
   id: number;
   op: Op;
-  awaiting?: "approval";
+  awaiting?: "approval" | "input";
 }
 
 /** The model's part of the conversation: its `text`, and the `calls` it dispatched. */
@@ -92,6 +93,50 @@ export interface Answer {
    */
   id: number;
   reply: Reply;
+}
+
+/**
+ * A client's answer to question `request` of action `action` (from its `session/input`): `answer`, the JSON object its
+ * `schema` asks for, or `decline: true`; exactly one of the two.
+ */
+export interface AnswerParams {
+  /**
+   * 1-64 of A-Z a-z 0-9 . _ -, and not . or ..
+   *
+   * @pattern ^(?!\.\.?$)[A-Za-z0-9._-]{1,64}$
+   */
+  session: string;
+  /**
+   * the action's id
+   *
+   * @minimum 0
+   * @maximum 9223372036854775807
+   */
+  action: number;
+  /**
+   * the question's number, from its session/input
+   *
+   * @minimum 1
+   * @maximum 9223372036854775807
+   */
+  request: number;
+  answer?: Record<string, never> | null;
+  /** @default false */
+  decline?: boolean;
+}
+
+/**
+ * `session/answered`: question `request` of action `action` was decided: `accept` (answered) or `decline` by `by` (a
+ * client, as `session/decided` names it), or `cancel` (withdrawn: its turn was cancelled, or its call ended); `why`
+ * says why when devd decided it (a restart the server's protocol cannot resume a question across).
+ */
+export interface AnsweredNotice {
+  session: string;
+  action: number;
+  request: number;
+  decision: "accept" | "cancel" | "decline";
+  by: string;
+  why?: string | null;
 }
 
 /**
@@ -507,6 +552,19 @@ export interface InitializeResult {
 }
 
 /**
+ * `session/input`: the MCP server of the tool call `action` asks a person a question (an MCP elicitation) before it
+ * goes on: `message`, and `schema`, the JSON Schema of the object it asks for. Answer it with `session/answer` naming
+ * `request` (its number among the action's questions); the first answer wins.
+ */
+export interface InputNotice {
+  session: string;
+  action: number;
+  request: number;
+  message: string;
+  schema: Record<string, never>;
+}
+
+/**
  * `session/instructions`: at the model call of action `action`, project instruction files (the profile's
  * `instructions`) were there and were not sent to the model (unreadable, too large, a link): each, and why. The turn
  * went on without them.
@@ -771,6 +829,16 @@ export interface Methods {
     result: Empty;
   };
   /**
+   * Answer an MCP server's question (`session/input`) with `answer`, the JSON object its schema asks for, or decline
+   * it (`decline: true`): the first answer wins (durable before it is sent to the server and every watcher gets
+   * `session/answered`), a later one is CONFLICT naming who answered; an answer its schema does not admit is
+   * INVALID_PARAMS and decides nothing.
+   */
+  "session/answer": {
+    params: AnswerParams;
+    result: Empty;
+  };
+  /**
    * Set (or raise, or remove) the session's spend ceiling; durable before it applies. A session stalled by it carries
    * on with `session/resume`.
    */
@@ -914,6 +982,8 @@ export interface Notifications {
   "session/decided": DecidedNotice;
   "session/instructions": InstructionsNotice;
   "session/child": ChildNotice;
+  "session/input": InputNotice;
+  "session/answered": AnsweredNotice;
 }
 
 /**

@@ -62,6 +62,10 @@ function seq(notice: Notice): string {
       return `action ${notice.params.action} went without ${notice.params.skipped.length} instruction files`;
     case "session/child":
       return `action ${notice.params.action}: child ${notice.params.child} is ${notice.params.state}`;
+    case "session/input":
+      return `action ${notice.params.action} asks question ${notice.params.request}: ${notice.params.message}`;
+    case "session/answered":
+      return `question ${notice.params.request} of action ${notice.params.action}: ${notice.params.decision}`;
   }
 }
 

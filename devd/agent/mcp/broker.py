@@ -10,11 +10,15 @@ What it promises:
   that name it, saying why.
 - A session's own servers (`session/new` `mcp_servers`) live with it: `forget` closes them when it ends.
 - `statuses` is what `daemon/mcp` answers.
+- A server's question during a call is asked of the session's clients (`devd.agent.questions`), and its answer sent
+  back; a call whose kept question carries a sealed state (MCP 2026-07-28) is sent again from it, with the answer
+  (waited for, when none was given yet), after a restart. A question its call leaves open is withdrawn with it.
 Supervisors run in the broker's task group (`run`): cancelled, every server process is stopped.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,6 +26,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import mcp_types as types
 import msgspec
 import structlog
 
@@ -29,9 +34,11 @@ from devd.agent import sandbox as sandboxes
 from devd.agent import tools
 from devd.agent.kinds.named import NamedTool
 from devd.agent.mcp import launch, names, results
-from devd.agent.mcp.connection import Connection, Served, Unavailable
+from devd.agent.mcp.connection import Ask, Connection, Round, Served, Unavailable
 from devd.agent.mcp.http import Endpoint
 from devd.agent.profiles import McpServer, Profile
+from devd.agent.questions import Answered, Questions, schema_problem
+from devd.errors import DevdError
 from devd.protocol import McpServerStatus
 
 log = structlog.get_logger("devd.mcp")
@@ -52,8 +59,9 @@ class _Entry(msgspec.Struct, frozen=True):
 class Broker:
     """The daemon's MCP connections and each session's tool table."""
 
-    def __init__(self, environ: Mapping[str, str]) -> None:
+    def __init__(self, environ: Mapping[str, str], questions: Questions | None = None) -> None:
         self.environ = environ  # where a server's variables are read from, when it starts
+        self.questions = questions  # where a server's questions are asked (None: each is declined)
         self._connections: dict[str, Connection] = {}
         self._tables: dict[str, dict[str, _Entry]] = {}
         self._down: dict[str, dict[str, str]] = {}  # per session: why each server that could not list its tools
@@ -155,10 +163,18 @@ class Broker:
         return dict(self._down.get(session, {}))
 
     async def call(
-        self, session: str, profile: Profile, workspace: Workspace, sandbox: Sandbox, name: str, arguments: bytes
+        self,
+        session: str,
+        profile: Profile,
+        workspace: Workspace,
+        sandbox: Sandbox,
+        name: str,
+        arguments: bytes,
+        action: int | None = None,
     ) -> tools.Result:
-        """Carry out a call of the session's MCP tool `name`; what goes wrong is a failed Result, never an
-        exception (but a cancellation: the call is then cancelled at the server)."""
+        """Carry out a call of the session's MCP tool `name` (for its action `action`, whose questions are asked of
+        the session's clients); what goes wrong is a failed Result, never an exception (but a cancellation: the call
+        is then cancelled at the server, and its open questions are left to the caller)."""
         if session not in self._tables:  # after a restart: the table is made again (servers started as needed)
             await self.offered(session, profile, workspace, sandbox)
         entry = self._tables[session].get(name)
@@ -169,11 +185,28 @@ class Broker:
             args = json.loads(arguments)
         except (ValueError, RecursionError):
             return tools.Result(f"the input of {name} is not a JSON object that can be read", failed=True)
+        questions = self.questions
+        if questions is None or action is None:
+            ask, state, responses, sending = None, None, None, None
+        else:
+            ask = _asker(questions, session, action, entry.connection.server.name)
+            sending = functools.partial(questions.sending, session, action)
+            kept = await questions.kept(session, action)  # a call sent again after a restart, from its kept round
+            state = kept[0].state if kept else None
+            answers: types.InputResponses = {}
+            for q in kept:
+                answers[q.key or ""] = _elicited(await questions.wait(session, action, q.request))
+            responses = answers or None
         try:
-            result = await entry.connection.call(entry.tool, args)
+            done = results.result_text(
+                await entry.connection.call(entry.tool, args, ask, state, responses, sending),
+                profile.output_bytes_max,
+            )
         except Unavailable as e:
-            return tools.Result(e.why, failed=True)
-        return results.result_text(result, profile.output_bytes_max)
+            done = tools.Result(e.why, failed=True)
+        if questions is not None and action is not None:  # a question its call left open goes with it
+            await questions.withdraw(session, action, "devd (its call ended)")
+        return done
 
     # -- connections ----------------------------------------------------------------------------------------------
 
@@ -233,6 +266,31 @@ class Broker:
         return connection
 
 
+def _asker(questions: Questions, session: str, action: int, server: str) -> Ask:
+    """The hook that asks the session's clients a question of the action's server, and gives the server their
+    answer; a question that cannot be asked (a schema that is none) is declined, with a log line."""
+
+    async def ask(params: types.ElicitRequestFormParams, round: Round | None) -> types.ElicitResult:
+        schema: Any = params.requested_schema
+        why = schema_problem(schema)
+        if why is not None:
+            log.warning("mcp.question_declined", session=session, server=server, why=why)
+            return types.ElicitResult(action="decline")
+        number, key, state = (0, None, None) if round is None else (round.number, round.key, round.state)
+        try:
+            answered = await questions.ask(session, action, params.message, schema, round=number, key=key, state=state)
+        except DevdError as e:  # the session was closed meanwhile: nobody will answer
+            log.warning("mcp.question_unasked", session=session, server=server, why=f"{e.kind}: {e}"[:300])
+            return types.ElicitResult(action="cancel")
+        return _elicited(answered)
+
+    return ask
+
+
+def _elicited(answered: Answered) -> types.ElicitResult:
+    return types.ElicitResult(action=answered.decision, content=answered.answer)
+
+
 def _key(
     server: McpServer,
     values: Mapping[str, str],
@@ -253,6 +311,7 @@ def _key(
         str(workspace.path),
         list(workspace.identity) if workspace.identity else None,
         server.name,
+        server.protocol,
     ]
     digest = hashlib.sha256(json.dumps(made).encode()).hexdigest()
     return f"{owner or ''}\0{digest}"

@@ -9,7 +9,9 @@ What it promises:
   a server that crashes at every start never spins.
 - A stdio server (`stdio.Process`) speaks the handshake era (`initialize`); a Streamable HTTP one (`http.Endpoint`) is
   first asked `server/discover` (the 2026-07-28 revision) and, when it refuses, spoken to in the handshake era on the
-  same connection; the era found is kept for its later lives (`mode`).
+  same connection; the era found is kept for its later lives (`mode`). A server's `protocol` says otherwise: "auto"
+  asks a stdio server `server/discover` first too (what lets its questions outlive a daemon restart), "legacy" keeps
+  an HTTP one to the handshake.
 - A server not through its handshake and first listing within `start_timeout_s` fails the request that needed it;
   its listing is cached, cut at `tools_max` (the rest refused with a log line), and listed again after
   `notifications/tools/list_changed` (in the 2026-07-28 revision, a `ToolsListChanged` on the `subscriptions/listen`
@@ -17,10 +19,19 @@ What it promises:
 - A call not answered within its timeout is cancelled (the SDK sends MCP's `notifications/cancelled`) and fails
   saying so; a caller cancelled (its turn was) cancels the call the same way; a call in flight when the server exits
   fails saying how it ended, with the tail of its stderr. Every failure is an `Unavailable` with a sentence.
+- A server's question (an elicitation) is put to the call's `ask` hook, which answers it (`devd.agent.mcp.broker`
+  asks the session's clients): the legacy `elicitation/create` request, sent while the call runs, goes to the one
+  call in flight on the connection (with several, which one asked cannot be told over stdio: it is declined, with a
+  log line); the 2026-07-28 revision's `input_required` result is the call's own: each of its questions is asked
+  (with its round's sealed `request_state`), and the call is sent again with the answers, at most ROUNDS_MAX times.
+  A call may start from a kept state and its answers (after a restart). Time waiting for a person is not counted in
+  `call_timeout_s`. A question devd cannot put to a person (a URL to open) is declined; a request for the client's
+  model (sampling) or roots fails the call, saying so.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -28,8 +39,9 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 import mcp_types as types
+import msgspec
 import structlog
-from mcp.client.session import ClientSession, IncomingMessage
+from mcp.client.session import ClientRequestContext, ClientSession, IncomingMessage
 from mcp.client.subscriptions import ListenNotSupportedError, SubscriptionLost, ToolsListChanged, listen
 from mcp.shared.exceptions import MCPError
 from pydantic import ValidationError
@@ -48,6 +60,22 @@ BACKOFF_MAX_S = 60.0
 CRASH_BACKOFF_FIRST_S = 5.0  # a server that ended within STABLE_S of its start, the second time in a row
 STABLE_S = 30.0  # a life at least this long was no crash loop
 EXIT_WAIT_S = 1.0  # for a server whose output ended to be reaped, so its exit status can be told
+ROUNDS_MAX = 10  # of a call's input_required rounds (the SDK's default): a server that asks for ever is cut there
+
+
+class Round(msgspec.Struct, frozen=True):
+    """Where a 2026-07-28 question comes from: its round of the call (from 1), the server's key for it, and the
+    round's sealed `request_state`, which lets the call be sent again with the answer."""
+
+    number: int
+    key: str
+    state: str | None
+
+
+# A call's hook for its server's questions: the question (and its round; None for a legacy elicitation) to its answer.
+Ask = Callable[[types.ElicitRequestFormParams, Round | None], Awaitable[types.ElicitResult]]
+# Told before the call is sent with the answers to a round (its state): what keeps it from being sent so twice.
+Sending = Callable[[str | None], Awaitable[None]]
 
 
 class Unavailable(Exception):
@@ -61,8 +89,20 @@ class Unavailable(Exception):
 class _Request:
     """A listing (`tool` None) or a call, waited for by its caller."""
 
-    def __init__(self, tool: str | None, arguments: dict[str, Any] | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        tool: str | None,
+        arguments: dict[str, Any] | None,
+        timeout_s: float,
+        ask: Ask | None = None,
+        state: str | None = None,
+        responses: types.InputResponses | None = None,
+        sending: Sending | None = None,
+    ) -> None:
         self.tool, self.arguments, self.timeout_s = tool, arguments, timeout_s
+        self.ask, self.state, self.responses = ask, state, responses  # its questions' hook; a kept state, answers
+        self.sending = sending
+        self.timer: anyio.CancelScope | None = None  # the round's call_timeout_s (paused while a person is asked)
         self.scope = anyio.CancelScope()  # entered by the supervisor's handler; cancelled by a leaving caller
         self.done = anyio.Event()
         self.result: Any = None
@@ -109,6 +149,7 @@ class Connection:
         self._idled = False  # the life ended for want of use (not a failure)
         self._calls: anyio.abc.TaskGroup | None = None
         self._session: ClientSession | None = None
+        self._inflight: set[_Request] = set()  # the calls sent and not answered: whose a legacy question can be
         self._relisted: anyio.Event | None = None  # set once a listing asked for by list_changed is in
 
     # -- the callers' side ------------------------------------------------------------------------------------------
@@ -124,9 +165,20 @@ class Connection:
         listed: tuple[types.Tool, ...] = await self._request(_Request(None, None, self.server.start_timeout_s))
         return listed
 
-    async def call(self, tool: str, arguments: dict[str, Any]) -> types.CallToolResult:
-        """The server's result of the call (an `isError` one included); Unavailable when it gave none."""
-        result: types.CallToolResult = await self._request(_Request(tool, arguments, self.server.call_timeout_s))
+    async def call(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        ask: Ask | None = None,
+        state: str | None = None,
+        responses: types.InputResponses | None = None,
+        sending: Sending | None = None,
+    ) -> types.CallToolResult:
+        """The server's result of the call (an `isError` one included); Unavailable when it gave none. `ask` answers
+        the server's questions (None: each is declined); `state` and `responses` resume a call from a kept round;
+        `sending` is told before the call is sent with a round's answers."""
+        made = _Request(tool, arguments, self.server.call_timeout_s, ask, state, responses, sending)
+        result: types.CallToolResult = await self._request(made)
         return result
 
     async def _request(self, request: _Request) -> Any:
@@ -211,7 +263,9 @@ class Connection:
             try:
                 async with process.connect() as (read, write):
                     self.pid = process.pid
-                    async with ClientSession(read, write, message_handler=self._on_message) as session:
+                    async with ClientSession(
+                        read, write, message_handler=self._on_message, elicitation_callback=self._on_elicit
+                    ) as session:
                         with anyio.fail_after(self.server.start_timeout_s + 1):  # the watchdog fires first
                             await self._handshake(session, process)
                             self.listed = await self._list(session)
@@ -243,9 +297,11 @@ class Connection:
                 self._retry_at = time.monotonic() + wait
 
     async def _handshake(self, session: ClientSession, served: Served) -> None:
-        """The protocol era agreed: the handshake (`initialize`) with a stdio server; with an HTTP one,
-        `server/discover` first (unless it refused before), falling back to the handshake when it is refused."""
-        if isinstance(served, Endpoint) and self.mode != "legacy":
+        """The protocol era agreed: the handshake (`initialize`) with a stdio server; with an HTTP one (or one whose
+        `protocol` is "auto"), `server/discover` first (unless it refused before), falling back to the handshake when
+        it is refused."""
+        era = self.server.protocol or ("auto" if isinstance(served, Endpoint) else "legacy")
+        if era == "auto" and self.mode != "legacy":
             # A server of the handshake era may leave the unknown method unanswered rather than refuse it: half of
             # start_timeout_s is left for the handshake.
             half = self.server.start_timeout_s / 2
@@ -319,13 +375,12 @@ class Connection:
                 if request.tool is None:
                     request.resolve(self.listed)
                     return
-                with anyio.move_on_after(request.timeout_s) as timer:
-                    request.resolve(await session.call_tool(request.tool, request.arguments))
-                if timer.cancelled_caught:
-                    request.fail(
-                        f"the MCP server {self.server.name} did not answer {request.tool} within "
-                        f"{request.timeout_s:g} s (call_timeout_s); the call was cancelled"
-                    )
+                self._inflight.add(request)
+                result = await self._rounds(session, request)
+                if isinstance(result, str):
+                    request.fail(result)
+                else:
+                    request.resolve(result)
         except MCPError as e:
             if process.ended.is_set() or "closed" in e.error.message.lower():
                 await _reaped(process)
@@ -335,10 +390,102 @@ class Connection:
         except (ValidationError, RuntimeError, ValueError) as e:  # a result the protocol does not allow
             request.fail(f"the MCP server {self.server.name} answered {request.tool} with what MCP does not allow: {e}")
         finally:
+            self._inflight.discard(request)
             self._active -= 1
             self._last_used = time.monotonic()
             if not request.done.is_set():
                 request.fail(self._ending or self._ended_why(process, None))
+
+    async def _rounds(self, session: ClientSession, request: _Request) -> types.CallToolResult | str:
+        """The call's result, after as many rounds of questions as the server asks (2026-07-28); or why there is
+        none (a round not answered within call_timeout_s, a question devd cannot answer, too many rounds)."""
+        assert request.tool is not None
+        name, state, responses = self.server.name, request.state, request.responses
+        for number in range(1, ROUNDS_MAX + 1):
+            if responses is not None and request.sending is not None:
+                try:
+                    await request.sending(state)
+                except Exception as e:  # not kept: not sent (a restart could send it twice)
+                    return f"devd could not keep that {request.tool} is sent with its answers ({e}); it was not sent"
+            with anyio.CancelScope(deadline=anyio.current_time() + request.timeout_s) as request.timer:
+                result = await session.call_tool(
+                    request.tool,
+                    request.arguments,
+                    request_state=state,
+                    input_responses=responses,
+                    allow_input_required=True,
+                )
+            if request.timer.cancelled_caught:
+                return (
+                    f"the MCP server {name} did not answer {request.tool} within {request.timeout_s:g} s "
+                    "(call_timeout_s); the call was cancelled"
+                )
+            if not isinstance(result, types.InputRequiredResult):
+                return result
+            state = result.request_state
+            answered = await self._inputs(request, number, result)
+            if isinstance(answered, str):
+                return answered
+            responses = answered
+        return f"the MCP server {name} asked more than {ROUNDS_MAX} rounds of questions in {request.tool}; it was cut"
+
+    async def _inputs(
+        self, request: _Request, number: int, result: types.InputRequiredResult
+    ) -> types.InputResponses | str:
+        """The answers to a round's questions, asked all at once; or why the call cannot go on."""
+        answers: types.InputResponses = {}
+        refused: list[str] = []
+
+        async def one(key: str, asked: types.InputRequest, tg: anyio.abc.TaskGroup) -> None:
+            if isinstance(asked, types.ElicitRequest):
+                if isinstance(asked.params, types.ElicitRequestFormParams) and request.ask is not None:
+                    answers[key] = await request.ask(asked.params, Round(number, key, result.request_state))
+                else:  # a URL to open (or no one to ask): declined
+                    answers[key] = types.ElicitResult(action="decline")
+                return
+            what = "its model (sampling)" if isinstance(asked, types.CreateMessageRequest) else "its roots"
+            refused.append(
+                f"the MCP server {self.server.name} asked devd for {what} in {request.tool}, which devd does not "
+                "offer; the call was not completed"
+            )
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for key, asked in (result.input_requests or {}).items():
+                tg.start_soon(one, key, asked, tg)
+        return refused[0] if refused else answers
+
+    async def _on_elicit(
+        self, context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        """A legacy question (`elicitation/create`), sent while a call runs: put to that call's hook, while it runs."""
+        asking = [r for r in self._inflight if r.ask is not None]
+        if not isinstance(params, types.ElicitRequestFormParams) or len(asking) != 1:
+            why = "it asks to open a URL" if asking else "no call of devd's is in flight"
+            if len(asking) > 1:
+                why = f"{len(asking)} calls are in flight on this shared server, and which one asked cannot be told"
+            log.warning("mcp.question_declined", server=self.server.name, agent=self.agent, why=why)
+            return types.ElicitResult(action="decline")
+        request = asking[0]
+        timer = request.timer
+        if timer is not None:
+            timer.deadline = math.inf  # a person's time is not the server's
+        answered = types.ElicitResult(action="cancel")
+        try:
+            async with anyio.create_task_group() as tg:  # the question ends with its call
+
+                async def ended() -> None:
+                    await request.done.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(ended)
+                assert request.ask is not None
+                answered = await request.ask(params, None)
+                tg.cancel_scope.cancel()
+        finally:
+            if timer is not None:
+                timer.deadline = anyio.current_time() + request.timeout_s
+        return answered
 
     async def _list(self, session: ClientSession) -> tuple[types.Tool, ...]:
         tools: list[types.Tool] = []
