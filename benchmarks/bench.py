@@ -2393,6 +2393,13 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_mixed import add_arguments as mixed_arguments
 
     mixed_arguments(sub.add_parser("mixed", help="session/new beside one client's large steps, against it alone"))
+    from benchmarks import bench_stream
+
+    bench_stream.add_arguments(sub.add_parser("stream", help="N agent sessions streaming to watchers: CPU, latency"))
+    model = sub.add_parser("_stream_model")
+    model.add_argument("port_file")
+    model.add_argument("tokens", type=int)
+    model.add_argument("rate", type=float)
 
     approvals_arguments(approvals_parser)
 
@@ -2403,6 +2410,11 @@ def main(argv: list[str] | None = None) -> int:
         return bench_long.command(args)
     if args.what == "fleet":
         return bench_fleet.command(args)
+    if args.what == "stream":
+        return bench_stream.main(args)
+    if args.what == "_stream_model":
+        bench_stream._model_main(args.port_file, args.tokens, args.rate)
+        return 0
     if args.what == "approvals":
         from benchmarks import bench_approvals as approvals  # the agent runtime's, loaded only when asked for
 
