@@ -178,6 +178,8 @@ class _Session:
         self.notices = 0
         self.fragments = 0
         self.prompted = 0.0
+        self.first = 0.0  # the first fragment's write, by the model's clock (monotonic: the same as this one's)
+        self.last = 0.0  # the last fragment's write
         self.done = 0.0
         self.ended: str | None = None  # why the turn ended without its Done
         self.finished = asyncio.Event()
@@ -227,7 +229,9 @@ class _Session:
                 t = now()
                 self.notices += 1
                 for stamp in _delta.decode(line.params).text.split(";")[:-1]:
-                    self.latencies.append(t - float(stamp))
+                    self.last = float(stamp)
+                    self.first = self.first or self.last
+                    self.latencies.append(t - self.last)
                     self.fragments += 1
             elif line.method == "session/actions":
                 if any("Done" in a.op for a in _actions.decode(line.params).actions):
@@ -253,6 +257,10 @@ def _cpu(pid: int) -> dict[str, float]:
         fields = stat[stat.rindex(")") + 2 :].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
     return out
+
+
+def _quantiles(values: list[float]) -> list[float] | None:
+    return [round(values[int(len(values) * q)], 3) for q in (0.5, 0.9)] + [round(values[-1], 3)] if values else None
 
 
 def _start_model(root: Path, tokens: int, rate: float) -> tuple[subprocess.Popen[bytes], str]:
@@ -312,6 +320,8 @@ async def _drive(
     cpu = sum(threads.values())
     fragments = sum(c.fragments for c in clients)
     turns = sorted(c.done - c.prompted for c in clients if c.ended is None)
+    before = sorted(c.first - c.prompted for c in clients if c.first)  # prompt to the model's first write
+    after = sorted(c.done - c.last for c in clients if c.ended is None and c.last)  # its last write to Done
     latencies.sort()
     n = len(latencies)
     ended = [c.ended for c in clients if c.ended is not None]
@@ -326,6 +336,10 @@ async def _drive(
         "turn_s_p50": round(turns[len(turns) // 2], 2) if turns else None,
         "turn_s_max": round(turns[-1], 2) if turns else None,
         "turn_max_per_model_time": round(turns[-1] / model_s, 3) if turns else None,
+        "prompt_to_first_write_s_p50_max": [round(before[len(before) // 2], 3), round(before[-1], 3)]
+        if before
+        else None,
+        "last_write_to_done_s_p50_max": [round(after[len(after) // 2], 3), round(after[-1], 3)] if after else None,
         "delta_ms_p50": round(latencies[n // 2] * 1000, 2) if n else None,
         "delta_ms_p99": round(latencies[int(n * 0.99)] * 1000, 2) if n else None,
         "delta_ms_max": round(latencies[-1] * 1000, 2) if n else None,

@@ -409,28 +409,40 @@ class _Exchange:
                     raise TransportError(f"RemoteProtocolError: malformed chunk size {size_text[:20]!r}")
                 at = end + 2
                 if size == 0:  # the last chunk: trailers (if any), then an empty line
+                    tail = buf[at - 2 :]
+                    if self._ended(tail):  # finished before its last data is given: a reader that stops at the
+                        if out:  # stream's own end ([DONE]) leaves the connection reusable
+                            yield b"".join(out)
+                        return
                     if out:
                         yield b"".join(out)
-                    await self._trailers(buf[at - 2 :])
+                    await self._trailers(tail)
                     return
                 left = size
             buf = buf[at:]
             if out:
                 yield b"".join(out) if len(out) > 1 else out[0]
 
+    def _ended(self, tail: bytes) -> bool:
+        """Whether `tail` (from the CRLF of the last chunk's size line on) holds the end of the trailers: then the
+        body is finished; bytes after it, unasked for, make the connection one not to reuse."""
+        end = tail.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        self.finished = True
+        if len(tail) > end + 4:
+            self.reusable = False
+        return True
+
     async def _trailers(self, tail: bytes) -> None:
-        """Read on to the end of the trailers after the last chunk (`tail` begins with the CRLF of its size line):
-        the body is finished; bytes after it, unasked for, make the connection one not to reuse."""
-        while (end := tail.find(b"\r\n\r\n") if not tail.startswith(b"\r\n\r\n") else 0) < 0:
+        """Read on to the end of the trailers after the last chunk (see `_ended`)."""
+        while not self._ended(tail):
             if len(tail) > HEAD_BYTES_MAX:
                 raise TransportError("RemoteProtocolError: the trailers passed their bound")
             data = await self._read()
             if not data:
                 raise TransportError("RemoteProtocolError: the server closed the connection mid-body")
             tail += data
-        self.finished = True
-        if len(tail) > end + 4:
-            self.reusable = False
 
 
 @asynccontextmanager
