@@ -2393,7 +2393,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_mixed import add_arguments as mixed_arguments
 
     mixed_arguments(sub.add_parser("mixed", help="session/new beside one client's large steps, against it alone"))
-    from benchmarks import bench_first, bench_stream
+    from benchmarks import bench_codex, bench_first, bench_stream
+
+    bench_codex.add_arguments(sub.add_parser("codex", help="a scripted turn through devd and Codex's app-server"))
+    sub.add_parser("_codex_models").add_argument("url_file")
 
     bench_first.add_arguments(sub.add_parser("first", help="devd run to the model's first text, cold and warm daemon"))
     sub.add_parser("_first_model").add_argument("url_file")
@@ -2413,6 +2416,11 @@ def main(argv: list[str] | None = None) -> int:
         return bench_long.command(args)
     if args.what == "fleet":
         return bench_fleet.command(args)
+    if args.what == "codex":
+        return bench_codex.main(args)
+    if args.what == "_codex_models":
+        bench_codex._models_main(args.url_file)
+        return 0
     if args.what == "first":
         return bench_first.main(args)
     if args.what == "_first_model":
