@@ -216,7 +216,7 @@ def bench_codex(codex: str, rounds: int) -> dict[str, Any]:
         workspace.mkdir(parents=True)
         devd, cx = _Devd(urls["devd"], root), _Codex(codex, urls["codex"], root)
         sides = {"devd": devd, "codex": cx}
-        setups = {
+        setups: dict[str, tuple[Any, str]] = {
             "devd bwrap": (devd, "bwrap"),
             "devd none": (devd, "none"),
             "codex workspace-write": (cx, "workspace-write"),

@@ -308,9 +308,9 @@ async def _drive(
     if profile is not None:  # py-spy's collapsed stacks of every thread, while the turns run
         argv = [os.environ.get("PY_SPY", "py-spy"), "record", "-p", str(pid), "-r", "200", "--threads", "--idle"]
         spy = subprocess.Popen([*argv, "-f", "raw", "-o", str(profile)], stdout=subprocess.DEVNULL)
-    cpu0, t0 = _cpu(pid), time.monotonic()
+    cpu0, t0, mine = _cpu(pid), time.monotonic(), time.process_time()
     await asyncio.gather(*(c.turn(3 * model_s + 30) for c in clients))
-    cpu1, wall = _cpu(pid), time.monotonic() - t0
+    cpu1, wall, mine = _cpu(pid), time.monotonic() - t0, time.process_time() - mine
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
@@ -329,6 +329,8 @@ async def _drive(
         "sessions": sessions,
         "wall_s": round(wall, 2),
         "daemon_cpu_s": round(cpu, 2),
+        "watchers_cpu_s": round(mine, 2),  # this process's, reading every notice: near wall_s, it is the bottleneck
+        "load_average": os.getloadavg()[0],
         "fragments": fragments,
         "notices": sum(c.notices for c in clients),
         "cpu_us_per_fragment": round(cpu / max(1, fragments) * 1e6, 1),

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from devd.agent import http
-from devd.agent.model import complete
+from devd.agent.model import ModelUnavailable, complete
 from devd.agent.profiles import Profile
 from devd.messages import Message
 from tests.standin_model import Scripted, Standin, standin_fixture
@@ -103,3 +103,12 @@ async def test_a_second_model_call_reuses_the_connection_the_first_left_at_its_e
             )
             got.append(done.text)
     assert (got, keep_alive.connections) == (["hi", "hi"], 1)
+
+
+async def test_a_stream_silent_past_the_read_timeout_is_given_up_saying_so(standin: Standin) -> None:
+    standin.script(Scripted(text="never finished", hang=True))
+    async with http.new_client(read_timeout_s=0.3) as client:
+        with pytest.raises(ModelUnavailable, match="ReadTimeout: the server sent nothing for 0.3 s"):
+            await complete(
+                client, profile(standin.url), [Message(User="go")], environ={}, exec_available=True, attempts=1
+            )
