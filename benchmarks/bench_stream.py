@@ -184,11 +184,12 @@ class _Session:
         self.ended: str | None = None  # why the turn ended without its Done
         self.finished = asyncio.Event()
 
-    async def open(self, sock: str, workspace: str) -> None:
+    async def open(self, sock: str, workspace: str, watch: bool) -> None:
         self.reader, self.writer = await asyncio.open_unix_connection(sock, limit=1 << 24)
         new = await self.call("session/new", {"agent": "bench", "workspace": workspace})
         self.name = new["session"]
-        await self.call("session/watch", {"session": self.name})
+        if watch:
+            await self.call("session/watch", {"session": self.name})
 
     async def call(self, method: str, params: dict[str, Any]) -> Any:
         self.writer.write(json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).encode() + b"\n")
@@ -199,47 +200,81 @@ class _Session:
                     raise RuntimeError(f"{method}: {line.error}")
                 return msgspec.json.decode(line.result)
 
-    async def turn(self, deadline_s: float) -> None:
+    async def turn(self, deadline_s: float, shared: bool) -> None:
         self.prompted = time.monotonic()
-        self.writer.write(
-            json.dumps(
-                {
-                    "jsonrpc": "2.0",
-                    "id": 2,
-                    "method": "session/prompt",
-                    "params": {"session": self.name, "prompt": "go"},
-                }
-            ).encode()
-            + b"\n"
-        )
+        prompt = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "session/prompt",
+            "params": {"session": self.name, "prompt": "go"},
+        }
+        self.writer.write(json.dumps(prompt).encode() + b"\n")
         try:
-            await asyncio.wait_for(self._read(), deadline_s)
+            await asyncio.wait_for(self.finished.wait() if shared else self._read(), deadline_s)
         except TimeoutError:
             self.ended = f"no Done within {deadline_s:.0f} s"
 
     async def _read(self) -> None:
-        readline, now = self.reader.readline, time.monotonic
+        readline = self.reader.readline
         while True:
             raw = await readline()
             if not raw:
                 self.ended = "the connection closed"
                 return
-            line = _line.decode(raw)
-            if line.method == "session/delta":
-                t = now()
-                self.notices += 1
-                for stamp in _delta.decode(line.params).text.split(";")[:-1]:
-                    self.last = float(stamp)
-                    self.first = self.first or self.last
-                    self.latencies.append(t - self.last)
-                    self.fragments += 1
-            elif line.method == "session/actions":
-                if any("Done" in a.op for a in _actions.decode(line.params).actions):
-                    self.done = now()
-                    return
-            elif line.method in ("session/stalled", "session/unwatched"):
-                self.ended = f"{line.method}: {bytes(line.params or b'')[:300]!r}"
+            if self.take(_line.decode(raw), time.monotonic()):
                 return
+
+    def take(self, line: _Line, t: float) -> bool:
+        """One notice of this session, read at t; True once the turn is over."""
+        if line.method == "session/delta":
+            self.notices += 1
+            for stamp in _delta.decode(line.params).text.split(";")[:-1]:
+                self.last = float(stamp)
+                self.first = self.first or self.last
+                self.latencies.append(t - self.last)
+                self.fragments += 1
+        elif line.method == "session/actions":
+            if any("Done" in a.op for a in _actions.decode(line.params).actions):
+                self.done = t
+                self.finished.set()
+                return True
+        elif line.method in ("session/stalled", "session/unwatched"):
+            self.ended = f"{line.method}: {bytes(line.params or b'')[:300]!r}"
+            self.finished.set()
+            return True
+        return False
+
+
+class _Named(msgspec.Struct):
+    session: str
+
+
+_named = msgspec.json.Decoder(_Named)
+
+
+async def _watch_all(sock: str, sessions: list[_Session]) -> asyncio.Task[None]:
+    """One connection watching every session (a dashboard), handing each notice to its session's client."""
+    reader, writer = await asyncio.open_unix_connection(sock, limit=1 << 24)
+    by_name = {s.name: s for s in sessions}
+    for n, session in enumerate(sessions):
+        request = {"jsonrpc": "2.0", "id": n, "method": "session/watch", "params": {"session": session.name}}
+        writer.write(json.dumps(request).encode() + b"\n")
+    answered = 0
+    while answered < len(sessions):
+        answered += _line.decode(await reader.readline()).id is not None
+
+    async def read() -> None:
+        left = len(sessions)
+        while left:
+            raw = await reader.readline()
+            if not raw:
+                return
+            line = _line.decode(raw)
+            if line.method is not None and by_name[_named.decode(line.params).session].take(line, time.monotonic()):
+                left -= 1
+        writer.close()
+
+    return asyncio.get_running_loop().create_task(read())
 
 
 # -- a round ----------------------------------------------------------------------------------------------------------
@@ -298,24 +333,27 @@ def _start_daemon(code: Path, root: Path, url: str) -> tuple[subprocess.Popen[by
 
 
 async def _drive(
-    sock: Path, workspace: Path, sessions: int, model_s: float, pid: int, profile: Path | None
+    sock: Path, workspace: Path, sessions: int, model_s: float, pid: int, profile: Path | None, shared: bool
 ) -> dict[str, Any]:
     latencies: list[float] = []
     clients = [_Session(latencies) for _ in range(sessions)]
     for i in range(0, sessions, 50):
-        await asyncio.gather(*(c.open(str(sock), str(workspace)) for c in clients[i : i + 50]))
+        await asyncio.gather(*(c.open(str(sock), str(workspace), not shared) for c in clients[i : i + 50]))
+    dashboard = await _watch_all(str(sock), clients) if shared else None
     spy = None
     if profile is not None:  # py-spy's collapsed stacks of every thread, while the turns run
         argv = [os.environ.get("PY_SPY", "py-spy"), "record", "-p", str(pid), "-r", "200", "--threads", "--idle"]
         spy = subprocess.Popen([*argv, "-f", "raw", "-o", str(profile)], stdout=subprocess.DEVNULL)
     cpu0, t0, mine = _cpu(pid), time.monotonic(), time.process_time()
-    await asyncio.gather(*(c.turn(3 * model_s + 30) for c in clients))
+    await asyncio.gather(*(c.turn(3 * model_s + 30, shared) for c in clients))
     cpu1, wall, mine = _cpu(pid), time.monotonic() - t0, time.process_time() - mine
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
     for c in clients:
         c.writer.close()
+    if dashboard is not None:
+        dashboard.cancel()
     threads = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
     cpu = sum(threads.values())
     fragments = sum(c.fragments for c in clients)
@@ -350,7 +388,7 @@ async def _drive(
     }
 
 
-def _round(code: Path, sessions: int, tokens: int, rate: float, profile: Path | None) -> dict[str, Any]:
+def _round(code: Path, sessions: int, tokens: int, rate: float, profile: Path | None, shared: bool) -> dict[str, Any]:
     import uvloop
 
     root = Path(tempfile.mkdtemp(prefix="devd-bench-stream-"))
@@ -359,7 +397,9 @@ def _round(code: Path, sessions: int, tokens: int, rate: float, profile: Path | 
     try:
         daemon, workspace = _start_daemon(code, root, url)
         try:
-            result |= uvloop.run(_drive(root / "devd.sock", workspace, sessions, tokens / rate, daemon.pid, profile))
+            result |= uvloop.run(
+                _drive(root / "devd.sock", workspace, sessions, tokens / rate, daemon.pid, profile, shared)
+            )
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(60)
@@ -375,7 +415,13 @@ def _round(code: Path, sessions: int, tokens: int, rate: float, profile: Path | 
 
 
 def bench_stream(
-    sessions: int, tokens: int, rate: float, rounds: int, baseline: Path | None, profile: Path | None = None
+    sessions: int,
+    tokens: int,
+    rate: float,
+    rounds: int,
+    baseline: Path | None,
+    profile: Path | None = None,
+    shared: bool = False,
 ) -> dict[str, Any]:
     here = Path(__file__).resolve().parent.parent
     sides = {"this": here} | ({"baseline": baseline.resolve()} if baseline is not None else {})
@@ -383,9 +429,10 @@ def bench_stream(
     for r in range(rounds):
         for name, code in sides.items() if r % 2 == 0 else reversed(sides.items()):
             spied = None if profile is None else profile.with_suffix(f".{name}.{r}.txt")
-            runs[name].append(_round(code, sessions, tokens, rate, spied))
+            runs[name].append(_round(code, sessions, tokens, rate, spied, shared))
             print(json.dumps({"round": r, "side": name, **runs[name][-1]}), file=sys.stderr, flush=True)
     out: dict[str, Any] = {"sessions": sessions, "tokens": tokens, "rate": rate, "model_s": tokens / rate}
+    out["watchers"] = "one connection watching every session" if shared else "a connection a session"
     keys = ["cpu_us_per_fragment", "turn_max_per_model_time", "delta_ms_p50", "delta_ms_p99", "turns_not_ended"]
     for name, results in runs.items():
         out[name] = {k: statistics.median([r[k] for r in results if r[k] is not None] or [0]) for k in keys}
@@ -403,12 +450,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--baseline", type=Path, default=None, help="a checkout of the devd to compare with, alternated")
     p.add_argument("--profile", type=Path, default=None, help="py-spy's stacks of each round to PROFILE.SIDE.ROUND.txt")
+    p.add_argument("--shared", action="store_true", help="one connection watches every session (a dashboard)")
 
 
 def main(args: argparse.Namespace) -> int:
     print(
         json.dumps(
-            bench_stream(args.sessions, args.tokens, args.rate, args.rounds, args.baseline, args.profile), indent=1
+            bench_stream(args.sessions, args.tokens, args.rate, args.rounds, args.baseline, args.profile, args.shared),
+            indent=1,
         )
     )
     return 0
