@@ -2415,6 +2415,19 @@ def main(argv: list[str] | None = None) -> int:
     children_arguments(sub.add_parser("children", help="a child run's start and hand-back, and 100 children at once"))
 
     mixed_arguments(sub.add_parser("mixed", help="session/new beside one client's large steps, against it alone"))
+    from benchmarks import bench_codex, bench_first, bench_stream
+
+    bench_codex.add_arguments(sub.add_parser("codex", help="a scripted turn through devd and Codex's app-server"))
+    sub.add_parser("_codex_models").add_argument("url_file")
+
+    bench_first.add_arguments(sub.add_parser("first", help="devd run to the model's first text, cold and warm daemon"))
+    sub.add_parser("_first_model").add_argument("url_file")
+
+    bench_stream.add_arguments(sub.add_parser("stream", help="N agent sessions streaming to watchers: CPU, latency"))
+    model = sub.add_parser("_stream_model")
+    model.add_argument("port_file")
+    model.add_argument("tokens", type=int)
+    model.add_argument("rate", type=float)
 
     approvals_arguments(approvals_parser)
 
@@ -2425,6 +2438,21 @@ def main(argv: list[str] | None = None) -> int:
         return bench_long.command(args)
     if args.what == "fleet":
         return bench_fleet.command(args)
+    if args.what == "codex":
+        return bench_codex.main(args)
+    if args.what == "_codex_models":
+        bench_codex._models_main(args.url_file)
+        return 0
+    if args.what == "first":
+        return bench_first.main(args)
+    if args.what == "_first_model":
+        bench_first._standin_main(args.url_file)
+        return 0
+    if args.what == "stream":
+        return bench_stream.main(args)
+    if args.what == "_stream_model":
+        bench_stream._model_main(args.port_file, args.tokens, args.rate)
+        return 0
     if args.what == "approvals":
         from benchmarks import bench_approvals as approvals  # the agent runtime's, loaded only when asked for
 

@@ -93,12 +93,16 @@ def serve_page(h: BaseHTTPRequestHandler, pages: dict[str, str | bytes]) -> None
     h.wfile.write(data)
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 256  # not socketserver's 5: a burst of connections is not left to SYN retries (1, 3, 7 s)
+
+
 class Served:
     """An HTTP server of `handler` on `address` (at a free port, `port`), run on a thread of its own from the start of
     a `with` to its end."""
 
     def __init__(self, address: str, handler: type[BaseHTTPRequestHandler], name: str) -> None:
-        self._server = ThreadingHTTPServer((address, 0), handler)
+        self._server = _Server((address, 0), handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,), name=name, daemon=True)
         self.port = self._server.server_address[1]

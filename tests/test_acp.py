@@ -209,7 +209,8 @@ async def test_initialize_answers_protocol_1_with_load_list_resume_and_close(dev
 WRITE_THEN_CAT = [
     Scripted(text="I will write it.", tool_calls=[("write", {"path": "hello.txt", "text": "hi\n"})]),
     Scripted(tool_calls=[("exec", {"argv": ["cat", "hello.txt"]})]),
-    Scripted(text="hello.txt says hi.", split=2),
+    # Streamed over time, as a model does: fragments that come in one read of the daemon are told as one delta.
+    Scripted(text="hello.txt says hi.", split=2, delay_s=0.005),
 ]
 
 

@@ -142,9 +142,10 @@ def test_a_watcher_that_joins_mid_stream_is_first_sent_the_text_so_far(agentd: A
         session = agentd.session(c)
         watch_raw(early, session)
         turn = c.prompt(session, "stream")
-        streamed = 0
-        while streamed < 3:  # the three fragments sent before the stand-in holds the rest
-            streamed += early.wait_notification(NOTICE_TIMEOUT_S).method == "session/delta"
+        told = ""
+        while len(told) < 12:  # the three fragments of 4 sent before the stand-in holds the rest (in 1 to 3 deltas)
+            notice = early.wait_notification(NOTICE_TIMEOUT_S)
+            told += notice.params["text"] if notice.method == "session/delta" else ""
         watch_raw(late, session)
         held.set()
         seen = until_done(late, turn)

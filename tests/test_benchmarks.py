@@ -66,3 +66,16 @@ def test_bench_children_times_a_child_against_the_same_work_without_one_and_fans
     argv = [sys.executable, "-m", "benchmarks.bench", "children", "--rounds", "1", "--children", "3"]
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     assert json.loads(done.stdout)["fan_out_children_completed"] == 3
+
+
+def test_bench_stream_measures_every_fragment_of_every_sessions_turn() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "stream", "--sessions", "3", "--tokens", "5", "--rate", "100"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    result = json.loads(done.stdout)["this"]
+    assert (result["turns_not_ended"], result["cpu_us_per_fragment"] > 0) == (0, True)
+
+
+def test_bench_first_times_devd_run_on_a_cold_daemon_and_a_warm_one() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "first", "--rounds", "1", "--sandbox", "none"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    assert set(json.loads(done.stdout)["this"]) >= {"cold_ms", "warm_ms", "cold_minus_warm_ms"}

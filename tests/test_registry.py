@@ -664,6 +664,35 @@ async def test_a_quick_call_that_missed_its_budget_does_not_wait_behind_slow_cal
     assert answered[0] == "fast"
 
 
+@pytest.mark.parametrize("lane", ["heavy", "rebuilt"])
+async def test_a_call_that_waits_for_a_worker_longer_than_its_deadline_still_runs(
+    tmp_path: Path, spin_core: Core, lane: str
+) -> None:
+    """A loaded daemon makes a call wait for a worker thread; the wait is not the call's time. One session spins on
+    the only worker for a second; another's call, of a 0.3 s deadline, queued behind it (a heavy session's, or one
+    stopped inline and to be rebuilt), is answered: it ended its session as DEADLINE without having run."""
+    threads = {"call_threads_max": 1} if lane == "heavy" else {"quick_threads_max": 1}
+    async with opened("memory", tmp_path, spin_core, inline_budget_s=1e-9, **threads) as registry:
+        await registry.new("slow", b"{}")
+        await registry.new("waits", b"{}")
+        await registry.step("slow", CALM, None, None)  # stopped inline and rebuilt: heavy, on the worker from now on
+        if lane == "heavy":
+            await registry.step("waits", CALM, None, None)
+        else:  # a spin that holds the quick lane's one thread: a start of a session stopped inline goes there
+            registry.get("slow").heavy = False
+            registry.runner.inline_budget_s = 1e-9
+
+        async def spin() -> None:
+            with contextlib.suppress(DeadlineError):
+                await registry.step("slow", TIMER, 1000, None)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(spin)
+            await anyio.sleep(0.1)  # the worker spins
+            answer = await registry.step("waits", CALM, 300, None)
+    assert answer[0] == b"[]"
+
+
 async def most_live_while_eight_sessions_step_at_once(registry: Registry) -> int:
     """Make eight sessions (each new one hibernates the oldest past max_live), step them all at once, and return the
     most instances live or being rebuilt at any point meanwhile."""

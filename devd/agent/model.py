@@ -329,6 +329,19 @@ class StreamError(Exception):
         self.why, self.sample = why, sample
 
 
+_decode = msgspec.json.decode  # a stream's hundreds of chunks a second: 2-3 times as fast as json.loads
+
+
+def _decode_slowly(data: str) -> Any:
+    """A line msgspec refused, as the standard parser reads it (a lone surrogate escape it takes) or words its error."""
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as e:
+        raise StreamError(f"a stream line is not JSON ({e})", data[:200]) from None
+    except RecursionError:
+        raise StreamError("a stream line is JSON nested too deeply to be read", data[:200]) from None
+
+
 class StreamParser:
     """Server-sent events of a chat-completion stream, a line at a time (sans I/O): `feed` gives the content
     fragments of that line; `done` once `data: [DONE]` came; `completion()` what the whole stream said."""
@@ -356,11 +369,9 @@ class StreamParser:
             return []
         self.chunks += 1
         try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError as e:
-            raise StreamError(f"a stream line is not JSON ({e})", data[:200]) from None
-        except RecursionError:
-            raise StreamError("a stream line is JSON nested too deeply to be read", data[:200]) from None
+            chunk = _decode(data)
+        except (msgspec.DecodeError, RecursionError):  # said again by the standard parser: its words, lone surrogates
+            chunk = _decode_slowly(data)
         if not isinstance(chunk, dict):
             raise StreamError("a stream chunk is not an object", data[:200])
         return self.chunk(chunk)

@@ -12,6 +12,7 @@ nothing here imports the wire.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -24,7 +25,7 @@ from devd.errors import BusyError, HandleError
 from devd.messages import Action, Event, Message, Turn, decode_actions, decode_messages, encode
 from devd.protocol import DeltaNotice
 from devd.sessions.port import SessionPort
-from devd.sessions.watchers import Fanout, Stepped, Subscription
+from devd.sessions.watchers import Fanout, Sink, Stepped, Subscription
 from devd.storage.store import Counter, Over, Record, Store, Tally
 
 T = TypeVar("T")
@@ -42,53 +43,113 @@ class Observer(Protocol):
 
 class ObservedFanout(Fanout, kw_only=True):
     """The watcher fan-out, also telling in-process observers of every step and every session's end, and sending
-    notices that are not steps (`notify(method, params)`: a notification line)."""
+    notices that are not steps (`notify(method, params)`: a notification line).
+
+    A model's text is told in batches: the fragments that come in one turn of the event loop (a read of a stream
+    holds several once the daemon is busy) go out after it as one `session/delta` per action, and a watcher's
+    deltas of all the sessions it watches as one write (a socket write a notice was a third of the daemon's CPU per
+    fragment with 300 sessions streaming). Whatever else is told of a session (a step, another notice, its end, a
+    watcher joining) first sends what is batched, so a watcher's notices keep their order."""
 
     notify: Callable[[str, Any], bytes]
     observers: list[Observer] = msgspec.field(default_factory=list)
     streams: dict[str, dict[int, Stream]] = msgspec.field(default_factory=dict)  # per session: Model text so far
+    _batched: dict[tuple[str, int], list[str]] = msgspec.field(default_factory=dict)  # text not yet told
+    _flush: Any = None  # the loop's callback that tells what is batched, while one is due
 
     def publish(self, stepped: Stepped) -> None:
+        self.flush()
         super().publish(stepped)
         for observer in self.observers:
             observer.stepped(stepped)
 
     def end(self, session: str, reason: str, owner: tuple[str, str] | None = None) -> None:
+        self.flush()
         super().end(session, reason, owner)
         for observer in self.observers:
             observer.ended(session)
 
+    def rewound(self, session: str, at: int) -> None:
+        self.flush()
+        super().rewound(session, at)
+
     def tell(self, session: str, data: bytes) -> None:
         """A notice that is not a step, to the session's live watchers (one still catching up on history gets it
         not: it would arrive before the steps it follows). A watcher with no room for it is dropped, as for a step."""
+        self.flush()
         for sub in list(self._by_session.get(session, ())):
             if sub.active and not sub.catching_up and not sub.sink.offer(data):
                 self.end_one(sub, "fell too far behind")
 
     def stream(self, session: str, action: int, text: str) -> None:
-        """Text the model wrote for the Model action `action`, told as a `session/delta` to the live watchers, and
-        kept: a watcher that joins before `streamed` is first told all of it, so the deltas any watcher gets are
-        its reply's whole text (a second UI, or an editor back after the daemon restarted, joins mid-stream)."""
+        """Text the model wrote for the Model action `action`, told as a `session/delta` to the live watchers (after
+        this turn of the event loop, with the rest of what came in it), and kept: a watcher that joins before
+        `streamed` is first told all of it, so the deltas any watcher gets are its reply's whole text (a second UI,
+        or an editor back after the daemon restarted, joins mid-stream)."""
         kept = self.streams.setdefault(session, {}).setdefault(action, Stream())
         fresh = kept.add(text)
-        if fresh:
-            self.tell(session, self.notify(DELTA_NOTICE, DeltaNotice(session, action, fresh)))
+        if not fresh or session not in self._by_session:
+            return
+        batched = self._batched.get((session, action))
+        if batched is not None:
+            batched.append(fresh)
+            return
+        self._batched[(session, action)] = [fresh]
+        if self._flush is None:
+            try:
+                self._flush = asyncio.get_running_loop().call_soon(self._flush_due)
+            except RuntimeError:  # no loop running (a test driving the fan-out by hand): told now
+                self.flush()
+
+    def _flush_due(self) -> None:
+        self._flush = None
+        self.flush()
+
+    def flush(self, skip: Subscription | None = None) -> None:
+        """Tell what is batched now: a delta per action, and one write per watcher of all its deltas (`skip` aside:
+        a watcher joining, told the whole text instead)."""
+        if not self._batched:
+            return
+        batched, self._batched = self._batched, {}
+        writes: dict[int, tuple[Sink, list[Subscription], list[bytes]]] = {}
+        for (session, action), texts in batched.items():
+            subs = self._by_session.get(session)
+            if not subs:
+                continue
+            text = texts[0] if len(texts) == 1 else "".join(texts)
+            data = self.notify(DELTA_NOTICE, DeltaNotice(session, action, text))
+            for sub in subs:
+                if sub.active and not sub.catching_up and sub is not skip:
+                    write = writes.get(id(sub.sink))
+                    if write is None:
+                        writes[id(sub.sink)] = (sub.sink, [sub], [data])
+                    else:
+                        write[1].append(sub)
+                        write[2].append(data)
+        for sink, subs_of_sink, datas in writes.values():
+            if not sink.offer(datas[0] if len(datas) == 1 else b"".join(datas)):
+                for sub in subs_of_sink:
+                    if sub.active:
+                        self.end_one(sub, "fell too far behind")
 
     def stream_again(self, session: str, action: int) -> None:
         """The text of `action` starts again from its beginning (an attempt that failed mid-stream is retried, or the
         model is asked again): what it repeats of the text told is not told twice."""
+        self.flush()
         kept = self.streams.get(session, {}).get(action)
         if kept is not None:
             kept.again()
 
     def streamed(self, session: str, action: int) -> None:
         """The stream of `action` is over: its answer was stepped, or the ask stalled or was stopped."""
+        self.flush()
         kept = self.streams.get(session, {})
         kept.pop(action, None)
         if not kept:
             self.streams.pop(session, None)
 
     def live(self, sub: Subscription) -> None:
+        self.flush(skip=sub)  # what is batched goes to those watching before sub; sub is told the whole text so far
         for action, kept in self.streams.get(sub.session, {}).items():
             if not sub.sink.offer(self.notify(DELTA_NOTICE, DeltaNotice(sub.session, action, kept.text()))):
                 self.end_one(sub, "fell too far behind")

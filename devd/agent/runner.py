@@ -143,6 +143,7 @@ class Runtime:
         self.table = Table()  # one record per session known here: forgetting one is one removal (devd.agent.known)
         self._tg: anyio.abc.TaskGroup | None = None
         self._sandboxes: dict[str, sandboxes.Sandbox | sandboxes.Refusal | None] = {}  # by profile
+        self._probing = anyio.Lock()
         self.http: http.Client | None = None
         self.mcp: Broker | None = None  # the MCP broker, when a profile names servers (its SDK is loaded only then)
         self.oversight = Oversight(sessions, table=self.table)  # approvals, spend and trace (devd.agent.oversight)
@@ -386,6 +387,7 @@ class Runtime:
                 await tg.start(self.mcp.run)
             self._check_keys()
             task_status.started()
+            tg.start_soon(self._probe_sandboxes)
             try:
                 owing = await self.sessions.recorded(records.AGENT)
             except DevdError as e:  # the daemon serves anyway; each session is driven at its next prompt or resume
@@ -463,13 +465,22 @@ class Runtime:
         self.sessions.tell(session, "session/stalled", StalledNotice(session, action, why))
 
     async def sandbox(self, profile: Profile) -> sandboxes.Sandbox | sandboxes.Refusal | None:
-        """How the profile's commands run; bubblewrap is probed the first time, on a worker thread."""
+        """How the profile's commands run; bubblewrap is probed the first time, on a worker thread (at start, in the
+        background: `_probe_sandboxes`), one profile at a time: a turn that asks meanwhile waits for that probe."""
         key = profile.name if profile.ceiling is None else f"{profile.name} {profile.sandbox} {profile.network}"
         if key not in self._sandboxes:  # a child's narrowed profile may be confined more than its agent's own
-            self._sandboxes[key] = await anyio.to_thread.run_sync(
-                lambda: sandboxes.choose(profile, hidden=self.private)
-            )
+            async with self._probing:
+                if key not in self._sandboxes:
+                    self._sandboxes[key] = await anyio.to_thread.run_sync(
+                        lambda: sandboxes.choose(profile, hidden=self.private)
+                    )
         return self._sandboxes[key]
+
+    async def _probe_sandboxes(self) -> None:
+        """Probe every profile's sandbox once the daemon serves, so that the first turn does not wait for it (the
+        processes it starts took a cold daemon's first model call 30-90 ms later than a warm one's)."""
+        for profile in self.profiles.values():
+            await self.sandbox(profile)
 
     # -- observing the sessions ---------------------------------------------------------------------------------
 

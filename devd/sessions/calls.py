@@ -61,7 +61,8 @@ class Runner:
             if deadline - time.monotonic() <= self.inline_budget_s:
                 raise
         self.offloaded += 1
-        return await self.off_loop(lambda: start(deadline - time.monotonic()), quick=True)
+        left = deadline - time.monotonic()  # counted from when a worker takes it: waiting for one is not its time
+        return await self.off_loop(lambda: start(left), quick=True)
 
     async def off_loop(self, fn: Callable[[], T], *, quick: bool = False) -> T:
         """fn on a worker thread: of the quick lane for a call expected to be quick, else of the heavy one."""
@@ -204,6 +205,7 @@ class Calls:
             raise await registry.lost(entry, e) from None
         # The inline attempt was stopped mid-call; its instance is gone. What is durable is exactly the state
         # before this call, so rebuild from it and run the call where it cannot hold up the event loop.
+        left = deadline - time.monotonic()  # what the call has left, however long it then waits for room and a worker
         runner.offloaded += 1
         registry.stats.rebuilt += 1
         entry.heavy, entry.light_calls = True, 0
@@ -216,9 +218,7 @@ class Calls:
                 # On the quick lane: this session's calls fitted the budget until now (it may only have missed it for
                 # the contention), so it must not wait behind the heavy sessions' calls.
                 instance, result = await runner.off_loop(
-                    lambda: rebuild_and(
-                        registry.core, stored, registry.call_timeout_s, deadline - time.monotonic(), call
-                    ),
+                    lambda: rebuild_and(registry.core, stored, registry.call_timeout_s, left, call),
                     quick=True,
                 )
             except OutOfMemoryError:
@@ -244,10 +244,13 @@ class Calls:
         not count either way."""
         registry, runner = self.registry, self.registry.runner
         runner.offloaded += 1
+        # The call's time is counted from when a worker takes it: on a loaded daemon the wait for a worker (or for
+        # the GIL to start one) took whole deadlines, and a call that had not begun ended its session as DEADLINE.
+        left = deadline - time.monotonic()
 
         def timed() -> tuple[T, float]:
             started = time.thread_time()  # CPU time, as inline (see `call`)
-            return call(instance, deadline - time.monotonic()), time.thread_time() - started
+            return call(instance, left), time.thread_time() - started
 
         try:
             result, seconds = await runner.off_loop(timed)
