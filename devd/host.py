@@ -161,17 +161,20 @@ class _Ticker:
 
     A plain sleep-and-tick loop fires deadlines late under GIL contention (50 ms became 330 ms); bringing the epoch to
     floor(elapsed / period) on each wake-up keeps it honest. Deadlines are computed from the wall clock minus the
-    epoch already reached, so a lagging epoch never makes a deadline fire early. Once the latest deadline armed has
-    passed, no call can be running under one, so the thread sleeps until the next is armed: an idle daemon does not
-    wake (it woke 200 times a second). The epoch does not move while it sleeps; arming moves the clock's origin up to
-    it instead, since catching up an hour of ticks one atomic add at a time would hold the GIL for most of a second.
+    epoch already reached, so a lagging epoch never makes a deadline fire early. Once the epoch has passed the tick of
+    the latest deadline armed, every call running under one has trapped, so the thread sleeps until the next is
+    armed: an idle daemon does not wake (it woke 200 times a second). The test is the epoch, not the clock: a thread
+    starved past a deadline catches the epoch up first (it slept with the clock past the deadline and the epoch short
+    of it, and a spinning call ran for ever). The epoch does not move while it sleeps; arming moves the clock's origin
+    up to it instead, since catching up an hour of ticks one atomic add at a time would hold the GIL for most of a
+    second.
     """
 
     def __init__(self, engine: wasmtime.Engine) -> None:
         self._engine = engine
         self._t0 = time.monotonic()
         self._epoch = 0
-        self._until = 0.0  # the latest deadline armed (monotonic)
+        self._due = 0  # the epoch tick of the latest deadline armed
         self._expired = False  # after expire(): every call traps at once
         self._armed = threading.Event()  # clear only while the thread sleeps, or is about to
         self._stop = threading.Event()
@@ -183,9 +186,10 @@ class _Ticker:
         # hold of the GIL, not one hand-over to the event loop and back per tick.
         engine = self._engine.ptr()
         while not self._stop.is_set():
-            if time.monotonic() > self._until:
+            # One tick past the latest deadline's: the engine's epoch may lead the count read when it was armed by one.
+            if self._epoch > self._due:
                 self._armed.clear()
-                if time.monotonic() > self._until:  # checked again after clearing: an arm in between is seen here
+                if self._epoch > self._due:  # checked again after clearing: an arm in between is seen here
                     self._armed.wait()
                 continue
             if self._stop.wait(TICK_SECONDS):
@@ -201,12 +205,13 @@ class _Ticker:
             return 0  # the deadline is the epoch already reached: the call traps at its first check
         if not self._armed.is_set():  # asleep: the epoch stood still, so its origin moves to now
             self._t0 = time.monotonic() - self._epoch * TICK_SECONDS
-        if deadline > self._until:
-            self._until = deadline
-        due = int((deadline - self._t0) / TICK_SECONDS) + 1
+        epoch = self._epoch
+        ticks = max(1, int((deadline - self._t0) / TICK_SECONDS) + 1 - epoch)
+        if epoch + ticks > self._due:
+            self._due = epoch + ticks
         if not self._armed.is_set():
             self._armed.set()
-        return max(1, due - self._epoch)
+        return ticks
 
     def expire(self, seconds: float) -> None:
         """Advance the epoch past every deadline due within `seconds`: each call running now traps (DEADLINE), and

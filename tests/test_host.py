@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import zlib
@@ -1182,3 +1183,25 @@ def test_a_clients_12_mb_snapshot_restores_within_the_default_memory_cap(core: C
     snapshot = source.snapshot()
     roomy.close()
     assert core.restore(snapshot).snapshot() == snapshot
+
+
+def test_a_ticker_starved_past_a_deadline_still_brings_the_epoch_to_it() -> None:
+    """The epoch ticker, kept from the GIL until the deadline has passed (a loaded daemon), catches the epoch up to it
+    before it sleeps: it slept with the clock past the deadline and the epoch short of it, and a spinning call ran for
+    ever (test_open_stops_a_module_that_never_answers hung a CI run)."""
+    c = Core.open(timeout=0.05, call_timeout=0.05)
+    interval = sys.getswitchinterval()
+    try:
+        time.sleep(0.2)  # the open's deadline has passed: the ticker sleeps
+        sys.setswitchinterval(5.0)  # the spin below keeps the GIL from the ticker's thread
+        ticks = c._ticker.ticks_until(time.monotonic() + 0.02)
+        armed = c._ticker._epoch
+        spin_until = time.monotonic() + 0.2
+        while time.monotonic() < spin_until:
+            pass
+        sys.setswitchinterval(interval)
+        time.sleep(0.1)
+        assert c._ticker._epoch - armed > ticks
+    finally:
+        sys.setswitchinterval(interval)
+        c.close()
