@@ -25,6 +25,9 @@ What it promises:
   stops its work at once: the stream is closed, the command's process group killed; a claimed effect so stopped is
   stepped as failed, saying it was cancelled. Nothing of a cancelled turn starts afterwards: what runs next is what the
   core still waits for.
+- A session that ends under its running turn (a call past its deadline, a trap in the core: kept until `recover`) is
+  never left silent: its watchers' subscriptions end once (`session/unwatched`, saying why and what carries it on),
+  a `session/wait` on its turns answers the error that says it ended, and a child so ended fails.
 - At start, every agent session that owes work is driven again (`run`).
 """
 
