@@ -783,7 +783,8 @@ class StepNotice(msgspec.Struct, frozen=True):
 
 class UnwatchedNotice(msgspec.Struct, frozen=True, omit_defaults=True):
     """`session/unwatched`: the subscription ended after step `seq` ("closed", "expired", "moved" to the daemon
-    `owner`: watch it there with `since` = `seq`, or "fell too far behind")."""
+    `owner`: watch it there with `since` = `seq`, "rewound to step N", "ended while its turn ran (...)": kept until
+    `session/recover`, or "fell too far behind")."""
 
     session: str
     seq: int

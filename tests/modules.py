@@ -76,3 +76,41 @@ def slow_to_compile(functions: int = 400) -> bytes:
     body = " ".join(["(local.get 0) (i32.const 7) (i32.mul) (local.set 0)"] * 200)
     extra = " ".join(f"(func $f{i} (param i32) (result i32) {body} (local.get 0))" for i in range(functions))
     return core_with("i32.const 0", extra=extra)
+
+
+def _turn_then_spin(action: bytes) -> bytes:
+    """A core for an agent session whose turn ends its session: a Turn event (`{"Turn"...`: its third byte is T) is
+    answered `action`, which `dev_pending` then reports; any other event (that action's result) spins until its
+    deadline, as a core that loops for ever does."""
+    escaped = action.decode().replace('"', r"\"")
+    return wasmtime.wat2wasm(
+        f"""(module
+  (memory (export "memory") 1)
+  (data (i32.const 1024) "[]")
+  (data (i32.const 1100) "{escaped}")
+  (global $asked (mut i32) (i32.const 0))
+  (func $answer (param $out i32) (param $at i32) (param $len i32)
+    (i32.store (local.get $out) (local.get $at))
+    (i32.store offset=4 (local.get $out) (local.get $len))
+    (i32.store offset=8 (local.get $out) (local.get $len)))
+  (func (export "dev_abi") (result i32) i32.const 2)
+  (func (export "dev_alloc") (param i32) (result i32) i32.const 2048)
+  (func (export "dev_release") (param i32 i32))
+  (func (export "dev_new") (param i32 i32 i32) (result i32) i32.const 0)
+  (func (export "dev_step") (param i64 i32 i32 i32) (result i32)
+    (if (i32.ne (i32.load8_u offset=2 (local.get 1)) (i32.const 84)) (then (loop (br 0))))
+    (global.set $asked (i32.const 1))
+    (call $answer (local.get 3) (i32.const 1100) (i32.const {len(action)}))
+    i32.const 0)
+  (func (export "dev_pending") (param i64 i32) (result i32)
+    (if (global.get $asked)
+      (then (call $answer (local.get 1) (i32.const 1100) (i32.const {len(action)})))
+      (else (call $answer (local.get 1) (i32.const 1024) (i32.const 2))))
+    i32.const 0)
+  (func (export "dev_free") (param i32)))"""
+    )
+
+
+# An agent session's core whose turn runs one command (`sleep 1`), and which spins on its result: the session ends
+# (DEADLINE) under its driver, mid-turn.
+ENDS_MID_TURN = _turn_then_spin(b'[{"id":1,"op":{"Exec":{"argv":["sleep","1"]}}}]')

@@ -30,6 +30,7 @@ from acp.schema import (
     UserMessageChunk,
 )
 
+from tests import modules
 from tests.daemon import ROOT, Daemon
 from tests.harness import InProcess
 from tests.standin_model import Scripted, Standin, standin_fixture  # noqa: F401 (the `standin` fixture)
@@ -64,13 +65,21 @@ def agents_toml(url: str, root: Path, exec: str, *extra: str) -> str:
     )
 
 
-def setup(tmp_path: Path, standin: Standin, exec: str = "allow", process: bool = False, *extra: str) -> Iterator[Setup]:
-    """The daemon with agents: in this process, or (`process`) as a process of its own, for a test that kills it."""
+def setup(
+    tmp_path: Path,
+    standin: Standin,
+    exec: str = "allow",
+    process: bool = False,
+    *extra: str,
+    flags: tuple[str, ...] = (),
+) -> Iterator[Setup]:
+    """The daemon with agents (and `flags`): in this process, or (`process`) as a process of its own, for a test that
+    kills it."""
     workspace = tmp_path / "roots" / "app"
     workspace.mkdir(parents=True)
     agents = tmp_path / "agents.toml"
     agents.write_text(agents_toml(standin.url, tmp_path / "roots", exec, *extra))
-    with (Daemon if process else InProcess)(tmp_path / "d", "--agents", str(agents)) as daemon:
+    with (Daemon if process else InProcess)(tmp_path / "d", "--agents", str(agents), *flags) as daemon:
         yield Setup(daemon, workspace.resolve(), standin, tmp_path)
 
 
@@ -283,6 +292,28 @@ async def test_a_stalled_session_answers_the_prompt_refusal_with_the_reason(devd
         session = await conn.new_session(cwd=str(devd.workspace), mcp_servers=[])
         answer = await conn.prompt(session_id=session.session_id, prompt=text("go"))
     assert (answer.stop_reason, "no such model" in answer.field_meta["devd"]["stalled"]) == ("refusal", True)
+
+
+@pytest.fixture
+def ending(tmp_path: Path, standin: Standin) -> Iterator[Setup]:
+    """A daemon whose core ends an agent session mid-turn (`tests.modules.ENDS_MID_TURN`: DEADLINE after 1 s)."""
+    core = tmp_path / "ends-mid-turn.wasm"
+    core.write_bytes(modules.ENDS_MID_TURN)
+    yield from setup(tmp_path, standin, flags=("--core", str(core), "--call-timeout", "1"))
+
+
+async def test_a_session_that_ends_under_the_turn_answers_the_prompt_refusal_saying_why(ending: Setup) -> None:
+    """Before, the prompt was never answered: the daemon told its watchers nothing."""
+    editor = Editor()
+    async with editor_on(ending, editor) as conn:
+        session = await conn.new_session(cwd=str(ending.workspace), mcp_servers=[])
+        with anyio.fail_after(WAIT_S):
+            answer = await conn.prompt(session_id=session.session_id, prompt=text("go"))
+    name = session.session_id
+    told = "devd: the session ended while its turn ran (DEADLINE: the call ran past its deadline and was stopped; "
+    told += f"session '{name}' ended: `devd recover {name}` brings it back from its last step); after `devd recover "
+    told += f"{name}`, `devd resume {name}` carries the turn on."
+    assert (answer.stop_reason, editor.text()) == ("refusal", told)
 
 
 async def test_prompting_a_stalled_session_again_tries_its_model_again(devd: Setup) -> None:

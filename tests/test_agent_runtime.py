@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -19,6 +20,7 @@ import pytest
 from devd import errors, failpoints
 from devd.client import Client
 from devd.messages import Call, Cancel, Event, ToolCall, Turn, answer
+from tests import modules
 from tests.agents import (
     NOTICE_TIMEOUT_S,
     SECRET,
@@ -467,6 +469,50 @@ def test_a_driver_that_fails_stalls_the_session_saying_why_and_a_resume_carries_
         )
 
 
+# -- a session that ends under its turn ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ending(tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch) -> Iterator[Agentd]:
+    """A daemon whose core ends an agent session mid-turn: its turn runs `sleep 1`, and stepping the result spins
+    until the call's deadline (1 s), as a core that loops for ever does."""
+    monkeypatch.setenv("DEVD_TEST_KEY", SECRET)
+    agents = _agents_file(tmp_path, standin)
+    core = tmp_path / "ends-mid-turn.wasm"
+    core.write_bytes(modules.ENDS_MID_TURN)
+    with InProcess(tmp_path / "d", "--agents", str(agents), "--core", str(core), "--call-timeout", "1") as daemon:
+        yield Agentd(daemon, tmp_path / "roots" / "ws", standin)
+
+
+def ended_why(session: str) -> str:
+    return (
+        "ended while its turn ran (DEADLINE: the call ran past its deadline and was stopped; session "
+        f"'{session}' ended: `session/recover` brings it back from its last step); after `session/recover`, "
+        "`session/resume` carries the turn on"
+    )
+
+
+def test_a_session_that_ends_under_its_turn_tells_its_watchers_once_why_and_what_carries_it_on(
+    ending: Agentd,
+) -> None:
+    """Before, the daemon only logged `agent.driver_stopped`: a watcher got nothing, and a client that prompted
+    waited for ever (issue 35: seen at 300 sessions)."""
+    with ending.client() as c, ending.client() as ui:
+        session = ending.session(c)
+        watch_raw(ui, session)
+        c.prompt(session, "run it")
+        told = next_notice(ui, "session/unwatched").params
+        assert told == {"session": session, "seq": 1, "reason": ended_why(session)}
+
+
+def test_a_wait_on_a_turn_whose_session_ends_under_it_answers_that_it_ended(ending: Agentd) -> None:
+    with ending.client() as c:
+        session = ending.session(c)
+        turn = c.prompt(session, "run it")
+        with pytest.raises(errors.HandleError, match=f"^session '{session}' ended \\(the call ran past its deadline"):
+            c.wait(session, turn, timeout_ms=10_000)  # asked while the command runs, before the session ends
+
+
 # -- crashes: nothing run twice, nothing acknowledged lost, every turn ends -------------------------------------------
 
 
@@ -654,6 +700,27 @@ def test_devd_run_shows_the_turn_and_exits_0(agentd_process: Agentd) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert (done.returncode, done.stdout) == (0, "Reading.\nread a.txt\n  hi\na.txt says hi.\n[turn 1 complete]\n")
+
+
+def test_devd_run_whose_session_ends_under_its_turn_exits_1_saying_why_and_the_devd_verbs_that_carry_it_on(
+    ending: Agentd,
+) -> None:
+    """Before, `devd run` waited for ever: the daemon told its watch nothing."""
+    argv = [sys.executable, "-m", "devd", "run", "--connect", str(ending.daemon.socket), "--session", "spun"]
+    done = subprocess.run(
+        [*argv, "--agent", "coder", "--workspace", str(ending.workspace), "run it"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert (done.returncode, done.stdout.splitlines()[-1]) == (
+        1,
+        "[the watch ended: ended while its turn ran (DEADLINE: the call ran past its deadline and was stopped; session "
+        "'spun' ended: `devd recover spun` brings it back from its last step); after `devd recover spun`, "
+        "`devd resume spun` carries the turn on]",
+    )
 
 
 def test_a_bad_agents_file_refuses_to_start_naming_its_line(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ What it promises:
   process holds (the sessions attached, the permission requests in flight, a `SessionView` per session) is derived
   from the daemon's notices and can be derived again: a fresh process, or another one, shows the same session.
 - `session/prompt` starts a turn with an idempotency key and answers once the turn's `Done` is seen (`end_turn`,
-  `cancelled`), or `refusal` when the session stalls (its reason in `_meta.devd.stalled`).
+  `cancelled`), or `refusal` when the session stalls (its reason in `_meta.devd.stalled`) or ends under the turn (a
+  call past its deadline, a trap in the core: its reason, saying what carries it on, in `_meta.devd.ended`).
 - A daemon that goes away is reconnected (retrying for as long as it takes); each session is watched again from the
   last step seen, so the turns in flight are still answered, and a call lost on the way is sent again (each is
   idempotent: a prompt by its key, a cancel by its key, an approval by its digest). A prompt whose daemon stays away
@@ -68,6 +69,7 @@ from devd.acp.translate import (
 from devd.acp.wire import Id, Request, Response, Update
 from devd.client import ActionsNotice, AsyncClient, NotRunningError, Reply
 from devd.protocol import ChildNotice
+from devd.render import in_devd_terms
 
 log = structlog.get_logger("devd.acp")
 
@@ -151,12 +153,20 @@ class Waiter:
     done: anyio.Event = field(default_factory=anyio.Event)
     stop: Stop | None = None
     stalled: str | None = None
+    ended: str | None = None  # the session ended under the turn: why (`session/unwatched`)
     error: errors.DevdError | None = None
     cancel: bool = False  # the editor cancelled before the turn's id was known
 
-    def end(self, stop: Stop | None, *, stalled: str | None = None, error: errors.DevdError | None = None) -> None:
+    def end(
+        self,
+        stop: Stop | None,
+        *,
+        stalled: str | None = None,
+        ended: str | None = None,
+        error: errors.DevdError | None = None,
+    ) -> None:
         if not self.done.is_set():
-            self.stop, self.stalled, self.error = stop, stalled, error
+            self.stop, self.stalled, self.ended, self.error = stop, stalled, ended, error
             self.done.set()
 
 
@@ -389,10 +399,14 @@ class Bridge:
         if attached is None or not isinstance(name, str):
             return
         if reply.method == "session/unwatched":
-            if params.get("reason") == "closed":
+            reason = str(params.get("reason", ""))
+            if reason == "closed":
                 self._gone(name, "it was closed")
             else:
-                if str(params.get("reason", "")).startswith("rewound"):  # its steps after `seq` are gone: new ones
+                if reason.startswith("ended"):  # under its turn (kept until recovered): no Done comes
+                    for waiter in attached.waiters:
+                        waiter.end("refusal", ended=reason)
+                if reason.startswith("rewound"):  # its steps after `seq` are gone: new ones
                     attached.view.last_seq = int(params.get("seq", 0))  # will be numbered from there
 
                 assert self._tasks is not None
@@ -1200,6 +1214,10 @@ async def _prompt(bridge: Bridge, raw: msgspec.Raw) -> Any:
     if waiter.stalled is not None:
         meta["stalled"] = waiter.stalled
         reason = f"devd: the session is stalled: {waiter.stalled}. Prompt again to retry."
+        await bridge.editor.update(name, wire.AgentMessageChunk(wire.TextBlock(reason)))
+    if waiter.ended is not None:
+        meta["ended"] = waiter.ended
+        reason = f"devd: the session {in_devd_terms(waiter.ended, name)}."
         await bridge.editor.update(name, wire.AgentMessageChunk(wire.TextBlock(reason)))
     result: dict[str, Any] = {"stopReason": waiter.stop, "_meta": {"devd": meta}}
     if (usage := _spent(before, await _usage(bridge, name))) is not None:

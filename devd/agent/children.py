@@ -540,6 +540,12 @@ class Children:
             self._outcomes[(session, turn)] = cancelled
             self.runtime._tg.start_soon(self._ended_child, session)
 
+    def session_ended(self, session: str) -> None:
+        """The session ended under its running turn (kept until `session/recover`): no Done can come, so every
+        waiter of its turns looks again, and is answered the error that says it ended."""
+        for key in [k for k in self._turns if k[0] == session]:
+            self._turns.pop(key).event.set()
+
     async def gone(self, child: str, parent: str) -> None:
         """The child's session ended (closed, say) while its parent may wait for it: it ends `disconnected` unless it
         had ended already."""

@@ -73,6 +73,10 @@ class ObservedFanout(Fanout, kw_only=True):
         self.flush()
         super().rewound(session, at)
 
+    def stopped(self, session: str, reason: str, owner: tuple[str, str] | None = None) -> None:
+        self.flush()
+        super().stopped(session, reason, owner)
+
     def tell(self, session: str, data: bytes) -> None:
         """A notice that is not a step, to the session's live watchers (one still catching up on history gets it
         not: it would arrive before the steps it follows). A watcher with no room for it is dropped, as for a step."""
@@ -275,6 +279,9 @@ class Sessions(RecordLog, Protocol):
 
     def tell(self, session: str, method: str, params: msgspec.Struct) -> None: ...
 
+    def unwatched(self, session: str, reason: str) -> None:
+        """End every watcher's subscription to the session (`session/unwatched` with `reason`); the session stays."""
+
     def stream(self, session: str, action: int, text: str) -> None:
         """Text the model wrote for `action`, to the watchers now and to those that join before `streamed`."""
 
@@ -354,6 +361,9 @@ class RegistryPort(StoreRecordLog):
 
     def tell(self, session: str, method: str, params: msgspec.Struct) -> None:
         self.fanout.tell(session, self.fanout.notify(method, params))
+
+    def unwatched(self, session: str, reason: str) -> None:
+        self.fanout.stopped(session, reason)
 
     def stream(self, session: str, action: int, text: str) -> None:
         self.fanout.stream(session, action, text)

@@ -25,6 +25,9 @@ What it promises:
   stops its work at once: the stream is closed, the command's process group killed; a claimed effect so stopped is
   stepped as failed, saying it was cancelled. Nothing of a cancelled turn starts afterwards: what runs next is what the
   core still waits for.
+- A session that ends under its running turn (a call past its deadline, a trap in the core: kept until `recover`) is
+  never left silent: its watchers' subscriptions end once (`session/unwatched`, saying why and what carries it on),
+  a `session/wait` on its turns answers the error that says it ended, and a child so ended fails.
 - At start, every agent session that owes work is driven again (`run`).
 """
 
@@ -57,7 +60,15 @@ from devd.agent.profiles import McpServer, Profile, api_key, check_workspace, na
 from devd.agent.questions import LAPSED, Questions
 from devd.agent.records import Binding, Claim, ModelChosen, ParentLink, Thought, TurnStarted
 from devd.agent.titles import Titles, from_prompt
-from devd.errors import ConflictError, DevdError, HandleError, InvalidParamsError, MovedError, PoisonError
+from devd.errors import (
+    ConflictError,
+    DevdError,
+    HandleError,
+    InvalidParamsError,
+    MovedError,
+    PanicError,
+    PoisonError,
+)
 from devd.messages import Action, Answer, Call, Event, Message, Reply, Summarize, ToolCall, Turn, encode
 from devd.protocol import (
     CompactResult,
@@ -439,10 +450,12 @@ class Runtime:
     async def _run_driver(self, driver: Driver) -> None:
         try:
             await driver.run()
-        except (HandleError, PoisonError, MovedError) as e:  # closed, ended or moved away: its next prompt drives it
+        except (HandleError, PoisonError, PanicError, MovedError) as e:  # closed, ended, poisoned or moved away
             log.warning("agent.driver_stopped", session=driver.session, error=f"{e.kind}: {e}"[:500])
-            if isinstance(e, PoisonError) and driver.known.link is not None and self._tg is not None:
-                self._tg.start_soon(self.children.failed, driver.session, f"{e.kind}: {e}"[:300])
+            # Closed, expired or moved, the session is forgotten and its watchers were told; else it ended or was
+            # poisoned here (a call past its deadline, a trap) and is kept until `session/recover`.
+            if not isinstance(e, MovedError) and self.table.find(driver.session) is driver.known:
+                self._ended_under(driver, f"{e.kind}: {e}"[:300])
         except Exception as e:
             # A fault (the store refused a write) or a bug must not end the daemon, nor leave the turn waiting with
             # no word to anyone (a prompt waited for ever): the session is stalled, its watchers are told why, and
@@ -457,6 +470,19 @@ class Runtime:
         finally:
             if driver.known.driver is driver:
                 driver.known.driver = None
+
+    def _ended_under(self, driver: Driver, error: str) -> None:
+        """The session ended under its running turn, which cannot end by itself now: nothing is left silent (a client
+        that prompted waited for ever). Its watchers' subscriptions end once, saying why and what carries it on, each
+        `session/wait` on its turns answers (the error that says it ended), and a child ends `failed`."""
+        session = driver.session
+        if driver.known.link is not None and self._tg is not None:
+            self._tg.start_soon(self.children.failed, session, error)
+            why = f"ended while its turn ran ({error}); the delegated run failed"
+        else:
+            why = f"ended while its turn ran ({error}); after `session/recover`, `session/resume` carries the turn on"
+        self.sessions.unwatched(session, why)
+        self.children.session_ended(session)
 
     def stall(self, session: str, known: Known, action: int, why: str) -> None:
         known.stalled = why

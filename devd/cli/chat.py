@@ -40,7 +40,7 @@ from devd.protocol import (
     UsageResult,
     UsageTotals,
 )
-from devd.render import argv, inline
+from devd.render import argv, in_devd_terms, inline
 
 if TYPE_CHECKING:
     from devd.cli.terminal import Asked, Terminal
@@ -196,8 +196,8 @@ class Console:
                 self.line(f"[answer it with `{argv(words)} field=value ...` or `{argv(words)} --decline`]")
             if self.screen.outcome is not None:
                 await self._turn_over()
-            if isinstance(notice, UnwatchedNotice):
-                self.line(f"[the watch ended: {inline(notice.reason)}]")
+            if isinstance(notice, UnwatchedNotice):  # closed, say, or ended under its turn: the reason says what now
+                self.line(f"[the watch ended: {in_devd_terms(inline(notice.reason), self.session)}]")
                 self.finish(EXIT_ENDED)
                 return
 

@@ -116,5 +116,10 @@ class Fanout(msgspec.Struct):
 
     def end(self, session: str, reason: str, owner: tuple[str, str] | None = None) -> None:
         """Every subscription to session ends (it was closed, expired, or moved to the daemon `owner`)."""
+        self.stopped(session, reason, owner)
+
+    def stopped(self, session: str, reason: str, owner: tuple[str, str] | None = None) -> None:
+        """Every subscription to session ends, told `reason`; the session itself is not gone (`end` says it is): one
+        that ended or was poisoned under its running turn is kept until `recover`, and is watched again from `seq`."""
         for sub in list(self._by_session.get(session, ())):
             self.end_one(sub, reason, owner)

@@ -1552,7 +1552,8 @@ export interface Turn {
 
 /**
  * `session/unwatched`: the subscription ended after step `seq` ("closed", "expired", "moved" to the daemon `owner`:
- * watch it there with `since` = `seq`, or "fell too far behind").
+ * watch it there with `since` = `seq`, "rewound to step N", "ended while its turn ran (...)": kept until
+ * `session/recover`, or "fell too far behind").
  */
 export interface UnwatchedNotice {
   session: string;
