@@ -296,6 +296,16 @@ def test_a_wait_that_times_out_says_not_done(tmp_path: Path, standin: Standin, m
         assert (waited.done, c.wait(child.session, child.turn).outcome) == (False, "completed")
 
 
+def test_a_wait_of_no_time_for_an_ended_child_says_it_has_ended(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "review it"), echo)
+        session = f.session(c)
+        assert c.wait(session, c.prompt(session, "go")).done
+        assert c.wait(f"{session}.d2", 1, timeout_ms=0).outcome == "completed"
+
+
 def test_a_child_whose_driver_fails_is_a_failed_child_and_fails_the_call(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -604,29 +604,35 @@ class Children:
     async def wait(
         self, session: str, turn: int, timeout_s: float | None
     ) -> tuple[bool, str | None, str | None, str | None]:
-        """Whether the session's turn has ended within the timeout: (done, outcome, answer, why)."""
-        with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
-            while True:
-                waited = self._turns.setdefault((session, turn), Waited())  # before the look
-                up = await self.parent_link(session)
-                if up is not None:  # a child's turn ends with its terminal state
-                    ended_event = self._ended.setdefault(session, anyio.Event())
-                    ended = (await self.ends(session)).get(session)
-                    if ended is None:
-                        found = [(a, k) for a, k in await self.links(up.parent) if k.child == session]
-                        if found:
-                            ended = await self.settle(up.parent, found[0][0], found[0][1])
-                    if ended is not None:
-                        return True, ended.state, ended.answer, ended.why
-                    await ended_event.wait()
-                    continue
+        """Whether the session's turn has ended within the timeout: (done, outcome, answer, why). Each look at the
+        turn is made whatever the timeout (only the waiting between looks is timed), so a turn that has ended is
+        answered done at once, even to a wait of no time: a waiter cannot miss the end."""
+        deadline = anyio.current_time() + (timeout_s if timeout_s is not None else float("inf"))
+        while True:
+            waited = self._turns.setdefault((session, turn), Waited())  # before the look: an end meanwhile sets it
+            up = await self.parent_link(session)
+            if up is not None:  # a child's turn ends with its terminal state
+                ended_event = self._ended.setdefault(session, anyio.Event())
+                ended = (await self.ends(session)).get(session)
+                if ended is None:
+                    found = [(a, k) for a, k in await self.links(up.parent) if k.child == session]
+                    if found:
+                        ended = await self.settle(up.parent, found[0][0], found[0][1])
+                if ended is not None:
+                    return True, ended.state, ended.answer, ended.why
+                event = ended_event
+            else:
                 done = await self._ended_turn(session, turn)
-                if done is None:
-                    await waited.event.wait()
-                    done = waited.cancelled
                 if done is not None:
                     return True, ("cancelled" if done else "completed"), None, None
-        return False, None, None, None  # its waiter stays, for another waiter of the same turn (told at its end)
+                event = waited.event
+            with anyio.CancelScope(deadline=deadline):
+                await event.wait()
+            if not event.is_set():
+                # its waiter stays, for another waiter of the same turn (told at its end)
+                return False, None, None, None
+            if up is None and waited.cancelled is not None:
+                return True, ("cancelled" if waited.cancelled else "completed"), None, None
 
     async def _ended_turn(self, session: str, turn: int) -> bool | None:
         """Whether the turn has ended, read from the session (cancelled?); None while it has not."""
