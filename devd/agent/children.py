@@ -61,6 +61,7 @@ log = structlog.get_logger("devd.agent.children")
 CHILD_NOTICE = "session/child"
 TASK_KEY = "delegated"  # the key of a child's one turn: started once, however often its making is carried out
 NAME_CHARS_MAX = 64
+CLOSED_WHY = "its session was closed"
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 FORK_CHARS_MAX = 64 * 1024  # of the parent's conversation a `fork` child starts with (its newest part)
 CUT_NOTE = (
@@ -294,7 +295,15 @@ class Children:
         """Make the child as far as it is not made yet (the links, its session, its turn): None, or why it could not
         be (it never asks the model; its terminal state says so)."""
         with self._holding(link.child):
-            return await self._made(parent, action, profile, ask, link)
+            try:
+                return await self._made(parent, action, profile, ask, link)
+            except HandleError:
+                if await self.sessions.known(link.child):
+                    raise
+            # Closed by a client while it was being made: it ends disconnected (never a HANDLE error out of the
+            # parent's call, which stopped the parent's driver and left its turn waiting for ever).
+            await self.finish(parent, action, link, "disconnected", CLOSED_WHY)
+            return None
 
     async def _made(
         self, parent: str, action: int, profile: Profile, ask: DelegateInput, link: ChildLink
@@ -344,6 +353,8 @@ class Children:
             if link.budget is not None:
                 await runtime.oversight.set_budget(name, link.budget)
         except (OSError, DevdError) as e:
+            if isinstance(e, HandleError) and not await self.sessions.known(name):
+                raise  # closed meanwhile, not a write that failed: `_make` ends it disconnected
             why = f"the delegated run was not started: its link could not be kept in its own session's log ({_why(e)})"
             await self.finish(parent, action, link, "failed", why)
             return why
@@ -415,12 +426,17 @@ class Children:
         """The child's terminal state, recorded now if its turn has ended (or its session is gone) and none was; None
         while it runs."""
         with self._holding(link.child):
-            return await self._settle(parent, action, link)
+            try:
+                return await self._settle(parent, action, link)
+            except HandleError:  # closed between the look at whether it is there and a read of it
+                if await self.sessions.known(link.child):
+                    raise
+            return await self.finish(parent, action, link, "disconnected", CLOSED_WHY)
 
     async def _settle(self, parent: str, action: int, link: ChildLink) -> ChildEnded | None:
         name = link.child
         if not await self.sessions.known(name):
-            return await self.finish(parent, action, link, "disconnected", "its session was closed")
+            return await self.finish(parent, action, link, "disconnected", CLOSED_WHY)
         known = self.runtime.table.get(name)
         await self.runtime.binding(name, known)
         if known.turn == 0 or await self.sessions.keyed_turn(name, f"prompt:{TASK_KEY}") is None:
@@ -690,7 +706,7 @@ class Children:
                 await self._end_turn(name)
                 await self.finish(parent, action, link, "cancelled", why)
             else:
-                await self.finish(parent, action, link, "disconnected", "its session was closed")
+                await self.finish(parent, action, link, "disconnected", CLOSED_WHY)
 
     async def resume_cascades(self) -> None:
         """At start: finish every cascade a stopped daemon left unfinished, then the Cancel (or close) it led to."""
