@@ -603,10 +603,12 @@ class Children:
             if link is None:
                 return
             found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
-            if child in self._because:  # being ended: its terminal state is what is told next
-                return
-            if found and (await self.ends(link.parent)).get(child) is None:
-                self._tell(link.parent, found[0][0], found[0][1], "running", await self._used(child))
+            usage = await self._used(child)
+            ended = (await self.ends(link.parent)).get(child)
+            # Looked at after the last read, with no await before the notice: a running notice is never told after
+            # its terminal one (read before the usage, an end recorded meanwhile came first, then `running`).
+            if found and ended is None and child not in self._because:  # being ended: its end is told next
+                self._tell(link.parent, found[0][0], found[0][1], "running", usage)
         except DevdError as e:
             log.warning("agent.child_usage_not_told", child=child, error=_why(e)[:300])
 
