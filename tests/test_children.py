@@ -697,6 +697,28 @@ def test_a_childs_usage_is_told_to_its_parents_watchers_as_it_runs(
         ]
 
 
+def test_a_grandchilds_usage_is_told_to_the_first_sessions_watchers_as_it_runs(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root's watchers are told its child's usage, summed over the child's own children, at each model call of
+    any of them (the grandchild's call was told only to the child's watchers)."""
+    profiles = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {"delegates": '["tester"]'}, "tester": {}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("reviewer", delegation("tester", "test it"), echo)
+        f.router.script("tester", Scripted(text="tests pass"))
+        parent = f.session(c)
+        watch_raw(ui, parent)
+        c.spawn(parent, "aux-1", "reviewer", "inspect")
+        told = notices(ui, "session/child", lambda n: n.params["state"] == "completed")
+        assert [(n.params["state"], n.params["usage"]["calls"]) for n in told] == [
+            ("running", 0),
+            ("running", 1),
+            ("running", 2),
+            ("running", 3),
+            ("completed", 3),
+        ]
+
+
 def test_a_childs_pending_approval_is_withdrawn_before_it_ends_cancelled(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -596,19 +596,24 @@ class Children:
         self._stalls.pop(session, None)
 
     async def used(self, child: str) -> None:
-        """A model call of a child was charged: its parent's watchers are told its usage (a notice, never a reason to
-        stop the child: what goes wrong reading it is logged)."""
+        """A model call of a child was charged: its parent's watchers are told its usage, and each ancestor's watchers
+        the usage of the run below them it is part of (summed over its descendants), so a grandchild's use is live to
+        the first session's watchers too. A notice, never a reason to stop the child: what goes wrong reading it is
+        logged."""
         try:
-            link = await self.parent_link(child)
-            if link is None:
-                return
-            found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
-            usage = await self._used(child)
-            ended = (await self.ends(link.parent)).get(child)
-            # Looked at after the last read, with no await before the notice: a running notice is never told after
-            # its terminal one (read before the usage, an end recorded meanwhile came first, then `running`).
-            if found and ended is None and child not in self._because:  # being ended: its end is told next
+            while True:
+                link = await self.parent_link(child)
+                if link is None:
+                    return
+                found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
+                usage = await self._used(child)
+                ended = (await self.ends(link.parent)).get(child)
+                # Looked at after the last read, with no await before the notice: a running notice is never told
+                # after its terminal one (read before the usage, an end recorded meanwhile came first, then running).
+                if not found or ended is not None or child in self._because:  # being ended: its end is told next
+                    return
                 self._tell(link.parent, found[0][0], found[0][1], "running", usage)
+                child = link.parent
         except DevdError as e:
             log.warning("agent.child_usage_not_told", child=child, error=_why(e)[:300])
 
