@@ -774,6 +774,26 @@ def test_a_child_stalled_at_its_budget_carries_on_once_it_is_raised_and_resumed(
         assert (waited.outcome, waited.answer) == ("completed", "done at last")
 
 
+def test_a_delegating_call_waits_for_its_stalled_child_and_gets_its_answer_once_it_is_raised_and_resumed(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "review it", budget=5), echo)
+        f.router.script("reviewer", Scripted(text="reviewed at last"))
+        session = f.session(c)
+        turn = c.prompt(session, "go")
+        child = f"{session}.d2"
+        until(lambda: child in (c.info(session).children or []) and c.info(child).stalled is not None)
+        waiting = [a.id for a in c.pending(session)]
+        c.set_budget(child, 100_000)
+        c.resume(child)
+        assert (waiting, c.wait(session, turn).outcome, results(c, session)) == (
+            [2],
+            "completed",
+            [("reviewed at last", False)],
+        )
+
+
 def test_a_spawn_id_used_for_another_task_is_a_conflict(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
