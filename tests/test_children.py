@@ -760,6 +760,17 @@ def test_a_wait_on_a_turn_of_any_agent_session_says_how_it_ended(
         assert (done_first.outcome, waiting.done, c.wait(session, second).outcome) == ("completed", False, "cancelled")
 
 
+def test_a_wait_of_no_time_for_an_ended_turn_of_any_agent_session_says_how_it_ended(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", Scripted(text="done"))
+        session = f.session(c)
+        turn = c.prompt(session, "go")
+        assert c.wait(session, turn).done
+        assert c.wait(session, turn, timeout_ms=0).outcome == "completed"
+
+
 def test_a_child_stalled_at_its_budget_carries_on_once_it_is_raised_and_resumed(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
