@@ -400,3 +400,14 @@ def test_an_approval_told_twice_is_shown_once() -> None:
     decided = DecidedNotice("s.d10", 10, "allow", "someone")
     text = shown(step(TURN, EXEC), asked, asked, decided, decided)
     assert text.count("[approval needed") + text.count("allowed by") == 2
+
+
+def test_a_delegated_runs_approval_told_ahead_of_its_call_is_shown_under_the_call() -> None:
+    """Its parent's watch may bring a delegated run's approval before the run's own watch has caught up on the step
+    that dispatched the call (the chat screen showed the approval first, then the command again)."""
+    out = io.StringIO()
+    parent = Screen(out, turn=1)
+    nested = Screen(Nested(parent), session="s.d10", nested=True)
+    nested.show(ApprovalNotice("s.d10", 10, EXEC, "d" * 64, None))
+    nested.show(step(TURN, EXEC))
+    assert out.getvalue() == "  │ $ make test\n  │ [approval needed for action 10]\n"

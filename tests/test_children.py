@@ -296,6 +296,16 @@ def test_a_wait_that_times_out_says_not_done(tmp_path: Path, standin: Standin, m
         assert (waited.done, c.wait(child.session, child.turn).outcome) == (False, "completed")
 
 
+def test_a_wait_of_no_time_for_an_ended_child_says_it_has_ended(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "review it"), echo)
+        session = f.session(c)
+        assert c.wait(session, c.prompt(session, "go")).done
+        assert c.wait(f"{session}.d2", 1, timeout_ms=0).outcome == "completed"
+
+
 def test_a_child_whose_driver_fails_is_a_failed_child_and_fails_the_call(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -687,6 +697,28 @@ def test_a_childs_usage_is_told_to_its_parents_watchers_as_it_runs(
         ]
 
 
+def test_a_grandchilds_usage_is_told_to_the_first_sessions_watchers_as_it_runs(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root's watchers are told its child's usage, summed over the child's own children, at each model call of
+    any of them (the grandchild's call was told only to the child's watchers)."""
+    profiles = {"coder": {"delegates": '["reviewer"]'}, "reviewer": {"delegates": '["tester"]'}, "tester": {}}
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("reviewer", delegation("tester", "test it"), echo)
+        f.router.script("tester", Scripted(text="tests pass"))
+        parent = f.session(c)
+        watch_raw(ui, parent)
+        c.spawn(parent, "aux-1", "reviewer", "inspect")
+        told = notices(ui, "session/child", lambda n: n.params["state"] == "completed")
+        assert [(n.params["state"], n.params["usage"]["calls"]) for n in told] == [
+            ("running", 0),
+            ("running", 1),
+            ("running", 2),
+            ("running", 3),
+            ("completed", 3),
+        ]
+
+
 def test_a_childs_pending_approval_is_withdrawn_before_it_ends_cancelled(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -728,6 +760,17 @@ def test_a_wait_on_a_turn_of_any_agent_session_says_how_it_ended(
         assert (done_first.outcome, waiting.done, c.wait(session, second).outcome) == ("completed", False, "cancelled")
 
 
+def test_a_wait_of_no_time_for_an_ended_turn_of_any_agent_session_says_how_it_ended(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", Scripted(text="done"))
+        session = f.session(c)
+        turn = c.prompt(session, "go")
+        assert c.wait(session, turn).done
+        assert c.wait(session, turn, timeout_ms=0).outcome == "completed"
+
+
 def test_a_child_stalled_at_its_budget_carries_on_once_it_is_raised_and_resumed(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -740,6 +783,26 @@ def test_a_child_stalled_at_its_budget_carries_on_once_it_is_raised_and_resumed(
         c.resume(child.session)
         waited = c.wait(child.session, child.turn)
         assert (waited.outcome, waited.answer) == ("completed", "done at last")
+
+
+def test_a_delegating_call_waits_for_its_stalled_child_and_gets_its_answer_once_it_is_raised_and_resumed(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "review it", budget=5), echo)
+        f.router.script("reviewer", Scripted(text="reviewed at last"))
+        session = f.session(c)
+        turn = c.prompt(session, "go")
+        child = f"{session}.d2"
+        until(lambda: child in (c.info(session).children or []) and c.info(child).stalled is not None)
+        waiting = [a.id for a in c.pending(session)]
+        c.set_budget(child, 100_000)
+        c.resume(child)
+        assert (waiting, c.wait(session, turn).outcome, results(c, session)) == (
+            [2],
+            "completed",
+            [("reviewed at last", False)],
+        )
 
 
 def test_a_spawn_id_used_for_another_task_is_a_conflict(

@@ -84,7 +84,7 @@ MCP_ACCEPTED = "the daemon starts it when the session first needs its tools"
 _MCP_KEYS = ("name", "command", "args", "env", "type", "url", "headers")  # of ACP's shape, as session/new takes it
 TERMINAL = ("completed", "failed", "cancelled", "disconnected")
 CHILD_SETTLE_S = 30.0  # a child's end waits this long at most for its updates and permission requests to be done
-CHILD_LOOK_MS = 50  # `session/wait` asking whether a child has ended (with 0 the daemon moves on before it looks)
+CHILD_LOOK_MS = 0  # `session/wait` asking whether a child has ended: a look, answered done at once if it has
 
 
 # -- the editor's side ----------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ log = structlog.get_logger("devd.agent.children")
 CHILD_NOTICE = "session/child"
 TASK_KEY = "delegated"  # the key of a child's one turn: started once, however often its making is carried out
 NAME_CHARS_MAX = 64
+CLOSED_WHY = "its session was closed"
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 FORK_CHARS_MAX = 64 * 1024  # of the parent's conversation a `fork` child starts with (its newest part)
 CUT_NOTE = (
@@ -294,7 +295,15 @@ class Children:
         """Make the child as far as it is not made yet (the links, its session, its turn): None, or why it could not
         be (it never asks the model; its terminal state says so)."""
         with self._holding(link.child):
-            return await self._made(parent, action, profile, ask, link)
+            try:
+                return await self._made(parent, action, profile, ask, link)
+            except HandleError:
+                if await self.sessions.known(link.child):
+                    raise
+            # Closed by a client while it was being made: it ends disconnected (never a HANDLE error out of the
+            # parent's call, which stopped the parent's driver and left its turn waiting for ever).
+            await self.finish(parent, action, link, "disconnected", CLOSED_WHY)
+            return None
 
     async def _made(
         self, parent: str, action: int, profile: Profile, ask: DelegateInput, link: ChildLink
@@ -344,6 +353,8 @@ class Children:
             if link.budget is not None:
                 await runtime.oversight.set_budget(name, link.budget)
         except (OSError, DevdError) as e:
+            if isinstance(e, HandleError) and not await self.sessions.known(name):
+                raise  # closed meanwhile, not a write that failed: `_make` ends it disconnected
             why = f"the delegated run was not started: its link could not be kept in its own session's log ({_why(e)})"
             await self.finish(parent, action, link, "failed", why)
             return why
@@ -415,12 +426,17 @@ class Children:
         """The child's terminal state, recorded now if its turn has ended (or its session is gone) and none was; None
         while it runs."""
         with self._holding(link.child):
-            return await self._settle(parent, action, link)
+            try:
+                return await self._settle(parent, action, link)
+            except HandleError:  # closed between the look at whether it is there and a read of it
+                if await self.sessions.known(link.child):
+                    raise
+            return await self.finish(parent, action, link, "disconnected", CLOSED_WHY)
 
     async def _settle(self, parent: str, action: int, link: ChildLink) -> ChildEnded | None:
         name = link.child
         if not await self.sessions.known(name):
-            return await self.finish(parent, action, link, "disconnected", "its session was closed")
+            return await self.finish(parent, action, link, "disconnected", CLOSED_WHY)
         known = self.runtime.table.get(name)
         await self.runtime.binding(name, known)
         if known.turn == 0 or await self.sessions.keyed_turn(name, f"prompt:{TASK_KEY}") is None:
@@ -586,17 +602,24 @@ class Children:
         self._stalls.pop(session, None)
 
     async def used(self, child: str) -> None:
-        """A model call of a child was charged: its parent's watchers are told its usage (a notice, never a reason to
-        stop the child: what goes wrong reading it is logged)."""
+        """A model call of a child was charged: its parent's watchers are told its usage, and each ancestor's watchers
+        the usage of the run below them it is part of (summed over its descendants), so a grandchild's use is live to
+        the first session's watchers too. A notice, never a reason to stop the child: what goes wrong reading it is
+        logged."""
         try:
-            link = await self.parent_link(child)
-            if link is None:
-                return
-            found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
-            if child in self._because:  # being ended: its terminal state is what is told next
-                return
-            if found and (await self.ends(link.parent)).get(child) is None:
-                self._tell(link.parent, found[0][0], found[0][1], "running", await self._used(child))
+            while True:
+                link = await self.parent_link(child)
+                if link is None:
+                    return
+                found = [(a, kept) for a, kept in await self.links(link.parent) if kept.child == child]
+                usage = await self._used(child)
+                ended = (await self.ends(link.parent)).get(child)
+                # Looked at after the last read, with no await before the notice: a running notice is never told
+                # after its terminal one (read before the usage, an end recorded meanwhile came first, then running).
+                if not found or ended is not None or child in self._because:  # being ended: its end is told next
+                    return
+                self._tell(link.parent, found[0][0], found[0][1], "running", usage)
+                child = link.parent
         except DevdError as e:
             log.warning("agent.child_usage_not_told", child=child, error=_why(e)[:300])
 
@@ -610,29 +633,35 @@ class Children:
     async def wait(
         self, session: str, turn: int, timeout_s: float | None
     ) -> tuple[bool, str | None, str | None, str | None]:
-        """Whether the session's turn has ended within the timeout: (done, outcome, answer, why)."""
-        with anyio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
-            while True:
-                waited = self._turns.setdefault((session, turn), Waited())  # before the look
-                up = await self.parent_link(session)
-                if up is not None:  # a child's turn ends with its terminal state
-                    ended_event = self._ended.setdefault(session, anyio.Event())
-                    ended = (await self.ends(session)).get(session)
-                    if ended is None:
-                        found = [(a, k) for a, k in await self.links(up.parent) if k.child == session]
-                        if found:
-                            ended = await self.settle(up.parent, found[0][0], found[0][1])
-                    if ended is not None:
-                        return True, ended.state, ended.answer, ended.why
-                    await ended_event.wait()
-                    continue
+        """Whether the session's turn has ended within the timeout: (done, outcome, answer, why). Each look at the
+        turn is made whatever the timeout (only the waiting between looks is timed), so a turn that has ended is
+        answered done at once, even to a wait of no time: a waiter cannot miss the end."""
+        deadline = anyio.current_time() + (timeout_s if timeout_s is not None else float("inf"))
+        while True:
+            waited = self._turns.setdefault((session, turn), Waited())  # before the look: an end meanwhile sets it
+            up = await self.parent_link(session)
+            if up is not None:  # a child's turn ends with its terminal state
+                ended_event = self._ended.setdefault(session, anyio.Event())
+                ended = (await self.ends(session)).get(session)
+                if ended is None:
+                    found = [(a, k) for a, k in await self.links(up.parent) if k.child == session]
+                    if found:
+                        ended = await self.settle(up.parent, found[0][0], found[0][1])
+                if ended is not None:
+                    return True, ended.state, ended.answer, ended.why
+                event = ended_event
+            else:
                 done = await self._ended_turn(session, turn)
-                if done is None:
-                    await waited.event.wait()
-                    done = waited.cancelled
                 if done is not None:
                     return True, ("cancelled" if done else "completed"), None, None
-        return False, None, None, None  # its waiter stays, for another waiter of the same turn (told at its end)
+                event = waited.event
+            with anyio.CancelScope(deadline=deadline):
+                await event.wait()
+            if not event.is_set():
+                # its waiter stays, for another waiter of the same turn (told at its end)
+                return False, None, None, None
+            if up is None and waited.cancelled is not None:
+                return True, ("cancelled" if waited.cancelled else "completed"), None, None
 
     async def _ended_turn(self, session: str, turn: int) -> bool | None:
         """Whether the turn has ended, read from the session (cancelled?); None while it has not."""
@@ -690,7 +719,7 @@ class Children:
                 await self._end_turn(name)
                 await self.finish(parent, action, link, "cancelled", why)
             else:
-                await self.finish(parent, action, link, "disconnected", "its session was closed")
+                await self.finish(parent, action, link, "disconnected", CLOSED_WHY)
 
     async def resume_cascades(self) -> None:
         """At start: finish every cascade a stopped daemon left unfinished, then the Cancel (or close) it led to."""

@@ -165,6 +165,7 @@ class Screen:
     children: dict[str, ChildNotice] = field(default_factory=dict)  # the delegated runs seen: each one's latest state
     decided: list[DecidedNotice] = field(default_factory=list)  # the decisions shown
     nested: bool = False  # a delegated run's own screen, under its parent's: its turn's end is its parent's line
+    early: dict[int, ApprovalNotice] = field(default_factory=dict)  # a nested screen's approvals ahead of their call
 
     def show(self, notice: Notice) -> None:
         if isinstance(notice, DeltaNotice) and notice.kind != "text":
@@ -183,6 +184,10 @@ class Screen:
             self._line(STALL_ADVICE.format(session=argv([self.session])))
         elif isinstance(notice, ApprovalNotice) and self.questions.get(notice.action) == notice:
             pass  # told again: a delegated run's approval comes to a watcher of its parent too
+        elif isinstance(notice, ApprovalNotice) and self.nested and notice.action not in self.calls:
+            # A delegated run's approval told to its parent's watch came ahead of the run's own history (which holds
+            # its call: a nested screen follows it from its first step): shown under its call once that is shown.
+            self.early[notice.action] = notice
         elif isinstance(notice, DecidedNotice) and notice in self.decided:
             pass
         elif isinstance(notice, ApprovalNotice):
@@ -206,6 +211,7 @@ class Screen:
             why = "" if notice.why is None else f": {brief(inline(notice.why), LINE_CHARS_MAX)}"
             self._line(f"[question {notice.request} of action {notice.action} {done} by {inline(notice.by)}{why}]")
         elif isinstance(notice, DecidedNotice):
+            self.early.pop(notice.action, None)
             self.decided.append(notice)
             self.questions.pop(notice.action, None)
             said = {"allow": "allowed", "deny": "denied", "cancelled": "withdrawn: its turn was cancelled"}
@@ -327,6 +333,9 @@ class Screen:
                 self.running[action.id] = self.clock()
                 self._line(called)
                 self.header = action.id
+                held = self.early.pop(action.id, None)
+                if held is not None:
+                    self.show(held)
 
     def _done(self, turn: int, outcome: str) -> None:
         if self.turn is not None and turn != self.turn:
@@ -337,6 +346,7 @@ class Screen:
         self.asking, self.stalled, self.running_turn = None, None, None
         self.running.clear()
         self.questions.clear()
+        self.early.clear()
         self.asks.clear()
         self.outcome = outcome
         if not self.nested:

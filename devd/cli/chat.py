@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_ENDED = 1
 EXIT_INTERRUPTED = 130
-CHILD_LOOK_MS = 50  # `session/wait` asking whether a delegated run has ended (0 would move on before it looks)
 CHILD_CATCH_UP_S = 5.0  # a delegated run's end waits this long at most for what it did to be shown above it
 Mode = Literal["run", "attach", "chat"]
 
@@ -241,7 +240,7 @@ class Console:
         by_name = {child_name(self.session, f"d{a.id}"): a.id for a in owed}
         for child in children:
             try:
-                if (await self.client.wait(child, 1, timeout_ms=CHILD_LOOK_MS)).done:
+                if (await self.client.wait(child, 1, timeout_ms=0)).done:
                     continue
                 agent = (await self.client.agent(child)).agent or "?"
                 usage = await self.client.usage(child)

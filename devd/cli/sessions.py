@@ -238,11 +238,6 @@ def _info(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# How long `devd tree` asks whether a child has ended: the daemon answers an ended one at once, and with 0 it answers
-# before it has looked (`session/wait` moves on at its deadline before its first read).
-TREE_WAIT_MS = 50
-
-
 class Node(msgspec.Struct, frozen=True):
     """A session of `devd tree`: its name, agent, state, usage (its delegated runs' included) and children."""
 
@@ -272,7 +267,7 @@ def tree_of(client: Client, session: str, root: bool = True) -> Node:
     pending = client.pending(session) if info["state"] == "live" and info["waiting"] else []
     state, why = describe(info, bound.agent, bound.workspace, pending).doing, None
     if not root:
-        waited = client.wait(session, 1, timeout_ms=TREE_WAIT_MS)
+        waited = client.wait(session, 1, timeout_ms=0)  # a look: an ended turn is done at once
         if waited.done and waited.outcome is not None:
             state, why = waited.outcome, waited.why
     u = client.usage(session)
