@@ -171,10 +171,12 @@ def _asked(settings: Settings) -> list[Listen]:
 def _agents(args: argparse.Namespace) -> dict[str, Any]:
     """The agent profiles of --agents (default: agents.toml where `default_agents_path` finds one; none there: no
     agents); ConfigError (FILE:LINE: what is wrong) for a bad file."""
-    from devd.agent.profiles import load_profiles
-
     path = _agents_path(args)
-    return {} if path is None else dict(load_profiles(path))
+    if path is None:
+        return {}
+    from devd.agent.profiles import load_profiles  # its parser and policy's regexes: only with an agents file
+
+    return dict(load_profiles(path))
 
 
 def _agents_path(args: argparse.Namespace) -> Path | None:
