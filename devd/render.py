@@ -55,31 +55,50 @@ _TAGS = "\U000e0020-\U000e007f"
 # other than U+0020 that read as one: kept in prose, escaped where a text is shown exactly (a path, a command, a diff)
 # unless they are part of an emoji.
 _EXACT_ONLY = "\u200c\u200d\ufe00-\ufe0f\U000e0100-\U000e01ef\u00a0\u1680\u2000-\u200a\u202f\u205f\u2800\u3000"
+
+
 # An emoji sequence (approximately Unicode's: pictographs, a keycap, a presentation selector or skin tone, joined by
 # ZWJ, a flag's tags), kept whole: what it holds is part of one picture.
+class _Later:
+    """A regular expression compiled at its first use: a daemon imports this module (for the CLI's words) and renders
+    nothing as it starts, and the seven of them took about 10 ms of its start."""
+
+    __slots__ = ("_source", "_compiled")
+
+    def __init__(self, source: str) -> None:
+        self._source = source
+        self._compiled: re.Pattern[str] | None = None
+
+    @property
+    def pattern(self) -> re.Pattern[str]:
+        if self._compiled is None:
+            self._compiled = re.compile(self._source)
+        return self._compiled
+
+
 _PICTOGRAPH = (
     "\u00a9\u00ae\u203c\u2049\u2122\u2139\u2194-\u21aa\u231a-\u23ff\u24c2\u25aa-\u27bf\u2934\u2935\u2b05-\u2b55"
     "\u3030\u303d\u3297\u3299\U0001f000-\U0001faff"
 )
 _ELEMENT = f"(?:[{_PICTOGRAPH}][\ufe0f\U0001f3fb-\U0001f3ff]?|[0-9#*]\ufe0f?\u20e3)"
 _EMOJI = f"(?P<emoji>{_ELEMENT}(?:\u200d{_ELEMENT})*(?:[\U000e0020-\U000e007e]+\U000e007f)?)"
-_INLINE = re.compile(f"{_EMOJI}|[\x00-\x1f\x7f-\x9f{_UNSEEN}{_TAGS}{_EXACT_ONLY}]")
-_BLOCK = re.compile(f"{_EMOJI}|[\x00-\x08\x0b-\x1f\x7f-\x9f{_UNSEEN}{_TAGS}{_EXACT_ONLY}]")  # keeps \t and \n
-_PROSE = re.compile(f"{_EMOJI}|[\x00-\x08\x0b-\x1f\x7f-\x9f{_UNSEEN}{_TAGS}]")  # keeps joiners and spaces too
+_INLINE = _Later(f"{_EMOJI}|[\x00-\x1f\x7f-\x9f{_UNSEEN}{_TAGS}{_EXACT_ONLY}]")
+_BLOCK = _Later(f"{_EMOJI}|[\x00-\x08\x0b-\x1f\x7f-\x9f{_UNSEEN}{_TAGS}{_EXACT_ONLY}]")  # keeps \t and \n
+_PROSE = _Later(f"{_EMOJI}|[\x00-\x08\x0b-\x1f\x7f-\x9f{_UNSEEN}{_TAGS}]")  # keeps joiners and spaces too
 # JSON escapes the C0 controls itself; outside strings it has only ASCII
-_JSON = re.compile(f"{_EMOJI}|[\x7f-\x9f{_UNSEEN}{_TAGS}{_EXACT_ONLY}]")
+_JSON = _Later(f"{_EMOJI}|[\x7f-\x9f{_UNSEEN}{_TAGS}{_EXACT_ONLY}]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 # ECMA-48's sequences: a CSI (ESC [, parameters, intermediates, a final byte); a control string (OSC ESC ], DCS ESC P,
 # SOS ESC X, PM ESC ^, APC ESC _) up to BEL or ST (ESC \ or U+009C), an OSC 8 hyperlink among them; any other ESC
 # sequence (intermediates, then a final byte: ESC 7, ESC ( B, ESC c).
-_SEQUENCE = re.compile(
+_SEQUENCE = _Later(
     r"\x1b(?:\[[\x30-\x3f]*[\x20-\x2f]*[\x40-\x7e]"
     r"|[\]PX^_][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
     r"|[\x20-\x2f]*[\x30-\x4f\x51-\x57\x59\x5a\x5c\x60-\x7e])"
 )
 # The beginning of one of them, cut off by the end of the text so far (the next piece of a stream may finish it).
-_BEGUN = re.compile(r"\x1b(?:\[[\x30-\x3f]*[\x20-\x2f]*|[\]PX^_][^\x07\x1b\x9c]*\x1b?|[\x20-\x2f]*)\Z")
+_BEGUN = _Later(r"\x1b(?:\[[\x30-\x3f]*[\x20-\x2f]*|[\]PX^_][^\x07\x1b\x9c]*\x1b?|[\x20-\x2f]*)\Z")
 HELD_CHARS_MAX = 4096  # of a sequence begun and not finished, held for the next piece; past it, it is shown
 
 
@@ -95,19 +114,19 @@ def _escaped(found: re.Match[str]) -> str:
 
 def inline(text: str) -> str:
     """One line of text as it may be shown: every control, line end, tab and bidi or invisible character escaped."""
-    return _INLINE.sub(_escaped, text)
+    return _INLINE.pattern.sub(_escaped, text)
 
 
 def block(text: str) -> str:
     """Lines of text shown exactly: as `inline`, but line ends and tabs stay."""
-    return _BLOCK.sub(_escaped, text)
+    return _BLOCK.pattern.sub(_escaped, text)
 
 
 def _word(word: str) -> str:
     if inline(word) == word:
         return shlex.quote(word)
     # bash's ANSI-C quoting, which a shell reads back as the same word: \\ and \' first, then the escapes.
-    return "$'" + _INLINE.sub(_escaped, word.replace("\\", "\\\\").replace("'", "\\'")) + "'"
+    return "$'" + _INLINE.pattern.sub(_escaped, word.replace("\\", "\\\\").replace("'", "\\'")) + "'"
 
 
 def argv(words: Sequence[str]) -> str:
@@ -162,11 +181,11 @@ def _read(text: str, final: bool) -> tuple[str, int]:
     at = 0
     while (escape := text.find("\x1b", at)) >= 0:
         shown.append(_prose_chars(text[at:escape]))
-        sequence = _SEQUENCE.match(text, escape)
+        sequence = _SEQUENCE.pattern.match(text, escape)
         if sequence is not None:
             at = sequence.end()
             continue
-        if not final and len(text) - escape <= HELD_CHARS_MAX and _BEGUN.match(text, escape) is not None:
+        if not final and len(text) - escape <= HELD_CHARS_MAX and _BEGUN.pattern.match(text, escape) is not None:
             return "".join(shown), escape
         shown.append("\\x1b")
         at = escape + 1
@@ -176,7 +195,7 @@ def _read(text: str, final: bool) -> tuple[str, int]:
 
 
 def _prose_chars(text: str) -> str:
-    return _PROSE.sub(_escaped, text.replace("\r\n", "\n"))
+    return _PROSE.pattern.sub(_escaped, text.replace("\r\n", "\n"))
 
 
 def prose(text: str) -> str:
@@ -208,7 +227,7 @@ class Streamed:
 def json_safe(raw: bytes) -> bytes:
     """JSON (UTF-8) with the characters above that JSON leaves raw written as `\\uXXXX`: the same value."""
     text = raw.decode()
-    shown = _JSON.sub(_json_escaped, text)
+    shown = _JSON.pattern.sub(_json_escaped, text)
     return raw if shown == text else shown.encode()
 
 
@@ -247,7 +266,7 @@ METHOD_COMMANDS: dict[str, str] = {
     "daemon/status": "devd status",
 }
 
-_METHOD_NAMED = re.compile(r"`?\b((?:session|daemon)/[a-z]+)\b`?")
+_METHOD_NAMED = _Later(r"`?\b((?:session|daemon)/[a-z]+)\b`?")
 
 
 def in_devd_terms(text: str, session: str) -> str:
@@ -257,4 +276,4 @@ def in_devd_terms(text: str, session: str) -> str:
         template = METHOD_COMMANDS.get(found[1])
         return found[0] if template is None else f"`{template.format(session=session)}`"
 
-    return _METHOD_NAMED.sub(command, text)
+    return _METHOD_NAMED.pattern.sub(command, text)
