@@ -6,6 +6,7 @@ stand-in model."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -894,3 +895,28 @@ def test_a_child_never_runs_an_mcp_tool_its_parents_profile_denies_even_a_truste
             False,
             'error: there is no tool named "demo__readme"; the tools are exec, read, write, git, browse, delegate',
         )
+
+
+def test_a_wait_on_a_turn_of_a_session_closed_meanwhile_answers_that_it_is_gone(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = threading.Event()
+    answered: list[BaseException | object] = []
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c, f.client() as w:
+        f.router.script("coder", Scripted(text="never", held=held, held_after=1))
+        session = f.session(c)
+        turn = c.prompt(session, "go")
+
+        def wait() -> None:
+            try:
+                answered.append(w.wait(session, turn, timeout_ms=20_000))
+            except errors.DevdError as e:
+                answered.append(e)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)  # the wait is waiting (closed before it asked, it is answered the same)
+        c.close_session(session)
+        held.set()
+        waiter.join(30)
+        assert [type(a) for a in answered] == [errors.HandleError]

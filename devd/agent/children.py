@@ -476,6 +476,9 @@ class Children:
         lock = self._locks.setdefault(name, anyio.Lock())
         async with lock:
             kept = (await self.ends(parent)).get(name)
+            if kept is None and own and self.sessions.seq(name) is not None:  # a closed parent's log is gone: the
+                # child's own keeps its end (a second end of a cancelled child said "its turn was cancelled")
+                kept = (await self.ends(name)).get(name)
             if kept is not None:
                 return kept
             answer = None
@@ -557,8 +560,8 @@ class Children:
             self.runtime._tg.start_soon(self._ended_child, session)
 
     def session_ended(self, session: str) -> None:
-        """The session ended under its running turn (kept until `session/recover`): no Done can come, so every
-        waiter of its turns looks again, and is answered the error that says it ended."""
+        """The session ended under its running turn (kept until `session/recover`), or was closed: no Done can come,
+        so every waiter of its turns looks again, and is answered the error that says it ended (or is gone)."""
         for key in [k for k in self._turns if k[0] == session]:
             self._turns.pop(key).event.set()
 
@@ -660,6 +663,9 @@ class Children:
             if not event.is_set():
                 # its waiter stays, for another waiter of the same turn (told at its end)
                 return False, None, None, None
+            if up is None and not await self.sessions.known(session):  # closed meanwhile: no end can come (a
+                # child's is `disconnected`, kept in its parent's log)
+                raise HandleError(f"session {session!r} was closed while its turn {turn} was waited for")
             if up is None and waited.cancelled is not None:
                 return True, ("cancelled" if waited.cancelled else "completed"), None, None
 

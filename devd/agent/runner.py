@@ -532,6 +532,7 @@ class Runtime:
             known.driver.scope.cancel()
         if known is not None and known.link is not None and self._tg is not None:  # a child gone: its parent is told
             self._tg.start_soon(self.children.gone, session, known.link.parent)
+        self.children.session_ended(session)  # its waiters look again, and are answered that it is gone
         if self.mcp is not None:
             self.mcp.forget(session)
         self.titles.forget(session)  # the caches of titles and of kept contents, beside the record
