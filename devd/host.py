@@ -175,6 +175,7 @@ class _Ticker:
         self._t0 = time.monotonic()
         self._epoch = 0
         self._due = 0  # the epoch tick of the latest deadline armed
+        self._arming = threading.Lock()
         self._expired = False  # after expire(): every call traps at once
         self._armed = threading.Event()  # clear only while the thread sleeps, or is about to
         self._stop = threading.Event()
@@ -203,12 +204,13 @@ class _Ticker:
         """Epoch ticks from now until the monotonic time `deadline` (none after `expire`); it ticks until then."""
         if self._expired:
             return 0  # the deadline is the epoch already reached: the call traps at its first check
-        if not self._armed.is_set():  # asleep: the epoch stood still, so its origin moves to now
-            self._t0 = time.monotonic() - self._epoch * TICK_SECONDS
-        epoch = self._epoch
-        ticks = max(1, int((deadline - self._t0) / TICK_SECONDS) + 1 - epoch)
-        if epoch + ticks > self._due:
-            self._due = epoch + ticks
+        with self._arming:  # calls on worker threads arm too: a later due is never overwritten by an earlier one
+            if not self._armed.is_set():  # asleep: the epoch stood still, so its origin moves to now
+                self._t0 = time.monotonic() - self._epoch * TICK_SECONDS
+            epoch = self._epoch
+            ticks = max(1, int((deadline - self._t0) / TICK_SECONDS) + 1 - epoch)
+            if epoch + ticks > self._due:
+                self._due = epoch + ticks
         if not self._armed.is_set():
             self._armed.set()
         return ticks
