@@ -912,19 +912,23 @@ def _child_said(n: ChildNotice) -> str:
 
 def _decision(response: Response) -> tuple[str, bool] | None:
     """The approval an editor's answer means: (decision, remember), or None when it cancelled or failed."""
+    return {
+        "allow_once": ("allow", False),
+        "allow_always": ("allow", True),
+        "reject_once": ("deny", False),
+        "reject_always": ("deny", False),  # the daemon remembers allowances only; each denial is its own
+    }.get(_selected(response) or "")
+
+
+def _selected(response: Response) -> str | None:
+    """The option an editor selected in its answer to a permission request; None when it cancelled or failed."""
     if response.error is not None or response.result is None:
         return None
     try:
         result = msgspec.json.decode(response.result, type=wire.PermissionResult)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
-    option = result.outcome.option_id if result.outcome.outcome == "selected" else None
-    return {
-        "allow_once": ("allow", False),
-        "allow_always": ("allow", True),
-        "reject_once": ("deny", False),
-        "reject_always": ("deny", False),  # the daemon remembers allowances only; each denial is its own
-    }.get(option or "")
+    return result.outcome.option_id if result.outcome.outcome == "selected" else None
 
 
 def _elicited(response: Response) -> dict[str, Any] | Literal[False] | None:
@@ -964,13 +968,7 @@ def _yes(schema: dict[str, Any]) -> dict[str, Any] | None:
 
 def _yes_or_no(response: Response, n: InputNotice) -> dict[str, Any] | Literal[False] | None:
     """What a permission request's answer means for a yes-or-no question: the yes answer, False (no), or None."""
-    if response.error is not None or response.result is None:
-        return None
-    try:
-        result = msgspec.json.decode(response.result, type=wire.PermissionResult)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    option = result.outcome.option_id if result.outcome.outcome == "selected" else None
+    option = _selected(response)
     if option == "accept":
         return _yes(n.schema)
     return False if option == "decline" else None
