@@ -8,7 +8,15 @@ from pathlib import Path
 
 import msgspec
 
-from devd.agent.cli import DIFF_BYTES_MAX, DIFF_COMPARED_LINES_MAX, Nested, Screen, approval_lines, call_line
+from devd.agent.cli import (
+    DIFF_BYTES_MAX,
+    DIFF_COMPARED_LINES_MAX,
+    Nested,
+    Screen,
+    approval_lines,
+    call_line,
+    input_prompt,
+)
 from devd.client import ActionsNotice
 from devd.messages import (
     Action,
@@ -28,7 +36,15 @@ from devd.messages import (
     ask,
     done,
 )
-from devd.protocol import ApprovalNotice, ChildNotice, DecidedNotice, DeltaNotice, StalledNotice, UsageTotals
+from devd.protocol import (
+    ApprovalNotice,
+    ChildNotice,
+    DecidedNotice,
+    DeltaNotice,
+    InputNotice,
+    StalledNotice,
+    UsageTotals,
+)
 
 
 def shown(*notices: object, turn: int | None = 1) -> str:
@@ -411,3 +427,11 @@ def test_a_delegated_runs_approval_told_ahead_of_its_call_is_shown_under_the_cal
     nested.show(ApprovalNotice("s.d10", 10, EXEC, "d" * 64, None))
     nested.show(step(TURN, EXEC))
     assert out.getvalue() == "  │ $ make test\n  │ [approval needed for action 10]\n"
+
+
+def test_a_servers_field_name_reaches_the_answer_prompt_escaped() -> None:
+    """An MCP server names a question's fields: a name holding a terminal's control sequence (here one that sets the
+    window title) is shown escaped in the prompt, never written to the terminal as it came."""
+    schema = {"type": "object", "properties": {"x\x1b]0;pwned\x07": {"type": "string"}}}
+    prompt = input_prompt(InputNotice("s", 2, 1, "name?", schema))
+    assert ("\x1b" in prompt, "\\x1b]0;pwned\\x07" in prompt) == (False, True)

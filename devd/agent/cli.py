@@ -653,7 +653,7 @@ def field_lines(schema: dict[str, Any]) -> list[str]:
 def input_prompt(notice: InputNotice) -> str:
     """The question a server's elicitation is asked with."""
     only = _only_field(notice.schema)
-    how = f"{only} (or field=value ...)" if only is not None else "field=value ... (or JSON)"
+    how = f"{inline(only)} (or field=value ...)" if only is not None else "field=value ... (or JSON)"
     return f"answer question {notice.request} of action {notice.action}: {how}, Enter declines: "
 
 
