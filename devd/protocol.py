@@ -1081,7 +1081,9 @@ METHODS: dict[str, Spec] = {
             ListParams,
             ListResult,
             "list",
-            "The sessions the daemon holds, by name, a page at a time when `limit` is given.",
+            """The sessions the daemon holds, by name, a page at a time when `limit` is given; with `parent`, only that
+            session's children (its delegated runs), in the order they were made. Each carries `parent` (a child's)
+            and `children` (a parent's).""",
         ),
         _spec(
             "session/info",
@@ -1174,7 +1176,13 @@ METHODS: dict[str, Spec] = {
             """Set (or raise, or remove) the session's spend ceiling; durable before it applies. A session stalled by
             it carries on with `session/resume`.""",
         ),
-        _spec("session/usage", SessionParams, UsageResult, "usage", "The session's spend so far."),
+        _spec(
+            "session/usage",
+            SessionParams,
+            UsageResult,
+            "usage",
+            "The session's spend so far, and its descendants' (delegated runs') summed as `children`.",
+        ),
         _spec(
             "session/trace",
             TraceParams,

@@ -920,3 +920,23 @@ def test_a_wait_on_a_turn_of_a_session_closed_meanwhile_answers_that_it_is_gone(
         held.set()
         waiter.join(30)
         assert [type(a) for a in answered] == [errors.HandleError]
+
+
+def test_a_wait_that_times_out_is_answered_done_false_alone_on_the_wire(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = threading.Event()
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("reviewer", Scripted(text="late", held=held, held_after=1))
+        child = c.spawn(f.session(c), "aux-raw", "reviewer", "take your time")
+        raw = c.call_raw("session/wait", {"session": child.session, "turn": child.turn, "timeout_ms": 100})
+        held.set()
+        assert raw == b'{"done":false}'
+
+
+def test_a_list_of_the_children_of_a_session_that_does_not_exist_says_so(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        with pytest.raises(errors.HandleError, match="nobody"):
+            c.list_children("nobody")

@@ -760,7 +760,11 @@ export interface Methods {
     params: SessionParams;
     result: Empty;
   };
-  /** The sessions the daemon holds, by name, a page at a time when `limit` is given. */
+  /**
+   * The sessions the daemon holds, by name, a page at a time when `limit` is given; with `parent`, only that session's
+   * children (its delegated runs), in the order they were made. Each carries `parent` (a child's) and `children` (a
+   * parent's).
+   */
   "session/list": {
     params: ListParams;
     result: ListResult;
@@ -846,7 +850,7 @@ export interface Methods {
     params: BudgetParams;
     result: Empty;
   };
-  /** The session's spend so far. */
+  /** The session's spend so far, and its descendants' (delegated runs') summed as `children`. */
   "session/usage": {
     params: SessionParams;
     result: UsageResult;
