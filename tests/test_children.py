@@ -940,3 +940,31 @@ def test_a_list_of_the_children_of_a_session_that_does_not_exist_says_so(
     with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
         with pytest.raises(errors.HandleError, match="nobody"):
             c.list_children("nobody")
+
+
+def test_max_depth_is_2_by_default_counting_the_first_session_as_0(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profiles = {
+        "coder": {"delegates": '["reviewer"]'},
+        "reviewer": {"delegates": '["tester"]'},
+        "tester": {"delegates": '["auditor"]'},
+        "auditor": {},
+    }
+    with family(tmp_path, standin, profiles, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", delegation("reviewer", "review"), echo)
+        f.router.script("reviewer", delegation("tester", "test"), echo)
+        f.router.script("tester", delegation("auditor", "audit"), echo)
+        session = f.session(c)
+        delegated_turn(f, c, session)
+        assert (results(c, f"{session}.d2.d2"), f.router.seen["tester"], f.router.seen["auditor"]) == (
+            [
+                (
+                    "refused: the delegated run would be at depth 3 of its tree, past max_depth = 2 (the strictest of "
+                    "the agents along its chain; the first session is depth 0)",
+                    True,
+                )
+            ],
+            2,
+            0,
+        )
