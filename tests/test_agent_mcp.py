@@ -3,13 +3,19 @@ the official SDK) started by the daemon's broker under the profile's sandbox."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from devd import errors
 from devd.messages import Cancel, Event
@@ -128,6 +134,40 @@ def test_sessions_of_a_profile_share_one_server_process(mcpd: Agentd) -> None:
     assert (len(pids), [(s["name"], s["sessions"], s["restarts"]) for s in servers(mcpd)]) == (1, [("demo", 5, 0)])
 
 
+def devd_mcp(agentd: Agentd, *args: str) -> str:
+    """`devd mcp ARGS` against the daemon, as a shell runs it: its output (it must exit 0)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "devd", "mcp", *args, "--connect", str(agentd.daemon.socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_devd_mcp_json_gives_daemon_mcps_fields_for_a_profiles_server(mcpd: Agentd) -> None:
+    call_once(mcpd, "demo__echo", {"text": "hi"})
+    (status,) = json.loads(devd_mcp(mcpd, "--json"))["servers"]
+    assert {k: v for k, v in status.items() if k != "pid"} | {"pid": type(status["pid"])} == {
+        "name": "demo",
+        "agent": "coder",
+        "state": "ready",
+        "pid": int,
+        "sessions": 1,
+        "tools": 15,
+        "restarts": 0,
+        "last_error": None,
+        "mode": "legacy",
+    }
+
+
+def test_devd_mcp_lists_a_line_per_server_with_its_agent_state_pid_sessions_tools_and_restarts(mcpd: Agentd) -> None:
+    call_once(mcpd, "demo__echo", {"text": "hi"})
+    pid = servers(mcpd)[0]["pid"]
+    assert devd_mcp(mcpd) == f"demo (agent coder): ready, pid {pid}, 1 sessions, 15 tools, 0 restarts, MCP legacy\n"
+
+
 def test_a_server_that_dies_mid_call_fails_it_with_its_stderr_and_starts_again_at_the_next(mcpd: Agentd) -> None:
     died = call_once(mcpd, "demo__die", {})
     again = call_once(mcpd, "demo__echo", {"text": "back"})
@@ -164,6 +204,43 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 20.0) 
         if time.monotonic() > deadline:
             pytest.fail(f"{what} did not happen within {timeout_s} s")
         time.sleep(0.01)
+
+
+def test_with_otel_endpoint_an_mcp_call_is_an_execute_tool_span_named_server__tool(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    received: list[ExportTraceServiceRequest] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append(request)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    collector = HTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=collector.serve_forever, daemon=True)
+    thread.start()
+    try:
+        agentd = start(tmp_path, standin, monkeypatch, server_table("demo", 'decision = "allow"'))
+        endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
+        args = (*agentd.daemon.args, "--otel-endpoint", endpoint)  # type: ignore[union-attr]
+        daemon = Daemon(tmp_path / "d", *args, env=dict(os.environ))
+        standin.script(Scripted(tool_calls=[("demo__echo", {"text": "hi"})]), Scripted(text="done"))
+        with daemon.start(), daemon.client() as c:
+            run_turn(c, agentd.session(c), "say hi")
+            assert daemon.stop() == 0  # a clean stop sends the spans still queued
+    finally:
+        collector.shutdown()
+        thread.join()
+        collector.server_close()
+    spans = [s for r in received for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert [s.name for s in spans if s.name.startswith("execute_tool")] == ["execute_tool demo__echo"]
 
 
 def test_a_killed_daemon_leaves_no_server_and_its_claimed_call_is_not_sent_again(

@@ -146,6 +146,19 @@ def test_the_first_answer_wins_and_a_later_one_is_a_conflict_naming_who_answered
             )
 
 
+def test_session_answer_on_the_wire_takes_decline_true_and_answers_an_empty_object(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with started(tmp_path, standin, monkeypatch).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        with agentd.client() as c:
+            session, turn, question = asked(c, agentd)
+            params = {"session": session, "action": question["action"], "request": question["request"], "decline": True}
+            answered = c.call("session/answer", params)
+            until_done(c, turn)
+            assert answered == {}
+
+
 def test_a_declined_question_is_told_to_the_server_as_declined(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
