@@ -968,3 +968,23 @@ def test_max_depth_is_2_by_default_counting_the_first_session_as_0(
             2,
             0,
         )
+
+
+def test_a_spawned_childs_session_child_notices_carry_exactly_the_contracts_fields(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c, f.client() as ui:
+        f.router.script("reviewer", Scripted(text="done", usage=(10, 5, None)))
+        parent = f.session(c)
+        watch_raw(ui, parent)
+        child = c.spawn(parent, "aux-1", "reviewer", "inspect")
+        told = notices(ui, "session/child", lambda n: n.params["state"] != "running")
+        usage = {"input_tokens": 10, "output_tokens": 5, "cached_tokens": 0, "calls": 1, "refused": 0}
+        assert told[-1].params == {
+            "session": parent,
+            "action": 0,
+            "child": child.session,
+            "agent": "reviewer",
+            "state": "completed",
+            "usage": usage,
+        }
