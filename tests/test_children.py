@@ -988,3 +988,19 @@ def test_a_spawned_childs_session_child_notices_carry_exactly_the_contracts_fiel
             "state": "completed",
             "usage": usage,
         }
+
+
+def test_a_profile_with_delegates_offers_the_model_the_delegate_tool_of_the_contracts_shape(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        f.router.script("coder", Scripted(text="done"))
+        session = f.session(c)
+        c.wait(session, c.prompt(session, "go"))
+        offered = {t["function"]["name"]: t["function"]["parameters"] for t in standin.requests[-1].body["tools"]}
+        shape = offered["delegate"]
+        assert (list(shape["properties"]), shape["required"], shape["properties"]["context"]["enum"]) == (
+            ["agent", "task", "context", "output_schema", "budget"],
+            ["agent", "task"],
+            ["task", "fork"],
+        )
