@@ -129,6 +129,17 @@ def test_a_result_is_cut_at_output_bytes_max(tmp_path: Path, standin: Standin, m
         )
 
 
+def test_a_servers_own_output_bytes_max_cuts_its_results_within_the_profiles(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = server_table("demo", 'decision = "allow"', "output_bytes_max = 50")
+    with start(tmp_path, standin, monkeypatch, table, output_bytes_max="100").daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        assert call_once(agentd, "demo__big", {"size": 5000})["text"] == "x" * 50 + (
+            "\n[cut: the result was 5000 bytes; output_bytes_max is 50]"
+        )
+
+
 def test_sessions_of_a_profile_share_one_server_process(mcpd: Agentd) -> None:
     pids = {call_once(mcpd, "demo__whoami", {})["text"].split()[0] for _ in range(5)}
     assert (len(pids), [(s["name"], s["sessions"], s["restarts"]) for s in servers(mcpd)]) == (1, [("demo", 5, 0)])

@@ -235,7 +235,11 @@ BAD_MCP = [
         A + '[agent.a.mcp.gh]\ncommand = ["gh"]\ntimeout = 5\n',
         "FILE:8: unknown key 'timeout' in [agent.a.mcp.gh]; remove it or fix its name (the keys are command, url, "
         "env, headers, tools, decision, rules, network, share, idle_s, start_timeout_s, call_timeout_s, "
-        "tools_max, trust_read_only, protocol)",
+        "tools_max, trust_read_only, output_bytes_max, protocol)",
+    ),
+    (
+        A + '[agent.a.mcp.gh]\ncommand = ["gh"]\noutput_bytes_max = 0\n',
+        "FILE:8: agent.a.mcp.gh.output_bytes_max is 0; it must be at least 1",
     ),
     (
         A + '[agent.a.mcp.gh]\nurl = "https://h/mcp"\nenv = { A = "B" }\n',

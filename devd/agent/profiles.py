@@ -74,6 +74,7 @@ class McpServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     call_timeout_s: float = 120.0
     tools_max: int = 1000
     trust_read_only: bool = False  # a tool whose annotations say readOnlyHint is decided and carried out as a read
+    output_bytes_max: int | None = None  # a result is cut past this (never past the profile's)
     protocol: McpProtocol | None = None  # None: "auto" for an HTTP server, "legacy" for a stdio one
 
 
@@ -371,6 +372,7 @@ _MCP_FIELDS: dict[str, tuple[Any, str]] = {
     "call_timeout_s": (float, "a number of seconds"),
     "tools_max": (int, "an integer number of tools"),
     "trust_read_only": (bool, "true or false"),
+    "output_bytes_max": (int, "an integer number of bytes"),
     "protocol": (McpProtocol, 'one of "auto", "legacy"'),
 }
 # A server's name starts the model's name of each of its tools (SERVER__TOOL): letters, digits, - and single _, short
@@ -455,8 +457,8 @@ def _mcp_field(label: str, key: str, value: Any, lines: _Lines, where: tuple[str
         if not value > 0:
             raise lines.error(where, f"{label}.{key} is {value}; it must be above 0")
         return float(value)
-    if key == "tools_max" and value < 1:
-        raise lines.error(where, f"{label}.tools_max is {value}; it must be at least 1")
+    if key in ("tools_max", "output_bytes_max") and value < 1:
+        raise lines.error(where, f"{label}.{key} is {value}; it must be at least 1")
     return value
 
 

@@ -54,6 +54,7 @@ class _Entry(msgspec.Struct, frozen=True):
     connection: Connection
     tool: str
     read_only: bool = False  # its server is trusted to say which tools only read (trust_read_only), and it says so
+    output_bytes_max: int | None = None  # its server's cap on a result, within the profile's
 
 
 class Broker:
@@ -143,7 +144,7 @@ class Broker:
                     )
                     continue
                 hinted = tool.annotations is not None and tool.annotations.read_only_hint is True
-                table[name] = _Entry(connection, tool.name, server.trust_read_only and hinted)
+                table[name] = _Entry(connection, tool.name, server.trust_read_only and hinted, server.output_bytes_max)
                 description = (tool.description or tool.title or tool.name)[:DESCRIPTION_CHARS_MAX]
                 offered.append(NamedTool(name, description, tool.input_schema))
         self._tables[session], self._down[session] = table, down
@@ -200,7 +201,7 @@ class Broker:
         try:
             done = results.result_text(
                 await entry.connection.call(entry.tool, args, ask, state, responses, sending),
-                profile.output_bytes_max,
+                min(entry.output_bytes_max or profile.output_bytes_max, profile.output_bytes_max),
             )
         except Unavailable as e:
             done = tools.Result(e.why, failed=True)
