@@ -246,6 +246,23 @@ def test_output_schema_is_enforced(tmp_path: Path, standin: Standin, monkeypatch
         )
 
 
+def test_an_output_schema_with_a_regular_expression_is_refused_and_no_child_is_made(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attack: a schema whose pattern backtracks for minutes on the child's answer would hold the daemon's loop."""
+    schema = {"type": "string", "pattern": "^(a+)+$"}
+    with family(tmp_path, standin, DELEGATES, monkeypatch) as f, f.client() as c:
+        parent = f.session(c)
+        with pytest.raises(errors.InvalidParamsError) as refused:
+            c.spawn(parent, "aux-redos", "reviewer", "say " + "a" * 40 + "b", output_schema=schema)
+        assert (str(refused.value), c.list_children(parent).sessions) == (
+            "refused: the output_schema uses `pattern`: devd runs no regular expression a model or a server wrote "
+            "(one can hold the daemon's CPU for minutes); describe the format in `description` instead; "
+            "no child was made",
+            [],
+        )
+
+
 def test_an_answer_past_output_bytes_max_is_cut_saying_so(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:

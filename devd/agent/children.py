@@ -43,7 +43,7 @@ import msgspec
 import structlog
 
 from devd import failpoints
-from devd.agent import records, tools
+from devd.agent import jsonschemas, records, tools
 from devd.agent.kinds.delegate import DelegateInput
 from devd.agent.profiles import Profile
 from devd.agent.records import Binding, Cascade, ChildEnded, ChildLink, ChildState, ParentLink
@@ -271,9 +271,9 @@ class Children:
                 f"may not: {e}"
             )
         if ask.output_schema is not None:
-            problem = _schema_problem(ask.output_schema)
+            problem = jsonschemas.problem(ask.output_schema)
             if problem is not None:
-                return f"refused: output_schema is not a JSON Schema: {problem}"
+                return f"refused: the output_schema {problem}"
         return ChildLink(
             parent=parent,
             child=name,
@@ -829,32 +829,19 @@ def _line(m: Message) -> str:
     return ""
 
 
-def _schema_problem(schema: dict[str, Any]) -> str | None:
-    import jsonschema
-
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        return str(e.message)
-    return None
-
-
 _FENCE = re.compile(r"^\s*```(?:json)?\s*\n(.*)\n\s*```\s*$", re.DOTALL)
 
 
 def _mismatch(schema: dict[str, Any], answer: str) -> str | None:
     """Why the answer does not satisfy the schema (as JSON, a fenced block's content taken), or None."""
-    import jsonschema
-
     fenced = _FENCE.match(answer)
     text = fenced.group(1) if fenced else answer
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         return "it is not JSON"
-    try:
-        jsonschema.validate(value, schema)
-    except jsonschema.ValidationError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
-        return f"{e.message}" + (f" (at {where})" if where else "")
-    return None
+    found = jsonschemas.mismatch(schema, value)
+    if found is None:
+        return None
+    where, why = found
+    return why + (f" (at {where})" if where else "")

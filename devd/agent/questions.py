@@ -27,6 +27,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
+from devd.agent import jsonschemas
 from devd.agent.known import Questioned, Table
 from devd.agent.oversight import Keeper
 from devd.errors import ConflictError, HandleError, InvalidParamsError
@@ -39,7 +40,6 @@ SENT = "answers_sent"
 INPUT_NOTICE = "session/input"
 ANSWERED_NOTICE = "session/answered"
 MESSAGE_CHARS_MAX = 4000  # of a server's message, as a client is told it
-SCHEMA_BYTES_MAX = 64 * 1024  # of a server's schema, as JSON: a larger one is refused (the call told so)
 Decision = Literal["accept", "decline", "cancel"]
 LAPSED = (
     "declined: the daemon restarted while this question waited, and its MCP server asked it with the legacy "
@@ -251,32 +251,19 @@ class Questions:
 
 
 def schema_problem(schema: Any) -> str | None:
-    """Why a server's schema cannot be asked with (None: it can): it must be a JSON Schema object of at most
-    SCHEMA_BYTES_MAX bytes."""
-    if not isinstance(schema, dict):
-        return "its schema is not a JSON object"
-    if len(msgspec.json.encode(schema)) > SCHEMA_BYTES_MAX:
-        return f"its schema is longer than {SCHEMA_BYTES_MAX} bytes"
-    import jsonschema  # here: a daemon whose servers ask nothing never loads it
-
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        return f"its schema is not a JSON Schema ({e.message[:200]})"
-    return None
+    """Why a server's schema cannot be asked with (None: it can): `devd.agent.jsonschemas` says what is taken."""
+    problem = jsonschemas.problem(schema)
+    return None if problem is None else f"its schema {problem}"
 
 
 def _check(question: Question, answer: dict[str, Any]) -> None:
     if len(msgspec.json.encode(answer)) > ANSWER_BYTES_MAX:
         raise InvalidParamsError(f"the answer is longer than {ANSWER_BYTES_MAX} bytes; nothing was decided")
-    import jsonschema
-
-    validator = jsonschema.validators.validator_for(question.schema)(question.schema)
-    error = jsonschema.exceptions.best_match(validator.iter_errors(answer))
-    if error is not None:
-        where = "/".join(str(p) for p in error.absolute_path) or "the answer"
+    found = jsonschemas.mismatch(question.schema, answer)
+    if found is not None:
+        where, why = found
         raise InvalidParamsError(
-            f"the answer does not fit question {question.request}'s schema: at {where}, {error.message[:300]}; "
+            f"the answer does not fit question {question.request}'s schema: at {where or 'the answer'}, {why}; "
             "nothing was decided"
         )
 
