@@ -583,6 +583,16 @@ class UsageTotals(msgspec.Struct, frozen=True):
     calls: int = 0
     refused: int = 0
 
+    def plus(self, other: UsageTotals | UsageResult) -> UsageTotals:
+        """These counts and the other's, summed."""
+        return UsageTotals(
+            self.input_tokens + other.input_tokens,
+            self.output_tokens + other.output_tokens,
+            self.cached_tokens + other.cached_tokens,
+            self.calls + other.calls,
+            self.refused + other.refused,
+        )
+
 
 class SpawnParams(_Params, frozen=True):
     """Start a delegated run from outside: a child session of `parent` (a session of an agent) running `agent` on

@@ -768,7 +768,7 @@ class Children:
             return None
         total = UsageTotals()
         for _, link in links:
-            total = _add(total, await self._used(link.child))
+            total = total.plus(await self._used(link.child))
         return total
 
     async def _used(self, child: str) -> UsageTotals:
@@ -776,7 +776,7 @@ class Children:
         t = await self.sessions.tally(child)
         own = UsageTotals(t.input_tokens, t.output_tokens, t.cached_tokens, t.calls, t.refused)
         below = await self.usage(child) if await self.sessions.known(child) else None
-        return own if below is None else _add(own, below)
+        return own if below is None else own.plus(below)
 
     async def _record(self, session: str, kind: str, action: int, body: msgspec.Struct) -> None:
         seq = self.sessions.seq(session) or 0
@@ -789,16 +789,6 @@ def ancestor_counters(ancestors: list[Ancestor]) -> list[Counter]:
     for a in ancestors:
         found += [Counter("turn", a.session, str(a.turn)), Counter("session", a.session, "")]
     return found
-
-
-def _add(a: UsageTotals, b: UsageTotals) -> UsageTotals:
-    return UsageTotals(
-        a.input_tokens + b.input_tokens,
-        a.output_tokens + b.output_tokens,
-        a.cached_tokens + b.cached_tokens,
-        a.calls + b.calls,
-        a.refused + b.refused,
-    )
 
 
 def _why(e: Exception) -> str:

@@ -246,7 +246,8 @@ class Console:
                 usage = await self.client.usage(child)
             except DevdError:
                 continue  # gone meanwhile: nothing of it to follow
-            notice = ChildNotice(self.session, by_name.get(child, 0), child, agent, "running", _with_children(usage))
+            used = (usage.children or UsageTotals()).plus(usage)  # with its own delegated runs', as notices say it
+            notice = ChildNotice(self.session, by_name.get(child, 0), child, agent, "running", used)
             self.screen.show(notice)
             self.found.append(notice)
 
@@ -359,18 +360,6 @@ class Console:
         since = await self.begin()
         tg.start_soon(self.follow, since, subscribed)
         await subscribed.wait()
-
-
-def _with_children(u: UsageResult) -> UsageTotals:
-    """A session's usage with its delegated runs' (as `session/child` tells it)."""
-    c = u.children or UsageTotals()
-    return UsageTotals(
-        u.input_tokens + c.input_tokens,
-        u.output_tokens + c.output_tokens,
-        u.cached_tokens + c.cached_tokens,
-        u.calls + c.calls,
-        u.refused + c.refused,
-    )
 
 
 def _said(e: DevdError, session: str) -> str:
