@@ -619,6 +619,13 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _loop_cpu_seconds(pid: int) -> float:
+    """The CPU of a process's main thread alone (its event loop, in every server here), from /proc."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _machine_busy_seconds() -> float:
     """CPU time spent by every process on the machine (user, nice, system, irq, softirq, steal), from /proc/stat."""
     with open("/proc/stat") as f:
@@ -655,12 +662,14 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
             assert p.stdin is not None
             p.stdin.write(f"{start_at!r}\n".encode())
             p.stdin.flush()  # not closed: communicate() flushes it, then closes it
-    server_cpu = machine_busy = float("nan")
+    server_cpu = server_loop_cpu = machine_busy = float("nan")
     try:
         _sleep_until(start_at)
         cpu0, busy0 = sum(_cpu_seconds(p) for p in server_pids), _machine_busy_seconds()
+        loop0 = sum(_loop_cpu_seconds(p) for p in server_pids)
         _sleep_until(start_at + seconds)
         server_cpu = (sum(_cpu_seconds(p) for p in server_pids) - cpu0) / seconds
+        server_loop_cpu = (sum(_loop_cpu_seconds(p) for p in server_pids) - loop0) / seconds
         machine_busy = (_machine_busy_seconds() - busy0) / seconds
     except FileNotFoundError:
         pass  # a server died; the generators say how
@@ -674,8 +683,9 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
     if not latencies:
         raise RuntimeError(f"no step was answered in the window against {sorted({a for a, _ in targets})}")
     generator_cpu = sum(r.cpu_s / r.cpu_wall_s for r in results)
+    steps_per_s = sum(r.steps for r in results) / seconds
     return {
-        "steps_per_s": sum(r.steps for r in results) / seconds,
+        "steps_per_s": steps_per_s,
         "requests_per_s": sum(r.requests for r in results) / seconds,
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000,
@@ -684,6 +694,10 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
         "generator_cpu_share": generator_cpu,
         "generator_cpu_share_max": max(r.cpu_s / r.cpu_wall_s for r in results),
         "server_cpu_share": server_cpu,
+        # The server's CPU a step, in µs: all its threads, and its event loop's (main) thread alone; the rest is its
+        # other threads' (the commit thread's, mostly). Steadier under load than steps/s.
+        "server_cpu_us_per_step": server_cpu / steps_per_s * 1e6 if steps_per_s else float("nan"),
+        "server_loop_cpu_us_per_step": server_loop_cpu / steps_per_s * 1e6 if steps_per_s else float("nan"),
         # Whatever else ran on the machine meanwhile (another build or test): the noise this run had. /proc/stat and
         # the per-process figures are sampled at different ticks, so it is good to about 0.1 core (and can dip below 0).
         "other_cpu_share": machine_busy - server_cpu - generator_cpu,
@@ -789,6 +803,11 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
             return None
         return float(rows[a]["p50_ms"] / rows[b]["p50_ms"])
 
+    def cpu_over(a: str, b: str) -> float | None:
+        if "server_cpu_us_per_step" not in rows.get(a, {}) or "server_cpu_us_per_step" not in rows.get(b, {}):
+            return None
+        return float(rows[a]["server_cpu_us_per_step"] / rows[b]["server_cpu_us_per_step"])
+
     return {
         "dispatch_over_anyio_echo": over("dispatch", "anyio-echo"),
         "devd_over_anyio_echo": over("devd", "anyio-echo"),
@@ -801,7 +820,9 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
             "durable-floor-core-1-client", "durable-floor-1-client"
         ),
         "single_client_p50_devd_over_durable_floor_core": p50_over("devd-1-client", "durable-floor-core-1-client"),
+        "cpu_per_step_devd_over_durable_floor_core": cpu_over("devd", "durable-floor-core"),
         "devd_over_devd_baseline": over("devd", "devd-baseline"),
+        "cpu_per_step_devd_over_devd_baseline": cpu_over("devd", "devd-baseline"),
         "single_client_p50_devd_over_devd_baseline": p50_over("devd-1-client", "devd-baseline-1-client"),
     }
 
