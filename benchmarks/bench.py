@@ -289,10 +289,24 @@ class _FloorConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         *lines, self.buffer = (self.buffer + data).split(b"\n")
+        floor = self.floor
         for line in lines:
             if line:
-                row, reply = self.floor.take(line)
-                self.floor.queue.put((row, reply, self))
+                if floor.tasks:
+                    assert floor.loop is not None
+                    floor.loop.create_task(self._call(line))
+                else:
+                    row, reply = floor.take(line)
+                    floor.queue.put((row, reply, self))
+
+    async def _call(self, line: bytes) -> None:
+        """A request as devd runs one: a task of its own, which waits for its commit on a future."""
+        floor = self.floor
+        assert floor.loop is not None
+        row, reply = floor.take(line)
+        committed: asyncio.Future[bytes] = floor.loop.create_future()
+        floor.queue.put((row, reply, committed))
+        self.answer(await committed)
 
     def answer(self, reply: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -303,14 +317,17 @@ class _FloorConnection(asyncio.Protocol):
 
 
 class _DurableFloor:
-    def __init__(self, db_path: str) -> None:
+    def __init__(self, db_path: str, *, tasks: bool = False) -> None:
         import queue
         import sqlite3
 
         self.decode = msgspec.json.Decoder(_EchoRequest).decode
         self.encode = msgspec.json.Encoder().encode
         self.empty = _EchoActions()
-        self.queue: queue.SimpleQueue[tuple[bytes, bytes, _FloorConnection]] = queue.SimpleQueue()
+        self.tasks = tasks  # a task per request, answered through a future, as devd runs them
+        self.queue: queue.SimpleQueue[tuple[bytes, bytes, _FloorConnection | asyncio.Future[bytes]]] = (
+            queue.SimpleQueue()
+        )
         self.db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA locking_mode=EXCLUSIVE")
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -339,9 +356,13 @@ class _DurableFloor:
             assert self.loop is not None
             self.loop.call_soon_threadsafe(self.answer, batch)
 
-    def answer(self, batch: list[tuple[bytes, bytes, _FloorConnection]]) -> None:
-        for row, reply, connection in batch:
-            connection.answer(reply or self.encode(_EchoResponse("2.0", self.decode(row).id, self.empty)) + b"\n")
+    def answer(self, batch: list[tuple[bytes, bytes, _FloorConnection | asyncio.Future[bytes]]]) -> None:
+        for row, reply, to in batch:
+            reply = reply or self.encode(_EchoResponse("2.0", self.decode(row).id, self.empty)) + b"\n"
+            if isinstance(to, asyncio.Future):
+                to.set_result(reply)
+            else:
+                to.answer(reply)
 
 
 class _CoreRequest(msgspec.Struct):
@@ -360,12 +381,12 @@ class _DurableFloorWithCore(_DurableFloor):
     and keeps the core's answer in the request's row: the least any daemon of this design can do, so that what
     separates it from the durable floor is the core, and what separates devd from it is devd's own code."""
 
-    def __init__(self, db_path: str) -> None:
+    def __init__(self, db_path: str, *, tasks: bool = False) -> None:
         from devd.host import Core, Instance
         from devd.sessions.compaction import kept_answer
         from devd.storage.store import answer_digest
 
-        super().__init__(db_path)
+        super().__init__(db_path, tasks=tasks)
         self.kept_answer, self.answer_digest = kept_answer, answer_digest
         self.core = Core.open()
         self.instances: dict[str, Instance] = {}
@@ -384,13 +405,15 @@ class _DurableFloorWithCore(_DurableFloor):
         return row, b'{"jsonrpc":"2.0","id":%d,"result":{"actions":%s}}\n' % (request.id, actions)
 
 
-def _durable_floor_server(socket_path: str, db_path: str, *, core: bool = False) -> None:
+def _durable_floor_server(socket_path: str, db_path: str, *, core: bool = False, tasks: bool = False) -> None:
     """The durable floor (above): answers every request with no actions, once its row is committed; with `core`,
-    each step is stepped by its session's instance first and answered with the core's actions."""
+    each step is stepped by its session's instance first and answered with the core's actions; with `tasks`, each
+    request runs in a task of its own that waits for its commit on a future, as devd's do (which lets a connection's
+    requests run concurrently), rather than inline in the connection's callback."""
     import threading
 
     sys.setswitchinterval(0.0001)  # as devd serve does, so that the commit thread gets the GIL as promptly
-    floor = _DurableFloorWithCore(db_path) if core else _DurableFloor(db_path)
+    floor = _DurableFloorWithCore(db_path, tasks=tasks) if core else _DurableFloor(db_path, tasks=tasks)
 
     async def serve() -> None:
         floor.loop = asyncio.get_running_loop()
@@ -619,6 +642,13 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _loop_cpu_seconds(pid: int) -> float:
+    """The CPU of a process's main thread alone (its event loop, in every server here), from /proc."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _machine_busy_seconds() -> float:
     """CPU time spent by every process on the machine (user, nice, system, irq, softirq, steal), from /proc/stat."""
     with open("/proc/stat") as f:
@@ -655,12 +685,14 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
             assert p.stdin is not None
             p.stdin.write(f"{start_at!r}\n".encode())
             p.stdin.flush()  # not closed: communicate() flushes it, then closes it
-    server_cpu = machine_busy = float("nan")
+    server_cpu = server_loop_cpu = machine_busy = float("nan")
     try:
         _sleep_until(start_at)
         cpu0, busy0 = sum(_cpu_seconds(p) for p in server_pids), _machine_busy_seconds()
+        loop0 = sum(_loop_cpu_seconds(p) for p in server_pids)
         _sleep_until(start_at + seconds)
         server_cpu = (sum(_cpu_seconds(p) for p in server_pids) - cpu0) / seconds
+        server_loop_cpu = (sum(_loop_cpu_seconds(p) for p in server_pids) - loop0) / seconds
         machine_busy = (_machine_busy_seconds() - busy0) / seconds
     except FileNotFoundError:
         pass  # a server died; the generators say how
@@ -674,8 +706,9 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
     if not latencies:
         raise RuntimeError(f"no step was answered in the window against {sorted({a for a, _ in targets})}")
     generator_cpu = sum(r.cpu_s / r.cpu_wall_s for r in results)
+    steps_per_s = sum(r.steps for r in results) / seconds
     return {
-        "steps_per_s": sum(r.steps for r in results) / seconds,
+        "steps_per_s": steps_per_s,
         "requests_per_s": sum(r.requests for r in results) / seconds,
         "p50_ms": latencies[len(latencies) // 2] * 1000,
         "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000,
@@ -684,6 +717,10 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
         "generator_cpu_share": generator_cpu,
         "generator_cpu_share_max": max(r.cpu_s / r.cpu_wall_s for r in results),
         "server_cpu_share": server_cpu,
+        # The server's CPU a step, in µs: all its threads, and its event loop's (main) thread alone; the rest is its
+        # other threads' (the commit thread's, mostly). Steadier under load than steps/s.
+        "server_cpu_us_per_step": server_cpu / steps_per_s * 1e6 if steps_per_s else float("nan"),
+        "server_loop_cpu_us_per_step": server_loop_cpu / steps_per_s * 1e6 if steps_per_s else float("nan"),
         # Whatever else ran on the machine meanwhile (another build or test): the noise this run had. /proc/stat and
         # the per-process figures are sampled at different ticks, so it is good to about 0.1 core (and can dip below 0).
         "other_cpu_share": machine_busy - server_cpu - generator_cpu,
@@ -727,14 +764,22 @@ SERVERS = (
     "anyio-echo",
     "durable-floor",
     "durable-floor-core",
+    "durable-floor-core-tasks",
     "dispatch",
     "devd",
     "durable-floor-1-client",
     "durable-floor-core-1-client",
+    "durable-floor-core-tasks-1-client",
     "devd-1-client",
 )
 # One client alone: the latency, nothing queued before.
-SINGLE_CLIENT = ("durable-floor-1-client", "durable-floor-core-1-client", "devd-1-client", "devd-baseline-1-client")
+SINGLE_CLIENT = (
+    "durable-floor-1-client",
+    "durable-floor-core-1-client",
+    "durable-floor-core-tasks-1-client",
+    "devd-1-client",
+    "devd-baseline-1-client",
+)
 # devd of another checkout (`--baseline PATH`, e.g. a `git worktree` of the commit before a change), measured in the
 # same run as this one: a change's before and after, alternated round by round like the rest. Asked for by name only.
 BASELINE_SERVERS = ("devd-baseline", "devd-baseline-1-client")
@@ -748,7 +793,8 @@ def _server_argv(name: str, sock: Path, state: Path) -> list[str]:
     if name.startswith("durable-floor"):
         state.mkdir(mode=0o700)
         argv = [sys.executable, "-m", "benchmarks.bench", "_durable_floor", str(sock), str(state / "floor.sqlite3")]
-        return argv + (["--core"] if name.startswith("durable-floor-core") else [])
+        argv += ["--core"] if name.startswith("durable-floor-core") else []
+        return argv + (["--tasks"] if name.startswith("durable-floor-core-tasks") else [])
     argv = [sys.executable, "-m", "devd", "serve", "--socket", str(sock), "--state-dir", str(state)]
     return argv + ["--log-level", "warning"]
 
@@ -789,6 +835,11 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
             return None
         return float(rows[a]["p50_ms"] / rows[b]["p50_ms"])
 
+    def cpu_over(a: str, b: str) -> float | None:
+        if "server_cpu_us_per_step" not in rows.get(a, {}) or "server_cpu_us_per_step" not in rows.get(b, {}):
+            return None
+        return float(rows[a]["server_cpu_us_per_step"] / rows[b]["server_cpu_us_per_step"])
+
     return {
         "dispatch_over_anyio_echo": over("dispatch", "anyio-echo"),
         "devd_over_anyio_echo": over("devd", "anyio-echo"),
@@ -796,12 +847,22 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         "devd_over_durable_floor": over("devd", "durable-floor"),
         "durable_floor_core_over_durable_floor": over("durable-floor-core", "durable-floor"),
         "devd_over_durable_floor_core": over("devd", "durable-floor-core"),
+        "durable_floor_core_tasks_over_durable_floor_core": over("durable-floor-core-tasks", "durable-floor-core"),
+        "devd_over_durable_floor_core_tasks": over("devd", "durable-floor-core-tasks"),
         "single_client_p50_devd_over_durable_floor": p50_over("devd-1-client", "durable-floor-1-client"),
         "single_client_p50_durable_floor_core_over_durable_floor": p50_over(
             "durable-floor-core-1-client", "durable-floor-1-client"
         ),
         "single_client_p50_devd_over_durable_floor_core": p50_over("devd-1-client", "durable-floor-core-1-client"),
+        "single_client_p50_durable_floor_core_tasks_over_durable_floor_core": p50_over(
+            "durable-floor-core-tasks-1-client", "durable-floor-core-1-client"
+        ),
+        "cpu_per_step_devd_over_durable_floor_core": cpu_over("devd", "durable-floor-core"),
+        "cpu_per_step_durable_floor_core_tasks_over_durable_floor_core": cpu_over(
+            "durable-floor-core-tasks", "durable-floor-core"
+        ),
         "devd_over_devd_baseline": over("devd", "devd-baseline"),
+        "cpu_per_step_devd_over_devd_baseline": cpu_over("devd", "devd-baseline"),
         "single_client_p50_devd_over_devd_baseline": p50_over("devd-1-client", "devd-baseline-1-client"),
     }
 
@@ -2341,6 +2402,7 @@ def main(argv: list[str] | None = None) -> int:
     durable_floor.add_argument("socket")
     durable_floor.add_argument("database")
     durable_floor.add_argument("--core", action="store_true", help="step each session's instance of the core too")
+    durable_floor.add_argument("--tasks", action="store_true", help="run each request in a task of its own, as devd")
     load = sub.add_parser("_load")
     load.add_argument("address")
     load.add_argument("--clients", type=int, default=16)
@@ -2528,7 +2590,7 @@ def main(argv: list[str] | None = None) -> int:
         _anyio_echo_server(args.socket)
         return 0
     elif args.what == "_durable_floor":
-        _durable_floor_server(args.socket, args.database, core=args.core)
+        _durable_floor_server(args.socket, args.database, core=args.core, tasks=args.tasks)
         return 0
     else:
         _load_main(args.address, args.clients, args.first_client, args.seconds, args.after_ready)

@@ -312,8 +312,22 @@ async def test_a_session_that_ends_under_the_turn_answers_the_prompt_refusal_say
     name = session.session_id
     told = "devd: the session ended while its turn ran (DEADLINE: the call ran past its deadline and was stopped; "
     told += f"session '{name}' ended: `devd recover {name}` brings it back from its last step); after `devd recover "
-    told += f"{name}`, `devd resume {name}` carries the turn on."
+    told += f"{name}`, `devd resume {name}` carries the turn on. Prompt again to recover it and go on."
     assert (answer.stop_reason, editor.text()) == ("refusal", told)
+
+
+async def test_prompting_a_session_that_ended_under_its_turn_recovers_it_and_carries_the_turn_on(
+    ending: Setup,
+) -> None:
+    """Before, the next prompt was refused with the daemon's 'recover it' error, which an editor's user cannot do.
+    This core ends its session at every try of the turn: the turn carried on ends it again, and says so."""
+    async with editor_on(ending, Editor()) as conn:
+        session = await conn.new_session(cwd=str(ending.workspace), mcp_servers=[])
+        with anyio.fail_after(WAIT_S):
+            await conn.prompt(session_id=session.session_id, prompt=text("go"))
+            again = await conn.prompt(session_id=session.session_id, prompt=text("go on"))
+    ended = again.field_meta["devd"]["ended"]  # the carried-on turn's end, or this prompt's: whichever came first
+    assert (again.stop_reason, "the call ran past its deadline" in ended) == ("refusal", True)
 
 
 async def test_prompting_a_stalled_session_again_tries_its_model_again(devd: Setup) -> None:

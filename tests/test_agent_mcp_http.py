@@ -219,3 +219,25 @@ def test_server_everythings_read_only_image_tool_runs_unasked_when_trusted_and_i
         "Here's the image you requested:\n[image/png, 4 KB]\nThe image above is the MCP logo.",
         [],
     )
+
+
+def test_a_secret_in_a_servers_url_query_is_never_shown(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, sdk_url: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A server that answers 404 at the URL given: the HTTP client's error names the whole URL, query included."""
+    url = sdk_url.replace("/mcp", "/elsewhere") + "?token=s3cret&v=2"
+    table = f'[agent.coder.mcp.web]\nurl = "{url}"\ndecision = "allow"\nstart_timeout_s = 5\n'
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("web__echo", {"text": "hi"})]), Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+        status = servers(agentd)[0]
+    [said] = tool_results(standin, 1)
+    shown = url.replace("token=s3cret&v=2", "token=***&v=***")
+    assert (said, status["last_error"], "s3cret" in "".join(capfd.readouterr())) == (
+        "error: web__echo is a tool of the MCP server web, which cannot serve now: the MCP server web stopped: the "
+        f"connection failed (MCPError: Not Found); its URL is {shown}",
+        f"the MCP server web stopped: the connection failed (MCPError: Not Found); its URL is {shown}",
+        False,
+    )

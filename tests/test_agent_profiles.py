@@ -19,6 +19,7 @@ from devd.agent.profiles import (
     default_agents_path,
     load_profiles,
     parse_profiles,
+    shown_url,
 )
 from devd.errors import ConfigError, InvalidParamsError
 from devd.messages import Browse, Call, Exec, Git, Read, Write
@@ -75,6 +76,11 @@ def profile(tmp_path: Path, **fields: object) -> Profile:
         "workspace_roots": (str(tmp_path),),
     }
     return Profile(**(base | fields))  # type: ignore[arg-type]
+
+
+def test_a_url_is_shown_without_its_user_password_or_query_values() -> None:
+    shown = shown_url("https://me:pw@models.example:8443/v1/chat?api-version=2024&key=s3cret#frag")
+    assert shown == "https://models.example:8443/v1/chat?api-version=***&key=***#frag"
 
 
 def test_a_good_file_gives_every_setting(tmp_path: Path) -> None:

@@ -8,7 +8,9 @@ What it promises:
   from the daemon's notices and can be derived again: a fresh process, or another one, shows the same session.
 - `session/prompt` starts a turn with an idempotency key and answers once the turn's `Done` is seen (`end_turn`,
   `cancelled`), or `refusal` when the session stalls (its reason in `_meta.devd.stalled`) or ends under the turn (a
-  call past its deadline, a trap in the core: its reason, saying what carries it on, in `_meta.devd.ended`).
+  call past its deadline, a trap in the core: its reason, saying what carries it on, in `_meta.devd.ended`). The
+  next prompt to a stalled session resumes it first; to an ended or poisoned one, recovers it from its last step and
+  resumes it first.
 - A daemon that goes away is reconnected (retrying for as long as it takes); each session is watched again from the
   last step seen, so the turns in flight are still answered, and a call lost on the way is sent again (each is
   idempotent: a prompt by its key, a cancel by its key, an approval by its digest). A prompt whose daemon stays away
@@ -73,6 +75,9 @@ from devd.render import in_devd_terms
 
 log = structlog.get_logger("devd.acp")
 
+# A session in these states (`session/list`'s `state`) takes no step until recovered: an editor's next prompt
+# recovers it, since its user has no `devd recover` at hand.
+ENDED_STATES = ("ended", "poisoned")
 LIST_PAGE = 200  # daemon sessions scanned per `session/list` page
 RECONNECT_FIRST_S = 0.05  # backoff while the daemon is away: from this, doubling, up to RECONNECT_MAX_S
 RECONNECT_MAX_S = 1.0
@@ -1189,18 +1194,28 @@ async def _prompt(bridge: Bridge, raw: msgspec.Raw) -> Any:
         said = await commands.run(bridge, attached, name, *slash)
         await bridge.editor.update(name, wire.AgentMessageChunk(wire.TextBlock(said)))
         return {"stopReason": "end_turn"}
-    if entry.get("stalled"):  # typing again is asking it to try again
+    if entry.get("state") in ENDED_STATES:  # typing again is asking it to go on from its last step
+        await bridge.call("session/recover", {"session": name})
+        await bridge.call("session/resume", {"session": name})
+    elif entry.get("stalled"):  # typing again is asking it to try again
         await bridge.call("session/resume", {"session": name})
     before = await _usage(bridge, name)
     waiter = Waiter(key=f"acp:{uuid.uuid4().hex}")
     attached.waiters.append(waiter)
     attached.view.expect_prompt(text)
     try:
-        started = await bridge.call("session/prompt", {"session": name, "prompt": text, "key": waiter.key})
-        waiter.turn = int(started["turn"])
-        if waiter.cancel:
-            await bridge.cancel(name)
-        bridge._settle(attached)
+        try:
+            started = await bridge.call("session/prompt", {"session": name, "prompt": text, "key": waiter.key})
+        except errors.HandleError as e:
+            if ((await bridge.entry(name)) or {}).get("state") not in ENDED_STATES:
+                raise
+            # The turn carried on (above) ended the session again before this one could start: said as that end.
+            waiter.end("refusal", ended=f"ended before this prompt's turn started ({e.kind}: {e})")
+        else:
+            waiter.turn = int(started["turn"])
+            if waiter.cancel:
+                await bridge.cancel(name)
+            bridge._settle(attached)
         await waiter.done.wait()
         await bridge.kids_told(name)  # every child that ended is told so before its parent's prompt is answered
     finally:
@@ -1215,7 +1230,7 @@ async def _prompt(bridge: Bridge, raw: msgspec.Raw) -> Any:
         await bridge.editor.update(name, wire.AgentMessageChunk(wire.TextBlock(reason)))
     if waiter.ended is not None:
         meta["ended"] = waiter.ended
-        reason = f"devd: the session {in_devd_terms(waiter.ended, name)}."
+        reason = f"devd: the session {in_devd_terms(waiter.ended, name)}. Prompt again to recover it and go on."
         await bridge.editor.update(name, wire.AgentMessageChunk(wire.TextBlock(reason)))
     result: dict[str, Any] = {"stopReason": waiter.stop, "_meta": {"devd": meta}}
     if (usage := _spent(before, await _usage(bridge, name))) is not None:

@@ -656,12 +656,25 @@ def token_param(profile: Profile) -> TokenParam:
     return "max_completion_tokens" if host == OPENAI_HOST else "max_tokens"
 
 
+HIDDEN = "***"  # what a URL shows in place of a value that may be a secret
+
+
 def shown_url(url: str) -> str:
-    """url as it may be shown: without a user name or password (`user:password@`)."""
+    """url as it may be shown (to a model, in a status, in the log): without a user name or password
+    (`user:password@`), and with the values of its query hidden (a server's key is often given as `?token=`), its
+    names kept."""
     split = urlsplit(url)
-    if "@" not in split.netloc:
+    if "@" not in split.netloc and not split.query:
         return url
-    return split._replace(netloc=split.netloc.rpartition("@")[2]).geturl()
+    query = "&".join(f"{part.partition('=')[0]}={HIDDEN}" for part in split.query.split("&") if part)
+    return split._replace(netloc=split.netloc.rpartition("@")[2], query=query).geturl()
+
+
+def without_url(text: str, url: str) -> str:
+    """text with url, wherever it is written in it whole (as an HTTP client's error names it), as `shown_url`
+    shows it."""
+    shown = shown_url(url)
+    return text if shown == url else text.replace(url, shown)
 
 
 def check_workspace(profile: Profile, workspace: str) -> Path:

@@ -48,7 +48,7 @@ from pydantic import ValidationError
 
 from devd.agent.mcp.http import Endpoint
 from devd.agent.mcp.stdio import Process
-from devd.agent.profiles import McpServer
+from devd.agent.profiles import McpServer, without_url
 
 log = structlog.get_logger("devd.mcp")
 
@@ -310,7 +310,7 @@ class Connection:
                 try:
                     await session.discover()
                 except (MCPError, RuntimeError, ValidationError) as e:
-                    why = str(e)
+                    why = _shown(str(e), served)
                 else:
                     self.mode = "2026-07-28"
                     return
@@ -326,7 +326,7 @@ class Connection:
 
     def _ended_why(self, process: Served, error: str | None) -> str:
         said = process.why or ("it ended" if error is None else f"the connection failed ({error[:300]})")
-        return f"the MCP server {self.server.name} stopped: {said}; {process.exit_status()}"
+        return f"the MCP server {self.server.name} stopped: {_shown(said, process)}; {process.exit_status()}"
 
     async def _serve(self, session: ClientSession, first: _Request, process: Served) -> None:
         """Answer requests until the process ends or has been idle for idle_s."""
@@ -386,9 +386,12 @@ class Connection:
                 await _reaped(process)
                 request.fail(self._ending or self._ended_why(process, None))
             else:
-                request.fail(f"the MCP server {self.server.name} answered {request.tool} with an error: {e}")
+                said = _shown(str(e), process)
+                request.fail(f"the MCP server {self.server.name} answered {request.tool} with an error: {said}")
         except (ValidationError, RuntimeError, ValueError) as e:  # a result the protocol does not allow
-            request.fail(f"the MCP server {self.server.name} answered {request.tool} with what MCP does not allow: {e}")
+            said = _shown(str(e), process)
+            name, tool = self.server.name, request.tool
+            request.fail(f"the MCP server {name} answered {tool} with what MCP does not allow: {said}")
         finally:
             self._inflight.discard(request)
             self._active -= 1
@@ -536,6 +539,11 @@ class Connection:
             log.warning("mcp.relist_failed", server=self.server.name, error=str(e)[:300])
         finally:
             relisted.set()
+
+
+def _shown(text: str, served: Served) -> str:
+    """text as it may be shown: an HTTP server's errors may name its URL, whose query may hold a key."""
+    return without_url(text, served.url) if isinstance(served, Endpoint) else text
 
 
 def _leaf(error: BaseException) -> BaseException:
