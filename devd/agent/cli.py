@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from devd.agent import kinds, tools
+from devd.agent import kinds
 from devd.agent.kinds.base import LINE_CHARS_MAX
 from devd.client import ActionsNotice, Notice
 from devd.messages import Action, Event, Op, Output
@@ -559,6 +559,10 @@ def replaced(workspace: str | None, path: str) -> tuple[bytes, str | None]:
     where the daemon does, as a person who may read less (or more) than it: what it cannot read is said so."""
     if workspace is None:
         return b"", "the session's workspace is not known here"
+    # Here, not at the top: the tools bring the daemon's logging and sandbox with them, which `devd run` would load
+    # at every start (about 20 ms) to show a turn that writes nothing.
+    from devd.agent import tools
+
     try:
         place = tools.Workspace(Path(workspace), tools.pin(Path(workspace)))
     except tools.Refused as e:
