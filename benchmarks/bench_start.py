@@ -5,7 +5,8 @@ socket accepts: the floor is this interpreter with asyncio on uvloop and msgspec
 answering the line; the floor with the core is that, having first loaded the compiled core from the state directory's
 cache and opened a SQLite file (what any daemon of this design has ready before it answers); devd is `python -m devd
 serve` on a state directory whose compiled core is already cached (a first start on an empty one, which compiles the
-core and every module's bytecode, is timed apart). Sides alternate round by round; medians.
+core and every module's bytecode, is timed apart). With `--baseline DIR` (a checkout of another devd), that devd is
+timed too, from its own directory. Sides alternate round by round; medians.
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ def _floor_server(socket_path: str, state: str | None = None) -> None:
     run(serve())
 
 
-def _first_answer_ms(argv: list[str], sock: Path, env: dict[str, str]) -> float:
-    """Milliseconds from just before the exec of argv to the answer of an initialize on sock."""
+def _first_answer_ms(argv: list[str], sock: Path, env: dict[str, str], cwd: Path | None = None) -> float:
+    """Milliseconds from just before the exec of argv (in cwd) to the answer of an initialize on sock."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
     try:
         while True:
             if proc.poll() is not None:
@@ -108,25 +109,36 @@ def _devd_argv(sock: Path, state: Path) -> list[str]:
     ]
 
 
-def bench_start(rounds: int) -> dict[str, Any]:
+def bench_start(rounds: int, baseline: Path | None = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="devd-bench-start-"))
     sock, state = root / "s.sock", root / "state"
     # Bytecode cached as an installed wheel has it (pip compiles on install), kept apart from the checkout; the first
     # start of each side writes it, and devd's first also compiles the core into the state directory's cache.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = str(root / "pycache")
+    here = Path(__file__).resolve().parent.parent
+    # With a baseline, its devd runs from its own checkout (`-m devd` imports the one in its working directory),
+    # its bytecode cached apart, alternated with this one's.
+    codes = {"devd": here} | ({"baseline": baseline.resolve()} if baseline is not None else {})
+    envs = {name: env | {"PYTHONPYCACHEPREFIX": str(root / f"pycache-{name}")} for name in codes}
     floor_argv = [sys.executable, "-m", "benchmarks.bench_start", "_floor", str(sock)]
     floor_core_argv = floor_argv + [str(state)]
-    _first_answer_ms(floor_argv, sock, env)
-    compiling = _first_answer_ms(_devd_argv(sock, state), sock, env)  # fills the state's compiled cache
-    _first_answer_ms(floor_core_argv, sock, env)
-    floor, floor_core, devd = [], [], []
-    for _ in range(rounds):
-        floor.append(_first_answer_ms(floor_argv, sock, env))
-        floor_core.append(_first_answer_ms(floor_core_argv, sock, env))
-        devd.append(_first_answer_ms(_devd_argv(sock, state), sock, env))
-    floor_ms, floor_core_ms, devd_ms = statistics.median(floor), statistics.median(floor_core), statistics.median(devd)
-    return {
+    _first_answer_ms(floor_argv, sock, env, here)
+    compiling = _first_answer_ms(_devd_argv(sock, state), sock, envs["devd"], here)  # fills the state's cache
+    if baseline is not None:
+        _first_answer_ms(_devd_argv(sock, state), sock, envs["baseline"], codes["baseline"])
+    _first_answer_ms(floor_core_argv, sock, env, here)
+    floor, floor_core = [], []
+    devds: dict[str, list[float]] = {name: [] for name in codes}
+    for r in range(rounds):
+        floor.append(_first_answer_ms(floor_argv, sock, env, here))
+        floor_core.append(_first_answer_ms(floor_core_argv, sock, env, here))
+        for name in codes if r % 2 == 0 else reversed(codes):
+            devds[name].append(_first_answer_ms(_devd_argv(sock, state), sock, envs[name], codes[name]))
+    floor_ms, floor_core_ms = statistics.median(floor), statistics.median(floor_core)
+    devd = devds["devd"]
+    devd_ms = statistics.median(devd)
+    out: dict[str, Any] = {
         "rounds": rounds,
         "floor_ms": round(floor_ms, 1),
         "floor_core_ms": round(floor_core_ms, 1),
@@ -136,11 +148,21 @@ def bench_start(rounds: int) -> dict[str, Any]:
         "devd_over_floor_core": round(devd_ms / floor_core_ms, 2),
         "devd_ms_min_max": [round(min(devd), 1), round(max(devd), 1)],
         "devd_first_start_ms": round(compiling, 1),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
+    if baseline is not None:
+        base = devds["baseline"]
+        out["baseline"] = {
+            "devd_ms": round(statistics.median(base), 1),
+            "devd_over_floor_core": round(statistics.median(base) / floor_core_ms, 2),
+            "devd_ms_min_max": [round(min(base), 1), round(max(base), 1)],
+        }
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=9, help="alternations of the two sides (default 9)")
+    p.add_argument("--rounds", type=int, default=9, help="alternations of the sides (default 9)")
+    p.add_argument("--baseline", type=Path, default=None, help="a checkout of another devd, alternated with this one")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_floor"]:
