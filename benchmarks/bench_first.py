@@ -38,9 +38,10 @@ def _standin_main(url_file: str) -> None:
         signal.sigwait({signal.SIGTERM, signal.SIGINT})
 
 
-def _first_text_ms(argv: list[str], env: dict[str, str]) -> float:
+def _first_text_ms(argv: list[str], env: dict[str, str], cwd: Path) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # In the side's checkout: `-m devd` imports the devd of its working directory before PYTHONPATH's.
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
     assert proc.stdout is not None
     seen = b""
     try:
@@ -87,9 +88,9 @@ def _round(code: Path, root: Path, url: str, sandbox: str) -> tuple[float, float
         client = [sys.executable, "-m", "devd", "run", "--connect", str(sock), "--agent", "bench"]
         client += ["--workspace", str(workspace), "say it"]
         cpu0 = _cpu_ms(daemon.pid)
-        cold = _first_text_ms(client, env)
+        cold = _first_text_ms(client, env, code)
         cpu1 = _cpu_ms(daemon.pid)
-        warm = _first_text_ms(client, env)
+        warm = _first_text_ms(client, env, code)
         cpu2 = _cpu_ms(daemon.pid)
     finally:
         daemon.send_signal(signal.SIGTERM)
