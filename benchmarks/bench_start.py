@@ -6,7 +6,8 @@ answering the line; the floor with the core is that, having first loaded the com
 cache and opened a SQLite file (what any daemon of this design has ready before it answers); devd is `python -m devd
 serve` on a state directory whose compiled core is already cached (a first start on an empty one, which compiles the
 core and every module's bytecode, is timed apart). With `--baseline DIR` (a checkout of another devd), that devd is
-timed too, from its own directory. Sides alternate round by round; medians.
+timed too, from its own directory. Beside the wall clock, the CPU each process had used by its answer (all its
+threads, from /proc: the machine's load moves it far less). Sides alternate round by round; medians.
 """
 
 from __future__ import annotations
@@ -67,8 +68,16 @@ def _floor_server(socket_path: str, state: str | None = None) -> None:
     run(serve())
 
 
-def _first_answer_ms(argv: list[str], sock: Path, env: dict[str, str], cwd: Path | None = None) -> float:
-    """Milliseconds from just before the exec of argv (in cwd) to the answer of an initialize on sock."""
+def _cpu_ms(pid: int) -> float:
+    """CPU the process's threads have run so far (/proc's schedstat, in ns: precise, where stat counts 10 ms ticks),
+    in ms. CPU moves far less with the machine's load than the wall clock does."""
+    tasks = Path(f"/proc/{pid}/task")
+    return sum(int((tasks / t / "schedstat").read_text().split()[0]) for t in os.listdir(tasks)) / 1e6
+
+
+def _first_answer(argv: list[str], sock: Path, env: dict[str, str], cwd: Path | None = None) -> tuple[float, float]:
+    """Milliseconds from just before the exec of argv (in cwd) to the answer of an initialize on sock, and the CPU
+    milliseconds the process had used by then."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
     try:
@@ -85,7 +94,7 @@ def _first_answer_ms(argv: list[str], sock: Path, env: dict[str, str], cwd: Path
                         if not chunk:
                             raise ConnectionError("the server closed the connection before answering")
                         answered += chunk
-                    return (time.perf_counter() - t0) * 1000
+                    return (time.perf_counter() - t0) * 1000, _cpu_ms(proc.pid)
             except (FileNotFoundError, ConnectionRefusedError):
                 time.sleep(0.0005)
     finally:
@@ -123,21 +132,27 @@ def bench_start(rounds: int, baseline: Path | None = None) -> dict[str, Any]:
     envs = {name: env | {"PYTHONPYCACHEPREFIX": str(root / f"pycache-{name}")} for name in codes}
     floor_argv = [sys.executable, "-m", "benchmarks.bench_start", "_floor", str(sock)]
     floor_core_argv = floor_argv + [str(state)]
-    _first_answer_ms(floor_argv, sock, env, here)
-    compiling = _first_answer_ms(_devd_argv(sock, state), sock, envs["devd"], here)  # fills the state's cache
+    _first_answer(floor_argv, sock, env, here)
+    compiling = _first_answer(_devd_argv(sock, state), sock, envs["devd"], here)[0]  # fills the state's cache
     if baseline is not None:
-        _first_answer_ms(_devd_argv(sock, state), sock, envs["baseline"], codes["baseline"])
-    _first_answer_ms(floor_core_argv, sock, env, here)
-    floor, floor_core = [], []
-    devds: dict[str, list[float]] = {name: [] for name in codes}
+        _first_answer(_devd_argv(sock, state), sock, envs["baseline"], codes["baseline"])
+    _first_answer(floor_core_argv, sock, env, here)
+    floor: list[tuple[float, float]] = []
+    floor_core: list[tuple[float, float]] = []
+    devds: dict[str, list[tuple[float, float]]] = {name: [] for name in codes}
     for r in range(rounds):
-        floor.append(_first_answer_ms(floor_argv, sock, env, here))
-        floor_core.append(_first_answer_ms(floor_core_argv, sock, env, here))
+        floor.append(_first_answer(floor_argv, sock, env, here))
+        floor_core.append(_first_answer(floor_core_argv, sock, env, here))
         for name in codes if r % 2 == 0 else reversed(codes):
-            devds[name].append(_first_answer_ms(_devd_argv(sock, state), sock, envs[name], codes[name]))
-    floor_ms, floor_core_ms = statistics.median(floor), statistics.median(floor_core)
+            devds[name].append(_first_answer(_devd_argv(sock, state), sock, envs[name], codes[name]))
+
+    def median(runs: list[tuple[float, float]], i: int) -> float:
+        return statistics.median(run[i] for run in runs)
+
+    floor_ms, floor_core_ms = median(floor, 0), median(floor_core, 0)
+    floor_core_cpu = median(floor_core, 1)
     devd = devds["devd"]
-    devd_ms = statistics.median(devd)
+    devd_ms = median(devd, 0)
     out: dict[str, Any] = {
         "rounds": rounds,
         "floor_ms": round(floor_ms, 1),
@@ -146,16 +161,25 @@ def bench_start(rounds: int, baseline: Path | None = None) -> dict[str, Any]:
         "devd_over_floor": round(devd_ms / floor_ms, 2),
         "floor_core_over_floor": round(floor_core_ms / floor_ms, 2),
         "devd_over_floor_core": round(devd_ms / floor_core_ms, 2),
-        "devd_ms_min_max": [round(min(devd), 1), round(max(devd), 1)],
+        "devd_ms_min_max": [round(min(r[0] for r in devd), 1), round(max(r[0] for r in devd), 1)],
         "devd_first_start_ms": round(compiling, 1),
+        # CPU to the first answer (all threads), which the machine's load moves far less than the wall clock
+        "cpu_ms": {
+            "floor": round(median(floor, 1), 1),
+            "floor_core": round(floor_core_cpu, 1),
+            "devd": round(median(devd, 1), 1),
+        },
+        "devd_cpu_over_floor_core": round(median(devd, 1) / floor_core_cpu, 2),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
     if baseline is not None:
         base = devds["baseline"]
         out["baseline"] = {
-            "devd_ms": round(statistics.median(base), 1),
-            "devd_over_floor_core": round(statistics.median(base) / floor_core_ms, 2),
-            "devd_ms_min_max": [round(min(base), 1), round(max(base), 1)],
+            "devd_ms": round(median(base, 0), 1),
+            "devd_over_floor_core": round(median(base, 0) / floor_core_ms, 2),
+            "devd_ms_min_max": [round(min(r[0] for r in base), 1), round(max(r[0] for r in base), 1)],
+            "cpu_ms": round(median(base, 1), 1),
+            "cpu_over_floor_core": round(median(base, 1) / floor_core_cpu, 2),
         }
     return out
 
