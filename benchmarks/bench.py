@@ -2524,7 +2524,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "start":
         from benchmarks.bench_start import bench_start
 
-        result = bench_start(args.rounds)
+        result = bench_start(args.rounds, args.baseline)
     elif args.what == "client":
         from benchmarks.bench_client import bench_client
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -38,9 +39,13 @@ def _standin_main(url_file: str) -> None:
         signal.sigwait({signal.SIGTERM, signal.SIGINT})
 
 
-def _first_text_ms(argv: list[str], env: dict[str, str]) -> float:
+def _first_text_ms(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float]:
+    """Milliseconds from just before the exec of argv to the model's text on its output, and the CPU milliseconds
+    the process used in all (it ends with the turn): its own imports are most of what `devd run` takes."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)  # the only child reaped meanwhile is this one
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # In the side's checkout: `-m devd` imports the devd of its working directory before PYTHONPATH's.
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
     assert proc.stdout is not None
     seen = b""
     try:
@@ -49,11 +54,13 @@ def _first_text_ms(argv: list[str], env: dict[str, str]) -> float:
             if not chunk:
                 raise RuntimeError(f"devd run ended before the model's text: {proc.stderr.read().decode()[-800:]}")  # type: ignore[union-attr]
             seen += chunk
-        return (time.perf_counter() - t0) * 1000
+        wall = (time.perf_counter() - t0) * 1000
     finally:
         proc.wait(30)
         proc.stdout.close()
         proc.stderr.close()  # type: ignore[union-attr]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) * 1000
 
 
 def _cpu_ms(pid: int) -> float:
@@ -62,7 +69,7 @@ def _cpu_ms(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
-def _round(code: Path, root: Path, url: str, sandbox: str) -> tuple[float, float, float, float]:
+def _round(code: Path, root: Path, url: str, sandbox: str) -> tuple[float, float, float, float, float, float]:
     run = Path(tempfile.mkdtemp(prefix="r-", dir=root))
     workspace = run / "roots" / "ws"
     workspace.mkdir(parents=True)
@@ -87,15 +94,15 @@ def _round(code: Path, root: Path, url: str, sandbox: str) -> tuple[float, float
         client = [sys.executable, "-m", "devd", "run", "--connect", str(sock), "--agent", "bench"]
         client += ["--workspace", str(workspace), "say it"]
         cpu0 = _cpu_ms(daemon.pid)
-        cold = _first_text_ms(client, env)
+        cold, cold_run_cpu = _first_text_ms(client, env, code)
         cpu1 = _cpu_ms(daemon.pid)
-        warm = _first_text_ms(client, env)
+        warm, warm_run_cpu = _first_text_ms(client, env, code)
         cpu2 = _cpu_ms(daemon.pid)
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(30)
         shutil.rmtree(run, ignore_errors=True)
-    return cold, warm, cpu1 - cpu0, cpu2 - cpu1
+    return cold, warm, cpu1 - cpu0, cpu2 - cpu1, cold_run_cpu, warm_run_cpu
 
 
 def bench_first(rounds: int, sandbox: str, baseline: Path | None) -> dict[str, Any]:
@@ -110,7 +117,7 @@ def bench_first(rounds: int, sandbox: str, baseline: Path | None) -> dict[str, A
         url = url_file.read_text()
         for code in sides.values():  # each side's bytecode cached first, as an installed wheel has it
             _round(code, root, url, sandbox)
-        got: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in sides}
+        got: dict[str, list[tuple[float, float, float, float, float, float]]] = {name: [] for name in sides}
         for r in range(rounds):
             for name, code in sides.items() if r % 2 == 0 else reversed(sides.items()):
                 got[name].append(_round(code, root, url, sandbox))
@@ -131,6 +138,8 @@ def bench_first(rounds: int, sandbox: str, baseline: Path | None) -> dict[str, A
             "cold_minus_warm_ms": round(statistics.median(r[0] - r[1] for r in runs), 1),
             "daemon_cpu_ms_cold_turn": round(statistics.median(r[2] for r in runs), 1),
             "daemon_cpu_ms_warm_turn": round(statistics.median(r[3] for r in runs), 1),
+            "run_cpu_ms_cold": round(statistics.median(r[4] for r in runs), 1),  # the devd run process's, in all
+            "run_cpu_ms_warm": round(statistics.median(r[5] for r in runs), 1),
         }
     return out
 

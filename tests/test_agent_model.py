@@ -27,6 +27,7 @@ from devd.agent.model import (
     StreamError,
     ToolCall,
     Usage,
+    _retry_after,
     complete,
     parse_sse,
     rejected_messages,
@@ -294,6 +295,12 @@ async def test_a_429_waits_for_its_retry_after_not_the_backoff(standin: Standin,
             client, profile(standin.url), CONVERSATION[:1], environ={}, exec_available=True, backoff_s=100
         )
     assert (done.text, standin.count) == ("ok", 2)
+
+
+def test_a_retry_after_that_is_an_http_date_is_read_as_the_seconds_until_it() -> None:
+    # email.utils is imported only for this form: it must still be read.
+    until = _retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"})
+    assert until is not None and round(until + time.time()) == 1445412480
 
 
 async def test_spent_attempts_raise_model_unavailable_saying_why(standin: Standin, client: http.Client) -> None:

@@ -382,3 +382,24 @@ def test_usage_is_a_table_and_with_json_the_daemons_answer(agentd: Agentd) -> No
         "       1,200             34              5      1        0\n",
         '{"input_tokens":1200,"output_tokens":34,"cached_tokens":5,"calls":1,"refused":0}\n',
     )
+
+
+def test_run_loads_neither_the_sessions_core_nor_the_agents_tools(agentd: Agentd) -> None:
+    # What `devd run` imports is most of the time it takes to show a turn: wasmtime (the core) and the tools (with
+    # the daemon's logging and sandbox) are the daemon's, and were about 45 ms of each run.
+    agentd.standin.script(Scripted(text=ANSWER))
+    argv = ["devd", "run", "--connect", str(agentd.daemon.socket), "--agent", "coder", "--workspace"]
+    argv += [str(agentd.workspace), "build it"]
+    script = (
+        f"import sys; sys.argv = {argv!r}; from devd.cli import main; status = main(); "
+        "print('loaded:', [m for m in ('wasmtime', 'devd.agent.tools', 'structlog') if m in sys.modules], status)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.stdout.splitlines()[-1] == "loaded: [] 0", done.stdout + done.stderr

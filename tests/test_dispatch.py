@@ -44,7 +44,7 @@ async def boom(call: Call, params: SessionParams) -> Empty:
     raise RuntimeError("a bug in a handler")
 
 
-BOOM = Method("boom", SessionParams, Empty, boom, "Fail as a bug would.", False, msgspec.json.Decoder(SessionParams))
+BOOM = Method("boom", SessionParams, Empty, boom, "Fail as a bug would.", False)
 
 
 def error(id: bytes, code: int, message: bytes, kind: bytes) -> bytes:

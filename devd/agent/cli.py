@@ -31,11 +31,12 @@ import shlex
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from devd.agent import kinds, tools
+from msgspec import Struct, field
+
+from devd.agent import kinds
 from devd.agent.kinds.base import LINE_CHARS_MAX
 from devd.client import ActionsNotice, Notice
 from devd.messages import Action, Event, Op, Output
@@ -132,8 +133,7 @@ class Out(Protocol):
     def isatty(self) -> bool: ...
 
 
-@dataclass
-class Screen:
+class Screen(Struct):  # a Struct, not a dataclass: building that was about 1.5 ms of each `devd run`
     """What a session looks like, built from its notices: the one model of the screen, fed notices and writing text
     to `out` (sans-I/O: a terminal front end, devd.cli.terminal, or a plain stream owns the writing). Text is written
     as it streams; calls, results and devd's own lines (in brackets) on lines of their own; a result under its call's
@@ -372,8 +372,7 @@ class Screen:
         self.out.flush()
 
 
-@dataclass
-class Nested:
+class Nested(Struct):
     """Where a delegated run's own screen writes: into its parent's screen, each line after NESTED, never in the
     middle of a line of the parent's."""
 
@@ -559,6 +558,10 @@ def replaced(workspace: str | None, path: str) -> tuple[bytes, str | None]:
     where the daemon does, as a person who may read less (or more) than it: what it cannot read is said so."""
     if workspace is None:
         return b"", "the session's workspace is not known here"
+    # Here, not at the top: the tools bring the daemon's logging and sandbox with them, which `devd run` would load
+    # at every start (about 20 ms) to show a turn that writes nothing.
+    from devd.agent import tools
+
     try:
         place = tools.Workspace(Path(workspace), tools.pin(Path(workspace)))
     except tools.Refused as e:

@@ -27,7 +27,6 @@ import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -883,6 +882,10 @@ def _retry_after(headers: Any) -> float | None:
         return float(value)
     except ValueError:
         pass
+    # Here, not at the top: the email package is about 4 ms of every daemon's start, and an HTTP date in Retry-After is
+    # rare (a number of seconds is what services send).
+    from email.utils import parsedate_to_datetime
+
     try:
         return parsedate_to_datetime(value).timestamp() - time.time()
     except (TypeError, ValueError):

@@ -12,10 +12,9 @@ import json
 import os
 import re
 import shlex
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 from urllib.parse import urlsplit
 
 import msgspec
@@ -23,6 +22,9 @@ import msgspec
 from devd.agent import wrappers
 from devd.config import configuration_dirs
 from devd.errors import ConfigError, InvalidParamsError
+
+if TYPE_CHECKING:
+    import tomllib
 
 Decision = Literal["allow", "deny", "ask"]
 SandboxMode = Literal["auto", "bwrap", "none"]
@@ -187,6 +189,8 @@ def load_profiles(path: Path) -> dict[str, Profile]:
 
 def parse_profiles(text: str, filename: str) -> dict[str, Profile]:
     """The profiles of an agents.toml given as text; `filename` names it in messages."""
+    import tomllib  # here, not at the top: a daemon without an agents file, and `devd run`, never parse one
+
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -506,20 +510,19 @@ def _toml_why(e: tomllib.TOMLDecodeError) -> str:
 class _Lines:
     """Where a key or table is written: tomllib gives values, not lines, so the text is scanned for them."""
 
-    _HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
-    _KEY = re.compile(
-        r"^\s*((?:\"[^\"]*\"|'[^']*'|[A-Za-z0-9_-]+)(?:\s*\.\s*(?:\"[^\"]*\"|'[^']*'|[A-Za-z0-9_-]+))*)\s*="
-    )
+    # Compiled by `re` at the first file read (its cache keeps them), not as this module is imported.
+    _HEADER = r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$"
+    _KEY = r"^\s*((?:\"[^\"]*\"|'[^']*'|[A-Za-z0-9_-]+)(?:\s*\.\s*(?:\"[^\"]*\"|'[^']*'|[A-Za-z0-9_-]+))*)\s*="
 
     def __init__(self, text: str, filename: str) -> None:
         self.filename = filename
         self.entries: list[tuple[int, tuple[str, ...]]] = []  # (line, full dotted path) of each header and key
         table: tuple[str, ...] = ()
         for number, line in enumerate(text.splitlines(), start=1):
-            if m := self._HEADER.match(line):
+            if m := re.match(self._HEADER, line):
                 table = _split_dotted(m.group(1))
                 self.entries.append((number, table))
-            elif m := self._KEY.match(line):
+            elif m := re.match(self._KEY, line):
                 self.entries.append((number, (*table, *_split_dotted(m.group(1)))))
 
     def line(self, path: tuple[str, ...]) -> int:

@@ -32,6 +32,9 @@ from collections.abc import Sequence
 
 import msgspec
 
+# The regular expressions below are kept as text and compiled by `re` at their first use (its cache keeps them): a
+# daemon imports this module as it starts and checks no command then; compiling them at import was about 4 ms of
+# every start.
 LAYERS_MAX = 16  # commands seen through, one inside the other, before the rest is taken as blind
 
 
@@ -127,12 +130,12 @@ BLIND = frozenset(
     "vi vim nvim view ex vimdiff rvim gvim emacs emacsclient nano editor sensible-editor "
     "socat run-parts".split()
 )
-_VERSIONED = re.compile(r"[0-9.]+$")  # python3.12, perl5.36, lua5.4, ksh93: named without their version
-_INTERPRETER = re.compile(r"(python|pypy|perl|ruby|node|php|lua)[0-9.]*[-_.]")  # python3.12-dbg, php-cgi
+_VERSIONED = r"[0-9.]+$"  # python3.12, perl5.36, lua5.4, ksh93: named without their version
+_INTERPRETER = r"(python|pypy|perl|ruby|node|php|lua)[0-9.]*[-_.]"  # python3.12-dbg, php-cgi
 # The dynamic loader runs the program it is given (ld.so, ld-linux-x86-64.so.2, ld-musl-x86_64.so.1), and setarch's
 # names for an architecture run theirs (`x86_64 rm x`, `i386 sh`).
-_LOADER = re.compile(r"ld([-.].*)?\.so(\.[0-9]+)*")
-_ARCH = re.compile(
+_LOADER = r"ld([-.].*)?\.so(\.[0-9]+)*"
+_ARCH = (
     r"i[3-6]86|x86_64|amd64|aarch64|arm(v[0-9]+[a-z]*)?|ppc(32|64)?(le)?|s390x?|sparc(32|64)?|mips(64)?(el)?|"
     r"parisc(32|64)?|ia64|alpha|riscv(32|64)|loongarch64|m68k|sh[0-9]+"
 )
@@ -184,8 +187,8 @@ _PLAIN_WORDS = frozenset(". .. at batch es rc nu ex view alpha arm".split())
 _SHELL_SYNTAX = frozenset(";|&`$\n")
 # sed's `e` command (`1e CMD`) and `s///e` flag run a command.
 _SED_RUNS = (
-    re.compile(r"(^|[;\n{}!0-9$/,~])\s*e(\s|$|[;}])"),
-    re.compile(r"s(.)(?:\\.|(?!\1).)*\1(?:\\.|(?!\1).)*\1[^;\n}]*e"),
+    r"(^|[;\n{}!0-9$/,~])\s*e(\s|$|[;}])",
+    r"s(.)(?:\\.|(?!\1).)*\1(?:\\.|(?!\1).)*\1[^;\n}]*e",
 )
 # find's actions that run a command: the words after one, up to `;` or `+`.
 FIND_RUNS = frozenset(("-exec", "-execdir", "-ok", "-okdir"))
@@ -214,7 +217,7 @@ GIT_SUBCOMMAND_RUNS = _by_name(
 )
 # `git config KEY VALUE` setting a key that names a command git runs later (core.pager, core.sshCommand, alias.x,
 # a hook, an editor, a filter or diff driver), or editing the file (`-e`: the editor), is blind.
-_GIT_CONFIG_RUNS = re.compile(
+_GIT_CONFIG_RUNS = (
     r"(?i)command|cmd|hook|editor|edit|pager|ssh|program|helper|alias|textconv|filter|driver|tool|browser|askpass|"
     r"exec|sendmail|proxy|fsmonitor|gpg|include|credential|^-e$"
 )
@@ -223,9 +226,9 @@ _GIT_CONFIG_RUNS = re.compile(
 SYSTEM_DIRS = frozenset("/bin /sbin /usr/bin /usr/sbin /usr/local/bin /usr/local/sbin".split())
 # A shell script read as one simple command: words of these characters, quoted or not; nothing the shell expands,
 # redirects, joins or comments.
-_SIMPLE_SCRIPT = re.compile(r"""[A-Za-z0-9_./=:,+@%^*?\[\] \t'"-]*""")
+_SIMPLE_SCRIPT = r"""[A-Za-z0-9_./=:,+@%^*?\[\] \t'"-]*"""
 _GLOB = frozenset("*?[")
-_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+_ASSIGNMENT = r"[A-Za-z_][A-Za-z0-9_]*="
 
 
 class Seen(msgspec.Struct, frozen=True):
@@ -268,7 +271,7 @@ def blind_by_itself(layer: Sequence[str]) -> bool:
     name = program(first)
     if "/" in first and os.path.dirname(os.path.normpath(first)) not in SYSTEM_DIRS:
         return True
-    bare = _VERSIONED.sub("", name)
+    bare = re.sub(_VERSIONED, "", name)
     shell_or_wrapper = name in SHELLS or bare in SHELLS or name in WRAPPERS or name in ("find", "git")
     return runs_commands(name) and not shell_or_wrapper
 
@@ -276,7 +279,7 @@ def blind_by_itself(layer: Sequence[str]) -> bool:
 def runs_commands(name: str) -> bool:
     """Whether a program of this name runs a command given in its arguments: a shell, a wrapper, find, git,
     a program of `BLIND` (an interpreter, a runner), the loader or an architecture's name (setarch)."""
-    bare = _VERSIONED.sub("", name)
+    bare = re.sub(_VERSIONED, "", name)
     return (
         name in SHELLS
         or bare in SHELLS
@@ -284,9 +287,9 @@ def runs_commands(name: str) -> bool:
         or bare in BLIND
         or name in WRAPPERS
         or name in ("find", "git")
-        or _INTERPRETER.match(name) is not None
-        or _LOADER.fullmatch(name) is not None
-        or _ARCH.fullmatch(name) is not None
+        or re.match(_INTERPRETER, name) is not None
+        or re.fullmatch(_LOADER, name) is not None
+        or re.fullmatch(_ARCH, name) is not None
     )
 
 
@@ -325,7 +328,7 @@ def _inside(argv: tuple[str, ...], watched: frozenset[str]) -> Inside:
         return None, f"{first} is a pattern the shell expands, which may name any program"
     if "/" in first and os.path.dirname(os.path.normpath(first)) not in SYSTEM_DIRS:
         return None, f"{first} is a program at a path outside the system's directories: what it runs cannot be seen"
-    if name in SHELLS or _VERSIONED.sub("", name) in SHELLS:
+    if name in SHELLS or re.sub(_VERSIONED, "", name) in SHELLS:
         return _script(name, argv[1:])
     if name == "find":
         return _find(argv[1:])
@@ -353,7 +356,7 @@ def _looks_like_a_command(name: str, args: tuple[str, ...], watched: frozenset[s
         option = _command_option(name, options, word, first=at == 0)
         if option is not None:
             return f"{name}'s option {option} names a command for it to run, which is not read here"
-        if name == "sed" and any(runs.search(word) for runs in _SED_RUNS):
+        if name == "sed" and any(re.search(runs, word) for runs in _SED_RUNS):
             return f"sed's script {_short(word)} may hold its e command, which runs a command"
         value = word.partition("=")[2] if word.startswith("-") else word
         syntax = next((c for c in value if c in _SHELL_SYNTAX), None)
@@ -438,9 +441,9 @@ def _unwrap(name: str, options: Options, args: tuple[str, ...]) -> Inside:
             return None, f"{name}'s option {word} is not known here, so the command it runs cannot be told"
         i += taken
     why = None
-    if options.assignments and i < len(args) and _ASSIGNMENT.match(args[i]):
+    if options.assignments and i < len(args) and re.match(_ASSIGNMENT, args[i]):
         why = f"{name} sets {args[i].split('=')[0]} in the environment, which can change what a command runs"
-        while i < len(args) and _ASSIGNMENT.match(args[i]):
+        while i < len(args) and re.match(_ASSIGNMENT, args[i]):
             i += 1
     i += options.operands
     return args[i:] or None, why
@@ -524,7 +527,7 @@ def _git(args: tuple[str, ...]) -> Inside:
             or (short and any(len(r) == 2 and r[1] in word[1:] for r in runs if r[:2] != "--"))
         ):
             return None, f"git {sub} {word} names a command for git to run, which is not read here"
-    if sub == "config" and any(_GIT_CONFIG_RUNS.search(word) for word in rest):
+    if sub == "config" and any(re.search(_GIT_CONFIG_RUNS, word) for word in rest):
         return None, "git config sets a key that can name a command git runs later (a pager, an alias, a hook)"
     return None, None
 
@@ -532,7 +535,7 @@ def _git(args: tuple[str, ...]) -> Inside:
 def _script(shell: str, args: tuple[str, ...]) -> Inside:
     """The command of `SHELL -c SCRIPT` when SCRIPT is one simple command; else none, and why."""
     command = False
-    startup = _VERSIONED.sub("", shell) in _STARTUP_ALWAYS
+    startup = re.sub(_VERSIONED, "", shell) in _STARTUP_ALWAYS
     i = 0
     while i < len(args) and args[i][:1] in ("-", "+") and args[i] not in ("-", "--"):
         word = args[i]
@@ -558,15 +561,15 @@ def _script(shell: str, args: tuple[str, ...]) -> Inside:
         return None, f"{shell} runs a script that its arguments do not show"
     script = args[i]
     words: list[str] = []
-    if _SIMPLE_SCRIPT.fullmatch(script):
+    if re.fullmatch(_SIMPLE_SCRIPT, script):
         try:
             words = shlex.split(script)
         except ValueError:  # an unclosed quote: the shell refuses it too, but it is not read as a command here
             words = []
     if not words or words[0] in _SHELL_KEYWORDS:  # a keyword begins a compound command
         return None, f"{shell} -c runs a script that is not one simple command, which is not read here"
-    if _ASSIGNMENT.match(words[0]):
-        while words and _ASSIGNMENT.match(words[0]):
+    if re.match(_ASSIGNMENT, words[0]):
+        while words and re.match(_ASSIGNMENT, words[0]):
             name = words.pop(0).split("=")[0]
         return tuple(words) or None, f"{shell} -c sets {name}, which can change what a command runs"
     if startup:

@@ -235,6 +235,10 @@ class Console:
     async def _running_children(self, children: list[str], owed: list[Action]) -> None:
         """The delegated runs of the session still running when this console began: shown under their calls, and
         followed from their first step (`follow`)."""
+        if not children:
+            return
+        # Here, not at the top: devd.agent.children brings the sessions' core (wasmtime) with it, which `devd run`
+        # would load at every start (about 25 ms) for a session that has no delegated runs.
         from devd.agent.children import child_name
 
         by_name = {child_name(self.session, f"d{a.id}"): a.id for a in owed}

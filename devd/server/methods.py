@@ -15,6 +15,7 @@ and its handler is one line: `return await call.app.sessions.NAME(params, call.p
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -133,7 +134,7 @@ class Call(msgspec.Struct, frozen=True):
 Handler = Callable[[Call, Any], Awaitable[msgspec.Struct]]
 
 
-class Method(msgspec.Struct, frozen=True):
+class Method(msgspec.Struct, frozen=True, dict=True):
     """A method of the protocol bound to its handler: what dispatch looks up."""
 
     name: str
@@ -142,7 +143,11 @@ class Method(msgspec.Struct, frozen=True):
     handler: Handler
     doc: str
     during_shutdown: bool  # answered while the daemon drains (status), or refused as BUSY
-    decoder: msgspec.json.Decoder[Any]
+
+    @functools.cached_property
+    def decoder(self) -> msgspec.json.Decoder[Any]:
+        """Its params' decoder, made at the method's first call (see `devd.protocol.Spec.decoder`)."""
+        return msgspec.json.Decoder(self.params)
 
 
 _HANDLERS: dict[str, Handler] = {}
@@ -179,9 +184,7 @@ def bind(specs: Mapping[str, Spec], handlers: Mapping[str, Handler]) -> dict[str
     missing, extra = sorted(set(specs) - set(handlers)), sorted(set(handlers) - set(specs))
     if missing or extra:
         raise RuntimeError(f"methods without a handler: {missing}; handlers without a method: {extra}")
-    return {
-        n: Method(n, s.params, s.result, handlers[n], s.doc, s.during_shutdown, s.decoder) for n, s in specs.items()
-    }
+    return {n: Method(n, s.params, s.result, handlers[n], s.doc, s.during_shutdown) for n, s in specs.items()}
 
 
 def resolve(methods: Mapping[str, Method], request: Request) -> tuple[Method, Any]:

@@ -6,7 +6,6 @@ history (it never prunes) and counts each write as one commit.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Collection, Sequence
@@ -118,7 +117,7 @@ class MemoryStore:
         if src is None:
             raise StoreError(f"there is no session {source!r} to fork")
         copy = _Session(src.config)
-        copy.records = [dataclasses.replace(r, session=name) for r in src.records if r.seq <= at]
+        copy.records = [msgspec.structs.replace(r, session=name) for r in src.records if r.seq <= at]
         for seq, step in src.journal.items():
             if seq <= at:
                 copy.journal[seq] = msgspec.structs.replace(step, session=name)
@@ -193,7 +192,7 @@ class MemoryStore:
         if session is None:
             return  # deleted meanwhile: as the other stores, dropped
         n = session.records[-1].n + 1 if session.records else 1
-        session.records.append(dataclasses.replace(record, at=time.time(), n=n))
+        session.records.append(msgspec.structs.replace(record, at=time.time(), n=n))
 
     async def records(
         self, name: str, kinds: tuple[str, ...] | None = None, after: int = 0, limit: int | None = None

@@ -8,9 +8,9 @@ the next one. Sans-I/O: the backend reads the version and applies what `next` ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import msgspec
 import structlog
 
 from devd.errors import StoreError
@@ -22,8 +22,7 @@ log = structlog.get_logger("devd.storage.migrations")
 StepT = TypeVar("StepT")
 
 
-@dataclass(frozen=True, slots=True)
-class Migrations(Generic[StepT]):
+class Migrations(msgspec.Struct, Generic[StepT], frozen=True):
     steps: tuple[StepT, ...]
 
     @property

@@ -13,21 +13,20 @@ latest, and a fork or a retry's answer from inside the window replays from the o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 __all__ = ["Plan", "Retention"]
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(msgspec.Struct, frozen=True):
     """What one session keeps, decided at its latest snapshot."""
 
     anchor: int | None  # the snapshot every kept step derives from; None: the start (nothing can be pruned)
     thinned: list[int]  # the seqs of the snapshots that go (their rows stay)
 
 
-@dataclass(frozen=True, slots=True)
-class Retention:
+class Retention(msgspec.Struct, frozen=True):
     keys_kept: int
     steps_kept: int
     prune_every_steps: int

@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import msgspec
@@ -122,8 +121,7 @@ class SessionRow(msgspec.Struct, frozen=True):
     last_used: float  # of its last step (its creation if none)
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(msgspec.Struct, frozen=True):
     """One entry of a session's record log: what the daemon itself did for the session beside its journal (the agent
     runtime's bindings, claims and inserted exchanges; later approvals, usage and traces). `kind` says what `body`
     (JSON) is, `action` the action it is about (0: none), `seq` the session's last step when it was written (a fork
