@@ -333,7 +333,14 @@ def _start_daemon(code: Path, root: Path, url: str) -> tuple[subprocess.Popen[by
 
 
 async def _drive(
-    sock: Path, workspace: Path, sessions: int, model_s: float, pid: int, profile: Path | None, shared: bool
+    sock: Path,
+    workspace: Path,
+    sessions: int,
+    model_s: float,
+    pid: int,
+    profile: Path | None,
+    shared: bool,
+    model_pid: int | None = None,
 ) -> dict[str, Any]:
     latencies: list[float] = []
     clients = [_Session(latencies) for _ in range(sessions)]
@@ -344,9 +351,11 @@ async def _drive(
     if profile is not None:  # py-spy's collapsed stacks of every thread, while the turns run
         argv = [os.environ.get("PY_SPY", "py-spy"), "record", "-p", str(pid), "-r", "200", "--threads", "--idle"]
         spy = subprocess.Popen([*argv, "-f", "raw", "-o", str(profile)], stdout=subprocess.DEVNULL)
+    model0 = sum(_cpu(model_pid).values()) if model_pid is not None else 0.0
     cpu0, t0, mine = _cpu(pid), time.monotonic(), time.process_time()
     await asyncio.gather(*(c.turn(3 * model_s + 30, shared) for c in clients))
     cpu1, wall, mine = _cpu(pid), time.monotonic() - t0, time.process_time() - mine
+    model_cpu = sum(_cpu(model_pid).values()) - model0 if model_pid is not None else None
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
@@ -368,6 +377,7 @@ async def _drive(
         "wall_s": round(wall, 2),
         "daemon_cpu_s": round(cpu, 2),
         "watchers_cpu_s": round(mine, 2),  # this process's, reading every notice: near wall_s, it is the bottleneck
+        "model_cpu_s": None if model_cpu is None else round(model_cpu, 2),  # the stand-in's, writing every fragment
         "load_average": os.getloadavg()[0],
         "fragments": fragments,
         "notices": sum(c.notices for c in clients),
@@ -398,7 +408,7 @@ def _round(code: Path, sessions: int, tokens: int, rate: float, profile: Path | 
         daemon, workspace = _start_daemon(code, root, url)
         try:
             result |= uvloop.run(
-                _drive(root / "devd.sock", workspace, sessions, tokens / rate, daemon.pid, profile, shared)
+                _drive(root / "devd.sock", workspace, sessions, tokens / rate, daemon.pid, profile, shared, model.pid)
             )
         finally:
             daemon.send_signal(signal.SIGTERM)
