@@ -294,6 +294,15 @@ def _cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def _runqueue_s(pid: int) -> float:
+    """How long pid's main thread (the daemon's event loop) has waited, runnable, for a CPU (schedstat's second
+    field): what a machine busy with other processes costs the loop, apart from its own work."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _quantiles(values: list[float]) -> list[float] | None:
     return [round(values[int(len(values) * q)], 3) for q in (0.5, 0.9)] + [round(values[-1], 3)] if values else None
 
@@ -352,9 +361,10 @@ async def _drive(
         argv = [os.environ.get("PY_SPY", "py-spy"), "record", "-p", str(pid), "-r", "200", "--threads", "--idle"]
         spy = subprocess.Popen([*argv, "-f", "raw", "-o", str(profile)], stdout=subprocess.DEVNULL)
     model0 = sum(_cpu(model_pid).values()) if model_pid is not None else 0.0
-    cpu0, t0, mine = _cpu(pid), time.monotonic(), time.process_time()
+    cpu0, t0, mine, waited = _cpu(pid), time.monotonic(), time.process_time(), _runqueue_s(pid)
     await asyncio.gather(*(c.turn(3 * model_s + 30, shared) for c in clients))
     cpu1, wall, mine = _cpu(pid), time.monotonic() - t0, time.process_time() - mine
+    waited = _runqueue_s(pid) - waited
     model_cpu = sum(_cpu(model_pid).values()) - model0 if model_pid is not None else None
     if spy is not None:
         spy.send_signal(signal.SIGINT)
@@ -382,6 +392,7 @@ async def _drive(
         "fragments": fragments,
         "notices": sum(c.notices for c in clients),
         "cpu_us_per_fragment": round(cpu / max(1, fragments) * 1e6, 1),
+        "loop_runqueue_wait_s": round(waited, 2),  # the loop ready to run but given no CPU by the machine
         "cpu_by_thread_s": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:4]},
         "turn_s_p50": round(turns[len(turns) // 2], 2) if turns else None,
         "turn_s_max": round(turns[-1], 2) if turns else None,
