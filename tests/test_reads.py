@@ -62,3 +62,11 @@ async def test_a_reader_that_stops_waiting_leaves_the_reads_queued_behind_it_ans
     finally:
         reads.stop()
     assert answered == 3
+
+
+async def test_a_read_after_the_thread_stopped_still_runs_and_starts_no_thread() -> None:
+    reads = ReadThread("test-read")
+    first = await reads.read(lambda: 1)
+    reads.stop()
+    answered = await reads.read(lambda: 2)
+    assert (first, answered, [t.name for t in threading.enumerate() if t.name == "test-read"]) == (1, 2, [])

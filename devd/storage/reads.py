@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import anyio.to_thread
+
 __all__ = ["ReadThread"]
 
 T = TypeVar("T")
@@ -41,7 +43,8 @@ class _Read:
 
 
 class ReadThread:
-    """One thread that runs reads handed to `read`, started at the first and ended by `stop`."""
+    """One thread that runs reads handed to `read`, started at the first and ended by `stop` (a read after that runs
+    on a worker thread of its own)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -49,13 +52,16 @@ class ReadThread:
         self._queue: queue.SimpleQueue[_Read | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._starting = threading.Lock()
+        self._stopped = False
 
     async def read(self, job: Callable[[], T]) -> T:
         """job()'s value, run on the read thread (its exception raised here)."""
-        loop = asyncio.get_running_loop()
-        pending = _Read(job, loop, loop.create_future())
         if self._thread is None:
             self._start()
+            if self._thread is None:  # stopped (the store closed): run where no thread is left behind
+                return await anyio.to_thread.run_sync(job)
+        loop = asyncio.get_running_loop()
+        pending = _Read(job, loop, loop.create_future())
         self._queue.put(pending)
         value: T = await pending.future
         return value
@@ -63,14 +69,14 @@ class ReadThread:
     def stop(self) -> None:
         """Run what is queued, then end the thread and wait for it (from any thread but the read thread)."""
         with self._starting:
-            thread, self._thread = self._thread, None
+            thread, self._thread, self._stopped = self._thread, None, True
         if thread is not None:
             self._queue.put(None)
             thread.join()
 
     def _start(self) -> None:
         with self._starting:
-            if self._thread is None:
+            if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
 
