@@ -5,9 +5,10 @@ for one Read; the Read's result goes back and the model answers "done". Every se
 connection: it makes the session, watches it and prompts it), so every delta is one notice to one watcher.
 
 The model is a stand-in of its own here (asyncio, in a process of its own, chunked server-sent events written on a
-fixed schedule), lean enough to keep 300 streams at 50 tokens/s on time on this machine; each fragment's text is the
-monotonic time (CLOCK_MONOTONIC, shared by every process) at which the model wrote it, so a watcher tells each
-fragment's latency from the model's write to its own read, however the daemon groups fragments into notices.
+fixed schedule by one task for every stream), lean enough to keep 300 streams at 50 tokens/s on time on this
+machine; each fragment's text is the monotonic time (CLOCK_MONOTONIC, shared by every process) at which the model
+wrote it, so a watcher tells each fragment's latency from the model's write to its own read, however the daemon
+groups fragments into notices.
 
 Measured: the daemon's CPU (utime + stime of every thread, from /proc) over the turns, per streamed fragment, and per
 thread; each turn from its prompt to its Done, against the model's own time (tokens / rate); the delta latency p50,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import os
 import shutil
@@ -68,11 +70,58 @@ def _text_event(text: bytes) -> bytes:
 _USAGE = {"id": "s", "object": "chat.completion.chunk", "created": 0, "model": "standin", "choices": []}
 
 
+class _Schedule:
+    """Every stream's fragments, written by one task on their schedule: a heap of (when the next is due, stream).
+
+    One task a stream sleeping before each fragment (300 streams at 50 a second: 15,000 wake-ups a second) took a
+    fifth of a core of this 2-core machine, beside the daemon it measures; this task wakes at most once a
+    millisecond and writes every fragment then due."""
+
+    TICK_S = 0.001  # the shortest sleep: a fragment is written up to this late, and its text says when it was
+
+    def __init__(self, rate: float, late: list[float]) -> None:
+        self.rate, self.late = rate, late
+        self._heap: list[tuple[float, int, _Stream]] = []
+        self._added = asyncio.Event()
+        self._n = 0
+
+    def add(self, stream: _Stream) -> None:
+        self._n += 1
+        heapq.heappush(self._heap, (stream.t0, self._n, stream))
+        self._added.set()
+
+    async def run(self) -> None:
+        heap = self._heap
+        while True:
+            if not heap:
+                self._added.clear()
+                await self._added.wait()
+            now = time.monotonic()
+            while heap and heap[0][0] <= now:
+                due, n, stream = heapq.heappop(heap)
+                self.late.append(now - due)
+                stream.transport.write(_text_event(b"%.6f;" % now))
+                stream.sent += 1
+                if stream.sent < stream.tokens:
+                    heapq.heappush(heap, (stream.t0 + stream.sent / self.rate, n, stream))
+                else:
+                    stream.done.set_result(None)
+            if heap:
+                await asyncio.sleep(max(self.TICK_S, heap[0][0] - time.monotonic()))
+
+
+class _Stream:
+    __slots__ = ("transport", "tokens", "t0", "sent", "done")
+
+    def __init__(self, transport: asyncio.Transport, tokens: int, done: asyncio.Future[None]) -> None:
+        self.transport, self.tokens, self.t0, self.sent, self.done = transport, tokens, time.monotonic(), 0, done
+
+
 class _Model(asyncio.Protocol):
     """One connection of the stand-in: requests one after another (keep-alive), each answered as a stream."""
 
-    def __init__(self, tokens: int, rate: float, late: list[float]) -> None:
-        self.tokens, self.rate, self.late = tokens, rate, late
+    def __init__(self, tokens: int, schedule: _Schedule) -> None:
+        self.tokens, self.schedule = tokens, schedule
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
 
@@ -103,15 +152,10 @@ class _Model(asyncio.Protocol):
         if any(m["role"] == "tool" for m in messages[last_user:]):
             transport.write(_event(_chunk({"content": "done"})) + _event(_chunk({}, "stop")))
         else:
-            t0 = time.monotonic()
-            for k in range(self.tokens):
-                due = t0 + k / self.rate
-                wait = due - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                now = time.monotonic()
-                self.late.append(now - due)
-                transport.write(_text_event(b"%.6f;" % now))
+            if self.tokens:
+                done = asyncio.get_running_loop().create_future()
+                self.schedule.add(_Stream(transport, self.tokens, done))
+                await done
             call = {"index": 0, "id": "call_1", "type": "function"}
             call["function"] = {"name": "read", "arguments": '{"path": "a.txt"}'}
             transport.write(_event(_chunk({"tool_calls": [call]})) + _event(_chunk({}, "tool_calls")))
@@ -128,11 +172,14 @@ def _model_main(port_file: str, tokens: int, rate: float) -> None:
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Model(tokens, rate, late), "127.0.0.1", 0, backlog=4096)
+        schedule = _Schedule(rate, late)
+        writer = loop.create_task(schedule.run())
+        server = await loop.create_server(lambda: _Model(tokens, schedule), "127.0.0.1", 0, backlog=4096)
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         Path(port_file).write_text(str(server.sockets[0].getsockname()[1]))
         await stop.wait()
+        writer.cancel()
         server.close()
 
     uvloop.run(serve())
@@ -294,6 +341,15 @@ def _cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def _runqueue_s(pid: int) -> float:
+    """How long pid's main thread (the daemon's event loop) has waited, runnable, for a CPU (schedstat's second
+    field): what a machine busy with other processes costs the loop, apart from its own work."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _quantiles(values: list[float]) -> list[float] | None:
     return [round(values[int(len(values) * q)], 3) for q in (0.5, 0.9)] + [round(values[-1], 3)] if values else None
 
@@ -333,7 +389,14 @@ def _start_daemon(code: Path, root: Path, url: str) -> tuple[subprocess.Popen[by
 
 
 async def _drive(
-    sock: Path, workspace: Path, sessions: int, model_s: float, pid: int, profile: Path | None, shared: bool
+    sock: Path,
+    workspace: Path,
+    sessions: int,
+    model_s: float,
+    pid: int,
+    profile: Path | None,
+    shared: bool,
+    model_pid: int | None = None,
 ) -> dict[str, Any]:
     latencies: list[float] = []
     clients = [_Session(latencies) for _ in range(sessions)]
@@ -342,11 +405,18 @@ async def _drive(
     dashboard = await _watch_all(str(sock), clients) if shared else None
     spy = None
     if profile is not None:  # py-spy's collapsed stacks of every thread, while the turns run
+        # Without stopping the daemon for each sample: stopped 200 times a second, its slowest turn took 2.34 times
+        # the model's time against 1.31 unprofiled (300 sessions, load average 2); sampled as it runs, 1.29-1.42 at
+        # load 3.5-6, where unprofiled rounds took 1.17-1.29 (py-spy's own CPU is on the same two cores).
         argv = [os.environ.get("PY_SPY", "py-spy"), "record", "-p", str(pid), "-r", "200", "--threads", "--idle"]
+        argv.append("--nonblocking")
         spy = subprocess.Popen([*argv, "-f", "raw", "-o", str(profile)], stdout=subprocess.DEVNULL)
-    cpu0, t0, mine = _cpu(pid), time.monotonic(), time.process_time()
+    model0 = sum(_cpu(model_pid).values()) if model_pid is not None else 0.0
+    cpu0, t0, mine, waited = _cpu(pid), time.monotonic(), time.process_time(), _runqueue_s(pid)
     await asyncio.gather(*(c.turn(3 * model_s + 30, shared) for c in clients))
     cpu1, wall, mine = _cpu(pid), time.monotonic() - t0, time.process_time() - mine
+    waited = _runqueue_s(pid) - waited
+    model_cpu = sum(_cpu(model_pid).values()) - model0 if model_pid is not None else None
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
@@ -368,10 +438,12 @@ async def _drive(
         "wall_s": round(wall, 2),
         "daemon_cpu_s": round(cpu, 2),
         "watchers_cpu_s": round(mine, 2),  # this process's, reading every notice: near wall_s, it is the bottleneck
+        "model_cpu_s": None if model_cpu is None else round(model_cpu, 2),  # the stand-in's, writing every fragment
         "load_average": os.getloadavg()[0],
         "fragments": fragments,
         "notices": sum(c.notices for c in clients),
         "cpu_us_per_fragment": round(cpu / max(1, fragments) * 1e6, 1),
+        "loop_runqueue_wait_s": round(waited, 2),  # the loop ready to run but given no CPU by the machine
         "cpu_by_thread_s": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:4]},
         "turn_s_p50": round(turns[len(turns) // 2], 2) if turns else None,
         "turn_s_max": round(turns[-1], 2) if turns else None,
@@ -398,7 +470,7 @@ def _round(code: Path, sessions: int, tokens: int, rate: float, profile: Path | 
         daemon, workspace = _start_daemon(code, root, url)
         try:
             result |= uvloop.run(
-                _drive(root / "devd.sock", workspace, sessions, tokens / rate, daemon.pid, profile, shared)
+                _drive(root / "devd.sock", workspace, sessions, tokens / rate, daemon.pid, profile, shared, model.pid)
             )
         finally:
             daemon.send_signal(signal.SIGTERM)

@@ -22,7 +22,7 @@ from tests.stores import CONFIG, append_all, big, kept, row, running, snapshot_f
 @asynccontextmanager
 async def writer_held_back() -> AsyncIterator[None]:
     """Every worker thread of anyio's default limiter taken, so the snapshot writer (which writes on one) waits, while
-    the commit thread (a thread of its own) and reads (a limiter of their own) go on."""
+    the commit thread and the reads (each a thread of its own) go on."""
     limiter = anyio.to_thread.current_default_thread_limiter()
     holders = [object() for _ in range(int(limiter.total_tokens))]
     for holder in holders:

@@ -636,6 +636,18 @@ def _turn_id(event: bytes) -> int:
     return 0 if turn is None else turn.id
 
 
+class _Guard:
+    """Work `Driver._guarded` runs for an action: stopped through its scope once the action is no longer pending (or
+    the look at what is pending failed: `error`)."""
+
+    __slots__ = ("action", "scope", "error")
+
+    def __init__(self, action: int) -> None:
+        self.action = action
+        self.scope = anyio.CancelScope()
+        self.error: Exception | None = None
+
+
 class Driver(msgspec.Struct, eq=False):
     """Carries out one session's pending actions, one at a time, until it waits for nothing."""
 
@@ -648,6 +660,8 @@ class Driver(msgspec.Struct, eq=False):
     carrying: int = 0  # the action being carried out (0 before the first): what a stall after a failure names
     resumed: anyio.Event = msgspec.field(default_factory=anyio.Event)
     _foreign: anyio.Event = msgspec.field(default_factory=anyio.Event)
+    _guards: list[_Guard] = msgspec.field(default_factory=list)  # the work `_guarded` runs now, innermost last
+    _checking: bool = False  # a look at what is pending for the guards runs (`_check_guards`)
     _claims: set[int] = msgspec.field(default_factory=set)
     _inserted: list[Inserted] = msgspec.field(default_factory=list)
     _thoughts: dict[int, str] = msgspec.field(default_factory=dict)  # reasoning sent back (send_reasoning)
@@ -660,6 +674,32 @@ class Driver(msgspec.Struct, eq=False):
     def foreign_step(self) -> None:
         self.dirty = True
         self._foreign.set()
+        self._check_soon()
+
+    def _check_soon(self) -> None:
+        """While work is guarded and another client stepped the session, look (in a task of the runtime's) whether
+        each guarded action is still pending; the first look runs only then, never for work no step came during."""
+        tg = self.runtime._tg
+        if self._guards and self._foreign.is_set() and not self._checking and tg is not None:
+            self._checking = True
+            tg.start_soon(self._check_guards)
+
+    async def _check_guards(self) -> None:
+        try:
+            while self._guards and self._foreign.is_set():
+                self._foreign = anyio.Event()
+                try:
+                    still = action_ids(await self.sessions.pending(self.session))
+                except Exception as e:  # raised where the guarded work was waited for, as the work's own
+                    for guard in self._guards:
+                        guard.error = guard.error or e
+                        guard.scope.cancel()
+                    return
+                for guard in self._guards:
+                    if guard.action not in still:
+                        guard.scope.cancel()
+        finally:
+            self._checking = False
 
     async def run(self) -> None:
         with self.scope:
@@ -720,33 +760,27 @@ class Driver(msgspec.Struct, eq=False):
     async def _guarded(self, action: int, work: Callable[[], Awaitable[T]]) -> T | None:
         """work()'s result; None when it was withdrawn: another client's step (a Cancel, a result of its own) left
         the action no longer pending, and the work was stopped where it stood."""
-        done: list[T] = []
-        failed: list[Exception] = []
         # A step of another client since the last look (a Cancel while the claim was written, say) is looked at
         # before the work starts: it must not start at all for an action no longer pending.
         if self._foreign.is_set():
             self._foreign = anyio.Event()
             if action not in action_ids(await self.sessions.pending(self.session)):
                 return None
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                while True:
-                    await self._foreign.wait()
-                    self._foreign = anyio.Event()
-                    if action not in action_ids(await self.sessions.pending(self.session)):
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(watch)
-            try:
-                done.append(await work())
-            except Exception as e:  # raised as itself, not inside the task group's ExceptionGroup
-                failed.append(e)
-            tg.cancel_scope.cancel()
-        if failed:
-            raise failed[0]
-        return done[0] if done else None
+        # One that comes while the work runs is looked at then (`foreign_step`), and stops the work if the action is
+        # no longer pending. Not a task watching each guarded work: its start and its end were two turns of the
+        # event loop at each model call, tool call and gate, and at 300 sessions' turn ends a turn of a busy loop
+        # is tens of milliseconds.
+        guard = _Guard(action)
+        self._guards.append(guard)
+        try:
+            with guard.scope:
+                self._check_soon()  # a step that came while the look above read what is pending
+                return await work()
+        finally:
+            self._guards.remove(guard)
+        if guard.error is not None:
+            raise guard.error
+        return None
 
     async def _carry(self, profile: Profile, binding: Binding, action: Action) -> list[Action]:
         if action.op.Model is not None:

@@ -14,7 +14,9 @@ fleet, a title another daemon sets is seen here once the session ends here or th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 
+import anyio
 import anyio.lowlevel
 import msgspec
 
@@ -55,6 +57,7 @@ class Titles:
         # The sessions that may have a title (read once, from the store's index of record kinds): any other is known
         # to have none without a read, so a first `session/list` of 100,000 untitled sessions reads nothing more.
         self._titled: set[str] | None = None
+        self._reading: anyio.Event | None = None  # set once the read of `_titled` under way ends
 
     async def set(self, session: str, title: str, *, prompt: bool = False) -> None:
         """Keep the session's title durably (a title from a prompt only where none was there)."""
@@ -73,14 +76,28 @@ class Titles:
             self._titled.add(session)
 
     async def get_kept(self, session: str) -> Title | None:
-        if self._titled is None:
-            self._titled = set(await self.log.recorded(TITLE))
-        if session not in self._known and session not in self._titled:
+        titled = await self._titled_sessions()
+        if session not in self._known and session not in titled:
             return None
         if session not in self._known:
             found = await self.log.records(session, (TITLE,))
             self._known[session] = records.decode(found[-1].body, Title) if found else None
         return self._known[session]
+
+    async def _titled_sessions(self) -> AbstractSet[str]:
+        """The sessions that may have a title, read once: the looks that come while it is read wait for that read
+        (300 first prompts at once each read every title record of the store)."""
+        while self._titled is None:
+            if self._reading is not None:
+                await self._reading.wait()
+                continue  # read, or that read failed: this look tries again
+            self._reading = reading = anyio.Event()
+            try:
+                self._titled = set(await self.log.recorded(TITLE))
+            finally:
+                self._reading = None
+                reading.set()
+        return self._titled
 
     async def get(self, session: str) -> str | None:
         kept = await self.get_kept(session)

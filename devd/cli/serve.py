@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from devd.host import Core
     from devd.server.listeners import Listening
     from devd.storage.store import Fleet, Store
+
+# The collector's thresholds once the daemon serves (Python's: 700, 10, 10); see `_settle_gc`.
+GC_THRESHOLDS = (10_000, 20, 20)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -115,6 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
     daemon = Daemon(settings, registry, dispatcher, token)
 
     def ready() -> None:
+        _settle_gc()
         systemd.notify(f"READY=1\nSTATUS=serving {sum(registry.counts().values())} sessions")
         logger.info(
             "daemon.listening",
@@ -235,6 +240,17 @@ def _open_store(args: argparse.Namespace, settings: Settings, listeners: list[Li
         steps_kept=settings.steps_kept_per_session,
         prune_every_steps=settings.prune_every_steps,
     ), None
+
+
+def _settle_gc() -> None:
+    """Once the daemon serves: what it made to start (modules, the core, the registry) is kept out of every later
+    collection, and collections run less often. With the defaults, 300 agent sessions streaming at once ran ~530
+    collections in 12 s, 0.6 s of the event loop, the full ones 80-118 ms each (every streamed fragment waiting
+    meanwhile); frozen and with these thresholds, 35 collections, 0.18 s, the longest 39 ms. Garbage is still freed:
+    most of it by reference counts, cycles by the collections that remain."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _backend_options() -> dict[str, Any]:

@@ -13,8 +13,8 @@ never inside a commit: the log is checkpointed once its file has grown past WAL_
 checkpoints are off) and then written again from its start, and each snapshot committed lets go of the ones its
 session's kept history no longer needs, with their files, and prunes history every `prune_every_steps` (both decided
 by `devd.storage.retention`). The file is opened in exclusive locking mode, through one connection that commits and
-reads take turns on; reads run on a worker thread under a limiter of their own, never on the event loop and never
-behind calls moved off it. Spend counters are updated on the commit thread too, so a reservation's check and its
+reads take turns on; reads run on a thread of their own, batched (`devd.storage.reads`), never on the event loop and
+never behind calls moved off it. Spend counters are updated on the commit thread too, so a reservation's check and its
 update are one step no other write comes between (one daemon has the file); reservations left by a daemon that
 stopped are released when it opens the file again.
 
@@ -58,6 +58,7 @@ from devd.errors import ExistsError
 from devd.storage.boundary import map_exceptions
 from devd.storage.commits import FORK_COPY_BYTES, GroupCommit, spans
 from devd.storage.migrations import Migrations
+from devd.storage.reads import ReadThread
 from devd.storage.retention import Retention
 from devd.storage.store import (
     Counter,
@@ -417,7 +418,7 @@ class SQLiteStore:
         self._reopen_delay_s = 0.0
         self._reopened_thread = 0  # reopens done, as the commit thread counts them
         self.reopened = 0  # reopens done, as the event loop has been told of them (see `devd.storage.store.Store`)
-        self._read_limiter = anyio.CapacityLimiter(1)
+        self._reads = ReadThread("devd-read")
         self._lock = threading.Lock()  # one connection: the commit thread and readers take turns
         self._commits: GroupCommit[Op] = GroupCommit()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -435,6 +436,7 @@ class SQLiteStore:
         self._faulted = anyio.Event()  # set (on the event loop) when the store breaks: the healer starts trying
 
     def close(self) -> None:
+        self._reads.stop()
         with self._lock:
             self._db.close()
 
@@ -1059,7 +1061,7 @@ class SQLiteStore:
                     got = fn(self._db)
             return then(got)
 
-        return await anyio.to_thread.run_sync(run, limiter=self._read_limiter)
+        return await self._reads.read(run)
 
     async def sessions(self) -> list[SessionRow]:
         def read(db: sqlite3.Connection) -> list[SessionRow]:
