@@ -247,8 +247,65 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX records_kind ON records (kind, session);
     CREATE INDEX records_session_kind ON records (session, kind, n);
     """,
+    # 10: the journal's rows in the order they were written, with no per-session key, and that key kept apart in
+    # `journal_index` ((session, seq) -> the row's id), written in bulk between batches. A commit's rows belong to
+    # different sessions, whose entries in a (session, seq) index lie on different pages, and SQLite writes every
+    # page a commit changed whole: 1.4 pages of log a row against 0.3 without it. Rows past the `journal.indexed`
+    # mark (the tail, a few hundred at most) are not yet in the index: reads take them from the table itself
+    # (`journal_all`), and the commit thread indexes them in one transaction once they are many, and at open.
+    """
+    CREATE TABLE journal_rows (
+        id INTEGER PRIMARY KEY,
+        session TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        key TEXT,
+        digest BLOB,
+        at REAL,
+        answer BLOB,
+        snapshot_file TEXT,
+        snapshot BLOB,
+        actions BLOB NOT NULL,
+        event BLOB NOT NULL
+    );
+    INSERT INTO journal_rows (id, session, seq, key, digest, at, answer, snapshot_file, snapshot, actions, event)
+        SELECT rowid, session, seq, key, digest, at, answer, snapshot_file, snapshot, actions, event FROM journal
+        ORDER BY rowid;
+    DROP TABLE journal;
+    ALTER TABLE journal_rows RENAME TO journal;
+    CREATE INDEX journal_snapshot_file ON journal (snapshot_file) WHERE snapshot_file IS NOT NULL;
+    CREATE TABLE journal_index (
+        session TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        key TEXT,
+        row INTEGER NOT NULL,
+        PRIMARY KEY (session, seq)
+    ) WITHOUT ROWID;
+    INSERT INTO journal_index (session, seq, key, row) SELECT session, seq, key, id FROM journal ORDER BY session, seq;
+    CREATE INDEX journal_index_key ON journal_index (session, key) WHERE key IS NOT NULL;
+    INSERT INTO meta (key, value) VALUES ('journal.indexed', CAST(COALESCE((SELECT MAX(id) FROM journal), 0) AS TEXT));
+    """,
 )
 FORMAT = Migrations(MIGRATIONS)
+# The journal's rows past this mark are not in `journal_index` yet (10): the tail, which reads take from the table.
+MARK = "(SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'journal.indexed')"
+# The most rows the tail holds as a batch is answered before the commit thread indexes them (between batches). Each
+# indexing writes about one page of the index a session whose rows it holds, so the more rows, the fewer pages a row
+# (`bench rows`: 3.0 µs and 0.39 log pages a row at 256 in all, 2.2 and 0.33 at 512, 1.7 and 0.30 at 1,024); a read
+# of a session's rows scans the tail, so the fewer, the cheaper a read.
+TAIL_ROWS = 512
+# Every row of the journal, indexed or in the tail, as one table (a view of this connection's, made once the format
+# is this one): what a read of a session's rows goes through. `row` is the row's id in `journal`.
+JOURNAL_ALL = f"""
+    CREATE TEMP VIEW IF NOT EXISTS journal_all AS
+    SELECT j.id AS row, i.session AS session, i.seq AS seq, i.key AS key, j.digest AS digest, j.at AS at,
+        j.answer AS answer, j.snapshot_file AS snapshot_file, j.snapshot AS snapshot, j.actions AS actions,
+        j.event AS event
+    FROM journal_index AS i JOIN journal AS j ON j.id = i.row
+    UNION ALL
+    SELECT id, session, seq, key, digest, at, answer, snapshot_file, snapshot, actions, event FROM journal
+    WHERE id > {MARK}
+"""
+DUPLICATE = "UNIQUE constraint failed: journal.session, journal.seq"  # what appending a step kept already fails with
 BY_KIND = "records_session_kind"  # the index of a session's records by kind (7)
 # A session's own counters (8), and its calls' reservations on them: a late release of a call of the session before
 # must not take from the counters of one made again under its name.
@@ -343,9 +400,9 @@ class _Pointer(msgspec.Struct):
         # Only onto the step's own row, still without a snapshot, of a session that exists, and never behind a newer
         # snapshot (pruning may already have dropped what an older one would anchor).
         pointed = db.execute(
-            "UPDATE journal SET snapshot = ?, snapshot_file = ? WHERE session = ? AND seq = ? AND snapshot IS NULL "
-            "AND EXISTS (SELECT 1 FROM sessions WHERE name = ?) AND NOT EXISTS (SELECT 1 FROM journal "
-            "WHERE session = ? AND seq > ? AND snapshot IS NOT NULL)",
+            "UPDATE journal SET snapshot = ?, snapshot_file = ? WHERE id = (SELECT row FROM journal_all WHERE "
+            "session = ? AND seq = ? AND snapshot IS NULL) AND EXISTS (SELECT 1 FROM sessions WHERE name = ?) AND NOT "
+            "EXISTS (SELECT 1 FROM journal_all WHERE session = ? AND seq > ? AND snapshot IS NOT NULL)",
             (
                 b"" if self.file is not None else job.snapshot,
                 self.file,
@@ -392,6 +449,15 @@ class SQLiteStore:
         self._wal_path = Path(f"{path}-wal")
         self.checkpoints = 0  # the log checkpointed by the commit thread
         self._released: list[str] = []  # snapshot files rows stopped naming in the commit running (commit thread only)
+        # The tail (the journal's rows not yet indexed: see MIGRATIONS' 10), as the commit thread keeps track of it.
+        # Its keyed rows, (session, key) -> id, exactly (a key's lookup reads no other row of the tail), read under the
+        # lock; how many rows it has; whether the commit under way changed it otherwise than by appending steps (it is
+        # then read again from the table); and each session's highest seq as far as the commit thread knows (at least
+        # that: a step past it is not kept already, so only one at or before it is looked for).
+        self._tail_keys: dict[tuple[str, str], int] = {}
+        self._tail_rows = 0
+        self._tail_dirty = False
+        self._tops: dict[str, int] = {}
         with _failing(
             lambda e: f"the database {path} cannot be opened: {e}{_locked_hint(e)}; it was left as it is{_next(e)}",
             (sqlite3.Error,),
@@ -400,6 +466,7 @@ class SQLiteStore:
             self._db = _connect(path)
             _check_identity(self._db, path)  # before migrating: a database refused is left exactly as it was
             migrate(self._db, path)
+            _views(self._db)
             self.id = _identify(self._db, path)
             with self._db:
                 for (note,) in self._db.execute("SELECT key FROM meta WHERE key LIKE 'fork:%'").fetchall():
@@ -407,6 +474,7 @@ class SQLiteStore:
                 # Calls in flight when the daemon stopped: none is now (one daemon has the file), so none holds tokens.
                 self._db.execute("UPDATE spend SET reserved = 0 WHERE reserved != 0")
                 self._db.execute("DELETE FROM reservations")
+            _index(self._db)  # a tail left by the daemon before (or a backup's): read from the index from now on
             self._thin_all()
             self._sweep_snapshot_files()
         self._inode = _identity(path)
@@ -508,6 +576,7 @@ class SQLiteStore:
         def maintain() -> None:
             with self._lock:
                 self._prune_some(self._db, snapshots)
+                self._index_if_due()
                 self._checkpoint_if_due()
 
         return [error] * len(ops), maintain
@@ -521,18 +590,22 @@ class SQLiteStore:
             return StoreError(self._broken), []
         db = self._db  # after a reopen: the fresh connection
         self._released.clear()
+        appended: list[tuple[list[tuple[Step, str | None]], int]] = []  # rows inserted, and the last one's id
         try:
             self._check_file()
             failpoints.hit("commit.before")
             if pointers or any(s.snapshot is not None for s, _ in steps):
                 failpoints.hit("commit.snapshot")
             if len(steps) == len(ops) and len(steps) <= ROWS_PER_STATEMENT:
-                _insert_steps(db, steps)  # one statement: its own transaction
+                self._check_new(db, steps)
+                appended.append((steps, _insert_steps(db, steps).lastrowid or 0))  # one statement: its transaction
             else:
                 db.execute("BEGIN IMMEDIATE")
                 for op in ops:
                     if isinstance(op, Step | _FiledStep):
-                        _insert_steps(db, [_filed(op)])
+                        one = [_filed(op)]
+                        self._check_new(db, one)
+                        appended.append((one, _insert_steps(db, one).lastrowid or 0))
                     else:
                         op(db)
                 db.execute("COMMIT")
@@ -542,6 +615,7 @@ class SQLiteStore:
             for p in pointers:
                 p.landed = False
             self._released.clear()
+            self._tail_dirty = False  # rolled back: the tail is as it was
             if _is_io_error(e):
                 # After a failed fsync the kernel may have dropped the dirty pages and will not say so again
                 # (PostgreSQL's fsyncgate): nothing after it can be trusted to be durable until the store is reopened.
@@ -553,6 +627,7 @@ class SQLiteStore:
             self._break(f"writing the database failed ({e})")
             return e, []
         self._reopen_delay_s = 0.0  # the disk takes writes again: a next fault is retried at once
+        self._appended(appended)
         self._remove_released(db)
         snapshots = [(s.session, s.seq) for s, _ in steps if s.snapshot is not None]
         return None, snapshots + [(p.job.session, p.job.seq) for p in pointers if p.landed]
@@ -582,6 +657,69 @@ class SQLiteStore:
             log.warning("store.checkpoint_failed", error=str(e))
             return
         self.checkpoints += 1
+
+    def _index_if_due(self) -> None:
+        """Index the tail once it holds TAIL_ROWS rows (on the commit thread, between batches, as a checkpoint is)."""
+        if self._broken is not None or self._tail_rows < TAIL_ROWS:
+            return
+        try:
+            _index(self._db)
+        except (sqlite3.Error, OSError) as e:
+            if _is_io_error(e):
+                self._break(f"indexing the journal failed ({e})")
+            log.warning("store.index_failed", error=str(e))
+            return
+        self._tail_keys.clear()
+        self._tail_rows = 0
+
+    def _touched(self, name: str) -> None:
+        """An op of the commit under way changes `name`'s rows otherwise than by appending a step."""
+        self._tail_dirty = True
+        self._tops.pop(name, None)
+
+    def _check_new(self, db: sqlite3.Connection, steps: list[tuple[Step, str | None]]) -> None:
+        """Refuse a batch with a step already kept (its session and seq), as the journal's key did before it was
+        kept apart: a step past its session's highest seq known is new without a look."""
+        seen: set[tuple[str, int]] = set()
+        for s, _ in steps:
+            top = self._tops.get(s.session)
+            if top is None:
+                (indexed,) = db.execute("SELECT MAX(seq) FROM journal_index WHERE session = ?", (s.session,)).fetchone()
+                (tail,) = db.execute(
+                    f"SELECT MAX(seq) FROM journal WHERE id > {MARK} AND session = ?", (s.session,)
+                ).fetchone()
+                top = max(-1, indexed if indexed is not None else -1, tail if tail is not None else -1)
+            if s.seq <= top and (
+                (s.session, s.seq) in seen
+                or db.execute("SELECT 1 FROM journal_all WHERE session = ? AND seq = ?", (s.session, s.seq)).fetchone()
+            ):
+                raise sqlite3.IntegrityError(DUPLICATE)
+            seen.add((s.session, s.seq))
+            self._tops[s.session] = max(top, s.seq)  # at least the highest, whether or not the batch commits
+
+    def _appended(self, appended: list[tuple[list[tuple[Step, str | None]], int]]) -> None:
+        """After a commit: the tail as it now is (its rows' ids are consecutive, ending at the last one's)."""
+        if self._tail_dirty:
+            self._read_tail()
+            return
+        for steps, last in appended:
+            for i, (s, _) in enumerate(steps, last - len(steps) + 1):
+                if s.key is not None:
+                    self._tail_keys[(s.session, s.key)] = i
+            self._tail_rows += len(steps)
+
+    def _read_tail(self) -> None:
+        """The tail as the table holds it (after a commit that changed it otherwise than by appending, or a
+        reopen)."""
+        db = self._db
+        self._tail_keys = {
+            (session, key): id
+            for id, session, key in db.execute(
+                f"SELECT id, session, key FROM journal WHERE id > {MARK} AND key IS NOT NULL ORDER BY id"
+            )
+        }
+        self._tail_rows = db.execute(f"SELECT COUNT(*) FROM journal WHERE id > {MARK}").fetchone()[0]
+        self._tail_dirty = False
 
     def _check_file(self) -> None:
         """The database file and its log must still be the ones opened: steps written to a deleted or replaced file
@@ -637,6 +775,8 @@ class SQLiteStore:
         self._db, self._inode, self._broken = db, _identity(self.path), None
         self._wal_inode = _identity(self._wal_path)
         self._pruned.clear()  # their seqs are those before the fault: pruned again at their next snapshot
+        self._tops.clear()  # a batch that failed may be on disk after all
+        self._read_tail()
         self._reopened_thread += 1
         log.warning("store.reopened", database=str(self.path), reopens=self._reopened_thread)
         assert self._loop is not None
@@ -666,11 +806,13 @@ class SQLiteStore:
                     self._prune(db, session, plan.anchor)
                 self._drop_snapshots(db, session, plan.thinned)
                 db.execute("COMMIT")
+                self._appended([])
                 self._remove_released(db)
             except (sqlite3.Error, OSError) as e:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 self._released.clear()
+                self._tail_dirty = False
                 if _is_io_error(e):
                     self._break(f"pruning the database failed ({e})")
                 log.warning("store.prune_failed", session=session, error=str(e))
@@ -683,9 +825,9 @@ class SQLiteStore:
         return [
             seq
             for (seq,) in db.execute(
-                "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? AND seq >= COALESCE(("
-                "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER BY seq DESC "
-                "LIMIT 1), 0) ORDER BY seq",
+                "SELECT seq FROM journal_all WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? AND seq >= "
+                "COALESCE((SELECT seq FROM journal_all WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER BY "
+                "seq DESC LIMIT 1), 0) ORDER BY seq",
                 (name, latest, name, self.retention.promised_from(latest)),
             )
         ]
@@ -695,7 +837,8 @@ class SQLiteStore:
         for seq in seqs:
             self._release_files(db, "session = ? AND seq = ?", (name, seq))
         db.executemany(
-            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq = ?",
+            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE id = (SELECT row FROM journal_all WHERE "
+            "session = ? AND seq = ?)",
             [(name, seq) for seq in seqs],
         )
 
@@ -707,7 +850,7 @@ class SQLiteStore:
         ).fetchall()
         for session, _ in crowded:
             latest = self._db.execute(
-                "SELECT MAX(seq) FROM journal WHERE session = ? AND snapshot IS NOT NULL", (session,)
+                "SELECT MAX(seq) FROM journal_all WHERE session = ? AND snapshot IS NOT NULL", (session,)
             ).fetchone()[0]
             thin = self.retention.plan(self._snapshots(self._db, session, latest), latest).thinned
             if not thin:
@@ -722,21 +865,23 @@ class SQLiteStore:
         """Drop history beyond what watchers and keys are promised (see `devd.storage.retention`)."""
         if anchor_seq is None:
             return  # everything kept is still derived from the config or the first snapshot
-        anchor = (anchor_seq,)
-        self._release_files(db, "session = ? AND seq < ?", (name, anchor[0]))
+        self._release_files(db, "session = ? AND seq < ?", (name, anchor_seq))
         db.execute(
-            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq < ? "
-            "AND snapshot IS NOT NULL",
-            (name, anchor[0]),
+            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE id IN (SELECT row FROM journal_all WHERE "
+            "session = ? AND seq < ? AND snapshot IS NOT NULL)",
+            (name, anchor_seq),
         )
-        db.execute("DELETE FROM journal WHERE session = ? AND key IS NULL AND seq < ?", (name, anchor[0]))
+        tail = _delete_rows(db, "session = ? AND key IS NULL AND seq < ?", (name, anchor_seq))
         # Keys older than the anchor keep their row (what a retry is answered, or at least that it was answered)
         # up to the number promised; an answer not kept among them can no longer be derived.
-        db.execute(
-            "DELETE FROM journal WHERE session = ? AND key IS NOT NULL AND seq < ? AND seq < ("
-            " SELECT seq FROM journal WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)",
-            (name, anchor[0], name, self.retention.keys_offset),
-        )
+        kept = db.execute(
+            "SELECT seq FROM journal_all WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?",
+            (name, self.retention.keys_offset),
+        ).fetchone()
+        if kept is not None:
+            tail += _delete_rows(db, "session = ? AND key IS NOT NULL AND seq < ?", (name, min(anchor_seq, kept[0])))
+        if tail:
+            self._tail_dirty = True
 
     # -- snapshot files ---------------------------------------------------------------------------------------------
 
@@ -745,7 +890,7 @@ class SQLiteStore:
         self._released += [
             name
             for (name,) in db.execute(
-                f"SELECT DISTINCT snapshot_file FROM journal WHERE {where} AND snapshot_file IS NOT NULL", params
+                f"SELECT DISTINCT snapshot_file FROM journal_all WHERE {where} AND snapshot_file IS NOT NULL", params
             )
         ]
 
@@ -880,8 +1025,9 @@ class SQLiteStore:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)  # a new history: pruned by its own seqs, not the old one's
             self._new_generation(name)
+            self._touched(name)
             self._release_files(db, "session = ?", (name,))
-            db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            _delete_rows(db, "session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
             _drop_own_spend(db, name)
             db.execute(
@@ -959,8 +1105,9 @@ class SQLiteStore:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
             self._generations.pop(name, None)  # its rows go too: a pointer finds none (a new one gets a new number)
+            self._touched(name)
             self._release_files(db, "session = ?", (name,))
-            db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            _delete_rows(db, "session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
             _drop_own_spend(db, name)
             db.execute("DELETE FROM sessions WHERE name = ?", (name,))
@@ -971,8 +1118,9 @@ class SQLiteStore:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
             self._new_generation(name)  # a snapshot still being written for a step after `at` must land on no row
+            self._touched(name)
             self._release_files(db, "session = ? AND seq > ?", (name, at))
-            db.execute("DELETE FROM journal WHERE session = ? AND seq > ?", (name, at))
+            _delete_rows(db, "session = ? AND seq > ?", (name, at))
             for kind in kinds:
                 db.execute("DELETE FROM records WHERE session = ? AND kind = ? AND seq > ?", (name, kind, at))
 
@@ -989,16 +1137,19 @@ class SQLiteStore:
 
         def begin(db: sqlite3.Connection) -> None:
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (note, source))
+            self._touched(name)
             self._release_files(db, "session = ?", (name,))
-            db.execute("DELETE FROM journal WHERE session = ?", (name,))
+            _delete_rows(db, "session = ?", (name,))
 
         def copy(lo: int, hi: int) -> Op:
             def op(db: sqlite3.Connection) -> None:
-                # Rows copied share their snapshot files with the source's: a file goes once neither names it.
+                # Rows copied share their snapshot files with the source's: a file goes once neither names it. They
+                # join the tail, indexed with the rest of it.
+                self._touched(name)
                 db.execute(
                     "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, "
                     "snapshot_file) SELECT ?, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file "
-                    "FROM journal WHERE session = ? AND seq BETWEEN ? AND ?",
+                    "FROM journal_all WHERE session = ? AND seq BETWEEN ? AND ? ORDER BY seq",
                     (name, source, lo, hi),
                 )
 
@@ -1023,12 +1174,18 @@ class SQLiteStore:
                 (name, source, at),
             )
             if snapshot is not None:
-                db.execute(
-                    "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file) "
-                    "VALUES (?, ?, x'', x'', ?, ?) ON CONFLICT (session, seq) DO UPDATE SET "
-                    "snapshot = excluded.snapshot, snapshot_file = excluded.snapshot_file",
-                    (name, at, b"" if file else snapshot, file),
+                self._touched(name)
+                onto = db.execute(
+                    "UPDATE journal SET snapshot = ?, snapshot_file = ? WHERE id = (SELECT row FROM journal_all "
+                    "WHERE session = ? AND seq = ?)",
+                    (b"" if file else snapshot, file, name, at),
                 )
+                if onto.rowcount == 0:
+                    db.execute(
+                        "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file) "
+                        "VALUES (?, ?, x'', x'', ?, ?)",
+                        (name, at, b"" if file else snapshot, file),
+                    )
 
         try:
             await self._write(begin)
@@ -1037,7 +1194,12 @@ class SQLiteStore:
             await self._write(op)
         except StoreError:
             with contextlib.suppress(StoreError):
-                await self._write(lambda db: _drop_unmade_fork(db, self, name))
+
+                def drop(db: sqlite3.Connection) -> None:
+                    self._touched(name)
+                    _drop_unmade_fork(db, self, name)
+
+                await self._write(drop)
             raise
 
     # -- reads ----------------------------------------------------------------------------------------------------
@@ -1063,14 +1225,23 @@ class SQLiteStore:
 
     async def sessions(self) -> list[SessionRow]:
         def read(db: sqlite3.Connection) -> list[SessionRow]:
-            return [
-                SessionRow(name, Health(state), reason, seq, created, last_used)
-                for name, state, reason, seq, created, last_used in db.execute(
-                    "SELECT s.name, s.state, s.reason, COALESCE(MAX(j.seq), 0), s.created, "
-                    "COALESCE(MAX(j.at), s.created) "
-                    "FROM sessions s LEFT JOIN journal j ON j.session = s.name GROUP BY s.name ORDER BY s.name"
+            # The tail's rows by session once, rather than the tail scanned once a session.
+            tail = {
+                session: (seq, at)
+                for session, seq, at in db.execute(
+                    f"SELECT session, MAX(seq), MAX(at) FROM journal WHERE id > {MARK} GROUP BY session"
                 )
-            ]
+            }
+            listed = []
+            for name, state, reason, seq, created, at in db.execute(
+                "SELECT s.name, s.state, s.reason, COALESCE(MAX(i.seq), 0), s.created, MAX(j.at) "
+                "FROM sessions s LEFT JOIN journal_index i ON i.session = s.name LEFT JOIN journal j ON j.id = i.row "
+                "GROUP BY s.name ORDER BY s.name"
+            ):
+                tail_seq, tail_at = tail.get(name, (0, None))
+                last_used = max((t for t in (at, tail_at) if t is not None), default=created)
+                listed.append(SessionRow(name, Health(state), reason, max(seq, tail_seq), created, last_used))
+            return listed
 
         return await self._read(read)
 
@@ -1083,10 +1254,17 @@ class SQLiteStore:
     async def keyed(self, name: str, key: str) -> Keyed | None:
         def read(db: sqlite3.Connection, inline: bool) -> Any:
             # Inline, an answer is read only when small: a large one (an event can be megabytes) waits for a worker.
-            actions = "CASE WHEN length(actions) <= ? THEN actions END" if inline else "actions"
+            actions = "CASE WHEN length(j.actions) <= ? THEN j.actions END" if inline else "j.actions"
+            columns = f"j.seq, j.digest, {actions}, j.answer, length(j.actions)"
+            limit = (INLINE_READ_BYTES,) if inline else ()
+            # A key in the tail is found by its row's id (the tail has no index); else through the index.
+            tailed = self._tail_keys.get((name, key))
+            if tailed is not None:
+                return db.execute(f"SELECT {columns} FROM journal AS j WHERE j.id = ?", (*limit, tailed)).fetchone()
             return db.execute(
-                f"SELECT seq, digest, {actions}, answer, length(actions) FROM journal WHERE session = ? AND key = ?",
-                (INLINE_READ_BYTES, name, key) if inline else (name, key),
+                f"SELECT {columns} FROM journal_index AS i INDEXED BY journal_index_key JOIN journal AS j "
+                "ON j.id = i.row WHERE i.session = ? AND i.key = ?",
+                (*limit, name, key),
             ).fetchone()
 
         # One indexed row: read here when the connection is free (most of the time, it is), rather than pay a
@@ -1293,7 +1471,7 @@ class SQLiteStore:
         return await self._read(
             lambda db: _rows(
                 db.execute(
-                    f"SELECT {ROW} FROM journal WHERE session = ? AND seq > ? ORDER BY seq LIMIT ?",
+                    f"SELECT {ROW} FROM journal_all WHERE session = ? AND seq > ? ORDER BY seq LIMIT ?",
                     (name, since, limit),
                 )
             )
@@ -1303,7 +1481,8 @@ class SQLiteStore:
         return await self._read(
             lambda db: dict(
                 db.execute(
-                    "SELECT seq, at FROM journal WHERE session = ? AND seq > ? AND at IS NOT NULL ORDER BY seq LIMIT ?",
+                    "SELECT seq, at FROM journal_all WHERE session = ? AND seq > ? AND at IS NOT NULL ORDER BY seq "
+                    "LIMIT ?",
                     (name, since, limit),
                 )
             )
@@ -1391,6 +1570,7 @@ def _reconnect(path: Path, id: str) -> sqlite3.Connection:
         busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         if busy:
             raise StoreError(f"the log of {path} could not be checkpointed")
+        _views(db)
     except BaseException:
         db.close()
         raise
@@ -1442,10 +1622,52 @@ def _id_path(path: Path) -> Path:
     return path.with_name(path.name + ".id")
 
 
+def _views(db: sqlite3.Connection) -> None:
+    """This connection's view of the journal as one table (`JOURNAL_ALL`), once the format is this one."""
+    db.execute(JOURNAL_ALL)
+
+
+def _delete_rows(db: sqlite3.Connection, where: str, params: tuple[object, ...]) -> int:
+    """Delete the journal's rows `where` says (a condition on session, seq and key only: the columns the index has
+    too), indexed or in the tail, with their index entries; how many were in the tail. The mark comes down to the
+    last row left if it passed it: a row written next (its id one past the last) must be in the tail."""
+    db.execute(f"DELETE FROM journal WHERE id IN (SELECT row FROM journal_index WHERE {where})", params)
+    tail = db.execute(f"DELETE FROM journal WHERE id > {MARK} AND {where}", params).rowcount
+    db.execute(f"DELETE FROM journal_index WHERE {where}", params)
+    db.execute(
+        f"UPDATE meta SET value = CAST(MIN({MARK}, COALESCE((SELECT MAX(id) FROM journal), 0)) AS TEXT) "
+        "WHERE key = 'journal.indexed'"
+    )
+    return int(tail)
+
+
+def _index(db: sqlite3.Connection) -> int:
+    """Index the tail: its rows' entries into `journal_index` in one transaction (sorted, so each session's land
+    together), and the mark moved past them; how many rows it held. A crash or a failure before its commit leaves
+    the tail as it was, read as before and indexed the next time."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        moved = db.execute(
+            f"INSERT INTO journal_index (session, seq, key, row) SELECT session, seq, key, id FROM journal "
+            f"WHERE id > {MARK} ORDER BY session, seq"
+        ).rowcount
+        db.execute(
+            "UPDATE meta SET value = CAST(COALESCE((SELECT MAX(id) FROM journal), 0) AS TEXT) "
+            "WHERE key = 'journal.indexed'"
+        )
+        failpoints.hit("journal.index")
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+    return int(moved)
+
+
 def _sizes(db: sqlite3.Connection, session: str, at: int) -> sqlite3.Cursor:
     """(seq, bytes) of each step of the session's journal up to `at`, in order: what a fork cuts into spans."""
     return db.execute(
-        "SELECT seq, length(event) + length(actions) + coalesce(length(snapshot), 0) FROM journal "
+        "SELECT seq, length(event) + length(actions) + coalesce(length(snapshot), 0) FROM journal_all "
         "WHERE session = ? AND seq <= ? ORDER BY seq",
         (session, at),
     )
@@ -1459,7 +1681,7 @@ def _drop_unmade_fork(db: sqlite3.Connection, store: SQLiteStore | None, name: s
     if db.execute("SELECT 1 FROM sessions WHERE name = ?", (name,)).fetchone() is None:
         if store is not None:
             store._release_files(db, "session = ?", (name,))
-        db.execute("DELETE FROM journal WHERE session = ?", (name,))
+        _delete_rows(db, "session = ?", (name,))
     db.execute("DELETE FROM meta WHERE key = ?", (note,))
 
 
@@ -1514,16 +1736,16 @@ def _load(
     config, state, reason = row
     upto = (1 << 63) - 1 if at is None else at
     saved = db.execute(
-        "SELECT seq, snapshot, snapshot_file FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? "
-        "ORDER BY seq DESC LIMIT 1",
+        "SELECT seq, snapshot, snapshot_file FROM journal_all WHERE session = ? AND snapshot IS NOT NULL AND "
+        "seq <= ? ORDER BY seq DESC LIMIT 1",
         (name, upto),
     ).fetchone()
-    if saved is None and db.execute("SELECT 1 FROM journal WHERE session = ? AND seq = 0", (name,)).fetchone():
+    if saved is None and db.execute("SELECT 1 FROM journal_all WHERE session = ? AND seq = 0", (name,)).fetchone():
         return None  # restored from a snapshot no longer kept: its history cannot be rebuilt from the config
     snapshot_seq, snapshot, snapshot_file = saved if saved else (0, None, None)
     journal = _rows(
         db.execute(
-            f"SELECT {ROW} FROM journal WHERE session = ? AND seq > ? AND seq <= ? ORDER BY seq",
+            f"SELECT {ROW} FROM journal_all WHERE session = ? AND seq > ? AND seq <= ? ORDER BY seq",
             (name, snapshot_seq, upto),
         )
     )
@@ -1576,12 +1798,12 @@ def _filed(op: Step | _FiledStep) -> tuple[Step, str | None]:
     return (op.step, op.file) if isinstance(op, _FiledStep) else (op, None)
 
 
-def _insert_steps(db: sqlite3.Connection, steps: list[tuple[Step, str | None]]) -> None:
+def _insert_steps(db: sqlite3.Connection, steps: list[tuple[Step, str | None]]) -> sqlite3.Cursor:
     """Rows (a step and its snapshot's file) in one statement: sqlite3 releases the GIL around every statement it
     steps, and the commit thread has to win it back from the busy event loop each time, so one statement for a batch
     is much faster than one a row."""
     at = time.time()
-    db.execute(
+    return db.execute(
         "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file) VALUES "
         + ",".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps)),
         [
