@@ -619,6 +619,19 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """Each thread's user and system CPU (by thread id) of a process, from /proc/PID/task."""
+    got: dict[int, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # ended meanwhile
+        got[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return got
+
+
 def _machine_busy_seconds() -> float:
     """CPU time spent by every process on the machine (user, nice, system, irq, softirq, steal), from /proc/stat."""
     with open("/proc/stat") as f:
@@ -655,13 +668,17 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
             assert p.stdin is not None
             p.stdin.write(f"{start_at!r}\n".encode())
             p.stdin.flush()  # not closed: communicate() flushes it, then closes it
-    server_cpu = machine_busy = float("nan")
+    server_cpu = machine_busy = loop_cpu = other_thread_cpu = float("nan")
     try:
         _sleep_until(start_at)
         cpu0, busy0 = sum(_cpu_seconds(p) for p in server_pids), _machine_busy_seconds()
+        threads0 = _thread_cpu_seconds(server_pids[0])
         _sleep_until(start_at + seconds)
         server_cpu = (sum(_cpu_seconds(p) for p in server_pids) - cpu0) / seconds
         machine_busy = (_machine_busy_seconds() - busy0) / seconds
+        threads = {t: (c - threads0.get(t, 0.0)) / seconds for t, c in _thread_cpu_seconds(server_pids[0]).items()}
+        loop_cpu = threads.pop(server_pids[0], float("nan"))
+        other_thread_cpu = max(threads.values(), default=0.0)
     except FileNotFoundError:
         pass  # a server died; the generators say how
     # Every generator is waited for before a failure is raised: one that failed must not leave another running.
@@ -684,6 +701,10 @@ def _run_split_load(targets: list[tuple[str, int]], seconds: float, server_pids:
         "generator_cpu_share": generator_cpu,
         "generator_cpu_share_max": max(r.cpu_s / r.cpu_wall_s for r in results),
         "server_cpu_share": server_cpu,
+        # The (first) server's CPU a step by thread, from /proc/PID/task: its main thread (the event loop), and its
+        # busiest other thread (the commit thread, for devd and the durable floors: their other threads are idle).
+        "loop_cpu_us_per_step": loop_cpu / max(sum(r.steps for r in results) / seconds, 1e-9) * 1e6,
+        "commit_thread_cpu_us_per_step": other_thread_cpu / max(sum(r.steps for r in results) / seconds, 1e-9) * 1e6,
         # Whatever else ran on the machine meanwhile (another build or test): the noise this run had. /proc/stat and
         # the per-process figures are sampled at different ticks, so it is good to about 0.1 core (and can dip below 0).
         "other_cpu_share": machine_busy - server_cpu - generator_cpu,

@@ -11,6 +11,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from devd import failpoints
@@ -54,6 +55,20 @@ async def test_steps_in_the_tail_are_read_as_indexed_ones(tmp_path: Path) -> Non
         [2, 3],
         [("a", 3), ("b", 1)],
     )
+
+
+async def test_keyed_steps_committed_together_are_each_found_by_their_key(tmp_path: Path) -> None:
+    sessions = [f"s{n}" for n in range(8)]
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        for name in sessions:
+            await store.create(name, CONFIG)
+        async with anyio.create_task_group() as tg:  # started together: they share commits
+            for name in sessions:
+                for seq in (1, 2):
+                    tg.start_soon(store.append, step(seq, key=f"{name}-{seq}" if seq == 2 else None, session=name))
+        found = [await store.keyed(name, f"{name}-2") for name in sessions]
+        commits = store.statistics().commits
+    assert (found, commits < len(sessions) * 3) == ([Keyed(2, b"d2", b"a2", b"h2")] * len(sessions), True)
 
 
 async def test_a_read_merges_indexed_rows_and_the_tail_in_order(

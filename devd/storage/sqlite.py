@@ -4,18 +4,18 @@ Writes go through one commit thread (the group commit of `devd.storage.commits`)
 transaction holding it has committed with `synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive
 while a commit runs share the next one. A batch of steps alone is one INSERT statement, so one transaction and one
 crossing of the GIL for the commit thread. A failed commit fails every write in it with `StoreError`; nothing is
-retried, so nothing is acknowledged that is not on disk. After a write fault (a failed write or fsync) every write
-fails until the store has reopened the database: a fresh connection, its identity, format and pages checked, its log
+retried, so nothing is acknowledged that is not on disk. After a write fault (a failed write or fsync) every write fails
+until the store has reopened the database: a fresh connection, its identity, format and pages checked, its log
 checkpointed and fsync'd; it tries at every write and read, and on its own while none comes, backing off (up to
 REOPEN_DELAY_S apart) for as long as the faults go on, and counts each reopen (`reopened`), so that the registry
-rebuilds its live sessions from what is on disk. Maintenance runs on the commit thread once a batch is answered,
-never inside a commit: the log is checkpointed once its file has grown past WAL_BYTES_KEPT (SQLite's own
-checkpoints are off) and then written again from its start, and each snapshot committed lets go of the ones its
-session's kept history no longer needs, with their files, and prunes history every `prune_every_steps` (both decided
-by `devd.storage.retention`). The file is opened in exclusive locking mode, through one connection that commits and
-reads take turns on; reads run on a worker thread under a limiter of their own, never on the event loop and never
-behind calls moved off it. Spend counters are updated on the commit thread too, so a reservation's check and its
-update are one step no other write comes between (one daemon has the file); reservations left by a daemon that
+rebuilds its live sessions from what is on disk. Maintenance runs on the commit thread once a batch is answered, never
+inside a commit: the log is checkpointed once its file has grown past WAL_BYTES_KEPT (SQLite's own checkpoints are off)
+and then written again from its start, and each snapshot committed lets go of the ones its session's kept history no
+longer needs, with their files, and prunes history every `prune_every_steps` (both decided by `devd.storage.retention`),
+and the journal's newest rows are indexed (below). The file is opened in exclusive locking mode, through one connection
+that commits and reads take turns on; reads run on a worker thread under a limiter of their own, never on the event loop
+and never behind calls moved off it. Spend counters are updated on the commit thread too, so a reservation's check and
+its update are one step no other write comes between (one daemon has the file); reservations left by a daemon that
 stopped are released when it opens the file again.
 
 A large snapshot (`FILE_SNAPSHOT_BYTES` or more) is kept in a file of its own in `snapshots/` beside the database,
@@ -30,6 +30,17 @@ commit thread would write and checkpoint again while every other write waits. A 
 empty `snapshot` (no snapshot is empty) and the file's name, so the newest snapshot is found as before; a file no
 row names any more is removed after the commit that let it go, and at open (after a crash). A backup is one file
 still: it carries the snapshots' bytes inline.
+
+The journal's rows are kept in the order they were written, in a table with no per-session key, so a commit writes
+the table's last pages only, whichever sessions its steps belong to (a (session, seq) key put each step's entry on its
+session's own page, and SQLite writes every page a commit changed whole). Which rows a session has is kept apart, in
+`journal_index` ((session, seq) -> the row), written in bulk by the commit thread between batches: once the rows
+past its mark (the tail) number TAIL_ROWS, and at open, in one transaction that also moves the mark, so a crash or a
+failure while indexing leaves the tail as it was, to be indexed the next time, and nothing twice. Every read of a
+session's rows (a load and its replay, history, a key's lookup, a fork's copy, pruning, a snapshot's pointer, the
+sessions' list) takes the tail and the indexed rows alike (the view `journal_all`); a key in the tail is found by its
+row's id, which the commit thread keeps for each keyed row it appended. A step already kept (its session and seq) is
+refused as the key refused it, and an answer still comes only after the fsync'd commit holding its row.
 """
 
 from __future__ import annotations
