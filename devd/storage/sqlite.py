@@ -263,7 +263,8 @@ MIGRATIONS: tuple[str, ...] = (
     # different sessions, whose entries in a (session, seq) index lie on different pages, and SQLite writes every
     # page a commit changed whole: 1.4 pages of log a row against 0.3 without it. Rows past the `journal.indexed`
     # mark (the tail, a few hundred at most) are not yet in the index: reads take them from the table itself
-    # (`journal_all`), and the commit thread indexes them in one transaction once they are many, and at open.
+    # (`journal_all`), and the commit thread indexes them in one transaction once they are many, and at open. The rows
+    # that hold a snapshot (one in tens) are indexed at once, so that finding a session's snapshots reads no tail.
     """
     CREATE TABLE journal_rows (
         id INTEGER PRIMARY KEY,
@@ -293,6 +294,7 @@ MIGRATIONS: tuple[str, ...] = (
     ) WITHOUT ROWID;
     INSERT INTO journal_index (session, seq, key, row) SELECT session, seq, key, id FROM journal ORDER BY session, seq;
     CREATE INDEX journal_index_key ON journal_index (session, key) WHERE key IS NOT NULL;
+    CREATE INDEX journal_snapshots ON journal (session, seq) WHERE snapshot IS NOT NULL;
     INSERT INTO meta (key, value) VALUES ('journal.indexed', CAST(COALESCE((SELECT MAX(id) FROM journal), 0) AS TEXT));
     """,
 )
@@ -316,6 +318,7 @@ JOURNAL_ALL = f"""
     SELECT id, session, seq, key, digest, at, answer, snapshot_file, snapshot, actions, event FROM journal
     WHERE id > {MARK}
 """
+SNAPSHOTS = "journal INDEXED BY journal_snapshots"  # the journal's rows that hold a snapshot, by session and seq
 DUPLICATE = "UNIQUE constraint failed: journal.session, journal.seq"  # what appending a step kept already fails with
 BY_KIND = "records_session_kind"  # the index of a session's records by kind (7)
 # A session's own counters (8), and its calls' reservations on them: a late release of a call of the session before
@@ -413,7 +416,7 @@ class _Pointer(msgspec.Struct):
         pointed = db.execute(
             "UPDATE journal SET snapshot = ?, snapshot_file = ? WHERE id = (SELECT row FROM journal_all WHERE "
             "session = ? AND seq = ? AND snapshot IS NULL) AND EXISTS (SELECT 1 FROM sessions WHERE name = ?) AND NOT "
-            "EXISTS (SELECT 1 FROM journal_all WHERE session = ? AND seq > ? AND snapshot IS NOT NULL)",
+            f"EXISTS (SELECT 1 FROM {SNAPSHOTS} WHERE session = ? AND seq > ? AND snapshot IS NOT NULL)",
             (
                 b"" if self.file is not None else job.snapshot,
                 self.file,
@@ -460,12 +463,14 @@ class SQLiteStore:
         self._wal_path = Path(f"{path}-wal")
         self.checkpoints = 0  # the log checkpointed by the commit thread
         self._released: list[str] = []  # snapshot files rows stopped naming in the commit running (commit thread only)
-        # The tail (the journal's rows not yet indexed: see MIGRATIONS' 10), as the commit thread keeps track of it.
-        # Its keyed rows, (session, key) -> id, exactly (a key's lookup reads no other row of the tail), read under the
-        # lock; how many rows it has; whether the commit under way changed it otherwise than by appending steps (it is
-        # then read again from the table); and each session's highest seq as far as the commit thread knows (at least
-        # that: a step past it is not kept already, so only one at or before it is looked for).
-        self._tail_keys: dict[tuple[str, str], int] = {}
+        # The tail (the journal's rows not yet indexed: see MIGRATIONS' 10), as the commit thread keeps track of it. Its
+        # keyed rows, (session, key) -> id, exactly (a key's lookup reads no other row of the tail), read under the
+        # lock; each session's lowest seq in it (pruning reads it only if it holds rows to prune); how many rows;
+        # whether the commit under way changed it otherwise than by appending steps (it is then read again from the
+        # table); and each session's highest seq as far as the commit thread knows (at least that: a step past it is not
+        # kept already, so only one at or before it is looked for).
+        self._tail_keys: dict[str, dict[str, int]] = {}  # session -> key -> id
+        self._tail_first: dict[str, int] = {}  # session -> the lowest seq of its rows in the tail
         self._tail_rows = 0
         self._tail_dirty = False
         self._tops: dict[str, int] = {}
@@ -681,6 +686,7 @@ class SQLiteStore:
             log.warning("store.index_failed", error=str(e))
             return
         self._tail_keys.clear()
+        self._tail_first.clear()
         self._tail_rows = 0
 
     def _touched(self, name: str) -> None:
@@ -716,20 +722,22 @@ class SQLiteStore:
         for steps, last in appended:
             for i, (s, _) in enumerate(steps, last - len(steps) + 1):
                 if s.key is not None:
-                    self._tail_keys[(s.session, s.key)] = i
+                    self._tail_keys.setdefault(s.session, {})[s.key] = i
+                first = self._tail_first.get(s.session)
+                if first is None or s.seq < first:
+                    self._tail_first[s.session] = s.seq
             self._tail_rows += len(steps)
 
     def _read_tail(self) -> None:
         """The tail as the table holds it (after a commit that changed it otherwise than by appending, or a
         reopen)."""
         db = self._db
-        self._tail_keys = {
-            (session, key): id
-            for id, session, key in db.execute(
-                f"SELECT id, session, key FROM journal WHERE id > {MARK} AND key IS NOT NULL ORDER BY id"
-            )
-        }
-        self._tail_rows = db.execute(f"SELECT COUNT(*) FROM journal WHERE id > {MARK}").fetchone()[0]
+        self._tail_keys, self._tail_first, self._tail_rows = {}, {}, 0
+        for id, session, seq, key in db.execute(f"SELECT id, session, seq, key FROM journal WHERE id > {MARK}"):
+            if key is not None:
+                self._tail_keys.setdefault(session, {})[key] = id
+            self._tail_first[session] = min(seq, self._tail_first.get(session, seq))
+            self._tail_rows += 1
         self._tail_dirty = False
 
     def _check_file(self) -> None:
@@ -836,9 +844,9 @@ class SQLiteStore:
         return [
             seq
             for (seq,) in db.execute(
-                "SELECT seq FROM journal_all WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? AND seq >= "
-                "COALESCE((SELECT seq FROM journal_all WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER BY "
-                "seq DESC LIMIT 1), 0) ORDER BY seq",
+                f"SELECT seq FROM {SNAPSHOTS} WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? AND seq >= "
+                f"COALESCE((SELECT seq FROM {SNAPSHOTS} WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER "
+                "BY seq DESC LIMIT 1), 0) ORDER BY seq",
                 (name, latest, name, self.retention.promised_from(latest)),
             )
         ]
@@ -848,8 +856,8 @@ class SQLiteStore:
         for seq in seqs:
             self._release_files(db, "session = ? AND seq = ?", (name, seq))
         db.executemany(
-            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE id = (SELECT row FROM journal_all WHERE "
-            "session = ? AND seq = ?)",
+            f"UPDATE {SNAPSHOTS} SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq = ? "
+            "AND snapshot IS NOT NULL",
             [(name, seq) for seq in seqs],
         )
 
@@ -861,7 +869,7 @@ class SQLiteStore:
         ).fetchall()
         for session, _ in crowded:
             latest = self._db.execute(
-                "SELECT MAX(seq) FROM journal_all WHERE session = ? AND snapshot IS NOT NULL", (session,)
+                f"SELECT MAX(seq) FROM {SNAPSHOTS} WHERE session = ? AND snapshot IS NOT NULL", (session,)
             ).fetchone()[0]
             thin = self.retention.plan(self._snapshots(self._db, session, latest), latest).thinned
             if not thin:
@@ -878,19 +886,24 @@ class SQLiteStore:
             return  # everything kept is still derived from the config or the first snapshot
         self._release_files(db, "session = ? AND seq < ?", (name, anchor_seq))
         db.execute(
-            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE id IN (SELECT row FROM journal_all WHERE "
-            "session = ? AND seq < ? AND snapshot IS NOT NULL)",
+            f"UPDATE {SNAPSHOTS} SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq < ? "
+            "AND snapshot IS NOT NULL",
             (name, anchor_seq),
         )
-        tail = _delete_rows(db, "session = ? AND key IS NULL AND seq < ?", (name, anchor_seq))
+        # The tail is read only if it holds a row of the session before the anchor (it holds its newest rows).
+        first = self._tail_first.get(name)
+        older = first is not None and first < anchor_seq
+        tail = _delete_rows(db, "session = ? AND key IS NULL AND seq < ?", (name, anchor_seq), tail=older)
         # Keys older than the anchor keep their row (what a retry is answered, or at least that it was answered)
         # up to the number promised; an answer not kept among them can no longer be derived.
+        keyed = "journal_all" if name in self._tail_keys else "journal_index"
         kept = db.execute(
-            "SELECT seq FROM journal_all WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?",
+            f"SELECT seq FROM {keyed} WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?",
             (name, self.retention.keys_offset),
         ).fetchone()
         if kept is not None:
-            tail += _delete_rows(db, "session = ? AND key IS NOT NULL AND seq < ?", (name, min(anchor_seq, kept[0])))
+            where = "session = ? AND key IS NOT NULL AND seq < ?"
+            tail += _delete_rows(db, where, (name, min(anchor_seq, kept[0])), tail=older)
         if tail:
             self._tail_dirty = True
 
@@ -901,7 +914,9 @@ class SQLiteStore:
         self._released += [
             name
             for (name,) in db.execute(
-                f"SELECT DISTINCT snapshot_file FROM journal_all WHERE {where} AND snapshot_file IS NOT NULL", params
+                f"SELECT DISTINCT snapshot_file FROM {SNAPSHOTS} WHERE {where} AND snapshot IS NOT NULL "
+                "AND snapshot_file IS NOT NULL",
+                params,
             )
         ]
 
@@ -1269,7 +1284,7 @@ class SQLiteStore:
             columns = f"j.seq, j.digest, {actions}, j.answer, length(j.actions)"
             limit = (INLINE_READ_BYTES,) if inline else ()
             # A key in the tail is found by its row's id (the tail has no index); else through the index.
-            tailed = self._tail_keys.get((name, key))
+            tailed = self._tail_keys.get(name, {}).get(key)
             if tailed is not None:
                 return db.execute(f"SELECT {columns} FROM journal AS j WHERE j.id = ?", (*limit, tailed)).fetchone()
             return db.execute(
@@ -1638,18 +1653,19 @@ def _views(db: sqlite3.Connection) -> None:
     db.execute(JOURNAL_ALL)
 
 
-def _delete_rows(db: sqlite3.Connection, where: str, params: tuple[object, ...]) -> int:
+def _delete_rows(db: sqlite3.Connection, where: str, params: tuple[object, ...], *, tail: bool = True) -> int:
     """Delete the journal's rows `where` says (a condition on session, seq and key only: the columns the index has
-    too), indexed or in the tail, with their index entries; how many were in the tail. The mark comes down to the
-    last row left if it passed it: a row written next (its id one past the last) must be in the tail."""
+    too), indexed or in the tail (unless the caller knows none of the tail's is meant), with their index entries; how
+    many were in the tail. The mark comes down to the last row left if it passed it: a row written next (its id one
+    past the last) must be in the tail."""
     db.execute(f"DELETE FROM journal WHERE id IN (SELECT row FROM journal_index WHERE {where})", params)
-    tail = db.execute(f"DELETE FROM journal WHERE id > {MARK} AND {where}", params).rowcount
+    tailed = db.execute(f"DELETE FROM journal WHERE id > {MARK} AND {where}", params).rowcount if tail else 0
     db.execute(f"DELETE FROM journal_index WHERE {where}", params)
     db.execute(
         f"UPDATE meta SET value = CAST(MIN({MARK}, COALESCE((SELECT MAX(id) FROM journal), 0)) AS TEXT) "
         "WHERE key = 'journal.indexed'"
     )
-    return int(tail)
+    return int(tailed)
 
 
 def _index(db: sqlite3.Connection) -> int:
@@ -1747,7 +1763,7 @@ def _load(
     config, state, reason = row
     upto = (1 << 63) - 1 if at is None else at
     saved = db.execute(
-        "SELECT seq, snapshot, snapshot_file FROM journal_all WHERE session = ? AND snapshot IS NOT NULL AND "
+        f"SELECT seq, snapshot, snapshot_file FROM {SNAPSHOTS} WHERE session = ? AND snapshot IS NOT NULL AND "
         "seq <= ? ORDER BY seq DESC LIMIT 1",
         (name, upto),
     ).fetchone()
