@@ -1671,7 +1671,9 @@ def _delete_rows(db: sqlite3.Connection, where: str, params: tuple[object, ...],
 def _index(db: sqlite3.Connection) -> int:
     """Index the tail: its rows' entries into `journal_index` in one transaction (sorted, so each session's land
     together), and the mark moved past them; how many rows it held. A crash or a failure before its commit leaves
-    the tail as it was, read as before and indexed the next time."""
+    the tail as it was, read as before and indexed the next time. An empty tail writes nothing."""
+    if db.execute(f"SELECT 1 FROM journal WHERE id > {MARK} LIMIT 1").fetchone() is None:
+        return 0
     db.execute("BEGIN IMMEDIATE")
     try:
         moved = db.execute(
