@@ -148,6 +148,30 @@ async def test_a_name_deleted_and_made_again_keeps_none_of_its_old_rows_from_the
     )
 
 
+async def test_sessions_made_deleted_and_rewound_beside_rows_in_the_tail_leave_those_rows_found(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
+        await store.create("a", CONFIG)
+        await append_all(store, step(1, key="k1"), step(2, key="k2"))
+        await store.create("b", CONFIG)
+        await append_all(store, step(1, key="k1", session="b"), step(2, session="b"))
+        await store.truncate("b", 1, ())
+        await store.create("c", CONFIG, b"C")
+        await store.delete("c")
+        await append_all(store, step(3, key="k3"), step(2, key="k2b", session="b"))
+        seen = (
+            where(store),
+            [await store.keyed("a", k) for k in ("k1", "k2", "k3")],
+            [await store.keyed("b", k) for k in ("k1", "k2b")],
+            await store.steps_since("b", 0, 10),
+        )
+    assert seen == (
+        (0, 5),
+        [Keyed(1, b"d1", b"a1", b"h1"), Keyed(2, b"d2", b"a2", b"h2"), Keyed(3, b"d3", b"a3", b"h3")],
+        [Keyed(1, b"d1", b"a1", b"h1"), Keyed(2, b"d2", b"a2", b"h2")],
+        [row(1), row(2)],
+    )
+
+
 async def test_a_fork_and_a_rewind_of_a_session_with_rows_in_the_tail(tmp_path: Path) -> None:
     async with running(sqlite_at(tmp_path / "db.sqlite3")) as store:
         await store.create("a", CONFIG)

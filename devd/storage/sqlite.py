@@ -690,9 +690,15 @@ class SQLiteStore:
         self._tail_rows = 0
 
     def _touched(self, name: str) -> None:
-        """An op of the commit under way changes `name`'s rows otherwise than by appending a step."""
-        self._tail_dirty = True
+        """An op of the commit under way changes `name`'s rows otherwise than by appending a step: its highest seq is
+        looked up again (one that adds rows to the tail also sets `_tail_dirty`)."""
         self._tops.pop(name, None)
+
+    def _drop_rows(self, db: sqlite3.Connection, name: str, where: str, params: tuple[object, ...]) -> None:
+        """`_delete_rows` of `name`'s rows, reading the tail only if it may hold some of them (a session made, deleted
+        or rewound with none there reads none of it)."""
+        if _delete_rows(db, where, params, tail=self._tail_dirty or name in self._tail_first):
+            self._tail_dirty = True
 
     def _check_new(self, db: sqlite3.Connection, steps: list[tuple[Step, str | None]]) -> None:
         """Refuse a batch with a step already kept (its session and seq), as the journal's key did before it was
@@ -702,9 +708,11 @@ class SQLiteStore:
             top = self._tops.get(s.session)
             if top is None:
                 (indexed,) = db.execute("SELECT MAX(seq) FROM journal_index WHERE session = ?", (s.session,)).fetchone()
-                (tail,) = db.execute(
-                    f"SELECT MAX(seq) FROM journal WHERE id > {MARK} AND session = ?", (s.session,)
-                ).fetchone()
+                tail = None
+                if self._tail_dirty or s.session in self._tail_first:
+                    (tail,) = db.execute(
+                        f"SELECT MAX(seq) FROM journal WHERE id > {MARK} AND session = ?", (s.session,)
+                    ).fetchone()
                 top = max(-1, indexed if indexed is not None else -1, tail if tail is not None else -1)
             if s.seq <= top and (
                 (s.session, s.seq) in seen
@@ -1053,13 +1061,14 @@ class SQLiteStore:
             self._new_generation(name)
             self._touched(name)
             self._release_files(db, "session = ?", (name,))
-            _delete_rows(db, "session = ?", (name,))
+            self._drop_rows(db, name, "session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
             _drop_own_spend(db, name)
             db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
             )
             if snapshot is not None:
+                self._tail_dirty = True  # its row joins the tail
                 db.execute(
                     "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file, at) "
                     "VALUES (?, 0, x'', x'', ?, ?, ?)",
@@ -1133,7 +1142,7 @@ class SQLiteStore:
             self._generations.pop(name, None)  # its rows go too: a pointer finds none (a new one gets a new number)
             self._touched(name)
             self._release_files(db, "session = ?", (name,))
-            _delete_rows(db, "session = ?", (name,))
+            self._drop_rows(db, name, "session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
             _drop_own_spend(db, name)
             db.execute("DELETE FROM sessions WHERE name = ?", (name,))
@@ -1146,7 +1155,7 @@ class SQLiteStore:
             self._new_generation(name)  # a snapshot still being written for a step after `at` must land on no row
             self._touched(name)
             self._release_files(db, "session = ? AND seq > ?", (name, at))
-            _delete_rows(db, "session = ? AND seq > ?", (name, at))
+            self._drop_rows(db, name, "session = ? AND seq > ?", (name, at))
             for kind in kinds:
                 db.execute("DELETE FROM records WHERE session = ? AND kind = ? AND seq > ?", (name, kind, at))
 
@@ -1165,13 +1174,14 @@ class SQLiteStore:
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (note, source))
             self._touched(name)
             self._release_files(db, "session = ?", (name,))
-            _delete_rows(db, "session = ?", (name,))
+            self._drop_rows(db, name, "session = ?", (name,))
 
         def copy(lo: int, hi: int) -> Op:
             def op(db: sqlite3.Connection) -> None:
                 # Rows copied share their snapshot files with the source's: a file goes once neither names it. They
                 # join the tail, indexed with the rest of it.
                 self._touched(name)
+                self._tail_dirty = True
                 db.execute(
                     "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, "
                     "snapshot_file) SELECT ?, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file "
@@ -1201,6 +1211,7 @@ class SQLiteStore:
             )
             if snapshot is not None:
                 self._touched(name)
+                self._tail_dirty = True  # its row may join the tail
                 onto = db.execute(
                     "UPDATE journal SET snapshot = ?, snapshot_file = ? WHERE id = (SELECT row FROM journal_all "
                     "WHERE session = ? AND seq = ?)",
@@ -1710,7 +1721,9 @@ def _drop_unmade_fork(db: sqlite3.Connection, store: SQLiteStore | None, name: s
     if db.execute("SELECT 1 FROM sessions WHERE name = ?", (name,)).fetchone() is None:
         if store is not None:
             store._release_files(db, "session = ?", (name,))
-        _delete_rows(db, "session = ?", (name,))
+            store._drop_rows(db, name, "session = ?", (name,))
+        else:
+            _delete_rows(db, "session = ?", (name,))
     db.execute("DELETE FROM meta WHERE key = ?", (note,))
 
 
