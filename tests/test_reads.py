@@ -70,3 +70,31 @@ async def test_a_read_after_the_thread_stopped_still_runs_and_starts_no_thread()
     reads.stop()
     answered = await reads.read(lambda: 2)
     assert (first, answered, [t.name for t in threading.enumerate() if t.name == "test-read"]) == (1, 2, [])
+
+
+def _stops() -> int:
+    raise StopIteration  # as `next()` of an empty iterator inside a read does
+
+
+async def test_a_read_raising_stopiteration_is_raised_to_its_reader_and_leaves_its_batch_answered() -> None:
+    reads, gate, got = ReadThread("test-read"), threading.Event(), dict[int, int | str]()
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def one(n: int, job: Callable[[], int]) -> None:
+                    try:
+                        got[n] = await reads.read(job)
+                    except RuntimeError as e:
+                        got[n] = f"RuntimeError: {e}"
+
+                tg.start_soon(one, 0, _held(gate, 0))
+                while not reads.batches:  # the first read is running, held: the next three come in one batch
+                    await anyio.sleep(0.001)
+                tg.start_soon(one, 1, _stops)
+                tg.start_soon(one, 2, lambda: 2)
+                await anyio.sleep(0.05)
+                gate.set()
+    finally:
+        reads.stop()
+    assert got == {0: 0, 1: "RuntimeError: a read raised StopIteration", 2: 2}

@@ -3,8 +3,8 @@
 A read is a plain function (the store's: it takes the connection's lock, reads, and lets go). It reaches the thread
 through a `queue.SimpleQueue`, without a turn of the event loop; the thread takes every read queued when it wakes,
 runs them one after another in the order they came, and answers the whole batch on each reader's loop with one
-`call_soon_threadsafe`. A read's exception is raised to its reader. One read runs at a time, as with one connection
-it must.
+`call_soon_threadsafe`. A read's exception is raised to its reader (StopIteration as a RuntimeError, as
+`anyio.to_thread` does: a future refuses it). One read runs at a time, as with one connection it must.
 
 Why not a worker thread a read (`anyio.to_thread` under a limiter of one, as before): each read's hand-over to the
 next then took turns of the event loop (the limiter released there, the next reader woken there), so reads ran at
@@ -118,6 +118,10 @@ def _answer(batch: list[_Read]) -> None:
         if pending.future.done():  # cancelled meanwhile
             continue
         if pending.error is not None:
-            pending.future.set_exception(pending.error)
+            error = pending.error
+            if isinstance(error, StopIteration):  # a future refuses it (TypeError), which left the batch unanswered
+                error = RuntimeError("a read raised StopIteration")
+                error.__cause__ = pending.error
+            pending.future.set_exception(error)
         else:
             pending.future.set_result(pending.value)
