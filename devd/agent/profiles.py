@@ -675,9 +675,16 @@ def shown_url(url: str) -> str:
 
 def without_url(text: str, url: str) -> str:
     """text with url, wherever it is written in it whole (as an HTTP client's error names it), as `shown_url`
-    shows it."""
+    shows it; and the values of url's query hidden wherever they follow their name (`?token=`, `&token=`): an HTTP
+    client writes a URL in its own form (httpx: the host in lower case, the scheme's own port left out), which the
+    URL as configured does not match."""
     shown = shown_url(url)
-    return text if shown == url else text.replace(url, shown)
+    if shown == url:
+        return text
+    text = text.replace(url, shown)
+    for name in {part.partition("=")[0] for part in urlsplit(url).query.split("&") if part}:
+        text = re.sub(rf"([?&]{re.escape(name)}=)[^&#\s'\"]*", lambda m: m.group(1) + HIDDEN, text)
+    return text
 
 
 def check_workspace(profile: Profile, workspace: str) -> Path:
