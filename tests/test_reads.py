@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
@@ -98,3 +101,31 @@ async def test_a_read_raising_stopiteration_is_raised_to_its_reader_and_leaves_i
     finally:
         reads.stop()
     assert got == {0: 0, 1: "RuntimeError: a read raised StopIteration", 2: 2}
+
+
+def test_a_read_that_comes_as_another_thread_stops_the_thread_is_still_run() -> None:
+    """stop() from another thread between a read's look at the thread and its hand-over (here: as the read makes its
+    future, where a loop of another thread may be at that moment): the read must run, not wait for ever."""
+    reads, armed = ReadThread("test-read"), [False]
+
+    class Loop(asyncio.SelectorEventLoop):
+        def create_future(self) -> asyncio.Future[Any]:
+            if armed[0] and sys._getframe(1).f_code.co_name == "read":
+                stopping = threading.Thread(target=reads.stop)
+                stopping.start()
+                stopping.join()
+            return super().create_future()
+
+    async def read_once() -> int | str:
+        await reads.read(lambda: 0)  # the thread runs
+        armed[0] = True
+        with anyio.move_on_after(5):
+            return await reads.read(lambda: 1)
+        return "waited for ever"
+
+    loop = Loop()
+    try:
+        answered = loop.run_until_complete(read_once())
+    finally:
+        loop.close()
+    assert answered == 1

@@ -51,18 +51,24 @@ class ReadThread:
         self.batches = 0  # how many times the thread woke for reads (each answered with one loop callback)
         self._queue: queue.SimpleQueue[_Read | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._starting = threading.Lock()
+        self._starting = threading.Lock()  # the thread started or ended, and each read queued, under it
         self._stopped = False
 
     async def read(self, job: Callable[[], T]) -> T:
         """job()'s value, run on the read thread (its exception raised here)."""
-        if self._thread is None:
-            self._start()
-            if self._thread is None:  # stopped (the store closed): run where no thread is left behind
-                return await anyio.to_thread.run_sync(job)
         loop = asyncio.get_running_loop()
         pending = _Read(job, loop, loop.create_future())
-        self._queue.put(pending)
+        # Queued under the lock `stop` queues its end under: a read queued after the end would never run (a store
+        # closed from another thread than its reader's loop).
+        with self._starting:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            queued = self._thread is not None
+            if queued:
+                self._queue.put(pending)
+        if not queued:  # stopped (the store closed): run where no thread is left behind
+            return await anyio.to_thread.run_sync(job)
         value: T = await pending.future
         return value
 
@@ -70,15 +76,10 @@ class ReadThread:
         """Run what is queued, then end the thread and wait for it (from any thread but the read thread)."""
         with self._starting:
             thread, self._thread, self._stopped = self._thread, None, True
+            if thread is not None:
+                self._queue.put(None)
         if thread is not None:
-            self._queue.put(None)
             thread.join()
-
-    def _start(self) -> None:
-        with self._starting:
-            if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
 
     def _run(self) -> None:
         while True:
