@@ -17,6 +17,8 @@ ROW_KEYS = {
     "generator_cpu_share",
     "generator_cpu_share_max",
     "server_cpu_share",
+    "server_cpu_us_per_step",
+    "server_loop_cpu_us_per_step",
     "other_cpu_share",
 }
 
