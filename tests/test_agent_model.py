@@ -954,3 +954,18 @@ async def test_a_base_urls_query_values_are_in_no_error_text(standin: Standin, c
         )
     said = "404 Unknown request URL: POST /v1?key=[redacted]/chat/completions."
     assert (e.value.why, [a.error for a in attempts]) == (f"model server {standin.url}?key=***: {said}", [said])
+
+
+async def test_a_base_urls_query_part_without_a_name_is_in_no_error_text(standin: Standin, client: http.Client) -> None:
+    attempts: list[Attempt] = []
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(
+            client,
+            profile(f"{standin.url}?s3cretBare"),
+            CONVERSATION[:1],
+            environ={},
+            exec_available=True,
+            on_attempt=attempts.append,
+        )
+    said = "404 Unknown request URL: POST /v1?[redacted]/chat/completions."
+    assert (e.value.why, [a.error for a in attempts]) == (f"model server {standin.url}?***: {said}", [said])

@@ -92,6 +92,16 @@ def test_a_urls_query_values_are_hidden_in_an_error_that_names_it_as_the_http_cl
     assert without_url(said, url) == "Client error '401 Unauthorized' for url 'https://mcp.example.com?token=***&v=***'"
 
 
+def test_a_query_part_without_a_name_is_hidden_whole() -> None:
+    # `?KEY` (a bare value, as some services take their key): it is the value, not a name to keep.
+    url = "https://MCP.example.com/sse?s3cretToken&v=2"
+    said = f"Client error '401 Unauthorized' for url '{httpx.URL(url)}'"
+    assert (shown_url(url), without_url(said, url)) == (
+        "https://MCP.example.com/sse?***&v=***",
+        "Client error '401 Unauthorized' for url 'https://mcp.example.com/sse?***&v=***'",
+    )
+
+
 def test_a_good_file_gives_every_setting(tmp_path: Path) -> None:
     profiles = load_profiles(write(tmp_path, GOOD))
     assert profiles["coder"] == Profile(

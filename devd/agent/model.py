@@ -663,7 +663,7 @@ def _redactor(base_url: str, key: str | None) -> Callable[[str], str]:
     its query (a gateway's key is often given as `?key=`; `shown_url` hides them in the server's name) replaced."""
     split = urlsplit(base_url)
     userinfo, _, _ = split.netloc.rpartition("@")
-    values = [part.partition("=")[2] for part in split.query.split("&")]
+    values = [(part.partition("=")[2] if "=" in part else part) for part in split.query.split("&")]  # `?KEY`: a value
     secrets = [key or "", userinfo, *userinfo.split(":", 1), *values, *(unquote_plus(v) for v in values)]
     # Longest first: the whole `user:password` goes before its parts do.
     kept = sorted({s for s in secrets if len(s) >= _SECRET_CHARS_MIN}, key=len, reverse=True)

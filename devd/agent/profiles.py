@@ -669,8 +669,14 @@ def shown_url(url: str) -> str:
     split = urlsplit(url)
     if "@" not in split.netloc and not split.query:
         return url
-    query = "&".join(f"{part.partition('=')[0]}={HIDDEN}" for part in split.query.split("&") if part)
+    query = "&".join(_shown_part(part) for part in split.query.split("&") if part)
     return split._replace(netloc=split.netloc.rpartition("@")[2], query=query).geturl()
+
+
+def _shown_part(part: str) -> str:
+    """One `NAME=VALUE` of a query with its value hidden; a part without `=` is a value (`?KEY`), hidden whole."""
+    name, is_named, _ = part.partition("=")
+    return f"{name}={HIDDEN}" if is_named else HIDDEN
 
 
 def without_url(text: str, url: str) -> str:
@@ -682,8 +688,12 @@ def without_url(text: str, url: str) -> str:
     if shown == url:
         return text
     text = text.replace(url, shown)
-    for name in {part.partition("=")[0] for part in urlsplit(url).query.split("&") if part}:
-        text = re.sub(rf"([?&]{re.escape(name)}=)[^&#\s'\"]*", lambda m: m.group(1) + HIDDEN, text)
+    for part in {part for part in urlsplit(url).query.split("&") if part}:
+        name, is_named, _ = part.partition("=")
+        if is_named:
+            text = re.sub(rf"([?&]{re.escape(name)}=)[^&#\s'\"]*", lambda m: m.group(1) + HIDDEN, text)
+        else:  # a bare value: hidden where it stands as a part of a query
+            text = re.sub(rf"([?&]){re.escape(part)}(?=[&#\s'\"]|$)", lambda m: m.group(1) + HIDDEN, text)
     return text
 
 
