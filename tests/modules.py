@@ -78,11 +78,13 @@ def slow_to_compile(functions: int = 400) -> bytes:
     return core_with("i32.const 0", extra=extra)
 
 
-def _turn_then_spin(action: bytes) -> bytes:
+def _turn_then_spin(action: bytes, *, pending_traps: bool = False) -> bytes:
     """A core for an agent session whose turn ends its session: a Turn event (`{"Turn"...`: its third byte is T) is
     answered `action`, which `dev_pending` then reports; any other event (that action's result) spins until its
-    deadline, as a core that loops for ever does."""
+    deadline, as a core that loops for ever does. With `pending_traps`, `dev_pending` traps instead (the session is
+    poisoned as its driver first asks what is pending)."""
     escaped = action.decode().replace('"', r"\"")
+    pending = "unreachable" if pending_traps else ""
     return wasmtime.wat2wasm(
         f"""(module
   (memory (export "memory") 1)
@@ -103,6 +105,7 @@ def _turn_then_spin(action: bytes) -> bytes:
     (call $answer (local.get 3) (i32.const 1100) (i32.const {len(action)}))
     i32.const 0)
   (func (export "dev_pending") (param i64 i32) (result i32)
+    {pending}
     (if (global.get $asked)
       (then (call $answer (local.get 1) (i32.const 1100) (i32.const {len(action)})))
       (else (call $answer (local.get 1) (i32.const 1024) (i32.const 2))))
@@ -114,3 +117,5 @@ def _turn_then_spin(action: bytes) -> bytes:
 # An agent session's core whose turn runs one command (`sleep 1`), and which spins on its result: the session ends
 # (DEADLINE) under its driver, mid-turn.
 ENDS_MID_TURN = _turn_then_spin(b'[{"id":1,"op":{"Exec":{"argv":["sleep","1"]}}}]')
+# One whose session is poisoned mid-turn: its `dev_pending` traps (the driver asks it as it starts the turn).
+POISONED_MID_TURN = _turn_then_spin(b'[{"id":1,"op":{"Exec":{"argv":["sleep","1"]}}}]', pending_traps=True)

@@ -330,6 +330,29 @@ async def test_prompting_a_session_that_ended_under_its_turn_recovers_it_and_car
     assert (again.stop_reason, "the call ran past its deadline" in ended) == ("refusal", True)
 
 
+@pytest.fixture
+def poisoning(tmp_path: Path, standin: Standin) -> Iterator[Setup]:
+    """A daemon whose core poisons an agent session mid-turn (`tests.modules.POISONED_MID_TURN`)."""
+    core = tmp_path / "poisoned-mid-turn.wasm"
+    core.write_bytes(modules.POISONED_MID_TURN)
+    yield from setup(tmp_path, standin, flags=("--core", str(core)))
+
+
+async def test_prompting_a_session_poisoned_under_its_turn_recovers_it_and_answers_refusal_when_it_is_again(
+    poisoning: Setup,
+) -> None:
+    """This core poisons its session as soon as the turn carried on is driven: by the time this prompt's turn would
+    start, the session is poisoned again, and the prompt is answered as that end (before, the daemon's POISON error
+    was the prompt's answer: only HANDLE was taken as the session ending again)."""
+    async with editor_on(poisoning, Editor()) as conn:
+        session = await conn.new_session(cwd=str(poisoning.workspace), mcp_servers=[])
+        with anyio.fail_after(WAIT_S):
+            first = await conn.prompt(session_id=session.session_id, prompt=text("go"))
+            again = await conn.prompt(session_id=session.session_id, prompt=text("go on"))
+    ended = again.field_meta["devd"]["ended"]
+    assert (first.stop_reason, again.stop_reason, "trapped inside the core" in ended) == ("refusal", "refusal", True)
+
+
 async def test_prompting_a_stalled_session_again_tries_its_model_again(devd: Setup) -> None:
     devd.standin.script(Scripted(status=400, message="no such model"), Scripted(text="one"), Scripted(text="two"))
     editor = Editor()

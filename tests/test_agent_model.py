@@ -941,3 +941,31 @@ def test_a_failing_commands_trace_error_is_its_exit_status_and_its_span_holds_no
         "exit status 1",
         False,
     )
+
+
+async def test_a_base_urls_query_values_are_in_no_error_text(standin: Standin, client: http.Client) -> None:
+    """The path is written after the query (`?key=K/chat/completions`): the server answers 404 naming the URL, as
+    OpenAI's does."""
+    attempts: list[Attempt] = []
+    with_query = profile(f"{standin.url}?key=s3cret-q")
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(
+            client, with_query, CONVERSATION[:1], environ={}, exec_available=True, on_attempt=attempts.append
+        )
+    said = "404 Unknown request URL: POST /v1?key=[redacted]/chat/completions."
+    assert (e.value.why, [a.error for a in attempts]) == (f"model server {standin.url}?key=***: {said}", [said])
+
+
+async def test_a_base_urls_query_part_without_a_name_is_in_no_error_text(standin: Standin, client: http.Client) -> None:
+    attempts: list[Attempt] = []
+    with pytest.raises(ModelUnavailable) as e:
+        await complete(
+            client,
+            profile(f"{standin.url}?s3cretBare"),
+            CONVERSATION[:1],
+            environ={},
+            exec_available=True,
+            on_attempt=attempts.append,
+        )
+    said = "404 Unknown request URL: POST /v1?[redacted]/chat/completions."
+    assert (e.value.why, [a.error for a in attempts]) == (f"model server {standin.url}?***: {said}", [said])

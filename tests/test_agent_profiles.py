@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 
@@ -20,6 +21,7 @@ from devd.agent.profiles import (
     load_profiles,
     parse_profiles,
     shown_url,
+    without_url,
 )
 from devd.errors import ConfigError, InvalidParamsError
 from devd.messages import Browse, Call, Exec, Git, Read, Write
@@ -81,6 +83,23 @@ def profile(tmp_path: Path, **fields: object) -> Profile:
 def test_a_url_is_shown_without_its_user_password_or_query_values() -> None:
     shown = shown_url("https://me:pw@models.example:8443/v1/chat?api-version=2024&key=s3cret#frag")
     assert shown == "https://models.example:8443/v1/chat?api-version=***&key=***#frag"
+
+
+def test_a_urls_query_values_are_hidden_in_an_error_that_names_it_as_the_http_client_writes_it() -> None:
+    # httpx writes the host in lower case and leaves out the scheme's own port: the URL as configured is not in it.
+    url = "https://MCP.example.com:443?token=s3cret&v=2"
+    said = f"Client error '401 Unauthorized' for url '{httpx.URL(url)}'"
+    assert without_url(said, url) == "Client error '401 Unauthorized' for url 'https://mcp.example.com?token=***&v=***'"
+
+
+def test_a_query_part_without_a_name_is_hidden_whole() -> None:
+    # `?KEY` (a bare value, as some services take their key): it is the value, not a name to keep.
+    url = "https://MCP.example.com/sse?s3cretToken&v=2"
+    said = f"Client error '401 Unauthorized' for url '{httpx.URL(url)}'"
+    assert (shown_url(url), without_url(said, url)) == (
+        "https://MCP.example.com/sse?***&v=***",
+        "Client error '401 Unauthorized' for url 'https://mcp.example.com/sse?***&v=***'",
+    )
 
 
 def test_a_good_file_gives_every_setting(tmp_path: Path) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
@@ -70,3 +73,59 @@ async def test_a_read_after_the_thread_stopped_still_runs_and_starts_no_thread()
     reads.stop()
     answered = await reads.read(lambda: 2)
     assert (first, answered, [t.name for t in threading.enumerate() if t.name == "test-read"]) == (1, 2, [])
+
+
+def _stops() -> int:
+    raise StopIteration  # as `next()` of an empty iterator inside a read does
+
+
+async def test_a_read_raising_stopiteration_is_raised_to_its_reader_and_leaves_its_batch_answered() -> None:
+    reads, gate, got = ReadThread("test-read"), threading.Event(), dict[int, int | str]()
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def one(n: int, job: Callable[[], int]) -> None:
+                    try:
+                        got[n] = await reads.read(job)
+                    except RuntimeError as e:
+                        got[n] = f"RuntimeError: {e}"
+
+                tg.start_soon(one, 0, _held(gate, 0))
+                while not reads.batches:  # the first read is running, held: the next three come in one batch
+                    await anyio.sleep(0.001)
+                tg.start_soon(one, 1, _stops)
+                tg.start_soon(one, 2, lambda: 2)
+                await anyio.sleep(0.05)
+                gate.set()
+    finally:
+        reads.stop()
+    assert got == {0: 0, 1: "RuntimeError: a read raised StopIteration", 2: 2}
+
+
+def test_a_read_that_comes_as_another_thread_stops_the_thread_is_still_run() -> None:
+    """stop() from another thread between a read's look at the thread and its hand-over (here: as the read makes its
+    future, where a loop of another thread may be at that moment): the read must run, not wait for ever."""
+    reads, armed = ReadThread("test-read"), [False]
+
+    class Loop(asyncio.SelectorEventLoop):
+        def create_future(self) -> asyncio.Future[Any]:
+            if armed[0] and sys._getframe(1).f_code.co_name == "read":
+                stopping = threading.Thread(target=reads.stop)
+                stopping.start()
+                stopping.join()
+            return super().create_future()
+
+    async def read_once() -> int | str:
+        await reads.read(lambda: 0)  # the thread runs
+        armed[0] = True
+        with anyio.move_on_after(5):
+            return await reads.read(lambda: 1)
+        return "waited for ever"
+
+    loop = Loop()
+    try:
+        answered = loop.run_until_complete(read_once())
+    finally:
+        loop.close()
+    assert answered == 1

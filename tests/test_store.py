@@ -770,3 +770,66 @@ async def test_postgres_what_a_stopped_daemons_calls_held_is_released_once_its_l
         admitted = await other.reserve("b", (Counter("session", "b", ""), DAY), [(DAY, 1000)], 500)
         counted = await other.counted([DAY])
     assert (isinstance(admitted, int), counted) == (True, [(0, 500)])
+
+
+# -- reads on their thread (devd.storage.reads): a failing read, a close while reads are queued ---------------------
+
+
+async def _loads(store: SQLiteStore, n: int, meanwhile: Callable[[], Awaitable[object]] | None = None) -> list[str]:
+    """n loads of session "a" at once, started while the test holds the connection (so that they queue behind the
+    first), `meanwhile` awaited once they are queued, then the connection let go: each one's session name, or its
+    StoreError's first words."""
+    got = [""] * n
+
+    async def one(i: int) -> None:
+        try:
+            loaded = await store.load("a")
+            got[i] = loaded.name if loaded is not None else "none"
+        except StoreError as e:
+            got[i] = str(e).split(":")[0]
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(one, i)
+            await anyio.sleep(0.05)
+            if meanwhile is not None:
+                await meanwhile()
+            store._lock.release()
+    return got
+
+
+async def _load_error(store: SQLiteStore) -> str:
+    try:
+        await store.load("a")
+    except StoreError as e:
+        return str(e).split(":")[0]
+    return "loaded"
+
+
+async def test_sqlite_reads_queued_behind_one_that_fails_are_each_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with running(sqlite_at(tmp_path / "s.sqlite3")) as store:
+        await store.create("a", CONFIG)
+        monkeypatch.setitem(failpoints._POINTS, "read", ("eio", failpoints._passes.get("read", 0) + 2))
+        store._lock.acquire()
+        got = await _loads(store, 4)
+    assert got == ["a", "reading the database failed", "a", "a"]
+
+
+async def test_sqlite_a_close_while_reads_are_queued_answers_them_and_a_read_after_it_fails(tmp_path: Path) -> None:
+    async with running(sqlite_at(tmp_path / "s.sqlite3")) as store:
+        await store.create("a", CONFIG)
+        store._lock.acquire()
+        closing = threading.Thread(target=store.close)  # waits for the queued reads to run, then closes
+
+        async def close_meanwhile() -> None:
+            closing.start()
+            await anyio.sleep(0.05)
+
+        got = await _loads(store, 3, close_meanwhile)
+        await anyio.to_thread.run_sync(closing.join)
+        with anyio.fail_after(10):
+            after = await _load_error(store)
+    assert (got, after) == (["a", "a", "a"], "reading the database failed")

@@ -1206,7 +1206,7 @@ async def _prompt(bridge: Bridge, raw: msgspec.Raw) -> Any:
     try:
         try:
             started = await bridge.call("session/prompt", {"session": name, "prompt": text, "key": waiter.key})
-        except errors.HandleError as e:
+        except (errors.HandleError, errors.PoisonError) as e:  # ended again (HANDLE), or poisoned again (POISON)
             if ((await bridge.entry(name)) or {}).get("state") not in ENDED_STATES:
                 raise
             # The turn carried on (above) ended the session again before this one could start: said as that end.

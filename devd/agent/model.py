@@ -28,7 +28,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 import anyio
 import msgspec
@@ -626,8 +626,8 @@ async def complete(
     reply would do the same. Before each retry `readmit()` is awaited (the spend ceilings, again): a retry it
     refuses is not sent, and its why is ModelUnavailable's.
 
-    Every error text leaving here (ModelUnavailable's, each Attempt's) has the key and any `user:password` of
-    `base_url` replaced by [redacted]: a server may echo what it was sent."""
+    Every error text leaving here (ModelUnavailable's, each Attempt's) has the key, any `user:password` of
+    `base_url` and the values of its query replaced by [redacted]: a server may echo what it was sent."""
     server = shown_url(profile.base_url)
     try:
         key = api_key(profile, environ)
@@ -659,9 +659,12 @@ async def complete(
 
 
 def _redactor(base_url: str, key: str | None) -> Callable[[str], str]:
-    """The one redaction of the model driver: text with the key and the URL's user name and password replaced."""
-    userinfo, _, _ = urlsplit(base_url).netloc.rpartition("@")
-    secrets = [key or "", userinfo, *userinfo.split(":", 1)]
+    """The one redaction of the model driver: text with the key, the URL's user name and password, and the values of
+    its query (a gateway's key is often given as `?key=`; `shown_url` hides them in the server's name) replaced."""
+    split = urlsplit(base_url)
+    userinfo, _, _ = split.netloc.rpartition("@")
+    values = [(part.partition("=")[2] if "=" in part else part) for part in split.query.split("&")]  # `?KEY`: a value
+    secrets = [key or "", userinfo, *userinfo.split(":", 1), *values, *(unquote_plus(v) for v in values)]
     # Longest first: the whole `user:password` goes before its parts do.
     kept = sorted({s for s in secrets if len(s) >= _SECRET_CHARS_MIN}, key=len, reverse=True)
 

@@ -669,15 +669,32 @@ def shown_url(url: str) -> str:
     split = urlsplit(url)
     if "@" not in split.netloc and not split.query:
         return url
-    query = "&".join(f"{part.partition('=')[0]}={HIDDEN}" for part in split.query.split("&") if part)
+    query = "&".join(_shown_part(part) for part in split.query.split("&") if part)
     return split._replace(netloc=split.netloc.rpartition("@")[2], query=query).geturl()
+
+
+def _shown_part(part: str) -> str:
+    """One `NAME=VALUE` of a query with its value hidden; a part without `=` is a value (`?KEY`), hidden whole."""
+    name, is_named, _ = part.partition("=")
+    return f"{name}={HIDDEN}" if is_named else HIDDEN
 
 
 def without_url(text: str, url: str) -> str:
     """text with url, wherever it is written in it whole (as an HTTP client's error names it), as `shown_url`
-    shows it."""
+    shows it; and the values of url's query hidden wherever they follow their name (`?token=`, `&token=`): an HTTP
+    client writes a URL in its own form (httpx: the host in lower case, the scheme's own port left out), which the
+    URL as configured does not match."""
     shown = shown_url(url)
-    return text if shown == url else text.replace(url, shown)
+    if shown == url:
+        return text
+    text = text.replace(url, shown)
+    for part in {part for part in urlsplit(url).query.split("&") if part}:
+        name, is_named, _ = part.partition("=")
+        if is_named:
+            text = re.sub(rf"([?&]{re.escape(name)}=)[^&#\s'\"]*", lambda m: m.group(1) + HIDDEN, text)
+        else:  # a bare value: hidden where it stands as a part of a query
+            text = re.sub(rf"([?&]){re.escape(part)}(?=[&#\s'\"]|$)", lambda m: m.group(1) + HIDDEN, text)
+    return text
 
 
 def check_workspace(profile: Profile, workspace: str) -> Path:

@@ -58,6 +58,9 @@ class Titles:
         # to have none without a read, so a first `session/list` of 100,000 untitled sessions reads nothing more.
         self._titled: set[str] | None = None
         self._reading: anyio.Event | None = None  # set once the read of `_titled` under way ends
+        # Sessions that may have a title made known before `_titled` was read (a fork while it is read): the read's
+        # scan may have run before their records were written.
+        self._meanwhile: set[str] = set()
 
     async def set(self, session: str, title: str, *, prompt: bool = False) -> None:
         """Keep the session's title durably (a title from a prompt only where none was there)."""
@@ -74,6 +77,8 @@ class Titles:
         self._known.pop(session, None)
         if self._titled is not None:
             self._titled.add(session)
+        else:
+            self._meanwhile.add(session)
 
     async def get_kept(self, session: str) -> Title | None:
         titled = await self._titled_sessions()
@@ -93,7 +98,8 @@ class Titles:
                 continue  # read, or that read failed: this look tries again
             self._reading = reading = anyio.Event()
             try:
-                self._titled = set(await self.log.recorded(TITLE))
+                self._titled = set(await self.log.recorded(TITLE)) | self._meanwhile
+                self._meanwhile.clear()
             finally:
                 self._reading = None
                 reading.set()

@@ -3,8 +3,8 @@
 A read is a plain function (the store's: it takes the connection's lock, reads, and lets go). It reaches the thread
 through a `queue.SimpleQueue`, without a turn of the event loop; the thread takes every read queued when it wakes,
 runs them one after another in the order they came, and answers the whole batch on each reader's loop with one
-`call_soon_threadsafe`. A read's exception is raised to its reader. One read runs at a time, as with one connection
-it must.
+`call_soon_threadsafe`. A read's exception is raised to its reader (StopIteration as a RuntimeError, as
+`anyio.to_thread` does: a future refuses it). One read runs at a time, as with one connection it must.
 
 Why not a worker thread a read (`anyio.to_thread` under a limiter of one, as before): each read's hand-over to the
 next then took turns of the event loop (the limiter released there, the next reader woken there), so reads ran at
@@ -51,18 +51,24 @@ class ReadThread:
         self.batches = 0  # how many times the thread woke for reads (each answered with one loop callback)
         self._queue: queue.SimpleQueue[_Read | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._starting = threading.Lock()
+        self._starting = threading.Lock()  # the thread started or ended, and each read queued, under it
         self._stopped = False
 
     async def read(self, job: Callable[[], T]) -> T:
         """job()'s value, run on the read thread (its exception raised here)."""
-        if self._thread is None:
-            self._start()
-            if self._thread is None:  # stopped (the store closed): run where no thread is left behind
-                return await anyio.to_thread.run_sync(job)
         loop = asyncio.get_running_loop()
         pending = _Read(job, loop, loop.create_future())
-        self._queue.put(pending)
+        # Queued under the lock `stop` queues its end under: a read queued after the end would never run (a store
+        # closed from another thread than its reader's loop).
+        with self._starting:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            queued = self._thread is not None
+            if queued:
+                self._queue.put(pending)
+        if not queued:  # stopped (the store closed): run where no thread is left behind
+            return await anyio.to_thread.run_sync(job)
         value: T = await pending.future
         return value
 
@@ -70,15 +76,10 @@ class ReadThread:
         """Run what is queued, then end the thread and wait for it (from any thread but the read thread)."""
         with self._starting:
             thread, self._thread, self._stopped = self._thread, None, True
+            if thread is not None:
+                self._queue.put(None)
         if thread is not None:
-            self._queue.put(None)
             thread.join()
-
-    def _start(self) -> None:
-        with self._starting:
-            if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
 
     def _run(self) -> None:
         while True:
@@ -118,6 +119,10 @@ def _answer(batch: list[_Read]) -> None:
         if pending.future.done():  # cancelled meanwhile
             continue
         if pending.error is not None:
-            pending.future.set_exception(pending.error)
+            error = pending.error
+            if isinstance(error, StopIteration):  # a future refuses it (TypeError), which left the batch unanswered
+                error = RuntimeError("a read raised StopIteration")
+                error.__cause__ = pending.error
+            pending.future.set_exception(error)
         else:
             pending.future.set_result(pending.value)
