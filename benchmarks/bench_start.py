@@ -130,12 +130,15 @@ def bench_start(rounds: int, baseline: Path | None = None) -> dict[str, Any]:
     # its bytecode cached apart, alternated with this one's.
     codes = {"devd": here} | ({"baseline": baseline.resolve()} if baseline is not None else {})
     envs = {name: env | {"PYTHONPYCACHEPREFIX": str(root / f"pycache-{name}")} for name in codes}
+    # Each side its own state directory: a newer devd may have moved the store's format on, which an older one refuses
+    # to open. The floor with the core loads the core compiled by this devd's first start.
+    states = {"devd": state, "baseline": root / "state-baseline"}
     floor_argv = [sys.executable, "-m", "benchmarks.bench_start", "_floor", str(sock)]
     floor_core_argv = floor_argv + [str(state)]
     _first_answer(floor_argv, sock, env, here)
     compiling = _first_answer(_devd_argv(sock, state), sock, envs["devd"], here)[0]  # fills the state's cache
     if baseline is not None:
-        _first_answer(_devd_argv(sock, state), sock, envs["baseline"], codes["baseline"])
+        _first_answer(_devd_argv(sock, states["baseline"]), sock, envs["baseline"], codes["baseline"])
     _first_answer(floor_core_argv, sock, env, here)
     floor: list[tuple[float, float]] = []
     floor_core: list[tuple[float, float]] = []
@@ -144,7 +147,7 @@ def bench_start(rounds: int, baseline: Path | None = None) -> dict[str, Any]:
         floor.append(_first_answer(floor_argv, sock, env, here))
         floor_core.append(_first_answer(floor_core_argv, sock, env, here))
         for name in codes if r % 2 == 0 else reversed(codes):
-            devds[name].append(_first_answer(_devd_argv(sock, state), sock, envs[name], codes[name]))
+            devds[name].append(_first_answer(_devd_argv(sock, states[name]), sock, envs[name], codes[name]))
 
     def median(runs: list[tuple[float, float]], i: int) -> float:
         return statistics.median(run[i] for run in runs)

@@ -144,6 +144,11 @@ BAD = [
         "keeps no secret in the agents file (the key goes in the variable api_key_env names)",
     ),
     (
+        '[agent.a]\nbase_url = "https://h/v1?key=s3cret"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n',
+        "FILE:2: agent.a.base_url 'https://h/v1?key=***' has a query or fragment (after ? or #), which the endpoint's "
+        "path cannot follow; give the server's base URL alone (a key goes in the variable api_key_env names)",
+    ),
+    (
         '[agent.a]\nbase_url = "ftp://me:hunter22@h/v1"\nmodel = "m"\nworkspace_roots = ["ROOT"]\n',
         "FILE:2: agent.a.base_url 'ftp://h/v1' is not an http:// or https:// URL; give one",
     ),

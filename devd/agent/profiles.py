@@ -259,6 +259,14 @@ def _field(name: str, key: str, value: Any, lines: _Lines) -> Any:
                 f"agent.{name}.base_url holds a user name or password (USER:PASSWORD@ before the host); remove it: "
                 "devd keeps no secret in the agents file (the key goes in the variable api_key_env names)",
             )
+        if split.query or split.fragment:
+            # devd appends the endpoint's path (`/chat/completions`) to the base URL, which would land after a query.
+            raise lines.error(
+                where,
+                f"agent.{name}.base_url {shown_url(value)!r} has a query or fragment (after ? or #), which the "
+                "endpoint's path cannot follow; give the server's base URL alone (a key goes in the variable "
+                "api_key_env names)",
+            )
         return value.rstrip("/")
     if key == "workspace_roots":
         return tuple(_root(name, root, lines) for root in value)
