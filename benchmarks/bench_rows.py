@@ -3,20 +3,16 @@
 Rows of `bench daemon`'s conversation (16 sessions, each stepped through it by the core, their rows interleaved as
 16 clients interleave them) are committed in batches of `--batch`, one INSERT statement a batch, each its own
 transaction, with devd's connection settings (WAL, `synchronous=FULL`, exclusive locking, the log checkpointed
-past `WAL_BYTES_KEPT` as devd's commit thread does), into four tables, alternated round by round:
+past `WAL_BYTES_KEPT` as devd's commit thread does), into three tables, alternated round by round:
 
-- `journal`: devd's own journal (format 10), made by its migrations and written by its own `_insert_steps`, its tail
-  indexed by its own `_index` each time it holds `TAIL_ROWS` rows (and once at the end), as the commit thread does
-  between batches: that work is counted in the row's cost;
-- `journal_format_9`: the journal as it was before (format 9: a (session, seq) key written with every row), same
-  statement;
+- `journal`: devd's own journal, made by its migrations and written by its own `_insert_steps`;
 - `floor`: the durable floor with the core's table (`bench daemon`): one row a request, its line and the answer as
   the journal keeps it (whole, or its digest), keyed by an integer that only grows;
-- `journal_without_index`: devd's journal's columns in a table without any key or index (what no index costs).
+- `journal_without_index`: devd's journal's columns in a table without its (session, seq) key.
 
 Reported: CPU (the thread's) and wall time a row, medians of the rounds, and the log's pages written a row (frames:
-SQLite writes every page a commit changed whole). What separates `journal_format_9` from `journal_without_index` is
-the index written with each row; `journal` from `journal_without_index`, the index written in bulk.
+SQLite writes every page a commit changed whole). What separates `journal` from `journal_without_index` is the
+index; from `floor`, the index and the columns.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ _UNINDEXED = (
     "CREATE TABLE journal (session TEXT NOT NULL, seq INTEGER NOT NULL, key TEXT, digest BLOB, at REAL, answer BLOB, "
     "snapshot_file TEXT, snapshot BLOB, actions BLOB NOT NULL, event BLOB NOT NULL)"
 )
-TABLES = ("journal", "journal_format_9", "floor", "journal_without_index")
+TABLES = ("journal", "floor", "journal_without_index")
 
 
 def _rows() -> list[tuple[str, int, bytes, bytes]]:
@@ -55,23 +51,19 @@ def _rows() -> list[tuple[str, int, bytes, bytes]]:
 
 
 def _open(path: Path, table: str) -> sqlite3.Connection:
-    from devd.storage.sqlite import MIGRATIONS, SQLiteStore, _connect
+    from devd.storage.sqlite import SQLiteStore, _connect
 
     if table == "journal":
         SQLiteStore(path, keys_kept=1000, steps_kept=1000, prune_every_steps=256).close()  # devd's migrations
         return _connect(path)
     db = _connect(path)
-    if table == "journal_format_9":
-        for version, migration in enumerate(MIGRATIONS[:9], start=1):
-            db.executescript(f"BEGIN IMMEDIATE; {migration} PRAGMA user_version = {version}; COMMIT;")
-        return db
     db.execute(_FLOOR if table == "floor" else _UNINDEXED)
     return db
 
 
 def _round(table: str, rows: list[tuple[str, int, bytes, bytes]], count: int, batch: int) -> dict[str, float]:
     from devd.sessions.compaction import kept_answer
-    from devd.storage.sqlite import TAIL_ROWS, WAL_BYTES_KEPT, _index, _insert_steps
+    from devd.storage.sqlite import WAL_BYTES_KEPT, _insert_steps
     from devd.storage.store import Step, answer_digest
 
     root = Path(tempfile.mkdtemp(prefix="devd-bench-rows-"))
@@ -85,7 +77,7 @@ def _round(table: str, rows: list[tuple[str, int, bytes, bytes]], count: int, ba
         seq += (i // len(rows)) * 1000  # past the conversation: the same rows again, under seqs not yet used
         kept = kept_answer(event, actions)
         steps.append(Step(session, seq, event, kept, None, None, None, answer_digest(actions)))
-    frames = tail = 0
+    frames = 0
     cpu, wall = time.thread_time(), time.perf_counter()
     for start in range(0, count, batch):
         chunk = steps[start : start + batch]
@@ -96,10 +88,6 @@ def _round(table: str, rows: list[tuple[str, int, bytes, bytes]], count: int, ba
             )
         else:
             _insert_steps(db, [(s, None) for s in chunk])
-        tail += len(chunk)
-        if table == "journal" and (tail >= TAIL_ROWS or start + batch >= count):
-            _index(db)
-            tail = 0
         if wal.stat().st_size > WAL_BYTES_KEPT:
             frames += db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()[1]
     cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
@@ -130,10 +118,6 @@ def bench_rows(count: int, batch: int, rounds: int) -> dict[str, Any]:
         result[table]["cpu_us_per_row_by_round"] = [round(m["cpu_us_per_row"], 1) for m in measured]
     floor = result["floor"]["cpu_us_per_row"]
     result["journal_over_floor"] = round(result["journal"]["cpu_us_per_row"] / floor, 2)
-    result["journal_format_9_over_floor"] = round(result["journal_format_9"]["cpu_us_per_row"] / floor, 2)
-    result["journal_over_journal_format_9"] = round(
-        result["journal"]["cpu_us_per_row"] / result["journal_format_9"]["cpu_us_per_row"], 2
-    )
     result["journal_without_index_over_floor"] = round(result["journal_without_index"]["cpu_us_per_row"] / floor, 2)
     return result
 

@@ -18,8 +18,7 @@ points a step at a snapshot's file, is about to be written), `snapshot.file` (a 
 fsync'd, not yet renamed into place), `commit.after` (a batch is durable and nobody has been told), `prune` (history
 is about to be pruned), `read` (a read of the store is about to run), `hibernate` (an idle session's instance is
 about to be dropped to make room), `backup` (a backup is about to copy the database), `checkpoint` (the log is about
-to be checkpointed, between commits), `journal.index` (the journal's tail is indexed and the transaction not yet
-committed, between commits or at open), `reopen` (the store is about to reopen the database after a write fault),
+to be checkpointed, between commits), `reopen` (the store is about to reopen the database after a write fault),
 `agent.claimed` (the agent runtime's claim of an Exec, Write or Git is durable and the effect has not started),
 `agent.done` (the effect is done and its result not yet stepped), `children.parent_link` (a delegated run's link is
 about to be kept in its parent's log), `children.child_link` (its link to its parent is about to be kept in its own

@@ -4,19 +4,19 @@ Writes go through one commit thread (the group commit of `devd.storage.commits`)
 transaction holding it has committed with `synchronous=FULL` in WAL mode (the WAL is fsync'd), and writes that arrive
 while a commit runs share the next one. A batch of steps alone is one INSERT statement, so one transaction and one
 crossing of the GIL for the commit thread. A failed commit fails every write in it with `StoreError`; nothing is
-retried, so nothing is acknowledged that is not on disk. After a write fault (a failed write or fsync) every write fails
-until the store has reopened the database: a fresh connection, its identity, format and pages checked, its log
+retried, so nothing is acknowledged that is not on disk. After a write fault (a failed write or fsync) every write
+fails until the store has reopened the database: a fresh connection, its identity, format and pages checked, its log
 checkpointed and fsync'd; it tries at every write and read, and on its own while none comes, backing off (up to
 REOPEN_DELAY_S apart) for as long as the faults go on, and counts each reopen (`reopened`), so that the registry
-rebuilds its live sessions from what is on disk. Maintenance runs on the commit thread once a batch is answered, never
-inside a commit: the log is checkpointed once its file has grown past WAL_BYTES_KEPT (SQLite's own checkpoints are off)
-and then written again from its start, and each snapshot committed lets go of the ones its session's kept history no
-longer needs, with their files, and prunes history every `prune_every_steps` (both decided by `devd.storage.retention`),
-and the journal's newest rows are indexed (below). The file is opened in exclusive locking mode, through one connection
-that commits and reads take turns on; reads run on a thread of their own, batched (`devd.storage.reads`), never on the
-event loop and never behind calls moved off it. Spend counters are updated on the commit thread too, so a
-reservation's check and its update are one step no other write comes between (one daemon has the file); reservations
-left by a daemon that stopped are released when it opens the file again.
+rebuilds its live sessions from what is on disk. Maintenance runs on the commit thread once a batch is answered,
+never inside a commit: the log is checkpointed once its file has grown past WAL_BYTES_KEPT (SQLite's own
+checkpoints are off) and then written again from its start, and each snapshot committed lets go of the ones its
+session's kept history no longer needs, with their files, and prunes history every `prune_every_steps` (both decided
+by `devd.storage.retention`). The file is opened in exclusive locking mode, through one connection that commits and
+reads take turns on; reads run on a thread of their own, batched (`devd.storage.reads`), never on the event loop and
+never behind calls moved off it. Spend counters are updated on the commit thread too, so a reservation's check and its
+update are one step no other write comes between (one daemon has the file); reservations left by a daemon that
+stopped are released when it opens the file again.
 
 A large snapshot (`FILE_SNAPSHOT_BYTES` or more) is kept in a file of its own in `snapshots/` beside the database,
 so writing, fsyncing and checkpointing megabytes never holds up the commit thread: its step is committed and
@@ -30,17 +30,6 @@ commit thread would write and checkpoint again while every other write waits. A 
 empty `snapshot` (no snapshot is empty) and the file's name, so the newest snapshot is found as before; a file no
 row names any more is removed after the commit that let it go, and at open (after a crash). A backup is one file
 still: it carries the snapshots' bytes inline.
-
-The journal's rows are kept in the order they were written, in a table with no per-session key, so a commit writes
-the table's last pages only, whichever sessions its steps belong to (a (session, seq) key put each step's entry on its
-session's own page, and SQLite writes every page a commit changed whole). Which rows a session has is kept apart, in
-`journal_index` ((session, seq) -> the row), written in bulk by the commit thread between batches: once the rows
-past its mark (the tail) number TAIL_ROWS, and at open, in one transaction that also moves the mark, so a crash or a
-failure while indexing leaves the tail as it was, to be indexed the next time, and nothing twice. Every read of a
-session's rows (a load and its replay, history, a key's lookup, a fork's copy, pruning, a snapshot's pointer, the
-sessions' list) takes the tail and the indexed rows alike (the view `journal_all`); a key in the tail is found by its
-row's id, which the commit thread keeps for each keyed row it appended. A step already kept (its session and seq) is
-refused as the key refused it, and an answer still comes only after the fsync'd commit holding its row.
 """
 
 from __future__ import annotations
@@ -259,68 +248,8 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX records_kind ON records (kind, session);
     CREATE INDEX records_session_kind ON records (session, kind, n);
     """,
-    # 10: the journal's rows in the order they were written, with no per-session key, and that key kept apart in
-    # `journal_index` ((session, seq) -> the row's id), written in bulk between batches. A commit's rows belong to
-    # different sessions, whose entries in a (session, seq) index lie on different pages, and SQLite writes every
-    # page a commit changed whole: 1.4 pages of log a row against 0.3 without it. Rows past the `journal.indexed`
-    # mark (the tail, a few hundred at most) are not yet in the index: reads take them from the table itself
-    # (`journal_all`), and the commit thread indexes them in one transaction once they are many, and at open. The rows
-    # that hold a snapshot (one in tens) are indexed at once, so that finding a session's snapshots reads no tail.
-    """
-    CREATE TABLE journal_rows (
-        id INTEGER PRIMARY KEY,
-        session TEXT NOT NULL,
-        seq INTEGER NOT NULL,
-        key TEXT,
-        digest BLOB,
-        at REAL,
-        answer BLOB,
-        snapshot_file TEXT,
-        snapshot BLOB,
-        actions BLOB NOT NULL,
-        event BLOB NOT NULL
-    );
-    INSERT INTO journal_rows (id, session, seq, key, digest, at, answer, snapshot_file, snapshot, actions, event)
-        SELECT rowid, session, seq, key, digest, at, answer, snapshot_file, snapshot, actions, event FROM journal
-        ORDER BY rowid;
-    DROP TABLE journal;
-    ALTER TABLE journal_rows RENAME TO journal;
-    CREATE INDEX journal_snapshot_file ON journal (snapshot_file) WHERE snapshot_file IS NOT NULL;
-    CREATE TABLE journal_index (
-        session TEXT NOT NULL,
-        seq INTEGER NOT NULL,
-        key TEXT,
-        row INTEGER NOT NULL,
-        PRIMARY KEY (session, seq)
-    ) WITHOUT ROWID;
-    INSERT INTO journal_index (session, seq, key, row) SELECT session, seq, key, id FROM journal ORDER BY session, seq;
-    CREATE INDEX journal_index_key ON journal_index (session, key) WHERE key IS NOT NULL;
-    CREATE INDEX journal_snapshots ON journal (session, seq) WHERE snapshot IS NOT NULL;
-    INSERT INTO meta (key, value) VALUES ('journal.indexed', CAST(COALESCE((SELECT MAX(id) FROM journal), 0) AS TEXT));
-    """,
 )
 FORMAT = Migrations(MIGRATIONS)
-# The journal's rows past this mark are not in `journal_index` yet (10): the tail, which reads take from the table.
-MARK = "(SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'journal.indexed')"
-# The most rows the tail holds as a batch is answered before the commit thread indexes them (between batches). Each
-# indexing writes about one page of the index a session whose rows it holds, so the more rows, the fewer pages a row
-# (`bench rows`: 3.0 µs and 0.39 log pages a row at 256 in all, 2.2 and 0.33 at 512, 1.7 and 0.30 at 1,024); a read
-# of a session's rows scans the tail, so the fewer, the cheaper a read.
-TAIL_ROWS = 512
-# Every row of the journal, indexed or in the tail, as one table (a view of this connection's, made once the format
-# is this one): what a read of a session's rows goes through. `row` is the row's id in `journal`.
-JOURNAL_ALL = f"""
-    CREATE TEMP VIEW IF NOT EXISTS journal_all AS
-    SELECT j.id AS row, i.session AS session, i.seq AS seq, i.key AS key, j.digest AS digest, j.at AS at,
-        j.answer AS answer, j.snapshot_file AS snapshot_file, j.snapshot AS snapshot, j.actions AS actions,
-        j.event AS event
-    FROM journal_index AS i JOIN journal AS j ON j.id = i.row
-    UNION ALL
-    SELECT id, session, seq, key, digest, at, answer, snapshot_file, snapshot, actions, event FROM journal
-    WHERE id > {MARK}
-"""
-SNAPSHOTS = "journal INDEXED BY journal_snapshots"  # the journal's rows that hold a snapshot, by session and seq
-DUPLICATE = "UNIQUE constraint failed: journal.session, journal.seq"  # what appending a step kept already fails with
 BY_KIND = "records_session_kind"  # the index of a session's records by kind (7)
 # A session's own counters (8), and its calls' reservations on them: a late release of a call of the session before
 # must not take from the counters of one made again under its name.
@@ -415,9 +344,9 @@ class _Pointer(msgspec.Struct):
         # Only onto the step's own row, still without a snapshot, of a session that exists, and never behind a newer
         # snapshot (pruning may already have dropped what an older one would anchor).
         pointed = db.execute(
-            "UPDATE journal SET snapshot = ?, snapshot_file = ? WHERE id = (SELECT row FROM journal_all WHERE "
-            "session = ? AND seq = ? AND snapshot IS NULL) AND EXISTS (SELECT 1 FROM sessions WHERE name = ?) AND NOT "
-            f"EXISTS (SELECT 1 FROM {SNAPSHOTS} WHERE session = ? AND seq > ? AND snapshot IS NOT NULL)",
+            "UPDATE journal SET snapshot = ?, snapshot_file = ? WHERE session = ? AND seq = ? AND snapshot IS NULL "
+            "AND EXISTS (SELECT 1 FROM sessions WHERE name = ?) AND NOT EXISTS (SELECT 1 FROM journal "
+            "WHERE session = ? AND seq > ? AND snapshot IS NOT NULL)",
             (
                 b"" if self.file is not None else job.snapshot,
                 self.file,
@@ -464,17 +393,6 @@ class SQLiteStore:
         self._wal_path = Path(f"{path}-wal")
         self.checkpoints = 0  # the log checkpointed by the commit thread
         self._released: list[str] = []  # snapshot files rows stopped naming in the commit running (commit thread only)
-        # The tail (the journal's rows not yet indexed: see MIGRATIONS' 10), as the commit thread keeps track of it. Its
-        # keyed rows, (session, key) -> id, exactly (a key's lookup reads no other row of the tail), read under the
-        # lock; each session's lowest seq in it (pruning reads it only if it holds rows to prune); how many rows;
-        # whether the commit under way changed it otherwise than by appending steps (it is then read again from the
-        # table); and each session's highest seq as far as the commit thread knows (at least that: a step past it is not
-        # kept already, so only one at or before it is looked for).
-        self._tail_keys: dict[str, dict[str, int]] = {}  # session -> key -> id
-        self._tail_first: dict[str, int] = {}  # session -> the lowest seq of its rows in the tail
-        self._tail_rows = 0
-        self._tail_dirty = False
-        self._tops: dict[str, int] = {}
         with _failing(
             lambda e: f"the database {path} cannot be opened: {e}{_locked_hint(e)}; it was left as it is{_next(e)}",
             (sqlite3.Error,),
@@ -483,7 +401,6 @@ class SQLiteStore:
             self._db = _connect(path)
             _check_identity(self._db, path)  # before migrating: a database refused is left exactly as it was
             migrate(self._db, path)
-            _views(self._db)
             self.id = _identify(self._db, path)
             with self._db:
                 for (note,) in self._db.execute("SELECT key FROM meta WHERE key LIKE 'fork:%'").fetchall():
@@ -491,7 +408,6 @@ class SQLiteStore:
                 # Calls in flight when the daemon stopped: none is now (one daemon has the file), so none holds tokens.
                 self._db.execute("UPDATE spend SET reserved = 0 WHERE reserved != 0")
                 self._db.execute("DELETE FROM reservations")
-            _index(self._db)  # a tail left by the daemon before (or a backup's): read from the index from now on
             self._thin_all()
             self._sweep_snapshot_files()
         self._inode = _identity(path)
@@ -594,7 +510,6 @@ class SQLiteStore:
         def maintain() -> None:
             with self._lock:
                 self._prune_some(self._db, snapshots)
-                self._index_if_due()
                 self._checkpoint_if_due()
 
         return [error] * len(ops), maintain
@@ -608,22 +523,18 @@ class SQLiteStore:
             return StoreError(self._broken), []
         db = self._db  # after a reopen: the fresh connection
         self._released.clear()
-        appended: list[tuple[list[tuple[Step, str | None]], int]] = []  # rows inserted, and the last one's id
         try:
             self._check_file()
             failpoints.hit("commit.before")
             if pointers or any(s.snapshot is not None for s, _ in steps):
                 failpoints.hit("commit.snapshot")
             if len(steps) == len(ops) and len(steps) <= ROWS_PER_STATEMENT:
-                self._check_new(db, steps)
-                appended.append((steps, _insert_steps(db, steps).lastrowid or 0))  # one statement: its transaction
+                _insert_steps(db, steps)  # one statement: its own transaction
             else:
                 db.execute("BEGIN IMMEDIATE")
                 for op in ops:
                     if isinstance(op, Step | _FiledStep):
-                        one = [_filed(op)]
-                        self._check_new(db, one)
-                        appended.append((one, _insert_steps(db, one).lastrowid or 0))
+                        _insert_steps(db, [_filed(op)])
                     else:
                         op(db)
                 db.execute("COMMIT")
@@ -633,7 +544,6 @@ class SQLiteStore:
             for p in pointers:
                 p.landed = False
             self._released.clear()
-            self._tail_dirty = False  # rolled back: the tail is as it was
             if _is_io_error(e):
                 # After a failed fsync the kernel may have dropped the dirty pages and will not say so again
                 # (PostgreSQL's fsyncgate): nothing after it can be trusted to be durable until the store is reopened.
@@ -645,7 +555,6 @@ class SQLiteStore:
             self._break(f"writing the database failed ({e})")
             return e, []
         self._reopen_delay_s = 0.0  # the disk takes writes again: a next fault is retried at once
-        self._appended(appended)
         self._remove_released(db)
         snapshots = [(s.session, s.seq) for s, _ in steps if s.snapshot is not None]
         return None, snapshots + [(p.job.session, p.job.seq) for p in pointers if p.landed]
@@ -675,80 +584,6 @@ class SQLiteStore:
             log.warning("store.checkpoint_failed", error=str(e))
             return
         self.checkpoints += 1
-
-    def _index_if_due(self) -> None:
-        """Index the tail once it holds TAIL_ROWS rows (on the commit thread, between batches, as a checkpoint is)."""
-        if self._broken is not None or self._tail_rows < TAIL_ROWS:
-            return
-        try:
-            _index(self._db)
-        except (sqlite3.Error, OSError) as e:
-            if _is_io_error(e):
-                self._break(f"indexing the journal failed ({e})")
-            log.warning("store.index_failed", error=str(e))
-            return
-        self._tail_keys.clear()
-        self._tail_first.clear()
-        self._tail_rows = 0
-
-    def _touched(self, name: str) -> None:
-        """An op of the commit under way changes `name`'s rows otherwise than by appending a step: its highest seq is
-        looked up again (one that adds rows to the tail also sets `_tail_dirty`)."""
-        self._tops.pop(name, None)
-
-    def _drop_rows(self, db: sqlite3.Connection, name: str, where: str, params: tuple[object, ...]) -> None:
-        """`_delete_rows` of `name`'s rows, reading the tail only if it may hold some of them (a session made, deleted
-        or rewound with none there reads none of it)."""
-        if _delete_rows(db, where, params, tail=self._tail_dirty or name in self._tail_first):
-            self._tail_dirty = True
-
-    def _check_new(self, db: sqlite3.Connection, steps: list[tuple[Step, str | None]]) -> None:
-        """Refuse a batch with a step already kept (its session and seq), as the journal's key did before it was
-        kept apart: a step past its session's highest seq known is new without a look."""
-        seen: set[tuple[str, int]] = set()
-        for s, _ in steps:
-            top = self._tops.get(s.session)
-            if top is None:
-                (indexed,) = db.execute("SELECT MAX(seq) FROM journal_index WHERE session = ?", (s.session,)).fetchone()
-                tail = None
-                if self._tail_dirty or s.session in self._tail_first:
-                    (tail,) = db.execute(
-                        f"SELECT MAX(seq) FROM journal WHERE id > {MARK} AND session = ?", (s.session,)
-                    ).fetchone()
-                top = max(-1, indexed if indexed is not None else -1, tail if tail is not None else -1)
-            if s.seq <= top and (
-                (s.session, s.seq) in seen
-                or db.execute("SELECT 1 FROM journal_all WHERE session = ? AND seq = ?", (s.session, s.seq)).fetchone()
-            ):
-                raise sqlite3.IntegrityError(DUPLICATE)
-            seen.add((s.session, s.seq))
-            self._tops[s.session] = max(top, s.seq)  # at least the highest, whether or not the batch commits
-
-    def _appended(self, appended: list[tuple[list[tuple[Step, str | None]], int]]) -> None:
-        """After a commit: the tail as it now is (its rows' ids are consecutive, ending at the last one's)."""
-        if self._tail_dirty:
-            self._read_tail()
-            return
-        for steps, last in appended:
-            for i, (s, _) in enumerate(steps, last - len(steps) + 1):
-                if s.key is not None:
-                    self._tail_keys.setdefault(s.session, {})[s.key] = i
-                first = self._tail_first.get(s.session)
-                if first is None or s.seq < first:
-                    self._tail_first[s.session] = s.seq
-            self._tail_rows += len(steps)
-
-    def _read_tail(self) -> None:
-        """The tail as the table holds it (after a commit that changed it otherwise than by appending, or a
-        reopen)."""
-        db = self._db
-        self._tail_keys, self._tail_first, self._tail_rows = {}, {}, 0
-        for id, session, seq, key in db.execute(f"SELECT id, session, seq, key FROM journal WHERE id > {MARK}"):
-            if key is not None:
-                self._tail_keys.setdefault(session, {})[key] = id
-            self._tail_first[session] = min(seq, self._tail_first.get(session, seq))
-            self._tail_rows += 1
-        self._tail_dirty = False
 
     def _check_file(self) -> None:
         """The database file and its log must still be the ones opened: steps written to a deleted or replaced file
@@ -804,8 +639,6 @@ class SQLiteStore:
         self._db, self._inode, self._broken = db, _identity(self.path), None
         self._wal_inode = _identity(self._wal_path)
         self._pruned.clear()  # their seqs are those before the fault: pruned again at their next snapshot
-        self._tops.clear()  # a batch that failed may be on disk after all
-        self._read_tail()
         self._reopened_thread += 1
         log.warning("store.reopened", database=str(self.path), reopens=self._reopened_thread)
         assert self._loop is not None
@@ -835,13 +668,11 @@ class SQLiteStore:
                     self._prune(db, session, plan.anchor)
                 self._drop_snapshots(db, session, plan.thinned)
                 db.execute("COMMIT")
-                self._appended([])
                 self._remove_released(db)
             except (sqlite3.Error, OSError) as e:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 self._released.clear()
-                self._tail_dirty = False
                 if _is_io_error(e):
                     self._break(f"pruning the database failed ({e})")
                 log.warning("store.prune_failed", session=session, error=str(e))
@@ -854,9 +685,9 @@ class SQLiteStore:
         return [
             seq
             for (seq,) in db.execute(
-                f"SELECT seq FROM {SNAPSHOTS} WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? AND seq >= "
-                f"COALESCE((SELECT seq FROM {SNAPSHOTS} WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER "
-                "BY seq DESC LIMIT 1), 0) ORDER BY seq",
+                "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? AND seq >= COALESCE(("
+                "SELECT seq FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq < ? ORDER BY seq DESC "
+                "LIMIT 1), 0) ORDER BY seq",
                 (name, latest, name, self.retention.promised_from(latest)),
             )
         ]
@@ -866,8 +697,7 @@ class SQLiteStore:
         for seq in seqs:
             self._release_files(db, "session = ? AND seq = ?", (name, seq))
         db.executemany(
-            f"UPDATE {SNAPSHOTS} SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq = ? "
-            "AND snapshot IS NOT NULL",
+            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq = ?",
             [(name, seq) for seq in seqs],
         )
 
@@ -879,7 +709,7 @@ class SQLiteStore:
         ).fetchall()
         for session, _ in crowded:
             latest = self._db.execute(
-                f"SELECT MAX(seq) FROM {SNAPSHOTS} WHERE session = ? AND snapshot IS NOT NULL", (session,)
+                "SELECT MAX(seq) FROM journal WHERE session = ? AND snapshot IS NOT NULL", (session,)
             ).fetchone()[0]
             thin = self.retention.plan(self._snapshots(self._db, session, latest), latest).thinned
             if not thin:
@@ -894,28 +724,21 @@ class SQLiteStore:
         """Drop history beyond what watchers and keys are promised (see `devd.storage.retention`)."""
         if anchor_seq is None:
             return  # everything kept is still derived from the config or the first snapshot
-        self._release_files(db, "session = ? AND seq < ?", (name, anchor_seq))
+        anchor = (anchor_seq,)
+        self._release_files(db, "session = ? AND seq < ?", (name, anchor[0]))
         db.execute(
-            f"UPDATE {SNAPSHOTS} SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq < ? "
+            "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq < ? "
             "AND snapshot IS NOT NULL",
-            (name, anchor_seq),
+            (name, anchor[0]),
         )
-        # The tail is read only if it holds a row of the session before the anchor (it holds its newest rows).
-        first = self._tail_first.get(name)
-        older = first is not None and first < anchor_seq
-        tail = _delete_rows(db, "session = ? AND key IS NULL AND seq < ?", (name, anchor_seq), tail=older)
+        db.execute("DELETE FROM journal WHERE session = ? AND key IS NULL AND seq < ?", (name, anchor[0]))
         # Keys older than the anchor keep their row (what a retry is answered, or at least that it was answered)
         # up to the number promised; an answer not kept among them can no longer be derived.
-        keyed = "journal_all" if name in self._tail_keys else "journal_index"
-        kept = db.execute(
-            f"SELECT seq FROM {keyed} WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?",
-            (name, self.retention.keys_offset),
-        ).fetchone()
-        if kept is not None:
-            where = "session = ? AND key IS NOT NULL AND seq < ?"
-            tail += _delete_rows(db, where, (name, min(anchor_seq, kept[0])), tail=older)
-        if tail:
-            self._tail_dirty = True
+        db.execute(
+            "DELETE FROM journal WHERE session = ? AND key IS NOT NULL AND seq < ? AND seq < ("
+            " SELECT seq FROM journal WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+            (name, anchor[0], name, self.retention.keys_offset),
+        )
 
     # -- snapshot files ---------------------------------------------------------------------------------------------
 
@@ -924,9 +747,7 @@ class SQLiteStore:
         self._released += [
             name
             for (name,) in db.execute(
-                f"SELECT DISTINCT snapshot_file FROM {SNAPSHOTS} WHERE {where} AND snapshot IS NOT NULL "
-                "AND snapshot_file IS NOT NULL",
-                params,
+                f"SELECT DISTINCT snapshot_file FROM journal WHERE {where} AND snapshot_file IS NOT NULL", params
             )
         ]
 
@@ -1061,16 +882,14 @@ class SQLiteStore:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)  # a new history: pruned by its own seqs, not the old one's
             self._new_generation(name)
-            self._touched(name)
             self._release_files(db, "session = ?", (name,))
-            self._drop_rows(db, name, "session = ?", (name,))
+            db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
             _drop_own_spend(db, name)
             db.execute(
                 "INSERT OR REPLACE INTO sessions (name, config, created) VALUES (?, ?, ?)", (name, config, time.time())
             )
             if snapshot is not None:
-                self._tail_dirty = True  # its row joins the tail
                 db.execute(
                     "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file, at) "
                     "VALUES (?, 0, x'', x'', ?, ?, ?)",
@@ -1142,9 +961,8 @@ class SQLiteStore:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
             self._generations.pop(name, None)  # its rows go too: a pointer finds none (a new one gets a new number)
-            self._touched(name)
             self._release_files(db, "session = ?", (name,))
-            self._drop_rows(db, name, "session = ?", (name,))
+            db.execute("DELETE FROM journal WHERE session = ?", (name,))
             db.execute("DELETE FROM records WHERE session = ?", (name,))
             _drop_own_spend(db, name)
             db.execute("DELETE FROM sessions WHERE name = ?", (name,))
@@ -1155,9 +973,8 @@ class SQLiteStore:
         def op(db: sqlite3.Connection) -> None:
             self._pruned.pop(name, None)
             self._new_generation(name)  # a snapshot still being written for a step after `at` must land on no row
-            self._touched(name)
             self._release_files(db, "session = ? AND seq > ?", (name, at))
-            self._drop_rows(db, name, "session = ? AND seq > ?", (name, at))
+            db.execute("DELETE FROM journal WHERE session = ? AND seq > ?", (name, at))
             for kind in kinds:
                 db.execute("DELETE FROM records WHERE session = ? AND kind = ? AND seq > ?", (name, kind, at))
 
@@ -1174,20 +991,16 @@ class SQLiteStore:
 
         def begin(db: sqlite3.Connection) -> None:
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (note, source))
-            self._touched(name)
             self._release_files(db, "session = ?", (name,))
-            self._drop_rows(db, name, "session = ?", (name,))
+            db.execute("DELETE FROM journal WHERE session = ?", (name,))
 
         def copy(lo: int, hi: int) -> Op:
             def op(db: sqlite3.Connection) -> None:
-                # Rows copied share their snapshot files with the source's: a file goes once neither names it. They
-                # join the tail, indexed with the rest of it.
-                self._touched(name)
-                self._tail_dirty = True
+                # Rows copied share their snapshot files with the source's: a file goes once neither names it.
                 db.execute(
                     "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, "
                     "snapshot_file) SELECT ?, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file "
-                    "FROM journal_all WHERE session = ? AND seq BETWEEN ? AND ? ORDER BY seq",
+                    "FROM journal WHERE session = ? AND seq BETWEEN ? AND ?",
                     (name, source, lo, hi),
                 )
 
@@ -1212,19 +1025,12 @@ class SQLiteStore:
                 (name, source, at),
             )
             if snapshot is not None:
-                self._touched(name)
-                self._tail_dirty = True  # its row may join the tail
-                onto = db.execute(
-                    "UPDATE journal SET snapshot = ?, snapshot_file = ? WHERE id = (SELECT row FROM journal_all "
-                    "WHERE session = ? AND seq = ?)",
-                    (b"" if file else snapshot, file, name, at),
+                db.execute(
+                    "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file) "
+                    "VALUES (?, ?, x'', x'', ?, ?) ON CONFLICT (session, seq) DO UPDATE SET "
+                    "snapshot = excluded.snapshot, snapshot_file = excluded.snapshot_file",
+                    (name, at, b"" if file else snapshot, file),
                 )
-                if onto.rowcount == 0:
-                    db.execute(
-                        "INSERT INTO journal (session, seq, event, actions, snapshot, snapshot_file) "
-                        "VALUES (?, ?, x'', x'', ?, ?)",
-                        (name, at, b"" if file else snapshot, file),
-                    )
 
         try:
             await self._write(begin)
@@ -1233,12 +1039,7 @@ class SQLiteStore:
             await self._write(op)
         except StoreError:
             with contextlib.suppress(StoreError):
-
-                def drop(db: sqlite3.Connection) -> None:
-                    self._touched(name)
-                    _drop_unmade_fork(db, self, name)
-
-                await self._write(drop)
+                await self._write(lambda db: _drop_unmade_fork(db, self, name))
             raise
 
     # -- reads ----------------------------------------------------------------------------------------------------
@@ -1264,23 +1065,14 @@ class SQLiteStore:
 
     async def sessions(self) -> list[SessionRow]:
         def read(db: sqlite3.Connection) -> list[SessionRow]:
-            # The tail's rows by session once, rather than the tail scanned once a session.
-            tail = {
-                session: (seq, at)
-                for session, seq, at in db.execute(
-                    f"SELECT session, MAX(seq), MAX(at) FROM journal WHERE id > {MARK} GROUP BY session"
+            return [
+                SessionRow(name, Health(state), reason, seq, created, last_used)
+                for name, state, reason, seq, created, last_used in db.execute(
+                    "SELECT s.name, s.state, s.reason, COALESCE(MAX(j.seq), 0), s.created, "
+                    "COALESCE(MAX(j.at), s.created) "
+                    "FROM sessions s LEFT JOIN journal j ON j.session = s.name GROUP BY s.name ORDER BY s.name"
                 )
-            }
-            listed = []
-            for name, state, reason, seq, created, at in db.execute(
-                "SELECT s.name, s.state, s.reason, COALESCE(MAX(i.seq), 0), s.created, MAX(j.at) "
-                "FROM sessions s LEFT JOIN journal_index i ON i.session = s.name LEFT JOIN journal j ON j.id = i.row "
-                "GROUP BY s.name ORDER BY s.name"
-            ):
-                tail_seq, tail_at = tail.get(name, (0, None))
-                last_used = max((t for t in (at, tail_at) if t is not None), default=created)
-                listed.append(SessionRow(name, Health(state), reason, max(seq, tail_seq), created, last_used))
-            return listed
+            ]
 
         return await self._read(read)
 
@@ -1293,17 +1085,10 @@ class SQLiteStore:
     async def keyed(self, name: str, key: str) -> Keyed | None:
         def read(db: sqlite3.Connection, inline: bool) -> Any:
             # Inline, an answer is read only when small: a large one (an event can be megabytes) waits for a worker.
-            actions = "CASE WHEN length(j.actions) <= ? THEN j.actions END" if inline else "j.actions"
-            columns = f"j.seq, j.digest, {actions}, j.answer, length(j.actions)"
-            limit = (INLINE_READ_BYTES,) if inline else ()
-            # A key in the tail is found by its row's id (the tail has no index); else through the index.
-            tailed = self._tail_keys.get(name, {}).get(key)
-            if tailed is not None:
-                return db.execute(f"SELECT {columns} FROM journal AS j WHERE j.id = ?", (*limit, tailed)).fetchone()
+            actions = "CASE WHEN length(actions) <= ? THEN actions END" if inline else "actions"
             return db.execute(
-                f"SELECT {columns} FROM journal_index AS i INDEXED BY journal_index_key JOIN journal AS j "
-                "ON j.id = i.row WHERE i.session = ? AND i.key = ?",
-                (*limit, name, key),
+                f"SELECT seq, digest, {actions}, answer, length(actions) FROM journal WHERE session = ? AND key = ?",
+                (INLINE_READ_BYTES, name, key) if inline else (name, key),
             ).fetchone()
 
         # One indexed row: read here when the connection is free (most of the time, it is), rather than pay a
@@ -1510,7 +1295,7 @@ class SQLiteStore:
         return await self._read(
             lambda db: _rows(
                 db.execute(
-                    f"SELECT {ROW} FROM journal_all WHERE session = ? AND seq > ? ORDER BY seq LIMIT ?",
+                    f"SELECT {ROW} FROM journal WHERE session = ? AND seq > ? ORDER BY seq LIMIT ?",
                     (name, since, limit),
                 )
             )
@@ -1520,8 +1305,7 @@ class SQLiteStore:
         return await self._read(
             lambda db: dict(
                 db.execute(
-                    "SELECT seq, at FROM journal_all WHERE session = ? AND seq > ? AND at IS NOT NULL ORDER BY seq "
-                    "LIMIT ?",
+                    "SELECT seq, at FROM journal WHERE session = ? AND seq > ? AND at IS NOT NULL ORDER BY seq LIMIT ?",
                     (name, since, limit),
                 )
             )
@@ -1609,7 +1393,6 @@ def _reconnect(path: Path, id: str) -> sqlite3.Connection:
         busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         if busy:
             raise StoreError(f"the log of {path} could not be checkpointed")
-        _views(db)
     except BaseException:
         db.close()
         raise
@@ -1661,55 +1444,10 @@ def _id_path(path: Path) -> Path:
     return path.with_name(path.name + ".id")
 
 
-def _views(db: sqlite3.Connection) -> None:
-    """This connection's view of the journal as one table (`JOURNAL_ALL`), once the format is this one."""
-    db.execute(JOURNAL_ALL)
-
-
-def _delete_rows(db: sqlite3.Connection, where: str, params: tuple[object, ...], *, tail: bool = True) -> int:
-    """Delete the journal's rows `where` says (a condition on session, seq and key only: the columns the index has
-    too), indexed or in the tail (unless the caller knows none of the tail's is meant), with their index entries; how
-    many were in the tail. The mark comes down to the last row left if it passed it: a row written next (its id one
-    past the last) must be in the tail."""
-    db.execute(f"DELETE FROM journal WHERE id IN (SELECT row FROM journal_index WHERE {where})", params)
-    tailed = db.execute(f"DELETE FROM journal WHERE id > {MARK} AND {where}", params).rowcount if tail else 0
-    db.execute(f"DELETE FROM journal_index WHERE {where}", params)
-    db.execute(
-        f"UPDATE meta SET value = CAST(MIN({MARK}, COALESCE((SELECT MAX(id) FROM journal), 0)) AS TEXT) "
-        "WHERE key = 'journal.indexed'"
-    )
-    return int(tailed)
-
-
-def _index(db: sqlite3.Connection) -> int:
-    """Index the tail: its rows' entries into `journal_index` in one transaction (sorted, so each session's land
-    together), and the mark moved past them; how many rows it held. A crash or a failure before its commit leaves
-    the tail as it was, read as before and indexed the next time. An empty tail writes nothing."""
-    if db.execute(f"SELECT 1 FROM journal WHERE id > {MARK} LIMIT 1").fetchone() is None:
-        return 0
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        moved = db.execute(
-            f"INSERT INTO journal_index (session, seq, key, row) SELECT session, seq, key, id FROM journal "
-            f"WHERE id > {MARK} ORDER BY session, seq"
-        ).rowcount
-        db.execute(
-            "UPDATE meta SET value = CAST(COALESCE((SELECT MAX(id) FROM journal), 0) AS TEXT) "
-            "WHERE key = 'journal.indexed'"
-        )
-        failpoints.hit("journal.index")
-        db.execute("COMMIT")
-    except BaseException:
-        if db.in_transaction:
-            db.execute("ROLLBACK")
-        raise
-    return int(moved)
-
-
 def _sizes(db: sqlite3.Connection, session: str, at: int) -> sqlite3.Cursor:
     """(seq, bytes) of each step of the session's journal up to `at`, in order: what a fork cuts into spans."""
     return db.execute(
-        "SELECT seq, length(event) + length(actions) + coalesce(length(snapshot), 0) FROM journal_all "
+        "SELECT seq, length(event) + length(actions) + coalesce(length(snapshot), 0) FROM journal "
         "WHERE session = ? AND seq <= ? ORDER BY seq",
         (session, at),
     )
@@ -1723,9 +1461,7 @@ def _drop_unmade_fork(db: sqlite3.Connection, store: SQLiteStore | None, name: s
     if db.execute("SELECT 1 FROM sessions WHERE name = ?", (name,)).fetchone() is None:
         if store is not None:
             store._release_files(db, "session = ?", (name,))
-            store._drop_rows(db, name, "session = ?", (name,))
-        else:
-            _delete_rows(db, "session = ?", (name,))
+        db.execute("DELETE FROM journal WHERE session = ?", (name,))
     db.execute("DELETE FROM meta WHERE key = ?", (note,))
 
 
@@ -1780,16 +1516,16 @@ def _load(
     config, state, reason = row
     upto = (1 << 63) - 1 if at is None else at
     saved = db.execute(
-        f"SELECT seq, snapshot, snapshot_file FROM {SNAPSHOTS} WHERE session = ? AND snapshot IS NOT NULL AND "
-        "seq <= ? ORDER BY seq DESC LIMIT 1",
+        "SELECT seq, snapshot, snapshot_file FROM journal WHERE session = ? AND snapshot IS NOT NULL AND seq <= ? "
+        "ORDER BY seq DESC LIMIT 1",
         (name, upto),
     ).fetchone()
-    if saved is None and db.execute("SELECT 1 FROM journal_all WHERE session = ? AND seq = 0", (name,)).fetchone():
+    if saved is None and db.execute("SELECT 1 FROM journal WHERE session = ? AND seq = 0", (name,)).fetchone():
         return None  # restored from a snapshot no longer kept: its history cannot be rebuilt from the config
     snapshot_seq, snapshot, snapshot_file = saved if saved else (0, None, None)
     journal = _rows(
         db.execute(
-            f"SELECT {ROW} FROM journal_all WHERE session = ? AND seq > ? AND seq <= ? ORDER BY seq",
+            f"SELECT {ROW} FROM journal WHERE session = ? AND seq > ? AND seq <= ? ORDER BY seq",
             (name, snapshot_seq, upto),
         )
     )
@@ -1842,12 +1578,12 @@ def _filed(op: Step | _FiledStep) -> tuple[Step, str | None]:
     return (op.step, op.file) if isinstance(op, _FiledStep) else (op, None)
 
 
-def _insert_steps(db: sqlite3.Connection, steps: list[tuple[Step, str | None]]) -> sqlite3.Cursor:
+def _insert_steps(db: sqlite3.Connection, steps: list[tuple[Step, str | None]]) -> None:
     """Rows (a step and its snapshot's file) in one statement: sqlite3 releases the GIL around every statement it
     steps, and the commit thread has to win it back from the busy event loop each time, so one statement for a batch
     is much faster than one a row."""
     at = time.time()
-    return db.execute(
+    db.execute(
         "INSERT INTO journal (session, seq, key, digest, event, actions, snapshot, answer, at, snapshot_file) VALUES "
         + ",".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps)),
         [
