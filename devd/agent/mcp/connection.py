@@ -310,7 +310,7 @@ class Connection:
                 try:
                     await session.discover()
                 except (MCPError, RuntimeError, ValidationError) as e:
-                    why = _shown(str(e), served)
+                    why = self._hidden(str(e))
                 else:
                     self.mode = "2026-07-28"
                     return
@@ -324,9 +324,13 @@ class Connection:
         self._retry_at = time.monotonic() + min(BACKOFF_FIRST_S * 2 ** (self._failures - 1), BACKOFF_MAX_S)
         log.warning("mcp.start_failed", server=self.server.name, agent=self.agent, why=why[:500])
 
+    def _hidden(self, text: str) -> str:
+        """text as it may be shown: an HTTP server's errors may name its URL, whose query may hold a key."""
+        return without_url(text, self.server.url) if self.server.url else text
+
     def _ended_why(self, process: Served, error: str | None) -> str:
         said = process.why or ("it ended" if error is None else f"the connection failed ({error[:300]})")
-        return f"the MCP server {self.server.name} stopped: {_shown(said, process)}; {process.exit_status()}"
+        return f"the MCP server {self.server.name} stopped: {self._hidden(said)}; {process.exit_status()}"
 
     async def _serve(self, session: ClientSession, first: _Request, process: Served) -> None:
         """Answer requests until the process ends or has been idle for idle_s."""
@@ -386,10 +390,10 @@ class Connection:
                 await _reaped(process)
                 request.fail(self._ending or self._ended_why(process, None))
             else:
-                said = _shown(str(e), process)
+                said = self._hidden(str(e))
                 request.fail(f"the MCP server {self.server.name} answered {request.tool} with an error: {said}")
         except (ValidationError, RuntimeError, ValueError) as e:  # a result the protocol does not allow
-            said = _shown(str(e), process)
+            said = self._hidden(str(e))
             name, tool = self.server.name, request.tool
             request.fail(f"the MCP server {name} answered {tool} with what MCP does not allow: {said}")
         finally:
@@ -527,7 +531,7 @@ class Connection:
                         self._relisted = anyio.Event()
                         self._calls.start_soon(self._relist, self._relisted)
         except (MCPError, ListenNotSupportedError, SubscriptionLost, TimeoutError) as e:
-            log.info("mcp.listen_refused", server=self.server.name, agent=self.agent, why=str(e)[:300])
+            log.info("mcp.listen_refused", server=self.server.name, agent=self.agent, why=self._hidden(str(e))[:300])
 
     async def _relist(self, relisted: anyio.Event) -> None:
         # Listed again on the supervisor's session, in its task group; a failure keeps the old list.
@@ -536,14 +540,9 @@ class Connection:
                 self.listed = await self._list(self._session)
                 log.info("mcp.relisted", server=self.server.name, agent=self.agent, tools=len(self.listed))
         except (MCPError, ValidationError) as e:
-            log.warning("mcp.relist_failed", server=self.server.name, error=str(e)[:300])
+            log.warning("mcp.relist_failed", server=self.server.name, error=self._hidden(str(e))[:300])
         finally:
             relisted.set()
-
-
-def _shown(text: str, served: Served) -> str:
-    """text as it may be shown: an HTTP server's errors may name its URL, whose query may hold a key."""
-    return without_url(text, served.url) if isinstance(served, Endpoint) else text
 
 
 def _leaf(error: BaseException) -> BaseException:
