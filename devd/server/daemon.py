@@ -140,42 +140,47 @@ class Daemon:
             await self.registry.fleet.connect()
         await self.registry.load()
         with _stop_requests(stops) as signals:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(app.store.run)
-                if app.beside is not None:
-                    await tg.start(app.beside.run)
-                tg.start_soon(self._watchdog)
-                if self.settings.expire_after_s is not None:
-                    tg.start_soon(self._expire, self.settings.expire_after_s)
-                if self.registry.fleet is not None:
-                    tg.start_soon(self._check_holds)
-                self.hub = Hub(self.settings, self.dispatcher, self.token)
-                servers = [await _listen(self.hub, listening) for listening in listeners]
-                if metrics_socket is not None:
-                    # In the task group, so the group's cancel at the end stops it; started before ready.
-                    from devd.server import scrape  # h11 loaded only by a daemon that serves metrics
+            # The store outlives everything that writes to it: a step the agent runtime makes as it stops (shielded:
+            # a turn cut short) is committed before the commit thread ends, instead of waiting for a commit that
+            # would only come once this group had ended.
+            async with anyio.create_task_group() as kept:
+                kept.start_soon(app.store.run)
+                async with anyio.create_task_group() as tg:
+                    if app.beside is not None:
+                        await tg.start(app.beside.run)
+                    tg.start_soon(self._watchdog)
+                    if self.settings.expire_after_s is not None:
+                        tg.start_soon(self._expire, self.settings.expire_after_s)
+                    if self.registry.fleet is not None:
+                        tg.start_soon(self._check_holds)
+                    self.hub = Hub(self.settings, self.dispatcher, self.token)
+                    servers = [await _listen(self.hub, listening) for listening in listeners]
+                    if metrics_socket is not None:
+                        # In the task group, so the group's cancel at the end stops it; started before ready.
+                        from devd.server import scrape  # h11 loaded only by a daemon that serves metrics
 
-                    await tg.start(scrape.serve, metrics_socket, self._exposition, self.settings)
-                on_ready()
-                sessions = sum(self.registry.counts().values())
-                log.info(
-                    "daemon.ready", sessions=sessions, listeners=[listening.served.kind for listening in listeners]
-                )
-                await self._until_signal(signals, servers)
-                if app.beside is not None:
-                    app.beside.stop()  # nothing new starts while calls drain; an effect cut short is found claimed
-                if running := self.hub.running:
-                    # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
-                    log.warning("daemon.interrupting", calls=len(running))
-                    longest = max(self.settings.max_call_timeout_s, self.settings.call_timeout_s)
-                    self.registry.core.interrupt_all(longest)
-                await self.hub.drain()
-                if not running:  # after an interrupt every call ends as DEADLINE: no snapshot could be taken
-                    await self._snapshot_all()
-                if self.registry.fleet is not None:
-                    await self._release()
-                await self._close_connections()
-                tg.cancel_scope.cancel()
+                        await tg.start(scrape.serve, metrics_socket, self._exposition, self.settings)
+                    on_ready()
+                    sessions = sum(self.registry.counts().values())
+                    log.info(
+                        "daemon.ready", sessions=sessions, listeners=[listening.served.kind for listening in listeners]
+                    )
+                    await self._until_signal(signals, servers)
+                    if app.beside is not None:
+                        app.beside.stop()  # nothing new starts while calls drain; an effect cut short is found claimed
+                    if running := self.hub.running:
+                        # The grace is over: calls still running end now, as DEADLINE, and are recorded as such.
+                        log.warning("daemon.interrupting", calls=len(running))
+                        longest = max(self.settings.max_call_timeout_s, self.settings.call_timeout_s)
+                        self.registry.core.interrupt_all(longest)
+                    await self.hub.drain()
+                    if not running:  # after an interrupt every call ends as DEADLINE: no snapshot could be taken
+                        await self._snapshot_all()
+                    if self.registry.fleet is not None:
+                        await self._release()
+                    await self._close_connections()
+                    tg.cancel_scope.cancel()
+                kept.cancel_scope.cancel()
             await app.store.flush()
             if app.beside is not None:
                 await app.beside.flush()  # the spans still queued are sent
