@@ -34,11 +34,12 @@ import structlog
 
 from devd.storage.store import StoreStats, percentile_ms
 
-__all__ = ["FORK_COPY_BYTES", "CommitTimes", "GroupCommit", "spans"]
+__all__ = ["FORK_COPY_BYTES", "CommitTimes", "GroupCommit", "spans", "taken"]
 
 log = structlog.get_logger("devd.storage.commits")
 
 OpT = TypeVar("OpT")
+ItemT = TypeVar("ItemT")
 TIMES_KEPT = 1024  # the commits whose durations the percentiles are taken over: the latest ones
 FORK_COPY_BYTES = 4 << 20  # a fork copies its source's journal a commit of about this much at a time
 MAINTENANCE_POLL_S = 0.001  # how often a wait for idle looks again while only a batch's follow-up runs
@@ -125,18 +126,7 @@ class GroupCommit(Generic[OpT]):
 
     def _batch(self) -> tuple[list[_Pending[OpT]], bool]:
         """The writes queued now, from the first (waited for), and whether the queue was told to stop."""
-        first = self._queue.get()
-        if first is None:
-            return [], True
-        batch = [first]
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return batch, False
-            if item is None:
-                return batch, True
-            batch.append(item)
+        return taken(self._queue)
 
     def _answer(self, batch: list[_Pending[OpT]], errors: Errors, seconds: float) -> None:
         """On the loop: tell each writer of the batch how its write went."""
@@ -223,6 +213,23 @@ class GroupCommit(Generic[OpT]):
             except Exception as e:  # the batch is committed: a failed follow-up is logged, not the writers' error
                 log.error("store.maintenance_failed", error=f"{type(e).__name__}: {e}"[:500])
         self._answer(batch, errors, seconds)
+
+
+def taken(items: queue.SimpleQueue[ItemT | None]) -> tuple[list[ItemT], bool]:
+    """What a worker thread takes from its queue at once: the first item (waited for) and every one queued behind it,
+    and whether the end (None) came among them (nothing after it is taken)."""
+    first = items.get()
+    if first is None:
+        return [], True
+    batch = [first]
+    while True:
+        try:
+            item = items.get_nowait()
+        except queue.Empty:
+            return batch, False
+        if item is None:
+            return batch, True
+        batch.append(item)
 
 
 def _maintain(then: Callable[[], None]) -> None:

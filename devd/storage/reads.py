@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import anyio.to_thread
 
+from devd.storage.commits import taken
+
 __all__ = ["ReadThread"]
 
 T = TypeVar("T")
@@ -83,19 +85,9 @@ class ReadThread:
 
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
-            if first is None:
+            batch, stop = taken(self._queue)
+            if not batch:
                 return
-            batch, stop = [first], False
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
             self.batches += 1
             by_loop: dict[asyncio.AbstractEventLoop, list[_Read]] = {}
             for pending in batch:
