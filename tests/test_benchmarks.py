@@ -29,6 +29,13 @@ def test_bench_start_times_devd_against_both_floors() -> None:
     assert set(json.loads(done.stdout)) >= {"floor_ms", "floor_core_ms", "devd_ms", "devd_over_floor_core"}
 
 
+def test_bench_start_phases_attributes_devds_start_to_each_stage_of_its_imports() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "start", "--phases", "--rounds", "1"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    stages = ["startup", "floor", "core", "anyio", "structlog", "wire", "agent", "serve"]
+    assert list(json.loads(done.stdout)["cpu_ms"]["devd_stages"]) == stages
+
+
 def test_bench_sandbox_times_both_sandboxes_against_an_unconfined_command() -> None:
     argv = [sys.executable, "-m", "benchmarks.bench", "sandbox", "--runs", "2", "--rounds", "1"]
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
