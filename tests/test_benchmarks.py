@@ -82,6 +82,14 @@ def test_bench_stream_measures_every_fragment_of_every_sessions_turn() -> None:
     assert (result["turns_not_ended"], result["cpu_us_per_fragment"] > 0) == (0, True)
 
 
+def test_bench_stream_with_several_watchers_a_session_delivers_every_fragment_to_each() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "stream", "--sessions", "3", "--tokens", "5", "--rate", "100"]
+    done = subprocess.run([*argv, "--watchers", "3"], capture_output=True, env=daemon_env(), timeout=120, check=True)
+    rounds = [json.loads(line) for line in done.stderr.splitlines() if line.startswith(b"{")]
+    told = [(r["fragments"], r["fragments_delivered"], r["watchers_not_told_the_end"]) for r in rounds]
+    assert told == [(15, 45, 0)]
+
+
 def test_bench_first_times_devd_run_on_a_cold_daemon_and_a_warm_one() -> None:
     argv = [sys.executable, "-m", "benchmarks.bench", "first", "--rounds", "1", "--sandbox", "none"]
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
