@@ -2532,9 +2532,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "core":
         result: Any = bench_core(args.rounds, args.sessions)
     elif args.what == "start":
-        from benchmarks.bench_start import bench_start
+        from benchmarks.bench_start import bench_start, bench_start_phases
 
-        result = bench_start(args.rounds, args.baseline)
+        result = bench_start_phases(args.rounds) if args.phases else bench_start(args.rounds, args.baseline)
     elif args.what == "client":
         from benchmarks.bench_client import bench_client
 

@@ -68,6 +68,45 @@ def _floor_server(socket_path: str, state: str | None = None) -> None:
     run(serve())
 
 
+# What devd's start loads beyond the floor with the core, in the order `--phases` loads it: each stage's modules on top
+# of the stages before it (what a stage shares with an earlier one is counted there). "wire" is devd without its agent
+# runtime (none of its modules import devd.agent); "agent" is the rest of `devd serve`'s imports.
+PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("floor", ("asyncio", "uvloop", "msgspec", "sqlite3")),
+    ("core", ("devd.host",)),
+    ("anyio", ("anyio", "anyio._backends._asyncio")),  # and its lazy names, below: what `anyio.run` loads
+    ("structlog", ("structlog",)),
+    ("wire", ("devd.cli", "devd.cli.serve", "devd.sessions.registry", "devd.storage.sqlite", "devd.server.methods")),
+    ("agent", ("devd.server.daemon",)),
+)
+
+
+def _phased_devd(argv: list[str]) -> None:
+    """`devd serve argv` importing its modules a stage of PHASES at a time first, the process's CPU after each
+    written to stderr as one JSON line (`PHASED`)."""
+    import importlib
+    import json
+
+    cpu = {"startup": time.process_time()}
+    for name, modules in PHASES:
+        for module in modules:
+            importlib.import_module(module)
+        if name == "anyio":
+            import anyio
+
+            anyio.Lock  # noqa: B018 - anyio builds its lazy names at the first one asked for
+        cpu[name] = time.process_time()
+    sys.stderr.write(PHASED + json.dumps(cpu) + "\n")
+    sys.stderr.flush()
+    from devd.cli import main
+
+    sys.argv = ["devd", *argv]
+    main()
+
+
+PHASED = "phased "
+
+
 def _cpu_ms(pid: int) -> float:
     """CPU the process's threads have run so far (/proc's schedstat, in ns: precise, where stat counts 10 ms ticks),
     in ms. CPU moves far less with the machine's load than the wall clock does."""
@@ -75,9 +114,11 @@ def _cpu_ms(pid: int) -> float:
     return sum(int((tasks / t / "schedstat").read_text().split()[0]) for t in os.listdir(tasks)) / 1e6
 
 
-def _first_answer(argv: list[str], sock: Path, env: dict[str, str], cwd: Path | None = None) -> tuple[float, float]:
+def _first_answer(
+    argv: list[str], sock: Path, env: dict[str, str], cwd: Path | None = None, said: list[str] | None = None
+) -> tuple[float, float]:
     """Milliseconds from just before the exec of argv (in cwd) to the answer of an initialize on sock, and the CPU
-    milliseconds the process had used by then."""
+    milliseconds the process had used by then; what it wrote to stderr appended to `said`, given one."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
     try:
@@ -99,8 +140,9 @@ def _first_answer(argv: list[str], sock: Path, env: dict[str, str], cwd: Path | 
                 time.sleep(0.0005)
     finally:
         proc.terminate()
-        proc.wait(30)
-        proc.stderr.close()  # type: ignore[union-attr]
+        err = proc.communicate(timeout=30)[1]
+        if said is not None:
+            said.append(err.decode(errors="replace"))
         sock.unlink(missing_ok=True)
 
 
@@ -187,11 +229,61 @@ def bench_start(rounds: int, baseline: Path | None = None) -> dict[str, Any]:
     return out
 
 
+def bench_start_phases(rounds: int) -> dict[str, Any]:
+    """Where devd's start goes beyond the floor with the core's: `devd serve` loading its modules a stage of PHASES at
+    a time before it serves, the CPU of each stage and of its work from then to the answer (`serve`), against the
+    floor with the core's whole start; medians of the rounds."""
+    import json
+
+    root = Path(tempfile.mkdtemp(prefix="devd-bench-start-"))
+    sock, state = root / "s.sock", root / "state"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(root / "pycache")
+    here = Path(__file__).resolve().parent.parent
+    serve = _devd_argv(sock, state)[3:]
+    phased_argv = [sys.executable, "-m", "benchmarks.bench_start", "_phased", *serve]
+    floor_core_argv = [sys.executable, "-m", "benchmarks.bench_start", "_floor", str(sock), str(state)]
+    _first_answer(_devd_argv(sock, state), sock, env, here)  # fills the state's cache, and the bytecode's
+    _first_answer(phased_argv, sock, env, here)
+    _first_answer(floor_core_argv, sock, env, here)
+    floor_core: list[float] = []
+    stages: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        floor_core.append(_first_answer(floor_core_argv, sock, env, here)[1])
+        said: list[str] = []
+        total = _first_answer(phased_argv, sock, env, here, said)[1]
+        line = next(x for x in said[0].splitlines() if x.startswith(PHASED))
+        cpu = {k: v * 1000 for k, v in json.loads(line[len(PHASED) :]).items()}
+        before = 0.0
+        for name, at in [*cpu.items(), ("serve", total)]:
+            stages.setdefault(name, []).append(at - before)
+            before = at
+    devd_ms = statistics.median(sum(runs[i] for runs in stages.values()) for i in range(rounds))
+    floor_core_ms = statistics.median(floor_core)
+    return {
+        "rounds": rounds,
+        "cpu_ms": {
+            "floor_core": round(floor_core_ms, 1),
+            "devd": round(devd_ms, 1),
+            "devd_stages": {name: round(statistics.median(runs), 1) for name, runs in stages.items()},
+        },
+        "devd_over_floor_core": round(devd_ms / floor_core_ms, 2),
+        "devd_beyond_floor_core_ms": round(devd_ms - floor_core_ms, 1),
+        "budget_beyond_floor_core_ms": round(0.3 * floor_core_ms, 1),  # what 1.3x the floor with the core leaves
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=9, help="alternations of the sides (default 9)")
     p.add_argument("--baseline", type=Path, default=None, help="a checkout of another devd, alternated with this one")
+    p.add_argument(
+        "--phases", action="store_true", help="where devd's start goes: its CPU by stage of its imports, then serving"
+    )
 
 
+if __name__ == "__main__" and sys.argv[1:2] == ["_phased"]:
+    _phased_devd(sys.argv[2:])
 if __name__ == "__main__" and sys.argv[1:2] == ["_floor"]:
     # The floor's own process: `python -m benchmarks.bench_start _floor SOCKET [STATE_DIR]` (kept out of bench.py,
     # whose imports the floor would otherwise pay for).

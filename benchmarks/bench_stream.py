@@ -238,6 +238,19 @@ class _Session:
         if watch:
             await self.call("session/watch", {"session": self.name})
 
+    async def follow(self, sock: str, name: str) -> None:
+        """Watch another client's session on a connection of its own (a second UI, an editor)."""
+        self.reader, self.writer = await asyncio.open_unix_connection(sock, limit=1 << 24)
+        self.name = name
+        await self.call("session/watch", {"session": name})
+
+    async def watch_turn(self, deadline_s: float) -> None:
+        """Read the session's notices until its turn's Done, as a watcher that did not prompt it."""
+        try:
+            await asyncio.wait_for(self._read(), deadline_s)
+        except TimeoutError:
+            self.ended = f"no Done within {deadline_s:.0f} s"
+
     async def call(self, method: str, params: dict[str, Any]) -> Any:
         self.writer.write(json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).encode() + b"\n")
         while True:
@@ -397,11 +410,15 @@ async def _drive(
     profile: Path | None,
     shared: bool,
     model_pid: int | None = None,
+    watchers: int = 1,
 ) -> dict[str, Any]:
     latencies: list[float] = []
     clients = [_Session(latencies) for _ in range(sessions)]
     for i in range(0, sessions, 50):
         await asyncio.gather(*(c.open(str(sock), str(workspace), not shared) for c in clients[i : i + 50]))
+    others = [(_Session(latencies), c.name) for c in clients for _ in range(watchers - 1)]  # beside each prompter
+    for i in range(0, len(others), 50):
+        await asyncio.gather(*(w.follow(str(sock), name) for w, name in others[i : i + 50]))
     dashboard = await _watch_all(str(sock), clients) if shared else None
     spy = None
     if profile is not None:  # py-spy's collapsed stacks of every thread, while the turns run
@@ -413,26 +430,29 @@ async def _drive(
         spy = subprocess.Popen([*argv, "-f", "raw", "-o", str(profile)], stdout=subprocess.DEVNULL)
     model0 = sum(_cpu(model_pid).values()) if model_pid is not None else 0.0
     cpu0, t0, mine, waited = _cpu(pid), time.monotonic(), time.process_time(), _runqueue_s(pid)
-    await asyncio.gather(*(c.turn(3 * model_s + 30, shared) for c in clients))
+    await asyncio.gather(
+        *(c.turn(3 * model_s + 30, shared) for c in clients), *(w.watch_turn(3 * model_s + 30) for w, _ in others)
+    )
     cpu1, wall, mine = _cpu(pid), time.monotonic() - t0, time.process_time() - mine
     waited = _runqueue_s(pid) - waited
     model_cpu = sum(_cpu(model_pid).values()) - model0 if model_pid is not None else None
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
-    for c in clients:
+    for c in [*clients, *(w for w, _ in others)]:
         c.writer.close()
     if dashboard is not None:
         dashboard.cancel()
     threads = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
     cpu = sum(threads.values())
-    fragments = sum(c.fragments for c in clients)
+    fragments = sum(c.fragments for c in clients)  # streamed: each read by its prompter (and by `others` again)
     turns = sorted(c.done - c.prompted for c in clients if c.ended is None)
     before = sorted(c.first - c.prompted for c in clients if c.first)  # prompt to the model's first write
     after = sorted(c.done - c.last for c in clients if c.ended is None and c.last)  # its last write to Done
     latencies.sort()
     n = len(latencies)
     ended = [c.ended for c in clients if c.ended is not None]
+    unfollowed = [w.ended for w, _ in others if w.ended is not None]
     return {
         "sessions": sessions,
         "wall_s": round(wall, 2),
@@ -442,6 +462,8 @@ async def _drive(
         "load_average": os.getloadavg()[0],
         "fragments": fragments,
         "notices": sum(c.notices for c in clients),
+        "watchers_a_session": watchers,
+        "fragments_delivered": fragments + sum(w.fragments for w, _ in others),
         "cpu_us_per_fragment": round(cpu / max(1, fragments) * 1e6, 1),
         "loop_runqueue_wait_s": round(waited, 2),  # the loop ready to run but given no CPU by the machine
         "cpu_by_thread_s": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:4]},
@@ -457,10 +479,14 @@ async def _drive(
         "delta_ms_max": round(latencies[-1] * 1000, 2) if n else None,
         "turns_not_ended": len(ended),
         "why_not_ended": ended[:3],
+        "watchers_not_told_the_end": len(unfollowed),  # of the other watchers: a Done never read
+        "why_not_told": unfollowed[:3],
     }
 
 
-def _round(code: Path, sessions: int, tokens: int, rate: float, profile: Path | None, shared: bool) -> dict[str, Any]:
+def _round(
+    code: Path, sessions: int, tokens: int, rate: float, profile: Path | None, shared: bool, watchers: int
+) -> dict[str, Any]:
     import uvloop
 
     root = Path(tempfile.mkdtemp(prefix="devd-bench-stream-"))
@@ -470,7 +496,17 @@ def _round(code: Path, sessions: int, tokens: int, rate: float, profile: Path | 
         daemon, workspace = _start_daemon(code, root, url)
         try:
             result |= uvloop.run(
-                _drive(root / "devd.sock", workspace, sessions, tokens / rate, daemon.pid, profile, shared, model.pid)
+                _drive(
+                    root / "devd.sock",
+                    workspace,
+                    sessions,
+                    tokens / rate,
+                    daemon.pid,
+                    profile,
+                    shared,
+                    model.pid,
+                    watchers,
+                )
             )
         finally:
             daemon.send_signal(signal.SIGTERM)
@@ -494,17 +530,26 @@ def bench_stream(
     baseline: Path | None,
     profile: Path | None = None,
     shared: bool = False,
+    watchers: int = 1,
 ) -> dict[str, Any]:
+    if watchers < 1 or (shared and watchers > 1):
+        raise ValueError("--watchers is at least 1, and only for a connection a session (not with --shared)")
     here = Path(__file__).resolve().parent.parent
     sides = {"this": here} | ({"baseline": baseline.resolve()} if baseline is not None else {})
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     for r in range(rounds):
         for name, code in sides.items() if r % 2 == 0 else reversed(sides.items()):
             spied = None if profile is None else profile.with_suffix(f".{name}.{r}.txt")
-            runs[name].append(_round(code, sessions, tokens, rate, spied, shared))
+            runs[name].append(_round(code, sessions, tokens, rate, spied, shared, watchers))
             print(json.dumps({"round": r, "side": name, **runs[name][-1]}), file=sys.stderr, flush=True)
     out: dict[str, Any] = {"sessions": sessions, "tokens": tokens, "rate": rate, "model_s": tokens / rate}
-    out["watchers"] = "one connection watching every session" if shared else "a connection a session"
+    out["watchers"] = (
+        "one connection watching every session"
+        if shared
+        else "a connection a session"
+        if watchers == 1
+        else f"{watchers} connections a session (one prompts it)"
+    )
     keys = ["cpu_us_per_fragment", "turn_max_per_model_time", "delta_ms_p50", "delta_ms_p99", "turns_not_ended"]
     for name, results in runs.items():
         out[name] = {k: statistics.median([r[k] for r in results if r[k] is not None] or [0]) for k in keys}
@@ -523,12 +568,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", type=Path, default=None, help="a checkout of the devd to compare with, alternated")
     p.add_argument("--profile", type=Path, default=None, help="py-spy's stacks of each round to PROFILE.SIDE.ROUND.txt")
     p.add_argument("--shared", action="store_true", help="one connection watches every session (a dashboard)")
+    p.add_argument(
+        "--watchers", type=int, default=1, help="connections watching each session, the one that prompts it among them"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     print(
         json.dumps(
-            bench_stream(args.sessions, args.tokens, args.rate, args.rounds, args.baseline, args.profile, args.shared),
+            bench_stream(
+                args.sessions,
+                args.tokens,
+                args.rate,
+                args.rounds,
+                args.baseline,
+                args.profile,
+                args.shared,
+                args.watchers,
+            ),
             indent=1,
         )
     )

@@ -891,6 +891,22 @@ def test_a_command_cannot_reach_the_daemons_socket_nor_its_state_directory(
                 assert results(c, session) == [(2, "looked\n", False)]
 
 
+def test_a_session_whose_turn_runs_past_expire_after_expires_only_once_the_turn_has_ended(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The model answers over about 3 s, three times --expire-after, and nothing calls the session meanwhile: its turn
+    # is what uses it. It once expired mid-turn, deleted under its own driver (a parent waiting for its children too).
+    monkeypatch.setenv("DEVD_TEST_KEY", SECRET)
+    agents = _agents_file(tmp_path, standin)
+    standin.script(Scripted(text="slowly", split=1, delay_s=0.5))
+    with InProcess(tmp_path / "d", "--agents", str(agents), "--expire-after", "1s") as daemon, daemon.client() as c:
+        session = c.new(agent="coder", workspace=tmp_path / "roots" / "ws")
+        watch_raw(c, session)
+        seen = [n.method for n in until_done(c, c.prompt(session, "hi"))]
+        after = next_notice(c, "session/unwatched").params["reason"]
+    assert ("session/unwatched" in seen, after) == (False, "expired")
+
+
 def test_devd_run_whose_daemon_dies_mid_turn_says_so_in_a_line_and_how_to_follow_the_turn_again(
     agentd_process: Agentd,
 ) -> None:

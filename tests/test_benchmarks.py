@@ -29,6 +29,13 @@ def test_bench_start_times_devd_against_both_floors() -> None:
     assert set(json.loads(done.stdout)) >= {"floor_ms", "floor_core_ms", "devd_ms", "devd_over_floor_core"}
 
 
+def test_bench_start_phases_attributes_devds_start_to_each_stage_of_its_imports() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "start", "--phases", "--rounds", "1"]
+    done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
+    stages = ["startup", "floor", "core", "anyio", "structlog", "wire", "agent", "serve"]
+    assert list(json.loads(done.stdout)["cpu_ms"]["devd_stages"]) == stages
+
+
 def test_bench_sandbox_times_both_sandboxes_against_an_unconfined_command() -> None:
     argv = [sys.executable, "-m", "benchmarks.bench", "sandbox", "--runs", "2", "--rounds", "1"]
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
@@ -73,6 +80,14 @@ def test_bench_stream_measures_every_fragment_of_every_sessions_turn() -> None:
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
     result = json.loads(done.stdout)["this"]
     assert (result["turns_not_ended"], result["cpu_us_per_fragment"] > 0) == (0, True)
+
+
+def test_bench_stream_with_several_watchers_a_session_delivers_every_fragment_to_each() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "stream", "--sessions", "3", "--tokens", "5", "--rate", "100"]
+    done = subprocess.run([*argv, "--watchers", "3"], capture_output=True, env=daemon_env(), timeout=120, check=True)
+    rounds = [json.loads(line) for line in done.stderr.splitlines() if line.startswith(b"{")]
+    told = [(r["fragments"], r["fragments_delivered"], r["watchers_not_told_the_end"]) for r in rounds]
+    assert told == [(15, 45, 0)]
 
 
 def test_bench_first_times_devd_run_on_a_cold_daemon_and_a_warm_one() -> None:

@@ -114,6 +114,9 @@ class AgentPort:
     def stop(self) -> None:
         self.runtime.stop()
 
+    def in_use(self, session: str) -> bool:
+        return self.runtime.driving(session)
+
     async def flush(self) -> None:
         if self.oversight.spans is not None:
             await anyio.to_thread.run_sync(self.oversight.spans.shutdown)  # the spans still queued are sent

@@ -249,12 +249,14 @@ class Daemon:
 
     async def _expire(self, unused_for_s: float) -> None:
         """Delete sessions unused for longer than the daemon keeps them, checking a few times per that period."""
+        beside = self.dispatcher.app.beside
+        in_use = beside.in_use if beside is not None else lambda _: False
         while True:
             await anyio.sleep(min(max(unused_for_s / 10, 0.1), 60.0))
             if self.dispatcher.draining:
                 continue
             try:
-                await self.registry.expire(unused_for_s)
+                await self.registry.expire(unused_for_s, in_use)
             except Exception as e:  # a failed round (the store refused a delete) must not end the daemon
                 log.error("sessions.expiry_failed", error=f"{type(e).__name__}: {e}"[:500])
 

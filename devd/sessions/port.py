@@ -220,5 +220,9 @@ class Beside(Protocol):
     def stop(self) -> None:
         """Start nothing more: the daemon is draining."""
 
+    def in_use(self, session: str) -> bool:
+        """Whether it carries out the session's turn now (a model call, a tool, a child or a decision waited for):
+        such a session is used, however long since its last call, and is not expired."""
+
     async def flush(self) -> None:
         """After the daemon's last write: send what is still queued elsewhere (spans)."""

@@ -521,9 +521,10 @@ class Registry:
         """Give the sessions no call is inside back to the fleet (`devd.sessions.fleet`)."""
         return await self.fleet_sessions.drain()
 
-    async def expire(self, unused_for_s: float) -> list[str]:
-        """Delete the sessions no call has used for `unused_for_s` (`devd.sessions.residency`)."""
-        return await residency.expire(self, unused_for_s)
+    async def expire(self, unused_for_s: float, in_use: Callable[[str], bool] = lambda _: False) -> list[str]:
+        """Delete the sessions no call has used for `unused_for_s`, but those `in_use` says are used
+        (`devd.sessions.residency`)."""
+        return await residency.expire(self, unused_for_s, in_use)
 
     # -- watchers ---------------------------------------------------------------------------------------------------
 

@@ -169,15 +169,17 @@ class Room:
             self._residency.waking += 1
 
 
-async def expire(registry: Registry, unused_for_s: float) -> list[str]:
-    """Delete the sessions no call has used for `unused_for_s` (none inside a call); their names. Recency is read on
-    the monotonic clock: a wall clock stepped back and then corrected cannot age a session used a moment ago."""
+async def expire(registry: Registry, unused_for_s: float, in_use: Callable[[str], bool]) -> list[str]:
+    """Delete the sessions no call has used for `unused_for_s` (none inside a call, none `in_use`: a turn the agent
+    runtime carries out, which may wait for a model, a command, a child or a person far longer); their names.
+    Recency is read on the monotonic clock: a wall clock stepped back and then corrected cannot age a session used a
+    moment ago."""
     cutoff = time.monotonic() - unused_for_s
     expired = []
     for name in [e.name for e in registry.entries() if e.used_at < cutoff]:
         entry = registry.get(name)
         # Checked again at its turn: an earlier delete awaited, and meanwhile a call may have used or closed it.
-        if entry is None or entry.busy or entry.used_at >= cutoff:
+        if entry is None or entry.busy or entry.used_at >= cutoff or in_use(name):
             continue
         if registry.fleet is not None and registry.fleet.held(name) is None:
             continue  # in a fleet, only the daemon that holds a session knows when it was last used
