@@ -105,6 +105,18 @@ async def test_a_command_is_in_its_own_memory_cgroup_from_its_first_instruction(
     assert result.text.rsplit(".", 1)[0] == f"{own}/devd.{os.getpid()}.{cgroups._started(os.getpid())}"
 
 
+@pytest.mark.skipif(isinstance(WHERE, str) or WHERE.pids is None, reason="no pids cgroup hierarchy here")
+@pytest.mark.parametrize("confined", [True, False], ids=["bubblewrap", "none"])
+async def test_a_command_and_what_it_starts_are_in_both_its_groups(ws: Path, confined: bool) -> None:
+    """The shell before it moves itself (writing to `tasks`, not its pid to `cgroup.procs`): a process it forks
+    later is in the command's memory and pids groups too, under bubblewrap and under none."""
+    script = "sh -c 'grep -E \":(memory|pids):\" /proc/self/cgroup'"
+    chosen = sandbox() if confined else None
+    result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=chosen)
+    prefix = f"devd.{os.getpid()}.{cgroups._started(os.getpid())}."
+    assert [line.rsplit("/", 1)[1].startswith(prefix) for line in result.text.splitlines()] == [True, True]
+
+
 async def test_a_timed_out_commands_groups_are_removed(ws: Path) -> None:
     result = await sandboxed(ws, "sleep 30 & sleep 30", exec_timeout_s=0.5)
     assert (result.why, groups()) == ("timed out after 0.5 s", [])
