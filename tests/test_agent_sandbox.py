@@ -503,6 +503,18 @@ def test_under_none_a_command_runs_in_a_pid_namespace_of_its_own_as_an_init_shel
     ]
 
 
+def test_under_none_a_commands_user_and_its_death_signal_are_set_by_one_setpriv_the_signal_after_the_user() -> None:
+    # The kernel forgets a death signal as credentials change: setpriv sets --pdeathsig after --reuid, so one setpriv
+    # does both (test_under_none_what_a_command_started_dies_with_the_daemon shows the signal kept).
+    setpriv = ["/usr/bin/setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all"]
+    assert contain(["make"], account=runas.Account(NOBODY, NOBODY)) == [
+        *("/usr/bin/setpriv", "--pdeathsig=KILL", "--", "/usr/bin/unshare", "--pid", "--kill-child"),
+        *([] if os.geteuid() == 0 else ["--map-current-user"]),
+        *("--", *setpriv, "--no-new-privs", "--pdeathsig=KILL", "--"),
+        *("/bin/sh", "-c", 'unset PWD; "$@"; exit $?', "sh", "make"),
+    ]
+
+
 async def test_under_none_a_command_that_left_its_session_is_gone_when_the_call_ends(ws: Path) -> None:
     marker = f"64.{uuid.uuid4().int % 10**9}"
     script = f"setsid sh -c 'echo > up; exec sleep {marker}' & until [ -e up ]; do sleep 0.01; done"

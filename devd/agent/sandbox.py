@@ -258,12 +258,15 @@ def _made_between(base: Path | None, workspace: Path) -> list[str]:
     return [str(Path(base, *parts[: i + 1])) for i in range(len(parts))]
 
 
-def _drop(account: Account | None, user_namespace: bool) -> list[str]:
+def _drop(account: Account | None, user_namespace: bool, *, die_with_parent: bool = False) -> list[str]:
     """setpriv's command line that runs the rest as `account`: no supplementary group, no capability (inheritable
     ones included), no_new_privs (a set-user-ID program cannot bring root back). With `user_namespace`, the rest then
     runs in a user namespace of its own, mapping the user to itself (it holds no capability there either, once it
     execs): RLIMIT_NPROC then counts the command's processes alone, not every process of that user on the host (a
-    desktop user's thousand threads, or the commands of other sessions running as run_as)."""
+    desktop user's thousand threads, or the commands of other sessions running as run_as). With `die_with_parent`,
+    the rest is killed (SIGKILL) when its parent dies: the kernel forgets a death signal when a process's credentials
+    change, so it is set after the drop: by the same setpriv, which sets it after the credentials (util-linux's order,
+    for its `--pdeathsig keep`), or, after a user namespace (another change), by a setpriv of its own."""
     if account is None:
         return []
     drop = [
@@ -273,11 +276,19 @@ def _drop(account: Account | None, user_namespace: bool) -> list[str]:
         "--clear-groups",
         "--inh-caps=-all",
         "--no-new-privs",
+        *(["--pdeathsig=KILL"] if die_with_parent and not user_namespace else []),
         "--",
     ]
     if user_namespace:
         drop += [program("unshare"), "--user", "--map-current-user", "--"]
+        if die_with_parent:
+            drop += _die_with_parent()
     return drop
+
+
+def _die_with_parent() -> list[str]:
+    """setpriv's command line that runs the rest with SIGKILL as its death signal (sent when its parent dies)."""
+    return [program("setpriv"), "--pdeathsig=KILL", "--"]
 
 
 def _limit(limits: Limits | None, group: Group | None) -> list[str]:
@@ -320,14 +331,12 @@ def contain(
     init = ["/bin/sh", "-c", 'unset PWD; "$@"; exit $?', "sh"]
     # The kernel forgets a process's death signal when its credentials change: the drop to `account` and a user
     # namespace forget the one --kill-child gave the namespace's first process, so it is given again after them.
-    die_with_parent = [program("setpriv"), "--pdeathsig=KILL", "--"]
     return [
         *(group.prefix() if group else []),
-        *die_with_parent,
+        *_die_with_parent(),
         *unshare,
         "--",
-        *_drop(account, user_namespace),
-        *(die_with_parent if account is not None else []),
+        *_drop(account, user_namespace, die_with_parent=True),
         *_limit(limits, group),
         *init,
         *argv,
