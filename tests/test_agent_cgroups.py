@@ -117,6 +117,18 @@ async def test_a_command_and_what_it_starts_are_in_both_its_groups(ws: Path, con
     assert [line.rsplit("/", 1)[1].startswith(prefix) for line in result.text.splitlines()] == [True, True]
 
 
+@pytest.mark.parametrize("confined", [True, False], ids=["bubblewrap", "none"])
+async def test_a_commands_data_limit_is_memory_bytes_max_soft_and_hard_and_it_cannot_raise_it(
+    ws: Path, confined: bool
+) -> None:
+    """Set by the shell that puts it in its groups (`ulimit -d`, as root), not by prlimit after the drop: the same
+    limit, which the command's user cannot lift."""
+    script = "grep 'Max data size' /proc/self/limits; ulimit -d unlimited 2>/dev/null || echo refused"
+    chosen = sandbox() if confined else None
+    result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=chosen)
+    assert result.text.split() == ["Max", "data", "size", str(MEMORY), str(MEMORY), "bytes", "refused"]
+
+
 async def test_a_timed_out_commands_groups_are_removed(ws: Path) -> None:
     result = await sandboxed(ws, "sleep 30 & sleep 30", exec_timeout_s=0.5)
     assert (result.why, groups()) == ("timed out after 0.5 s", [])

@@ -68,10 +68,13 @@ class Group(msgspec.Struct, frozen=True):
         """Whether a pids cgroup is among them (so RLIMIT_NPROC need not count the command's processes)."""
         return len(self.directories) > 1
 
-    def prefix(self) -> list[str]:
+    def prefix(self, data_bytes: int | None = None) -> list[str]:
         """The command line that puts itself in the groups, then execs the rest: the command is in them from its
-        first instruction. Only the shell's own builtins run before (`echo` is one), and a group that cannot be
-        entered (removed meanwhile) stops it there, saying so, before the command runs.
+        first instruction. Only the shell's own builtins run before (`echo` and `ulimit` are), and a group that
+        cannot be entered (removed meanwhile) stops it there, saying so, before the command runs. With
+        `data_bytes`, the shell also sets RLIMIT_DATA, soft and hard, to it (whole KiB, as `ulimit -d` counts, so
+        rounded down), which the rest inherits and, once no longer root, cannot raise: one program fewer than
+        prlimit after the drop.
 
         The shell moves itself, its one thread, by writing 0 (the writing thread) to each group's `tasks`, never its
         pid to `cgroup.procs`: a move of a whole process takes the kernel's global lock on every process's fork and
@@ -80,8 +83,11 @@ class Group(msgspec.Struct, frozen=True):
         does; an older kernel takes it either way). For a single-threaded program, as a shell is, the two are the
         same move: the thread is the whole process, and what it execs and forks after is in the groups."""
         tasks = [os.path.join(d, "tasks") for d in self.directories]
-        writes = " && ".join(f'echo 0 > "${i + 1}"' for i in range(len(tasks)))
-        return ["/bin/sh", "-c", f'{writes} && shift {len(tasks)} && exec "$@"', "sh", *tasks]
+        steps = [f'echo 0 > "${i + 1}"' for i in range(len(tasks))]
+        if data_bytes is not None:
+            steps.append(f"ulimit -d {data_bytes // 1024}")
+        script = " && ".join([*steps, f"shift {len(tasks)}", 'exec "$@"'])
+        return ["/bin/sh", "-c", script, "sh", *tasks]
 
     def out_of_memory(self) -> bool:
         """Whether the kernel killed a process of the command for its memory (v1's `oom_kill` count, since 4.13)."""
