@@ -129,6 +129,12 @@ async def test_a_commands_data_limit_is_memory_bytes_max_soft_and_hard_and_it_ca
     assert result.text.split() == ["Max", "data", "size", str(MEMORY), str(MEMORY), "bytes", "refused"]
 
 
+async def test_a_command_refused_for_its_run_as_after_its_groups_were_made_leaves_no_groups(ws: Path) -> None:
+    """Its groups are made with its confinement, in one worker thread, before run_as is found to be no user here."""
+    result = await run_command(["true"], workspace=ws, profile=profile(ws, run_as="no-such-user-here"), sandbox=None)
+    assert (result.failed, "no such user" in result.text, groups()) == (True, True, [])
+
+
 async def test_a_timed_out_commands_groups_are_removed(ws: Path) -> None:
     result = await sandboxed(ws, "sleep 30 & sleep 30", exec_timeout_s=0.5)
     assert (result.why, groups()) == ("timed out after 0.5 s", [])

@@ -552,29 +552,40 @@ async def run_command(
     Git is `run_command(["git", *argv], ...)`. Cancelled: the process group is killed, then the cancel is raised."""
     if not argv:
         return Result("there is no command to run (argv is empty)", failed=True)
+    made: list[cgroups.Group] = []  # the command's groups, put here as soon as they are made (by `_prepare`)
     try:
-        group = await anyio.to_thread.run_sync(_group, profile)
-    except OSError as e:
-        why = (
-            f"its cgroup cannot be made ({e.strerror or e}); try again; if it persists, the daemon's cgroup (its "
-            "`agent.cgroups` log line names it) is full or no longer writable"
-        )
-        return Result(f"cannot run {argv[0]}: {why}", failed=True)
-    try:
-        return await _run(argv, workspace, profile, sandbox, group)
+        return await _run(argv, workspace, profile, sandbox, made)
     finally:
-        if group is not None:
+        for group in made:
             with anyio.CancelScope(shield=True):  # a cancelled command's groups go too
                 left = await anyio.to_thread.run_sync(group.remove)
             if left is not None:
                 log.warning("agent.cgroup_left", why=left)
 
 
-def _group(profile: Profile) -> cgroups.Group | None:
+class _Unmade(Exception):
+    """The command's cgroups could not be made (`error`, the kernel's refusal)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _prepare(
+    profile: Profile, workspace_fd: int, workspace: Path, sandbox: Sandbox | None, made: list[cgroups.Group]
+) -> tuple[cgroups.Group | None, runas.Account | None, bool, Path | None]:
+    """The command's cgroups, where the daemon can make them (added to `made` as soon as they are, so that they are
+    removed however the call ends), and its confinement (`confinement`): in one trip to a worker thread, as a thread's
+    wake-up costs about as much as either (0.4 ms). _Unmade when the groups cannot be made."""
     where = cgroups.place()
-    if isinstance(where, str):
-        return None
-    return cgroups.make(where, profile.memory_bytes_max, profile.processes_max)
+    group = None
+    if not isinstance(where, str):
+        try:
+            group = cgroups.make(where, profile.memory_bytes_max, profile.processes_max)
+        except OSError as e:
+            raise _Unmade(e) from None
+        made.append(group)
+    return (group, *confinement(profile, workspace_fd, workspace, sandbox, group))
 
 
 async def _run(
@@ -582,7 +593,7 @@ async def _run(
     workspace: Workspace | Path,
     profile: Profile,
     sandbox: Sandbox | None,
-    group: cgroups.Group | None,
+    made: list[cgroups.Group],
 ) -> Result:
     try:
         pinned = _pinned(workspace)
@@ -594,7 +605,15 @@ async def _run(
         if "/" not in argv[0] and shutil.which(argv[0], path=ENV_PATH) is None:
             return Result(f"{argv[0]}: command not found (PATH is {ENV_PATH})", failed=True)
         try:
-            who, alone, veil = await anyio.to_thread.run_sync(confinement, profile, root, pinned.path, sandbox, group)
+            group, who, alone, veil = await anyio.to_thread.run_sync(
+                _prepare, profile, root, pinned.path, sandbox, made
+            )
+        except _Unmade as e:
+            why = (
+                f"its cgroup cannot be made ({e.error.strerror or e.error}); try again; if it persists, the daemon's "
+                "cgroup (its `agent.cgroups` log line names it) is full or no longer writable"
+            )
+            return Result(f"cannot run {argv[0]}: {why}", failed=True)
         except runas.Unusable as e:
             return Result(f"cannot run {argv[0]}: {e.why}", failed=True)
         env = command_env(pinned.path, guest=who is not None and who.uid != os.fstat(root).st_uid)
