@@ -719,7 +719,7 @@ class Command:
         self.pid = popen.pid
         self._pidfd: int | None = None
         if pidfd:
-            with contextlib.suppress(OSError):  # ENOSYS before 5.3; the process is a zombie at worst, never reaped
+            with contextlib.suppress(OSError):  # ENOSYS before Linux 5.3: polled then (a zombie has one too)
                 self._pidfd = os.pidfd_open(popen.pid)
 
     @property
