@@ -105,6 +105,36 @@ async def test_a_command_is_in_its_own_memory_cgroup_from_its_first_instruction(
     assert result.text.rsplit(".", 1)[0] == f"{own}/devd.{os.getpid()}.{cgroups._started(os.getpid())}"
 
 
+@pytest.mark.skipif(isinstance(WHERE, str) or WHERE.pids is None, reason="no pids cgroup hierarchy here")
+@pytest.mark.parametrize("confined", [True, False], ids=["bubblewrap", "none"])
+async def test_a_command_and_what_it_starts_are_in_both_its_groups(ws: Path, confined: bool) -> None:
+    """The shell before it moves itself (writing to `tasks`, not its pid to `cgroup.procs`): a process it forks
+    later is in the command's memory and pids groups too, under bubblewrap and under none."""
+    script = "sh -c 'grep -E \":(memory|pids):\" /proc/self/cgroup'"
+    chosen = sandbox() if confined else None
+    result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=chosen)
+    prefix = f"devd.{os.getpid()}.{cgroups._started(os.getpid())}."
+    assert [line.rsplit("/", 1)[1].startswith(prefix) for line in result.text.splitlines()] == [True, True]
+
+
+@pytest.mark.parametrize("confined", [True, False], ids=["bubblewrap", "none"])
+async def test_a_commands_data_limit_is_memory_bytes_max_soft_and_hard_and_it_cannot_raise_it(
+    ws: Path, confined: bool
+) -> None:
+    """Set by the shell that puts it in its groups (`ulimit -d`, as root), not by prlimit after the drop: the same
+    limit, which the command's user cannot lift."""
+    script = "grep 'Max data size' /proc/self/limits; ulimit -d unlimited 2>/dev/null || echo refused"
+    chosen = sandbox() if confined else None
+    result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=chosen)
+    assert result.text.split() == ["Max", "data", "size", str(MEMORY), str(MEMORY), "bytes", "refused"]
+
+
+async def test_a_command_refused_for_its_run_as_after_its_groups_were_made_leaves_no_groups(ws: Path) -> None:
+    """Its groups are made with its confinement, in one worker thread, before run_as is found to be no user here."""
+    result = await run_command(["true"], workspace=ws, profile=profile(ws, run_as="no-such-user-here"), sandbox=None)
+    assert (result.failed, "no such user" in result.text, groups()) == (True, True, [])
+
+
 async def test_a_timed_out_commands_groups_are_removed(ws: Path) -> None:
     result = await sandboxed(ws, "sleep 30 & sleep 30", exec_timeout_s=0.5)
     assert (result.why, groups()) == ("timed out after 0.5 s", [])

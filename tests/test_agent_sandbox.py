@@ -21,6 +21,7 @@ import pytest
 
 from devd import errors
 from devd.agent import runas
+from devd.agent.cgroups import Group
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import Refusal, Sandbox, choose, contain, limits, probe, wrap
 from devd.agent.tools import Result, command_env, run_command, write_file
@@ -500,6 +501,38 @@ def test_under_none_a_command_runs_in_a_pid_namespace_of_its_own_as_an_init_shel
         *("/usr/bin/setpriv", "--pdeathsig=KILL", "--", "/usr/bin/unshare", "--pid", "--kill-child"),
         *([] if os.geteuid() == 0 else ["--map-current-user"]),
         *("--", "/bin/sh", "-c", 'unset PWD; "$@"; exit $?', "sh", "make"),
+    ]
+
+
+def test_under_none_a_commands_user_and_its_death_signal_are_set_by_one_setpriv_the_signal_after_the_user() -> None:
+    # The kernel forgets a death signal as credentials change: setpriv sets --pdeathsig after --reuid, so one setpriv
+    # does both (test_under_none_what_a_command_started_dies_with_the_daemon shows the signal kept).
+    setpriv = ["/usr/bin/setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all"]
+    assert contain(["make"], account=runas.Account(NOBODY, NOBODY)) == [
+        *("/usr/bin/setpriv", "--pdeathsig=KILL", "--", "/usr/bin/unshare", "--pid", "--kill-child"),
+        *([] if os.geteuid() == 0 else ["--map-current-user"]),
+        *("--", *setpriv, "--no-new-privs", "--pdeathsig=KILL", "--"),
+        *("/bin/sh", "-c", 'unset PWD; "$@"; exit $?', "sh", "make"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("directories", "prlimit"),
+    [(("/m/g", "/p/g"), []), (("/m/g",), ["/usr/bin/prlimit", "--nproc=8", "--"])],
+    ids=["memory and pids", "memory alone"],
+)
+def test_with_cgroups_the_shell_entering_them_sets_rlimit_data_and_prlimit_only_what_no_group_counts(
+    directories: tuple[str, ...], prlimit: list[str]
+) -> None:
+    joins = " && ".join(f'echo 0 > "${i + 1}"' for i in range(len(directories)))
+    script = f'{joins} && ulimit -d 3 && shift {len(directories)} && exec "$@"'
+    bounds = limits(profile(Path("/"), processes_max=8, memory_bytes_max=3 * 1024 + 5))  # in whole KiB: 3
+    command, grouped = contain(["make"], limits=bounds), contain(["make"], limits=bounds, group=Group(directories))
+    assert grouped == [
+        *("/bin/sh", "-c", script, "sh", *(f"{d}/tasks" for d in directories)),
+        *command[: command.index("/usr/bin/prlimit")],
+        *prlimit,
+        *command[command.index("/bin/sh") :],
     ]
 
 

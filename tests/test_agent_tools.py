@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from devd.agent.profiles import Profile
-from devd.agent.tools import Refused, Result, _walk, read_file, resolve, run_command, write_file
+from devd.agent.tools import Command, Refused, Result, _walk, read_file, resolve, run_command, write_file
 from tests.helpers import gone
 
 
@@ -341,6 +341,28 @@ async def test_a_timeout_kills_the_whole_process_group(ws: Path) -> None:
 async def test_what_a_command_leaves_running_is_killed_when_it_exits(ws: Path) -> None:
     await run_command(["sh", "-c", BACKGROUND], workspace=ws, profile=profile(ws), sandbox=None)
     assert await gone(int((ws / "child.pid").read_text())) is True
+
+
+def test_a_command_under_the_daemons_event_loop_holds_no_descriptor_of_the_daemons(ws: Path) -> None:
+    # uvloop's spawn, which started commands before subprocess.Popen's vfork did, left some five of the daemon's
+    # descriptors open in every command run under sandbox = "none" (duplicates of its /dev/null, stdout and stderr,
+    # and a pipe of uvloop's): a command could write into the daemon's log.
+    async def listing() -> Result:
+        return await run_command(["ls", "/proc/self/fd"], workspace=ws, profile=profile(ws), sandbox=None)
+
+    assert anyio.run(listing, backend_options={"use_uvloop": True}) == Result("0\n1\n2\n3\n")  # 3: ls's directory
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+async def test_a_commands_exit_status_is_waited_for_with_a_pidfd_or_without(pidfd: bool) -> None:
+    command = Command(subprocess.Popen(["sh", "-c", "sleep 0.1; exit 3"]), pidfd=pidfd)
+    assert await command.wait() == 3
+
+
+async def test_a_command_killed_by_a_signal_has_the_signals_negative_number_as_its_exit_status() -> None:
+    command = Command(subprocess.Popen(["sleep", "60"]))
+    os.kill(command.pid, 9)
+    assert await command.wait() == -9
 
 
 async def test_cancelling_kills_the_command_and_raises(ws: Path) -> None:

@@ -15,7 +15,7 @@ past it) set to `memory_bytes_max`, and `pids.max` to `processes_max` (bubblewra
 in it too). A command past its memory is stopped by the
 kernel's OOM killer inside its group (SIGKILL to its largest process), and the daemon, which reads the group's
 count of OOM kills, says so; a fork past `pids.max` fails (EAGAIN). The command is in its groups from its first
-instruction: a shell put before it writes its own pid to the groups' `cgroup.procs` and then execs the command
+instruction: a shell put before it moves itself into the groups (writing to their `tasks`) and then execs the command
 (`prefix`), so nothing of it ran outside them. The groups are removed once the command and all it started are gone
 (`Group.remove`, also after a timeout or a cancel), and the groups a daemon killed with SIGKILL left behind are
 removed by the next daemon that starts in the same cgroup (`sweep`).
@@ -68,13 +68,26 @@ class Group(msgspec.Struct, frozen=True):
         """Whether a pids cgroup is among them (so RLIMIT_NPROC need not count the command's processes)."""
         return len(self.directories) > 1
 
-    def prefix(self) -> list[str]:
+    def prefix(self, data_bytes: int | None = None) -> list[str]:
         """The command line that puts itself in the groups, then execs the rest: the command is in them from its
-        first instruction. Only the shell's own builtins run before (`echo` is one), and a group that cannot be
-        entered (removed meanwhile) stops it there, saying so, before the command runs."""
-        procs = [os.path.join(d, "cgroup.procs") for d in self.directories]
-        writes = " && ".join(f'echo $$ > "${i + 1}"' for i in range(len(procs)))
-        return ["/bin/sh", "-c", f'{writes} && shift {len(procs)} && exec "$@"', "sh", *procs]
+        first instruction. Only the shell's own builtins run before (`echo` and `ulimit` are), and a group that
+        cannot be entered (removed meanwhile) stops it there, saying so, before the command runs. With
+        `data_bytes`, the shell also sets RLIMIT_DATA, soft and hard, to it (whole KiB, as `ulimit -d` counts, so
+        rounded down), which the rest inherits and, once no longer root, cannot raise: one program fewer than
+        prlimit after the drop.
+
+        The shell moves itself, its one thread, by writing 0 (the writing thread) to each group's `tasks`, never its
+        pid to `cgroup.procs`: a move of a whole process takes the kernel's global lock on every process's fork and
+        exit (cgroup_threadgroup_rwsem), whose taking waits for an RCU grace period, 7-20 ms of every command on a
+        quiet 2-core machine; a thread moving itself needs no such lock (where the kernel skips it for one, as 6.18
+        does; an older kernel takes it either way). For a single-threaded program, as a shell is, the two are the
+        same move: the thread is the whole process, and what it execs and forks after is in the groups."""
+        tasks = [os.path.join(d, "tasks") for d in self.directories]
+        steps = [f'echo 0 > "${i + 1}"' for i in range(len(tasks))]
+        if data_bytes is not None:
+            steps.append(f"ulimit -d {data_bytes // 1024}")
+        script = " && ".join([*steps, f"shift {len(tasks)}", 'exec "$@"'])
+        return ["/bin/sh", "-c", script, "sh", *tasks]
 
     def out_of_memory(self) -> bool:
         """Whether the kernel killed a process of the command for its memory (v1's `oom_kill` count, since 4.13)."""

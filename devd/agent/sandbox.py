@@ -38,7 +38,9 @@ host (a workspace owner's desktop session, other commands running as `run_as`), 
 refuses the user namespace of its own the command would count in (`_drop`); only under `sandbox = "none"` does a root
 daemon's command still get one (where user namespaces are turned on).
 `memory_bytes_max` is also RLIMIT_DATA, always, each process's data (heap and private writable mappings), so that a
-single allocation past it fails as an allocation (MemoryError, not a kill); unlike RLIMIT_AS it lets runtimes
+single allocation past it fails as an allocation (MemoryError, not a kill): set by prlimit, or, where the command has
+cgroups, by the shell that puts it in them, root's still (`ulimit -d`, whole KiB), which spares an exec of prlimit
+and leaves the command a limit it cannot raise all the same (soft and hard alike); unlike RLIMIT_AS it lets runtimes
 reserve address space they do not use (V8, the JVM, wasm engines). Alone it is not a bound on a command's memory: it
 is per process (up to `processes_max` of them), and shared memory is not counted at all (an independent attack held
 6 GiB under a 64 MiB limit). `tmp_bytes_max` is the size of each private tmpfs: /tmp, /run, and /dev/shm (which
@@ -216,7 +218,7 @@ def wrap(
         for name, value in env.items():
             args += ["--setenv", name, value]
     inside = [*_drop(account, user_namespace), *_limit(limits, group), *argv]
-    return [*(group.prefix() if group else []), *args, "--", *inside]
+    return [*_enter(group, limits), *args, "--", *inside]
 
 
 # bubblewrap makes /proc/irq and /proc/bus read-only itself, but not /proc/sys (it asks whether the directory is
@@ -258,12 +260,15 @@ def _made_between(base: Path | None, workspace: Path) -> list[str]:
     return [str(Path(base, *parts[: i + 1])) for i in range(len(parts))]
 
 
-def _drop(account: Account | None, user_namespace: bool) -> list[str]:
+def _drop(account: Account | None, user_namespace: bool, *, die_with_parent: bool = False) -> list[str]:
     """setpriv's command line that runs the rest as `account`: no supplementary group, no capability (inheritable
     ones included), no_new_privs (a set-user-ID program cannot bring root back). With `user_namespace`, the rest then
     runs in a user namespace of its own, mapping the user to itself (it holds no capability there either, once it
     execs): RLIMIT_NPROC then counts the command's processes alone, not every process of that user on the host (a
-    desktop user's thousand threads, or the commands of other sessions running as run_as)."""
+    desktop user's thousand threads, or the commands of other sessions running as run_as). With `die_with_parent`,
+    the rest is killed (SIGKILL) when its parent dies: the kernel forgets a death signal when a process's credentials
+    change, so it is set after the drop: by the same setpriv, which sets it after the credentials (util-linux's order,
+    for its `--pdeathsig keep`), or, after a user namespace (another change), by a setpriv of its own."""
     if account is None:
         return []
     drop = [
@@ -273,21 +278,41 @@ def _drop(account: Account | None, user_namespace: bool) -> list[str]:
         "--clear-groups",
         "--inh-caps=-all",
         "--no-new-privs",
+        *(["--pdeathsig=KILL"] if die_with_parent and not user_namespace else []),
         "--",
     ]
     if user_namespace:
         drop += [program("unshare"), "--user", "--map-current-user", "--"]
+        if die_with_parent:
+            drop += _die_with_parent()
     return drop
 
 
+def _die_with_parent() -> list[str]:
+    """setpriv's command line that runs the rest with SIGKILL as its death signal (sent when its parent dies)."""
+    return [program("setpriv"), "--pdeathsig=KILL", "--"]
+
+
 def _limit(limits: Limits | None, group: Group | None) -> list[str]:
-    """prlimit's command line: RLIMIT_DATA always, RLIMIT_NPROC where no pids cgroup counts the command's processes
-    (under a root daemon RLIMIT_NPROC would count its user's other processes too: see the module's docstring)."""
+    """prlimit's command line: RLIMIT_DATA where there are no cgroups (their shell sets it: `_enter`), RLIMIT_NPROC
+    where no pids cgroup counts the command's processes (under a root daemon RLIMIT_NPROC would count its user's other
+    processes too: see the module's docstring); nothing when neither is left to set."""
     if limits is None:
         return []
     counted = group is not None and group.counts_processes
     nproc = [] if counted else [f"--nproc={limits.processes}"]
-    return [program("prlimit"), *nproc, f"--data={limits.memory_bytes}", "--"]
+    data = [] if group is not None else [f"--data={limits.memory_bytes}"]
+    if not nproc and not data:
+        return []
+    return [program("prlimit"), *nproc, *data, "--"]
+
+
+def _enter(group: Group | None, limits: Limits | None) -> list[str]:
+    """The shell that puts the command in its cgroups (`Group.prefix`), and sets its RLIMIT_DATA there, root's
+    still: a limit it inherits past the drop, which it cannot raise (soft and hard alike)."""
+    if group is None:
+        return []
+    return group.prefix(None if limits is None else limits.memory_bytes)
 
 
 def own_user_namespace(sandbox: Sandbox | None, group: Group | None) -> bool:
@@ -320,14 +345,12 @@ def contain(
     init = ["/bin/sh", "-c", 'unset PWD; "$@"; exit $?', "sh"]
     # The kernel forgets a process's death signal when its credentials change: the drop to `account` and a user
     # namespace forget the one --kill-child gave the namespace's first process, so it is given again after them.
-    die_with_parent = [program("setpriv"), "--pdeathsig=KILL", "--"]
     return [
-        *(group.prefix() if group else []),
-        *die_with_parent,
+        *_enter(group, limits),
+        *_die_with_parent(),
         *unshare,
         "--",
-        *_drop(account, user_namespace),
-        *(die_with_parent if account is not None else []),
+        *_drop(account, user_namespace, die_with_parent=True),
         *_limit(limits, group),
         *init,
         *argv,
