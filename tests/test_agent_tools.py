@@ -4,6 +4,7 @@ test_agent_browse.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import anyio
 import pytest
 
 from devd.agent.profiles import Profile
+from devd.agent.sandbox import choose
 from devd.agent.tools import Command, Refused, Result, _walk, read_file, resolve, run_command, write_file
 from tests.helpers import gone
 
@@ -351,6 +353,23 @@ def test_a_command_under_the_daemons_event_loop_holds_no_descriptor_of_the_daemo
         return await run_command(["ls", "/proc/self/fd"], workspace=ws, profile=profile(ws), sandbox=None)
 
     assert anyio.run(listing, backend_options={"use_uvloop": True}) == Result("0\n1\n2\n3\n")  # 3: ls's directory
+
+
+@pytest.mark.parametrize("confined", [True, False], ids=["bubblewrap", "none"])
+async def test_a_command_starts_with_no_signal_ignored_though_the_daemon_ignores_some(ws: Path, confined: bool) -> None:
+    # subprocess.Popen leaves a signal the daemon ignores ignored in the command (all but SIGPIPE and SIGXFSZ), where
+    # uvloop's spawn reset every one: a daemon started by nohup (SIGHUP) or from a script's `&` (SIGINT, SIGQUIT) gave
+    # its commands signals they could not be stopped with, and a shell cannot even trap them back.
+    chosen = choose(profile(Path("/"))) if confined else None
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        result = await run_command(
+            ["grep", "SigIgn", "/proc/self/status"], workspace=ws, profile=profile(ws), sandbox=chosen
+        )
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert result.text.split() == ["SigIgn:", "0" * 16]
 
 
 @pytest.mark.parametrize("pidfd", [True, False])

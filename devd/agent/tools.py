@@ -684,11 +684,12 @@ async def _start(
     runs as is set by the programs of its command line): the child shares the daemon's memory until it execs, so
     starting it takes well under a millisecond whatever the daemon's size, where the event loop's spawn (a fork, which
     copies the daemon's page tables) took 3 ms on a small daemon and 12-17 ms on one of 200 MB. Every descriptor but
-    the three and `pass_fds` is closed in the child (close_fds)."""
+    the three and `pass_fds` is closed in the child (close_fds). It starts with every signal at its default
+    (`_reset_signals`)."""
     read, write = os.pipe()
     try:
         popen = subprocess.Popen(
-            command,
+            [*_reset_signals(), *command],
             stdin=subprocess.DEVNULL,
             stdout=write,
             stderr=subprocess.STDOUT,  # interleaved as written
@@ -704,6 +705,28 @@ async def _start(
         os.close(write)  # the command holds its own
     os.set_blocking(read, False)
     return Command(popen), read
+
+
+# What subprocess.Popen itself puts back to SIG_DFL in the child (restore_signals): Python ignores SIGPIPE and
+# SIGXFSZ for its own sake.
+_RESTORED_BY_POPEN = (1 << (signal.SIGPIPE - 1)) | (1 << (signal.SIGXFSZ - 1))
+
+
+def _reset_signals() -> list[str]:
+    """The program put first on a command line so that the command starts with every signal at its default: what
+    the daemon ignores (SIG_IGN) an exec keeps, and Popen puts back only SIGPIPE and SIGXFSZ, where the event loop's
+    spawn reset them all. A daemon started under nohup (SIGHUP) or by a script's `&` (SIGINT, SIGQUIT) would give its
+    commands signals they could not be stopped by, nor a shell among them trap (POSIX forbids it). A preexec_fn
+    would do it in the child but costs vfork (Popen forks then); coreutils' `env --default-signal` costs an exec, so
+    it is put only where the daemon ignores such a signal, as the kernel says now (SigIgn, a mask of signal n at bit
+    n - 1): nothing in the common case."""
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"SigIgn:"):
+                if int(line.split()[1], 16) & ~_RESTORED_BY_POPEN:
+                    return [shutil.which("env", path=ENV_PATH) or "env", "--default-signal", "--"]
+                break
+    return []
 
 
 class Command:
