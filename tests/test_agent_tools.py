@@ -378,6 +378,37 @@ async def test_a_commands_exit_status_is_waited_for_with_a_pidfd_or_without(pidf
     assert await command.wait() == 3
 
 
+REUSED = """
+import anyio, os, subprocess
+from devd.agent.tools import Command, _kill
+
+async def main() -> None:
+    command = Command(subprocess.Popen(["true"], start_new_session=True))
+    await command.wait()
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # the next process gets the reaped command's pid
+        f.write(str(command.pid - 1))
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    assert other.pid == command.pid, (other.pid, command.pid)
+    await _kill(command)  # a cancel landing once the command was reaped
+    print(other.poll())
+    other.kill()
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a pid namespace of its own, whose next pid it sets, needs root")
+def test_a_reaped_commands_group_is_never_killed_by_its_pid_given_to_another_group() -> None:
+    # A command's group is killed by its pid (the group's id), which, once the command is reaped and the rest of its
+    # group gone, the kernel may give to another process: a cancel landing after the reap killed that process's group
+    # (another session's command, started in a session of its own). Shown in a pid namespace of its own, whose next
+    # pid the test sets (ns_last_pid).
+    run = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", REUSED], capture_output=True, text=True, timeout=30
+    )
+    assert (run.stdout, run.stderr) == ("None\n", "")
+
+
 async def test_a_command_killed_by_a_signal_has_the_signals_negative_number_as_its_exit_status() -> None:
     command = Command(subprocess.Popen(["sleep", "60"]))
     os.kill(command.pid, 9)

@@ -733,7 +733,10 @@ class Command:
     """A started command: its pid (its process group's too) and, once it has exited, its exit status (negative: the
     signal that killed it), as `subprocess.Popen` gives it. Its exit is waited for on a pidfd, which the kernel
     makes readable when it exits: no SIGCHLD handler or thread involved, and only this object reaps it. Where the
-    kernel has no pidfd (before Linux 5.3), its exit is polled for instead (`POLL_S`)."""
+    kernel has no pidfd (before Linux 5.3), its exit is polled for instead (`POLL_S`).
+
+    Exited is not reaped: until it is reaped, a zombie keeps its pid, and so its process group's id, from being given
+    to another process; its group is killed by that id (`_killpg`) only before (see `exited`)."""
 
     POLL_S = (0.001, 0.05)  # the first and the longest pause between polls, where there is no pidfd
 
@@ -747,28 +750,46 @@ class Command:
 
     @property
     def returncode(self) -> int | None:
+        """Its exit status once reaped; None before."""
         return self._popen.returncode
+
+    async def exited(self) -> None:
+        """Wait until it has exited, without reaping it (a zombie, its pid still its own)."""
+        pause = self.POLL_S[0]
+        while self._popen.returncode is None:
+            if self._pidfd is not None:
+                await anyio.wait_readable(self._pidfd)  # readable once the whole process has exited
+                return
+            if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return
+            await anyio.sleep(pause)
+            pause = min(pause * 2, self.POLL_S[1])
 
     async def wait(self) -> int:
         """Its exit status, once it has exited (and is reaped)."""
-        pause = self.POLL_S[0]
-        while (code := self._popen.poll()) is None:
-            if self._pidfd is not None:
-                await anyio.wait_readable(self._pidfd)
-            else:
-                await anyio.sleep(pause)
-                pause = min(pause * 2, self.POLL_S[1])
-        self._close()
-        return code
+        while True:
+            await self.exited()
+            if (code := self.release()) is not None:
+                return code
 
     async def aclose(self) -> None:
-        """Wait for it to exit (it was killed, or has exited) and let go of its pidfd."""
+        """Wait for it to exit (it was killed, or has exited), reap it and let go of its pidfd."""
         try:
             await self.wait()
         finally:
-            self._close()
+            self.release()
 
-    def _close(self) -> None:
+    def release(self) -> int | None:
+        """Reap it if it has exited (its status; else None, and `subprocess` reaps it later); let go of its pidfd."""
+        code = self._popen.poll()
+        if self._pidfd is not None and code is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        return code
+
+    def close(self) -> None:
+        """Let go of its pidfd, exited or not (a command SIGKILL has not ended yet: `subprocess` reaps it later)."""
+        self.release()
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
@@ -826,12 +847,12 @@ async def _supervise(process: Command, output: _Capped, timeout_s: float) -> boo
         async with anyio.create_task_group() as tg:
             tg.start_soon(read_all)
             with anyio.move_on_after(timeout_s) as deadline:
-                await process.wait()
+                await process.exited()
             # Whatever of its group is still alive goes now: at the timeout, the command too; after it exited, what
-            # it left behind (which would hold the output pipe open).
+            # it left behind (which would hold the output pipe open). Not reaped yet, it keeps its group's id its own.
             _killpg(process)
             with anyio.move_on_after(DRAIN_AFTER_EXIT_S):
-                await process.wait()
+                await process.exited()
                 await eof.wait()
             tg.cancel_scope.cancel()
     finally:
@@ -841,6 +862,8 @@ async def _supervise(process: Command, output: _Capped, timeout_s: float) -> boo
 
 
 def _killpg(process: Command) -> None:
+    if process.returncode is not None:
+        return  # reaped: its pid, and its group's id with it, may be another process's now
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
 
@@ -848,13 +871,15 @@ def _killpg(process: Command) -> None:
 async def _kill(process: Command) -> None:
     """Kill the command's group and wait (up to KILL_WAIT_S) until none of it runs: a cancel is answered "its
     process group was killed", which must be so when it is said. SIGKILL is not instant, and what the command started
-    dies apart from it."""
-    _killpg(process)
-    with anyio.move_on_after(KILL_WAIT_S):
-        await process.wait()
-        await process.aclose()
-        while _group_running(process.pid):
-            await anyio.sleep(0.005)
+    dies apart from it. The command is reaped only then: until it is, its group's id stays its own."""
+    try:
+        _killpg(process)
+        with anyio.move_on_after(KILL_WAIT_S):
+            await process.exited()
+            while _group_running(process.pid):
+                await anyio.sleep(0.005)
+    finally:
+        process.close()
 
 
 def _group_running(pgid: int) -> bool:
