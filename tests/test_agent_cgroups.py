@@ -6,6 +6,7 @@ gone once it ends, however it ends, and after a daemon killed mid-command at the
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,21 @@ async def test_a_commands_data_limit_is_memory_bytes_max_soft_and_hard_and_it_ca
     chosen = sandbox() if confined else None
     result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=chosen)
     assert result.text.split() == ["Max", "data", "size", str(MEMORY), str(MEMORY), "bytes", "refused"]
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["first", "second"])
+def test_a_command_whose_move_into_a_group_fails_is_never_run(tmp_path: Path, failing: int) -> None:
+    # A move the kernel refuses at the write (here a `tasks` that is /dev/full: ENOSPC), not only one whose file is
+    # gone: the shell's echo says so and fails, and nothing after it runs, outside the groups.
+    directories = [tmp_path / "memory", tmp_path / "pids"]
+    for d in directories:
+        d.mkdir()
+        (d / "tasks").write_text("")
+    (directories[failing] / "tasks").unlink()
+    (directories[failing] / "tasks").symlink_to("/dev/full")
+    prefix = cgroups.Group(tuple(map(str, directories))).prefix(MEMORY)
+    run = subprocess.run([*prefix, "echo", "ran"], capture_output=True, text=True)
+    assert (run.returncode, run.stdout) == (1, "")
 
 
 async def test_a_command_refused_for_its_run_as_after_its_groups_were_made_leaves_no_groups(ws: Path) -> None:
