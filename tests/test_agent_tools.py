@@ -409,6 +409,14 @@ def test_a_reaped_commands_group_is_never_killed_by_its_pid_given_to_another_gro
     assert (run.stdout, run.stderr) == ("None\n", "")
 
 
+async def test_a_command_reaped_elsewhere_is_waited_for_without_a_pidfd_as_popen_would() -> None:
+    # Where there is no pidfd its exit is polled for with waitid, which, for a child already reaped, raises ECHILD
+    # (Popen's own poll takes it as an exit status of 0).
+    popen = subprocess.Popen(["true"])
+    os.waitpid(popen.pid, 0)
+    assert await Command(popen, pidfd=False).wait() == 0
+
+
 async def test_a_command_killed_by_a_signal_has_the_signals_negative_number_as_its_exit_status() -> None:
     command = Command(subprocess.Popen(["sleep", "60"]))
     os.kill(command.pid, 9)

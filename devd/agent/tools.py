@@ -760,8 +760,11 @@ class Command:
             if self._pidfd is not None:
                 await anyio.wait_readable(self._pidfd)  # readable once the whole process has exited
                 return
-            if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return
+            try:
+                if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return
+            except ChildProcessError:
+                return  # reaped already (not by this object): Popen then takes its status as 0
             await anyio.sleep(pause)
             pause = min(pause * 2, self.POLL_S[1])
 
