@@ -409,6 +409,45 @@ def test_a_reaped_commands_group_is_never_killed_by_its_pid_given_to_another_gro
     assert (run.stdout, run.stderr) == ("None\n", "")
 
 
+def _zombies() -> list[int]:
+    """This process's children that have exited and wait to be reaped."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+async def test_commands_ended_every_way_leave_the_daemon_no_descriptor_and_no_zombie(
+    ws: Path, pidfd: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each command holds a pipe and a pidfd of the daemon's, and is reaped by it alone: whether it exits, fails, times
+    # out, is cut at its output cap, leaves children holding its output, or is cancelled before or while it runs.
+    if not pidfd:
+        monkeypatch.setattr(os, "pidfd_open", lambda pid: (_ for _ in ()).throw(OSError(38, "no pidfd")))
+    ways = [
+        (["true"], {}),
+        (["sh", "-c", "exit 3"], {}),
+        (["sleep", "30"], {"exec_timeout_s": 0.2}),
+        (["yes"], {"output_bytes_max": 1000}),
+        (["sh", "-c", "(setsid sleep 30 &); (sleep 30 &); echo left"], {}),
+    ]
+    await run_command(["true"], workspace=ws, profile=profile(ws), sandbox=None)  # what a first command sets up
+    before = sorted(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        for argv, fields in ways:
+            await run_command(argv, workspace=ws, profile=profile(ws, **fields), sandbox=None)
+        for after_s in (0.0, 0.1):
+            with anyio.move_on_after(after_s):
+                await run_command(["sleep", "30"], workspace=ws, profile=profile(ws), sandbox=None)
+    assert (sorted(os.listdir("/proc/self/fd")), _zombies()) == (before, [])
+
+
 async def test_a_command_reaped_elsewhere_is_waited_for_without_a_pidfd_as_popen_would() -> None:
     # Where there is no pidfd its exit is polled for with waitid, which, for a child already reaped, raises ECHILD
     # (Popen's own poll takes it as an exit status of 0).
