@@ -13,9 +13,9 @@ from typing import Any
 import anyio
 import pytest
 
-from devd.agent import cgroups
+from devd.agent import cgroups, runas
 from devd.agent.profiles import Profile
-from devd.agent.sandbox import Sandbox, choose
+from devd.agent.sandbox import Sandbox, choose, contain, limits
 from devd.agent.tools import Result, run_command
 from tests.agents import Agentd, start
 from tests.daemon import Daemon, log_events
@@ -128,6 +128,28 @@ async def test_a_commands_data_limit_is_memory_bytes_max_soft_and_hard_and_it_ca
     chosen = sandbox() if confined else None
     result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=chosen)
     assert result.text.split() == ["Max", "data", "size", str(MEMORY), str(MEMORY), "bytes", "refused"]
+
+
+def test_a_commands_data_limit_in_a_user_namespace_of_its_own_cannot_be_raised_even_as_root_of_a_nested_one() -> None:
+    # With a memory group but no pids one, a root daemon's command under none gets a user namespace of its own (for
+    # RLIMIT_NPROC): the limit the shell set before, root's, binds there too, and under a nested namespace's root
+    # (CAP_SYS_RESOURCE counts only in the first).
+    assert not isinstance(WHERE, str)
+    made = cgroups.make(WHERE, MEMORY, 64)
+    raise_it = "ulimit -d unlimited 2>/dev/null || echo refused"
+    script = f"{raise_it}; unshare -Ur sh -c '{raise_it}'"
+    try:
+        command = contain(
+            ["sh", "-c", script],
+            account=runas.Account(65534, 65534),
+            limits=limits(profile(Path("/"))),
+            user_namespace=True,
+            group=cgroups.Group(made.directories[:1]),  # its memory group alone
+        )
+        run = subprocess.run(command, capture_output=True, text=True, cwd="/")
+    finally:
+        made.remove()
+    assert run.stdout == "refused\nrefused\n"
 
 
 @pytest.mark.parametrize("failing", [0, 1], ids=["first", "second"])
