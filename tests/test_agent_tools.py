@@ -422,9 +422,9 @@ def _zombies() -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("pidfd", [True, False])
+@pytest.mark.parametrize(("pidfd", "confined"), [(True, False), (False, False), (True, True)])
 async def test_commands_ended_every_way_leave_the_daemon_no_descriptor_and_no_zombie(
-    ws: Path, pidfd: bool, monkeypatch: pytest.MonkeyPatch
+    ws: Path, pidfd: bool, confined: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Each command holds a pipe and a pidfd of the daemon's, and is reaped by it alone: whether it exits, fails, times
     # out, is cut at its output cap, leaves children holding its output, or is cancelled before or while it runs.
@@ -437,14 +437,15 @@ async def test_commands_ended_every_way_leave_the_daemon_no_descriptor_and_no_zo
         (["yes"], {"output_bytes_max": 1000}),
         (["sh", "-c", "(setsid sleep 30 &); (sleep 30 &); echo left"], {}),
     ]
-    await run_command(["true"], workspace=ws, profile=profile(ws), sandbox=None)  # what a first command sets up
+    chosen = choose(profile(Path("/"))) if confined else None  # bubblewrap: the workspace's and seccomp's too
+    await run_command(["true"], workspace=ws, profile=profile(ws), sandbox=chosen)  # what a first command sets up
     before = sorted(os.listdir("/proc/self/fd"))
     for _ in range(3):
         for argv, fields in ways:
-            await run_command(argv, workspace=ws, profile=profile(ws, **fields), sandbox=None)
+            await run_command(argv, workspace=ws, profile=profile(ws, **fields), sandbox=chosen)
         for after_s in (0.0, 0.1):
             with anyio.move_on_after(after_s):
-                await run_command(["sleep", "30"], workspace=ws, profile=profile(ws), sandbox=None)
+                await run_command(["sleep", "30"], workspace=ws, profile=profile(ws), sandbox=chosen)
     assert (sorted(os.listdir("/proc/self/fd")), _zombies()) == (before, [])
 
 
