@@ -6,15 +6,16 @@ gone once it ends, however it ends, and after a daemon killed mid-command at the
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from devd.agent import cgroups
+from devd.agent import cgroups, runas
 from devd.agent.profiles import Profile
-from devd.agent.sandbox import Sandbox, choose
+from devd.agent.sandbox import Sandbox, choose, contain, limits
 from devd.agent.tools import Result, run_command
 from tests.agents import Agentd, start
 from tests.daemon import Daemon, log_events
@@ -127,6 +128,43 @@ async def test_a_commands_data_limit_is_memory_bytes_max_soft_and_hard_and_it_ca
     chosen = sandbox() if confined else None
     result = await run_command(["sh", "-c", script], workspace=ws, profile=profile(ws), sandbox=chosen)
     assert result.text.split() == ["Max", "data", "size", str(MEMORY), str(MEMORY), "bytes", "refused"]
+
+
+def test_a_commands_data_limit_in_a_user_namespace_of_its_own_cannot_be_raised_even_as_root_of_a_nested_one() -> None:
+    # With a memory group but no pids one, a root daemon's command under none gets a user namespace of its own (for
+    # RLIMIT_NPROC): the limit the shell set before, root's, binds there too, and under a nested namespace's root
+    # (CAP_SYS_RESOURCE counts only in the first).
+    assert not isinstance(WHERE, str)
+    made = cgroups.make(WHERE, MEMORY, 64)
+    raise_it = "ulimit -d unlimited 2>/dev/null || echo refused"
+    script = f"{raise_it}; unshare -Ur sh -c '{raise_it}'"
+    try:
+        command = contain(
+            ["sh", "-c", script],
+            account=runas.Account(65534, 65534),
+            limits=limits(profile(Path("/"))),
+            user_namespace=True,
+            group=cgroups.Group(made.directories[:1]),  # its memory group alone
+        )
+        run = subprocess.run(command, capture_output=True, text=True, cwd="/")
+    finally:
+        made.remove()
+    assert run.stdout == "refused\nrefused\n"
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["first", "second"])
+def test_a_command_whose_move_into_a_group_fails_is_never_run(tmp_path: Path, failing: int) -> None:
+    # A move the kernel refuses at the write (here a `tasks` that is /dev/full: ENOSPC), not only one whose file is
+    # gone: the shell's echo says so and fails, and nothing after it runs, outside the groups.
+    directories = [tmp_path / "memory", tmp_path / "pids"]
+    for d in directories:
+        d.mkdir()
+        (d / "tasks").write_text("")
+    (directories[failing] / "tasks").unlink()
+    (directories[failing] / "tasks").symlink_to("/dev/full")
+    prefix = cgroups.Group(tuple(map(str, directories))).prefix(MEMORY)
+    run = subprocess.run([*prefix, "echo", "ran"], capture_output=True, text=True)
+    assert (run.returncode, run.stdout) == (1, "")
 
 
 async def test_a_command_refused_for_its_run_as_after_its_groups_were_made_leaves_no_groups(ws: Path) -> None:

@@ -665,3 +665,22 @@ def test_a_tool_listed_twice_is_offered_once_and_the_second_refused(
         t["function"]["description"] for t in standin.requests[0].body["tools"] if "__" in t["function"]["name"]
     ]
     assert (offered_names(standin), described, result["text"]) == (["demo__dup"], ["dup #1"], "the first dup")
+
+
+def test_a_stdio_server_holds_none_of_the_daemons_descriptors(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The event loop's spawn (uvloop's) closes nothing in the child: what a server holds past its own three is what
+    # the daemon left inheritable (its /dev/null and its log are, as its 0, 1 and 2) or its own stdio's duplicates.
+    listing = 'ls -l /proc/self/fd > fds.txt; exec "$0" "$@"'
+    command = json.dumps(["/bin/sh", "-c", listing, PYTHON, str(SERVER)])
+    env = 'env = { PYTHONPATH = "DEVD_TEST_MCP_PATH" }'
+    table = "\n".join(["[agent.coder.mcp.demo]", f"command = {command}", env, 'decision = "allow"']) + "\n"
+    agentd = start(tmp_path, standin, monkeypatch, table)
+    daemon = Daemon(tmp_path / "d", *agentd.daemon.args, env=dict(os.environ))  # type: ignore[union-attr]
+    with daemon:
+        call_once(Agentd(daemon, agentd.workspace, standin), "demo__echo", {"text": "a"})  # type: ignore[arg-type]
+        held = {line.split(" -> ")[1] for line in (agentd.workspace / "fds.txt").read_text().splitlines()[1:]}
+        fds = Path(f"/proc/{daemon.proc.pid}/fd")
+        daemons = {os.readlink(fd) for fd in fds.iterdir()}
+    assert held & daemons == set()

@@ -4,6 +4,7 @@ is missing, and under `sandbox = "none"`."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import socket
@@ -576,6 +577,43 @@ async def test_under_none_what_a_command_started_dies_with_the_daemon(tmp_path: 
             while not (agentd.workspace / "up").exists():
                 await anyio.sleep(0.02)
         agentd.daemon.kill()
+    assert await _ended(marker) == []
+
+
+STARTER = (
+    "import json, subprocess, sys, time; subprocess.Popen(json.loads(sys.argv[1]), start_new_session=True); "
+    "time.sleep(60)"
+)
+
+
+@as_root
+@pytest.mark.parametrize("user_namespace", [False, True], ids=["no user namespace", "a user namespace"])
+@pytest.mark.parametrize("confined", [True, False], ids=["bubblewrap", "none"])
+async def test_what_a_command_started_dies_with_the_process_that_started_it_after_the_drop_to_its_user(
+    ws: Path, confined: bool, user_namespace: bool
+) -> None:
+    # The kernel forgets a process's death signal when its credentials change (the drop to the command's user, a
+    # user namespace): each path sets it again after, which killing the process that started the command (the
+    # daemon, here a stand-in) shows, on the command lines as run_command makes them, for a user namespace too (which
+    # a pids cgroup spares the commands of a root daemon on this machine, so no other test runs it).
+    marker = f"66.{uuid.uuid4().int % 10**9}"
+    script = f"setsid sh -c 'echo > up; exec sleep {marker}' & sleep {marker}"
+    ws.chmod(0o777)
+    who, bounds = runas.Account(NOBODY, NOBODY), limits(profile(ws))
+    if confined:
+        command = sandbox().wrap(
+            ["sh", "-c", script], ws, False, account=who, limits=bounds, user_namespace=user_namespace
+        )
+    else:
+        command = contain(["sh", "-c", script], account=who, limits=bounds, user_namespace=user_namespace)
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, json.dumps(command)], cwd=ws)
+    try:
+        with anyio.fail_after(20):
+            while not (ws / "up").exists():
+                await anyio.sleep(0.02)
+    finally:
+        starter.kill()
+        starter.wait()
     assert await _ended(marker) == []
 
 

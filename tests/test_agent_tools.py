@@ -4,6 +4,7 @@ test_agent_browse.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import anyio
 import pytest
 
 from devd.agent.profiles import Profile
+from devd.agent.sandbox import choose
 from devd.agent.tools import Command, Refused, Result, _walk, read_file, resolve, run_command, write_file
 from tests.helpers import gone
 
@@ -353,10 +355,106 @@ def test_a_command_under_the_daemons_event_loop_holds_no_descriptor_of_the_daemo
     assert anyio.run(listing, backend_options={"use_uvloop": True}) == Result("0\n1\n2\n3\n")  # 3: ls's directory
 
 
+@pytest.mark.parametrize("confined", [True, False], ids=["bubblewrap", "none"])
+async def test_a_command_starts_with_no_signal_ignored_though_the_daemon_ignores_some(ws: Path, confined: bool) -> None:
+    # subprocess.Popen leaves a signal the daemon ignores ignored in the command (all but SIGPIPE and SIGXFSZ), where
+    # uvloop's spawn reset every one: a daemon started by nohup (SIGHUP) or from a script's `&` (SIGINT, SIGQUIT) gave
+    # its commands signals they could not be stopped with, and a shell cannot even trap them back.
+    chosen = choose(profile(Path("/"))) if confined else None
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        result = await run_command(
+            ["grep", "SigIgn", "/proc/self/status"], workspace=ws, profile=profile(ws), sandbox=chosen
+        )
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert result.text.split() == ["SigIgn:", "0" * 16]
+
+
 @pytest.mark.parametrize("pidfd", [True, False])
 async def test_a_commands_exit_status_is_waited_for_with_a_pidfd_or_without(pidfd: bool) -> None:
     command = Command(subprocess.Popen(["sh", "-c", "sleep 0.1; exit 3"]), pidfd=pidfd)
     assert await command.wait() == 3
+
+
+REUSED = """
+import anyio, os, subprocess
+from devd.agent.tools import Command, _kill
+
+async def main() -> None:
+    command = Command(subprocess.Popen(["true"], start_new_session=True))
+    await command.wait()
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # the next process gets the reaped command's pid
+        f.write(str(command.pid - 1))
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    assert other.pid == command.pid, (other.pid, command.pid)
+    await _kill(command)  # a cancel landing once the command was reaped
+    print(other.poll())
+    other.kill()
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a pid namespace of its own, whose next pid it sets, needs root")
+def test_a_reaped_commands_group_is_never_killed_by_its_pid_given_to_another_group() -> None:
+    # A command's group is killed by its pid (the group's id), which, once the command is reaped and the rest of its
+    # group gone, the kernel may give to another process: a cancel landing after the reap killed that process's group
+    # (another session's command, started in a session of its own). Shown in a pid namespace of its own, whose next
+    # pid the test sets (ns_last_pid).
+    run = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", REUSED], capture_output=True, text=True, timeout=30
+    )
+    assert (run.stdout, run.stderr) == ("None\n", "")
+
+
+def _zombies() -> list[int]:
+    """This process's children that have exited and wait to be reaped."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize(("pidfd", "confined"), [(True, False), (False, False), (True, True)])
+async def test_commands_ended_every_way_leave_the_daemon_no_descriptor_and_no_zombie(
+    ws: Path, pidfd: bool, confined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each command holds a pipe and a pidfd of the daemon's, and is reaped by it alone: whether it exits, fails, times
+    # out, is cut at its output cap, leaves children holding its output, or is cancelled before or while it runs.
+    if not pidfd:
+        monkeypatch.setattr(os, "pidfd_open", lambda pid: (_ for _ in ()).throw(OSError(38, "no pidfd")))
+    ways = [
+        (["true"], {}),
+        (["sh", "-c", "exit 3"], {}),
+        (["sleep", "30"], {"exec_timeout_s": 0.2}),
+        (["yes"], {"output_bytes_max": 1000}),
+        (["sh", "-c", "(setsid sleep 30 &); (sleep 30 &); echo left"], {}),
+    ]
+    chosen = choose(profile(Path("/"))) if confined else None  # bubblewrap: the workspace's and seccomp's too
+    await run_command(["true"], workspace=ws, profile=profile(ws), sandbox=chosen)  # what a first command sets up
+    before = sorted(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        for argv, fields in ways:
+            await run_command(argv, workspace=ws, profile=profile(ws, **fields), sandbox=chosen)
+        for after_s in (0.0, 0.1):
+            with anyio.move_on_after(after_s):
+                await run_command(["sleep", "30"], workspace=ws, profile=profile(ws), sandbox=chosen)
+    assert (sorted(os.listdir("/proc/self/fd")), _zombies()) == (before, [])
+
+
+async def test_a_command_reaped_elsewhere_is_waited_for_without_a_pidfd_as_popen_would() -> None:
+    # Where there is no pidfd its exit is polled for with waitid, which, for a child already reaped, raises ECHILD
+    # (Popen's own poll takes it as an exit status of 0).
+    popen = subprocess.Popen(["true"])
+    os.waitpid(popen.pid, 0)
+    assert await Command(popen, pidfd=False).wait() == 0
 
 
 async def test_a_command_killed_by_a_signal_has_the_signals_negative_number_as_its_exit_status() -> None:

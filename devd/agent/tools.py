@@ -684,11 +684,12 @@ async def _start(
     runs as is set by the programs of its command line): the child shares the daemon's memory until it execs, so
     starting it takes well under a millisecond whatever the daemon's size, where the event loop's spawn (a fork, which
     copies the daemon's page tables) took 3 ms on a small daemon and 12-17 ms on one of 200 MB. Every descriptor but
-    the three and `pass_fds` is closed in the child (close_fds)."""
+    the three and `pass_fds` is closed in the child (close_fds). It starts with every signal at its default
+    (`_reset_signals`)."""
     read, write = os.pipe()
     try:
         popen = subprocess.Popen(
-            command,
+            [*_reset_signals(), *command],
             stdin=subprocess.DEVNULL,
             stdout=write,
             stderr=subprocess.STDOUT,  # interleaved as written
@@ -706,11 +707,36 @@ async def _start(
     return Command(popen), read
 
 
+# What subprocess.Popen itself puts back to SIG_DFL in the child (restore_signals): Python ignores SIGPIPE and
+# SIGXFSZ for its own sake.
+_RESTORED_BY_POPEN = (1 << (signal.SIGPIPE - 1)) | (1 << (signal.SIGXFSZ - 1))
+
+
+def _reset_signals() -> list[str]:
+    """The program put first on a command line so that the command starts with every signal at its default: what
+    the daemon ignores (SIG_IGN) an exec keeps, and Popen puts back only SIGPIPE and SIGXFSZ, where the event loop's
+    spawn reset them all. A daemon started under nohup (SIGHUP) or by a script's `&` (SIGINT, SIGQUIT) would give its
+    commands signals they could not be stopped by, nor a shell among them trap (POSIX forbids it). A preexec_fn
+    would do it in the child but costs vfork (Popen forks then); coreutils' `env --default-signal` costs an exec, so
+    it is put only where the daemon ignores such a signal, as the kernel says now (SigIgn, a mask of signal n at bit
+    n - 1): nothing in the common case."""
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"SigIgn:"):
+                if int(line.split()[1], 16) & ~_RESTORED_BY_POPEN:
+                    return [shutil.which("env", path=ENV_PATH) or "env", "--default-signal", "--"]
+                break
+    return []
+
+
 class Command:
     """A started command: its pid (its process group's too) and, once it has exited, its exit status (negative: the
     signal that killed it), as `subprocess.Popen` gives it. Its exit is waited for on a pidfd, which the kernel
     makes readable when it exits: no SIGCHLD handler or thread involved, and only this object reaps it. Where the
-    kernel has no pidfd (before Linux 5.3), its exit is polled for instead (`POLL_S`)."""
+    kernel has no pidfd (before Linux 5.3), its exit is polled for instead (`POLL_S`).
+
+    Exited is not reaped: until it is reaped, a zombie keeps its pid, and so its process group's id, from being given
+    to another process; its group is killed by that id (`_killpg`) only before (see `exited`)."""
 
     POLL_S = (0.001, 0.05)  # the first and the longest pause between polls, where there is no pidfd
 
@@ -724,28 +750,49 @@ class Command:
 
     @property
     def returncode(self) -> int | None:
+        """Its exit status once reaped; None before."""
         return self._popen.returncode
+
+    async def exited(self) -> None:
+        """Wait until it has exited, without reaping it (a zombie, its pid still its own)."""
+        pause = self.POLL_S[0]
+        while self._popen.returncode is None:
+            if self._pidfd is not None:
+                await anyio.wait_readable(self._pidfd)  # readable once the whole process has exited
+                return
+            try:
+                if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return
+            except ChildProcessError:
+                return  # reaped already (not by this object): Popen then takes its status as 0
+            await anyio.sleep(pause)
+            pause = min(pause * 2, self.POLL_S[1])
 
     async def wait(self) -> int:
         """Its exit status, once it has exited (and is reaped)."""
-        pause = self.POLL_S[0]
-        while (code := self._popen.poll()) is None:
-            if self._pidfd is not None:
-                await anyio.wait_readable(self._pidfd)
-            else:
-                await anyio.sleep(pause)
-                pause = min(pause * 2, self.POLL_S[1])
-        self._close()
-        return code
+        while True:
+            await self.exited()
+            if (code := self.release()) is not None:
+                return code
 
     async def aclose(self) -> None:
-        """Wait for it to exit (it was killed, or has exited) and let go of its pidfd."""
+        """Wait for it to exit (it was killed, or has exited), reap it and let go of its pidfd."""
         try:
             await self.wait()
         finally:
-            self._close()
+            self.release()
 
-    def _close(self) -> None:
+    def release(self) -> int | None:
+        """Reap it if it has exited (its status; else None, and `subprocess` reaps it later); let go of its pidfd."""
+        code = self._popen.poll()
+        if self._pidfd is not None and code is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        return code
+
+    def close(self) -> None:
+        """Let go of its pidfd, exited or not (a command SIGKILL has not ended yet: `subprocess` reaps it later)."""
+        self.release()
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
@@ -803,12 +850,12 @@ async def _supervise(process: Command, output: _Capped, timeout_s: float) -> boo
         async with anyio.create_task_group() as tg:
             tg.start_soon(read_all)
             with anyio.move_on_after(timeout_s) as deadline:
-                await process.wait()
+                await process.exited()
             # Whatever of its group is still alive goes now: at the timeout, the command too; after it exited, what
-            # it left behind (which would hold the output pipe open).
+            # it left behind (which would hold the output pipe open). Not reaped yet, it keeps its group's id its own.
             _killpg(process)
             with anyio.move_on_after(DRAIN_AFTER_EXIT_S):
-                await process.wait()
+                await process.exited()
                 await eof.wait()
             tg.cancel_scope.cancel()
     finally:
@@ -818,6 +865,8 @@ async def _supervise(process: Command, output: _Capped, timeout_s: float) -> boo
 
 
 def _killpg(process: Command) -> None:
+    if process.returncode is not None:
+        return  # reaped: its pid, and its group's id with it, may be another process's now
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
 
@@ -825,13 +874,15 @@ def _killpg(process: Command) -> None:
 async def _kill(process: Command) -> None:
     """Kill the command's group and wait (up to KILL_WAIT_S) until none of it runs: a cancel is answered "its
     process group was killed", which must be so when it is said. SIGKILL is not instant, and what the command started
-    dies apart from it."""
-    _killpg(process)
-    with anyio.move_on_after(KILL_WAIT_S):
-        await process.wait()
-        await process.aclose()
-        while _group_running(process.pid):
-            await anyio.sleep(0.005)
+    dies apart from it. The command is reaped only then: until it is, its group's id stays its own."""
+    try:
+        _killpg(process)
+        with anyio.move_on_after(KILL_WAIT_S):
+            await process.exited()
+            while _group_running(process.pid):
+                await anyio.sleep(0.005)
+    finally:
+        process.close()
 
 
 def _group_running(pgid: int) -> bool:
