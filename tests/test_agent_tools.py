@@ -16,7 +16,17 @@ import pytest
 
 from devd.agent.profiles import Profile
 from devd.agent.sandbox import choose
-from devd.agent.tools import Command, Refused, Result, _walk, read_file, resolve, run_command, write_file
+from devd.agent.tools import (
+    GLIBC_RESERVED,
+    Command,
+    Refused,
+    Result,
+    _walk,
+    read_file,
+    resolve,
+    run_command,
+    write_file,
+)
 from tests.helpers import gone
 
 
@@ -369,7 +379,8 @@ async def test_a_command_starts_with_no_signal_ignored_though_the_daemon_ignores
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
-    assert result.text.split() == ["SigIgn:", "0" * 16]
+    # Of the signals a program can set: glibc's own two (32, 33) it cannot, and a full suite's worker had 32 ignored.
+    assert int(result.text.split()[1], 16) & ~GLIBC_RESERVED == 0
 
 
 @pytest.mark.parametrize("pidfd", [True, False])
