@@ -71,7 +71,14 @@ class Decodes(Protocol):
     def name(self) -> str: ...
 
     @property
-    def decoder(self) -> msgspec.json.Decoder[Any]: ...
+    def params(self) -> type[msgspec.Struct]: ...
+
+
+@functools.cache
+def _decoder(params: type[msgspec.Struct]) -> msgspec.json.Decoder[Any]:
+    """A params type's decoder, made at its method's first call: making each method's as the table was built (its
+    params' types resolved) took about 6 ms of every start of the daemon and of each `devd` command."""
+    return msgspec.json.Decoder(params)
 
 
 def decode_params(m: Decodes, raw: bytes) -> Any:
@@ -79,7 +86,7 @@ def decode_params(m: Decodes, raw: bytes) -> Any:
     if raw.strip() == b"null":
         raw = b"{}"
     try:
-        params = m.decoder.decode(raw)
+        params = _decoder(m.params).decode(raw)
     except msgspec.ValidationError as e:
         raise InvalidParamsError(_explain(m.name, raw, e)) from None
     except (msgspec.DecodeError, RecursionError) as e:
@@ -952,7 +959,7 @@ class ActionsNotice(msgspec.Struct, frozen=True):
 # -- the method table -----------------------------------------------------------------------------------------------
 
 
-class Spec(msgspec.Struct, frozen=True, dict=True):  # dict: for the cached decoder
+class Spec(msgspec.Struct, frozen=True):
     """One method of the protocol, as data (a Struct: a dataclass was about 0.5 ms of every start to build)."""
 
     name: str
@@ -962,12 +969,6 @@ class Spec(msgspec.Struct, frozen=True, dict=True):  # dict: for the cached deco
     call: str  # the method of `devd.client`'s clients that calls it
     session: bool  # its params name one session (`session`), which the call acts on
     during_shutdown: bool = False  # answered while the daemon drains (status), or refused as BUSY
-
-    @functools.cached_property
-    def decoder(self) -> msgspec.json.Decoder[Any]:
-        """Its params' decoder, made at its first use: making each method's as the table was built (its params' types
-        resolved) took about 6 ms of every start of the daemon and of each `devd` command."""
-        return msgspec.json.Decoder(self.params)
 
 
 def _spec(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,20 @@ from tests.test_agent_mcp import call_once, offered_names, servers, start, tool_
 def sdk_url() -> Iterator[str]:
     with sdk_server() as url:
         yield url
+
+
+def _echo_at(
+    tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch, url: str, settings: str = ""
+) -> dict[str, Any]:
+    """A turn whose model calls web__echo of the HTTP server at url (allowed, with the table's other `settings`), then
+    answers; the server's status after it (what the tool answered is `tool_results(standin, 1)`)."""
+    table = f'[agent.coder.mcp.web]\nurl = "{url}"\ndecision = "allow"\n{settings}'
+    with start(tmp_path, standin, monkeypatch, table).daemon as d:
+        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
+        standin.script(Scripted(tool_calls=[("web__echo", {"text": "hi"})]), Scripted(text="done"))
+        with agentd.client() as c:
+            run_turn(c, agentd.session(c), "go")
+        return servers(agentd)[0]
 
 
 def test_a_profiles_http_server_is_called_with_its_header_from_the_daemons_variable(
@@ -46,12 +61,7 @@ def test_a_profiles_http_server_is_called_with_its_header_from_the_daemons_varia
 def test_an_http_server_that_is_not_there_fails_the_call_saying_where(
     tmp_path: Path, standin: Standin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    table = '[agent.coder.mcp.web]\nurl = "http://127.0.0.1:9/mcp"\ndecision = "allow"\n'
-    with start(tmp_path, standin, monkeypatch, table).daemon as d:
-        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
-        standin.script(Scripted(tool_calls=[("web__echo", {"text": "hi"})]), Scripted(text="done"))
-        with agentd.client() as c:
-            run_turn(c, agentd.session(c), "go")
+    _echo_at(tmp_path, standin, monkeypatch, "http://127.0.0.1:9/mcp")
     assert tool_results(standin, 1) == [
         "error: web__echo is a tool of the MCP server web, which cannot serve now: the MCP server web stopped: the "
         "connection failed (ConnectError: All connection attempts failed); its URL is http://127.0.0.1:9/mcp"
@@ -177,12 +187,7 @@ def test_an_http_server_answering_what_is_not_json_rpc_fails_the_call_saying_so(
 ) -> None:
     port = free_port()
     with serving([sys.executable, str(SERVER), "--http", str(port), "--garbage"], port) as url:
-        table = f'[agent.coder.mcp.web]\nurl = "{url}"\ndecision = "allow"\nstart_timeout_s = 5\n'
-        with start(tmp_path, standin, monkeypatch, table).daemon as d:
-            agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
-            standin.script(Scripted(tool_calls=[("web__echo", {"text": "hi"})]), Scripted(text="done"))
-            with agentd.client() as c:
-                run_turn(c, agentd.session(c), "go")
+        _echo_at(tmp_path, standin, monkeypatch, url, "start_timeout_s = 5\n")
     [said] = tool_results(standin, 1)
     assert (said.split(": 1 validation error")[0], said.endswith(f"; its URL is {url}")) == (
         "error: web__echo is a tool of the MCP server web, which cannot serve now: the MCP server web stopped: the "
@@ -226,13 +231,7 @@ def test_a_secret_in_a_servers_url_query_is_never_shown(
 ) -> None:
     """A server that answers 404 at the URL given: the HTTP client's error names the whole URL, query included."""
     url = sdk_url.replace("/mcp", "/elsewhere") + "?token=s3cret&v=2"
-    table = f'[agent.coder.mcp.web]\nurl = "{url}"\ndecision = "allow"\nstart_timeout_s = 5\n'
-    with start(tmp_path, standin, monkeypatch, table).daemon as d:
-        agentd = Agentd(d, tmp_path / "roots" / "ws", standin)
-        standin.script(Scripted(tool_calls=[("web__echo", {"text": "hi"})]), Scripted(text="done"))
-        with agentd.client() as c:
-            run_turn(c, agentd.session(c), "go")
-        status = servers(agentd)[0]
+    status = _echo_at(tmp_path, standin, monkeypatch, url, "start_timeout_s = 5\n")
     [said] = tool_results(standin, 1)
     shown = url.replace("token=s3cret&v=2", "token=***&v=***")
     assert (said, status["last_error"], "s3cret" in "".join(capfd.readouterr())) == (

@@ -15,7 +15,6 @@ and its handler is one line: `return await call.app.sessions.NAME(params, call.p
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -134,7 +133,7 @@ class Call(msgspec.Struct, frozen=True):
 Handler = Callable[[Call, Any], Awaitable[msgspec.Struct]]
 
 
-class Method(msgspec.Struct, frozen=True, dict=True):
+class Method(msgspec.Struct, frozen=True):
     """A method of the protocol bound to its handler: what dispatch looks up."""
 
     name: str
@@ -143,11 +142,6 @@ class Method(msgspec.Struct, frozen=True, dict=True):
     handler: Handler
     doc: str
     during_shutdown: bool  # answered while the daemon drains (status), or refused as BUSY
-
-    @functools.cached_property
-    def decoder(self) -> msgspec.json.Decoder[Any]:
-        """Its params' decoder, made at the method's first call (see `devd.protocol.Spec.decoder`)."""
-        return msgspec.json.Decoder(self.params)
 
 
 _HANDLERS: dict[str, Handler] = {}

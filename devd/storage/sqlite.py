@@ -724,20 +724,19 @@ class SQLiteStore:
         """Drop history beyond what watchers and keys are promised (see `devd.storage.retention`)."""
         if anchor_seq is None:
             return  # everything kept is still derived from the config or the first snapshot
-        anchor = (anchor_seq,)
-        self._release_files(db, "session = ? AND seq < ?", (name, anchor[0]))
+        self._release_files(db, "session = ? AND seq < ?", (name, anchor_seq))
         db.execute(
             "UPDATE journal SET snapshot = NULL, snapshot_file = NULL WHERE session = ? AND seq < ? "
             "AND snapshot IS NOT NULL",
-            (name, anchor[0]),
+            (name, anchor_seq),
         )
-        db.execute("DELETE FROM journal WHERE session = ? AND key IS NULL AND seq < ?", (name, anchor[0]))
+        db.execute("DELETE FROM journal WHERE session = ? AND key IS NULL AND seq < ?", (name, anchor_seq))
         # Keys older than the anchor keep their row (what a retry is answered, or at least that it was answered)
         # up to the number promised; an answer not kept among them can no longer be derived.
         db.execute(
             "DELETE FROM journal WHERE session = ? AND key IS NOT NULL AND seq < ? AND seq < ("
             " SELECT seq FROM journal WHERE session = ? AND key IS NOT NULL ORDER BY seq DESC LIMIT 1 OFFSET ?)",
-            (name, anchor[0], name, self.retention.keys_offset),
+            (name, anchor_seq, name, self.retention.keys_offset),
         )
 
     # -- snapshot files ---------------------------------------------------------------------------------------------
