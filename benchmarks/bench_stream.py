@@ -563,7 +563,13 @@ def bench_stream(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=300)
     p.add_argument("--tokens", type=int, default=500)
-    p.add_argument("--rate", type=float, default=50.0, help="fragments a second each session's model streams")
+    p.add_argument(
+        "--rate",
+        "--tokens-per-second",
+        type=float,
+        default=50.0,
+        help="fragments (tokens) a second each session's model streams",
+    )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--baseline", type=Path, default=None, help="a checkout of the devd to compare with, alternated")
     p.add_argument("--profile", type=Path, default=None, help="py-spy's stacks of each round to PROFILE.SIDE.ROUND.txt")

@@ -90,6 +90,14 @@ def test_bench_stream_with_several_watchers_a_session_delivers_every_fragment_to
     assert told == [(15, 45, 0)]
 
 
+def test_bench_stream_takes_the_models_rate_as_tokens_per_second() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench", "stream", "--sessions", "2", "--tokens", "4"]
+    done = subprocess.run(
+        [*argv, "--tokens-per-second", "200"], capture_output=True, env=daemon_env(), timeout=120, check=True
+    )
+    assert (json.loads(done.stdout)["rate"], json.loads(done.stdout)["model_s"]) == (200.0, 0.02)
+
+
 def test_bench_first_times_devd_run_on_a_cold_daemon_and_a_warm_one() -> None:
     argv = [sys.executable, "-m", "benchmarks.bench", "first", "--rounds", "1", "--sandbox", "none"]
     done = subprocess.run(argv, capture_output=True, env=daemon_env(), timeout=120, check=True)
